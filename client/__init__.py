@@ -1,0 +1,1 @@
+"""onnxps client."""

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC modules of the onnxps.v1 wire contract."""

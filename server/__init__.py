@@ -1,0 +1,1 @@
+"""The onnxps server: kernels, state store, gRPC service, CLI."""

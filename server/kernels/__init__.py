@@ -1,0 +1,29 @@
+"""ONNX-exact optimizer kernels (no grpc here)."""
+
+from ._apply import STATE_DTYPES, apply_onnx, check_scalars, split_inputs
+from ._attrs import (
+    OPERATORS,
+    AdagradAttrs,
+    AdamAttrs,
+    MomentumAttrs,
+    OptimizerAttrs,
+    make_attrs,
+)
+from ._fused import BLOCK_ELEMENTS, PARALLEL_MIN_ELEMENTS, Stepper, coefficients
+
+__all__ = [
+    "BLOCK_ELEMENTS",
+    "OPERATORS",
+    "PARALLEL_MIN_ELEMENTS",
+    "STATE_DTYPES",
+    "AdagradAttrs",
+    "AdamAttrs",
+    "MomentumAttrs",
+    "OptimizerAttrs",
+    "Stepper",
+    "apply_onnx",
+    "check_scalars",
+    "coefficients",
+    "make_attrs",
+    "split_inputs",
+]

@@ -1,0 +1,208 @@
+"""In-place optimizer steps: the production path.
+
+Each step walks the group's tensors in cache-sized blocks and updates X, V and H in
+place with two scratch rows that a ``Stepper`` allocates once and reuses, so a step
+allocates nothing proportional to the tensor size. NumPy releases the GIL inside every
+ufunc, so large groups are split between the calling thread and a small shared pool.
+
+The operation order inside a block is the ONNX reference implementation's, so the
+result is bit-identical to ``apply_onnx`` and to a line-by-line transcription that
+groups its operations the same way. Scalar coefficients (the adjusted learning rate,
+``1 - alpha``...) are computed in float64 and rounded once to the state dtype, as the
+ONNX reference does under NumPy's value-based casting.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ._attrs import AdagradAttrs, AdamAttrs, MomentumAttrs, OptimizerAttrs
+
+__all__ = ["BLOCK_ELEMENTS", "PARALLEL_MIN_ELEMENTS", "Stepper"]
+
+# 32 Ki elements: six rows of float64 (X, G, V, H and two scratch) fit a 2 MiB L2.
+BLOCK_ELEMENTS = 32 * 1024
+# Below this a step runs on the calling thread: the hand-off would cost more.
+PARALLEL_MIN_ELEMENTS = 512 * 1024
+
+_THREADS = max(1, min(8, os.cpu_count() or 1))
+_pool: ThreadPoolExecutor | None = None
+
+
+def _shared_pool() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(
+            max_workers=max(1, _THREADS - 1), thread_name_prefix="onnxps-kernel"
+        )
+    return _pool
+
+
+Array = np.ndarray[Any, Any]
+Block = tuple[int, int, int]  # tensor index, start, stop
+BlockFn = Callable[..., None]
+
+
+def _adagrad_block(c: dict[str, Any], x: Array, g: Array, v: None, h: Array,
+                   t1: Array, t2: Array) -> None:  # fmt: skip
+    gr = g
+    if c["nc"] is not None:
+        gr = t2
+        np.multiply(x, c["nc"], out=gr)
+        np.add(gr, g, out=gr)
+    np.multiply(gr, gr, out=t1)
+    np.add(h, t1, out=h)
+    np.sqrt(h, out=t1)
+    np.add(t1, c["eps"], out=t1)
+    np.multiply(gr, c["r"], out=t2)  # r * G_reg, then / H_adaptive (ONNX order)
+    np.divide(t2, t1, out=t2)
+    np.subtract(x, t2, out=x)
+
+
+def _momentum_block(c: dict[str, Any], x: Array, g: Array, v: Array, h: None,
+                    t1: Array, t2: Array) -> None:  # fmt: skip
+    gr = g
+    if c["nc"] is not None:
+        gr = t2
+        np.multiply(x, c["nc"], out=gr)
+        np.add(gr, g, out=gr)
+    np.multiply(v, c["alpha"], out=v)
+    np.multiply(gr, c["beta"], out=t1)
+    np.add(v, t1, out=v)
+    if c["nesterov"]:
+        np.multiply(v, c["alpha"], out=t1)
+        np.add(gr, t1, out=t1)
+        np.multiply(t1, c["r"], out=t1)
+    else:
+        np.multiply(v, c["r"], out=t1)
+    np.subtract(x, t1, out=x)
+
+
+def _adam_block(c: dict[str, Any], x: Array, g: Array, v: Array, h: Array,
+                t1: Array, t2: Array) -> None:  # fmt: skip
+    gr = g
+    if c["nc"] is not None:
+        gr = t2
+        np.multiply(x, c["nc"], out=gr)
+        np.add(gr, g, out=gr)
+    np.multiply(v, c["alpha"], out=v)
+    np.multiply(gr, c["one_minus_alpha"], out=t1)
+    np.add(v, t1, out=v)
+    np.multiply(gr, gr, out=t1)  # (1 - beta) * (G_reg * G_reg): the reference's order
+    np.multiply(t1, c["one_minus_beta"], out=t1)
+    np.multiply(h, c["beta"], out=h)
+    np.add(h, t1, out=h)
+    np.sqrt(h, out=t1)
+    np.add(t1, c["eps"], out=t1)
+    np.divide(v, t1, out=t1)  # R_adjusted * (V_new / H_sqrt)
+    np.multiply(t1, c["r"], out=t1)
+    np.subtract(x, t1, out=x)
+    if c["post"] is not None:
+        np.multiply(x, c["post"], out=x)
+
+
+def coefficients(attrs: OptimizerAttrs, r: float, t: int, dtype: np.dtype[Any]
+                 ) -> dict[str, Any]:  # fmt: skip
+    """The step's scalars, computed in float64 and rounded once to ``dtype``.
+
+    A coefficient whose operation is the identity (a zero ``norm_coefficient``) is
+    ``None`` and its pass is skipped; that is bit-exact except where X holds inf or
+    NaN (where ``0 * X`` would be NaN).
+    """
+    s = dtype.type
+    nc = attrs.norm_coefficient
+    c: dict[str, Any] = {"nc": s(nc) if nc != 0.0 else None}
+    if isinstance(attrs, AdagradAttrs):
+        c["r"] = s(r / (1.0 + t * attrs.decay_factor))
+        c["eps"] = s(attrs.epsilon)
+    elif isinstance(attrs, MomentumAttrs):
+        c["alpha"] = s(attrs.alpha)
+        c["beta"] = s(attrs.beta if t > 0 else 1.0)
+        c["r"] = s(r)
+        c["nesterov"] = attrs.mode == "nesterov"
+    else:
+        assert isinstance(attrs, AdamAttrs)
+        a, b = attrs.alpha, attrs.beta
+        r_adj = r * math.sqrt(1.0 - b**t) / (1.0 - a**t) if t > 0 else r
+        c["r"] = s(r_adj)
+        c["alpha"] = s(a)
+        c["one_minus_alpha"] = s(1.0 - a)
+        c["beta"] = s(b)
+        c["one_minus_beta"] = s(1.0 - b)
+        c["eps"] = s(attrs.epsilon)
+        post = attrs.norm_coefficient_post
+        c["post"] = s(1.0 - post) if post != 0.0 else None
+    return c
+
+
+_BLOCK_FNS: dict[str, BlockFn] = {
+    "Adagrad": _adagrad_block,
+    "Momentum": _momentum_block,
+    "Adam": _adam_block,
+}
+
+
+class Stepper:
+    """Steps one group's tensors in place; owns the group's scratch buffers.
+
+    Not thread-safe: the owner (a group, under its lock) calls ``step`` serially.
+    """
+
+    def __init__(self, attrs: OptimizerAttrs, dtype: np.dtype[Any] | type,
+                 sizes: Sequence[int], block: int = BLOCK_ELEMENTS) -> None:  # fmt: skip
+        self.attrs = attrs
+        self.dtype = np.dtype(dtype)
+        self.sizes = [int(n) for n in sizes]
+        self.block = block
+        self._fn = _BLOCK_FNS[attrs.op]
+        self._blocks: list[Block] = [
+            (i, start, min(start + block, n))
+            for i, n in enumerate(self.sizes)
+            for start in range(0, n, block)
+        ]
+        total = sum(self.sizes)
+        slots = 1
+        if total >= PARALLEL_MIN_ELEMENTS and _THREADS > 1:
+            slots = min(_THREADS, len(self._blocks))
+        self._slices = [self._blocks[k::slots] for k in range(slots)]
+        row = min(block, max(self.sizes, default=0)) or 1
+        self._scratch = [np.empty((2, row), self.dtype) for _ in range(slots)]
+
+    def step(self, r: float, t: int, xs: Sequence[Array], gs: Sequence[Array],
+             vs: Sequence[Array] | None, hs: Sequence[Array] | None) -> None:  # fmt: skip
+        """One ONNX step on flat, C-contiguous arrays of this stepper's dtype."""
+        c = coefficients(self.attrs, float(r), int(t), self.dtype)
+        args = (c, xs, gs, vs, hs)
+        if len(self._slices) == 1:
+            self._run(0, *args)
+            return
+        pool = _shared_pool()
+        futures = [
+            pool.submit(self._run, k, *args) for k in range(1, len(self._slices))
+        ]
+        self._run(0, *args)
+        for f in futures:
+            f.result()
+
+    def _run(self, slot: int, c: dict[str, Any], xs: Sequence[Array],
+             gs: Sequence[Array], vs: Sequence[Array] | None,
+             hs: Sequence[Array] | None) -> None:  # fmt: skip
+        scratch = self._scratch[slot]
+        fn = self._fn
+        for i, a, b in self._slices[slot]:
+            n = b - a
+            fn(
+                c,
+                xs[i][a:b],
+                gs[i][a:b],
+                vs[i][a:b] if vs is not None else None,
+                hs[i][a:b] if hs is not None else None,
+                scratch[0, :n],
+                scratch[1, :n],
+            )
