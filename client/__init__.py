@@ -1,1 +1,55 @@
-"""onnxps client."""
+"""The onnxps client library: push and pull in the ONNX ordering.
+
+from onnxps.client import Client, Adam
+with Client("127.0.0.1:50051") as ps:
+    ps.create_group("mlp", Adam(), learning_rate=0.01, tensors={"w": w0, "b": b0})
+    t = ps.push("mlp", g_w, g_b)
+    w, b = ps.pull("mlp")
+"""
+
+from ._client import Client, GroupInfo, PushResult, WorkerInfo
+from ._codec import TensorFormatError
+from ._errors import (
+    AlreadyExistsError,
+    ClientClosedError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    OnnxpsError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    RpcError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from ._optimizers import Adagrad, Adam, Async, Momentum, Nesterov, OptimizerSpec, Sync
+
+__all__ = [
+    "Adagrad",
+    "Adam",
+    "AlreadyExistsError",
+    "Async",
+    "Client",
+    "ClientClosedError",
+    "DeadlineExceededError",
+    "FailedPreconditionError",
+    "GroupInfo",
+    "InternalError",
+    "InvalidArgumentError",
+    "Momentum",
+    "Nesterov",
+    "NotFoundError",
+    "OnnxpsError",
+    "OptimizerSpec",
+    "PermissionDeniedError",
+    "PushResult",
+    "ResourceExhaustedError",
+    "RpcError",
+    "Sync",
+    "TensorFormatError",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "WorkerInfo",
+]

@@ -32,12 +32,15 @@ def check_scalars(r: Any, t: Any) -> tuple[float, int]:
         raise InvalidArgument(f"T must be a scalar (shape ()), got shape {t_arr.shape}")
     t_val = int(t_arr)
     if t_val < 0:
-        raise InvalidArgument(f"T counts the updates already applied: >= 0, got {t_val}")
+        raise InvalidArgument(
+            f"T counts the updates already applied: >= 0, got {t_val}"
+        )
     return float(r_arr), t_val
 
 
-def split_inputs(attrs: OptimizerAttrs, inputs: Sequence[Any]
-                 ) -> tuple[list[Array], list[Array], list[list[Array]]]:  # fmt: skip
+def split_inputs(
+    attrs: OptimizerAttrs, inputs: Sequence[Any]
+) -> tuple[list[Array], list[Array], list[list[Array]]]:
     """Split ``X..., G..., V..., H...`` (R and T removed) and check their agreement.
 
     Returns (xs, gs, states) with ``states`` in the operator's order (V, H).
@@ -65,15 +68,15 @@ def split_inputs(attrs: OptimizerAttrs, inputs: Sequence[Any]
         x_shape = arrays[j % n].shape
         if a.shape != x_shape:
             raise InvalidArgument(
-                f"{name} must have the shape of X_{j % n + 1}, {x_shape}, "
-                f"got {a.shape}"
+                f"{name} must have the shape of X_{j % n + 1}, {x_shape}, got {a.shape}"
             )
     groups = [arrays[i * n : (i + 1) * n] for i in range(k)]
     return groups[0], groups[1], groups[2:]
 
 
-def apply_onnx(op: str, attrs: Mapping[str, Any] | OptimizerAttrs | None,
-               inputs: Sequence[Any]) -> list[Array]:  # fmt: skip
+def apply_onnx(
+    op: str, attrs: Mapping[str, Any] | OptimizerAttrs | None, inputs: Sequence[Any]
+) -> list[Array]:
     """Execute one ONNX ``ai.onnx.preview.training`` node.
 
     ``inputs`` is the ONNX input list ``R, T, X..., G..., V..., H...``; the result is

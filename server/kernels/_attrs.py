@@ -1,7 +1,7 @@
 """Optimizer hyper-parameters: one small immutable record per ONNX operator.
 
 ONNX stores FLOAT attributes as 32-bit floats, so every value is rounded to float32 on
-the way in: ``alpha=0.9`` becomes 0.8999999761581421, exactly as an ONNX runtime sees it.
+the way in: ``alpha=0.9`` becomes 0.8999999761581421, as an ONNX runtime sees it.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InvalidArgument
 from ._attrs import AdagradAttrs, AdamAttrs, MomentumAttrs, OptimizerAttrs
 
 __all__ = ["BLOCK_ELEMENTS", "PARALLEL_MIN_ELEMENTS", "Stepper"]
@@ -49,8 +50,9 @@ Block = tuple[int, int, int]  # tensor index, start, stop
 BlockFn = Callable[..., None]
 
 
-def _adagrad_block(c: dict[str, Any], x: Array, g: Array, v: None, h: Array,
-                   t1: Array, t2: Array) -> None:  # fmt: skip
+def _adagrad_block(
+    c: dict[str, Any], x: Array, g: Array, v: None, h: Array, t1: Array, t2: Array
+) -> None:
     gr = g
     if c["nc"] is not None:
         gr = t2
@@ -65,8 +67,9 @@ def _adagrad_block(c: dict[str, Any], x: Array, g: Array, v: None, h: Array,
     np.subtract(x, t2, out=x)
 
 
-def _momentum_block(c: dict[str, Any], x: Array, g: Array, v: Array, h: None,
-                    t1: Array, t2: Array) -> None:  # fmt: skip
+def _momentum_block(
+    c: dict[str, Any], x: Array, g: Array, v: Array, h: None, t1: Array, t2: Array
+) -> None:
     gr = g
     if c["nc"] is not None:
         gr = t2
@@ -84,8 +87,9 @@ def _momentum_block(c: dict[str, Any], x: Array, g: Array, v: Array, h: None,
     np.subtract(x, t1, out=x)
 
 
-def _adam_block(c: dict[str, Any], x: Array, g: Array, v: Array, h: Array,
-                t1: Array, t2: Array) -> None:  # fmt: skip
+def _adam_block(
+    c: dict[str, Any], x: Array, g: Array, v: Array, h: Array, t1: Array, t2: Array
+) -> None:
     gr = g
     if c["nc"] is not None:
         gr = t2
@@ -107,37 +111,63 @@ def _adam_block(c: dict[str, Any], x: Array, g: Array, v: Array, h: Array,
         np.multiply(x, c["post"], out=x)
 
 
-def coefficients(attrs: OptimizerAttrs, r: float, t: int, dtype: np.dtype[Any]
-                 ) -> dict[str, Any]:  # fmt: skip
+def coefficients(
+    attrs: OptimizerAttrs, r: float, t: int, dtype: np.dtype[Any]
+) -> dict[str, Any]:
     """The step's scalars, computed in float64 and rounded once to ``dtype``.
 
     A coefficient whose operation is the identity (a zero ``norm_coefficient``) is
     ``None`` and its pass is skipped; that is bit-exact except where X holds inf or
-    NaN (where ``0 * X`` would be NaN).
+    NaN (where ``0 * X`` would be NaN). A coefficient that is undefined or not finite
+    in ``dtype`` (Adam with ``alpha = 1`` at T > 0, Adagrad with ``1 + T *
+    decay_factor = 0``...) raises ``InvalidArgument`` before anything is touched.
     """
+    try:
+        exact = _float64_coefficients(attrs, r, t)
+    except (ArithmeticError, ValueError) as exc:  # division by zero, sqrt(<0), pow
+        raise InvalidArgument(
+            f"{attrs.op} step coefficients are undefined at T={t} with R={r!r} "
+            f"and {attrs}: {exc}"
+        ) from exc
     s = dtype.type
+    with np.errstate(over="ignore"):
+        c = {
+            name: value if value is None or isinstance(value, bool) else s(value)
+            for name, value in exact.items()
+        }
+    for name, value in c.items():
+        if isinstance(value, np.floating) and not math.isfinite(value):
+            raise InvalidArgument(
+                f"{attrs.op} step coefficient {name!r} is {exact[name]!r} at T={t} "
+                f"with R={r!r}: not finite in {dtype}"
+            )
+    return c
+
+
+def _float64_coefficients(
+    attrs: OptimizerAttrs, r: float, t: int
+) -> dict[str, float | bool | None]:
     nc = attrs.norm_coefficient
-    c: dict[str, Any] = {"nc": s(nc) if nc != 0.0 else None}
+    c: dict[str, float | bool | None] = {"nc": nc if nc != 0.0 else None}
     if isinstance(attrs, AdagradAttrs):
-        c["r"] = s(r / (1.0 + t * attrs.decay_factor))
-        c["eps"] = s(attrs.epsilon)
+        c["r"] = r / (1.0 + t * attrs.decay_factor)
+        c["eps"] = attrs.epsilon
     elif isinstance(attrs, MomentumAttrs):
-        c["alpha"] = s(attrs.alpha)
-        c["beta"] = s(attrs.beta if t > 0 else 1.0)
-        c["r"] = s(r)
+        c["alpha"] = attrs.alpha
+        c["beta"] = attrs.beta if t > 0 else 1.0
+        c["r"] = r
         c["nesterov"] = attrs.mode == "nesterov"
     else:
         assert isinstance(attrs, AdamAttrs)
         a, b = attrs.alpha, attrs.beta
-        r_adj = r * math.sqrt(1.0 - b**t) / (1.0 - a**t) if t > 0 else r
-        c["r"] = s(r_adj)
-        c["alpha"] = s(a)
-        c["one_minus_alpha"] = s(1.0 - a)
-        c["beta"] = s(b)
-        c["one_minus_beta"] = s(1.0 - b)
-        c["eps"] = s(attrs.epsilon)
+        c["r"] = r * math.sqrt(1.0 - b**t) / (1.0 - a**t) if t > 0 else r
+        c["alpha"] = a
+        c["one_minus_alpha"] = 1.0 - a
+        c["beta"] = b
+        c["one_minus_beta"] = 1.0 - b
+        c["eps"] = attrs.epsilon
         post = attrs.norm_coefficient_post
-        c["post"] = s(1.0 - post) if post != 0.0 else None
+        c["post"] = 1.0 - post if post != 0.0 else None
     return c
 
 
@@ -154,8 +184,13 @@ class Stepper:
     Not thread-safe: the owner (a group, under its lock) calls ``step`` serially.
     """
 
-    def __init__(self, attrs: OptimizerAttrs, dtype: np.dtype[Any] | type,
-                 sizes: Sequence[int], block: int = BLOCK_ELEMENTS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        attrs: OptimizerAttrs,
+        dtype: np.dtype[Any] | type,
+        sizes: Sequence[int],
+        block: int = BLOCK_ELEMENTS,
+    ) -> None:
         self.attrs = attrs
         self.dtype = np.dtype(dtype)
         self.sizes = [int(n) for n in sizes]
@@ -174,8 +209,15 @@ class Stepper:
         row = min(block, max(self.sizes, default=0)) or 1
         self._scratch = [np.empty((2, row), self.dtype) for _ in range(slots)]
 
-    def step(self, r: float, t: int, xs: Sequence[Array], gs: Sequence[Array],
-             vs: Sequence[Array] | None, hs: Sequence[Array] | None) -> None:  # fmt: skip
+    def step(
+        self,
+        r: float,
+        t: int,
+        xs: Sequence[Array],
+        gs: Sequence[Array],
+        vs: Sequence[Array] | None,
+        hs: Sequence[Array] | None,
+    ) -> None:
         """One ONNX step on flat, C-contiguous arrays of this stepper's dtype."""
         c = coefficients(self.attrs, float(r), int(t), self.dtype)
         args = (c, xs, gs, vs, hs)
@@ -190,9 +232,15 @@ class Stepper:
         for f in futures:
             f.result()
 
-    def _run(self, slot: int, c: dict[str, Any], xs: Sequence[Array],
-             gs: Sequence[Array], vs: Sequence[Array] | None,
-             hs: Sequence[Array] | None) -> None:  # fmt: skip
+    def _run(
+        self,
+        slot: int,
+        c: dict[str, Any],
+        xs: Sequence[Array],
+        gs: Sequence[Array],
+        vs: Sequence[Array] | None,
+        hs: Sequence[Array] | None,
+    ) -> None:
         scratch = self._scratch[slot]
         fn = self._fn
         for i, a, b in self._slices[slot]:

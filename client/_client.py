@@ -1,0 +1,564 @@
+"""The onnxps client: push and pull in the ONNX input and output ordering."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import grpc
+import numpy as np
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+
+from ._codec import (
+    CHUNK_BYTES,
+    PROTO_TO_DTYPE,
+    TensorAssembler,
+    array_to_tensor,
+    header_tensor,
+    iter_chunks,
+    tensor_to_array,
+)
+from ._errors import (
+    ClientClosedError,
+    DeadlineExceededError,
+    RpcError,
+    UnavailableError,
+    translate,
+)
+from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
+
+__all__ = ["Client", "GroupInfo", "PushResult", "WorkerInfo"]
+
+log = logging.getLogger("onnxps.client")
+
+Array = np.ndarray[Any, Any]
+Transport = Literal["auto", "unary", "stream"]
+
+STREAM_THRESHOLD_BYTES = 1 << 20
+
+# Channel-level retries: UNAVAILABLE only (the server is down or draining). Pushes are
+# retried again by the client on DEADLINE_EXCEEDED too, which is safe only because
+# each push carries (client_id, seq) and the server applies it exactly once.
+_SERVICE_CONFIG = {
+    "methodConfig": [
+        {
+            "name": [{"service": "onnxps.v1.ParameterServer"}],
+            "retryPolicy": {
+                "maxAttempts": 5,
+                "initialBackoff": "0.1s",
+                "maxBackoff": "2s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }
+    ]
+}
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    alive: bool
+    lease_remaining_seconds: float
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    name: str
+    optimizer: OptimizerSpec
+    learning_rate: float
+    update_count: int
+    dtype: np.dtype[Any]
+    tensors: list[tuple[str, tuple[int, ...]]]
+    consistency: Async | Sync
+    allow_non_finite: bool
+    element_count: int
+    state_bytes: int
+    lease_seconds: float
+    workers: list[WorkerInfo] = field(default_factory=list)
+    pending_contributions: int = 0
+    quorum: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of X_1..X_n (one pull without state, one push)."""
+        return self.element_count * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class PushResult:
+    update_count: int  # T after the push (sync: T when it was buffered)
+    applied: bool  # False: buffered until the sync quorum pushes
+    duplicate: bool  # a retry the server had already taken
+    values: list[Array] | None = None  # X_1..X_n when asked for
+
+
+def _optimizer_from_proto(spec: pb.OptimizerSpec) -> OptimizerSpec:
+    kind = spec.WhichOneof("kind")
+    if kind == "adagrad":
+        a = spec.adagrad
+        return Adagrad(a.epsilon, a.decay_factor, a.norm_coefficient)
+    if kind == "momentum":
+        m = spec.momentum
+        mode: Literal["standard", "nesterov"] = (
+            "nesterov" if m.mode == "nesterov" else "standard"
+        )
+        return Momentum(m.alpha, m.beta, mode, m.norm_coefficient)
+    d = spec.adam
+    return Adam(d.alpha, d.beta, d.epsilon, d.norm_coefficient, d.norm_coefficient_post)
+
+
+def _group_info(msg: pb.GroupInfo) -> GroupInfo:
+    c = msg.consistency
+    consistency: Async | Sync
+    if c.mode == pb.SYNC:
+        consistency = Sync(c.sync_workers, "sum" if c.reduction == pb.SUM else "mean")
+    else:
+        consistency = Async(c.max_staleness if c.HasField("max_staleness") else None)
+    return GroupInfo(
+        name=msg.name,
+        optimizer=_optimizer_from_proto(msg.optimizer),
+        learning_rate=msg.learning_rate,
+        update_count=msg.update_count,
+        dtype=PROTO_TO_DTYPE[msg.dtype].newbyteorder("="),
+        tensors=[(t.name, tuple(t.dims)) for t in msg.tensors],
+        consistency=consistency,
+        allow_non_finite=msg.allow_non_finite,
+        element_count=msg.element_count,
+        state_bytes=msg.state_bytes,
+        lease_seconds=msg.lease_seconds,
+        workers=[
+            WorkerInfo(w.worker_id, w.alive, w.lease_remaining_seconds)
+            for w in msg.workers
+        ],
+        pending_contributions=msg.pending_contributions,
+        quorum=msg.quorum,
+    )
+
+
+class _State(enum.Enum):
+    UNOPENED = 1
+    OPEN = 2
+    CLOSED = 3
+
+
+class Client:
+    """A connection to one onnxps server.
+
+    Every call takes ``timeout=`` (seconds) and falls back to the client's default
+    deadline. The channel is opened on first use; after ``close()`` (or leaving the
+    ``with`` block) every call raises ``ClientClosedError``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float = 60.0,
+        client_id: str | None = None,
+        token: str | None = None,
+        root_certificates: bytes | None = None,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        server_name_override: str | None = None,
+        transport: Transport = "auto",
+        stream_threshold_bytes: int = STREAM_THRESHOLD_BYTES,
+        chunk_bytes: int = CHUNK_BYTES,
+        push_attempts: int = 4,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.client_id = client_id or uuid.uuid4().hex
+        self.transport: Transport = transport
+        self.stream_threshold_bytes = stream_threshold_bytes
+        self.chunk_bytes = chunk_bytes
+        self.push_attempts = max(1, push_attempts)
+        self._token = token
+        self._tls = (root_certificates, private_key, certificate_chain)
+        self._secure = root_certificates is not None or certificate_chain is not None
+        self._server_name_override = server_name_override
+        self._state = _State.UNOPENED
+        self._lock = threading.Lock()
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.ParameterServerStub | None = None
+        self._seq = itertools.count(1)
+        self._sizes: dict[str, int] = {}
+        self._heartbeats: dict[str, tuple[threading.Event, threading.Thread]] = {}
+
+    # -- lifecycle -----------------------------------------------------------------
+    def __enter__(self) -> Client:
+        if self._state is _State.CLOSED:
+            raise ClientClosedError("this client was closed; create a new Client")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop heartbeats, close the channel; later calls raise ClientClosedError."""
+        with self._lock:
+            if self._state is _State.CLOSED:
+                return
+            self._state = _State.CLOSED
+            beats = list(self._heartbeats.values())
+            self._heartbeats.clear()
+        for stop, thread in beats:
+            stop.set()
+            thread.join(timeout=5)
+        if self._channel is not None:
+            self._channel.close()
+
+    def _get_stub(self) -> pb_grpc.ParameterServerStub:
+        with self._lock:
+            if self._state is _State.CLOSED:
+                raise ClientClosedError("this client was closed; create a new Client")
+            if self._stub is None:
+                options: list[tuple[str, Any]] = [
+                    ("grpc.max_receive_message_length", -1),
+                    ("grpc.max_send_message_length", -1),
+                    ("grpc.enable_retries", 1),
+                    ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
+                ]
+                if self._server_name_override:
+                    options.append(
+                        ("grpc.ssl_target_name_override", self._server_name_override)
+                    )
+                if self._secure:
+                    roots, key, chain = self._tls
+                    creds = grpc.ssl_channel_credentials(roots, key, chain)
+                    self._channel = grpc.secure_channel(self.address, creds, options)
+                else:
+                    self._channel = grpc.insecure_channel(self.address, options)
+                self._stub = pb_grpc.ParameterServerStub(self._channel)
+                self._state = _State.OPEN
+            return self._stub
+
+    def _metadata(self) -> list[tuple[str, str]] | None:
+        return [("authorization", f"Bearer {self._token}")] if self._token else None
+
+    def _call(self, method: str, request: Any, timeout: float | None) -> Any:
+        """Invoke one RPC; the only place grpc errors turn into the client's own."""
+        fn = getattr(self._get_stub(), method)
+        try:
+            return fn(
+                request,
+                timeout=self.timeout if timeout is None else timeout,
+                metadata=self._metadata(),
+            )
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+
+    def _stream_call(
+        self, method: str, request: Any, timeout: float | None
+    ) -> Iterator[Any]:
+        fn = getattr(self._get_stub(), method)
+        try:
+            yield from fn(
+                request,
+                timeout=self.timeout if timeout is None else timeout,
+                metadata=self._metadata(),
+            )
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+
+    def _use_stream(self, nbytes: int) -> bool:
+        if self.transport == "auto":
+            return nbytes > self.stream_threshold_bytes
+        return self.transport == "stream"
+
+    # -- groups --------------------------------------------------------------------
+    def create_group(
+        self,
+        name: str,
+        optimizer: OptimizerSpec,
+        *,
+        learning_rate: float,
+        tensors: Mapping[str, Any] | Sequence[tuple[str, Any]],
+        consistency: Async | Sync | None = None,
+        allow_non_finite: bool = False,
+        state: Sequence[Any] | None = None,
+        update_count: int = 0,
+        lease_seconds: float | None = None,
+        timeout: float | None = None,
+    ) -> GroupInfo:
+        """Create a group; the order of ``tensors`` is the ONNX order from then on.
+
+        ``state`` (V_1..V_n then H_1..H_n, as the operator has them) and
+        ``update_count`` resume a group whose optimizer state was saved elsewhere.
+        """
+        items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        arrays = [np.asarray(a) for _, a in items]
+        state_arrays = [np.asarray(a) for a in state or ()]
+        req = pb.CreateGroupRequest(
+            group=name,
+            optimizer=optimizer.to_proto(),
+            learning_rate=learning_rate,
+            consistency=(consistency or Async()).to_proto(),
+            allow_non_finite=allow_non_finite,
+            update_count=update_count,
+            lease_seconds=lease_seconds or 0.0,
+        )
+        nbytes = sum(a.nbytes for a in arrays + state_arrays)
+        if self._use_stream(nbytes):
+            req.tensors.extend(
+                header_tensor(a, n) for (n, _), a in zip(items, arrays, strict=True)
+            )
+            req.state.extend(header_tensor(a) for a in state_arrays)
+
+            def chunks() -> Iterator[pb.CreateGroupChunk]:
+                yield pb.CreateGroupChunk(header=req)
+                for c in iter_chunks(arrays + state_arrays, self.chunk_bytes):
+                    yield pb.CreateGroupChunk(chunk=c)
+
+            msg = self._call("CreateGroupStream", chunks(), timeout)
+        else:
+            req.tensors.extend(
+                array_to_tensor(a, n) for (n, _), a in zip(items, arrays, strict=True)
+            )
+            req.state.extend(array_to_tensor(a) for a in state_arrays)
+            msg = self._call("CreateGroup", req, timeout)
+        info = _group_info(msg)
+        self._sizes[name] = info.nbytes
+        return info
+
+    def describe_group(self, name: str, *, timeout: float | None = None) -> GroupInfo:
+        info = _group_info(
+            self._call("DescribeGroup", pb.GroupRequest(group=name), timeout)
+        )
+        self._sizes[name] = info.nbytes
+        return info
+
+    def list_groups(
+        self, prefix: str = "", *, timeout: float | None = None
+    ) -> list[GroupInfo]:
+        msg = self._call("ListGroups", pb.ListGroupsRequest(prefix=prefix), timeout)
+        return [_group_info(g) for g in msg.groups]
+
+    def delete_group(self, name: str, *, timeout: float | None = None) -> bool:
+        self._sizes.pop(name, None)
+        msg = self._call("DeleteGroup", pb.GroupRequest(group=name), timeout)
+        return bool(msg.deleted)
+
+    def set_learning_rate(
+        self, name: str, learning_rate: float, *, timeout: float | None = None
+    ) -> GroupInfo:
+        req = pb.SetLearningRateRequest(group=name, learning_rate=learning_rate)
+        return _group_info(self._call("SetLearningRate", req, timeout))
+
+    # -- push ----------------------------------------------------------------------
+    def push(
+        self,
+        group: str,
+        *gradients: Any,
+        base_version: int | None = None,
+        learning_rate: float | None = None,
+        return_values: bool = False,
+        timeout: float | None = None,
+    ) -> Any:
+        """Push G_1..G_n (ONNX order). Returns the new T, or X_1..X_n with
+        ``return_values=True`` (after the step, in sync mode)."""
+        result = self.push_detailed(
+            group,
+            *gradients,
+            base_version=base_version,
+            learning_rate=learning_rate,
+            return_values=return_values,
+            timeout=timeout,
+        )
+        return result.values if return_values else result.update_count
+
+    def push_detailed(
+        self,
+        group: str,
+        *gradients: Any,
+        base_version: int | None = None,
+        learning_rate: float | None = None,
+        return_values: bool = False,
+        timeout: float | None = None,
+    ) -> PushResult:
+        """Like ``push``, with everything the server said about it."""
+        arrays = [np.asarray(g) for g in gradients]
+        req = pb.PushRequest(
+            group=group,
+            client_id=self.client_id,
+            seq=next(self._seq),
+            return_values=return_values,
+        )
+        if base_version is not None:
+            req.base_version = base_version
+        if learning_rate is not None:
+            req.learning_rate = learning_rate
+        stream = self._use_stream(sum(a.nbytes for a in arrays))
+        if stream:
+            req.gradients.extend(header_tensor(a) for a in arrays)
+        else:
+            req.gradients.extend(array_to_tensor(a) for a in arrays)
+
+        def chunks() -> Iterator[pb.PushChunk]:
+            yield pb.PushChunk(header=req)
+            for c in iter_chunks(arrays, self.chunk_bytes):
+                yield pb.PushChunk(chunk=c)
+
+        # A lost reply surfaces as DEADLINE_EXCEEDED or UNAVAILABLE; the same seq
+        # makes the retry safe (the server answers a repeat with the first result).
+        for attempt in range(self.push_attempts):
+            try:
+                if stream:
+                    msg = self._call("PushStream", chunks(), timeout)
+                else:
+                    msg = self._call("Push", req, timeout)
+                break
+            except (UnavailableError, DeadlineExceededError) as exc:
+                if attempt + 1 == self.push_attempts:
+                    raise
+                log.warning(
+                    "push to %s seq %d: %s; retrying (attempt %d of %d)",
+                    group,
+                    req.seq,
+                    exc.code.name,
+                    attempt + 2,
+                    self.push_attempts,
+                )
+                time.sleep(min(2.0, 0.1 * 2**attempt))
+        values = None
+        if return_values:
+            values = [tensor_to_array(t, t.name).copy() for t in msg.values]
+        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
+
+    # -- pull ----------------------------------------------------------------------
+    def pull(
+        self,
+        group: str,
+        *,
+        state: bool = False,
+        min_version: int | None = None,
+        timeout: float | None = None,
+    ) -> list[Array]:
+        """X_1..X_n, or with ``state=True`` X..., V..., H... (ONNX output order).
+
+        ``min_version`` waits (within the deadline) until the group's T reaches it.
+        """
+        return self.pull_versioned(
+            group, state=state, min_version=min_version, timeout=timeout
+        )[1]
+
+    def pull_versioned(
+        self,
+        group: str,
+        *,
+        state: bool = False,
+        min_version: int | None = None,
+        timeout: float | None = None,
+    ) -> tuple[int, list[Array]]:
+        """(T, arrays): the tensors and the update count they belong to."""
+        req = pb.PullRequest(group=group, with_state=state)
+        if min_version is not None:
+            req.min_version = min_version
+        size = self._sizes.get(group)
+        if size is None and self.transport == "auto":
+            size = self.describe_group(group, timeout=timeout).nbytes
+        if self._use_stream(size or 0):
+            it = self._stream_call("PullStream", req, timeout)
+            first = next(it)
+            header = first.header
+            names = [t.name for t in header.tensors]
+            asm = TensorAssembler(list(header.tensors), names)
+            for msg in it:
+                asm.add(msg.chunk)
+            return header.update_count, asm.finish()
+        msg = self._call("Pull", req, timeout)
+        return msg.update_count, [
+            tensor_to_array(t, t.name).copy() for t in msg.tensors
+        ]
+
+    # -- apply ---------------------------------------------------------------------
+    def apply(
+        self, optimizer: OptimizerSpec, *inputs: Any, timeout: float | None = None
+    ) -> list[Array]:
+        """Run one ONNX node remotely: ``R, T, X..., G..., V..., H...`` in,
+        ``X_new..., V_new..., H_new...`` out."""
+        arrays = [np.asarray(a) for a in inputs]
+        if len(arrays) >= 2 and arrays[1].dtype.kind in "iu":
+            arrays[1] = arrays[1].astype(np.int64)
+        if self._use_stream(sum(a.nbytes for a in arrays)):
+            header = pb.ApplyRequest(
+                optimizer=optimizer.to_proto(),
+                inputs=[header_tensor(a) for a in arrays],
+            )
+
+            def chunks() -> Iterator[pb.ApplyChunk]:
+                yield pb.ApplyChunk(request=header)
+                for c in iter_chunks(arrays, self.chunk_bytes):
+                    yield pb.ApplyChunk(chunk=c)
+
+            it = self._stream_call("ApplyStream", chunks(), timeout)
+            first = next(it).response
+            asm = TensorAssembler(
+                list(first.outputs), [f"output {i}" for i in range(len(first.outputs))]
+            )
+            for msg in it:
+                asm.add(msg.chunk)
+            return asm.finish()
+        req = pb.ApplyRequest(
+            optimizer=optimizer.to_proto(), inputs=[array_to_tensor(a) for a in arrays]
+        )
+        msg = self._call("Apply", req, timeout)
+        return [
+            tensor_to_array(t, f"output {i}").copy() for i, t in enumerate(msg.outputs)
+        ]
+
+    # -- workers -------------------------------------------------------------------
+    def join(
+        self, group: str, *, worker_id: str | None = None, timeout: float | None = None
+    ) -> pb.LeaseResponse:
+        """Join a group as a worker and keep the lease alive in the background."""
+        wid = worker_id or self.client_id
+        req = pb.JoinRequest(group=group, worker_id=wid)
+        lease = self._call("JoinGroup", req, timeout)
+        stop = threading.Event()
+        interval = max(0.05, lease.lease_seconds / 3)
+
+        def beat() -> None:
+            while not stop.wait(interval):
+                try:
+                    self._call("Heartbeat", req, min(interval * 2, self.timeout))
+                except ClientClosedError:
+                    return
+                except RpcError as exc:
+                    log.warning("heartbeat for %s in %s failed: %s", wid, group, exc)
+
+        thread = threading.Thread(
+            target=beat, name=f"onnxps-lease-{group}", daemon=True
+        )
+        with self._lock:
+            old = self._heartbeats.pop(group, None)
+            self._heartbeats[group] = (stop, thread)
+        if old is not None:
+            old[0].set()
+        thread.start()
+        return lease
+
+    def leave(
+        self, group: str, *, worker_id: str | None = None, timeout: float | None = None
+    ) -> pb.LeaseResponse:
+        with self._lock:
+            beat = self._heartbeats.pop(group, None)
+        if beat is not None:
+            beat[0].set()
+            beat[1].join(timeout=5)
+        req = pb.JoinRequest(group=group, worker_id=worker_id or self.client_id)
+        return self._call("LeaveGroup", req, timeout)
+
+    # -- durability ----------------------------------------------------------------
+    def save(self, *, timeout: float | None = None) -> pb.SaveResponse:
+        """Ask the server to write a snapshot of every group now."""
+        return self._call("Save", pb.SaveRequest(), timeout)

@@ -1,0 +1,99 @@
+"""Protobuf messages <-> server domain objects (attributes, consistency, group info)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from onnxps.client._codec import DTYPE_TO_PROTO
+from onnxps.v1 import parameter_server_pb2 as pb
+
+from .errors import InvalidArgument
+from .kernels import OptimizerAttrs, make_attrs
+from .store import Consistency, Group
+
+__all__ = [
+    "attrs_from_proto",
+    "attrs_to_proto",
+    "consistency_from_proto",
+    "consistency_to_proto",
+    "group_info",
+]
+
+_KIND_TO_OP = {"adagrad": "Adagrad", "momentum": "Momentum", "adam": "Adam"}
+_OP_TO_KIND = {v: k for k, v in _KIND_TO_OP.items()}
+
+
+def attrs_from_proto(spec: pb.OptimizerSpec) -> OptimizerAttrs:
+    kind = spec.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument(
+            "optimizer is not set: expected one of adagrad, momentum or adam"
+        )
+    msg = getattr(spec, kind)
+    given: dict[str, Any] = {
+        f.name: getattr(msg, f.name)
+        for f in msg.DESCRIPTOR.fields
+        if msg.HasField(f.name)
+    }
+    return make_attrs(_KIND_TO_OP[kind], given)
+
+
+def attrs_to_proto(attrs: OptimizerAttrs) -> pb.OptimizerSpec:
+    kind = _OP_TO_KIND[attrs.op]
+    msg_cls = {"adagrad": pb.Adagrad, "momentum": pb.Momentum, "adam": pb.Adam}[kind]
+    return pb.OptimizerSpec(**{kind: msg_cls(**asdict(attrs))})
+
+
+def consistency_from_proto(c: pb.Consistency) -> Consistency:
+    mode = "sync" if c.mode == pb.SYNC else "async"
+    if c.mode not in (pb.CONSISTENCY_MODE_UNSPECIFIED, pb.ASYNC, pb.SYNC):
+        raise InvalidArgument(
+            f"unknown consistency mode {c.mode}: expected ASYNC or SYNC"
+        )
+    if c.reduction not in (pb.REDUCTION_UNSPECIFIED, pb.MEAN, pb.SUM):
+        raise InvalidArgument(f"unknown reduction {c.reduction}: expected MEAN or SUM")
+    return Consistency(
+        mode=mode,
+        sync_workers=c.sync_workers,
+        reduction="sum" if c.reduction == pb.SUM else "mean",
+        max_staleness=c.max_staleness if c.HasField("max_staleness") else None,
+    )
+
+
+def consistency_to_proto(c: Consistency) -> pb.Consistency:
+    msg = pb.Consistency(
+        mode=pb.SYNC if c.mode == "sync" else pb.ASYNC,
+        sync_workers=c.sync_workers,
+        reduction=pb.SUM if c.reduction == "sum" else pb.MEAN,
+    )
+    if c.max_staleness is not None:
+        msg.max_staleness = c.max_staleness
+    return msg
+
+
+def group_info(g: Group, now: float) -> pb.GroupInfo:
+    """Describe a group; the caller holds its lock."""
+    return pb.GroupInfo(
+        name=g.name,
+        optimizer=attrs_to_proto(g.attrs),
+        learning_rate=g.learning_rate,
+        update_count=g.update_count,
+        dtype=DTYPE_TO_PROTO[g.dtype.newbyteorder("<")],
+        tensors=[
+            pb.TensorInfo(name=n, dims=s)
+            for n, s in zip(g.names, g.shapes, strict=True)
+        ],
+        consistency=consistency_to_proto(g.consistency),
+        allow_non_finite=g.allow_non_finite,
+        element_count=g.element_count,
+        state_bytes=g.state_bytes,
+        lease_seconds=g.lease_seconds,
+        workers=[
+            pb.WorkerInfo(worker_id=w, alive=True, lease_remaining_seconds=until - now)
+            for w, until in sorted(g.workers.items())
+        ]
+        + [pb.WorkerInfo(worker_id=w, alive=False) for w in sorted(g.dead)],
+        pending_contributions=len(g.pending),
+        quorum=g.quorum() if g.consistency.mode == "sync" else 0,
+    )

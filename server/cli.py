@@ -1,0 +1,180 @@
+"""The ``onnxps`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .app import ServerConfig, serve
+
+__all__ = ["main"]
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"ONNXPS_{name}", default)
+
+
+def _flag(
+    p: argparse.ArgumentParser, name: str, env: str, default: Any, help: str, **kw: Any
+) -> None:
+    """A flag whose default comes from ONNXPS_<env>, named in its help."""
+    value = os.environ.get(f"ONNXPS_{env}")
+    kind = kw.get("type", str)
+    if kw.get("action") == "store_true":
+        default = default if value is None else value.lower() in ("1", "true", "yes")
+    elif value is not None:
+        default = kind(value)
+    p.add_argument(
+        name, default=default, help=f"{help} (ONNXPS_{env}; default {default!r})", **kw
+    )
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("serve", help="run a parameter server")
+    _flag(p, "--address", "ADDRESS", "127.0.0.1:50051", "host:port to listen on")
+    _flag(p, "--threads", "THREADS", 64, "RPC worker threads", type=int)
+    _flag(p, "--log-level", "LOG_LEVEL", "INFO", "DEBUG, INFO, WARNING or ERROR")
+    _flag(
+        p,
+        "--max-message-bytes",
+        "MAX_MESSAGE_BYTES",
+        256 << 20,
+        "largest unary message",
+        type=int,
+    )
+    _flag(p, "--chunk-bytes", "CHUNK_BYTES", 1 << 20, "stream chunk size", type=int)
+    _flag(
+        p,
+        "--max-concurrent-rpcs",
+        "MAX_CONCURRENT_RPCS",
+        256,
+        "calls in flight before RESOURCE_EXHAUSTED",
+        type=int,
+    )
+    _flag(
+        p,
+        "--max-group-bytes",
+        "MAX_GROUP_BYTES",
+        0,
+        "largest group (X with V/H), 0 for no limit",
+        type=int,
+    )
+    _flag(
+        p,
+        "--max-total-bytes",
+        "MAX_TOTAL_BYTES",
+        0,
+        "state the server holds in all, 0 for no limit",
+        type=int,
+    )
+    _flag(
+        p, "--max-groups", "MAX_GROUPS", 0, "number of groups, 0 for no limit", type=int
+    )
+    _flag(
+        p,
+        "--lease-seconds",
+        "LEASE_SECONDS",
+        10.0,
+        "worker lease (sync quorum) when a group sets none",
+        type=float,
+    )
+    _flag(p, "--data-dir", "DATA_DIR", "onnxps-data", "directory for snapshots and WAL")
+    _flag(
+        p,
+        "--durability",
+        "DURABILITY",
+        "snapshot",
+        "none, snapshot or wal",
+        choices=["none", "snapshot", "wal"],
+    )
+    _flag(
+        p,
+        "--snapshot-interval",
+        "SNAPSHOT_INTERVAL",
+        300.0,
+        "seconds between snapshots, 0 for none",
+        type=float,
+    )
+    _flag(p, "--keep-snapshots", "KEEP_SNAPSHOTS", 3, "snapshots kept", type=int)
+    _flag(p, "--tls-cert", "TLS_CERT", None, "server certificate (PEM)")
+    _flag(p, "--tls-key", "TLS_KEY", None, "server private key (PEM)")
+    _flag(
+        p,
+        "--tls-client-ca",
+        "TLS_CLIENT_CA",
+        None,
+        "CA that client certificates must chain to (mutual TLS)",
+    )
+    _flag(
+        p,
+        "--tokens-file",
+        "TOKENS_FILE",
+        None,
+        "token file: roles and group prefixes per token",
+    )
+    _flag(
+        p,
+        "--insecure",
+        "INSECURE",
+        False,
+        "allow a non-loopback address without TLS and tokens",
+        action="store_true",
+    )
+    _flag(
+        p,
+        "--metrics-port",
+        "METRICS_PORT",
+        None,
+        "serve Prometheus metrics on this port",
+        type=int,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    config = ServerConfig(
+        address=args.address,
+        threads=args.threads,
+        max_message_bytes=args.max_message_bytes,
+        chunk_bytes=args.chunk_bytes,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_group_bytes=args.max_group_bytes,
+        max_total_bytes=args.max_total_bytes,
+        max_groups=args.max_groups,
+        lease_seconds=args.lease_seconds,
+        data_dir=args.data_dir,
+        durability=args.durability,
+        snapshot_interval=args.snapshot_interval,
+        keep_snapshots=args.keep_snapshots,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        tokens_file=args.tokens_file,
+        insecure=args.insecure,
+        metrics_port=args.metrics_port,
+    )
+    return serve(config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="onnxps", description="onnxps: a gRPC parameter server for ONNX optimizers"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(args, "log_level", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.command == "serve":
+        return _serve(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

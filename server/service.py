@@ -1,0 +1,361 @@
+"""The gRPC servicer: a thin adapter over ``ParameterStore``.
+
+Each RPC decodes its request, calls the store (or the kernels, for Apply), encodes
+the reply, and maps domain errors to status codes through ``_status.status_for``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+from onnxps.client._codec import (
+    CHUNK_BYTES,
+    TensorAssembler,
+    TensorFormatError,
+    array_to_tensor,
+    declared_nbytes,
+    header_tensor,
+    iter_chunks,
+    tensor_spec,
+    tensor_to_array,
+)
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+
+from ._convert import attrs_from_proto, consistency_from_proto, group_info
+from ._status import status_for
+from .errors import InvalidArgument, ResourceExhausted, Unavailable
+from .kernels import apply_onnx
+from .store import Group, ParameterStore
+
+__all__ = ["ParameterServerServicer"]
+
+log = logging.getLogger("onnxps.service")
+
+Array = np.ndarray[Any, Any]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+    code = status_for(exc)
+    if code is None:
+        log.exception("%s failed with an unexpected error", method)
+        context.abort(
+            grpc.StatusCode.INTERNAL,
+            f"internal error in {method}: {type(exc).__name__}: {exc} (a bug: the "
+            "server log has the traceback)",
+        )
+    else:
+        context.abort(code, str(exc))
+
+
+def _unary(method: F) -> F:
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+            if isinstance(exc, grpc.RpcError) or type(exc).__name__ == "_AbortError":
+                raise
+            _abort(context, exc, method.__name__)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _streaming(method: F) -> F:
+    @functools.wraps(method)
+    def wrapper(
+        self: Any, request: Any, context: grpc.ServicerContext
+    ) -> Iterator[Any]:
+        try:
+            yield from method(self, request, context)
+        except Exception as exc:  # noqa: BLE001
+            if isinstance(exc, grpc.RpcError) or type(exc).__name__ == "_AbortError":
+                raise
+            _abort(context, exc, method.__name__)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _timeout(context: grpc.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else max(0.0, remaining)
+
+
+def _names(prefix: str, n: int, names: Sequence[str] | None = None) -> list[str]:
+    if names is not None:
+        return [f"{prefix}_{i + 1} ({name!r})" for i, name in enumerate(names)]
+    return [f"{prefix}_{i + 1}" for i in range(n)]
+
+
+class ParameterServerServicer(pb_grpc.ParameterServerServicer):
+    def __init__(
+        self,
+        store: ParameterStore,
+        *,
+        chunk_bytes: int = CHUNK_BYTES,
+        save: Callable[[], pb.SaveResponse] | None = None,
+    ) -> None:
+        self.store = store
+        self.chunk_bytes = chunk_bytes
+        self._save = save
+
+    # -- groups --------------------------------------------------------------------
+    def _describe(self, g: Group) -> pb.GroupInfo:
+        with g.cond:
+            return group_info(g, time.monotonic())
+
+    def _create(
+        self, req: pb.CreateGroupRequest, tensors: list[Array], state: list[Array]
+    ) -> pb.GroupInfo:
+        attrs = attrs_from_proto(req.optimizer)
+        names = [t.name for t in req.tensors]
+        g = self.store.create_group(
+            req.group,
+            attrs,
+            req.learning_rate,
+            list(zip(names, tensors, strict=True)),
+            consistency=consistency_from_proto(req.consistency),
+            allow_non_finite=req.allow_non_finite,
+            state=state,
+            update_count=req.update_count,
+            lease_seconds=req.lease_seconds or None,
+        )
+        return self._describe(g)
+
+    def _check_create_size(self, req: pb.CreateGroupRequest) -> None:
+        """Refuse an oversized group from its declared dims, before allocating."""
+        nbytes = sum(declared_nbytes(t, f"tensor {t.name!r}") for t in req.tensors)
+        kind = req.optimizer.WhichOneof("kind")
+        states = {"adagrad": 1, "momentum": 1, "adam": 2}.get(kind or "", 0)
+        self.store.check_group_size(nbytes * (1 + states))
+        if not req.tensors:
+            raise InvalidArgument(f"group {req.group!r} needs at least one tensor")
+
+    @_unary
+    def CreateGroup(self, request: pb.CreateGroupRequest, context: Any) -> pb.GroupInfo:
+        self._check_create_size(request)
+        tensors = [tensor_to_array(t, f"tensor {t.name!r}") for t in request.tensors]
+        state = [
+            tensor_to_array(t, f"state {i + 1}") for i, t in enumerate(request.state)
+        ]
+        return self._create(request, tensors, state)
+
+    @_unary
+    def CreateGroupStream(
+        self, request_iterator: Iterable[pb.CreateGroupChunk], context: Any
+    ) -> pb.GroupInfo:
+        it = iter(request_iterator)
+        first = next(it, None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise InvalidArgument("a CreateGroupStream must begin with its header")
+        req = first.header
+        self._check_create_size(req)
+        headers = list(req.tensors) + list(req.state)
+        names = [f"tensor {t.name!r}" for t in req.tensors] + _names(
+            "state", len(req.state)
+        )
+        asm = self._assemble(it, headers, names)
+        n = len(req.tensors)
+        return self._create(req, asm[:n], asm[n:])
+
+    @_unary
+    def DescribeGroup(self, request: pb.GroupRequest, context: Any) -> pb.GroupInfo:
+        return self._describe(self.store.get(request.group))
+
+    @_unary
+    def ListGroups(
+        self, request: pb.ListGroupsRequest, context: Any
+    ) -> pb.ListGroupsResponse:
+        return pb.ListGroupsResponse(
+            groups=[self._describe(g) for g in self.store.groups(request.prefix)]
+        )
+
+    @_unary
+    def DeleteGroup(
+        self, request: pb.GroupRequest, context: Any
+    ) -> pb.DeleteGroupResponse:
+        return pb.DeleteGroupResponse(deleted=self.store.delete_group(request.group))
+
+    @_unary
+    def SetLearningRate(
+        self, request: pb.SetLearningRateRequest, context: Any
+    ) -> pb.GroupInfo:
+        g = self.store.set_learning_rate(request.group, request.learning_rate)
+        return self._describe(g)
+
+    # -- push ----------------------------------------------------------------------
+    def _push(
+        self, req: pb.PushRequest, grads: list[Array], context: Any
+    ) -> pb.PushResponse:
+        out = self.store.push(
+            req.group,
+            grads,
+            client_id=req.client_id,
+            seq=req.seq,
+            base_version=req.base_version if req.HasField("base_version") else None,
+            learning_rate=req.learning_rate if req.HasField("learning_rate") else None,
+            return_values=req.return_values,
+            timeout=_timeout(context),
+        )
+        reply = pb.PushResponse(
+            update_count=out.update_count, applied=out.applied, duplicate=out.duplicate
+        )
+        if out.values is not None:
+            g = self.store.get(req.group)
+            reply.values.extend(
+                array_to_tensor(v, n) for v, n in zip(out.values, g.names, strict=True)
+            )
+        return reply
+
+    @_unary
+    def Push(self, request: pb.PushRequest, context: Any) -> pb.PushResponse:
+        g = self.store.get(request.group)
+        specs = [
+            tensor_spec(t, f"gradient {i + 1}") for i, t in enumerate(request.gradients)
+        ]
+        self.store.validate_push_header(g, specs)
+        grads = [
+            tensor_to_array(t, f"gradient {i + 1} ({g.names[i]!r})")
+            for i, t in enumerate(request.gradients)
+        ]
+        return self._push(request, grads, context)
+
+    @_unary
+    def PushStream(
+        self, request_iterator: Iterable[pb.PushChunk], context: Any
+    ) -> pb.PushResponse:
+        it = iter(request_iterator)
+        first = next(it, None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise InvalidArgument("a PushStream must begin with its header")
+        req = first.header
+        g = self.store.get(req.group)
+        headers = list(req.gradients)
+        specs = [tensor_spec(t, f"gradient {i + 1}") for i, t in enumerate(headers)]
+        self.store.validate_push_header(g, specs)
+        grads = self._assemble(it, headers, _names("gradient", len(headers), g.names))
+        return self._push(req, grads, context)
+
+    def _assemble(
+        self, it: Iterator[Any], headers: Sequence[pb.Tensor], names: Sequence[str]
+    ) -> list[Array]:
+        asm = TensorAssembler(headers, names)
+        for msg in it:
+            if msg.WhichOneof("part") != "chunk":
+                raise InvalidArgument("after the header a stream carries only chunks")
+            asm.add(msg.chunk)
+        return asm.finish()
+
+    # -- pull ----------------------------------------------------------------------
+    def _pull(
+        self, req: pb.PullRequest, context: Any
+    ) -> tuple[int, list[Array], float, list[str]]:
+        g = self.store.get(req.group)
+        t, arrays, lr = self.store.pull(
+            req.group,
+            with_state=req.with_state,
+            min_version=req.min_version if req.HasField("min_version") else None,
+            timeout=_timeout(context),
+        )
+        names = list(g.names)
+        for sname in g.attrs.state_names if req.with_state else ():
+            names += [f"{sname}:{n}" for n in g.names]
+        return t, arrays, lr, names
+
+    @_unary
+    def Pull(self, request: pb.PullRequest, context: Any) -> pb.PullResponse:
+        t, arrays, lr, names = self._pull(request, context)
+        return pb.PullResponse(
+            update_count=t,
+            learning_rate=lr,
+            tensors=[array_to_tensor(a, n) for a, n in zip(arrays, names, strict=True)],
+        )
+
+    @_streaming
+    def PullStream(
+        self, request: pb.PullRequest, context: Any
+    ) -> Iterator[pb.PullChunk]:
+        t, arrays, lr, names = self._pull(request, context)
+        header = pb.PullResponse(
+            update_count=t,
+            learning_rate=lr,
+            tensors=[header_tensor(a, n) for a, n in zip(arrays, names, strict=True)],
+        )
+        yield pb.PullChunk(header=header)
+        for chunk in iter_chunks(arrays, self.chunk_bytes):
+            yield pb.PullChunk(chunk=chunk)
+
+    # -- apply ---------------------------------------------------------------------
+    def _apply(self, req: pb.ApplyRequest, inputs: list[Array]) -> list[Array]:
+        attrs = attrs_from_proto(req.optimizer)
+        return apply_onnx(attrs.op, attrs, inputs)
+
+    @_unary
+    def Apply(self, request: pb.ApplyRequest, context: Any) -> pb.ApplyResponse:
+        inputs = [
+            tensor_to_array(t, f"input {i}") for i, t in enumerate(request.inputs)
+        ]
+        outputs = self._apply(request, inputs)
+        return pb.ApplyResponse(outputs=[array_to_tensor(o) for o in outputs])
+
+    @_streaming
+    def ApplyStream(
+        self, request_iterator: Iterable[pb.ApplyChunk], context: Any
+    ) -> Iterator[pb.ApplyChunk]:
+        it = iter(request_iterator)
+        first = next(it, None)
+        if first is None or first.WhichOneof("part") != "request":
+            raise InvalidArgument("an ApplyStream must begin with its request header")
+        headers = list(first.request.inputs)
+        for i, t in enumerate(headers):
+            tensor_spec(t, f"input {i}")
+        inputs = self._assemble(
+            it, headers, [f"input {i}" for i in range(len(headers))]
+        )
+        outputs = self._apply(first.request, inputs)
+        yield pb.ApplyChunk(
+            response=pb.ApplyResponse(outputs=[header_tensor(o) for o in outputs])
+        )
+        for chunk in iter_chunks(outputs, self.chunk_bytes):
+            yield pb.ApplyChunk(chunk=chunk)
+
+    # -- workers and saving ----------------------------------------------------------
+    def _lease(self, g: Group) -> pb.LeaseResponse:
+        with g.cond:
+            return pb.LeaseResponse(
+                lease_seconds=g.lease_seconds,
+                update_count=g.update_count,
+                live_workers=g.live_workers(),
+                quorum=g.quorum() if g.consistency.mode == "sync" else 0,
+            )
+
+    @_unary
+    def JoinGroup(self, request: pb.JoinRequest, context: Any) -> pb.LeaseResponse:
+        return self._lease(self.store.join(request.group, request.worker_id))
+
+    @_unary
+    def Heartbeat(self, request: pb.JoinRequest, context: Any) -> pb.LeaseResponse:
+        return self._lease(self.store.join(request.group, request.worker_id))
+
+    @_unary
+    def LeaveGroup(self, request: pb.JoinRequest, context: Any) -> pb.LeaseResponse:
+        return self._lease(self.store.leave(request.group, request.worker_id))
+
+    @_unary
+    def Save(self, request: pb.SaveRequest, context: Any) -> pb.SaveResponse:
+        if self._save is None:
+            raise Unavailable(
+                "this server keeps no data directory (started with --durability none)"
+            )
+        return self._save()
+
+
+# Names kept importable for the checks above.
+_ = (ResourceExhausted, TensorFormatError)

@@ -1,0 +1,740 @@
+"""The parameter store: optimizer groups and their state, with no knowledge of gRPC.
+
+A group is one ONNX training node: operator and attributes, learning rate R, update
+count T, and ordered tensors X_1..X_n with their V/H, all of one dtype. Each group has
+its own lock (a condition variable, so pulls can wait for a version), so different
+groups step concurrently. A push is atomic: every gradient is validated before any
+state changes; then every tensor steps and T advances.
+
+Consistency is chosen per group:
+
+- ``async``: each push steps at once; with ``max_staleness`` a push computed against a
+  T older than ``T - max_staleness`` is refused.
+- ``sync``: pushes computed against the current T are buffered; when the quorum has
+  pushed, they are combined in client-id order (sum, then divided by their count for
+  ``mean``) and one step is applied. The quorum is ``sync_workers`` less the workers
+  whose lease ran out, so a dead worker never hangs a step.
+
+Exactly-once: a push carries (client_id, seq); the last ``DEDUP_WINDOW`` results per
+client are remembered and a repeated push is answered with its first result.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from .errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from .kernels import STATE_DTYPES, OptimizerAttrs, Stepper
+
+__all__ = [
+    "DEDUP_WINDOW",
+    "Consistency",
+    "DeadlineExceeded",
+    "Group",
+    "Journal",
+    "ParameterStore",
+    "PushOutcome",
+    "StoreLimits",
+    "combine_contributions",
+]
+
+log = logging.getLogger("onnxps.store")
+
+Array = np.ndarray[Any, Any]
+
+DEDUP_WINDOW = 4096
+MAX_NAME_LENGTH = 256
+
+
+class DeadlineExceeded(Exception):
+    """A wait (pull with min_version, push waiting for its sync step) timed out."""
+
+
+@dataclass(frozen=True)
+class Consistency:
+    mode: str = "async"  # "async" or "sync"
+    sync_workers: int = 0
+    reduction: str = "mean"  # "mean" or "sum"
+    max_staleness: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("async", "sync"):
+            raise InvalidArgument(
+                f"consistency mode must be 'async' or 'sync', got {self.mode!r}"
+            )
+        if self.reduction not in ("mean", "sum"):
+            raise InvalidArgument(
+                f"sync reduction must be 'mean' or 'sum', got {self.reduction!r}"
+            )
+        if self.mode == "sync" and self.sync_workers < 1:
+            raise InvalidArgument(
+                f"sync mode needs sync_workers >= 1, got {self.sync_workers}"
+            )
+        if self.mode == "sync" and self.max_staleness is not None:
+            raise InvalidArgument(
+                "max_staleness applies to async groups; sync groups take only "
+                "pushes computed against the current T"
+            )
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise InvalidArgument(
+                f"max_staleness must be >= 0, got {self.max_staleness}"
+            )
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    max_group_bytes: int = 0  # 0: no limit
+    max_total_bytes: int = 0
+    max_groups: int = 0
+    default_lease_seconds: float = 10.0
+
+
+@dataclass
+class PushOutcome:
+    update_count: int
+    applied: bool
+    duplicate: bool = False
+    values: list[Array] | None = None
+
+
+class Journal(Protocol):
+    """Durability hook: records every state change in order (see ``durability``)."""
+
+    def log(self, record: dict[str, Any], arrays: Sequence[Array]) -> int:
+        """Append under the group's lock; returns a ticket for ``wait``."""
+        ...
+
+    def wait(self, ticket: int) -> None:
+        """Block until the record with this ticket is durable."""
+        ...
+
+
+@dataclass
+class _ClientWindow:
+    results: OrderedDict[int, tuple[int, bool]] = field(default_factory=OrderedDict)
+    floor: int = -1  # every seq <= floor has been forgotten
+
+
+def combine_contributions(
+    contributions: Mapping[str, Sequence[Array]], reduction: str, dtype: np.dtype[Any]
+) -> list[Array]:
+    """Sum the gradients in client-id order, then divide by their count for mean.
+
+    A fixed order makes the combined gradient independent of arrival order, so a sync
+    step is reproducible bit for bit.
+    """
+    keys = sorted(contributions)
+    acc = [np.array(g, dtype=dtype, copy=True) for g in contributions[keys[0]]]
+    for key in keys[1:]:
+        for a, g in zip(acc, contributions[key], strict=True):
+            np.add(a, g, out=a)
+    if reduction == "mean" and len(keys) > 1:
+        count = dtype.type(len(keys))
+        for a in acc:
+            np.divide(a, count, out=a)
+    return acc
+
+
+class Group:
+    """One optimizer node's state. Every field is guarded by ``cond``."""
+
+    def __init__(
+        self,
+        name: str,
+        attrs: OptimizerAttrs,
+        learning_rate: float,
+        tensors: Sequence[tuple[str, Array]],
+        *,
+        consistency: Consistency,
+        allow_non_finite: bool,
+        lease_seconds: float,
+        state: Sequence[Array] | None = None,
+        update_count: int = 0,
+    ) -> None:
+        self.name = name
+        self.attrs = attrs
+        self.learning_rate = float(learning_rate)
+        self.update_count = int(update_count)
+        self.dtype = np.dtype(tensors[0][1].dtype).newbyteorder("=")
+        self.names = [n for n, _ in tensors]
+        self.shapes = [tuple(int(d) for d in a.shape) for _, a in tensors]
+        self.xs = [
+            np.array(a, dtype=self.dtype, order="C").reshape(-1) for _, a in tensors
+        ]
+        n = len(self.xs)
+        self.states: dict[str, list[Array]] = {}
+        for k, sname in enumerate(attrs.state_names):
+            if state is not None:
+                part = state[k * n : (k + 1) * n]
+                self.states[sname] = [
+                    np.array(a, dtype=self.dtype, order="C").reshape(-1) for a in part
+                ]
+            else:
+                self.states[sname] = [np.zeros_like(x) for x in self.xs]
+        self.stepper = Stepper(attrs, self.dtype, [x.size for x in self.xs])
+        self.consistency = consistency
+        self.allow_non_finite = allow_non_finite
+        self.lease_seconds = lease_seconds
+        self.cond = threading.Condition(threading.Lock())
+        self.dedup: dict[str, _ClientWindow] = {}
+        self.workers: dict[str, float] = {}  # worker id -> lease expiry (monotonic)
+        self.dead: set[str] = set()
+        self.pending: dict[str, list[Array]] = {}
+        self.deleted = False
+        self.created_at = time.time()
+
+    # -- read-only facts -----------------------------------------------------------
+    @property
+    def element_count(self) -> int:
+        return sum(x.size for x in self.xs)
+
+    @property
+    def state_bytes(self) -> int:
+        per = self.element_count * self.dtype.itemsize
+        return per * (1 + len(self.states))
+
+    def state_arrays(self) -> list[Array]:
+        """V..., H... in ONNX order (flat)."""
+        return [a for sname in self.attrs.state_names for a in self.states[sname]]
+
+    def quorum(self) -> int:
+        return max(1, self.consistency.sync_workers - len(self.dead))
+
+    def live_workers(self) -> int:
+        return len(self.workers)
+
+    # -- under the lock ------------------------------------------------------------
+    def step(self, grads: Sequence[Array], learning_rate: float | None) -> None:
+        r = self.learning_rate if learning_rate is None else learning_rate
+        self.stepper.step(
+            r,
+            self.update_count,
+            self.xs,
+            [g.reshape(-1) for g in grads],
+            self.states.get("V"),
+            self.states.get("H"),
+        )
+        self.update_count += 1
+
+    def expire_leases(self, now: float) -> bool:
+        """Drop workers whose lease ran out; True when the quorum shrank."""
+        expired = [w for w, until in self.workers.items() if until <= now]
+        for w in expired:
+            del self.workers[w]
+            self.dead.add(w)
+            log.warning(
+                "group %s: worker %s lease expired; it leaves the quorum", self.name, w
+            )
+        return bool(expired)
+
+    def copy_values(self, with_state: bool) -> list[Array]:
+        arrays = self.xs + (self.state_arrays() if with_state else [])
+        n = len(self.shapes)
+        return [a.reshape(self.shapes[i % n]).copy() for i, a in enumerate(arrays)]
+
+
+def _check_name(name: str, what: str = "group name") -> None:
+    if not name:
+        raise InvalidArgument(f"{what} must be a non-empty string")
+    if len(name) > MAX_NAME_LENGTH:
+        raise InvalidArgument(
+            f"{what} must be at most {MAX_NAME_LENGTH} characters, got {len(name)}"
+        )
+    if not name.isprintable():
+        raise InvalidArgument(f"{what} must be printable, got {name!r}")
+
+
+def _all_finite(a: Array) -> bool:
+    # min/max propagate NaN and expose inf, without a temporary the size of ``a``.
+    return a.size == 0 or bool(np.isfinite(a.min()) and np.isfinite(a.max()))
+
+
+class ParameterStore:
+    """All groups of one server."""
+
+    def __init__(
+        self,
+        limits: StoreLimits | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limits = limits or StoreLimits()
+        self._groups: dict[str, Group] = {}
+        self._lock = threading.Lock()
+        self._clock = clock
+        self.journal: Journal | None = None
+        self.replaying = False
+        self._closed = False
+        self._reaper: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.listeners: list[Callable[[str, str], None]] = []
+
+    # -- lifecycle -----------------------------------------------------------------
+    def start(self, interval: float = 0.1) -> None:
+        """Start the lease reaper, which lets a sync step go on without dead workers."""
+        if self._reaper is None:
+            self._reaper = threading.Thread(
+                target=self._reap_loop,
+                args=(interval,),
+                name="onnxps-leases",
+                daemon=True,
+            )
+            self._reaper.start()
+
+    def close(self) -> None:
+        self._closed = True
+        self._stop.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+        for g in self.groups():
+            with g.cond:
+                g.cond.notify_all()
+
+    def _reap_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            for g in self.groups():
+                self._reap(g)
+
+    def _reap(self, g: Group) -> None:
+        with g.cond:
+            if g.deleted or not g.workers:
+                return
+            if g.expire_leases(self._clock()):
+                self._maybe_sync_step(g)
+                g.cond.notify_all()
+
+    # -- groups --------------------------------------------------------------------
+    def groups(self, prefix: str = "") -> list[Group]:
+        with self._lock:
+            return [g for n, g in sorted(self._groups.items()) if n.startswith(prefix)]
+
+    def get(self, name: str) -> Group:
+        with self._lock:
+            g = self._groups.get(name)
+        if g is None:
+            raise NotFound(f"no group named {name!r}; create it first")
+        return g
+
+    def total_state_bytes(self) -> int:
+        return sum(g.state_bytes for g in self.groups())
+
+    def create_group(
+        self,
+        name: str,
+        attrs: OptimizerAttrs,
+        learning_rate: float,
+        tensors: Sequence[tuple[str, Array]],
+        *,
+        consistency: Consistency | None = None,
+        allow_non_finite: bool = False,
+        state: Sequence[Array] | None = None,
+        update_count: int = 0,
+        lease_seconds: float | None = None,
+    ) -> Group:
+        self._check_open()
+        _check_name(name)
+        if not tensors:
+            raise InvalidArgument(f"group {name!r} needs at least one tensor")
+        if not math.isfinite(learning_rate):
+            raise InvalidArgument(f"learning_rate must be finite, got {learning_rate}")
+        if update_count < 0:
+            raise InvalidArgument(f"update_count must be >= 0, got {update_count}")
+        seen: set[str] = set()
+        dtype = np.dtype(tensors[0][1].dtype)
+        if dtype not in STATE_DTYPES:
+            raise InvalidArgument(
+                f"group tensors must be float32 or float64, got {dtype} for "
+                f"{tensors[0][0]!r}"
+            )
+        for tname, arr in tensors:
+            _check_name(tname, "tensor name")
+            if tname in seen:
+                raise InvalidArgument(f"tensor name {tname!r} appears twice")
+            seen.add(tname)
+            if arr.dtype != dtype:
+                raise InvalidArgument(
+                    f"a group has one dtype: {tensors[0][0]!r} is {dtype}, "
+                    f"{tname!r} is {arr.dtype}"
+                )
+            if not allow_non_finite and not _all_finite(arr):
+                raise InvalidArgument(
+                    f"initial value of {tname!r} holds NaN or inf; pass "
+                    "allow_non_finite=True to keep it"
+                )
+        n = len(tensors)
+        if state is not None and len(state) not in (0, n * len(attrs.state_names)):
+            raise InvalidArgument(
+                f"{attrs.op} state is {', '.join(attrs.state_names)} for each of the "
+                f"{n} tensors: {n * len(attrs.state_names)} arrays, got {len(state)}"
+            )
+        if state:
+            for j, arr in enumerate(state):
+                tname, x = tensors[j % n]
+                sname = attrs.state_names[j // n]
+                if arr.dtype != dtype or arr.shape != x.shape:
+                    raise InvalidArgument(
+                        f"state {sname} of {tname!r} must be {dtype} {x.shape}, got "
+                        f"{arr.dtype} {arr.shape}"
+                    )
+        group_bytes = sum(a.nbytes for _, a in tensors) * (1 + len(attrs.state_names))
+        self.check_group_size(group_bytes)
+        lease = lease_seconds or self.limits.default_lease_seconds
+        group = Group(
+            name,
+            attrs,
+            learning_rate,
+            tensors,
+            consistency=consistency or Consistency(),
+            allow_non_finite=allow_non_finite,
+            lease_seconds=lease,
+            state=state or None,
+            update_count=update_count,
+        )
+        with self._lock:
+            if name in self._groups:
+                raise AlreadyExists(
+                    f"group {name!r} exists already; delete it first or pick another "
+                    "name"
+                )
+            if self.limits.max_groups and len(self._groups) >= self.limits.max_groups:
+                raise ResourceExhausted(
+                    f"the server holds its limit of {self.limits.max_groups} groups"
+                )
+            total = sum(g.state_bytes for g in self._groups.values()) + group_bytes
+            if self.limits.max_total_bytes and total > self.limits.max_total_bytes:
+                raise ResourceExhausted(
+                    f"group {name!r} needs {group_bytes} bytes; the server would hold "
+                    f"{total}, over its limit of {self.limits.max_total_bytes}"
+                )
+            self._groups[name] = group
+            if self.journal is not None and not self.replaying:
+                self._log_create(group)
+        log.info(
+            "created group %s: %s %s, %d tensors, %d elements, T=%d",
+            name,
+            attrs.op,
+            group.dtype,
+            n,
+            group.element_count,
+            group.update_count,
+        )
+        self._notify("created", name)
+        return group
+
+    def check_group_size(self, group_bytes: int) -> None:
+        limit = self.limits.max_group_bytes
+        if limit and group_bytes > limit:
+            raise ResourceExhausted(
+                f"a group of {group_bytes} bytes (X with its V/H) is over the "
+                f"server's limit of {limit} bytes per group"
+            )
+
+    def _log_create(self, group: Group) -> None:
+        assert self.journal is not None
+        record = {"op": "create", "group": group.name}
+        ticket = self.journal.log(record, [])
+        self.journal.wait(ticket)
+
+    def delete_group(self, name: str) -> bool:
+        self._check_open()
+        with self._lock:
+            g = self._groups.pop(name, None)
+        if g is None:
+            raise NotFound(f"no group named {name!r}")
+        with g.cond:
+            g.deleted = True
+            ticket = None
+            if self.journal is not None and not self.replaying:
+                ticket = self.journal.log({"op": "delete", "group": name}, [])
+            g.cond.notify_all()
+        if ticket is not None and self.journal is not None:
+            self.journal.wait(ticket)
+        log.info("deleted group %s", name)
+        self._notify("deleted", name)
+        return True
+
+    def set_learning_rate(self, name: str, learning_rate: float) -> Group:
+        self._check_open()
+        if not math.isfinite(learning_rate):
+            raise InvalidArgument(f"learning_rate must be finite, got {learning_rate}")
+        g = self.get(name)
+        with g.cond:
+            self._check_live(g)
+            g.learning_rate = float(learning_rate)
+            ticket = None
+            if self.journal is not None and not self.replaying:
+                record = {"op": "set_lr", "group": name, "lr": float(learning_rate)}
+                ticket = self.journal.log(record, [])
+        if ticket is not None and self.journal is not None:
+            self.journal.wait(ticket)
+        return g
+
+    # -- push ----------------------------------------------------------------------
+    def validate_push_header(
+        self, g: Group, specs: Sequence[tuple[np.dtype[Any], tuple[int, ...]]]
+    ) -> None:
+        """Check gradient count, dtypes and shapes before any bytes are read."""
+        n = len(g.shapes)
+        if len(specs) != n:
+            raise InvalidArgument(
+                f"group {g.name!r} holds {n} tensors ({', '.join(g.names)}): expected "
+                f"{n} gradients in that order, got {len(specs)}"
+            )
+        for i, (dtype, shape) in enumerate(specs):
+            if np.dtype(dtype) != g.dtype:
+                raise InvalidArgument(
+                    f"gradient {i + 1} ({g.names[i]!r}) must be {g.dtype}, the "
+                    f"group's dtype; got {np.dtype(dtype)}"
+                )
+            if tuple(shape) != g.shapes[i]:
+                raise InvalidArgument(
+                    f"gradient {i + 1} ({g.names[i]!r}) must have shape "
+                    f"{g.shapes[i]}, got {tuple(shape)}"
+                )
+
+    def push(
+        self,
+        name: str,
+        grads: Sequence[Array],
+        *,
+        client_id: str = "",
+        seq: int = 0,
+        base_version: int | None = None,
+        learning_rate: float | None = None,
+        return_values: bool = False,
+        timeout: float | None = None,
+    ) -> PushOutcome:
+        self._check_open()
+        g = self.get(name)
+        self.validate_push_header(g, [(a.dtype, a.shape) for a in grads])
+        if learning_rate is not None and not math.isfinite(learning_rate):
+            raise InvalidArgument(f"learning_rate must be finite, got {learning_rate}")
+        if not g.allow_non_finite:
+            for i, a in enumerate(grads):
+                if not _all_finite(a):
+                    raise InvalidArgument(
+                        f"gradient {i + 1} ({g.names[i]!r}) holds NaN or inf, which "
+                        f"would poison group {name!r} for good; fix the worker, or "
+                        "create the group with allow_non_finite=True"
+                    )
+        ticket = None
+        with g.cond:
+            self._check_live(g)
+            cached = self._dedup_lookup(g, client_id, seq)
+            if cached is not None:
+                outcome = PushOutcome(cached[0], cached[1], duplicate=True)
+            else:
+                outcome = self._push_locked(
+                    g, grads, client_id, seq, base_version, learning_rate
+                )
+                if self.journal is not None and not self.replaying:
+                    record = {
+                        "op": "push",
+                        "group": name,
+                        "client_id": client_id,
+                        "seq": seq,
+                        "base_version": base_version,
+                        "lr": learning_rate,
+                    }
+                    ticket = self.journal.log(record, grads)
+            if return_values:
+                if not outcome.applied:
+                    self._wait_version(g, outcome.update_count + 1, timeout)
+                outcome.values = g.copy_values(False)
+        if ticket is not None and self.journal is not None:
+            self.journal.wait(ticket)
+        return outcome
+
+    def _push_locked(
+        self,
+        g: Group,
+        grads: Sequence[Array],
+        client_id: str,
+        seq: int,
+        base_version: int | None,
+        learning_rate: float | None,
+    ) -> PushOutcome:
+        t = g.update_count
+        if base_version is not None and base_version > t:
+            raise InvalidArgument(
+                f"push computed against T={base_version}, but group {g.name!r} is "
+                f"only at T={t}: base_version must be a T the worker pulled"
+            )
+        c = g.consistency
+        if c.mode == "async":
+            s = c.max_staleness
+            if base_version is not None and s is not None and base_version < t - s:
+                raise FailedPrecondition(
+                    f"stale push to {g.name!r}: computed against T={base_version}, the "
+                    f"group is at T={t} and max_staleness={s} accepts T >= {t - s}; "
+                    "pull and recompute"
+                )
+            g.step(grads, learning_rate)
+            outcome = PushOutcome(g.update_count, True)
+        else:
+            if base_version is not None and base_version < t:
+                raise FailedPrecondition(
+                    f"stale push to sync group {g.name!r}: computed against "
+                    f"T={base_version}, but that step was already taken (T={t}); pull "
+                    f"min_version={t} and recompute"
+                )
+            g.expire_leases(self._clock())
+            key = client_id or f"~anonymous-{len(g.pending)}-{time.monotonic_ns()}"
+            if key in g.pending:
+                raise FailedPrecondition(
+                    f"client {client_id!r} already pushed for step T={t} of sync group "
+                    f"{g.name!r}; wait for the step (pull min_version={t + 1})"
+                )
+            g.pending[key] = [np.array(a, dtype=g.dtype, order="C") for a in grads]
+            outcome = PushOutcome(t, False)
+            if self._maybe_sync_step(g):
+                outcome = PushOutcome(g.update_count, True)
+        if client_id:
+            self._dedup_store(g, client_id, seq, outcome)
+        g.cond.notify_all()
+        return outcome
+
+    def _maybe_sync_step(self, g: Group) -> bool:
+        if not g.pending or len(g.pending) < g.quorum():
+            return False
+        combined = combine_contributions(g.pending, g.consistency.reduction, g.dtype)
+        contributors = sorted(g.pending)
+        g.pending = {}
+        g.step(combined, None)
+        if self.journal is not None and not self.replaying:
+            self.journal.log(
+                {"op": "sync_step", "group": g.name, "contributors": contributors}, []
+            )
+        g.cond.notify_all()
+        return True
+
+    def _dedup_lookup(
+        self, g: Group, client_id: str, seq: int
+    ) -> tuple[int, bool] | None:
+        if not client_id:
+            return None
+        w = g.dedup.get(client_id)
+        if w is None:
+            return None
+        hit = w.results.get(seq)
+        if hit is not None:
+            return hit
+        if seq <= w.floor:
+            raise FailedPrecondition(
+                f"push seq {seq} from client {client_id!r} is older than the "
+                f"{DEDUP_WINDOW} pushes remembered for it; it cannot be deduplicated"
+            )
+        return None
+
+    def _dedup_store(
+        self, g: Group, client_id: str, seq: int, outcome: PushOutcome
+    ) -> None:
+        w = g.dedup.setdefault(client_id, _ClientWindow())
+        w.results[seq] = (outcome.update_count, outcome.applied)
+        while len(w.results) > DEDUP_WINDOW:
+            old, _ = w.results.popitem(last=False)
+            w.floor = max(w.floor, old)
+
+    # -- pull ----------------------------------------------------------------------
+    def pull(
+        self,
+        name: str,
+        *,
+        with_state: bool = False,
+        min_version: int | None = None,
+        timeout: float | None = None,
+    ) -> tuple[int, list[Array], float]:
+        self._check_open()
+        g = self.get(name)
+        with g.cond:
+            self._check_live(g)
+            if min_version is not None:
+                self._wait_version(g, min_version, timeout)
+            return g.update_count, g.copy_values(with_state), g.learning_rate
+
+    def read_locked(
+        self,
+        name: str,
+        min_version: int | None,
+        timeout: float | None,
+        reader: Callable[[Group], Any],
+    ) -> Any:
+        """Run ``reader`` on the group under its lock (after waiting for a version)."""
+        g = self.get(name)
+        with g.cond:
+            self._check_live(g)
+            if min_version is not None:
+                self._wait_version(g, min_version, timeout)
+            return reader(g)
+
+    def _wait_version(self, g: Group, version: int, timeout: float | None) -> None:
+        deadline = None if timeout is None else self._clock() + timeout
+        while g.update_count < version:
+            self._check_live(g)
+            remaining = None if deadline is None else deadline - self._clock()
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceeded(
+                    f"group {g.name!r} is at T={g.update_count}; it did not reach "
+                    f"T={version} before the deadline"
+                )
+            g.cond.wait(timeout=0.5 if remaining is None else min(remaining, 0.5))
+
+    # -- workers -------------------------------------------------------------------
+    def join(self, name: str, worker_id: str) -> Group:
+        """Join or renew a worker's lease (a heartbeat of an unknown worker joins)."""
+        self._check_open()
+        _check_name(worker_id, "worker id")
+        g = self.get(name)
+        with g.cond:
+            self._check_live(g)
+            g.expire_leases(self._clock())
+            if worker_id not in g.workers:
+                if worker_id in g.dead:
+                    log.info("group %s: worker %s rejoined", name, worker_id)
+                else:
+                    log.info("group %s: worker %s joined", name, worker_id)
+            g.dead.discard(worker_id)
+            g.workers[worker_id] = self._clock() + g.lease_seconds
+            return g
+
+    def leave(self, name: str, worker_id: str) -> Group:
+        g = self.get(name)
+        with g.cond:
+            self._check_live(g)
+            if g.workers.pop(worker_id, None) is not None:
+                g.dead.add(worker_id)
+                log.info("group %s: worker %s left", name, worker_id)
+                self._maybe_sync_step(g)
+                g.cond.notify_all()
+            return g
+
+    # -- helpers -------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Unavailable("the server is shutting down; retry on another server")
+
+    def _check_live(self, g: Group) -> None:
+        if g.deleted:
+            raise NotFound(f"group {g.name!r} was deleted")
+        if self._closed:
+            raise Unavailable("the server is shutting down; retry on another server")
+
+    def _notify(self, event: str, name: str) -> None:
+        for listener in self.listeners:
+            listener(event, name)
