@@ -111,7 +111,7 @@ def iter_chunks(
     for index, a in enumerate(arrays):
         arr = np.asarray(a)
         arr = np.asarray(arr, dtype=arr.dtype.newbyteorder("<"), order="C")
-        view = memoryview(arr.reshape(-1)).cast("B")
+        view = memoryview(arr.reshape(-1)).cast("B")  # type: ignore[arg-type]
         for start in range(0, len(view), chunk_bytes):
             yield pb.TensorChunk(
                 index=index, offset=start, data=bytes(view[start : start + chunk_bytes])
@@ -127,7 +127,10 @@ class TensorAssembler:
         for t, what in zip(headers, self.names, strict=True):
             dtype, dims = tensor_spec(t, what)
             self.arrays.append(np.empty(dims, dtype=dtype))
-        self._views = [memoryview(a.reshape(-1)).cast("B") for a in self.arrays]
+        self._views = [
+            memoryview(a.reshape(-1)).cast("B")  # type: ignore[arg-type]
+            for a in self.arrays
+        ]
         self._filled = [0] * len(self.arrays)
 
     def add(self, chunk: pb.TensorChunk) -> None:
