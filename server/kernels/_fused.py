@@ -243,14 +243,18 @@ class Stepper:
     ) -> None:
         scratch = self._scratch[slot]
         fn = self._fn
-        for i, a, b in self._slices[slot]:
-            n = b - a
-            fn(
-                c,
-                xs[i][a:b],
-                gs[i][a:b],
-                vs[i][a:b] if vs is not None else None,
-                hs[i][a:b] if hs is not None else None,
-                scratch[0, :n],
-                scratch[1, :n],
-            )
+        # NaN/inf in, NaN/inf out, as IEEE says and the operator is defined: no
+        # RuntimeWarning (an error under filterwarnings=error). errstate is
+        # per-thread, hence here, where every pool thread runs.
+        with np.errstate(all="ignore"):
+            for i, a, b in self._slices[slot]:
+                n = b - a
+                fn(
+                    c,
+                    xs[i][a:b],
+                    gs[i][a:b],
+                    vs[i][a:b] if vs is not None else None,
+                    hs[i][a:b] if hs is not None else None,
+                    scratch[0, :n],
+                    scratch[1, :n],
+                )
