@@ -110,11 +110,17 @@ def make_attrs(op: str, attrs: Mapping[str, Any] | None = None) -> OptimizerAttr
             raise InvalidArgument(
                 f"{op} attribute {name!r} must be a float, got {type(value).__name__}"
             )
-        if not math.isfinite(float(value)):
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond float64
+            number = math.inf if value > 0 else -math.inf
+        with np.errstate(over="ignore"):
+            stored = f32(number)
+        if not math.isfinite(stored):  # 1e39 is finite, but inf as a FLOAT
             raise InvalidArgument(
-                f"{op} attribute {name!r} must be finite, got {float(value)!r}"
+                f"{op} attribute {name!r} must be finite as a float32, got {number!r}"
             )
-        if name == "epsilon" and value < 0:
-            raise InvalidArgument(f"{op} epsilon must be >= 0, got {float(value)!r}")
-        values[name] = f32(float(value))
+        if name == "epsilon" and number < 0:
+            raise InvalidArgument(f"{op} epsilon must be >= 0, got {number!r}")
+        values[name] = stored
     return cls(**values)
