@@ -21,6 +21,7 @@ client are remembered and a repeated push is answered with its first result.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -40,7 +41,7 @@ from .errors import (
     ResourceExhausted,
     Unavailable,
 )
-from .kernels import STATE_DTYPES, OptimizerAttrs, Stepper
+from .kernels import STATE_DTYPES, OptimizerAttrs, Stepper, make_attrs
 
 __all__ = [
     "DEDUP_WINDOW",
@@ -52,6 +53,7 @@ __all__ = [
     "PushOutcome",
     "StoreLimits",
     "combine_contributions",
+    "group_definition",
 ]
 
 log = logging.getLogger("onnxps.store")
@@ -196,6 +198,7 @@ class Group:
         self.workers: dict[str, float] = {}  # worker id -> lease expiry (monotonic)
         self.dead: set[str] = set()
         self.pending: dict[str, list[Array]] = {}
+        self.replay_step: int | None = None  # contributors of a logged sync step
         self.deleted = False
         self.created_at = time.time()
 
@@ -214,7 +217,14 @@ class Group:
         return [a for sname in self.attrs.state_names for a in self.states[sname]]
 
     def quorum(self) -> int:
-        return max(1, self.consistency.sync_workers - len(self.dead))
+        """Pushes the pending sync step needs.
+
+        A worker that pushed for this step and then died still counts: its gradient
+        is in the step, so dropping it from the quorum too would let the step go
+        before a live worker has pushed (and then refuse that worker's push as late).
+        """
+        missing = sum(1 for w in self.dead if w not in self.pending)
+        return max(1, self.consistency.sync_workers - missing)
 
     def live_workers(self) -> int:
         return len(self.workers)
@@ -247,6 +257,23 @@ class Group:
         arrays = self.xs + (self.state_arrays() if with_state else [])
         n = len(self.shapes)
         return [a.reshape(self.shapes[i % n]).copy() for i, a in enumerate(arrays)]
+
+
+def group_definition(g: Group) -> dict[str, Any]:
+    """Everything that defines a group except its arrays, as JSON-ready values."""
+    return {
+        "group": g.name,
+        "optimizer": g.attrs.op,
+        "attrs": dataclasses.asdict(g.attrs),
+        "learning_rate": g.learning_rate,
+        "update_count": g.update_count,
+        "dtype": g.dtype.str,
+        "names": list(g.names),
+        "shapes": [list(s) for s in g.shapes],
+        "consistency": dataclasses.asdict(g.consistency),
+        "allow_non_finite": g.allow_non_finite,
+        "lease_seconds": g.lease_seconds,
+    }
 
 
 def _check_name(name: str, what: str = "group name") -> None:
@@ -423,8 +450,11 @@ class ParameterStore:
                     f"{total}, over its limit of {self.limits.max_total_bytes}"
                 )
             self._groups[name] = group
+            ticket = None
             if self.journal is not None and not self.replaying:
-                self._log_create(group)
+                ticket = self._log_create(group)
+        if ticket is not None and self.journal is not None:
+            self.journal.wait(ticket)
         log.info(
             "created group %s: %s %s, %d tensors, %d elements, T=%d",
             name,
@@ -445,11 +475,12 @@ class ParameterStore:
                 f"server's limit of {limit} bytes per group"
             )
 
-    def _log_create(self, group: Group) -> None:
+    def _log_create(self, group: Group) -> int:
+        # The full definition and initial tensors, so replay can recreate the group.
         assert self.journal is not None
-        record = {"op": "create", "group": group.name}
-        ticket = self.journal.log(record, [])
-        self.journal.wait(ticket)
+        record = {"op": "create", **group_definition(group)}
+        with group.cond:
+            return self.journal.log(record, group.copy_values(True))
 
     def delete_group(self, name: str) -> bool:
         self._check_open()
@@ -611,7 +642,13 @@ class ParameterStore:
         return outcome
 
     def _maybe_sync_step(self, g: Group) -> bool:
-        if not g.pending or len(g.pending) < g.quorum():
+        if self.replaying:
+            # Replay steps where the log says a step was taken: the sync_step record
+            # precedes the push that triggered it, so wait for that many contributions.
+            if g.replay_step is None or len(g.pending) < g.replay_step:
+                return False
+            g.replay_step = None
+        elif not g.pending or len(g.pending) < g.quorum():
             return False
         combined = combine_contributions(g.pending, g.consistency.reduction, g.dtype)
         contributors = sorted(g.pending)
@@ -723,6 +760,66 @@ class ParameterStore:
                 self._maybe_sync_step(g)
                 g.cond.notify_all()
             return g
+
+    # -- durability ----------------------------------------------------------------
+    def capture(
+        self, g: Group, journal_seq: Callable[[], int] | None = None
+    ) -> dict[str, Any] | None:
+        """A copy of the group's whole state taken under its lock (None if deleted).
+
+        ``journal_seq`` is read under the same lock: every journal record of this group
+        up to that sequence number is in the copy, and none after it.
+        """
+        with g.cond:
+            if g.deleted:
+                return None
+            return {
+                **group_definition(g),
+                "covered_seq": journal_seq() if journal_seq is not None else 0,
+                "arrays": g.copy_values(True),
+                "workers": sorted(g.workers),
+                "dead": sorted(g.dead),
+                "pending": {k: [a.copy() for a in v] for k, v in g.pending.items()},
+                "dedup": {
+                    cid: (w.floor, [(s, t, a) for s, (t, a) in w.results.items()])
+                    for cid, w in g.dedup.items()
+                },
+            }
+
+    def install(self, image: Mapping[str, Any]) -> Group:
+        """Recreate a captured group (at start, before serving) with all its state."""
+        attrs = make_attrs(image["optimizer"], image["attrs"])
+        n = len(image["names"])
+        arrays = list(image["arrays"])
+        g = Group(
+            image["group"],
+            attrs,
+            image["learning_rate"],
+            list(zip(image["names"], arrays[:n], strict=True)),
+            consistency=Consistency(**image["consistency"]),
+            allow_non_finite=image["allow_non_finite"],
+            lease_seconds=image["lease_seconds"],
+            state=arrays[n:] or None,
+            update_count=image["update_count"],
+        )
+        now = self._clock()
+        g.workers = dict.fromkeys(image.get("workers", ()), now + g.lease_seconds)
+        g.dead = set(image.get("dead", ()))
+        g.pending = {k: list(v) for k, v in image.get("pending", {}).items()}
+        for cid, (floor, rows) in image.get("dedup", {}).items():
+            w = g.dedup[cid] = _ClientWindow(floor=int(floor))
+            for s, t, a in rows:
+                w.results[int(s)] = (int(t), bool(a))
+        with self._lock:
+            self._groups[g.name] = g
+        return g
+
+    def replay_sync_step(self, name: str, contributors: int) -> None:
+        """Replay a logged sync step: it is taken once that many pushes are buffered."""
+        g = self.get(name)
+        with g.cond:
+            g.replay_step = contributors
+            self._maybe_sync_step(g)
 
     # -- helpers -------------------------------------------------------------------
     def _check_open(self) -> None:
