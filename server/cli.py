@@ -159,12 +159,30 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(config)
 
 
+def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from . import demo
+
+    demo.add_arguments(
+        sub.add_parser("demo", help="train an MLP on digits with a server and workers")
+    )
+
+
+def _add_status(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from . import status
+
+    status.add_arguments(
+        sub.add_parser("status", help="show the groups on a running server")
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="onnxps", description="onnxps: a gRPC parameter server for ONNX optimizers"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    _add_demo(sub)
+    _add_status(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(args, "log_level", "INFO").upper(),
@@ -172,6 +190,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.command == "serve":
         return _serve(args)
+    if args.command == "demo":
+        from . import demo
+
+        return demo.run(args)
+    if args.command == "status":
+        from . import status
+
+        return status.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

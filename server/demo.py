@@ -1,0 +1,338 @@
+"""``onnxps demo``: a server and N workers training an MLP on digits, in one command.
+
+The demo starts ``onnxps serve`` on 127.0.0.1 (port 0; the port is read from the
+server's "listening on" log line), creates the group, starts the workers
+(``python -m onnxps.server._demo_worker``), shows their progress, and at the end pulls
+the parameters and prints the held-out accuracy.
+
+Exit status: 0 when training finished; 1 when a worker or the server failed; 128 + the
+signal number when interrupted (130 for SIGINT/Ctrl-C, 143 for SIGTERM). In every case
+each process the demo started is stopped before it returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from onnxps.client import Client
+
+from . import _demo_worker as worker
+
+__all__ = ["Progress", "add_arguments", "run"]
+
+STEP_LINE = re.compile(r"^worker (\d+)/\d+ step (\d+)/\d+ loss ([0-9.eE+-]+|nan|inf)")
+LISTENING = re.compile(r"listening on (\S+)")
+GROUP = "digits-mlp"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--optimizer",
+        choices=worker.OPTIMIZERS,
+        default="adam",
+        help="ONNX optimizer applied by the server (default adam)",
+    )
+    p.add_argument("--workers", type=int, default=4, help="worker processes (4)")
+    p.add_argument("--steps", type=int, default=300, help="pushes per worker (300)")
+    p.add_argument(
+        "--mode", choices=("async", "sync"), default="async", help="consistency"
+    )
+    p.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help="R (default tuned per optimizer: "
+        + ", ".join(f"{k} {v}" for k, v in worker.LEARNING_RATES.items())
+        + ")",
+    )
+    p.add_argument("--batch-size", type=int, default=32, help="minibatch (32)")
+    p.add_argument("--seed", type=int, default=0, help="data split and init seed")
+
+
+class Progress:
+    """A progress bar on a terminal; periodic plain lines anywhere else."""
+
+    def __init__(
+        self, total: int, out: TextIO, tty: bool | None = None, every: float = 2.0
+    ) -> None:
+        self.total = max(1, total)
+        self.out = out
+        self.tty = out.isatty() if tty is None else tty
+        self.every = every if not self.tty else 0.1
+        self.start = time.monotonic()
+        self._last = -1e9
+        self._shown = False
+
+    def line(self, done: int, loss: float | None) -> str:
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        frac = min(1.0, done / self.total)
+        loss_text = "   -  " if loss is None else f"{loss:.4f}"
+        stats = (
+            f"{done}/{self.total} pushes  loss {loss_text}  "
+            f"{done / elapsed:.0f} pushes/s  {elapsed:.1f}s"
+        )
+        if not self.tty:
+            return f"progress {100 * frac:3.0f}%  {stats}"
+        width = 30
+        filled = int(width * frac)
+        return f"[{'#' * filled}{'.' * (width - filled)}] {100 * frac:3.0f}%  {stats}"
+
+    def update(self, done: int, loss: float | None, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < self.every:
+            return
+        self._last = now
+        if self.tty:
+            self.out.write("\r\x1b[K" + self.line(done, loss))
+        else:
+            self.out.write(self.line(done, loss) + "\n")
+        self.out.flush()
+        self._shown = True
+
+    def close(self) -> None:
+        if self.tty and self._shown:
+            self.out.write("\n")
+            self.out.flush()
+
+
+@dataclass
+class _Workers:
+    """What the workers reported, fed by one reader thread per worker."""
+
+    steps: dict[int, int] = field(default_factory=dict)
+    losses: dict[int, float] = field(default_factory=dict)
+    lines: dict[int, list[str]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def read(self, index: int, stream: TextIO) -> None:
+        for raw in stream:
+            text = raw.rstrip("\n")
+            m = STEP_LINE.match(text)
+            with self.lock:
+                self.lines.setdefault(index, []).append(text)
+                if m:
+                    self.steps[index] = int(m.group(2))
+                    self.losses[index] = float(m.group(3))
+
+    def snapshot(self) -> tuple[int, float | None]:
+        with self.lock:
+            done = sum(self.steps.values())
+            losses = list(self.losses.values())
+        return done, (sum(losses) / len(losses) if losses else None)
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise _Interrupted(signum)
+
+
+def _start_server(workdir: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
+    log_path = workdir / "server.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "onnxps.server.cli",
+        "serve",
+        "--address",
+        "127.0.0.1:0",
+        "--durability",
+        "none",
+    ]
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = LISTENING.search(log_path.read_text(errors="replace"))
+        if m:
+            return proc, m.group(1), log_path
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise RuntimeError(
+        f"the server did not start: {log_path.read_text(errors='replace')[-2000:]}"
+    )
+
+
+def _stop(procs: Sequence[subprocess.Popen[Any]], timeout: float = 10.0) -> None:
+    """SIGTERM every process still running, wait, then SIGKILL the stragglers."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _worker_cmd(args: argparse.Namespace, address: str, index: int) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "onnxps.server._demo_worker",
+        f"--address={address}",
+        f"--group={GROUP}",
+        f"--index={index}",
+        f"--workers={args.workers}",
+        f"--steps={args.steps}",
+        f"--batch-size={args.batch_size}",
+        f"--optimizer={args.optimizer}",
+        f"--mode={args.mode}",
+        f"--seed={args.seed}",
+        f"--learning-rate={args.lr}",
+        "--log-every=5",
+    ]
+    return cmd
+
+
+def _train(
+    args: argparse.Namespace, workdir: Path, procs: list[Any], out: TextIO
+) -> int:
+    server, address, server_log = _start_server(workdir)
+    procs.append(server)
+    print(
+        f"onnxps demo: server on {address}; {args.workers} workers train a "
+        f"{worker.HIDDEN}-unit MLP on digits with {args.optimizer} "
+        f"(R={args.lr}, {args.mode}, {args.steps} steps each)",
+        file=out,
+        flush=True,
+    )
+    with contextlib.ExitStack() as stack:
+        ps = stack.enter_context(Client(address, timeout=10.0))
+        worker.create_group_if_missing(
+            ps, GROUP, args.optimizer, args.lr, args.mode, args.workers, args.seed
+        )
+        state = _Workers()
+        readers = []
+        errs = []
+        for i in range(args.workers):
+            err = stack.enter_context(open(workdir / f"worker-{i}.err", "w+b"))
+            errs.append(err)
+            p = subprocess.Popen(
+                _worker_cmd(args, address, i),
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
+            procs.append(p)
+            stack.callback(p.stdout.close)  # type: ignore[union-attr]
+            t = threading.Thread(target=state.read, args=(i, p.stdout), daemon=True)
+            t.start()
+            readers.append(t)
+        workers = procs[1:]
+        bar = Progress(args.workers * args.steps, out)
+        while any(p.poll() is None for p in workers):
+            if server.poll() is not None or any(p.poll() for p in workers):
+                break
+            bar.update(*state.snapshot())
+            time.sleep(0.05)
+        if server.poll() is not None or any(p.poll() for p in workers):
+            bar.close()
+            _stop(workers)
+            _report_failure(server, server_log, workers, errs)
+            return 1
+        for t in readers:
+            t.join(timeout=5)
+        bar.update(*state.snapshot(), force=True)
+        bar.close()
+        params = ps.pull(GROUP)
+        info = ps.describe_group(GROUP)
+    data = worker.load_dataset(args.seed)
+    acc = worker.accuracy(params, data.x_test, data.y_test)
+    elapsed = time.monotonic() - bar.start
+    print(
+        f"trained: T={info.update_count} updates from "
+        f"{args.workers * args.steps} pushes in {elapsed:.1f}s",
+        file=out,
+    )
+    print(
+        f"held-out accuracy: {acc:.4f} on {len(data.y_test)} test images "
+        "(chance is 0.10)",
+        file=out,
+        flush=True,
+    )
+    return 0
+
+
+def _report_failure(
+    server: subprocess.Popen[Any],
+    server_log: Path,
+    workers: Sequence[subprocess.Popen[Any]],
+    errs: Sequence[Any],
+) -> None:
+    if server.poll() is not None:
+        print(
+            f"onnxps demo: the server exited with status {server.returncode}:\n"
+            + server_log.read_text(errors="replace")[-2000:],
+            file=sys.stderr,
+        )
+    for i, p in enumerate(workers):
+        if p.poll() not in (None, 0):
+            errs[i].seek(0)
+            text = errs[i].read().decode(errors="replace")[-2000:]
+            print(
+                f"onnxps demo: worker {i} exited with status {p.returncode}:\n{text}",
+                file=sys.stderr,
+            )
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Run the demo; returns the exit status (see the module docstring)."""
+    out = out or sys.stdout
+    if args.workers < 1 or args.steps < 1:
+        print("onnxps demo: --workers and --steps must be >= 1", file=sys.stderr)
+        return 2
+    args.lr = args.learning_rate or worker.LEARNING_RATES[args.optimizer]
+    procs: list[subprocess.Popen[Any]] = []
+    previous = {
+        s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        with tempfile.TemporaryDirectory(prefix="onnxps-demo-") as tmp:
+            try:
+                return _train(args, Path(tmp), procs, out)
+            finally:
+                # Stop workers first, then the server, each within its own bound.
+                _stop(procs[1:])
+                _stop(procs[:1])
+    except _Interrupted as exc:
+        for s in previous:
+            signal.signal(s, signal.SIG_IGN)
+        _stop(procs[1:])
+        _stop(procs[:1])
+        print(f"\nonnxps demo: {exc}: stopped the server and workers", file=sys.stderr)
+        return 128 + exc.signum
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="onnxps demo")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
