@@ -1,8 +1,9 @@
 """The three ONNX training operators transcribed line by line, and the official tests.
 
-An independent oracle for the kernels: it imports nothing from onnxps. Every function
-is the operator page's pseudo-code, one expression per line, each allocating its
-result, so it is easy to check against the spec and slow on purpose.
+An independent oracle for the kernels: it imports nothing from onnxps, and only NumPy
+outside the node-test loader. Every function is the operator page's pseudo-code, one
+expression per line, each allocating its result: easy to check against the spec, and
+the naive baseline in ``benchmarks/kernels.py``.
 
 Two precisions:
 
@@ -29,8 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
-from onnx import helper, numpy_helper
 
 __all__ = [
     "DEFAULTS",
@@ -265,6 +264,9 @@ def node_tests_dir() -> Path:
 
 
 def _load_tensors(directory: Path, prefix: str) -> list[Array]:
+    import onnx
+    from onnx import numpy_helper
+
     paths = sorted(
         directory.glob(f"{prefix}_*.pb"),
         key=lambda p: int(p.stem.rsplit("_", 1)[1]),
@@ -274,6 +276,10 @@ def _load_tensors(directory: Path, prefix: str) -> list[Array]:
 
 def load_node_test(name: str, root: Path | None = None) -> NodeTest:
     """The model's single node (op type, attributes with strings decoded) and data."""
+    # Imported here so the transcriptions run (in benchmarks) without onnx installed.
+    import onnx
+    from onnx import helper
+
     directory = (root or node_tests_dir()) / name
     model = onnx.load(str(directory / "model.onnx"))
     (node,) = model.graph.node
