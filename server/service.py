@@ -30,7 +30,7 @@ from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from ._convert import attrs_from_proto, consistency_from_proto, group_info
 from ._status import status_for
-from .errors import InvalidArgument, ResourceExhausted, Unavailable
+from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from .kernels import apply_onnx
 from .store import Group, ParameterStore
 
@@ -351,8 +351,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @_unary
     def Save(self, request: pb.SaveRequest, context: Any) -> pb.SaveResponse:
         if self._save is None:
-            raise Unavailable(
-                "this server keeps no data directory (started with --durability none)"
+            # Not UNAVAILABLE: the client retries that, and no retry will help.
+            raise FailedPrecondition(
+                "this server keeps no data directory (started with --durability none):"
+                " start it with --data-dir and --durability snapshot or wal to save"
             )
         return self._save()
 

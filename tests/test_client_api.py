@@ -1,0 +1,319 @@
+"""The client library: exports, lifecycle, deadlines, exceptions, group info."""
+
+from __future__ import annotations
+
+import inspect
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import onnxps.client
+import pytest
+from onnxps.client import (
+    Adagrad,
+    Adam,
+    Async,
+    Client,
+    ClientClosedError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    GroupInfo,
+    Momentum,
+    NotFoundError,
+    OnnxpsError,
+    RpcError,
+    Sync,
+)
+from onnxps.client._errors import translate
+from onnxps.server.app import ServerHandle
+
+X = np.zeros(3, np.float32)
+
+# Every public call, as it would be made by a worker.
+CALLS: dict[str, Callable[..., Any]] = {
+    "create_group": lambda c, **kw: c.create_group(
+        "g", Adagrad(), learning_rate=0.1, tensors={"x": X}, **kw
+    ),
+    "describe_group": lambda c, **kw: c.describe_group("g", **kw),
+    "list_groups": lambda c, **kw: c.list_groups(**kw),
+    "delete_group": lambda c, **kw: c.delete_group("g", **kw),
+    "set_learning_rate": lambda c, **kw: c.set_learning_rate("g", 0.5, **kw),
+    "push": lambda c, **kw: c.push("g", X, **kw),
+    "push_detailed": lambda c, **kw: c.push_detailed("g", X, **kw),
+    "pull": lambda c, **kw: c.pull("g", **kw),
+    "pull_versioned": lambda c, **kw: c.pull_versioned("g", state=True, **kw),
+    "apply": lambda c, **kw: c.apply(Adagrad(), np.float32(0.1), 0, X, X, X, **kw),
+    "join": lambda c, **kw: c.join("g", **kw),
+    "leave": lambda c, **kw: c.leave("g", **kw),
+    "save": lambda c, **kw: c.save(**kw),
+}
+
+
+# -- exports (httpx's test) ------------------------------------------------------------
+
+
+def test_all_lists_every_public_class_and_function() -> None:
+    public = {
+        name
+        for name, value in vars(onnxps.client).items()
+        if not name.startswith("_")
+        and (inspect.isclass(value) or inspect.isfunction(value))
+        and value.__module__.startswith("onnxps.client")
+    }
+    assert public <= set(onnxps.client.__all__), public - set(onnxps.client.__all__)
+    assert onnxps.client.__all__ == sorted(set(onnxps.client.__all__))
+    for name in onnxps.client.__all__:
+        assert hasattr(onnxps.client, name), name
+    # the exception tree is exported whole
+    errors = {
+        cls.__name__
+        for cls in vars(onnxps.client).values()
+        if inspect.isclass(cls) and issubclass(cls, OnnxpsError)
+    }
+    assert len(errors) == 13
+    assert errors <= set(onnxps.client.__all__)
+
+
+def test_every_public_call_is_in_the_table_below() -> None:
+    methods = {
+        name
+        for name, value in vars(Client).items()
+        if not name.startswith("_") and inspect.isfunction(value) and name != "close"
+    }
+    assert methods == set(CALLS)
+    for name in CALLS:
+        assert "timeout" in inspect.signature(getattr(Client, name)).parameters, name
+
+
+# -- lifecycle -------------------------------------------------------------------------
+
+
+def test_context_manager_closes_and_refuses_reuse(server: ServerHandle) -> None:
+    with Client(server.address, timeout=10) as c:
+        assert c.list_groups() == []
+    with pytest.raises(ClientClosedError, match="closed; create a new Client"):
+        c.list_groups()
+    with pytest.raises(ClientClosedError), c:
+        pass
+    c.close()  # idempotent
+    assert issubclass(ClientClosedError, OnnxpsError)
+    assert not issubclass(ClientClosedError, RpcError)
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_every_call_after_close_raises_client_closed(
+    server: ServerHandle, name: str
+) -> None:
+    c = Client(server.address, timeout=10)
+    c.close()  # before the channel was ever opened
+    with pytest.raises(ClientClosedError):
+        CALLS[name](c)
+
+
+def test_channel_opens_on_first_use() -> None:
+    c = Client("127.0.0.1:1", timeout=1)  # nothing listens there: no error yet
+    assert c._channel is None
+    c.close()
+
+
+def test_use_after_close_with_open_channel(client: Client) -> None:
+    client.create_group("g", Adam(), learning_rate=0.1, tensors={"x": X})
+    client.close()
+    for call in CALLS.values():
+        with pytest.raises(ClientClosedError):
+            call(client)
+
+
+# -- deadlines -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["unary", "stream"])
+def test_pull_min_version_honours_timeout(server: ServerHandle, transport: str) -> None:
+    with Client(server.address, timeout=30, transport=transport) as c:  # type: ignore[arg-type]
+        c.create_group("g", Adam(), learning_rate=0.1, tensors={"x": X})
+        t = c.push("g", X)
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceededError) as info:
+            c.pull("g", min_version=t + 5, timeout=0.3)
+        elapsed = time.monotonic() - started
+    assert 0.25 <= elapsed < 1.0, elapsed
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert isinstance(info.value, TimeoutError)
+
+
+def test_pull_min_version_uses_default_timeout(server: ServerHandle) -> None:
+    with Client(server.address, timeout=0.3) as c:
+        c.create_group("g", Adam(), learning_rate=0.1, tensors={"x": X})
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceededError):
+            c.pull_versioned("g", min_version=1)
+        assert time.monotonic() - started < 1.0
+
+
+def test_pull_min_version_returns_when_reached(client: Client) -> None:
+    client.create_group("g", Adam(), learning_rate=0.1, tensors={"x": X})
+    timer = threading.Timer(0.2, lambda: client.push("g", np.ones(3, np.float32)))
+    timer.start()
+    try:
+        t, (x,) = client.pull_versioned("g", min_version=1, timeout=10)
+    finally:
+        timer.join()
+    assert t == 1
+    assert not np.array_equal(x, X)
+
+
+@pytest.fixture
+def silent_address() -> Iterator[str]:
+    """A TCP port that accepts connections and never speaks HTTP/2."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    try:
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
+
+
+STREAMED = ("create_group", "push", "pull_versioned", "apply")
+
+
+@pytest.mark.parametrize(
+    ("name", "transport"),
+    [(n, "unary") for n in CALLS] + [(n, "stream") for n in STREAMED],
+)
+def test_every_call_honours_timeout(
+    silent_address: str, name: str, transport: str
+) -> None:
+    with Client(
+        silent_address,
+        timeout=60,
+        transport=transport,  # type: ignore[arg-type]
+        push_attempts=1,
+    ) as c:
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceededError):
+            CALLS[name](c, timeout=0.2)
+        assert time.monotonic() - started < 1.0
+
+
+def test_default_timeout_applies_to_every_call(silent_address: str) -> None:
+    with Client(silent_address, timeout=0.2, push_attempts=1) as c:
+        for name, call in CALLS.items():
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceededError):
+                call(c)
+            assert time.monotonic() - started < 1.0, name
+
+
+def test_push_retries_a_timed_out_push_a_bounded_number_of_times(
+    silent_address: str,
+) -> None:
+    # Each attempt gets the whole timeout (the same seq makes a retry safe); backoff
+    # 0.1 + 0.2 s between the three attempts.
+    with Client(silent_address, timeout=60, push_attempts=3) as c:
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceededError):
+            c.push("g", X, timeout=0.2)
+        assert 0.85 <= time.monotonic() - started < 2.0
+
+
+# -- exceptions ------------------------------------------------------------------------
+
+
+def test_each_exception_class_carries_its_status_code() -> None:
+    for cls in (c for c in vars(onnxps.client).values() if inspect.isclass(c)):
+        if issubclass(cls, RpcError) and cls is not RpcError:
+            words = cls.__name__.removesuffix("Error")
+            expected = "".join(f"_{ch}" if ch.isupper() else ch for ch in words)
+            assert cls.code.name == expected.lstrip("_").upper(), cls
+
+
+class _FakeCall(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_translate_maps_codes_and_keeps_unknown_ones() -> None:
+    err = translate(_FakeCall(grpc.StatusCode.NOT_FOUND, "no group named 'x'"))
+    assert type(err) is NotFoundError and isinstance(err, LookupError)
+    assert str(err) == "NOT_FOUND: no group named 'x'"
+    other = translate(_FakeCall(grpc.StatusCode.ABORTED, "aborted"))
+    assert type(other) is RpcError and other.code == grpc.StatusCode.ABORTED
+
+
+def test_save_without_data_directory_fails_fast(client: Client) -> None:
+    started = time.monotonic()
+    with pytest.raises(FailedPreconditionError, match="--durability none"):
+        client.save()
+    assert time.monotonic() - started < 0.5  # not retried like UNAVAILABLE
+
+
+# -- group information -----------------------------------------------------------------
+
+
+def test_group_info_describes_the_group(client: Client) -> None:
+    info = client.create_group(
+        "mlp/layer1",
+        Adam(alpha=0.8),
+        learning_rate=0.01,
+        tensors=[("w", np.zeros((2, 5))), ("b", np.zeros(5)), ("s", np.float64(0))],
+    )
+    assert isinstance(info, GroupInfo)
+    assert info.name == "mlp/layer1"
+    # every attribute filled in, as ONNX stores it (float32)
+    assert info.optimizer == Adam(
+        float(np.float32(0.8)), float(np.float32(0.999)), float(np.float32(1e-6)),
+        0.0, 0.0,
+    )  # fmt: skip
+    assert info.learning_rate == 0.01
+    assert info.update_count == 0
+    assert info.dtype == np.dtype(np.float64)
+    assert info.tensors == [("w", (2, 5)), ("b", (5,)), ("s", ())]
+    assert info.consistency == Async(None)
+    assert info.allow_non_finite is False
+    assert info.element_count == 16
+    assert info.nbytes == 128
+    assert info.state_bytes == 3 * 128  # X, V, H
+    assert client.describe_group("mlp/layer1") == info
+
+    client.create_group(
+        "mlp/layer2",
+        Momentum(0.9, 0.5, "nesterov", 0.0),
+        learning_rate=0.1,
+        tensors={"w": np.zeros(4, np.float32)},
+        consistency=Sync(3, "sum"),
+    )
+    client.create_group("other", Adagrad(), learning_rate=1.0, tensors={"x": X})
+    names = [g.name for g in client.list_groups("mlp/")]
+    assert names == ["mlp/layer1", "mlp/layer2"]
+    layer2 = client.list_groups("mlp/layer2")[0]
+    assert layer2.consistency == Sync(3, "sum")
+    assert layer2.optimizer == Momentum(float(np.float32(0.9)), 0.5, "nesterov", 0.0)
+    assert layer2.quorum == 3
+    assert client.delete_group("other") is True
+    assert [g.name for g in client.list_groups()] == ["mlp/layer1", "mlp/layer2"]
+    with pytest.raises(NotFoundError):
+        client.describe_group("other")
+
+
+def test_push_detailed_and_return_values(client: Client) -> None:
+    client.create_group("g", Adagrad(), learning_rate=0.5, tensors={"x": X})
+    result = client.push_detailed("g", np.ones(3, np.float32), return_values=True)
+    assert result.update_count == 1 and result.applied and not result.duplicate
+    assert result.values is not None
+    (x,) = result.values
+    assert x.dtype == np.float32 and x.shape == (3,)
+    assert x.flags.writeable
+    (pulled,) = client.pull("g")
+    assert pulled.tobytes() == x.tobytes()
+    assert pulled.flags.writeable
