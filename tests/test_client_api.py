@@ -201,7 +201,7 @@ def test_every_call_honours_timeout(
 
 
 def test_default_timeout_applies_to_every_call(silent_address: str) -> None:
-    with Client(silent_address, timeout=0.2, push_attempts=1) as c:
+    with Client(silent_address, timeout=0.1, push_attempts=1) as c:
         for name, call in CALLS.items():
             started = time.monotonic()
             with pytest.raises(DeadlineExceededError):
