@@ -1,11 +1,390 @@
-"""Snapshots, the write-ahead log, restore and replay (issue 6)."""
+"""Snapshots, the write-ahead log, restore and replay (issue 6).
+
+``--durability snapshot``: the whole state is written atomically every
+``snapshot_interval`` seconds, on the Save RPC and on graceful shutdown; a crash loses
+what came after the last snapshot. ``--durability wal``: in addition every change is
+appended to a write-ahead log and fsynced before the push is acknowledged, so a crash
+loses nothing that was acknowledged. On start the newest intact snapshot is restored
+and the log after it is replayed through the store's own code paths. The on-disk
+format is in docs/FORMAT.md.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["attach"]
+import numpy as np
+from grpc_health.v1 import health_pb2
+from onnxps.v1 import parameter_server_pb2 as pb
+
+from ._snapshot import (
+    SnapshotError,
+    WrittenSnapshot,
+    list_snapshots,
+    load_snapshot,
+    next_generation,
+    write_snapshot,
+)
+from ._wal import WriteAheadLog, read_segments, segment_paths
+from .errors import FailedPrecondition, OnnxpsError
+from .kernels import make_attrs
+from .store import Consistency, ParameterStore
+
+__all__ = ["Durability", "attach"]
+
+log = logging.getLogger("onnxps.durability")
+
+MODES = ("none", "snapshot", "wal")
 
 
 def attach(handle: Any, servicer: Any) -> None:
     """Restore state from the data directory and start snapshotting, if configured."""
+    config = handle.config
+    if config.durability not in MODES:
+        raise ValueError(
+            f"durability must be one of {', '.join(MODES)}, got {config.durability!r}"
+        )
+    if config.durability == "none":
+        return
+    if not config.data_dir:
+        raise ValueError(
+            f"durability {config.durability!r} needs a data directory (--data-dir)"
+        )
+    d = Durability(
+        handle.store,
+        config.data_dir,
+        mode=config.durability,
+        keep=config.keep_snapshots,
+        set_health=lambda status: _set_health(handle, status),
+    )
+    d.open()
+    servicer._save = d.save_rpc
+    handle.on_stop.append(d.close)
+    d.start_periodic(config.snapshot_interval)
+    handle.durability = d
+
+
+def _set_health(handle: Any, status: int) -> None:
+    from .app import SERVICE_NAME
+
+    handle.health.set("", status)
+    handle.health.set(SERVICE_NAME, status)
+
+
+class Durability:
+    """One data directory: ``snapshots/snap-<gen>/`` and ``wal/wal-<seq>.log``."""
+
+    def __init__(
+        self,
+        store: ParameterStore,
+        data_dir: str,
+        *,
+        mode: str = "snapshot",
+        keep: int = 3,
+        set_health: Callable[[int], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.root = os.path.abspath(data_dir)
+        self.mode = mode
+        self.keep = max(1, keep)
+        self.snap_dir = os.path.join(self.root, "snapshots")
+        self.wal_dir = os.path.join(self.root, "wal")
+        self.journal: WriteAheadLog | None = None
+        self._set_health = set_health
+        self._base_seq = 0  # last journal seq when no log is kept
+        self._lock = threading.Lock()  # one snapshot at a time
+        self._signature: Any = None
+        self._snapshot_failed = False
+        self._wal_failed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock_fd = -1
+
+    # -- start ----------------------------------------------------------------------
+    def open(self) -> None:
+        self._prepare()
+        wal_seq, covered = self._restore()
+        last, replayed = self._replay(wal_seq, covered)
+        next_seq = max([last, wal_seq, *covered.values()]) + 1
+        if self.mode == "wal":
+            self.journal = WriteAheadLog(self.wal_dir, next_seq, self._on_wal_error)
+            self.store.journal = self.journal
+        else:
+            self._base_seq = next_seq - 1
+            if replayed or segment_paths(self.wal_dir):
+                # Left by a run in wal mode: fold it into a snapshot, then drop it.
+                self.snapshot()
+                for _, path in segment_paths(self.wal_dir):
+                    os.unlink(path)
+        self._signature = self._current_signature()
+
+    def _prepare(self) -> None:
+        try:
+            os.makedirs(self.snap_dir, exist_ok=True)
+            os.makedirs(self.wal_dir, exist_ok=True)
+            self._lock_fd = os.open(
+                os.path.join(self.root, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644
+            )
+            probe = os.path.join(self.root, ".write-test")
+            with open(probe, "wb") as f:
+                f.write(b"onnxps")
+                os.fsync(f.fileno())
+            os.unlink(probe)
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"data directory {self.root!r} is not usable: "
+                f"{exc.strerror or exc}; create it writable by this user, pass "
+                "another --data-dir, or run with --durability none to keep state "
+                "in memory only",
+            ) from exc
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(self._lock_fd)
+            raise OSError(
+                exc.errno,
+                f"data directory {self.root!r} is in use by another onnxps server; "
+                "stop it or pass another --data-dir",
+            ) from exc
+        for entry in os.listdir(self.snap_dir):
+            if entry.endswith(".tmp"):
+                log.warning("removing unfinished snapshot %s", entry)
+                shutil.rmtree(os.path.join(self.snap_dir, entry), ignore_errors=True)
+
+    def _restore(self) -> tuple[int, dict[str, int]]:
+        """Install the newest intact snapshot; (its wal seq, covered seq per group)."""
+        for _, path in list_snapshots(self.snap_dir):
+            try:
+                manifest, images = load_snapshot(path)
+            except SnapshotError as exc:
+                log.warning(
+                    "snapshot %s is damaged or incomplete (%s); using the one before",
+                    path,
+                    exc,
+                )
+                continue
+            for image in images:
+                self.store.install(image)
+            log.info(
+                "restored %d groups from %s (generation %d)",
+                len(images),
+                path,
+                manifest["generation"],
+            )
+            covered = {im["group"]: int(im["covered_seq"]) for im in images}
+            return int(manifest["wal_seq"]), covered
+        segments = segment_paths(self.wal_dir)
+        if segments and segments[0][0] > 1:
+            log.error(
+                "no intact snapshot in %s, and the write-ahead log starts at record "
+                "%d: records before it are gone, so the replayed state is partial",
+                self.snap_dir,
+                segments[0][0],
+            )
+        return 0, {}
+
+    def _replay(self, wal_seq: int, covered: dict[str, int]) -> tuple[int, int]:
+        last, count = wal_seq, 0
+        started = time.perf_counter()
+        self.store.replaying = True
+        try:
+            for header, arrays in read_segments(self.wal_dir, wal_seq):
+                seq = int(header["lsn"])
+                last = max(last, seq)
+                if covered.get(header["group"], -1) >= seq:
+                    continue
+                try:
+                    self._apply(header, arrays)
+                    count += 1
+                except OnnxpsError as exc:
+                    log.warning(
+                        "write-ahead log record %d (%s on %r) not replayed: %s",
+                        seq,
+                        header["op"],
+                        header["group"],
+                        exc,
+                    )
+        finally:
+            self.store.replaying = False
+        if count:
+            log.info(
+                "replayed %d write-ahead log records in %.3f s",
+                count,
+                time.perf_counter() - started,
+            )
+        return last, count
+
+    def _apply(self, h: dict[str, Any], arrays: list[np.ndarray[Any, Any]]) -> None:
+        op, name, store = h["op"], h["group"], self.store
+        if op == "push":
+            store.push(
+                name,
+                arrays,
+                client_id=h["client_id"],
+                seq=h["seq"],
+                base_version=h["base_version"],
+                learning_rate=h["lr"],
+            )
+        elif op == "sync_step":
+            store.replay_sync_step(name, len(h["contributors"]))
+        elif op == "create":
+            n = len(h["names"])
+            store.create_group(
+                name,
+                make_attrs(h["optimizer"], h["attrs"]),
+                h["learning_rate"],
+                list(zip(h["names"], arrays[:n], strict=True)),
+                consistency=Consistency(**h["consistency"]),
+                allow_non_finite=h["allow_non_finite"],
+                state=arrays[n:] or None,
+                update_count=h["update_count"],
+                lease_seconds=h["lease_seconds"],
+            )
+        elif op == "delete":
+            store.delete_group(name)
+        elif op == "set_lr":
+            store.set_learning_rate(name, h["lr"])
+        else:
+            log.warning("write-ahead log record of unknown op %r skipped", op)
+
+    # -- snapshots ------------------------------------------------------------------
+    def snapshot(self, force: bool = True) -> WrittenSnapshot | None:
+        """Write a snapshot now (unless nothing changed and not ``force``)."""
+        with self._lock:
+            signature = self._current_signature()
+            if not force and signature == self._signature:
+                return None
+            started = time.perf_counter()
+            try:
+                written = self._write(signature)
+            except OSError as exc:
+                log.error(
+                    "snapshot to %s failed: %s; serving from memory, and the "
+                    "snapshots already on disk are unchanged",
+                    self.snap_dir,
+                    exc,
+                )
+                self._snapshot_failed = True
+                self._health(health_pb2.HealthCheckResponse.NOT_SERVING)
+                raise
+            if self._snapshot_failed and not self._wal_failed:
+                self._health(health_pb2.HealthCheckResponse.SERVING)
+            self._snapshot_failed = False
+            log.info(
+                "snapshot %s: %d groups, %d bytes in %.3f s",
+                written.path,
+                written.groups,
+                written.bytes,
+                time.perf_counter() - started,
+            )
+            return written
+
+    def _write(self, signature: Any) -> WrittenSnapshot:
+        gen = next_generation(self.snap_dir)
+        if self.journal is not None:
+            wal_seq = self.journal.rotate()
+            seq_now: Callable[[], int] = self.journal.last_seq
+        else:
+            wal_seq = self._base_seq
+            seq_now = lambda: self._base_seq  # noqa: E731
+        images = (self.store.capture(g, seq_now) for g in self.store.groups())
+        written = write_snapshot(self.snap_dir, gen, images, wal_seq)
+        self._signature = signature
+        self._prune()
+        return written
+
+    def _prune(self) -> None:
+        snapshots = list_snapshots(self.snap_dir)
+        for _, path in snapshots[self.keep :]:
+            shutil.rmtree(path, ignore_errors=True)
+        oldest = None
+        for _, path in snapshots[: self.keep]:
+            try:
+                wal_seq = _manifest_wal_seq(path)
+            except (OSError, ValueError, KeyError):
+                return  # a damaged snapshot may need any segment; keep them all
+            oldest = wal_seq if oldest is None else min(oldest, wal_seq)
+        if oldest is None:
+            return
+        segments = segment_paths(self.wal_dir)
+        for (_, path), (next_first, _) in zip(segments, segments[1:], strict=False):
+            if next_first - 1 <= oldest:
+                os.unlink(path)
+
+    def _current_signature(self) -> Any:
+        groups = tuple(
+            (g.name, id(g), g.update_count, g.learning_rate, len(g.pending))
+            for g in self.store.groups()
+        )
+        seq = self.journal.last_seq() if self.journal is not None else 0
+        return seq, groups
+
+    # -- the running server ---------------------------------------------------------
+    def save_rpc(self) -> pb.SaveResponse:
+        try:
+            written = self.snapshot(force=True)
+        except OSError as exc:
+            raise FailedPrecondition(
+                f"snapshot to {self.snap_dir} failed: {exc}; the server keeps "
+                "serving from memory and the older snapshots are intact"
+            ) from exc
+        assert written is not None
+        return pb.SaveResponse(
+            path=written.path, groups=written.groups, bytes=written.bytes
+        )
+
+    def start_periodic(self, interval: float) -> None:
+        if interval <= 0 or self._thread is not None:
+            return
+
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.snapshot(force=False)
+                except OSError:
+                    pass  # logged, health says NOT_SERVING; try again next time
+                except Exception:
+                    log.exception("periodic snapshot failed")
+
+        self._thread = threading.Thread(
+            target=loop, name="onnxps-snapshot", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Graceful shutdown: a last snapshot, then close the log."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        try:
+            self.snapshot(force=False)
+        except OSError:
+            pass  # logged
+        if self.journal is not None:
+            self.journal.close()
+            self.store.journal = None
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def _on_wal_error(self, exc: OSError) -> None:
+        self._wal_failed = True
+        self._health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def _health(self, status: int) -> None:
+        if self._set_health is not None:
+            self._set_health(status)
+
+
+def _manifest_wal_seq(path: str) -> int:
+    with open(os.path.join(path, "manifest.json"), encoding="utf-8") as f:
+        return int(json.load(f)["wal_seq"])

@@ -1,0 +1,260 @@
+"""Snapshots on disk: one directory of .npy files plus a JSON manifest per generation.
+
+Writing goes to ``snap-<gen>.tmp``; every file is fsynced, the manifest (with the
+sha256 and size of every file) is written last, then the directory is renamed to
+``snap-<gen>`` and its parent fsynced. A snapshot directory without the ``.tmp``
+suffix is therefore complete unless the disk damaged it afterwards, which the
+checksums catch. The layout is documented in docs/FORMAT.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._wal import fsync_dir
+
+__all__ = [
+    "FORMAT_VERSION",
+    "SnapshotError",
+    "list_snapshots",
+    "load_snapshot",
+    "write_snapshot",
+]
+
+Array = np.ndarray[Any, Any]
+
+FORMAT = "onnxps-snapshot"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_BLOCK = 16 << 20
+
+_DEFINITION_KEYS = (
+    "group",
+    "optimizer",
+    "attrs",
+    "learning_rate",
+    "update_count",
+    "dtype",
+    "names",
+    "shapes",
+    "consistency",
+    "allow_non_finite",
+    "lease_seconds",
+    "covered_seq",
+    "workers",
+    "dead",
+)
+
+
+class SnapshotError(Exception):
+    """A snapshot that cannot be loaded; the message names the file and why."""
+
+
+@dataclass
+class WrittenSnapshot:
+    path: str
+    groups: int
+    bytes: int
+
+
+class _HashingFile:
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.sha.update(view)
+        self.size += len(view)
+        return self.f.write(view)
+
+
+def snapshot_dir_name(gen: int) -> str:
+    return f"snap-{gen:012d}"
+
+
+def list_snapshots(root: str) -> list[tuple[int, str]]:
+    """(generation, path) of every finished snapshot directory, newest first."""
+    out = []
+    for entry in os.listdir(root):
+        if entry.startswith("snap-") and not entry.endswith(".tmp"):
+            try:
+                out.append((int(entry[5:]), os.path.join(root, entry)))
+            except ValueError:
+                continue
+    return sorted(out, reverse=True)
+
+
+def next_generation(root: str) -> int:
+    gens = [0]
+    for entry in os.listdir(root):
+        digits = entry[5:].removesuffix(".tmp")
+        if entry.startswith("snap-") and digits.isdigit():
+            gens.append(int(digits))
+    return max(gens) + 1
+
+
+def _write_array(directory: str, name: str, a: Array, files: dict[str, Any]) -> str:
+    with open(os.path.join(directory, name), "wb") as f:
+        h = _HashingFile(f)
+        np.lib.format.write_array(h, np.ascontiguousarray(a), allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    files[name] = {"sha256": h.sha.hexdigest(), "bytes": h.size}
+    return name
+
+
+def _write_group(
+    directory: str, idx: int, image: dict[str, Any], files: dict[str, Any]
+) -> dict[str, Any]:
+    entry = {k: image[k] for k in _DEFINITION_KEYS}
+    prefix = f"g{idx:05d}"
+    entry["arrays"] = [
+        _write_array(directory, f"{prefix}-a{j}.npy", a, files)
+        for j, a in enumerate(image["arrays"])
+    ]
+    entry["pending"] = [
+        [
+            key,
+            [
+                _write_array(directory, f"{prefix}-p{k}-{j}.npy", a, files)
+                for j, a in enumerate(arrays)
+            ],
+        ]
+        for k, (key, arrays) in enumerate(sorted(image["pending"].items()))
+    ]
+    clients, rows = [], []
+    for cid, (floor, results) in image["dedup"].items():
+        clients.append([cid, int(floor), len(results)])
+        rows.extend([s, t, int(a)] for s, t, a in results)
+    table = np.array(rows, dtype=np.uint64).reshape(-1, 3)
+    entry["dedup"] = {
+        "clients": clients,
+        "file": _write_array(directory, f"{prefix}-dedup.npy", table, files),
+    }
+    return entry
+
+
+def write_snapshot(
+    root: str, gen: int, images: Iterable[dict[str, Any] | None], wal_seq: int
+) -> WrittenSnapshot:
+    """Write the images (the caller captures them one at a time) as ``gen``."""
+    final = os.path.join(root, snapshot_dir_name(gen))
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.mkdir(tmp)
+    try:
+        files: dict[str, Any] = {}
+        groups = []
+        for image in images:
+            if image is not None:
+                groups.append(_write_group(tmp, len(groups), image, files))
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "generation": gen,
+            "created_unix": time.time(),
+            "wal_seq": wal_seq,
+            "groups": groups,
+            "files": files,
+        }
+        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        os.rename(tmp, final)
+        fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    total = sum(v["bytes"] for v in files.values())
+    return WrittenSnapshot(final, len(groups), total)
+
+
+def _read_array(directory: str, name: str, expect: dict[str, Any]) -> Array:
+    path = os.path.join(directory, name)
+    try:
+        size = os.path.getsize(path)
+        if size != expect["bytes"]:
+            raise SnapshotError(
+                f"{path}: {size} bytes on disk, the manifest says {expect['bytes']} "
+                "(truncated or overwritten)"
+            )
+        sha = hashlib.sha256()
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            else:
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+            if dtype.hasobject or fortran:
+                raise SnapshotError(f"{path}: not a plain C-order numeric array")
+            header_len = f.tell()
+            f.seek(0)
+            sha.update(f.read(header_len))
+            out = np.empty(shape, dtype=dtype)
+            view = memoryview(out.reshape(-1)).cast("B")
+            pos = 0
+            while pos < len(view):
+                n = f.readinto(view[pos : pos + _BLOCK])
+                if not n:
+                    raise SnapshotError(f"{path}: ends before its array data")
+                sha.update(view[pos : pos + n])
+                pos += n
+    except (OSError, ValueError) as exc:
+        raise SnapshotError(f"{path}: unreadable: {exc}") from exc
+    if sha.hexdigest() != expect["sha256"]:
+        raise SnapshotError(f"{path}: sha256 does not match the manifest (damaged)")
+    return out
+
+
+def load_snapshot(directory: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The manifest and every group image; raises SnapshotError naming the bad file."""
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise SnapshotError(f"{path}: unreadable manifest: {exc}") from exc
+    if manifest.get("format") != FORMAT:
+        raise SnapshotError(f"{path}: not an onnxps snapshot manifest")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise SnapshotError(
+            f"{path}: format_version {version!r}, this server reads version "
+            f"{FORMAT_VERSION}; use the onnxps release that wrote it"
+        )
+    files = manifest["files"]
+
+    def read(name: str) -> Array:
+        if name not in files:
+            raise SnapshotError(f"{path}: lists {name} without a checksum")
+        return _read_array(directory, name, files[name])
+
+    images = []
+    for entry in manifest["groups"]:
+        image = {k: entry[k] for k in _DEFINITION_KEYS}
+        image["arrays"] = [read(n) for n in entry["arrays"]]
+        image["pending"] = {
+            k: [read(n) for n in names] for k, names in entry["pending"]
+        }
+        table = read(entry["dedup"]["file"])
+        dedup, row = {}, 0
+        for cid, floor, count in entry["dedup"]["clients"]:
+            rows = table[row : row + count]
+            dedup[cid] = (floor, [(int(s), int(t), bool(a)) for s, t, a in rows])
+            row += count
+        image["dedup"] = dedup
+        images.append(image)
+    return manifest, images
