@@ -6,6 +6,7 @@ import enum
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -190,7 +191,10 @@ class Client:
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.ParameterServerStub | None = None
-        self._seq = itertools.count(1)
+        # Seqs start at the wall clock in microseconds, not 1: a worker restarted with
+        # the same client_id must not repeat seqs the server remembers, or its first
+        # pushes would be answered as duplicates and silently dropped.
+        self._seq = itertools.count(time.time_ns() // 1000)
         self._sizes: dict[str, int] = {}
         self._heartbeats: dict[str, tuple[threading.Event, threading.Thread]] = {}
 
@@ -562,3 +566,16 @@ class Client:
     def save(self, *, timeout: float | None = None) -> pb.SaveResponse:
         """Ask the server to write a snapshot of every group now."""
         return self._call("Save", pb.SaveRequest(), timeout)
+
+    def export(self, path: str | os.PathLike[str], prefix: str = "") -> list[str]:
+        """Write every group whose name starts with ``prefix`` (tensors, optimizer
+        state, T, learning rate) to one .npz file; returns the group names."""
+        from ._transfer import export_groups
+
+        return export_groups(self, path, prefix)
+
+    def import_(self, path: str | os.PathLike[str]) -> list[str]:
+        """Create the groups of a file written by ``export``; returns their names."""
+        from ._transfer import import_groups
+
+        return import_groups(self, path)

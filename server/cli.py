@@ -175,12 +175,38 @@ def _add_status(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     )
 
 
+def _add_transfer(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("export", help="write groups of a running server to a file")
+    p.add_argument("address", help="host:port of the server")
+    p.add_argument("file", help="the .npz file to write")
+    p.add_argument("--prefix", default="", help="only groups whose name starts so")
+    _flag(p, "--token", "TOKEN", None, "bearer token")
+    p = sub.add_parser("import", help="create the groups of an export file")
+    p.add_argument("address", help="host:port of the server")
+    p.add_argument("file", help="a file written by onnxps export")
+    _flag(p, "--token", "TOKEN", None, "bearer token")
+
+
+def _transfer(args: argparse.Namespace) -> int:
+    from onnxps.client import Client
+
+    with Client(args.address, token=args.token) as client:
+        if args.command == "export":
+            names = client.export(args.file, prefix=args.prefix)
+            print(f"exported {len(names)} groups to {args.file}")
+        else:
+            names = client.import_(args.file)
+            print(f"imported {len(names)} groups from {args.file}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="onnxps", description="onnxps: a gRPC parameter server for ONNX optimizers"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    _add_transfer(sub)
     _add_demo(sub)
     _add_status(sub)
     args = parser.parse_args(argv)
@@ -190,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.command == "serve":
         return _serve(args)
+    if args.command in ("export", "import"):
+        return _transfer(args)
     if args.command == "demo":
         from . import demo
 
