@@ -740,7 +740,10 @@ class ParameterStore:
         g = self.get(name)
         with g.cond:
             self._check_live(g)
-            g.expire_leases(self._clock())
+            # A heartbeat may be the first to see a lease run out: the quorum shrinks
+            # here, so the pending step may be due now (the reaper will not retry it).
+            if g.expire_leases(self._clock()) and self._maybe_sync_step(g):
+                g.cond.notify_all()
             if worker_id not in g.workers:
                 if worker_id in g.dead:
                     log.info("group %s: worker %s rejoined", name, worker_id)
