@@ -97,7 +97,7 @@ class _Arithmetic:
         return self.dtype.type(value)
 
     def tensor(self, value: Any) -> Array:
-        return np.array(value, dtype=self.dtype)
+        return np.asarray(value, dtype=self.dtype)
 
 
 def _arithmetic(precision: str, state_dtype: np.dtype[Any]) -> _Arithmetic:
