@@ -16,7 +16,7 @@ from onnxps.client._codec import CHUNK_BYTES
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
-from . import durability, metrics, security
+from . import durability, limits, metrics, security
 from .service import ParameterServerServicer
 from .store import ParameterStore, StoreLimits
 
@@ -36,6 +36,9 @@ class ServerConfig:
     max_message_bytes: int = 256 * 1024 * 1024
     chunk_bytes: int = CHUNK_BYTES
     max_concurrent_rpcs: int = 256
+    # backpressure (0: none): bytes of requests being handled at once, and streams
+    max_inflight_bytes: int = 4 << 30
+    max_concurrent_streams: int = 64
     # state limits (0: none)
     max_group_bytes: int = 0
     max_total_bytes: int = 0
@@ -67,6 +70,7 @@ class ServerHandle:
     config: ServerConfig
     health: health.HealthServicer
     on_stop: list[Any] = field(default_factory=list)
+    metrics_port: int | None = None  # the bound metrics port, when serving metrics
     _stopped: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -131,7 +135,12 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         ),
         options=_options(config),
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-        interceptors=[*security.interceptors(config), *metrics.interceptors(config)],
+        # outermost first: observe every call (auth refusals too), then auth, limits
+        interceptors=[
+            *metrics.interceptors(config),
+            *security.interceptors(config),
+            *limits.interceptors(config),
+        ],
     )
     servicer = ParameterServerServicer(store, chunk_bytes=config.chunk_bytes)
     pb_grpc.add_ParameterServerServicer_to_server(servicer, server)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .app import ServerConfig, serve
+from .security import ConfigError
 
 __all__ = ["main"]
 
@@ -53,6 +54,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "MAX_CONCURRENT_RPCS",
         256,
         "calls in flight before RESOURCE_EXHAUSTED",
+        type=int,
+    )
+    _flag(
+        p,
+        "--max-inflight-bytes",
+        "MAX_INFLIGHT_BYTES",
+        4 << 30,
+        "request bytes handled at once before RESOURCE_EXHAUSTED, 0 for no limit",
+        type=int,
+    )
+    _flag(
+        p,
+        "--max-concurrent-streams",
+        "MAX_CONCURRENT_STREAMS",
+        64,
+        "streaming calls at once before RESOURCE_EXHAUSTED, 0 for no limit",
         type=int,
     )
     _flag(
@@ -141,6 +158,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         chunk_bytes=args.chunk_bytes,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_inflight_bytes=args.max_inflight_bytes,
+        max_concurrent_streams=args.max_concurrent_streams,
         max_group_bytes=args.max_group_bytes,
         max_total_bytes=args.max_total_bytes,
         max_groups=args.max_groups,
@@ -156,7 +175,11 @@ def _serve(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         metrics_port=args.metrics_port,
     )
-    return serve(config)
+    try:
+        return serve(config)
+    except ConfigError as exc:  # refused before binding: say why, no traceback
+        print(f"onnxps: {exc}", file=sys.stderr)
+        return 2
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -1,21 +1,342 @@
-"""Transport security, token authentication and the safe-bind policy (issue 7)."""
+"""Transport security, token authentication and the safe-bind policy.
+
+- ``check_bind_policy``: a server listens beyond loopback only with TLS and tokens,
+  unless started with ``insecure`` (then it logs a WARNING).
+- ``server_credentials``: TLS from a certificate and key; mutual TLS when a client CA
+  is given (client certificates are then required and verified).
+- ``interceptors``: token authentication and authorization (roles and group-name
+  prefixes) from a tokens file. See docs/SECURITY.md for the file format.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
+from onnxps.v1 import parameter_server_pb2 as pb
 
-__all__ = ["check_bind_policy", "interceptors", "server_credentials"]
+from ._handlers import SERVICE, Behavior, group_of, method_of, peek, rewrap
+
+__all__ = [
+    "ROLES",
+    "ConfigError",
+    "TokenAuthInterceptor",
+    "TokenGrant",
+    "check_bind_policy",
+    "interceptors",
+    "load_tokens",
+    "parse_tokens",
+    "server_credentials",
+]
+
+log = logging.getLogger("onnxps.security")
+
+_READ = frozenset(
+    {"DescribeGroup", "ListGroups", "Pull", "PullStream", "Apply", "ApplyStream"}
+)
+# Workers join, heartbeat and leave the groups they push to: that is writing.
+_WRITE = _READ | {
+    "Push",
+    "PushStream",
+    "SetLearningRate",
+    "JoinGroup",
+    "Heartbeat",
+    "LeaveGroup",
+}
+_ADMIN = _WRITE | {"CreateGroup", "CreateGroupStream", "DeleteGroup", "Save"}
+ROLES: dict[str, frozenset[str]] = {"read": _READ, "write": _WRITE, "admin": _ADMIN}
+# Methods that name no group: any prefix may call them (if the role allows).
+_GROUPLESS = frozenset({"ListGroups", "Apply", "ApplyStream", "Save"})
+
+
+class ConfigError(ValueError):
+    """A security setting that the server refuses to start with."""
+
+
+# -- bind policy ---------------------------------------------------------------------
+def _host(address: str) -> str:
+    if address.startswith("[") and "]" in address:
+        return address[1 : address.index("]")]
+    return address.rsplit(":", 1)[0] if ":" in address else address
+
+
+def is_loopback(address: str) -> bool:
+    if address.startswith(("unix:", "unix-abstract:")):
+        return True
+    host = _host(address).strip()
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
 
 
 def check_bind_policy(config: Any) -> None:
-    """Refuse a non-loopback bind without TLS and auth unless ``insecure``."""
+    """Refuse a non-loopback bind without TLS and tokens unless ``config.insecure``."""
+    if config.tls_key and not config.tls_cert or config.tls_cert and not config.tls_key:
+        raise ConfigError(
+            "TLS needs both a certificate (--tls-cert) and a key (--tls-key)"
+        )
+    if config.tls_client_ca and not config.tls_cert:
+        raise ConfigError(
+            "mutual TLS (--tls-client-ca) needs server TLS too: pass --tls-cert and "
+            "--tls-key"
+        )
+    if is_loopback(config.address):
+        return
+    missing = [
+        what
+        for what, ok in (
+            ("TLS (--tls-cert, --tls-key)", config.tls_cert and config.tls_key),
+            ("token authentication (--tokens-file)", config.tokens_file),
+        )
+        if not ok
+    ]
+    if not missing:
+        return
+    if config.insecure:
+        log.warning(
+            "listening on %s, which is not loopback, without %s: anyone who can reach "
+            "this address can read and change every group (--insecure)",
+            config.address,
+            " and ".join(missing),
+        )
+        return
+    raise ConfigError(
+        f"refusing to listen on {config.address}, which is not a loopback address, "
+        f"without {' and '.join(missing)}: anyone who can reach it could read and "
+        "change every group. Configure both, listen on 127.0.0.1, or pass --insecure "
+        "(ONNXPS_INSECURE=1) to accept the risk."
+    )
+
+
+# -- TLS -----------------------------------------------------------------------------
+def server_credentials(config: Any) -> grpc.ServerCredentials | None:
+    if not config.tls_cert:
+        return None
+    cert = Path(config.tls_cert).read_bytes()
+    key = Path(config.tls_key).read_bytes()
+    ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
+# -- tokens --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenGrant:
+    """What one token may do. The token itself is kept only as its SHA-256 digest."""
+
+    digest: bytes
+    role: str
+    prefixes: tuple[str, ...]  # "" matches every group
+    label: str  # "entry N" for logs; never the token
+
+    def allows_group(self, group: str) -> bool:
+        return any(group.startswith(p) for p in self.prefixes)
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+def _grant(token: Any, role: Any, prefixes: Any, where: str) -> TokenGrant:
+    if not isinstance(token, str) or not token.strip() or token != token.strip():
+        raise ConfigError(f"{where}: the token must be a non-empty string")
+    if role not in ROLES:
+        raise ConfigError(f"{where}: role {role!r} is not one of {', '.join(ROLES)}")
+    if isinstance(prefixes, str):
+        prefixes = [prefixes]
+    if not isinstance(prefixes, list) or not prefixes:
+        raise ConfigError(f"{where}: give at least one group prefix ('*' for all)")
+    if not all(isinstance(p, str) for p in prefixes):
+        raise ConfigError(f"{where}: group prefixes must be strings")
+    clean = tuple("" if p == "*" else p for p in prefixes)
+    return TokenGrant(_digest(token), role, clean, where)
+
+
+def parse_tokens(text: str) -> list[TokenGrant]:
+    """Grants from a tokens file: JSON, or ``token role prefix[,prefix...]`` lines."""
+    stripped = text.lstrip()
+    if stripped.startswith(("{", "[")):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"tokens file is not valid JSON (line {exc.lineno})"
+            ) from None
+        entries = data.get("tokens") if isinstance(data, dict) else data
+        if not isinstance(entries, list):
+            raise ConfigError('a JSON tokens file is {"tokens": [...]} or a list')
+        grants = []
+        for i, e in enumerate(entries):
+            where = f"tokens entry {i + 1}"
+            if not isinstance(e, dict):
+                raise ConfigError(f"{where}: expected an object")
+            grants.append(
+                _grant(e.get("token"), e.get("role"), e.get("prefixes", ["*"]), where)
+            )
+    else:
+        grants = []
+        for n, line in enumerate(text.splitlines(), 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            parts = line.split()
+            where = f"tokens file line {n}"
+            if len(parts) != 3:
+                raise ConfigError(
+                    f"{where}: expected 'token role prefix[,prefix...]', got "
+                    f"{len(parts)} fields"
+                )
+            grants.append(_grant(parts[0], parts[1], parts[2].split(","), where))
+    digests = [g.digest for g in grants]
+    if len(set(digests)) != len(digests):
+        raise ConfigError("the tokens file lists one token twice")
+    return grants
+
+
+def load_tokens(path: str) -> list[TokenGrant]:
+    grants = parse_tokens(Path(path).read_text(encoding="utf-8"))
+    log.info("loaded %d tokens from %s", len(grants), path)
+    return grants
+
+
+def _bearer(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
+    for key, value in metadata or ():
+        if key == "authorization":
+            if isinstance(value, bytes):
+                value = value.decode("latin-1")
+            scheme, _, token = str(value).partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+            return None
+    return None
+
+
+def _abort_handler(
+    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str
+) -> grpc.RpcMethodHandler | None:
+    def make(behavior: Behavior, req_s: bool, resp_s: bool) -> Behavior:
+        if resp_s:
+
+            def refuse_stream(request: Any, context: grpc.ServicerContext) -> Any:
+                context.abort(code, details)
+                yield  # pragma: no cover - a generator for the streaming kind
+
+            return refuse_stream
+
+        def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(code, details)
+
+        return refuse
+
+    return rewrap(handler, make)
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Bearer tokens -> role and group prefixes. Health and reflection stay open."""
+
+    def __init__(self, grants: list[TokenGrant]) -> None:
+        self._grants = list(grants)
+
+    def _lookup(self, token: str) -> TokenGrant | None:
+        presented = _digest(token)
+        found = None
+        for grant in self._grants:  # no early exit: the same work for every token
+            if hmac.compare_digest(presented, grant.digest):
+                found = grant
+        return found
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = continuation(handler_call_details)
+        service, method = method_of(handler_call_details)
+        if handler is None or service != SERVICE:
+            return handler
+        token = _bearer(handler_call_details.invocation_metadata)
+        grant = self._lookup(token) if token is not None else None
+        if grant is None:
+            return _abort_handler(
+                handler,
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{method} needs a known token: send 'authorization: Bearer <token>'"
+                if token is None
+                else f"{method}: the token is not known to this server",
+            )
+        if method not in ROLES[grant.role]:
+            return _abort_handler(
+                handler,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"a {grant.role} token may not call {method}",
+            )
+        if method == "ListGroups":
+            return rewrap(handler, lambda b, rs, ss: _filtered_list(b, grant))
+        if method in _GROUPLESS:
+            return handler
+        return rewrap(handler, lambda b, rs, ss: _group_checked(b, rs, ss, grant))
+
+
+def _deny(context: grpc.ServicerContext, grant: TokenGrant, group: str) -> None:
+    allowed = ", ".join(repr(p) for p in grant.prefixes)
+    context.abort(
+        grpc.StatusCode.PERMISSION_DENIED,
+        f"this token may touch groups whose names start with {allowed}, not {group!r}",
+    )
+
+
+def _group_checked(
+    behavior: Behavior, req_s: bool, resp_s: bool, grant: TokenGrant
+) -> Behavior:
+    def check(request: Any, context: grpc.ServicerContext) -> Any:
+        if req_s:  # the group is in the stream's header: check it when it arrives
+            first, request = peek(request)
+            group = group_of(first)
+        else:
+            group = group_of(request)
+        # No group (an undecodable or header-less request) is refused further in.
+        if group is not None and not grant.allows_group(group):
+            _deny(context, grant, group)
+        return request
+
+    if resp_s:
+
+        def call_streaming(request: Any, context: grpc.ServicerContext) -> Any:
+            yield from behavior(check(request, context), context)
+
+        return call_streaming
+
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        return behavior(check(request, context), context)
+
+    return call
+
+
+def _filtered_list(behavior: Behavior, grant: TokenGrant) -> Behavior:
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        reply = behavior(request, context)
+        if not isinstance(reply, pb.ListGroupsResponse):
+            return reply
+        return pb.ListGroupsResponse(
+            groups=[g for g in reply.groups if grant.allows_group(g.name)]
+        )
+
+    return call
 
 
 def interceptors(config: Any) -> list[grpc.ServerInterceptor]:
-    return []
-
-
-def server_credentials(config: Any) -> grpc.ServerCredentials | None:
-    return None
+    if not config.tokens_file:
+        return []
+    return [TokenAuthInterceptor(load_tokens(config.tokens_file))]
