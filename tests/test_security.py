@@ -38,7 +38,7 @@ W0 = np.array([1.0, 2.0, 3.0], np.float32)
 G = np.array([0.5, -0.5, 0.25], np.float32)
 
 
-# -- certificates made at test time ----------------------------------------------------
+# -- certificates made at test time ----
 @dataclass(frozen=True)
 class Pki:
     ca: bytes
@@ -170,7 +170,7 @@ def _raw_describe(
     return grpc.StatusCode.OK
 
 
-# -- TLS ---------------------------------------------------------------------------------
+# -- TLS ----
 def test_tls_serves_a_client_that_trusts_the_ca(pki: Pki) -> None:
     handle = _serve(tls_cert=str(pki.server_cert), tls_key=str(pki.server_key))
     try:
@@ -223,7 +223,7 @@ def test_mutual_tls_requires_a_client_certificate_from_the_ca(pki: Pki) -> None:
         handle.stop(grace=0)
 
 
-# -- tokens ------------------------------------------------------------------------------
+# -- tokens ----
 TOKENS = {
     "admin": "adm-7f3a9c1e5b2d4f60",
     "writer": "wr-1b2c3d4e5f607182",
@@ -387,7 +387,7 @@ def test_token_file_formats_and_errors() -> None:
         assert "s3cret" not in str(err.value)
 
 
-# -- the bind policy ---------------------------------------------------------------------
+# -- the bind policy ----
 @pytest.mark.parametrize(
     ("address", "loopback"),
     [
