@@ -1,0 +1,216 @@
+"""Limits refuse work with RESOURCE_EXHAUSTED instead of queueing or allocating it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import numpy as np
+import pytest
+from onnxps.client import (
+    Adagrad,
+    Client,
+    DeadlineExceededError,
+    ResourceExhaustedError,
+)
+from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+
+RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def _serve(**kw: object) -> ServerHandle:
+    return create_server(
+        ServerConfig(address="127.0.0.1:0", durability="none", **kw)  # type: ignore[arg-type]
+    ).start()
+
+
+def _until(probe: Callable[[], bool], seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not probe():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.02)
+
+
+def test_store_limits_on_group_size_total_bytes_and_count() -> None:
+    w = np.zeros(64, np.float32)  # 256 bytes; Adagrad keeps H too: 512 per group
+    handle = _serve(max_group_bytes=600, max_total_bytes=1200, max_groups=3)
+    try:
+        with Client(handle.address, timeout=10) as c:
+            for transport in ("unary", "stream"):
+                c.transport = transport  # type: ignore[assignment]
+                with pytest.raises(ResourceExhaustedError) as err:
+                    c.create_group(
+                        "big", Adagrad(), learning_rate=1.0, tensors={"w": np.zeros(80)}
+                    )
+                assert err.value.details == (
+                    "a group of 1280 bytes (X with its V/H) is over the server's "
+                    "limit of 600 bytes per group"
+                )
+            c.transport = "auto"
+            c.create_group("g1", Adagrad(), learning_rate=1.0, tensors={"w": w})
+            c.create_group("g2", Adagrad(), learning_rate=1.0, tensors={"w": w})
+            with pytest.raises(ResourceExhaustedError) as err:
+                c.create_group("g3", Adagrad(), learning_rate=1.0, tensors={"w": w})
+            assert err.value.details == (
+                "group 'g3' needs 512 bytes; the server would hold 1536, over its "
+                "limit of 1200"
+            )
+            small = np.zeros(8, np.float32)
+            c.create_group("g3", Adagrad(), learning_rate=1.0, tensors={"w": small})
+            with pytest.raises(ResourceExhaustedError) as err:
+                c.create_group("g4", Adagrad(), learning_rate=1.0, tensors={"w": small})
+            assert err.value.details == "the server holds its limit of 3 groups"
+            assert sorted(g.name for g in c.list_groups()) == ["g1", "g2", "g3"]
+    finally:
+        handle.stop(grace=0)
+
+
+def test_in_flight_bytes_are_bounded_and_released() -> None:
+    limit = 1 << 20
+    n = 150_000  # 600,000 bytes of float32: one fits in flight, two do not
+    handle = _serve(max_inflight_bytes=limit)
+    release = threading.Event()
+    header_sent = threading.Event()
+    stream_result: list[object] = []
+    try:
+        with (
+            grpc.insecure_channel(handle.address) as ch,
+            Client(handle.address, timeout=10, transport="unary") as c,
+        ):
+            stub = pb_grpc.ParameterServerStub(ch)
+            w = np.zeros(n, np.float32)
+            c.create_group("big", Adagrad(), learning_rate=1.0, tensors={"w": w})
+            grad = np.ones(n, np.float32)
+            assert c.push("big", grad) == 1
+
+            # One call larger than the whole budget is refused at once, unallocated.
+            start = time.monotonic()
+            huge = pb.ApplyChunk(
+                request=pb.ApplyRequest(
+                    optimizer=Adagrad().to_proto(),
+                    inputs=[pb.Tensor(dtype=pb.FLOAT, dims=[2**40])],
+                )
+            )
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.ApplyStream(iter([huge]), timeout=10))
+            assert err.value.code() == RESOURCE_EXHAUSTED
+            assert err.value.details() == (
+                f"this call carries {huge.ByteSize() + 4 * 2**40} bytes, over the "
+                f"server's limit of {limit} bytes in flight; send smaller pieces"
+            )
+            assert time.monotonic() - start < 2.0
+
+            # A stream that sent its header holds its declared bytes until it ends.
+            header = pb.PushChunk(
+                header=pb.PushRequest(
+                    group="big",
+                    gradients=[pb.Tensor(name="w", dtype=pb.FLOAT, dims=[n])],
+                )
+            )
+
+            def slow_stream() -> Iterator[pb.PushChunk]:
+                yield header
+                header_sent.set()
+                release.wait(10)
+                data = grad.tobytes()
+                yield pb.PushChunk(chunk=pb.TensorChunk(index=0, offset=0, data=data))
+
+            def run_stream() -> None:
+                try:
+                    stream_result.append(stub.PushStream(slow_stream(), timeout=20))
+                except grpc.RpcError as exc:
+                    stream_result.append(exc.code())
+
+            t = threading.Thread(target=run_stream)
+            t.start()
+            assert header_sent.wait(10)
+            probe = pb.ListGroupsRequest(prefix="p" * 600_000)  # stateless, 600 KB
+
+            def probe_refused() -> bool:
+                try:
+                    stub.ListGroups(probe, timeout=10)
+                except grpc.RpcError as exc:
+                    assert exc.code() == RESOURCE_EXHAUSTED
+                    assert "in-flight bytes are free; retry later" in exc.details()
+                    return True
+                return False
+
+            _until(probe_refused)
+            with pytest.raises(ResourceExhaustedError):
+                c.push("big", grad)
+            assert c.describe_group("big").update_count == 1
+            release.set()
+            t.join(20)
+            assert len(stream_result) == 1
+            reply = stream_result[0]
+            assert isinstance(reply, pb.PushResponse) and reply.update_count == 2
+            # released: the same calls go through now
+            assert stub.ListGroups(probe, timeout=10).groups == []
+            assert c.push("big", grad) == 3
+    finally:
+        release.set()
+        handle.stop(grace=0)
+
+
+def test_concurrent_streams_are_bounded() -> None:
+    handle = _serve(max_concurrent_streams=1)
+    got: list[object] = []
+    try:
+        with (
+            grpc.insecure_channel(handle.address) as ch,
+            Client(handle.address, timeout=10) as c,
+        ):
+            stub = pb_grpc.ParameterServerStub(ch)
+            w = np.zeros(4, np.float32)
+            c.create_group("g", Adagrad(), learning_rate=1.0, tensors={"w": w})
+            waiting = pb.PullRequest(group="g", min_version=1)
+
+            def wait_pull() -> None:
+                got.append(list(stub.PullStream(waiting, timeout=20)))
+
+            t = threading.Thread(target=wait_pull)
+            t.start()
+
+            def second_refused() -> bool:
+                try:
+                    list(stub.PullStream(pb.PullRequest(group="g"), timeout=10))
+                except grpc.RpcError as exc:
+                    assert exc.code() == RESOURCE_EXHAUSTED
+                    assert exc.details() == (
+                        "the server is at its limit of 1 concurrent streams; retry "
+                        "later"
+                    )
+                    return True
+                return False
+
+            _until(second_refused)
+            assert c.describe_group("g").update_count == 0  # unary calls still run
+            assert c.push("g", np.ones(4, np.float32)) == 1  # wakes the waiter
+            t.join(20)
+            assert len(got) == 1
+            chunks = got[0]
+            assert isinstance(chunks, list)
+            assert chunks[0].header.update_count == 1
+            # the slot is free again
+            again = list(stub.PullStream(pb.PullRequest(group="g"), timeout=10))
+            assert again[0].header.update_count == 1
+    finally:
+        handle.stop(grace=0)
+
+
+def test_a_client_deadline_ends_a_waiting_pull() -> None:
+    handle = _serve()
+    try:
+        with Client(handle.address, timeout=10) as c:
+            w = np.zeros(4, np.float32)
+            c.create_group("g", Adagrad(), learning_rate=1.0, tensors={"w": w})
+            start = time.monotonic()
+            with pytest.raises(DeadlineExceededError):
+                c.pull("g", min_version=5, timeout=0.3)
+            assert time.monotonic() - start < 3.0
+    finally:
+        handle.stop(grace=0)
