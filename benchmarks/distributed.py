@@ -1,0 +1,210 @@
+"""Distributed training throughput: 1, 2, 4 and 8 worker processes, async and sync.
+
+    python benchmarks/distributed.py [--quick]
+
+The server runs as ``onnxps serve`` in its own process on a free loopback port; the
+workers are separate processes (started once, reused for every row). One training
+step of a worker is the same in both modes: push G (Adam, float32) and pull X.
+
+- async: push, then pull the current X.
+- sync (sync_workers = N): push with base_version=T, then pull(min_version=T + 1),
+  which returns once all N workers have pushed and the server has taken the step.
+
+Per row: server pushes/s (all workers), the ratio to one async worker on the same
+model (the named baseline), and the time from a worker's push to its pull returning
+(mean, p99): in sync mode that is the time a step waits for its quorum.  A second
+baseline is the same Adam step applied locally with the kernels (``Stepper``, no
+server, no transport): steps/s one process reaches alone.
+
+Models: 1,000 and 4,194,304 (4 Mi) float32 elements. The machine may be shared:
+read the ratios, not the absolute figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from onnxps.client import Adam, Async, Client, Sync
+from onnxps.server.kernels import Stepper, make_attrs
+
+WORKER_COUNTS = (1, 2, 4, 8)
+SIZES = (1_000, 4 * 1024 * 1024)
+
+
+def _start_server() -> tuple[subprocess.Popen[bytes], str, Any]:
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "onnxps.server.cli", "serve", "--address",
+         "127.0.0.1:0", "--durability", "none"],
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = re.search(r"listening on (\S+:\d+)", Path(log.name).read_text())
+        if m:
+            return proc, m.group(1), log
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"server did not start:\n{Path(log.name).read_text()}")
+
+
+def _worker(index: int, address: str, tasks: Any, results: Any) -> None:
+    """Run the steps of each task; report (push-to-pull seconds per step)."""
+    grads: dict[int, np.ndarray] = {}
+    with Client(address, client_id=f"bench-{index}", timeout=120) as ps:
+        while (task := tasks.get()) is not None:
+            group, mode, size, steps = task
+            g = grads.setdefault(
+                size, np.random.default_rng(index).standard_normal(size, np.float32)
+            )
+            t = ps.describe_group(group).update_count
+            results.put(("ready", index))
+            tasks.get()  # go
+            waits = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                if mode == "sync":
+                    ps.push(group, g, base_version=t)
+                    t = ps.pull_versioned(group, min_version=t + 1)[0]
+                else:
+                    ps.push(group, g)
+                    ps.pull(group)
+                waits.append(time.perf_counter() - start)
+            results.put(("done", waits))
+
+
+def _local_steps_per_second(size: int, steps: int) -> float:
+    attrs = make_attrs("Adam")
+    x = np.zeros(size, np.float32)
+    v, h = np.zeros_like(x), np.zeros_like(x)
+    g = np.random.default_rng(0).standard_normal(size, np.float32)
+    stepper = Stepper(attrs, np.dtype(np.float32), [size])
+    stepper.step(0.01, 0, [x], [g], [v], [h])
+    start = time.perf_counter()
+    for t in range(steps):
+        stepper.step(0.01, t + 1, [x], [g], [v], [h])
+    return steps / (time.perf_counter() - start)
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer steps (about 1 min)")
+    args = p.parse_args()
+    steps_for = {SIZES[0]: 40 if args.quick else 200, SIZES[1]: 2 if args.quick else 6}
+
+    proc, address, log = _start_server()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    queues = [ctx.Queue() for _ in range(max(WORKER_COUNTS))]
+    workers = [
+        ctx.Process(target=_worker, args=(i, address, queues[i], results))
+        for i in range(max(WORKER_COUNTS))
+    ]
+    for w in workers:
+        w.start()
+    rows: list[list[str]] = []
+    try:
+        with Client(address, timeout=120) as ps:
+            for size in SIZES:
+                steps = steps_for[size]
+                local = _local_steps_per_second(size, max(steps, 20))
+                rows.append(
+                    [f"{size:,}", "local Stepper", "1", f"{local:,.0f}", "", "", ""]
+                )
+                baseline = None
+                for mode in ("async", "sync"):
+                    for n in WORKER_COUNTS:
+                        name = f"{mode}-{n}-{size}"
+                        ps.create_group(
+                            name,
+                            Adam(),
+                            learning_rate=0.001,
+                            tensors={"x": np.zeros(size, np.float32)},
+                            consistency=Sync(n) if mode == "sync" else Async(),
+                        )
+                        for q in queues[:n]:
+                            q.put((name, mode, size, steps))
+                        for _ in range(n):
+                            assert results.get(timeout=120)[0] == "ready"
+                        start = time.perf_counter()
+                        for q in queues[:n]:
+                            q.put("go")
+                        waits: list[float] = []
+                        for _ in range(n):
+                            kind, w = results.get(timeout=600)
+                            waits += w
+                        wall = time.perf_counter() - start
+                        t = ps.describe_group(name).update_count
+                        expected = steps if mode == "sync" else n * steps
+                        assert t == expected, (name, t, expected)
+                        ps.delete_group(name)
+                        rate = n * steps / wall
+                        baseline = baseline or rate
+                        rows.append(
+                            [
+                                f"{size:,}",
+                                mode,
+                                str(n),
+                                f"{rate:,.1f}",
+                                f"{rate / baseline:.2f}x",
+                                f"{statistics.fmean(waits) * 1e3:,.1f}",
+                                f"{_p99(waits) * 1e3:,.1f}",
+                            ]
+                        )
+                        print("  done", rows[-1], file=sys.stderr, flush=True)
+    finally:
+        for q in queues:
+            q.put(None)
+        for w in workers:
+            w.join(timeout=30)
+            if w.is_alive():
+                w.kill()
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+    head = [
+        "elements",
+        "mode",
+        "workers",
+        "pushes/s",
+        "vs async-1",
+        "push->X mean ms",
+        "p99 ms",
+    ]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    print(
+        f"onnxps distributed benchmark ({'quick' if args.quick else 'full'}; "
+        f"steps per worker: {steps_for[SIZES[0]]} at 1,000, {steps_for[SIZES[1]]} at "
+        "4 Mi; Adam float32; one step = push G + pull X)"
+    )
+    print("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
+    for r in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+    print(
+        "local Stepper: the same Adam step in one process, no server (steps/s). "
+        "sync push->X is the time a step waits for its quorum."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
