@@ -58,7 +58,7 @@ HIDDEN = 64
 TEST_FRACTION = 0.2
 OPTIMIZERS = ("adam", "adagrad", "momentum", "nesterov")
 # Tuned so that 4 async workers reach > 0.9 held-out accuracy in a few hundred steps.
-LEARNING_RATES = {"adam": 0.003, "adagrad": 0.05, "momentum": 0.05, "nesterov": 0.05}
+LEARNING_RATES = {"adam": 0.003, "adagrad": 0.05, "momentum": 0.02, "nesterov": 0.03}
 EXIT_SERVER_GONE = 3
 
 

@@ -13,6 +13,7 @@ each process the demo started is stopped before it returns.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import os
 import re
@@ -75,20 +76,32 @@ class Progress:
         self.start = time.monotonic()
         self._last = -1e9
         self._shown = False
+        self._window: collections.deque[tuple[float, int]] = collections.deque()
 
     def line(self, done: int, loss: float | None) -> str:
-        elapsed = max(time.monotonic() - self.start, 1e-9)
+        now = time.monotonic()
+        elapsed = now - self.start
         frac = min(1.0, done / self.total)
         loss_text = "   -  " if loss is None else f"{loss:.4f}"
         stats = (
             f"{done}/{self.total} pushes  loss {loss_text}  "
-            f"{done / elapsed:.0f} pushes/s  {elapsed:.1f}s"
+            f"{self.rate(now, done):.0f} pushes/s  {elapsed:.1f}s"
         )
         if not self.tty:
             return f"progress {100 * frac:3.0f}%  {stats}"
         width = 30
         filled = int(width * frac)
         return f"[{'#' * filled}{'.' * (width - filled)}] {100 * frac:3.0f}%  {stats}"
+
+    def rate(self, now: float, done: int) -> float:
+        """Pushes per second over the last few seconds (not worker start-up)."""
+        window = self._window
+        if not window or window[-1][1] != done:
+            window.append((now, done))
+        while len(window) > 2 and now - window[1][0] > 3.0:
+            window.popleft()
+        t0, d0 = window[0]
+        return (done - d0) / (now - t0) if now > t0 else 0.0
 
     def update(self, done: int, loss: float | None, force: bool = False) -> None:
         now = time.monotonic()
@@ -257,9 +270,9 @@ def _train(
         bar.close()
         params = ps.pull(GROUP)
         info = ps.describe_group(GROUP)
+        elapsed = time.monotonic() - bar.start
     data = worker.load_dataset(args.seed)
     acc = worker.accuracy(params, data.x_test, data.y_test)
-    elapsed = time.monotonic() - bar.start
     print(
         f"trained: T={info.update_count} updates from "
         f"{args.workers * args.steps} pushes in {elapsed:.1f}s",

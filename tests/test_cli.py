@@ -1,0 +1,182 @@
+"""The command line as a user runs it: serve, status, health, reflection."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from _procs import start_server, stop
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from onnxps.client import Adagrad, Adam, Client, Nesterov, Sync, UnavailableError
+from onnxps.client._codec import header_tensor, iter_chunks
+from onnxps.server import cli
+from onnxps.server.app import ServerHandle
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+
+
+def _slow_push(
+    address: str, grad: np.ndarray, in_flight: threading.Event, go: threading.Event
+) -> pb.PushResponse:
+    """A streamed push that stalls after its first chunk until ``go`` is set."""
+
+    def chunks():  # type: ignore[no-untyped-def]
+        header = pb.PushRequest(group="big", client_id="slow", seq=1)
+        header.gradients.append(header_tensor(grad))
+        yield pb.PushChunk(header=header)
+        for i, c in enumerate(iter_chunks([grad], 1 << 20)):
+            if i == 1:
+                in_flight.set()
+                go.wait(20)
+            yield pb.PushChunk(chunk=c)
+
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.ParameterServerStub(channel).PushStream(chunks(), timeout=30)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_serve_drains_in_flight_call_and_exits_0_on_signal(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    log = tmp_path / "server.log"
+    proc, address = start_server(log)
+    try:
+        assert address.startswith("127.0.0.1:") and int(address.split(":")[1]) > 0
+        x = np.zeros(1 << 20, np.float32)  # 4 MiB: four 1 MiB chunks
+        with Client(address, timeout=10) as c:
+            c.create_group("big", Adagrad(), learning_rate=0.5, tensors={"x": x})
+        in_flight, go = threading.Event(), threading.Event()
+        result: dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                result["reply"] = _slow_push(address, np.ones_like(x), in_flight, go)
+            except grpc.RpcError as exc:  # pragma: no cover - reported below
+                result["error"] = exc
+
+        t = threading.Thread(target=run)
+        t.start()
+        assert in_flight.wait(10)
+        proc.send_signal(signum)
+        deadline = time.monotonic() + 10
+        while "draining" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # Draining: a new call is refused while the stalled push is still open.
+        with Client(address, timeout=3, push_attempts=1) as late:
+            with pytest.raises(UnavailableError):
+                late.list_groups()
+        go.set()
+        t.join(20)
+        assert proc.wait(20) == 0
+    finally:
+        go.set()
+        stop(proc)
+    assert "error" not in result, result.get("error")
+    reply = result["reply"]
+    assert isinstance(reply, pb.PushResponse)
+    assert reply.update_count == 1 and reply.applied
+    text = log.read_text()
+    assert f"onnxps listening on {address}" in text
+    assert f"received {signum.name}: draining in-flight calls" in text
+    assert f"onnxps on {address} stopped" in text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_status_prints_one_row_per_group(
+    server: ServerHandle, client: Client, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client.create_group(
+        "mlp/adam",
+        Adam(),
+        learning_rate=0.001,
+        tensors={"w": np.zeros((3, 4), np.float32), "b": np.zeros(4, np.float32)},
+    )
+    client.create_group(
+        "mlp/nesterov",
+        Nesterov(alpha=0.9, beta=1.0),
+        learning_rate=0.05,
+        tensors={"w": np.zeros(7)},
+        consistency=Sync(2),
+    )
+    client.join("mlp/nesterov", worker_id="w0")
+    client.push("mlp/adam", np.ones((3, 4), np.float32), np.ones(4, np.float32))
+    assert cli.main(["status", server.address]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split() for line in out] == [
+        ["GROUP", "OPTIMIZER", "DTYPE", "TENSORS", "ELEMENTS", "T", "LR", "MODE"]
+        + ["WORKERS"],
+        ["mlp/adam", "adam", "float32", "2", "16", "1", "0.001", "async", "0"],
+        ["mlp/nesterov", "nesterov", "float64", "1", "7", "0", "0.05", "sync/mean"]
+        + ["1/2"],
+    ]
+    # Columns line up: the optimizer column starts at the same offset on every line.
+    assert out[0].index("OPTIMIZER") == out[1].index("adam") == out[2].index("nest")
+
+
+def test_status_of_empty_server(
+    server: ServerHandle, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["status", server.address]) == 0
+    assert capsys.readouterr().out == f"no groups on {server.address}\n"
+
+
+def test_status_unreachable_server_exits_1_quickly(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    address = f"127.0.0.1:{_free_port()}"
+    start = time.monotonic()
+    assert cli.main(["status", address, "--timeout", "1"]) == 1
+    assert time.monotonic() - start < 5
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(
+        f"onnxps status: cannot list the groups on {address}"
+    )
+    assert "UNAVAILABLE" in captured.err or "DEADLINE_EXCEEDED" in captured.err
+
+
+def test_health_check_reports_serving(server: ServerHandle) -> None:
+    with grpc.insecure_channel(server.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "onnxps.v1.ParameterServer"):
+            reply = stub.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=5
+            )
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Check(health_pb2.HealthCheckRequest(service="no.such"), timeout=5)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_reflection_lists_the_services(server: ServerHandle) -> None:
+    with grpc.insecure_channel(server.address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        replies = list(stub.ServerReflectionInfo(iter([request]), timeout=5))
+    names = {s.name for s in replies[0].list_services_response.service}
+    assert names == {
+        "onnxps.v1.ParameterServer",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
+
+
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("serve", "demo", "status"):
+        assert command in out
