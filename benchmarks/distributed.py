@@ -93,15 +93,49 @@ def _local_steps_per_second(size: int, steps: int) -> float:
     g = np.random.default_rng(0).standard_normal(size, np.float32)
     stepper = Stepper(attrs, np.dtype(np.float32), [size])
     stepper.step(0.01, 0, [x], [g], [v], [h])
-    start = time.perf_counter()
-    for t in range(steps):
-        stepper.step(0.01, t + 1, [x], [g], [v], [h])
-    return steps / (time.perf_counter() - start)
+    best = float("inf")
+    for rep in range(3):  # best of three: the machine may be shared
+        start = time.perf_counter()
+        for t in range(steps):
+            stepper.step(0.01, rep * steps + t + 1, [x], [g], [v], [h])
+        best = min(best, time.perf_counter() - start)
+    return steps / best
 
 
 def _p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def _run(
+    ps: Client, queues: list[Any], results: Any, mode: str, size: int, steps: int
+) -> tuple[float, list[float]]:
+    """One row: a fresh group, len(queues) workers, ``steps`` each; (wall s, waits)."""
+    n = len(queues)
+    name = f"{mode}-{n}-{size}-{time.monotonic_ns()}"
+    ps.create_group(
+        name,
+        Adam(),
+        learning_rate=0.001,
+        tensors={"x": np.zeros(size, np.float32)},
+        consistency=Sync(n) if mode == "sync" else Async(),
+    )
+    for q in queues:
+        q.put((name, mode, size, steps))
+    for _ in range(n):
+        assert results.get(timeout=120)[0] == "ready"
+    start = time.perf_counter()
+    for q in queues:
+        q.put("go")
+    waits: list[float] = []
+    for _ in range(n):
+        waits += results.get(timeout=600)[1]
+    wall = time.perf_counter() - start
+    t = ps.describe_group(name).update_count
+    expected = steps if mode == "sync" else n * steps
+    assert t == expected, f"{name}: T={t}, expected {expected}"
+    ps.delete_group(name)
+    return wall, waits
 
 
 def main() -> int:
@@ -127,49 +161,33 @@ def main() -> int:
                 steps = steps_for[size]
                 local = _local_steps_per_second(size, max(steps, 20))
                 rows.append(
-                    [f"{size:,}", "local Stepper", "1", f"{local:,.0f}", "", "", ""]
+                    [f"{size:,}", "local Stepper", "1", "", f"{local:,.0f}"] + [""] * 3
                 )
                 baseline = None
-                for mode in ("async", "sync"):
-                    for n in WORKER_COUNTS:
-                        name = f"{mode}-{n}-{size}"
-                        ps.create_group(
-                            name,
-                            Adam(),
-                            learning_rate=0.001,
-                            tensors={"x": np.zeros(size, np.float32)},
-                            consistency=Sync(n) if mode == "sync" else Async(),
-                        )
-                        for q in queues[:n]:
-                            q.put((name, mode, size, steps))
-                        for _ in range(n):
-                            assert results.get(timeout=120)[0] == "ready"
-                        start = time.perf_counter()
-                        for q in queues[:n]:
-                            q.put("go")
-                        waits: list[float] = []
-                        for _ in range(n):
-                            kind, w = results.get(timeout=600)
-                            waits += w
-                        wall = time.perf_counter() - start
-                        t = ps.describe_group(name).update_count
-                        expected = steps if mode == "sync" else n * steps
-                        assert t == expected, (name, t, expected)
-                        ps.delete_group(name)
-                        rate = n * steps / wall
-                        baseline = baseline or rate
-                        rows.append(
-                            [
-                                f"{size:,}",
-                                mode,
-                                str(n),
-                                f"{rate:,.1f}",
-                                f"{rate / baseline:.2f}x",
-                                f"{statistics.fmean(waits) * 1e3:,.1f}",
-                                f"{_p99(waits) * 1e3:,.1f}",
-                            ]
-                        )
-                        print("  done", rows[-1], file=sys.stderr, flush=True)
+                # Untimed first: every worker allocates its buffers for this size.
+                runs = [("async", max(WORKER_COUNTS), "warmup")]
+                runs += [(m, n, "") for m in ("async", "sync") for n in WORKER_COUNTS]
+                for mode, n, warmup in runs:
+                    wall, waits = _run(
+                        ps, queues[:n], results, mode, size, 1 if warmup else steps
+                    )
+                    if warmup:
+                        continue
+                    rate = n * steps / wall
+                    baseline = baseline or rate
+                    rows.append(
+                        [
+                            f"{size:,}",
+                            mode,
+                            str(n),
+                            f"{rate:,.1f}",
+                            f"{rate / (n if mode == 'sync' else 1):,.1f}",
+                            f"{rate / baseline:.2f}x",
+                            f"{statistics.fmean(waits) * 1e3:,.1f}",
+                            f"{_p99(waits) * 1e3:,.1f}",
+                        ]
+                    )
+                    print("  done", rows[-1], file=sys.stderr, flush=True)
     finally:
         for q in queues:
             q.put(None)
@@ -186,6 +204,7 @@ def main() -> int:
         "mode",
         "workers",
         "pushes/s",
+        "steps/s",
         "vs async-1",
         "push->X mean ms",
         "p99 ms",
@@ -200,8 +219,10 @@ def main() -> int:
     for r in rows:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
     print(
-        "local Stepper: the same Adam step in one process, no server (steps/s). "
-        "sync push->X is the time a step waits for its quorum."
+        "steps/s: optimizer steps the server took (sync: one per N pushes). local "
+        "Stepper: the same Adam step in one process, no server, no transport.\n"
+        "push->X: from a worker's push to its pull returning X; in sync mode the "
+        "time a step waits for its quorum."
     )
     return 0
 
