@@ -1,0 +1,285 @@
+"""kill -9 a real server process under push load, restart it, and check what survived.
+
+Each async group has one writer, so its pushes apply in the writer's order and the
+state after T pushes can be recomputed locally with ``apply_onnx``; the sync group's
+steps combine both workers' gradients for that step in client-id order. After every
+restart each group must equal the state after a prefix of its pushes, and with
+``--durability wal`` that prefix must hold every acknowledged push.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from onnxps.client import (
+    Adagrad,
+    Adam,
+    Client,
+    FailedPreconditionError,
+    Momentum,
+    RpcError,
+    Sync,
+)
+from onnxps.server._snapshot import list_snapshots, load_snapshot
+from onnxps.server.kernels import apply_onnx
+from onnxps.server.store import combine_contributions
+
+SERVER = r"""
+import logging, resource, signal, sys, threading
+from onnxps.server.app import ServerConfig, create_server
+
+mode, data_dir, interval, fsize = sys.argv[1:]
+interval, fsize = float(interval), int(fsize)
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+if fsize:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+config = ServerConfig(
+    address="127.0.0.1:0", durability=mode, data_dir=data_dir,
+    snapshot_interval=interval, threads=16,
+)
+handle = create_server(config).start()
+print(handle.port, flush=True)
+done = threading.Event()
+signal.signal(signal.SIGTERM, lambda *a: done.set())
+done.wait()
+handle.stop(grace=1)
+"""
+
+ASYNC = {
+    "adam": ("Adam", {}, 0.01, np.float32, 16),
+    "mom": ("Momentum", {"alpha": 0.9, "beta": 0.5, "mode": "nesterov",
+                         "norm_coefficient": 0.01}, 0.05, np.float64, 8),
+}  # fmt: skip
+SYNC_LR = 0.1
+SYNC_WORKERS = ("s0", "s1")
+
+
+class Server:
+    def __init__(self, data_dir: Path, mode: str, interval: float = 0, fsize: int = 0):
+        self.stderr = open(data_dir.parent / f"{data_dir.name}.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                SERVER,
+                mode,
+                str(data_dir),
+                str(interval),
+                str(fsize),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"server did not start: see {self.stderr.name}"
+        self.address = f"127.0.0.1:{int(line)}"
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        self.close()
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=30)
+        self.close()
+
+    def close(self) -> None:
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+        self.stderr.close()
+
+
+def _grad(name: str, k: int, n: int, dtype: Any) -> np.ndarray:
+    seed = sum(map(ord, name)) * 100_003 + k
+    return np.random.default_rng(seed).standard_normal(n).astype(dtype)
+
+
+class Model:
+    """The state after T pushes, recomputed locally (and cached)."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, list[list[np.ndarray]]] = {}
+        for g, (op, _, _, dtype, n) in ASYNC.items():
+            nstate = 2 if op == "Adam" else 1
+            x0 = np.linspace(-1, 1, n).astype(dtype)
+            self.states[g] = [[x0] + [np.zeros(n, dtype)] * nstate]
+        self.states["sync"] = [[np.ones(8, np.float32), np.zeros(8, np.float32)]]
+
+    def at(self, g: str, t: int) -> list[np.ndarray]:
+        history = self.states[g]
+        while len(history) <= t:
+            k = len(history) - 1
+            x, *state = history[-1]
+            if g == "sync":
+                grads = {w: [_grad(w, k, 8, np.float32)] for w in SYNC_WORKERS}
+                (grad,) = combine_contributions(grads, "mean", np.dtype(np.float32))
+                out = apply_onnx("Adagrad", {}, [SYNC_LR, k, x, grad, *state])
+            else:
+                op, attrs, lr, dtype, n = ASYNC[g]
+                out = apply_onnx(op, attrs, [lr, k, x, _grad(g, k, n, dtype), *state])
+            history.append(out)
+        return history[t]
+
+
+def _create(address: str) -> None:
+    with Client(address) as c:
+        c.create_group(
+            "adam", Adam(), learning_rate=0.01,
+            tensors={"w": np.linspace(-1, 1, 16).astype(np.float32)},
+        )  # fmt: skip
+        c.create_group(
+            "mom", Momentum(0.9, 0.5, "nesterov", 0.01), learning_rate=0.05,
+            tensors={"w": np.linspace(-1, 1, 8)},
+        )  # fmt: skip
+        c.create_group(
+            "sync", Adagrad(), learning_rate=SYNC_LR,
+            tensors={"w": np.ones(8, np.float32)}, consistency=Sync(2),
+        )  # fmt: skip
+
+
+def _async_writer(address: str, g: str, stop: threading.Event, acked: dict) -> None:
+    _, _, _, dtype, n = ASYNC[g]
+    with Client(address, client_id=f"w-{g}", timeout=3, push_attempts=1) as c:
+        try:
+            t = c.pull_versioned(g)[0]
+            while not stop.is_set():
+                assert c.push(g, _grad(g, t, n, dtype)) == t + 1
+                t += 1
+                acked[g] = t
+        except RpcError:
+            return
+
+
+def _sync_worker(address: str, w: str, stop: threading.Event, acked: dict) -> None:
+    with Client(address, client_id=w, timeout=3, push_attempts=1) as c:
+        try:
+            while not stop.is_set():
+                t = c.pull_versioned("sync")[0]
+                try:
+                    c.push("sync", _grad(w, t, 8, np.float32), base_version=t)
+                    acked[w] = max(acked[w], t + 1)
+                except FailedPreconditionError:
+                    pass  # pushed for step t before the restart, or t is stale
+                c.pull("sync", min_version=t + 1, timeout=1.5)
+        except RpcError:
+            return
+
+
+def _check(address: str, model: Model, acked: dict, wal: bool) -> dict[str, int]:
+    seen = {}
+    with Client(address, timeout=10) as c:
+        for g in [*ASYNC, "sync"]:
+            t, values = c.pull_versioned(g, state=True)
+            expected = model.at(g, t)
+            for got, want in zip(values, expected, strict=True):
+                assert got.tobytes() == want.tobytes(), f"{g} at T={t}"
+            seen[g] = t
+            if g != "sync":
+                assert t <= acked[g] + 1, f"{g}: T={t}, only {acked[g]} acked"
+                if wal:
+                    assert t >= acked[g], f"{g}: T={t} lost acked pushes ({acked[g]})"
+                continue
+            pending = c.describe_group(g).pending_contributions
+            if wal:
+                assert all(acked[w] <= t + 1 for w in SYNC_WORKERS), (t, acked)
+                waiting = [w for w in SYNC_WORKERS if acked[w] == t + 1]
+                assert pending >= len(waiting), (t, acked, pending)
+    return seen
+
+
+def _kill_cycles(tmp_path: Path, mode: str, cycles: int, interval: float) -> dict:
+    data = tmp_path / "data"
+    model = Model()
+    acked = {"adam": 0, "mom": 0, "s0": 0, "s1": 0}
+    rng = random.Random(6)
+    progress = {}
+    server = Server(data, mode, interval)
+    try:
+        _create(server.address)
+        for _ in range(cycles):
+            stop = threading.Event()
+            threads = [
+                threading.Thread(
+                    target=_async_writer, args=(server.address, g, stop, acked)
+                )
+                for g in ASYNC
+            ] + [
+                threading.Thread(
+                    target=_sync_worker, args=(server.address, w, stop, acked)
+                )
+                for w in SYNC_WORKERS
+            ]
+            for th in threads:
+                th.start()
+            time.sleep(rng.uniform(0.15, 0.7))
+            server.kill()
+            stop.set()
+            server = Server(data, mode, interval)  # restarts while the workers fail
+            for th in threads:
+                th.join(timeout=10)
+            progress = _check(server.address, model, acked, wal=mode == "wal")
+    finally:
+        server.kill()
+    return {"progress": progress, "acked": acked}
+
+
+def test_kill_9_under_load_wal_loses_no_acknowledged_push(tmp_path: Path) -> None:
+    result = _kill_cycles(tmp_path, "wal", cycles=20, interval=0.3)
+    # the load really ran: many pushes survived 20 kills
+    assert result["progress"]["adam"] >= 20
+    assert result["progress"]["sync"] >= 5
+    assert result["acked"]["adam"] <= result["progress"]["adam"]
+
+
+def test_kill_9_under_load_snapshot_mode_keeps_a_prefix(tmp_path: Path) -> None:
+    result = _kill_cycles(tmp_path, "snapshot", cycles=4, interval=0.1)
+    assert result["progress"]["adam"] >= 1
+
+
+def test_disk_failure_while_snapshotting_keeps_serving(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    server = Server(data, "snapshot", fsize=256 * 1024)
+    try:
+        with Client(server.address, timeout=10) as c:
+            c.create_group(
+                "small", Adam(), learning_rate=0.1, tensors={"w": np.zeros(8)}
+            )
+            c.push("small", np.ones(8))
+            first = c.save()
+            c.create_group(
+                "big", Adam(), learning_rate=0.1, tensors={"w": np.zeros(64 * 1024)}
+            )
+            with pytest.raises(FailedPreconditionError, match="snapshot to .* failed"):
+                c.save()
+            with grpc.insecure_channel(server.address) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=5
+                )
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert c.push("small", np.ones(8)) == 2  # still serving from memory
+            assert c.pull("big")[0].shape == (64 * 1024,)
+    finally:
+        server.kill()
+    log = (tmp_path / "data.log").read_text()
+    assert "ERROR onnxps.durability: snapshot to" in log
+    assert "File too large" in log
+    snaps = list_snapshots(str(data / "snapshots"))
+    assert [p for _, p in snaps] == [first.path]  # the failed one left nothing behind
+    manifest, images = load_snapshot(first.path)
+    assert [im["group"] for im in images] == ["small"]
+    assert images[0]["update_count"] == 1
