@@ -1,0 +1,172 @@
+"""``onnxps demo`` end to end as a process, its interruption, and its workers."""
+
+from __future__ import annotations
+
+import io
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from _procs import children, clean_env, gone, start_server, stop
+from onnxps.server import _demo_worker as worker
+from onnxps.server.demo import Progress
+
+ACCURACY = re.compile(r"^held-out accuracy: (\d\.\d+) on 359 test images", re.M)
+
+
+def _demo(*args: str) -> list[str]:
+    return [sys.executable, "-m", "onnxps.server.cli", "demo", *args]
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "mode"), [("adam", "async"), ("momentum", "sync")]
+)
+def test_demo_trains_to_high_accuracy(optimizer: str, mode: str) -> None:
+    steps, workers = 100, 2
+    run = subprocess.run(
+        _demo(
+            f"--optimizer={optimizer}",
+            f"--mode={mode}",
+            f"--workers={workers}",
+            f"--steps={steps}",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(),
+    )
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    m = ACCURACY.search(out)
+    assert m, out
+    assert float(m.group(1)) > 0.8
+    # Not a terminal: plain progress lines, the last one complete, no bar drawing.
+    assert "\r" not in out and "\x1b" not in out
+    assert f"progress 100%  {steps * workers}/{steps * workers} pushes" in out
+    updates = steps if mode == "sync" else steps * workers
+    assert f"trained: T={updates} updates from {steps * workers} pushes" in out
+    assert f"with {optimizer} (R={worker.LEARNING_RATES[optimizer]}, {mode}" in out
+
+
+def test_demo_sigint_stops_every_process_and_exits_130() -> None:
+    proc = subprocess.Popen(
+        _demo("--workers=2", "--steps=100000"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # wait until the workers are pushing
+            if line.startswith("progress") and " 0/" not in line:
+                break
+        kids = children(proc.pid)
+        assert len(kids) == 3  # the server and two workers
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+        assert all(gone(pid) for pid in kids)
+        assert proc.stderr is not None
+        err = proc.stderr.read()
+        assert "onnxps demo: SIGINT: stopped the server and workers" in err
+    finally:
+        stop(proc)  # type: ignore[arg-type]
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def test_worker_exits_3_with_a_message_when_the_server_dies(tmp_path: Path) -> None:
+    server, address = start_server(tmp_path / "server.log")
+    w = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "onnxps.server._demo_worker",
+            f"--address={address}",
+            "--steps=100000",
+            "--log-every=1",
+            "--timeout=3",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
+    try:
+        assert w.stdout is not None and w.stderr is not None
+        assert w.stdout.readline().startswith("worker 0/4 step 1/100000 loss ")
+        server.kill()
+        server.wait()
+        start = time.monotonic()
+        assert w.wait(30) == worker.EXIT_SERVER_GONE
+        assert time.monotonic() - start < 30
+        # Before it: the client's warnings about its retries.
+        last = w.stderr.read().splitlines()[-1]
+        assert last.startswith(
+            f"worker 0/4: the parameter server at {address} is unreachable or gone "
+        )
+        assert last.endswith("; stopping")
+    finally:
+        stop(server)
+        stop(w)  # type: ignore[arg-type]
+        for stream in (w.stdout, w.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def test_progress_plain_lines_when_not_a_terminal() -> None:
+    out = io.StringIO()
+    bar = Progress(400, out, tty=False, every=0.0)
+    bar.update(0, None)
+    bar.update(100, 1.23456)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("progress   0%  0/400 pushes  loss    -  ")
+    assert lines[1].startswith("progress  25%  100/400 pushes  loss 1.2346  ")
+    assert out.getvalue().endswith("s\n")
+
+
+def test_progress_bar_redraws_one_line_on_a_terminal() -> None:
+    out = io.StringIO()
+    bar = Progress(400, out, tty=True)
+    bar.update(200, 0.5, force=True)
+    bar.update(400, 0.25, force=True)
+    bar.close()
+    text = out.getvalue()
+    assert text.count("\n") == 1 and text.endswith("\n")
+    frames = text.rstrip("\n").split("\r\x1b[K")[1:]
+    assert frames[0].startswith(f"[{'#' * 15}{'.' * 15}]  50%  200/400 pushes")
+    assert frames[1].startswith(f"[{'#' * 30}] 100%  400/400 pushes  loss 0.2500")
+
+
+def test_mlp_gradients_match_finite_differences() -> None:
+    import numpy as np
+
+    data = worker.load_dataset(0)
+    params = [p.astype(np.float64) for p in worker.init_params(0).values()]
+    x, y = data.x_train[:16].astype(np.float64), data.y_train[:16]
+    _, grads = worker.loss_and_grads(params, x, y)
+    rng = np.random.default_rng(1)
+    for i, p in enumerate(params):
+        for _ in range(3):
+            j = tuple(int(rng.integers(d)) for d in p.shape)
+            old = p[j]
+            p[j] = old + 1e-6
+            up, _ = worker.loss_and_grads(params, x, y)
+            p[j] = old - 1e-6
+            down, _ = worker.loss_and_grads(params, x, y)
+            p[j] = old
+            assert grads[i][j] == pytest.approx((up - down) / 2e-6, rel=1e-4, abs=1e-8)
+
+
+def test_shards_partition_the_training_set() -> None:
+    data = worker.load_dataset(0)
+    sizes = [len(data.shard(i, 4)[0]) for i in range(4)]
+    assert sum(sizes) == len(data.x_train) == 1438
+    assert len(data.x_test) == 359
