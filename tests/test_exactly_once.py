@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Iterator
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -128,11 +129,13 @@ def _one_adam_step(x: np.ndarray, g: np.ndarray, t: int = 0) -> list[np.ndarray]
     return apply_onnx("Adam", AdamAttrs(), [0.1, t, x, g, zeros, zeros])
 
 
+@pytest.mark.parametrize("transport", ["unary", "stream"])
 def test_async_push_with_a_lost_reply_is_applied_once(
-    client: Client, proxy: ReplyDropProxy
+    client: Client, proxy: ReplyDropProxy, transport: Literal["unary", "stream"]
 ) -> None:
     client.create_group("once", Adam(), learning_rate=0.1, tensors={"x": X0})
-    with Client(proxy.address, client_id="w1", timeout=10) as worker:
+    worker = Client(proxy.address, client_id="w1", timeout=10, transport=transport)
+    with worker:
         assert worker.pull_versioned("once")[0] == 0  # the connection is up
         proxy.armed.set()
         result = worker.push_detailed("once", G)
