@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -181,3 +184,27 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for command in ("serve", "demo", "status"):
         assert command in out
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_serve_flags_table_matches_the_parser() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "config_table.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+
+
+def test_readme_quickstart_runs(server: ServerHandle) -> None:
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme, re.S)
+    assert code is not None
+    source = code.group(1)
+    assert 'Client("127.0.0.1:50051")' in source
+    namespace: dict[str, object] = {}
+    exec(source.replace("127.0.0.1:50051", server.address), namespace)  # noqa: S102
+    assert namespace["t"] == 1

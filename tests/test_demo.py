@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from _procs import children, clean_env, gone, start_server, stop
 from onnxps.server import _demo_worker as worker
+from onnxps.server.app import ServerHandle
 from onnxps.server.demo import Progress
 
 ACCURACY = re.compile(r"^held-out accuracy: (\d\.\d+) on 359 test images", re.M)
@@ -170,3 +171,18 @@ def test_shards_partition_the_training_set() -> None:
     sizes = [len(data.shard(i, 4)[0]) for i in range(4)]
     assert sum(sizes) == len(data.x_train) == 1438
     assert len(data.x_test) == 359
+
+
+def test_example_worker_trains_against_a_server(server: ServerHandle) -> None:
+    example = Path(__file__).resolve().parent.parent / "examples" / "train_worker.py"
+    run = subprocess.run(
+        [sys.executable, str(example), f"--address={server.address}", "--steps=150"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+    )
+    assert run.returncode == 0, run.stderr
+    last = run.stdout.splitlines()[-1]
+    assert last.startswith("worker 0 held-out accuracy ")
+    assert float(last.rsplit(" ", 1)[1]) > 0.8

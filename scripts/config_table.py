@@ -1,0 +1,68 @@
+"""The README's table of `onnxps serve` flags, generated from the argparse parser.
+
+python scripts/config_table.py            # print the table
+python scripts/config_table.py --write    # replace it in README.md
+python scripts/config_table.py --check    # exit 1 if README.md is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+BEGIN, END = "<!-- serve-flags -->", "<!-- /serve-flags -->"
+
+
+def table() -> str:
+    for key in [k for k in os.environ if k.startswith("ONNXPS_")]:
+        del os.environ[key]  # the defaults, not this shell's settings
+    from onnxps.server import cli
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    cli._add_serve(sub)
+    serve = sub.choices["serve"]
+    rows = ["| flag | environment | default | meaning |", "| --- | --- | --- | --- |"]
+    for action in serve._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        m = re.match(r"(.*) \((ONNXPS_\w+); default .*\)$", action.help or "")
+        assert m, f"{action.option_strings[0]} does not name its ONNXPS_ variable"
+        meaning, env = m.groups()
+        default = "(none)" if action.default is None else f"`{action.default}`"
+        rows.append(
+            f"| `{action.option_strings[0]}` | `{env}` | {default} | {meaning} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--write", action="store_true")
+    p.add_argument("--check", action="store_true")
+    args = p.parse_args()
+    text = table()
+    if not (args.write or args.check):
+        print(text)
+        return 0
+    readme = README.read_text()
+    start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
+    fresh = readme[:start] + "\n" + text + "\n" + readme[end:]
+    if args.check:
+        if fresh != readme:
+            print(
+                "README.md's serve flags are out of date: run "
+                "python scripts/config_table.py --write",
+                file=sys.stderr,
+            )
+            return 1
+        return 0
+    README.write_text(fresh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
