@@ -23,10 +23,10 @@ from ._codec import (
     CHUNK_BYTES,
     PROTO_TO_DTYPE,
     TensorAssembler,
-    array_to_tensor,
     header_tensor,
-    iter_chunks,
+    iter_chunk_messages,
     tensor_to_array,
+    write_tensor,
 )
 from ._errors import (
     ClientClosedError,
@@ -320,15 +320,16 @@ class Client:
 
             def chunks() -> Iterator[pb.CreateGroupChunk]:
                 yield pb.CreateGroupChunk(header=req)
-                for c in iter_chunks(arrays + state_arrays, self.chunk_bytes):
-                    yield pb.CreateGroupChunk(chunk=c)
+                yield from iter_chunk_messages(
+                    arrays + state_arrays, self.chunk_bytes, pb.CreateGroupChunk
+                )
 
             msg = self._call("CreateGroupStream", chunks(), timeout)
         else:
-            req.tensors.extend(
-                array_to_tensor(a, n) for (n, _), a in zip(items, arrays, strict=True)
-            )
-            req.state.extend(array_to_tensor(a) for a in state_arrays)
+            for (n, _), a in zip(items, arrays, strict=True):
+                write_tensor(req.tensors.add(), a, n)
+            for a in state_arrays:
+                write_tensor(req.state.add(), a)
             msg = self._call("CreateGroup", req, timeout)
         info = _group_info(msg)
         self._sizes[name] = info.nbytes
@@ -405,12 +406,12 @@ class Client:
         if stream:
             req.gradients.extend(header_tensor(a) for a in arrays)
         else:
-            req.gradients.extend(array_to_tensor(a) for a in arrays)
+            for a in arrays:
+                write_tensor(req.gradients.add(), a)
 
         def chunks() -> Iterator[pb.PushChunk]:
             yield pb.PushChunk(header=req)
-            for c in iter_chunks(arrays, self.chunk_bytes):
-                yield pb.PushChunk(chunk=c)
+            yield from iter_chunk_messages(arrays, self.chunk_bytes, pb.PushChunk)
 
         # A lost reply surfaces as DEADLINE_EXCEEDED or UNAVAILABLE; the same seq
         # makes the retry safe (the server answers a repeat with the first result).
@@ -501,8 +502,7 @@ class Client:
 
             def chunks() -> Iterator[pb.ApplyChunk]:
                 yield pb.ApplyChunk(request=header)
-                for c in iter_chunks(arrays, self.chunk_bytes):
-                    yield pb.ApplyChunk(chunk=c)
+                yield from iter_chunk_messages(arrays, self.chunk_bytes, pb.ApplyChunk)
 
             it = self._stream_call("ApplyStream", chunks(), timeout)
             first = next(it).response
@@ -512,9 +512,9 @@ class Client:
             for msg in it:
                 asm.add(msg.chunk)
             return asm.finish()
-        req = pb.ApplyRequest(
-            optimizer=optimizer.to_proto(), inputs=[array_to_tensor(a) for a in arrays]
-        )
+        req = pb.ApplyRequest(optimizer=optimizer.to_proto())
+        for a in arrays:
+            write_tensor(req.inputs.add(), a)
         msg = self._call("Apply", req, timeout)
         return [
             tensor_to_array(t, f"output {i}").copy() for i, t in enumerate(msg.outputs)

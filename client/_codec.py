@@ -7,7 +7,7 @@ field is read once and wrapped with ``np.frombuffer``. Both ends use this module
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,9 +22,11 @@ __all__ = [
     "array_to_tensor",
     "declared_nbytes",
     "header_tensor",
+    "iter_chunk_messages",
     "iter_chunks",
     "tensor_spec",
     "tensor_to_array",
+    "write_tensor",
 ]
 
 CHUNK_BYTES = 1 << 20
@@ -75,14 +77,25 @@ def declared_nbytes(t: pb.Tensor, what: str = "tensor") -> int:
     return math.prod(dims) * dtype.itemsize
 
 
-def array_to_tensor(a: Any, name: str = "") -> pb.Tensor:
-    """One tensor message with its bytes inline (unary calls)."""
+def write_tensor(msg: pb.Tensor, a: Any, name: str = "") -> pb.Tensor:
+    """Fill ``msg`` (e.g. ``request.gradients.add()``) with a tensor, bytes inline.
+
+    Filling the message in place, rather than building one and appending it, saves
+    a copy of the bytes: protobuf copies a message when it is appended or nested.
+    """
     arr = np.asarray(a)
     code = _wire_dtype(arr.dtype)
     arr = np.asarray(arr, dtype=PROTO_TO_DTYPE[code], order="C")  # keeps 0-d
-    return pb.Tensor(
-        name=name, dtype=code, dims=arr.shape, raw_data=arr.tobytes(order="C")
-    )
+    msg.name = name
+    msg.dtype = code  # type: ignore[assignment]
+    msg.dims[:] = arr.shape
+    msg.raw_data = arr.tobytes(order="C")
+    return msg
+
+
+def array_to_tensor(a: Any, name: str = "") -> pb.Tensor:
+    """One tensor message with its bytes inline (unary calls)."""
+    return write_tensor(pb.Tensor(), a, name)
 
 
 def header_tensor(a: Any, name: str = "") -> pb.Tensor:
@@ -116,6 +129,24 @@ def iter_chunks(
             yield pb.TensorChunk(
                 index=index, offset=start, data=bytes(view[start : start + chunk_bytes])
             )
+
+
+def iter_chunk_messages(
+    arrays: Iterable[Any], chunk_bytes: int, message: Callable[[], Any]
+) -> Iterator[Any]:
+    """Like ``iter_chunks``, each chunk already inside a stream message (PushChunk,
+    PullChunk, ApplyChunk, CreateGroupChunk), filled in place to save a copy."""
+    for index, a in enumerate(arrays):
+        arr = np.asarray(a)
+        arr = np.asarray(arr, dtype=arr.dtype.newbyteorder("<"), order="C")
+        view = memoryview(arr.reshape(-1)).cast("B")  # type: ignore[arg-type]
+        for start in range(0, len(view), chunk_bytes):
+            msg = message()
+            chunk = msg.chunk
+            chunk.index = index
+            chunk.offset = start
+            chunk.data = bytes(view[start : start + chunk_bytes])
+            yield msg
 
 
 class TensorAssembler:

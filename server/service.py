@@ -18,12 +18,12 @@ from onnxps.client._codec import (
     CHUNK_BYTES,
     TensorAssembler,
     TensorFormatError,
-    array_to_tensor,
     declared_nbytes,
     header_tensor,
-    iter_chunks,
+    iter_chunk_messages,
     tensor_spec,
     tensor_to_array,
+    write_tensor,
 )
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -209,9 +209,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         )
         if out.values is not None:
             g = self.store.get(req.group)
-            reply.values.extend(
-                array_to_tensor(v, n) for v, n in zip(out.values, g.names, strict=True)
-            )
+            for v, n in zip(out.values, g.names, strict=True):
+                write_tensor(reply.values.add(), v, n)
         return reply
 
     @_unary
@@ -272,11 +271,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @_unary
     def Pull(self, request: pb.PullRequest, context: Any) -> pb.PullResponse:
         t, arrays, lr, names = self._pull(request, context)
-        return pb.PullResponse(
-            update_count=t,
-            learning_rate=lr,
-            tensors=[array_to_tensor(a, n) for a, n in zip(arrays, names, strict=True)],
-        )
+        reply = pb.PullResponse(update_count=t, learning_rate=lr)
+        for a, n in zip(arrays, names, strict=True):
+            write_tensor(reply.tensors.add(), a, n)
+        return reply
 
     @_streaming
     def PullStream(
@@ -289,8 +287,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             tensors=[header_tensor(a, n) for a, n in zip(arrays, names, strict=True)],
         )
         yield pb.PullChunk(header=header)
-        for chunk in iter_chunks(arrays, self.chunk_bytes):
-            yield pb.PullChunk(chunk=chunk)
+        yield from iter_chunk_messages(arrays, self.chunk_bytes, pb.PullChunk)
 
     # -- apply ---------------------------------------------------------------------
     def _apply(self, req: pb.ApplyRequest, inputs: list[Array]) -> list[Array]:
@@ -303,7 +300,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             tensor_to_array(t, f"input {i}") for i, t in enumerate(request.inputs)
         ]
         outputs = self._apply(request, inputs)
-        return pb.ApplyResponse(outputs=[array_to_tensor(o) for o in outputs])
+        reply = pb.ApplyResponse()
+        for o in outputs:
+            write_tensor(reply.outputs.add(), o)
+        return reply
 
     @_streaming
     def ApplyStream(
@@ -323,8 +323,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         yield pb.ApplyChunk(
             response=pb.ApplyResponse(outputs=[header_tensor(o) for o in outputs])
         )
-        for chunk in iter_chunks(outputs, self.chunk_bytes):
-            yield pb.ApplyChunk(chunk=chunk)
+        yield from iter_chunk_messages(outputs, self.chunk_bytes, pb.ApplyChunk)
 
     # -- workers and saving ----------------------------------------------------------
     def _lease(self, g: Group) -> pb.LeaseResponse:

@@ -53,6 +53,13 @@ CALLS: dict[str, Callable[..., Any]] = {
 }
 
 
+# Made of several calls, each with the client's default deadline: no timeout=.
+COMPOSITE: dict[str, Callable[..., Any]] = {
+    "export": lambda c, path: c.export(path),
+    "import_": lambda c, path: c.import_(path),
+}
+
+
 # -- exports (httpx's test) ------------------------------------------------------------
 
 
@@ -84,7 +91,7 @@ def test_every_public_call_is_in_the_table_below() -> None:
         for name, value in vars(Client).items()
         if not name.startswith("_") and inspect.isfunction(value) and name != "close"
     }
-    assert methods == set(CALLS)
+    assert methods == set(CALLS) | set(COMPOSITE)
     for name in CALLS:
         assert "timeout" in inspect.signature(getattr(Client, name)).parameters, name
 
@@ -112,6 +119,18 @@ def test_every_call_after_close_raises_client_closed(
     c.close()  # before the channel was ever opened
     with pytest.raises(ClientClosedError):
         CALLS[name](c)
+
+
+@pytest.mark.parametrize("name", list(COMPOSITE))
+def test_composite_calls_after_close_raise_client_closed(
+    server: ServerHandle, client: Client, name: str, tmp_path: Any
+) -> None:
+    client.create_group("g", Adam(), learning_rate=0.1, tensors={"x": X})
+    client.export(tmp_path / "groups")  # a valid file for import_
+    c = Client(server.address, timeout=10)
+    c.close()
+    with pytest.raises(ClientClosedError):
+        COMPOSITE[name](c, tmp_path / "groups")
 
 
 def test_channel_opens_on_first_use() -> None:
