@@ -285,3 +285,28 @@ def test_a_heartbeat_that_finds_an_expired_lease_takes_the_due_step() -> None:
     )
     np.testing.assert_array_equal(store.pull("g")[1][0], want[0], strict=True)
     store.close()
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_sync_combines_in_client_id_order_whatever_the_arrival_order(
+    server: ServerHandle, client: Client, reduction: str
+) -> None:
+    """float32 1e8 + 1 - 1e8: 0 in id order (a, b, c), 1 in arrival order (c, a, b)."""
+    client.create_group(
+        "order",
+        Adagrad(),
+        learning_rate=0.1,
+        tensors={"x": np.zeros(1, np.float32)},
+        consistency=Sync(3, reduction),  # type: ignore[arg-type]
+    )
+    grads = {"c": -1e8, "a": 1e8, "b": 1.0}
+    for cid, value in grads.items():  # arrival order c, a, b
+        with Client(server.address, client_id=cid) as w:
+            w.push("order", np.full(1, value, np.float32), base_version=0)
+    t, (x, h) = client.pull_versioned("order", state=True)
+    assert t == 1
+    # Adagrad: H_new = H + G * G, so H shows the combined gradient G.
+    assert h.tolist() == [0.0]
+    assert x.tolist() == [0.0]
+    assert np.float32(1e8) + np.float32(1.0) - np.float32(1e8) == 0  # a, b, c
+    assert np.float32(-1e8) + np.float32(1e8) + np.float32(1.0) == 1  # c, a, b
