@@ -28,8 +28,17 @@ from onnxps.client import (
     RpcError,
     Sync,
 )
+from onnxps.client._codec import (
+    TensorAssembler,
+    array_to_tensor,
+    header_tensor,
+    iter_chunk_messages,
+    iter_chunks,
+    tensor_to_array,
+)
 from onnxps.client._errors import translate
 from onnxps.server.app import ServerHandle
+from onnxps.v1 import parameter_server_pb2 as pb
 
 X = np.zeros(3, np.float32)
 
@@ -336,3 +345,38 @@ def test_push_detailed_and_return_values(client: Client) -> None:
     (pulled,) = client.pull("g")
     assert pulled.tobytes() == x.tobytes()
     assert pulled.flags.writeable
+
+
+# -- the codec -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(2500, dtype=np.float32).reshape(50, 50),
+        np.float64(3.5),
+        np.zeros((3, 0), np.float32),
+        np.arange(7, dtype=">f8"),  # big-endian in memory: little-endian on the wire
+        np.arange(12, dtype=np.float32).reshape(3, 4)[:, 1:3],  # not contiguous
+    ],
+    ids=["2d", "0d", "empty", "big-endian", "strided"],
+)
+def test_codec_round_trip_and_chunk_messages(array: Any) -> None:
+    expected = np.asarray(array, dtype=np.asarray(array).dtype.newbyteorder("<"))
+    msg = array_to_tensor(array, "t")
+    assert msg.name == "t" and list(msg.dims) == list(np.shape(array))
+    assert msg.raw_data == np.ascontiguousarray(expected).tobytes()
+    decoded = tensor_to_array(pb.Tensor.FromString(msg.SerializeToString()))
+    assert decoded.tobytes() == msg.raw_data and decoded.shape == np.shape(array)
+
+    # chunk messages filled in place are byte-identical to nesting TensorChunks
+    nested = [
+        pb.PushChunk(chunk=c).SerializeToString() for c in iter_chunks([array], 64)
+    ]
+    filled = list(iter_chunk_messages([array], 64, pb.PushChunk))
+    assert [m.SerializeToString() for m in filled] == nested
+    asm = TensorAssembler([header_tensor(array)], ["t"])
+    for m in filled:
+        asm.add(m.chunk)
+    (out,) = asm.finish()
+    assert out.tobytes() == msg.raw_data and out.shape == np.shape(array)
