@@ -10,17 +10,19 @@ checksums catch. The layout is documented in docs/FORMAT.md.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ._wal import fsync_dir
+from ._wal import _write_all, fsync_dir
 
 __all__ = [
     "FORMAT_VERSION",
@@ -66,17 +68,18 @@ class WrittenSnapshot:
     bytes: int
 
 
-class _HashingFile:
-    def __init__(self, f: Any) -> None:
-        self.f = f
-        self.sha = hashlib.sha256()
-        self.size = 0
+_HASHER: ThreadPoolExecutor | None = None
 
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self.sha.update(view)
-        self.size += len(view)
-        return self.f.write(view)
+
+def _hasher() -> ThreadPoolExecutor:
+    """One thread that hashes while the caller does I/O (both release the GIL).
+
+    A single worker runs submitted updates in order, so chunks hash in file order.
+    """
+    global _HASHER
+    if _HASHER is None:
+        _HASHER = ThreadPoolExecutor(1, thread_name_prefix="onnxps-sha256")
+    return _HASHER
 
 
 def snapshot_dir_name(gen: int) -> str:
@@ -105,12 +108,23 @@ def next_generation(root: str) -> int:
 
 
 def _write_array(directory: str, name: str, a: Array, files: dict[str, Any]) -> str:
-    with open(os.path.join(directory, name), "wb") as f:
-        h = _HashingFile(f)
-        np.lib.format.write_array(h, np.ascontiguousarray(a), allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    files[name] = {"sha256": h.sha.hexdigest(), "bytes": h.size}
+    a = np.ascontiguousarray(a)
+    head = io.BytesIO()
+    fmt = np.lib.format
+    fmt.write_array_header_1_0(head, fmt.header_data_from_array_1_0(a))
+    header = head.getvalue()
+    data = memoryview(a.reshape(-1)).cast("B")
+    sha = hashlib.sha256(header)
+    hashed = _hasher().submit(sha.update, data)
+    fd = os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        _write_all(fd, header)
+        _write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        hashed.result()
+    files[name] = {"sha256": sha.hexdigest(), "bytes": len(header) + len(data)}
     return name
 
 
@@ -192,7 +206,7 @@ def _read_array(directory: str, name: str, expect: dict[str, Any]) -> Array:
                 "(truncated or overwritten)"
             )
         sha = hashlib.sha256()
-        with open(path, "rb") as f:
+        with open(path, "rb", buffering=0) as f:
             version = np.lib.format.read_magic(f)
             if version == (1, 0):
                 shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
@@ -205,13 +219,15 @@ def _read_array(directory: str, name: str, expect: dict[str, Any]) -> Array:
             sha.update(f.read(header_len))
             out = np.empty(shape, dtype=dtype)
             view = memoryview(out.reshape(-1)).cast("B")
-            pos = 0
+            pos, hashed = 0, None
             while pos < len(view):
                 n = f.readinto(view[pos : pos + _BLOCK])
                 if not n:
                     raise SnapshotError(f"{path}: ends before its array data")
-                sha.update(view[pos : pos + n])
+                hashed = _hasher().submit(sha.update, view[pos : pos + n])
                 pos += n
+            if hashed is not None:
+                hashed.result()  # one worker in order: the last done means all done
     except (OSError, ValueError) as exc:
         raise SnapshotError(f"{path}: unreadable: {exc}") from exc
     if sha.hexdigest() != expect["sha256"]:
