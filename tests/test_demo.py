@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -61,6 +62,8 @@ def test_demo_sigint_stops_every_process_and_exits_130() -> None:
         text=True,
         env=clean_env(),
     )
+    watchdog = threading.Timer(120, proc.kill)  # a hung demo fails, not hangs
+    watchdog.start()
     try:
         assert proc.stdout is not None
         for line in proc.stdout:  # wait until the workers are pushing
@@ -75,6 +78,7 @@ def test_demo_sigint_stops_every_process_and_exits_130() -> None:
         err = proc.stderr.read()
         assert "onnxps demo: SIGINT: stopped the server and workers" in err
     finally:
+        watchdog.cancel()
         stop(proc)  # type: ignore[arg-type]
         for stream in (proc.stdout, proc.stderr):
             if stream is not None:
@@ -98,6 +102,8 @@ def test_worker_exits_3_with_a_message_when_the_server_dies(tmp_path: Path) -> N
         text=True,
         env=clean_env(),
     )
+    watchdog = threading.Timer(120, w.kill)
+    watchdog.start()
     try:
         assert w.stdout is not None and w.stderr is not None
         assert w.stdout.readline().startswith("worker 0/4 step 1/100000 loss ")
@@ -113,6 +119,7 @@ def test_worker_exits_3_with_a_message_when_the_server_dies(tmp_path: Path) -> N
         )
         assert last.endswith("; stopping")
     finally:
+        watchdog.cancel()
         stop(server)
         stop(w)  # type: ignore[arg-type]
         for stream in (w.stdout, w.stderr):
