@@ -6,6 +6,8 @@ import datetime
 import ipaddress
 import json
 import logging
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -450,3 +452,16 @@ def test_inconsistent_tls_settings_are_refused() -> None:
         create_server(ServerConfig(address="127.0.0.1:0", tls_cert="server.pem"))
     with pytest.raises(ConfigError, match="needs server TLS too"):
         create_server(ServerConfig(address="127.0.0.1:0", tls_client_ca="ca.pem"))
+
+
+def test_the_cli_refuses_a_public_bind_with_a_message_and_status_2() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "onnxps.server.cli", "serve", "--address", "0.0.0.0:0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "ONNXPS_DURABILITY": "none"},
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("onnxps: refusing to listen on 0.0.0.0:0")
+    assert "Traceback" not in proc.stderr
