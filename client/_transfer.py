@@ -53,7 +53,8 @@ def export_groups(
 
     Each group's tensors, state and T come from one pull, so they belong together.
     """
-    groups, arrays = [], {}
+    groups: list[dict[str, Any]] = []
+    arrays: dict[str, Any] = {}
     for info in client.list_groups(prefix):
         t, values = client.pull_versioned(info.name, state=True)
         lr = client.describe_group(info.name).learning_rate
@@ -71,7 +72,8 @@ def export_groups(
     path = os.fspath(path)
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
-        np.savez(f, metadata=blob, **arrays)
+        savez: Any = np.savez  # numpy's stub types **arrays as its own kwargs
+        savez(f, metadata=blob, **arrays)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -113,7 +113,7 @@ def _write_array(directory: str, name: str, a: Array, files: dict[str, Any]) -> 
     fmt = np.lib.format
     fmt.write_array_header_1_0(head, fmt.header_data_from_array_1_0(a))
     header = head.getvalue()
-    data = memoryview(a.reshape(-1)).cast("B")
+    data = a.reshape(-1).data.cast("B")
     sha = hashlib.sha256(header)
     hashed = _hasher().submit(sha.update, data)
     fd = os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -147,7 +147,8 @@ def _write_group(
         ]
         for k, (key, arrays) in enumerate(sorted(image["pending"].items()))
     ]
-    clients, rows = [], []
+    clients: list[list[Any]] = []
+    rows: list[list[int]] = []
     for cid, (floor, results) in image["dedup"].items():
         clients.append([cid, int(floor), len(results)])
         rows.extend([s, t, int(a)] for s, t, a in results)
@@ -169,7 +170,7 @@ def write_snapshot(
     os.mkdir(tmp)
     try:
         files: dict[str, Any] = {}
-        groups = []
+        groups: list[dict[str, Any]] = []
         for image in images:
             if image is not None:
                 groups.append(_write_group(tmp, len(groups), image, files))
@@ -218,7 +219,7 @@ def _read_array(directory: str, name: str, expect: dict[str, Any]) -> Array:
             f.seek(0)
             sha.update(f.read(header_len))
             out = np.empty(shape, dtype=dtype)
-            view = memoryview(out.reshape(-1)).cast("B")
+            view = out.reshape(-1).data.cast("B")
             pos, hashed = 0, None
             while pos < len(view):
                 n = f.readinto(view[pos : pos + _BLOCK])

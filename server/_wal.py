@@ -181,13 +181,13 @@ class WriteAheadLog:
             crc = zlib.crc32(item.header)
             body_len = 0
             for a in item.arrays:
-                crc = zlib.crc32(memoryview(a).cast("B"), crc)
+                crc = zlib.crc32(a.reshape(-1).data.cast("B"), crc)
                 body_len += a.nbytes
             _write_all(self._fd, FRAME.pack(MAGIC, len(item.header), body_len, crc))
             _write_all(self._fd, item.header)
             for a in item.arrays:
                 if a.nbytes:
-                    _write_all(self._fd, memoryview(a).cast("B"))
+                    _write_all(self._fd, a.reshape(-1).data.cast("B"))
         os.fsync(self._fd)
 
     def _fail(self, exc: OSError) -> None:

@@ -187,8 +187,8 @@ def _damage(snap: Path, how: str) -> str:
         (snap / "manifest.json").write_text(json.dumps(m))
         return "format_version 99"
     if how == "manifest_truncated":
-        data = (snap / "manifest.json").read_bytes()
-        (snap / "manifest.json").write_bytes(data[: len(data) // 2])
+        text = (snap / "manifest.json").read_bytes()
+        (snap / "manifest.json").write_bytes(text[: len(text) // 2])
         return "unreadable manifest"
     target = snap / "g00000-a0.npy"
     data = bytearray(target.read_bytes())
