@@ -55,13 +55,19 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> No
         context.abort(code, str(exc))
 
 
+def _already_aborted(context: grpc.ServicerContext) -> bool:
+    # grpc's context.abort raises a plain Exception after setting the status code.
+    code = getattr(context, "code", None)
+    return callable(code) and code() not in (None, grpc.StatusCode.OK)
+
+
 def _unary(method: F) -> F:
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return method(self, request, context)
         except Exception as exc:  # noqa: BLE001 - every error becomes a status
-            if isinstance(exc, grpc.RpcError) or type(exc).__name__ == "_AbortError":
+            if _already_aborted(context):
                 raise
             _abort(context, exc, method.__name__)
 
@@ -76,7 +82,7 @@ def _streaming(method: F) -> F:
         try:
             yield from method(self, request, context)
         except Exception as exc:  # noqa: BLE001
-            if isinstance(exc, grpc.RpcError) or type(exc).__name__ == "_AbortError":
+            if _already_aborted(context):
                 raise
             _abort(context, exc, method.__name__)
 
