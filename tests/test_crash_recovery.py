@@ -283,3 +283,25 @@ def test_disk_failure_while_snapshotting_keeps_serving(tmp_path: Path) -> None:
     manifest, images = load_snapshot(first.path)
     assert [im["group"] for im in images] == ["small"]
     assert images[0]["update_count"] == 1
+
+
+def test_disk_failure_in_the_log_keeps_serving(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    server = Server(data, "wal", fsize=64 * 1024)
+    try:
+        with Client(server.address, timeout=10) as c:
+            c.create_group(
+                "g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(2048)}
+            )
+            for k in range(8):  # 16 KiB records: the log passes 64 KiB
+                assert c.push("g", np.ones(2048)) == k + 1
+            with grpc.insecure_channel(server.address) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=5
+                )
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        server.kill()
+    log = (tmp_path / "data.log").read_text()
+    assert "ERROR onnxps.durability: write-ahead log in" in log
+    assert "File too large" in log
