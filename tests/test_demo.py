@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import re
 import signal
 import subprocess
@@ -193,3 +194,34 @@ def test_example_worker_trains_against_a_server(server: ServerHandle) -> None:
     last = run.stdout.splitlines()[-1]
     assert last.startswith("worker 0 held-out accuracy ")
     assert float(last.rsplit(" ", 1)[1]) > 0.8
+
+
+def test_demo_exits_1_and_says_so_when_its_server_dies() -> None:
+    proc = subprocess.Popen(
+        _demo("--workers=2", "--steps=100000"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        for line in proc.stdout:
+            if line.startswith("progress") and " 0/" not in line:
+                break
+        kids = children(proc.pid)
+        cmdlines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in kids}
+        (server,) = [pid for pid, cmd in cmdlines.items() if b"\x00serve\x00" in cmd]
+        os.kill(server, signal.SIGKILL)
+        assert proc.wait(60) == 1
+        assert all(gone(pid) for pid in kids)
+        err = proc.stderr.read()
+        assert "onnxps demo: the server exited with status -9" in err
+    finally:
+        watchdog.cancel()
+        stop(proc)  # type: ignore[arg-type]
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
