@@ -28,6 +28,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ._handlers import SERVICE, Behavior, group_of, method_of, peek, rewrap
+from .limits import message_bytes
 from .security import is_loopback
 
 __all__ = ["ObserveInterceptor", "Recorder", "StoreCollector", "attach", "interceptors"]
@@ -228,10 +229,7 @@ class _Call:
 
 
 def _size(msg: Any) -> int:
-    try:
-        return int(msg.ByteSize())
-    except Exception:  # noqa: BLE001 - not a message
-        return 0
+    return message_bytes(msg)
 
 
 def request_id(metadata: Iterable[tuple[str, Any]] | None) -> str:
