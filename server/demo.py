@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import os
+import importlib.util
 import re
 import signal
 import subprocess
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from onnxps.client import Client
+from onnxps.client import Client, OnnxpsError
 
 from . import _demo_worker as worker
 
@@ -259,10 +259,11 @@ def _train(
                 break
             bar.update(*state.snapshot())
             time.sleep(0.05)
-        if server.poll() is not None or any(p.poll() for p in workers):
+        failed = [i for i, p in enumerate(workers) if p.poll()]
+        if server.poll() is not None or failed:
             bar.close()
             _stop(workers)
-            _report_failure(server, server_log, workers, errs)
+            _report_failure(server, server_log, workers, failed, errs)
             return 1
         for t in readers:
             t.join(timeout=5)
@@ -291,6 +292,7 @@ def _report_failure(
     server: subprocess.Popen[Any],
     server_log: Path,
     workers: Sequence[subprocess.Popen[Any]],
+    failed: Sequence[int],
     errs: Sequence[Any],
 ) -> None:
     if server.poll() is not None:
@@ -299,14 +301,14 @@ def _report_failure(
             + server_log.read_text(errors="replace")[-2000:],
             file=sys.stderr,
         )
-    for i, p in enumerate(workers):
-        if p.poll() not in (None, 0):
-            errs[i].seek(0)
-            text = errs[i].read().decode(errors="replace")[-2000:]
-            print(
-                f"onnxps demo: worker {i} exited with status {p.returncode}:\n{text}",
-                file=sys.stderr,
-            )
+    for i in failed:
+        errs[i].seek(0)
+        text = errs[i].read().decode(errors="replace")[-2000:]
+        print(
+            f"onnxps demo: worker {i} exited with status {workers[i].returncode}:\n"
+            + text,
+            file=sys.stderr,
+        )
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -314,6 +316,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     if args.workers < 1 or args.steps < 1:
         print("onnxps demo: --workers and --steps must be >= 1", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("sklearn") is None:
+        print(
+            "onnxps demo trains on scikit-learn's digits: pip install 'onnxps[demo]' "
+            "(or run bash scripts/demo.sh)",
+            file=sys.stderr,
+        )
         return 2
     args.lr = args.learning_rate or worker.LEARNING_RATES[args.optimizer]
     procs: list[subprocess.Popen[Any]] = []
@@ -324,6 +333,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="onnxps-demo-") as tmp:
             try:
                 return _train(args, Path(tmp), procs, out)
+            except (RuntimeError, OnnxpsError) as exc:
+                print(f"onnxps demo: {exc}", file=sys.stderr)
+                return 1
             finally:
                 # Stop workers first, then the server, each within its own bound.
                 _stop(procs[1:])
@@ -347,5 +359,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())
