@@ -107,6 +107,7 @@ class Durability:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock_fd = -1
+        self._scratch = _Scratch()
 
     # -- start ----------------------------------------------------------------------
     def open(self) -> None:
@@ -296,8 +297,15 @@ class Durability:
         else:
             wal_seq = self._base_seq
             seq_now = lambda: self._base_seq  # noqa: E731
-        images = (self.store.capture(g, seq_now) for g in self.store.groups())
-        written = write_snapshot(self.snap_dir, gen, images, wal_seq)
+        # Groups are captured one at a time, each written before the next is copied,
+        # so one scratch buffer serves them all.
+        images = (
+            self.store.capture(g, seq_now, self._scratch) for g in self.store.groups()
+        )
+        try:
+            written = write_snapshot(self.snap_dir, gen, images, wal_seq)
+        finally:
+            self._scratch.trim()
         self._signature = signature
         self._prune()
         return written
@@ -383,6 +391,25 @@ class Durability:
     def _health(self, status: int) -> None:
         if self._set_health is not None:
             self._set_health(status)
+
+
+class _Scratch:
+    """A reusable copy buffer; kept between snapshots up to ``RETAIN`` bytes."""
+
+    RETAIN = 64 << 20
+
+    def __init__(self) -> None:
+        self._buf: np.ndarray[Any, Any] | None = None
+
+    def __call__(self, nbytes: int) -> np.ndarray[Any, Any]:
+        if self._buf is None or self._buf.nbytes < nbytes:
+            self._buf = None
+            self._buf = np.empty(nbytes, np.uint8)
+        return self._buf
+
+    def trim(self) -> None:
+        if self._buf is not None and self._buf.nbytes > self.RETAIN:
+            self._buf = None
 
 
 def _manifest_wal_seq(path: str) -> int:
