@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -55,6 +56,28 @@ def declared_bytes(msg: Message) -> int:
     return total
 
 
+# Wire sizes of parsed requests by id(message), noted by the deserializer: grpc parses
+# on another thread than the handler's. Bounded: entries whose handler never asked
+# (a call refused earlier) are evicted; a reused id is overwritten at its next parse.
+_received: OrderedDict[int, int] = OrderedDict()
+_received_lock = threading.Lock()
+_RECEIVED_MAX = 4096
+
+
+def _note_received(msg: Any, size: int) -> None:
+    with _received_lock:
+        _received[id(msg)] = size
+        while len(_received) > _RECEIVED_MAX:
+            _received.popitem(last=False)
+
+
+def received_bytes(msg: Any, *, forget: bool = False) -> int:
+    """The size of a request as received (no re-encoding)."""
+    with _received_lock:
+        size = _received.pop(id(msg), None) if forget else _received.get(id(msg))
+    return message_bytes(msg) if size is None else size
+
+
 def message_bytes(msg: Any) -> int:
     """About the wire size of a message, without encoding a large one.
 
@@ -77,7 +100,9 @@ def _tolerant(
 
     def parse(raw: bytes) -> Any:
         try:
-            return deserialize(raw)
+            msg = deserialize(raw)
+            _note_received(msg, len(raw))
+            return msg
         except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's
             return Malformed(len(raw), f"{method}: {exc}")
 
@@ -171,7 +196,7 @@ class LimitsInterceptor(grpc.ServerInterceptor):
             return _checked(it), message_bytes(first)
         if isinstance(request, Malformed):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(request))
-        return request, message_bytes(request)
+        return request, received_bytes(request, forget=True)
 
     def _make(self, behavior: Behavior, req_s: bool, resp_s: bool) -> Behavior:
         stream = req_s or resp_s

@@ -28,7 +28,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ._handlers import SERVICE, Behavior, group_of, method_of, peek, rewrap
-from .limits import message_bytes
+from .limits import message_bytes, received_bytes
 from .security import is_loopback
 
 __all__ = ["ObserveInterceptor", "Recorder", "StoreCollector", "attach", "interceptors"]
@@ -267,7 +267,7 @@ class ObserveInterceptor(grpc.ServerInterceptor):
             call.first, call.group, call.bytes_in = (
                 request,
                 group_of(request),
-                _size(request),
+                received_bytes(request),
             )
             return request
         call.first, request = peek(request)
@@ -277,7 +277,7 @@ class ObserveInterceptor(grpc.ServerInterceptor):
     @staticmethod
     def _count_in(it: Iterator[Any], call: _Call) -> Iterator[Any]:
         for msg in it:
-            call.bytes_in += _size(msg)
+            call.bytes_in += received_bytes(msg, forget=True)
             yield msg
 
     def _end(self, call: _Call, context: grpc.ServicerContext, start: float) -> None:
