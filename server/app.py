@@ -93,6 +93,7 @@ class ServerHandle:
         self._stopped.set()
         self.health.enter_graceful_shutdown()
         done = self.server.stop(grace)
+        self.store.drain()
         done.wait()
         for hook in self.on_stop:
             hook()

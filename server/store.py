@@ -325,6 +325,7 @@ class ParameterStore:
         self.journal: Journal | None = None
         self.replaying = False
         self._closed = False
+        self._draining = False
         self._reaper: threading.Thread | None = None
         self._stop = threading.Event()
         self.listeners: list[Callable[[str, str], None]] = []
@@ -340,6 +341,17 @@ class ParameterStore:
                 daemon=True,
             )
             self._reaper.start()
+
+    def drain(self) -> None:
+        """Wake every waiting call with UNAVAILABLE: no new push can satisfy it now.
+
+        Called when a graceful shutdown starts, so a pull waiting for a version (or a
+        sync push waiting for its step) does not hold the drain for its whole grace.
+        """
+        self._draining = True
+        for g in self.groups():
+            with g.cond:
+                g.cond.notify_all()
 
     def close(self) -> None:
         self._closed = True
@@ -741,6 +753,11 @@ class ParameterStore:
         deadline = None if timeout is None else self._clock() + timeout
         while g.update_count < version:
             self._check_live(g)
+            if self._draining:
+                raise Unavailable(
+                    f"the server is shutting down while group {g.name!r} is at "
+                    f"T={g.update_count}, before T={version}; retry after it restarts"
+                )
             remaining = None if deadline is None else deadline - self._clock()
             if remaining is not None and remaining <= 0:
                 raise DeadlineExceeded(
