@@ -50,14 +50,19 @@ Block = tuple[int, int, int]  # tensor index, start, stop
 BlockFn = Callable[..., None]
 
 
+def _regularized(c: dict[str, Any], x: Array, g: Array, out: Array) -> Array:
+    """G_regularized = norm_coefficient * X + G, in ``out``; G itself when nc is 0."""
+    if c["nc"] is None:
+        return g
+    np.multiply(x, c["nc"], out=out)
+    np.add(out, g, out=out)
+    return out
+
+
 def _adagrad_block(
     c: dict[str, Any], x: Array, g: Array, v: None, h: Array, t1: Array, t2: Array
 ) -> None:
-    gr = g
-    if c["nc"] is not None:
-        gr = t2
-        np.multiply(x, c["nc"], out=gr)
-        np.add(gr, g, out=gr)
+    gr = _regularized(c, x, g, t2)
     np.multiply(gr, gr, out=t1)
     np.add(h, t1, out=h)
     np.sqrt(h, out=t1)
@@ -70,11 +75,7 @@ def _adagrad_block(
 def _momentum_block(
     c: dict[str, Any], x: Array, g: Array, v: Array, h: None, t1: Array, t2: Array
 ) -> None:
-    gr = g
-    if c["nc"] is not None:
-        gr = t2
-        np.multiply(x, c["nc"], out=gr)
-        np.add(gr, g, out=gr)
+    gr = _regularized(c, x, g, t2)
     np.multiply(v, c["alpha"], out=v)
     np.multiply(gr, c["beta"], out=t1)
     np.add(v, t1, out=v)
@@ -90,11 +91,7 @@ def _momentum_block(
 def _adam_block(
     c: dict[str, Any], x: Array, g: Array, v: Array, h: Array, t1: Array, t2: Array
 ) -> None:
-    gr = g
-    if c["nc"] is not None:
-        gr = t2
-        np.multiply(x, c["nc"], out=gr)
-        np.add(gr, g, out=gr)
+    gr = _regularized(c, x, g, t2)
     np.multiply(v, c["alpha"], out=v)
     np.multiply(gr, c["one_minus_alpha"], out=t1)
     np.add(v, t1, out=v)
