@@ -281,6 +281,11 @@ def load_node_test(name: str, root: Path | None = None) -> NodeTest:
     from onnx import helper
 
     directory = (root or node_tests_dir()) / name
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"official ONNX node test {name!r} not found at {directory}: the checkout "
+            "needs shared/ beside it (../shared), or set ONNXPS_SHARED to its path"
+        )
     model = onnx.load(str(directory / "model.onnx"))
     (node,) = model.graph.node
     attrs: dict[str, Any] = {}
