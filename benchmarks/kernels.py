@@ -123,7 +123,7 @@ class Problem:
         attrs = OPERATORS[self.op]
         return lambda: ref.run(self.op, attrs, inputs)
 
-    def production(self, block: int = BLOCK_ELEMENTS) -> Callable[[], object]:
+    def production(self, block: int | None = None) -> Callable[[], object]:
         x, g = self.x.copy(), self.g
         states = {k: v.copy() for k, v in self.states.items()}
         stepper = Stepper(
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.block_sweep:
         run_table(sizes, repeats, min_seconds)
     if args.block_sweep or not args.quick:
-        blocks = tuple(k * 1024 for k in (8, 16, 32, 64, 128))
+        blocks = tuple(k * 1024 for k in (32, 64, 128, 256, 512))
         run_block_sweep(SIZES[-1], blocks, repeats)
 
 

@@ -96,7 +96,9 @@ def step_in_place(group: Group, attrs: Any, r: float, t: int, **kw: Any) -> Step
     return stepper
 
 
-BIG_SIZES = [600_000 - (3 * BLOCK_ELEMENTS + 17) - 1, 3 * BLOCK_ELEMENTS + 17, 1, 0]
+# Blocks of 32 Ki elements, so the threaded group spans many blocks per thread.
+SMALL_BLOCK = 32 * 1024
+BIG_SIZES = [600_000 - (3 * SMALL_BLOCK + 17) - 1, 3 * SMALL_BLOCK + 17, 1, 0]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
@@ -107,16 +109,19 @@ def test_threaded_multi_block_group_is_bit_exact(config: str, dtype: Any) -> Non
     assert sum(BIG_SIZES) >= PARALLEL_MIN_ELEMENTS
     threaded = Group(op, BIG_SIZES, dtype, seed=1)
     one_block = threaded.copy()
+    default_blocks = threaded.copy()
     for t in (0, 3):
         inputs = [np.copy(a) for a in threaded.onnx_inputs(0.01, t)]
         expected = ref.run(op, attr_values, inputs)
         assert_bit_exact(apply_onnx(op, attr_values, inputs), expected)
-        stepper = step_in_place(threaded, attrs, 0.01, t)
+        stepper = step_in_place(threaded, attrs, 0.01, t, block=SMALL_BLOCK)
         if _fused._THREADS > 1:  # the group really takes the threaded path
             assert len(stepper._slices) > 1
         assert_bit_exact(threaded.state(), expected)
         step_in_place(one_block, attrs, 0.01, t, block=sum(BIG_SIZES))
         assert_bit_exact(one_block.state(), expected)
+        step_in_place(default_blocks, attrs, 0.01, t)
+        assert_bit_exact(default_blocks.state(), expected)
 
 
 @pytest.mark.parametrize("config", CONFIGS.keys())
