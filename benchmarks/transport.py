@@ -91,15 +91,20 @@ class ServerProcess:
 # -- small round trips -----------------------------------------------------------------
 
 
-def _round_trips(address: str, group: str, n: int, warmup: int) -> list[float]:
+def _round_trips(
+    address: str, group: str, n: int, warmup: int, one_call: bool = False
+) -> list[float]:
     grad = np.full(SMALL, 1e-3, np.float32)
     out = []
     with Client(address, timeout=30, transport="unary") as c:
         c.describe_group(group)  # opens the channel, learns the size
         for i in range(warmup + n):
             t0 = time.perf_counter()
-            c.push(group, grad)
-            c.pull(group)
+            if one_call:
+                c.push(group, grad, return_values=True)
+            else:
+                c.push(group, grad)
+                c.pull(group)
             if i >= warmup:
                 out.append(time.perf_counter() - t0)
     return out
@@ -193,6 +198,16 @@ def small_section(address: str, quick: bool) -> list[list[str]]:
                 f"{rate:,.0f} pushes/s",
             ]
         )
+    lat = _round_trips(address, "small", n, warmup, one_call=True)
+    rows.append(
+        [
+            "push returning X (one call)",
+            "1 thread",
+            f"{_pct(lat, 50) * 1e3:.3f}",
+            f"{_pct(lat, 99) * 1e3:.3f}",
+            f"{1 / statistics.mean(lat):,.0f} pushes/s",
+        ]
+    )
     return rows
 
 
