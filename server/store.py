@@ -328,7 +328,6 @@ class ParameterStore:
         self._draining = False
         self._reaper: threading.Thread | None = None
         self._stop = threading.Event()
-        self.listeners: list[Callable[[str, str], None]] = []
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self, interval: float = 0.1) -> None:
@@ -493,7 +492,6 @@ class ParameterStore:
             group.element_count,
             group.update_count,
         )
-        self._notify("created", name)
         return group
 
     def check_group_size(self, group_bytes: int) -> None:
@@ -526,7 +524,6 @@ class ParameterStore:
         if ticket is not None and self.journal is not None:
             self.journal.wait(ticket)
         log.info("deleted group %s", name)
-        self._notify("deleted", name)
         return True
 
     def set_learning_rate(self, name: str, learning_rate: float) -> Group:
@@ -856,6 +853,10 @@ class ParameterStore:
                 w.results[int(s)] = (int(t), bool(a))
         with self._lock:
             self._groups[g.name] = g
+        log.info(
+            "restored group %s: %s %s, %d tensors, %d elements, T=%d",
+            g.name, attrs.op, g.dtype, n, g.element_count, g.update_count,
+        )  # fmt: skip
         return g
 
     def replay_sync_step(self, name: str, contributors: int) -> None:
@@ -875,7 +876,3 @@ class ParameterStore:
             raise NotFound(f"group {g.name!r} was deleted")
         if self._closed:
             raise Unavailable("the server is shutting down; retry on another server")
-
-    def _notify(self, event: str, name: str) -> None:
-        for listener in self.listeners:
-            listener(event, name)
