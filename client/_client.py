@@ -24,7 +24,6 @@ from ._codec import (
     PROTO_TO_DTYPE,
     TensorAssembler,
     header_tensor,
-    iter_chunk_messages,
     tensor_to_array,
     write_tensor,
 )
@@ -36,6 +35,7 @@ from ._errors import (
     translate,
 )
 from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
+from ._wire import deserializer, iter_raw_chunks, serializer
 
 __all__ = ["Client", "GroupInfo", "PushResult", "WorkerInfo"]
 
@@ -146,6 +146,35 @@ def _group_info(msg: pb.GroupInfo) -> GroupInfo:
     )
 
 
+_SERVICE = "/onnxps.v1.ParameterServer/"
+
+
+def _stream_methods(channel: grpc.Channel) -> dict[str, Any]:
+    """The streaming RPCs with chunk (de)serializers that copy each byte once."""
+    return {
+        "CreateGroupStream": channel.stream_unary(
+            _SERVICE + "CreateGroupStream",
+            request_serializer=serializer(2),
+            response_deserializer=pb.GroupInfo.FromString,
+        ),
+        "PushStream": channel.stream_unary(
+            _SERVICE + "PushStream",
+            request_serializer=serializer(2),
+            response_deserializer=pb.PushResponse.FromString,
+        ),
+        "PullStream": channel.unary_stream(
+            _SERVICE + "PullStream",
+            request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=deserializer(pb.PullChunk, 2),
+        ),
+        "ApplyStream": channel.stream_stream(
+            _SERVICE + "ApplyStream",
+            request_serializer=serializer(3),
+            response_deserializer=deserializer(pb.ApplyChunk, 3),
+        ),
+    }
+
+
 class _State(enum.Enum):
     UNOPENED = 1
     OPEN = 2
@@ -191,6 +220,7 @@ class Client:
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.ParameterServerStub | None = None
+        self._streams: dict[str, Any] = {}
         # Seqs start at the wall clock in microseconds, not 1: a worker restarted with
         # the same client_id must not repeat seqs the server remembers, or its first
         # pushes would be answered as duplicates and silently dropped.
@@ -243,6 +273,7 @@ class Client:
                 else:
                     self._channel = grpc.insecure_channel(self.address, options)
                 self._stub = pb_grpc.ParameterServerStub(self._channel)
+                self._streams = _stream_methods(self._channel)
                 self._state = _State.OPEN
             return self._stub
 
@@ -251,7 +282,7 @@ class Client:
 
     def _call(self, method: str, request: Any, timeout: float | None) -> Any:
         """Invoke one RPC; the only place grpc errors turn into the client's own."""
-        fn = getattr(self._get_stub(), method)
+        fn = self._method(method)
         try:
             return fn(
                 request,
@@ -264,7 +295,7 @@ class Client:
     def _stream_call(
         self, method: str, request: Any, timeout: float | None
     ) -> Iterator[Any]:
-        fn = getattr(self._get_stub(), method)
+        fn = self._method(method)
         try:
             yield from fn(
                 request,
@@ -273,6 +304,10 @@ class Client:
             )
         except grpc.RpcError as exc:
             raise translate(exc) from None
+
+    def _method(self, name: str) -> Any:
+        stub = self._get_stub()
+        return self._streams.get(name) or getattr(stub, name)
 
     def _use_stream(self, nbytes: int) -> bool:
         if self.transport == "auto":
@@ -318,11 +353,9 @@ class Client:
             )
             req.state.extend(header_tensor(a) for a in state_arrays)
 
-            def chunks() -> Iterator[pb.CreateGroupChunk]:
+            def chunks() -> Iterator[Any]:
                 yield pb.CreateGroupChunk(header=req)
-                yield from iter_chunk_messages(
-                    arrays + state_arrays, self.chunk_bytes, pb.CreateGroupChunk
-                )
+                yield from iter_raw_chunks(arrays + state_arrays, self.chunk_bytes)
 
             msg = self._call("CreateGroupStream", chunks(), timeout)
         else:
@@ -409,9 +442,9 @@ class Client:
             for a in arrays:
                 write_tensor(req.gradients.add(), a)
 
-        def chunks() -> Iterator[pb.PushChunk]:
+        def chunks() -> Iterator[Any]:
             yield pb.PushChunk(header=req)
-            yield from iter_chunk_messages(arrays, self.chunk_bytes, pb.PushChunk)
+            yield from iter_raw_chunks(arrays, self.chunk_bytes)
 
         # A lost reply surfaces as DEADLINE_EXCEEDED or UNAVAILABLE; the same seq
         # makes the retry safe (the server answers a repeat with the first result).
@@ -500,9 +533,9 @@ class Client:
                 inputs=[header_tensor(a) for a in arrays],
             )
 
-            def chunks() -> Iterator[pb.ApplyChunk]:
+            def chunks() -> Iterator[Any]:
                 yield pb.ApplyChunk(request=header)
-                yield from iter_chunk_messages(arrays, self.chunk_bytes, pb.ApplyChunk)
+                yield from iter_raw_chunks(arrays, self.chunk_bytes)
 
             it = self._stream_call("ApplyStream", chunks(), timeout)
             first = next(it).response

@@ -7,7 +7,7 @@ field is read once and wrapped with ``np.frombuffer``. Both ends use this module
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,6 @@ __all__ = [
     "array_to_tensor",
     "declared_nbytes",
     "header_tensor",
-    "iter_chunk_messages",
     "iter_chunks",
     "tensor_spec",
     "tensor_to_array",
@@ -129,24 +128,6 @@ def iter_chunks(
             yield pb.TensorChunk(
                 index=index, offset=start, data=bytes(view[start : start + chunk_bytes])
             )
-
-
-def iter_chunk_messages(
-    arrays: Iterable[Any], chunk_bytes: int, message: Callable[[], Any]
-) -> Iterator[Any]:
-    """Like ``iter_chunks``, each chunk already inside a stream message (PushChunk,
-    PullChunk, ApplyChunk, CreateGroupChunk), filled in place to save a copy."""
-    for index, a in enumerate(arrays):
-        arr = np.asarray(a)
-        arr = np.asarray(arr, dtype=arr.dtype.newbyteorder("<"), order="C")
-        view = memoryview(arr.reshape(-1)).cast("B")  # type: ignore[arg-type]
-        for start in range(0, len(view), chunk_bytes):
-            msg = message()
-            chunk = msg.chunk
-            chunk.index = index
-            chunk.offset = start
-            chunk.data = bytes(view[start : start + chunk_bytes])
-            yield msg
 
 
 class TensorAssembler:

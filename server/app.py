@@ -17,6 +17,7 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from . import durability, limits, metrics, security
+from ._fastwire import FastChunkInterceptor
 from .service import ParameterServerServicer
 from .store import ParameterStore, StoreLimits
 
@@ -141,6 +142,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             *metrics.interceptors(config),
             *security.interceptors(config),
             *limits.interceptors(config),
+            FastChunkInterceptor(),  # innermost: chunk parsers for the streams
         ],
     )
     servicer = ParameterServerServicer(store, chunk_bytes=config.chunk_bytes)

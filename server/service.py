@@ -20,11 +20,11 @@ from onnxps.client._codec import (
     TensorFormatError,
     declared_nbytes,
     header_tensor,
-    iter_chunk_messages,
     tensor_spec,
     tensor_to_array,
     write_tensor,
 )
+from onnxps.client._wire import iter_raw_chunks
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
@@ -283,9 +283,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return reply
 
     @_streaming
-    def PullStream(
-        self, request: pb.PullRequest, context: Any
-    ) -> Iterator[pb.PullChunk]:
+    def PullStream(self, request: pb.PullRequest, context: Any) -> Iterator[Any]:
         t, arrays, lr, names = self._pull(request, context)
         header = pb.PullResponse(
             update_count=t,
@@ -293,7 +291,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             tensors=[header_tensor(a, n) for a, n in zip(arrays, names, strict=True)],
         )
         yield pb.PullChunk(header=header)
-        yield from iter_chunk_messages(arrays, self.chunk_bytes, pb.PullChunk)
+        yield from iter_raw_chunks(arrays, self.chunk_bytes)
 
     # -- apply ---------------------------------------------------------------------
     def _apply(self, req: pb.ApplyRequest, inputs: list[Array]) -> list[Array]:
@@ -314,7 +312,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @_streaming
     def ApplyStream(
         self, request_iterator: Iterable[pb.ApplyChunk], context: Any
-    ) -> Iterator[pb.ApplyChunk]:
+    ) -> Iterator[Any]:
         it = iter(request_iterator)
         first = next(it, None)
         if first is None or first.WhichOneof("part") != "request":
@@ -329,7 +327,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         yield pb.ApplyChunk(
             response=pb.ApplyResponse(outputs=[header_tensor(o) for o in outputs])
         )
-        yield from iter_chunk_messages(outputs, self.chunk_bytes, pb.ApplyChunk)
+        yield from iter_raw_chunks(outputs, self.chunk_bytes)
 
     # -- workers and saving ----------------------------------------------------------
     def _lease(self, g: Group) -> pb.LeaseResponse:

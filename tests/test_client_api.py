@@ -32,11 +32,11 @@ from onnxps.client._codec import (
     TensorAssembler,
     array_to_tensor,
     header_tensor,
-    iter_chunk_messages,
     iter_chunks,
     tensor_to_array,
 )
 from onnxps.client._errors import translate
+from onnxps.client._wire import deserializer, iter_raw_chunks, serializer
 from onnxps.server.app import ServerHandle
 from onnxps.v1 import parameter_server_pb2 as pb
 
@@ -369,14 +369,16 @@ def test_codec_round_trip_and_chunk_messages(array: Any) -> None:
     decoded = tensor_to_array(pb.Tensor.FromString(msg.SerializeToString()))
     assert decoded.tobytes() == msg.raw_data and decoded.shape == np.shape(array)
 
-    # chunk messages filled in place are byte-identical to nesting TensorChunks
+    # hand-written chunks are byte-identical to protobuf's, and read back as views
     nested = [
         pb.PushChunk(chunk=c).SerializeToString() for c in iter_chunks([array], 64)
     ]
-    filled = list(iter_chunk_messages([array], 64, pb.PushChunk))
-    assert [m.SerializeToString() for m in filled] == nested
+    write = serializer(2)
+    wire = [write(c) for c in iter_raw_chunks([array], 64)]
+    assert wire == nested
+    parse = deserializer(pb.PushChunk, 2)
     asm = TensorAssembler([header_tensor(array)], ["t"])
-    for m in filled:
-        asm.add(m.chunk)
+    for raw in wire:
+        asm.add(parse(raw).chunk)
     (out,) = asm.finish()
     assert out.tobytes() == msg.raw_data and out.shape == np.shape(array)
