@@ -94,6 +94,18 @@ def _timeout(context: grpc.ServicerContext) -> float | None:
     return None if remaining is None else max(0.0, remaining)
 
 
+def _stream_header(
+    request_iterator: Iterable[Any], part: str, rpc: str
+) -> tuple[Any, Iterator[Any]]:
+    """A stream's header message and the iterator over the chunks after it."""
+    it = iter(request_iterator)
+    first = next(it, None)
+    if first is None or first.WhichOneof("part") != part:
+        what = "header" if part == "header" else f"{part} header"
+        raise InvalidArgument(f"{rpc} must begin with its {what}")
+    return getattr(first, part), it
+
+
 def _names(prefix: str, n: int, names: Sequence[str] | None = None) -> list[str]:
     if names is not None:
         return [f"{prefix}_{i + 1} ({name!r})" for i, name in enumerate(names)]
@@ -157,11 +169,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def CreateGroupStream(
         self, request_iterator: Iterable[pb.CreateGroupChunk], context: Any
     ) -> pb.GroupInfo:
-        it = iter(request_iterator)
-        first = next(it, None)
-        if first is None or first.WhichOneof("part") != "header":
-            raise InvalidArgument("a CreateGroupStream must begin with its header")
-        req = first.header
+        req, it = _stream_header(request_iterator, "header", "a CreateGroupStream")
         self._check_create_size(req)
         headers = list(req.tensors) + list(req.state)
         names = [f"tensor {t.name!r}" for t in req.tensors] + _names(
@@ -236,11 +244,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def PushStream(
         self, request_iterator: Iterable[pb.PushChunk], context: Any
     ) -> pb.PushResponse:
-        it = iter(request_iterator)
-        first = next(it, None)
-        if first is None or first.WhichOneof("part") != "header":
-            raise InvalidArgument("a PushStream must begin with its header")
-        req = first.header
+        req, it = _stream_header(request_iterator, "header", "a PushStream")
         g = self.store.get(req.group)
         headers = list(req.gradients)
         specs = [tensor_spec(t, f"gradient {i + 1}") for i, t in enumerate(headers)]
@@ -313,17 +317,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def ApplyStream(
         self, request_iterator: Iterable[pb.ApplyChunk], context: Any
     ) -> Iterator[Any]:
-        it = iter(request_iterator)
-        first = next(it, None)
-        if first is None or first.WhichOneof("part") != "request":
-            raise InvalidArgument("an ApplyStream must begin with its request header")
-        headers = list(first.request.inputs)
+        request, it = _stream_header(request_iterator, "request", "an ApplyStream")
+        headers = list(request.inputs)
         for i, t in enumerate(headers):
             tensor_spec(t, f"input {i}")
         inputs = self._assemble(
             it, headers, [f"input {i}" for i in range(len(headers))]
         )
-        outputs = self._apply(first.request, inputs)
+        outputs = self._apply(request, inputs)
         yield pb.ApplyChunk(
             response=pb.ApplyResponse(outputs=[header_tensor(o) for o in outputs])
         )
