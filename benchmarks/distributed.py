@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import re
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from typing import Any
 import numpy as np
 from onnxps.client import Adam, Async, Client, Sync
 from onnxps.server.kernels import Stepper, make_attrs
+from onnxps.server.process import start_server_process
 
 WORKER_COUNTS = (1, 2, 4, 8)
 SIZES = (1_000, 4 * 1024 * 1024)
@@ -43,22 +43,8 @@ SIZES = (1_000, 4 * 1024 * 1024)
 
 def _start_server() -> tuple[subprocess.Popen[bytes], str, Any]:
     log = tempfile.NamedTemporaryFile("w+", suffix=".log")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "onnxps.server.cli", "serve", "--address",
-         "127.0.0.1:0", "--durability", "none"],
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-    )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = re.search(r"listening on (\S+:\d+)", Path(log.name).read_text())
-        if m:
-            return proc, m.group(1), log
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"server did not start:\n{Path(log.name).read_text()}")
+    proc, address = start_server_process(log=Path(log.name))
+    return proc, address, log
 
 
 def _worker(index: int, address: str, tasks: Any, results: Any) -> None:

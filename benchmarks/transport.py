@@ -23,7 +23,6 @@ import argparse
 import multiprocessing as mp
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,6 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.client import Adagrad, Adam, Client
 from onnxps.client._codec import CHUNK_BYTES
 from onnxps.server.kernels import Stepper, make_attrs
+from onnxps.server.process import start_server_process, stop_processes
 
 MIB = 1 << 20
 SMALL = 1000
@@ -49,28 +49,7 @@ class ServerProcess:
 
     def __init__(self) -> None:
         self._log = tempfile.NamedTemporaryFile("w+", suffix=".log")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "onnxps.server.cli", "serve"]
-            + ["--address", "127.0.0.1:0", "--durability", "none"],
-            stdout=subprocess.DEVNULL,
-            stderr=self._log,
-        )
-        self.address = self._wait_for_address(30.0)
-
-    def _wait_for_address(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = re.search(
-                r"listening on (\S+:\d+)", Path(self._log.name).read_text()
-            )
-            if found:
-                return found.group(1)
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        text = Path(self._log.name).read_text()
-        self.stop()
-        raise RuntimeError(f"server did not start: {text}")
+        self.proc, self.address = start_server_process(log=Path(self._log.name))
 
     def peak_rss(self) -> int:
         text = Path(f"/proc/{self.proc.pid}/status").read_text()
@@ -78,13 +57,7 @@ class ServerProcess:
         return int(found.group(1)) * 1024 if found else 0
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_processes([self.proc], timeout=15)
         self._log.close()
 
 

@@ -31,11 +31,11 @@ from typing import Any, TextIO
 from onnxps.client import Client, OnnxpsError
 
 from . import _demo_worker as worker
+from .process import start_server_process, stop_processes
 
 __all__ = ["Progress", "add_arguments", "run"]
 
 STEP_LINE = re.compile(r"^worker (\d+)/\d+ step (\d+)/\d+ loss ([0-9.eE+-]+|nan|inf)")
-LISTENING = re.compile(r"listening on (\S+)")
 GROUP = "digits-mlp"
 
 
@@ -157,47 +157,6 @@ def _raise_interrupted(signum: int, frame: Any) -> None:
     raise _Interrupted(signum)
 
 
-def _start_server(workdir: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
-    log_path = workdir / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "onnxps.server.cli",
-        "serve",
-        "--address",
-        "127.0.0.1:0",
-        "--durability",
-        "none",
-    ]
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = LISTENING.search(log_path.read_text(errors="replace"))
-        if m:
-            return proc, m.group(1), log_path
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    raise RuntimeError(
-        f"the server did not start: {log_path.read_text(errors='replace')[-2000:]}"
-    )
-
-
-def _stop(procs: Sequence[subprocess.Popen[Any]], timeout: float = 10.0) -> None:
-    """SIGTERM every process still running, wait, then SIGKILL the stragglers."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def _worker_cmd(args: argparse.Namespace, address: str, index: int) -> list[str]:
     cmd = [
         sys.executable,
@@ -221,7 +180,8 @@ def _worker_cmd(args: argparse.Namespace, address: str, index: int) -> list[str]
 def _train(
     args: argparse.Namespace, workdir: Path, procs: list[Any], out: TextIO
 ) -> int:
-    server, address, server_log = _start_server(workdir)
+    server_log = workdir / "server.log"
+    server, address = start_server_process(log=server_log)
     procs.append(server)
     print(
         f"onnxps demo: server on {address}; {args.workers} workers train a "
@@ -262,7 +222,7 @@ def _train(
         failed = [i for i, p in enumerate(workers) if p.poll()]
         if server.poll() is not None or failed:
             bar.close()
-            _stop(workers)
+            stop_processes(workers)
             _report_failure(server, server_log, workers, failed, errs)
             return 1
         for t in readers:
@@ -338,13 +298,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 return 1
             finally:
                 # Stop workers first, then the server, each within its own bound.
-                _stop(procs[1:])
-                _stop(procs[:1])
+                stop_processes(procs[1:])
+                stop_processes(procs[:1])
     except _Interrupted as exc:
         for s in previous:
             signal.signal(s, signal.SIG_IGN)
-        _stop(procs[1:])
-        _stop(procs[:1])
+        stop_processes(procs[1:])
+        stop_processes(procs[:1])
         print(f"\nonnxps demo: {exc}: stopped the server and workers", file=sys.stderr)
         return 128 + exc.signum
     finally:

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-LISTENING = re.compile(r"onnxps listening on (\S+)")
+from onnxps.server.process import start_server_process
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -24,30 +21,7 @@ def start_server(
     log: Path, *args: str, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
     """``onnxps serve`` on 127.0.0.1 port 0 as a process; returns it and its address."""
-    cmd = [sys.executable, "-m", "onnxps.server.cli", "serve", *args]
-    if "--address" not in args:
-        cmd += ["--address", "127.0.0.1:0"]
-    if "--durability" not in args:
-        cmd += ["--durability", "none"]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            cmd, stdout=f, stderr=subprocess.STDOUT, env=env or clean_env()
-        )
-    return proc, wait_for_listening(proc, log)
-
-
-def wait_for_listening(proc: subprocess.Popen[bytes], log: Path) -> str:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = LISTENING.search(log.read_text(errors="replace"))
-        if m:
-            return m.group(1)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    raise AssertionError(f"server did not start:\n{log.read_text(errors='replace')}")
+    return start_server_process(*args, log=log, env=env or clean_env())
 
 
 def children(pid: int) -> list[int]:

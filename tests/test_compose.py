@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 import yaml
-from _procs import clean_env, stop, wait_for_listening
+from _procs import clean_env, stop
+from onnxps.server.process import wait_for_listening
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCURACY = re.compile(r"^worker (\d)/4 done: 300 steps, held-out accuracy (\d\.\d+)$")

@@ -7,8 +7,6 @@ peak resident set (VmHWM) can be read from /proc and compared with the state it 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -19,6 +17,7 @@ import numpy as np
 import pytest
 from onnxps.client import Adagrad, Client
 from onnxps.server.kernels import Stepper, make_attrs
+from onnxps.server.process import start_server_process, stop_processes
 
 Array = np.ndarray[Any, Any]
 MIB = 1 << 20
@@ -31,28 +30,7 @@ class ServerProcess:
 
     def __init__(self, *args: str) -> None:
         self._log = tempfile.NamedTemporaryFile("w+", suffix=".log")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "onnxps.server.cli", "serve"]
-            + ["--address", "127.0.0.1:0", "--durability", "none", *args],
-            stdout=subprocess.DEVNULL,
-            stderr=self._log,
-        )
-        self.address = self._wait_for_address(timeout=30)
-
-    def _wait_for_address(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = Path(self._log.name).read_text()
-            found = re.search(r"listening on (\S+:\d+)", text)
-            if found:
-                return found.group(1)
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(
-            f"the server did not start: {Path(self._log.name).read_text()}"
-        )
+        self.proc, self.address = start_server_process(*args, log=Path(self._log.name))
 
     def status(self, field: str) -> int:
         """A /proc/PID/status memory figure in bytes (VmHWM: peak resident set)."""
@@ -62,13 +40,7 @@ class ServerProcess:
         return int(found.group(1)) * 1024
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_processes([self.proc], timeout=15)
         self._log.close()
 
 

@@ -3,63 +3,29 @@
 from __future__ import annotations
 
 import os
-import re
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from onnxps.server.process import start_server_process, stop_processes
+
 WORKER = Path(__file__).with_name("worker.py")
-_LISTENING = re.compile(r"listening on (\S+)")
 
 
 @contextmanager
 def server_process(lease_seconds: float = 10.0) -> Iterator[str]:
     """``onnxps serve`` on 127.0.0.1 port 0 in its own process; yields its address."""
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "onnxps.server.cli",
-                "serve",
-                "--address",
-                "127.0.0.1:0",
-                "--durability",
-                "none",
-                "--lease-seconds",
-                str(lease_seconds),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=log,
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, address = start_server_process(
+            "--lease-seconds", str(lease_seconds), log=Path(tmp) / "server.log"
         )
         try:
-            yield _wait_listening(proc, log)
+            yield address
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _wait_listening(proc: subprocess.Popen[bytes], log: object) -> str:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        log.seek(0)  # type: ignore[attr-defined]
-        text = log.read()  # type: ignore[attr-defined]
-        m = _LISTENING.search(text)
-        if m:
-            return m.group(1)
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{text}")
-        time.sleep(0.05)
-    raise RuntimeError("server did not report its address within 20 s")
+            stop_processes([proc])
 
 
 def start_worker(
