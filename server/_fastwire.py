@@ -17,7 +17,7 @@ import grpc
 from onnxps.client._wire import deserializer, serializer
 from onnxps.v1 import parameter_server_pb2 as pb
 
-from ._handlers import _FACTORIES, SERVICE, behavior_of, method_of
+from ._handlers import SERVICE, method_of, rewrap
 
 __all__ = ["FastChunkInterceptor"]
 
@@ -44,9 +44,4 @@ class FastChunkInterceptor(grpc.ServerInterceptor):
         if handler is None or codecs is None:
             return handler
         parse, write = codecs
-        kind = (bool(handler.request_streaming), bool(handler.response_streaming))
-        return _FACTORIES[kind](
-            behavior_of(handler),
-            request_deserializer=parse or handler.request_deserializer,
-            response_serializer=write or handler.response_serializer,
-        )
+        return rewrap(handler, None, parse, write)

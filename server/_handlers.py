@@ -94,19 +94,22 @@ def behavior_of(handler: grpc.RpcMethodHandler) -> Behavior:
 
 def rewrap(
     handler: grpc.RpcMethodHandler | None,
-    make: Callable[[Behavior, bool, bool], Behavior],
+    make: Callable[[Behavior, bool, bool], Behavior] | None,
     request_deserializer: Callable[[bytes], Any] | None = None,
+    response_serializer: Callable[[Any], bytes] | None = None,
 ) -> grpc.RpcMethodHandler | None:
-    """A handler of the same kind whose behavior is ``make(behavior, req_s, resp_s)``.
+    """A handler of the same kind whose behavior is ``make(behavior, req_s, resp_s)``
+    (the same behavior when ``make`` is None), with the (de)serializers given.
 
     ``make`` must return a generator function when the response streams.
     """
     if handler is None:
         return None
     kind = (bool(handler.request_streaming), bool(handler.response_streaming))
-    new = make(behavior_of(handler), *kind)
+    behavior = behavior_of(handler)
+    new = behavior if make is None else make(behavior, *kind)
     return _FACTORIES[kind](
         new,
         request_deserializer=request_deserializer or handler.request_deserializer,
-        response_serializer=handler.response_serializer,
+        response_serializer=response_serializer or handler.response_serializer,
     )
