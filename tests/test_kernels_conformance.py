@@ -581,7 +581,7 @@ def test_shape_that_does_not_broadcast_to_x_is_refused(
 def test_refusal_names_the_tensor_of_the_second_group() -> None:
     tensors: list[BroadcastShapes] = [((2, 3),) * 4, ((4,),) * 4]
     inputs = make_broadcast_inputs("Momentum", tensors, np.float64)
-    inputs[5] = np.ones((2, 4))  # V_2
+    inputs[7] = np.ones((2, 4))  # R, T, X_1, X_2, G_1, G_2, V_1, V_2
     with pytest.raises(
         InvalidArgument, match=re.escape("V_2 must have the shape of X_2, (4,), or")
     ):
