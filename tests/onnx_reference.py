@@ -14,6 +14,10 @@ Two precisions:
 - ``FLOAT64`` computes everything in float64 from the exact input values, with the
   attribute values exactly as given.
 
+Every operation is NumPy's own, so G, V and H broadcast against X exactly as the
+operators define (``run`` checks that they broadcast to X's shape, which the outputs
+then have).
+
 Operations are grouped as the ONNX reference implementation groups them (Adam:
 ``(1 - beta) * (G * G)`` and ``R_adjusted * (V_new / H_sqrt)``). ``literal=True``
 groups them strictly left to right as the pseudo-code is written instead, which
@@ -209,7 +213,8 @@ def run(
 
     Missing attributes take the schema defaults; FLOAT attributes are rounded to
     float32 as ONNX stores them unless ``float32_attributes`` is false. Several
-    tensors are stepped one by one (the operators are element-wise).
+    tensors are stepped one by one (the operators are element-wise). G_i, V_i, H_i
+    may have any shape that NumPy broadcasts to X_i's; the outputs have X_i's.
     """
     values = {**DEFAULTS[op], **attrs}
     if float32_attributes:
@@ -225,6 +230,9 @@ def run(
         raise ValueError(f"{op}: {len(inputs)} inputs is not 2 + {groups}*n")
     n = len(tensors) // groups
     per_tensor = [tensors[i::n] for i in range(n)]  # (X_i, G_i, V_i, H_i)
+    for i, (x, *others) in enumerate(per_tensor):
+        for other in others:
+            _check_broadcast(op, i, x.shape, other.shape)
     results: list[tuple[Array, ...]]
     if op == "Adagrad":
         results = [adagrad(R, T, *t, **values, precision=precision) for t in per_tensor]
@@ -240,6 +248,20 @@ def run(
     else:
         raise ValueError(f"unknown operator {op!r}")
     return [result[j] for j in range(len(results[0])) for result in results]
+
+
+def _check_broadcast(
+    op: str, i: int, x_shape: tuple[int, ...], shape: tuple[int, ...]
+) -> None:
+    try:
+        joint = np.broadcast_shapes(x_shape, shape)
+    except ValueError:
+        joint = None
+    if joint != x_shape:
+        raise ValueError(
+            f"{op}: a tensor of shape {shape} does not broadcast to X_{i + 1}'s "
+            f"shape {x_shape}"
+        )
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ results must equal it bit for bit where the operations are grouped the same way.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ import onnx_reference as ref
 import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
+from onnxps.server.errors import InvalidArgument
 from onnxps.server.kernels import apply_onnx
 
 Array = np.ndarray[Any, Any]
@@ -403,3 +405,184 @@ def test_python_scalars_for_r_and_t() -> None:
     x = np.array([1.0, 2.0])
     got = apply_onnx("Adagrad", {}, [0.5, 3, x, x, x])
     assert_bit_exact(got, ref.run("Adagrad", {}, [0.5, 3, x, x, x]))
+
+
+# -- NumPy broadcasting: G, V, H of a shape that broadcasts to X's ---------------------
+
+# Per tensor: the shapes of (X, G, V, H); Adagrad takes (X, G, H), Momentum (X, G, V).
+BroadcastShapes = tuple[tuple[int, ...], ...]
+BROADCAST_SETS: dict[str, list[BroadcastShapes]] = {
+    "g-row": [((2, 3), (3,), (2, 3), (2, 3))],
+    "g-1x3": [((2, 3), (1, 3), (2, 3), (2, 3))],
+    "g-column": [((2, 3), (2, 1), (2, 3), (2, 3))],
+    "g-0d": [((4,), (), (4,), (4,))],
+    "states": [((2, 3), (2, 3), (1, 3), (3,))],
+    "all-1x1": [((3, 2), (1, 1), (1, 1), (1, 1))],
+    "several": [
+        ((2, 3), (3,), (1, 1), (2, 1)),
+        ((), (), (), ()),
+        ((4, 1, 5), (1, 5), (4, 1, 1), (5,)),
+        ((0, 3), (3,), (1, 3), (0, 1)),
+        ((7,), (7,), (7,), (7,)),
+    ],
+    # More elements than one block, so the blocked (and threaded) path runs too.
+    "large": [((3, 300_000), (300_000,), (3, 1), (1, 300_000))],
+}
+
+
+def make_broadcast_inputs(
+    op: str,
+    tensors: list[BroadcastShapes],
+    dtype: Any,
+    *,
+    t: int = 0,
+    seed: int = 0,
+) -> list[Any]:
+    """``R, T, X..., G..., V..., H...`` with each tensor's roles in the given shapes."""
+    rng = np.random.default_rng(seed)
+    roles = {"Adagrad": [0, 1, 3], "Momentum": [0, 1, 2], "Adam": [0, 1, 2, 3]}[op]
+    arrays = []
+    for role in roles:
+        for shapes in tensors:
+            a = rng.standard_normal(shapes[role])
+            if role == 3:  # H
+                a = np.abs(a) + 0.01
+            arrays.append(np.asarray(a, dtype=dtype))
+    return [np.float32(0.05), np.int64(t), *arrays]
+
+
+def expanded(op: str, inputs: list[Any]) -> list[Any]:
+    """The same inputs with every G, V, H expanded (copied) to its X's shape."""
+    tensors = inputs[2:]
+    n = len(tensors) // (2 + ref.state_count(op))
+    return inputs[:2] + [
+        np.array(np.broadcast_to(a, tensors[j % n].shape))
+        for j, a in enumerate(tensors)
+    ]
+
+
+def x_shapes(tensors: list[BroadcastShapes]) -> list[tuple[int, ...]]:
+    return [shapes[0] for shapes in tensors]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
+@pytest.mark.parametrize("t", [0, 1, 7, 1000])
+@pytest.mark.parametrize("tensors", BROADCAST_SETS.values(), ids=BROADCAST_SETS.keys())
+@pytest.mark.parametrize("config", CONFIGS.keys())
+def test_broadcast_step_equals_reference(
+    config: str, tensors: list[BroadcastShapes], t: int, dtype: Any
+) -> None:
+    op, attrs = CONFIGS[config]
+    inputs = make_broadcast_inputs(op, tensors, dtype, t=t, seed=t + len(tensors))
+    got = apply_onnx(op, attrs, inputs)
+    assert_bit_exact(got, ref.run(op, attrs, inputs))
+    n = len(tensors)
+    assert [g.shape for g in got] == x_shapes(tensors) * (len(got) // n)
+    assert all(g.dtype == dtype for g in got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
+@pytest.mark.parametrize("config", CONFIGS.keys())
+def test_broadcast_equals_explicitly_expanded_inputs(config: str, dtype: Any) -> None:
+    op, attrs = CONFIGS[config]
+    inputs = make_broadcast_inputs(op, BROADCAST_SETS["several"], dtype, t=3, seed=4)
+    assert_bit_exact(
+        apply_onnx(op, attrs, inputs), apply_onnx(op, attrs, expanded(op, inputs))
+    )
+
+
+@pytest.mark.parametrize("config", CONFIGS.keys())
+def test_broadcast_closed_loop_sequence(config: str) -> None:
+    """A broadcast gradient each step, X, V, H fed back (full shape) with T = 0..5."""
+    op, attrs = CONFIGS[config]
+    tensors = BROADCAST_SETS["several"]
+    n = len(tensors)
+    state = make_broadcast_inputs(op, tensors, np.float64, seed=12)[2:]
+    ours, theirs = state, state
+    for t in range(6):
+        grads = make_broadcast_inputs(op, tensors, np.float64, seed=20 + t)[
+            2 + n : 2 + 2 * n
+        ]
+        ours_in = [np.float64(0.1), np.int64(t), *ours[:n], *grads, *ours[2 * n :]]
+        theirs_in = [np.float64(0.1), t, *theirs[:n], *grads, *theirs[2 * n :]]
+        out = apply_onnx(op, attrs, ours_in)
+        expected = ref.run(op, attrs, theirs_in)
+        assert_bit_exact(out, expected)
+        ours = out[:n] + [np.zeros(0)] * n + out[n:]
+        theirs = expected[:n] + [np.zeros(0)] * n + expected[n:]
+
+
+# float64 where the evaluator computes in float64 (its Adam applies
+# norm_coefficient_post in float32, so adam-all is compared at float32 precision).
+@pytest.mark.parametrize(
+    ("config", "dtype", "rtol"),
+    [
+        ("adagrad-all", np.float64, 1e-12),
+        ("momentum-nesterov-l2", np.float64, 1e-12),
+        ("adam-l2", np.float64, 1e-12),
+        ("adam-all", np.float32, 1e-6),
+    ],
+)
+@pytest.mark.parametrize("name", ["g-row", "g-column", "states"])
+def test_broadcast_matches_onnx_reference_evaluator(
+    config: str, dtype: Any, rtol: float, name: str
+) -> None:
+    op, attrs = CONFIGS[config]
+    inputs = make_broadcast_inputs(op, BROADCAST_SETS[name], dtype, t=4, seed=5)
+    got = apply_onnx(op, attrs, inputs)
+    evaluated = run_onnx_reference(op, attrs, inputs)
+    assert [e.shape for e in evaluated] == [g.shape for g in got]
+    for g, e in zip(got, evaluated, strict=True):
+        np.testing.assert_allclose(g, e.astype(np.float64), rtol=rtol, atol=1e-7)
+
+
+def test_broadcast_inputs_are_never_mutated_or_shared() -> None:
+    op, attrs = CONFIGS["adam-all"]
+    inputs = make_broadcast_inputs(op, BROADCAST_SETS["several"], np.float32, t=2)
+    before = [np.array(a, copy=True) for a in inputs]
+    got = apply_onnx(op, attrs, inputs)
+    for a, b in zip(inputs, before, strict=True):
+        assert np.array_equal(a, b)
+    for g in got:
+        assert g.flags.writeable and g.flags.c_contiguous
+        assert not any(np.shares_memory(g, a) for a in inputs)
+
+
+# (X's shape, the other tensor's shape): either would enlarge X or does not broadcast.
+NOT_BROADCASTING = [
+    ((3,), (2, 3)),
+    ((), (1,)),
+    ((2, 3), (2,)),
+    ((2, 3), (3, 1)),
+    ((2, 3), (1, 2, 3)),
+    ((2, 1), (2, 3)),
+    ((0, 3), (2, 3)),
+    ((3,), (0,)),
+]
+
+
+@pytest.mark.parametrize(("x_shape", "shape"), NOT_BROADCASTING)
+@pytest.mark.parametrize(("position", "name"), [(3, "G_1"), (4, "V_1"), (5, "H_1")])
+def test_shape_that_does_not_broadcast_to_x_is_refused(
+    x_shape: tuple[int, ...], shape: tuple[int, ...], position: int, name: str
+) -> None:
+    inputs = make_broadcast_inputs("Adam", [(x_shape,) * 4], np.float32)
+    inputs[position] = np.ones(shape, np.float32)
+    message = (
+        f"{name} must have the shape of X_1, {x_shape}, or a shape that broadcasts "
+        f"to it, got {shape}"
+    )
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        apply_onnx("Adam", {}, inputs)
+    with pytest.raises(ValueError, match="does not broadcast to X_1's shape"):
+        ref.run("Adam", {}, inputs)
+
+
+def test_refusal_names_the_tensor_of_the_second_group() -> None:
+    tensors: list[BroadcastShapes] = [((2, 3),) * 4, ((4,),) * 4]
+    inputs = make_broadcast_inputs("Momentum", tensors, np.float64)
+    inputs[7] = np.ones((2, 4))  # R, T, X_1, X_2, G_1, G_2, V_1, V_2
+    with pytest.raises(
+        InvalidArgument, match=re.escape("V_2 must have the shape of X_2, (4,), or")
+    ):
+        apply_onnx("Momentum", CONFIGS["momentum-standard"][1], inputs)

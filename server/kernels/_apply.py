@@ -38,12 +38,27 @@ def check_scalars(r: Any, t: Any) -> tuple[float, int]:
     return float(r_arr), t_val
 
 
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether an input of ``shape`` broadcasts to ``target`` without enlarging it.
+
+    The ONNX operators are element-wise with NumPy broadcasting and their outputs
+    have X's shape: G (3,) or (1, 3) fits X (2, 3); G (2, 3) does not fit X (3,),
+    since it would broadcast X itself.
+    """
+    if len(shape) > len(target):
+        return False
+    tail = target[len(target) - len(shape) :]
+    return all(d in (1, t) for d, t in zip(shape, tail, strict=True))
+
+
 def split_inputs(
     attrs: OptimizerAttrs, inputs: Sequence[Any]
 ) -> tuple[list[Array], list[Array], list[list[Array]]]:
     """Split ``X..., G..., V..., H...`` (R and T removed) and check their agreement.
 
-    Returns (xs, gs, states) with ``states`` in the operator's order (V, H).
+    One dtype for all; each G_i, V_i, H_i has X_i's shape or broadcasts to it.
+    Returns (xs, gs, states), unexpanded, with ``states`` in the operator's order
+    (V, H).
     """
     k = 2 + len(attrs.state_names)
     names = ["X", "G", *attrs.state_names]
@@ -66,9 +81,10 @@ def split_inputs(
                 f"{name} is {a.dtype}"
             )
         x_shape = arrays[j % n].shape
-        if a.shape != x_shape:
+        if not _broadcasts_to(a.shape, x_shape):
             raise InvalidArgument(
-                f"{name} must have the shape of X_{j % n + 1}, {x_shape}, got {a.shape}"
+                f"{name} must have the shape of X_{j % n + 1}, {x_shape}, or a shape "
+                f"that broadcasts to it, got {a.shape}"
             )
     groups = [arrays[i * n : (i + 1) * n] for i in range(k)]
     return groups[0], groups[1], groups[2:]
@@ -81,7 +97,8 @@ def apply_onnx(
 
     ``inputs`` is the ONNX input list ``R, T, X..., G..., V..., H...``; the result is
     the ONNX output list ``X_new..., V_new..., H_new...`` with the dtype of the state
-    tensors. The inputs are never mutated.
+    tensors and the shapes of X: G_i, V_i, H_i may broadcast to X_i's shape, as the
+    operators' element-wise arithmetic does. The inputs are never mutated.
     """
     spec = attrs if not isinstance(attrs, Mapping) and attrs is not None else None
     if spec is None:
@@ -96,9 +113,18 @@ def apply_onnx(
     xs, gs, states = split_inputs(spec, inputs[2:])
     shapes = [x.shape for x in xs]
     new_x = [np.array(x, order="C", copy=True).reshape(-1) for x in xs]
-    flat_g = [np.ascontiguousarray(g).reshape(-1) for g in gs]
+    # A broadcasting input is expanded to X's shape first: every element then
+    # meets the same operations in the same order as under NumPy broadcasting, so
+    # the fused kernels stay bit-exact.
+    flat_g = [
+        np.ascontiguousarray(np.broadcast_to(g, shape)).reshape(-1)
+        for g, shape in zip(gs, shapes, strict=True)
+    ]
     new_states = [
-        [np.array(s, order="C", copy=True).reshape(-1) for s in group]
+        [
+            np.array(np.broadcast_to(s, shape), order="C", copy=True).reshape(-1)
+            for s, shape in zip(group, shapes, strict=True)
+        ]
         for group in states
     ]
     by_name = dict(zip(spec.state_names, new_states, strict=True))
