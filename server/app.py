@@ -13,11 +13,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from onnxps.client._codec import CHUNK_BYTES
-from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
-from . import durability, limits, metrics, security
+from . import security
 from ._fastwire import FastChunkInterceptor
+from ._handlers import SERVICE
+from .durability import Durability
+from .limits import LimitsInterceptor
+from .metrics import MetricsEndpoint, ObserveInterceptor, Recorder
+from .security import ConfigError
 from .service import ParameterServerServicer
 from .store import ParameterStore, StoreLimits
 
@@ -25,7 +29,7 @@ __all__ = ["ServerConfig", "ServerHandle", "create_server", "serve"]
 
 log = logging.getLogger("onnxps.server")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+DURABILITY_MODES = ("none", "snapshot", "wal")
 
 
 @dataclass(frozen=True)
@@ -63,15 +67,15 @@ class ServerConfig:
 
 @dataclass
 class ServerHandle:
-    """A bound, not yet started server with what it serves."""
+    """A bound, not yet started server and the parts it owns (stopped in order)."""
 
     server: grpc.Server
     port: int
-    store: ParameterStore
     config: ServerConfig
+    store: ParameterStore
     health: health.HealthServicer
-    on_stop: list[Any] = field(default_factory=list)
-    metrics_port: int | None = None  # the bound metrics port, when serving metrics
+    durability: Durability | None = None
+    metrics: MetricsEndpoint | None = None
     _stopped: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -79,16 +83,24 @@ class ServerHandle:
         host = self.config.address.rsplit(":", 1)[0]
         return f"{host}:{self.port}"
 
+    @property
+    def metrics_port(self) -> int | None:
+        """The bound metrics port, when serving metrics."""
+        return None if self.metrics is None else self.metrics.port
+
     def start(self) -> ServerHandle:
         self.server.start()
         self.store.start()
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        if self.durability is not None:
+            self.durability.start_periodic(self.config.snapshot_interval)
+        _set_health(self.health, health_pb2.HealthCheckResponse.SERVING)
         log.info("onnxps listening on %s", self.address)
         return self
 
     def stop(self, grace: float | None = 10.0) -> None:
-        """Stop accepting calls, let in-flight ones finish within ``grace``, close."""
+        """Stop accepting calls, let in-flight ones finish within ``grace``, close:
+        the RPC server, the metrics endpoint, durability (a last snapshot), the store.
+        """
         if self._stopped.is_set():
             return
         self._stopped.set()
@@ -96,8 +108,10 @@ class ServerHandle:
         done = self.server.stop(grace)
         self.store.drain()
         done.wait()
-        for hook in self.on_stop:
-            hook()
+        if self.metrics is not None:
+            self.metrics.stop()
+        if self.durability is not None:
+            self.durability.close()
         self.store.close()
         log.info("onnxps on %s stopped", self.address)
 
@@ -111,6 +125,11 @@ class ServerHandle:
         self.stop(grace=1.0)
 
 
+def _set_health(servicer: health.HealthServicer, status: Any) -> None:
+    servicer.set("", status)
+    servicer.set(SERVICE, status)
+
+
 def _options(config: ServerConfig) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -119,10 +138,39 @@ def _options(config: ServerConfig) -> list[tuple[str, Any]]:
     ]
 
 
+def _durability(
+    config: ServerConfig, store: ParameterStore, health_servicer: health.HealthServicer
+) -> Durability | None:
+    """Restore the data directory into ``store``, when the config keeps one."""
+    if config.durability not in DURABILITY_MODES:
+        raise ConfigError(
+            f"durability must be one of {', '.join(DURABILITY_MODES)}, got "
+            f"{config.durability!r}"
+        )
+    if config.durability == "none":
+        return None
+    if not config.data_dir:
+        raise ConfigError(
+            f"durability {config.durability!r} needs a data directory (--data-dir)"
+        )
+    d = Durability(
+        store,
+        config.data_dir,
+        mode=config.durability,
+        keep=config.keep_snapshots,
+        set_health=lambda status: _set_health(health_servicer, status),
+    )
+    d.open()
+    return d
+
+
 def create_server(config: ServerConfig | None = None) -> ServerHandle:
-    """Build and bind a server without starting it (port 0 picks a free port)."""
+    """Build every part of a server and bind it, without starting it (port 0 picks a
+    free port). This is the one place the parts are wired together."""
     config = config or ServerConfig()
     security.check_bind_policy(config)
+    credentials = security.server_credentials(config)
+    grants = security.load_tokens(config.tokens_file) if config.tokens_file else None
     store = ParameterStore(
         StoreLimits(
             max_group_bytes=config.max_group_bytes,
@@ -131,38 +179,58 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             default_lease_seconds=config.lease_seconds,
         )
     )
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    recorder = Recorder(store, enabled=config.metrics_port is not None)
+    # outermost first: observe every call (auth refusals too), then auth, limits
+    interceptors: list[grpc.ServerInterceptor] = [ObserveInterceptor(recorder)]
+    if grants is not None:
+        interceptors.append(security.TokenAuthInterceptor(grants))
+    interceptors += [
+        LimitsInterceptor(
+            max_inflight_bytes=config.max_inflight_bytes,
+            max_concurrent_streams=config.max_concurrent_streams,
+        ),
+        FastChunkInterceptor(),  # innermost: chunk parsers for the streams
+    ]
     server = grpc.server(
         futures.ThreadPoolExecutor(
             max_workers=config.threads, thread_name_prefix="onnxps-rpc"
         ),
         options=_options(config),
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-        # outermost first: observe every call (auth refusals too), then auth, limits
-        interceptors=[
-            *metrics.interceptors(config),
-            *security.interceptors(config),
-            *limits.interceptors(config),
-            FastChunkInterceptor(),  # innermost: chunk parsers for the streams
-        ],
+        interceptors=interceptors,
     )
-    servicer = ParameterServerServicer(store, chunk_bytes=config.chunk_bytes)
-    pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    durability = _durability(config, store, health_servicer)
+    metrics = None
+    try:
+        servicer = ParameterServerServicer(
+            store,
+            chunk_bytes=config.chunk_bytes,
+            save=None if durability is None else durability.save_rpc,
+        )
+        pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        if credentials is None:
+            port = server.add_insecure_port(config.address)
+        else:
+            port = server.add_secure_port(config.address, credentials)
+        if port == 0:
+            raise OSError(f"could not bind {config.address}: is the port in use?")
+        if config.metrics_port is not None and recorder.registry is not None:
+            metrics = MetricsEndpoint(
+                recorder.registry, config.metrics_port, config.address
+            )
+    except BaseException:
+        if durability is not None:
+            durability.close()
+        store.close()
+        raise
+    return ServerHandle(
+        server, port, config, store, health_servicer, durability, metrics
     )
-    credentials = security.server_credentials(config)
-    if credentials is None:
-        port = server.add_insecure_port(config.address)
-    else:
-        port = server.add_secure_port(config.address, credentials)
-    if port == 0:
-        raise OSError(f"could not bind {config.address}: is the port in use?")
-    handle = ServerHandle(server, port, store, config, health_servicer)
-    durability.attach(handle, servicer)
-    metrics.attach(handle)
-    return handle
 
 
 def serve(config: ServerConfig | None = None) -> int:
