@@ -32,37 +32,56 @@ log = logging.getLogger("onnxps.server")
 DURABILITY_MODES = ("none", "snapshot", "wal")
 
 
+def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with its ``onnxps serve`` flag help (the flag is ``--field-name``
+    and its environment variable ``ONNXPS_FIELD_NAME``)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    """Everything a server is started with. The CLI builds it from flags/ONNXPS_*."""
+    """Everything a server is started with. ``onnxps serve`` is generated from these
+    fields (flags, ``ONNXPS_*`` variables, defaults); the README table too."""
 
-    address: str = "127.0.0.1:50051"
-    threads: int = 64
-    max_message_bytes: int = 256 * 1024 * 1024
-    chunk_bytes: int = CHUNK_BYTES
-    max_concurrent_rpcs: int = 256
-    # backpressure (0: none): bytes of requests being handled at once, and streams
-    max_inflight_bytes: int = 4 << 30
-    max_concurrent_streams: int = 64
-    # state limits (0: none)
-    max_group_bytes: int = 0
-    max_total_bytes: int = 0
-    max_groups: int = 0
-    lease_seconds: float = 10.0
-    # durability
-    data_dir: str | None = None
-    durability: str = "none"  # none | snapshot | wal
-    snapshot_interval: float = 300.0
-    keep_snapshots: int = 3
-    # security
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    tokens_file: str | None = None
-    insecure: bool = False
-    # observability
-    metrics_port: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    address: str = _option("127.0.0.1:50051", "host:port to listen on")
+    threads: int = _option(64, "RPC worker threads")
+    log_level: str = _option(
+        "INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR")
+    )
+    max_message_bytes: int = _option(256 << 20, "largest unary message")
+    chunk_bytes: int = _option(CHUNK_BYTES, "stream chunk size")
+    max_concurrent_rpcs: int = _option(256, "calls in flight before RESOURCE_EXHAUSTED")
+    max_inflight_bytes: int = _option(
+        4 << 30,
+        "request bytes handled at once before RESOURCE_EXHAUSTED, 0 for no limit",
+    )
+    max_concurrent_streams: int = _option(
+        64, "streaming calls at once before RESOURCE_EXHAUSTED, 0 for no limit"
+    )
+    max_group_bytes: int = _option(0, "largest group (X with V/H), 0 for no limit")
+    max_total_bytes: int = _option(0, "state the server holds in all, 0 for no limit")
+    max_groups: int = _option(0, "number of groups, 0 for no limit")
+    lease_seconds: float = _option(
+        10.0, "worker lease (sync quorum) when a group sets none"
+    )
+    data_dir: str | None = _option("onnxps-data", "directory for snapshots and WAL")
+    durability: str = _option(
+        "snapshot", "how state outlives the process", choices=DURABILITY_MODES
+    )
+    snapshot_interval: float = _option(300.0, "seconds between snapshots, 0 for none")
+    keep_snapshots: int = _option(3, "snapshots kept")
+    tls_cert: str | None = _option(None, "server certificate (PEM)")
+    tls_key: str | None = _option(None, "server private key (PEM)")
+    tls_client_ca: str | None = _option(
+        None, "CA that client certificates must chain to (mutual TLS)"
+    )
+    tokens_file: str | None = _option(
+        None, "token file: roles and group prefixes per token"
+    )
+    insecure: bool = _option(
+        False, "allow a non-loopback address without TLS and tokens"
+    )
+    metrics_port: int | None = _option(None, "serve Prometheus metrics on this port")
 
 
 @dataclass
