@@ -1,4 +1,7 @@
-"""The ``onnxps`` command line."""
+"""``onnxps serve``: its flags, generated from ``ServerConfig``, and its run.
+
+The other commands act as clients and live in ``onnxps.cli``.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +18,14 @@ from typing import Any
 from .app import ServerConfig, serve
 from .security import ConfigError
 
-__all__ = ["main"]
+__all__ = [
+    "Flag",
+    "add_serve_arguments",
+    "config_flags",
+    "config_from_args",
+    "main",
+    "run",
+]
 
 
 @dataclass(frozen=True)
@@ -102,91 +112,26 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(**{f.name: getattr(args, f.name) for f in config_flags()})
 
 
-def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    add_serve_arguments(sub.add_parser("serve", help="run a parameter server"))
-
-
-def _serve(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
+def run(args: argparse.Namespace) -> int:
+    """``onnxps serve``: configure logging, serve until a signal, exit status."""
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
-        return serve(config)
+        return serve(config_from_args(args))
     except ConfigError as exc:  # refused before binding: say why, no traceback
         print(f"onnxps: {exc}", file=sys.stderr)
         return 2
 
 
-def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from . import demo
-
-    demo.add_arguments(
-        sub.add_parser("demo", help="train an MLP on digits with a server and workers")
-    )
-
-
-def _add_status(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from . import status
-
-    status.add_arguments(
-        sub.add_parser("status", help="show the groups on a running server")
-    )
-
-
-_TOKEN = "bearer token (ONNXPS_TOKEN)"
-
-
-def _add_transfer(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("export", help="write groups of a running server to a file")
-    p.add_argument("address", help="host:port of the server")
-    p.add_argument("file", help="the .npz file to write")
-    p.add_argument("--prefix", default="", help="only groups whose name starts so")
-    p.add_argument("--token", default=os.environ.get("ONNXPS_TOKEN"), help=_TOKEN)
-    p = sub.add_parser("import", help="create the groups of an export file")
-    p.add_argument("address", help="host:port of the server")
-    p.add_argument("file", help="a file written by onnxps export")
-    p.add_argument("--token", default=os.environ.get("ONNXPS_TOKEN"), help=_TOKEN)
-
-
-def _transfer(args: argparse.Namespace) -> int:
-    from onnxps.client import Client
-
-    with Client(args.address, token=args.token) as client:
-        if args.command == "export":
-            names = client.export(args.file, prefix=args.prefix)
-            print(f"exported {len(names)} groups to {args.file}")
-        else:
-            names = client.import_(args.file)
-            print(f"imported {len(names)} groups from {args.file}")
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m onnxps.server.cli [FLAGS]``: the same as ``onnxps serve``."""
     parser = argparse.ArgumentParser(
-        prog="onnxps", description="onnxps: a gRPC parameter server for ONNX optimizers"
+        prog="onnxps serve", description="run an onnxps parameter server"
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_serve(sub)
-    _add_transfer(sub)
-    _add_demo(sub)
-    _add_status(sub)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(args, "log_level", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if args.command == "serve":
-        return _serve(args)
-    if args.command in ("export", "import"):
-        return _transfer(args)
-    if args.command == "demo":
-        from . import demo
-
-        return demo.run(args)
-    if args.command == "status":
-        from . import status
-
-        return status.run(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    add_serve_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

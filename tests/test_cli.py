@@ -19,9 +19,9 @@ import pytest
 from _procs import start_server, stop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from onnxps import cli
 from onnxps.client import Adagrad, Adam, Client, Nesterov, Sync, UnavailableError
 from onnxps.client._codec import header_tensor, iter_chunks
-from onnxps.server import cli
 from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.server.cli import add_serve_arguments, config_flags, config_from_args
 from onnxps.v1 import parameter_server_pb2 as pb

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from onnxps import cli
 from onnxps.client import Adagrad, Adam, Client, Momentum, Sync
-from onnxps.server import cli
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 
 F32 = np.float32

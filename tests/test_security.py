@@ -500,7 +500,7 @@ def test_inconsistent_tls_settings_are_refused() -> None:
 
 def test_the_cli_refuses_a_public_bind_with_a_message_and_status_2() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "onnxps.server.cli", "serve", "--address", "0.0.0.0:0"],
+        [sys.executable, "-m", "onnxps.cli", "serve", "--address", "0.0.0.0:0"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -155,7 +155,7 @@ def _env(name: str, default: str) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m onnxps.server._demo_worker",
+        prog="python -m onnxps.cli._demo_worker",
         description="train the demo MLP on one shard of digits through onnxps",
     )
     p.add_argument("--address", default=_env("ADDRESS", "127.0.0.1:50051"))
