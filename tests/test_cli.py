@@ -75,7 +75,7 @@ def test_serve_drains_in_flight_call_and_exits_0_on_signal(
         while "draining" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.02)
         # Draining: a new call is refused while the stalled push is still open.
-        with Client(address, timeout=5, push_attempts=1) as late:
+        with Client(address, timeout=5) as late:
             with pytest.raises(UnavailableError):
                 late.list_groups()
         go.set()
