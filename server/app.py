@@ -30,6 +30,8 @@ __all__ = ["ServerConfig", "ServerHandle", "create_server", "serve"]
 log = logging.getLogger("onnxps.server")
 
 DURABILITY_MODES = ("none", "snapshot", "wal")
+# Only for durability.attach, which create_server no longer calls; goes with it.
+SERVICE_NAME = SERVICE
 
 
 def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
