@@ -10,6 +10,7 @@ COPY pyproject.toml README.md ./
 COPY protos ./protos
 COPY client ./client
 COPY server ./server
+COPY cli ./cli
 COPY examples ./examples
 # The demo extra adds scikit-learn, whose bundled digits data set the workers train on.
 RUN pip install '.[demo]'

@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from onnxps.cli.process import start_server_process
 from onnxps.client import Adam, Async, Client, Sync
 from onnxps.server.kernels import Stepper, make_attrs
-from onnxps.server.process import start_server_process
 
 WORKER_COUNTS = (1, 2, 4, 8)
 SIZES = (1_000, 4 * 1024 * 1024)

@@ -74,9 +74,16 @@ def main() -> None:
     tokens.write_text(f"{TOKEN} admin *\n")
     servers: dict[str, Any] = {
         "bare": Bare(),
-        "default": create_server(ServerConfig(address="127.0.0.1:0")).start(),
+        "default": create_server(
+            ServerConfig(address="127.0.0.1:0", durability="none")
+        ).start(),
         "full": create_server(
-            ServerConfig(address="127.0.0.1:0", tokens_file=str(tokens), metrics_port=0)
+            ServerConfig(
+                address="127.0.0.1:0",
+                durability="none",
+                tokens_file=str(tokens),
+                metrics_port=0,
+            )
         ).start(),
     }
     clients = {

@@ -34,10 +34,10 @@ from typing import Any
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from onnxps.cli.process import start_server_process, stop_processes
 from onnxps.client import Adagrad, Adam, Client
 from onnxps.client._codec import CHUNK_BYTES
 from onnxps.server.kernels import Stepper, make_attrs
-from onnxps.server.process import start_server_process, stop_processes
 
 MIB = 1 << 20
 SMALL = 1000

@@ -7,7 +7,7 @@ with Client("127.0.0.1:50051") as ps:
     w, b = ps.pull("mlp")
 """
 
-from ._client import Client, GroupInfo, PushResult, WorkerInfo
+from ._client import Client, GroupInfo, LeaseInfo, PushResult, SaveInfo, WorkerInfo
 from ._codec import TensorFormatError
 from ._errors import (
     AlreadyExistsError,
@@ -38,6 +38,7 @@ __all__ = [
     "GroupInfo",
     "InternalError",
     "InvalidArgumentError",
+    "LeaseInfo",
     "Momentum",
     "Nesterov",
     "NotFoundError",
@@ -47,6 +48,7 @@ __all__ = [
     "PushResult",
     "ResourceExhaustedError",
     "RpcError",
+    "SaveInfo",
     "Sync",
     "TensorFormatError",
     "UnauthenticatedError",

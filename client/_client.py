@@ -10,9 +10,9 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import grpc
 import numpy as np
@@ -37,7 +37,14 @@ from ._errors import (
 from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
 from ._wire import deserializer, iter_raw_chunks, serializer
 
-__all__ = ["Client", "GroupInfo", "PushResult", "WorkerInfo"]
+__all__ = [
+    "Client",
+    "GroupInfo",
+    "LeaseInfo",
+    "PushResult",
+    "SaveInfo",
+    "WorkerInfo",
+]
 
 log = logging.getLogger("onnxps.client")
 
@@ -45,10 +52,12 @@ Array = np.ndarray[Any, Any]
 Transport = Literal["auto", "unary", "stream"]
 
 STREAM_THRESHOLD_BYTES = 1 << 20
+_PUSH_SENDS = 5  # a push's sends at most, all within its deadline
 
-# Channel-level retries: UNAVAILABLE only (the server is down or draining). Pushes are
-# retried again by the client on DEADLINE_EXCEEDED too, which is safe only because
-# each push carries (client_id, seq) and the server applies it exactly once.
+# The one retry mechanism for every call: the channel retries UNAVAILABLE (the server
+# is down or draining), within the call's deadline. A push is also resent, with the
+# same (client_id, seq), when UNAVAILABLE reaches the client after the channel gave
+# up (e.g. a stream the channel cannot replay): the server applies it exactly once.
 _SERVICE_CONFIG = {
     "methodConfig": [
         {
@@ -101,6 +110,48 @@ class PushResult:
     applied: bool  # False: buffered until the sync quorum pushes
     duplicate: bool  # a retry the server had already taken
     values: list[Array] | None = None  # X_1..X_n when asked for
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """A worker's lease on a group, as the server answered join or leave."""
+
+    lease_seconds: float  # renew before this runs out
+    update_count: int
+    live_workers: int
+    quorum: int
+
+
+@dataclass(frozen=True)
+class SaveInfo:
+    """The snapshot the server wrote on ``save``."""
+
+    path: str
+    groups: int
+    bytes: int
+
+
+class _Deadline:
+    """One absolute deadline for a whole call, whatever it sends and resends."""
+
+    __slots__ = ("at", "seconds")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        return max(0.0, self.at - time.monotonic())
+
+    def expired(self, what: str, details: str) -> DeadlineExceededError:
+        why = f"{what} within {self.seconds:g} s"
+        if details and details.lower() != "deadline exceeded":
+            why += f" ({details})"
+        return DeadlineExceededError(why)
+
+
+def _lease_info(msg: Any) -> LeaseInfo:
+    return LeaseInfo(msg.lease_seconds, msg.update_count, msg.live_workers, msg.quorum)
 
 
 def _optimizer_from_proto(spec: pb.OptimizerSpec) -> OptimizerSpec:
@@ -184,9 +235,11 @@ class _State(enum.Enum):
 class Client:
     """A connection to one onnxps server.
 
-    Every call takes ``timeout=`` (seconds) and falls back to the client's default
-    deadline. The channel is opened on first use; after ``close()`` (or leaving the
-    ``with`` block) every call raises ``ClientClosedError``.
+    Every call takes ``timeout=`` (seconds) and falls back to the client's default.
+    It is one deadline for the whole call: every retry of the channel and every
+    resend of a push happen within it. The channel is opened on first use; after
+    ``close()`` (or leaving the ``with`` block) every call raises
+    ``ClientClosedError``.
     """
 
     def __init__(
@@ -203,7 +256,6 @@ class Client:
         transport: Transport = "auto",
         stream_threshold_bytes: int = STREAM_THRESHOLD_BYTES,
         chunk_bytes: int = CHUNK_BYTES,
-        push_attempts: int = 4,
     ) -> None:
         self.address = address
         self.timeout = timeout
@@ -211,7 +263,6 @@ class Client:
         self.transport: Transport = transport
         self.stream_threshold_bytes = stream_threshold_bytes
         self.chunk_bytes = chunk_bytes
-        self.push_attempts = max(1, push_attempts)
         self._token = token
         self._tls = (root_certificates, private_key, certificate_chain)
         self._secure = root_certificates is not None or certificate_chain is not None
@@ -280,30 +331,47 @@ class Client:
     def _metadata(self) -> list[tuple[str, str]] | None:
         return [("authorization", f"Bearer {self._token}")] if self._token else None
 
-    def _call(self, method: str, request: Any, timeout: float | None) -> Any:
-        """Invoke one RPC; the only place grpc errors turn into the client's own."""
+    def _deadline(self, timeout: float | None) -> _Deadline:
+        return _Deadline(self.timeout if timeout is None else timeout)
+
+    def _call(
+        self,
+        method: str,
+        request: Any,
+        deadline: _Deadline | float | None,
+        what: str | None = None,
+    ) -> Any:
+        """Invoke one RPC; the only place grpc errors turn into the client's own.
+
+        ``deadline`` is the call's (shared by every send of it) or a timeout for a
+        call of its own; ``what`` says what was awaited, for DeadlineExceededError.
+        """
+        if not isinstance(deadline, _Deadline):
+            deadline = self._deadline(deadline)
+        what = what or f"{method} was not answered"
         fn = self._method(method)
         try:
-            return fn(
-                request,
-                timeout=self.timeout if timeout is None else timeout,
-                metadata=self._metadata(),
-            )
+            return fn(request, timeout=deadline.remaining(), metadata=self._metadata())
         except grpc.RpcError as exc:
-            raise translate(exc) from None
+            raise self._error(exc, deadline, what) from None
 
     def _stream_call(
-        self, method: str, request: Any, timeout: float | None
+        self, method: str, request: Any, deadline: _Deadline, what: str
     ) -> Iterator[Any]:
         fn = self._method(method)
         try:
             yield from fn(
-                request,
-                timeout=self.timeout if timeout is None else timeout,
-                metadata=self._metadata(),
+                request, timeout=deadline.remaining(), metadata=self._metadata()
             )
         except grpc.RpcError as exc:
-            raise translate(exc) from None
+            raise self._error(exc, deadline, what) from None
+
+    @staticmethod
+    def _error(exc: grpc.RpcError, deadline: _Deadline, what: str) -> RpcError:
+        error = translate(exc)
+        if isinstance(error, DeadlineExceededError):
+            return deadline.expired(what, error.details)
+        return error
 
     def _method(self, name: str) -> Any:
         stub = self._get_stub()
@@ -393,6 +461,28 @@ class Client:
         return _group_info(self._call("SetLearningRate", req, timeout))
 
     # -- push ----------------------------------------------------------------------
+    @overload
+    def push(
+        self,
+        group: str,
+        *gradients: Any,
+        base_version: int | None = ...,
+        learning_rate: float | None = ...,
+        return_values: Literal[False] = ...,
+        timeout: float | None = ...,
+    ) -> int: ...
+
+    @overload
+    def push(
+        self,
+        group: str,
+        *gradients: Any,
+        base_version: int | None = ...,
+        learning_rate: float | None = ...,
+        return_values: Literal[True],
+        timeout: float | None = ...,
+    ) -> list[Array]: ...
+
     def push(
         self,
         group: str,
@@ -401,7 +491,7 @@ class Client:
         learning_rate: float | None = None,
         return_values: bool = False,
         timeout: float | None = None,
-    ) -> Any:
+    ) -> int | list[Array]:
         """Push G_1..G_n (ONNX order). Returns the new T, or X_1..X_n with
         ``return_values=True`` (after the step, in sync mode)."""
         result = self.push_detailed(
@@ -412,7 +502,10 @@ class Client:
             return_values=return_values,
             timeout=timeout,
         )
-        return result.values if return_values else result.update_count
+        if return_values:
+            assert result.values is not None
+            return result.values
+        return result.update_count
 
     def push_detailed(
         self,
@@ -424,6 +517,7 @@ class Client:
         timeout: float | None = None,
     ) -> PushResult:
         """Like ``push``, with everything the server said about it."""
+        deadline = self._deadline(timeout)
         arrays = [np.asarray(g) for g in gradients]
         req = pb.PushRequest(
             group=group,
@@ -446,31 +540,41 @@ class Client:
             yield pb.PushChunk(header=req)
             yield from iter_raw_chunks(arrays, self.chunk_bytes)
 
-        # A lost reply surfaces as DEADLINE_EXCEEDED or UNAVAILABLE; the same seq
-        # makes the retry safe (the server answers a repeat with the first result).
-        for attempt in range(self.push_attempts):
-            try:
-                if stream:
-                    msg = self._call("PushStream", chunks(), timeout)
-                else:
-                    msg = self._call("Push", req, timeout)
-                break
-            except (UnavailableError, DeadlineExceededError) as exc:
-                if attempt + 1 == self.push_attempts:
-                    raise
-                log.warning(
-                    "push to %s seq %d: %s; retrying (attempt %d of %d)",
-                    group,
-                    req.seq,
-                    exc.code.name,
-                    attempt + 2,
-                    self.push_attempts,
-                )
-                time.sleep(min(2.0, 0.1 * 2**attempt))
+        msg = self._send_push(req, chunks if stream else None, deadline)
         values = None
         if return_values:
             values = [tensor_to_array(t, t.name).copy() for t in msg.values]
         return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
+
+    def _send_push(
+        self,
+        req: pb.PushRequest,
+        chunks: Callable[[], Iterator[Any]] | None,
+        deadline: _Deadline,
+    ) -> Any:
+        """Send a push, and resend it (same seq) while the server is unavailable, up
+        to ``_PUSH_SENDS`` sends within the deadline: the server answers a repeat
+        with its first result."""
+        what = f"the push to group {req.group} (seq {req.seq}) was not answered"
+        backoff = 0.1
+        for sends in itertools.count(1):
+            try:
+                if chunks is not None:
+                    return self._call("PushStream", chunks(), deadline, what)
+                return self._call("Push", req, deadline, what)
+            except UnavailableError as exc:
+                pause = min(backoff, deadline.remaining())
+                if pause <= 0 or sends == _PUSH_SENDS:
+                    raise
+                log.warning(
+                    "push to %s seq %d: %s; resending in %.1f s",
+                    req.group,
+                    req.seq,
+                    exc.code.name,
+                    pause,
+                )
+                time.sleep(pause)
+                backoff = min(2.0, backoff * 2)
 
     # -- pull ----------------------------------------------------------------------
     def pull(
@@ -498,14 +602,19 @@ class Client:
         timeout: float | None = None,
     ) -> tuple[int, list[Array]]:
         """(T, arrays): the tensors and the update count they belong to."""
+        deadline = self._deadline(timeout)
         req = pb.PullRequest(group=group, with_state=state)
         if min_version is not None:
             req.min_version = min_version
+            what = f"group {group} did not reach T={min_version}"
+        else:
+            what = f"the pull of group {group} was not answered"
         size = self._sizes.get(group)
         if size is None and self.transport == "auto":
-            size = self.describe_group(group, timeout=timeout).nbytes
+            msg = self._call("DescribeGroup", pb.GroupRequest(group=group), deadline)
+            size = self._sizes[group] = _group_info(msg).nbytes
         if self._use_stream(size or 0):
-            it = self._stream_call("PullStream", req, timeout)
+            it = self._stream_call("PullStream", req, deadline, what)
             first = next(it)
             header = first.header
             names = [t.name for t in header.tensors]
@@ -513,7 +622,7 @@ class Client:
             for msg in it:
                 asm.add(msg.chunk)
             return header.update_count, asm.finish()
-        msg = self._call("Pull", req, timeout)
+        msg = self._call("Pull", req, deadline, what)
         return msg.update_count, [
             tensor_to_array(t, t.name).copy() for t in msg.tensors
         ]
@@ -537,7 +646,12 @@ class Client:
                 yield pb.ApplyChunk(request=header)
                 yield from iter_raw_chunks(arrays, self.chunk_bytes)
 
-            it = self._stream_call("ApplyStream", chunks(), timeout)
+            it = self._stream_call(
+                "ApplyStream",
+                chunks(),
+                self._deadline(timeout),
+                "ApplyStream was not answered",
+            )
             first = next(it).response
             asm = TensorAssembler(
                 list(first.outputs), [f"output {i}" for i in range(len(first.outputs))]
@@ -556,11 +670,11 @@ class Client:
     # -- workers -------------------------------------------------------------------
     def join(
         self, group: str, *, worker_id: str | None = None, timeout: float | None = None
-    ) -> pb.LeaseResponse:
+    ) -> LeaseInfo:
         """Join a group as a worker and keep the lease alive in the background."""
         wid = worker_id or self.client_id
         req = pb.JoinRequest(group=group, worker_id=wid)
-        lease = self._call("JoinGroup", req, timeout)
+        lease = _lease_info(self._call("JoinGroup", req, timeout))
         stop = threading.Event()
         interval = max(0.05, lease.lease_seconds / 3)
 
@@ -586,19 +700,21 @@ class Client:
 
     def leave(
         self, group: str, *, worker_id: str | None = None, timeout: float | None = None
-    ) -> pb.LeaseResponse:
+    ) -> LeaseInfo:
+        """Leave a group: stop the heartbeats and give the lease back."""
         with self._lock:
             beat = self._heartbeats.pop(group, None)
         if beat is not None:
             beat[0].set()
             beat[1].join(timeout=5)
         req = pb.JoinRequest(group=group, worker_id=worker_id or self.client_id)
-        return self._call("LeaveGroup", req, timeout)
+        return _lease_info(self._call("LeaveGroup", req, timeout))
 
     # -- durability ----------------------------------------------------------------
-    def save(self, *, timeout: float | None = None) -> pb.SaveResponse:
+    def save(self, *, timeout: float | None = None) -> SaveInfo:
         """Ask the server to write a snapshot of every group now."""
-        return self._call("Save", pb.SaveRequest(), timeout)
+        msg = self._call("Save", pb.SaveRequest(), timeout)
+        return SaveInfo(msg.path, msg.groups, msg.bytes)
 
     def export(self, path: str | os.PathLike[str], prefix: str = "") -> list[str]:
         """Write every group whose name starts with ``prefix`` (tensors, optimizer

@@ -1,4 +1,4 @@
-"""The README's table of `onnxps serve` flags, generated from the argparse parser.
+"""The README's table of `onnxps serve` flags, generated from ``ServerConfig``.
 
 python scripts/config_table.py            # print the table
 python scripts/config_table.py --write    # replace it in README.md
@@ -8,8 +8,6 @@ python scripts/config_table.py --check    # exit 1 if README.md is out of date
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import sys
 from pathlib import Path
 
@@ -18,24 +16,12 @@ BEGIN, END = "<!-- serve-flags -->", "<!-- /serve-flags -->"
 
 
 def table() -> str:
-    for key in [k for k in os.environ if k.startswith("ONNXPS_")]:
-        del os.environ[key]  # the defaults, not this shell's settings
-    from onnxps.server import cli
+    from onnxps.server.cli import config_flags
 
-    sub = argparse.ArgumentParser().add_subparsers()
-    cli._add_serve(sub)
-    serve = sub.choices["serve"]
     rows = ["| flag | environment | default | meaning |", "| --- | --- | --- | --- |"]
-    for action in serve._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
-        m = re.match(r"(.*) \((ONNXPS_\w+); default .*\)$", action.help or "")
-        assert m, f"{action.option_strings[0]} does not name its ONNXPS_ variable"
-        meaning, env = m.groups()
-        default = "(none)" if action.default is None else f"`{action.default}`"
-        rows.append(
-            f"| `{action.option_strings[0]}` | `{env}` | {default} | {meaning} |"
-        )
+    for f in config_flags():
+        default = "(none)" if f.default is None else f"`{f.default}`"
+        rows.append(f"| `{f.flag}` | `{f.env}` | {default} | {f.meaning} |")
     return "\n".join(rows)
 
 

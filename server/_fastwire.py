@@ -17,7 +17,7 @@ import grpc
 from onnxps.client._wire import deserializer, serializer
 from onnxps.v1 import parameter_server_pb2 as pb
 
-from ._handlers import SERVICE, method_of, rewrap
+from ._handlers import SERVICE, method_of, wrap
 
 __all__ = ["FastChunkInterceptor"]
 
@@ -44,4 +44,4 @@ class FastChunkInterceptor(grpc.ServerInterceptor):
         if handler is None or codecs is None:
             return handler
         parse, write = codecs
-        return rewrap(handler, None, parse, write)
+        return wrap(handler, request_deserializer=parse, response_serializer=write)

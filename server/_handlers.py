@@ -1,13 +1,14 @@
-"""Helpers shared by the server interceptors (auth, limits, observability).
+"""What the server interceptors (auth, limits, observability, chunk codec) share.
 
-A ``grpc.ServerInterceptor`` can only hand back an ``RpcMethodHandler``; these helpers
-rebuild a handler of the same kind around a new behavior, find the method and group of
-a call, and peek at the first message of a request stream without losing it.
+A ``grpc.ServerInterceptor`` can only hand back an ``RpcMethodHandler``. ``wrap``
+builds one of the same kind around the original behavior with a ``CallHooks``
+object: ``intercept_service`` runs once per call, so the hooks (and any request
+deserializer made there) belong to that call alone and carry its data; nothing is
+kept in a process-wide table.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,16 +17,20 @@ from google.protobuf.message import Message
 
 __all__ = [
     "SERVICE",
+    "CallHooks",
     "Malformed",
     "group_of",
     "method_of",
-    "peek",
-    "rewrap",
+    "on_first",
+    "wrap",
 ]
 
+# The one place the service's full name lives.
 SERVICE = "onnxps.v1.ParameterServer"
 
 Behavior = Callable[..., Any]
+Deserializer = Callable[[bytes], Any]
+Serializer = Callable[[Any], bytes]
 
 
 class Malformed:
@@ -41,8 +46,93 @@ class Malformed:
         self.size = size
         self.error = error
 
-    def ByteSize(self) -> int:  # noqa: N802 - the protobuf spelling
-        return self.size
+
+class CallHooks:
+    """What an interceptor does around one call (a new instance per call).
+
+    ``before`` runs on the handler's thread before the behavior, with the request: a
+    message, or for a request stream an iterator nothing has been read from. It
+    returns the request to pass on (or aborts). Reading from a stream there blocks the
+    thread until the client sends, so only hooks that run after authentication and
+    the stream limit may do it. ``reply`` sees each response message; ``finish``
+    runs last, whether the call succeeded (``failed`` False) or not.
+    """
+
+    def before(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return request
+
+    def reply(self, msg: Any) -> Any:
+        return msg
+
+    def finish(self, context: grpc.ServicerContext, failed: bool) -> None:
+        return None
+
+
+_FACTORIES = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _behavior_of(handler: grpc.RpcMethodHandler) -> Behavior:
+    return (  # type: ignore[no-any-return]
+        handler.unary_unary
+        or handler.unary_stream
+        or handler.stream_unary
+        or handler.stream_stream
+    )
+
+
+def _hooked(behavior: Behavior, hooks: CallHooks, resp_s: bool) -> Behavior:
+    if resp_s:
+
+        def call_streaming(request: Any, context: grpc.ServicerContext) -> Any:
+            failed = True
+            try:
+                request = hooks.before(request, context)
+                for msg in behavior(request, context):
+                    yield hooks.reply(msg)
+                failed = False
+            finally:
+                hooks.finish(context, failed)
+
+        return call_streaming
+
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        failed = True
+        try:
+            request = hooks.before(request, context)
+            reply = hooks.reply(behavior(request, context))
+            failed = False
+            return reply
+        finally:
+            hooks.finish(context, failed)
+
+    return call
+
+
+def wrap(
+    handler: grpc.RpcMethodHandler | None,
+    hooks: CallHooks | None = None,
+    *,
+    request_deserializer: Deserializer | None = None,
+    response_serializer: Serializer | None = None,
+) -> grpc.RpcMethodHandler | None:
+    """A handler of the same kind running ``hooks`` around the behavior (the same
+    behavior when None), with the (de)serializers given (else the handler's own)."""
+    if handler is None:
+        return None
+    kind = (bool(handler.request_streaming), bool(handler.response_streaming))
+    behavior = _behavior_of(handler)
+    if hooks is not None:
+        behavior = _hooked(behavior, hooks, kind[1])
+    return _FACTORIES[kind](
+        behavior,
+        request_deserializer=request_deserializer or handler.request_deserializer,
+        response_serializer=response_serializer or handler.response_serializer,
+    )
 
 
 def method_of(handler_call_details: grpc.HandlerCallDetails) -> tuple[str, str]:
@@ -60,56 +150,19 @@ def group_of(msg: Any) -> str | None:
     if "header" in fields:
         if msg.WhichOneof("part") != "header":
             return None
-        msg = msg.header
+        msg = getattr(msg, "header")  # noqa: B009 - a field of some request types
         fields = msg.DESCRIPTOR.fields_by_name
     if "group" in fields:
-        return str(msg.group)
+        return str(getattr(msg, "group"))  # noqa: B009
     return None
 
 
-def peek(iterator: Iterator[Any]) -> tuple[Any, Iterator[Any]]:
-    """The first item (None if empty) and an iterator that still yields it."""
-    first = next(iterator, None)
-    if first is None:
-        return None, iter(())
-    return first, itertools.chain((first,), iterator)
-
-
-_FACTORIES = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
-
-def behavior_of(handler: grpc.RpcMethodHandler) -> Behavior:
-    return (
-        handler.unary_unary
-        or handler.unary_stream
-        or handler.stream_unary
-        or handler.stream_stream
-    )
-
-
-def rewrap(
-    handler: grpc.RpcMethodHandler | None,
-    make: Callable[[Behavior, bool, bool], Behavior] | None,
-    request_deserializer: Callable[[bytes], Any] | None = None,
-    response_serializer: Callable[[Any], bytes] | None = None,
-) -> grpc.RpcMethodHandler | None:
-    """A handler of the same kind whose behavior is ``make(behavior, req_s, resp_s)``
-    (the same behavior when ``make`` is None), with the (de)serializers given.
-
-    ``make`` must return a generator function when the response streams.
-    """
-    if handler is None:
-        return None
-    kind = (bool(handler.request_streaming), bool(handler.response_streaming))
-    behavior = behavior_of(handler)
-    new = behavior if make is None else make(behavior, *kind)
-    return _FACTORIES[kind](
-        new,
-        request_deserializer=request_deserializer or handler.request_deserializer,
-        response_serializer=response_serializer or handler.response_serializer,
-    )
+def on_first(iterator: Iterator[Any], see: Callable[[Any], None]) -> Iterator[Any]:
+    """``iterator`` unchanged, calling ``see`` on its first item when it is read
+    (not before: nothing here waits for the client)."""
+    it = iter(iterator)
+    for first in it:
+        see(first)
+        yield first
+        break
+    yield from it

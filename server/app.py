@@ -13,11 +13,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from onnxps.client._codec import CHUNK_BYTES
-from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
-from . import durability, limits, metrics, security
+from . import security
 from ._fastwire import FastChunkInterceptor
+from ._handlers import SERVICE
+from .durability import Durability
+from .limits import LimitsInterceptor
+from .metrics import MetricsEndpoint, ObserveInterceptor, Recorder
+from .security import ConfigError
 from .service import ParameterServerServicer
 from .store import ParameterStore, StoreLimits
 
@@ -25,53 +29,74 @@ __all__ = ["ServerConfig", "ServerHandle", "create_server", "serve"]
 
 log = logging.getLogger("onnxps.server")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+DURABILITY_MODES = ("none", "snapshot", "wal")
+# Only for durability.attach, which create_server no longer calls; goes with it.
+SERVICE_NAME = SERVICE
+
+
+def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with its ``onnxps serve`` flag help (the flag is ``--field-name``
+    and its environment variable ``ONNXPS_FIELD_NAME``)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Everything a server is started with. The CLI builds it from flags/ONNXPS_*."""
+    """Everything a server is started with. ``onnxps serve`` is generated from these
+    fields (flags, ``ONNXPS_*`` variables, defaults); the README table too."""
 
-    address: str = "127.0.0.1:50051"
-    threads: int = 64
-    max_message_bytes: int = 256 * 1024 * 1024
-    chunk_bytes: int = CHUNK_BYTES
-    max_concurrent_rpcs: int = 256
-    # backpressure (0: none): bytes of requests being handled at once, and streams
-    max_inflight_bytes: int = 4 << 30
-    max_concurrent_streams: int = 64
-    # state limits (0: none)
-    max_group_bytes: int = 0
-    max_total_bytes: int = 0
-    max_groups: int = 0
-    lease_seconds: float = 10.0
-    # durability
-    data_dir: str | None = None
-    durability: str = "none"  # none | snapshot | wal
-    snapshot_interval: float = 300.0
-    keep_snapshots: int = 3
-    # security
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    tokens_file: str | None = None
-    insecure: bool = False
-    # observability
-    metrics_port: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    address: str = _option("127.0.0.1:50051", "host:port to listen on")
+    threads: int = _option(64, "RPC worker threads")
+    log_level: str = _option(
+        "INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR")
+    )
+    max_message_bytes: int = _option(256 << 20, "largest unary message")
+    chunk_bytes: int = _option(CHUNK_BYTES, "stream chunk size")
+    max_concurrent_rpcs: int = _option(256, "calls in flight before RESOURCE_EXHAUSTED")
+    max_inflight_bytes: int = _option(
+        4 << 30,
+        "request bytes handled at once before RESOURCE_EXHAUSTED, 0 for no limit",
+    )
+    max_concurrent_streams: int = _option(
+        64, "streaming calls at once before RESOURCE_EXHAUSTED, 0 for no limit"
+    )
+    max_group_bytes: int = _option(0, "largest group (X with V/H), 0 for no limit")
+    max_total_bytes: int = _option(0, "state the server holds in all, 0 for no limit")
+    max_groups: int = _option(0, "number of groups, 0 for no limit")
+    lease_seconds: float = _option(
+        10.0, "worker lease (sync quorum) when a group sets none"
+    )
+    data_dir: str | None = _option("onnxps-data", "directory for snapshots and WAL")
+    durability: str = _option(
+        "snapshot", "how state outlives the process", choices=DURABILITY_MODES
+    )
+    snapshot_interval: float = _option(300.0, "seconds between snapshots, 0 for none")
+    keep_snapshots: int = _option(3, "snapshots kept")
+    tls_cert: str | None = _option(None, "server certificate (PEM)")
+    tls_key: str | None = _option(None, "server private key (PEM)")
+    tls_client_ca: str | None = _option(
+        None, "CA that client certificates must chain to (mutual TLS)"
+    )
+    tokens_file: str | None = _option(
+        None, "token file: roles and group prefixes per token"
+    )
+    insecure: bool = _option(
+        False, "allow a non-loopback address without TLS and tokens"
+    )
+    metrics_port: int | None = _option(None, "serve Prometheus metrics on this port")
 
 
 @dataclass
 class ServerHandle:
-    """A bound, not yet started server with what it serves."""
+    """A bound, not yet started server and the parts it owns (stopped in order)."""
 
     server: grpc.Server
     port: int
-    store: ParameterStore
     config: ServerConfig
+    store: ParameterStore
     health: health.HealthServicer
-    on_stop: list[Any] = field(default_factory=list)
-    metrics_port: int | None = None  # the bound metrics port, when serving metrics
+    durability: Durability | None = None
+    metrics: MetricsEndpoint | None = None
     _stopped: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -79,16 +104,24 @@ class ServerHandle:
         host = self.config.address.rsplit(":", 1)[0]
         return f"{host}:{self.port}"
 
+    @property
+    def metrics_port(self) -> int | None:
+        """The bound metrics port, when serving metrics."""
+        return None if self.metrics is None else self.metrics.port
+
     def start(self) -> ServerHandle:
         self.server.start()
         self.store.start()
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        if self.durability is not None:
+            self.durability.start_periodic(self.config.snapshot_interval)
+        _set_health(self.health, health_pb2.HealthCheckResponse.SERVING)
         log.info("onnxps listening on %s", self.address)
         return self
 
     def stop(self, grace: float | None = 10.0) -> None:
-        """Stop accepting calls, let in-flight ones finish within ``grace``, close."""
+        """Stop accepting calls, let in-flight ones finish within ``grace``, close:
+        the RPC server, the metrics endpoint, durability (a last snapshot), the store.
+        """
         if self._stopped.is_set():
             return
         self._stopped.set()
@@ -96,8 +129,10 @@ class ServerHandle:
         done = self.server.stop(grace)
         self.store.drain()
         done.wait()
-        for hook in self.on_stop:
-            hook()
+        if self.metrics is not None:
+            self.metrics.stop()
+        if self.durability is not None:
+            self.durability.close()
         self.store.close()
         log.info("onnxps on %s stopped", self.address)
 
@@ -111,6 +146,11 @@ class ServerHandle:
         self.stop(grace=1.0)
 
 
+def _set_health(servicer: health.HealthServicer, status: Any) -> None:
+    servicer.set("", status)
+    servicer.set(SERVICE, status)
+
+
 def _options(config: ServerConfig) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -119,10 +159,39 @@ def _options(config: ServerConfig) -> list[tuple[str, Any]]:
     ]
 
 
+def _durability(
+    config: ServerConfig, store: ParameterStore, health_servicer: health.HealthServicer
+) -> Durability | None:
+    """Restore the data directory into ``store``, when the config keeps one."""
+    if config.durability not in DURABILITY_MODES:
+        raise ConfigError(
+            f"durability must be one of {', '.join(DURABILITY_MODES)}, got "
+            f"{config.durability!r}"
+        )
+    if config.durability == "none":
+        return None
+    if not config.data_dir:
+        raise ConfigError(
+            f"durability {config.durability!r} needs a data directory (--data-dir)"
+        )
+    d = Durability(
+        store,
+        config.data_dir,
+        mode=config.durability,
+        keep=config.keep_snapshots,
+        set_health=lambda status: _set_health(health_servicer, status),
+    )
+    d.open()
+    return d
+
+
 def create_server(config: ServerConfig | None = None) -> ServerHandle:
-    """Build and bind a server without starting it (port 0 picks a free port)."""
+    """Build every part of a server and bind it, without starting it (port 0 picks a
+    free port). This is the one place the parts are wired together."""
     config = config or ServerConfig()
     security.check_bind_policy(config)
+    credentials = security.server_credentials(config)
+    grants = security.load_tokens(config.tokens_file) if config.tokens_file else None
     store = ParameterStore(
         StoreLimits(
             max_group_bytes=config.max_group_bytes,
@@ -131,38 +200,58 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             default_lease_seconds=config.lease_seconds,
         )
     )
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    recorder = Recorder(store, enabled=config.metrics_port is not None)
+    # outermost first: observe every call (auth refusals too), then auth, limits
+    interceptors: list[grpc.ServerInterceptor] = [ObserveInterceptor(recorder)]
+    if grants is not None:
+        interceptors.append(security.TokenAuthInterceptor(grants))
+    interceptors += [
+        LimitsInterceptor(
+            max_inflight_bytes=config.max_inflight_bytes,
+            max_concurrent_streams=config.max_concurrent_streams,
+        ),
+        FastChunkInterceptor(),  # innermost: chunk parsers for the streams
+    ]
     server = grpc.server(
         futures.ThreadPoolExecutor(
             max_workers=config.threads, thread_name_prefix="onnxps-rpc"
         ),
         options=_options(config),
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-        # outermost first: observe every call (auth refusals too), then auth, limits
-        interceptors=[
-            *metrics.interceptors(config),
-            *security.interceptors(config),
-            *limits.interceptors(config),
-            FastChunkInterceptor(),  # innermost: chunk parsers for the streams
-        ],
+        interceptors=interceptors,
     )
-    servicer = ParameterServerServicer(store, chunk_bytes=config.chunk_bytes)
-    pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    durability = _durability(config, store, health_servicer)
+    metrics = None
+    try:
+        servicer = ParameterServerServicer(
+            store,
+            chunk_bytes=config.chunk_bytes,
+            save=None if durability is None else durability.save_rpc,
+        )
+        pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        if credentials is None:
+            port = server.add_insecure_port(config.address)
+        else:
+            port = server.add_secure_port(config.address, credentials)
+        if port == 0:
+            raise OSError(f"could not bind {config.address}: is the port in use?")
+        if config.metrics_port is not None and recorder.registry is not None:
+            metrics = MetricsEndpoint(
+                recorder.registry, config.metrics_port, config.address
+            )
+    except BaseException:
+        if durability is not None:
+            durability.close()
+        store.close()
+        raise
+    return ServerHandle(
+        server, port, config, store, health_servicer, durability, metrics
     )
-    credentials = security.server_credentials(config)
-    if credentials is None:
-        port = server.add_insecure_port(config.address)
-    else:
-        port = server.add_secure_port(config.address, credentials)
-    if port == 0:
-        raise OSError(f"could not bind {config.address}: is the port in use?")
-    handle = ServerHandle(server, port, store, config, health_servicer)
-    durability.attach(handle, servicer)
-    metrics.attach(handle)
-    return handle
 
 
 def serve(config: ServerConfig | None = None) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,19 +21,10 @@ from onnxps.client._codec import PROTO_TO_DTYPE
 from onnxps.client._wire import RawChunk
 from onnxps.v1 import parameter_server_pb2 as pb
 
-from ._handlers import Behavior, Malformed, method_of, peek, rewrap
+from ._handlers import CallHooks, Malformed, method_of, wrap
 from .errors import InvalidArgument
 
-__all__ = ["LimitsInterceptor", "declared_bytes", "interceptors"]
-
-
-def interceptors(config: Any) -> list[grpc.ServerInterceptor]:
-    return [
-        LimitsInterceptor(
-            max_inflight_bytes=getattr(config, "max_inflight_bytes", 0),
-            max_concurrent_streams=getattr(config, "max_concurrent_streams", 0),
-        )
-    ]
+__all__ = ["LimitsInterceptor", "declared_bytes", "message_bytes"]
 
 
 def _tensor_bytes(t: pb.Tensor) -> int:
@@ -57,28 +47,6 @@ def declared_bytes(msg: Message) -> int:
     return total
 
 
-# Wire sizes of parsed requests by id(message), noted by the deserializer: grpc parses
-# on another thread than the handler's. Bounded: entries whose handler never asked
-# (a call refused earlier) are evicted; a reused id is overwritten at its next parse.
-_received: OrderedDict[int, int] = OrderedDict()
-_received_lock = threading.Lock()
-_RECEIVED_MAX = 4096
-
-
-def _note_received(msg: Any, size: int) -> None:
-    with _received_lock:
-        _received[id(msg)] = size
-        while len(_received) > _RECEIVED_MAX:
-            _received.popitem(last=False)
-
-
-def received_bytes(msg: Any, *, forget: bool = False) -> int:
-    """The size of a request as received (no re-encoding)."""
-    with _received_lock:
-        size = _received.pop(id(msg), None) if forget else _received.get(id(msg))
-    return message_bytes(msg) if size is None else size
-
-
 def message_bytes(msg: Any) -> int:
     """About the wire size of a message, without encoding a large one.
 
@@ -95,23 +63,6 @@ def message_bytes(msg: Any) -> int:
     return declared + 256 if declared else msg.ByteSize()
 
 
-def _tolerant(
-    deserialize: Callable[[bytes], Any] | None, method: str
-) -> Callable[[bytes], Any] | None:
-    if deserialize is None:
-        return None
-
-    def parse(raw: bytes) -> Any:
-        try:
-            msg = deserialize(raw)
-            _note_received(msg, len(raw))
-            return msg
-        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's
-            return Malformed(len(raw), f"{method}: {exc}")
-
-    return parse
-
-
 def _malformed_message(m: Malformed) -> str:
     return (
         f"the request of {m.error.partition(':')[0]} is not a valid protobuf message "
@@ -119,7 +70,8 @@ def _malformed_message(m: Malformed) -> str:
     )
 
 
-def _checked(it: Iterator[Any]) -> Iterator[Any]:
+def _checked(first: Any, it: Iterator[Any]) -> Iterator[Any]:
+    yield first
     for msg in it:
         if isinstance(msg, Malformed):
             # Raised inside the servicer, which maps it to INVALID_ARGUMENT.
@@ -128,6 +80,8 @@ def _checked(it: Iterator[Any]) -> Iterator[Any]:
 
 
 class LimitsInterceptor(grpc.ServerInterceptor):
+    """Counts in-flight bytes and open streams for one server."""
+
     def __init__(self, max_inflight_bytes: int = 0, max_concurrent_streams: int = 0):
         self.max_inflight_bytes = max_inflight_bytes
         self.max_concurrent_streams = max_concurrent_streams
@@ -144,22 +98,30 @@ class LimitsInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         _, method = method_of(handler_call_details)
-        return rewrap(
-            handler,
-            self._make,
-            _tolerant(handler.request_deserializer, method),
+        call = _Admission(
+            self,
+            method,
+            bool(handler.request_streaming),
+            bool(handler.response_streaming),
+            handler.request_deserializer,
         )
+        parse = call.parse if handler.request_deserializer is not None else None
+        return wrap(handler, call, request_deserializer=parse)
 
     # -- admission -------------------------------------------------------------------
-    def _admit(self, context: grpc.ServicerContext, nbytes: int, stream: bool) -> None:
+    def admit_stream(self, context: grpc.ServicerContext) -> None:
         with self._lock:
-            if stream and self.max_concurrent_streams:
-                if self.streams >= self.max_concurrent_streams:
-                    context.abort(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"the server is at its limit of {self.max_concurrent_streams} "
-                        "concurrent streams; retry later",
-                    )
+            limit = self.max_concurrent_streams
+            if limit and self.streams >= limit:
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the server is at its limit of {limit} concurrent streams; "
+                    "retry later",
+                )
+            self.streams += 1
+
+    def admit_bytes(self, context: grpc.ServicerContext, nbytes: int) -> None:
+        with self._lock:
             limit = self.max_inflight_bytes
             if limit and self.inflight_bytes + nbytes > limit:
                 if nbytes > limit:
@@ -175,52 +137,71 @@ class LimitsInterceptor(grpc.ServerInterceptor):
                     )
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
             self.inflight_bytes += nbytes
-            if stream:
-                self.streams += 1
 
-    def _release(self, nbytes: int, stream: bool) -> None:
+    def release(self, nbytes: int, stream: bool) -> None:
         with self._lock:
             self.inflight_bytes -= nbytes
             if stream:
                 self.streams -= 1
 
-    def _prepare(
-        self, request: Any, context: grpc.ServicerContext, request_streaming: bool
-    ) -> tuple[Any, int]:
-        """Refuse undecodable input; return the request (re-chained) and its bytes."""
-        if request_streaming:
-            first, it = peek(request)
+
+class _Admission(CallHooks):
+    """One call: its parsed size, and what it holds of the server's limits.
+
+    A stream is counted when its handler starts, before anything is read from it, so
+    streams that never send still count; its bytes are admitted once its header has
+    declared them.
+    """
+
+    def __init__(
+        self,
+        limits: LimitsInterceptor,
+        method: str,
+        req_s: bool,
+        resp_s: bool,
+        deserialize: Callable[[bytes], Any] | None,
+    ) -> None:
+        self.limits = limits
+        self.method = method
+        self.req_s = req_s
+        self.stream = req_s or resp_s
+        self.deserialize = deserialize
+        self.size = 0  # the unary request's size as received
+        self.held_stream = False
+        self.held_bytes = 0
+
+    def parse(self, raw: bytes) -> Any:
+        assert self.deserialize is not None
+        self.size = len(raw)
+        try:
+            return self.deserialize(raw)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's
+            return Malformed(len(raw), f"{self.method}: {exc}")
+
+    def before(self, request: Any, context: grpc.ServicerContext) -> Any:
+        if self.stream:
+            self.limits.admit_stream(context)
+            self.held_stream = True
+        if self.req_s:
+            it = iter(request)
+            first = next(it, None)
             if isinstance(first, Malformed):
                 context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(first)
                 )
             if first is None:
-                return it, 0
-            return _checked(it), message_bytes(first)
-        if isinstance(request, Malformed):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(request))
-        return request, received_bytes(request, forget=True)
+                return it
+            nbytes, request = message_bytes(first), _checked(first, it)
+        else:
+            if isinstance(request, Malformed):
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(request)
+                )
+            nbytes = self.size
+        self.limits.admit_bytes(context, nbytes)
+        self.held_bytes = nbytes
+        return request
 
-    def _make(self, behavior: Behavior, req_s: bool, resp_s: bool) -> Behavior:
-        stream = req_s or resp_s
-        if resp_s:
-
-            def call_streaming(request: Any, context: grpc.ServicerContext) -> Any:
-                request, nbytes = self._prepare(request, context, req_s)
-                self._admit(context, nbytes, stream)
-                try:
-                    yield from behavior(request, context)
-                finally:
-                    self._release(nbytes, stream)
-
-            return call_streaming
-
-        def call(request: Any, context: grpc.ServicerContext) -> Any:
-            request, nbytes = self._prepare(request, context, req_s)
-            self._admit(context, nbytes, stream)
-            try:
-                return behavior(request, context)
-            finally:
-                self._release(nbytes, stream)
-
-        return call
+    def finish(self, context: grpc.ServicerContext, failed: bool) -> None:
+        if self.held_stream or self.held_bytes:
+            self.limits.release(self.held_bytes, self.held_stream)

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
@@ -27,11 +25,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ._handlers import SERVICE, Behavior, group_of, method_of, peek, rewrap
-from .limits import message_bytes, received_bytes
+from ._handlers import SERVICE, CallHooks, group_of, method_of, on_first, wrap
+from .limits import message_bytes
 from .security import is_loopback
 
-__all__ = ["ObserveInterceptor", "Recorder", "StoreCollector", "attach", "interceptors"]
+__all__ = ["MetricsEndpoint", "ObserveInterceptor", "Recorder", "StoreCollector"]
 
 log = logging.getLogger("onnxps.rpc")
 
@@ -58,20 +56,17 @@ _LATENCY_BUCKETS = (
 )
 _STALENESS_BUCKETS = (0, 1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 1024)
 
-# create_server calls interceptors(config) and then attach(handle) on one thread;
-# this carries the interceptor's recorder from the first call to the second.
-_pending = threading.local()
-
 
 class Recorder:
     """The metrics of one server (None of them when it serves no metrics)."""
 
-    def __init__(self, enabled: bool) -> None:
-        self.store: Any = None
+    def __init__(self, store: Any, enabled: bool) -> None:
+        self.store = store
         self.registry: CollectorRegistry | None = None
         if not enabled:
             return
         r = self.registry = CollectorRegistry(auto_describe=True)
+        r.register(StoreCollector(store))
         self.rpcs = Counter(
             "onnxps_rpcs",
             "RPCs by method and status code",
@@ -141,7 +136,7 @@ class Recorder:
         )
 
     def group_label(self, group: str | None) -> str:
-        if group is None or self.store is None:
+        if group is None:
             return "-"
         try:
             self.store.get(group)
@@ -149,7 +144,7 @@ class Recorder:
             return "-"
         return group
 
-    def record(self, call: _Call, code: str, seconds: float) -> None:
+    def record(self, call: _Observed, code: str, seconds: float) -> None:
         if self.registry is None:
             return
         m = call.method
@@ -170,8 +165,8 @@ class Recorder:
             self.applies.labels(code).inc()
             self.apply_seconds.observe(seconds)
 
-    def _staleness(self, call: _Call) -> None:
-        req, reply = call.first, call.reply
+    def _staleness(self, call: _Observed) -> None:
+        req, reply = call.first, call.reply_msg
         if req is not None and "part" in req.DESCRIPTOR.oneofs_by_name:
             req = req.header if req.WhichOneof("part") == "header" else None
         if req is None or reply is None or not req.HasField("base_version"):
@@ -216,22 +211,6 @@ class StoreCollector(Collector):
         return []
 
 
-@dataclass
-class _Call:
-    method: str
-    request_id: str
-    group: str | None = None
-    first: Any = None  # the unary request, or a stream's first message
-    reply: Any = None  # the unary reply
-    bytes_in: int = 0
-    bytes_out: int = 0
-    failed: bool = False
-
-
-def _size(msg: Any) -> int:
-    return message_bytes(msg)
-
-
 def request_id(metadata: Iterable[tuple[str, Any]] | None) -> str:
     for key, value in metadata or ():
         if key == "x-request-id":
@@ -243,6 +222,10 @@ def request_id(metadata: Iterable[tuple[str, Any]] | None) -> str:
 
 
 class ObserveInterceptor(grpc.ServerInterceptor):
+    """The outermost interceptor: sees every call, refused ones too. It reads
+    nothing from a call itself, so a caller that never sends is refused further in
+    (authentication, stream limit) without waiting here."""
+
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
 
@@ -255,36 +238,66 @@ class ObserveInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         service, method = method_of(handler_call_details)
-        name = method if service == SERVICE else f"{service}/{method}"
-        rid = request_id(handler_call_details.invocation_metadata)
-        return rewrap(handler, lambda b, rs, ss: self._make(b, rs, ss, name, rid))
+        call = _Observed(
+            self.recorder,
+            method if service == SERVICE else f"{service}/{method}",
+            request_id(handler_call_details.invocation_metadata),
+            bool(handler.request_streaming),
+            handler.request_deserializer,
+        )
+        parse = call.parse if handler.request_deserializer is not None else None
+        return wrap(handler, call, request_deserializer=parse)
 
-    def _begin(
-        self, call: _Call, request: Any, context: grpc.ServicerContext, req_s: bool
-    ) -> Any:
-        context.set_trailing_metadata((("x-request-id", call.request_id),))
-        if not req_s:
-            call.first, call.group, call.bytes_in = (
-                request,
-                group_of(request),
-                received_bytes(request),
-            )
-            return request
-        call.first, request = peek(request)
-        call.group = group_of(call.first)
-        return self._count_in(request, call)
 
-    @staticmethod
-    def _count_in(it: Iterator[Any], call: _Call) -> Iterator[Any]:
-        for msg in it:
-            call.bytes_in += received_bytes(msg, forget=True)
-            yield msg
+class _Observed(CallHooks):
+    """One call as logged and recorded: its group, sizes, first request, reply."""
 
-    def _end(self, call: _Call, context: grpc.ServicerContext, start: float) -> None:
-        seconds = time.perf_counter() - start
-        code = context.code()
+    def __init__(
+        self,
+        recorder: Recorder,
+        method: str,
+        rid: str,
+        req_s: bool,
+        deserialize: Callable[[bytes], Any] | None,
+    ) -> None:
+        self.recorder = recorder
+        self.method = method
+        self.request_id = rid
+        self.req_s = req_s
+        self.deserialize = deserialize
+        self.group: str | None = None
+        self.first: Any = None  # the unary request, or a stream's first message
+        self.reply_msg: Any = None  # the unary reply
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.start = time.perf_counter()
+
+    def parse(self, raw: bytes) -> Any:
+        assert self.deserialize is not None
+        self.bytes_in += len(raw)
+        return self.deserialize(raw)
+
+    def _see_first(self, msg: Any) -> None:
+        self.first, self.group = msg, group_of(msg)
+
+    def before(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.start = time.perf_counter()
+        context.set_trailing_metadata((("x-request-id", self.request_id),))
+        if self.req_s:
+            return on_first(request, self._see_first)
+        self._see_first(request)
+        return request
+
+    def reply(self, msg: Any) -> Any:
+        self.bytes_out += message_bytes(msg)
+        self.reply_msg = msg
+        return msg
+
+    def finish(self, context: grpc.ServicerContext, failed: bool) -> None:
+        seconds = time.perf_counter() - self.start
+        code = context.code()  # type: ignore[attr-defined]
         if code is None:
-            if not call.failed:
+            if not failed:
                 code = grpc.StatusCode.OK
             elif not context.is_active():
                 code = grpc.StatusCode.CANCELLED
@@ -297,66 +310,25 @@ class ObserveInterceptor(grpc.ServerInterceptor):
                 level,
                 "rpc %s group=%s code=%s duration_ms=%.2f bytes_in=%d bytes_out=%d "
                 "request_id=%s",
-                call.method,
-                call.group if call.group is not None else "-",
+                self.method,
+                self.group if self.group is not None else "-",
                 name,
                 seconds * 1e3,
-                call.bytes_in,
-                call.bytes_out,
-                call.request_id,
+                self.bytes_in,
+                self.bytes_out,
+                self.request_id,
                 extra={
-                    "request_id": call.request_id,
-                    "rpc_method": call.method,
-                    "rpc_group": call.group,
+                    "request_id": self.request_id,
+                    "rpc_method": self.method,
+                    "rpc_group": self.group,
                     "rpc_code": name,
                     "duration_ms": seconds * 1e3,
                 },
             )
         try:
-            self.recorder.record(call, name, seconds)
+            self.recorder.record(self, name, seconds)
         except Exception:  # noqa: BLE001 - metrics must never fail a call
-            log.exception("recording metrics for %s failed", call.method)
-
-    def _make(
-        self, behavior: Behavior, req_s: bool, resp_s: bool, method: str, rid: str
-    ) -> Behavior:
-        if resp_s:
-
-            def call_streaming(request: Any, context: grpc.ServicerContext) -> Any:
-                call, start = _Call(method, rid), time.perf_counter()
-                try:
-                    request = self._begin(call, request, context, req_s)
-                    for msg in behavior(request, context):
-                        call.bytes_out += _size(msg)
-                        yield msg
-                except BaseException:
-                    call.failed = True
-                    raise
-                finally:
-                    self._end(call, context, start)
-
-            return call_streaming
-
-        def call_unary(request: Any, context: grpc.ServicerContext) -> Any:
-            call, start = _Call(method, rid), time.perf_counter()
-            try:
-                request = self._begin(call, request, context, req_s)
-                call.reply = behavior(request, context)
-                call.bytes_out = _size(call.reply)
-                return call.reply
-            except BaseException:
-                call.failed = True
-                raise
-            finally:
-                self._end(call, context, start)
-
-        return call_unary
-
-
-def interceptors(config: Any) -> list[grpc.ServerInterceptor]:
-    recorder = Recorder(enabled=config.metrics_port is not None)
-    _pending.recorder = recorder
-    return [ObserveInterceptor(recorder)]
+            log.exception("recording metrics for %s failed", self.method)
 
 
 def _metrics_host(address: str) -> str:
@@ -367,28 +339,19 @@ def _metrics_host(address: str) -> str:
     return "::1" if host == "::1" else "127.0.0.1"
 
 
-def attach(handle: Any) -> None:
-    """Give the recorder its store; serve the metrics endpoint if configured."""
-    recorder: Recorder | None = getattr(_pending, "recorder", None)
-    _pending.recorder = None
-    if recorder is None:
-        return
-    recorder.store = handle.store
-    port = handle.config.metrics_port
-    if port is None or recorder.registry is None:
-        return
-    recorder.registry.register(StoreCollector(handle.store))
-    httpd, thread = start_http_server(
-        port, addr=_metrics_host(handle.config.address), registry=recorder.registry
-    )
-    handle.metrics_port = httpd.server_port
-    log.info(
-        "metrics on http://%s:%d/metrics", httpd.server_address[0], httpd.server_port
-    )
+class MetricsEndpoint:
+    """The HTTP endpoint Prometheus scrapes, serving one recorder's registry."""
 
-    def stop() -> None:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(timeout=5)
+    def __init__(self, registry: CollectorRegistry, port: int, address: str) -> None:
+        self._httpd, self._thread = start_http_server(
+            port, addr=_metrics_host(address), registry=registry
+        )
+        self.port: int = self._httpd.server_port
+        log.info(
+            "metrics on http://%s:%d/metrics", self._httpd.server_address[0], self.port
+        )
 
-    handle.on_stop.append(stop)
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)

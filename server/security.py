@@ -4,7 +4,7 @@
   unless started with ``insecure`` (then it logs a WARNING).
 - ``server_credentials``: TLS from a certificate and key; mutual TLS when a client CA
   is given (client certificates are then required and verified).
-- ``interceptors``: token authentication and authorization (roles and group-name
+- ``TokenAuthInterceptor``: token authentication and authorization (roles and group-name
   prefixes) from a tokens file. See docs/SECURITY.md for the file format.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 from onnxps.v1 import parameter_server_pb2 as pb
 
-from ._handlers import SERVICE, Behavior, group_of, method_of, peek, rewrap
+from ._handlers import SERVICE, CallHooks, group_of, method_of, on_first, wrap
 
 __all__ = [
     "ROLES",
@@ -31,7 +31,6 @@ __all__ = [
     "TokenAuthInterceptor",
     "TokenGrant",
     "check_bind_policy",
-    "interceptors",
     "load_tokens",
     "parse_tokens",
     "server_credentials",
@@ -223,24 +222,48 @@ def _bearer(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
     return None
 
 
-def _abort_handler(
-    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str
-) -> grpc.RpcMethodHandler | None:
-    def make(behavior: Behavior, req_s: bool, resp_s: bool) -> Behavior:
-        if resp_s:
+class _Refused(CallHooks):
+    """Aborts the call before anything is read from it."""
 
-            def refuse_stream(request: Any, context: grpc.ServicerContext) -> Any:
-                context.abort(code, details)
-                yield  # pragma: no cover - a generator for the streaming kind
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self.code, self.details = code, details
 
-            return refuse_stream
+    def before(self, request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(self.code, self.details)
 
-        def refuse(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(code, details)
 
-        return refuse
+class _GroupChecked(CallHooks):
+    """Refuses a group outside the token's prefixes. A stream's group is checked
+    when its header is read further in (after the stream limit counted it)."""
 
-    return rewrap(handler, make)
+    def __init__(self, grant: TokenGrant, req_s: bool) -> None:
+        self.grant, self.req_s = grant, req_s
+
+    def before(self, request: Any, context: grpc.ServicerContext) -> Any:
+        def check(msg: Any) -> None:
+            group = group_of(msg)
+            # No group (an undecodable or header-less request) is refused further in.
+            if group is not None and not self.grant.allows_group(group):
+                _deny(context, self.grant, group)
+
+        if self.req_s:
+            return on_first(request, check)
+        check(request)
+        return request
+
+
+class _ListFiltered(CallHooks):
+    """Keeps only the groups the token may see in a ListGroups reply."""
+
+    def __init__(self, grant: TokenGrant) -> None:
+        self.grant = grant
+
+    def reply(self, msg: Any) -> Any:
+        if not isinstance(msg, pb.ListGroupsResponse):
+            return msg
+        return pb.ListGroupsResponse(
+            groups=[g for g in msg.groups if self.grant.allows_group(g.name)]
+        )
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -268,25 +291,31 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             return handler
         token = _bearer(handler_call_details.invocation_metadata)
         grant = self._lookup(token) if token is not None else None
+        # Decided from the metadata alone: nothing is read from the call first.
         if grant is None:
-            return _abort_handler(
+            return wrap(
                 handler,
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"{method} needs a known token: send 'authorization: Bearer <token>'"
-                if token is None
-                else f"{method}: the token is not known to this server",
+                _Refused(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    f"{method} needs a known token: send 'authorization: Bearer "
+                    "<token>'"
+                    if token is None
+                    else f"{method}: the token is not known to this server",
+                ),
             )
         if method not in ROLES[grant.role]:
-            return _abort_handler(
+            return wrap(
                 handler,
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"a {grant.role} token may not call {method}",
+                _Refused(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"a {grant.role} token may not call {method}",
+                ),
             )
         if method == "ListGroups":
-            return rewrap(handler, lambda b, rs, ss: _filtered_list(b, grant))
+            return wrap(handler, _ListFiltered(grant))
         if method in _GROUPLESS:
             return handler
-        return rewrap(handler, lambda b, rs, ss: _group_checked(b, rs, ss, grant))
+        return wrap(handler, _GroupChecked(grant, bool(handler.request_streaming)))
 
 
 def _deny(context: grpc.ServicerContext, grant: TokenGrant, group: str) -> None:
@@ -295,48 +324,3 @@ def _deny(context: grpc.ServicerContext, grant: TokenGrant, group: str) -> None:
         grpc.StatusCode.PERMISSION_DENIED,
         f"this token may touch groups whose names start with {allowed}, not {group!r}",
     )
-
-
-def _group_checked(
-    behavior: Behavior, req_s: bool, resp_s: bool, grant: TokenGrant
-) -> Behavior:
-    def check(request: Any, context: grpc.ServicerContext) -> Any:
-        if req_s:  # the group is in the stream's header: check it when it arrives
-            first, request = peek(request)
-            group = group_of(first)
-        else:
-            group = group_of(request)
-        # No group (an undecodable or header-less request) is refused further in.
-        if group is not None and not grant.allows_group(group):
-            _deny(context, grant, group)
-        return request
-
-    if resp_s:
-
-        def call_streaming(request: Any, context: grpc.ServicerContext) -> Any:
-            yield from behavior(check(request, context), context)
-
-        return call_streaming
-
-    def call(request: Any, context: grpc.ServicerContext) -> Any:
-        return behavior(check(request, context), context)
-
-    return call
-
-
-def _filtered_list(behavior: Behavior, grant: TokenGrant) -> Behavior:
-    def call(request: Any, context: grpc.ServicerContext) -> Any:
-        reply = behavior(request, context)
-        if not isinstance(reply, pb.ListGroupsResponse):
-            return reply
-        return pb.ListGroupsResponse(
-            groups=[g for g in reply.groups if grant.allows_group(g.name)]
-        )
-
-    return call
-
-
-def interceptors(config: Any) -> list[grpc.ServerInterceptor]:
-    if not config.tokens_file:
-        return []
-    return [TokenAuthInterceptor(load_tokens(config.tokens_file))]

@@ -6,7 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from onnxps.server.process import start_server_process
+from onnxps.cli.process import start_server_process
 
 
 def clean_env(**extra: str) -> dict[str, str]:

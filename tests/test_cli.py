@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import re
 import signal
 import socket
@@ -17,10 +19,11 @@ import pytest
 from _procs import start_server, stop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from onnxps import cli
 from onnxps.client import Adagrad, Adam, Client, Nesterov, Sync, UnavailableError
 from onnxps.client._codec import header_tensor, iter_chunks
-from onnxps.server import cli
-from onnxps.server.app import ServerHandle
+from onnxps.server.app import ServerConfig, ServerHandle
+from onnxps.server.cli import add_serve_arguments, config_flags, config_from_args
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
@@ -72,7 +75,7 @@ def test_serve_drains_in_flight_call_and_exits_0_on_signal(
         while "draining" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.02)
         # Draining: a new call is refused while the stalled push is still open.
-        with Client(address, timeout=5, push_attempts=1) as late:
+        with Client(address, timeout=5) as late:
             with pytest.raises(UnavailableError):
                 late.list_groups()
         go.set()
@@ -184,6 +187,34 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for command in ("serve", "demo", "status"):
         assert command in out
+
+
+def test_serve_flags_are_the_config_fields_with_their_defaults() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser, environ={})
+    config = config_from_args(parser.parse_args([]))
+    assert config == ServerConfig()
+    assert (config.durability, config.data_dir) == ("snapshot", "onnxps-data")
+    assert [f.name for f in config_flags()] == [
+        f.name for f in dataclasses.fields(ServerConfig)
+    ]
+
+
+def test_serve_flags_take_onnxps_variables_then_flags() -> None:
+    parser = argparse.ArgumentParser()
+    env = {
+        "ONNXPS_THREADS": "7",
+        "ONNXPS_DURABILITY": "WAL",
+        "ONNXPS_INSECURE": "1",
+        "ONNXPS_LEASE_SECONDS": "2.5",
+    }
+    add_serve_arguments(parser, environ=env)
+    config = config_from_args(parser.parse_args(["--threads", "9"]))
+    assert (config.threads, config.durability, config.insecure) == (9, "wal", True)
+    assert config.lease_seconds == 2.5
+    assert config.metrics_port is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--durability", "sometimes"])
 
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import re
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,11 +25,14 @@ from onnxps.client import (
     DeadlineExceededError,
     FailedPreconditionError,
     GroupInfo,
+    LeaseInfo,
     Momentum,
     NotFoundError,
     OnnxpsError,
     RpcError,
+    SaveInfo,
     Sync,
+    UnavailableError,
 )
 from onnxps.client._codec import (
     TensorAssembler,
@@ -37,7 +43,7 @@ from onnxps.client._codec import (
 )
 from onnxps.client._errors import translate
 from onnxps.client._wire import deserializer, iter_raw_chunks, serializer
-from onnxps.server.app import ServerHandle
+from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from onnxps.v1 import parameter_server_pb2 as pb
 
 X = np.zeros(3, np.float32)
@@ -220,7 +226,6 @@ def test_every_call_honours_timeout(
         silent_address,
         timeout=60,
         transport=transport,  # type: ignore[arg-type]
-        push_attempts=1,
     ) as c:
         started = time.monotonic()
         with pytest.raises(DeadlineExceededError):
@@ -229,7 +234,7 @@ def test_every_call_honours_timeout(
 
 
 def test_default_timeout_applies_to_every_call(silent_address: str) -> None:
-    with Client(silent_address, timeout=0.1, push_attempts=1) as c:
+    with Client(silent_address, timeout=0.1) as c:
         for name, call in CALLS.items():
             started = time.monotonic()
             with pytest.raises(DeadlineExceededError):
@@ -237,16 +242,80 @@ def test_default_timeout_applies_to_every_call(silent_address: str) -> None:
             assert time.monotonic() - started < 1.0, name
 
 
-def test_push_retries_a_timed_out_push_a_bounded_number_of_times(
-    silent_address: str,
+@pytest.mark.parametrize("transport", ["unary", "stream"])
+def test_one_deadline_covers_every_send_of_a_push(
+    silent_address: str, transport: str
 ) -> None:
-    # Each attempt gets the whole timeout (the same seq makes a retry safe); backoff
-    # 0.1 + 0.2 s between the three attempts.
-    with Client(silent_address, timeout=60, push_attempts=3) as c:
+    # A server that never answers: the push ends after its 1 s, not after a multiple
+    # of it, and says what it waited for.
+    with Client(silent_address, timeout=60, transport=transport) as c:  # type: ignore[arg-type]
         started = time.monotonic()
-        with pytest.raises(DeadlineExceededError):
-            c.push("g", X, timeout=0.2)
-        assert 0.85 <= time.monotonic() - started < 2.0
+        with pytest.raises(DeadlineExceededError) as info:
+            c.push("g", X, timeout=1.0)
+        elapsed = time.monotonic() - started
+    assert 0.9 <= elapsed < 1.5, elapsed
+    assert re.fullmatch(
+        r"the push to group g \(seq \d+\) was not answered within 1 s",
+        info.value.details,
+    )
+
+
+def test_a_push_to_a_closed_port_ends_within_its_deadline() -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{sock.getsockname()[1]}"
+    sock.close()  # nothing listens: every send is UNAVAILABLE
+    with Client(address, timeout=60) as c:
+        started = time.monotonic()
+        with pytest.raises((UnavailableError, DeadlineExceededError)):
+            c.push("g", X, timeout=1.0)
+        assert time.monotonic() - started < 1.5
+
+
+def test_pull_min_version_says_what_it_waited_for(client: Client) -> None:
+    client.create_group("g", Adam(), learning_rate=0.1, tensors={"x": X})
+    with pytest.raises(DeadlineExceededError) as info:
+        client.pull("g", min_version=5, timeout=0.3)
+    assert info.value.details.startswith("group g did not reach T=5 within 0.3 s")
+
+
+def test_return_types(tmp_path: Path) -> None:
+    handle = create_server(
+        ServerConfig(
+            address="127.0.0.1:0",
+            durability="snapshot",
+            data_dir=str(tmp_path / "data"),
+            snapshot_interval=0,
+        )
+    ).start()
+    try:
+        with Client(handle.address, timeout=10) as c:
+            c.create_group("g", Adam(), learning_rate=0.1, tensors={"x": X})
+            t = c.push("g", X)
+            assert type(t) is int and t == 1
+            values = c.push("g", X, return_values=True)
+            assert isinstance(values, list) and len(values) == 1
+            assert isinstance(values[0], np.ndarray) and values[0].shape == X.shape
+            lease = c.join("g")
+            assert lease == LeaseInfo(
+                lease_seconds=lease.lease_seconds,
+                update_count=2,
+                live_workers=1,
+                quorum=0,
+            )
+            assert lease.lease_seconds > 0
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                lease.quorum = 3  # type: ignore[misc]
+            left = c.leave("g")
+            assert isinstance(left, LeaseInfo) and left.live_workers == 0
+            saved = c.save()
+            assert isinstance(saved, SaveInfo)
+            assert saved.groups == 1
+            assert saved.path.startswith(str(tmp_path / "data")) and saved.bytes > 0
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                saved.groups = 2  # type: ignore[misc]
+    finally:
+        handle.stop(grace=0)
 
 
 # -- exceptions ------------------------------------------------------------------------

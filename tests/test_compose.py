@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 from _procs import clean_env, stop
-from onnxps.server.process import wait_for_listening
+from onnxps.cli.process import wait_for_listening
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCURACY = re.compile(r"^worker (\d)/4 done: 300 steps, held-out accuracy (\d\.\d+)$")
@@ -40,7 +40,7 @@ def _local(cmd: list[str], replace: dict[str, str]) -> list[str]:
     if out[0] == "python":
         return [sys.executable, *out[1:]]
     if out[0] == "onnxps":
-        return [sys.executable, "-m", "onnxps.server.cli", *out[1:]]
+        return [sys.executable, "-m", "onnxps.cli", *out[1:]]
     raise AssertionError(f"unexpected program {out[0]!r} in {cmd}")
 
 

@@ -154,7 +154,7 @@ def _create(address: str) -> None:
 
 def _async_writer(address: str, g: str, stop: threading.Event, acked: dict) -> None:
     _, _, _, dtype, n = ASYNC[g]
-    with Client(address, client_id=f"w-{g}", timeout=3, push_attempts=1) as c:
+    with Client(address, client_id=f"w-{g}", timeout=3) as c:
         try:
             t = c.pull_versioned(g)[0]
             while not stop.is_set():
@@ -166,7 +166,7 @@ def _async_writer(address: str, g: str, stop: threading.Event, acked: dict) -> N
 
 
 def _sync_worker(address: str, w: str, stop: threading.Event, acked: dict) -> None:
-    with Client(address, client_id=w, timeout=3, push_attempts=1) as c:
+    with Client(address, client_id=w, timeout=3) as c:
         try:
             while not stop.is_set():
                 t = c.pull_versioned("sync")[0]

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 from _procs import children, clean_env, gone, start_server, stop
-from onnxps.server import _demo_worker as worker
+from onnxps.cli import _demo_worker as worker
+from onnxps.cli.demo import Progress
 from onnxps.server.app import ServerHandle
-from onnxps.server.demo import Progress
 
 ACCURACY = re.compile(r"^held-out accuracy: (\d\.\d+) on 359 test images", re.M)
 
 
 def _demo(*args: str) -> list[str]:
-    return [sys.executable, "-m", "onnxps.server.cli", "demo", *args]
+    return [sys.executable, "-m", "onnxps.cli", "demo", *args]
 
 
 @pytest.mark.parametrize(
@@ -92,7 +92,7 @@ def test_worker_exits_3_with_a_message_when_the_server_dies(tmp_path: Path) -> N
         [
             sys.executable,
             "-m",
-            "onnxps.server._demo_worker",
+            "onnxps.cli._demo_worker",
             f"--address={address}",
             "--steps=100000",
             "--log-every=1",

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from onnxps import cli
 from onnxps.client import Adagrad, Adam, Client, Momentum, Sync
-from onnxps.server import cli
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 
 F32 = np.float32
@@ -50,13 +50,13 @@ def servers() -> Iterator[Callable[[ServerConfig], ServerHandle]]:
 def _crash(handle: ServerHandle) -> None:
     """Stop serving without the shutdown snapshot; the log keeps what was fsynced."""
     handle.server.stop(0).wait()
-    d = handle.durability  # type: ignore[attr-defined]
+    d = handle.durability
+    assert d is not None
     if d.journal is not None:
         d.journal.close()
     handle.store.close()
     os.close(d._lock_fd)
     d._lock_fd = -1
-    handle.on_stop.clear()
     handle._stopped.set()
 
 

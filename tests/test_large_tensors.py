@@ -1,6 +1,6 @@
 """A 256 MiB group through the chunked streams, bit-exact, with bounded server memory.
 
-The server runs as its own process (``python -m onnxps.server.cli serve``) so its
+The server runs as its own process (``python -m onnxps.cli serve``) so its
 peak resident set (VmHWM) can be read from /proc and compared with the state it holds.
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from onnxps.cli.process import start_server_process, stop_processes
 from onnxps.client import Adagrad, Client
 from onnxps.server.kernels import Stepper, make_attrs
-from onnxps.server.process import start_server_process, stop_processes
 
 Array = np.ndarray[Any, Any]
 MIB = 1 << 20

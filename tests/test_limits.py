@@ -213,6 +213,52 @@ def test_concurrent_streams_are_bounded() -> None:
         handle.stop(grace=0)
 
 
+def test_streams_count_from_when_they_open_not_from_their_header() -> None:
+    """ISSUE11 item 2: a stream that has sent nothing holds a slot all the same."""
+    handle = _serve(max_concurrent_streams=4, threads=32)
+    stop = threading.Event()
+
+    def silent() -> Iterator[pb.PushChunk]:
+        stop.wait(30)
+        yield from ()
+
+    try:
+        with (
+            grpc.insecure_channel(handle.address) as ch,
+            Client(handle.address, timeout=10, transport="stream") as c,
+        ):
+            w = np.zeros(4, np.float32)
+            c.create_group("g", Adagrad(), learning_rate=1.0, tensors={"w": w})
+            stub = pb_grpc.ParameterServerStub(ch)
+            held = [stub.PushStream.future(silent(), timeout=30) for _ in range(4)]
+
+            def fifth_refused() -> bool:
+                try:
+                    stub.PushStream(silent(), timeout=0.5)
+                except grpc.RpcError as exc:
+                    if exc.code() != RESOURCE_EXHAUSTED:
+                        return False
+                    assert exc.details() == (
+                        "the server is at its limit of 4 concurrent streams; retry "
+                        "later"
+                    )
+                    return True
+                return False
+
+            _until(fifth_refused)
+            assert not any(f.done() for f in held)
+            assert c.describe_group("g").update_count == 0  # unary calls still run
+            stop.set()
+            for f in held:
+                exc = f.exception(timeout=10)
+                assert isinstance(exc, grpc.RpcError)
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert c.push("g", np.ones(4, np.float32)) == 1  # the slots are free
+    finally:
+        stop.set()
+        handle.stop(grace=0)
+
+
 def test_a_client_deadline_ends_a_waiting_pull() -> None:
     handle = _serve()
     try:

@@ -8,6 +8,8 @@ import json
 import logging
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -355,6 +357,48 @@ def test_health_stays_open_without_a_token(auth_server: ServerHandle) -> None:
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def _silent(stop: threading.Event) -> Iterator[pb.PushChunk]:
+    """A request stream that sends nothing until ``stop`` is set."""
+    stop.wait(30)
+    yield from ()
+
+
+def test_silent_streams_without_a_token_are_refused_at_once(
+    tmp_path: Path,
+) -> None:
+    """ISSUE11 item 2: authentication reads the metadata, never the first message,
+    so 64 streams that send nothing cannot hold the server's 8 threads."""
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text(f"{TOKENS['admin']} admin *\n")
+    handle = _serve(tokens_file=str(tokens), threads=8)
+    stop = threading.Event()
+    try:
+        with (
+            grpc.insecure_channel(handle.address) as ch,
+            Client(handle.address, token=TOKENS["admin"], timeout=10) as admin,
+        ):
+            admin.create_group("g", Adagrad(), learning_rate=0.5, tensors={"w": W0})
+            stub = pb_grpc.ParameterServerStub(ch)
+            start = time.monotonic()
+            calls = [
+                stub.PushStream.future(_silent(stop), timeout=20) for _ in range(64)
+            ]
+            for call in calls:
+                exc = call.exception(timeout=10)
+                assert isinstance(exc, grpc.RpcError)
+                assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert time.monotonic() - start < 5.0
+            reply = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="onnxps.v1.ParameterServer"),
+                timeout=2,
+            )
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            assert admin.push("g", G, timeout=2) == 1
+    finally:
+        stop.set()
+        handle.stop(grace=0)
+
+
 def test_token_file_formats_and_errors() -> None:
     line = parse_tokens("# c\ntok1 read a/,b/\n\ntok2 admin *\n")
     as_json = parse_tokens(
@@ -456,7 +500,7 @@ def test_inconsistent_tls_settings_are_refused() -> None:
 
 def test_the_cli_refuses_a_public_bind_with_a_message_and_status_2() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "onnxps.server.cli", "serve", "--address", "0.0.0.0:0"],
+        [sys.executable, "-m", "onnxps.cli", "serve", "--address", "0.0.0.0:0"],
         capture_output=True,
         text=True,
         timeout=60,

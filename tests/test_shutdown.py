@@ -11,9 +11,11 @@ from onnxps.server.app import ServerConfig, create_server
 
 
 def test_stop_releases_waiting_pulls_and_sync_pushes_with_unavailable() -> None:
-    handle = create_server(ServerConfig(address="127.0.0.1:0")).start()
+    handle = create_server(
+        ServerConfig(address="127.0.0.1:0", durability="none")
+    ).start()
     outcomes: dict[str, BaseException | None] = {}
-    with Client(handle.address, timeout=20, push_attempts=1) as c:
+    with Client(handle.address, timeout=20) as c:
         x = np.zeros(3, np.float32)
         c.create_group("a", Adagrad(), learning_rate=0.1, tensors={"x": x})
         c.create_group(

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from onnxps.server.process import start_server_process, stop_processes
+from onnxps.cli.process import start_server_process, stop_processes
 
 WORKER = Path(__file__).with_name("worker.py")
 

@@ -2,7 +2,7 @@
 
 The demo starts ``onnxps serve`` on 127.0.0.1 (port 0; the port is read from the
 server's "listening on" log line), creates the group, starts the workers
-(``python -m onnxps.server._demo_worker``), shows their progress, and at the end pulls
+(``python -m onnxps.cli._demo_worker``), shows their progress, and at the end pulls
 the parameters and prints the held-out accuracy.
 
 Exit status: 0 when training finished; 1 when a worker or the server failed; 128 + the
@@ -161,7 +161,7 @@ def _worker_cmd(args: argparse.Namespace, address: str, index: int) -> list[str]
     cmd = [
         sys.executable,
         "-m",
-        "onnxps.server._demo_worker",
+        "onnxps.cli._demo_worker",
         f"--address={address}",
         f"--group={GROUP}",
         f"--index={index}",

@@ -155,7 +155,7 @@ def _env(name: str, default: str) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m onnxps.server._demo_worker",
+        prog="python -m onnxps.cli._demo_worker",
         description="train the demo MLP on one shard of digits through onnxps",
     )
     p.add_argument("--address", default=_env("ADDRESS", "127.0.0.1:50051"))
@@ -202,7 +202,7 @@ def _train(args: argparse.Namespace, tag: str) -> None:
     data = load_dataset(args.seed)
     x, y = data.shard(args.index, args.workers)
     rng = np.random.default_rng(args.seed * 1000 + args.index + 1)
-    with Client(args.address, timeout=args.timeout, push_attempts=2) as ps:
+    with Client(args.address, timeout=args.timeout) as ps:
         create_group_if_missing(
             ps, args.group, args.optimizer, lr, args.mode, args.workers, args.seed
         )

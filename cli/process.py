@@ -31,7 +31,7 @@ def start_server_process(
     ``--address 127.0.0.1:0`` and ``--durability none`` are added unless ``args``
     names them.
     """
-    cmd = [sys.executable, "-m", "onnxps.server.cli", "serve", *args]
+    cmd = [sys.executable, "-m", "onnxps.cli", "serve", *args]
     if "--address" not in args:
         cmd += ["--address", "127.0.0.1:0"]
     if "--durability" not in args:
