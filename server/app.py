@@ -101,6 +101,14 @@ class ServerHandle:
         self.store.close()
         log.info("onnxps on %s stopped", self.address)
 
+    def set_serving(self, serving: bool) -> None:
+        """Health of the server and its service (durability reports disk failures)."""
+        status = health_pb2.HealthCheckResponse.SERVING
+        if not serving:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
+        self.health.set("", status)
+        self.health.set(SERVICE_NAME, status)
+
     def wait(self) -> None:
         self.server.wait_for_termination()
 
