@@ -227,9 +227,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def _validate_push(self, req: pb.PushRequest) -> PushTicket:
         """Check the gradients' header against the group before reading any bytes."""
-        specs = [
+        specs = (
             tensor_spec(t, f"gradient {i + 1}") for i, t in enumerate(req.gradients)
-        ]
+        )
         return self.store.validate_push(req.group, specs)
 
     @_unary

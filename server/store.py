@@ -33,7 +33,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -356,9 +356,14 @@ class ParameterStore:
             return g.view(self._clock())
 
     # -- push ----------------------------------------------------------------------
-    def validate_push(self, name: str, specs: Sequence[Spec]) -> PushTicket:
-        """Check gradient count, dtypes and shapes before any bytes are read."""
+    def validate_push(self, name: str, specs: Iterable[Spec]) -> PushTicket:
+        """Check gradient count, dtypes and shapes before any bytes are read.
+
+        ``specs`` is read after the group is found: an unknown group is NOT_FOUND
+        even when the header is malformed too (pass a generator that parses it).
+        """
         g = self._group(name)
+        specs = list(specs)
         n = len(g.shapes)
         if len(specs) != n:
             raise InvalidArgument(
