@@ -1,8 +1,9 @@
 """Export groups to one .npz file and import them into another server.
 
 The file is a NumPy ``.npz`` archive (``np.savez``, no pickle): a ``metadata`` entry
-holding UTF-8 JSON (uint8 array) and, per group ``i``, arrays ``g<i>/<k>`` in ONNX
-output order: X_1..X_n, then V_1..V_n, then H_1..H_n. See docs/FORMAT.md.
+holding UTF-8 JSON (uint8 array) with one ``GroupImage`` JSON per group
+(``onnxps.client.image``), and per group ``i`` its arrays ``g<i>/<k>`` in ONNX output
+order: X_1..X_n, then V_1..V_n, then H_1..H_n. See docs/FORMAT.md.
 """
 
 from __future__ import annotations
@@ -14,36 +15,39 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._optimizers import Adagrad, Adam, Async, Momentum, Sync
+from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
+from .image import ConsistencyDefinition, GroupDefinition, GroupImage
 
 if TYPE_CHECKING:
     from ._client import Client, GroupInfo
 
-__all__ = ["EXPORT_FORMAT_VERSION", "export_groups", "import_groups"]
+__all__ = ["EXPORT_FORMAT_VERSION", "export_groups", "import_groups", "read_export"]
 
 EXPORT_FORMAT = "onnxps-export"
-EXPORT_FORMAT_VERSION = 1
+EXPORT_FORMAT_VERSION = 2
 _OPTIMIZERS = {"Adagrad": Adagrad, "Momentum": Momentum, "Adam": Adam}
 
 
-def _group_metadata(info: GroupInfo, update_count: int, count: int) -> dict[str, Any]:
-    consistency = info.consistency
-    return {
-        "name": info.name,
-        "optimizer": type(info.optimizer).__name__,
-        "attributes": dataclasses.asdict(info.optimizer),
-        "learning_rate": info.learning_rate,
-        "update_count": update_count,
-        "dtype": info.dtype.str,
-        "tensors": [[n, list(s)] for n, s in info.tensors],
-        "consistency": {
-            "mode": "sync" if isinstance(consistency, Sync) else "async",
-            **dataclasses.asdict(consistency),
-        },
-        "allow_non_finite": info.allow_non_finite,
-        "lease_seconds": info.lease_seconds,
-        "arrays": count,
-    }
+def _definition(info: GroupInfo, update_count: int) -> GroupDefinition:
+    c = info.consistency
+    consistency = (
+        ConsistencyDefinition("sync", c.workers, c.reduction)
+        if isinstance(c, Sync)
+        else ConsistencyDefinition("async", max_staleness=c.max_staleness)
+    )
+    return GroupDefinition(
+        name=info.name,
+        optimizer=type(info.optimizer).__name__,
+        attributes=dataclasses.asdict(info.optimizer),
+        learning_rate=info.learning_rate,
+        update_count=update_count,
+        dtype=info.dtype,
+        names=tuple(n for n, _ in info.tensors),
+        shapes=tuple(s for _, s in info.tensors),
+        consistency=consistency,
+        allow_non_finite=info.allow_non_finite,
+        lease_seconds=info.lease_seconds,
+    )
 
 
 def export_groups(
@@ -53,20 +57,21 @@ def export_groups(
 
     Each group's tensors, state and T come from one pull, so they belong together.
     """
-    groups: list[dict[str, Any]] = []
-    arrays: dict[str, Any] = {}
+    images: list[GroupImage] = []
     for info in client.list_groups(prefix):
         t, values = client.pull_versioned(info.name, state=True)
         lr = client.describe_group(info.name).learning_rate
-        meta = _group_metadata(info, t, len(values))
-        meta["learning_rate"] = lr
-        for k, a in enumerate(values):
-            arrays[f"g{len(groups)}/{k}"] = a
-        groups.append(meta)
+        definition = dataclasses.replace(_definition(info, t), learning_rate=lr)
+        images.append(GroupImage(definition, values))
     metadata = {
         "format": EXPORT_FORMAT,
         "format_version": EXPORT_FORMAT_VERSION,
-        "groups": groups,
+        "groups": [image.to_json() for image in images],
+    }
+    arrays = {
+        f"g{i}/{k}": a
+        for i, image in enumerate(images)
+        for k, a in enumerate(image.arrays)
     }
     blob = np.frombuffer(json.dumps(metadata).encode("utf-8"), dtype=np.uint8)
     path = os.fspath(path)
@@ -77,11 +82,11 @@ def export_groups(
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return [g["name"] for g in groups]
+    return [image.name for image in images]
 
 
-def read_export(path: str | os.PathLike[str]) -> list[tuple[dict[str, Any], list[Any]]]:
-    """(metadata, arrays) per group of an export file; checks the format version."""
+def read_export(path: str | os.PathLike[str]) -> list[GroupImage]:
+    """Every group of an export file; checks the format versions."""
     with np.load(os.fspath(path), allow_pickle=False) as z:
         metadata = json.loads(z["metadata"].tobytes().decode("utf-8"))
         if metadata.get("format") != EXPORT_FORMAT:
@@ -92,35 +97,40 @@ def read_export(path: str | os.PathLike[str]) -> list[tuple[dict[str, Any], list
                 f"{path} has format_version {version!r}; this onnxps reads version "
                 f"{EXPORT_FORMAT_VERSION}"
             )
-        return [
-            (g, [z[f"g{i}/{k}"] for k in range(g["arrays"])])
-            for i, g in enumerate(metadata["groups"])
-        ]
+        images = []
+        for i, doc in enumerate(metadata["groups"]):
+            definition = GroupDefinition.from_json(doc, os.fspath(path))
+            arrays = [z[f"g{i}/{k}"] for k in range(definition.array_count)]
+            images.append(GroupImage(definition, arrays))
+        return images
+
+
+def _optimizer(definition: GroupDefinition) -> OptimizerSpec:
+    return _OPTIMIZERS[definition.optimizer](**definition.attributes)
+
+
+def _consistency(c: ConsistencyDefinition) -> Async | Sync:
+    if c.mode == "sync":
+        return Sync(c.sync_workers, "sum" if c.reduction == "sum" else "mean")
+    return Async(c.max_staleness)
 
 
 def import_groups(client: Client, path: str | os.PathLike[str]) -> list[str]:
     """Create every group of an export file, with its state, T and learning rate."""
     names = []
-    for meta, arrays in read_export(path):
-        n = len(meta["tensors"])
-        c = meta["consistency"]
-        consistency: Async | Sync
-        if c["mode"] == "sync":
-            consistency = Sync(c["workers"], c["reduction"])
-        else:
-            consistency = Async(c["max_staleness"])
+    for image in read_export(path):
+        d = image.definition
+        n = len(d.names)
         client.create_group(
-            meta["name"],
-            _OPTIMIZERS[meta["optimizer"]](**meta["attributes"]),
-            learning_rate=meta["learning_rate"],
-            tensors=[
-                (tname, arrays[j]) for j, (tname, _) in enumerate(meta["tensors"])
-            ],
-            consistency=consistency,
-            allow_non_finite=meta["allow_non_finite"],
-            state=arrays[n:],
-            update_count=meta["update_count"],
-            lease_seconds=meta["lease_seconds"],
+            d.name,
+            _optimizer(d),
+            learning_rate=d.learning_rate,
+            tensors=list(zip(d.names, image.arrays[:n], strict=True)),
+            consistency=_consistency(d.consistency),
+            allow_non_finite=d.allow_non_finite,
+            state=image.arrays[n:],
+            update_count=d.update_count,
+            lease_seconds=d.lease_seconds,
         )
-        names.append(meta["name"])
+        names.append(d.name)
     return names

@@ -10,7 +10,7 @@ from onnxps.v1 import parameter_server_pb2 as pb
 
 from .errors import InvalidArgument
 from .kernels import OptimizerAttrs, make_attrs
-from .store import Consistency, Group
+from .store import Consistency, GroupView
 
 __all__ = [
     "attrs_from_proto",
@@ -72,28 +72,31 @@ def consistency_to_proto(c: Consistency) -> pb.Consistency:
     return msg
 
 
-def group_info(g: Group, now: float) -> pb.GroupInfo:
-    """Describe a group; the caller holds its lock."""
+def group_info(view: GroupView) -> pb.GroupInfo:
     return pb.GroupInfo(
-        name=g.name,
-        optimizer=attrs_to_proto(g.attrs),
-        learning_rate=g.learning_rate,
-        update_count=g.update_count,
-        dtype=DTYPE_TO_PROTO[g.dtype.newbyteorder("<")],
+        name=view.name,
+        optimizer=attrs_to_proto(view.attrs),
+        learning_rate=view.learning_rate,
+        update_count=view.update_count,
+        dtype=DTYPE_TO_PROTO[view.dtype.newbyteorder("<")],
         tensors=[
             pb.TensorInfo(name=n, dims=s)
-            for n, s in zip(g.names, g.shapes, strict=True)
+            for n, s in zip(view.names, view.shapes, strict=True)
         ],
-        consistency=consistency_to_proto(g.consistency),
-        allow_non_finite=g.allow_non_finite,
-        element_count=g.element_count,
-        state_bytes=g.state_bytes,
-        lease_seconds=g.lease_seconds,
+        consistency=consistency_to_proto(view.consistency),
+        allow_non_finite=view.allow_non_finite,
+        element_count=view.element_count,
+        state_bytes=view.state_bytes,
+        lease_seconds=view.lease_seconds,
         workers=[
-            pb.WorkerInfo(worker_id=w, alive=True, lease_remaining_seconds=until - now)
-            for w, until in sorted(g.workers.items())
+            pb.WorkerInfo(
+                worker_id=w.worker_id,
+                alive=True,
+                lease_remaining_seconds=w.lease_remaining_seconds,
+            )
+            for w in view.workers
         ]
-        + [pb.WorkerInfo(worker_id=w, alive=False) for w in sorted(g.dead)],
-        pending_contributions=len(g.pending),
-        quorum=g.quorum() if g.consistency.mode == "sync" else 0,
+        + [pb.WorkerInfo(worker_id=w, alive=False) for w in view.dead_workers],
+        pending_contributions=view.pending,
+        quorum=view.quorum,
     )

@@ -1,8 +1,9 @@
-"""A group's state and the small records around it (no locking policy, no grpc).
+"""A group's state and the records the store hands out (no locking policy, no grpc).
 
 ``Group`` holds one ONNX node's tensors, accumulators, update count, consistency
 settings, worker leases, pending sync contributions and exactly-once window; the
-``ParameterStore`` (``store.py``) decides when to step it, under ``Group.cond``.
+``ParameterStore`` (``store.py``) decides when to step it, under ``Group.cond``, and
+is the only holder of a ``Group``. Callers get the frozen records defined here.
 """
 
 from __future__ import annotations
@@ -10,32 +11,36 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+from onnxps.client.image import ConsistencyDefinition, GroupDefinition, GroupImage
 
 from .errors import InvalidArgument
 from .kernels import OptimizerAttrs, Stepper
 
 __all__ = [
     "DEDUP_WINDOW",
-    "ClientWindow",
     "MAX_NAME_LENGTH",
+    "ClientWindow",
     "Consistency",
     "DeadlineExceeded",
     "Group",
+    "GroupCapture",
+    "GroupRuntime",
+    "GroupView",
     "Journal",
+    "LeaseView",
+    "PullResult",
     "PushOutcome",
     "StoreLimits",
+    "WorkerLease",
     "all_finite",
     "check_name",
     "combine_contributions",
-    "copy_into",
-    "group_definition",
 ]
 
 log = logging.getLogger("onnxps.store")
@@ -89,30 +94,100 @@ class StoreLimits:
     default_lease_seconds: float = 10.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class PushOutcome:
+    update_count: int  # T after the push (sync: T when it was buffered)
+    applied: bool  # False: buffered until the sync quorum has pushed
+    duplicate: bool = False  # a resend answered with its first result
+    values: tuple[Array, ...] | None = None  # X_1..X_n, when asked for
+
+
+@dataclass(frozen=True)
+class WorkerLease:
+    worker_id: str
+    lease_remaining_seconds: float
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """A consistent copy of a group's facts, read under its lock."""
+
+    name: str
+    incarnation: int  # differs between a group and one created later with its name
+    attrs: OptimizerAttrs
+    learning_rate: float
+    update_count: int  # T
+    dtype: np.dtype[Any]
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    consistency: Consistency
+    allow_non_finite: bool
+    lease_seconds: float
+    element_count: int
+    state_bytes: int
+    workers: tuple[WorkerLease, ...]  # live leases, by worker id
+    dead_workers: tuple[str, ...]  # leases that ran out or were given up, sorted
+    pending: int  # buffered sync contributions
+    quorum: int  # pushes the pending sync step needs (0 for async groups)
+
+    @property
+    def op(self) -> str:
+        return self.attrs.op
+
+
+@dataclass(frozen=True)
+class LeaseView:
+    lease_seconds: float
     update_count: int
-    applied: bool
-    duplicate: bool = False
-    values: list[Array] | None = None
+    live_workers: int
+    quorum: int  # 0 for async groups
+
+
+@dataclass(frozen=True)
+class PullResult:
+    update_count: int
+    learning_rate: float
+    arrays: tuple[Array, ...]  # X..., then V..., H... when pulled with state
+    names: tuple[str, ...]  # one per array: "w", then "V:w", "H:w"
+
+
+@dataclass(frozen=True)
+class GroupRuntime:
+    """What a snapshot keeps beside a group's image: the state of a running job."""
+
+    covered_lsn: int = 0  # every log record of the group up to this one is in it
+    workers: tuple[str, ...] = ()  # leased when captured (a fresh lease on restore)
+    dead: tuple[str, ...] = ()  # out of the sync quorum
+    pending: Mapping[str, Sequence[Array]] = field(default_factory=dict)
+    # client id -> (floor, [(push seq, T, applied), ...] oldest first)
+    dedup: Mapping[str, tuple[int, Sequence[tuple[int, int, bool]]]] = field(
+        default_factory=dict
+    )
+
+
+@dataclass(frozen=True)
+class GroupCapture:
+    image: GroupImage
+    runtime: GroupRuntime
 
 
 class Journal(Protocol):
     """Durability hook: records every state change in order (see ``durability``)."""
 
     def log(self, record: dict[str, Any], arrays: Sequence[Array]) -> int:
-        """Append under the group's lock; returns a ticket for ``wait``."""
+        """Append under the group's lock; returns the record's lsn for ``wait``."""
         ...
 
-    def wait(self, ticket: int) -> None:
-        """Block until the record with this ticket is durable."""
+    def wait(self, lsn: int) -> None:
+        """Block until the record with this lsn is durable."""
         ...
 
 
 @dataclass
 class ClientWindow:
+    # push seq -> (T, applied), oldest first
     results: OrderedDict[int, tuple[int, bool]] = field(default_factory=OrderedDict)
-    floor: int = -1  # every seq <= floor has been forgotten
+    floor: int = -1  # every push seq <= floor has been forgotten
 
 
 def combine_contributions(
@@ -136,7 +211,10 @@ def combine_contributions(
 
 
 class Group:
-    """One optimizer node's state. Every field is guarded by ``cond``."""
+    """One optimizer node's state. Every field is guarded by ``cond``.
+
+    Only ``ParameterStore`` holds a ``Group``; everyone else gets the records above.
+    """
 
     def __init__(
         self,
@@ -148,21 +226,24 @@ class Group:
         consistency: Consistency,
         allow_non_finite: bool,
         lease_seconds: float,
+        incarnation: int,
         state: Sequence[Array] | None = None,
         update_count: int = 0,
         adopt: bool = False,
     ) -> None:
         self.name = name
+        self.incarnation = incarnation
         self.attrs = attrs
         self.learning_rate = float(learning_rate)
         self.update_count = int(update_count)
         self.dtype = np.dtype(tensors[0][1].dtype).newbyteorder("=")
-        self.names = [n for n, _ in tensors]
-        self.shapes = [tuple(int(d) for d in a.shape) for _, a in tensors]
+        self.names = tuple(n for n, _ in tensors)
+        self.shapes = tuple(tuple(int(d) for d in a.shape) for _, a in tensors)
 
         def own(a: Array) -> Array:
             # adopt: a restore hands over arrays it owns; take them without a copy
-            if adopt:
+            # (a log record's arrays are read-only views of its frame: copy those)
+            if adopt and a.flags.writeable:
                 return np.ascontiguousarray(a, dtype=self.dtype).reshape(-1)
             return np.array(a, dtype=self.dtype, order="C").reshape(-1)
 
@@ -186,7 +267,28 @@ class Group:
         self.pending: dict[str, list[Array]] = {}
         self.replay_step: int | None = None  # contributors of a logged sync step
         self.deleted = False
-        self.created_at = time.time()
+
+    @classmethod
+    def from_image(
+        cls, image: GroupImage, attrs: OptimizerAttrs, incarnation: int
+    ) -> Group:
+        """The one rebuild path from a saved form; adopts the image's arrays."""
+        d = image.definition
+        n = len(d.names)
+        arrays = list(image.arrays)
+        return cls(
+            d.name,
+            attrs,
+            d.learning_rate,
+            list(zip(d.names, arrays[:n], strict=True)),
+            consistency=Consistency(**dataclasses.asdict(d.consistency)),
+            allow_non_finite=d.allow_non_finite,
+            lease_seconds=d.lease_seconds,
+            incarnation=incarnation,
+            state=arrays[n:],
+            update_count=d.update_count,
+            adopt=True,
+        )
 
     # -- read-only facts -----------------------------------------------------------
     @property
@@ -212,10 +314,89 @@ class Group:
         missing = sum(1 for w in self.dead if w not in self.pending)
         return max(1, self.consistency.sync_workers - missing)
 
-    def live_workers(self) -> int:
-        return len(self.workers)
+    # -- records for callers (under the lock) ----------------------------------------
+    def view(self, now: float) -> GroupView:
+        sync = self.consistency.mode == "sync"
+        return GroupView(
+            name=self.name,
+            incarnation=self.incarnation,
+            attrs=self.attrs,
+            learning_rate=self.learning_rate,
+            update_count=self.update_count,
+            dtype=self.dtype,
+            names=self.names,
+            shapes=self.shapes,
+            consistency=self.consistency,
+            allow_non_finite=self.allow_non_finite,
+            lease_seconds=self.lease_seconds,
+            element_count=self.element_count,
+            state_bytes=self.state_bytes,
+            workers=tuple(
+                WorkerLease(w, until - now) for w, until in sorted(self.workers.items())
+            ),
+            dead_workers=tuple(sorted(self.dead)),
+            pending=len(self.pending),
+            quorum=self.quorum() if sync else 0,
+        )
 
-    # -- under the lock ------------------------------------------------------------
+    def lease_view(self) -> LeaseView:
+        sync = self.consistency.mode == "sync"
+        return LeaseView(
+            lease_seconds=self.lease_seconds,
+            update_count=self.update_count,
+            live_workers=len(self.workers),
+            quorum=self.quorum() if sync else 0,
+        )
+
+    def array_names(self, with_state: bool) -> tuple[str, ...]:
+        states = self.attrs.state_names if with_state else ()
+        return self.names + tuple(f"{s}:{n}" for s in states for n in self.names)
+
+    def definition(self) -> GroupDefinition:
+        c = self.consistency
+        return GroupDefinition(
+            name=self.name,
+            optimizer=self.attrs.op,
+            attributes=dataclasses.asdict(self.attrs),
+            learning_rate=self.learning_rate,
+            update_count=self.update_count,
+            dtype=self.dtype,
+            names=self.names,
+            shapes=self.shapes,
+            consistency=ConsistencyDefinition(
+                c.mode, c.sync_workers, c.reduction, c.max_staleness
+            ),
+            allow_non_finite=self.allow_non_finite,
+            lease_seconds=self.lease_seconds,
+        )
+
+    def image(self, scratch: Callable[[int], Array] | None = None) -> GroupImage:
+        """X, V and H copied; ``scratch(n)`` may lend a reusable buffer of n bytes."""
+        arrays = self.copy_into(scratch) if scratch else self.copy_values(True)
+        return GroupImage(self.definition(), arrays)
+
+    def runtime(self, covered_lsn: int) -> GroupRuntime:
+        return GroupRuntime(
+            covered_lsn=covered_lsn,
+            workers=tuple(sorted(self.workers)),
+            dead=tuple(sorted(self.dead)),
+            pending={k: [a.copy() for a in v] for k, v in self.pending.items()},
+            dedup={
+                cid: (w.floor, [(s, t, a) for s, (t, a) in w.results.items()])
+                for cid, w in self.dedup.items()
+            },
+        )
+
+    def restore_runtime(self, runtime: GroupRuntime, now: float) -> None:
+        self.workers = dict.fromkeys(runtime.workers, now + self.lease_seconds)
+        self.dead = set(runtime.dead)
+        self.pending = {k: list(v) for k, v in runtime.pending.items()}
+        for cid, (floor, rows) in runtime.dedup.items():
+            w = self.dedup[cid] = ClientWindow(floor=int(floor))
+            for s, t, a in rows:
+                w.results[int(s)] = (int(t), bool(a))
+
+    # -- changes (under the lock) -----------------------------------------------------
     def step(self, grads: Sequence[Array], learning_rate: float | None) -> None:
         r = self.learning_rate if learning_rate is None else learning_rate
         self.stepper.step(
@@ -244,35 +425,17 @@ class Group:
         n = len(self.shapes)
         return [a.reshape(self.shapes[i % n]).copy() for i, a in enumerate(arrays)]
 
-
-def copy_into(g: Group, scratch: Callable[[int], Array]) -> list[Array]:
-    arrays = g.xs + g.state_arrays()
-    sizes = [-(-a.nbytes // 64) * 64 for a in arrays]  # 64-byte aligned slots
-    buf = scratch(sum(sizes))
-    out, offset, n = [], 0, len(g.shapes)
-    for i, (a, size) in enumerate(zip(arrays, sizes, strict=True)):
-        view = buf[offset : offset + a.nbytes].view(a.dtype)
-        np.copyto(view, a)
-        out.append(view.reshape(g.shapes[i % n]))
-        offset += size
-    return out
-
-
-def group_definition(g: Group) -> dict[str, Any]:
-    """Everything that defines a group except its arrays, as JSON-ready values."""
-    return {
-        "group": g.name,
-        "optimizer": g.attrs.op,
-        "attrs": dataclasses.asdict(g.attrs),
-        "learning_rate": g.learning_rate,
-        "update_count": g.update_count,
-        "dtype": g.dtype.str,
-        "names": list(g.names),
-        "shapes": [list(s) for s in g.shapes],
-        "consistency": dataclasses.asdict(g.consistency),
-        "allow_non_finite": g.allow_non_finite,
-        "lease_seconds": g.lease_seconds,
-    }
+    def copy_into(self, scratch: Callable[[int], Array]) -> list[Array]:
+        arrays = self.xs + self.state_arrays()
+        sizes = [-(-a.nbytes // 64) * 64 for a in arrays]  # 64-byte aligned slots
+        buf = scratch(sum(sizes))
+        out, offset, n = [], 0, len(self.shapes)
+        for i, (a, size) in enumerate(zip(arrays, sizes, strict=True)):
+            view = buf[offset : offset + a.nbytes].view(a.dtype)
+            np.copyto(view, a)
+            out.append(view.reshape(self.shapes[i % n]))
+            offset += size
+        return out
 
 
 def check_name(name: str, what: str = "group name") -> None:

@@ -15,17 +15,20 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from onnxps.client.image import GroupImage, ImageFormatError
 
+from ._group import GroupCapture, GroupRuntime
 from ._wal import _write_all, fsync_dir
 
 __all__ = [
     "FORMAT_VERSION",
+    "SaveResult",
     "SnapshotError",
     "list_snapshots",
     "load_snapshot",
@@ -35,34 +38,19 @@ __all__ = [
 Array = np.ndarray[Any, Any]
 
 FORMAT = "onnxps-snapshot"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 _BLOCK = 16 << 20
-
-_DEFINITION_KEYS = (
-    "group",
-    "optimizer",
-    "attrs",
-    "learning_rate",
-    "update_count",
-    "dtype",
-    "names",
-    "shapes",
-    "consistency",
-    "allow_non_finite",
-    "lease_seconds",
-    "covered_seq",
-    "workers",
-    "dead",
-)
 
 
 class SnapshotError(Exception):
     """A snapshot that cannot be loaded; the message names the file and why."""
 
 
-@dataclass
-class WrittenSnapshot:
+@dataclass(frozen=True)
+class SaveResult:
+    """A snapshot written: its directory, how many groups, how many bytes."""
+
     path: str
     groups: int
     bytes: int
@@ -129,41 +117,46 @@ def _write_array(directory: str, name: str, a: Array, files: dict[str, Any]) -> 
 
 
 def _write_group(
-    directory: str, idx: int, image: dict[str, Any], files: dict[str, Any]
+    directory: str, idx: int, captured: GroupCapture, files: dict[str, Any]
 ) -> dict[str, Any]:
-    entry = {k: image[k] for k in _DEFINITION_KEYS}
     prefix = f"g{idx:05d}"
-    entry["arrays"] = [
-        _write_array(directory, f"{prefix}-a{j}.npy", a, files)
-        for j, a in enumerate(image["arrays"])
-    ]
-    entry["pending"] = [
-        [
-            key,
-            [
-                _write_array(directory, f"{prefix}-p{k}-{j}.npy", a, files)
-                for j, a in enumerate(arrays)
-            ],
-        ]
-        for k, (key, arrays) in enumerate(sorted(image["pending"].items()))
-    ]
+    runtime = captured.runtime
     clients: list[list[Any]] = []
     rows: list[list[int]] = []
-    for cid, (floor, results) in image["dedup"].items():
+    for cid, (floor, results) in runtime.dedup.items():
         clients.append([cid, int(floor), len(results)])
         rows.extend([s, t, int(a)] for s, t, a in results)
     table = np.array(rows, dtype=np.uint64).reshape(-1, 3)
-    entry["dedup"] = {
-        "clients": clients,
-        "file": _write_array(directory, f"{prefix}-dedup.npy", table, files),
+    return {
+        "image": captured.image.to_json(),
+        "arrays": [
+            _write_array(directory, f"{prefix}-a{j}.npy", a, files)
+            for j, a in enumerate(captured.image.arrays)
+        ],
+        "covered_lsn": runtime.covered_lsn,
+        "workers": list(runtime.workers),
+        "dead": list(runtime.dead),
+        "pending": [
+            [
+                key,
+                [
+                    _write_array(directory, f"{prefix}-p{k}-{j}.npy", a, files)
+                    for j, a in enumerate(arrays)
+                ],
+            ]
+            for k, (key, arrays) in enumerate(sorted(runtime.pending.items()))
+        ],
+        "dedup": {
+            "clients": clients,
+            "file": _write_array(directory, f"{prefix}-dedup.npy", table, files),
+        },
     }
-    return entry
 
 
 def write_snapshot(
-    root: str, gen: int, images: Iterable[dict[str, Any] | None], wal_seq: int
-) -> WrittenSnapshot:
-    """Write the images (the caller captures them one at a time) as ``gen``."""
+    root: str, gen: int, captures: Iterable[GroupCapture], wal_lsn: int
+) -> SaveResult:
+    """Write the groups (the caller captures them one at a time) as ``gen``."""
     final = os.path.join(root, snapshot_dir_name(gen))
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -171,15 +164,14 @@ def write_snapshot(
     try:
         files: dict[str, Any] = {}
         groups: list[dict[str, Any]] = []
-        for image in images:
-            if image is not None:
-                groups.append(_write_group(tmp, len(groups), image, files))
+        for captured in captures:
+            groups.append(_write_group(tmp, len(groups), captured, files))
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "generation": gen,
             "created_unix": time.time(),
-            "wal_seq": wal_seq,
+            "wal_lsn": wal_lsn,
             "groups": groups,
             "files": files,
         }
@@ -194,7 +186,7 @@ def write_snapshot(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     total = sum(v["bytes"] for v in files.values())
-    return WrittenSnapshot(final, len(groups), total)
+    return SaveResult(final, len(groups), total)
 
 
 def _read_array(directory: str, name: str, expect: dict[str, Any]) -> Array:
@@ -236,8 +228,8 @@ def _read_array(directory: str, name: str, expect: dict[str, Any]) -> Array:
     return out
 
 
-def load_snapshot(directory: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The manifest and every group image; raises SnapshotError naming the bad file."""
+def load_snapshot(directory: str) -> tuple[dict[str, Any], list[GroupCapture]]:
+    """The manifest and every group; raises SnapshotError naming the bad file."""
     path = os.path.join(directory, MANIFEST)
     try:
         with open(path, encoding="utf-8") as f:
@@ -259,19 +251,30 @@ def load_snapshot(directory: str) -> tuple[dict[str, Any], list[dict[str, Any]]]
             raise SnapshotError(f"{path}: lists {name} without a checksum")
         return _read_array(directory, name, files[name])
 
-    images = []
-    for entry in manifest["groups"]:
-        image = {k: entry[k] for k in _DEFINITION_KEYS}
-        image["arrays"] = [read(n) for n in entry["arrays"]]
-        image["pending"] = {
-            k: [read(n) for n in names] for k, names in entry["pending"]
-        }
-        table = read(entry["dedup"]["file"])
-        dedup, row = {}, 0
-        for cid, floor, count in entry["dedup"]["clients"]:
-            rows = table[row : row + count]
-            dedup[cid] = (floor, [(int(s), int(t), bool(a)) for s, t, a in rows])
-            row += count
-        image["dedup"] = dedup
-        images.append(image)
-    return manifest, images
+    try:
+        groups = [_read_group(entry, read, path) for entry in manifest["groups"]]
+    except (ImageFormatError, KeyError, TypeError) as exc:
+        raise SnapshotError(f"{path}: malformed group entry: {exc}") from exc
+    return manifest, groups
+
+
+def _read_group(
+    entry: dict[str, Any], read: Callable[[str], Array], path: str
+) -> GroupCapture:
+    image = GroupImage.from_json(
+        entry["image"], [read(n) for n in entry["arrays"]], path
+    )
+    table = read(entry["dedup"]["file"])
+    dedup, row = {}, 0
+    for cid, floor, count in entry["dedup"]["clients"]:
+        rows = table[row : row + count]
+        dedup[cid] = (int(floor), [(int(s), int(t), bool(a)) for s, t, a in rows])
+        row += count
+    runtime = GroupRuntime(
+        covered_lsn=int(entry["covered_lsn"]),
+        workers=tuple(entry["workers"]),
+        dead=tuple(entry["dead"]),
+        pending={k: [read(n) for n in names] for k, names in entry["pending"]},
+        dedup=dedup,
+    )
+    return GroupCapture(image, runtime)

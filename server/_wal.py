@@ -1,14 +1,16 @@
 """The write-ahead log: framed records, group commit, segments, and reading back.
 
-A record is a JSON header plus the raw bytes of its arrays. On disk each record is a
-frame (see docs/FORMAT.md)::
+A record is a JSON header plus the raw bytes of its arrays. A segment starts with
+``b"ONNXPSWL" | u32 format version`` and then holds one frame per record (see
+docs/FORMAT.md)::
 
     magic b"OPSW" | u32 header length | u64 body length | u32 crc32 | header | body
 
 ``log`` is called under a group's lock and only enqueues; one writer thread writes
 every queued frame and fsyncs once for the whole batch (group commit), then wakes the
-callers blocked in ``wait``. The log is cut into segments named by the sequence number
-of their first record, so segments a snapshot covers can be deleted.
+callers blocked in ``wait``. Records are numbered by their lsn (log sequence number,
+consecutive across segments and restarts); the log is cut into segments named by the
+lsn of their first record, so segments a snapshot covers can be deleted.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["WriteAheadLog", "read_segments", "segment_paths"]
+__all__ = [
+    "WAL_FORMAT_VERSION",
+    "WalFormatError",
+    "WriteAheadLog",
+    "read_segments",
+    "segment_paths",
+]
 
 log = logging.getLogger("onnxps.durability")
 
@@ -33,16 +41,22 @@ Array = np.ndarray[Any, Any]
 
 MAGIC = b"OPSW"
 FRAME = struct.Struct("<4sIQI")
-WAL_FORMAT_VERSION = 1
+SEGMENT_MAGIC = b"ONNXPSWL"
+SEGMENT_HEADER = struct.Struct("<8sI")
+WAL_FORMAT_VERSION = 2
 MAX_HEADER = 1 << 20
 
 
-def segment_name(first_seq: int) -> str:
-    return f"wal-{first_seq:020d}.log"
+class WalFormatError(Exception):
+    """A log segment this server cannot read; the message names the file."""
+
+
+def segment_name(first_lsn: int) -> str:
+    return f"wal-{first_lsn:020d}.log"
 
 
 def segment_paths(wal_dir: str) -> list[tuple[int, str]]:
-    """(first seq, path) of every segment, oldest first."""
+    """(lsn of the first record, path) of every segment, oldest first."""
     out = []
     for entry in os.listdir(wal_dir):
         if entry.startswith("wal-") and entry.endswith(".log"):
@@ -70,7 +84,7 @@ def _write_all(fd: int, data: memoryview | bytes) -> None:
 
 @dataclass
 class _Item:
-    seq: int
+    lsn: int
     header: bytes | None = None
     arrays: Sequence[Array] = ()
     rotate_to: int | None = None  # start a new segment whose first record is this
@@ -82,20 +96,20 @@ class WriteAheadLog:
     def __init__(
         self,
         wal_dir: str,
-        next_seq: int,
+        next_lsn: int,
         on_error: Callable[[OSError], None] | None = None,
     ) -> None:
         self.wal_dir = wal_dir
         self._cv = threading.Condition(threading.Lock())
-        self._last = next_seq - 1  # last sequence number handed out
-        self._durable = next_seq - 1
+        self._last = next_lsn - 1  # last lsn handed out
+        self._durable = next_lsn - 1
         self._queue: list[_Item] = []
         self._closing = False
         self._failed: OSError | None = None
         self._on_error = on_error
-        # A segment already named after next_seq holds no intact record (else replay
-        # would have moved next_seq past it): only a torn write, which is dropped.
-        self._fd = self._open_segment(next_seq, truncate=True)
+        # A segment already named after next_lsn holds no intact record (else replay
+        # would have moved next_lsn past it): only a torn write, which is dropped.
+        self._fd = self._open_segment(next_lsn, truncate=True)
         self._thread = threading.Thread(
             target=self._run, name="onnxps-wal", daemon=True
         )
@@ -106,29 +120,29 @@ class WriteAheadLog:
         arrays = [np.ascontiguousarray(a) for a in arrays]
         with self._cv:
             self._last += 1
-            seq = self._last
+            lsn = self._last
             header = {
                 **record,
-                "lsn": seq,
+                "lsn": lsn,
                 "arrays": [[a.dtype.str, list(a.shape)] for a in arrays],
             }
-            item = _Item(seq, json.dumps(header).encode(), arrays)
+            item = _Item(lsn, json.dumps(header).encode(), arrays)
             self._queue.append(item)
             self._cv.notify_all()
-        return seq
+        return lsn
 
-    def wait(self, ticket: int) -> None:
+    def wait(self, lsn: int) -> None:
         with self._cv:
-            while self._durable < ticket and self._failed is None:
+            while self._durable < lsn and self._failed is None:
                 self._cv.wait()
 
     # -- control --------------------------------------------------------------------
-    def last_seq(self) -> int:
+    def last_lsn(self) -> int:
         with self._cv:
             return self._last
 
     def rotate(self) -> int:
-        """Start a new segment; returns the last sequence number of the old ones."""
+        """Start a new segment; returns the lsn of the last record before it."""
         with self._cv:
             last = self._last
             self._queue.append(_Item(last, rotate_to=last + 1))
@@ -145,10 +159,13 @@ class WriteAheadLog:
             self._fd = -1
 
     # -- the writer thread ----------------------------------------------------------
-    def _open_segment(self, first_seq: int, truncate: bool = False) -> int:
-        path = os.path.join(self.wal_dir, segment_name(first_seq))
+    def _open_segment(self, first_lsn: int, truncate: bool = False) -> int:
+        path = os.path.join(self.wal_dir, segment_name(first_lsn))
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
         fd = os.open(path, flags | (os.O_TRUNC if truncate else 0), 0o644)
+        if os.fstat(fd).st_size == 0:
+            _write_all(fd, SEGMENT_HEADER.pack(SEGMENT_MAGIC, WAL_FORMAT_VERSION))
+            os.fsync(fd)
         fsync_dir(self.wal_dir)
         return fd
 
@@ -166,7 +183,7 @@ class WriteAheadLog:
                 except OSError as exc:
                     self._fail(exc)
             with self._cv:
-                self._durable = max(self._durable, batch[-1].seq)
+                self._durable = max(self._durable, batch[-1].lsn)
                 self._cv.notify_all()
 
     def _write_batch(self, batch: list[_Item]) -> None:
@@ -231,41 +248,70 @@ def _read_frame(f: Any, path: str) -> tuple[dict[str, Any], list[Array]] | None:
     return header, arrays
 
 
+def _check_segment(f: Any, path: str) -> bool:
+    """Read a segment's header; False for one cut short before its header was done."""
+    raw = f.read(SEGMENT_HEADER.size)
+    if len(raw) < SEGMENT_HEADER.size:
+        if raw:
+            log.warning("write-ahead log %s: header cut short; no records", path)
+        return False
+    magic, version = SEGMENT_HEADER.unpack(raw)
+    if magic != SEGMENT_MAGIC:
+        raise WalFormatError(
+            f"{path}: not an onnxps write-ahead log segment (or one written before "
+            f"format version {WAL_FORMAT_VERSION}); move it out of the data directory"
+        )
+    if version != WAL_FORMAT_VERSION:
+        raise WalFormatError(
+            f"{path}: write-ahead log format version {version}, this server reads "
+            f"version {WAL_FORMAT_VERSION}; use the onnxps release that wrote it"
+        )
+    return True
+
+
 def read_segments(
     wal_dir: str, after: int
 ) -> Iterator[tuple[dict[str, Any], list[Array]]]:
-    """Every intact record with seq > ``after``, in order.
+    """Every intact record with lsn > ``after``, in order.
 
     A segment ends at its first torn or damaged frame (a crash mid-write leaves one
     at the end of the segment being written); the next segment goes on from there.
+    A segment of another format version raises ``WalFormatError``.
     """
     expected: int | None = None
     for _, path in segment_paths(wal_dir):
         with open(path, "rb") as f:
-            while True:
-                pos = f.tell()
-                try:
-                    frame = _read_frame(f, path)
-                except (ValueError, json.JSONDecodeError) as exc:
-                    log.warning(
-                        "write-ahead log %s: %s at byte %d; ignoring the rest of "
-                        "this segment (a write cut short by a crash)",
-                        path,
-                        exc,
-                        pos,
-                    )
-                    break
-                if frame is None:
-                    break
-                header, arrays = frame
-                seq = int(header["lsn"])
-                if expected is not None and seq != expected and seq > after:
+            if not _check_segment(f, path):
+                continue
+            for header, arrays in _frames(f, path):
+                lsn = int(header["lsn"])
+                if expected is not None and lsn != expected and lsn > after:
                     log.warning(
                         "write-ahead log %s: record %d follows %d; records are missing",
                         path,
-                        seq,
+                        lsn,
                         expected - 1,
                     )
-                expected = seq + 1
-                if seq > after:
+                expected = lsn + 1
+                if lsn > after:
                     yield header, arrays
+
+
+def _frames(f: Any, path: str) -> Iterator[tuple[dict[str, Any], list[Array]]]:
+    """The intact frames of one segment, up to its end or its first bad frame."""
+    while True:
+        pos = f.tell()
+        try:
+            frame = _read_frame(f, path)
+        except (ValueError, json.JSONDecodeError) as exc:
+            log.warning(
+                "write-ahead log %s: %s at byte %d; ignoring the rest of "
+                "this segment (a write cut short by a crash)",
+                path,
+                exc,
+                pos,
+            )
+            return
+        if frame is None:
+            return
+        yield frame

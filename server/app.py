@@ -18,6 +18,7 @@ from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 from . import security
 from ._fastwire import FastChunkInterceptor
 from ._handlers import SERVICE
+from .durability import MODES as DURABILITY_MODES
 from .durability import Durability
 from .limits import LimitsInterceptor
 from .metrics import MetricsEndpoint, ObserveInterceptor, Recorder
@@ -29,9 +30,8 @@ __all__ = ["ServerConfig", "ServerHandle", "create_server", "serve"]
 
 log = logging.getLogger("onnxps.server")
 
-DURABILITY_MODES = ("none", "snapshot", "wal")
-# Only for durability.attach, which create_server no longer calls; goes with it.
-SERVICE_NAME = SERVICE
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
@@ -114,7 +114,7 @@ class ServerHandle:
         self.store.start()
         if self.durability is not None:
             self.durability.start_periodic(self.config.snapshot_interval)
-        _set_health(self.health, health_pb2.HealthCheckResponse.SERVING)
+        _set_health(self.health, _SERVING)
         log.info("onnxps listening on %s", self.address)
         return self
 
@@ -174,12 +174,16 @@ def _durability(
         raise ConfigError(
             f"durability {config.durability!r} needs a data directory (--data-dir)"
         )
+
+    def set_serving(serving: bool) -> None:
+        _set_health(health_servicer, _SERVING if serving else _NOT_SERVING)
+
     d = Durability(
         store,
         config.data_dir,
         mode=config.durability,
         keep=config.keep_snapshots,
-        set_health=lambda status: _set_health(health_servicer, status),
+        set_serving=set_serving,
     )
     d.open()
     return d
@@ -227,7 +231,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         servicer = ParameterServerServicer(
             store,
             chunk_bytes=config.chunk_bytes,
-            save=None if durability is None else durability.save_rpc,
+            save=None if durability is None else durability.save,
         )
         pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

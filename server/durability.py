@@ -22,12 +22,11 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from grpc_health.v1 import health_pb2
-from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.client.image import GroupImage
 
 from ._snapshot import (
+    SaveResult,
     SnapshotError,
-    WrittenSnapshot,
     list_snapshots,
     load_snapshot,
     next_generation,
@@ -35,52 +34,21 @@ from ._snapshot import (
 )
 from ._wal import WriteAheadLog, read_segments, segment_paths
 from .errors import FailedPrecondition, OnnxpsError
-from .kernels import make_attrs
-from .store import Consistency, ParameterStore
+from .store import ParameterStore
 
-__all__ = ["Durability", "attach"]
+__all__ = ["MODES", "Durability", "SaveResult"]
 
 log = logging.getLogger("onnxps.durability")
 
 MODES = ("none", "snapshot", "wal")
 
 
-def attach(handle: Any, servicer: Any) -> None:
-    """Restore state from the data directory and start snapshotting, if configured."""
-    config = handle.config
-    if config.durability not in MODES:
-        raise ValueError(
-            f"durability must be one of {', '.join(MODES)}, got {config.durability!r}"
-        )
-    if config.durability == "none":
-        return
-    if not config.data_dir:
-        raise ValueError(
-            f"durability {config.durability!r} needs a data directory (--data-dir)"
-        )
-    d = Durability(
-        handle.store,
-        config.data_dir,
-        mode=config.durability,
-        keep=config.keep_snapshots,
-        set_health=lambda status: _set_health(handle, status),
-    )
-    d.open()
-    servicer._save = d.save_rpc
-    handle.on_stop.append(d.close)
-    d.start_periodic(config.snapshot_interval)
-    handle.durability = d
-
-
-def _set_health(handle: Any, status: int) -> None:
-    from .app import SERVICE_NAME
-
-    handle.health.set("", status)
-    handle.health.set(SERVICE_NAME, status)
-
-
 class Durability:
-    """One data directory: ``snapshots/snap-<gen>/`` and ``wal/wal-<seq>.log``."""
+    """One data directory: ``snapshots/snap-<gen>/`` and ``wal/wal-<lsn>.log``.
+
+    ``set_serving(False)`` is called when a write fails (the server serves from
+    memory, not durably) and ``set_serving(True)`` once writing works again.
+    """
 
     def __init__(
         self,
@@ -89,7 +57,7 @@ class Durability:
         *,
         mode: str = "snapshot",
         keep: int = 3,
-        set_health: Callable[[int], None] | None = None,
+        set_serving: Callable[[bool], None] | None = None,
     ) -> None:
         self.store = store
         self.root = os.path.abspath(data_dir)
@@ -98,8 +66,8 @@ class Durability:
         self.snap_dir = os.path.join(self.root, "snapshots")
         self.wal_dir = os.path.join(self.root, "wal")
         self.journal: WriteAheadLog | None = None
-        self._set_health = set_health
-        self._base_seq = 0  # last journal seq when no log is kept
+        self._set_serving = set_serving
+        self._base_lsn = 0  # the last lsn when no log is kept
         self._lock = threading.Lock()  # one snapshot at a time
         self._signature: Any = None
         self._snapshot_failed = False
@@ -111,15 +79,20 @@ class Durability:
 
     # -- start ----------------------------------------------------------------------
     def open(self) -> None:
+        """Lock the directory, restore the newest snapshot, replay the log after it."""
         self._prepare()
-        wal_seq, covered = self._restore()
-        last, replayed = self._replay(wal_seq, covered)
-        next_seq = max([last, wal_seq, *covered.values()]) + 1
+        try:
+            wal_lsn, covered = self._restore()
+            last, replayed = self._replay(wal_lsn, covered)
+        except BaseException:
+            self._unlock()
+            raise
+        next_lsn = max([last, wal_lsn, *covered.values()]) + 1
         if self.mode == "wal":
-            self.journal = WriteAheadLog(self.wal_dir, next_seq, self._on_wal_error)
-            self.store.journal = self.journal
+            self.journal = WriteAheadLog(self.wal_dir, next_lsn, self._on_wal_error)
+            self.store.set_journal(self.journal)
         else:
-            self._base_seq = next_seq - 1
+            self._base_lsn = next_lsn - 1
             if replayed or segment_paths(self.wal_dir):
                 # Left by a run in wal mode: fold it into a snapshot, then drop it.
                 self.snapshot()
@@ -162,10 +135,10 @@ class Durability:
                 shutil.rmtree(os.path.join(self.snap_dir, entry), ignore_errors=True)
 
     def _restore(self) -> tuple[int, dict[str, int]]:
-        """Install the newest intact snapshot; (its wal seq, covered seq per group)."""
+        """Install the newest intact snapshot; (its wal lsn, covered lsn per group)."""
         for _, path in list_snapshots(self.snap_dir):
             try:
-                manifest, images = load_snapshot(path)
+                manifest, groups = load_snapshot(path)
             except SnapshotError as exc:
                 log.warning(
                     "snapshot %s is damaged or incomplete (%s); using the one before",
@@ -173,16 +146,16 @@ class Durability:
                     exc,
                 )
                 continue
-            for image in images:
-                self.store.install(image)
+            for captured in groups:
+                self.store.install(captured.image, captured.runtime)
             log.info(
                 "restored %d groups from %s (generation %d)",
-                len(images),
+                len(groups),
                 path,
                 manifest["generation"],
             )
-            covered = {im["group"]: int(im["covered_seq"]) for im in images}
-            return int(manifest["wal_seq"]), covered
+            covered = {c.image.name: c.runtime.covered_lsn for c in groups}
+            return int(manifest["wal_lsn"]), covered
         segments = segment_paths(self.wal_dir)
         if segments and segments[0][0] > 1:
             log.error(
@@ -193,29 +166,25 @@ class Durability:
             )
         return 0, {}
 
-    def _replay(self, wal_seq: int, covered: dict[str, int]) -> tuple[int, int]:
-        last, count = wal_seq, 0
+    def _replay(self, wal_lsn: int, covered: dict[str, int]) -> tuple[int, int]:
+        last, count = wal_lsn, 0
         started = time.perf_counter()
-        self.store.replaying = True
-        try:
-            for header, arrays in read_segments(self.wal_dir, wal_seq):
-                seq = int(header["lsn"])
-                last = max(last, seq)
-                if covered.get(header["group"], -1) >= seq:
-                    continue
-                try:
-                    self._apply(header, arrays)
-                    count += 1
-                except OnnxpsError as exc:
-                    log.warning(
-                        "write-ahead log record %d (%s on %r) not replayed: %s",
-                        seq,
-                        header["op"],
-                        header["group"],
-                        exc,
-                    )
-        finally:
-            self.store.replaying = False
+        for header, arrays in read_segments(self.wal_dir, wal_lsn):
+            lsn = int(header["lsn"])
+            last = max(last, lsn)
+            if covered.get(header["group"], -1) >= lsn:
+                continue
+            try:
+                self._apply(header, arrays)
+                count += 1
+            except OnnxpsError as exc:
+                log.warning(
+                    "write-ahead log record %d (%s on %r) not replayed: %s",
+                    lsn,
+                    header["op"],
+                    header["group"],
+                    exc,
+                )
         if count:
             log.info(
                 "replayed %d write-ahead log records in %.3f s",
@@ -225,9 +194,10 @@ class Durability:
         return last, count
 
     def _apply(self, h: dict[str, Any], arrays: list[np.ndarray[Any, Any]]) -> None:
+        """Redo one logged change through the store's replay methods."""
         op, name, store = h["op"], h["group"], self.store
         if op == "push":
-            store.push(
+            store.replay_push(
                 name,
                 arrays,
                 client_id=h["client_id"],
@@ -238,27 +208,16 @@ class Durability:
         elif op == "sync_step":
             store.replay_sync_step(name, len(h["contributors"]))
         elif op == "create":
-            n = len(h["names"])
-            store.create_group(
-                name,
-                make_attrs(h["optimizer"], h["attrs"]),
-                h["learning_rate"],
-                list(zip(h["names"], arrays[:n], strict=True)),
-                consistency=Consistency(**h["consistency"]),
-                allow_non_finite=h["allow_non_finite"],
-                state=arrays[n:] or None,
-                update_count=h["update_count"],
-                lease_seconds=h["lease_seconds"],
-            )
+            store.replay_create(GroupImage.from_json(h["image"], arrays, self.wal_dir))
         elif op == "delete":
-            store.delete_group(name)
+            store.replay_delete(name)
         elif op == "set_lr":
-            store.set_learning_rate(name, h["lr"])
+            store.replay_set_learning_rate(name, h["lr"])
         else:
             log.warning("write-ahead log record of unknown op %r skipped", op)
 
     # -- snapshots ------------------------------------------------------------------
-    def snapshot(self, force: bool = True) -> WrittenSnapshot | None:
+    def snapshot(self, force: bool = True) -> SaveResult | None:
         """Write a snapshot now (unless nothing changed and not ``force``)."""
         with self._lock:
             signature = self._current_signature()
@@ -275,10 +234,10 @@ class Durability:
                     exc,
                 )
                 self._snapshot_failed = True
-                self._health(health_pb2.HealthCheckResponse.NOT_SERVING)
+                self._serving(False)
                 raise
             if self._snapshot_failed and not self._wal_failed:
-                self._health(health_pb2.HealthCheckResponse.SERVING)
+                self._serving(True)
             self._snapshot_failed = False
             log.info(
                 "snapshot %s: %d groups, %d bytes in %.3f s",
@@ -289,21 +248,19 @@ class Durability:
             )
             return written
 
-    def _write(self, signature: Any) -> WrittenSnapshot:
+    def _write(self, signature: Any) -> SaveResult:
         gen = next_generation(self.snap_dir)
         if self.journal is not None:
-            wal_seq = self.journal.rotate()
-            seq_now: Callable[[], int] = self.journal.last_seq
+            wal_lsn = self.journal.rotate()
+            lsn_now: Callable[[], int] = self.journal.last_lsn
         else:
-            wal_seq = self._base_seq
-            seq_now = lambda: self._base_seq  # noqa: E731
+            wal_lsn = self._base_lsn
+            lsn_now = lambda: self._base_lsn  # noqa: E731
         # Groups are captured one at a time, each written before the next is copied,
         # so one scratch buffer serves them all.
-        images = (
-            self.store.capture(g, seq_now, self._scratch) for g in self.store.groups()
-        )
+        captures = self.store.capture(lsn_now, self._scratch)
         try:
-            written = write_snapshot(self.snap_dir, gen, images, wal_seq)
+            written = write_snapshot(self.snap_dir, gen, captures, wal_lsn)
         finally:
             self._scratch.trim()
         self._signature = signature
@@ -317,10 +274,10 @@ class Durability:
         oldest = None
         for _, path in snapshots[: self.keep]:
             try:
-                wal_seq = _manifest_wal_seq(path)
+                wal_lsn = _manifest_wal_lsn(path)
             except (OSError, ValueError, KeyError):
                 return  # a damaged snapshot may need any segment; keep them all
-            oldest = wal_seq if oldest is None else min(oldest, wal_seq)
+            oldest = wal_lsn if oldest is None else min(oldest, wal_lsn)
         if oldest is None:
             return
         segments = segment_paths(self.wal_dir)
@@ -330,14 +287,15 @@ class Durability:
 
     def _current_signature(self) -> Any:
         groups = tuple(
-            (g.name, id(g), g.update_count, g.learning_rate, len(g.pending))
-            for g in self.store.groups()
+            (v.name, v.incarnation, v.update_count, v.learning_rate, v.pending)
+            for v in self.store.groups()
         )
-        seq = self.journal.last_seq() if self.journal is not None else 0
-        return seq, groups
+        lsn = self.journal.last_lsn() if self.journal is not None else 0
+        return lsn, groups
 
     # -- the running server ---------------------------------------------------------
-    def save_rpc(self) -> pb.SaveResponse:
+    def save(self) -> SaveResult:
+        """A snapshot now, for the Save RPC; FailedPrecondition when writing fails."""
         try:
             written = self.snapshot(force=True)
         except OSError as exc:
@@ -346,9 +304,7 @@ class Durability:
                 "serving from memory and the older snapshots are intact"
             ) from exc
         assert written is not None
-        return pb.SaveResponse(
-            path=written.path, groups=written.groups, bytes=written.bytes
-        )
+        return written
 
     def start_periodic(self, interval: float) -> None:
         if interval <= 0 or self._thread is not None:
@@ -379,18 +335,21 @@ class Durability:
             pass  # logged
         if self.journal is not None:
             self.journal.close()
-            self.store.journal = None
+            self.store.set_journal(None)
+        self._unlock()
+
+    def _unlock(self) -> None:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
 
     def _on_wal_error(self, exc: OSError) -> None:
         self._wal_failed = True
-        self._health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._serving(False)
 
-    def _health(self, status: int) -> None:
-        if self._set_health is not None:
-            self._set_health(status)
+    def _serving(self, serving: bool) -> None:
+        if self._set_serving is not None:
+            self._set_serving(serving)
 
 
 class _Scratch:
@@ -412,6 +371,6 @@ class _Scratch:
             self._buf = None
 
 
-def _manifest_wal_seq(path: str) -> int:
+def _manifest_wal_lsn(path: str) -> int:
     with open(os.path.join(path, "manifest.json"), encoding="utf-8") as f:
-        return int(json.load(f)["wal_seq"])
+        return int(json.load(f)["wal_lsn"])

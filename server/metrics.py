@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 from ._handlers import SERVICE, CallHooks, group_of, method_of, on_first, wrap
 from .limits import message_bytes
 from .security import is_loopback
+from .store import ParameterStore
 
 __all__ = ["MetricsEndpoint", "ObserveInterceptor", "Recorder", "StoreCollector"]
 
@@ -139,7 +140,7 @@ class Recorder:
         if group is None:
             return "-"
         try:
-            self.store.get(group)
+            self.store.describe(group)
         except Exception:  # noqa: BLE001 - unknown (or deleted) group
             return "-"
         return group
@@ -180,7 +181,7 @@ class Recorder:
 class StoreCollector(Collector):
     """Gauges read from the store at scrape time."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: ParameterStore) -> None:
         self.store = store
 
     def collect(self) -> Iterable[Any]:
@@ -197,13 +198,11 @@ class StoreCollector(Collector):
             "onnxps_group_update_count", "T, the steps applied", labels=["group"]
         )
         held = 0
-        for g in groups:
-            with g.cond:
-                nbytes, live, t = g.state_bytes, g.live_workers(), g.update_count
-            held += nbytes
-            per.add_metric([g.name], nbytes)
-            workers.add_metric([g.name], live)
-            version.add_metric([g.name], t)
+        for view in groups:
+            held += view.state_bytes
+            per.add_metric([view.name], view.state_bytes)
+            workers.add_metric([view.name], len(view.workers))
+            version.add_metric([view.name], view.update_count)
         total.add_metric([], held)
         yield from (total, per, workers, version)
 

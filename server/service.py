@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -17,7 +16,6 @@ import numpy as np
 from onnxps.client._codec import (
     CHUNK_BYTES,
     TensorAssembler,
-    TensorFormatError,
     declared_nbytes,
     header_tensor,
     tensor_spec,
@@ -30,9 +28,10 @@ from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from ._convert import attrs_from_proto, consistency_from_proto, group_info
 from ._status import status_for
-from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from .durability import SaveResult
+from .errors import FailedPrecondition, InvalidArgument
 from .kernels import apply_onnx
-from .store import Group, ParameterStore
+from .store import LeaseView, ParameterStore, PullResult, PushTicket
 
 __all__ = ["ParameterServerServicer"]
 
@@ -118,23 +117,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         store: ParameterStore,
         *,
         chunk_bytes: int = CHUNK_BYTES,
-        save: Callable[[], pb.SaveResponse] | None = None,
+        save: Callable[[], SaveResult] | None = None,
     ) -> None:
         self.store = store
         self.chunk_bytes = chunk_bytes
         self._save = save
 
     # -- groups --------------------------------------------------------------------
-    def _describe(self, g: Group) -> pb.GroupInfo:
-        with g.cond:
-            return group_info(g, time.monotonic())
-
     def _create(
         self, req: pb.CreateGroupRequest, tensors: list[Array], state: list[Array]
     ) -> pb.GroupInfo:
         attrs = attrs_from_proto(req.optimizer)
         names = [t.name for t in req.tensors]
-        g = self.store.create_group(
+        view = self.store.create_group(
             req.group,
             attrs,
             req.learning_rate,
@@ -145,7 +140,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             update_count=req.update_count,
             lease_seconds=req.lease_seconds or None,
         )
-        return self._describe(g)
+        return group_info(view)
 
     def _check_create_size(self, req: pb.CreateGroupRequest) -> None:
         """Refuse an oversized group from its declared dims, before allocating."""
@@ -181,14 +176,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_unary
     def DescribeGroup(self, request: pb.GroupRequest, context: Any) -> pb.GroupInfo:
-        return self._describe(self.store.get(request.group))
+        return group_info(self.store.describe(request.group))
 
     @_unary
     def ListGroups(
         self, request: pb.ListGroupsRequest, context: Any
     ) -> pb.ListGroupsResponse:
         return pb.ListGroupsResponse(
-            groups=[self._describe(g) for g in self.store.groups(request.prefix)]
+            groups=[group_info(v) for v in self.store.groups(request.prefix)]
         )
 
     @_unary
@@ -201,15 +196,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def SetLearningRate(
         self, request: pb.SetLearningRateRequest, context: Any
     ) -> pb.GroupInfo:
-        g = self.store.set_learning_rate(request.group, request.learning_rate)
-        return self._describe(g)
+        view = self.store.set_learning_rate(request.group, request.learning_rate)
+        return group_info(view)
 
     # -- push ----------------------------------------------------------------------
     def _push(
-        self, req: pb.PushRequest, grads: list[Array], context: Any
+        self,
+        req: pb.PushRequest,
+        ticket: PushTicket,
+        grads: list[Array],
+        context: Any,
     ) -> pb.PushResponse:
         out = self.store.push(
-            req.group,
+            ticket,
             grads,
             client_id=req.client_id,
             seq=req.seq,
@@ -222,35 +221,37 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             update_count=out.update_count, applied=out.applied, duplicate=out.duplicate
         )
         if out.values is not None:
-            g = self.store.get(req.group)
-            for v, n in zip(out.values, g.names, strict=True):
+            for v, n in zip(out.values, ticket.names, strict=True):
                 write_tensor(reply.values.add(), v, n)
         return reply
 
+    def _validate_push(self, req: pb.PushRequest) -> PushTicket:
+        """Check the gradients' header against the group before reading any bytes."""
+        specs = (
+            tensor_spec(t, f"gradient {i + 1}") for i, t in enumerate(req.gradients)
+        )
+        return self.store.validate_push(req.group, specs)
+
     @_unary
     def Push(self, request: pb.PushRequest, context: Any) -> pb.PushResponse:
-        g = self.store.get(request.group)
-        specs = [
-            tensor_spec(t, f"gradient {i + 1}") for i, t in enumerate(request.gradients)
-        ]
-        self.store.validate_push_header(g, specs)
+        ticket = self._validate_push(request)
         grads = [
-            tensor_to_array(t, f"gradient {i + 1} ({g.names[i]!r})")
+            tensor_to_array(t, f"gradient {i + 1} ({ticket.names[i]!r})")
             for i, t in enumerate(request.gradients)
         ]
-        return self._push(request, grads, context)
+        return self._push(request, ticket, grads, context)
 
     @_unary
     def PushStream(
         self, request_iterator: Iterable[pb.PushChunk], context: Any
     ) -> pb.PushResponse:
         req, it = _stream_header(request_iterator, "header", "a PushStream")
-        g = self.store.get(req.group)
+        ticket = self._validate_push(req)
         headers = list(req.gradients)
-        specs = [tensor_spec(t, f"gradient {i + 1}") for i, t in enumerate(headers)]
-        self.store.validate_push_header(g, specs)
-        grads = self._assemble(it, headers, _names("gradient", len(headers), g.names))
-        return self._push(req, grads, context)
+        grads = self._assemble(
+            it, headers, _names("gradient", len(headers), ticket.names)
+        )
+        return self._push(req, ticket, grads, context)
 
     def _assemble(
         self, it: Iterator[Any], headers: Sequence[pb.Tensor], names: Sequence[str]
@@ -263,39 +264,36 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return asm.finish()
 
     # -- pull ----------------------------------------------------------------------
-    def _pull(
-        self, req: pb.PullRequest, context: Any
-    ) -> tuple[int, list[Array], float, list[str]]:
-        g = self.store.get(req.group)
-        t, arrays, lr = self.store.pull(
+    def _pull(self, req: pb.PullRequest, context: Any) -> PullResult:
+        return self.store.pull(
             req.group,
             with_state=req.with_state,
             min_version=req.min_version if req.HasField("min_version") else None,
             timeout=_timeout(context),
         )
-        names = list(g.names)
-        for sname in g.attrs.state_names if req.with_state else ():
-            names += [f"{sname}:{n}" for n in g.names]
-        return t, arrays, lr, names
 
     @_unary
     def Pull(self, request: pb.PullRequest, context: Any) -> pb.PullResponse:
-        t, arrays, lr, names = self._pull(request, context)
-        reply = pb.PullResponse(update_count=t, learning_rate=lr)
-        for a, n in zip(arrays, names, strict=True):
+        out = self._pull(request, context)
+        reply = pb.PullResponse(
+            update_count=out.update_count, learning_rate=out.learning_rate
+        )
+        for a, n in zip(out.arrays, out.names, strict=True):
             write_tensor(reply.tensors.add(), a, n)
         return reply
 
     @_streaming
     def PullStream(self, request: pb.PullRequest, context: Any) -> Iterator[Any]:
-        t, arrays, lr, names = self._pull(request, context)
+        out = self._pull(request, context)
         header = pb.PullResponse(
-            update_count=t,
-            learning_rate=lr,
-            tensors=[header_tensor(a, n) for a, n in zip(arrays, names, strict=True)],
+            update_count=out.update_count,
+            learning_rate=out.learning_rate,
+            tensors=[
+                header_tensor(a, n) for a, n in zip(out.arrays, out.names, strict=True)
+            ],
         )
         yield pb.PullChunk(header=header)
-        yield from iter_raw_chunks(arrays, self.chunk_bytes)
+        yield from iter_raw_chunks(out.arrays, self.chunk_bytes)
 
     # -- apply ---------------------------------------------------------------------
     def _apply(self, req: pb.ApplyRequest, inputs: list[Array]) -> list[Array]:
@@ -331,14 +329,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         yield from iter_raw_chunks(outputs, self.chunk_bytes)
 
     # -- workers and saving ----------------------------------------------------------
-    def _lease(self, g: Group) -> pb.LeaseResponse:
-        with g.cond:
-            return pb.LeaseResponse(
-                lease_seconds=g.lease_seconds,
-                update_count=g.update_count,
-                live_workers=g.live_workers(),
-                quorum=g.quorum() if g.consistency.mode == "sync" else 0,
-            )
+    def _lease(self, lease: LeaseView) -> pb.LeaseResponse:
+        return pb.LeaseResponse(
+            lease_seconds=lease.lease_seconds,
+            update_count=lease.update_count,
+            live_workers=lease.live_workers,
+            quorum=lease.quorum,
+        )
 
     @_unary
     def JoinGroup(self, request: pb.JoinRequest, context: Any) -> pb.LeaseResponse:
@@ -360,8 +357,5 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 "this server keeps no data directory (started with --durability none):"
                 " start it with --data-dir and --durability snapshot or wal to save"
             )
-        return self._save()
-
-
-# Names kept importable for the checks above.
-_ = (ResourceExhausted, TensorFormatError)
+        saved = self._save()
+        return pb.SaveResponse(path=saved.path, groups=saved.groups, bytes=saved.bytes)

@@ -4,7 +4,9 @@ A group is one ONNX training node: operator and attributes, learning rate R, upd
 count T, and ordered tensors X_1..X_n with their V/H, all of one dtype. Each group has
 its own lock (a condition variable, so pulls can wait for a version), so different
 groups step concurrently. A push is atomic: every gradient is validated before any
-state changes; then every tensor steps and T advances.
+state changes; then every tensor steps and T advances. Only the store touches a
+group: callers get frozen records (``GroupView``, ``PullResult``, ``LeaseView``,
+``PushOutcome``) and, for a push, a ``PushTicket`` from ``validate_push``.
 
 Consistency is chosen per group:
 
@@ -17,18 +19,27 @@ Consistency is chosen per group:
 
 Exactly-once: a push carries (client_id, seq); the last ``DEDUP_WINDOW`` results per
 client are remembered and a repeated push is answered with its first result.
+
+Durability: every change is logged to the ``Journal`` given to ``set_journal`` (its
+records are numbered by ``lsn``) and the call returns once its record is durable. The
+``replay_*`` methods redo logged changes without logging them again.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from onnxps.client.image import GroupImage
 
 from ._group import (
     DEDUP_WINDOW,
@@ -36,14 +47,18 @@ from ._group import (
     Consistency,
     DeadlineExceeded,
     Group,
+    GroupCapture,
+    GroupRuntime,
+    GroupView,
     Journal,
+    LeaseView,
+    PullResult,
     PushOutcome,
     StoreLimits,
+    WorkerLease,
     all_finite,
     check_name,
     combine_contributions,
-    copy_into,
-    group_definition,
 )
 from .errors import (
     AlreadyExists,
@@ -59,18 +74,86 @@ __all__ = [
     "DEDUP_WINDOW",
     "Consistency",
     "DeadlineExceeded",
-    "Group",
+    "GroupCapture",
+    "GroupRuntime",
+    "GroupView",
     "Journal",
+    "LeaseView",
     "ParameterStore",
+    "PullResult",
     "PushOutcome",
+    "PushTicket",
     "StoreLimits",
+    "WorkerLease",
     "combine_contributions",
-    "group_definition",
 ]
 
 log = logging.getLogger("onnxps.store")
 
 Array = np.ndarray[Any, Any]
+Spec = tuple[np.dtype[Any], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class PushTicket:
+    """A push header the store accepted: its gradients may now be read and pushed."""
+
+    group: str
+    names: tuple[str, ...]  # the group's tensor names, in gradient order
+    _group: Group = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class _PushRequest:
+    """How a push is identified (exactly-once) and what it asks besides its grads."""
+
+    client_id: str
+    seq: int  # the client's push number, not a log position
+    base_version: int | None
+    learning_rate: float | None
+
+    def record(self, group: str) -> dict[str, Any]:
+        return {
+            "op": "push",
+            "group": group,
+            "client_id": self.client_id,
+            "seq": self.seq,
+            "base_version": self.base_version,
+            "lr": self.learning_rate,
+        }
+
+
+class _JournalEntry:
+    """The records one store call logs; the call waits for them after its locks."""
+
+    def __init__(self, journal: Journal | None) -> None:
+        self._journal = journal
+        self._lsn: int | None = None
+
+    def log(
+        self, record: dict[str, Any], arrays: Sequence[Array] = (), *, wait: bool = True
+    ) -> None:
+        if self._journal is not None:
+            lsn = self._journal.log(record, arrays)
+            if wait:
+                self._lsn = lsn
+
+    def wait(self) -> None:
+        if self._journal is not None and self._lsn is not None:
+            self._journal.wait(self._lsn)
+
+
+def _quorum_reached(g: Group) -> bool:
+    return bool(g.pending) and len(g.pending) >= g.quorum()
+
+
+def _logged_step_due(g: Group) -> bool:
+    # Replay steps where the log says a step was taken: the sync_step record precedes
+    # the push that triggered it, so wait for that many contributions.
+    if g.replay_step is None or len(g.pending) < g.replay_step:
+        return False
+    g.replay_step = None
+    return True
 
 
 class ParameterStore:
@@ -81,19 +164,24 @@ class ParameterStore:
         limits: StoreLimits | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        journal: Journal | None = None,
     ) -> None:
         self.limits = limits or StoreLimits()
         self._groups: dict[str, Group] = {}
         self._lock = threading.Lock()
         self._clock = clock
-        self.journal: Journal | None = None
-        self.replaying = False
+        self._journal = journal
+        self._incarnations = itertools.count(1)
         self._closed = False
         self._draining = False
         self._reaper: threading.Thread | None = None
         self._stop = threading.Event()
 
     # -- lifecycle -----------------------------------------------------------------
+    def set_journal(self, journal: Journal | None) -> None:
+        """Log every change from now on to ``journal`` (None: stop logging)."""
+        self._journal = journal
+
     def start(self, interval: float = 0.1) -> None:
         """Start the lease reaper, which lets a sync step go on without dead workers."""
         if self._reaper is None:
@@ -112,46 +200,61 @@ class ParameterStore:
         sync push waiting for its step) does not hold the drain for its whole grace.
         """
         self._draining = True
-        for g in self.groups():
-            with g.cond:
-                g.cond.notify_all()
+        self._wake_all()
 
     def close(self) -> None:
         self._closed = True
         self._stop.set()
         if self._reaper is not None:
             self._reaper.join(timeout=5)
-        for g in self.groups():
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        for g in self._live():
             with g.cond:
                 g.cond.notify_all()
 
     def _reap_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
-            for g in self.groups():
-                self._reap(g)
+            self.reap_leases()
 
-    def _reap(self, g: Group) -> None:
-        with g.cond:
-            if g.deleted or not g.workers:
-                return
-            if g.expire_leases(self._clock()):
-                self._maybe_sync_step(g)
-                g.cond.notify_all()
+    def reap_leases(self) -> None:
+        """Drop expired leases now; a sync step that no longer needs them is taken."""
+        for g in self._live():
+            with self._journaled() as journal, g.cond:
+                if not g.deleted and g.workers and g.expire_leases(self._clock()):
+                    self._maybe_sync_step(g, journal)
+                    g.cond.notify_all()
 
     # -- groups --------------------------------------------------------------------
-    def groups(self, prefix: str = "") -> list[Group]:
+    def _live(self, prefix: str = "") -> list[Group]:
         with self._lock:
             return [g for n, g in sorted(self._groups.items()) if n.startswith(prefix)]
 
-    def get(self, name: str) -> Group:
+    def _group(self, name: str) -> Group:
         with self._lock:
             g = self._groups.get(name)
         if g is None:
             raise NotFound(f"no group named {name!r}; create it first")
         return g
 
+    def groups(self, prefix: str = "") -> list[GroupView]:
+        """Every group whose name starts with ``prefix``, by name."""
+        views = []
+        for g in self._live(prefix):
+            with g.cond:
+                if not g.deleted:
+                    views.append(g.view(self._clock()))
+        return views
+
+    def describe(self, name: str) -> GroupView:
+        g = self._group(name)
+        with g.cond:
+            self._check_live(g)
+            return g.view(self._clock())
+
     def total_state_bytes(self) -> int:
-        return sum(g.state_bytes for g in self.groups())
+        return sum(v.state_bytes for v in self.groups())
 
     def create_group(
         self,
@@ -165,55 +268,13 @@ class ParameterStore:
         state: Sequence[Array] | None = None,
         update_count: int = 0,
         lease_seconds: float | None = None,
-    ) -> Group:
+    ) -> GroupView:
         self._check_open()
-        check_name(name)
-        if not tensors:
-            raise InvalidArgument(f"group {name!r} needs at least one tensor")
-        if not math.isfinite(learning_rate):
-            raise InvalidArgument(f"learning_rate must be finite, got {learning_rate}")
-        if update_count < 0:
-            raise InvalidArgument(f"update_count must be >= 0, got {update_count}")
-        seen: set[str] = set()
-        dtype = np.dtype(tensors[0][1].dtype)
-        if dtype not in STATE_DTYPES:
-            raise InvalidArgument(
-                f"group tensors must be float32 or float64, got {dtype} for "
-                f"{tensors[0][0]!r}"
-            )
-        for tname, arr in tensors:
-            check_name(tname, "tensor name")
-            if tname in seen:
-                raise InvalidArgument(f"tensor name {tname!r} appears twice")
-            seen.add(tname)
-            if arr.dtype != dtype:
-                raise InvalidArgument(
-                    f"a group has one dtype: {tensors[0][0]!r} is {dtype}, "
-                    f"{tname!r} is {arr.dtype}"
-                )
-            if not allow_non_finite and not all_finite(arr):
-                raise InvalidArgument(
-                    f"initial value of {tname!r} holds NaN or inf; pass "
-                    "allow_non_finite=True to keep it"
-                )
-        n = len(tensors)
-        if state is not None and len(state) not in (0, n * len(attrs.state_names)):
-            raise InvalidArgument(
-                f"{attrs.op} state is {', '.join(attrs.state_names)} for each of the "
-                f"{n} tensors: {n * len(attrs.state_names)} arrays, got {len(state)}"
-            )
-        if state:
-            for j, arr in enumerate(state):
-                tname, x = tensors[j % n]
-                sname = attrs.state_names[j // n]
-                if arr.dtype != dtype or arr.shape != x.shape:
-                    raise InvalidArgument(
-                        f"state {sname} of {tname!r} must be {dtype} {x.shape}, got "
-                        f"{arr.dtype} {arr.shape}"
-                    )
+        _check_definition(name, tensors, learning_rate, update_count)
+        dtype = _check_tensors(tensors, allow_non_finite)
+        _check_state(attrs, tensors, dtype, state)
         group_bytes = sum(a.nbytes for _, a in tensors) * (1 + len(attrs.state_names))
         self.check_group_size(group_bytes)
-        lease = lease_seconds or self.limits.default_lease_seconds
         group = Group(
             name,
             attrs,
@@ -221,42 +282,22 @@ class ParameterStore:
             tensors,
             consistency=consistency or Consistency(),
             allow_non_finite=allow_non_finite,
-            lease_seconds=lease,
+            lease_seconds=lease_seconds or self.limits.default_lease_seconds,
+            incarnation=next(self._incarnations),
             state=state or None,
             update_count=update_count,
         )
-        with self._lock:
-            if name in self._groups:
-                raise AlreadyExists(
-                    f"group {name!r} exists already; delete it first or pick another "
-                    "name"
-                )
-            if self.limits.max_groups and len(self._groups) >= self.limits.max_groups:
-                raise ResourceExhausted(
-                    f"the server holds its limit of {self.limits.max_groups} groups"
-                )
-            total = sum(g.state_bytes for g in self._groups.values()) + group_bytes
-            if self.limits.max_total_bytes and total > self.limits.max_total_bytes:
-                raise ResourceExhausted(
-                    f"group {name!r} needs {group_bytes} bytes; the server would hold "
-                    f"{total}, over its limit of {self.limits.max_total_bytes}"
-                )
+        with self._journaled() as journal, self._lock:
+            self._check_room(name, group_bytes)
             self._groups[name] = group
-            ticket = None
-            if self.journal is not None and not self.replaying:
-                ticket = self._log_create(group)
-        if ticket is not None and self.journal is not None:
-            self.journal.wait(ticket)
-        log.info(
-            "created group %s: %s %s, %d tensors, %d elements, T=%d",
-            name,
-            attrs.op,
-            group.dtype,
-            n,
-            group.element_count,
-            group.update_count,
-        )
-        return group
+            if self._journal is not None:
+                # The full definition and initial arrays, so replay can recreate it.
+                with group.cond:
+                    image = group.image()
+                record = {"op": "create", "group": name, "image": image.to_json()}
+                journal.log(record, image.arrays)
+        _log_group("created", group)
+        return group.view(self._clock())
 
     def check_group_size(self, group_bytes: int) -> None:
         limit = self.limits.max_group_bytes
@@ -266,51 +307,63 @@ class ParameterStore:
                 f"server's limit of {limit} bytes per group"
             )
 
-    def _log_create(self, group: Group) -> int:
-        # The full definition and initial tensors, so replay can recreate the group.
-        assert self.journal is not None
-        record = {"op": "create", **group_definition(group)}
-        with group.cond:
-            return self.journal.log(record, group.copy_values(True))
+    def _check_room(self, name: str, group_bytes: int) -> None:
+        """Under the store's lock: the name is free and the server has room."""
+        if name in self._groups:
+            raise AlreadyExists(
+                f"group {name!r} exists already; delete it first or pick another name"
+            )
+        if self.limits.max_groups and len(self._groups) >= self.limits.max_groups:
+            raise ResourceExhausted(
+                f"the server holds its limit of {self.limits.max_groups} groups"
+            )
+        total = sum(g.state_bytes for g in self._groups.values()) + group_bytes
+        if self.limits.max_total_bytes and total > self.limits.max_total_bytes:
+            raise ResourceExhausted(
+                f"group {name!r} needs {group_bytes} bytes; the server would hold "
+                f"{total}, over its limit of {self.limits.max_total_bytes}"
+            )
 
     def delete_group(self, name: str) -> bool:
         self._check_open()
+        return self._delete(name, replay=False)
+
+    def _delete(self, name: str, *, replay: bool) -> bool:
         with self._lock:
             g = self._groups.pop(name, None)
         if g is None:
             raise NotFound(f"no group named {name!r}")
-        with g.cond:
+        with self._journaled(replay) as journal, g.cond:
             g.deleted = True
-            ticket = None
-            if self.journal is not None and not self.replaying:
-                ticket = self.journal.log({"op": "delete", "group": name}, [])
+            journal.log({"op": "delete", "group": name})
             g.cond.notify_all()
-        if ticket is not None and self.journal is not None:
-            self.journal.wait(ticket)
         log.info("deleted group %s", name)
         return True
 
-    def set_learning_rate(self, name: str, learning_rate: float) -> Group:
+    def set_learning_rate(self, name: str, learning_rate: float) -> GroupView:
         self._check_open()
-        if not math.isfinite(learning_rate):
-            raise InvalidArgument(f"learning_rate must be finite, got {learning_rate}")
-        g = self.get(name)
-        with g.cond:
+        return self._set_learning_rate(name, learning_rate, replay=False)
+
+    def _set_learning_rate(
+        self, name: str, learning_rate: float, *, replay: bool
+    ) -> GroupView:
+        _check_learning_rate(learning_rate)
+        g = self._group(name)
+        with self._journaled(replay) as journal, g.cond:
             self._check_live(g)
             g.learning_rate = float(learning_rate)
-            ticket = None
-            if self.journal is not None and not self.replaying:
-                record = {"op": "set_lr", "group": name, "lr": float(learning_rate)}
-                ticket = self.journal.log(record, [])
-        if ticket is not None and self.journal is not None:
-            self.journal.wait(ticket)
-        return g
+            journal.log({"op": "set_lr", "group": name, "lr": float(learning_rate)})
+            return g.view(self._clock())
 
     # -- push ----------------------------------------------------------------------
-    def validate_push_header(
-        self, g: Group, specs: Sequence[tuple[np.dtype[Any], tuple[int, ...]]]
-    ) -> None:
-        """Check gradient count, dtypes and shapes before any bytes are read."""
+    def validate_push(self, name: str, specs: Iterable[Spec]) -> PushTicket:
+        """Check gradient count, dtypes and shapes before any bytes are read.
+
+        ``specs`` is read after the group is found: an unknown group is NOT_FOUND
+        even when the header is malformed too (pass a generator that parses it).
+        """
+        g = self._group(name)
+        specs = list(specs)
         n = len(g.shapes)
         if len(specs) != n:
             raise InvalidArgument(
@@ -328,10 +381,11 @@ class ParameterStore:
                     f"gradient {i + 1} ({g.names[i]!r}) must have shape "
                     f"{g.shapes[i]}, got {tuple(shape)}"
                 )
+        return PushTicket(g.name, g.names, g)
 
     def push(
         self,
-        name: str,
+        group: str | PushTicket,
         grads: Sequence[Array],
         *,
         client_id: str = "",
@@ -341,113 +395,117 @@ class ParameterStore:
         return_values: bool = False,
         timeout: float | None = None,
     ) -> PushOutcome:
+        """Push gradients G_1..G_n; ``group`` is a name or a ticket for these grads.
+
+        ``(client_id, seq)`` identifies the push for exactly-once delivery.
+        """
         self._check_open()
-        g = self.get(name)
-        self.validate_push_header(g, [(a.dtype, a.shape) for a in grads])
-        if learning_rate is not None and not math.isfinite(learning_rate):
-            raise InvalidArgument(f"learning_rate must be finite, got {learning_rate}")
-        if not g.allow_non_finite:
-            for i, a in enumerate(grads):
-                if not all_finite(a):
-                    raise InvalidArgument(
-                        f"gradient {i + 1} ({g.names[i]!r}) holds NaN or inf, which "
-                        f"would poison group {name!r} for good; fix the worker, or "
-                        "create the group with allow_non_finite=True"
-                    )
-        ticket = None
-        with g.cond:
+        ticket = self._ticket(group, grads)
+        self._check_values(ticket, grads, learning_rate)
+        request = _PushRequest(client_id, seq, base_version, learning_rate)
+        return self._push(ticket._group, grads, request, return_values, timeout)
+
+    def _ticket(self, group: str | PushTicket, grads: Sequence[Array]) -> PushTicket:
+        if isinstance(group, PushTicket):
+            return group
+        return self.validate_push(group, [(a.dtype, a.shape) for a in grads])
+
+    def _check_values(
+        self, ticket: PushTicket, grads: Sequence[Array], learning_rate: float | None
+    ) -> None:
+        if learning_rate is not None:
+            _check_learning_rate(learning_rate)
+        if ticket._group.allow_non_finite:
+            return
+        for i, a in enumerate(grads):
+            if not all_finite(a):
+                raise InvalidArgument(
+                    f"gradient {i + 1} ({ticket.names[i]!r}) holds NaN or inf, which "
+                    f"would poison group {ticket.group!r} for good; fix the worker, or "
+                    "create the group with allow_non_finite=True"
+                )
+
+    def _push(
+        self,
+        g: Group,
+        grads: Sequence[Array],
+        request: _PushRequest,
+        return_values: bool = False,
+        timeout: float | None = None,
+        *,
+        replay: bool = False,
+    ) -> PushOutcome:
+        with self._journaled(replay) as journal, g.cond:
             self._check_live(g)
-            cached = self._dedup_lookup(g, client_id, seq)
+            cached = self._dedup_lookup(g, request.client_id, request.seq)
             if cached is not None:
                 outcome = PushOutcome(cached[0], cached[1], duplicate=True)
             else:
-                outcome = self._push_locked(
-                    g, grads, client_id, seq, base_version, learning_rate
-                )
-                if self.journal is not None and not self.replaying:
-                    record = {
-                        "op": "push",
-                        "group": name,
-                        "client_id": client_id,
-                        "seq": seq,
-                        "base_version": base_version,
-                        "lr": learning_rate,
-                    }
-                    ticket = self.journal.log(record, grads)
+                due = _logged_step_due if replay else _quorum_reached
+                outcome = self._step_or_buffer(g, grads, request, journal, due)
+                journal.log(request.record(g.name), grads)
             if return_values:
                 if not outcome.applied:
                     self._wait_version(g, outcome.update_count + 1, timeout)
-                outcome.values = g.copy_values(False)
-        if ticket is not None and self.journal is not None:
-            self.journal.wait(ticket)
+                values = tuple(g.copy_values(False))
+                outcome = dataclasses.replace(outcome, values=values)
+            return outcome
+
+    def _step_or_buffer(
+        self,
+        g: Group,
+        grads: Sequence[Array],
+        request: _PushRequest,
+        journal: _JournalEntry,
+        due: Callable[[Group], bool],
+    ) -> PushOutcome:
+        _check_base_version(g, request.base_version)
+        if g.consistency.mode == "async":
+            g.step(grads, request.learning_rate)
+            outcome = PushOutcome(g.update_count, True)
+        else:
+            outcome = self._buffer(g, grads, request.client_id, journal, due)
+        if request.client_id:
+            self._dedup_store(g, request.client_id, request.seq, outcome)
+        g.cond.notify_all()
         return outcome
 
-    def _push_locked(
+    def _buffer(
         self,
         g: Group,
         grads: Sequence[Array],
         client_id: str,
-        seq: int,
-        base_version: int | None,
-        learning_rate: float | None,
+        journal: _JournalEntry,
+        due: Callable[[Group], bool],
     ) -> PushOutcome:
+        """A sync push: buffer the contribution; step if it completes the quorum."""
         t = g.update_count
-        if base_version is not None and base_version > t:
-            raise InvalidArgument(
-                f"push computed against T={base_version}, but group {g.name!r} is "
-                f"only at T={t}: base_version must be a T the worker pulled"
+        g.expire_leases(self._clock())
+        key = client_id or f"~anonymous-{len(g.pending)}-{time.monotonic_ns()}"
+        if key in g.pending:
+            raise FailedPrecondition(
+                f"client {client_id!r} already pushed for step T={t} of sync group "
+                f"{g.name!r}; wait for the step (pull min_version={t + 1})"
             )
-        c = g.consistency
-        if c.mode == "async":
-            s = c.max_staleness
-            if base_version is not None and s is not None and base_version < t - s:
-                raise FailedPrecondition(
-                    f"stale push to {g.name!r}: computed against T={base_version}, the "
-                    f"group is at T={t} and max_staleness={s} accepts T >= {t - s}; "
-                    "pull and recompute"
-                )
-            g.step(grads, learning_rate)
-            outcome = PushOutcome(g.update_count, True)
-        else:
-            if base_version is not None and base_version < t:
-                raise FailedPrecondition(
-                    f"stale push to sync group {g.name!r}: computed against "
-                    f"T={base_version}, but that step was already taken (T={t}); pull "
-                    f"min_version={t} and recompute"
-                )
-            g.expire_leases(self._clock())
-            key = client_id or f"~anonymous-{len(g.pending)}-{time.monotonic_ns()}"
-            if key in g.pending:
-                raise FailedPrecondition(
-                    f"client {client_id!r} already pushed for step T={t} of sync group "
-                    f"{g.name!r}; wait for the step (pull min_version={t + 1})"
-                )
-            g.pending[key] = [np.array(a, dtype=g.dtype, order="C") for a in grads]
-            outcome = PushOutcome(t, False)
-            if self._maybe_sync_step(g):
-                outcome = PushOutcome(g.update_count, True)
-        if client_id:
-            self._dedup_store(g, client_id, seq, outcome)
-        g.cond.notify_all()
-        return outcome
+        g.pending[key] = [np.array(a, dtype=g.dtype, order="C") for a in grads]
+        if self._maybe_sync_step(g, journal, due):
+            return PushOutcome(g.update_count, True)
+        return PushOutcome(t, False)
 
-    def _maybe_sync_step(self, g: Group) -> bool:
-        if self.replaying:
-            # Replay steps where the log says a step was taken: the sync_step record
-            # precedes the push that triggered it, so wait for that many contributions.
-            if g.replay_step is None or len(g.pending) < g.replay_step:
-                return False
-            g.replay_step = None
-        elif not g.pending or len(g.pending) < g.quorum():
+    def _maybe_sync_step(
+        self,
+        g: Group,
+        journal: _JournalEntry,
+        due: Callable[[Group], bool] = _quorum_reached,
+    ) -> bool:
+        if not due(g):
             return False
         combined = combine_contributions(g.pending, g.consistency.reduction, g.dtype)
         contributors = sorted(g.pending)
         g.pending = {}
         g.step(combined, None)
-        if self.journal is not None and not self.replaying:
-            self.journal.log(
-                {"op": "sync_step", "group": g.name, "contributors": contributors}, []
-            )
+        record = {"op": "sync_step", "group": g.name, "contributors": contributors}
+        journal.log(record, wait=False)
         g.cond.notify_all()
         return True
 
@@ -486,29 +544,19 @@ class ParameterStore:
         with_state: bool = False,
         min_version: int | None = None,
         timeout: float | None = None,
-    ) -> tuple[int, list[Array], float]:
+    ) -> PullResult:
         self._check_open()
-        g = self.get(name)
+        g = self._group(name)
         with g.cond:
             self._check_live(g)
             if min_version is not None:
                 self._wait_version(g, min_version, timeout)
-            return g.update_count, g.copy_values(with_state), g.learning_rate
-
-    def read_locked(
-        self,
-        name: str,
-        min_version: int | None,
-        timeout: float | None,
-        reader: Callable[[Group], Any],
-    ) -> Any:
-        """Run ``reader`` on the group under its lock (after waiting for a version)."""
-        g = self.get(name)
-        with g.cond:
-            self._check_live(g)
-            if min_version is not None:
-                self._wait_version(g, min_version, timeout)
-            return reader(g)
+            return PullResult(
+                g.update_count,
+                g.learning_rate,
+                tuple(g.copy_values(with_state)),
+                g.array_names(with_state),
+            )
 
     def _wait_version(self, g: Group, version: int, timeout: float | None) -> None:
         deadline = None if timeout is None else self._clock() + timeout
@@ -528,17 +576,17 @@ class ParameterStore:
             g.cond.wait(timeout=0.5 if remaining is None else min(remaining, 0.5))
 
     # -- workers -------------------------------------------------------------------
-    def join(self, name: str, worker_id: str) -> Group:
+    def join(self, name: str, worker_id: str) -> LeaseView:
         """Join or renew a worker's lease (a heartbeat of an unknown worker joins)."""
         self._check_open()
         check_name(worker_id, "worker id")
-        g = self.get(name)
-        with g.cond:
+        g = self._group(name)
+        with self._journaled() as journal, g.cond:
             self._check_live(g)
             # A heartbeat may be the first to see a lease run out: the quorum shrinks
             # here, so the pending step may be due now (the reaper will not retry it).
-            if g.expire_leases(self._clock()) and self._maybe_sync_step(g):
-                g.cond.notify_all()
+            if g.expire_leases(self._clock()):
+                self._maybe_sync_step(g, journal)
             if worker_id not in g.workers:
                 if worker_id in g.dead:
                     log.info("group %s: worker %s rejoined", name, worker_id)
@@ -546,91 +594,107 @@ class ParameterStore:
                     log.info("group %s: worker %s joined", name, worker_id)
             g.dead.discard(worker_id)
             g.workers[worker_id] = self._clock() + g.lease_seconds
-            return g
+            return g.lease_view()
 
-    def leave(self, name: str, worker_id: str) -> Group:
-        g = self.get(name)
-        with g.cond:
+    def leave(self, name: str, worker_id: str) -> LeaseView:
+        g = self._group(name)
+        with self._journaled() as journal, g.cond:
             self._check_live(g)
             if g.workers.pop(worker_id, None) is not None:
                 g.dead.add(worker_id)
                 log.info("group %s: worker %s left", name, worker_id)
-                self._maybe_sync_step(g)
+                self._maybe_sync_step(g, journal)
                 g.cond.notify_all()
-            return g
+            return g.lease_view()
 
     # -- durability ----------------------------------------------------------------
     def capture(
         self,
-        g: Group,
-        journal_seq: Callable[[], int] | None = None,
+        current_lsn: Callable[[], int] = lambda: 0,
         scratch: Callable[[int], Array] | None = None,
-    ) -> dict[str, Any] | None:
-        """A copy of the group's whole state taken under its lock (None if deleted).
+    ) -> Iterator[GroupCapture]:
+        """Each group's image and runtime state, one group at a time, by name.
 
-        ``journal_seq`` is read under the same lock: every journal record of this group
-        up to that sequence number is in the copy, and none after it. ``scratch(n)``
-        may lend a reusable uint8 buffer of at least n bytes for X, V and H: copying
-        into memory already touched is several times faster than into fresh pages,
-        and the lock is held for the copy.
+        A group is copied under its lock when the consumer asks for it, so a caller
+        that writes each capture before taking the next can lend one ``scratch(n)``
+        buffer (at least n bytes) for them all: copying into memory already touched
+        is several times faster than into fresh pages, and the lock is held for the
+        copy. ``current_lsn`` is read under the same lock: every journal record of
+        the group up to that lsn is in the copy, and none after it.
         """
-        with g.cond:
-            if g.deleted:
-                return None
-            return {
-                **group_definition(g),
-                "covered_seq": journal_seq() if journal_seq is not None else 0,
-                "arrays": copy_into(g, scratch) if scratch else g.copy_values(True),
-                "workers": sorted(g.workers),
-                "dead": sorted(g.dead),
-                "pending": {k: [a.copy() for a in v] for k, v in g.pending.items()},
-                "dedup": {
-                    cid: (w.floor, [(s, t, a) for s, (t, a) in w.results.items()])
-                    for cid, w in g.dedup.items()
-                },
-            }
+        for g in self._live():
+            with g.cond:
+                if g.deleted:
+                    continue
+                captured = GroupCapture(g.image(scratch), g.runtime(current_lsn()))
+            yield captured
 
-    def install(self, image: Mapping[str, Any]) -> Group:
-        """Recreate a captured group (at start, before serving) with all its state."""
-        attrs = make_attrs(image["optimizer"], image["attrs"])
-        n = len(image["names"])
-        arrays = list(image["arrays"])
-        g = Group(
-            image["group"],
-            attrs,
-            image["learning_rate"],
-            list(zip(image["names"], arrays[:n], strict=True)),
-            consistency=Consistency(**image["consistency"]),
-            allow_non_finite=image["allow_non_finite"],
-            lease_seconds=image["lease_seconds"],
-            state=arrays[n:] or None,
-            update_count=image["update_count"],
-            adopt=True,
-        )
-        now = self._clock()
-        g.workers = dict.fromkeys(image.get("workers", ()), now + g.lease_seconds)
-        g.dead = set(image.get("dead", ()))
-        g.pending = {k: list(v) for k, v in image.get("pending", {}).items()}
-        for cid, (floor, rows) in image.get("dedup", {}).items():
-            w = g.dedup[cid] = ClientWindow(floor=int(floor))
-            for s, t, a in rows:
-                w.results[int(s)] = (int(t), bool(a))
+    def install(
+        self, image: GroupImage, runtime: GroupRuntime | None = None
+    ) -> GroupView:
+        """Recreate a saved group with all its state (at start, before serving).
+
+        The one path from a saved form back to a group: snapshot restore and the
+        replay of a logged create. The arrays are taken over without a copy.
+        """
+        d = image.definition
+        attrs = make_attrs(d.optimizer, d.attributes)
+        g = Group.from_image(image, attrs, next(self._incarnations))
+        if runtime is not None:
+            g.restore_runtime(runtime, self._clock())
         with self._lock:
+            if g.name in self._groups:
+                raise AlreadyExists(
+                    f"group {g.name!r} exists already; delete it first or pick "
+                    "another name"
+                )
             self._groups[g.name] = g
-        log.info(
-            "restored group %s: %s %s, %d tensors, %d elements, T=%d",
-            g.name, attrs.op, g.dtype, n, g.element_count, g.update_count,
-        )  # fmt: skip
-        return g
+        _log_group("restored", g)
+        return g.view(self._clock())
+
+    def replay_create(self, image: GroupImage) -> None:
+        self.install(image)
+
+    def replay_push(
+        self,
+        name: str,
+        grads: Sequence[Array],
+        *,
+        client_id: str,
+        seq: int,
+        base_version: int | None,
+        learning_rate: float | None,
+    ) -> PushOutcome:
+        ticket = self._ticket(name, grads)
+        self._check_values(ticket, grads, learning_rate)
+        request = _PushRequest(client_id, seq, base_version, learning_rate)
+        return self._push(ticket._group, grads, request, replay=True)
 
     def replay_sync_step(self, name: str, contributors: int) -> None:
         """Replay a logged sync step: it is taken once that many pushes are buffered."""
-        g = self.get(name)
+        g = self._group(name)
         with g.cond:
             g.replay_step = contributors
-            self._maybe_sync_step(g)
+            self._maybe_sync_step(g, _JournalEntry(None), _logged_step_due)
+
+    def replay_set_learning_rate(self, name: str, learning_rate: float) -> None:
+        self._set_learning_rate(name, learning_rate, replay=True)
+
+    def replay_delete(self, name: str) -> None:
+        self._delete(name, replay=True)
 
     # -- helpers -------------------------------------------------------------------
+    @contextmanager
+    def _journaled(self, replay: bool = False) -> Iterator[_JournalEntry]:
+        """Collects what the block logs; waits for it to be durable after the block.
+
+        Enter it before the lock the records are logged under, so the wait happens
+        after that lock is released. A replayed change is not logged again.
+        """
+        entry = _JournalEntry(None if replay else self._journal)
+        yield entry
+        entry.wait()
+
     def _check_open(self) -> None:
         if self._closed:
             raise Unavailable("the server is shutting down; retry on another server")
@@ -640,3 +704,106 @@ class ParameterStore:
             raise NotFound(f"group {g.name!r} was deleted")
         if self._closed:
             raise Unavailable("the server is shutting down; retry on another server")
+
+
+def _log_group(what: str, g: Group) -> None:
+    log.info(
+        "%s group %s: %s %s, %d tensors, %d elements, T=%d",
+        what, g.name, g.attrs.op, g.dtype, len(g.names), g.element_count,
+        g.update_count,
+    )  # fmt: skip
+
+
+def _check_learning_rate(learning_rate: float) -> None:
+    if not math.isfinite(learning_rate):
+        raise InvalidArgument(f"learning_rate must be finite, got {learning_rate}")
+
+
+def _check_definition(
+    name: str,
+    tensors: Sequence[tuple[str, Array]],
+    learning_rate: float,
+    update_count: int,
+) -> None:
+    check_name(name)
+    if not tensors:
+        raise InvalidArgument(f"group {name!r} needs at least one tensor")
+    _check_learning_rate(learning_rate)
+    if update_count < 0:
+        raise InvalidArgument(f"update_count must be >= 0, got {update_count}")
+
+
+def _check_tensors(
+    tensors: Sequence[tuple[str, Array]], allow_non_finite: bool
+) -> np.dtype[Any]:
+    """Names unique, one float dtype, finite unless allowed; returns the dtype."""
+    first, dtype = tensors[0][0], np.dtype(tensors[0][1].dtype)
+    if dtype not in STATE_DTYPES:
+        raise InvalidArgument(
+            f"group tensors must be float32 or float64, got {dtype} for {first!r}"
+        )
+    seen: set[str] = set()
+    for tname, arr in tensors:
+        check_name(tname, "tensor name")
+        if tname in seen:
+            raise InvalidArgument(f"tensor name {tname!r} appears twice")
+        seen.add(tname)
+        if arr.dtype != dtype:
+            raise InvalidArgument(
+                f"a group has one dtype: {first!r} is {dtype}, {tname!r} is {arr.dtype}"
+            )
+        if not allow_non_finite and not all_finite(arr):
+            raise InvalidArgument(
+                f"initial value of {tname!r} holds NaN or inf; pass "
+                "allow_non_finite=True to keep it"
+            )
+    return dtype
+
+
+def _check_state(
+    attrs: OptimizerAttrs,
+    tensors: Sequence[tuple[str, Array]],
+    dtype: np.dtype[Any],
+    state: Sequence[Array] | None,
+) -> None:
+    """Either no state (zeros) or every V/H of every tensor, each shaped like X."""
+    if not state:
+        return
+    n, names = len(tensors), attrs.state_names
+    if len(state) != n * len(names):
+        raise InvalidArgument(
+            f"{attrs.op} state is {', '.join(names)} for each of the "
+            f"{n} tensors: {n * len(names)} arrays, got {len(state)}"
+        )
+    for j, arr in enumerate(state):
+        tname, x = tensors[j % n]
+        if arr.dtype != dtype or arr.shape != x.shape:
+            raise InvalidArgument(
+                f"state {names[j // n]} of {tname!r} must be {dtype} {x.shape}, got "
+                f"{arr.dtype} {arr.shape}"
+            )
+
+
+def _check_base_version(g: Group, base_version: int | None) -> None:
+    """A push's T must be one the worker pulled, and fresh enough for the group."""
+    if base_version is None:
+        return
+    t = g.update_count
+    if base_version > t:
+        raise InvalidArgument(
+            f"push computed against T={base_version}, but group {g.name!r} is "
+            f"only at T={t}: base_version must be a T the worker pulled"
+        )
+    s = g.consistency.max_staleness
+    if g.consistency.mode == "async" and s is not None and base_version < t - s:
+        raise FailedPrecondition(
+            f"stale push to {g.name!r}: computed against T={base_version}, the "
+            f"group is at T={t} and max_staleness={s} accepts T >= {t - s}; "
+            "pull and recompute"
+        )
+    if g.consistency.mode == "sync" and base_version < t:
+        raise FailedPrecondition(
+            f"stale push to sync group {g.name!r}: computed against "
+            f"T={base_version}, but that step was already taken (T={t}); pull "
+            f"min_version={t} and recompute"
+        )

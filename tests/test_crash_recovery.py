@@ -280,9 +280,9 @@ def test_disk_failure_while_snapshotting_keeps_serving(tmp_path: Path) -> None:
     assert "File too large" in log
     snaps = list_snapshots(str(data / "snapshots"))
     assert [p for _, p in snaps] == [first.path]  # the failed one left nothing behind
-    manifest, images = load_snapshot(first.path)
-    assert [im["group"] for im in images] == ["small"]
-    assert images[0]["update_count"] == 1
+    manifest, groups = load_snapshot(first.path)
+    assert [g.image.name for g in groups] == ["small"]
+    assert groups[0].image.definition.update_count == 1
 
 
 def test_disk_failure_in_the_log_keeps_serving(tmp_path: Path) -> None:

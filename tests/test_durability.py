@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 from onnxps import cli
 from onnxps.client import Adagrad, Adam, Client, Momentum, Sync
+from onnxps.client.image import GroupDefinition, GroupImage, ImageFormatError
+from onnxps.server._wal import WAL_FORMAT_VERSION, WalFormatError
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 
 F32 = np.float32
@@ -302,6 +304,53 @@ def test_torn_last_wal_record_is_ignored(
         assert c.describe_group("g").update_count == 5
 
 
+def test_a_wal_segment_of_another_format_version_is_refused(
+    tmp_path: Path, servers: Callable[[ServerConfig], ServerHandle]
+) -> None:
+    first = servers(_config(tmp_path, "wal"))
+    with Client(first.address) as c:
+        c.create_group("g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(4)})
+        c.push("g", np.ones(4))
+    _crash(first)
+    segment = sorted((tmp_path / "wal").glob("wal-*.log"))[-1]
+    data = bytearray(segment.read_bytes())
+    assert data[:8] == b"ONNXPSWL"
+    assert int.from_bytes(data[8:12], "little") == WAL_FORMAT_VERSION
+    data[8:12] = (99).to_bytes(4, "little")
+    segment.write_bytes(bytes(data))
+    with pytest.raises(WalFormatError) as err:
+        create_server(_config(tmp_path, "wal"))
+    assert str(err.value) == (
+        f"{segment}: write-ahead log format version 99, this server reads version "
+        f"{WAL_FORMAT_VERSION}; use the onnxps release that wrote it"
+    )
+
+
+def test_a_group_image_of_another_format_version_is_refused() -> None:
+    definition = GroupDefinition(
+        name="g",
+        optimizer="Adam",
+        attributes={},
+        learning_rate=0.1,
+        update_count=3,
+        dtype=np.dtype(np.float32),
+        names=("w",),
+        shapes=((2,),),
+    )
+    doc = definition.to_json()
+    assert GroupDefinition.from_json(doc) == definition
+    arrays = [np.zeros(2, F32)] * 3
+    assert GroupImage.from_json(doc, arrays).definition == definition
+    with pytest.raises(ImageFormatError, match="needs 3 arrays, got 1"):
+        GroupImage(definition, arrays[:1])
+    doc["format_version"] = 7
+    with pytest.raises(ImageFormatError) as err:
+        GroupImage.from_json(doc, arrays, "x.npz")
+    assert str(err.value) == (
+        "x.npz: group image format_version 7; this onnxps reads version 1"
+    )
+
+
 def test_unusable_data_dir_is_a_clear_error(tmp_path: Path) -> None:
     blocker = tmp_path / "regular-file"
     blocker.write_text("not a directory")
@@ -340,7 +389,7 @@ def test_only_the_last_k_snapshots_are_kept(
     # segments older than the oldest kept snapshot are gone
     segments = sorted((tmp_path / "wal").glob("wal-*.log"))
     manifest = json.loads((_snapshot_dirs(tmp_path)[0] / "manifest.json").read_text())
-    assert int(segments[0].name[4:-4]) <= manifest["wal_seq"] + 1
+    assert int(segments[0].name[4:-4]) <= manifest["wal_lsn"] + 1
     assert len(segments) <= 4
 
 
@@ -396,7 +445,9 @@ def test_export_import_round_trip_is_bit_exact(
         _assert_same_state(a, b, "team/adam")
     with np.load(path, allow_pickle=False) as z:
         meta = json.loads(z["metadata"].tobytes())
-        assert meta["format_version"] == 1
+        assert meta["format_version"] == 2
+        assert [g["format_version"] for g in meta["groups"]] == [1, 1]  # GroupImage
+        assert [g["name"] for g in meta["groups"]] == ["team/adam", "team/sync"]
         assert sorted(z.files) == ["g0/0", "g0/1", "g0/2", "g0/3", "g0/4", "g0/5"] + [
             "g1/0",
             "g1/1",

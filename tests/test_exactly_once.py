@@ -209,7 +209,7 @@ def test_a_seq_older_than_the_dedup_window_is_refused() -> None:
     grad = [np.ones(1)]
     for seq in range(1, DEDUP_WINDOW + 2):
         store.push("g", grad, client_id="w", seq=seq)
-    assert store.get("g").update_count == DEDUP_WINDOW + 1
+    assert store.describe("g").update_count == DEDUP_WINDOW + 1
     repeat = store.push("g", grad, client_id="w", seq=DEDUP_WINDOW + 1)
     assert (repeat.update_count, repeat.applied, repeat.duplicate) == (
         DEDUP_WINDOW + 1,
@@ -222,7 +222,7 @@ def test_a_seq_older_than_the_dedup_window_is_refused() -> None:
         f"push seq 1 from client 'w' is older than the {DEDUP_WINDOW} pushes "
         "remembered for it; it cannot be deduplicated"
     )
-    assert store.get("g").update_count == DEDUP_WINDOW + 1
+    assert store.describe("g").update_count == DEDUP_WINDOW + 1
     store.close()
 
 
@@ -243,5 +243,5 @@ def test_a_retry_after_its_sync_step_is_answered_not_refused_as_late() -> None:
     with pytest.raises(FailedPrecondition) as exc:
         store.push("g", [np.ones(1)], client_id="w", seq=6, base_version=0)
     assert "that step was already taken (T=1)" in str(exc.value)
-    assert store.get("g").update_count == 1
+    assert store.describe("g").update_count == 1
     store.close()
