@@ -22,6 +22,7 @@ from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 from ._codec import (
     CHUNK_BYTES,
     PROTO_TO_DTYPE,
+    SERVICE,
     TensorAssembler,
     header_tensor,
     tensor_to_array,
@@ -52,7 +53,7 @@ STREAM_THRESHOLD_BYTES = 1 << 20
 _SERVICE_CONFIG = {
     "methodConfig": [
         {
-            "name": [{"service": "onnxps.v1.ParameterServer"}],
+            "name": [{"service": SERVICE}],
             "retryPolicy": {
                 "maxAttempts": 5,
                 "initialBackoff": "0.1s",
@@ -121,8 +122,10 @@ def _optimizer_from_proto(spec: pb.OptimizerSpec) -> OptimizerSpec:
 def _group_info(msg: pb.GroupInfo) -> GroupInfo:
     c = msg.consistency
     consistency: Async | Sync
-    if c.mode == pb.SYNC:
-        consistency = Sync(c.sync_workers, "sum" if c.reduction == pb.SUM else "mean")
+    if c.mode == pb.CONSISTENCY_MODE_SYNC:
+        consistency = Sync(
+            c.sync_workers, "sum" if c.reduction == pb.REDUCTION_SUM else "mean"
+        )
     else:
         consistency = Async(c.max_staleness if c.HasField("max_staleness") else None)
     return GroupInfo(
@@ -146,7 +149,7 @@ def _group_info(msg: pb.GroupInfo) -> GroupInfo:
     )
 
 
-_SERVICE = "/onnxps.v1.ParameterServer/"
+_SERVICE = f"/{SERVICE}/"
 
 
 def _stream_methods(channel: grpc.Channel) -> dict[str, Any]:
@@ -155,22 +158,22 @@ def _stream_methods(channel: grpc.Channel) -> dict[str, Any]:
         "CreateGroupStream": channel.stream_unary(
             _SERVICE + "CreateGroupStream",
             request_serializer=serializer(2),
-            response_deserializer=pb.GroupInfo.FromString,
+            response_deserializer=pb.CreateGroupStreamResponse.FromString,
         ),
         "PushStream": channel.stream_unary(
             _SERVICE + "PushStream",
             request_serializer=serializer(2),
-            response_deserializer=pb.PushResponse.FromString,
+            response_deserializer=pb.PushStreamResponse.FromString,
         ),
         "PullStream": channel.unary_stream(
             _SERVICE + "PullStream",
-            request_serializer=pb.PullRequest.SerializeToString,
-            response_deserializer=deserializer(pb.PullChunk, 2),
+            request_serializer=pb.PullStreamRequest.SerializeToString,
+            response_deserializer=deserializer(pb.PullStreamResponse, 2),
         ),
         "ApplyStream": channel.stream_stream(
             _SERVICE + "ApplyStream",
             request_serializer=serializer(3),
-            response_deserializer=deserializer(pb.ApplyChunk, 3),
+            response_deserializer=deserializer(pb.ApplyStreamResponse, 3),
         ),
     }
 
@@ -219,7 +222,7 @@ class Client:
         self._state = _State.UNOPENED
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
-        self._stub: pb_grpc.ParameterServerStub | None = None
+        self._stub: pb_grpc.ParameterServerServiceStub | None = None
         self._streams: dict[str, Any] = {}
         # Seqs start at the wall clock in microseconds, not 1: a worker restarted with
         # the same client_id must not repeat seqs the server remembers, or its first
@@ -251,7 +254,7 @@ class Client:
         if self._channel is not None:
             self._channel.close()
 
-    def _get_stub(self) -> pb_grpc.ParameterServerStub:
+    def _get_stub(self) -> pb_grpc.ParameterServerServiceStub:
         with self._lock:
             if self._state is _State.CLOSED:
                 raise ClientClosedError("this client was closed; create a new Client")
@@ -272,7 +275,7 @@ class Client:
                     self._channel = grpc.secure_channel(self.address, creds, options)
                 else:
                     self._channel = grpc.insecure_channel(self.address, options)
-                self._stub = pb_grpc.ParameterServerStub(self._channel)
+                self._stub = pb_grpc.ParameterServerServiceStub(self._channel)
                 self._streams = _stream_methods(self._channel)
                 self._state = _State.OPEN
             return self._stub
@@ -354,7 +357,7 @@ class Client:
             req.state.extend(header_tensor(a) for a in state_arrays)
 
             def chunks() -> Iterator[Any]:
-                yield pb.CreateGroupChunk(header=req)
+                yield pb.CreateGroupStreamRequest(header=req)
                 yield from iter_raw_chunks(arrays + state_arrays, self.chunk_bytes)
 
             msg = self._call("CreateGroupStream", chunks(), timeout)
@@ -364,14 +367,13 @@ class Client:
             for a in state_arrays:
                 write_tensor(req.state.add(), a)
             msg = self._call("CreateGroup", req, timeout)
-        info = _group_info(msg)
+        info = _group_info(msg.group)
         self._sizes[name] = info.nbytes
         return info
 
     def describe_group(self, name: str, *, timeout: float | None = None) -> GroupInfo:
-        info = _group_info(
-            self._call("DescribeGroup", pb.GroupRequest(group=name), timeout)
-        )
+        req = pb.DescribeGroupRequest(group=name)
+        info = _group_info(self._call("DescribeGroup", req, timeout).group)
         self._sizes[name] = info.nbytes
         return info
 
@@ -383,14 +385,14 @@ class Client:
 
     def delete_group(self, name: str, *, timeout: float | None = None) -> bool:
         self._sizes.pop(name, None)
-        msg = self._call("DeleteGroup", pb.GroupRequest(group=name), timeout)
+        msg = self._call("DeleteGroup", pb.DeleteGroupRequest(group=name), timeout)
         return bool(msg.deleted)
 
     def set_learning_rate(
         self, name: str, learning_rate: float, *, timeout: float | None = None
     ) -> GroupInfo:
         req = pb.SetLearningRateRequest(group=name, learning_rate=learning_rate)
-        return _group_info(self._call("SetLearningRate", req, timeout))
+        return _group_info(self._call("SetLearningRate", req, timeout).group)
 
     # -- push ----------------------------------------------------------------------
     def push(
@@ -443,7 +445,7 @@ class Client:
                 write_tensor(req.gradients.add(), a)
 
         def chunks() -> Iterator[Any]:
-            yield pb.PushChunk(header=req)
+            yield pb.PushStreamRequest(header=req)
             yield from iter_raw_chunks(arrays, self.chunk_bytes)
 
         # A lost reply surfaces as DEADLINE_EXCEEDED or UNAVAILABLE; the same seq
@@ -498,14 +500,14 @@ class Client:
         timeout: float | None = None,
     ) -> tuple[int, list[Array]]:
         """(T, arrays): the tensors and the update count they belong to."""
-        req = pb.PullRequest(group=group, with_state=state)
-        if min_version is not None:
-            req.min_version = min_version
         size = self._sizes.get(group)
         if size is None and self.transport == "auto":
             size = self.describe_group(group, timeout=timeout).nbytes
         if self._use_stream(size or 0):
-            it = self._stream_call("PullStream", req, timeout)
+            stream_req = pb.PullStreamRequest(
+                group=group, with_state=state, min_version=min_version
+            )
+            it = self._stream_call("PullStream", stream_req, timeout)
             first = next(it)
             header = first.header
             names = [t.name for t in header.tensors]
@@ -513,6 +515,7 @@ class Client:
             for msg in it:
                 asm.add(msg.chunk)
             return header.update_count, asm.finish()
+        req = pb.PullRequest(group=group, with_state=state, min_version=min_version)
         msg = self._call("Pull", req, timeout)
         return msg.update_count, [
             tensor_to_array(t, t.name).copy() for t in msg.tensors
@@ -534,7 +537,7 @@ class Client:
             )
 
             def chunks() -> Iterator[Any]:
-                yield pb.ApplyChunk(request=header)
+                yield pb.ApplyStreamRequest(request=header)
                 yield from iter_raw_chunks(arrays, self.chunk_bytes)
 
             it = self._stream_call("ApplyStream", chunks(), timeout)
@@ -556,18 +559,19 @@ class Client:
     # -- workers -------------------------------------------------------------------
     def join(
         self, group: str, *, worker_id: str | None = None, timeout: float | None = None
-    ) -> pb.LeaseResponse:
+    ) -> pb.JoinGroupResponse:
         """Join a group as a worker and keep the lease alive in the background."""
         wid = worker_id or self.client_id
-        req = pb.JoinRequest(group=group, worker_id=wid)
+        req = pb.JoinGroupRequest(group=group, worker_id=wid)
         lease = self._call("JoinGroup", req, timeout)
+        beat_req = pb.HeartbeatRequest(group=group, worker_id=wid)
         stop = threading.Event()
         interval = max(0.05, lease.lease_seconds / 3)
 
         def beat() -> None:
             while not stop.wait(interval):
                 try:
-                    self._call("Heartbeat", req, min(interval * 2, self.timeout))
+                    self._call("Heartbeat", beat_req, min(interval * 2, self.timeout))
                 except ClientClosedError:
                     return
                 except RpcError as exc:
@@ -586,13 +590,13 @@ class Client:
 
     def leave(
         self, group: str, *, worker_id: str | None = None, timeout: float | None = None
-    ) -> pb.LeaseResponse:
+    ) -> pb.LeaveGroupResponse:
         with self._lock:
             beat = self._heartbeats.pop(group, None)
         if beat is not None:
             beat[0].set()
             beat[1].join(timeout=5)
-        req = pb.JoinRequest(group=group, worker_id=worker_id or self.client_id)
+        req = pb.LeaveGroupRequest(group=group, worker_id=worker_id or self.client_id)
         return self._call("LeaveGroup", req, timeout)
 
     # -- durability ----------------------------------------------------------------

@@ -17,6 +17,7 @@ __all__ = [
     "CHUNK_BYTES",
     "DTYPE_TO_PROTO",
     "PROTO_TO_DTYPE",
+    "SERVICE",
     "TensorAssembler",
     "TensorFormatError",
     "array_to_tensor",
@@ -30,15 +31,25 @@ __all__ = [
 
 CHUNK_BYTES = 1 << 20
 
+# The full name of the one service of the contract ("onnxps.v1.ParameterServerService"),
+# from the descriptor: the client's service config, the server's health, reflection,
+# metrics and auth all use this one value.
+(_SERVICE_DESCRIPTOR,) = pb.DESCRIPTOR.services_by_name.values()
+SERVICE: str = _SERVICE_DESCRIPTOR.full_name
+
 Array = np.ndarray[Any, Any]
 
 DTYPE_TO_PROTO: dict[np.dtype[Any], int] = {
-    np.dtype("<f4"): pb.FLOAT,
-    np.dtype("<f8"): pb.DOUBLE,
-    np.dtype("<i8"): pb.INT64,
+    np.dtype("<f4"): pb.DATA_TYPE_FLOAT,
+    np.dtype("<f8"): pb.DATA_TYPE_DOUBLE,
+    np.dtype("<i8"): pb.DATA_TYPE_INT64,
 }
 PROTO_TO_DTYPE: dict[int, np.dtype[Any]] = {v: k for k, v in DTYPE_TO_PROTO.items()}
-_NAMES = {pb.FLOAT: "FLOAT (float32)", pb.DOUBLE: "DOUBLE (float64)", pb.INT64: "INT64"}
+_NAMES = {
+    pb.DATA_TYPE_FLOAT: "FLOAT (float32)",
+    pb.DATA_TYPE_DOUBLE: "DOUBLE (float64)",
+    pb.DATA_TYPE_INT64: "INT64",
+}
 
 
 class TensorFormatError(ValueError):
@@ -138,7 +149,12 @@ class TensorAssembler:
         self.arrays: list[Array] = []
         for t, what in zip(headers, self.names, strict=True):
             dtype, dims = tensor_spec(t, what)
-            self.arrays.append(np.empty(dims, dtype=dtype))
+            try:
+                self.arrays.append(np.empty(dims, dtype=dtype))
+            except ValueError as exc:  # dims whose product overflows, next to a 0
+                raise TensorFormatError(
+                    f"{what} has dims {list(dims)}: {exc}"
+                ) from None
         self._views = [
             memoryview(a.reshape(-1)).cast("B")  # type: ignore[arg-type]
             for a in self.arrays

@@ -25,10 +25,10 @@ Parse = Callable[[bytes], Any] | None
 Write = Callable[[Any], bytes] | None
 
 _METHODS: dict[str, tuple[Parse, Write]] = {
-    "CreateGroupStream": (deserializer(pb.CreateGroupChunk, 2), None),
-    "PushStream": (deserializer(pb.PushChunk, 2), None),
+    "CreateGroupStream": (deserializer(pb.CreateGroupStreamRequest, 2), None),
+    "PushStream": (deserializer(pb.PushStreamRequest, 2), None),
     "PullStream": (None, serializer(2)),
-    "ApplyStream": (deserializer(pb.ApplyChunk, 3), serializer(3)),
+    "ApplyStream": (deserializer(pb.ApplyStreamRequest, 3), serializer(3)),
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import Message
+from onnxps.client._codec import SERVICE as _SERVICE
 
 __all__ = [
     "SERVICE",
@@ -23,7 +24,7 @@ __all__ = [
     "rewrap",
 ]
 
-SERVICE = "onnxps.v1.ParameterServer"
+SERVICE = _SERVICE  # from the descriptor, derived once in the shared codec
 
 Behavior = Callable[..., Any]
 
@@ -46,7 +47,7 @@ class Malformed:
 
 
 def method_of(handler_call_details: grpc.HandlerCallDetails) -> tuple[str, str]:
-    """``(service, method)`` from ``/onnxps.v1.ParameterServer/Push``."""
+    """``(service, method)`` from ``/onnxps.v1.ParameterServerService/Push``."""
     full = handler_call_details.method or ""
     service, _, name = full.lstrip("/").partition("/")
     return service, name

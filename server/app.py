@@ -13,11 +13,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from onnxps.client._codec import CHUNK_BYTES
-from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from . import durability, limits, metrics, security
 from ._fastwire import FastChunkInterceptor
+from ._handlers import SERVICE
 from .service import ParameterServerServicer
 from .store import ParameterStore, StoreLimits
 
@@ -25,7 +25,7 @@ __all__ = ["ServerConfig", "ServerHandle", "create_server", "serve"]
 
 log = logging.getLogger("onnxps.server")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+SERVICE_NAME = SERVICE  # kept for durability's health updates
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class ServerHandle:
         self.server.start()
         self.store.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         log.info("onnxps listening on %s", self.address)
         return self
 
@@ -146,11 +146,11 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         ],
     )
     servicer = ParameterServerServicer(store, chunk_bytes=config.chunk_bytes)
-    pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
+    pb_grpc.add_ParameterServerServiceServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     credentials = security.server_credentials(config)
     if credentials is None:

@@ -103,6 +103,8 @@ def _tolerant(
 
     def parse(raw: bytes) -> Any:
         try:
+            if raw[:1] == b"\x00":  # field 0: upb lets a fieldless message take it
+                raise ValueError("field number 0 is not a valid tag")
             msg = deserialize(raw)
             _note_received(msg, len(raw))
             return msg

@@ -40,6 +40,9 @@ log = logging.getLogger("onnxps.service")
 
 Array = np.ndarray[Any, Any]
 F = TypeVar("F", bound=Callable[..., Any])
+# The stream and unary RPCs answer with messages of the same fields.
+R = TypeVar("R", pb.PushResponse, pb.PushStreamResponse)
+L = TypeVar("L", pb.JoinGroupResponse, pb.HeartbeatResponse, pb.LeaveGroupResponse)
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
@@ -112,7 +115,7 @@ def _names(prefix: str, n: int, names: Sequence[str] | None = None) -> list[str]
     return [f"{prefix}_{i + 1}" for i in range(n)]
 
 
-class ParameterServerServicer(pb_grpc.ParameterServerServicer):
+class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     def __init__(
         self,
         store: ParameterStore,
@@ -157,18 +160,20 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             raise InvalidArgument(f"group {req.group!r} needs at least one tensor")
 
     @_unary
-    def CreateGroup(self, request: pb.CreateGroupRequest, context: Any) -> pb.GroupInfo:
+    def CreateGroup(
+        self, request: pb.CreateGroupRequest, context: Any
+    ) -> pb.CreateGroupResponse:
         self._check_create_size(request)
         tensors = [tensor_to_array(t, f"tensor {t.name!r}") for t in request.tensors]
         state = [
             tensor_to_array(t, f"state {i + 1}") for i, t in enumerate(request.state)
         ]
-        return self._create(request, tensors, state)
+        return pb.CreateGroupResponse(group=self._create(request, tensors, state))
 
     @_unary
     def CreateGroupStream(
-        self, request_iterator: Iterable[pb.CreateGroupChunk], context: Any
-    ) -> pb.GroupInfo:
+        self, request_iterator: Iterable[pb.CreateGroupStreamRequest], context: Any
+    ) -> pb.CreateGroupStreamResponse:
         req, it = _stream_header(request_iterator, "header", "a CreateGroupStream")
         self._check_create_size(req)
         headers = list(req.tensors) + list(req.state)
@@ -177,11 +182,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         )
         asm = self._assemble(it, headers, names)
         n = len(req.tensors)
-        return self._create(req, asm[:n], asm[n:])
+        return pb.CreateGroupStreamResponse(group=self._create(req, asm[:n], asm[n:]))
 
     @_unary
-    def DescribeGroup(self, request: pb.GroupRequest, context: Any) -> pb.GroupInfo:
-        return self._describe(self.store.get(request.group))
+    def DescribeGroup(
+        self, request: pb.DescribeGroupRequest, context: Any
+    ) -> pb.DescribeGroupResponse:
+        return pb.DescribeGroupResponse(
+            group=self._describe(self.store.get(request.group))
+        )
 
     @_unary
     def ListGroups(
@@ -193,21 +202,21 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_unary
     def DeleteGroup(
-        self, request: pb.GroupRequest, context: Any
+        self, request: pb.DeleteGroupRequest, context: Any
     ) -> pb.DeleteGroupResponse:
         return pb.DeleteGroupResponse(deleted=self.store.delete_group(request.group))
 
     @_unary
     def SetLearningRate(
         self, request: pb.SetLearningRateRequest, context: Any
-    ) -> pb.GroupInfo:
+    ) -> pb.SetLearningRateResponse:
         g = self.store.set_learning_rate(request.group, request.learning_rate)
-        return self._describe(g)
+        return pb.SetLearningRateResponse(group=self._describe(g))
 
     # -- push ----------------------------------------------------------------------
     def _push(
-        self, req: pb.PushRequest, grads: list[Array], context: Any
-    ) -> pb.PushResponse:
+        self, req: pb.PushRequest, grads: list[Array], context: Any, reply_type: type[R]
+    ) -> R:
         out = self.store.push(
             req.group,
             grads,
@@ -218,7 +227,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             return_values=req.return_values,
             timeout=_timeout(context),
         )
-        reply = pb.PushResponse(
+        reply = reply_type(
             update_count=out.update_count, applied=out.applied, duplicate=out.duplicate
         )
         if out.values is not None:
@@ -238,19 +247,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             tensor_to_array(t, f"gradient {i + 1} ({g.names[i]!r})")
             for i, t in enumerate(request.gradients)
         ]
-        return self._push(request, grads, context)
+        return self._push(request, grads, context, pb.PushResponse)
 
     @_unary
     def PushStream(
-        self, request_iterator: Iterable[pb.PushChunk], context: Any
-    ) -> pb.PushResponse:
+        self, request_iterator: Iterable[pb.PushStreamRequest], context: Any
+    ) -> pb.PushStreamResponse:
         req, it = _stream_header(request_iterator, "header", "a PushStream")
         g = self.store.get(req.group)
         headers = list(req.gradients)
         specs = [tensor_spec(t, f"gradient {i + 1}") for i, t in enumerate(headers)]
         self.store.validate_push_header(g, specs)
         grads = self._assemble(it, headers, _names("gradient", len(headers), g.names))
-        return self._push(req, grads, context)
+        return self._push(req, grads, context, pb.PushStreamResponse)
 
     def _assemble(
         self, it: Iterator[Any], headers: Sequence[pb.Tensor], names: Sequence[str]
@@ -264,7 +273,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     # -- pull ----------------------------------------------------------------------
     def _pull(
-        self, req: pb.PullRequest, context: Any
+        self, req: pb.PullRequest | pb.PullStreamRequest, context: Any
     ) -> tuple[int, list[Array], float, list[str]]:
         g = self.store.get(req.group)
         t, arrays, lr = self.store.pull(
@@ -287,14 +296,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return reply
 
     @_streaming
-    def PullStream(self, request: pb.PullRequest, context: Any) -> Iterator[Any]:
+    def PullStream(self, request: pb.PullStreamRequest, context: Any) -> Iterator[Any]:
         t, arrays, lr, names = self._pull(request, context)
         header = pb.PullResponse(
             update_count=t,
             learning_rate=lr,
             tensors=[header_tensor(a, n) for a, n in zip(arrays, names, strict=True)],
         )
-        yield pb.PullChunk(header=header)
+        yield pb.PullStreamResponse(header=header)
         yield from iter_raw_chunks(arrays, self.chunk_bytes)
 
     # -- apply ---------------------------------------------------------------------
@@ -315,7 +324,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_streaming
     def ApplyStream(
-        self, request_iterator: Iterable[pb.ApplyChunk], context: Any
+        self, request_iterator: Iterable[pb.ApplyStreamRequest], context: Any
     ) -> Iterator[Any]:
         request, it = _stream_header(request_iterator, "request", "an ApplyStream")
         headers = list(request.inputs)
@@ -325,15 +334,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             it, headers, [f"input {i}" for i in range(len(headers))]
         )
         outputs = self._apply(request, inputs)
-        yield pb.ApplyChunk(
+        yield pb.ApplyStreamResponse(
             response=pb.ApplyResponse(outputs=[header_tensor(o) for o in outputs])
         )
         yield from iter_raw_chunks(outputs, self.chunk_bytes)
 
     # -- workers and saving ----------------------------------------------------------
-    def _lease(self, g: Group) -> pb.LeaseResponse:
+    def _lease(self, g: Group, reply_type: type[L]) -> L:
         with g.cond:
-            return pb.LeaseResponse(
+            return reply_type(
                 lease_seconds=g.lease_seconds,
                 update_count=g.update_count,
                 live_workers=g.live_workers(),
@@ -341,16 +350,25 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             )
 
     @_unary
-    def JoinGroup(self, request: pb.JoinRequest, context: Any) -> pb.LeaseResponse:
-        return self._lease(self.store.join(request.group, request.worker_id))
+    def JoinGroup(
+        self, request: pb.JoinGroupRequest, context: Any
+    ) -> pb.JoinGroupResponse:
+        g = self.store.join(request.group, request.worker_id)
+        return self._lease(g, pb.JoinGroupResponse)
 
     @_unary
-    def Heartbeat(self, request: pb.JoinRequest, context: Any) -> pb.LeaseResponse:
-        return self._lease(self.store.join(request.group, request.worker_id))
+    def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: Any
+    ) -> pb.HeartbeatResponse:
+        g = self.store.join(request.group, request.worker_id)
+        return self._lease(g, pb.HeartbeatResponse)
 
     @_unary
-    def LeaveGroup(self, request: pb.JoinRequest, context: Any) -> pb.LeaseResponse:
-        return self._lease(self.store.leave(request.group, request.worker_id))
+    def LeaveGroup(
+        self, request: pb.LeaveGroupRequest, context: Any
+    ) -> pb.LeaveGroupResponse:
+        g = self.store.leave(request.group, request.worker_id)
+        return self._lease(g, pb.LeaveGroupResponse)
 
     @_unary
     def Save(self, request: pb.SaveRequest, context: Any) -> pb.SaveResponse:

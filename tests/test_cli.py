@@ -33,15 +33,17 @@ def _slow_push(
     def chunks():  # type: ignore[no-untyped-def]
         header = pb.PushRequest(group="big", client_id="slow", seq=1)
         header.gradients.append(header_tensor(grad))
-        yield pb.PushChunk(header=header)
+        yield pb.PushStreamRequest(header=header)
         for i, c in enumerate(iter_chunks([grad], 1 << 20)):
             if i == 1:
                 in_flight.set()
                 go.wait(20)
-            yield pb.PushChunk(chunk=c)
+            yield pb.PushStreamRequest(chunk=c)
 
     with grpc.insecure_channel(address) as channel:
-        return pb_grpc.ParameterServerStub(channel).PushStream(chunks(), timeout=30)
+        return pb_grpc.ParameterServerServiceStub(channel).PushStream(
+            chunks(), timeout=30
+        )
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -83,7 +85,7 @@ def test_serve_drains_in_flight_call_and_exits_0_on_signal(
         stop(proc)
     assert "error" not in result, result.get("error")
     reply = result["reply"]
-    assert isinstance(reply, pb.PushResponse)
+    assert isinstance(reply, pb.PushStreamResponse)
     assert reply.update_count == 1 and reply.applied
     text = log.read_text()
     assert f"onnxps listening on {address}" in text
@@ -154,7 +156,7 @@ def test_status_unreachable_server_exits_1_quickly(
 def test_health_check_reports_serving(server: ServerHandle) -> None:
     with grpc.insecure_channel(server.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        for service in ("", "onnxps.v1.ParameterServer"):
+        for service in ("", "onnxps.v1.ParameterServerService"):
             reply = stub.Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=5
             )
@@ -171,7 +173,7 @@ def test_reflection_lists_the_services(server: ServerHandle) -> None:
         replies = list(stub.ServerReflectionInfo(iter([request]), timeout=5))
     names = {s.name for s in replies[0].list_services_response.service}
     assert names == {
-        "onnxps.v1.ParameterServer",
+        "onnxps.v1.ParameterServerService",
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
     }

@@ -371,12 +371,13 @@ def test_codec_round_trip_and_chunk_messages(array: Any) -> None:
 
     # hand-written chunks are byte-identical to protobuf's, and read back as views
     nested = [
-        pb.PushChunk(chunk=c).SerializeToString() for c in iter_chunks([array], 64)
+        pb.PushStreamRequest(chunk=c).SerializeToString()
+        for c in iter_chunks([array], 64)
     ]
     write = serializer(2)
     wire = [write(c) for c in iter_raw_chunks([array], 64)]
     assert wire == nested
-    parse = deserializer(pb.PushChunk, 2)
+    parse = deserializer(pb.PushStreamRequest, 2)
     asm = TensorAssembler([header_tensor(array)], ["t"])
     for raw in wire:
         asm.add(parse(raw).chunk)

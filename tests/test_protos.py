@@ -28,7 +28,7 @@ def test_stubs_serve_the_package_named_in_the_proto() -> None:
 
     assert pb.DESCRIPTOR.package == "onnxps.v1"
     assert pb.DESCRIPTOR.name == "onnxps/v1/parameter_server.proto"
-    service = pb.DESCRIPTOR.services_by_name["ParameterServer"]
+    service = pb.DESCRIPTOR.services_by_name["ParameterServerService"]
     assert [m.name for m in service.methods] == [
         "CreateGroup",
         "CreateGroupStream",

@@ -164,8 +164,8 @@ def _raw_describe(
     """One DescribeGroup over a channel without retries; the status it ends with."""
     with grpc.secure_channel(address, creds) as ch:
         try:
-            pb_grpc.ParameterServerStub(ch).DescribeGroup(
-                pb.GroupRequest(group=group), timeout=5
+            pb_grpc.ParameterServerServiceStub(ch).DescribeGroup(
+                pb.DescribeGroupRequest(group=group), timeout=5
             )
         except grpc.RpcError as exc:
             return exc.code()
@@ -187,8 +187,8 @@ def test_tls_serves_a_client_that_trusts_the_ca(pki: Pki) -> None:
         # a plaintext client cannot talk to a TLS server
         with grpc.insecure_channel(handle.address) as ch:
             with pytest.raises(grpc.RpcError) as err:
-                pb_grpc.ParameterServerStub(ch).DescribeGroup(
-                    pb.GroupRequest(group="t"), timeout=5
+                pb_grpc.ParameterServerServiceStub(ch).DescribeGroup(
+                    pb.DescribeGroupRequest(group="t"), timeout=5
                 )
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
@@ -349,7 +349,7 @@ def test_a_write_token_pushes_but_cannot_create_or_delete(
 def test_health_stays_open_without_a_token(auth_server: ServerHandle) -> None:
     with grpc.insecure_channel(auth_server.address) as ch:
         reply = health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(service="onnxps.v1.ParameterServer"),
+            health_pb2.HealthCheckRequest(service="onnxps.v1.ParameterServerService"),
             timeout=5,
         )
     assert reply.status == health_pb2.HealthCheckResponse.SERVING

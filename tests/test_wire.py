@@ -17,10 +17,11 @@ from onnxps.client._wire import (
 from onnxps.v1 import parameter_server_pb2 as pb
 
 MESSAGES = [
-    (pb.PushChunk, 2),
-    (pb.PullChunk, 2),
-    (pb.CreateGroupChunk, 2),
-    (pb.ApplyChunk, 3),
+    (pb.PushStreamRequest, 2),
+    (pb.PullStreamResponse, 2),
+    (pb.CreateGroupStreamRequest, 2),
+    (pb.ApplyStreamRequest, 3),
+    (pb.ApplyStreamResponse, 3),
 ]
 
 
@@ -63,10 +64,10 @@ def test_any_bytes_decode_as_protobuf_would_or_fall_back(
 
 
 def test_headers_and_garbage_go_through_protobuf() -> None:
-    parse = deserializer(pb.PushChunk, 2)
-    header = pb.PushChunk(header=pb.PushRequest(group="g", seq=7))
+    parse = deserializer(pb.PushStreamRequest, 2)
+    header = pb.PushStreamRequest(header=pb.PushRequest(group="g", seq=7))
     got = parse(header.SerializeToString())
-    assert isinstance(got, pb.PushChunk) and got.header.seq == 7
+    assert isinstance(got, pb.PushStreamRequest) and got.header.seq == 7
     truncated = encode_chunk(2, 1, 8, memoryview(b"abcdef"))[:-2]
     assert decode_chunk(truncated, 2) is None
     try:
@@ -88,7 +89,7 @@ def test_raw_chunks_view_the_array_and_serialize_by_hand() -> None:
     assert all(isinstance(c, RawChunk) and c.chunk is c for c in chunks)
     write = serializer(2)
     wire = b"".join(write(c) for c in chunks)
-    assert pb.PushChunk.FromString(write(chunks[1])).chunk.offset == 16
+    assert pb.PushStreamRequest.FromString(write(chunks[1])).chunk.offset == 16
     assert len(wire) > a.nbytes
-    header = pb.PushChunk(header=pb.PushRequest(group="g"))
+    header = pb.PushStreamRequest(header=pb.PushRequest(group="g"))
     assert write(header) == header.SerializeToString()

@@ -9,32 +9,32 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 class DataType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
-    DATA_TYPE_UNDEFINED: _ClassVar[DataType]
-    FLOAT: _ClassVar[DataType]
-    INT64: _ClassVar[DataType]
-    DOUBLE: _ClassVar[DataType]
+    DATA_TYPE_UNSPECIFIED: _ClassVar[DataType]
+    DATA_TYPE_FLOAT: _ClassVar[DataType]
+    DATA_TYPE_INT64: _ClassVar[DataType]
+    DATA_TYPE_DOUBLE: _ClassVar[DataType]
 
 class ConsistencyMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CONSISTENCY_MODE_UNSPECIFIED: _ClassVar[ConsistencyMode]
-    ASYNC: _ClassVar[ConsistencyMode]
-    SYNC: _ClassVar[ConsistencyMode]
+    CONSISTENCY_MODE_ASYNC: _ClassVar[ConsistencyMode]
+    CONSISTENCY_MODE_SYNC: _ClassVar[ConsistencyMode]
 
 class Reduction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     REDUCTION_UNSPECIFIED: _ClassVar[Reduction]
-    MEAN: _ClassVar[Reduction]
-    SUM: _ClassVar[Reduction]
-DATA_TYPE_UNDEFINED: DataType
-FLOAT: DataType
-INT64: DataType
-DOUBLE: DataType
+    REDUCTION_MEAN: _ClassVar[Reduction]
+    REDUCTION_SUM: _ClassVar[Reduction]
+DATA_TYPE_UNSPECIFIED: DataType
+DATA_TYPE_FLOAT: DataType
+DATA_TYPE_INT64: DataType
+DATA_TYPE_DOUBLE: DataType
 CONSISTENCY_MODE_UNSPECIFIED: ConsistencyMode
-ASYNC: ConsistencyMode
-SYNC: ConsistencyMode
+CONSISTENCY_MODE_ASYNC: ConsistencyMode
+CONSISTENCY_MODE_SYNC: ConsistencyMode
 REDUCTION_UNSPECIFIED: Reduction
-MEAN: Reduction
-SUM: Reduction
+REDUCTION_MEAN: Reduction
+REDUCTION_SUM: Reduction
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "dims", "raw_data")
@@ -188,7 +188,13 @@ class CreateGroupRequest(_message.Message):
     lease_seconds: float
     def __init__(self, group: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., learning_rate: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., consistency: _Optional[_Union[Consistency, _Mapping]] = ..., allow_non_finite: _Optional[bool] = ..., state: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., update_count: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
-class CreateGroupChunk(_message.Message):
+class CreateGroupResponse(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: GroupInfo
+    def __init__(self, group: _Optional[_Union[GroupInfo, _Mapping]] = ...) -> None: ...
+
+class CreateGroupStreamRequest(_message.Message):
     __slots__ = ("header", "chunk")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
@@ -196,11 +202,23 @@ class CreateGroupChunk(_message.Message):
     chunk: TensorChunk
     def __init__(self, header: _Optional[_Union[CreateGroupRequest, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
-class GroupRequest(_message.Message):
+class CreateGroupStreamResponse(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: GroupInfo
+    def __init__(self, group: _Optional[_Union[GroupInfo, _Mapping]] = ...) -> None: ...
+
+class DescribeGroupRequest(_message.Message):
     __slots__ = ("group",)
     GROUP_FIELD_NUMBER: _ClassVar[int]
     group: str
     def __init__(self, group: _Optional[str] = ...) -> None: ...
+
+class DescribeGroupResponse(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: GroupInfo
+    def __init__(self, group: _Optional[_Union[GroupInfo, _Mapping]] = ...) -> None: ...
 
 class ListGroupsRequest(_message.Message):
     __slots__ = ("prefix",)
@@ -213,6 +231,12 @@ class ListGroupsResponse(_message.Message):
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedCompositeFieldContainer[GroupInfo]
     def __init__(self, groups: _Optional[_Iterable[_Union[GroupInfo, _Mapping]]] = ...) -> None: ...
+
+class DeleteGroupRequest(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    def __init__(self, group: _Optional[str] = ...) -> None: ...
 
 class DeleteGroupResponse(_message.Message):
     __slots__ = ("deleted",)
@@ -227,6 +251,12 @@ class SetLearningRateRequest(_message.Message):
     group: str
     learning_rate: float
     def __init__(self, group: _Optional[str] = ..., learning_rate: _Optional[float] = ...) -> None: ...
+
+class SetLearningRateResponse(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: GroupInfo
+    def __init__(self, group: _Optional[_Union[GroupInfo, _Mapping]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("group", "gradients", "client_id", "seq", "base_version", "learning_rate", "return_values")
@@ -246,7 +276,19 @@ class PushRequest(_message.Message):
     return_values: bool
     def __init__(self, group: _Optional[str] = ..., gradients: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., base_version: _Optional[int] = ..., learning_rate: _Optional[float] = ..., return_values: _Optional[bool] = ...) -> None: ...
 
-class PushChunk(_message.Message):
+class PushResponse(_message.Message):
+    __slots__ = ("update_count", "applied", "duplicate", "values")
+    UPDATE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    update_count: int
+    applied: bool
+    duplicate: bool
+    values: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, update_count: _Optional[int] = ..., applied: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., values: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+
+class PushStreamRequest(_message.Message):
     __slots__ = ("header", "chunk")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
@@ -254,7 +296,7 @@ class PushChunk(_message.Message):
     chunk: TensorChunk
     def __init__(self, header: _Optional[_Union[PushRequest, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
-class PushResponse(_message.Message):
+class PushStreamResponse(_message.Message):
     __slots__ = ("update_count", "applied", "duplicate", "values")
     UPDATE_COUNT_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
@@ -286,7 +328,17 @@ class PullResponse(_message.Message):
     learning_rate: float
     def __init__(self, update_count: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., learning_rate: _Optional[float] = ...) -> None: ...
 
-class PullChunk(_message.Message):
+class PullStreamRequest(_message.Message):
+    __slots__ = ("group", "with_state", "min_version")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    WITH_STATE_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    with_state: bool
+    min_version: int
+    def __init__(self, group: _Optional[str] = ..., with_state: _Optional[bool] = ..., min_version: _Optional[int] = ...) -> None: ...
+
+class PullStreamResponse(_message.Message):
     __slots__ = ("header", "chunk")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
@@ -308,17 +360,23 @@ class ApplyResponse(_message.Message):
     outputs: _containers.RepeatedCompositeFieldContainer[Tensor]
     def __init__(self, outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
 
-class ApplyChunk(_message.Message):
-    __slots__ = ("request", "response", "chunk")
+class ApplyStreamRequest(_message.Message):
+    __slots__ = ("request", "chunk")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
-    RESPONSE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     request: ApplyRequest
+    chunk: TensorChunk
+    def __init__(self, request: _Optional[_Union[ApplyRequest, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class ApplyStreamResponse(_message.Message):
+    __slots__ = ("response", "chunk")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     response: ApplyResponse
     chunk: TensorChunk
-    def __init__(self, request: _Optional[_Union[ApplyRequest, _Mapping]] = ..., response: _Optional[_Union[ApplyResponse, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+    def __init__(self, response: _Optional[_Union[ApplyResponse, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
-class JoinRequest(_message.Message):
+class JoinGroupRequest(_message.Message):
     __slots__ = ("group", "worker_id")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -326,7 +384,47 @@ class JoinRequest(_message.Message):
     worker_id: str
     def __init__(self, group: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
-class LeaseResponse(_message.Message):
+class JoinGroupResponse(_message.Message):
+    __slots__ = ("lease_seconds", "update_count", "live_workers", "quorum")
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_FIELD_NUMBER: _ClassVar[int]
+    lease_seconds: float
+    update_count: int
+    live_workers: int
+    quorum: int
+    def __init__(self, lease_seconds: _Optional[float] = ..., update_count: _Optional[int] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("group", "worker_id")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    worker_id: str
+    def __init__(self, group: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_seconds", "update_count", "live_workers", "quorum")
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_FIELD_NUMBER: _ClassVar[int]
+    lease_seconds: float
+    update_count: int
+    live_workers: int
+    quorum: int
+    def __init__(self, lease_seconds: _Optional[float] = ..., update_count: _Optional[int] = ..., live_workers: _Optional[int] = ..., quorum: _Optional[int] = ...) -> None: ...
+
+class LeaveGroupRequest(_message.Message):
+    __slots__ = ("group", "worker_id")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    worker_id: str
+    def __init__(self, group: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class LeaveGroupResponse(_message.Message):
     __slots__ = ("lease_seconds", "update_count", "live_workers", "quorum")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     UPDATE_COUNT_FIELD_NUMBER: _ClassVar[int]
