@@ -2,9 +2,11 @@
 
     python benchmarks/codec_ab.py [--rounds 7] [--mib 64]
 
-Two real server processes run side by side on loopback: ``fast`` is the server as
-built (the chunk codec interceptor), ``proto`` the same server with the generated
-protobuf (de)serializers and protobuf chunk messages. One round is a 64 MiB float32
+Two real server processes run side by side on loopback: ``proto`` is the server as
+built (generated protobuf (de)serializers, ``codec.chunk_messages``), ``fast`` the
+same server with the hand-written one-copy chunk codec that onnxps had before this
+A/B removed it (kept below, with the interceptor that installed it, so the decision
+can be measured again). One round is a 64 MiB float32
 push and pull of the whole group through PushStream and PullStream; the client side
 uses the same codec as the server it talks to. Rounds alternate between the two, so
 both see the same machine load; each prints its time, then the median, the min-max
@@ -22,14 +24,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 from onnxps.client import Adagrad, Client
-from onnxps.client._codec import CHUNK_BYTES, SERVICE, TensorAssembler, header_tensor
+from onnxps.client.codec import (
+    CHUNK_BYTES,
+    SERVICE,
+    TensorAssembler,
+    chunk_messages,
+    header_tensor,
+)
 from onnxps.server.process import stop_processes, wait_for_listening
 from onnxps.v1 import parameter_server_pb2 as pb
 
@@ -37,28 +46,173 @@ MIB = 1 << 20
 GROUP = "ab/w"
 
 
-# -- the server child ------------------------------------------------------------------
-def _proto_chunks(arrays: Any, chunk_bytes: int) -> Iterator[pb.PullStreamResponse]:
+# -- the hand-written chunk codec (removed from onnxps by this A/B) -------------------
+# A stream message's chunk, written from the array's memory and read as a view.
+CHUNK_FIELD = pb.PushStreamRequest.DESCRIPTOR.fields_by_name["chunk"].number
+assert CHUNK_FIELD == pb.PullStreamResponse.DESCRIPTOR.fields_by_name["chunk"].number
+
+
+@dataclass(frozen=True)
+class RawChunk:
+    """A ``TensorChunk`` whose ``data`` is a view of the message it came in.
+
+    It stands for the whole stream message too (``msg.chunk``, ``WhichOneof``), so
+    code written against the protobuf classes reads it unchanged.
+    """
+
+    index: int
+    offset: int
+    data: memoryview
+
+    @property
+    def chunk(self) -> RawChunk:
+        return self
+
+    def WhichOneof(self, name: str) -> str:  # noqa: N802 - the protobuf spelling
+        return "chunk"
+
+    def ByteSize(self) -> int:  # noqa: N802 - the protobuf spelling
+        return len(self.data) + 32
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode_chunk(field: int, index: int, offset: int, data: memoryview) -> bytes:
+    """The wire bytes of a stream message whose ``chunk`` (field ``field``) is set."""
+    inner = b""
+    if index:
+        inner += b"\x08" + _varint(index)
+    if offset:
+        inner += b"\x10" + _varint(offset)
+    inner += b"\x1a" + _varint(len(data))
+    head = _varint((field << 3) | 2) + _varint(len(inner) + len(data)) + inner
+    return b"".join((head, data))
+
+
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while pos < end and shift < 64:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    return -1, pos  # truncated or too long
+
+
+def decode_chunk(raw: bytes, field: int) -> RawChunk | None:
+    """The chunk of a stream message in canonical form; None for anything else."""
+    buf = memoryview(raw)
+    end = len(buf)
+    tag, pos = _read_varint(buf, 0, end)
+    if tag != (field << 3) | 2:
+        return None
+    length, pos = _read_varint(buf, pos, end)
+    if length < 0 or pos + length != end:
+        return None
+    index = offset = 0
+    data: memoryview | None = None
+    while pos < end:
+        key, pos = _read_varint(buf, pos, end)
+        if key == 0x08 and data is None:
+            index, pos = _read_varint(buf, pos, end)
+        elif key == 0x10 and data is None:
+            offset, pos = _read_varint(buf, pos, end)
+        elif key == 0x1A and data is None:
+            size, pos = _read_varint(buf, pos, end)
+            if size < 0 or pos + size != end:
+                return None
+            data = buf[pos:end]
+            pos = end
+        else:
+            return None
+        if index < 0 or offset < 0 or index > 0xFFFFFFFF or offset >= 1 << 64:
+            return None
+    if data is None:
+        return None
+    return RawChunk(index, offset, data)
+
+
+def iter_raw_chunks(arrays: Iterable[Any], chunk_bytes: int) -> Iterator[RawChunk]:
+    """The bytes of ``arrays`` in order as chunks viewing the arrays' memory.
+
+    The arrays must not change until the stream has sent them.
+    """
     for index, a in enumerate(arrays):
-        view = memoryview(np.ascontiguousarray(a).reshape(-1)).cast("B")
+        arr = np.asarray(a)
+        arr = np.asarray(arr, dtype=arr.dtype.newbyteorder("<"), order="C")
+        view = memoryview(arr.reshape(-1)).cast("B")  # type: ignore[arg-type]
         for start in range(0, len(view), chunk_bytes):
-            chunk = pb.TensorChunk(
-                index=index, offset=start, data=bytes(view[start : start + chunk_bytes])
+            yield RawChunk(index, start, view[start : start + chunk_bytes])
+
+
+def serializer(field: int) -> Callable[[Any], bytes]:
+    """A stream message serializer that writes ``RawChunk`` items by hand."""
+
+    def serialize(msg: Any) -> bytes:
+        if isinstance(msg, RawChunk):
+            return encode_chunk(field, msg.index, msg.offset, msg.data)
+        return bytes(msg.SerializeToString())
+
+    return serialize
+
+
+def deserializer(message: type[Any], field: int) -> Callable[[bytes], Any]:
+    """A stream message parser: chunks as zero-copy ``RawChunk``, the rest protobuf."""
+
+    def parse(raw: bytes) -> Any:
+        chunk = decode_chunk(raw, field)
+        return chunk if chunk is not None else message.FromString(raw)
+
+    return parse
+
+
+class _FastChunks(grpc.ServerInterceptor):
+    """The innermost interceptor: the hand-written codec for PushStream/PullStream."""
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = continuation(details)
+        method = (details.method or "").rsplit("/", 1)[-1]
+        if handler is None:
+            return None
+        if method == "PushStream":
+            return grpc.stream_unary_rpc_method_handler(
+                handler.stream_unary,
+                request_deserializer=deserializer(pb.PushStreamRequest, CHUNK_FIELD),
+                response_serializer=handler.response_serializer,
             )
-            yield pb.PullStreamResponse(chunk=chunk)
+        if method == "PullStream":
+            return grpc.unary_stream_rpc_method_handler(
+                handler.unary_stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=serializer(CHUNK_FIELD),
+            )
+        return handler
 
 
+# -- the server child ------------------------------------------------------------------
 def serve(variant: str) -> None:
-    from onnxps.server import app, service
+    from onnxps.server import app, limits, service
 
-    if variant == "proto":
+    if variant == "fast":
+        plain = limits.interceptors
 
-        class _Off(grpc.ServerInterceptor):
-            def intercept_service(self, continuation: Any, details: Any) -> Any:
-                return continuation(details)
+        def with_fast_chunks(config: Any) -> list[grpc.ServerInterceptor]:
+            return [*plain(config), _FastChunks()]
 
-        app.FastChunkInterceptor = _Off  # type: ignore[misc, assignment]
-        service.iter_raw_chunks = _proto_chunks  # type: ignore[assignment]
+        def raw_chunks(message: Any, arrays: Any, chunk_bytes: int) -> Any:
+            return iter_raw_chunks(arrays, chunk_bytes)
+
+        limits.interceptors = with_fast_chunks  # type: ignore[assignment]
+        service.chunk_messages = raw_chunks  # type: ignore[assignment]
     logging.basicConfig(level=logging.WARNING)
     handle = app.create_server(app.ServerConfig(address="127.0.0.1:0")).start()
     print(f"onnxps listening on {handle.address}", flush=True)
@@ -69,10 +223,8 @@ def serve(variant: str) -> None:
 def _methods(channel: grpc.Channel, variant: str) -> tuple[Callable[..., Any], ...]:
     path = f"/{SERVICE}/"
     if variant == "fast":
-        from onnxps.client._wire import deserializer, serializer
-
-        push_ser: Any = serializer(2)
-        pull_de: Any = deserializer(pb.PullStreamResponse, 2)
+        push_ser: Any = serializer(CHUNK_FIELD)
+        pull_de: Any = deserializer(pb.PullStreamResponse, CHUNK_FIELD)
     else:
         push_ser = pb.PushStreamRequest.SerializeToString
         pull_de = pb.PullStreamResponse.FromString
@@ -93,15 +245,9 @@ def _push_messages(grad: np.ndarray[Any, Any], variant: str, seq: int) -> Iterat
     header = pb.PushRequest(group=GROUP, gradients=[header_tensor(grad)], seq=seq)
     yield pb.PushStreamRequest(header=header)
     if variant == "fast":
-        from onnxps.client._wire import iter_raw_chunks
-
         yield from iter_raw_chunks([grad], CHUNK_BYTES)
         return
-    view = memoryview(grad.reshape(-1)).cast("B")
-    for start in range(0, len(view), CHUNK_BYTES):
-        data = bytes(view[start : start + CHUNK_BYTES])
-        chunk = pb.TensorChunk(index=0, offset=start, data=data)
-        yield pb.PushStreamRequest(chunk=chunk)
+    yield from chunk_messages(pb.PushStreamRequest, [grad], CHUNK_BYTES)
 
 
 def one_round(

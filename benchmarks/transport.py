@@ -35,7 +35,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.client import Adagrad, Adam, Client
-from onnxps.client._codec import CHUNK_BYTES
+from onnxps.client.codec import CHUNK_BYTES
 from onnxps.server.kernels import Stepper, make_attrs
 from onnxps.server.process import start_server_process, stop_processes
 

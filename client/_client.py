@@ -19,15 +19,6 @@ import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
-from ._codec import (
-    CHUNK_BYTES,
-    PROTO_TO_DTYPE,
-    SERVICE,
-    TensorAssembler,
-    header_tensor,
-    tensor_to_array,
-    write_tensor,
-)
 from ._errors import (
     ClientClosedError,
     DeadlineExceededError,
@@ -36,7 +27,16 @@ from ._errors import (
     translate,
 )
 from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
-from ._wire import deserializer, iter_raw_chunks, serializer
+from .codec import (
+    CHUNK_BYTES,
+    PROTO_TO_DTYPE,
+    SERVICE,
+    TensorAssembler,
+    chunk_messages,
+    header_tensor,
+    tensor_to_array,
+    write_tensor,
+)
 
 __all__ = ["Client", "GroupInfo", "PushResult", "WorkerInfo"]
 
@@ -149,35 +149,6 @@ def _group_info(msg: pb.GroupInfo) -> GroupInfo:
     )
 
 
-_SERVICE = f"/{SERVICE}/"
-
-
-def _stream_methods(channel: grpc.Channel) -> dict[str, Any]:
-    """The streaming RPCs with chunk (de)serializers that copy each byte once."""
-    return {
-        "CreateGroupStream": channel.stream_unary(
-            _SERVICE + "CreateGroupStream",
-            request_serializer=serializer(2),
-            response_deserializer=pb.CreateGroupStreamResponse.FromString,
-        ),
-        "PushStream": channel.stream_unary(
-            _SERVICE + "PushStream",
-            request_serializer=serializer(2),
-            response_deserializer=pb.PushStreamResponse.FromString,
-        ),
-        "PullStream": channel.unary_stream(
-            _SERVICE + "PullStream",
-            request_serializer=pb.PullStreamRequest.SerializeToString,
-            response_deserializer=deserializer(pb.PullStreamResponse, 2),
-        ),
-        "ApplyStream": channel.stream_stream(
-            _SERVICE + "ApplyStream",
-            request_serializer=serializer(3),
-            response_deserializer=deserializer(pb.ApplyStreamResponse, 3),
-        ),
-    }
-
-
 class _State(enum.Enum):
     UNOPENED = 1
     OPEN = 2
@@ -223,7 +194,6 @@ class Client:
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.ParameterServerServiceStub | None = None
-        self._streams: dict[str, Any] = {}
         # Seqs start at the wall clock in microseconds, not 1: a worker restarted with
         # the same client_id must not repeat seqs the server remembers, or its first
         # pushes would be answered as duplicates and silently dropped.
@@ -276,7 +246,6 @@ class Client:
                 else:
                     self._channel = grpc.insecure_channel(self.address, options)
                 self._stub = pb_grpc.ParameterServerServiceStub(self._channel)
-                self._streams = _stream_methods(self._channel)
                 self._state = _State.OPEN
             return self._stub
 
@@ -310,7 +279,7 @@ class Client:
 
     def _method(self, name: str) -> Any:
         stub = self._get_stub()
-        return self._streams.get(name) or getattr(stub, name)
+        return getattr(stub, name)
 
     def _use_stream(self, nbytes: int) -> bool:
         if self.transport == "auto":
@@ -358,7 +327,9 @@ class Client:
 
             def chunks() -> Iterator[Any]:
                 yield pb.CreateGroupStreamRequest(header=req)
-                yield from iter_raw_chunks(arrays + state_arrays, self.chunk_bytes)
+                yield from chunk_messages(
+                    pb.CreateGroupStreamRequest, arrays + state_arrays, self.chunk_bytes
+                )
 
             msg = self._call("CreateGroupStream", chunks(), timeout)
         else:
@@ -446,7 +417,7 @@ class Client:
 
         def chunks() -> Iterator[Any]:
             yield pb.PushStreamRequest(header=req)
-            yield from iter_raw_chunks(arrays, self.chunk_bytes)
+            yield from chunk_messages(pb.PushStreamRequest, arrays, self.chunk_bytes)
 
         # A lost reply surfaces as DEADLINE_EXCEEDED or UNAVAILABLE; the same seq
         # makes the retry safe (the server answers a repeat with the first result).
@@ -538,7 +509,9 @@ class Client:
 
             def chunks() -> Iterator[Any]:
                 yield pb.ApplyStreamRequest(request=header)
-                yield from iter_raw_chunks(arrays, self.chunk_bytes)
+                yield from chunk_messages(
+                    pb.ApplyStreamRequest, arrays, self.chunk_bytes
+                )
 
             it = self._stream_call("ApplyStream", chunks(), timeout)
             first = next(it).response

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from onnxps.client._codec import DTYPE_TO_PROTO
+from onnxps.client.codec import DTYPE_TO_PROTO
 from onnxps.v1 import parameter_server_pb2 as pb
 
 from .errors import InvalidArgument

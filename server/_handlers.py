@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import Message
-from onnxps.client._codec import SERVICE as _SERVICE
+from onnxps.client.codec import SERVICE as _SERVICE
 
 __all__ = [
     "SERVICE",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import grpc
-from onnxps.client._codec import TensorFormatError
+from onnxps.client.codec import TensorFormatError
 
 from . import errors
 from .store import DeadlineExceeded

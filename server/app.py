@@ -12,11 +12,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from onnxps.client._codec import CHUNK_BYTES
+from onnxps.client.codec import CHUNK_BYTES
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from . import durability, limits, metrics, security
-from ._fastwire import FastChunkInterceptor
 from ._handlers import SERVICE
 from .service import ParameterServerServicer
 from .store import ParameterStore, StoreLimits
@@ -142,7 +141,6 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             *metrics.interceptors(config),
             *security.interceptors(config),
             *limits.interceptors(config),
-            FastChunkInterceptor(),  # innermost: chunk parsers for the streams
         ],
     )
     servicer = ParameterServerServicer(store, chunk_bytes=config.chunk_bytes)

@@ -18,8 +18,7 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import Message
-from onnxps.client._codec import PROTO_TO_DTYPE
-from onnxps.client._wire import RawChunk
+from onnxps.client.codec import PROTO_TO_DTYPE
 from onnxps.v1 import parameter_server_pb2 as pb
 
 from ._handlers import Behavior, Malformed, method_of, peek, rewrap
@@ -87,8 +86,6 @@ def message_bytes(msg: Any) -> int:
     """
     if isinstance(msg, Malformed):
         return msg.size
-    if isinstance(msg, RawChunk):
-        return len(msg.data) + 16
     if not isinstance(msg, Message):
         return 0
     declared = declared_bytes(msg)

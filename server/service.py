@@ -14,17 +14,17 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
-from onnxps.client._codec import (
+from onnxps.client.codec import (
     CHUNK_BYTES,
     TensorAssembler,
     TensorFormatError,
+    chunk_messages,
     declared_nbytes,
     header_tensor,
     tensor_spec,
     tensor_to_array,
     write_tensor,
 )
-from onnxps.client._wire import iter_raw_chunks
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
@@ -304,7 +304,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             tensors=[header_tensor(a, n) for a, n in zip(arrays, names, strict=True)],
         )
         yield pb.PullStreamResponse(header=header)
-        yield from iter_raw_chunks(arrays, self.chunk_bytes)
+        yield from chunk_messages(pb.PullStreamResponse, arrays, self.chunk_bytes)
 
     # -- apply ---------------------------------------------------------------------
     def _apply(self, req: pb.ApplyRequest, inputs: list[Array]) -> list[Array]:
@@ -337,7 +337,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         yield pb.ApplyStreamResponse(
             response=pb.ApplyResponse(outputs=[header_tensor(o) for o in outputs])
         )
-        yield from iter_raw_chunks(outputs, self.chunk_bytes)
+        yield from chunk_messages(pb.ApplyStreamResponse, outputs, self.chunk_bytes)
 
     # -- workers and saving ----------------------------------------------------------
     def _lease(self, g: Group, reply_type: type[L]) -> L:

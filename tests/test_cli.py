@@ -18,7 +18,7 @@ from _procs import start_server, stop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from onnxps.client import Adagrad, Adam, Client, Nesterov, Sync, UnavailableError
-from onnxps.client._codec import header_tensor, iter_chunks
+from onnxps.client.codec import header_tensor, iter_chunks
 from onnxps.server import cli
 from onnxps.server.app import ServerHandle
 from onnxps.v1 import parameter_server_pb2 as pb

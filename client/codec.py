@@ -1,17 +1,25 @@
 """Tensors on the wire: ndarray <-> ``onnxps.v1.Tensor``, and chunked streams.
 
-Bytes travel raw, little-endian, C order. Reading a protobuf bytes field copies, so a
-field is read once and wrapped with ``np.frombuffer``. Both ends use this module.
+The one codec both ends use (the server imports it too). Bytes travel raw,
+little-endian, C order; a 0-d tensor has no dims and one element. Reading a protobuf
+bytes field copies, so a field is read once and wrapped with ``np.frombuffer``.
+
+A stream carries a header (the tensors without bytes) and then stream messages whose
+``chunk`` field holds the next ~1 MiB of one tensor, tensors in header order and
+each tensor's chunks in offset order (``chunk_messages`` writes them,
+``TensorAssembler`` reads them back and checks every offset).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
+
+from ._errors import OnnxpsError
 
 __all__ = [
     "CHUNK_BYTES",
@@ -21,6 +29,7 @@ __all__ = [
     "TensorAssembler",
     "TensorFormatError",
     "array_to_tensor",
+    "chunk_messages",
     "declared_nbytes",
     "header_tensor",
     "iter_chunks",
@@ -52,7 +61,7 @@ _NAMES = {
 }
 
 
-class TensorFormatError(ValueError):
+class TensorFormatError(OnnxpsError, ValueError):
     """A tensor message that does not describe a valid tensor (dtype, dims, bytes)."""
 
 
@@ -127,18 +136,50 @@ def tensor_to_array(t: pb.Tensor, what: str = "tensor") -> Array:
     return np.frombuffer(raw, dtype=dtype).reshape(dims)
 
 
+def _byte_views(arrays: Iterable[Any]) -> Iterator[tuple[int, memoryview]]:
+    for index, a in enumerate(arrays):
+        arr = np.asarray(a)
+        arr = np.asarray(arr, dtype=arr.dtype.newbyteorder("<"), order="C")
+        yield index, memoryview(arr.reshape(-1)).cast("B")  # type: ignore[arg-type]
+
+
 def iter_chunks(
     arrays: Iterable[Any], chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[pb.TensorChunk]:
     """The bytes of ``arrays`` in order, as ~chunk_bytes TensorChunk messages."""
-    for index, a in enumerate(arrays):
-        arr = np.asarray(a)
-        arr = np.asarray(arr, dtype=arr.dtype.newbyteorder("<"), order="C")
-        view = memoryview(arr.reshape(-1)).cast("B")  # type: ignore[arg-type]
+    for index, view in _byte_views(arrays):
         for start in range(0, len(view), chunk_bytes):
             yield pb.TensorChunk(
                 index=index, offset=start, data=bytes(view[start : start + chunk_bytes])
             )
+
+
+class _ChunkCarrier(Protocol):
+    """A stream message (``PushStreamRequest``, ``PullStreamResponse``...)."""
+
+    @property
+    def chunk(self) -> pb.TensorChunk: ...
+
+
+_M = TypeVar("_M", bound=_ChunkCarrier)
+
+
+def chunk_messages(
+    message: type[_M], arrays: Iterable[Any], chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[_M]:
+    """The bytes of ``arrays`` as stream messages of type ``message``, chunk set.
+
+    The chunk is filled inside the stream message: building a ``TensorChunk`` and
+    nesting it would copy its bytes once more.
+    """
+    for index, view in _byte_views(arrays):
+        for start in range(0, len(view), chunk_bytes):
+            msg = message()
+            chunk = msg.chunk
+            chunk.index = index
+            chunk.offset = start
+            chunk.data = bytes(view[start : start + chunk_bytes])
+            yield msg
 
 
 class TensorAssembler:
