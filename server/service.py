@@ -1,7 +1,8 @@
 """The gRPC servicer: a thin adapter over ``ParameterStore``.
 
 Each RPC decodes its request, calls the store (or the kernels, for Apply), encodes
-the reply, and maps domain errors to status codes through ``_status.status_for``.
+the reply, and maps domain errors to a status with details through
+``_status.status_of``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from ._convert import attrs_from_proto, consistency_from_proto, group_info
-from ._status import status_for
+from ._status import rich_status, status_of
 from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from .kernels import apply_onnx
 from .store import Group, ParameterStore
@@ -46,16 +47,17 @@ L = TypeVar("L", pb.JoinGroupResponse, pb.HeartbeatResponse, pb.LeaveGroupRespon
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
-    code = status_for(exc)
-    if code is None:
+    kept = tuple(context.trailing_metadata() or ())  # e.g. the request id echo
+    status = status_of(exc, kept)
+    if status is None:
         log.exception("%s failed with an unexpected error", method)
-        context.abort(
-            grpc.StatusCode.INTERNAL,
+        message = (
             f"internal error in {method}: {type(exc).__name__}: {exc} (a bug: the "
-            "server log has the traceback)",
+            "server log has the traceback)"
         )
-    else:
-        context.abort(code, str(exc))
+        code = grpc.StatusCode.INTERNAL
+        status = rich_status(code, message, "INTERNAL", trailers=kept)
+    context.abort_with_status(status)
 
 
 def _already_aborted(context: grpc.ServicerContext) -> bool:

@@ -147,7 +147,9 @@ class ParameterStore:
         with self._lock:
             g = self._groups.get(name)
         if g is None:
-            raise NotFound(f"no group named {name!r}; create it first")
+            raise NotFound(
+                f"no group named {name!r}; create it first", metadata={"group": name}
+            )
         return g
 
     def total_state_bytes(self) -> int:
@@ -171,7 +173,10 @@ class ParameterStore:
         if not tensors:
             raise InvalidArgument(f"group {name!r} needs at least one tensor")
         if not math.isfinite(learning_rate):
-            raise InvalidArgument(f"learning_rate must be finite, got {learning_rate}")
+            raise InvalidArgument(
+                f"learning_rate must be finite, got {learning_rate}",
+                field="learning_rate",
+            )
         if update_count < 0:
             raise InvalidArgument(f"update_count must be >= 0, got {update_count}")
         seen: set[str] = set()
@@ -229,17 +234,20 @@ class ParameterStore:
             if name in self._groups:
                 raise AlreadyExists(
                     f"group {name!r} exists already; delete it first or pick another "
-                    "name"
+                    "name",
+                    metadata={"group": name},
                 )
             if self.limits.max_groups and len(self._groups) >= self.limits.max_groups:
                 raise ResourceExhausted(
-                    f"the server holds its limit of {self.limits.max_groups} groups"
+                    f"the server holds its limit of {self.limits.max_groups} groups",
+                    metadata={"limit": "max_groups", "value": self.limits.max_groups},
                 )
             total = sum(g.state_bytes for g in self._groups.values()) + group_bytes
             if self.limits.max_total_bytes and total > self.limits.max_total_bytes:
                 raise ResourceExhausted(
                     f"group {name!r} needs {group_bytes} bytes; the server would hold "
-                    f"{total}, over its limit of {self.limits.max_total_bytes}"
+                    f"{total}, over its limit of {self.limits.max_total_bytes}",
+                    metadata={"limit": "max_total_bytes", "group": name},
                 )
             self._groups[name] = group
             ticket = None
@@ -278,7 +286,7 @@ class ParameterStore:
         with self._lock:
             g = self._groups.pop(name, None)
         if g is None:
-            raise NotFound(f"no group named {name!r}")
+            raise NotFound(f"no group named {name!r}", metadata={"group": name})
         with g.cond:
             g.deleted = True
             ticket = None
@@ -293,7 +301,10 @@ class ParameterStore:
     def set_learning_rate(self, name: str, learning_rate: float) -> Group:
         self._check_open()
         if not math.isfinite(learning_rate):
-            raise InvalidArgument(f"learning_rate must be finite, got {learning_rate}")
+            raise InvalidArgument(
+                f"learning_rate must be finite, got {learning_rate}",
+                field="learning_rate",
+            )
         g = self.get(name)
         with g.cond:
             self._check_live(g)
@@ -315,18 +326,31 @@ class ParameterStore:
         if len(specs) != n:
             raise InvalidArgument(
                 f"group {g.name!r} holds {n} tensors ({', '.join(g.names)}): expected "
-                f"{n} gradients in that order, got {len(specs)}"
+                f"{n} gradients in that order, got {len(specs)}",
+                reason="GRADIENT_COUNT",
+                field="gradients",
+                metadata={"group": g.name, "expected": n, "received": len(specs)},
             )
         for i, (dtype, shape) in enumerate(specs):
             if np.dtype(dtype) != g.dtype:
                 raise InvalidArgument(
                     f"gradient {i + 1} ({g.names[i]!r}) must be {g.dtype}, the "
-                    f"group's dtype; got {np.dtype(dtype)}"
+                    f"group's dtype; got {np.dtype(dtype)}",
+                    reason="DTYPE_MISMATCH",
+                    field=f"gradients[{i}].dtype",
+                    metadata={"group": g.name, "expected": g.dtype, "received": dtype},
                 )
             if tuple(shape) != g.shapes[i]:
                 raise InvalidArgument(
                     f"gradient {i + 1} ({g.names[i]!r}) must have shape "
-                    f"{g.shapes[i]}, got {tuple(shape)}"
+                    f"{g.shapes[i]}, got {tuple(shape)}",
+                    reason="SHAPE_MISMATCH",
+                    field=f"gradients[{i}].dims",
+                    metadata={
+                        "group": g.name,
+                        "expected": g.shapes[i],
+                        "received": shape,
+                    },
                 )
 
     def push(
@@ -345,14 +369,20 @@ class ParameterStore:
         g = self.get(name)
         self.validate_push_header(g, [(a.dtype, a.shape) for a in grads])
         if learning_rate is not None and not math.isfinite(learning_rate):
-            raise InvalidArgument(f"learning_rate must be finite, got {learning_rate}")
+            raise InvalidArgument(
+                f"learning_rate must be finite, got {learning_rate}",
+                field="learning_rate",
+            )
         if not g.allow_non_finite:
             for i, a in enumerate(grads):
                 if not all_finite(a):
                     raise InvalidArgument(
                         f"gradient {i + 1} ({g.names[i]!r}) holds NaN or inf, which "
                         f"would poison group {name!r} for good; fix the worker, or "
-                        "create the group with allow_non_finite=True"
+                        "create the group with allow_non_finite=True",
+                        reason="NON_FINITE_GRADIENT",
+                        field=f"gradients[{i}]",
+                        metadata={"group": name},
                     )
         ticket = None
         with g.cond:
@@ -395,7 +425,10 @@ class ParameterStore:
         if base_version is not None and base_version > t:
             raise InvalidArgument(
                 f"push computed against T={base_version}, but group {g.name!r} is "
-                f"only at T={t}: base_version must be a T the worker pulled"
+                f"only at T={t}: base_version must be a T the worker pulled",
+                reason="BASE_VERSION_AHEAD",
+                field="base_version",
+                metadata={"group": g.name, "update_count": t},
             )
         c = g.consistency
         if c.mode == "async":
@@ -404,7 +437,9 @@ class ParameterStore:
                 raise FailedPrecondition(
                     f"stale push to {g.name!r}: computed against T={base_version}, the "
                     f"group is at T={t} and max_staleness={s} accepts T >= {t - s}; "
-                    "pull and recompute"
+                    "pull and recompute",
+                    reason="STALE_PUSH",
+                    metadata={"group": g.name, "update_count": t, "max_staleness": s},
                 )
             g.step(grads, learning_rate)
             outcome = PushOutcome(g.update_count, True)
@@ -413,14 +448,18 @@ class ParameterStore:
                 raise FailedPrecondition(
                     f"stale push to sync group {g.name!r}: computed against "
                     f"T={base_version}, but that step was already taken (T={t}); pull "
-                    f"min_version={t} and recompute"
+                    f"min_version={t} and recompute",
+                    reason="STALE_PUSH",
+                    metadata={"group": g.name, "update_count": t},
                 )
             g.expire_leases(self._clock())
             key = client_id or f"~anonymous-{len(g.pending)}-{time.monotonic_ns()}"
             if key in g.pending:
                 raise FailedPrecondition(
                     f"client {client_id!r} already pushed for step T={t} of sync group "
-                    f"{g.name!r}; wait for the step (pull min_version={t + 1})"
+                    f"{g.name!r}; wait for the step (pull min_version={t + 1})",
+                    reason="DUPLICATE_SYNC_PUSH",
+                    metadata={"group": g.name, "update_count": t},
                 )
             g.pending[key] = [np.array(a, dtype=g.dtype, order="C") for a in grads]
             outcome = PushOutcome(t, False)
@@ -465,7 +504,9 @@ class ParameterStore:
         if seq <= w.floor:
             raise FailedPrecondition(
                 f"push seq {seq} from client {client_id!r} is older than the "
-                f"{DEDUP_WINDOW} pushes remembered for it; it cannot be deduplicated"
+                f"{DEDUP_WINDOW} pushes remembered for it; it cannot be deduplicated",
+                reason="SEQ_TOO_OLD",
+                metadata={"group": g.name, "client_id": client_id, "seq": seq},
             )
         return None
 
@@ -517,7 +558,8 @@ class ParameterStore:
             if self._draining:
                 raise Unavailable(
                     f"the server is shutting down while group {g.name!r} is at "
-                    f"T={g.update_count}, before T={version}; retry after it restarts"
+                    f"T={g.update_count}, before T={version}; retry after it restarts",
+                    metadata={"group": g.name, "update_count": g.update_count},
                 )
             remaining = None if deadline is None else deadline - self._clock()
             if remaining is not None and remaining <= 0:
@@ -637,6 +679,6 @@ class ParameterStore:
 
     def _check_live(self, g: Group) -> None:
         if g.deleted:
-            raise NotFound(f"group {g.name!r} was deleted")
+            raise NotFound(f"group {g.name!r} was deleted", metadata={"group": g.name})
         if self._closed:
             raise Unavailable("the server is shutting down; retry on another server")
