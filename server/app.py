@@ -11,12 +11,12 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from onnxps.client.codec import CHUNK_BYTES
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from . import durability, limits, metrics, security
 from ._handlers import SERVICE
+from ._reflection import enable_reflection
 from .service import ParameterServerServicer
 from .store import ParameterStore, StoreLimits
 
@@ -147,9 +147,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     pb_grpc.add_ParameterServerServiceServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    enable_reflection((SERVICE, health.SERVICE_NAME), server)
     credentials = security.server_credentials(config)
     if credentials is None:
         port = server.add_insecure_port(config.address)

@@ -176,6 +176,7 @@ def test_reflection_lists_the_services(server: ServerHandle) -> None:
         "onnxps.v1.ParameterServerService",
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
+        "grpc.reflection.v1.ServerReflection",
     }
 
 
