@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["load"]
+__all__ = ["cache_note", "load"]
 
 
 def _adagrad(x, g, h, start, stop, nc, has_nc, r, eps):
@@ -112,3 +112,18 @@ def load() -> dict[str, Callable[..., None]]:
         except RuntimeError:  # "cannot cache function ...: no locator available"
             kernels[op] = numba.njit(_signatures(op), **options)(fn)
     return kernels
+
+
+def cache_note(kernels: dict[str, Any]) -> str:
+    """Where the kernels came from: numba's cache, or a compile (and whether kept)."""
+    stats = [k.stats for k in kernels.values()]
+    paths = sorted({s.cache_path for s in stats if s.cache_path})
+    if not paths:
+        return (
+            "compiled; no writable cache directory, so every process compiles "
+            "them again (set NUMBA_CACHE_DIR to a writable directory)"
+        )
+    where = ", ".join(paths)
+    if any(s.cache_misses for s in stats):
+        return f"compiled and cached in {where}"
+    return f"loaded from numba's cache in {where}"

@@ -47,12 +47,14 @@ def fused_kernels() -> dict[str, Callable[..., None]] | None:
             else:
                 import numba
 
-                _failure = ""
-                log.info(
-                    "onnxps kernels: numba %s fused kernels ready in %.2f s "
-                    "(compiled, or loaded from numba's cache)",
+                note = _numba.cache_note(_kernels)
+                level = logging.WARNING if "no writable" in note else logging.INFO
+                log.log(
+                    level,
+                    "onnxps kernels: numba %s fused kernels ready in %.2f s (%s)",
                     numba.__version__,
                     time.perf_counter() - start,
+                    note,
                 )
             _loaded = True
         return _kernels
