@@ -196,10 +196,10 @@ def torch_thread_counts() -> list[int]:
 def contenders(
     problem: Problem,
 ) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
-    rows: list[tuple[str, Callable[[], Callable[[], object]]]] = []
-    if problem.n <= 1_000_000:  # 1e7 adds nothing but minutes
-        rows.append(("naive (line by line)", problem.naive))
-    rows.append(("onnxps numpy", lambda: problem.production("numpy")))
+    rows: list[tuple[str, Callable[[], Callable[[], object]]]] = [
+        ("naive (line by line)", problem.naive),
+        ("onnxps numpy", lambda: problem.production("numpy")),
+    ]
     if HAVE_NUMBA:
         rows.append(("onnxps numba", lambda: problem.production("numba")))
     rows.append(("np.copyto same bytes", problem.copy))
