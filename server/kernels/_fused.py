@@ -213,15 +213,11 @@ class Stepper:
         self.dtype = np.dtype(dtype)
         self.sizes = [int(n) for n in sizes]
         self.kernels = kernel_path(kernels)
-        compiled = fused_kernels() if self.kernels == "numba" else None
-        self._kernel = compiled[attrs.op] if compiled is not None else None
+        self._kernel = _compiled_kernel(self.kernels, attrs.op)
         total = sum(self.sizes)
         parallel = total >= PARALLEL_MIN_ELEMENTS and _THREADS > 1
         if block is None:
-            size = BLOCK_BYTES if self._kernel is None else FUSED_BLOCK_BYTES
-            block = size // self.dtype.itemsize
-            if parallel:  # at least two blocks per thread, so the threads stay even
-                block = max(4096, min(block, -(-total // (2 * _THREADS))))
+            block = self._default_block(total, parallel)
         self.block = block
         self._fn = _BLOCK_FNS[attrs.op]
         self._blocks: list[Block] = [
@@ -233,10 +229,16 @@ class Stepper:
         self._slices = [self._blocks[k::slots] for k in range(slots)]
         self._row = min(block, max(self.sizes, default=0)) or 1
         # The fused path needs scratch only for an array it was not compiled for.
-        self._scratch: list[Array | None] = [
-            None if self._kernel is not None else self._new_scratch()
-            for _ in range(slots)
-        ]
+        self._scratch: list[Array | None] = [None] * slots
+        if self._kernel is None:
+            self._scratch = [self._new_scratch() for _ in range(slots)]
+
+    def _default_block(self, total: int, parallel: bool) -> int:
+        size = BLOCK_BYTES if self._kernel is None else FUSED_BLOCK_BYTES
+        block = size // self.dtype.itemsize
+        if parallel:  # at least two blocks per thread, so the threads stay even
+            block = max(4096, min(block, -(-total // (2 * _THREADS))))
+        return block
 
     def _new_scratch(self) -> Array:
         return np.empty((2, self._row), self.dtype)
@@ -324,6 +326,11 @@ class Stepper:
             except TypeError:  # a strided or unaligned view: the NumPy block
                 with np.errstate(all="ignore"):
                     self._run_block(slot, c, xs, gs, vs, hs, block)
+
+
+def _compiled_kernel(path: str, op: str) -> Callable[..., None] | None:
+    kernels = fused_kernels() if path == "numba" else None
+    return None if kernels is None else kernels[op]
 
 
 def _fused_scalars(op: str, c: dict[str, Any], dtype: np.dtype[Any]) -> tuple[Any, ...]:
