@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 CHUNK_BYTES = 1 << 20
+MAX_DIMS = 64  # NumPy's limit on an array's number of dimensions
 
 Array = np.ndarray[Any, Any]
 
@@ -65,9 +66,20 @@ def tensor_spec(
             f"{what} has data type {t.dtype}: expected FLOAT (1), DOUBLE (11) or "
             "INT64 (7), numbered as ONNX TensorProto.DataType"
         )
+    if len(t.dims) > MAX_DIMS:
+        raise TensorFormatError(
+            f"{what} has {len(t.dims)} dims: an array has at most {MAX_DIMS}"
+        )
     dims = tuple(int(d) for d in t.dims)
     if any(d < 0 for d in dims):
         raise TensorFormatError(f"{what} has negative dims {list(dims)}")
+    # NumPy must be able to address the array even when it holds no element: the
+    # product of the nonzero dims, in bytes, stays below 2**63 (as for np.empty).
+    if math.prod(d for d in dims if d) * dtype.itemsize >= 2**63:
+        raise TensorFormatError(
+            f"{what} has dims {list(dims)}: {dtype.name} dims whose nonzero product "
+            "reaches 2**63 bytes describe no array"
+        )
     return dtype, dims
 
 

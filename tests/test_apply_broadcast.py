@@ -160,20 +160,11 @@ UNREPRESENTABLE = {
     "bytes-overflow": [0, 2**61],  # 2**61 float32 elements: 2**63 bytes
     "65-dims": [1] * 65,  # NumPy arrays have at most 64
 }
-CODEC_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason="client/_codec.py tensor_spec accepts dims NumPy cannot represent; "
-    "tensor_to_array's reshape (and TensorAssembler's np.empty) then raise "
-    "ValueError, which the servicer reports as INTERNAL",
-)
-
-
 def unrepresentable(dims: list[int]) -> pb.Tensor:
     empty = 0 in dims
     return pb.Tensor(dtype=pb.FLOAT, dims=dims, raw_data=b"" if empty else b"\0" * 4)
 
 
-@CODEC_XFAIL
 @pytest.mark.parametrize("dims", UNREPRESENTABLE.values(), ids=UNREPRESENTABLE.keys())
 def test_apply_dims_no_array_can_have(
     stub: pb_grpc.ParameterServerStub, dims: list[int]
@@ -188,7 +179,6 @@ def test_apply_dims_no_array_can_have(
     assert "input 2" in (info.value.details() or "")
 
 
-@CODEC_XFAIL
 @pytest.mark.parametrize("dims", UNREPRESENTABLE.values(), ids=UNREPRESENTABLE.keys())
 def test_apply_stream_dims_no_array_can_have(
     stub: pb_grpc.ParameterServerStub, dims: list[int]
