@@ -160,6 +160,8 @@ UNREPRESENTABLE = {
     "bytes-overflow": [0, 2**61],  # 2**61 float32 elements: 2**63 bytes
     "65-dims": [1] * 65,  # NumPy arrays have at most 64
 }
+
+
 def unrepresentable(dims: list[int]) -> pb.Tensor:
     empty = 0 in dims
     return pb.Tensor(dtype=pb.FLOAT, dims=dims, raw_data=b"" if empty else b"\0" * 4)
