@@ -170,11 +170,19 @@ ODD_NAMES = (
 
 
 def _valid_spec(t: pb.Tensor) -> bool:
-    return t.dtype in ITEMSIZE and all(d >= 0 for d in t.dims)
+    # dims NumPy can address: at most 64, nonzero product below 2**63 bytes
+    return (
+        t.dtype in ITEMSIZE
+        and len(t.dims) <= 64
+        and all(d >= 0 for d in t.dims)
+        and math.prod(d for d in t.dims if d) * ITEMSIZE[t.dtype] < 2**63
+    )
 
 
 def _nbytes(t: pb.Tensor) -> int:
-    return math.prod(t.dims) * ITEMSIZE[t.dtype] if _valid_spec(t) else 0
+    # as admission sizes a call: before the codec checks the dims
+    sized = t.dtype in ITEMSIZE and all(d >= 0 for d in t.dims)
+    return math.prod(t.dims) * ITEMSIZE[t.dtype] if sized else 0
 
 
 def _exact_len(t: pb.Tensor) -> int | None:
