@@ -24,7 +24,7 @@ import numpy as np
 from onnxps.client.image import GroupImage, ImageFormatError
 
 from ._group import GroupCapture, GroupRuntime
-from ._wal import _write_all, fsync_dir
+from ._wal import _write_all, c_order, fsync_dir
 
 __all__ = [
     "FORMAT_VERSION",
@@ -96,7 +96,7 @@ def next_generation(root: str) -> int:
 
 
 def _write_array(directory: str, name: str, a: Array, files: dict[str, Any]) -> str:
-    a = np.ascontiguousarray(a)
+    a = c_order(a)
     head = io.BytesIO()
     fmt = np.lib.format
     fmt.write_array_header_1_0(head, fmt.header_data_from_array_1_0(a))

@@ -31,6 +31,7 @@ __all__ = [
     "WAL_FORMAT_VERSION",
     "WalFormatError",
     "WriteAheadLog",
+    "c_order",
     "read_segments",
     "segment_paths",
 ]
@@ -75,6 +76,15 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def c_order(a: Array) -> Array:
+    """``a`` as a C-ordered array of the same shape (no copy when it is one already).
+
+    Not ``np.ascontiguousarray``: that returns at least one dimension, so a 0-d
+    tensor would be saved as shape (1,) and no longer match its group.
+    """
+    return np.asarray(a, order="C")
+
+
 def _write_all(fd: int, data: memoryview | bytes) -> None:
     view = memoryview(data).cast("B")
     while view:
@@ -117,7 +127,7 @@ class WriteAheadLog:
 
     # -- the Journal protocol -------------------------------------------------------
     def log(self, record: dict[str, Any], arrays: Sequence[Array]) -> int:
-        arrays = [np.ascontiguousarray(a) for a in arrays]
+        arrays = [c_order(a) for a in arrays]
         with self._cv:
             self._last += 1
             lsn = self._last
