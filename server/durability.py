@@ -12,7 +12,6 @@ format is in docs/FORMAT.md.
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import shutil
@@ -30,6 +29,7 @@ from ._snapshot import (
     list_snapshots,
     load_snapshot,
     next_generation,
+    read_manifest,
     write_snapshot,
 )
 from ._wal import WriteAheadLog, read_segments, segment_paths
@@ -152,10 +152,10 @@ class Durability:
                 "restored %d groups from %s (generation %d)",
                 len(groups),
                 path,
-                manifest["generation"],
+                manifest.generation,
             )
             covered = {c.image.name: c.runtime.covered_lsn for c in groups}
-            return int(manifest["wal_lsn"]), covered
+            return manifest.wal_lsn, covered
         segments = segment_paths(self.wal_dir)
         if segments and segments[0][0] > 1:
             log.error(
@@ -274,8 +274,8 @@ class Durability:
         oldest = None
         for _, path in snapshots[: self.keep]:
             try:
-                wal_lsn = _manifest_wal_lsn(path)
-            except (OSError, ValueError, KeyError):
+                wal_lsn = read_manifest(path).wal_lsn
+            except SnapshotError:
                 return  # a damaged snapshot may need any segment; keep them all
             oldest = wal_lsn if oldest is None else min(oldest, wal_lsn)
         if oldest is None:
@@ -369,8 +369,3 @@ class _Scratch:
     def trim(self) -> None:
         if self._buf is not None and self._buf.nbytes > self.RETAIN:
             self._buf = None
-
-
-def _manifest_wal_lsn(path: str) -> int:
-    with open(os.path.join(path, "manifest.json"), encoding="utf-8") as f:
-        return int(json.load(f)["wal_lsn"])

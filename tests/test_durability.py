@@ -7,6 +7,7 @@ runs are in test_crash_recovery.py.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -192,6 +193,8 @@ def _damage(snap: Path, how: str) -> str:
         text = (snap / "manifest.json").read_bytes()
         (snap / "manifest.json").write_bytes(text[: len(text) // 2])
         return "unreadable manifest"
+    if how in MANIFEST_EDITS:
+        return _edit_manifest(snap, how)
     target = snap / "g00000-a0.npy"
     data = bytearray(target.read_bytes())
     if how == "truncated":
@@ -202,8 +205,48 @@ def _damage(snap: Path, how: str) -> str:
     return "sha256 does not match"
 
 
+MANIFEST_EDITS = {
+    # how: the reason the log line gives
+    "update_count": "manifest_sha256 does not match the manifest",
+    "wal_lsn": "manifest_sha256 does not match the manifest",
+    "renamed_key": "manifest_sha256 does not match the manifest",
+    "no_checksum": "has no manifest_sha256",
+    # re-hashed after the edit, as a tool that rewrote the manifest would
+    "missing_field_rehashed": "malformed manifest: KeyError('wal_lsn')",
+    "wrong_type_rehashed": "malformed manifest: TypeError",
+    "missing_group_field_rehashed": "malformed group entry: KeyError('dedup')",
+}
+
+
+def _edit_manifest(snap: Path, how: str) -> str:
+    path = snap / "manifest.json"
+    m = json.loads(path.read_text())
+    if how == "update_count":
+        m["groups"][0]["image"]["update_count"] = 80
+    elif how == "wal_lsn":
+        m["wal_lsn"] += 1000
+    elif how == "renamed_key":
+        m["wal_seq"] = m.pop("wal_lsn")
+    elif how == "no_checksum":
+        del m["manifest_sha256"]
+    elif how == "missing_field_rehashed":
+        del m["wal_lsn"]
+    elif how == "wrong_type_rehashed":
+        m["generation"] = "2"
+    elif how == "missing_group_field_rehashed":
+        del m["groups"][0]["dedup"]
+    if how.endswith("_rehashed"):
+        del m["manifest_sha256"]
+        canonical = json.dumps(m, sort_keys=True, separators=(",", ":"))
+        m["manifest_sha256"] = hashlib.sha256(canonical.encode()).hexdigest()
+    path.write_text(json.dumps(m, indent=1))
+    return MANIFEST_EDITS[how]
+
+
 @pytest.mark.parametrize(
-    "how", ["truncated", "flipped", "manifest_version", "manifest_truncated"]
+    "how",
+    ["truncated", "flipped", "manifest_version", "manifest_truncated"]
+    + list(MANIFEST_EDITS),
 )
 def test_damaged_newest_snapshot_falls_back_to_previous(
     tmp_path: Path,
@@ -233,6 +276,28 @@ def test_damaged_newest_snapshot_falls_back_to_previous(
         assert t == 3
         for a, b in zip(values, saved, strict=True):
             assert a.tobytes() == b.tobytes()
+
+
+def test_a_version_2_snapshot_without_a_manifest_checksum_still_restores(
+    tmp_path: Path, servers: Callable[[ServerConfig], ServerHandle]
+) -> None:
+    first = servers(_config(tmp_path))
+    with Client(first.address) as c:
+        c.create_group("g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(4)})
+        c.push("g", np.ones(4))
+        saved = c.pull("g", state=True)
+    first.stop(grace=1)
+    (snap,) = _snapshot_dirs(tmp_path)
+    m = json.loads((snap / "manifest.json").read_text())
+    assert m["format_version"] == 3
+    m["format_version"] = 2  # as the release before manifest checksums wrote it
+    del m["manifest_sha256"]
+    (snap / "manifest.json").write_text(json.dumps(m))
+    second = servers(_config(tmp_path))
+    with Client(second.address) as c:
+        t, values = c.pull_versioned("g", state=True)
+        assert t == 1
+        assert [a.tobytes() for a in values] == [a.tobytes() for a in saved]
 
 
 def test_wal_replays_everything_after_the_snapshot(
