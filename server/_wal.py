@@ -496,9 +496,9 @@ class LogReader:
     def _corrupt(self, damage: _Damage, later: list[str]) -> None:
         records = damage.records_after + sum(_count_records(p) for p in later)
         nbytes = damage.bytes_after + sum(os.path.getsize(p) for p in later)
-        what = f"{records} intact records and {nbytes} bytes"
+        what = f"{_count(records, 'intact record')} and {nbytes} bytes"
         if later:
-            what += f" (with {len(later)} later segments)"
+            what += f" (in this and {_count(len(later), 'later segment')})"
         where = f"{damage.path}: {damage.reason} at byte {damage.offset}"
         if not self.truncate_corrupt:
             raise WalCorruptError(
@@ -614,6 +614,10 @@ def _count_records(path: str) -> int:
         except WalFormatError:
             return 0
         return sum(1 for h, _ in _frames(f) if not isinstance(h, _BadFrame))
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}" if n == 1 else f"{n} {thing}s"
 
 
 def _truncate(path: str, offset: int) -> None:
