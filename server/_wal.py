@@ -6,10 +6,13 @@ docs/FORMAT.md)::
 
     magic b"OPSW" | u32 header length | u64 body length | u32 crc32 | header | body
 
-``log`` is called under a group's lock and only enqueues; one writer thread writes
-every queued frame and fsyncs once for the whole batch (group commit), then wakes the
-callers blocked in ``wait``, which raises ``WalWriteError`` (UNAVAILABLE) for a record
-that could not be written: the caller then applies nothing. A failed write is cut
+``log`` is called under a group's lock and only enqueues; the first caller of
+``wait`` that finds nobody writing becomes the writer: it writes every queued frame
+and fsyncs once for the whole batch (group commit: records of other groups queued
+meanwhile go in the same or the next batch), then wakes the other callers (a
+background thread flushes what nobody waits for, such as a segment rotation).
+``wait`` raises ``WalWriteError`` (UNAVAILABLE) for a record that could not be
+written: the caller then applies nothing. A failed write is cut
 off again (``ftruncate`` to the last fsynced size), so the log never holds a torn
 frame in its middle, and the next batch tries again; the refused lsns are declared
 by a ``void`` frame. A failed fsync stops the log for good (the kernel may have
@@ -145,6 +148,7 @@ class WriteAheadLog:
         self._done = next_lsn - 1  # every lsn up to this one is durable or failed
         self._failures: dict[int, OSError] = {}  # failed lsns not yet waited for
         self._queue: list[_Item] = []
+        self._writing = False  # a thread is writing a batch
         self._closing = False
         self._broken: OSError | None = None  # no more writes until a restart
         self._failing = False  # the last batch failed
@@ -181,15 +185,22 @@ class WriteAheadLog:
                 "arrays": [[a.dtype.str, list(a.shape)] for a in arrays],
             }
             item = _Item(lsn, json.dumps(header).encode(), arrays)
-            self._queue.append(item)
-            self._cv.notify_all()
+            self._queue.append(item)  # the caller's wait writes it: no wake-up here
         return lsn
 
     def wait(self, lsn: int) -> None:
         """Return once record ``lsn`` is durable; WalWriteError if it is not."""
         with self._cv:
             while self._done < lsn:
-                self._cv.wait()
+                batch = self._take_batch()
+                if batch is None:
+                    self._cv.wait()
+                    continue
+                self._cv.release()
+                try:
+                    self._flush(batch)
+                finally:
+                    self._cv.acquire()
             exc = self._failures.pop(lsn, None)
         if exc is not None:
             raise self._refusal(exc)
@@ -246,24 +257,44 @@ class WriteAheadLog:
         return fd
 
     def _run(self) -> None:
+        """Flush what no caller waits for (rotations), and drain the queue at close."""
         while True:
             with self._cv:
-                while not self._queue and not self._closing:
-                    self._cv.wait()
-                batch, self._queue = self._queue, []
-                if not batch and self._closing:
-                    return
-            written, exc = 0, self._broken
+                batch = self._take_batch()
+                while batch is None:
+                    if self._closing and not self._queue and not self._writing:
+                        return
+                    self._cv.wait(timeout=0.05)
+                    batch = self._take_batch()
+            self._flush(batch)
+
+    def _take_batch(self) -> list[_Item] | None:
+        """Under the lock: the queue, to write, unless another thread is writing."""
+        if self._writing or not self._queue:
+            return None
+        self._writing = True
+        batch, self._queue = self._queue, []
+        return batch
+
+    def _flush(self, batch: list[_Item]) -> None:
+        """Write a batch taken by ``_take_batch`` (without the lock), publish it."""
+        written, exc = 0, self._broken
+        try:
             if exc is None:
                 written, exc = self._write_batch(batch)
             failed = [item.lsn for item in batch[written:] if item.header is not None]
+            # Announced while still the only writer, so health changes in order.
+            news = self._account(exc, failed)
+            if news is not None:
+                news()
+        finally:
             with self._cv:
-                for lsn in failed:
-                    assert exc is not None
-                    self._failures[lsn] = exc
+                for item in batch[written:]:
+                    if item.header is not None:
+                        self._failures[item.lsn] = exc or OSError("log write failed")
                 self._done = max(self._done, batch[-1].lsn)
+                self._writing = False
                 self._cv.notify_all()
-            self._report(exc, failed)
 
     def _write_batch(self, batch: list[_Item]) -> tuple[int, OSError | None]:
         """Write and fsync ``batch``: (how many of its items are durable, the error)."""
@@ -322,37 +353,51 @@ class WriteAheadLog:
         except OSError as again:
             self._broken = again
 
-    def _report(self, exc: OSError | None, failed: list[int]) -> None:
+    def _account(
+        self, exc: OSError | None, failed: list[int]
+    ) -> Callable[[], None] | None:
+        """Update the failure state after a batch (as its writer); returns what to
+        announce (log lines, health callbacks)."""
         if exc is None:
-            if self._failing:
-                self._failing = False
-                log.warning(
-                    "write-ahead log in %s is written again; pushes are durable again",
-                    self.wal_dir,
-                )
-                if self._on_recover is not None:
-                    self._on_recover()
-            return
+            if not self._failing:
+                return None
+            self._failing = False
+            return self._announce_recovery
         if failed and self._broken is None:
             # No batch succeeded since the pending voids: every lsn between them
             # was refused, so one range declares them all.
             first = self._voids[0][0] if self._voids else failed[0]
             self._voids = [(first, failed[-1])]
         stopped = self._broken is not None and not self._stop_reported
-        if not self._failing or stopped:
-            self._stop_reported = self._broken is not None
-            log.error(
-                "write-ahead log in %s failed: %s; the changes it could not log are "
-                "refused (UNAVAILABLE) and not applied, %s",
-                self.wal_dir,
-                exc,
-                "and the log stopped: restart the server once the disk is fixed"
-                if self._broken is not None
-                else "until it can write again: free space on that disk",
-            )
+        first_failure = not self._failing or stopped
+        self._stop_reported = self._broken is not None
         self._failing = True
-        if self._on_error is not None:
-            self._on_error(exc)
+        stopped_now = self._broken is not None
+
+        def announce() -> None:
+            if first_failure:
+                log.error(
+                    "write-ahead log in %s failed: %s; the changes it could not log "
+                    "are refused (UNAVAILABLE) and not applied, %s",
+                    self.wal_dir,
+                    exc,
+                    "and the log stopped: restart the server once the disk is fixed"
+                    if stopped_now
+                    else "until it can write again: free space on that disk",
+                )
+            if self._on_error is not None:
+                assert exc is not None
+                self._on_error(exc)
+
+        return announce
+
+    def _announce_recovery(self) -> None:
+        log.warning(
+            "write-ahead log in %s is written again; pushes are durable again",
+            self.wal_dir,
+        )
+        if self._on_recover is not None:
+            self._on_recover()
 
 
 def _read_frame(f: Any, path: str) -> tuple[dict[str, Any], list[Array]] | None:
