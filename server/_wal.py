@@ -79,6 +79,8 @@ class WalCorruptError(WalFormatError):
 class WalWriteError(Unavailable):
     """A record could not be written: the change it carries was not applied."""
 
+    default_reason = "WAL_WRITE_FAILED"
+
 
 def segment_name(first_lsn: int) -> str:
     return f"wal-{first_lsn:020d}.log"
@@ -215,7 +217,8 @@ class WriteAheadLog:
         return WalWriteError(
             f"the write-ahead log in {self.wal_dir} could not be written "
             f"({exc.strerror or exc}), so this change was not applied and the group "
-            f"is as it was; {then}"
+            f"is as it was; {then}",
+            metadata={"wal_dir": self.wal_dir, "errno": exc.errno or 0},
         )
 
     # -- control --------------------------------------------------------------------

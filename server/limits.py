@@ -10,15 +10,13 @@ anything is allocated. A request whose bytes do not parse gets INVALID_ARGUMENT.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 from google.protobuf.message import Message
-from onnxps.client._codec import PROTO_TO_DTYPE
-from onnxps.client._wire import RawChunk
+from onnxps.client.codec import TensorFormatError, declared_nbytes
 from onnxps.v1 import parameter_server_pb2 as pb
 
 from ._handlers import CallHooks, Malformed, method_of, wrap
@@ -28,10 +26,10 @@ __all__ = ["LimitsInterceptor", "declared_bytes", "message_bytes"]
 
 
 def _tensor_bytes(t: pb.Tensor) -> int:
-    dtype = PROTO_TO_DTYPE.get(t.dtype)
-    if dtype is None or any(d < 0 for d in t.dims):
+    try:
+        return declared_nbytes(t)
+    except TensorFormatError:
         return 0  # the servicer rejects it with INVALID_ARGUMENT
-    return math.prod(t.dims) * dtype.itemsize
 
 
 def declared_bytes(msg: Message) -> int:
@@ -55,8 +53,6 @@ def message_bytes(msg: Any) -> int:
     """
     if isinstance(msg, Malformed):
         return msg.size
-    if isinstance(msg, RawChunk):
-        return len(msg.data) + 16
     if not isinstance(msg, Message):
         return 0
     declared = declared_bytes(msg)
@@ -174,6 +170,8 @@ class _Admission(CallHooks):
         assert self.deserialize is not None
         self.size = len(raw)
         try:
+            if raw[:1] == b"\x00":  # field 0: upb lets a fieldless message take it
+                raise ValueError("field number 0 is not a valid tag")
             return self.deserialize(raw)
         except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's
             return Malformed(len(raw), f"{self.method}: {exc}")

@@ -1,7 +1,7 @@
 """The gRPC servicer: a thin adapter over ``ParameterStore``.
 
 Each RPC decodes its request, calls the store (or the kernels, for Apply), encodes
-the reply, and maps domain errors to status codes through ``_status.status_for``.
+the reply, and maps domain errors to a status with details (``_status.status_of``).
 """
 
 from __future__ import annotations
@@ -13,21 +13,21 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
-from onnxps.client._codec import (
+from onnxps.client.codec import (
     CHUNK_BYTES,
     TensorAssembler,
+    chunk_messages,
     declared_nbytes,
     header_tensor,
     tensor_spec,
     tensor_to_array,
     write_tensor,
 )
-from onnxps.client._wire import iter_raw_chunks
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from ._convert import attrs_from_proto, consistency_from_proto, group_info
-from ._status import status_for
+from ._status import rich_status, status_of
 from .durability import SaveResult
 from .errors import FailedPrecondition, InvalidArgument
 from .kernels import apply_onnx
@@ -39,19 +39,23 @@ log = logging.getLogger("onnxps.service")
 
 Array = np.ndarray[Any, Any]
 F = TypeVar("F", bound=Callable[..., Any])
+# The stream and unary RPCs answer with messages of the same fields.
+R = TypeVar("R", pb.PushResponse, pb.PushStreamResponse)
+L = TypeVar("L", pb.JoinGroupResponse, pb.HeartbeatResponse, pb.LeaveGroupResponse)
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
-    code = status_for(exc)
-    if code is None:
+    kept = tuple(context.trailing_metadata() or ())  # e.g. the request id echo
+    status = status_of(exc, kept)
+    if status is None:
         log.exception("%s failed with an unexpected error", method)
-        context.abort(
-            grpc.StatusCode.INTERNAL,
+        message = (
             f"internal error in {method}: {type(exc).__name__}: {exc} (a bug: the "
-            "server log has the traceback)",
+            "server log has the traceback)"
         )
-    else:
-        context.abort(code, str(exc))
+        code = grpc.StatusCode.INTERNAL
+        status = rich_status(code, message, "INTERNAL", trailers=kept)
+    context.abort_with_status(status)
 
 
 def _already_aborted(context: grpc.ServicerContext) -> bool:
@@ -111,7 +115,7 @@ def _names(prefix: str, n: int, names: Sequence[str] | None = None) -> list[str]
     return [f"{prefix}_{i + 1}" for i in range(n)]
 
 
-class ParameterServerServicer(pb_grpc.ParameterServerServicer):
+class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     def __init__(
         self,
         store: ParameterStore,
@@ -152,18 +156,20 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             raise InvalidArgument(f"group {req.group!r} needs at least one tensor")
 
     @_unary
-    def CreateGroup(self, request: pb.CreateGroupRequest, context: Any) -> pb.GroupInfo:
+    def CreateGroup(
+        self, request: pb.CreateGroupRequest, context: Any
+    ) -> pb.CreateGroupResponse:
         self._check_create_size(request)
         tensors = [tensor_to_array(t, f"tensor {t.name!r}") for t in request.tensors]
         state = [
             tensor_to_array(t, f"state {i + 1}") for i, t in enumerate(request.state)
         ]
-        return self._create(request, tensors, state)
+        return pb.CreateGroupResponse(group=self._create(request, tensors, state))
 
     @_unary
     def CreateGroupStream(
-        self, request_iterator: Iterable[pb.CreateGroupChunk], context: Any
-    ) -> pb.GroupInfo:
+        self, request_iterator: Iterable[pb.CreateGroupStreamRequest], context: Any
+    ) -> pb.CreateGroupStreamResponse:
         req, it = _stream_header(request_iterator, "header", "a CreateGroupStream")
         self._check_create_size(req)
         headers = list(req.tensors) + list(req.state)
@@ -172,11 +178,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         )
         asm = self._assemble(it, headers, names)
         n = len(req.tensors)
-        return self._create(req, asm[:n], asm[n:])
+        return pb.CreateGroupStreamResponse(group=self._create(req, asm[:n], asm[n:]))
 
     @_unary
-    def DescribeGroup(self, request: pb.GroupRequest, context: Any) -> pb.GroupInfo:
-        return group_info(self.store.describe(request.group))
+    def DescribeGroup(
+        self, request: pb.DescribeGroupRequest, context: Any
+    ) -> pb.DescribeGroupResponse:
+        return pb.DescribeGroupResponse(
+            group=group_info(self.store.describe(request.group))
+        )
 
     @_unary
     def ListGroups(
@@ -188,16 +198,16 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_unary
     def DeleteGroup(
-        self, request: pb.GroupRequest, context: Any
+        self, request: pb.DeleteGroupRequest, context: Any
     ) -> pb.DeleteGroupResponse:
         return pb.DeleteGroupResponse(deleted=self.store.delete_group(request.group))
 
     @_unary
     def SetLearningRate(
         self, request: pb.SetLearningRateRequest, context: Any
-    ) -> pb.GroupInfo:
+    ) -> pb.SetLearningRateResponse:
         view = self.store.set_learning_rate(request.group, request.learning_rate)
-        return group_info(view)
+        return pb.SetLearningRateResponse(group=group_info(view))
 
     # -- push ----------------------------------------------------------------------
     def _push(
@@ -206,7 +216,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         ticket: PushTicket,
         grads: list[Array],
         context: Any,
-    ) -> pb.PushResponse:
+        reply_type: type[R],
+    ) -> R:
         out = self.store.push(
             ticket,
             grads,
@@ -217,7 +228,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             return_values=req.return_values,
             timeout=_timeout(context),
         )
-        reply = pb.PushResponse(
+        reply = reply_type(
             update_count=out.update_count, applied=out.applied, duplicate=out.duplicate
         )
         if out.values is not None:
@@ -239,19 +250,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             tensor_to_array(t, f"gradient {i + 1} ({ticket.names[i]!r})")
             for i, t in enumerate(request.gradients)
         ]
-        return self._push(request, ticket, grads, context)
+        return self._push(request, ticket, grads, context, pb.PushResponse)
 
     @_unary
     def PushStream(
-        self, request_iterator: Iterable[pb.PushChunk], context: Any
-    ) -> pb.PushResponse:
+        self, request_iterator: Iterable[pb.PushStreamRequest], context: Any
+    ) -> pb.PushStreamResponse:
         req, it = _stream_header(request_iterator, "header", "a PushStream")
         ticket = self._validate_push(req)
         headers = list(req.gradients)
         grads = self._assemble(
             it, headers, _names("gradient", len(headers), ticket.names)
         )
-        return self._push(req, ticket, grads, context)
+        return self._push(req, ticket, grads, context, pb.PushStreamResponse)
 
     def _assemble(
         self, it: Iterator[Any], headers: Sequence[pb.Tensor], names: Sequence[str]
@@ -264,7 +275,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return asm.finish()
 
     # -- pull ----------------------------------------------------------------------
-    def _pull(self, req: pb.PullRequest, context: Any) -> PullResult:
+    def _pull(
+        self, req: pb.PullRequest | pb.PullStreamRequest, context: Any
+    ) -> PullResult:
         return self.store.pull(
             req.group,
             with_state=req.with_state,
@@ -283,7 +296,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return reply
 
     @_streaming
-    def PullStream(self, request: pb.PullRequest, context: Any) -> Iterator[Any]:
+    def PullStream(self, request: pb.PullStreamRequest, context: Any) -> Iterator[Any]:
         out = self._pull(request, context)
         header = pb.PullResponse(
             update_count=out.update_count,
@@ -292,8 +305,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 header_tensor(a, n) for a, n in zip(out.arrays, out.names, strict=True)
             ],
         )
-        yield pb.PullChunk(header=header)
-        yield from iter_raw_chunks(out.arrays, self.chunk_bytes)
+        yield pb.PullStreamResponse(header=header)
+        yield from chunk_messages(pb.PullStreamResponse, out.arrays, self.chunk_bytes)
 
     # -- apply ---------------------------------------------------------------------
     def _apply(self, req: pb.ApplyRequest, inputs: list[Array]) -> list[Array]:
@@ -313,7 +326,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_streaming
     def ApplyStream(
-        self, request_iterator: Iterable[pb.ApplyChunk], context: Any
+        self, request_iterator: Iterable[pb.ApplyStreamRequest], context: Any
     ) -> Iterator[Any]:
         request, it = _stream_header(request_iterator, "request", "an ApplyStream")
         headers = list(request.inputs)
@@ -323,14 +336,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             it, headers, [f"input {i}" for i in range(len(headers))]
         )
         outputs = self._apply(request, inputs)
-        yield pb.ApplyChunk(
+        yield pb.ApplyStreamResponse(
             response=pb.ApplyResponse(outputs=[header_tensor(o) for o in outputs])
         )
-        yield from iter_raw_chunks(outputs, self.chunk_bytes)
+        yield from chunk_messages(pb.ApplyStreamResponse, outputs, self.chunk_bytes)
 
     # -- workers and saving ----------------------------------------------------------
-    def _lease(self, lease: LeaseView) -> pb.LeaseResponse:
-        return pb.LeaseResponse(
+    def _lease(self, lease: LeaseView, reply_type: type[L]) -> L:
+        return reply_type(
             lease_seconds=lease.lease_seconds,
             update_count=lease.update_count,
             live_workers=lease.live_workers,
@@ -338,16 +351,25 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         )
 
     @_unary
-    def JoinGroup(self, request: pb.JoinRequest, context: Any) -> pb.LeaseResponse:
-        return self._lease(self.store.join(request.group, request.worker_id))
+    def JoinGroup(
+        self, request: pb.JoinGroupRequest, context: Any
+    ) -> pb.JoinGroupResponse:
+        lease = self.store.join(request.group, request.worker_id)
+        return self._lease(lease, pb.JoinGroupResponse)
 
     @_unary
-    def Heartbeat(self, request: pb.JoinRequest, context: Any) -> pb.LeaseResponse:
-        return self._lease(self.store.join(request.group, request.worker_id))
+    def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: Any
+    ) -> pb.HeartbeatResponse:
+        lease = self.store.join(request.group, request.worker_id)
+        return self._lease(lease, pb.HeartbeatResponse)
 
     @_unary
-    def LeaveGroup(self, request: pb.JoinRequest, context: Any) -> pb.LeaseResponse:
-        return self._lease(self.store.leave(request.group, request.worker_id))
+    def LeaveGroup(
+        self, request: pb.LeaveGroupRequest, context: Any
+    ) -> pb.LeaveGroupResponse:
+        lease = self.store.leave(request.group, request.worker_id)
+        return self._lease(lease, pb.LeaveGroupResponse)
 
     @_unary
     def Save(self, request: pb.SaveRequest, context: Any) -> pb.SaveResponse:

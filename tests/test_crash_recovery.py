@@ -9,6 +9,7 @@ restart each group must equal the state after a prefix of its pushes, and with
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import signal
@@ -340,8 +341,10 @@ def test_a_full_disk_in_wal_mode_refuses_pushes_and_loses_no_acknowledged_one(
             # a refused push leaves T and X as they were
             t, before = c.pull_versioned("g", state=True)
             assert t == sum(acked)
-            with pytest.raises(UnavailableError, match="not applied"):
+            with pytest.raises(UnavailableError, match="not applied") as err:
                 c.push("g", np.ones(512))
+            assert err.value.reason == "WAL_WRITE_FAILED"
+            assert err.value.metadata["errno"] == str(errno.EFBIG)
             t_after, after = c.pull_versioned("g", state=True)
             assert t_after == t
             assert [a.tobytes() for a in after] == [a.tobytes() for a in before]
