@@ -181,11 +181,14 @@ class Journal(Protocol):
     """Durability hook: records every state change in order (see ``durability``)."""
 
     def log(self, record: dict[str, Any], arrays: Sequence[Array]) -> int:
-        """Append under the group's lock; returns the record's lsn for ``wait``."""
+        """Append under the group's lock; returns the record's lsn for ``wait``.
+
+        Every record logged must be waited for."""
         ...
 
     def wait(self, lsn: int) -> None:
-        """Block until the record with this lsn is durable."""
+        """Block until the record with this lsn is durable; raise ``Unavailable``
+        when it could not be written (the caller then applies nothing)."""
         ...
 
 

@@ -69,6 +69,11 @@ class ServerConfig:
     durability: str = _option(
         "snapshot", "how state outlives the process", choices=DURABILITY_MODES
     )
+    wal_truncate_corrupt: bool = _option(
+        False,
+        "start even when the write-ahead log is corrupt in its middle: cut it there "
+        "and drop the records after it (logged as an ERROR)",
+    )
     snapshot_interval: float = _option(300.0, "seconds between snapshots, 0 for none")
     keep_snapshots: int = _option(3, "snapshots kept")
     tls_cert: str | None = _option(None, "server certificate (PEM)")
@@ -183,6 +188,7 @@ def _durability(
         mode=config.durability,
         keep=config.keep_snapshots,
         set_serving=set_serving,
+        truncate_corrupt=config.wal_truncate_corrupt,
     )
     d.open()
     return d

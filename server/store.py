@@ -22,9 +22,13 @@ client are remembered and a repeated push is answered with its first result. A
 client's window is kept ``dedup_seconds`` after its last push, for at most
 ``dedup_clients`` clients per group (the least recently pushing are dropped first).
 
-Durability: every change is logged to the ``Journal`` given to ``set_journal`` (its
-records are numbered by ``lsn``) and the call returns once its record is durable. The
-``replay_*`` methods redo logged changes without logging them again.
+Durability: every change is validated, then logged to the ``Journal`` given to
+``set_journal`` (its records are numbered by ``lsn``), and applied only once its record
+is durable, all under the group's lock; so the change applied is exactly the one
+logged, and an acknowledged change is durable. When the log cannot be written the call
+is refused with ``Unavailable`` and nothing changes. The journal batches the records
+of different groups into one fsync (group commit). The ``replay_*`` methods redo
+logged changes without logging them again.
 """
 
 from __future__ import annotations
@@ -120,7 +124,7 @@ class _PushRequest:
     base_version: int | None
     learning_rate: float | None
 
-    def record(self, group: str) -> dict[str, Any]:
+    def record(self, group: str, update_count: int) -> dict[str, Any]:
         return {
             "op": "push",
             "group": group,
@@ -128,27 +132,31 @@ class _PushRequest:
             "seq": self.seq,
             "base_version": self.base_version,
             "lr": self.learning_rate,
+            "t": update_count,  # the T it steps at (sync: the step it is buffered for)
         }
 
 
 class _JournalEntry:
-    """The records one store call logs; the call waits for them after its locks."""
+    """Logs a store call's records; ``wait`` blocks until one is durable.
+
+    Called under the group's lock, before the change is applied: ``wait`` raises
+    ``Unavailable`` when the log could not be written, and the caller then leaves the
+    group as it was. Without a journal (memory only, or replay) both do nothing.
+    """
 
     def __init__(self, journal: Journal | None) -> None:
         self._journal = journal
-        self._lsn: int | None = None
 
-    def log(
-        self, record: dict[str, Any], arrays: Sequence[Array] = (), *, wait: bool = True
-    ) -> None:
-        if self._journal is not None:
-            lsn = self._journal.log(record, arrays)
-            if wait:
-                self._lsn = lsn
+    def log(self, record: dict[str, Any], arrays: Sequence[Array] = ()) -> int | None:
+        return None if self._journal is None else self._journal.log(record, arrays)
 
-    def wait(self) -> None:
-        if self._journal is not None and self._lsn is not None:
-            self._journal.wait(self._lsn)
+    def wait(self, lsn: int | None) -> None:
+        if self._journal is not None and lsn is not None:
+            self._journal.wait(lsn)
+
+    def durable(self, record: dict[str, Any], arrays: Sequence[Array] = ()) -> None:
+        """Log ``record`` and wait until it is durable."""
+        self.wait(self.log(record, arrays))
 
 
 def _quorum_reached(g: Group) -> bool:
@@ -229,15 +237,22 @@ class ParameterStore:
     def reap_leases(self) -> None:
         """Drop expired leases now; a sync step that no longer needs them is taken.
 
-        Exactly-once windows idle past ``dedup_seconds`` are dropped here too.
+        Exactly-once windows idle past ``dedup_seconds`` are dropped here too. A due
+        step whose record could not be logged before is tried again here.
         """
         limits = self.limits
         for g in self._live():
             with self._journaled() as journal, g.cond:
+                if g.deleted:
+                    continue
                 now = self._clock()
                 g.forget_clients(now, limits.dedup_seconds, limits.dedup_clients)
-                if not g.deleted and g.workers and g.expire_leases(now):
-                    self._maybe_sync_step(g, journal)
+                expired = bool(g.workers) and g.expire_leases(now)
+                if expired or _quorum_reached(g):
+                    try:
+                        self._maybe_sync_step(g, journal)
+                    except Unavailable:
+                        pass  # the journal logged why; the next round tries again
                     g.cond.notify_all()
 
     # -- groups --------------------------------------------------------------------
@@ -310,15 +325,26 @@ class ParameterStore:
             state=state or None,
             update_count=update_count,
         )
-        with self._journaled() as journal, self._lock:
-            self._check_room(name, group_bytes)
-            self._groups[name] = group
-            if self._journal is not None:
-                # The full definition and initial arrays, so replay can recreate it.
-                with group.cond:
+        journal = _JournalEntry(self._journal)
+        # Held until the create record is durable: no call uses the group before.
+        with group.cond:
+            with self._lock:
+                self._check_room(name, group_bytes)
+                self._groups[name] = group
+                lsn = None
+                if self._journal is not None:
+                    # The full definition and initial arrays, so replay recreates it.
                     image = group.image()
-                record = {"op": "create", "group": name, "image": image.to_json()}
-                journal.log(record, image.arrays)
+                    record = {"op": "create", "group": name, "image": image.to_json()}
+                    lsn = journal.log(record, image.arrays)
+            try:
+                journal.wait(lsn)
+            except Unavailable:
+                with self._lock:
+                    if self._groups.get(name) is group:
+                        del self._groups[name]
+                group.deleted = True
+                raise
         _log_group("created", group)
         return group.view(self._clock())
 
@@ -356,12 +382,19 @@ class ParameterStore:
 
     def _delete(self, name: str, *, replay: bool) -> bool:
         with self._lock:
-            g = self._groups.pop(name, None)
+            g = self._groups.get(name)
         if g is None:
             raise NotFound(f"no group named {name!r}", metadata={"group": name})
+        # The group's lock first: a push holding it is logged before the delete, and
+        # the name is free (for a create, logged after) only once the delete is.
         with self._journaled(replay) as journal, g.cond:
+            if g.deleted:
+                raise NotFound(f"no group named {name!r}", metadata={"group": name})
+            journal.durable({"op": "delete", "group": name})
+            with self._lock:
+                if self._groups.get(name) is g:
+                    del self._groups[name]
             g.deleted = True
-            journal.log({"op": "delete", "group": name})
             g.cond.notify_all()
         log.info("deleted group %s", name)
         return True
@@ -377,8 +410,8 @@ class ParameterStore:
         check_learning_rate(learning_rate, g.dtype)
         with self._journaled(replay) as journal, g.cond:
             self._check_live(g)
+            journal.durable({"op": "set_lr", "group": name, "lr": float(learning_rate)})
             g.learning_rate = float(learning_rate)
-            journal.log({"op": "set_lr", "group": name, "lr": float(learning_rate)})
             return g.view(self._clock())
 
     # -- push ----------------------------------------------------------------------
@@ -493,7 +526,6 @@ class ParameterStore:
             else:
                 due = _logged_step_due if replay else _quorum_reached
                 outcome = self._step_or_buffer(g, grads, request, journal, due)
-                journal.log(request.record(g.name), grads)
             if return_values:
                 if not outcome.applied:
                     self._wait_version(g, outcome.update_count + 1, timeout)
@@ -516,11 +548,13 @@ class ParameterStore:
                 f"takes (2**62 = {MAX_UPDATE_COUNT}); export it and create it again "
                 "with a smaller update_count"
             )
+        record = request.record(g.name, g.update_count)
         if g.consistency.mode == "async":
+            journal.durable(record, grads)  # Unavailable: refused, nothing changed
             g.step(grads, request.learning_rate)
             outcome = PushOutcome(g.update_count, True)
         else:
-            outcome = self._buffer(g, grads, request.client_id, journal, due)
+            outcome = self._buffer(g, grads, request.client_id, record, journal, due)
         if request.client_id:
             self._dedup_store(g, request.client_id, request.seq, outcome)
         g.cond.notify_all()
@@ -531,10 +565,16 @@ class ParameterStore:
         g: Group,
         grads: Sequence[Array],
         client_id: str,
+        record: dict[str, Any],
         journal: _JournalEntry,
         due: Callable[[Group], bool],
     ) -> PushOutcome:
-        """A sync push: buffer the contribution; step if it completes the quorum."""
+        """A sync push: buffer the contribution; step if it completes the quorum.
+
+        The contribution is kept once its record is durable, and the step it
+        completes is logged only then (never a logged step without its push) and
+        taken once that record is durable too.
+        """
         t = g.update_count
         g.expire_leases(self._clock())
         key = client_id or f"~anonymous-{len(g.pending)}-{time.monotonic_ns()}"
@@ -546,8 +586,16 @@ class ParameterStore:
                 metadata={"group": g.name, "update_count": t},
             )
         g.pending[key] = [np.array(a, dtype=g.dtype, order="C") for a in grads]
-        if self._maybe_sync_step(g, journal, due):
-            return PushOutcome(g.update_count, True)
+        try:
+            journal.durable(record, grads)
+        except Unavailable:
+            del g.pending[key]
+            raise
+        try:
+            if self._maybe_sync_step(g, journal, due):
+                return PushOutcome(g.update_count, True)
+        except Unavailable:
+            pass  # buffered and durable; the reaper takes the step once it is logged
         return PushOutcome(t, False)
 
     def _maybe_sync_step(
@@ -558,14 +606,15 @@ class ParameterStore:
     ) -> bool:
         if not due(g):
             return False
+        journal.durable(_sync_step_record(g))  # Unavailable: no step, nothing changed
+        self._take_sync_step(g)
+        return True
+
+    def _take_sync_step(self, g: Group) -> None:
         combined = combine_contributions(g.pending, g.consistency.reduction, g.dtype)
-        contributors = sorted(g.pending)
         g.pending = {}
         g.step(combined, None)
-        record = {"op": "sync_step", "group": g.name, "contributors": contributors}
-        journal.log(record, wait=False)
         g.cond.notify_all()
-        return True
 
     def _dedup_lookup(
         self, g: Group, client_id: str, seq: int
@@ -751,14 +800,9 @@ class ParameterStore:
     # -- helpers -------------------------------------------------------------------
     @contextmanager
     def _journaled(self, replay: bool = False) -> Iterator[_JournalEntry]:
-        """Collects what the block logs; waits for it to be durable after the block.
-
-        Enter it before the lock the records are logged under, so the wait happens
-        after that lock is released. A replayed change is not logged again.
-        """
-        entry = _JournalEntry(None if replay else self._journal)
-        yield entry
-        entry.wait()
+        """The journal for the block's records (waited for inside the block, under
+        the group's lock). A replayed change is not logged again."""
+        yield _JournalEntry(None if replay else self._journal)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -769,6 +813,10 @@ class ParameterStore:
             raise NotFound(f"group {g.name!r} was deleted", metadata={"group": g.name})
         if self._closed:
             raise Unavailable("the server is shutting down; retry on another server")
+
+
+def _sync_step_record(g: Group) -> dict[str, Any]:
+    return {"op": "sync_step", "group": g.name, "contributors": sorted(g.pending)}
 
 
 def _log_group(what: str, g: Group) -> None:

@@ -123,13 +123,13 @@ def test_windows_survive_a_restart_in_snapshot_mode(
     server = servers(_durable(tmp_path, "snapshot"))
     with Client(server.address, timeout=10) as c:
         c.create_group("g", Adagrad(), learning_rate=0.1, tensors={"w": W})
-    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(server.address))
-    grad = pb.Tensor(dtype=pb.FLOAT, dims=[4], raw_data=G.tobytes())
+    stub = pb_grpc.ParameterServerServiceStub(grpc.insecure_channel(server.address))
+    grad = pb.Tensor(dtype=pb.DATA_TYPE_FLOAT, dims=[4], raw_data=G.tobytes())
     push = pb.PushRequest(group="g", client_id="w1", seq=42, gradients=[grad])
     assert stub.Push(push, timeout=10).update_count == 1
     server.stop(grace=1)
     server = servers(_durable(tmp_path, "snapshot"))
-    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(server.address))
+    stub = pb_grpc.ParameterServerServiceStub(grpc.insecure_channel(server.address))
     reply = stub.Push(push, timeout=10)
     assert (reply.update_count, reply.duplicate) == (1, True)
 
@@ -206,8 +206,8 @@ def test_an_anonymous_push_cannot_fill_a_sync_quorum(server: ServerHandle) -> No
         c.create_group(
             "g", Adagrad(), learning_rate=0.1, tensors={"w": W}, consistency=Sync(2)
         )
-        stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(server.address))
-        grad = pb.Tensor(dtype=pb.FLOAT, dims=[4], raw_data=G.tobytes())
+        stub = pb_grpc.ParameterServerServiceStub(grpc.insecure_channel(server.address))
+        grad = pb.Tensor(dtype=pb.DATA_TYPE_FLOAT, dims=[4], raw_data=G.tobytes())
         for seq in (1, 2):
             with pytest.raises(grpc.RpcError) as info:
                 stub.Push(pb.PushRequest(group="g", seq=seq, gradients=[grad]))
@@ -326,8 +326,8 @@ def test_a_large_learning_rate_fits_a_float64_group(client: Client) -> None:
 def test_create_group_with_dims_no_array_can_have(
     server: ServerHandle, dims: list[int]
 ) -> None:
-    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(server.address))
-    tensor = pb.Tensor(name="w", dtype=pb.FLOAT, dims=dims, raw_data=b"")
+    stub = pb_grpc.ParameterServerServiceStub(grpc.insecure_channel(server.address))
+    tensor = pb.Tensor(name="w", dtype=pb.DATA_TYPE_FLOAT, dims=dims, raw_data=b"")
     request = pb.CreateGroupRequest(
         group="g",
         optimizer=Adagrad().to_proto(),
@@ -338,7 +338,7 @@ def test_create_group_with_dims_no_array_can_have(
         stub.CreateGroup(request, timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "tensor 'w' has" in (info.value.details() or "")
-    header = pb.CreateGroupChunk(header=request)
+    header = pb.CreateGroupStreamRequest(header=request)
     with pytest.raises(grpc.RpcError) as info:
         stub.CreateGroupStream(iter([header]), timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -384,12 +384,21 @@ def test_a_push_waiting_for_the_log_answers_its_own_outcome(
         )
         pusher.start()
         assert held.waiting.wait(10)
-        c.delete_group("g")
-        c.create_group(
-            "g", Adagrad(), learning_rate=0.5, tensors={"w": W}, update_count=7
-        )
+
+        def delete_and_recreate() -> None:
+            c.delete_group("g")
+            c.create_group(
+                "g", Adagrad(), learning_rate=0.5, tensors={"w": W}, update_count=7
+            )
+
+        # The delete waits for the group's lock, which the push holds until its
+        # record is durable and its step applied (an acknowledgement means durable).
+        other = threading.Thread(target=delete_and_recreate)
+        other.start()
+        time.sleep(0.2)
         held.release.set()
         pusher.join(20)
+        other.join(20)
         (reply,) = replies
         assert (reply.update_count, reply.applied, reply.duplicate) == (1, True, False)
         expected = W - np.float32(0.1) / (np.float32(1) + np.float32(1e-6))
