@@ -2,13 +2,21 @@
 
 Each RPC decodes its request, calls the store (or the kernels, for Apply), encodes
 the reply, and maps domain errors to status codes through ``_status.status_for``.
+
+A caller that goes away (it cancels, or its deadline passes) is not a server error:
+the call ends quietly (DEBUG), and what it held is dropped at once, its traceback's
+frames too (grpc keeps the ``RpcError`` it raised into the servicer, so frames left on
+it would keep a half-received push alive until the cycle collector runs). A call
+that waits for a version learns through a ``Cancellation`` that its caller left.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import grpc
@@ -31,7 +39,15 @@ from ._status import status_for
 from .durability import SaveResult
 from .errors import FailedPrecondition, InvalidArgument
 from .kernels import apply_onnx
-from .store import LeaseView, ParameterStore, PullResult, PushTicket
+from .limits import InflightBytes, InflightHold
+from .store import (
+    CallCancelled,
+    Cancellation,
+    LeaseView,
+    ParameterStore,
+    PullResult,
+    PushTicket,
+)
 
 __all__ = ["ParameterServerServicer"]
 
@@ -41,17 +57,32 @@ Array = np.ndarray[Any, Any]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+Failure = tuple[grpc.StatusCode, str]
+
+
+def _failure(exc: BaseException, context: grpc.ServicerContext, method: str) -> Failure:
+    """The status an exception ends a call with (logged when it is a bug)."""
+    if isinstance(exc, (grpc.RpcError, CallCancelled)) or not context.is_active():
+        _drop_frames(exc)
+        log.debug("%s: the client went away (cancelled or out of time)", method)
+        return grpc.StatusCode.CANCELLED, "the client cancelled the call"
     code = status_for(exc)
-    if code is None:
-        log.exception("%s failed with an unexpected error", method)
-        context.abort(
-            grpc.StatusCode.INTERNAL,
-            f"internal error in {method}: {type(exc).__name__}: {exc} (a bug: the "
-            "server log has the traceback)",
-        )
-    else:
-        context.abort(code, str(exc))
+    if code is not None:
+        return code, str(exc)
+    log.exception("%s failed with an unexpected error", method)
+    return grpc.StatusCode.INTERNAL, (
+        f"internal error in {method}: {type(exc).__name__}: {exc} (a bug: the "
+        "server log has the traceback)"
+    )
+
+
+def _drop_frames(exc: BaseException | None) -> None:
+    """Free the locals of an exception's finished frames, and its chain's."""
+    while exc is not None:
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+            exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
 
 
 def _already_aborted(context: grpc.ServicerContext) -> bool:
@@ -68,7 +99,9 @@ def _unary(method: F) -> F:
         except Exception as exc:  # noqa: BLE001 - every error becomes a status
             if _already_aborted(context):
                 raise
-            _abort(context, exc, method.__name__)
+            code, details = _failure(exc, context, method.__name__)
+        # Outside the except block, so the abort does not chain the error's frames.
+        context.abort(code, details)
 
     return wrapper  # type: ignore[return-value]
 
@@ -80,12 +113,22 @@ def _streaming(method: F) -> F:
     ) -> Iterator[Any]:
         try:
             yield from method(self, request, context)
+            return
         except Exception as exc:  # noqa: BLE001
             if _already_aborted(context):
                 raise
-            _abort(context, exc, method.__name__)
+            code, details = _failure(exc, context, method.__name__)
+        context.abort(code, details)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _cancellation(context: grpc.ServicerContext) -> Cancellation:
+    """Set when the call ends: it is cancelled, its deadline passes, or it is done."""
+    gone = Cancellation()
+    if not context.add_callback(gone.cancel):
+        gone.cancel()  # the call has ended already
+    return gone
 
 
 def _timeout(context: grpc.ServicerContext) -> float | None:
@@ -118,10 +161,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         *,
         chunk_bytes: int = CHUNK_BYTES,
         save: Callable[[], SaveResult] | None = None,
+        inflight: InflightBytes | None = None,
     ) -> None:
         self.store = store
         self.chunk_bytes = chunk_bytes
         self._save = save
+        # Pull replies are counted in the same budget as requests (see limits).
+        self._inflight = inflight or InflightBytes()
 
     # -- groups --------------------------------------------------------------------
     def _create(
@@ -216,6 +262,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             learning_rate=req.learning_rate if req.HasField("learning_rate") else None,
             return_values=req.return_values,
             timeout=_timeout(context),
+            cancellation=_cancellation(context) if req.return_values else None,
         )
         reply = pb.PushResponse(
             update_count=out.update_count, applied=out.applied, duplicate=out.duplicate
@@ -264,36 +311,59 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return asm.finish()
 
     # -- pull ----------------------------------------------------------------------
-    def _pull(self, req: pb.PullRequest, context: Any) -> PullResult:
+    @contextmanager
+    def _reply_bytes(self, context: Any, stream: bool) -> Iterator[InflightHold]:
+        """What a pull's reply holds of the in-flight budget: released when the call
+        ends (its termination callback), when it fails, or when its stream ends."""
+        hold = self._inflight.hold()
+        if not context.add_callback(hold.release):
+            hold.release()
+        try:
+            yield hold
+        except BaseException:
+            hold.release()
+            raise
+        if stream:
+            hold.release()
+
+    def _pull(
+        self, req: pb.PullRequest, context: Any, hold: InflightHold
+    ) -> PullResult:
+        waits = req.HasField("min_version")
         return self.store.pull(
             req.group,
             with_state=req.with_state,
-            min_version=req.min_version if req.HasField("min_version") else None,
+            min_version=req.min_version if waits else None,
             timeout=_timeout(context),
+            cancellation=_cancellation(context) if waits else None,
+            reserve=functools.partial(hold.admit, what="this pull's reply carries"),
         )
 
     @_unary
     def Pull(self, request: pb.PullRequest, context: Any) -> pb.PullResponse:
-        out = self._pull(request, context)
-        reply = pb.PullResponse(
-            update_count=out.update_count, learning_rate=out.learning_rate
-        )
-        for a, n in zip(out.arrays, out.names, strict=True):
-            write_tensor(reply.tensors.add(), a, n)
-        return reply
+        with self._reply_bytes(context, stream=False) as hold:
+            out = self._pull(request, context, hold)
+            reply = pb.PullResponse(
+                update_count=out.update_count, learning_rate=out.learning_rate
+            )
+            for a, n in zip(out.arrays, out.names, strict=True):
+                write_tensor(reply.tensors.add(), a, n)
+            return reply
 
     @_streaming
     def PullStream(self, request: pb.PullRequest, context: Any) -> Iterator[Any]:
-        out = self._pull(request, context)
-        header = pb.PullResponse(
-            update_count=out.update_count,
-            learning_rate=out.learning_rate,
-            tensors=[
-                header_tensor(a, n) for a, n in zip(out.arrays, out.names, strict=True)
-            ],
-        )
-        yield pb.PullChunk(header=header)
-        yield from iter_raw_chunks(out.arrays, self.chunk_bytes)
+        with self._reply_bytes(context, stream=True) as hold:
+            out = self._pull(request, context, hold)
+            header = pb.PullResponse(
+                update_count=out.update_count,
+                learning_rate=out.learning_rate,
+                tensors=[
+                    header_tensor(a, n)
+                    for a, n in zip(out.arrays, out.names, strict=True)
+                ],
+            )
+            yield pb.PullChunk(header=header)
+            yield from iter_raw_chunks(out.arrays, self.chunk_bytes)
 
     # -- apply ---------------------------------------------------------------------
     def _apply(self, req: pb.ApplyRequest, inputs: list[Array]) -> list[Array]:
