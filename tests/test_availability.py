@@ -22,7 +22,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.client import Adagrad, Client, Sync
 from onnxps.client._codec import header_tensor, iter_chunks
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.kernels import make_attrs
 from onnxps.server.security import ConfigError
+from onnxps.server.store import CallCancelled, Cancellation, ParameterStore
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
@@ -377,3 +379,30 @@ def test_cut_off_pushes_are_released_at_once_and_not_logged_as_bugs(
         assert len(re.findall(r"rpc PushStream group=big code=CANCELLED", text)) >= 6
     finally:
         stop(proc)
+
+
+def test_a_cancellation_wakes_a_waiting_store_call_at_once() -> None:
+    store = ParameterStore()
+    w = np.zeros(4, np.float32)
+    store.create_group("g", make_attrs("Adagrad", {}), 0.1, [("w", w)])
+    gone = Cancellation()
+    ended: list[BaseException] = []
+
+    def pull() -> None:
+        try:
+            store.pull("g", min_version=FOREVER, cancellation=gone)
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            ended.append(exc)
+
+    t = threading.Thread(target=pull)
+    t.start()
+    _until(lambda: store.waiting_calls == 1, 5)
+    start = time.monotonic()
+    gone.cancel()
+    t.join(5)
+    # Woken by the cancellation itself, not by the wait's half-second poll.
+    assert time.monotonic() - start < 0.25
+    assert [type(e) for e in ended] == [CallCancelled]
+    assert str(ended[0]) == f"the caller waiting for T={FOREVER} of group 'g' went away"
+    assert store.waiting_calls == 0
+    store.close()
