@@ -475,8 +475,9 @@ class ParameterStore:
         """Push gradients G_1..G_n; ``group`` is a name or a ticket for these grads.
 
         ``(client_id, seq)`` identifies the push for exactly-once delivery. With
-        ``return_values`` a sync push waits for its step (see ``pull``); its waiting
-        slot is taken before anything changes, so a refused push changed nothing.
+        ``return_values`` a sync push waits for its step (see ``pull``); when every
+        waiting slot is taken, a push that would wait is refused before anything
+        changes (one that completes the step goes through).
         """
         self._check_open()
         ticket = self._ticket(group, grads)
@@ -484,8 +485,9 @@ class ParameterStore:
         request = _PushRequest(client_id, seq, base_version, learning_rate)
         g = ticket._group
         may_wait = return_values and g.consistency.mode == "sync"
-        wait = _Wait(timeout, cancellation, counted=may_wait)
-        with self._waiting_slot(g.name) if may_wait else nullcontext():
+        slot = self._waiting_slot(g.name, required=False)
+        with slot if may_wait else nullcontext(False) as held:
+            wait = _Wait(timeout, cancellation, counted=held)
             return self._push(g, grads, request, return_values, wait)
 
     def _ticket(self, group: str | PushTicket, grads: Sequence[Array]) -> PushTicket:
@@ -524,6 +526,8 @@ class ParameterStore:
             if cached is not None:
                 outcome = PushOutcome(cached[0], cached[1], duplicate=True)
             else:
+                if return_values:
+                    self._check_room_to_wait(g, request, wait)
                 due = _logged_step_due if replay else _quorum_reached
                 outcome = self._step_or_buffer(g, grads, request, journal, due)
                 journal.log(request.record(g.name), grads)
@@ -686,21 +690,42 @@ class ParameterStore:
         return self._waiting
 
     @contextmanager
-    def _waiting_slot(self, group: str) -> Iterator[None]:
+    def _waiting_slot(self, group: str, *, required: bool = True) -> Iterator[bool]:
+        """Hold one of the server's waiting slots; when all are taken, refuse, or
+        yield False (holding none) if the slot is not ``required``."""
         limit = self.limits.max_waiting_calls
         with self._waiting_lock:
-            if limit and self._waiting >= limit:
-                raise ResourceExhausted(
-                    f"the server has its limit of {limit} calls waiting for a version "
-                    f"(of group {group!r} and others); retry later, or pull without "
-                    "min_version"
-                )
-            self._waiting += 1
+            held = not limit or self._waiting < limit
+            if held:
+                self._waiting += 1
+        if not held and required:
+            raise _no_room_to_wait(limit, group)
         try:
-            yield
+            yield held
         finally:
-            with self._waiting_lock:
-                self._waiting -= 1
+            if held:
+                with self._waiting_lock:
+                    self._waiting -= 1
+
+    def _check_room_to_wait(
+        self, g: Group, request: _PushRequest, wait: _Wait | None
+    ) -> None:
+        """Under the lock, before a sync push changes anything: refuse it if it would
+        wait for its step and found no waiting slot (one that completes the step
+        needs none)."""
+        if wait is None or wait.counted or g.consistency.mode != "sync":
+            return
+        key = request.client_id or "~probe"  # anonymous pushes get fresh keys
+        if key in g.pending:
+            return  # refused as a second push for this step
+        g.expire_leases(self._clock())
+        g.pending[key] = []  # as if buffered: would it complete the quorum?
+        try:
+            completes = _quorum_reached(g)
+        finally:
+            del g.pending[key]
+        if not completes:
+            raise _no_room_to_wait(self.limits.max_waiting_calls, g.name)
 
     def _wait_version(self, g: Group, version: int, wait: _Wait) -> None:
         """Under the group's lock: wait until T reaches ``version``."""
@@ -863,6 +888,13 @@ class ParameterStore:
             raise NotFound(f"group {g.name!r} was deleted")
         if self._closed:
             raise Unavailable("the server is shutting down; retry on another server")
+
+
+def _no_room_to_wait(limit: int, group: str) -> ResourceExhausted:
+    return ResourceExhausted(
+        f"the server has its limit of {limit} calls waiting for a version (of group "
+        f"{group!r} and others); retry later, or pull without min_version"
+    )
 
 
 def _slot_bytes(a: Array) -> int:

@@ -406,3 +406,55 @@ def test_a_cancellation_wakes_a_waiting_store_call_at_once() -> None:
     assert str(ended[0]) == f"the caller waiting for T={FOREVER} of group 'g' went away"
     assert store.waiting_calls == 0
     store.close()
+
+
+def test_at_the_waiting_limit_only_a_sync_push_that_would_wait_is_refused() -> None:
+    handle = _serve(threads=8, max_waiting_calls=3)
+    grad = np.ones(4, np.float32)
+    try:
+        with Client(handle.address, timeout=10) as c:
+            c.create_group(
+                "s",
+                Adagrad(),
+                learning_rate=0.1,
+                tensors={"w": np.zeros(4, np.float32)},
+                consistency=Sync(workers=5),
+            )
+            with grpc.insecure_channel(handle.address) as ch:
+                stub = pb_grpc.ParameterServerStub(ch)
+
+                def push(worker: str, return_values: bool) -> grpc.Future:
+                    return stub.Push.future(
+                        pb.PushRequest(
+                            group="s",
+                            gradients=[
+                                pb.Tensor(
+                                    dtype=pb.FLOAT, dims=[4], raw_data=grad.tobytes()
+                                )
+                            ],
+                            client_id=worker,
+                            seq=1,
+                            return_values=return_values,
+                        ),
+                        timeout=10,
+                    )
+
+                waiting = [push(f"w{i}", True) for i in range(3)]
+                _until(lambda: handle.store.waiting_calls == 3, 5)
+                with pytest.raises(grpc.RpcError) as err:
+                    push("w3", True).result()
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert c.describe_group("s").pending_contributions == 3  # unchanged
+                assert push("w3", False).result().applied is False
+                # The push that completes the step needs no slot: it goes through.
+                last = push("w4", True).result()
+                assert (last.applied, last.update_count) == (True, 1)
+                values = [np.frombuffer(last.values[0].raw_data, np.float32)]
+                for f in waiting:
+                    reply = f.result()
+                    values.append(np.frombuffer(reply.values[0].raw_data, np.float32))
+                assert all(np.array_equal(v, values[0]) for v in values)
+                assert not np.array_equal(values[0], np.zeros(4, np.float32))
+            assert handle.store.waiting_calls == 0
+    finally:
+        handle.stop(grace=0)
