@@ -11,13 +11,12 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-from onnxps.client._codec import CHUNK_BYTES
+from onnxps.client.codec import CHUNK_BYTES
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from . import security
-from ._fastwire import FastChunkInterceptor
 from ._handlers import SERVICE
+from ._reflection import enable_reflection
 from .durability import MODES as DURABILITY_MODES
 from .durability import Durability
 from .limits import InflightBytes, LimitsInterceptor
@@ -231,12 +230,11 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     interceptors: list[grpc.ServerInterceptor] = [ObserveInterceptor(recorder)]
     if grants is not None:
         interceptors.append(security.TokenAuthInterceptor(grants))
-    interceptors += [
+    interceptors.append(
         LimitsInterceptor(
             max_concurrent_streams=config.max_concurrent_streams, inflight=inflight
-        ),
-        FastChunkInterceptor(),  # innermost: chunk parsers for the streams
-    ]
+        )
+    )
     server = grpc.server(
         futures.ThreadPoolExecutor(
             max_workers=config.threads, thread_name_prefix="onnxps-rpc"
@@ -254,11 +252,9 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             save=None if durability is None else durability.save,
             inflight=inflight,
         )
-        pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
+        pb_grpc.add_ParameterServerServiceServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection(
-            (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        enable_reflection((SERVICE, health.SERVICE_NAME), server)
         if credentials is None:
             port = server.add_insecure_port(config.address)
         else:

@@ -33,7 +33,7 @@ from ._snapshot import (
     write_snapshot,
 )
 from ._wal import WriteAheadLog, read_segments, segment_paths
-from .errors import FailedPrecondition, OnnxpsError
+from .errors import DomainError, FailedPrecondition
 from .store import ParameterStore
 
 __all__ = ["MODES", "Durability", "SaveResult"]
@@ -177,7 +177,7 @@ class Durability:
             try:
                 self._apply(header, arrays)
                 count += 1
-            except OnnxpsError as exc:
+            except DomainError as exc:
                 log.warning(
                     "write-ahead log record %d (%s on %r) not replayed: %s",
                     lsn,

@@ -14,15 +14,13 @@ that never read cannot pin memory the budget does not see.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 from google.protobuf.message import Message
-from onnxps.client._codec import PROTO_TO_DTYPE
-from onnxps.client._wire import RawChunk
+from onnxps.client.codec import TensorFormatError, declared_nbytes
 from onnxps.v1 import parameter_server_pb2 as pb
 
 from ._handlers import CallHooks, Malformed, method_of, wrap
@@ -38,10 +36,10 @@ __all__ = [
 
 
 def _tensor_bytes(t: pb.Tensor) -> int:
-    dtype = PROTO_TO_DTYPE.get(t.dtype)
-    if dtype is None or any(d < 0 for d in t.dims):
+    try:
+        return declared_nbytes(t)
+    except TensorFormatError:
         return 0  # the servicer rejects it with INVALID_ARGUMENT
-    return math.prod(t.dims) * dtype.itemsize
 
 
 def declared_bytes(msg: Message) -> int:
@@ -65,8 +63,6 @@ def message_bytes(msg: Any) -> int:
     """
     if isinstance(msg, Malformed):
         return msg.size
-    if isinstance(msg, RawChunk):
-        return len(msg.data) + 16
     if not isinstance(msg, Message):
         return 0
     declared = declared_bytes(msg)
@@ -245,6 +241,8 @@ class _Admission(CallHooks):
         assert self.deserialize is not None
         self.size = len(raw)
         try:
+            if raw[:1] == b"\x00":  # field 0: upb lets a fieldless message take it
+                raise ValueError("field number 0 is not a valid tag")
             return self.deserialize(raw)
         except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's
             return Malformed(len(raw), f"{self.method}: {exc}")

@@ -311,7 +311,9 @@ class ParameterStore:
         with self._lock:
             g = self._groups.get(name)
         if g is None:
-            raise NotFound(f"no group named {name!r}; create it first")
+            raise NotFound(
+                f"no group named {name!r}; create it first", metadata={"group": name}
+            )
         return g
 
     def groups(self, prefix: str = "") -> list[GroupView]:
@@ -387,17 +389,20 @@ class ParameterStore:
         """Under the store's lock: the name is free and the server has room."""
         if name in self._groups:
             raise AlreadyExists(
-                f"group {name!r} exists already; delete it first or pick another name"
+                f"group {name!r} exists already; delete it first or pick another name",
+                metadata={"group": name},
             )
         if self.limits.max_groups and len(self._groups) >= self.limits.max_groups:
             raise ResourceExhausted(
-                f"the server holds its limit of {self.limits.max_groups} groups"
+                f"the server holds its limit of {self.limits.max_groups} groups",
+                metadata={"limit": "max_groups", "value": self.limits.max_groups},
             )
         total = sum(g.state_bytes for g in self._groups.values()) + group_bytes
         if self.limits.max_total_bytes and total > self.limits.max_total_bytes:
             raise ResourceExhausted(
                 f"group {name!r} needs {group_bytes} bytes; the server would hold "
-                f"{total}, over its limit of {self.limits.max_total_bytes}"
+                f"{total}, over its limit of {self.limits.max_total_bytes}",
+                metadata={"limit": "max_total_bytes", "group": name},
             )
 
     def delete_group(self, name: str) -> bool:
@@ -408,7 +413,7 @@ class ParameterStore:
         with self._lock:
             g = self._groups.pop(name, None)
         if g is None:
-            raise NotFound(f"no group named {name!r}")
+            raise NotFound(f"no group named {name!r}", metadata={"group": name})
         with self._journaled(replay) as journal, g.cond:
             g.deleted = True
             journal.log({"op": "delete", "group": name})
@@ -444,18 +449,31 @@ class ParameterStore:
         if len(specs) != n:
             raise InvalidArgument(
                 f"group {g.name!r} holds {n} tensors ({', '.join(g.names)}): expected "
-                f"{n} gradients in that order, got {len(specs)}"
+                f"{n} gradients in that order, got {len(specs)}",
+                reason="GRADIENT_COUNT",
+                field="gradients",
+                metadata={"group": g.name, "expected": n, "received": len(specs)},
             )
         for i, (dtype, shape) in enumerate(specs):
             if np.dtype(dtype) != g.dtype:
                 raise InvalidArgument(
                     f"gradient {i + 1} ({g.names[i]!r}) must be {g.dtype}, the "
-                    f"group's dtype; got {np.dtype(dtype)}"
+                    f"group's dtype; got {np.dtype(dtype)}",
+                    reason="DTYPE_MISMATCH",
+                    field=f"gradients[{i}].dtype",
+                    metadata={"group": g.name, "expected": g.dtype, "received": dtype},
                 )
             if tuple(shape) != g.shapes[i]:
                 raise InvalidArgument(
                     f"gradient {i + 1} ({g.names[i]!r}) must have shape "
-                    f"{g.shapes[i]}, got {tuple(shape)}"
+                    f"{g.shapes[i]}, got {tuple(shape)}",
+                    reason="SHAPE_MISMATCH",
+                    field=f"gradients[{i}].dims",
+                    metadata={
+                        "group": g.name,
+                        "expected": g.shapes[i],
+                        "received": shape,
+                    },
                 )
         return PushTicket(g.name, g.names, g)
 
@@ -507,7 +525,10 @@ class ParameterStore:
                 raise InvalidArgument(
                     f"gradient {i + 1} ({ticket.names[i]!r}) holds NaN or inf, which "
                     f"would poison group {ticket.group!r} for good; fix the worker, or "
-                    "create the group with allow_non_finite=True"
+                    "create the group with allow_non_finite=True",
+                    reason="NON_FINITE_GRADIENT",
+                    field=f"gradients[{i}]",
+                    metadata={"group": ticket.group},
                 )
 
     def _push(
@@ -572,7 +593,9 @@ class ParameterStore:
         if key in g.pending:
             raise FailedPrecondition(
                 f"client {client_id!r} already pushed for step T={t} of sync group "
-                f"{g.name!r}; wait for the step (pull min_version={t + 1})"
+                f"{g.name!r}; wait for the step (pull min_version={t + 1})",
+                reason="DUPLICATE_SYNC_PUSH",
+                metadata={"group": g.name, "update_count": t},
             )
         g.pending[key] = [np.array(a, dtype=g.dtype, order="C") for a in grads]
         if self._maybe_sync_step(g, journal, due):
@@ -610,7 +633,9 @@ class ParameterStore:
         if seq <= w.floor:
             raise FailedPrecondition(
                 f"push seq {seq} from client {client_id!r} is older than the "
-                f"{DEDUP_WINDOW} pushes remembered for it; it cannot be deduplicated"
+                f"{DEDUP_WINDOW} pushes remembered for it; it cannot be deduplicated",
+                reason="SEQ_TOO_OLD",
+                metadata={"group": g.name, "client_id": client_id, "seq": seq},
             )
         return None
 
@@ -752,7 +777,8 @@ class ParameterStore:
         if self._draining:
             raise Unavailable(
                 f"the server is shutting down while group {g.name!r} is at "
-                f"T={g.update_count}, before T={version}; retry after it restarts"
+                f"T={g.update_count}, before T={version}; retry after it restarts",
+                metadata={"group": g.name, "update_count": g.update_count},
             )
         if gone is not None and gone.cancelled:
             raise CallCancelled(
@@ -830,7 +856,8 @@ class ParameterStore:
             if g.name in self._groups:
                 raise AlreadyExists(
                     f"group {g.name!r} exists already; delete it first or pick "
-                    "another name"
+                    "another name",
+                    metadata={"group": g.name},
                 )
             self._groups[g.name] = g
         _log_group("restored", g)
@@ -885,7 +912,7 @@ class ParameterStore:
 
     def _check_live(self, g: Group) -> None:
         if g.deleted:
-            raise NotFound(f"group {g.name!r} was deleted")
+            raise NotFound(f"group {g.name!r} was deleted", metadata={"group": g.name})
         if self._closed:
             raise Unavailable("the server is shutting down; retry on another server")
 
@@ -919,7 +946,9 @@ def _log_group(what: str, g: Group) -> None:
 
 def _check_learning_rate(learning_rate: float) -> None:
     if not math.isfinite(learning_rate):
-        raise InvalidArgument(f"learning_rate must be finite, got {learning_rate}")
+        raise InvalidArgument(
+            f"learning_rate must be finite, got {learning_rate}", field="learning_rate"
+        )
 
 
 def _check_definition(
@@ -995,18 +1024,25 @@ def _check_base_version(g: Group, base_version: int | None) -> None:
     if base_version > t:
         raise InvalidArgument(
             f"push computed against T={base_version}, but group {g.name!r} is "
-            f"only at T={t}: base_version must be a T the worker pulled"
+            f"only at T={t}: base_version must be a T the worker pulled",
+            reason="BASE_VERSION_AHEAD",
+            field="base_version",
+            metadata={"group": g.name, "update_count": t},
         )
     s = g.consistency.max_staleness
     if g.consistency.mode == "async" and s is not None and base_version < t - s:
         raise FailedPrecondition(
             f"stale push to {g.name!r}: computed against T={base_version}, the "
             f"group is at T={t} and max_staleness={s} accepts T >= {t - s}; "
-            "pull and recompute"
+            "pull and recompute",
+            reason="STALE_PUSH",
+            metadata={"group": g.name, "update_count": t, "max_staleness": s},
         )
     if g.consistency.mode == "sync" and base_version < t:
         raise FailedPrecondition(
             f"stale push to sync group {g.name!r}: computed against "
             f"T={base_version}, but that step was already taken (T={t}); pull "
-            f"min_version={t} and recompute"
+            f"min_version={t} and recompute",
+            reason="STALE_PUSH",
+            metadata={"group": g.name, "update_count": t},
         )

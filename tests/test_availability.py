@@ -20,7 +20,7 @@ import pytest
 from _procs import start_server, stop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.client import Adagrad, Client, Sync
-from onnxps.client._codec import header_tensor, iter_chunks
+from onnxps.client.codec import header_tensor, iter_chunks
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from onnxps.server.kernels import make_attrs
 from onnxps.server.security import ConfigError
@@ -87,7 +87,7 @@ def test_waiting_is_bounded_below_the_thread_pool() -> None:
                 learning_rate=0.1,
                 tensors={"w": np.zeros(4, np.float32)},
             )
-            stubs = [pb_grpc.ParameterServerStub(ch) for ch in channels]
+            stubs = [pb_grpc.ParameterServerServiceStub(ch) for ch in channels]
             req = pb.PullRequest(group="g", min_version=FOREVER)
             calls = [stubs[i % 8].Pull.future(req) for i in range(64)]  # no deadline
             _until(lambda: handle.store.waiting_calls == 32, 10)
@@ -120,7 +120,7 @@ def test_waiting_pulls_end_when_their_callers_leave() -> None:
                 tensors={"w": np.zeros(4, np.float32)},
             )
             with grpc.insecure_channel(handle.address) as ch:
-                stub = pb_grpc.ParameterServerStub(ch)
+                stub = pb_grpc.ParameterServerServiceStub(ch)
                 req = pb.PullRequest(group="f", min_version=FOREVER)
                 calls = [stub.Pull.future(req) for _ in range(64)]  # no deadline
                 _until(lambda: handle.store.waiting_calls == threads - 1, 10)
@@ -134,7 +134,7 @@ def test_waiting_pulls_end_when_their_callers_leave() -> None:
             # The whole pool is free again: threads - 1 new waits and a push at once.
             t = c.describe_group("f").update_count
             with grpc.insecure_channel(handle.address) as ch:
-                stub = pb_grpc.ParameterServerStub(ch)
+                stub = pb_grpc.ParameterServerServiceStub(ch)
                 again = pb.PullRequest(group="f", min_version=t + 1)
                 waits = [stub.Pull.future(again) for _ in range(threads - 1)]
                 _until(lambda: handle.store.waiting_calls == threads - 1, 5)
@@ -155,7 +155,7 @@ def test_a_pull_waits_until_its_own_deadline() -> None:
                 tensors={"w": np.zeros(4, np.float32)},
             )
             with grpc.insecure_channel(handle.address) as ch:
-                stub = pb_grpc.ParameterServerStub(ch)
+                stub = pb_grpc.ParameterServerServiceStub(ch)
                 req = pb.PullRequest(group="f", min_version=FOREVER)
                 start = time.monotonic()
                 with pytest.raises(grpc.RpcError) as err:
@@ -186,10 +186,12 @@ def test_sync_pushes_waiting_for_their_step_end_when_their_callers_leave() -> No
                 tensors={"w": np.zeros(4, np.float32)},
             )
             grad = pb.Tensor(
-                dtype=pb.FLOAT, dims=[4], raw_data=np.ones(4, np.float32).tobytes()
+                dtype=pb.DATA_TYPE_FLOAT,
+                dims=[4],
+                raw_data=np.ones(4, np.float32).tobytes(),
             )
             with grpc.insecure_channel(handle.address) as ch:
-                stub = pb_grpc.ParameterServerStub(ch)
+                stub = pb_grpc.ParameterServerServiceStub(ch)
                 calls = [
                     stub.Push.future(
                         pb.PushRequest(
@@ -219,9 +221,9 @@ def test_sync_pushes_waiting_for_their_step_end_when_their_callers_leave() -> No
 
 # -- slow pullers -------------------------------------------------------------------
 def _header_only(
-    stub: pb_grpc.ParameterServerStub, group: str
+    stub: pb_grpc.ParameterServerServiceStub, group: str
 ) -> Iterator[pb.PullChunk]:
-    it = stub.PullStream(pb.PullRequest(group=group, with_state=True), timeout=30)
+    it = stub.PullStream(pb.PullStreamRequest(group=group, with_state=True), timeout=30)
     first = next(it)
     assert first.WhichOneof("part") == "header"
     return it  # type: ignore[no-any-return]
@@ -243,7 +245,7 @@ def test_pull_replies_count_against_the_in_flight_bytes() -> None:
         ):
             w = np.zeros(n, np.float32)
             c.create_group("big", Adagrad(), learning_rate=0.1, tensors={"w": w})
-            stub = pb_grpc.ParameterServerStub(ch)
+            stub = pb_grpc.ParameterServerServiceStub(ch)
             readers = [_header_only(stub, "big") for _ in range(3)]
             with pytest.raises(grpc.RpcError) as err:
                 _header_only(stub, "big")
@@ -265,7 +267,7 @@ def test_pull_replies_count_against_the_in_flight_bytes() -> None:
         handle.stop(grace=0)
 
 
-def _pulls(stub: pb_grpc.ParameterServerStub) -> bool:
+def _pulls(stub: pb_grpc.ParameterServerServiceStub) -> bool:
     try:
         _rest(_header_only(stub, "big"), 1)
     except grpc.RpcError as exc:
@@ -288,7 +290,7 @@ def test_a_slow_puller_reads_one_version_while_pushes_go_on() -> None:
                 learning_rate=0.1,
                 tensors={"w": np.zeros(n, np.float32)},
             )
-            stub = pb_grpc.ParameterServerStub(ch)
+            stub = pb_grpc.ParameterServerServiceStub(ch)
             early = [_header_only(stub, "big") for _ in range(2)]
             for _ in range(3):
                 c.push("big", np.ones(n, np.float32))
@@ -320,7 +322,7 @@ def test_slow_pullers_share_one_copy(tmp_path: Path) -> None:
         del w
         before = _rss_mib(proc.pid)
         with grpc.insecure_channel(address) as ch:
-            stub = pb_grpc.ParameterServerStub(ch)
+            stub = pb_grpc.ParameterServerServiceStub(ch)
             readers = [_header_only(stub, "big") for _ in range(12)]
             time.sleep(0.5)
             grown = _rss_mib(proc.pid) - before
@@ -332,16 +334,16 @@ def test_slow_pullers_share_one_copy(tmp_path: Path) -> None:
         stop(proc)
 
 
-def _cut_off_push(stub: pb_grpc.ParameterServerStub, g: np.ndarray) -> None:
+def _cut_off_push(stub: pb_grpc.ParameterServerServiceStub, g: np.ndarray) -> None:
     """A push whose client runs out of time just before its last chunk."""
     stall = threading.Event()
 
-    def messages() -> Iterator[pb.PushChunk]:
+    def messages() -> Iterator[pb.PushStreamRequest]:
         header = pb.PushRequest(group="big", gradients=[header_tensor(g, "w")])
-        yield pb.PushChunk(header=header)
+        yield pb.PushStreamRequest(header=header)
         chunks = list(iter_chunks([g], MIB))
         for chunk in chunks[:-1]:
-            yield pb.PushChunk(chunk=chunk)
+            yield pb.PushStreamRequest(chunk=chunk)
         stall.wait(30)
 
     try:
@@ -365,7 +367,7 @@ def test_cut_off_pushes_are_released_at_once_and_not_logged_as_bugs(
         before = _rss_mib(proc.pid)
         g = np.full(size // 4, 0.5, np.float32)
         with grpc.insecure_channel(address) as ch:
-            stub = pb_grpc.ParameterServerStub(ch)
+            stub = pb_grpc.ParameterServerServiceStub(ch)
             for _ in range(8):
                 _cut_off_push(stub, g)
             time.sleep(0.5)
@@ -421,7 +423,7 @@ def test_at_the_waiting_limit_only_a_sync_push_that_would_wait_is_refused() -> N
                 consistency=Sync(workers=5),
             )
             with grpc.insecure_channel(handle.address) as ch:
-                stub = pb_grpc.ParameterServerStub(ch)
+                stub = pb_grpc.ParameterServerServiceStub(ch)
 
                 def push(worker: str, return_values: bool) -> grpc.Future:
                     return stub.Push.future(
@@ -429,7 +431,9 @@ def test_at_the_waiting_limit_only_a_sync_push_that_would_wait_is_refused() -> N
                             group="s",
                             gradients=[
                                 pb.Tensor(
-                                    dtype=pb.FLOAT, dims=[4], raw_data=grad.tobytes()
+                                    dtype=pb.DATA_TYPE_FLOAT,
+                                    dims=[4],
+                                    raw_data=grad.tobytes(),
                                 )
                             ],
                             client_id=worker,

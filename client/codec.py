@@ -1,25 +1,36 @@
 """Tensors on the wire: ndarray <-> ``onnxps.v1.Tensor``, and chunked streams.
 
-Bytes travel raw, little-endian, C order. Reading a protobuf bytes field copies, so a
-field is read once and wrapped with ``np.frombuffer``. Both ends use this module.
+The one codec both ends use (the server imports it too). Bytes travel raw,
+little-endian, C order; a 0-d tensor has no dims and one element. Reading a protobuf
+bytes field copies, so a field is read once and wrapped with ``np.frombuffer``.
+
+A stream carries a header (the tensors without bytes) and then stream messages whose
+``chunk`` field holds the next ~1 MiB of one tensor, tensors in header order and
+each tensor's chunks in offset order (``chunk_messages`` writes them,
+``TensorAssembler`` reads them back and checks every offset).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 
+from ._errors import OnnxpsError
+
 __all__ = [
     "CHUNK_BYTES",
     "DTYPE_TO_PROTO",
+    "MAX_DIMS",
     "PROTO_TO_DTYPE",
+    "SERVICE",
     "TensorAssembler",
     "TensorFormatError",
     "array_to_tensor",
+    "chunk_messages",
     "declared_nbytes",
     "header_tensor",
     "iter_chunks",
@@ -30,18 +41,28 @@ __all__ = [
 
 CHUNK_BYTES = 1 << 20
 
+# The full name of the one service of the contract ("onnxps.v1.ParameterServerService"),
+# from the descriptor: the client's service config, the server's health, reflection,
+# metrics and auth all use this one value.
+(_SERVICE_DESCRIPTOR,) = pb.DESCRIPTOR.services_by_name.values()
+SERVICE: str = _SERVICE_DESCRIPTOR.full_name
+
 Array = np.ndarray[Any, Any]
 
 DTYPE_TO_PROTO: dict[np.dtype[Any], int] = {
-    np.dtype("<f4"): pb.FLOAT,
-    np.dtype("<f8"): pb.DOUBLE,
-    np.dtype("<i8"): pb.INT64,
+    np.dtype("<f4"): pb.DATA_TYPE_FLOAT,
+    np.dtype("<f8"): pb.DATA_TYPE_DOUBLE,
+    np.dtype("<i8"): pb.DATA_TYPE_INT64,
 }
 PROTO_TO_DTYPE: dict[int, np.dtype[Any]] = {v: k for k, v in DTYPE_TO_PROTO.items()}
-_NAMES = {pb.FLOAT: "FLOAT (float32)", pb.DOUBLE: "DOUBLE (float64)", pb.INT64: "INT64"}
+_NAMES = {
+    pb.DATA_TYPE_FLOAT: "FLOAT (float32)",
+    pb.DATA_TYPE_DOUBLE: "DOUBLE (float64)",
+    pb.DATA_TYPE_INT64: "INT64",
+}
 
 
-class TensorFormatError(ValueError):
+class TensorFormatError(OnnxpsError, ValueError):
     """A tensor message that does not describe a valid tensor (dtype, dims, bytes)."""
 
 
@@ -53,6 +74,9 @@ def _wire_dtype(dtype: np.dtype[Any]) -> int:
             "(tensors, R) or int64 (T)"
         )
     return code
+
+
+MAX_DIMS = 64
 
 
 def tensor_spec(
@@ -68,6 +92,15 @@ def tensor_spec(
     dims = tuple(int(d) for d in t.dims)
     if any(d < 0 for d in dims):
         raise TensorFormatError(f"{what} has negative dims {list(dims)}")
+    # NumPy caps arrays at 64 dims and sizes each dim product (zeros aside) in intp.
+    if (
+        len(dims) > MAX_DIMS
+        or math.prod(d for d in dims if d) * dtype.itemsize >= 2**63
+    ):
+        raise TensorFormatError(
+            f"{what} has dims {list(dims)}: no array can have them (at most "
+            f"{MAX_DIMS} dims, and fewer than 2**63 bytes counting nonzero dims)"
+        )
     return dtype, dims
 
 
@@ -116,18 +149,50 @@ def tensor_to_array(t: pb.Tensor, what: str = "tensor") -> Array:
     return np.frombuffer(raw, dtype=dtype).reshape(dims)
 
 
+def _byte_views(arrays: Iterable[Any]) -> Iterator[tuple[int, memoryview]]:
+    for index, a in enumerate(arrays):
+        arr = np.asarray(a)
+        arr = np.asarray(arr, dtype=arr.dtype.newbyteorder("<"), order="C")
+        yield index, memoryview(arr.reshape(-1)).cast("B")  # type: ignore[arg-type]
+
+
 def iter_chunks(
     arrays: Iterable[Any], chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[pb.TensorChunk]:
     """The bytes of ``arrays`` in order, as ~chunk_bytes TensorChunk messages."""
-    for index, a in enumerate(arrays):
-        arr = np.asarray(a)
-        arr = np.asarray(arr, dtype=arr.dtype.newbyteorder("<"), order="C")
-        view = memoryview(arr.reshape(-1)).cast("B")  # type: ignore[arg-type]
+    for index, view in _byte_views(arrays):
         for start in range(0, len(view), chunk_bytes):
             yield pb.TensorChunk(
                 index=index, offset=start, data=bytes(view[start : start + chunk_bytes])
             )
+
+
+class _ChunkCarrier(Protocol):
+    """A stream message (``PushStreamRequest``, ``PullStreamResponse``...)."""
+
+    @property
+    def chunk(self) -> pb.TensorChunk: ...
+
+
+_M = TypeVar("_M", bound=_ChunkCarrier)
+
+
+def chunk_messages(
+    message: type[_M], arrays: Iterable[Any], chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[_M]:
+    """The bytes of ``arrays`` as stream messages of type ``message``, chunk set.
+
+    The chunk is filled inside the stream message: building a ``TensorChunk`` and
+    nesting it would copy its bytes once more.
+    """
+    for index, view in _byte_views(arrays):
+        for start in range(0, len(view), chunk_bytes):
+            msg = message()
+            chunk = msg.chunk
+            chunk.index = index
+            chunk.offset = start
+            chunk.data = bytes(view[start : start + chunk_bytes])
+            yield msg
 
 
 class TensorAssembler:
@@ -138,7 +203,12 @@ class TensorAssembler:
         self.arrays: list[Array] = []
         for t, what in zip(headers, self.names, strict=True):
             dtype, dims = tensor_spec(t, what)
-            self.arrays.append(np.empty(dims, dtype=dtype))
+            try:
+                self.arrays.append(np.empty(dims, dtype=dtype))
+            except ValueError as exc:  # dims whose product overflows, next to a 0
+                raise TensorFormatError(
+                    f"{what} has dims {list(dims)}: {exc}"
+                ) from None
         self._views = [
             memoryview(a.reshape(-1)).cast("B")  # type: ignore[arg-type]
             for a in self.arrays
