@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 CHUNK_BYTES = 1 << 20
+MAX_DIMS = 64  # NumPy's limit on an array's number of dimensions
 
 # The full name of the one service of the contract ("onnxps.v1.ParameterServerService"),
 # from the descriptor: the client's service config, the server's health, reflection,
@@ -76,9 +77,6 @@ def _wire_dtype(dtype: np.dtype[Any]) -> int:
     return code
 
 
-MAX_DIMS = 64
-
-
 def tensor_spec(
     t: pb.Tensor, what: str = "tensor"
 ) -> tuple[np.dtype[Any], tuple[int, ...]]:
@@ -89,17 +87,19 @@ def tensor_spec(
             f"{what} has data type {t.dtype}: expected FLOAT (1), DOUBLE (11) or "
             "INT64 (7), numbered as ONNX TensorProto.DataType"
         )
+    if len(t.dims) > MAX_DIMS:
+        raise TensorFormatError(
+            f"{what} has {len(t.dims)} dims: an array has at most {MAX_DIMS}"
+        )
     dims = tuple(int(d) for d in t.dims)
     if any(d < 0 for d in dims):
         raise TensorFormatError(f"{what} has negative dims {list(dims)}")
-    # NumPy caps arrays at 64 dims and sizes each dim product (zeros aside) in intp.
-    if (
-        len(dims) > MAX_DIMS
-        or math.prod(d for d in dims if d) * dtype.itemsize >= 2**63
-    ):
+    # NumPy must be able to address the array even when it holds no element: the
+    # product of the nonzero dims, in bytes, stays below 2**63 (as for np.empty).
+    if math.prod(d for d in dims if d) * dtype.itemsize >= 2**63:
         raise TensorFormatError(
-            f"{what} has dims {list(dims)}: no array can have them (at most "
-            f"{MAX_DIMS} dims, and fewer than 2**63 bytes counting nonzero dims)"
+            f"{what} has dims {list(dims)}: {dtype.name} dims whose nonzero product "
+            "reaches 2**63 bytes describe no array"
         )
     return dtype, dims
 

@@ -28,7 +28,9 @@ that reads that version while any of them still holds it, so slow readers of a l
 group hold one copy between them, not one each.
 
 Exactly-once: a push carries (client_id, seq); the last ``DEDUP_WINDOW`` results per
-client are remembered and a repeated push is answered with its first result.
+client are remembered and a repeated push is answered with its first result. A
+client's window is kept ``dedup_seconds`` after its last push, for at most
+``dedup_clients`` clients per group (the least recently pushing are dropped first).
 
 Durability: every change is logged to the ``Journal`` given to ``set_journal`` (its
 records are numbered by ``lsn``) and the call returns once its record is durable. The
@@ -40,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
 import threading
 import time
 import weakref
@@ -52,9 +53,16 @@ from typing import Any
 import numpy as np
 from onnxps.client.image import GroupImage
 
+from ._checks import (
+    MAX_UPDATE_COUNT,
+    check_learning_rate,
+    check_lease_seconds,
+    check_state,
+    check_tensors,
+    check_update_count,
+)
 from ._group import (
     DEDUP_WINDOW,
-    ClientWindow,
     Consistency,
     DeadlineExceeded,
     Group,
@@ -79,7 +87,7 @@ from .errors import (
     ResourceExhausted,
     Unavailable,
 )
-from .kernels import STATE_DTYPES, OptimizerAttrs, make_attrs
+from .kernels import OptimizerAttrs, make_attrs
 
 __all__ = [
     "DEDUP_WINDOW",
@@ -295,10 +303,16 @@ class ParameterStore:
             self.reap_leases()
 
     def reap_leases(self) -> None:
-        """Drop expired leases now; a sync step that no longer needs them is taken."""
+        """Drop expired leases now; a sync step that no longer needs them is taken.
+
+        Exactly-once windows idle past ``dedup_seconds`` are dropped here too.
+        """
+        limits = self.limits
         for g in self._live():
             with self._journaled() as journal, g.cond:
-                if not g.deleted and g.workers and g.expire_leases(self._clock()):
+                now = self._clock()
+                g.forget_clients(now, limits.dedup_seconds, limits.dedup_clients)
+                if not g.deleted and g.workers and g.expire_leases(now):
                     self._maybe_sync_step(g, journal)
                     g.cond.notify_all()
 
@@ -348,9 +362,16 @@ class ParameterStore:
         lease_seconds: float | None = None,
     ) -> GroupView:
         self._check_open()
-        _check_definition(name, tensors, learning_rate, update_count)
-        dtype = _check_tensors(tensors, allow_non_finite)
-        _check_state(attrs, tensors, dtype, state)
+        check_name(name)
+        if not tensors:
+            raise InvalidArgument(f"group {name!r} needs at least one tensor")
+        check_update_count(update_count)
+        dtype = check_tensors(tensors, allow_non_finite)
+        check_learning_rate(learning_rate, dtype)
+        if lease_seconds is None:
+            lease_seconds = self.limits.default_lease_seconds
+        check_lease_seconds(lease_seconds)
+        check_state(attrs, tensors, dtype, state, allow_non_finite)
         group_bytes = sum(a.nbytes for _, a in tensors) * (1 + len(attrs.state_names))
         self.check_group_size(group_bytes)
         group = Group(
@@ -360,7 +381,7 @@ class ParameterStore:
             tensors,
             consistency=consistency or Consistency(),
             allow_non_finite=allow_non_finite,
-            lease_seconds=lease_seconds or self.limits.default_lease_seconds,
+            lease_seconds=lease_seconds,
             incarnation=next(self._incarnations),
             state=state or None,
             update_count=update_count,
@@ -428,8 +449,8 @@ class ParameterStore:
     def _set_learning_rate(
         self, name: str, learning_rate: float, *, replay: bool
     ) -> GroupView:
-        _check_learning_rate(learning_rate)
         g = self._group(name)
+        check_learning_rate(learning_rate, g.dtype)
         with self._journaled(replay) as journal, g.cond:
             self._check_live(g)
             g.learning_rate = float(learning_rate)
@@ -499,6 +520,12 @@ class ParameterStore:
         """
         self._check_open()
         ticket = self._ticket(group, grads)
+        if not client_id and ticket._group.consistency.mode == "sync":
+            raise InvalidArgument(
+                f"group {ticket.group!r} is sync: a sync step counts distinct "
+                "clients, so every push needs a client_id (the Client sets one); "
+                "set client_id"
+            )
         self._check_values(ticket, grads, learning_rate)
         request = _PushRequest(client_id, seq, base_version, learning_rate)
         g = ticket._group
@@ -517,7 +544,9 @@ class ParameterStore:
         self, ticket: PushTicket, grads: Sequence[Array], learning_rate: float | None
     ) -> None:
         if learning_rate is not None:
-            _check_learning_rate(learning_rate)
+            check_learning_rate(
+                learning_rate, ticket._group.dtype, "the push's learning_rate"
+            )
         if ticket._group.allow_non_finite:
             return
         for i, a in enumerate(grads):
@@ -568,6 +597,12 @@ class ParameterStore:
         due: Callable[[Group], bool],
     ) -> PushOutcome:
         _check_base_version(g, request.base_version)
+        if g.update_count >= MAX_UPDATE_COUNT:
+            raise FailedPrecondition(
+                f"group {g.name!r} is at T={g.update_count}, the most steps a group "
+                f"takes (2**62 = {MAX_UPDATE_COUNT}); export it and create it again "
+                "with a smaller update_count"
+            )
         if g.consistency.mode == "async":
             g.step(grads, request.learning_rate)
             outcome = PushOutcome(g.update_count, True)
@@ -629,6 +664,8 @@ class ParameterStore:
             return None
         hit = w.results.get(seq)
         if hit is not None:
+            w.last_push = self._clock()  # a resend: its client is alive
+            g.dedup.move_to_end(client_id)
             return hit
         if seq <= w.floor:
             raise FailedPrecondition(
@@ -642,11 +679,9 @@ class ParameterStore:
     def _dedup_store(
         self, g: Group, client_id: str, seq: int, outcome: PushOutcome
     ) -> None:
-        w = g.dedup.setdefault(client_id, ClientWindow())
-        w.results[seq] = (outcome.update_count, outcome.applied)
-        while len(w.results) > DEDUP_WINDOW:
-            old, _ = w.results.popitem(last=False)
-            w.floor = max(w.floor, old)
+        now = self._clock()
+        g.remember(client_id, seq, (outcome.update_count, outcome.applied), now)
+        g.forget_clients(now, self.limits.dedup_seconds, self.limits.dedup_clients)
 
     # -- pull ----------------------------------------------------------------------
     def pull(
@@ -849,6 +884,9 @@ class ParameterStore:
         """
         d = image.definition
         attrs = make_attrs(d.optimizer, d.attributes)
+        check_update_count(d.update_count)
+        check_learning_rate(d.learning_rate, d.dtype)
+        check_lease_seconds(d.lease_seconds)
         g = Group.from_image(image, attrs, next(self._incarnations))
         if runtime is not None:
             g.restore_runtime(runtime, self._clock())
@@ -942,78 +980,6 @@ def _log_group(what: str, g: Group) -> None:
         what, g.name, g.attrs.op, g.dtype, len(g.names), g.element_count,
         g.update_count,
     )  # fmt: skip
-
-
-def _check_learning_rate(learning_rate: float) -> None:
-    if not math.isfinite(learning_rate):
-        raise InvalidArgument(
-            f"learning_rate must be finite, got {learning_rate}", field="learning_rate"
-        )
-
-
-def _check_definition(
-    name: str,
-    tensors: Sequence[tuple[str, Array]],
-    learning_rate: float,
-    update_count: int,
-) -> None:
-    check_name(name)
-    if not tensors:
-        raise InvalidArgument(f"group {name!r} needs at least one tensor")
-    _check_learning_rate(learning_rate)
-    if update_count < 0:
-        raise InvalidArgument(f"update_count must be >= 0, got {update_count}")
-
-
-def _check_tensors(
-    tensors: Sequence[tuple[str, Array]], allow_non_finite: bool
-) -> np.dtype[Any]:
-    """Names unique, one float dtype, finite unless allowed; returns the dtype."""
-    first, dtype = tensors[0][0], np.dtype(tensors[0][1].dtype)
-    if dtype not in STATE_DTYPES:
-        raise InvalidArgument(
-            f"group tensors must be float32 or float64, got {dtype} for {first!r}"
-        )
-    seen: set[str] = set()
-    for tname, arr in tensors:
-        check_name(tname, "tensor name")
-        if tname in seen:
-            raise InvalidArgument(f"tensor name {tname!r} appears twice")
-        seen.add(tname)
-        if arr.dtype != dtype:
-            raise InvalidArgument(
-                f"a group has one dtype: {first!r} is {dtype}, {tname!r} is {arr.dtype}"
-            )
-        if not allow_non_finite and not all_finite(arr):
-            raise InvalidArgument(
-                f"initial value of {tname!r} holds NaN or inf; pass "
-                "allow_non_finite=True to keep it"
-            )
-    return dtype
-
-
-def _check_state(
-    attrs: OptimizerAttrs,
-    tensors: Sequence[tuple[str, Array]],
-    dtype: np.dtype[Any],
-    state: Sequence[Array] | None,
-) -> None:
-    """Either no state (zeros) or every V/H of every tensor, each shaped like X."""
-    if not state:
-        return
-    n, names = len(tensors), attrs.state_names
-    if len(state) != n * len(names):
-        raise InvalidArgument(
-            f"{attrs.op} state is {', '.join(names)} for each of the "
-            f"{n} tensors: {n * len(names)} arrays, got {len(state)}"
-        )
-    for j, arr in enumerate(state):
-        tname, x = tensors[j % n]
-        if arr.dtype != dtype or arr.shape != x.shape:
-            raise InvalidArgument(
-                f"state {names[j // n]} of {tname!r} must be {dtype} {x.shape}, got "
-                f"{arr.dtype} {arr.shape}"
-            )
 
 
 def _check_base_version(g: Group, base_version: int | None) -> None:
