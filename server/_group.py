@@ -96,6 +96,7 @@ class StoreLimits:
     max_total_bytes: int = 0
     max_groups: int = 0
     default_lease_seconds: float = 10.0
+    max_waiting_calls: int = 0  # calls waiting for a version at once; 0: no limit
     dedup_seconds: float = DEDUP_SECONDS
     dedup_clients: int = DEDUP_CLIENTS
 

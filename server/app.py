@@ -19,7 +19,7 @@ from ._handlers import SERVICE
 from ._reflection import enable_reflection
 from .durability import MODES as DURABILITY_MODES
 from .durability import Durability
-from .limits import LimitsInterceptor
+from .limits import InflightBytes, LimitsInterceptor
 from .metrics import MetricsEndpoint, ObserveInterceptor, Recorder
 from .security import ConfigError
 from .service import ParameterServerServicer
@@ -58,6 +58,11 @@ class ServerConfig:
     )
     max_concurrent_streams: int = _option(
         64, "streaming calls at once before RESOURCE_EXHAUSTED, 0 for no limit"
+    )
+    max_waiting_calls: int | None = _option(
+        None,
+        "calls waiting for a version at once (pull min_version, sync push with "
+        "return_values) before RESOURCE_EXHAUSTED; below --threads, default half",
     )
     max_group_bytes: int = _option(0, "largest group (X with V/H), 0 for no limit")
     max_total_bytes: int = _option(0, "state the server holds in all, 0 for no limit")
@@ -194,6 +199,20 @@ def _durability(
     return d
 
 
+def _max_waiting_calls(config: ServerConfig) -> int:
+    """Waits hold a worker thread each: they may never hold them all."""
+    n = config.max_waiting_calls
+    if n is None:
+        n = config.threads // 2
+    if not 1 <= n < config.threads:
+        raise ConfigError(
+            f"max_waiting_calls must be at least 1 and below --threads "
+            f"({config.threads}), so waiting calls leave threads for the others; "
+            f"got {n}"
+        )
+    return n
+
+
 def create_server(config: ServerConfig | None = None) -> ServerHandle:
     """Build every part of a server and bind it, without starting it (port 0 picks a
     free port). This is the one place the parts are wired together."""
@@ -207,8 +226,10 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             max_total_bytes=config.max_total_bytes,
             max_groups=config.max_groups,
             default_lease_seconds=config.lease_seconds,
+            max_waiting_calls=_max_waiting_calls(config),
         )
     )
+    inflight = InflightBytes(config.max_inflight_bytes)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     recorder = Recorder(store, enabled=config.metrics_port is not None)
     # outermost first: observe every call (auth refusals too), then auth, limits
@@ -217,8 +238,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         interceptors.append(security.TokenAuthInterceptor(grants))
     interceptors.append(
         LimitsInterceptor(
-            max_inflight_bytes=config.max_inflight_bytes,
-            max_concurrent_streams=config.max_concurrent_streams,
+            max_concurrent_streams=config.max_concurrent_streams, inflight=inflight
         )
     )
     server = grpc.server(
@@ -236,6 +256,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             store,
             chunk_bytes=config.chunk_bytes,
             save=None if durability is None else durability.save,
+            inflight=inflight,
         )
         pb_grpc.add_ParameterServerServiceServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

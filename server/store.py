@@ -17,6 +17,16 @@ Consistency is chosen per group:
   ``mean``) and one step is applied. The quorum is ``sync_workers`` less the workers
   whose lease ran out, so a dead worker never hangs a step.
 
+Waiting: a pull with ``min_version`` (and a sync push asking for the new values) may
+wait for a version. A wait ends when the version comes, the deadline passes, the
+caller goes away (its ``Cancellation`` is set) or the server drains; at most
+``max_waiting_calls`` calls wait at once, the others are refused with
+RESOURCE_EXHAUSTED, so waits cannot hold every worker thread of a server.
+
+Reading: a pull's arrays are a read-only copy of one version, shared by every caller
+that reads that version while any of them still holds it, so slow readers of a large
+group hold one copy between them, not one each.
+
 Exactly-once: a push carries (client_id, seq); the last ``DEDUP_WINDOW`` results per
 client are remembered and a repeated push is answered with its first result. A
 client's window is kept ``dedup_seconds`` after its last push, for at most
@@ -38,8 +48,9 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +95,8 @@ from .kernels import OptimizerAttrs, make_attrs
 
 __all__ = [
     "DEDUP_WINDOW",
+    "CallCancelled",
+    "Cancellation",
     "Consistency",
     "DeadlineExceeded",
     "GroupCapture",
@@ -104,6 +117,62 @@ log = logging.getLogger("onnxps.store")
 
 Array = np.ndarray[Any, Any]
 Spec = tuple[np.dtype[Any], tuple[int, ...]]
+
+
+class CallCancelled(Exception):
+    """The caller of a waiting call went away (it cancelled, or its deadline passed)."""
+
+
+class Cancellation:
+    """Set by the transport when the caller of a store call has gone.
+
+    A call waiting for a version checks it at each wake-up, and ``cancel`` wakes the
+    wait at once, so a thread is never held for a caller that left.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._cond: threading.Condition | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            cond = self._cond
+        # The transport calls this on its own thread: do not block it behind a long
+        # step; the wait polls (``_WAKE_SECONDS``) if the lock is busy.
+        if cond is not None and cond.acquire(timeout=0.05):
+            try:
+                cond.notify_all()
+            finally:
+                cond.release()
+
+    @contextmanager
+    def _watching(self, cond: threading.Condition) -> Iterator[None]:
+        with self._lock:
+            self._cond = cond
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._cond = None
+
+
+@dataclass(frozen=True)
+class _Wait:
+    """How long a call may wait for a version, and how it learns its caller left."""
+
+    timeout: float | None = None
+    cancellation: Cancellation | None = None
+    counted: bool = False  # the call holds a waiting slot already (a sync push)
+
+
+# A wait wakes at least this often, to see a cancellation whose wake-up was missed.
+_WAKE_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -192,6 +261,13 @@ class ParameterStore:
         self._draining = False
         self._reaper: threading.Thread | None = None
         self._stop = threading.Event()
+        self._waiting = 0
+        self._waiting_lock = threading.Lock()
+        # (incarnation, T, with_state) -> the buffer under a version's shared copy
+        self._shared: weakref.WeakValueDictionary[tuple[int, int, bool], Array] = (
+            weakref.WeakValueDictionary()
+        )
+        self._shared_lock = threading.Lock()
 
     # -- lifecycle -----------------------------------------------------------------
     def set_journal(self, journal: Journal | None) -> None:
@@ -466,10 +542,14 @@ class ParameterStore:
         learning_rate: float | None = None,
         return_values: bool = False,
         timeout: float | None = None,
+        cancellation: Cancellation | None = None,
     ) -> PushOutcome:
         """Push gradients G_1..G_n; ``group`` is a name or a ticket for these grads.
 
-        ``(client_id, seq)`` identifies the push for exactly-once delivery.
+        ``(client_id, seq)`` identifies the push for exactly-once delivery. With
+        ``return_values`` a sync push waits for its step (see ``pull``); when every
+        waiting slot is taken, a push that would wait is refused before anything
+        changes (one that completes the step goes through).
         """
         self._check_open()
         ticket = self._ticket(group, grads)
@@ -481,7 +561,12 @@ class ParameterStore:
             )
         self._check_values(ticket, grads, learning_rate)
         request = _PushRequest(client_id, seq, base_version, learning_rate)
-        return self._push(ticket._group, grads, request, return_values, timeout)
+        g = ticket._group
+        may_wait = return_values and g.consistency.mode == "sync"
+        slot = self._waiting_slot(g.name, required=False)
+        with slot if may_wait else nullcontext(False) as held:
+            wait = _Wait(timeout, cancellation, counted=held)
+            return self._push(g, grads, request, return_values, wait)
 
     def _ticket(self, group: str | PushTicket, grads: Sequence[Array]) -> PushTicket:
         if isinstance(group, PushTicket):
@@ -514,7 +599,7 @@ class ParameterStore:
         grads: Sequence[Array],
         request: _PushRequest,
         return_values: bool = False,
-        timeout: float | None = None,
+        wait: _Wait | None = None,
         *,
         replay: bool = False,
     ) -> PushOutcome:
@@ -524,12 +609,14 @@ class ParameterStore:
             if cached is not None:
                 outcome = PushOutcome(cached[0], cached[1], duplicate=True)
             else:
+                if return_values:
+                    self._check_room_to_wait(g, request, wait)
                 due = _logged_step_due if replay else _quorum_reached
                 outcome = self._step_or_buffer(g, grads, request, journal, due)
             if return_values:
                 if not outcome.applied:
-                    self._wait_version(g, outcome.update_count + 1, timeout)
-                values = tuple(g.copy_values(False))
+                    self._wait_version(g, outcome.update_count + 1, wait or _Wait())
+                values = self._frozen_values(g, False)
                 outcome = dataclasses.replace(outcome, values=values)
             return outcome
 
@@ -653,37 +740,134 @@ class ParameterStore:
         with_state: bool = False,
         min_version: int | None = None,
         timeout: float | None = None,
+        cancellation: Cancellation | None = None,
+        reserve: Callable[[int], None] | None = None,
     ) -> PullResult:
+        """X (with V, H when ``with_state``) of one version, read-only.
+
+        With ``min_version`` the call waits (at most ``timeout`` seconds, until
+        ``cancellation`` is set) for T to reach it. ``reserve(nbytes)`` is called with
+        the size of the arrays before they are handed out; it may refuse by raising.
+        """
         self._check_open()
         g = self._group(name)
         with g.cond:
             self._check_live(g)
             if min_version is not None:
-                self._wait_version(g, min_version, timeout)
+                self._wait_version(g, min_version, _Wait(timeout, cancellation))
+            if reserve is not None:
+                states = len(g.states) if with_state else 0
+                reserve(g.element_count * g.dtype.itemsize * (1 + states))
             return PullResult(
                 g.update_count,
                 g.learning_rate,
-                tuple(g.copy_values(with_state)),
+                self._frozen_values(g, with_state),
                 g.array_names(with_state),
             )
 
-    def _wait_version(self, g: Group, version: int, timeout: float | None) -> None:
-        deadline = None if timeout is None else self._clock() + timeout
-        while g.update_count < version:
-            self._check_live(g)
-            if self._draining:
-                raise Unavailable(
-                    f"the server is shutting down while group {g.name!r} is at "
-                    f"T={g.update_count}, before T={version}; retry after it restarts",
-                    metadata={"group": g.name, "update_count": g.update_count},
-                )
-            remaining = None if deadline is None else deadline - self._clock()
-            if remaining is not None and remaining <= 0:
-                raise DeadlineExceeded(
-                    f"group {g.name!r} is at T={g.update_count}; it did not reach "
-                    f"T={version} before the deadline"
-                )
-            g.cond.wait(timeout=0.5 if remaining is None else min(remaining, 0.5))
+    def _frozen_values(self, g: Group, with_state: bool) -> tuple[Array, ...]:
+        """Under the group's lock: read-only arrays of its current version.
+
+        One copy per version serves every reader that asks while another still holds
+        it (a copy with state serves readers of X alone too); it is freed with the
+        last reader's arrays.
+        """
+        arrays = g.xs + (g.state_arrays() if with_state else [])
+        key = (g.incarnation, g.update_count, with_state)
+        base = self._shared_copy(key)
+        if base is None and not with_state:
+            base = self._shared_copy(key[:2] + (True,))
+        if base is None:
+            base = np.empty(sum(_slot_bytes(a) for a in arrays), np.uint8)
+            for a, view in zip(arrays, _slots(base, arrays), strict=True):
+                np.copyto(view, a)
+            base.flags.writeable = False
+            with self._shared_lock:
+                self._shared[key] = base
+        n = len(g.shapes)
+        return tuple(
+            v.reshape(g.shapes[i % n]) for i, v in enumerate(_slots(base, arrays))
+        )
+
+    def _shared_copy(self, key: tuple[int, int, bool]) -> Array | None:
+        with self._shared_lock:
+            return self._shared.get(key)
+
+    @property
+    def waiting_calls(self) -> int:
+        """Calls waiting for a version now."""
+        return self._waiting
+
+    @contextmanager
+    def _waiting_slot(self, group: str, *, required: bool = True) -> Iterator[bool]:
+        """Hold one of the server's waiting slots; when all are taken, refuse, or
+        yield False (holding none) if the slot is not ``required``."""
+        limit = self.limits.max_waiting_calls
+        with self._waiting_lock:
+            held = not limit or self._waiting < limit
+            if held:
+                self._waiting += 1
+        if not held and required:
+            raise _no_room_to_wait(limit, group)
+        try:
+            yield held
+        finally:
+            if held:
+                with self._waiting_lock:
+                    self._waiting -= 1
+
+    def _check_room_to_wait(
+        self, g: Group, request: _PushRequest, wait: _Wait | None
+    ) -> None:
+        """Under the lock, before a sync push changes anything: refuse it if it would
+        wait for its step and found no waiting slot (one that completes the step
+        needs none)."""
+        if wait is None or wait.counted or g.consistency.mode != "sync":
+            return
+        key = request.client_id or "~probe"  # anonymous pushes get fresh keys
+        if key in g.pending:
+            return  # refused as a second push for this step
+        g.expire_leases(self._clock())
+        g.pending[key] = []  # as if buffered: would it complete the quorum?
+        try:
+            completes = _quorum_reached(g)
+        finally:
+            del g.pending[key]
+        if not completes:
+            raise _no_room_to_wait(self.limits.max_waiting_calls, g.name)
+
+    def _wait_version(self, g: Group, version: int, wait: _Wait) -> None:
+        """Under the group's lock: wait until T reaches ``version``."""
+        if g.update_count >= version:
+            return
+        deadline = None if wait.timeout is None else self._clock() + wait.timeout
+        slot = nullcontext() if wait.counted else self._waiting_slot(g.name)
+        gone = wait.cancellation
+        woken = nullcontext() if gone is None else gone._watching(g.cond)
+        with slot, woken:
+            while g.update_count < version:
+                self._check_waiting(g, version, gone)
+                remaining = None if deadline is None else deadline - self._clock()
+                if remaining is not None and remaining <= 0:
+                    raise DeadlineExceeded(
+                        f"group {g.name!r} is at T={g.update_count}; it did not "
+                        f"reach T={version} before the deadline"
+                    )
+                g.cond.wait(timeout=min(remaining or _WAKE_SECONDS, _WAKE_SECONDS))
+
+    def _check_waiting(self, g: Group, version: int, gone: Cancellation | None) -> None:
+        """A waiting call ends when its group goes, the server drains or it left."""
+        self._check_live(g)
+        if self._draining:
+            raise Unavailable(
+                f"the server is shutting down while group {g.name!r} is at "
+                f"T={g.update_count}, before T={version}; retry after it restarts",
+                metadata={"group": g.name, "update_count": g.update_count},
+            )
+        if gone is not None and gone.cancelled:
+            raise CallCancelled(
+                f"the caller waiting for T={version} of group {g.name!r} went away"
+            )
 
     # -- workers -------------------------------------------------------------------
     def join(self, name: str, worker_id: str) -> LeaseView:
@@ -817,6 +1001,25 @@ class ParameterStore:
 
 def _sync_step_record(g: Group) -> dict[str, Any]:
     return {"op": "sync_step", "group": g.name, "contributors": sorted(g.pending)}
+
+
+def _no_room_to_wait(limit: int, group: str) -> ResourceExhausted:
+    return ResourceExhausted(
+        f"the server has its limit of {limit} calls waiting for a version (of group "
+        f"{group!r} and others); retry later, or pull without min_version"
+    )
+
+
+def _slot_bytes(a: Array) -> int:
+    return -(-a.nbytes // 64) * 64  # 64-byte aligned
+
+
+def _slots(base: Array, arrays: Sequence[Array]) -> Iterator[Array]:
+    """Flat views of ``base`` shaped like each of ``arrays``, one after another."""
+    offset = 0
+    for a in arrays:
+        yield base[offset : offset + a.nbytes].view(a.dtype)
+        offset += _slot_bytes(a)
 
 
 def _log_group(what: str, g: Group) -> None:
