@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import torch.multiprocessing.spawn as _spawn
-
-# torch leaves start_processes untyped
+# The module, not the function torch.multiprocessing.spawn that shadows it as an
+# attribute; torch leaves start_processes untyped.
+_spawn = importlib.import_module("torch.multiprocessing.spawn")
 _start_processes: Callable[..., Any] = _spawn.start_processes
 
 __all__ = ["run_workers", "shard"]
