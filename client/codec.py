@@ -50,7 +50,7 @@ SERVICE: str = _SERVICE_DESCRIPTOR.full_name
 
 Array = np.ndarray[Any, Any]
 
-DTYPE_TO_PROTO: dict[np.dtype[Any], int] = {
+DTYPE_TO_PROTO: dict[np.dtype[Any], pb.DataType.ValueType] = {
     np.dtype("<f4"): pb.DATA_TYPE_FLOAT,
     np.dtype("<f8"): pb.DATA_TYPE_DOUBLE,
     np.dtype("<i8"): pb.DATA_TYPE_INT64,
@@ -67,7 +67,7 @@ class TensorFormatError(OnnxpsError, ValueError):
     """A tensor message that does not describe a valid tensor (dtype, dims, bytes)."""
 
 
-def _wire_dtype(dtype: np.dtype[Any]) -> int:
+def _wire_dtype(dtype: np.dtype[Any]) -> pb.DataType.ValueType:
     code = DTYPE_TO_PROTO.get(np.dtype(dtype).newbyteorder("<"))
     if code is None:
         raise TensorFormatError(
@@ -119,7 +119,7 @@ def write_tensor(msg: pb.Tensor, a: Any, name: str = "") -> pb.Tensor:
     code = _wire_dtype(arr.dtype)
     arr = np.asarray(arr, dtype=PROTO_TO_DTYPE[code], order="C")  # keeps 0-d
     msg.name = name
-    msg.dtype = code  # type: ignore[assignment]
+    msg.dtype = code
     msg.dims[:] = arr.shape
     msg.raw_data = arr.tobytes(order="C")
     return msg
