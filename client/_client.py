@@ -52,26 +52,64 @@ Array = np.ndarray[Any, Any]
 Transport = Literal["auto", "unary", "stream"]
 
 STREAM_THRESHOLD_BYTES = 1 << 20
-_PUSH_SENDS = 5  # a push's sends at most, all within its deadline
+_RESEND_BACKOFF_MAX = 2.0  # seconds between a push's resends, at most
 
 # The one retry mechanism for every call: the channel retries UNAVAILABLE (the server
 # is down or draining), within the call's deadline. A push is also resent, with the
-# same (client_id, seq), when UNAVAILABLE reaches the client after the channel gave
-# up (e.g. a stream the channel cannot replay): the server applies it exactly once.
+# same (client_id, seq), while UNAVAILABLE reaches the client after the channel gave
+# up (e.g. a stream the channel cannot replay), until its deadline: the server applies
+# it exactly once. The calls that are safe to repeat (reads, and pushes, which the
+# server deduplicates) are also retried on CANCELLED: a server that stops cancels the
+# calls it had received but not yet started, and none of them ran.
+_SAFE_TO_REPEAT = (
+    "Push",
+    "PushStream",
+    "Pull",
+    "PullStream",
+    "DescribeGroup",
+    "ListGroups",
+    "Heartbeat",
+    "Apply",
+    "ApplyStream",
+)
+
+
+def _retry_policy(*codes: str) -> dict[str, Any]:
+    return {
+        "maxAttempts": 5,
+        "initialBackoff": "0.1s",
+        "maxBackoff": "2s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": list(codes),
+    }
+
+
 _SERVICE_CONFIG = {
     "methodConfig": [
         {
+            "name": [
+                {"service": "onnxps.v1.ParameterServer", "method": m}
+                for m in _SAFE_TO_REPEAT
+            ],
+            "retryPolicy": _retry_policy("UNAVAILABLE", "CANCELLED"),
+        },
+        {
             "name": [{"service": "onnxps.v1.ParameterServer"}],
-            "retryPolicy": {
-                "maxAttempts": 5,
-                "initialBackoff": "0.1s",
-                "maxBackoff": "2s",
-                "backoffMultiplier": 2,
-                "retryableStatusCodes": ["UNAVAILABLE"],
-            },
-        }
+            "retryPolicy": _retry_policy("UNAVAILABLE"),
+        },
     ]
 }
+# A restarted server is found within about two seconds (gRPC's default reconnect
+# backoff grows to two minutes, longer than any push waits).
+_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 
 
 @dataclass(frozen=True)
@@ -198,6 +236,7 @@ def _group_info(msg: pb.GroupInfo) -> GroupInfo:
 
 
 _SERVICE = "/onnxps.v1.ParameterServer/"
+_RESEND_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 def _stream_methods(channel: grpc.Channel) -> dict[str, Any]:
@@ -307,12 +346,7 @@ class Client:
             if self._state is _State.CLOSED:
                 raise ClientClosedError("this client was closed; create a new Client")
             if self._stub is None:
-                options: list[tuple[str, Any]] = [
-                    ("grpc.max_receive_message_length", -1),
-                    ("grpc.max_send_message_length", -1),
-                    ("grpc.enable_retries", 1),
-                    ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
-                ]
+                options = list(_CHANNEL_OPTIONS)
                 if self._server_name_override:
                     options.append(
                         ("grpc.ssl_target_name_override", self._server_name_override)
@@ -371,6 +405,14 @@ class Client:
         error = translate(exc)
         if isinstance(error, DeadlineExceededError):
             return deadline.expired(what, error.details)
+        if error.code == grpc.StatusCode.CANCELLED:
+            # This client never cancels a call it waits on: the server did, because
+            # it is stopping (a graceful stop cancels what it had not yet started).
+            return UnavailableError(
+                f"{what}: the server cancelled the call (it is stopping), so it may "
+                f"or may not have taken effect ({error.details})",
+                grpc.StatusCode.CANCELLED,
+            )
         return error
 
     def _method(self, name: str) -> Any:
@@ -552,29 +594,45 @@ class Client:
         chunks: Callable[[], Iterator[Any]] | None,
         deadline: _Deadline,
     ) -> Any:
-        """Send a push, and resend it (same seq) while the server is unavailable, up
-        to ``_PUSH_SENDS`` sends within the deadline: the server answers a repeat
-        with its first result."""
+        """Send a push, and resend it (same seq) while the server is unavailable,
+        until the deadline: the server answers a repeat with its first result."""
         what = f"the push to group {req.group} (seq {req.seq}) was not answered"
         backoff = 0.1
-        for sends in itertools.count(1):
+        unavailable: RpcError | None = None
+        while True:
             try:
                 if chunks is not None:
                     return self._call("PushStream", chunks(), deadline, what)
                 return self._call("Push", req, deadline, what)
-            except UnavailableError as exc:
-                pause = min(backoff, deadline.remaining())
-                if pause <= 0 or sends == _PUSH_SENDS:
+            except DeadlineExceededError:
+                if unavailable is None:
                     raise
-                log.warning(
-                    "push to %s seq %d: %s; resending in %.1f s",
-                    req.group,
-                    req.seq,
-                    exc.code.name,
-                    pause,
-                )
-                time.sleep(pause)
-                backoff = min(2.0, backoff * 2)
+                raise self._gone(req, deadline, unavailable) from None
+            except RpcError as exc:
+                if exc.code not in _RESEND_CODES:
+                    raise
+                unavailable = exc
+            pause = min(backoff, deadline.remaining())
+            if pause <= 0:
+                raise self._gone(req, deadline, unavailable)
+            log.info(
+                "push to %s seq %d: %s; resending in %.1f s",
+                req.group,
+                req.seq,
+                unavailable.code.name,
+                pause,
+            )
+            time.sleep(pause)
+            backoff = min(_RESEND_BACKOFF_MAX, backoff * 2)
+
+    def _gone(
+        self, req: pb.PushRequest, deadline: _Deadline, last: RpcError
+    ) -> UnavailableError:
+        return UnavailableError(
+            f"the server at {self.address} stayed unavailable for "
+            f"{deadline.seconds:g} s ({last.details}); the push to group "
+            f"{req.group} (seq {req.seq}) may not have been applied"
+        )
 
     # -- pull ----------------------------------------------------------------------
     def pull(

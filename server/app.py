@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from . import security
 from ._fastwire import FastChunkInterceptor
+from ._gate import DrainGate
 from ._handlers import SERVICE
 from .durability import MODES as DURABILITY_MODES
 from .durability import Durability
@@ -97,6 +99,7 @@ class ServerHandle:
     health: health.HealthServicer
     durability: Durability | None = None
     metrics: MetricsEndpoint | None = None
+    gate: DrainGate = field(default_factory=DrainGate)
     _stopped: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -121,14 +124,27 @@ class ServerHandle:
     def stop(self, grace: float | None = 10.0) -> None:
         """Stop accepting calls, let in-flight ones finish within ``grace``, close:
         the RPC server, the metrics endpoint, durability (a last snapshot), the store.
+
+        The order matters: health says NOT_SERVING and the gate answers every new
+        call UNAVAILABLE (clients retry it) while the server still runs; waiting calls
+        are woken; only when the admitted calls have finished (or ``grace`` ran out)
+        is the gRPC server stopped, so it has nothing left to cancel.
         """
         if self._stopped.is_set():
             return
         self._stopped.set()
+        end = None if grace is None else time.monotonic() + grace
         self.health.enter_graceful_shutdown()
-        done = self.server.stop(grace)
+        self.gate.close()
         self.store.drain()
-        done.wait()
+        if end is not None and not self.gate.wait_idle(end - time.monotonic()):
+            log.warning(
+                "%d calls still running after the %g s grace: cancelling them",
+                self.gate.running,
+                grace,
+            )
+        left = None if end is None else max(0.0, end - time.monotonic())
+        self.server.stop(left).wait()
         if self.metrics is not None:
             self.metrics.stop()
         if self.durability is not None:
@@ -207,7 +223,8 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     recorder = Recorder(store, enabled=config.metrics_port is not None)
     # outermost first: observe every call (auth refusals too), then auth, limits
-    interceptors: list[grpc.ServerInterceptor] = [ObserveInterceptor(recorder)]
+    gate = DrainGate()  # a graceful stop refuses new calls here first
+    interceptors: list[grpc.ServerInterceptor] = [ObserveInterceptor(recorder), gate]
     if grants is not None:
         interceptors.append(security.TokenAuthInterceptor(grants))
     interceptors += [
@@ -254,7 +271,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         store.close()
         raise
     return ServerHandle(
-        server, port, config, store, health_servicer, durability, metrics
+        server, port, config, store, health_servicer, durability, metrics, gate
     )
 
 
