@@ -781,8 +781,18 @@ class Client:
 
         return export_groups(self, path, prefix)
 
-    def import_(self, path: str | os.PathLike[str]) -> list[str]:
-        """Create the groups of a file written by ``export``; returns their names."""
+    def import_(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        existing: Literal["fail", "skip", "replace"] = "fail",
+    ) -> list[str]:
+        """Create the groups of a file written by ``export``; returns their names.
+
+        The file is checked whole first. A group the server already has makes the
+        import fail before anything is created (``existing="fail"``), is left as it
+        is (``"skip"``, not in the result) or is replaced by the file's.
+        """
         from ._transfer import import_groups
 
-        return import_groups(self, path)
+        return import_groups(self, path, existing=existing).imported

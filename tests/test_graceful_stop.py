@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 from _procs import clean_env, start_server, stop
-from onnxps.client import Adagrad, Client, OnnxpsError, UnavailableError
+from onnxps.client import Adagrad, Client, UnavailableError
 from onnxps.server.app import ServerConfig, create_server
 
 RESTARTS = 3
