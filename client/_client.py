@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, overload
+from typing import Any, Literal, NoReturn, overload
 
 import grpc
 import numpy as np
@@ -265,6 +265,77 @@ def _stream_methods(channel: grpc.Channel) -> dict[str, Any]:
     }
 
 
+_TRANSPORTS = ("auto", "unary", "stream")
+
+
+def _check_client_arguments(
+    address: Any,
+    timeout: Any,
+    transport: Any,
+    chunk_bytes: Any,
+    unexpected: Mapping[str, Any],
+) -> None:
+    """TypeError/ValueError that say what ``Client(...)`` takes."""
+    if unexpected:
+        names = ", ".join(sorted(unexpected))
+        raise TypeError(
+            f"Client() got unexpected argument(s) {names}: it takes the server address "
+            "('host:port') and connection options (timeout=, token=, TLS, "
+            "transport=); tensors are given to create_group(), gradients to push()"
+        )
+    if not isinstance(address, str) or not address.strip():
+        raise TypeError(
+            f"Client(address): the server's 'host:port' as a string, e.g. "
+            f"Client('127.0.0.1:50051'), got {type(address).__name__}"
+        )
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout is seconds (a number), got {timeout!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if transport not in _TRANSPORTS:
+        raise ValueError(
+            f"transport must be one of {', '.join(_TRANSPORTS)}, got {transport!r}"
+        )
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be an integer >= 1, got {chunk_bytes!r}")
+
+
+def _spec(value: Any, what: str, kind: Any = (Async, Sync)) -> Any:
+    """``value`` when it is an instance of ``kind``; else a TypeError that says so
+    (the class itself, ``Adam`` for ``Adam()``, is the usual slip)."""
+    if isinstance(value, type):
+        raise TypeError(
+            f"{what} must be an instance, e.g. {value.__name__}(), not the class "
+            f"{value.__name__}"
+        )
+    if not isinstance(value, kind):
+        names = (
+            "Adagrad(), Momentum(), Nesterov() or Adam()"
+            if kind is OptimizerSpec
+            else "Async() or Sync(workers)"
+        )
+        raise TypeError(f"{what} must be one of {names}, got {value!r}")
+    return value
+
+
+def _named_tensors(tensors: Any) -> list[tuple[str, Any]]:
+    """``{name: array}`` or ``[(name, array), ...]`` as a list of pairs."""
+    if isinstance(tensors, Mapping):
+        items = list(tensors.items())
+    elif isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence):
+        items = None
+    else:
+        items = list(tensors)
+    if items is None or not all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in items
+    ):
+        raise TypeError(
+            "tensors must name each tensor, in the ONNX order: {'w': w0, 'b': b0} "
+            "or [('w', w0), ('b', b0)]"
+        )
+    return items
+
+
 class _State(enum.Enum):
     UNOPENED = 1
     OPEN = 2
@@ -283,7 +354,7 @@ class Client:
 
     def __init__(
         self,
-        address: str,
+        address: str = "",  # required: a default only to explain its absence
         *,
         timeout: float = 60.0,
         client_id: str | None = None,
@@ -295,7 +366,14 @@ class Client:
         transport: Transport = "auto",
         stream_threshold_bytes: int = STREAM_THRESHOLD_BYTES,
         chunk_bytes: int = CHUNK_BYTES,
+        **unexpected: NoReturn,
     ) -> None:
+        _check_client_arguments(address, timeout, transport, chunk_bytes, unexpected)
+        if root_certificates is not None and not isinstance(root_certificates, bytes):
+            raise TypeError(
+                "root_certificates is the PEM bytes of the CA, not a path: pass "
+                "open(path, 'rb').read()"
+            )
         self.address = address
         self.timeout = timeout
         self.client_id = client_id or uuid.uuid4().hex
@@ -444,14 +522,14 @@ class Client:
         ``state`` (V_1..V_n then H_1..H_n, as the operator has them) and
         ``update_count`` resume a group whose optimizer state was saved elsewhere.
         """
-        items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        items = _named_tensors(tensors)
         arrays = [np.asarray(a) for _, a in items]
         state_arrays = [np.asarray(a) for a in state or ()]
         req = pb.CreateGroupRequest(
             group=name,
-            optimizer=optimizer.to_proto(),
+            optimizer=_spec(optimizer, "optimizer", OptimizerSpec).to_proto(),
             learning_rate=learning_rate,
-            consistency=(consistency or Async()).to_proto(),
+            consistency=_spec(consistency or Async(), "consistency").to_proto(),
             allow_non_finite=allow_non_finite,
             update_count=update_count,
             lease_seconds=lease_seconds or 0.0,
@@ -694,6 +772,7 @@ class Client:
         arrays = [np.asarray(a) for a in inputs]
         if len(arrays) >= 2 and arrays[1].dtype.kind in "iu":
             arrays[1] = arrays[1].astype(np.int64)
+        optimizer = _spec(optimizer, "optimizer", OptimizerSpec)
         if self._use_stream(sum(a.nbytes for a in arrays)):
             header = pb.ApplyRequest(
                 optimizer=optimizer.to_proto(),
