@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 
+from ._errors import OnnxpsError
+
 __all__ = [
     "CHUNK_BYTES",
     "DTYPE_TO_PROTO",
@@ -41,7 +43,7 @@ PROTO_TO_DTYPE: dict[int, np.dtype[Any]] = {v: k for k, v in DTYPE_TO_PROTO.item
 _NAMES = {pb.FLOAT: "FLOAT (float32)", pb.DOUBLE: "DOUBLE (float64)", pb.INT64: "INT64"}
 
 
-class TensorFormatError(ValueError):
+class TensorFormatError(OnnxpsError, ValueError):
     """A tensor message that does not describe a valid tensor (dtype, dims, bytes)."""
 
 
