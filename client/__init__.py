@@ -25,6 +25,7 @@ from ._errors import (
     UnavailableError,
 )
 from ._optimizers import Adagrad, Adam, Async, Momentum, Nesterov, OptimizerSpec, Sync
+from ._transfer import ExportFileError
 
 __all__ = [
     "Adagrad",
@@ -34,6 +35,7 @@ __all__ = [
     "Client",
     "ClientClosedError",
     "DeadlineExceededError",
+    "ExportFileError",
     "FailedPreconditionError",
     "GroupInfo",
     "InternalError",
