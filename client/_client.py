@@ -301,14 +301,15 @@ def _check_client_arguments(
 
 
 def _spec(value: Any, what: str, kind: Any = (Async, Sync)) -> Any:
-    """``value`` when it is an instance of ``kind``; else a TypeError that says so
-    (the class itself, ``Adam`` for ``Adam()``, is the usual slip)."""
+    """``value`` when it is an instance of ``kind`` (or has its ``to_proto``); else
+    a TypeError that says so (the class itself, ``Adam`` for ``Adam()``, is the usual
+    slip)."""
     if isinstance(value, type):
         raise TypeError(
             f"{what} must be an instance, e.g. {value.__name__}(), not the class "
             f"{value.__name__}"
         )
-    if not isinstance(value, kind):
+    if not isinstance(value, kind) and not callable(getattr(value, "to_proto", None)):
         names = (
             "Adagrad(), Momentum(), Nesterov() or Adam()"
             if kind is OptimizerSpec
