@@ -39,7 +39,7 @@ class Bare:
     def __init__(self) -> None:
         self.store = ParameterStore()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-        pb_grpc.add_ParameterServerServicer_to_server(
+        pb_grpc.add_ParameterServerServiceServicer_to_server(
             ParameterServerServicer(self.store), self.server
         )
         self.port = self.server.add_insecure_port("127.0.0.1:0")

@@ -36,7 +36,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.cli.process import start_server_process, stop_processes
 from onnxps.client import Adagrad, Adam, Client
-from onnxps.client._codec import CHUNK_BYTES
+from onnxps.client.codec import CHUNK_BYTES
 from onnxps.server.kernels import Stepper, make_attrs
 
 MIB = 1 << 20

@@ -8,7 +8,6 @@ with Client("127.0.0.1:50051") as ps:
 """
 
 from ._client import Client, GroupInfo, LeaseInfo, PushResult, SaveInfo, WorkerInfo
-from ._codec import TensorFormatError
 from ._errors import (
     AlreadyExistsError,
     ClientClosedError,
@@ -26,6 +25,7 @@ from ._errors import (
 )
 from ._optimizers import Adagrad, Adam, Async, Momentum, Nesterov, OptimizerSpec, Sync
 from ._transfer import ExportFileError
+from .codec import TensorFormatError
 
 __all__ = [
     "Adagrad",

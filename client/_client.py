@@ -19,14 +19,6 @@ import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
-from ._codec import (
-    CHUNK_BYTES,
-    PROTO_TO_DTYPE,
-    TensorAssembler,
-    header_tensor,
-    tensor_to_array,
-    write_tensor,
-)
 from ._errors import (
     ClientClosedError,
     DeadlineExceededError,
@@ -35,7 +27,16 @@ from ._errors import (
     translate,
 )
 from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
-from ._wire import deserializer, iter_raw_chunks, serializer
+from .codec import (
+    CHUNK_BYTES,
+    PROTO_TO_DTYPE,
+    SERVICE,
+    TensorAssembler,
+    chunk_messages,
+    header_tensor,
+    tensor_to_array,
+    write_tensor,
+)
 
 __all__ = [
     "Client",
@@ -87,14 +88,11 @@ def _retry_policy(*codes: str) -> dict[str, Any]:
 _SERVICE_CONFIG = {
     "methodConfig": [
         {
-            "name": [
-                {"service": "onnxps.v1.ParameterServer", "method": m}
-                for m in _SAFE_TO_REPEAT
-            ],
+            "name": [{"service": SERVICE, "method": m} for m in _SAFE_TO_REPEAT],
             "retryPolicy": _retry_policy("UNAVAILABLE", "CANCELLED"),
         },
         {
-            "name": [{"service": "onnxps.v1.ParameterServer"}],
+            "name": [{"service": SERVICE}],
             "retryPolicy": _retry_policy("UNAVAILABLE"),
         },
     ]
@@ -210,8 +208,10 @@ def _optimizer_from_proto(spec: pb.OptimizerSpec) -> OptimizerSpec:
 def _group_info(msg: pb.GroupInfo) -> GroupInfo:
     c = msg.consistency
     consistency: Async | Sync
-    if c.mode == pb.SYNC:
-        consistency = Sync(c.sync_workers, "sum" if c.reduction == pb.SUM else "mean")
+    if c.mode == pb.CONSISTENCY_MODE_SYNC:
+        consistency = Sync(
+            c.sync_workers, "sum" if c.reduction == pb.REDUCTION_SUM else "mean"
+        )
     else:
         consistency = Async(c.max_staleness if c.HasField("max_staleness") else None)
     return GroupInfo(
@@ -235,34 +235,7 @@ def _group_info(msg: pb.GroupInfo) -> GroupInfo:
     )
 
 
-_SERVICE = "/onnxps.v1.ParameterServer/"
 _RESEND_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-
-
-def _stream_methods(channel: grpc.Channel) -> dict[str, Any]:
-    """The streaming RPCs with chunk (de)serializers that copy each byte once."""
-    return {
-        "CreateGroupStream": channel.stream_unary(
-            _SERVICE + "CreateGroupStream",
-            request_serializer=serializer(2),
-            response_deserializer=pb.GroupInfo.FromString,
-        ),
-        "PushStream": channel.stream_unary(
-            _SERVICE + "PushStream",
-            request_serializer=serializer(2),
-            response_deserializer=pb.PushResponse.FromString,
-        ),
-        "PullStream": channel.unary_stream(
-            _SERVICE + "PullStream",
-            request_serializer=pb.PullRequest.SerializeToString,
-            response_deserializer=deserializer(pb.PullChunk, 2),
-        ),
-        "ApplyStream": channel.stream_stream(
-            _SERVICE + "ApplyStream",
-            request_serializer=serializer(3),
-            response_deserializer=deserializer(pb.ApplyChunk, 3),
-        ),
-    }
 
 
 _TRANSPORTS = ("auto", "unary", "stream")
@@ -388,8 +361,7 @@ class Client:
         self._state = _State.UNOPENED
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
-        self._stub: pb_grpc.ParameterServerStub | None = None
-        self._streams: dict[str, Any] = {}
+        self._stub: pb_grpc.ParameterServerServiceStub | None = None
         # Seqs start at the wall clock in microseconds, not 1: a worker restarted with
         # the same client_id must not repeat seqs the server remembers, or its first
         # pushes would be answered as duplicates and silently dropped.
@@ -420,7 +392,7 @@ class Client:
         if self._channel is not None:
             self._channel.close()
 
-    def _get_stub(self) -> pb_grpc.ParameterServerStub:
+    def _get_stub(self) -> pb_grpc.ParameterServerServiceStub:
         with self._lock:
             if self._state is _State.CLOSED:
                 raise ClientClosedError("this client was closed; create a new Client")
@@ -436,8 +408,7 @@ class Client:
                     self._channel = grpc.secure_channel(self.address, creds, options)
                 else:
                     self._channel = grpc.insecure_channel(self.address, options)
-                self._stub = pb_grpc.ParameterServerStub(self._channel)
-                self._streams = _stream_methods(self._channel)
+                self._stub = pb_grpc.ParameterServerServiceStub(self._channel)
                 self._state = _State.OPEN
             return self._stub
 
@@ -496,7 +467,7 @@ class Client:
 
     def _method(self, name: str) -> Any:
         stub = self._get_stub()
-        return self._streams.get(name) or getattr(stub, name)
+        return getattr(stub, name)
 
     def _use_stream(self, nbytes: int) -> bool:
         if self.transport == "auto":
@@ -543,8 +514,10 @@ class Client:
             req.state.extend(header_tensor(a) for a in state_arrays)
 
             def chunks() -> Iterator[Any]:
-                yield pb.CreateGroupChunk(header=req)
-                yield from iter_raw_chunks(arrays + state_arrays, self.chunk_bytes)
+                yield pb.CreateGroupStreamRequest(header=req)
+                yield from chunk_messages(
+                    pb.CreateGroupStreamRequest, arrays + state_arrays, self.chunk_bytes
+                )
 
             msg = self._call("CreateGroupStream", chunks(), timeout)
         else:
@@ -553,14 +526,13 @@ class Client:
             for a in state_arrays:
                 write_tensor(req.state.add(), a)
             msg = self._call("CreateGroup", req, timeout)
-        info = _group_info(msg)
+        info = _group_info(msg.group)
         self._sizes[name] = info.nbytes
         return info
 
     def describe_group(self, name: str, *, timeout: float | None = None) -> GroupInfo:
-        info = _group_info(
-            self._call("DescribeGroup", pb.GroupRequest(group=name), timeout)
-        )
+        req = pb.DescribeGroupRequest(group=name)
+        info = _group_info(self._call("DescribeGroup", req, timeout).group)
         self._sizes[name] = info.nbytes
         return info
 
@@ -572,14 +544,14 @@ class Client:
 
     def delete_group(self, name: str, *, timeout: float | None = None) -> bool:
         self._sizes.pop(name, None)
-        msg = self._call("DeleteGroup", pb.GroupRequest(group=name), timeout)
+        msg = self._call("DeleteGroup", pb.DeleteGroupRequest(group=name), timeout)
         return bool(msg.deleted)
 
     def set_learning_rate(
         self, name: str, learning_rate: float, *, timeout: float | None = None
     ) -> GroupInfo:
         req = pb.SetLearningRateRequest(group=name, learning_rate=learning_rate)
-        return _group_info(self._call("SetLearningRate", req, timeout))
+        return _group_info(self._call("SetLearningRate", req, timeout).group)
 
     # -- push ----------------------------------------------------------------------
     @overload
@@ -658,8 +630,8 @@ class Client:
                 write_tensor(req.gradients.add(), a)
 
         def chunks() -> Iterator[Any]:
-            yield pb.PushChunk(header=req)
-            yield from iter_raw_chunks(arrays, self.chunk_bytes)
+            yield pb.PushStreamRequest(header=req)
+            yield from chunk_messages(pb.PushStreamRequest, arrays, self.chunk_bytes)
 
         msg = self._send_push(req, chunks if stream else None, deadline)
         values = None
@@ -740,18 +712,21 @@ class Client:
     ) -> tuple[int, list[Array]]:
         """(T, arrays): the tensors and the update count they belong to."""
         deadline = self._deadline(timeout)
-        req = pb.PullRequest(group=group, with_state=state)
+        req = pb.PullRequest(group=group, with_state=state, min_version=min_version)
         if min_version is not None:
-            req.min_version = min_version
             what = f"group {group} did not reach T={min_version}"
         else:
             what = f"the pull of group {group} was not answered"
         size = self._sizes.get(group)
         if size is None and self.transport == "auto":
-            msg = self._call("DescribeGroup", pb.GroupRequest(group=group), deadline)
-            size = self._sizes[group] = _group_info(msg).nbytes
+            describe = pb.DescribeGroupRequest(group=group)
+            msg = self._call("DescribeGroup", describe, deadline)
+            size = self._sizes[group] = _group_info(msg.group).nbytes
         if self._use_stream(size or 0):
-            it = self._stream_call("PullStream", req, deadline, what)
+            stream_req = pb.PullStreamRequest(
+                group=group, with_state=state, min_version=min_version
+            )
+            it = self._stream_call("PullStream", stream_req, deadline, what)
             first = next(it)
             header = first.header
             names = [t.name for t in header.tensors]
@@ -781,8 +756,10 @@ class Client:
             )
 
             def chunks() -> Iterator[Any]:
-                yield pb.ApplyChunk(request=header)
-                yield from iter_raw_chunks(arrays, self.chunk_bytes)
+                yield pb.ApplyStreamRequest(request=header)
+                yield from chunk_messages(
+                    pb.ApplyStreamRequest, arrays, self.chunk_bytes
+                )
 
             it = self._stream_call(
                 "ApplyStream",
@@ -811,15 +788,16 @@ class Client:
     ) -> LeaseInfo:
         """Join a group as a worker and keep the lease alive in the background."""
         wid = worker_id or self.client_id
-        req = pb.JoinRequest(group=group, worker_id=wid)
+        req = pb.JoinGroupRequest(group=group, worker_id=wid)
         lease = _lease_info(self._call("JoinGroup", req, timeout))
+        beat_req = pb.HeartbeatRequest(group=group, worker_id=wid)
         stop = threading.Event()
         interval = max(0.05, lease.lease_seconds / 3)
 
         def beat() -> None:
             while not stop.wait(interval):
                 try:
-                    self._call("Heartbeat", req, min(interval * 2, self.timeout))
+                    self._call("Heartbeat", beat_req, min(interval * 2, self.timeout))
                 except ClientClosedError:
                     return
                 except RpcError as exc:
@@ -845,7 +823,7 @@ class Client:
         if beat is not None:
             beat[0].set()
             beat[1].join(timeout=5)
-        req = pb.JoinRequest(group=group, worker_id=worker_id or self.client_id)
+        req = pb.LeaveGroupRequest(group=group, worker_id=worker_id or self.client_id)
         return _lease_info(self._call("LeaveGroup", req, timeout))
 
     # -- durability ----------------------------------------------------------------

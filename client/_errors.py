@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 __all__ = [
     "AlreadyExistsError",
@@ -31,15 +35,32 @@ class ClientClosedError(OnnxpsError):
 
 
 class RpcError(OnnxpsError):
-    """The server answered with a non-OK status."""
+    """The server answered with a non-OK status.
+
+    ``reason`` (e.g. ``"STALE_PUSH"``, ``"GROUP_NOT_FOUND"``) and ``metadata`` (e.g.
+    ``{"group": "g", "update_count": "7"}``) come from the status' ErrorInfo;
+    ``violations`` lists ``(field, description)`` from its BadRequest. They are
+    None / empty when the server sent no details (an older server, a proxy).
+    """
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
 
-    def __init__(self, details: str, code: grpc.StatusCode | None = None) -> None:
+    def __init__(
+        self,
+        details: str,
+        code: grpc.StatusCode | None = None,
+        *,
+        reason: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        violations: Sequence[tuple[str, str]] = (),
+    ) -> None:
         super().__init__(details)
         self.details = details
         if code is not None:
             self.code = code
+        self.reason = reason
+        self.metadata: dict[str, str] = dict(metadata or {})
+        self.violations: list[tuple[str, str]] = list(violations)
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.details}"
@@ -106,9 +127,39 @@ _BY_CODE: dict[grpc.StatusCode, type[RpcError]] = {
 }
 
 
+def _status_details(
+    error: grpc.RpcError,
+) -> tuple[str | None, dict[str, str], list[tuple[str, str]]]:
+    """ErrorInfo reason and metadata, and BadRequest violations, of a failed call."""
+    try:
+        status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    except (AttributeError, ValueError):  # not a call, or inconsistent trailers
+        status = None
+    reason: str | None = None
+    metadata: dict[str, str] = {}
+    violations: list[tuple[str, str]] = []
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            reason, metadata = info.reason, dict(info.metadata)
+        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            violations += [(v.field, v.description) for v in bad.field_violations]
+    return reason, metadata, violations
+
+
 def translate(error: grpc.RpcError) -> RpcError:
     """The library's exception for a grpc error (a grpc.Call carries code/details)."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
+    reason, metadata, violations = _status_details(error)
     cls = _BY_CODE.get(code, RpcError)
-    return cls(details or code.name, code)
+    return cls(
+        details or code.name,
+        code,
+        reason=reason,
+        metadata=metadata,
+        violations=violations,
+    )

@@ -75,7 +75,7 @@ class Async:
     max_staleness: int | None = None
 
     def to_proto(self) -> pb.Consistency:
-        msg = pb.Consistency(mode=pb.ASYNC)
+        msg = pb.Consistency(mode=pb.CONSISTENCY_MODE_ASYNC)
         if self.max_staleness is not None:
             msg.max_staleness = self.max_staleness
         return msg
@@ -90,7 +90,9 @@ class Sync:
 
     def to_proto(self) -> pb.Consistency:
         return pb.Consistency(
-            mode=pb.SYNC,
+            mode=pb.CONSISTENCY_MODE_SYNC,
             sync_workers=self.workers,
-            reduction=pb.SUM if self.reduction == "sum" else pb.MEAN,
+            reduction=pb.REDUCTION_SUM
+            if self.reduction == "sum"
+            else pb.REDUCTION_MEAN,
         )

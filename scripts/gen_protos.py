@@ -2,6 +2,11 @@
 
 Run from anywhere: ``python scripts/gen_protos.py``. With ``--check`` it generates into
 a temporary directory and exits 1 when the committed files differ (the drift test).
+
+The modules come from grpcio-tools (``*_pb2.py``, ``*_pb2_grpc.py``); their typed
+stubs from mypy-protobuf (``protoc-gen-mypy`` writes ``*_pb2.pyi``,
+``protoc-gen-mypy_grpc`` writes ``*_pb2_grpc.pyi``), so mypy sees typed messages,
+enums and service stubs. Both tools are pinned in the test extra.
 """
 
 from __future__ import annotations
@@ -16,19 +21,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROTO_ROOT = ROOT / "protos"
 PACKAGE = PROTO_ROOT / "onnxps" / "v1"
-GENERATED = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+GENERATED = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
+
+
+def _plugin(name: str) -> str:
+    """A protoc plugin installed beside this Python (a venv), else on PATH."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
+    if not found:
+        raise SystemExit(f"{name} not found: pip install mypy-protobuf")
+    return found
 
 
 def generate(out_dir: Path) -> list[Path]:
-    from grpc_tools import protoc  # dev dependency: grpcio-tools
+    from grpc_tools import protoc  # test dependency: grpcio-tools
 
     protos = sorted(PACKAGE.glob("*.proto"))
     args = [
         "grpc_tools.protoc",
         f"-I{PROTO_ROOT}",
+        f"--plugin=protoc-gen-mypy={_plugin('protoc-gen-mypy')}",
+        f"--plugin=protoc-gen-mypy_grpc={_plugin('protoc-gen-mypy_grpc')}",
         f"--python_out={out_dir}",
-        f"--pyi_out={out_dir}",
+        f"--mypy_out={out_dir}",
         f"--grpc_python_out={out_dir}",
+        f"--mypy_grpc_out={out_dir}",
         *[str(p.relative_to(PROTO_ROOT)) for p in protos],
     ]
     if protoc.main(args) != 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from onnxps.client._codec import DTYPE_TO_PROTO
+from onnxps.client.codec import DTYPE_TO_PROTO
 from onnxps.v1 import parameter_server_pb2 as pb
 
 from .errors import InvalidArgument
@@ -46,26 +46,36 @@ def attrs_to_proto(attrs: OptimizerAttrs) -> pb.OptimizerSpec:
 
 
 def consistency_from_proto(c: pb.Consistency) -> Consistency:
-    mode = "sync" if c.mode == pb.SYNC else "async"
-    if c.mode not in (pb.CONSISTENCY_MODE_UNSPECIFIED, pb.ASYNC, pb.SYNC):
+    mode = "sync" if c.mode == pb.CONSISTENCY_MODE_SYNC else "async"
+    if c.mode not in (
+        pb.CONSISTENCY_MODE_UNSPECIFIED,
+        pb.CONSISTENCY_MODE_ASYNC,
+        pb.CONSISTENCY_MODE_SYNC,
+    ):
         raise InvalidArgument(
             f"unknown consistency mode {c.mode}: expected ASYNC or SYNC"
         )
-    if c.reduction not in (pb.REDUCTION_UNSPECIFIED, pb.MEAN, pb.SUM):
+    if c.reduction not in (
+        pb.REDUCTION_UNSPECIFIED,
+        pb.REDUCTION_MEAN,
+        pb.REDUCTION_SUM,
+    ):
         raise InvalidArgument(f"unknown reduction {c.reduction}: expected MEAN or SUM")
     return Consistency(
         mode=mode,
         sync_workers=c.sync_workers,
-        reduction="sum" if c.reduction == pb.SUM else "mean",
+        reduction="sum" if c.reduction == pb.REDUCTION_SUM else "mean",
         max_staleness=c.max_staleness if c.HasField("max_staleness") else None,
     )
 
 
 def consistency_to_proto(c: Consistency) -> pb.Consistency:
     msg = pb.Consistency(
-        mode=pb.SYNC if c.mode == "sync" else pb.ASYNC,
+        mode=pb.CONSISTENCY_MODE_SYNC
+        if c.mode == "sync"
+        else pb.CONSISTENCY_MODE_ASYNC,
         sync_workers=c.sync_workers,
-        reduction=pb.SUM if c.reduction == "sum" else pb.MEAN,
+        reduction=pb.REDUCTION_SUM if c.reduction == "sum" else pb.REDUCTION_MEAN,
     )
     if c.max_staleness is not None:
         msg.max_staleness = c.max_staleness

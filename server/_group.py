@@ -23,6 +23,8 @@ from .errors import InvalidArgument
 from .kernels import OptimizerAttrs, Stepper
 
 __all__ = [
+    "DEDUP_CLIENTS",
+    "DEDUP_SECONDS",
     "DEDUP_WINDOW",
     "MAX_NAME_LENGTH",
     "ClientWindow",
@@ -47,7 +49,9 @@ log = logging.getLogger("onnxps.store")
 
 Array = np.ndarray[Any, Any]
 
-DEDUP_WINDOW = 4096
+DEDUP_WINDOW = 4096  # results kept per client
+DEDUP_SECONDS = 600.0  # a client's window is kept this long after its last push
+DEDUP_CLIENTS = 10_000  # windows per group at most: the least recently used go first
 MAX_NAME_LENGTH = 256
 
 
@@ -92,6 +96,9 @@ class StoreLimits:
     max_total_bytes: int = 0
     max_groups: int = 0
     default_lease_seconds: float = 10.0
+    max_waiting_calls: int = 0  # calls waiting for a version at once; 0: no limit
+    dedup_seconds: float = DEDUP_SECONDS
+    dedup_clients: int = DEDUP_CLIENTS
 
 
 @dataclass(frozen=True)
@@ -175,19 +182,27 @@ class Journal(Protocol):
     """Durability hook: records every state change in order (see ``durability``)."""
 
     def log(self, record: dict[str, Any], arrays: Sequence[Array]) -> int:
-        """Append under the group's lock; returns the record's lsn for ``wait``."""
+        """Append under the group's lock; returns the record's lsn for ``wait``.
+
+        Every record logged must be waited for."""
         ...
 
     def wait(self, lsn: int) -> None:
-        """Block until the record with this lsn is durable."""
+        """Block until the record with this lsn is durable; raise ``Unavailable``
+        when it could not be written (the caller then applies nothing)."""
         ...
 
 
-@dataclass
 class ClientWindow:
-    # push seq -> (T, applied), oldest first
-    results: OrderedDict[int, tuple[int, bool]] = field(default_factory=OrderedDict)
-    floor: int = -1  # every push seq <= floor has been forgotten
+    """One client's remembered pushes in one group (exactly-once)."""
+
+    __slots__ = ("floor", "last_push", "results")
+
+    def __init__(self, floor: int = -1, last_push: float = 0.0) -> None:
+        # push seq -> (T, applied), oldest first
+        self.results: dict[int, tuple[int, bool]] = {}
+        self.floor = floor  # every push seq <= floor has been forgotten
+        self.last_push = last_push  # monotonic time of the client's last push
 
 
 def combine_contributions(
@@ -261,7 +276,8 @@ class Group:
         self.allow_non_finite = allow_non_finite
         self.lease_seconds = lease_seconds
         self.cond = threading.Condition(threading.Lock())
-        self.dedup: dict[str, ClientWindow] = {}
+        # client id -> window, least recently pushed first
+        self.dedup: OrderedDict[str, ClientWindow] = OrderedDict()
         self.workers: dict[str, float] = {}  # worker id -> lease expiry (monotonic)
         self.dead: set[str] = set()
         self.pending: dict[str, list[Array]] = {}
@@ -307,12 +323,21 @@ class Group:
     def quorum(self) -> int:
         """Pushes the pending sync step needs.
 
-        A worker that pushed for this step and then died still counts: its gradient
-        is in the step, so dropping it from the quorum too would let the step go
-        before a live worker has pushed (and then refuse that worker's push as late).
+        ``sync_workers`` less the workers that are missing: a dead worker counts as
+        missing only while fewer than ``sync_workers`` workers are present, so a
+        worker that restarted under a new id, or an extra id that joined and left,
+        does not shrink the quorum below the live workers. A worker that pushed for
+        this step and then died is present: its gradient is in the step, so
+        dropping it too would let the step go before a live worker has pushed (and
+        then refuse that worker's push as late).
         """
-        missing = sum(1 for w in self.dead if w not in self.pending)
-        return max(1, self.consistency.sync_workers - missing)
+        n = self.consistency.sync_workers
+        if not self.dead:
+            return max(1, n)
+        pushed_then_died = sum(1 for w in self.dead if w in self.pending)
+        present = len(self.workers) + pushed_then_died
+        missing = min(len(self.dead) - pushed_then_died, max(0, n - present))
+        return max(1, n - missing)
 
     # -- records for callers (under the lock) ----------------------------------------
     def view(self, now: float) -> GroupView:
@@ -392,7 +417,8 @@ class Group:
         self.dead = set(runtime.dead)
         self.pending = {k: list(v) for k, v in runtime.pending.items()}
         for cid, (floor, rows) in runtime.dedup.items():
-            w = self.dedup[cid] = ClientWindow(floor=int(floor))
+            # restored windows count their age from the restart
+            w = self.dedup[cid] = ClientWindow(int(floor), now)
             for s, t, a in rows:
                 w.results[int(s)] = (int(t), bool(a))
 
@@ -408,6 +434,35 @@ class Group:
             self.states.get("H"),
         )
         self.update_count += 1
+
+    def remember(
+        self, client_id: str, seq: int, result: tuple[int, bool], now: float
+    ) -> None:
+        """Keep a push's result for its client's resends (the client becomes the
+        most recently used)."""
+        w = self.dedup.get(client_id)
+        if w is None:
+            w = self.dedup[client_id] = ClientWindow()
+        else:
+            self.dedup.move_to_end(client_id)
+        w.last_push = now
+        w.results[seq] = result
+        while len(w.results) > DEDUP_WINDOW:
+            old = next(iter(w.results))
+            del w.results[old]
+            w.floor = max(w.floor, old)
+
+    def forget_clients(self, now: float, max_seconds: float, max_clients: int) -> int:
+        """Drop windows idle longer than max_seconds, and the least recently used
+        beyond max_clients; returns how many were dropped."""
+        dropped = 0
+        while self.dedup:
+            cid, w = next(iter(self.dedup.items()))
+            if len(self.dedup) <= max_clients and now - w.last_push <= max_seconds:
+                break
+            del self.dedup[cid]
+            dropped += 1
+        return dropped
 
     def expire_leases(self, now: float) -> bool:
         """Drop workers whose lease ran out; True when the quorum shrank."""

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import Message
+from onnxps.client.codec import SERVICE as _SERVICE
 
 __all__ = [
     "SERVICE",
@@ -25,8 +26,7 @@ __all__ = [
     "wrap",
 ]
 
-# The one place the service's full name lives.
-SERVICE = "onnxps.v1.ParameterServer"
+SERVICE = _SERVICE  # from the descriptor, derived once in the shared codec
 
 Behavior = Callable[..., Any]
 Deserializer = Callable[[bytes], Any]
@@ -136,7 +136,7 @@ def wrap(
 
 
 def method_of(handler_call_details: grpc.HandlerCallDetails) -> tuple[str, str]:
-    """``(service, method)`` from ``/onnxps.v1.ParameterServer/Push``."""
+    """``(service, method)`` from ``/onnxps.v1.ParameterServerService/Push``."""
     full = handler_call_details.method or ""
     service, _, name = full.lstrip("/").partition("/")
     return service, name

@@ -1,10 +1,11 @@
 """Snapshots on disk: one directory of .npy files plus a JSON manifest per generation.
 
 Writing goes to ``snap-<gen>.tmp``; every file is fsynced, the manifest (with the
-sha256 and size of every file) is written last, then the directory is renamed to
-``snap-<gen>`` and its parent fsynced. A snapshot directory without the ``.tmp``
-suffix is therefore complete unless the disk damaged it afterwards, which the
-checksums catch. The layout is documented in docs/FORMAT.md.
+sha256 and size of every file, and a sha256 of the manifest itself) is written last,
+then the directory is renamed to ``snap-<gen>`` and its parent fsynced. A snapshot
+directory without the ``.tmp`` suffix is therefore complete unless it was damaged or
+edited afterwards, which the checksums catch. The layout is documented in
+docs/FORMAT.md.
 """
 
 from __future__ import annotations
@@ -24,27 +25,42 @@ import numpy as np
 from onnxps.client.image import GroupImage, ImageFormatError
 
 from ._group import GroupCapture, GroupRuntime
-from ._wal import _write_all, fsync_dir
+from ._wal import _write_all, c_order, fsync_dir
 
 __all__ = [
     "FORMAT_VERSION",
+    "Manifest",
     "SaveResult",
     "SnapshotError",
     "list_snapshots",
     "load_snapshot",
+    "read_manifest",
     "write_snapshot",
 ]
 
 Array = np.ndarray[Any, Any]
 
 FORMAT = "onnxps-snapshot"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: the manifest carries its own sha256
+LEGACY_VERSIONS = (2,)  # read without a manifest checksum (written before it existed)
 MANIFEST = "manifest.json"
+MANIFEST_SHA256 = "manifest_sha256"
 _BLOCK = 16 << 20
 
 
 class SnapshotError(Exception):
     """A snapshot that cannot be loaded; the message names the file and why."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The checked facts of a snapshot's ``manifest.json``."""
+
+    path: str  # of manifest.json
+    generation: int
+    wal_lsn: int  # every log record up to this one is in the snapshot
+    groups: list[dict[str, Any]]
+    files: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -96,7 +112,7 @@ def next_generation(root: str) -> int:
 
 
 def _write_array(directory: str, name: str, a: Array, files: dict[str, Any]) -> str:
-    a = np.ascontiguousarray(a)
+    a = c_order(a)
     head = io.BytesIO()
     fmt = np.lib.format
     fmt.write_array_header_1_0(head, fmt.header_data_from_array_1_0(a))
@@ -166,7 +182,7 @@ def write_snapshot(
         groups: list[dict[str, Any]] = []
         for captured in captures:
             groups.append(_write_group(tmp, len(groups), captured, files))
-        manifest = {
+        manifest: dict[str, Any] = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "generation": gen,
@@ -175,6 +191,7 @@ def write_snapshot(
             "groups": groups,
             "files": files,
         }
+        manifest[MANIFEST_SHA256] = _manifest_digest(manifest)
         with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -228,33 +245,78 @@ def _read_array(directory: str, name: str, expect: dict[str, Any]) -> Array:
     return out
 
 
-def load_snapshot(directory: str) -> tuple[dict[str, Any], list[GroupCapture]]:
-    """The manifest and every group; raises SnapshotError naming the bad file."""
+def _manifest_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of the manifest's canonical JSON, without its own checksum field."""
+    rest = {k: v for k, v in manifest.items() if k != MANIFEST_SHA256}
+    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def read_manifest(directory: str) -> Manifest:
+    """The manifest of a snapshot, checked; raises SnapshotError naming it and why.
+
+    The format and version are checked first (another version may hash otherwise),
+    then the manifest's own sha256 (an edited or bit-flipped manifest), then that
+    every field is there with the right type.
+    """
     path = os.path.join(directory, MANIFEST)
     try:
         with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+            doc = json.load(f)
     except (OSError, ValueError) as exc:
         raise SnapshotError(f"{path}: unreadable manifest: {exc}") from exc
-    if manifest.get("format") != FORMAT:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise SnapshotError(f"{path}: not an onnxps snapshot manifest")
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION and version not in LEGACY_VERSIONS:
         raise SnapshotError(
             f"{path}: format_version {version!r}, this server reads version "
             f"{FORMAT_VERSION}; use the onnxps release that wrote it"
         )
-    files = manifest["files"]
+    if version == FORMAT_VERSION:
+        recorded = doc.get(MANIFEST_SHA256)
+        if recorded is None:
+            raise SnapshotError(f"{path}: has no {MANIFEST_SHA256} (damaged)")
+        if recorded != _manifest_digest(doc):
+            raise SnapshotError(
+                f"{path}: {MANIFEST_SHA256} does not match the manifest "
+                "(edited or damaged)"
+            )
+    try:
+        manifest = Manifest(
+            path=path,
+            generation=_int(doc["generation"]),
+            wal_lsn=_int(doc["wal_lsn"]),
+            groups=list(doc["groups"]),
+            files=dict(doc["files"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SnapshotError(f"{path}: malformed manifest: {exc!r}") from exc
+    if manifest.wal_lsn < 0:
+        raise SnapshotError(f"{path}: wal_lsn {manifest.wal_lsn} is negative")
+    return manifest
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
+
+
+def load_snapshot(directory: str) -> tuple[Manifest, list[GroupCapture]]:
+    """The manifest and every group; raises SnapshotError naming the bad file."""
+    manifest = read_manifest(directory)
+    path, files = manifest.path, manifest.files
 
     def read(name: str) -> Array:
-        if name not in files:
-            raise SnapshotError(f"{path}: lists {name} without a checksum")
+        if not isinstance(name, str) or not isinstance(files.get(name), dict):
+            raise SnapshotError(f"{path}: lists {name!r} without a checksum")
         return _read_array(directory, name, files[name])
 
     try:
-        groups = [_read_group(entry, read, path) for entry in manifest["groups"]]
-    except (ImageFormatError, KeyError, TypeError) as exc:
-        raise SnapshotError(f"{path}: malformed group entry: {exc}") from exc
+        groups = [_read_group(entry, read, path) for entry in manifest.groups]
+    except (ImageFormatError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise SnapshotError(f"{path}: malformed group entry: {exc!r}") from exc
     return manifest, groups
 
 

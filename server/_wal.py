@@ -6,31 +6,52 @@ docs/FORMAT.md)::
 
     magic b"OPSW" | u32 header length | u64 body length | u32 crc32 | header | body
 
-``log`` is called under a group's lock and only enqueues; one writer thread writes
-every queued frame and fsyncs once for the whole batch (group commit), then wakes the
-callers blocked in ``wait``. Records are numbered by their lsn (log sequence number,
-consecutive across segments and restarts); the log is cut into segments named by the
-lsn of their first record, so segments a snapshot covers can be deleted.
+``log`` is called under a group's lock and only enqueues; the first caller of
+``wait`` that finds nobody writing becomes the writer: it writes every queued frame
+and fsyncs once for the whole batch (group commit: records of other groups queued
+meanwhile go in the same or the next batch), then wakes the other callers (a
+background thread flushes what nobody waits for, such as a segment rotation).
+``wait`` raises ``WalWriteError`` (UNAVAILABLE) for a record that could not be
+written: the caller then applies nothing. A failed write is cut
+off again (``ftruncate`` to the last fsynced size), so the log never holds a torn
+frame in its middle, and the next batch tries again; the refused lsns are declared
+by a ``void`` frame. A failed fsync stops the log for good (the kernel may have
+dropped the pages): every later record is refused until a restart.
+
+Records are numbered by their lsn (log sequence number, consecutive across segments
+and restarts); the log is cut into segments named by the lsn of their first record,
+so segments a snapshot covers can be deleted. Reading back tells a torn tail (the
+last frame of the last segment cut short by a crash: normal, dropped with a warning)
+from corruption (a bad frame with intact records after it, or in a segment that is
+not the last): that raises ``WalCorruptError`` naming the segment and byte offset,
+unless the operator asked to truncate the log there.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .errors import Unavailable
+
 __all__ = [
     "WAL_FORMAT_VERSION",
+    "LogReader",
+    "WalCorruptError",
     "WalFormatError",
+    "WalWriteError",
     "WriteAheadLog",
+    "c_order",
     "read_segments",
     "segment_paths",
 ]
@@ -49,6 +70,16 @@ MAX_HEADER = 1 << 20
 
 class WalFormatError(Exception):
     """A log segment this server cannot read; the message names the file."""
+
+
+class WalCorruptError(WalFormatError):
+    """Damage in the middle of the log; the message names the segment and offset."""
+
+
+class WalWriteError(Unavailable):
+    """A record could not be written: the change it carries was not applied."""
+
+    default_reason = "WAL_WRITE_FAILED"
 
 
 def segment_name(first_lsn: int) -> str:
@@ -75,6 +106,15 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def c_order(a: Array) -> Array:
+    """``a`` as a C-ordered array of the same shape (no copy when it is one already).
+
+    Not ``np.ascontiguousarray``: that returns at least one dimension, so a 0-d
+    tensor would be saved as shape (1,) and no longer match its group.
+    """
+    return np.asarray(a, order="C")
+
+
 def _write_all(fd: int, data: memoryview | bytes) -> None:
     view = memoryview(data).cast("B")
     while view:
@@ -91,22 +131,35 @@ class _Item:
 
 
 class WriteAheadLog:
-    """The store's journal in ``--durability wal`` mode."""
+    """The store's journal in ``--durability wal`` mode.
+
+    ``on_error(exc)`` is called after every failed batch, ``on_recover()`` when a
+    batch is written again after a failure.
+    """
 
     def __init__(
         self,
         wal_dir: str,
         next_lsn: int,
         on_error: Callable[[OSError], None] | None = None,
+        on_recover: Callable[[], None] | None = None,
     ) -> None:
         self.wal_dir = wal_dir
         self._cv = threading.Condition(threading.Lock())
         self._last = next_lsn - 1  # last lsn handed out
-        self._durable = next_lsn - 1
+        self._done = next_lsn - 1  # every lsn up to this one is durable or failed
+        self._failures: dict[int, OSError] = {}  # failed lsns not yet waited for
         self._queue: list[_Item] = []
+        self._writing = False  # a thread is writing a batch
         self._closing = False
-        self._failed: OSError | None = None
+        self._broken: OSError | None = None  # no more writes until a restart
+        self._failing = False  # the last batch failed
+        self._fsync_failed = False
+        self._stop_reported = False
+        self._voids: list[tuple[int, int]] = []  # refused lsns to declare (<= 1)
+        self._synced = 0  # bytes of the current segment known to be durable
         self._on_error = on_error
+        self._on_recover = on_recover
         # A segment already named after next_lsn holds no intact record (else replay
         # would have moved next_lsn past it): only a torn write, which is dropped.
         self._fd = self._open_segment(next_lsn, truncate=True)
@@ -117,8 +170,15 @@ class WriteAheadLog:
 
     # -- the Journal protocol -------------------------------------------------------
     def log(self, record: dict[str, Any], arrays: Sequence[Array]) -> int:
-        arrays = [np.ascontiguousarray(a) for a in arrays]
+        arrays = [c_order(a) for a in arrays]
         with self._cv:
+            if self._broken is not None:
+                raise self._refusal(self._broken)
+            if self._closing:
+                raise Unavailable(
+                    "the write-ahead log is closed: the server is shutting down; "
+                    "retry once it is back"
+                )
             self._last += 1
             lsn = self._last
             header = {
@@ -127,14 +187,39 @@ class WriteAheadLog:
                 "arrays": [[a.dtype.str, list(a.shape)] for a in arrays],
             }
             item = _Item(lsn, json.dumps(header).encode(), arrays)
-            self._queue.append(item)
-            self._cv.notify_all()
+            self._queue.append(item)  # the caller's wait writes it: no wake-up here
         return lsn
 
     def wait(self, lsn: int) -> None:
+        """Return once record ``lsn`` is durable; WalWriteError if it is not."""
         with self._cv:
-            while self._durable < lsn and self._failed is None:
-                self._cv.wait()
+            while self._done < lsn:
+                batch = self._take_batch()
+                if batch is None:
+                    self._cv.wait()
+                    continue
+                self._cv.release()
+                try:
+                    self._flush(batch)
+                finally:
+                    self._cv.acquire()
+            exc = self._failures.pop(lsn, None)
+        if exc is not None:
+            raise self._refusal(exc)
+
+    def _refusal(self, exc: OSError) -> WalWriteError:
+        then = (
+            "the log stopped after a failed fsync: restart the server once the disk "
+            "is fixed"
+            if self._broken is not None
+            else "free space on that disk (or fix it) and retry"
+        )
+        return WalWriteError(
+            f"the write-ahead log in {self.wal_dir} could not be written "
+            f"({exc.strerror or exc}), so this change was not applied and the group "
+            f"is as it was; {then}",
+            metadata={"wal_dir": self.wal_dir, "errno": exc.errno or 0},
+        )
 
     # -- control --------------------------------------------------------------------
     def last_lsn(self) -> int:
@@ -163,62 +248,159 @@ class WriteAheadLog:
         path = os.path.join(self.wal_dir, segment_name(first_lsn))
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
         fd = os.open(path, flags | (os.O_TRUNC if truncate else 0), 0o644)
-        if os.fstat(fd).st_size == 0:
-            _write_all(fd, SEGMENT_HEADER.pack(SEGMENT_MAGIC, WAL_FORMAT_VERSION))
-            os.fsync(fd)
-        fsync_dir(self.wal_dir)
+        try:
+            if os.fstat(fd).st_size == 0:
+                _write_all(fd, SEGMENT_HEADER.pack(SEGMENT_MAGIC, WAL_FORMAT_VERSION))
+                os.fsync(fd)
+            fsync_dir(self.wal_dir)
+            self._synced = os.fstat(fd).st_size
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
 
     def _run(self) -> None:
+        """Flush what no caller waits for (rotations), and drain the queue at close."""
         while True:
             with self._cv:
-                while not self._queue and not self._closing:
-                    self._cv.wait()
-                batch, self._queue = self._queue, []
-                if not batch and self._closing:
-                    return
-            if self._failed is None:
-                try:
-                    self._write_batch(batch)
-                except OSError as exc:
-                    self._fail(exc)
+                batch = self._take_batch()
+                while batch is None:
+                    if self._closing and not self._queue and not self._writing:
+                        return
+                    self._cv.wait(timeout=0.05)
+                    batch = self._take_batch()
+            self._flush(batch)
+
+    def _take_batch(self) -> list[_Item] | None:
+        """Under the lock: the queue, to write, unless another thread is writing."""
+        if self._writing or not self._queue:
+            return None
+        self._writing = True
+        batch, self._queue = self._queue, []
+        return batch
+
+    def _flush(self, batch: list[_Item]) -> None:
+        """Write a batch taken by ``_take_batch`` (without the lock), publish it."""
+        written, exc = 0, self._broken
+        try:
+            if exc is None:
+                written, exc = self._write_batch(batch)
+            failed = [item.lsn for item in batch[written:] if item.header is not None]
+            # Announced while still the only writer, so health changes in order.
+            news = self._account(exc, failed)
+            if news is not None:
+                news()
+        finally:
             with self._cv:
-                self._durable = max(self._durable, batch[-1].lsn)
+                for item in batch[written:]:
+                    if item.header is not None:
+                        self._failures[item.lsn] = exc or OSError("log write failed")
+                self._done = max(self._done, batch[-1].lsn)
+                self._writing = False
                 self._cv.notify_all()
 
-    def _write_batch(self, batch: list[_Item]) -> None:
-        for item in batch:
-            if item.rotate_to is not None:
-                os.fsync(self._fd)
+    def _write_batch(self, batch: list[_Item]) -> tuple[int, OSError | None]:
+        """Write and fsync ``batch``: (how many of its items are durable, the error)."""
+        durable = 0
+        try:
+            for first, last in self._voids:
+                void = {"op": "void", "first": first, "last": last, "arrays": []}
+                self._write_frame(json.dumps(void).encode(), ())
+            for i, item in enumerate(batch):
+                if item.rotate_to is None:
+                    assert item.header is not None
+                    self._write_frame(item.header, item.arrays)
+                    continue
+                self._sync()
+                durable = i
                 os.close(self._fd)
                 self._fd = -1
                 self._fd = self._open_segment(item.rotate_to)
-                continue
-            assert item.header is not None
-            crc = zlib.crc32(item.header)
-            body_len = 0
-            for a in item.arrays:
-                crc = zlib.crc32(a.reshape(-1).data.cast("B"), crc)
-                body_len += a.nbytes
-            _write_all(self._fd, FRAME.pack(MAGIC, len(item.header), body_len, crc))
-            _write_all(self._fd, item.header)
-            for a in item.arrays:
-                if a.nbytes:
-                    _write_all(self._fd, a.reshape(-1).data.cast("B"))
-        os.fsync(self._fd)
+                durable = i + 1
+            self._sync()
+            return len(batch), None
+        except OSError as exc:
+            self._discard_unsynced(exc)
+            return durable, exc
 
-    def _fail(self, exc: OSError) -> None:
-        log.error(
-            "write-ahead log in %s failed: %s; serving from memory, and pushes from "
-            "now on are not durable until the server restarts with a working disk",
+    def _write_frame(self, header: bytes, arrays: Sequence[Array]) -> None:
+        crc = zlib.crc32(header)
+        body_len = 0
+        for a in arrays:
+            crc = zlib.crc32(a.reshape(-1).data.cast("B"), crc)
+            body_len += a.nbytes
+        _write_all(self._fd, FRAME.pack(MAGIC, len(header), body_len, crc))
+        _write_all(self._fd, header)
+        for a in arrays:
+            if a.nbytes:
+                _write_all(self._fd, a.reshape(-1).data.cast("B"))
+
+    def _sync(self) -> None:
+        try:
+            os.fsync(self._fd)
+        except OSError:
+            self._fsync_failed = True
+            raise
+        self._synced = os.fstat(self._fd).st_size
+        self._voids = []  # written first in the batch: durable now
+
+    def _discard_unsynced(self, exc: OSError) -> None:
+        """Cut the segment back to its fsynced size: no torn frame stays in the middle
+        of the log. After a failed fsync (or when this fails) the log stops."""
+        if self._fd < 0 or self._fsync_failed:
+            self._broken = exc
+            return
+        try:
+            os.ftruncate(self._fd, self._synced)
+            os.fsync(self._fd)
+        except OSError as again:
+            self._broken = again
+
+    def _account(
+        self, exc: OSError | None, failed: list[int]
+    ) -> Callable[[], None] | None:
+        """Update the failure state after a batch (as its writer); returns what to
+        announce (log lines, health callbacks)."""
+        if exc is None:
+            if not self._failing:
+                return None
+            self._failing = False
+            return self._announce_recovery
+        if failed and self._broken is None:
+            # No batch succeeded since the pending voids: every lsn between them
+            # was refused, so one range declares them all.
+            first = self._voids[0][0] if self._voids else failed[0]
+            self._voids = [(first, failed[-1])]
+        stopped = self._broken is not None and not self._stop_reported
+        first_failure = not self._failing or stopped
+        self._stop_reported = self._broken is not None
+        self._failing = True
+        stopped_now = self._broken is not None
+
+        def announce() -> None:
+            if first_failure:
+                log.error(
+                    "write-ahead log in %s failed: %s; the changes it could not log "
+                    "are refused (UNAVAILABLE) and not applied, %s",
+                    self.wal_dir,
+                    exc,
+                    "and the log stopped: restart the server once the disk is fixed"
+                    if stopped_now
+                    else "until it can write again: free space on that disk",
+                )
+            if self._on_error is not None:
+                assert exc is not None
+                self._on_error(exc)
+
+        return announce
+
+    def _announce_recovery(self) -> None:
+        log.warning(
+            "write-ahead log in %s is written again; pushes are durable again",
             self.wal_dir,
-            exc,
         )
-        with self._cv:
-            self._failed = exc
-            self._cv.notify_all()
-        if self._on_error is not None:
-            self._on_error(exc)
+        if self._on_recover is not None:
+            self._on_recover()
 
 
 def _read_frame(f: Any, path: str) -> tuple[dict[str, Any], list[Array]] | None:
@@ -237,14 +419,17 @@ def _read_frame(f: Any, path: str) -> tuple[dict[str, Any], list[Array]] | None:
         raise ValueError("truncated record")
     if zlib.crc32(body, zlib.crc32(header_bytes)) != crc:
         raise ValueError("checksum mismatch")
-    header = json.loads(header_bytes)
-    arrays, offset = [], 0
-    for dtype_str, shape in header.pop("arrays"):
-        dtype = np.dtype(dtype_str)
-        count = int(np.prod(shape, dtype=np.int64))
-        a = np.frombuffer(body, dtype=dtype, count=count, offset=offset)
-        arrays.append(a.reshape(shape))
-        offset += count * dtype.itemsize
+    try:
+        header = json.loads(header_bytes)
+        arrays, offset = [], 0
+        for dtype_str, shape in header.pop("arrays"):
+            dtype = np.dtype(dtype_str)
+            count = int(np.prod(shape, dtype=np.int64))
+            a = np.frombuffer(body, dtype=dtype, count=count, offset=offset)
+            arrays.append(a.reshape(shape))
+            offset += count * dtype.itemsize
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ValueError(f"unreadable record header: {exc!r}") from exc
     return header, arrays
 
 
@@ -252,8 +437,6 @@ def _check_segment(f: Any, path: str) -> bool:
     """Read a segment's header; False for one cut short before its header was done."""
     raw = f.read(SEGMENT_HEADER.size)
     if len(raw) < SEGMENT_HEADER.size:
-        if raw:
-            log.warning("write-ahead log %s: header cut short; no records", path)
         return False
     magic, version = SEGMENT_HEADER.unpack(raw)
     if magic != SEGMENT_MAGIC:
@@ -269,49 +452,226 @@ def _check_segment(f: Any, path: str) -> bool:
     return True
 
 
-def read_segments(
-    wal_dir: str, after: int
-) -> Iterator[tuple[dict[str, Any], list[Array]]]:
-    """Every intact record with lsn > ``after``, in order.
+@dataclass(frozen=True)
+class _Damage:
+    """Where a segment's intact records end, and what follows."""
 
-    A segment ends at its first torn or damaged frame (a crash mid-write leaves one
-    at the end of the segment being written); the next segment goes on from there.
-    A segment of another format version raises ``WalFormatError``.
+    path: str
+    offset: int
+    reason: str
+    last_segment: bool
+    records_after: int  # intact frames after it in this segment
+    bytes_after: int  # from the offset to the end of this segment
+
+    @property
+    def torn(self) -> bool:
+        """A crash cut the last write short: only the end of the last segment."""
+        return self.last_segment and self.records_after == 0
+
+
+class LogReader:
+    """Every intact record with lsn > ``after``, in order (iterate once).
+
+    A torn tail is dropped with a warning and remembered in ``torn`` so the caller
+    can cut it off (``cut_torn_tail``) before writing after it. Corruption raises
+    ``WalCorruptError``, or with ``truncate_corrupt`` cuts the log there (that
+    segment at the offset, every later segment deleted), logged as an ERROR with
+    what was dropped. A segment of another format version raises ``WalFormatError``.
     """
-    expected: int | None = None
-    for _, path in segment_paths(wal_dir):
+
+    def __init__(self, wal_dir: str, after: int, truncate_corrupt: bool = False):
+        self.wal_dir = wal_dir
+        self.after = after
+        self.truncate_corrupt = truncate_corrupt
+        self.torn: _Damage | None = None
+
+    def __iter__(self) -> Iterator[tuple[dict[str, Any], list[Array]]]:
+        self._expected: int | None = None
+        segments = [path for _, path in segment_paths(self.wal_dir)]
+        for k, path in enumerate(segments):
+            damage = yield from self._segment(path, last=k == len(segments) - 1)
+            if damage is not None:
+                if damage.torn:
+                    self._tear(damage)
+                else:
+                    self._corrupt(damage, segments[k + 1 :])
+                return
+
+    def _segment(
+        self, path: str, last: bool
+    ) -> Generator[tuple[dict[str, Any], list[Array]], None, _Damage | None]:
+        """Yield one segment's records; return what damage ends it, if any."""
         with open(path, "rb") as f:
             if not _check_segment(f, path):
-                continue
-            for header, arrays in _frames(f, path):
+                return _short_header(f, path, last)
+            for header, arrays in _frames(f):
+                if isinstance(header, _BadFrame):
+                    return _damage(path, header, last)
+                if header.get("op") == "void":
+                    self._skip_void(int(header["first"]), int(header["last"]))
+                    continue
                 lsn = int(header["lsn"])
-                if expected is not None and lsn != expected and lsn > after:
-                    log.warning(
-                        "write-ahead log %s: record %d follows %d; records are missing",
-                        path,
-                        lsn,
-                        expected - 1,
-                    )
-                expected = lsn + 1
-                if lsn > after:
+                if self._expected is not None and lsn != self._expected:
+                    if lsn > self.after:
+                        log.warning(
+                            "write-ahead log %s: record %d follows %d; records are "
+                            "missing",
+                            path,
+                            lsn,
+                            self._expected - 1,
+                        )
+                self._expected = lsn + 1
+                if lsn > self.after:
                     yield header, arrays
+        return None
+
+    def _skip_void(self, first: int, last: int) -> None:
+        """Records refused when written (the disk failed): no gap in the log."""
+        if self._expected is not None and self._expected >= first:
+            self._expected = max(self._expected, last + 1)
+
+    def _tear(self, damage: _Damage) -> None:
+        self.torn = damage
+        log.warning(
+            "write-ahead log %s: %s at byte %d, the end of the last segment: a write "
+            "cut short by a crash; its %d bytes are dropped",
+            damage.path,
+            damage.reason,
+            damage.offset,
+            damage.bytes_after,
+        )
+
+    def _corrupt(self, damage: _Damage, later: list[str]) -> None:
+        records = damage.records_after + sum(_count_records(p) for p in later)
+        nbytes = damage.bytes_after + sum(os.path.getsize(p) for p in later)
+        what = f"{_count(records, 'intact record')} and {nbytes} bytes"
+        if later:
+            what += f" (in this and {_count(len(later), 'later segment')})"
+        where = f"{damage.path}: {damage.reason} at byte {damage.offset}"
+        if not self.truncate_corrupt:
+            raise WalCorruptError(
+                f"corrupt write-ahead log: {where}, in the middle of the log (not a "
+                f"write cut short by a crash); {what} follow it. Restore the data "
+                "directory from a backup, or start with --wal-truncate-corrupt to "
+                "cut the log there and lose them"
+            )
+        _truncate(damage.path, damage.offset)
+        for p in later:
+            os.unlink(p)
+        fsync_dir(self.wal_dir)
+        log.error(
+            "corrupt write-ahead log: %s; truncated the log there "
+            "(--wal-truncate-corrupt): dropped %s",
+            where,
+            what,
+        )
+
+    def cut_torn_tail(self) -> None:
+        """Cut a torn tail off, so that records written after it stay readable."""
+        if self.torn is not None:
+            _truncate(self.torn.path, self.torn.offset)
+            self.torn = None
 
 
-def _frames(f: Any, path: str) -> Iterator[tuple[dict[str, Any], list[Array]]]:
-    """The intact frames of one segment, up to its end or its first bad frame."""
+def read_segments(
+    wal_dir: str, after: int, truncate_corrupt: bool = False
+) -> Iterator[tuple[dict[str, Any], list[Array]]]:
+    """Every intact record with lsn > ``after``, in order (see ``LogReader``)."""
+    return iter(LogReader(wal_dir, after, truncate_corrupt))
+
+
+@dataclass(frozen=True)
+class _BadFrame:
+    offset: int
+    reason: str
+
+
+def _frames(f: Any) -> Iterator[tuple[Any, list[Array]]]:
+    """The intact frames of one segment, then a ``_BadFrame`` if one is damaged."""
     while True:
         pos = f.tell()
         try:
-            frame = _read_frame(f, path)
-        except (ValueError, json.JSONDecodeError) as exc:
-            log.warning(
-                "write-ahead log %s: %s at byte %d; ignoring the rest of "
-                "this segment (a write cut short by a crash)",
-                path,
-                exc,
-                pos,
-            )
+            frame = _read_frame(f, "")
+        except ValueError as exc:
+            yield _BadFrame(pos, str(exc)), []
             return
         if frame is None:
             return
         yield frame
+
+
+def _short_header(f: Any, path: str, last_segment: bool) -> _Damage | None:
+    size = os.fstat(f.fileno()).st_size
+    if size == 0:
+        return None  # created, nothing written yet: nothing to lose
+    return _Damage(path, 0, "segment header cut short", last_segment, 0, size)
+
+
+def _damage(path: str, bad: _BadFrame, last_segment: bool) -> _Damage:
+    size = os.path.getsize(path)
+    return _Damage(
+        path,
+        bad.offset,
+        bad.reason,
+        last_segment,
+        _intact_after(path, bad.offset + 1, size),
+        size - bad.offset,
+    )
+
+
+def _intact_frame_end(buf: Any, pos: int, size: int) -> int | None:
+    """The end of an intact frame starting at ``pos`` (its CRC matches), else None."""
+    if pos + FRAME.size > size:
+        return None
+    magic, hlen, blen, crc = FRAME.unpack_from(buf, pos)
+    end = pos + FRAME.size + hlen + blen
+    if magic != MAGIC or hlen > MAX_HEADER or end > size:
+        return None
+    view = memoryview(buf)
+    try:
+        if zlib.crc32(view[pos + FRAME.size : end]) != crc:
+            return None
+    finally:
+        view.release()
+    return end
+
+
+def _intact_after(path: str, start: int, size: int) -> int:
+    """How many intact frames follow ``start``: the first found by its magic, then
+    each right after the one before."""
+    if start >= size:
+        return 0
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        pos = m.find(MAGIC, start)
+        while pos >= 0:
+            end = _intact_frame_end(m, pos, size)
+            if end is not None:
+                count = 1
+                while (end := _intact_frame_end(m, end, size) or 0) > 0:
+                    count += 1
+                return count
+            pos = m.find(MAGIC, pos + 1)
+    return 0
+
+
+def _count_records(path: str) -> int:
+    with open(path, "rb") as f:
+        try:
+            if not _check_segment(f, path):
+                return 0
+        except WalFormatError:
+            return 0
+        return sum(1 for h, _ in _frames(f) if not isinstance(h, _BadFrame))
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}" if n == 1 else f"{n} {thing}s"
+
+
+def _truncate(path: str, offset: int) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.ftruncate(fd, offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -15,17 +15,16 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-from onnxps.client._codec import CHUNK_BYTES
+from onnxps.client.codec import CHUNK_BYTES
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from . import security
-from ._fastwire import FastChunkInterceptor
 from ._gate import DrainGate
 from ._handlers import SERVICE
+from ._reflection import enable_reflection
 from .durability import MODES as DURABILITY_MODES
 from .durability import Durability
-from .limits import LimitsInterceptor
+from .limits import InflightBytes, LimitsInterceptor
 from .metrics import MetricsEndpoint, ObserveInterceptor, Recorder
 from .security import ConfigError
 from .service import ParameterServerServicer
@@ -65,6 +64,11 @@ class ServerConfig:
     max_concurrent_streams: int = _option(
         64, "streaming calls at once before RESOURCE_EXHAUSTED, 0 for no limit"
     )
+    max_waiting_calls: int | None = _option(
+        None,
+        "calls waiting for a version at once (pull min_version, sync push with "
+        "return_values) before RESOURCE_EXHAUSTED; below --threads, default half",
+    )
     max_group_bytes: int = _option(0, "largest group (X with V/H), 0 for no limit")
     max_total_bytes: int = _option(0, "state the server holds in all, 0 for no limit")
     max_groups: int = _option(0, "number of groups, 0 for no limit")
@@ -74,6 +78,11 @@ class ServerConfig:
     data_dir: str | None = _option("onnxps-data", "directory for snapshots and WAL")
     durability: str = _option(
         "snapshot", "how state outlives the process", choices=DURABILITY_MODES
+    )
+    wal_truncate_corrupt: bool = _option(
+        False,
+        "start even when the write-ahead log is corrupt in its middle: cut it there "
+        "and drop the records after it (logged as an ERROR)",
     )
     snapshot_interval: float = _option(300.0, "seconds between snapshots, 0 for none")
     keep_snapshots: int = _option(3, "snapshots kept")
@@ -297,9 +306,24 @@ def _durability(
         mode=config.durability,
         keep=config.keep_snapshots,
         set_serving=set_serving,
+        truncate_corrupt=config.wal_truncate_corrupt,
     )
     d.open()
     return d
+
+
+def _max_waiting_calls(config: ServerConfig) -> int:
+    """Waits hold a worker thread each: they may never hold them all."""
+    n = config.max_waiting_calls
+    if n is None:
+        n = config.threads // 2
+    if not 1 <= n < config.threads:
+        raise ConfigError(
+            f"max_waiting_calls must be at least 1 and below --threads "
+            f"({config.threads}), so waiting calls leave threads for the others; "
+            f"got {n}"
+        )
+    return n
 
 
 def create_server(config: ServerConfig | None = None) -> ServerHandle:
@@ -315,8 +339,10 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             max_total_bytes=config.max_total_bytes,
             max_groups=config.max_groups,
             default_lease_seconds=config.lease_seconds,
+            max_waiting_calls=_max_waiting_calls(config),
         )
     )
+    inflight = InflightBytes(config.max_inflight_bytes)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     recorder = Recorder(store, enabled=config.metrics_port is not None)
     # outermost first: observe every call (auth refusals too), then auth, limits
@@ -324,13 +350,11 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     interceptors: list[grpc.ServerInterceptor] = [ObserveInterceptor(recorder), gate]
     if grants is not None:
         interceptors.append(security.TokenAuthInterceptor(grants))
-    interceptors += [
+    interceptors.append(
         LimitsInterceptor(
-            max_inflight_bytes=config.max_inflight_bytes,
-            max_concurrent_streams=config.max_concurrent_streams,
-        ),
-        FastChunkInterceptor(),  # innermost: chunk parsers for the streams
-    ]
+            max_concurrent_streams=config.max_concurrent_streams, inflight=inflight
+        )
+    )
     server = grpc.server(
         futures.ThreadPoolExecutor(
             max_workers=config.threads, thread_name_prefix="onnxps-rpc"
@@ -346,12 +370,11 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             store,
             chunk_bytes=config.chunk_bytes,
             save=None if durability is None else durability.save,
+            inflight=inflight,
         )
-        pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
+        pb_grpc.add_ParameterServerServiceServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection(
-            (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        enable_reflection((SERVICE, health.SERVICE_NAME), server)
         port = _bind(server, config.address, credentials)
         if config.metrics_port is not None and recorder.registry is not None:
             metrics = _metrics_endpoint(recorder.registry, config)

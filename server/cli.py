@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ._wal import WalFormatError
 from .app import ServerConfig, serve
 from .security import ConfigError
 
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         return serve(config_from_args(args))
-    except ConfigError as exc:  # refused before binding: say why, no traceback
+    except (ConfigError, WalFormatError) as exc:  # refused before binding: say why
         print(f"onnxps: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

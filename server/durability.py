@@ -12,7 +12,6 @@ format is in docs/FORMAT.md.
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import shutil
@@ -30,10 +29,11 @@ from ._snapshot import (
     list_snapshots,
     load_snapshot,
     next_generation,
+    read_manifest,
     write_snapshot,
 )
-from ._wal import WriteAheadLog, read_segments, segment_paths
-from .errors import FailedPrecondition, OnnxpsError
+from ._wal import LogReader, WriteAheadLog, segment_paths
+from .errors import DomainError, FailedPrecondition
 from .store import ParameterStore
 
 __all__ = ["MODES", "Durability", "SaveResult"]
@@ -46,8 +46,10 @@ MODES = ("none", "snapshot", "wal")
 class Durability:
     """One data directory: ``snapshots/snap-<gen>/`` and ``wal/wal-<lsn>.log``.
 
-    ``set_serving(False)`` is called when a write fails (the server serves from
-    memory, not durably) and ``set_serving(True)`` once writing works again.
+    ``set_serving(False)`` is called when a write fails (a snapshot: the server
+    serves from memory; the log: changes are refused) and ``set_serving(True)`` once
+    writing works again. ``truncate_corrupt``: cut the log at corruption in its
+    middle (dropping what follows) instead of refusing to start.
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class Durability:
         mode: str = "snapshot",
         keep: int = 3,
         set_serving: Callable[[bool], None] | None = None,
+        truncate_corrupt: bool = False,
     ) -> None:
         self.store = store
         self.root = os.path.abspath(data_dir)
@@ -67,6 +70,7 @@ class Durability:
         self.wal_dir = os.path.join(self.root, "wal")
         self.journal: WriteAheadLog | None = None
         self._set_serving = set_serving
+        self._truncate_corrupt = truncate_corrupt
         self._base_lsn = 0  # the last lsn when no log is kept
         self._lock = threading.Lock()  # one snapshot at a time
         self._signature: Any = None
@@ -89,7 +93,9 @@ class Durability:
             raise
         next_lsn = max([last, wal_lsn, *covered.values()]) + 1
         if self.mode == "wal":
-            self.journal = WriteAheadLog(self.wal_dir, next_lsn, self._on_wal_error)
+            self.journal = WriteAheadLog(
+                self.wal_dir, next_lsn, self._on_wal_error, self._on_wal_recover
+            )
             self.store.set_journal(self.journal)
         else:
             self._base_lsn = next_lsn - 1
@@ -152,10 +158,10 @@ class Durability:
                 "restored %d groups from %s (generation %d)",
                 len(groups),
                 path,
-                manifest["generation"],
+                manifest.generation,
             )
             covered = {c.image.name: c.runtime.covered_lsn for c in groups}
-            return int(manifest["wal_lsn"]), covered
+            return manifest.wal_lsn, covered
         segments = segment_paths(self.wal_dir)
         if segments and segments[0][0] > 1:
             log.error(
@@ -169,7 +175,8 @@ class Durability:
     def _replay(self, wal_lsn: int, covered: dict[str, int]) -> tuple[int, int]:
         last, count = wal_lsn, 0
         started = time.perf_counter()
-        for header, arrays in read_segments(self.wal_dir, wal_lsn):
+        reader = LogReader(self.wal_dir, wal_lsn, self._truncate_corrupt)
+        for header, arrays in reader:
             lsn = int(header["lsn"])
             last = max(last, lsn)
             if covered.get(header["group"], -1) >= lsn:
@@ -177,7 +184,7 @@ class Durability:
             try:
                 self._apply(header, arrays)
                 count += 1
-            except OnnxpsError as exc:
+            except DomainError as exc:
                 log.warning(
                     "write-ahead log record %d (%s on %r) not replayed: %s",
                     lsn,
@@ -191,12 +198,14 @@ class Durability:
                 count,
                 time.perf_counter() - started,
             )
+        reader.cut_torn_tail()  # the log goes on after its last intact record
         return last, count
 
     def _apply(self, h: dict[str, Any], arrays: list[np.ndarray[Any, Any]]) -> None:
         """Redo one logged change through the store's replay methods."""
         op, name, store = h["op"], h["group"], self.store
         if op == "push":
+            self._check_t(h)
             store.replay_push(
                 name,
                 arrays,
@@ -215,6 +224,23 @@ class Durability:
             store.replay_set_learning_rate(name, h["lr"])
         else:
             log.warning("write-ahead log record of unknown op %r skipped", op)
+
+    def _check_t(self, h: dict[str, Any]) -> None:
+        """A push record names the T it was applied at; say so if replay differs."""
+        t = h.get("t")  # absent in records written before it was logged
+        if t is None:
+            return
+        now = self.store.describe(h["group"]).update_count
+        if now != t:
+            log.warning(
+                "write-ahead log record %d (push on %r) was applied at T=%d, replay "
+                "is at T=%d: records before it are missing; replaying it at T=%d",
+                h["lsn"],
+                h["group"],
+                t,
+                now,
+                now,
+            )
 
     # -- snapshots ------------------------------------------------------------------
     def snapshot(self, force: bool = True) -> SaveResult | None:
@@ -274,8 +300,8 @@ class Durability:
         oldest = None
         for _, path in snapshots[: self.keep]:
             try:
-                wal_lsn = _manifest_wal_lsn(path)
-            except (OSError, ValueError, KeyError):
+                wal_lsn = read_manifest(path).wal_lsn
+            except SnapshotError:
                 return  # a damaged snapshot may need any segment; keep them all
             oldest = wal_lsn if oldest is None else min(oldest, wal_lsn)
         if oldest is None:
@@ -347,6 +373,11 @@ class Durability:
         self._wal_failed = True
         self._serving(False)
 
+    def _on_wal_recover(self) -> None:
+        self._wal_failed = False
+        if not self._snapshot_failed:
+            self._serving(True)
+
     def _serving(self, serving: bool) -> None:
         if self._set_serving is not None:
             self._set_serving(serving)
@@ -369,8 +400,3 @@ class _Scratch:
     def trim(self) -> None:
         if self._buf is not None and self._buf.nbytes > self.RETAIN:
             self._buf = None
-
-
-def _manifest_wal_lsn(path: str) -> int:
-    with open(os.path.join(path, "manifest.json"), encoding="utf-8") as f:
-        return int(json.load(f)["wal_lsn"])

@@ -2,17 +2,21 @@
 
 Neither the kernels nor the store import grpc: they raise these, and the servicer maps
 each class to one gRPC status code (``onnxps.server._status``). Every message says what
-was expected and what came.
+was expected and what came; ``reason``, ``metadata`` and ``field`` say it to a program
+(they travel as ``google.rpc.ErrorInfo`` and ``BadRequest`` in the status details).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import ClassVar
+
 __all__ = [
     "AlreadyExists",
+    "DomainError",
     "FailedPrecondition",
     "InvalidArgument",
     "NotFound",
-    "OnnxpsError",
     "PermissionDenied",
     "ResourceExhausted",
     "Unauthenticated",
@@ -20,37 +24,73 @@ __all__ = [
 ]
 
 
-class OnnxpsError(Exception):
-    """Base class of every error the server core raises on purpose."""
+class DomainError(Exception):
+    """Base class of every error the server core raises on purpose.
+
+    ``reason`` is an UPPER_SNAKE constant a client can branch on (each class has a
+    default); ``metadata`` the values that matter (group, update_count, expected,
+    received...); ``field`` the request field at fault, when one is.
+    """
+
+    default_reason: ClassVar[str] = "ERROR"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str | None = None,
+        metadata: Mapping[str, object] | None = None,
+        field: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason or self.default_reason
+        self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
+        self.field = field
 
 
-class InvalidArgument(OnnxpsError, ValueError):
+class InvalidArgument(DomainError, ValueError):
     """Wrong dtype, shape, count, attribute or value."""
 
+    default_reason = "INVALID_ARGUMENT"
 
-class NotFound(OnnxpsError, LookupError):
+
+class NotFound(DomainError, LookupError):
     """An unknown group."""
 
+    default_reason = "GROUP_NOT_FOUND"
 
-class AlreadyExists(OnnxpsError):
+
+class AlreadyExists(DomainError):
     """A group of that name exists already."""
 
+    default_reason = "GROUP_EXISTS"
 
-class FailedPrecondition(OnnxpsError):
+
+class FailedPrecondition(DomainError):
     """The request is well-formed but the state does not allow it (stale push...)."""
 
+    default_reason = "FAILED_PRECONDITION"
 
-class ResourceExhausted(OnnxpsError):
+
+class ResourceExhausted(DomainError):
     """Over a configured limit."""
 
+    default_reason = "LIMIT_EXCEEDED"
 
-class Unauthenticated(OnnxpsError):
+
+class Unauthenticated(DomainError):
     """No or an unknown credential."""
 
+    default_reason = "UNAUTHENTICATED"
 
-class PermissionDenied(OnnxpsError):
+
+class PermissionDenied(DomainError):
     """A known credential that may not do this."""
 
+    default_reason = "PERMISSION_DENIED"
 
-class Unavailable(OnnxpsError):
+
+class Unavailable(DomainError):
     """The server is shutting down or cannot serve now; the client may retry."""
+
+    default_reason = "SHUTTING_DOWN"

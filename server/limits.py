@@ -6,32 +6,40 @@ would take the server over ``max_inflight_bytes``, or a stream beyond
 are the size of a unary request, or for a request stream the size of its header plus
 the tensor bytes the header declares (what the server will preallocate), counted before
 anything is allocated. A request whose bytes do not parse gets INVALID_ARGUMENT.
+
+The same ``InflightBytes`` budget counts the replies of pulls (the servicer holds a
+pull's bytes from before the copy until its stream ends or is cancelled), so readers
+that never read cannot pin memory the budget does not see.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 from google.protobuf.message import Message
-from onnxps.client._codec import PROTO_TO_DTYPE
-from onnxps.client._wire import RawChunk
+from onnxps.client.codec import TensorFormatError, declared_nbytes
 from onnxps.v1 import parameter_server_pb2 as pb
 
 from ._handlers import CallHooks, Malformed, method_of, wrap
-from .errors import InvalidArgument
+from .errors import InvalidArgument, ResourceExhausted
 
-__all__ = ["LimitsInterceptor", "declared_bytes", "message_bytes"]
+__all__ = [
+    "InflightBytes",
+    "InflightHold",
+    "LimitsInterceptor",
+    "declared_bytes",
+    "message_bytes",
+]
 
 
 def _tensor_bytes(t: pb.Tensor) -> int:
-    dtype = PROTO_TO_DTYPE.get(t.dtype)
-    if dtype is None or any(d < 0 for d in t.dims):
+    try:
+        return declared_nbytes(t)
+    except TensorFormatError:
         return 0  # the servicer rejects it with INVALID_ARGUMENT
-    return math.prod(t.dims) * dtype.itemsize
 
 
 def declared_bytes(msg: Message) -> int:
@@ -55,8 +63,6 @@ def message_bytes(msg: Any) -> int:
     """
     if isinstance(msg, Malformed):
         return msg.size
-    if isinstance(msg, RawChunk):
-        return len(msg.data) + 16
     if not isinstance(msg, Message):
         return 0
     declared = declared_bytes(msg)
@@ -79,15 +85,85 @@ def _checked(first: Any, it: Iterator[Any]) -> Iterator[Any]:
         yield msg
 
 
+class InflightBytes:
+    """The request and reply bytes one server holds at once (limit 0: no limit)."""
+
+    def __init__(self, limit: int = 0) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._held = 0
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    def admit(self, nbytes: int, what: str = "this call carries") -> None:
+        """Count ``nbytes``, or raise ``ResourceExhausted`` when they do not fit."""
+        with self._lock:
+            limit = self.limit
+            if limit and self._held + nbytes > limit:
+                if nbytes > limit:
+                    raise ResourceExhausted(
+                        f"{what} {nbytes} bytes, over the server's limit of {limit} "
+                        "bytes in flight; send smaller pieces"
+                    )
+                raise ResourceExhausted(
+                    f"{what} {nbytes} bytes and only {limit - self._held} of the "
+                    f"server's {limit} in-flight bytes are free; retry later"
+                )
+            self._held += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._held -= nbytes
+
+    def hold(self) -> InflightHold:
+        return InflightHold(self)
+
+
+class InflightHold:
+    """What one call holds of an ``InflightBytes`` budget; ``release`` is idempotent,
+    so both the end of a stream and the call's termination callback may call it."""
+
+    def __init__(self, budget: InflightBytes) -> None:
+        self._budget = budget
+        self._lock = threading.Lock()
+        self._nbytes = 0
+
+    def admit(self, nbytes: int, what: str = "this call carries") -> None:
+        self._budget.admit(nbytes, what)
+        with self._lock:
+            self._nbytes += nbytes
+
+    def release(self) -> None:
+        with self._lock:
+            nbytes, self._nbytes = self._nbytes, 0
+        if nbytes:
+            self._budget.release(nbytes)
+
+
 class LimitsInterceptor(grpc.ServerInterceptor):
     """Counts in-flight bytes and open streams for one server."""
 
-    def __init__(self, max_inflight_bytes: int = 0, max_concurrent_streams: int = 0):
-        self.max_inflight_bytes = max_inflight_bytes
+    def __init__(
+        self,
+        max_inflight_bytes: int = 0,
+        max_concurrent_streams: int = 0,
+        *,
+        inflight: InflightBytes | None = None,
+    ):
+        self.inflight = inflight or InflightBytes(max_inflight_bytes)
         self.max_concurrent_streams = max_concurrent_streams
         self._lock = threading.Lock()
-        self.inflight_bytes = 0
         self.streams = 0
+
+    @property
+    def max_inflight_bytes(self) -> int:
+        return self.inflight.limit
+
+    @property
+    def inflight_bytes(self) -> int:
+        return self.inflight.held
 
     def intercept_service(
         self,
@@ -121,27 +197,18 @@ class LimitsInterceptor(grpc.ServerInterceptor):
             self.streams += 1
 
     def admit_bytes(self, context: grpc.ServicerContext, nbytes: int) -> None:
-        with self._lock:
-            limit = self.max_inflight_bytes
-            if limit and self.inflight_bytes + nbytes > limit:
-                if nbytes > limit:
-                    why = (
-                        f"this call carries {nbytes} bytes, over the server's limit of "
-                        f"{limit} bytes in flight; send smaller pieces"
-                    )
-                else:
-                    why = (
-                        f"this call carries {nbytes} bytes and only "
-                        f"{limit - self.inflight_bytes} of the server's {limit} "
-                        "in-flight bytes are free; retry later"
-                    )
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
-            self.inflight_bytes += nbytes
+        try:
+            self.inflight.admit(nbytes)
+        except ResourceExhausted as exc:
+            why = str(exc)
+        else:
+            return
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
 
     def release(self, nbytes: int, stream: bool) -> None:
-        with self._lock:
-            self.inflight_bytes -= nbytes
-            if stream:
+        self.inflight.release(nbytes)
+        if stream:
+            with self._lock:
                 self.streams -= 1
 
 
@@ -174,6 +241,8 @@ class _Admission(CallHooks):
         assert self.deserialize is not None
         self.size = len(raw)
         try:
+            if raw[:1] == b"\x00":  # field 0: upb lets a fieldless message take it
+                raise ValueError("field number 0 is not a valid tag")
             return self.deserialize(raw)
         except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's
             return Malformed(len(raw), f"{self.method}: {exc}")

@@ -1,37 +1,55 @@
 """The gRPC servicer: a thin adapter over ``ParameterStore``.
 
 Each RPC decodes its request, calls the store (or the kernels, for Apply), encodes
-the reply, and maps domain errors to status codes through ``_status.status_for``.
+the reply, and maps domain errors to a status with details (``_status.status_of``).
+
+A caller that goes away (it cancels, or its deadline passes) is not a server error:
+the call ends quietly (DEBUG), and what it held is dropped at once, its traceback's
+frames too (grpc keeps the ``RpcError`` it raised into the servicer, so frames left on
+it would keep a half-received push alive until the cycle collector runs). A call
+that waits for a version learns through a ``Cancellation`` that its caller left.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
-from onnxps.client._codec import (
+from onnxps.client.codec import (
     CHUNK_BYTES,
     TensorAssembler,
+    TensorFormatError,
+    chunk_messages,
     declared_nbytes,
     header_tensor,
     tensor_spec,
     tensor_to_array,
     write_tensor,
 )
-from onnxps.client._wire import iter_raw_chunks
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from ._convert import attrs_from_proto, consistency_from_proto, group_info
-from ._status import status_for
+from ._status import rich_status, status_of
 from .durability import SaveResult
 from .errors import FailedPrecondition, InvalidArgument
 from .kernels import apply_onnx
-from .store import LeaseView, ParameterStore, PullResult, PushTicket
+from .limits import InflightBytes, InflightHold
+from .store import (
+    CallCancelled,
+    Cancellation,
+    LeaseView,
+    ParameterStore,
+    PullResult,
+    PushTicket,
+)
 
 __all__ = ["ParameterServerServicer"]
 
@@ -39,19 +57,42 @@ log = logging.getLogger("onnxps.service")
 
 Array = np.ndarray[Any, Any]
 F = TypeVar("F", bound=Callable[..., Any])
+# How long a request stream that ended early is watched for its client's cancellation.
+_CUT_OFF_SECONDS = 0.2
+# The stream and unary RPCs answer with messages of the same fields.
+R = TypeVar("R", pb.PushResponse, pb.PushStreamResponse)
+L = TypeVar("L", pb.JoinGroupResponse, pb.HeartbeatResponse, pb.LeaveGroupResponse)
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
-    code = status_for(exc)
-    if code is None:
-        log.exception("%s failed with an unexpected error", method)
-        context.abort(
-            grpc.StatusCode.INTERNAL,
-            f"internal error in {method}: {type(exc).__name__}: {exc} (a bug: the "
-            "server log has the traceback)",
-        )
-    else:
-        context.abort(code, str(exc))
+def _failure(
+    exc: BaseException, context: grpc.ServicerContext, method: str
+) -> grpc.Status:
+    """The status an exception ends a call with (logged when it is a bug)."""
+    kept = tuple(context.trailing_metadata() or ())  # e.g. the request id echo
+    if isinstance(exc, (grpc.RpcError, CallCancelled)) or not context.is_active():
+        _drop_frames(exc)
+        log.debug("%s: the client went away (cancelled or out of time)", method)
+        code = grpc.StatusCode.CANCELLED
+        gone = "the client cancelled the call"
+        return rich_status(code, gone, code.name, trailers=kept)
+    status = status_of(exc, kept)
+    if status is not None:
+        return status
+    log.exception("%s failed with an unexpected error", method)
+    message = (
+        f"internal error in {method}: {type(exc).__name__}: {exc} (a bug: the "
+        "server log has the traceback)"
+    )
+    return rich_status(grpc.StatusCode.INTERNAL, message, "INTERNAL", trailers=kept)
+
+
+def _drop_frames(exc: BaseException | None) -> None:
+    """Free the locals of an exception's finished frames, and its chain's."""
+    while exc is not None:
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+            exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
 
 
 def _already_aborted(context: grpc.ServicerContext) -> bool:
@@ -68,7 +109,9 @@ def _unary(method: F) -> F:
         except Exception as exc:  # noqa: BLE001 - every error becomes a status
             if _already_aborted(context):
                 raise
-            _abort(context, exc, method.__name__)
+            status = _failure(exc, context, method.__name__)
+        # Outside the except block, so the abort does not chain the error's frames.
+        context.abort_with_status(status)
 
     return wrapper  # type: ignore[return-value]
 
@@ -80,12 +123,22 @@ def _streaming(method: F) -> F:
     ) -> Iterator[Any]:
         try:
             yield from method(self, request, context)
+            return
         except Exception as exc:  # noqa: BLE001
             if _already_aborted(context):
                 raise
-            _abort(context, exc, method.__name__)
+            status = _failure(exc, context, method.__name__)
+        context.abort_with_status(status)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _cancellation(context: grpc.ServicerContext) -> Cancellation:
+    """Set when the call ends: it is cancelled, its deadline passes, or it is done."""
+    gone = Cancellation()
+    if not context.add_callback(gone.cancel):
+        gone.cancel()  # the call has ended already
+    return gone
 
 
 def _timeout(context: grpc.ServicerContext) -> float | None:
@@ -93,12 +146,29 @@ def _timeout(context: grpc.ServicerContext) -> float | None:
     return None if remaining is None else max(0.0, remaining)
 
 
+def _raise_if_cut_off(context: grpc.ServicerContext) -> None:
+    """A request stream ended early: raise ``CallCancelled`` if its client went away.
+
+    When a client cancels (or runs out of time) mid-stream, the server may see the
+    end of the stream a moment before it sees the cancellation; a short look tells
+    the two apart, and only a stream that ended early pays for it.
+    """
+    deadline = time.monotonic() + _CUT_OFF_SECONDS
+    while context.is_active():
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.005)
+    raise CallCancelled("the client went away in the middle of its stream")
+
+
 def _stream_header(
-    request_iterator: Iterable[Any], part: str, rpc: str
+    request_iterator: Iterable[Any], part: str, rpc: str, context: Any
 ) -> tuple[Any, Iterator[Any]]:
     """A stream's header message and the iterator over the chunks after it."""
     it = iter(request_iterator)
     first = next(it, None)
+    if first is None:
+        _raise_if_cut_off(context)
     if first is None or first.WhichOneof("part") != part:
         what = "header" if part == "header" else f"{part} header"
         raise InvalidArgument(f"{rpc} must begin with its {what}")
@@ -111,17 +181,20 @@ def _names(prefix: str, n: int, names: Sequence[str] | None = None) -> list[str]
     return [f"{prefix}_{i + 1}" for i in range(n)]
 
 
-class ParameterServerServicer(pb_grpc.ParameterServerServicer):
+class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     def __init__(
         self,
         store: ParameterStore,
         *,
         chunk_bytes: int = CHUNK_BYTES,
         save: Callable[[], SaveResult] | None = None,
+        inflight: InflightBytes | None = None,
     ) -> None:
         self.store = store
         self.chunk_bytes = chunk_bytes
         self._save = save
+        # Pull replies are counted in the same budget as requests (see limits).
+        self._inflight = inflight or InflightBytes()
 
     # -- groups --------------------------------------------------------------------
     def _create(
@@ -152,31 +225,39 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             raise InvalidArgument(f"group {req.group!r} needs at least one tensor")
 
     @_unary
-    def CreateGroup(self, request: pb.CreateGroupRequest, context: Any) -> pb.GroupInfo:
+    def CreateGroup(
+        self, request: pb.CreateGroupRequest, context: Any
+    ) -> pb.CreateGroupResponse:
         self._check_create_size(request)
         tensors = [tensor_to_array(t, f"tensor {t.name!r}") for t in request.tensors]
         state = [
             tensor_to_array(t, f"state {i + 1}") for i, t in enumerate(request.state)
         ]
-        return self._create(request, tensors, state)
+        return pb.CreateGroupResponse(group=self._create(request, tensors, state))
 
     @_unary
     def CreateGroupStream(
-        self, request_iterator: Iterable[pb.CreateGroupChunk], context: Any
-    ) -> pb.GroupInfo:
-        req, it = _stream_header(request_iterator, "header", "a CreateGroupStream")
+        self, request_iterator: Iterable[pb.CreateGroupStreamRequest], context: Any
+    ) -> pb.CreateGroupStreamResponse:
+        req, it = _stream_header(
+            request_iterator, "header", "a CreateGroupStream", context
+        )
         self._check_create_size(req)
         headers = list(req.tensors) + list(req.state)
         names = [f"tensor {t.name!r}" for t in req.tensors] + _names(
             "state", len(req.state)
         )
-        asm = self._assemble(it, headers, names)
+        asm = self._assemble(it, headers, names, context)
         n = len(req.tensors)
-        return self._create(req, asm[:n], asm[n:])
+        return pb.CreateGroupStreamResponse(group=self._create(req, asm[:n], asm[n:]))
 
     @_unary
-    def DescribeGroup(self, request: pb.GroupRequest, context: Any) -> pb.GroupInfo:
-        return group_info(self.store.describe(request.group))
+    def DescribeGroup(
+        self, request: pb.DescribeGroupRequest, context: Any
+    ) -> pb.DescribeGroupResponse:
+        return pb.DescribeGroupResponse(
+            group=group_info(self.store.describe(request.group))
+        )
 
     @_unary
     def ListGroups(
@@ -188,16 +269,16 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_unary
     def DeleteGroup(
-        self, request: pb.GroupRequest, context: Any
+        self, request: pb.DeleteGroupRequest, context: Any
     ) -> pb.DeleteGroupResponse:
         return pb.DeleteGroupResponse(deleted=self.store.delete_group(request.group))
 
     @_unary
     def SetLearningRate(
         self, request: pb.SetLearningRateRequest, context: Any
-    ) -> pb.GroupInfo:
+    ) -> pb.SetLearningRateResponse:
         view = self.store.set_learning_rate(request.group, request.learning_rate)
-        return group_info(view)
+        return pb.SetLearningRateResponse(group=group_info(view))
 
     # -- push ----------------------------------------------------------------------
     def _push(
@@ -206,7 +287,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         ticket: PushTicket,
         grads: list[Array],
         context: Any,
-    ) -> pb.PushResponse:
+        reply_type: type[R],
+    ) -> R:
         out = self.store.push(
             ticket,
             grads,
@@ -216,8 +298,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             learning_rate=req.learning_rate if req.HasField("learning_rate") else None,
             return_values=req.return_values,
             timeout=_timeout(context),
+            cancellation=_cancellation(context) if req.return_values else None,
         )
-        reply = pb.PushResponse(
+        reply = reply_type(
             update_count=out.update_count, applied=out.applied, duplicate=out.duplicate
         )
         if out.values is not None:
@@ -239,61 +322,97 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             tensor_to_array(t, f"gradient {i + 1} ({ticket.names[i]!r})")
             for i, t in enumerate(request.gradients)
         ]
-        return self._push(request, ticket, grads, context)
+        return self._push(request, ticket, grads, context, pb.PushResponse)
 
     @_unary
     def PushStream(
-        self, request_iterator: Iterable[pb.PushChunk], context: Any
-    ) -> pb.PushResponse:
-        req, it = _stream_header(request_iterator, "header", "a PushStream")
+        self, request_iterator: Iterable[pb.PushStreamRequest], context: Any
+    ) -> pb.PushStreamResponse:
+        req, it = _stream_header(request_iterator, "header", "a PushStream", context)
         ticket = self._validate_push(req)
         headers = list(req.gradients)
         grads = self._assemble(
-            it, headers, _names("gradient", len(headers), ticket.names)
+            it, headers, _names("gradient", len(headers), ticket.names), context
         )
-        return self._push(req, ticket, grads, context)
+        return self._push(req, ticket, grads, context, pb.PushStreamResponse)
 
     def _assemble(
-        self, it: Iterator[Any], headers: Sequence[pb.Tensor], names: Sequence[str]
+        self,
+        it: Iterator[Any],
+        headers: Sequence[pb.Tensor],
+        names: Sequence[str],
+        context: Any,
     ) -> list[Array]:
         asm = TensorAssembler(headers, names)
         for msg in it:
             if msg.WhichOneof("part") != "chunk":
                 raise InvalidArgument("after the header a stream carries only chunks")
             asm.add(msg.chunk)
-        return asm.finish()
+        try:
+            return asm.finish()
+        except TensorFormatError:
+            _raise_if_cut_off(context)
+            raise
 
     # -- pull ----------------------------------------------------------------------
-    def _pull(self, req: pb.PullRequest, context: Any) -> PullResult:
+    @contextmanager
+    def _reply_bytes(self, context: Any, stream: bool) -> Iterator[InflightHold]:
+        """What a pull's reply holds of the in-flight budget: released when the call
+        ends (its termination callback), when it fails, or when its stream ends."""
+        hold = self._inflight.hold()
+        if not context.add_callback(hold.release):
+            hold.release()
+        try:
+            yield hold
+        except BaseException:
+            hold.release()
+            raise
+        if stream:
+            hold.release()
+
+    def _pull(
+        self,
+        req: pb.PullRequest | pb.PullStreamRequest,
+        context: Any,
+        hold: InflightHold,
+    ) -> PullResult:
+        waits = req.HasField("min_version")
         return self.store.pull(
             req.group,
             with_state=req.with_state,
-            min_version=req.min_version if req.HasField("min_version") else None,
+            min_version=req.min_version if waits else None,
             timeout=_timeout(context),
+            cancellation=_cancellation(context) if waits else None,
+            reserve=functools.partial(hold.admit, what="this pull's reply carries"),
         )
 
     @_unary
     def Pull(self, request: pb.PullRequest, context: Any) -> pb.PullResponse:
-        out = self._pull(request, context)
-        reply = pb.PullResponse(
-            update_count=out.update_count, learning_rate=out.learning_rate
-        )
-        for a, n in zip(out.arrays, out.names, strict=True):
-            write_tensor(reply.tensors.add(), a, n)
-        return reply
+        with self._reply_bytes(context, stream=False) as hold:
+            out = self._pull(request, context, hold)
+            reply = pb.PullResponse(
+                update_count=out.update_count, learning_rate=out.learning_rate
+            )
+            for a, n in zip(out.arrays, out.names, strict=True):
+                write_tensor(reply.tensors.add(), a, n)
+            return reply
 
     @_streaming
-    def PullStream(self, request: pb.PullRequest, context: Any) -> Iterator[Any]:
-        out = self._pull(request, context)
-        header = pb.PullResponse(
-            update_count=out.update_count,
-            learning_rate=out.learning_rate,
-            tensors=[
-                header_tensor(a, n) for a, n in zip(out.arrays, out.names, strict=True)
-            ],
-        )
-        yield pb.PullChunk(header=header)
-        yield from iter_raw_chunks(out.arrays, self.chunk_bytes)
+    def PullStream(self, request: pb.PullStreamRequest, context: Any) -> Iterator[Any]:
+        with self._reply_bytes(context, stream=True) as hold:
+            out = self._pull(request, context, hold)
+            header = pb.PullResponse(
+                update_count=out.update_count,
+                learning_rate=out.learning_rate,
+                tensors=[
+                    header_tensor(a, n)
+                    for a, n in zip(out.arrays, out.names, strict=True)
+                ],
+            )
+            yield pb.PullStreamResponse(header=header)
+            yield from chunk_messages(
+                pb.PullStreamResponse, out.arrays, self.chunk_bytes
+            )
 
     # -- apply ---------------------------------------------------------------------
     def _apply(self, req: pb.ApplyRequest, inputs: list[Array]) -> list[Array]:
@@ -313,24 +432,26 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     @_streaming
     def ApplyStream(
-        self, request_iterator: Iterable[pb.ApplyChunk], context: Any
+        self, request_iterator: Iterable[pb.ApplyStreamRequest], context: Any
     ) -> Iterator[Any]:
-        request, it = _stream_header(request_iterator, "request", "an ApplyStream")
+        request, it = _stream_header(
+            request_iterator, "request", "an ApplyStream", context
+        )
         headers = list(request.inputs)
         for i, t in enumerate(headers):
             tensor_spec(t, f"input {i}")
         inputs = self._assemble(
-            it, headers, [f"input {i}" for i in range(len(headers))]
+            it, headers, [f"input {i}" for i in range(len(headers))], context
         )
         outputs = self._apply(request, inputs)
-        yield pb.ApplyChunk(
+        yield pb.ApplyStreamResponse(
             response=pb.ApplyResponse(outputs=[header_tensor(o) for o in outputs])
         )
-        yield from iter_raw_chunks(outputs, self.chunk_bytes)
+        yield from chunk_messages(pb.ApplyStreamResponse, outputs, self.chunk_bytes)
 
     # -- workers and saving ----------------------------------------------------------
-    def _lease(self, lease: LeaseView) -> pb.LeaseResponse:
-        return pb.LeaseResponse(
+    def _lease(self, lease: LeaseView, reply_type: type[L]) -> L:
+        return reply_type(
             lease_seconds=lease.lease_seconds,
             update_count=lease.update_count,
             live_workers=lease.live_workers,
@@ -338,16 +459,25 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         )
 
     @_unary
-    def JoinGroup(self, request: pb.JoinRequest, context: Any) -> pb.LeaseResponse:
-        return self._lease(self.store.join(request.group, request.worker_id))
+    def JoinGroup(
+        self, request: pb.JoinGroupRequest, context: Any
+    ) -> pb.JoinGroupResponse:
+        lease = self.store.join(request.group, request.worker_id)
+        return self._lease(lease, pb.JoinGroupResponse)
 
     @_unary
-    def Heartbeat(self, request: pb.JoinRequest, context: Any) -> pb.LeaseResponse:
-        return self._lease(self.store.join(request.group, request.worker_id))
+    def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: Any
+    ) -> pb.HeartbeatResponse:
+        lease = self.store.join(request.group, request.worker_id)
+        return self._lease(lease, pb.HeartbeatResponse)
 
     @_unary
-    def LeaveGroup(self, request: pb.JoinRequest, context: Any) -> pb.LeaseResponse:
-        return self._lease(self.store.leave(request.group, request.worker_id))
+    def LeaveGroup(
+        self, request: pb.LeaveGroupRequest, context: Any
+    ) -> pb.LeaveGroupResponse:
+        lease = self.store.leave(request.group, request.worker_id)
+        return self._lease(lease, pb.LeaveGroupResponse)
 
     @_unary
     def Save(self, request: pb.SaveRequest, context: Any) -> pb.SaveResponse:

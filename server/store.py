@@ -17,12 +17,28 @@ Consistency is chosen per group:
   ``mean``) and one step is applied. The quorum is ``sync_workers`` less the workers
   whose lease ran out, so a dead worker never hangs a step.
 
-Exactly-once: a push carries (client_id, seq); the last ``DEDUP_WINDOW`` results per
-client are remembered and a repeated push is answered with its first result.
+Waiting: a pull with ``min_version`` (and a sync push asking for the new values) may
+wait for a version. A wait ends when the version comes, the deadline passes, the
+caller goes away (its ``Cancellation`` is set) or the server drains; at most
+``max_waiting_calls`` calls wait at once, the others are refused with
+RESOURCE_EXHAUSTED, so waits cannot hold every worker thread of a server.
 
-Durability: every change is logged to the ``Journal`` given to ``set_journal`` (its
-records are numbered by ``lsn``) and the call returns once its record is durable. The
-``replay_*`` methods redo logged changes without logging them again.
+Reading: a pull's arrays are a read-only copy of one version, shared by every caller
+that reads that version while any of them still holds it, so slow readers of a large
+group hold one copy between them, not one each.
+
+Exactly-once: a push carries (client_id, seq); the last ``DEDUP_WINDOW`` results per
+client are remembered and a repeated push is answered with its first result. A
+client's window is kept ``dedup_seconds`` after its last push, for at most
+``dedup_clients`` clients per group (the least recently pushing are dropped first).
+
+Durability: every change is validated, then logged to the ``Journal`` given to
+``set_journal`` (its records are numbered by ``lsn``), and applied only once its record
+is durable, all under the group's lock; so the change applied is exactly the one
+logged, and an acknowledged change is durable. When the log cannot be written the call
+is refused with ``Unavailable`` and nothing changes. The journal batches the records
+of different groups into one fsync (group commit). The ``replay_*`` methods redo
+logged changes without logging them again.
 """
 
 from __future__ import annotations
@@ -30,20 +46,27 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from onnxps.client.image import GroupImage
 
+from ._checks import (
+    MAX_UPDATE_COUNT,
+    check_learning_rate,
+    check_lease_seconds,
+    check_state,
+    check_tensors,
+    check_update_count,
+)
 from ._group import (
     DEDUP_WINDOW,
-    ClientWindow,
     Consistency,
     DeadlineExceeded,
     Group,
@@ -68,10 +91,12 @@ from .errors import (
     ResourceExhausted,
     Unavailable,
 )
-from .kernels import STATE_DTYPES, OptimizerAttrs, make_attrs
+from .kernels import OptimizerAttrs, make_attrs
 
 __all__ = [
     "DEDUP_WINDOW",
+    "CallCancelled",
+    "Cancellation",
     "Consistency",
     "DeadlineExceeded",
     "GroupCapture",
@@ -94,6 +119,62 @@ Array = np.ndarray[Any, Any]
 Spec = tuple[np.dtype[Any], tuple[int, ...]]
 
 
+class CallCancelled(Exception):
+    """The caller of a waiting call went away (it cancelled, or its deadline passed)."""
+
+
+class Cancellation:
+    """Set by the transport when the caller of a store call has gone.
+
+    A call waiting for a version checks it at each wake-up, and ``cancel`` wakes the
+    wait at once, so a thread is never held for a caller that left.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._cond: threading.Condition | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            cond = self._cond
+        # The transport calls this on its own thread: do not block it behind a long
+        # step; the wait polls (``_WAKE_SECONDS``) if the lock is busy.
+        if cond is not None and cond.acquire(timeout=0.05):
+            try:
+                cond.notify_all()
+            finally:
+                cond.release()
+
+    @contextmanager
+    def _watching(self, cond: threading.Condition) -> Iterator[None]:
+        with self._lock:
+            self._cond = cond
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._cond = None
+
+
+@dataclass(frozen=True)
+class _Wait:
+    """How long a call may wait for a version, and how it learns its caller left."""
+
+    timeout: float | None = None
+    cancellation: Cancellation | None = None
+    counted: bool = False  # the call holds a waiting slot already (a sync push)
+
+
+# A wait wakes at least this often, to see a cancellation whose wake-up was missed.
+_WAKE_SECONDS = 0.5
+
+
 @dataclass(frozen=True)
 class PushTicket:
     """A push header the store accepted: its gradients may now be read and pushed."""
@@ -112,7 +193,7 @@ class _PushRequest:
     base_version: int | None
     learning_rate: float | None
 
-    def record(self, group: str) -> dict[str, Any]:
+    def record(self, group: str, update_count: int) -> dict[str, Any]:
         return {
             "op": "push",
             "group": group,
@@ -120,27 +201,31 @@ class _PushRequest:
             "seq": self.seq,
             "base_version": self.base_version,
             "lr": self.learning_rate,
+            "t": update_count,  # the T it steps at (sync: the step it is buffered for)
         }
 
 
 class _JournalEntry:
-    """The records one store call logs; the call waits for them after its locks."""
+    """Logs a store call's records; ``wait`` blocks until one is durable.
+
+    Called under the group's lock, before the change is applied: ``wait`` raises
+    ``Unavailable`` when the log could not be written, and the caller then leaves the
+    group as it was. Without a journal (memory only, or replay) both do nothing.
+    """
 
     def __init__(self, journal: Journal | None) -> None:
         self._journal = journal
-        self._lsn: int | None = None
 
-    def log(
-        self, record: dict[str, Any], arrays: Sequence[Array] = (), *, wait: bool = True
-    ) -> None:
-        if self._journal is not None:
-            lsn = self._journal.log(record, arrays)
-            if wait:
-                self._lsn = lsn
+    def log(self, record: dict[str, Any], arrays: Sequence[Array] = ()) -> int | None:
+        return None if self._journal is None else self._journal.log(record, arrays)
 
-    def wait(self) -> None:
-        if self._journal is not None and self._lsn is not None:
-            self._journal.wait(self._lsn)
+    def wait(self, lsn: int | None) -> None:
+        if self._journal is not None and lsn is not None:
+            self._journal.wait(lsn)
+
+    def durable(self, record: dict[str, Any], arrays: Sequence[Array] = ()) -> None:
+        """Log ``record`` and wait until it is durable."""
+        self.wait(self.log(record, arrays))
 
 
 def _quorum_reached(g: Group) -> bool:
@@ -176,6 +261,13 @@ class ParameterStore:
         self._draining = False
         self._reaper: threading.Thread | None = None
         self._stop = threading.Event()
+        self._waiting = 0
+        self._waiting_lock = threading.Lock()
+        # (incarnation, T, with_state) -> the buffer under a version's shared copy
+        self._shared: weakref.WeakValueDictionary[tuple[int, int, bool], Array] = (
+            weakref.WeakValueDictionary()
+        )
+        self._shared_lock = threading.Lock()
 
     # -- lifecycle -----------------------------------------------------------------
     def set_journal(self, journal: Journal | None) -> None:
@@ -219,11 +311,24 @@ class ParameterStore:
             self.reap_leases()
 
     def reap_leases(self) -> None:
-        """Drop expired leases now; a sync step that no longer needs them is taken."""
+        """Drop expired leases now; a sync step that no longer needs them is taken.
+
+        Exactly-once windows idle past ``dedup_seconds`` are dropped here too. A due
+        step whose record could not be logged before is tried again here.
+        """
+        limits = self.limits
         for g in self._live():
             with self._journaled() as journal, g.cond:
-                if not g.deleted and g.workers and g.expire_leases(self._clock()):
-                    self._maybe_sync_step(g, journal)
+                if g.deleted:
+                    continue
+                now = self._clock()
+                g.forget_clients(now, limits.dedup_seconds, limits.dedup_clients)
+                expired = bool(g.workers) and g.expire_leases(now)
+                if expired or _quorum_reached(g):
+                    try:
+                        self._maybe_sync_step(g, journal)
+                    except Unavailable:
+                        pass  # the journal logged why; the next round tries again
                     g.cond.notify_all()
 
     # -- groups --------------------------------------------------------------------
@@ -235,7 +340,9 @@ class ParameterStore:
         with self._lock:
             g = self._groups.get(name)
         if g is None:
-            raise NotFound(f"no group named {name!r}; create it first")
+            raise NotFound(
+                f"no group named {name!r}; create it first", metadata={"group": name}
+            )
         return g
 
     def groups(self, prefix: str = "") -> list[GroupView]:
@@ -270,9 +377,16 @@ class ParameterStore:
         lease_seconds: float | None = None,
     ) -> GroupView:
         self._check_open()
-        _check_definition(name, tensors, learning_rate, update_count)
-        dtype = _check_tensors(tensors, allow_non_finite)
-        _check_state(attrs, tensors, dtype, state)
+        check_name(name)
+        if not tensors:
+            raise InvalidArgument(f"group {name!r} needs at least one tensor")
+        check_update_count(update_count)
+        dtype = check_tensors(tensors, allow_non_finite)
+        check_learning_rate(learning_rate, dtype)
+        if lease_seconds is None:
+            lease_seconds = self.limits.default_lease_seconds
+        check_lease_seconds(lease_seconds)
+        check_state(attrs, tensors, dtype, state, allow_non_finite)
         group_bytes = sum(a.nbytes for _, a in tensors) * (1 + len(attrs.state_names))
         self.check_group_size(group_bytes)
         group = Group(
@@ -282,20 +396,31 @@ class ParameterStore:
             tensors,
             consistency=consistency or Consistency(),
             allow_non_finite=allow_non_finite,
-            lease_seconds=lease_seconds or self.limits.default_lease_seconds,
+            lease_seconds=lease_seconds,
             incarnation=next(self._incarnations),
             state=state or None,
             update_count=update_count,
         )
-        with self._journaled() as journal, self._lock:
-            self._check_room(name, group_bytes)
-            self._groups[name] = group
-            if self._journal is not None:
-                # The full definition and initial arrays, so replay can recreate it.
-                with group.cond:
+        journal = _JournalEntry(self._journal)
+        # Held until the create record is durable: no call uses the group before.
+        with group.cond:
+            with self._lock:
+                self._check_room(name, group_bytes)
+                self._groups[name] = group
+                lsn = None
+                if self._journal is not None:
+                    # The full definition and initial arrays, so replay recreates it.
                     image = group.image()
-                record = {"op": "create", "group": name, "image": image.to_json()}
-                journal.log(record, image.arrays)
+                    record = {"op": "create", "group": name, "image": image.to_json()}
+                    lsn = journal.log(record, image.arrays)
+            try:
+                journal.wait(lsn)
+            except Unavailable:
+                with self._lock:
+                    if self._groups.get(name) is group:
+                        del self._groups[name]
+                group.deleted = True
+                raise
         _log_group("created", group)
         return group.view(self._clock())
 
@@ -311,17 +436,20 @@ class ParameterStore:
         """Under the store's lock: the name is free and the server has room."""
         if name in self._groups:
             raise AlreadyExists(
-                f"group {name!r} exists already; delete it first or pick another name"
+                f"group {name!r} exists already; delete it first or pick another name",
+                metadata={"group": name},
             )
         if self.limits.max_groups and len(self._groups) >= self.limits.max_groups:
             raise ResourceExhausted(
-                f"the server holds its limit of {self.limits.max_groups} groups"
+                f"the server holds its limit of {self.limits.max_groups} groups",
+                metadata={"limit": "max_groups", "value": self.limits.max_groups},
             )
         total = sum(g.state_bytes for g in self._groups.values()) + group_bytes
         if self.limits.max_total_bytes and total > self.limits.max_total_bytes:
             raise ResourceExhausted(
                 f"group {name!r} needs {group_bytes} bytes; the server would hold "
-                f"{total}, over its limit of {self.limits.max_total_bytes}"
+                f"{total}, over its limit of {self.limits.max_total_bytes}",
+                metadata={"limit": "max_total_bytes", "group": name},
             )
 
     def delete_group(self, name: str) -> bool:
@@ -330,12 +458,19 @@ class ParameterStore:
 
     def _delete(self, name: str, *, replay: bool) -> bool:
         with self._lock:
-            g = self._groups.pop(name, None)
+            g = self._groups.get(name)
         if g is None:
-            raise NotFound(f"no group named {name!r}")
+            raise NotFound(f"no group named {name!r}", metadata={"group": name})
+        # The group's lock first: a push holding it is logged before the delete, and
+        # the name is free (for a create, logged after) only once the delete is.
         with self._journaled(replay) as journal, g.cond:
+            if g.deleted:
+                raise NotFound(f"no group named {name!r}", metadata={"group": name})
+            journal.durable({"op": "delete", "group": name})
+            with self._lock:
+                if self._groups.get(name) is g:
+                    del self._groups[name]
             g.deleted = True
-            journal.log({"op": "delete", "group": name})
             g.cond.notify_all()
         log.info("deleted group %s", name)
         return True
@@ -347,12 +482,12 @@ class ParameterStore:
     def _set_learning_rate(
         self, name: str, learning_rate: float, *, replay: bool
     ) -> GroupView:
-        _check_learning_rate(learning_rate)
         g = self._group(name)
+        check_learning_rate(learning_rate, g.dtype)
         with self._journaled(replay) as journal, g.cond:
             self._check_live(g)
+            journal.durable({"op": "set_lr", "group": name, "lr": float(learning_rate)})
             g.learning_rate = float(learning_rate)
-            journal.log({"op": "set_lr", "group": name, "lr": float(learning_rate)})
             return g.view(self._clock())
 
     # -- push ----------------------------------------------------------------------
@@ -368,18 +503,31 @@ class ParameterStore:
         if len(specs) != n:
             raise InvalidArgument(
                 f"group {g.name!r} holds {n} tensors ({', '.join(g.names)}): expected "
-                f"{n} gradients in that order, got {len(specs)}"
+                f"{n} gradients in that order, got {len(specs)}",
+                reason="GRADIENT_COUNT",
+                field="gradients",
+                metadata={"group": g.name, "expected": n, "received": len(specs)},
             )
         for i, (dtype, shape) in enumerate(specs):
             if np.dtype(dtype) != g.dtype:
                 raise InvalidArgument(
                     f"gradient {i + 1} ({g.names[i]!r}) must be {g.dtype}, the "
-                    f"group's dtype; got {np.dtype(dtype)}"
+                    f"group's dtype; got {np.dtype(dtype)}",
+                    reason="DTYPE_MISMATCH",
+                    field=f"gradients[{i}].dtype",
+                    metadata={"group": g.name, "expected": g.dtype, "received": dtype},
                 )
             if tuple(shape) != g.shapes[i]:
                 raise InvalidArgument(
                     f"gradient {i + 1} ({g.names[i]!r}) must have shape "
-                    f"{g.shapes[i]}, got {tuple(shape)}"
+                    f"{g.shapes[i]}, got {tuple(shape)}",
+                    reason="SHAPE_MISMATCH",
+                    field=f"gradients[{i}].dims",
+                    metadata={
+                        "group": g.name,
+                        "expected": g.shapes[i],
+                        "received": shape,
+                    },
                 )
         return PushTicket(g.name, g.names, g)
 
@@ -394,16 +542,31 @@ class ParameterStore:
         learning_rate: float | None = None,
         return_values: bool = False,
         timeout: float | None = None,
+        cancellation: Cancellation | None = None,
     ) -> PushOutcome:
         """Push gradients G_1..G_n; ``group`` is a name or a ticket for these grads.
 
-        ``(client_id, seq)`` identifies the push for exactly-once delivery.
+        ``(client_id, seq)`` identifies the push for exactly-once delivery. With
+        ``return_values`` a sync push waits for its step (see ``pull``); when every
+        waiting slot is taken, a push that would wait is refused before anything
+        changes (one that completes the step goes through).
         """
         self._check_open()
         ticket = self._ticket(group, grads)
+        if not client_id and ticket._group.consistency.mode == "sync":
+            raise InvalidArgument(
+                f"group {ticket.group!r} is sync: a sync step counts distinct "
+                "clients, so every push needs a client_id (the Client sets one); "
+                "set client_id"
+            )
         self._check_values(ticket, grads, learning_rate)
         request = _PushRequest(client_id, seq, base_version, learning_rate)
-        return self._push(ticket._group, grads, request, return_values, timeout)
+        g = ticket._group
+        may_wait = return_values and g.consistency.mode == "sync"
+        slot = self._waiting_slot(g.name, required=False)
+        with slot if may_wait else nullcontext(False) as held:
+            wait = _Wait(timeout, cancellation, counted=held)
+            return self._push(g, grads, request, return_values, wait)
 
     def _ticket(self, group: str | PushTicket, grads: Sequence[Array]) -> PushTicket:
         if isinstance(group, PushTicket):
@@ -414,7 +577,9 @@ class ParameterStore:
         self, ticket: PushTicket, grads: Sequence[Array], learning_rate: float | None
     ) -> None:
         if learning_rate is not None:
-            _check_learning_rate(learning_rate)
+            check_learning_rate(
+                learning_rate, ticket._group.dtype, "the push's learning_rate"
+            )
         if ticket._group.allow_non_finite:
             return
         for i, a in enumerate(grads):
@@ -422,7 +587,10 @@ class ParameterStore:
                 raise InvalidArgument(
                     f"gradient {i + 1} ({ticket.names[i]!r}) holds NaN or inf, which "
                     f"would poison group {ticket.group!r} for good; fix the worker, or "
-                    "create the group with allow_non_finite=True"
+                    "create the group with allow_non_finite=True",
+                    reason="NON_FINITE_GRADIENT",
+                    field=f"gradients[{i}]",
+                    metadata={"group": ticket.group},
                 )
 
     def _push(
@@ -431,7 +599,7 @@ class ParameterStore:
         grads: Sequence[Array],
         request: _PushRequest,
         return_values: bool = False,
-        timeout: float | None = None,
+        wait: _Wait | None = None,
         *,
         replay: bool = False,
     ) -> PushOutcome:
@@ -441,13 +609,14 @@ class ParameterStore:
             if cached is not None:
                 outcome = PushOutcome(cached[0], cached[1], duplicate=True)
             else:
+                if return_values:
+                    self._check_room_to_wait(g, request, wait)
                 due = _logged_step_due if replay else _quorum_reached
                 outcome = self._step_or_buffer(g, grads, request, journal, due)
-                journal.log(request.record(g.name), grads)
             if return_values:
                 if not outcome.applied:
-                    self._wait_version(g, outcome.update_count + 1, timeout)
-                values = tuple(g.copy_values(False))
+                    self._wait_version(g, outcome.update_count + 1, wait or _Wait())
+                values = self._frozen_values(g, False)
                 outcome = dataclasses.replace(outcome, values=values)
             return outcome
 
@@ -460,11 +629,19 @@ class ParameterStore:
         due: Callable[[Group], bool],
     ) -> PushOutcome:
         _check_base_version(g, request.base_version)
+        if g.update_count >= MAX_UPDATE_COUNT:
+            raise FailedPrecondition(
+                f"group {g.name!r} is at T={g.update_count}, the most steps a group "
+                f"takes (2**62 = {MAX_UPDATE_COUNT}); export it and create it again "
+                "with a smaller update_count"
+            )
+        record = request.record(g.name, g.update_count)
         if g.consistency.mode == "async":
+            journal.durable(record, grads)  # Unavailable: refused, nothing changed
             g.step(grads, request.learning_rate)
             outcome = PushOutcome(g.update_count, True)
         else:
-            outcome = self._buffer(g, grads, request.client_id, journal, due)
+            outcome = self._buffer(g, grads, request.client_id, record, journal, due)
         if request.client_id:
             self._dedup_store(g, request.client_id, request.seq, outcome)
         g.cond.notify_all()
@@ -475,21 +652,37 @@ class ParameterStore:
         g: Group,
         grads: Sequence[Array],
         client_id: str,
+        record: dict[str, Any],
         journal: _JournalEntry,
         due: Callable[[Group], bool],
     ) -> PushOutcome:
-        """A sync push: buffer the contribution; step if it completes the quorum."""
+        """A sync push: buffer the contribution; step if it completes the quorum.
+
+        The contribution is kept once its record is durable, and the step it
+        completes is logged only then (never a logged step without its push) and
+        taken once that record is durable too.
+        """
         t = g.update_count
         g.expire_leases(self._clock())
         key = client_id or f"~anonymous-{len(g.pending)}-{time.monotonic_ns()}"
         if key in g.pending:
             raise FailedPrecondition(
                 f"client {client_id!r} already pushed for step T={t} of sync group "
-                f"{g.name!r}; wait for the step (pull min_version={t + 1})"
+                f"{g.name!r}; wait for the step (pull min_version={t + 1})",
+                reason="DUPLICATE_SYNC_PUSH",
+                metadata={"group": g.name, "update_count": t},
             )
         g.pending[key] = [np.array(a, dtype=g.dtype, order="C") for a in grads]
-        if self._maybe_sync_step(g, journal, due):
-            return PushOutcome(g.update_count, True)
+        try:
+            journal.durable(record, grads)
+        except Unavailable:
+            del g.pending[key]
+            raise
+        try:
+            if self._maybe_sync_step(g, journal, due):
+                return PushOutcome(g.update_count, True)
+        except Unavailable:
+            pass  # buffered and durable; the reaper takes the step once it is logged
         return PushOutcome(t, False)
 
     def _maybe_sync_step(
@@ -500,14 +693,15 @@ class ParameterStore:
     ) -> bool:
         if not due(g):
             return False
+        journal.durable(_sync_step_record(g))  # Unavailable: no step, nothing changed
+        self._take_sync_step(g)
+        return True
+
+    def _take_sync_step(self, g: Group) -> None:
         combined = combine_contributions(g.pending, g.consistency.reduction, g.dtype)
-        contributors = sorted(g.pending)
         g.pending = {}
         g.step(combined, None)
-        record = {"op": "sync_step", "group": g.name, "contributors": contributors}
-        journal.log(record, wait=False)
         g.cond.notify_all()
-        return True
 
     def _dedup_lookup(
         self, g: Group, client_id: str, seq: int
@@ -519,22 +713,24 @@ class ParameterStore:
             return None
         hit = w.results.get(seq)
         if hit is not None:
+            w.last_push = self._clock()  # a resend: its client is alive
+            g.dedup.move_to_end(client_id)
             return hit
         if seq <= w.floor:
             raise FailedPrecondition(
                 f"push seq {seq} from client {client_id!r} is older than the "
-                f"{DEDUP_WINDOW} pushes remembered for it; it cannot be deduplicated"
+                f"{DEDUP_WINDOW} pushes remembered for it; it cannot be deduplicated",
+                reason="SEQ_TOO_OLD",
+                metadata={"group": g.name, "client_id": client_id, "seq": seq},
             )
         return None
 
     def _dedup_store(
         self, g: Group, client_id: str, seq: int, outcome: PushOutcome
     ) -> None:
-        w = g.dedup.setdefault(client_id, ClientWindow())
-        w.results[seq] = (outcome.update_count, outcome.applied)
-        while len(w.results) > DEDUP_WINDOW:
-            old, _ = w.results.popitem(last=False)
-            w.floor = max(w.floor, old)
+        now = self._clock()
+        g.remember(client_id, seq, (outcome.update_count, outcome.applied), now)
+        g.forget_clients(now, self.limits.dedup_seconds, self.limits.dedup_clients)
 
     # -- pull ----------------------------------------------------------------------
     def pull(
@@ -544,36 +740,134 @@ class ParameterStore:
         with_state: bool = False,
         min_version: int | None = None,
         timeout: float | None = None,
+        cancellation: Cancellation | None = None,
+        reserve: Callable[[int], None] | None = None,
     ) -> PullResult:
+        """X (with V, H when ``with_state``) of one version, read-only.
+
+        With ``min_version`` the call waits (at most ``timeout`` seconds, until
+        ``cancellation`` is set) for T to reach it. ``reserve(nbytes)`` is called with
+        the size of the arrays before they are handed out; it may refuse by raising.
+        """
         self._check_open()
         g = self._group(name)
         with g.cond:
             self._check_live(g)
             if min_version is not None:
-                self._wait_version(g, min_version, timeout)
+                self._wait_version(g, min_version, _Wait(timeout, cancellation))
+            if reserve is not None:
+                states = len(g.states) if with_state else 0
+                reserve(g.element_count * g.dtype.itemsize * (1 + states))
             return PullResult(
                 g.update_count,
                 g.learning_rate,
-                tuple(g.copy_values(with_state)),
+                self._frozen_values(g, with_state),
                 g.array_names(with_state),
             )
 
-    def _wait_version(self, g: Group, version: int, timeout: float | None) -> None:
-        deadline = None if timeout is None else self._clock() + timeout
-        while g.update_count < version:
-            self._check_live(g)
-            if self._draining:
-                raise Unavailable(
-                    f"the server is shutting down while group {g.name!r} is at "
-                    f"T={g.update_count}, before T={version}; retry after it restarts"
-                )
-            remaining = None if deadline is None else deadline - self._clock()
-            if remaining is not None and remaining <= 0:
-                raise DeadlineExceeded(
-                    f"group {g.name!r} is at T={g.update_count}; it did not reach "
-                    f"T={version} before the deadline"
-                )
-            g.cond.wait(timeout=0.5 if remaining is None else min(remaining, 0.5))
+    def _frozen_values(self, g: Group, with_state: bool) -> tuple[Array, ...]:
+        """Under the group's lock: read-only arrays of its current version.
+
+        One copy per version serves every reader that asks while another still holds
+        it (a copy with state serves readers of X alone too); it is freed with the
+        last reader's arrays.
+        """
+        arrays = g.xs + (g.state_arrays() if with_state else [])
+        key = (g.incarnation, g.update_count, with_state)
+        base = self._shared_copy(key)
+        if base is None and not with_state:
+            base = self._shared_copy(key[:2] + (True,))
+        if base is None:
+            base = np.empty(sum(_slot_bytes(a) for a in arrays), np.uint8)
+            for a, view in zip(arrays, _slots(base, arrays), strict=True):
+                np.copyto(view, a)
+            base.flags.writeable = False
+            with self._shared_lock:
+                self._shared[key] = base
+        n = len(g.shapes)
+        return tuple(
+            v.reshape(g.shapes[i % n]) for i, v in enumerate(_slots(base, arrays))
+        )
+
+    def _shared_copy(self, key: tuple[int, int, bool]) -> Array | None:
+        with self._shared_lock:
+            return self._shared.get(key)
+
+    @property
+    def waiting_calls(self) -> int:
+        """Calls waiting for a version now."""
+        return self._waiting
+
+    @contextmanager
+    def _waiting_slot(self, group: str, *, required: bool = True) -> Iterator[bool]:
+        """Hold one of the server's waiting slots; when all are taken, refuse, or
+        yield False (holding none) if the slot is not ``required``."""
+        limit = self.limits.max_waiting_calls
+        with self._waiting_lock:
+            held = not limit or self._waiting < limit
+            if held:
+                self._waiting += 1
+        if not held and required:
+            raise _no_room_to_wait(limit, group)
+        try:
+            yield held
+        finally:
+            if held:
+                with self._waiting_lock:
+                    self._waiting -= 1
+
+    def _check_room_to_wait(
+        self, g: Group, request: _PushRequest, wait: _Wait | None
+    ) -> None:
+        """Under the lock, before a sync push changes anything: refuse it if it would
+        wait for its step and found no waiting slot (one that completes the step
+        needs none)."""
+        if wait is None or wait.counted or g.consistency.mode != "sync":
+            return
+        key = request.client_id or "~probe"  # anonymous pushes get fresh keys
+        if key in g.pending:
+            return  # refused as a second push for this step
+        g.expire_leases(self._clock())
+        g.pending[key] = []  # as if buffered: would it complete the quorum?
+        try:
+            completes = _quorum_reached(g)
+        finally:
+            del g.pending[key]
+        if not completes:
+            raise _no_room_to_wait(self.limits.max_waiting_calls, g.name)
+
+    def _wait_version(self, g: Group, version: int, wait: _Wait) -> None:
+        """Under the group's lock: wait until T reaches ``version``."""
+        if g.update_count >= version:
+            return
+        deadline = None if wait.timeout is None else self._clock() + wait.timeout
+        slot = nullcontext() if wait.counted else self._waiting_slot(g.name)
+        gone = wait.cancellation
+        woken = nullcontext() if gone is None else gone._watching(g.cond)
+        with slot, woken:
+            while g.update_count < version:
+                self._check_waiting(g, version, gone)
+                remaining = None if deadline is None else deadline - self._clock()
+                if remaining is not None and remaining <= 0:
+                    raise DeadlineExceeded(
+                        f"group {g.name!r} is at T={g.update_count}; it did not "
+                        f"reach T={version} before the deadline"
+                    )
+                g.cond.wait(timeout=min(remaining or _WAKE_SECONDS, _WAKE_SECONDS))
+
+    def _check_waiting(self, g: Group, version: int, gone: Cancellation | None) -> None:
+        """A waiting call ends when its group goes, the server drains or it left."""
+        self._check_live(g)
+        if self._draining:
+            raise Unavailable(
+                f"the server is shutting down while group {g.name!r} is at "
+                f"T={g.update_count}, before T={version}; retry after it restarts",
+                metadata={"group": g.name, "update_count": g.update_count},
+            )
+        if gone is not None and gone.cancelled:
+            raise CallCancelled(
+                f"the caller waiting for T={version} of group {g.name!r} went away"
+            )
 
     # -- workers -------------------------------------------------------------------
     def join(self, name: str, worker_id: str) -> LeaseView:
@@ -639,6 +933,9 @@ class ParameterStore:
         """
         d = image.definition
         attrs = make_attrs(d.optimizer, d.attributes)
+        check_update_count(d.update_count)
+        check_learning_rate(d.learning_rate, d.dtype)
+        check_lease_seconds(d.lease_seconds)
         g = Group.from_image(image, attrs, next(self._incarnations))
         if runtime is not None:
             g.restore_runtime(runtime, self._clock())
@@ -646,7 +943,8 @@ class ParameterStore:
             if g.name in self._groups:
                 raise AlreadyExists(
                     f"group {g.name!r} exists already; delete it first or pick "
-                    "another name"
+                    "another name",
+                    metadata={"group": g.name},
                 )
             self._groups[g.name] = g
         _log_group("restored", g)
@@ -686,14 +984,9 @@ class ParameterStore:
     # -- helpers -------------------------------------------------------------------
     @contextmanager
     def _journaled(self, replay: bool = False) -> Iterator[_JournalEntry]:
-        """Collects what the block logs; waits for it to be durable after the block.
-
-        Enter it before the lock the records are logged under, so the wait happens
-        after that lock is released. A replayed change is not logged again.
-        """
-        entry = _JournalEntry(None if replay else self._journal)
-        yield entry
-        entry.wait()
+        """The journal for the block's records (waited for inside the block, under
+        the group's lock). A replayed change is not logged again."""
+        yield _JournalEntry(None if replay else self._journal)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -701,9 +994,32 @@ class ParameterStore:
 
     def _check_live(self, g: Group) -> None:
         if g.deleted:
-            raise NotFound(f"group {g.name!r} was deleted")
+            raise NotFound(f"group {g.name!r} was deleted", metadata={"group": g.name})
         if self._closed:
             raise Unavailable("the server is shutting down; retry on another server")
+
+
+def _sync_step_record(g: Group) -> dict[str, Any]:
+    return {"op": "sync_step", "group": g.name, "contributors": sorted(g.pending)}
+
+
+def _no_room_to_wait(limit: int, group: str) -> ResourceExhausted:
+    return ResourceExhausted(
+        f"the server has its limit of {limit} calls waiting for a version (of group "
+        f"{group!r} and others); retry later, or pull without min_version"
+    )
+
+
+def _slot_bytes(a: Array) -> int:
+    return -(-a.nbytes // 64) * 64  # 64-byte aligned
+
+
+def _slots(base: Array, arrays: Sequence[Array]) -> Iterator[Array]:
+    """Flat views of ``base`` shaped like each of ``arrays``, one after another."""
+    offset = 0
+    for a in arrays:
+        yield base[offset : offset + a.nbytes].view(a.dtype)
+        offset += _slot_bytes(a)
 
 
 def _log_group(what: str, g: Group) -> None:
@@ -714,76 +1030,6 @@ def _log_group(what: str, g: Group) -> None:
     )  # fmt: skip
 
 
-def _check_learning_rate(learning_rate: float) -> None:
-    if not math.isfinite(learning_rate):
-        raise InvalidArgument(f"learning_rate must be finite, got {learning_rate}")
-
-
-def _check_definition(
-    name: str,
-    tensors: Sequence[tuple[str, Array]],
-    learning_rate: float,
-    update_count: int,
-) -> None:
-    check_name(name)
-    if not tensors:
-        raise InvalidArgument(f"group {name!r} needs at least one tensor")
-    _check_learning_rate(learning_rate)
-    if update_count < 0:
-        raise InvalidArgument(f"update_count must be >= 0, got {update_count}")
-
-
-def _check_tensors(
-    tensors: Sequence[tuple[str, Array]], allow_non_finite: bool
-) -> np.dtype[Any]:
-    """Names unique, one float dtype, finite unless allowed; returns the dtype."""
-    first, dtype = tensors[0][0], np.dtype(tensors[0][1].dtype)
-    if dtype not in STATE_DTYPES:
-        raise InvalidArgument(
-            f"group tensors must be float32 or float64, got {dtype} for {first!r}"
-        )
-    seen: set[str] = set()
-    for tname, arr in tensors:
-        check_name(tname, "tensor name")
-        if tname in seen:
-            raise InvalidArgument(f"tensor name {tname!r} appears twice")
-        seen.add(tname)
-        if arr.dtype != dtype:
-            raise InvalidArgument(
-                f"a group has one dtype: {first!r} is {dtype}, {tname!r} is {arr.dtype}"
-            )
-        if not allow_non_finite and not all_finite(arr):
-            raise InvalidArgument(
-                f"initial value of {tname!r} holds NaN or inf; pass "
-                "allow_non_finite=True to keep it"
-            )
-    return dtype
-
-
-def _check_state(
-    attrs: OptimizerAttrs,
-    tensors: Sequence[tuple[str, Array]],
-    dtype: np.dtype[Any],
-    state: Sequence[Array] | None,
-) -> None:
-    """Either no state (zeros) or every V/H of every tensor, each shaped like X."""
-    if not state:
-        return
-    n, names = len(tensors), attrs.state_names
-    if len(state) != n * len(names):
-        raise InvalidArgument(
-            f"{attrs.op} state is {', '.join(names)} for each of the "
-            f"{n} tensors: {n * len(names)} arrays, got {len(state)}"
-        )
-    for j, arr in enumerate(state):
-        tname, x = tensors[j % n]
-        if arr.dtype != dtype or arr.shape != x.shape:
-            raise InvalidArgument(
-                f"state {names[j // n]} of {tname!r} must be {dtype} {x.shape}, got "
-                f"{arr.dtype} {arr.shape}"
-            )
-
-
 def _check_base_version(g: Group, base_version: int | None) -> None:
     """A push's T must be one the worker pulled, and fresh enough for the group."""
     if base_version is None:
@@ -792,18 +1038,25 @@ def _check_base_version(g: Group, base_version: int | None) -> None:
     if base_version > t:
         raise InvalidArgument(
             f"push computed against T={base_version}, but group {g.name!r} is "
-            f"only at T={t}: base_version must be a T the worker pulled"
+            f"only at T={t}: base_version must be a T the worker pulled",
+            reason="BASE_VERSION_AHEAD",
+            field="base_version",
+            metadata={"group": g.name, "update_count": t},
         )
     s = g.consistency.max_staleness
     if g.consistency.mode == "async" and s is not None and base_version < t - s:
         raise FailedPrecondition(
             f"stale push to {g.name!r}: computed against T={base_version}, the "
             f"group is at T={t} and max_staleness={s} accepts T >= {t - s}; "
-            "pull and recompute"
+            "pull and recompute",
+            reason="STALE_PUSH",
+            metadata={"group": g.name, "update_count": t, "max_staleness": s},
         )
     if g.consistency.mode == "sync" and base_version < t:
         raise FailedPrecondition(
             f"stale push to sync group {g.name!r}: computed against "
             f"T={base_version}, but that step was already taken (T={t}); pull "
-            f"min_version={t} and recompute"
+            f"min_version={t} and recompute",
+            reason="STALE_PUSH",
+            metadata={"group": g.name, "update_count": t},
         )

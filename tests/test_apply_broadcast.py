@@ -75,10 +75,10 @@ def inputs_for(op: str, dtype: Any, t: int, seed: int = 0) -> list[Any]:
 
 
 @pytest.fixture
-def stub(server: ServerHandle) -> Iterator[pb_grpc.ParameterServerStub]:
+def stub(server: ServerHandle) -> Iterator[pb_grpc.ParameterServerServiceStub]:
     """The raw generated stub, for requests the client library would never build."""
     with grpc.insecure_channel(server.address) as channel:
-        yield pb_grpc.ParameterServerStub(channel)
+        yield pb_grpc.ParameterServerServiceStub(channel)
 
 
 @pytest.mark.parametrize("transport", ["unary", "stream"])
@@ -152,31 +152,26 @@ def test_apply_refuses_a_shape_that_does_not_broadcast_to_x(
 
 # -- dims no array can have (issue 11, item 9) -----------------------------------------
 
-R = pb.Tensor(dtype=pb.FLOAT, dims=[], raw_data=np.float32(0.1).tobytes())
-T = pb.Tensor(dtype=pb.INT64, dims=[], raw_data=np.int64(0).tobytes())
+R = pb.Tensor(dtype=pb.DATA_TYPE_FLOAT, dims=[], raw_data=np.float32(0.1).tobytes())
+T = pb.Tensor(dtype=pb.DATA_TYPE_INT64, dims=[], raw_data=np.int64(0).tobytes())
 UNREPRESENTABLE = {
     # Zero elements, but the other dims' product overflows what NumPy can address.
     "product-overflows": [0, 2**62, 2**62],
     "bytes-overflow": [0, 2**61],  # 2**61 float32 elements: 2**63 bytes
     "65-dims": [1] * 65,  # NumPy arrays have at most 64
 }
-CODEC_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason="client/_codec.py tensor_spec accepts dims NumPy cannot represent; "
-    "tensor_to_array's reshape (and TensorAssembler's np.empty) then raise "
-    "ValueError, which the servicer reports as INTERNAL",
-)
 
 
 def unrepresentable(dims: list[int]) -> pb.Tensor:
     empty = 0 in dims
-    return pb.Tensor(dtype=pb.FLOAT, dims=dims, raw_data=b"" if empty else b"\0" * 4)
+    return pb.Tensor(
+        dtype=pb.DATA_TYPE_FLOAT, dims=dims, raw_data=b"" if empty else b"\0" * 4
+    )
 
 
-@CODEC_XFAIL
 @pytest.mark.parametrize("dims", UNREPRESENTABLE.values(), ids=UNREPRESENTABLE.keys())
 def test_apply_dims_no_array_can_have(
-    stub: pb_grpc.ParameterServerStub, dims: list[int]
+    stub: pb_grpc.ParameterServerServiceStub, dims: list[int]
 ) -> None:
     tensor = unrepresentable(dims)
     request = pb.ApplyRequest(
@@ -188,17 +183,18 @@ def test_apply_dims_no_array_can_have(
     assert "input 2" in (info.value.details() or "")
 
 
-@CODEC_XFAIL
 @pytest.mark.parametrize("dims", UNREPRESENTABLE.values(), ids=UNREPRESENTABLE.keys())
 def test_apply_stream_dims_no_array_can_have(
-    stub: pb_grpc.ParameterServerStub, dims: list[int]
+    stub: pb_grpc.ParameterServerServiceStub, dims: list[int]
 ) -> None:
-    header = pb.Tensor(dtype=pb.FLOAT, dims=dims)
+    header = pb.Tensor(dtype=pb.DATA_TYPE_FLOAT, dims=dims)
     request = pb.ApplyRequest(
         optimizer=Adagrad().to_proto(), inputs=[R, T, header, header, header]
     )
     with pytest.raises(grpc.RpcError) as info:
-        list(stub.ApplyStream(iter([pb.ApplyChunk(request=request)]), timeout=10))
+        list(
+            stub.ApplyStream(iter([pb.ApplyStreamRequest(request=request)]), timeout=10)
+        )
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert "input 2" in (info.value.details() or "")
 

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from onnxps import cli
 from onnxps.client import Adagrad, Adam, Client, Nesterov, Sync, UnavailableError
-from onnxps.client._codec import header_tensor, iter_chunks
+from onnxps.client.codec import header_tensor, iter_chunks
 from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.server.cli import add_serve_arguments, config_flags, config_from_args
 from onnxps.v1 import parameter_server_pb2 as pb
@@ -36,15 +36,17 @@ def _slow_push(
     def chunks():  # type: ignore[no-untyped-def]
         header = pb.PushRequest(group="big", client_id="slow", seq=1)
         header.gradients.append(header_tensor(grad))
-        yield pb.PushChunk(header=header)
+        yield pb.PushStreamRequest(header=header)
         for i, c in enumerate(iter_chunks([grad], 1 << 20)):
             if i == 1:
                 in_flight.set()
                 go.wait(20)
-            yield pb.PushChunk(chunk=c)
+            yield pb.PushStreamRequest(chunk=c)
 
     with grpc.insecure_channel(address) as channel:
-        return pb_grpc.ParameterServerStub(channel).PushStream(chunks(), timeout=30)
+        return pb_grpc.ParameterServerServiceStub(channel).PushStream(
+            chunks(), timeout=30
+        )
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -86,7 +88,7 @@ def test_serve_drains_in_flight_call_and_exits_0_on_signal(
         stop(proc)
     assert "error" not in result, result.get("error")
     reply = result["reply"]
-    assert isinstance(reply, pb.PushResponse)
+    assert isinstance(reply, pb.PushStreamResponse)
     assert reply.update_count == 1 and reply.applied
     text = log.read_text()
     assert f"onnxps listening on {address}" in text
@@ -157,7 +159,7 @@ def test_status_unreachable_server_exits_1_quickly(
 def test_health_check_reports_serving(server: ServerHandle) -> None:
     with grpc.insecure_channel(server.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        for service in ("", "onnxps.v1.ParameterServer"):
+        for service in ("", "onnxps.v1.ParameterServerService"):
             reply = stub.Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=5
             )
@@ -174,9 +176,10 @@ def test_reflection_lists_the_services(server: ServerHandle) -> None:
         replies = list(stub.ServerReflectionInfo(iter([request]), timeout=5))
     names = {s.name for s in replies[0].list_services_response.service}
     assert names == {
-        "onnxps.v1.ParameterServer",
+        "onnxps.v1.ParameterServerService",
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
+        "grpc.reflection.v1.ServerReflection",
     }
 
 

@@ -34,15 +34,15 @@ from onnxps.client import (
     Sync,
     UnavailableError,
 )
-from onnxps.client._codec import (
+from onnxps.client._errors import translate
+from onnxps.client.codec import (
     TensorAssembler,
     array_to_tensor,
+    chunk_messages,
     header_tensor,
     iter_chunks,
     tensor_to_array,
 )
-from onnxps.client._errors import translate
-from onnxps.client._wire import deserializer, iter_raw_chunks, serializer
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from onnxps.v1 import parameter_server_pb2 as pb
 
@@ -438,16 +438,17 @@ def test_codec_round_trip_and_chunk_messages(array: Any) -> None:
     decoded = tensor_to_array(pb.Tensor.FromString(msg.SerializeToString()))
     assert decoded.tobytes() == msg.raw_data and decoded.shape == np.shape(array)
 
-    # hand-written chunks are byte-identical to protobuf's, and read back as views
+    # chunks filled inside the stream message are the nested TensorChunks
     nested = [
-        pb.PushChunk(chunk=c).SerializeToString() for c in iter_chunks([array], 64)
+        pb.PushStreamRequest(chunk=c).SerializeToString()
+        for c in iter_chunks([array], 64)
     ]
-    write = serializer(2)
-    wire = [write(c) for c in iter_raw_chunks([array], 64)]
+    wire = [
+        m.SerializeToString() for m in chunk_messages(pb.PushStreamRequest, [array], 64)
+    ]
     assert wire == nested
-    parse = deserializer(pb.PushChunk, 2)
     asm = TensorAssembler([header_tensor(array)], ["t"])
     for raw in wire:
-        asm.add(parse(raw).chunk)
+        asm.add(pb.PushStreamRequest.FromString(raw).chunk)
     (out,) = asm.finish()
     assert out.tobytes() == msg.raw_data and out.shape == np.shape(array)

@@ -9,6 +9,7 @@ restart each group must equal the state after a prefix of its pushes, and with
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import signal
@@ -31,6 +32,7 @@ from onnxps.client import (
     Momentum,
     RpcError,
     Sync,
+    UnavailableError,
 )
 from onnxps.server._snapshot import list_snapshots, load_snapshot
 from onnxps.server.kernels import apply_onnx
@@ -45,7 +47,11 @@ interval, fsize = float(interval), int(fsize)
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 if fsize:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, hard))
+    # SIGUSR1: the operator made room (the soft limit goes back up)
+    signal.signal(signal.SIGUSR1, lambda *a: resource.setrlimit(
+        resource.RLIMIT_FSIZE, (hard, hard)))
 config = ServerConfig(
     address="127.0.0.1:0", durability=mode, data_dir=data_dir,
     snapshot_interval=interval, threads=16,
@@ -285,23 +291,86 @@ def test_disk_failure_while_snapshotting_keeps_serving(tmp_path: Path) -> None:
     assert groups[0].image.definition.update_count == 1
 
 
-def test_disk_failure_in_the_log_keeps_serving(tmp_path: Path) -> None:
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5
+        )
+    return int(reply.status)
+
+
+def _pusher(address: str, i: int, acked: list[int], refused: list[str]) -> None:
+    """Push until the log refuses a push (after the client's resends)."""
+    with Client(address, client_id=f"p{i}", timeout=60) as c:
+        while acked[i] < 200:
+            try:
+                c.push("g", _grad("g", i, 512, np.float64))
+                acked[i] += 1
+            except UnavailableError as exc:
+                refused.append(str(exc))
+                return
+
+
+def test_a_full_disk_in_wal_mode_refuses_pushes_and_loses_no_acknowledged_one(
+    tmp_path: Path,
+) -> None:
     data = tmp_path / "data"
+    # the create record is 12 KiB, a push 4 KiB: the log hits 64 KiB after ~12
     server = Server(data, "wal", fsize=64 * 1024)
+    clients = 8
+    acked, refused = [0] * clients, []  # type: ignore[var-annotated]
     try:
         with Client(server.address, timeout=10) as c:
-            c.create_group(
-                "g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(2048)}
-            )
-            for k in range(8):  # 16 KiB records: the log passes 64 KiB
-                assert c.push("g", np.ones(2048)) == k + 1
-            with grpc.insecure_channel(server.address) as channel:
-                reply = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(service=""), timeout=5
+            c.create_group("g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(512)})
+            threads = [
+                threading.Thread(
+                    target=_pusher, args=(server.address, i, acked, refused)
                 )
-            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                for i in range(clients)
+            ]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(timeout=120)
+            assert len(refused) == clients, "the log never filled up"
+            assert 5 <= sum(acked) <= 16, acked
+            assert "write-ahead log in" in refused[0]
+            assert "File too large" in refused[0]
+            assert "this change was not applied" in refused[0]
+            assert _health(server.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+            # a refused push leaves T and X as they were
+            t, before = c.pull_versioned("g", state=True)
+            assert t == sum(acked)
+            with pytest.raises(UnavailableError, match="not applied") as err:
+                c.push("g", np.ones(512))
+            assert err.value.reason == "WAL_WRITE_FAILED"
+            assert err.value.metadata["errno"] == str(errno.EFBIG)
+            t_after, after = c.pull_versioned("g", state=True)
+            assert t_after == t
+            assert [a.tobytes() for a in after] == [a.tobytes() for a in before]
+            # room is made: the log writes again, and health says so
+            server.proc.send_signal(signal.SIGUSR1)
+            time.sleep(0.2)
+            c.set_learning_rate("g", 0.05)
+            assert c.push("g", np.ones(512)) == t + 1
+            assert _health(server.address) == health_pb2.HealthCheckResponse.SERVING
+            t, before = c.pull_versioned("g", state=True)
     finally:
         server.kill()
     log = (tmp_path / "data.log").read_text()
     assert "ERROR onnxps.durability: write-ahead log in" in log
     assert "File too large" in log
+    assert "is written again" in log
+    restarted = Server(data, "wal")
+    try:
+        with Client(restarted.address, timeout=10) as c:
+            t_restored, restored = c.pull_versioned("g", state=True)
+            assert t_restored == t  # every acknowledged push, no refused one
+            assert [a.tobytes() for a in restored] == [a.tobytes() for a in before]
+            assert c.describe_group("g").learning_rate == 0.05
+            assert c.push("g", np.ones(512)) == t + 1  # and the log goes on
+    finally:
+        restarted.kill()
+    log = (tmp_path / "data.log").read_text()
+    assert "records are missing" not in log  # refused lsns are declared void
+    assert "Traceback" not in log

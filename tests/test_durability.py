@@ -7,6 +7,7 @@ runs are in test_crash_recovery.py.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -192,6 +193,8 @@ def _damage(snap: Path, how: str) -> str:
         text = (snap / "manifest.json").read_bytes()
         (snap / "manifest.json").write_bytes(text[: len(text) // 2])
         return "unreadable manifest"
+    if how in MANIFEST_EDITS:
+        return _edit_manifest(snap, how)
     target = snap / "g00000-a0.npy"
     data = bytearray(target.read_bytes())
     if how == "truncated":
@@ -202,8 +205,48 @@ def _damage(snap: Path, how: str) -> str:
     return "sha256 does not match"
 
 
+MANIFEST_EDITS = {
+    # how: the reason the log line gives
+    "update_count": "manifest_sha256 does not match the manifest",
+    "wal_lsn": "manifest_sha256 does not match the manifest",
+    "renamed_key": "manifest_sha256 does not match the manifest",
+    "no_checksum": "has no manifest_sha256",
+    # re-hashed after the edit, as a tool that rewrote the manifest would
+    "missing_field_rehashed": "malformed manifest: KeyError('wal_lsn')",
+    "wrong_type_rehashed": "malformed manifest: TypeError",
+    "missing_group_field_rehashed": "malformed group entry: KeyError('dedup')",
+}
+
+
+def _edit_manifest(snap: Path, how: str) -> str:
+    path = snap / "manifest.json"
+    m = json.loads(path.read_text())
+    if how == "update_count":
+        m["groups"][0]["image"]["update_count"] = 80
+    elif how == "wal_lsn":
+        m["wal_lsn"] += 1000
+    elif how == "renamed_key":
+        m["wal_seq"] = m.pop("wal_lsn")
+    elif how == "no_checksum":
+        del m["manifest_sha256"]
+    elif how == "missing_field_rehashed":
+        del m["wal_lsn"]
+    elif how == "wrong_type_rehashed":
+        m["generation"] = "2"
+    elif how == "missing_group_field_rehashed":
+        del m["groups"][0]["dedup"]
+    if how.endswith("_rehashed"):
+        del m["manifest_sha256"]
+        canonical = json.dumps(m, sort_keys=True, separators=(",", ":"))
+        m["manifest_sha256"] = hashlib.sha256(canonical.encode()).hexdigest()
+    path.write_text(json.dumps(m, indent=1))
+    return MANIFEST_EDITS[how]
+
+
 @pytest.mark.parametrize(
-    "how", ["truncated", "flipped", "manifest_version", "manifest_truncated"]
+    "how",
+    ["truncated", "flipped", "manifest_version", "manifest_truncated"]
+    + list(MANIFEST_EDITS),
 )
 def test_damaged_newest_snapshot_falls_back_to_previous(
     tmp_path: Path,
@@ -233,6 +276,28 @@ def test_damaged_newest_snapshot_falls_back_to_previous(
         assert t == 3
         for a, b in zip(values, saved, strict=True):
             assert a.tobytes() == b.tobytes()
+
+
+def test_a_version_2_snapshot_without_a_manifest_checksum_still_restores(
+    tmp_path: Path, servers: Callable[[ServerConfig], ServerHandle]
+) -> None:
+    first = servers(_config(tmp_path))
+    with Client(first.address) as c:
+        c.create_group("g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(4)})
+        c.push("g", np.ones(4))
+        saved = c.pull("g", state=True)
+    first.stop(grace=1)
+    (snap,) = _snapshot_dirs(tmp_path)
+    m = json.loads((snap / "manifest.json").read_text())
+    assert m["format_version"] == 3
+    m["format_version"] = 2  # as the release before manifest checksums wrote it
+    del m["manifest_sha256"]
+    (snap / "manifest.json").write_text(json.dumps(m))
+    second = servers(_config(tmp_path))
+    with Client(second.address) as c:
+        t, values = c.pull_versioned("g", state=True)
+        assert t == 1
+        assert [a.tobytes() for a in values] == [a.tobytes() for a in saved]
 
 
 def test_wal_replays_everything_after_the_snapshot(
@@ -472,3 +537,89 @@ def test_export_import_commands(
     with Client(src.address) as a, Client(dst.address) as b:
         for g in ("other", "team/adam", "team/sync"):
             _assert_same_state(a, b, g)
+
+
+def _odd_shapes(c: Client) -> None:
+    """Groups holding a 0-d tensor and an empty one beside an ordinary one."""
+    c.create_group(
+        "odd",
+        Adam(),
+        learning_rate=0.1,
+        tensors={
+            "s": np.array(1.5, F32),
+            "e": np.zeros((0, 3), F32),
+            "v": np.arange(3, dtype=F32),
+        },
+    )
+    c.create_group(
+        "odd-sync",
+        Momentum(0.9, 1.0),
+        learning_rate=0.1,
+        tensors={"s": np.array(-2.0), "e": np.zeros(0)},
+        consistency=Sync(2),
+    )
+
+
+def _odd_push(c: Client, k: int, client: Client | None = None) -> None:
+    c.push("odd", np.array(0.5 + k, F32), np.zeros((0, 3), F32), _grad(k, (3,), F32))
+    (client or c).push("odd-sync", np.array(0.25 * k), np.zeros(0), base_version=0)
+
+
+ODD_SHAPES = [(), (0, 3), (3,)]
+
+
+@pytest.mark.parametrize("restart", ["snapshot", "wal", "wal-crash"])
+def test_zero_d_and_empty_tensors_keep_their_shape_across_a_restart(
+    tmp_path: Path, servers: Callable[[ServerConfig], ServerHandle], restart: str
+) -> None:
+    mode = restart.removesuffix("-crash")
+    ref = servers(_config(None, "none"))
+    first = servers(_config(tmp_path, mode))
+    with Client(ref.address, client_id="a") as r, Client(first.address) as c:
+        for cl in (r, c):
+            _odd_shapes(cl)
+            cl.push("odd", np.array(0.5, F32), np.zeros((0, 3), F32), np.ones(3, F32))
+            # one sync contribution of a 0-d gradient stays buffered
+            cl.push("odd-sync", np.array(3.0), np.zeros(0), base_version=0)
+        if restart == "wal-crash":
+            _crash(first)
+        else:
+            first.stop(grace=1)
+        second = servers(_config(tmp_path, mode))
+        with Client(second.address, client_id="a") as c2:
+            assert c2.describe_group("odd").tensors == list(
+                zip("sev", ODD_SHAPES, strict=True)
+            )
+            assert [a.shape for a in c2.pull("odd", state=True)] == ODD_SHAPES * 3
+            assert c2.describe_group("odd-sync").pending_contributions == 1
+            # pushes go on, identically to the reference; b completes the sync step
+            for cl, address in ((c2, second.address), (r, ref.address)):
+                with Client(address, client_id="b") as b:
+                    _odd_push(cl, 1, b)
+                cl.push("odd", np.array(2, F32), np.zeros((0, 3), F32), np.ones(3, F32))
+            for g in ("odd", "odd-sync"):
+                _assert_same_state(r, c2, g)
+            assert c2.describe_group("odd").update_count == 3
+            assert c2.describe_group("odd-sync").update_count == 1
+
+
+def test_zero_d_and_empty_tensors_survive_export_and_import(
+    tmp_path: Path, servers: Callable[[ServerConfig], ServerHandle]
+) -> None:
+    src, dst = servers(_config(None, "none")), servers(_config(tmp_path, "wal"))
+    path = tmp_path / "odd.npz"
+    with Client(src.address) as a, Client(dst.address) as b:
+        _odd_shapes(a)
+        a.push("odd", np.array(0.5, F32), np.zeros((0, 3), F32), np.ones(3, F32))
+        assert a.export(path, prefix="odd") == ["odd", "odd-sync"]
+        assert b.import_(path) == ["odd", "odd-sync"]
+        for g in ("odd", "odd-sync"):
+            _assert_same_state(a, b, g)
+        for cl in (a, b):
+            cl.push("odd", np.array(2.0, F32), np.zeros((0, 3), F32), np.ones(3, F32))
+        _assert_same_state(a, b, "odd")
+    dst.stop(grace=1)  # and the imported group through a restart of a wal server
+    again = servers(_config(tmp_path, "wal"))
+    with Client(src.address) as a, Client(again.address) as b:
+        _assert_same_state(a, b, "odd")
+        assert [x.shape for x in b.pull("odd")] == ODD_SHAPES

@@ -117,31 +117,35 @@ def test_stop_finishes_admitted_calls_and_refuses_new_ones_with_unavailable() ->
     outcome: dict[str, object] = {}
 
     def slow_chunks():  # type: ignore[no-untyped-def]
-        from onnxps.client._codec import header_tensor, iter_chunks
+        from onnxps.client.codec import header_tensor, iter_chunks
         from onnxps.v1 import parameter_server_pb2 as pb
 
         header = pb.PushRequest(group="big", client_id="slow", seq=1)
         header.gradients.append(header_tensor(x))
-        yield pb.PushChunk(header=header)
+        yield pb.PushStreamRequest(header=header)
         for i, chunk in enumerate(iter_chunks([np.ones_like(x)], 1 << 20)):
             if i == 1:
                 outcome["started"] = True
                 release.wait(10)
-            yield pb.PushChunk(chunk=chunk)
+            yield pb.PushStreamRequest(chunk=chunk)
 
     def slow_push() -> None:
         from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
         with grpc.insecure_channel(handle.address) as ch:
             try:
-                stub = pb_grpc.ParameterServerStub(ch)
+                stub = pb_grpc.ParameterServerServiceStub(ch)
                 outcome["reply"] = stub.PushStream(slow_chunks(), timeout=20)
             except grpc.RpcError as exc:
                 outcome["error"] = exc.code()
+            except Exception as exc:  # noqa: BLE001 - a broken test, asserted below
+                outcome["error"] = exc
 
     pusher = threading.Thread(target=slow_push)
     pusher.start()
-    while not outcome.get("started"):
+    deadline = time.monotonic() + 20
+    while not outcome.get("started") and "error" not in outcome:
+        assert time.monotonic() < deadline, "the slow push never started"
         time.sleep(0.01)
     stopper = threading.Thread(target=handle.stop, kwargs={"grace": 10.0})
     stopper.start()
@@ -153,7 +157,7 @@ def test_stop_finishes_admitted_calls_and_refuses_new_ones_with_unavailable() ->
 
     with grpc.insecure_channel(handle.address) as ch:
         with pytest.raises(grpc.RpcError) as late:
-            pb_grpc.ParameterServerStub(ch).ListGroups(
+            pb_grpc.ParameterServerServiceStub(ch).ListGroups(
                 pb.ListGroupsRequest(), timeout=5
             )
     release.set()

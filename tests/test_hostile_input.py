@@ -30,8 +30,8 @@ EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 MAX_INFLIGHT = 64 << 20
 MAX_GROUP = 16 << 20
-ITEMSIZE = {pb.FLOAT: 4, pb.DOUBLE: 8, pb.INT64: 8}
-NP_DTYPE = {pb.FLOAT: np.float32, pb.DOUBLE: np.float64}
+ITEMSIZE = {pb.DATA_TYPE_FLOAT: 4, pb.DATA_TYPE_DOUBLE: 8, pb.DATA_TYPE_INT64: 8}
+NP_DTYPE = {pb.DATA_TYPE_FLOAT: np.float32, pb.DATA_TYPE_DOUBLE: np.float64}
 STATES = {"adagrad": 1, "momentum": 1, "adam": 2, None: 0}
 
 
@@ -43,8 +43,8 @@ class GroupSpec:
 
 
 GROUPS = {
-    "h/f32": GroupSpec(pb.FLOAT, ("w", "m"), ((3,), (2, 2))),
-    "h/f64": GroupSpec(pb.DOUBLE, ("b",), ((4,),)),
+    "h/f32": GroupSpec(pb.DATA_TYPE_FLOAT, ("w", "m"), ((3,), (2, 2))),
+    "h/f64": GroupSpec(pb.DATA_TYPE_DOUBLE, ("b",), ((4,),)),
 }
 
 UNARY, CLIENT_STREAM, SERVER_STREAM, BIDI = "uu", "su", "us", "ss"
@@ -89,7 +89,7 @@ class Hostile:
                 (n, rng.standard_normal(s).astype(dt))
                 for n, s in zip(spec.names, spec.shapes, strict=True)
             ]
-            opt = Adam() if spec.dtype == pb.FLOAT else Adagrad()
+            opt = Adam() if spec.dtype == pb.DATA_TYPE_FLOAT else Adagrad()
             self.client.create_group(name, opt, learning_rate=0.1, tensors=tensors)
             grads = [rng.standard_normal(s).astype(dt) for s in spec.shapes]
             assert self.client.push(name, *grads) == 1
@@ -107,7 +107,7 @@ class Hostile:
     def call(self, method: str, messages: Sequence[bytes]) -> grpc.StatusCode:
         """Send serialized messages to a method; the status code it ends with."""
         self.calls += 1
-        path = f"/onnxps.v1.ParameterServer/{method}"
+        path = f"/onnxps.v1.ParameterServerService/{method}"
         kind = METHODS[method]
         try:
             if kind == UNARY:
@@ -159,7 +159,9 @@ def cases(n: int) -> settings:
 
 
 # -- strategies ------------------------------------------------------------------------
-DTYPES = st.sampled_from([pb.FLOAT, pb.DOUBLE, pb.INT64, 0, 2, 10, 16, 12345])
+DTYPES = st.sampled_from(
+    [pb.DATA_TYPE_FLOAT, pb.DATA_TYPE_DOUBLE, pb.DATA_TYPE_INT64, 0, 2, 10, 16, 12345]
+)
 DIM = st.integers(-2, 5) | st.sampled_from([2**20, 2**31, 2**40, 2**62])
 DIMS = st.lists(DIM, max_size=4)
 ODD_NAMES = (
@@ -170,10 +172,14 @@ ODD_NAMES = (
 
 
 def _valid_spec(t: pb.Tensor) -> bool:
-    return t.dtype in ITEMSIZE and all(d >= 0 for d in t.dims)
+    """Dims some array could have: at most 64, under 2**63 bytes (zeros aside)."""
+    if t.dtype not in ITEMSIZE or any(d < 0 for d in t.dims) or len(t.dims) > 64:
+        return False
+    return math.prod(d for d in t.dims if d) * ITEMSIZE[t.dtype] < 2**63
 
 
 def _nbytes(t: pb.Tensor) -> int:
+    # as admission sizes a call: dims no array can have count nothing (refused later)
     return math.prod(t.dims) * ITEMSIZE[t.dtype] if _valid_spec(t) else 0
 
 
@@ -273,8 +279,8 @@ def test_non_finite_gradients_are_refused(ps: Hostile) -> None:
                 pb.Tensor(name=t.name, dtype=t.dtype, dims=t.dims) for t in msgs
             ],
         )
-        chunks = [pb.PushChunk(header=header).SerializeToString()] + [
-            pb.PushChunk(
+        chunks = [pb.PushStreamRequest(header=header).SerializeToString()] + [
+            pb.PushStreamRequest(
                 chunk=pb.TensorChunk(index=i, offset=0, data=t.raw_data)
             ).SerializeToString()
             for i, t in enumerate(msgs)
@@ -331,8 +337,10 @@ def test_malformed_push_streams(ps: Hostile) -> None:
         group: str, headers: list[pb.Tensor], data: st.DataObject, header_first: int
     ) -> None:
         chunks = data.draw(chunk_lists(len(headers)))
-        header = pb.PushChunk(header=pb.PushRequest(group=group, gradients=headers))
-        msgs = [pb.PushChunk(chunk=c) for c in chunks]
+        header = pb.PushStreamRequest(
+            header=pb.PushRequest(group=group, gradients=headers)
+        )
+        msgs = [pb.PushStreamRequest(chunk=c) for c in chunks]
         if header_first:  # else: a stream that does not begin with its header
             msgs.insert(0, header)
         first = msgs[0] if msgs else None
@@ -376,10 +384,10 @@ def test_malformed_apply_streams(ps: Hostile) -> None:
         chunks = data.draw(chunk_lists(len(headers)))
         # a last chunk for a tensor the header does not list: never a valid stream
         chunks.append(pb.TensorChunk(index=len(headers), offset=0, data=b"x"))
-        first = pb.ApplyChunk(
+        first = pb.ApplyStreamRequest(
             request=pb.ApplyRequest(optimizer=optimizer, inputs=headers)
         )
-        msgs = [first] + [pb.ApplyChunk(chunk=c) for c in chunks]
+        msgs = [first] + [pb.ApplyStreamRequest(chunk=c) for c in chunks]
         declared = first.ByteSize() + _declared(headers)
         want = EXHAUSTED if declared > MAX_INFLIGHT else INVALID
         start = time.monotonic()
@@ -409,9 +417,9 @@ def test_malformed_create_group_streams(ps: Hostile) -> None:
             tensors=headers,
             state=state,
         )
-        first = pb.CreateGroupChunk(header=req)
+        first = pb.CreateGroupStreamRequest(header=req)
         bad_index = pb.TensorChunk(index=len(headers) + len(state), data=b"x")
-        msgs = [first, pb.CreateGroupChunk(chunk=bad_index)]
+        msgs = [first, pb.CreateGroupStreamRequest(chunk=bad_index)]
         group_bytes = _declared(headers) * (1 + STATES[kind])
         if first.ByteSize() + _declared(headers) + _declared(state) > MAX_INFLIGHT:
             want = EXHAUSTED
@@ -490,16 +498,16 @@ def test_malformed_unary_applies(ps: Hostile) -> None:
 # -- names -----------------------------------------------------------------------------
 def test_unknown_and_odd_group_names(ps: Hostile) -> None:
     requests: dict[str, Callable[[str], Any]] = {
-        "DescribeGroup": lambda g: pb.GroupRequest(group=g),
-        "DeleteGroup": lambda g: pb.GroupRequest(group=g),
+        "DescribeGroup": lambda g: pb.DescribeGroupRequest(group=g),
+        "DeleteGroup": lambda g: pb.DeleteGroupRequest(group=g),
         "SetLearningRate": lambda g: pb.SetLearningRateRequest(
             group=g, learning_rate=1
         ),
         "Pull": lambda g: pb.PullRequest(group=g, with_state=True),
-        "PullStream": lambda g: pb.PullRequest(group=g, min_version=10**9),
-        "JoinGroup": lambda g: pb.JoinRequest(group=g, worker_id="w1"),
-        "Heartbeat": lambda g: pb.JoinRequest(group=g, worker_id="w1"),
-        "LeaveGroup": lambda g: pb.JoinRequest(group=g, worker_id="w1"),
+        "PullStream": lambda g: pb.PullStreamRequest(group=g, min_version=10**9),
+        "JoinGroup": lambda g: pb.JoinGroupRequest(group=g, worker_id="w1"),
+        "Heartbeat": lambda g: pb.HeartbeatRequest(group=g, worker_id="w1"),
+        "LeaveGroup": lambda g: pb.LeaveGroupRequest(group=g, worker_id="w1"),
         "Push": lambda g: pb.PushRequest(group=g),
     }
 
@@ -536,13 +544,14 @@ def test_raw_garbage_to_every_method(ps: Hostile) -> None:
         messages = [garbage]
         if after_valid_header and method in ("PushStream", "ApplyStream"):
             header: Any = (
-                pb.PushChunk(
+                pb.PushStreamRequest(
                     header=pb.PushRequest(
-                        group="h/f64", gradients=[pb.Tensor(dtype=pb.DOUBLE, dims=[4])]
+                        group="h/f64",
+                        gradients=[pb.Tensor(dtype=pb.DATA_TYPE_DOUBLE, dims=[4])],
                     )
                 )
                 if method == "PushStream"
-                else pb.ApplyChunk(request=pb.ApplyRequest())
+                else pb.ApplyStreamRequest(request=pb.ApplyRequest())
             )
             messages.insert(0, header.SerializeToString())
         assert ps.call(method, messages) == INVALID
@@ -552,8 +561,10 @@ def test_raw_garbage_to_every_method(ps: Hostile) -> None:
 
 
 def test_huge_declared_sizes_are_refused_quickly(ps: Hostile) -> None:
-    huge = pb.Tensor(name="w", dtype=pb.FLOAT, dims=[2**40])
-    huge_bytes = pb.Tensor(name="w", dtype=pb.FLOAT, dims=[2**40], raw_data=b"1234")
+    huge = pb.Tensor(name="w", dtype=pb.DATA_TYPE_FLOAT, dims=[2**40])
+    huge_bytes = pb.Tensor(
+        name="w", dtype=pb.DATA_TYPE_FLOAT, dims=[2**40], raw_data=b"1234"
+    )
     adagrad = Adagrad().to_proto()
     cases = [
         ("Push", pb.PushRequest(group="h/f32", gradients=[huge_bytes] * 2), INVALID),
@@ -565,17 +576,19 @@ def test_huge_declared_sizes_are_refused_quickly(ps: Hostile) -> None:
         ),
         (
             "PushStream",
-            pb.PushChunk(header=pb.PushRequest(group="h/f32", gradients=[huge])),
+            pb.PushStreamRequest(
+                header=pb.PushRequest(group="h/f32", gradients=[huge])
+            ),
             EXHAUSTED,
         ),
         (
             "ApplyStream",
-            pb.ApplyChunk(request=pb.ApplyRequest(inputs=[huge])),
+            pb.ApplyStreamRequest(request=pb.ApplyRequest(inputs=[huge])),
             EXHAUSTED,
         ),
         (
             "CreateGroupStream",
-            pb.CreateGroupChunk(
+            pb.CreateGroupStreamRequest(
                 header=pb.CreateGroupRequest(group="n", tensors=[huge])
             ),
             EXHAUSTED,

@@ -12,10 +12,11 @@ from typing import Any
 import numpy as np
 import onnx_reference as ref
 import pytest
+from kernel_paths import each_kernel_path  # noqa: F401
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 from onnxps.server.errors import InvalidArgument
-from onnxps.server.kernels import apply_onnx
+from onnxps.server.kernels import Stepper, apply_onnx, make_attrs
 
 Array = np.ndarray[Any, Any]
 
@@ -98,6 +99,10 @@ def assert_bit_exact(got: list[Array], expected: list[Array]) -> None:
         assert g.dtype == e.dtype
         assert g.shape == e.shape
         assert np.array_equal(g, e), np.max(np.abs(g - e))
+
+
+def test_each_run_of_this_module_takes_its_kernel_path(kernels: str) -> None:
+    assert Stepper(make_attrs("Adagrad", {}), np.float64, [3]).kernels == kernels
 
 
 # -- the official ONNX backend node tests ------------------------------------------

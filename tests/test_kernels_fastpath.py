@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from kernel_paths import each_kernel_path  # noqa: F401
 from onnxps.server.kernels import (
     BLOCK_ELEMENTS,
     PARALLEL_MIN_ELEMENTS,
@@ -94,6 +95,10 @@ def step_in_place(group: Group, attrs: Any, r: float, t: int, **kw: Any) -> Step
     stepper = Stepper(attrs, group.dtype, group.sizes, **kw)
     stepper.step(r, t, group.xs, group.gs, group.vs, group.hs)
     return stepper
+
+
+def test_each_run_of_this_module_takes_its_kernel_path(kernels: str) -> None:
+    assert Stepper(make_attrs("Adam", {}), np.float32, [3]).kernels == kernels
 
 
 # Blocks of 32 Ki elements, so the threaded group spans many blocks per thread.

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from kernel_paths import each_kernel_path  # noqa: F401
 from onnxps.server.errors import InvalidArgument
 from onnxps.server.kernels import (
     AdamAttrs,

@@ -81,7 +81,7 @@ def test_in_flight_bytes_are_bounded_and_released() -> None:
             grpc.insecure_channel(handle.address) as ch,
             Client(handle.address, timeout=10, transport="unary") as c,
         ):
-            stub = pb_grpc.ParameterServerStub(ch)
+            stub = pb_grpc.ParameterServerServiceStub(ch)
             w = np.zeros(n, np.float32)
             c.create_group("big", Adagrad(), learning_rate=1.0, tensors={"w": w})
             grad = np.ones(n, np.float32)
@@ -89,10 +89,10 @@ def test_in_flight_bytes_are_bounded_and_released() -> None:
 
             # One call larger than the whole budget is refused at once, unallocated.
             start = time.monotonic()
-            huge = pb.ApplyChunk(
+            huge = pb.ApplyStreamRequest(
                 request=pb.ApplyRequest(
                     optimizer=Adagrad().to_proto(),
-                    inputs=[pb.Tensor(dtype=pb.FLOAT, dims=[2**40])],
+                    inputs=[pb.Tensor(dtype=pb.DATA_TYPE_FLOAT, dims=[2**40])],
                 )
             )
             with pytest.raises(grpc.RpcError) as err:
@@ -105,19 +105,21 @@ def test_in_flight_bytes_are_bounded_and_released() -> None:
             assert time.monotonic() - start < 2.0
 
             # A stream that sent its header holds its declared bytes until it ends.
-            header = pb.PushChunk(
+            header = pb.PushStreamRequest(
                 header=pb.PushRequest(
                     group="big",
-                    gradients=[pb.Tensor(name="w", dtype=pb.FLOAT, dims=[n])],
+                    gradients=[pb.Tensor(name="w", dtype=pb.DATA_TYPE_FLOAT, dims=[n])],
                 )
             )
 
-            def slow_stream() -> Iterator[pb.PushChunk]:
+            def slow_stream() -> Iterator[pb.PushStreamRequest]:
                 yield header
                 header_sent.set()
                 release.wait(10)
                 data = grad.tobytes()
-                yield pb.PushChunk(chunk=pb.TensorChunk(index=0, offset=0, data=data))
+                yield pb.PushStreamRequest(
+                    chunk=pb.TensorChunk(index=0, offset=0, data=data)
+                )
 
             def run_stream() -> None:
                 try:
@@ -147,7 +149,7 @@ def test_in_flight_bytes_are_bounded_and_released() -> None:
             t.join(20)
             assert len(stream_result) == 1
             reply = stream_result[0]
-            assert isinstance(reply, pb.PushResponse) and reply.update_count == 2
+            assert isinstance(reply, pb.PushStreamResponse) and reply.update_count == 2
             # released: the same calls go through now
             assert stub.ListGroups(probe, timeout=10).groups == []
             assert c.push("big", grad) == 3
@@ -164,10 +166,10 @@ def test_concurrent_streams_are_bounded() -> None:
             grpc.insecure_channel(handle.address) as ch,
             Client(handle.address, timeout=10) as c,
         ):
-            stub = pb_grpc.ParameterServerStub(ch)
+            stub = pb_grpc.ParameterServerServiceStub(ch)
             w = np.zeros(4, np.float32)
             c.create_group("g", Adagrad(), learning_rate=1.0, tensors={"w": w})
-            waiting = pb.PullRequest(group="g", min_version=1)
+            waiting = pb.PullStreamRequest(group="g", min_version=1)
 
             def wait_pull() -> None:
                 # The probe below may take the one slot first: retry until admitted.
@@ -188,7 +190,7 @@ def test_concurrent_streams_are_bounded() -> None:
 
             def second_refused() -> bool:
                 try:
-                    list(stub.PullStream(pb.PullRequest(group="g"), timeout=10))
+                    list(stub.PullStream(pb.PullStreamRequest(group="g"), timeout=10))
                 except grpc.RpcError as exc:
                     assert exc.code() == RESOURCE_EXHAUSTED
                     assert exc.details() == (
@@ -207,7 +209,7 @@ def test_concurrent_streams_are_bounded() -> None:
             assert isinstance(chunks, list)
             assert chunks[0].header.update_count == 1
             # the slot is free again
-            again = list(stub.PullStream(pb.PullRequest(group="g"), timeout=10))
+            again = list(stub.PullStream(pb.PullStreamRequest(group="g"), timeout=10))
             assert again[0].header.update_count == 1
     finally:
         handle.stop(grace=0)
@@ -218,7 +220,7 @@ def test_streams_count_from_when_they_open_not_from_their_header() -> None:
     handle = _serve(max_concurrent_streams=4, threads=32)
     stop = threading.Event()
 
-    def silent() -> Iterator[pb.PushChunk]:
+    def silent() -> Iterator[pb.PushStreamRequest]:
         stop.wait(30)
         yield from ()
 
@@ -229,7 +231,7 @@ def test_streams_count_from_when_they_open_not_from_their_header() -> None:
         ):
             w = np.zeros(4, np.float32)
             c.create_group("g", Adagrad(), learning_rate=1.0, tensors={"w": w})
-            stub = pb_grpc.ParameterServerStub(ch)
+            stub = pb_grpc.ParameterServerServiceStub(ch)
             held = [stub.PushStream.future(silent(), timeout=30) for _ in range(4)]
 
             def fifth_refused() -> bool:

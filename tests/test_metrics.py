@@ -129,7 +129,7 @@ def test_each_rpc_logs_method_group_code_and_its_request_id(
     handle = _serve()
     try:
         with grpc.insecure_channel(handle.address) as ch:
-            stub = pb_grpc.ParameterServerStub(ch)
+            stub = pb_grpc.ParameterServerServiceStub(ch)
             with caplog.at_level(logging.DEBUG, logger="onnxps.rpc"):
                 with pytest.raises(grpc.RpcError) as err:
                     stub.Pull(

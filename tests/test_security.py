@@ -28,6 +28,7 @@ from onnxps.client import (
     PermissionDeniedError,
     UnauthenticatedError,
 )
+from onnxps.client.codec import SERVICE
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from onnxps.server.security import (
     ConfigError,
@@ -166,8 +167,8 @@ def _raw_describe(
     """One DescribeGroup over a channel without retries; the status it ends with."""
     with grpc.secure_channel(address, creds) as ch:
         try:
-            pb_grpc.ParameterServerStub(ch).DescribeGroup(
-                pb.GroupRequest(group=group), timeout=5
+            pb_grpc.ParameterServerServiceStub(ch).DescribeGroup(
+                pb.DescribeGroupRequest(group=group), timeout=5
             )
         except grpc.RpcError as exc:
             return exc.code()
@@ -189,8 +190,8 @@ def test_tls_serves_a_client_that_trusts_the_ca(pki: Pki) -> None:
         # a plaintext client cannot talk to a TLS server
         with grpc.insecure_channel(handle.address) as ch:
             with pytest.raises(grpc.RpcError) as err:
-                pb_grpc.ParameterServerStub(ch).DescribeGroup(
-                    pb.GroupRequest(group="t"), timeout=5
+                pb_grpc.ParameterServerServiceStub(ch).DescribeGroup(
+                    pb.DescribeGroupRequest(group="t"), timeout=5
                 )
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
@@ -351,13 +352,13 @@ def test_a_write_token_pushes_but_cannot_create_or_delete(
 def test_health_stays_open_without_a_token(auth_server: ServerHandle) -> None:
     with grpc.insecure_channel(auth_server.address) as ch:
         reply = health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(service="onnxps.v1.ParameterServer"),
+            health_pb2.HealthCheckRequest(service="onnxps.v1.ParameterServerService"),
             timeout=5,
         )
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _silent(stop: threading.Event) -> Iterator[pb.PushChunk]:
+def _silent(stop: threading.Event) -> Iterator[pb.PushStreamRequest]:
     """A request stream that sends nothing until ``stop`` is set."""
     stop.wait(30)
     yield from ()
@@ -378,7 +379,7 @@ def test_silent_streams_without_a_token_are_refused_at_once(
             Client(handle.address, token=TOKENS["admin"], timeout=10) as admin,
         ):
             admin.create_group("g", Adagrad(), learning_rate=0.5, tensors={"w": W0})
-            stub = pb_grpc.ParameterServerStub(ch)
+            stub = pb_grpc.ParameterServerServiceStub(ch)
             start = time.monotonic()
             calls = [
                 stub.PushStream.future(_silent(stop), timeout=20) for _ in range(64)
@@ -389,7 +390,7 @@ def test_silent_streams_without_a_token_are_refused_at_once(
                 assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
             assert time.monotonic() - start < 5.0
             reply = health_pb2_grpc.HealthStub(ch).Check(
-                health_pb2.HealthCheckRequest(service="onnxps.v1.ParameterServer"),
+                health_pb2.HealthCheckRequest(service=SERVICE),
                 timeout=2,
             )
             assert reply.status == health_pb2.HealthCheckResponse.SERVING

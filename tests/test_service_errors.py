@@ -43,10 +43,10 @@ def group(client: Client) -> str:
 
 
 @pytest.fixture
-def stub(server: ServerHandle) -> Iterator[pb_grpc.ParameterServerStub]:
+def stub(server: ServerHandle) -> Iterator[pb_grpc.ParameterServerServiceStub]:
     """The raw generated stub, for requests the client library would never build."""
     with grpc.insecure_channel(server.address) as channel:
-        yield pb_grpc.ParameterServerStub(channel)
+        yield pb_grpc.ParameterServerServiceStub(channel)
 
 
 def snapshot(client: Client, name: str = "g") -> tuple[int, list[bytes], float]:
@@ -83,7 +83,7 @@ def raw(stub_method: Callable[..., Any], request: Any) -> Any:
 
 
 def tensor(a: Array, **overrides: Any) -> pb.Tensor:
-    fields = {"dtype": pb.FLOAT, "dims": a.shape, "raw_data": a.tobytes()}
+    fields = {"dtype": pb.DATA_TYPE_FLOAT, "dims": a.shape, "raw_data": a.tobytes()}
     fields.update(overrides)
     return pb.Tensor(**fields)
 
@@ -251,7 +251,7 @@ def test_non_finite_learning_rate_and_future_base_version(
             tensor(GW, dtype=5),
             ["data type 5", "expected FLOAT (1), DOUBLE (11) or INT64 (7)"],
         ),
-        (tensor(GW, dtype=pb.INT64), ["must be float32", "got int64"]),
+        (tensor(GW, dtype=pb.DATA_TYPE_INT64), ["must be float32", "got int64"]),
         (tensor(GW, dims=[-4, -3]), ["negative dims [-4, -3]"]),
         (tensor(GW, dims=[12]), ["must have shape (4, 3), got (12,)"]),
     ],
@@ -260,7 +260,7 @@ def test_non_finite_learning_rate_and_future_base_version(
 def test_malformed_tensor_in_unary_push(
     client: Client,
     group: str,
-    stub: pb_grpc.ParameterServerStub,
+    stub: pb_grpc.ParameterServerServiceStub,
     w: pb.Tensor,
     fragments: list[str],
 ) -> None:
@@ -275,14 +275,14 @@ def test_malformed_tensor_in_unary_push(
 
 
 def test_malformed_tensor_in_stream_header(
-    client: Client, group: str, stub: pb_grpc.ParameterServerStub
+    client: Client, group: str, stub: pb_grpc.ParameterServerServiceStub
 ) -> None:
     header = pb.PushRequest(
         group="g", gradients=[pb.Tensor(dtype=5, dims=[4, 3]), tensor(GB, raw_data=b"")]
     )
     expect_error(
         client,
-        lambda: raw(stub.PushStream, iter([pb.PushChunk(header=header)])),
+        lambda: raw(stub.PushStream, iter([pb.PushStreamRequest(header=header)])),
         InvalidArgumentError,
         INVALID,
         "gradient 1 has data type 5",
@@ -299,8 +299,10 @@ def push_header() -> pb.PushRequest:
     )
 
 
-def chunk(index: int, offset: int, data: bytes) -> pb.PushChunk:
-    return pb.PushChunk(chunk=pb.TensorChunk(index=index, offset=offset, data=data))
+def chunk(index: int, offset: int, data: bytes) -> pb.PushStreamRequest:
+    return pb.PushStreamRequest(
+        chunk=pb.TensorChunk(index=index, offset=offset, data=data)
+    )
 
 
 W_BYTES, B_BYTES = GW.tobytes(), GB.tobytes()
@@ -335,7 +337,7 @@ W_BYTES, B_BYTES = GW.tobytes(), GB.tobytes()
             ["tensor index 2, but the header lists 2 tensors"],
         ),
         (
-            [chunk(0, 0, W_BYTES), pb.PushChunk(header=push_header())],
+            [chunk(0, 0, W_BYTES), pb.PushStreamRequest(header=push_header())],
             ["after the header a stream carries only chunks"],
         ),
     ],
@@ -352,11 +354,11 @@ W_BYTES, B_BYTES = GW.tobytes(), GB.tobytes()
 def test_broken_push_stream(
     client: Client,
     group: str,
-    stub: pb_grpc.ParameterServerStub,
-    messages: list[pb.PushChunk],
+    stub: pb_grpc.ParameterServerServiceStub,
+    messages: list[pb.PushStreamRequest],
     fragments: list[str],
 ) -> None:
-    stream = [pb.PushChunk(header=push_header()), *messages]
+    stream = [pb.PushStreamRequest(header=push_header()), *messages]
     expect_error(
         client,
         lambda: raw(stub.PushStream, iter(stream)),
@@ -367,7 +369,7 @@ def test_broken_push_stream(
 
 
 def test_stream_without_header(
-    client: Client, group: str, stub: pb_grpc.ParameterServerStub
+    client: Client, group: str, stub: pb_grpc.ParameterServerServiceStub
 ) -> None:
     expect_error(
         client,
@@ -383,7 +385,9 @@ def test_stream_without_header(
         INVALID,
         "must begin with its header",
     )
-    create = pb.CreateGroupChunk(chunk=pb.TensorChunk(index=0, offset=0, data=b"1234"))
+    create = pb.CreateGroupStreamRequest(
+        chunk=pb.TensorChunk(index=0, offset=0, data=b"1234")
+    )
     expect_error(
         client,
         lambda: raw(stub.CreateGroupStream, iter([create])),
@@ -391,7 +395,7 @@ def test_stream_without_header(
         INVALID,
         "a CreateGroupStream must begin with its header",
     )
-    apply = pb.ApplyChunk(chunk=pb.TensorChunk(index=0, offset=0, data=b"1234"))
+    apply = pb.ApplyStreamRequest(chunk=pb.TensorChunk(index=0, offset=0, data=b"1234"))
     expect_error(
         client,
         lambda: raw(lambda r, **kw: list(stub.ApplyStream(r, **kw)), iter([apply])),
@@ -402,17 +406,19 @@ def test_stream_without_header(
 
 
 def test_broken_create_stream_creates_nothing(
-    client: Client, group: str, stub: pb_grpc.ParameterServerStub
+    client: Client, group: str, stub: pb_grpc.ParameterServerServiceStub
 ) -> None:
     header = pb.CreateGroupRequest(
         group="half",
         optimizer=Adagrad().to_proto(),
         learning_rate=0.1,
-        tensors=[pb.Tensor(name="x", dtype=pb.FLOAT, dims=[4, 3])],
+        tensors=[pb.Tensor(name="x", dtype=pb.DATA_TYPE_FLOAT, dims=[4, 3])],
     )
     stream = [
-        pb.CreateGroupChunk(header=header),
-        pb.CreateGroupChunk(chunk=pb.TensorChunk(index=0, offset=0, data=W_BYTES[:8])),
+        pb.CreateGroupStreamRequest(header=header),
+        pb.CreateGroupStreamRequest(
+            chunk=pb.TensorChunk(index=0, offset=0, data=W_BYTES[:8])
+        ),
     ]
     expect_error(
         client,

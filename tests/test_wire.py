@@ -1,94 +1,98 @@
-"""The hand-written chunk codec agrees with protobuf on every input."""
+"""The one tensor codec: public, complete, shared by both ends, and its error type."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import numpy as np
-from google.protobuf.message import DecodeError
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from onnxps.client._wire import (
-    RawChunk,
-    decode_chunk,
-    deserializer,
-    encode_chunk,
-    iter_raw_chunks,
-    serializer,
-)
+import onnxps.client.codec as codec
+import pytest
+from onnxps.client import OnnxpsError, TensorFormatError
 from onnxps.v1 import parameter_server_pb2 as pb
 
-MESSAGES = [
-    (pb.PushChunk, 2),
-    (pb.PullChunk, 2),
-    (pb.CreateGroupChunk, 2),
-    (pb.ApplyChunk, 3),
-]
+ROOT = Path(__file__).resolve().parents[1]
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    kind=st.sampled_from(MESSAGES),
-    index=st.integers(0, 2**32 - 1),
-    offset=st.integers(0, 2**64 - 1),
-    data=st.binary(min_size=1, max_size=300),
-)
-def test_encoding_is_protobufs_and_decodes_back(
-    kind: tuple[type, int], index: int, offset: int, data: bytes
-) -> None:
-    cls, field = kind
-    msg = cls()
-    msg.chunk.index, msg.chunk.offset, msg.chunk.data = index, offset, data
-    wire = encode_chunk(field, index, offset, memoryview(data))
-    assert wire == msg.SerializeToString()
-    chunk = decode_chunk(wire, field)
-    assert chunk is not None
-    assert (chunk.index, chunk.offset, bytes(chunk.data)) == (index, offset, data)
+def test_codec_all_is_complete_and_sorted() -> None:
+    defined = {
+        name
+        for name, value in vars(codec).items()
+        if not name.startswith("_")
+        and getattr(value, "__module__", codec.__name__) == codec.__name__
+        and (callable(value) or name.isupper())
+    }
+    assert defined <= set(codec.__all__), defined - set(codec.__all__)
+    assert codec.__all__ == sorted(codec.__all__)
+    for name in codec.__all__:
+        assert hasattr(codec, name), name
 
 
-@settings(max_examples=500, deadline=None)
-@given(kind=st.sampled_from(MESSAGES), raw=st.binary(max_size=64))
-def test_any_bytes_decode_as_protobuf_would_or_fall_back(
-    kind: tuple[type, int], raw: bytes
-) -> None:
-    cls, field = kind
-    chunk = decode_chunk(raw, field)
-    if chunk is None:
-        return  # the caller parses with protobuf and gets its verdict
-    msg = cls.FromString(raw)  # what the fast path accepts, protobuf accepts too
-    assert msg.WhichOneof("part") == "chunk"
-    assert (msg.chunk.index, msg.chunk.offset, msg.chunk.data) == (
-        chunk.index,
-        chunk.offset,
-        bytes(chunk.data),
+def test_the_server_imports_no_private_client_module() -> None:
+    offenders = []
+    for path in sorted((ROOT / "server").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                if parts[:2] == ["onnxps", "client"] and any(
+                    p.startswith("_") for p in parts[2:]
+                ):
+                    offenders.append(f"{path.name}: {name}")
+    assert offenders == []
+
+
+def test_service_name_comes_from_the_descriptor() -> None:
+    from onnxps.server._handlers import SERVICE
+
+    (service,) = pb.DESCRIPTOR.services_by_name.values()
+    assert codec.SERVICE == SERVICE == service.full_name
+    assert SERVICE == "onnxps.v1.ParameterServerService"
+
+
+def test_tensor_format_error_is_the_clients_error_and_a_value_error() -> None:
+    with pytest.raises(TensorFormatError) as err:
+        codec.tensor_to_array(pb.Tensor(dtype=pb.DATA_TYPE_FLOAT, dims=[2]), "g")
+    assert isinstance(err.value, OnnxpsError) and isinstance(err.value, ValueError)
+    assert "declares float32 dims [2], which is 8 bytes, but carries 0" in str(
+        err.value
     )
 
 
-def test_headers_and_garbage_go_through_protobuf() -> None:
-    parse = deserializer(pb.PushChunk, 2)
-    header = pb.PushChunk(header=pb.PushRequest(group="g", seq=7))
-    got = parse(header.SerializeToString())
-    assert isinstance(got, pb.PushChunk) and got.header.seq == 7
-    truncated = encode_chunk(2, 1, 8, memoryview(b"abcdef"))[:-2]
-    assert decode_chunk(truncated, 2) is None
-    try:
-        parse(truncated)
-    except DecodeError:
-        pass
-    else:  # pragma: no cover - protobuf must refuse a truncated length
-        raise AssertionError("a truncated chunk parsed")
-
-
-def test_raw_chunks_view_the_array_and_serialize_by_hand() -> None:
-    a = np.arange(10, dtype=np.float32)
-    chunks = list(iter_raw_chunks([a], 16))
-    assert [(c.index, c.offset, len(c.data)) for c in chunks] == [
-        (0, 0, 16),
-        (0, 16, 16),
-        (0, 32, 8),
+@pytest.mark.parametrize(
+    "message", [pb.PushStreamRequest, pb.PullStreamResponse, pb.ApplyStreamResponse]
+)
+def test_chunk_messages_cover_every_byte_in_order(message: type) -> None:
+    a = np.arange(10, dtype=np.float64)
+    b = np.float32(2.5)
+    msgs = list(codec.chunk_messages(message, [a, b], 24))
+    assert [(m.chunk.index, m.chunk.offset, len(m.chunk.data)) for m in msgs] == [
+        (0, 0, 24),
+        (0, 24, 24),
+        (0, 48, 24),
+        (0, 72, 8),
+        (1, 0, 4),
     ]
-    assert all(isinstance(c, RawChunk) and c.chunk is c for c in chunks)
-    write = serializer(2)
-    wire = b"".join(write(c) for c in chunks)
-    assert pb.PushChunk.FromString(write(chunks[1])).chunk.offset == 16
-    assert len(wire) > a.nbytes
-    header = pb.PushChunk(header=pb.PushRequest(group="g"))
-    assert write(header) == header.SerializeToString()
+    asm = codec.TensorAssembler(
+        [codec.header_tensor(a), codec.header_tensor(b)], ["a", "b"]
+    )
+    for m in msgs:
+        asm.add(m.chunk)
+    out_a, out_b = asm.finish()
+    assert out_a.tobytes() == a.tobytes() and out_b.shape == () and out_b == b
+
+
+def test_a_chunk_out_of_order_is_refused() -> None:
+    asm = codec.TensorAssembler([codec.header_tensor(np.zeros(4, "f4"))], ["w"])
+    with pytest.raises(TensorFormatError, match="expected offset 0"):
+        asm.add(pb.TensorChunk(index=0, offset=8, data=b"1234"))
+
+
+def test_dims_numpy_cannot_hold_are_a_format_error() -> None:
+    huge = pb.Tensor(dtype=pb.DATA_TYPE_FLOAT, dims=[0, 2**31, 2**31])
+    with pytest.raises(TensorFormatError, match=r"dims \[0, 2147483648, 2147483648\]"):
+        codec.TensorAssembler([huge], ["w"])

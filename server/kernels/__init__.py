@@ -10,9 +10,11 @@ from ._attrs import (
     make_attrs,
 )
 from ._fused import BLOCK_ELEMENTS, PARALLEL_MIN_ELEMENTS, Stepper, coefficients
+from ._select import KERNEL_PATHS, fused_kernels, kernel_path
 
 __all__ = [
     "BLOCK_ELEMENTS",
+    "KERNEL_PATHS",
     "OPERATORS",
     "PARALLEL_MIN_ELEMENTS",
     "STATE_DTYPES",
@@ -24,6 +26,8 @@ __all__ = [
     "apply_onnx",
     "check_scalars",
     "coefficients",
+    "fused_kernels",
+    "kernel_path",
     "make_attrs",
     "split_inputs",
 ]

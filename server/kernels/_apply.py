@@ -91,7 +91,11 @@ def split_inputs(
 
 
 def apply_onnx(
-    op: str, attrs: Mapping[str, Any] | OptimizerAttrs | None, inputs: Sequence[Any]
+    op: str,
+    attrs: Mapping[str, Any] | OptimizerAttrs | None,
+    inputs: Sequence[Any],
+    *,
+    kernels: str | None = None,
 ) -> list[Array]:
     """Execute one ONNX ``ai.onnx.preview.training`` node.
 
@@ -99,6 +103,7 @@ def apply_onnx(
     the ONNX output list ``X_new..., V_new..., H_new...`` with the dtype of the state
     tensors and the shapes of X: G_i, V_i, H_i may broadcast to X_i's shape, as the
     operators' element-wise arithmetic does. The inputs are never mutated.
+    ``kernels`` chooses the ``Stepper`` path (same bits either way).
     """
     spec = attrs if not isinstance(attrs, Mapping) and attrs is not None else None
     if spec is None:
@@ -128,7 +133,7 @@ def apply_onnx(
         for group in states
     ]
     by_name = dict(zip(spec.state_names, new_states, strict=True))
-    stepper = Stepper(spec, xs[0].dtype, [x.size for x in new_x])
+    stepper = Stepper(spec, xs[0].dtype, [x.size for x in new_x], kernels=kernels)
     stepper.step(r, t, new_x, flat_g, by_name.get("V"), by_name.get("H"))
     outs = new_x + [s for group in new_states for s in group]
     return [o.reshape(shapes[i % len(shapes)]) for i, o in enumerate(outs)]

@@ -38,6 +38,7 @@ class AdagradAttrs:
 
     op: ClassVar[str] = "Adagrad"
     state_names: ClassVar[tuple[str, ...]] = ("H",)
+    non_negative_states: ClassVar[tuple[str, ...]] = ("H",)  # sums of squares
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class MomentumAttrs:
 
     op: ClassVar[str] = "Momentum"
     state_names: ClassVar[tuple[str, ...]] = ("V",)
+    non_negative_states: ClassVar[tuple[str, ...]] = ()
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class AdamAttrs:
 
     op: ClassVar[str] = "Adam"
     state_names: ClassVar[tuple[str, ...]] = ("V", "H")
+    non_negative_states: ClassVar[tuple[str, ...]] = ("H",)
 
 
 OptimizerAttrs = AdagradAttrs | MomentumAttrs | AdamAttrs

@@ -10,6 +10,10 @@ result is bit-identical to ``apply_onnx`` and to a line-by-line transcription th
 groups its operations the same way. Scalar coefficients (the adjusted learning rate,
 ``1 - alpha``...) are computed in float64 and rounded once to the state dtype, as the
 ONNX reference does under NumPy's value-based casting.
+
+When numba is installed (``onnxps[fast]``) a step takes the fused path instead: one
+compiled pass per block that reads and writes each element once (``_numba``), with
+the same operations in the same order, so the same bits. ``_select`` chooses.
 """
 
 from __future__ import annotations
@@ -24,14 +28,24 @@ import numpy as np
 
 from ..errors import InvalidArgument
 from ._attrs import AdagradAttrs, AdamAttrs, MomentumAttrs, OptimizerAttrs
+from ._select import fused_kernels, kernel_path
 
-__all__ = ["BLOCK_BYTES", "BLOCK_ELEMENTS", "PARALLEL_MIN_ELEMENTS", "Stepper"]
+__all__ = [
+    "BLOCK_BYTES",
+    "BLOCK_ELEMENTS",
+    "FUSED_BLOCK_BYTES",
+    "PARALLEL_MIN_ELEMENTS",
+    "Stepper",
+]
 
 # 1 MiB of each array per block (256 Ki float32, 128 Ki float64). Smaller blocks fit
 # L2 but pay NumPy's per-call cost ~12 times per block: measured on 2 cores, Adam at
 # 1e7 float32 took 1.5-1.7 ns/element with 32 Ki blocks and 1.06-1.08 with 256 Ki.
 BLOCK_BYTES = 1 << 20
 BLOCK_ELEMENTS = BLOCK_BYTES // 4  # float32
+# The fused path makes one pass whatever the block size: its blocks only share a step
+# between threads, and larger ones cost fewer calls.
+FUSED_BLOCK_BYTES = 4 << 20
 # Below this a step runs on the calling thread: the hand-off would cost more.
 PARALLEL_MIN_ELEMENTS = 512 * 1024
 
@@ -181,7 +195,10 @@ _BLOCK_FNS: dict[str, BlockFn] = {
 class Stepper:
     """Steps one group's tensors in place; owns the group's scratch buffers.
 
-    Not thread-safe: the owner (a group, under its lock) calls ``step`` serially.
+    ``kernels`` chooses the path (``"numpy"``, ``"numba"`` or ``"auto"``; None reads
+    ``ONNXPS_KERNELS``, see ``kernel_path``); ``self.kernels`` says which one it
+    took. Not thread-safe: the owner (a group, under its lock) calls ``step``
+    serially.
     """
 
     def __init__(
@@ -190,16 +207,17 @@ class Stepper:
         dtype: np.dtype[Any] | type,
         sizes: Sequence[int],
         block: int | None = None,
+        kernels: str | None = None,
     ) -> None:
         self.attrs = attrs
         self.dtype = np.dtype(dtype)
         self.sizes = [int(n) for n in sizes]
+        self.kernels = kernel_path(kernels)
+        self._kernel = _compiled_kernel(self.kernels, attrs.op)
         total = sum(self.sizes)
         parallel = total >= PARALLEL_MIN_ELEMENTS and _THREADS > 1
         if block is None:
-            block = BLOCK_BYTES // self.dtype.itemsize
-            if parallel:  # at least two blocks per thread, so the threads stay even
-                block = max(4096, min(block, -(-total // (2 * _THREADS))))
+            block = self._default_block(total, parallel)
         self.block = block
         self._fn = _BLOCK_FNS[attrs.op]
         self._blocks: list[Block] = [
@@ -209,8 +227,21 @@ class Stepper:
         ]
         slots = min(_THREADS, len(self._blocks)) if parallel else 1
         self._slices = [self._blocks[k::slots] for k in range(slots)]
-        row = min(block, max(self.sizes, default=0)) or 1
-        self._scratch = [np.empty((2, row), self.dtype) for _ in range(slots)]
+        self._row = min(block, max(self.sizes, default=0)) or 1
+        # The fused path needs scratch only for an array it was not compiled for.
+        self._scratch: list[Array | None] = [None] * slots
+        if self._kernel is None:
+            self._scratch = [self._new_scratch() for _ in range(slots)]
+
+    def _default_block(self, total: int, parallel: bool) -> int:
+        size = BLOCK_BYTES if self._kernel is None else FUSED_BLOCK_BYTES
+        block = size // self.dtype.itemsize
+        if parallel:  # at least two blocks per thread, so the threads stay even
+            block = max(4096, min(block, -(-total // (2 * _THREADS))))
+        return block
+
+    def _new_scratch(self) -> Array:
+        return np.empty((2, self._row), self.dtype)
 
     def step(
         self,
@@ -223,15 +254,14 @@ class Stepper:
     ) -> None:
         """One ONNX step on flat, C-contiguous arrays of this stepper's dtype."""
         c = coefficients(self.attrs, float(r), int(t), self.dtype)
+        run = self._run if self._kernel is None else self._run_fused
         args = (c, xs, gs, vs, hs)
         if len(self._slices) == 1:
-            self._run(0, *args)
+            run(0, *args)
             return
         pool = _shared_pool()
-        futures = [
-            pool.submit(self._run, k, *args) for k in range(1, len(self._slices))
-        ]
-        self._run(0, *args)
+        futures = [pool.submit(run, k, *args) for k in range(1, len(self._slices))]
+        run(0, *args)
         for f in futures:
             f.result()
 
@@ -244,20 +274,83 @@ class Stepper:
         vs: Sequence[Array] | None,
         hs: Sequence[Array] | None,
     ) -> None:
-        scratch = self._scratch[slot]
-        fn = self._fn
         # NaN/inf in, NaN/inf out, as IEEE says and the operator is defined: no
         # RuntimeWarning (an error under filterwarnings=error). errstate is
         # per-thread, hence here, where every pool thread runs.
         with np.errstate(all="ignore"):
-            for i, a, b in self._slices[slot]:
-                n = b - a
-                fn(
-                    c,
-                    xs[i][a:b],
-                    gs[i][a:b],
-                    vs[i][a:b] if vs is not None else None,
-                    hs[i][a:b] if hs is not None else None,
-                    scratch[0, :n],
-                    scratch[1, :n],
-                )
+            for block in self._slices[slot]:
+                self._run_block(slot, c, xs, gs, vs, hs, block)
+
+    def _run_block(
+        self,
+        slot: int,
+        c: dict[str, Any],
+        xs: Sequence[Array],
+        gs: Sequence[Array],
+        vs: Sequence[Array] | None,
+        hs: Sequence[Array] | None,
+        block: Block,
+    ) -> None:
+        scratch = self._scratch[slot]
+        if scratch is None:
+            scratch = self._scratch[slot] = self._new_scratch()
+        i, a, b = block
+        n = b - a
+        self._fn(
+            c,
+            xs[i][a:b],
+            gs[i][a:b],
+            vs[i][a:b] if vs is not None else None,
+            hs[i][a:b] if hs is not None else None,
+            scratch[0, :n],
+            scratch[1, :n],
+        )
+
+    def _run_fused(
+        self,
+        slot: int,
+        c: dict[str, Any],
+        xs: Sequence[Array],
+        gs: Sequence[Array],
+        vs: Sequence[Array] | None,
+        hs: Sequence[Array] | None,
+    ) -> None:
+        kernel = self._kernel
+        assert kernel is not None
+        scalars = _fused_scalars(self.attrs.op, c, self.dtype)
+        tensors = [a for a in (xs, gs, vs, hs) if a is not None]
+        for block in self._slices[slot]:
+            i, a, b = block
+            try:
+                kernel(*[arrays[i] for arrays in tensors], a, b, *scalars)
+            except TypeError:  # a strided or unaligned view: the NumPy block
+                with np.errstate(all="ignore"):
+                    self._run_block(slot, c, xs, gs, vs, hs, block)
+
+
+def _compiled_kernel(path: str, op: str) -> Callable[..., None] | None:
+    kernels = fused_kernels() if path == "numba" else None
+    return None if kernels is None else kernels[op]
+
+
+def _fused_scalars(op: str, c: dict[str, Any], dtype: np.dtype[Any]) -> tuple[Any, ...]:
+    """The fused kernel's scalar arguments: ``c`` in its order, skips as flags."""
+    zero = dtype.type(0)
+    nc = c["nc"]
+    head = (zero if nc is None else nc, nc is not None)
+    if op == "Adagrad":
+        return (*head, c["r"], c["eps"])
+    if op == "Momentum":
+        return (*head, c["alpha"], c["beta"], c["r"], c["nesterov"])
+    post = c["post"]
+    return (
+        *head,
+        c["alpha"],
+        c["one_minus_alpha"],
+        c["beta"],
+        c["one_minus_beta"],
+        c["eps"],
+        c["r"],
+        zero if post is None else post,
+        post is not None,
+    )

@@ -25,8 +25,9 @@ if _version_not_supported:
     )
 
 
-class ParameterServerStub:
-    """Missing associated documentation comment in .proto file."""
+class ParameterServerServiceStub:
+    """The parameter server.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -35,177 +36,192 @@ class ParameterServerStub:
             channel: A grpc.Channel.
         """
         self.CreateGroup = channel.unary_unary(
-                '/onnxps.v1.ParameterServer/CreateGroup',
+                '/onnxps.v1.ParameterServerService/CreateGroup',
                 request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.CreateGroupRequest.SerializeToString,
-                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.GroupInfo.FromString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.CreateGroupResponse.FromString,
                 _registered_method=True)
         self.CreateGroupStream = channel.stream_unary(
-                '/onnxps.v1.ParameterServer/CreateGroupStream',
-                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.CreateGroupChunk.SerializeToString,
-                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.GroupInfo.FromString,
+                '/onnxps.v1.ParameterServerService/CreateGroupStream',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.CreateGroupStreamRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.CreateGroupStreamResponse.FromString,
                 _registered_method=True)
         self.DescribeGroup = channel.unary_unary(
-                '/onnxps.v1.ParameterServer/DescribeGroup',
-                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.GroupRequest.SerializeToString,
-                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.GroupInfo.FromString,
+                '/onnxps.v1.ParameterServerService/DescribeGroup',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.DescribeGroupRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.DescribeGroupResponse.FromString,
                 _registered_method=True)
         self.ListGroups = channel.unary_unary(
-                '/onnxps.v1.ParameterServer/ListGroups',
+                '/onnxps.v1.ParameterServerService/ListGroups',
                 request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ListGroupsRequest.SerializeToString,
                 response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ListGroupsResponse.FromString,
                 _registered_method=True)
         self.DeleteGroup = channel.unary_unary(
-                '/onnxps.v1.ParameterServer/DeleteGroup',
-                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.GroupRequest.SerializeToString,
+                '/onnxps.v1.ParameterServerService/DeleteGroup',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.DeleteGroupRequest.SerializeToString,
                 response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.DeleteGroupResponse.FromString,
                 _registered_method=True)
         self.SetLearningRate = channel.unary_unary(
-                '/onnxps.v1.ParameterServer/SetLearningRate',
+                '/onnxps.v1.ParameterServerService/SetLearningRate',
                 request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.SetLearningRateRequest.SerializeToString,
-                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.GroupInfo.FromString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.SetLearningRateResponse.FromString,
                 _registered_method=True)
         self.Push = channel.unary_unary(
-                '/onnxps.v1.ParameterServer/Push',
+                '/onnxps.v1.ParameterServerService/Push',
                 request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PushRequest.SerializeToString,
                 response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PushResponse.FromString,
                 _registered_method=True)
         self.PushStream = channel.stream_unary(
-                '/onnxps.v1.ParameterServer/PushStream',
-                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PushChunk.SerializeToString,
-                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PushResponse.FromString,
+                '/onnxps.v1.ParameterServerService/PushStream',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PushStreamRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PushStreamResponse.FromString,
                 _registered_method=True)
         self.Pull = channel.unary_unary(
-                '/onnxps.v1.ParameterServer/Pull',
+                '/onnxps.v1.ParameterServerService/Pull',
                 request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PullRequest.SerializeToString,
                 response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PullResponse.FromString,
                 _registered_method=True)
         self.PullStream = channel.unary_stream(
-                '/onnxps.v1.ParameterServer/PullStream',
-                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PullRequest.SerializeToString,
-                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PullChunk.FromString,
+                '/onnxps.v1.ParameterServerService/PullStream',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PullStreamRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PullStreamResponse.FromString,
                 _registered_method=True)
         self.Apply = channel.unary_unary(
-                '/onnxps.v1.ParameterServer/Apply',
+                '/onnxps.v1.ParameterServerService/Apply',
                 request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ApplyRequest.SerializeToString,
                 response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ApplyResponse.FromString,
                 _registered_method=True)
         self.ApplyStream = channel.stream_stream(
-                '/onnxps.v1.ParameterServer/ApplyStream',
-                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ApplyChunk.SerializeToString,
-                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ApplyChunk.FromString,
+                '/onnxps.v1.ParameterServerService/ApplyStream',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ApplyStreamRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ApplyStreamResponse.FromString,
                 _registered_method=True)
         self.JoinGroup = channel.unary_unary(
-                '/onnxps.v1.ParameterServer/JoinGroup',
-                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.JoinRequest.SerializeToString,
-                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.LeaseResponse.FromString,
+                '/onnxps.v1.ParameterServerService/JoinGroup',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.JoinGroupRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.JoinGroupResponse.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
-                '/onnxps.v1.ParameterServer/Heartbeat',
-                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.JoinRequest.SerializeToString,
-                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.LeaseResponse.FromString,
+                '/onnxps.v1.ParameterServerService/Heartbeat',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
         self.LeaveGroup = channel.unary_unary(
-                '/onnxps.v1.ParameterServer/LeaveGroup',
-                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.JoinRequest.SerializeToString,
-                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.LeaseResponse.FromString,
+                '/onnxps.v1.ParameterServerService/LeaveGroup',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.LeaveGroupRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.LeaveGroupResponse.FromString,
                 _registered_method=True)
         self.Save = channel.unary_unary(
-                '/onnxps.v1.ParameterServer/Save',
+                '/onnxps.v1.ParameterServerService/Save',
                 request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.SaveRequest.SerializeToString,
                 response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.SaveResponse.FromString,
                 _registered_method=True)
 
 
-class ParameterServerServicer:
-    """Missing associated documentation comment in .proto file."""
+class ParameterServerServiceServicer:
+    """The parameter server.
+    """
 
     def CreateGroup(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Create a group from tensors inline (up to the message size limit).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CreateGroupStream(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
+        """Create a group from a header and chunks (any size).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DescribeGroup(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Describe one group.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListGroups(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """List groups by name prefix.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeleteGroup(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Delete a group.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SetLearningRate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Change a group's learning rate.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Push gradients inline.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def PushStream(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
+        """Push gradients as a header and chunks.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Pull(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Pull tensors inline.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def PullStream(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Pull tensors as a header and chunks.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Apply(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Run one ONNX node, tensors inline.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ApplyStream(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
+        """Run one ONNX node, tensors as headers and chunks both ways.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def JoinGroup(self, request, context):
-        """Worker leases (SYNC quorum). A heartbeat of an unknown worker joins it.
+        """Join a group as a worker (SYNC quorum).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Renew a lease; a heartbeat of an unknown worker joins it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def LeaveGroup(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Leave a group.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -218,22 +234,22 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_ParameterServerServicer_to_server(servicer, server):
+def add_ParameterServerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'CreateGroup': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateGroup,
                     request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.CreateGroupRequest.FromString,
-                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.GroupInfo.SerializeToString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.CreateGroupResponse.SerializeToString,
             ),
             'CreateGroupStream': grpc.stream_unary_rpc_method_handler(
                     servicer.CreateGroupStream,
-                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.CreateGroupChunk.FromString,
-                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.GroupInfo.SerializeToString,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.CreateGroupStreamRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.CreateGroupStreamResponse.SerializeToString,
             ),
             'DescribeGroup': grpc.unary_unary_rpc_method_handler(
                     servicer.DescribeGroup,
-                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.GroupRequest.FromString,
-                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.GroupInfo.SerializeToString,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.DescribeGroupRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.DescribeGroupResponse.SerializeToString,
             ),
             'ListGroups': grpc.unary_unary_rpc_method_handler(
                     servicer.ListGroups,
@@ -242,13 +258,13 @@ def add_ParameterServerServicer_to_server(servicer, server):
             ),
             'DeleteGroup': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteGroup,
-                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.GroupRequest.FromString,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.DeleteGroupRequest.FromString,
                     response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.DeleteGroupResponse.SerializeToString,
             ),
             'SetLearningRate': grpc.unary_unary_rpc_method_handler(
                     servicer.SetLearningRate,
                     request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.SetLearningRateRequest.FromString,
-                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.GroupInfo.SerializeToString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.SetLearningRateResponse.SerializeToString,
             ),
             'Push': grpc.unary_unary_rpc_method_handler(
                     servicer.Push,
@@ -257,8 +273,8 @@ def add_ParameterServerServicer_to_server(servicer, server):
             ),
             'PushStream': grpc.stream_unary_rpc_method_handler(
                     servicer.PushStream,
-                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PushChunk.FromString,
-                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PushResponse.SerializeToString,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PushStreamRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PushStreamResponse.SerializeToString,
             ),
             'Pull': grpc.unary_unary_rpc_method_handler(
                     servicer.Pull,
@@ -267,8 +283,8 @@ def add_ParameterServerServicer_to_server(servicer, server):
             ),
             'PullStream': grpc.unary_stream_rpc_method_handler(
                     servicer.PullStream,
-                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PullRequest.FromString,
-                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PullChunk.SerializeToString,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PullStreamRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PullStreamResponse.SerializeToString,
             ),
             'Apply': grpc.unary_unary_rpc_method_handler(
                     servicer.Apply,
@@ -277,23 +293,23 @@ def add_ParameterServerServicer_to_server(servicer, server):
             ),
             'ApplyStream': grpc.stream_stream_rpc_method_handler(
                     servicer.ApplyStream,
-                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ApplyChunk.FromString,
-                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ApplyChunk.SerializeToString,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ApplyStreamRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ApplyStreamResponse.SerializeToString,
             ),
             'JoinGroup': grpc.unary_unary_rpc_method_handler(
                     servicer.JoinGroup,
-                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.JoinRequest.FromString,
-                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.LeaseResponse.SerializeToString,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.JoinGroupRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.JoinGroupResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.JoinRequest.FromString,
-                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.LeaseResponse.SerializeToString,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.HeartbeatRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.HeartbeatResponse.SerializeToString,
             ),
             'LeaveGroup': grpc.unary_unary_rpc_method_handler(
                     servicer.LeaveGroup,
-                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.JoinRequest.FromString,
-                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.LeaseResponse.SerializeToString,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.LeaveGroupRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.LeaveGroupResponse.SerializeToString,
             ),
             'Save': grpc.unary_unary_rpc_method_handler(
                     servicer.Save,
@@ -302,14 +318,15 @@ def add_ParameterServerServicer_to_server(servicer, server):
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'onnxps.v1.ParameterServer', rpc_method_handlers)
+            'onnxps.v1.ParameterServerService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('onnxps.v1.ParameterServer', rpc_method_handlers)
+    server.add_registered_method_handlers('onnxps.v1.ParameterServerService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class ParameterServer:
-    """Missing associated documentation comment in .proto file."""
+class ParameterServerService:
+    """The parameter server.
+    """
 
     @staticmethod
     def CreateGroup(request,
@@ -325,9 +342,9 @@ class ParameterServer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/onnxps.v1.ParameterServer/CreateGroup',
+            '/onnxps.v1.ParameterServerService/CreateGroup',
             onnxps_dot_v1_dot_parameter__server__pb2.CreateGroupRequest.SerializeToString,
-            onnxps_dot_v1_dot_parameter__server__pb2.GroupInfo.FromString,
+            onnxps_dot_v1_dot_parameter__server__pb2.CreateGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -352,9 +369,9 @@ class ParameterServer:
         return grpc.experimental.stream_unary(
             request_iterator,
             target,
-            '/onnxps.v1.ParameterServer/CreateGroupStream',
-            onnxps_dot_v1_dot_parameter__server__pb2.CreateGroupChunk.SerializeToString,
-            onnxps_dot_v1_dot_parameter__server__pb2.GroupInfo.FromString,
+            '/onnxps.v1.ParameterServerService/CreateGroupStream',
+            onnxps_dot_v1_dot_parameter__server__pb2.CreateGroupStreamRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.CreateGroupStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -379,9 +396,9 @@ class ParameterServer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/onnxps.v1.ParameterServer/DescribeGroup',
-            onnxps_dot_v1_dot_parameter__server__pb2.GroupRequest.SerializeToString,
-            onnxps_dot_v1_dot_parameter__server__pb2.GroupInfo.FromString,
+            '/onnxps.v1.ParameterServerService/DescribeGroup',
+            onnxps_dot_v1_dot_parameter__server__pb2.DescribeGroupRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.DescribeGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -406,7 +423,7 @@ class ParameterServer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/onnxps.v1.ParameterServer/ListGroups',
+            '/onnxps.v1.ParameterServerService/ListGroups',
             onnxps_dot_v1_dot_parameter__server__pb2.ListGroupsRequest.SerializeToString,
             onnxps_dot_v1_dot_parameter__server__pb2.ListGroupsResponse.FromString,
             options,
@@ -433,8 +450,8 @@ class ParameterServer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/onnxps.v1.ParameterServer/DeleteGroup',
-            onnxps_dot_v1_dot_parameter__server__pb2.GroupRequest.SerializeToString,
+            '/onnxps.v1.ParameterServerService/DeleteGroup',
+            onnxps_dot_v1_dot_parameter__server__pb2.DeleteGroupRequest.SerializeToString,
             onnxps_dot_v1_dot_parameter__server__pb2.DeleteGroupResponse.FromString,
             options,
             channel_credentials,
@@ -460,9 +477,9 @@ class ParameterServer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/onnxps.v1.ParameterServer/SetLearningRate',
+            '/onnxps.v1.ParameterServerService/SetLearningRate',
             onnxps_dot_v1_dot_parameter__server__pb2.SetLearningRateRequest.SerializeToString,
-            onnxps_dot_v1_dot_parameter__server__pb2.GroupInfo.FromString,
+            onnxps_dot_v1_dot_parameter__server__pb2.SetLearningRateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -487,7 +504,7 @@ class ParameterServer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/onnxps.v1.ParameterServer/Push',
+            '/onnxps.v1.ParameterServerService/Push',
             onnxps_dot_v1_dot_parameter__server__pb2.PushRequest.SerializeToString,
             onnxps_dot_v1_dot_parameter__server__pb2.PushResponse.FromString,
             options,
@@ -514,9 +531,9 @@ class ParameterServer:
         return grpc.experimental.stream_unary(
             request_iterator,
             target,
-            '/onnxps.v1.ParameterServer/PushStream',
-            onnxps_dot_v1_dot_parameter__server__pb2.PushChunk.SerializeToString,
-            onnxps_dot_v1_dot_parameter__server__pb2.PushResponse.FromString,
+            '/onnxps.v1.ParameterServerService/PushStream',
+            onnxps_dot_v1_dot_parameter__server__pb2.PushStreamRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.PushStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -541,7 +558,7 @@ class ParameterServer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/onnxps.v1.ParameterServer/Pull',
+            '/onnxps.v1.ParameterServerService/Pull',
             onnxps_dot_v1_dot_parameter__server__pb2.PullRequest.SerializeToString,
             onnxps_dot_v1_dot_parameter__server__pb2.PullResponse.FromString,
             options,
@@ -568,9 +585,9 @@ class ParameterServer:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/onnxps.v1.ParameterServer/PullStream',
-            onnxps_dot_v1_dot_parameter__server__pb2.PullRequest.SerializeToString,
-            onnxps_dot_v1_dot_parameter__server__pb2.PullChunk.FromString,
+            '/onnxps.v1.ParameterServerService/PullStream',
+            onnxps_dot_v1_dot_parameter__server__pb2.PullStreamRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.PullStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -595,7 +612,7 @@ class ParameterServer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/onnxps.v1.ParameterServer/Apply',
+            '/onnxps.v1.ParameterServerService/Apply',
             onnxps_dot_v1_dot_parameter__server__pb2.ApplyRequest.SerializeToString,
             onnxps_dot_v1_dot_parameter__server__pb2.ApplyResponse.FromString,
             options,
@@ -622,9 +639,9 @@ class ParameterServer:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/onnxps.v1.ParameterServer/ApplyStream',
-            onnxps_dot_v1_dot_parameter__server__pb2.ApplyChunk.SerializeToString,
-            onnxps_dot_v1_dot_parameter__server__pb2.ApplyChunk.FromString,
+            '/onnxps.v1.ParameterServerService/ApplyStream',
+            onnxps_dot_v1_dot_parameter__server__pb2.ApplyStreamRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.ApplyStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -649,9 +666,9 @@ class ParameterServer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/onnxps.v1.ParameterServer/JoinGroup',
-            onnxps_dot_v1_dot_parameter__server__pb2.JoinRequest.SerializeToString,
-            onnxps_dot_v1_dot_parameter__server__pb2.LeaseResponse.FromString,
+            '/onnxps.v1.ParameterServerService/JoinGroup',
+            onnxps_dot_v1_dot_parameter__server__pb2.JoinGroupRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.JoinGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -676,9 +693,9 @@ class ParameterServer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/onnxps.v1.ParameterServer/Heartbeat',
-            onnxps_dot_v1_dot_parameter__server__pb2.JoinRequest.SerializeToString,
-            onnxps_dot_v1_dot_parameter__server__pb2.LeaseResponse.FromString,
+            '/onnxps.v1.ParameterServerService/Heartbeat',
+            onnxps_dot_v1_dot_parameter__server__pb2.HeartbeatRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -703,9 +720,9 @@ class ParameterServer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/onnxps.v1.ParameterServer/LeaveGroup',
-            onnxps_dot_v1_dot_parameter__server__pb2.JoinRequest.SerializeToString,
-            onnxps_dot_v1_dot_parameter__server__pb2.LeaseResponse.FromString,
+            '/onnxps.v1.ParameterServerService/LeaveGroup',
+            onnxps_dot_v1_dot_parameter__server__pb2.LeaveGroupRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.LeaveGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -730,7 +747,7 @@ class ParameterServer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/onnxps.v1.ParameterServer/Save',
+            '/onnxps.v1.ParameterServerService/Save',
             onnxps_dot_v1_dot_parameter__server__pb2.SaveRequest.SerializeToString,
             onnxps_dot_v1_dot_parameter__server__pb2.SaveResponse.FromString,
             options,

@@ -1,14 +1,20 @@
 """Tensors on the wire: ndarray <-> ``onnxps.v1.Tensor``, and chunked streams.
 
-Bytes travel raw, little-endian, C order. Reading a protobuf bytes field copies, so a
-field is read once and wrapped with ``np.frombuffer``. Both ends use this module.
+The one codec both ends use (the server imports it too). Bytes travel raw,
+little-endian, C order; a 0-d tensor has no dims and one element. Reading a protobuf
+bytes field copies, so a field is read once and wrapped with ``np.frombuffer``.
+
+A stream carries a header (the tensors without bytes) and then stream messages whose
+``chunk`` field holds the next ~1 MiB of one tensor, tensors in header order and
+each tensor's chunks in offset order (``chunk_messages`` writes them,
+``TensorAssembler`` reads them back and checks every offset).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
@@ -18,10 +24,13 @@ from ._errors import OnnxpsError
 __all__ = [
     "CHUNK_BYTES",
     "DTYPE_TO_PROTO",
+    "MAX_DIMS",
     "PROTO_TO_DTYPE",
+    "SERVICE",
     "TensorAssembler",
     "TensorFormatError",
     "array_to_tensor",
+    "chunk_messages",
     "declared_nbytes",
     "header_tensor",
     "iter_chunks",
@@ -31,16 +40,27 @@ __all__ = [
 ]
 
 CHUNK_BYTES = 1 << 20
+MAX_DIMS = 64  # NumPy's limit on an array's number of dimensions
+
+# The full name of the one service of the contract ("onnxps.v1.ParameterServerService"),
+# from the descriptor: the client's service config, the server's health, reflection,
+# metrics and auth all use this one value.
+(_SERVICE_DESCRIPTOR,) = pb.DESCRIPTOR.services_by_name.values()
+SERVICE: str = _SERVICE_DESCRIPTOR.full_name
 
 Array = np.ndarray[Any, Any]
 
 DTYPE_TO_PROTO: dict[np.dtype[Any], int] = {
-    np.dtype("<f4"): pb.FLOAT,
-    np.dtype("<f8"): pb.DOUBLE,
-    np.dtype("<i8"): pb.INT64,
+    np.dtype("<f4"): pb.DATA_TYPE_FLOAT,
+    np.dtype("<f8"): pb.DATA_TYPE_DOUBLE,
+    np.dtype("<i8"): pb.DATA_TYPE_INT64,
 }
 PROTO_TO_DTYPE: dict[int, np.dtype[Any]] = {v: k for k, v in DTYPE_TO_PROTO.items()}
-_NAMES = {pb.FLOAT: "FLOAT (float32)", pb.DOUBLE: "DOUBLE (float64)", pb.INT64: "INT64"}
+_NAMES = {
+    pb.DATA_TYPE_FLOAT: "FLOAT (float32)",
+    pb.DATA_TYPE_DOUBLE: "DOUBLE (float64)",
+    pb.DATA_TYPE_INT64: "INT64",
+}
 
 
 class TensorFormatError(OnnxpsError, ValueError):
@@ -67,9 +87,20 @@ def tensor_spec(
             f"{what} has data type {t.dtype}: expected FLOAT (1), DOUBLE (11) or "
             "INT64 (7), numbered as ONNX TensorProto.DataType"
         )
+    if len(t.dims) > MAX_DIMS:
+        raise TensorFormatError(
+            f"{what} has {len(t.dims)} dims: an array has at most {MAX_DIMS}"
+        )
     dims = tuple(int(d) for d in t.dims)
     if any(d < 0 for d in dims):
         raise TensorFormatError(f"{what} has negative dims {list(dims)}")
+    # NumPy must be able to address the array even when it holds no element: the
+    # product of the nonzero dims, in bytes, stays below 2**63 (as for np.empty).
+    if math.prod(d for d in dims if d) * dtype.itemsize >= 2**63:
+        raise TensorFormatError(
+            f"{what} has dims {list(dims)}: {dtype.name} dims whose nonzero product "
+            "reaches 2**63 bytes describe no array"
+        )
     return dtype, dims
 
 
@@ -118,18 +149,50 @@ def tensor_to_array(t: pb.Tensor, what: str = "tensor") -> Array:
     return np.frombuffer(raw, dtype=dtype).reshape(dims)
 
 
+def _byte_views(arrays: Iterable[Any]) -> Iterator[tuple[int, memoryview]]:
+    for index, a in enumerate(arrays):
+        arr = np.asarray(a)
+        arr = np.asarray(arr, dtype=arr.dtype.newbyteorder("<"), order="C")
+        yield index, memoryview(arr.reshape(-1)).cast("B")  # type: ignore[arg-type]
+
+
 def iter_chunks(
     arrays: Iterable[Any], chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[pb.TensorChunk]:
     """The bytes of ``arrays`` in order, as ~chunk_bytes TensorChunk messages."""
-    for index, a in enumerate(arrays):
-        arr = np.asarray(a)
-        arr = np.asarray(arr, dtype=arr.dtype.newbyteorder("<"), order="C")
-        view = memoryview(arr.reshape(-1)).cast("B")  # type: ignore[arg-type]
+    for index, view in _byte_views(arrays):
         for start in range(0, len(view), chunk_bytes):
             yield pb.TensorChunk(
                 index=index, offset=start, data=bytes(view[start : start + chunk_bytes])
             )
+
+
+class _ChunkCarrier(Protocol):
+    """A stream message (``PushStreamRequest``, ``PullStreamResponse``...)."""
+
+    @property
+    def chunk(self) -> pb.TensorChunk: ...
+
+
+_M = TypeVar("_M", bound=_ChunkCarrier)
+
+
+def chunk_messages(
+    message: type[_M], arrays: Iterable[Any], chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[_M]:
+    """The bytes of ``arrays`` as stream messages of type ``message``, chunk set.
+
+    The chunk is filled inside the stream message: building a ``TensorChunk`` and
+    nesting it would copy its bytes once more.
+    """
+    for index, view in _byte_views(arrays):
+        for start in range(0, len(view), chunk_bytes):
+            msg = message()
+            chunk = msg.chunk
+            chunk.index = index
+            chunk.offset = start
+            chunk.data = bytes(view[start : start + chunk_bytes])
+            yield msg
 
 
 class TensorAssembler:
@@ -140,7 +203,12 @@ class TensorAssembler:
         self.arrays: list[Array] = []
         for t, what in zip(headers, self.names, strict=True):
             dtype, dims = tensor_spec(t, what)
-            self.arrays.append(np.empty(dims, dtype=dtype))
+            try:
+                self.arrays.append(np.empty(dims, dtype=dtype))
+            except ValueError as exc:  # dims whose product overflows, next to a 0
+                raise TensorFormatError(
+                    f"{what} has dims {list(dims)}: {exc}"
+                ) from None
         self._views = [
             memoryview(a.reshape(-1)).cast("B")  # type: ignore[arg-type]
             for a in self.arrays

@@ -1,0 +1,136 @@
+"""Value checks for a group's definition: every value that would make a group unusable
+is refused when it is given (create, import, restore, set_learning_rate, push).
+
+Each check raises ``InvalidArgument`` naming the value and the allowed range.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ._group import all_finite, check_name
+from .errors import InvalidArgument
+from .kernels import STATE_DTYPES, OptimizerAttrs
+
+__all__ = [
+    "MAX_LEASE_SECONDS",
+    "MAX_UPDATE_COUNT",
+    "check_learning_rate",
+    "check_lease_seconds",
+    "check_state",
+    "check_tensors",
+    "check_update_count",
+]
+
+Array = np.ndarray[Any, Any]
+
+# T travels as int64: it stays at or below 2**62, far from 2**63 - 1, so no step,
+# reply or saved form can overflow it.
+MAX_UPDATE_COUNT = 2**62
+MAX_LEASE_SECONDS = 86_400.0  # a day: a longer lease is a worker that never dies
+
+
+def check_update_count(update_count: int) -> None:
+    if update_count < 0:
+        raise InvalidArgument(
+            f"update_count must be >= 0, got {update_count}", field="update_count"
+        )
+    if update_count > MAX_UPDATE_COUNT:
+        raise InvalidArgument(
+            f"update_count must be <= 2**62 = {MAX_UPDATE_COUNT} (T is an int64 "
+            f"that must not overflow), got {update_count}",
+            field="update_count",
+        )
+
+
+def check_lease_seconds(lease_seconds: float) -> None:
+    if not (math.isfinite(lease_seconds) and 0 < lease_seconds <= MAX_LEASE_SECONDS):
+        raise InvalidArgument(
+            f"lease_seconds must be finite, > 0 and <= {MAX_LEASE_SECONDS:g}, got "
+            f"{lease_seconds!r}",
+            field="lease_seconds",
+        )
+
+
+def check_learning_rate(
+    learning_rate: float, dtype: np.dtype[Any], what: str = "learning_rate"
+) -> None:
+    """R is finite, >= 0, and finite once rounded to the group's dtype."""
+    r = float(learning_rate)
+    with np.errstate(over="ignore"):
+        fits = math.isfinite(r) and math.isfinite(float(np.dtype(dtype).type(r)))
+    if not fits or r < 0:
+        limit = float(np.finfo(dtype).max)
+        raise InvalidArgument(
+            f"{what} must be finite and in [0, {limit:g}] (the group's dtype is "
+            f"{np.dtype(dtype)}), got {learning_rate!r}",
+            field="learning_rate",
+        )
+
+
+def check_tensors(
+    tensors: Sequence[tuple[str, Array]], allow_non_finite: bool
+) -> np.dtype[Any]:
+    """Names unique, one float dtype, finite unless allowed; returns the dtype."""
+    first, dtype = tensors[0][0], np.dtype(tensors[0][1].dtype)
+    if dtype not in STATE_DTYPES:
+        raise InvalidArgument(
+            f"group tensors must be float32 or float64, got {dtype} for {first!r}"
+        )
+    seen: set[str] = set()
+    for tname, arr in tensors:
+        check_name(tname, "tensor name")
+        if tname in seen:
+            raise InvalidArgument(f"tensor name {tname!r} appears twice")
+        seen.add(tname)
+        if arr.dtype != dtype:
+            raise InvalidArgument(
+                f"a group has one dtype: {first!r} is {dtype}, {tname!r} is {arr.dtype}"
+            )
+        if not allow_non_finite and not all_finite(arr):
+            raise InvalidArgument(
+                f"initial value of {tname!r} holds NaN or inf; pass "
+                "allow_non_finite=True to keep it"
+            )
+    return dtype
+
+
+def check_state(
+    attrs: OptimizerAttrs,
+    tensors: Sequence[tuple[str, Array]],
+    dtype: np.dtype[Any],
+    state: Sequence[Array] | None,
+    allow_non_finite: bool,
+) -> None:
+    """Either no state (zeros) or every V/H of every tensor, each shaped like X,
+    finite unless allowed, and H (a sum of squares) never negative."""
+    if not state:
+        return
+    n, names = len(tensors), attrs.state_names
+    if len(state) != n * len(names):
+        raise InvalidArgument(
+            f"{attrs.op} state is {', '.join(names)} for each of the "
+            f"{n} tensors: {n * len(names)} arrays, got {len(state)}"
+        )
+    for j, arr in enumerate(state):
+        tname, x = tensors[j % n]
+        sname = names[j // n]
+        if arr.dtype != dtype or arr.shape != x.shape:
+            raise InvalidArgument(
+                f"state {sname} of {tname!r} must be {dtype} {x.shape}, got "
+                f"{arr.dtype} {arr.shape}"
+            )
+        if not allow_non_finite and not all_finite(arr):
+            raise InvalidArgument(
+                f"state {sname} of {tname!r} holds NaN or inf; pass "
+                "allow_non_finite=True to keep it"
+            )
+        if sname in attrs.non_negative_states and arr.size and bool((arr < 0).any()):
+            raise InvalidArgument(
+                f"state {sname} of {tname!r} holds negative values: {attrs.op}'s "
+                f"{sname} accumulates squared gradients and must be >= 0"
+            )

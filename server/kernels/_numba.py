@@ -1,0 +1,129 @@
+"""Fused optimizer steps compiled with numba: one pass over X, G, V and H.
+
+Each kernel reads an element's X, G and state once, does the whole ONNX update in
+registers and writes X and the state once, where the NumPy path makes a pass per
+operation. The operations, their operands and their grouping are exactly those of
+``_fused``'s block functions, so the results are bit-identical:
+
+- the coefficients arrive as scalars of the state dtype (``coefficients()`` rounds
+  them once from float64), so float32 arithmetic stays float32: no Python float or
+  literal enters the loop, which numba would widen to float64;
+- no ``fastmath`` (numba's default): LLVM neither reorders nor contracts a multiply
+  and an add into an FMA; vectorizing an element-wise loop changes no result;
+- the loops index slices from 0, so numba knows every index is non-negative and
+  emits no wrap-around test, which would keep LLVM from vectorizing (4x slower);
+- ``error_model="numpy"``: a division by zero gives inf or NaN as in NumPy, instead
+  of Python's ZeroDivisionError.
+
+The kernels take whole tensors and an element range, release the GIL, and are
+compiled for C-contiguous 1-D arrays of float32 and float64, with G writable or
+read-only (a gradient decoded from the wire is a read-only buffer). ``load()``
+compiles them, or loads them from numba's on-disk cache, once per process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["cache_note", "load"]
+
+
+def _adagrad(x, g, h, start, stop, nc, has_nc, r, eps):
+    x, g, h = x[start:stop], g[start:stop], h[start:stop]
+    for i in range(x.size):
+        gr = x[i] * nc + g[i] if has_nc else g[i]
+        hi = h[i] + gr * gr
+        h[i] = hi
+        x[i] = x[i] - gr * r / (math.sqrt(hi) + eps)
+
+
+def _momentum(x, g, v, start, stop, nc, has_nc, alpha, beta, r, nesterov):
+    x, g, v = x[start:stop], g[start:stop], v[start:stop]
+    for i in range(x.size):
+        gr = x[i] * nc + g[i] if has_nc else g[i]
+        vi = v[i] * alpha + gr * beta
+        v[i] = vi
+        if nesterov:
+            x[i] = x[i] - (gr + vi * alpha) * r
+        else:
+            x[i] = x[i] - vi * r
+
+
+def _adam(
+    x, g, v, h, start, stop, nc, has_nc, alpha, oma, beta, omb, eps, r, post, has_post
+):
+    x, g, v, h = x[start:stop], g[start:stop], v[start:stop], h[start:stop]
+    for i in range(x.size):
+        gr = x[i] * nc + g[i] if has_nc else g[i]
+        vi = v[i] * alpha + gr * oma
+        hi = h[i] * beta + gr * gr * omb
+        v[i] = vi
+        h[i] = hi
+        xi = x[i] - vi / (math.sqrt(hi) + eps) * r
+        x[i] = xi * post if has_post else xi
+
+
+# Each kernel's arguments in order: a, a state or X array; g, the gradient (writable or
+# read-only); i, an element index; f, a scalar of the state dtype; b, a flag.
+_LAYOUTS = {
+    "Adagrad": "agaiifbff",
+    "Momentum": "agaiifbfffb",
+    "Adam": "agaaiifbfffffffb",
+}
+
+
+def _signatures(op: str) -> list[Any]:
+    from numba import types
+
+    sigs = []
+    for scalar in (types.float32, types.float64):
+        array = types.Array(scalar, 1, "C")
+        for grad in (array, types.Array(scalar, 1, "C", readonly=True)):
+            kinds = {
+                "a": array,
+                "g": grad,
+                "i": types.int64,
+                "f": scalar,
+                "b": types.boolean,
+            }
+            sigs.append(types.void(*(kinds[k] for k in _LAYOUTS[op])))
+    return sigs
+
+
+_PY_FUNCS: dict[str, Any] = {"Adagrad": _adagrad, "Momentum": _momentum, "Adam": _adam}
+
+
+def load() -> dict[str, Callable[..., None]]:
+    """The compiled kernels by operator; raises ImportError without numba.
+
+    Uses numba's on-disk cache (next to this file, or in ``NUMBA_CACHE_DIR``, or
+    the user's cache directory, whichever is writable) and compiles without it
+    when none is.
+    """
+    import numba
+
+    kernels: dict[str, Callable[..., None]] = {}
+    for op, fn in _PY_FUNCS.items():
+        options: dict[str, Any] = {"nogil": True, "error_model": "numpy"}
+        try:
+            kernels[op] = numba.njit(_signatures(op), cache=True, **options)(fn)
+        except RuntimeError:  # "cannot cache function ...: no locator available"
+            kernels[op] = numba.njit(_signatures(op), **options)(fn)
+    return kernels
+
+
+def cache_note(kernels: dict[str, Any]) -> str:
+    """Where the kernels came from: numba's cache, or a compile (and whether kept)."""
+    stats = [k.stats for k in kernels.values()]
+    paths = sorted({s.cache_path for s in stats if s.cache_path})
+    if not paths:
+        return (
+            "compiled; no writable cache directory, so every process compiles "
+            "them again (set NUMBA_CACHE_DIR to a writable directory)"
+        )
+    where = ", ".join(paths)
+    if any(s.cache_misses for s in stats):
+        return f"compiled and cached in {where}"
+    return f"loaded from numba's cache in {where}"

@@ -1,0 +1,102 @@
+"""Which kernel path a ``Stepper`` takes: NumPy, or numba's fused loops.
+
+``ONNXPS_KERNELS`` chooses: ``auto`` (the default) takes the fused path when numba
+imports and compiles, ``numpy`` always takes the NumPy path, ``numba`` takes the fused
+path or fails with the reason. Both paths give the same bits. The first use compiles
+the fused kernels (about 2 s) or loads them from numba's on-disk cache (well under a
+second, most of it importing numba) and logs which path is in use, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+__all__ = ["ENV", "KERNEL_PATHS", "fused_kernels", "kernel_path"]
+
+ENV = "ONNXPS_KERNELS"
+KERNEL_PATHS = ("numpy", "numba")
+_CHOICES = ("auto", *KERNEL_PATHS)
+
+log = logging.getLogger("onnxps.kernels")
+
+_lock = threading.Lock()
+_loaded = False
+_kernels: dict[str, Callable[..., None]] | None = None
+_failure = ""
+_logged: set[str] = set()
+
+
+def fused_kernels() -> dict[str, Callable[..., None]] | None:
+    """numba's compiled kernels by operator, or None when numba cannot give them."""
+    global _loaded, _kernels, _failure
+    with _lock:
+        if not _loaded:
+            start = time.perf_counter()
+            try:
+                from . import _numba
+
+                _kernels = _numba.load()
+            except ImportError as exc:
+                _failure = f"numba is not installed ({exc})"
+            except Exception as exc:  # noqa: BLE001 - any compile failure: say it
+                _failure = f"numba failed to compile the kernels: {exc!r}"
+            else:
+                import numba
+
+                note = _numba.cache_note(_kernels)
+                level = logging.WARNING if "no writable" in note else logging.INFO
+                log.log(
+                    level,
+                    "onnxps kernels: numba %s fused kernels ready in %.2f s (%s)",
+                    numba.__version__,
+                    time.perf_counter() - start,
+                    note,
+                )
+            _loaded = True
+        return _kernels
+
+
+def kernel_path(requested: str | None = None) -> str:
+    """``"numpy"`` or ``"numba"``: ``requested``, else ``ONNXPS_KERNELS``, else auto.
+
+    Raises ValueError for an unknown choice and RuntimeError when ``numba`` is asked
+    for and cannot be had.
+    """
+    source = "kernels=" if requested is not None else f"{ENV}="
+    choice = requested if requested is not None else os.environ.get(ENV, "")
+    choice = choice.strip().lower() or "auto"
+    if choice not in _CHOICES:
+        raise ValueError(
+            f"{source}{choice!r} is not a kernel path: expected one of "
+            f"{', '.join(_CHOICES)}"
+        )
+    path = choice
+    if choice != "numpy":
+        path = "numba" if fused_kernels() is not None else "numpy"
+        if choice == "numba" and path != "numba":
+            raise RuntimeError(
+                f"{source}numba, but {_failure}: install it with "
+                "pip install 'onnxps[fast]', or choose auto or numpy"
+            )
+    _log_once(path, choice, source)
+    return path
+
+
+def _log_once(path: str, choice: str, source: str) -> None:
+    if path in _logged:
+        return
+    _logged.add(path)
+    if path == "numba":
+        log.info("onnxps kernels: fused numba path (%s%s)", source, choice)
+    elif choice == "numpy":
+        log.info("onnxps kernels: NumPy path (%snumpy)", source)
+    else:
+        log.info(
+            "onnxps kernels: NumPy path (%s; pip install 'onnxps[fast]' for the "
+            "fused path)",
+            _failure,
+        )
