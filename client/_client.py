@@ -682,7 +682,10 @@ class Client:
         return UnavailableError(
             f"the server at {self.address} stayed unavailable for "
             f"{deadline.seconds:g} s ({last.details}); the push to group "
-            f"{req.group} (seq {req.seq}) may not have been applied"
+            f"{req.group} (seq {req.seq}) may not have been applied",
+            reason=last.reason,  # the last refusal's details (e.g. WAL_WRITE_FAILED)
+            metadata=last.metadata,
+            violations=last.violations,
         )
 
     # -- pull ----------------------------------------------------------------------
