@@ -406,3 +406,69 @@ def test_snapshot_keeps_rows_and_pending_sync_rows(tmp_path: Path) -> None:
             assert rows[1][0] < rows[2][0] < 0
     finally:
         handle.stop(grace=0)
+
+
+# -- four worker processes on one 1M x 64 table ----------------------------------------
+WORKER = r"""
+import sys
+import numpy as np
+from onnxps.client import Client
+
+address, worker, pushes, rows, dim, k = sys.argv[1:]
+worker, pushes, rows, dim, k = int(worker), int(pushes), int(rows), int(dim), int(k)
+with Client(address, timeout=120.0) as c:
+    for p in range(pushes):
+        rng = np.random.default_rng([worker, p])
+        idx = rng.integers(0, rows, k)  # with repeats
+        g = rng.standard_normal((k, dim)).astype(np.float32)
+        t = c.push_rows("table", {"emb": (idx, g)}).update_count
+        print(worker, p, t, flush=True)
+"""
+
+TABLE_ROWS, TABLE_DIM, WORKERS, PUSHES, PUSH_ROWS = 1_000_000, 64, 4, 12, 4096
+
+
+def test_four_worker_processes_equal_a_serial_replay_in_server_order(
+    server: Any,
+) -> None:
+    """Async pushes apply one at a time: the T each push got back is its place in
+    the server's order, and replaying the pushes in that order gives every row."""
+    x = np.random.default_rng(12).standard_normal((TABLE_ROWS, TABLE_DIM))
+    x = x.astype(np.float32)
+    with Client(server.address, timeout=120.0) as c:
+        c.create_group("table", Adam(), learning_rate=0.01, tensors={"emb": x})
+        args = [str(a) for a in (TABLE_ROWS, TABLE_DIM, PUSH_ROWS)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", WORKER, server.address, str(w), str(PUSHES)]
+                + [args[0], args[1], args[2]],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for w in range(WORKERS)
+        ]
+        order: dict[int, tuple[int, int]] = {}
+        for proc in procs:
+            out, _ = proc.communicate(timeout=300)
+            assert proc.returncode == 0
+            for line in out.split("\n"):
+                if line:
+                    w, p, t = map(int, line.split())
+                    order[t] = (w, p)
+        assert sorted(order) == list(range(1, WORKERS * PUSHES + 1))
+        replay = ParameterStore()
+        replay.create_group("table", make_attrs("Adam", {}), 0.01, [("emb", x)])
+        touched = []
+        for t in sorted(order):
+            rng = np.random.default_rng(list(order[t]))
+            idx = rng.integers(0, TABLE_ROWS, PUSH_ROWS)
+            g = rng.standard_normal((PUSH_ROWS, TABLE_DIM)).astype(np.float32)
+            replay.push_rows("table", {"emb": (idx, g)})
+            touched.append(idx)
+        expect = replay.pull("table", with_state=True).arrays
+        got = c.pull("table")[0]
+        assert got.tobytes() == expect[0].tobytes()
+        rows = np.unique(np.concatenate(touched))
+        state = c.pull_rows("table", {"emb": rows}, state=True)
+        assert state["V:emb"].tobytes() == expect[1][rows].tobytes()
+        assert state["H:emb"].tobytes() == expect[2][rows].tobytes()
