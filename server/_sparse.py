@@ -337,12 +337,12 @@ def row_push_parts(
             items.append((None, vals))
     positions = check_row_specs(group, names, shapes, dtype, specs)
     parts: list[Part | None] = [None] * len(names)
-    for j, ((idx, vals), i) in enumerate(zip(items, positions, strict=True)):
-        if idx is None:
-            parts[i] = vals
+    for j, ((raw, values), i) in enumerate(zip(items, positions, strict=True)):
+        if raw is None:
+            parts[i] = values
             continue
-        idx = check_indices(idx, shapes[i][0], f"gradients[{j}].indices", group)
-        parts[i] = coalesce(idx, vals)
+        idx = check_indices(raw, shapes[i][0], f"gradients[{j}].indices", group)
+        parts[i] = coalesce(idx, values)
     return [
         p
         if p is not None
