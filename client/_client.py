@@ -742,6 +742,100 @@ class Client:
             tensor_to_array(t, t.name).copy() for t in msg.tensors
         ]
 
+    # -- rows ----------------------------------------------------------------------
+    def push_rows(
+        self,
+        group: str,
+        gradients: Mapping[str, Any],
+        *,
+        base_version: int | None = None,
+        learning_rate: float | None = None,
+        timeout: float | None = None,
+    ) -> PushResult:
+        """One step in which only the given rows change.
+
+        ``gradients`` maps a tensor name to ``(indices, rows)`` (int64 (k,) and
+        (k, *shape[1:])) or to a dense gradient of the whole tensor; tensors not
+        named keep every row. Repeated indices are summed first. The indices and rows
+        travel in ~1 MiB chunks (no size ceiling); a push the server did not answer
+        (UNAVAILABLE) is resent with the same seq, and answered once."""
+        deadline = self._deadline(timeout)
+        header = pb.PushRowsHeader(
+            group=group, client_id=self.client_id, seq=next(self._seq)
+        )
+        if base_version is not None:
+            header.base_version = base_version
+        if learning_rate is not None:
+            header.learning_rate = learning_rate
+        arrays: list[Array] = []
+        for name, g in gradients.items():
+            gr = header.gradients.add(name=name)
+            if isinstance(g, tuple):
+                indices = np.asarray(g[0])
+                if indices.dtype.kind in "iu":
+                    indices = indices.astype(np.int64, copy=False)
+                gr.indices.CopyFrom(header_tensor(indices))
+                arrays.append(indices)
+                values = np.asarray(g[1])
+            else:
+                values = np.asarray(g)
+            gr.values.CopyFrom(header_tensor(values))
+            arrays.append(values)
+
+        def chunks() -> Iterator[Any]:
+            yield pb.PushRowsRequest(header=header)
+            yield from chunk_messages(pb.PushRowsRequest, arrays, self.chunk_bytes)
+
+        what = f"the row push to group {group} (seq {header.seq}) was not answered"
+        backoff = 0.1
+        for sends in itertools.count(1):
+            try:
+                msg = self._call("PushRows", chunks(), deadline, what)
+                return PushResult(msg.update_count, msg.applied, msg.duplicate, None)
+            except UnavailableError:
+                pause = min(backoff, deadline.remaining())
+                if pause <= 0 or sends == _PUSH_SENDS:
+                    raise
+                time.sleep(pause)
+                backoff = min(2.0, backoff * 2)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def pull_rows(
+        self,
+        group: str,
+        selections: Mapping[str, Any],
+        *,
+        state: bool = False,
+        min_version: int | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Array]:
+        """Rows of tensors: ``{name: indices}`` in, ``{name: rows}`` out (with
+        ``state``, also ``"V:name"`` and ``"H:name"`` as the operator has them)."""
+        deadline = self._deadline(timeout)
+        header = pb.PullRowsHeader(group=group, with_state=state)
+        if min_version is not None:
+            header.min_version = min_version
+        arrays = []
+        for name, idx in selections.items():
+            indices = np.asarray(idx)
+            if indices.dtype.kind in "iu":
+                indices = indices.astype(np.int64, copy=False)
+            header.tensors.add(name=name, indices=header_tensor(indices))
+            arrays.append(indices)
+
+        def chunks() -> Iterator[Any]:
+            yield pb.PullRowsRequest(header=header)
+            yield from chunk_messages(pb.PullRowsRequest, arrays, self.chunk_bytes)
+
+        what = f"the row pull of group {group} was not answered"
+        it = self._stream_call("PullRows", chunks(), deadline, what)
+        first = next(it).header
+        names = [t.name for t in first.rows]
+        asm = TensorAssembler(list(first.rows), names)
+        for msg in it:
+            asm.add(msg.chunk)
+        return dict(zip(names, asm.finish(), strict=True))
+
     # -- apply ---------------------------------------------------------------------
     def apply(
         self, optimizer: OptimizerSpec, *inputs: Any, timeout: float | None = None
