@@ -645,31 +645,47 @@ class Client:
         chunks: Callable[[], Iterator[Any]] | None,
         deadline: _Deadline,
     ) -> Any:
+        what = f"the push to group {req.group} (seq {req.seq}) was not answered"
+        if chunks is not None:
+            stream = chunks
+            return self._resending(
+                lambda: self._call("PushStream", stream(), deadline, what),
+                req.group,
+                req.seq,
+                deadline,
+            )
+        return self._resending(
+            lambda: self._call("Push", req, deadline, what),
+            req.group,
+            req.seq,
+            deadline,
+        )
+
+    def _resending(
+        self, send: Callable[[], Any], group: str, seq: int, deadline: _Deadline
+    ) -> Any:
         """Send a push, and resend it (same seq) while the server is unavailable,
         until the deadline: the server answers a repeat with its first result."""
-        what = f"the push to group {req.group} (seq {req.seq}) was not answered"
         backoff = 0.1
         unavailable: RpcError | None = None
         while True:
             try:
-                if chunks is not None:
-                    return self._call("PushStream", chunks(), deadline, what)
-                return self._call("Push", req, deadline, what)
+                return send()
             except DeadlineExceededError:
                 if unavailable is None:
                     raise
-                raise self._gone(req, deadline, unavailable) from None
+                raise self._gone(group, seq, deadline, unavailable) from None
             except RpcError as exc:
                 if exc.code not in _RESEND_CODES:
                     raise
                 unavailable = exc
             pause = min(backoff, deadline.remaining())
             if pause <= 0:
-                raise self._gone(req, deadline, unavailable)
+                raise self._gone(group, seq, deadline, unavailable)
             log.info(
                 "push to %s seq %d: %s; resending in %.1f s",
-                req.group,
-                req.seq,
+                group,
+                seq,
                 unavailable.code.name,
                 pause,
             )
@@ -677,12 +693,12 @@ class Client:
             backoff = min(_RESEND_BACKOFF_MAX, backoff * 2)
 
     def _gone(
-        self, req: pb.PushRequest, deadline: _Deadline, last: RpcError
+        self, group: str, seq: int, deadline: _Deadline, last: RpcError
     ) -> UnavailableError:
         return UnavailableError(
             f"the server at {self.address} stayed unavailable for "
             f"{deadline.seconds:g} s ({last.details}); the push to group "
-            f"{req.group} (seq {req.seq}) may not have been applied",
+            f"{group} (seq {seq}) may not have been applied",
             reason=last.reason,  # the last refusal's details (e.g. WAL_WRITE_FAILED)
             metadata=last.metadata,
             violations=last.violations,
@@ -787,18 +803,13 @@ class Client:
             yield from chunk_messages(pb.PushRowsRequest, arrays, self.chunk_bytes)
 
         what = f"the row push to group {group} (seq {header.seq}) was not answered"
-        backoff = 0.1
-        for sends in itertools.count(1):
-            try:
-                msg = self._call("PushRows", chunks(), deadline, what)
-                return PushResult(msg.update_count, msg.applied, msg.duplicate, None)
-            except UnavailableError:
-                pause = min(backoff, deadline.remaining())
-                if pause <= 0 or sends == _PUSH_SENDS:
-                    raise
-                time.sleep(pause)
-                backoff = min(2.0, backoff * 2)
-        raise AssertionError("unreachable")  # pragma: no cover
+        msg = self._resending(
+            lambda: self._call("PushRows", chunks(), deadline, what),
+            group,
+            header.seq,
+            deadline,
+        )
+        return PushResult(msg.update_count, msg.applied, msg.duplicate, None)
 
     def pull_rows(
         self,
