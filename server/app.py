@@ -23,6 +23,7 @@ from .limits import InflightBytes, LimitsInterceptor
 from .metrics import MetricsEndpoint, ObserveInterceptor, Recorder
 from .security import ConfigError
 from .service import ParameterServerServicer
+from .shard import ShardInterceptor, parse_shard
 from .store import ParameterStore, StoreLimits
 
 __all__ = ["ServerConfig", "ServerHandle", "create_server", "serve"]
@@ -93,6 +94,12 @@ class ServerConfig:
         False, "allow a non-loopback address without TLS and tokens"
     )
     metrics_port: int | None = _option(None, "serve Prometheus metrics on this port")
+    shard: str | None = _option(
+        None,
+        "this server is shard INDEX/COUNT of a cluster (from 0), or auto/COUNT to "
+        "take INDEX from the host name's -<ordinal> (a StatefulSet pod); calls "
+        "routed for another layout are refused",
+    )
 
 
 @dataclass
@@ -220,6 +227,9 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     security.check_bind_policy(config)
     credentials = security.server_credentials(config)
     grants = security.load_tokens(config.tokens_file) if config.tokens_file else None
+    shard = parse_shard(config.shard) if config.shard else None
+    if shard is not None:
+        log.info("this server is shard %d of %d", shard.index, shard.count)
     store = ParameterStore(
         StoreLimits(
             max_group_bytes=config.max_group_bytes,
@@ -236,6 +246,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     interceptors: list[grpc.ServerInterceptor] = [ObserveInterceptor(recorder)]
     if grants is not None:
         interceptors.append(security.TokenAuthInterceptor(grants))
+    interceptors.append(ShardInterceptor(shard))
     interceptors.append(
         LimitsInterceptor(
             max_concurrent_streams=config.max_concurrent_streams, inflight=inflight
