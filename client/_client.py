@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypeVar, overload
 
 import grpc
 import numpy as np
@@ -165,6 +165,25 @@ class _Deadline:
         if details and details.lower() != "deadline exceeded":
             why += f" ({details})"
         return DeadlineExceededError(why)
+
+
+R = TypeVar("R")
+
+
+def until_landed(call: Callable[[], R], deadline: _Deadline) -> R:
+    """``call()``, resent while its server is unavailable, until the deadline (a
+    cluster's calls: a shard pod restarting must not fail the worker). A push
+    carries the same (client_id, seq) each time, so it lands exactly once."""
+    backoff = 0.1
+    while True:
+        try:
+            return call()
+        except UnavailableError:
+            pause = min(backoff, deadline.remaining())
+            if pause <= 0:
+                raise
+            time.sleep(pause)
+            backoff = min(1.0, backoff * 2)
 
 
 def _lease_info(msg: Any) -> LeaseInfo:
@@ -832,19 +851,19 @@ class Client:
     ) -> LeaseInfo:
         """Join or leave every part; the lease as the first part answered it."""
         request = pb.JoinGroupRequest if method == "JoinGroup" else pb.LeaveGroupRequest
-        replies = fan_out(
-            [
-                functools.partial(
-                    self._call,
-                    method,
-                    request(group=name, worker_id=worker_id),
-                    deadline,
-                    shard=shard,
-                )
-                for shard, name in targets
-            ]
-        )
-        return _lease_info(replies[0])
+        calls = [
+            functools.partial(
+                self._call,
+                method,
+                request(group=name, worker_id=worker_id),
+                deadline,
+                shard=shard,
+            )
+            for shard, name in targets
+        ]
+        if self.shards is not None:
+            calls = [functools.partial(until_landed, c, deadline) for c in calls]
+        return _lease_info(fan_out(calls)[0])
 
     # -- durability ----------------------------------------------------------------
     def save(self, *, timeout: float | None = None) -> SaveInfo:

@@ -10,12 +10,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from onnxps.v1 import parameter_server_pb2 as pb
 
+from ._client import (
+    Array,
+    Client,
+    GroupInfo,
+    PartInfo,
+    PushResult,
+    _Deadline,
+    _group_info,
+    until_landed,
+)
 from ._cluster import (
     Layout,
     LayoutError,
@@ -31,11 +40,8 @@ from ._errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
-    UnavailableError,
 )
-
-if TYPE_CHECKING:
-    from ._client import Array, Client, GroupInfo, PushResult, _Deadline
+from .codec import PROTO_TO_DTYPE, tensor_to_array
 
 __all__ = [
     "create_group",
@@ -58,12 +64,22 @@ def _shards(client: Client) -> int:
     return client.shards
 
 
+def _call(
+    client: Client, method: str, req: Any, deadline: _Deadline, what: None, shard: int
+) -> Any:
+    """One call to one shard, resent while the shard is unavailable (a restarting
+    pod), until the deadline: the calls routed here are idempotent."""
+    return until_landed(
+        functools.partial(client._call, method, req, deadline, what, shard), deadline
+    )
+
+
 def _listing(client: Client, prefix: str, deadline: _Deadline) -> Listing:
     """Every shard's groups whose names start with ``prefix``, with their shard."""
     req = pb.ListGroupsRequest(prefix=prefix)
     replies = fan_out(
         [
-            functools.partial(client._call, "ListGroups", req, deadline, None, i)
+            functools.partial(_call, client, "ListGroups", req, deadline, None, i)
             for i in range(_shards(client))
         ]
     )
@@ -107,8 +123,6 @@ def layout(
 
 
 def _remember(client: Client, found: Layout, infos: Sequence[pb.GroupInfo]) -> None:
-    from .codec import PROTO_TO_DTYPE
-
     client._layouts[found.group] = found
     for g in infos:
         itemsize = PROTO_TO_DTYPE[g.dtype].itemsize
@@ -138,8 +152,6 @@ def part_targets(
 
 def _merged(client: Client, found: Layout, infos: Sequence[pb.GroupInfo]) -> GroupInfo:
     """One GroupInfo for the whole group from its parts' (in part order)."""
-    from ._client import PartInfo, _group_info
-
     first = _group_info(infos[0])
     parts = tuple(
         PartInfo(
@@ -237,7 +249,8 @@ def _describe_parts(
     replies = fan_out(
         [
             functools.partial(
-                client._call,
+                _call,
+                client,
                 "DescribeGroup",
                 pb.DescribeGroupRequest(group=p.name),
                 deadline,
@@ -284,7 +297,8 @@ def delete_group(client: Client, group: str, deadline: _Deadline) -> bool:
     replies = fan_out(
         [
             functools.partial(
-                client._call,
+                _call,
+                client,
                 "DeleteGroup",
                 pb.DeleteGroupRequest(group=p.name),
                 deadline,
@@ -306,7 +320,8 @@ def set_learning_rate(
         replies = fan_out(
             [
                 functools.partial(
-                    client._call,
+                    _call,
+                    client,
                     "SetLearningRate",
                     pb.SetLearningRateRequest(
                         group=p.name, learning_rate=learning_rate
@@ -343,26 +358,9 @@ def _check_gradients(found: Layout, arrays: Sequence[Array]) -> None:
             )
 
 
-def _until_landed(call: Callable[[], R], deadline: _Deadline) -> R:
-    """``call()``, resent while its shard is unavailable, until the deadline: a
-    push carries the same (client_id, seq) each time, so it lands exactly once."""
-    backoff = 0.1
-    while True:
-        try:
-            return call()
-        except UnavailableError:
-            pause = min(backoff, deadline.remaining())
-            if pause <= 0:
-                raise
-            time.sleep(pause)
-            backoff = min(1.0, backoff * 2)
-
-
 def push(
     client: Client, req: pb.PushRequest, arrays: Sequence[Array], deadline: _Deadline
 ) -> PushResult:
-    from ._client import PushResult
-    from .codec import tensor_to_array
 
     def push_all(found: Layout) -> list[Any]:
         if found.split:
@@ -376,7 +374,7 @@ def push(
             if not base_version:
                 part_req.ClearField("base_version")
             grads = part_arrays(found, part, arrays)
-            return _until_landed(
+            return until_landed(
                 functools.partial(
                     client._push_one, part.shard, part_req, grads, deadline
                 ),
@@ -421,7 +419,11 @@ def pull(
         return fan_out(
             [
                 functools.partial(
-                    client._pull_one, p.shard, p.name, state, min_version, deadline
+                    until_landed,
+                    functools.partial(
+                        client._pull_one, p.shard, p.name, state, min_version, deadline
+                    ),
+                    deadline,
                 )
                 for p in found.parts
             ]
