@@ -39,6 +39,7 @@ from onnxps.client import (
     Sync,
     UnavailableError,
 )
+from onnxps.client._cluster import parse_target
 
 __all__ = [
     "LEARNING_RATES",
@@ -202,7 +203,7 @@ def _train(args: argparse.Namespace, tag: str) -> None:
     data = load_dataset(args.seed)
     x, y = data.shard(args.index, args.workers)
     rng = np.random.default_rng(args.seed * 1000 + args.index + 1)
-    with Client(args.address, timeout=args.timeout) as ps:
+    with Client(parse_target(args.address), timeout=args.timeout) as ps:
         create_group_if_missing(
             ps, args.group, args.optimizer, lr, args.mode, args.workers, args.seed
         )

@@ -39,6 +39,7 @@ __all__ = [
     "join_arrays",
     "layout_from_listing",
     "part_arrays",
+    "parse_target",
     "part_name",
     "placement",
     "plan_layout",
@@ -89,6 +90,14 @@ def base_name(name: str) -> tuple[str, int, int]:
     if m is None:
         return name, 0, 1
     return m["group"], int(m["k"]), int(m["count"])
+
+
+def parse_target(text: str) -> str | list[str]:
+    """A command line's address: ``host:port`` (one server) or a comma-separated
+    list of shard addresses in shard order (a cluster, even of one)."""
+    if "," not in text:
+        return text
+    return [a.strip() for a in text.split(",") if a.strip()]
 
 
 def shard_addresses(template: str, shards: int) -> list[str]:

@@ -184,7 +184,8 @@ def create_group(
     deadline: _Deadline,
 ) -> GroupInfo:
     """Create the group's parts on their shards (all, or none: a part that could
-    not be created makes the others be deleted again)."""
+    not be created makes the others be deleted again). The check that the group
+    is new is a courtesy; part 0's creation is what decides between two clients."""
     group = req.group
     if _layout_of(group, _listing(client, group, deadline)) is not None:
         raise AlreadyExistsError(
@@ -213,9 +214,14 @@ def create_group(
             deadline,
         )
 
-    calls = [functools.partial(create, k) for k in range(len(planned.parts))]
-    pending = [functools.partial(_attempt, c) for c in calls]
-    results = fan_out(pending)
+    # Part 0 first: it is the lock between clients creating the same group at
+    # once (the loser gets ALREADY_EXISTS there and leaves the winner's parts alone).
+    first = create(0)
+    rest = [
+        functools.partial(_attempt, functools.partial(create, k))
+        for k in range(1, len(planned.parts))
+    ]
+    results: list[pb.GroupInfo | BaseException] = [first, *fan_out(rest)]
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
         for part, r in zip(planned.parts, results, strict=True):

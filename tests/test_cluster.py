@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import os
 import signal
 import subprocess
@@ -445,3 +446,42 @@ def test_shard_env_auto_takes_the_ordinal_of_hostname(tmp_path: Path) -> None:
     finally:
         stop(proc)
     assert os.environ.get("ONNXPS_SHARD") is None
+
+
+def test_status_export_import_commands_take_a_shard_list(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from onnxps import cli
+
+    export = tmp_path / "all.npz"
+    with shards(tmp_path, 3, tag="c") as (three, procs):
+        with Client(three, timeout=30, split_bytes=SPLIT) as ps:
+            _create(ps, "big", Adam(), np.float32, False)
+            ps.create_group(
+                "tiny", Adam(), learning_rate=0.1, tensors={"w": np.ones(2)}
+            )
+            ps.push("big", *[np.ones(s, np.float32) for s in SHAPES])
+        target = ",".join(three)
+        capsys.readouterr()
+        assert cli.main(["status", target]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].split()[:2] == ["GROUP", "OPTIMIZER"]
+        assert [line.split()[0] for line in out[1:3]] == ["big", "tiny"]
+        assert out[1].split()[4:6] == ["2043", "1"]  # elements, T of the whole
+        parts = [line.split() for line in out if line.startswith("big ")][1:]
+        assert [p[1] for p in parts] == [f"big#p{k}of3" for k in range(3)]
+        assert [p[5] for p in parts] == ["1", "1", "1"]
+        shard_lines = [line.split() for line in out[out.index("") + 1 :] if line][-3:]
+        assert [s[:3] for s in shard_lines] == [
+            [str(i), three[i], "serving"] for i in range(3)
+        ]
+        assert cli.main(["export", target, str(export)]) == 0
+        stop(procs[2])
+        assert cli.main(["status", target, "--timeout", "1"]) == 1
+        out = capsys.readouterr().out
+        assert re.search(rf"^2 +{three[2]} +unreachable +-$", out, re.M)
+    with shards(tmp_path, 2, tag="d") as (two, _):
+        assert cli.main(["import", ",".join(two), str(export)]) == 0
+        with Client(two, timeout=30) as ps:
+            assert [g.name for g in ps.list_groups()] == ["big", "tiny"]
+            assert ps.describe_group("big").update_count == 1
