@@ -133,7 +133,7 @@ def part_rows(groups: Sequence[GroupInfo]) -> list[tuple[str, ...]]:
 
 def shard_rows(ps: Client, prefix: str, timeout: float) -> list[tuple[str, ...]]:
     """Each shard: whether it answers (and accepts this layout), and what it holds."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for i, address in enumerate(ps.addresses):
         try:
             msg = ps._call(
