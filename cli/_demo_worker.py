@@ -171,6 +171,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=int(_env("SEED", "0")))
     p.add_argument("--log-every", type=int, default=int(_env("LOG_EVERY", "10")))
     p.add_argument("--timeout", type=float, default=float(_env("TIMEOUT", "10")))
+    p.add_argument("--token", default=_env("TOKEN", "") or None)
+    p.add_argument("--tls-ca", default=_env("TLS_CA", "") or None)
     return p
 
 
@@ -203,7 +205,16 @@ def _train(args: argparse.Namespace, tag: str) -> None:
     data = load_dataset(args.seed)
     x, y = data.shard(args.index, args.workers)
     rng = np.random.default_rng(args.seed * 1000 + args.index + 1)
-    with Client(parse_target(args.address), timeout=args.timeout) as ps:
+    roots = None
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            roots = f.read()
+    with Client(
+        parse_target(args.address),
+        timeout=args.timeout,
+        token=args.token,
+        root_certificates=roots,
+    ) as ps:
         create_group_if_missing(
             ps, args.group, args.optimizer, lr, args.mode, args.workers, args.seed
         )

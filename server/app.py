@@ -94,6 +94,11 @@ class ServerConfig:
         False, "allow a non-loopback address without TLS and tokens"
     )
     metrics_port: int | None = _option(None, "serve Prometheus metrics on this port")
+    health_port: int | None = _option(
+        None,
+        "also serve grpc.health.v1 alone, in plaintext, on this port (Kubernetes' "
+        "native gRPC probes cannot speak TLS); 0 picks a free port",
+    )
     shard: str | None = _option(
         None,
         "this server is shard INDEX/COUNT of a cluster (from 0), or auto/COUNT to "
@@ -113,6 +118,8 @@ class ServerHandle:
     health: health.HealthServicer
     durability: Durability | None = None
     metrics: MetricsEndpoint | None = None
+    health_server: grpc.Server | None = None
+    health_port: int | None = None
     _stopped: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -127,6 +134,10 @@ class ServerHandle:
 
     def start(self) -> ServerHandle:
         self.server.start()
+        if self.health_server is not None:
+            self.health_server.start()
+            host = self.config.address.rsplit(":", 1)[0]
+            log.info("onnxps health (plaintext) on %s:%d", host, self.health_port)
         self.store.start()
         if self.durability is not None:
             self.durability.start_periodic(self.config.snapshot_interval)
@@ -145,6 +156,8 @@ class ServerHandle:
         done = self.server.stop(grace)
         self.store.drain()
         done.wait()
+        if self.health_server is not None:
+            self.health_server.stop(0).wait()
         if self.metrics is not None:
             self.metrics.stop()
         if self.durability is not None:
@@ -278,6 +291,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             port = server.add_secure_port(config.address, credentials)
         if port == 0:
             raise OSError(f"could not bind {config.address}: is the port in use?")
+        health_server, health_port = _health_server(config, health_servicer)
         if config.metrics_port is not None and recorder.registry is not None:
             metrics = MetricsEndpoint(
                 recorder.registry, config.metrics_port, config.address
@@ -288,8 +302,33 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         store.close()
         raise
     return ServerHandle(
-        server, port, config, store, health_servicer, durability, metrics
+        server,
+        port,
+        config,
+        store,
+        health_servicer,
+        durability,
+        metrics,
+        health_server,
+        health_port,
     )
+
+
+def _health_server(
+    config: ServerConfig, servicer: health.HealthServicer
+) -> tuple[grpc.Server | None, int | None]:
+    """The plaintext health-only server, when ``health_port`` is set. It shares the
+    main server's health servicer (SERVING, NOT_SERVING, draining) and serves
+    nothing else, so it needs no TLS and no token (health is open anyway)."""
+    if config.health_port is None:
+        return None, None
+    server = grpc.server(futures.ThreadPoolExecutor(2, "onnxps-health"))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    host = config.address.rsplit(":", 1)[0]
+    port = server.add_insecure_port(f"{host}:{config.health_port}")
+    if port == 0:
+        raise OSError(f"could not bind the health port {host}:{config.health_port}")
+    return server, port
 
 
 def serve(config: ServerConfig | None = None) -> int:
