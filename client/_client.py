@@ -242,7 +242,12 @@ class _State(enum.Enum):
 
 
 class Client:
-    """A connection to one onnxps server.
+    """A connection to one onnxps server, or to a cluster of shards.
+
+    ``address`` is ``"host:port"`` (one server) or a list of the shards' addresses
+    in shard order (a cluster; README "A cluster of shards"): each call is routed
+    to the shards holding its group, and a group whose X is larger than
+    ``split_bytes`` is split across them.
 
     Every call takes ``timeout=`` (seconds) and falls back to the client's default.
     It is one deadline for the whole call: every retry of the channel and every
