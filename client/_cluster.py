@@ -28,6 +28,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from .codec import SHARD_METADATA_KEY
+
 __all__ = [
     "SHARD_METADATA_KEY",
     "Layout",
@@ -51,9 +53,6 @@ __all__ = [
 Array = np.ndarray[Any, Any]
 T = TypeVar("T")
 
-# The metadata every call of a cluster client carries: "I/N", the shard index (from
-# 0) the client routed the call to and the shard count it routed for.
-SHARD_METADATA_KEY = "onnxps-shard"
 
 _PART = re.compile(r"^(?P<group>.+)#p(?P<k>\d+)of(?P<count>\d+)$")
 
