@@ -25,7 +25,11 @@ __all__ = ["EXPORT_FORMAT_VERSION", "export_groups", "import_groups", "read_expo
 
 EXPORT_FORMAT = "onnxps-export"
 EXPORT_FORMAT_VERSION = 2
-_OPTIMIZERS = {"Adagrad": Adagrad, "Momentum": Momentum, "Adam": Adam}
+_OPTIMIZERS: dict[str, type[Adagrad] | type[Momentum] | type[Adam]] = {
+    "Adagrad": Adagrad,
+    "Momentum": Momentum,
+    "Adam": Adam,
+}
 
 
 def _definition(info: GroupInfo, update_count: int) -> GroupDefinition:

@@ -56,7 +56,7 @@ SHARD_METADATA_KEY = "onnxps-shard"
 
 Array = np.ndarray[Any, Any]
 
-DTYPE_TO_PROTO: dict[np.dtype[Any], int] = {
+DTYPE_TO_PROTO: dict[np.dtype[Any], pb.DataType.ValueType] = {
     np.dtype("<f4"): pb.DATA_TYPE_FLOAT,
     np.dtype("<f8"): pb.DATA_TYPE_DOUBLE,
     np.dtype("<i8"): pb.DATA_TYPE_INT64,
@@ -73,7 +73,7 @@ class TensorFormatError(OnnxpsError, ValueError):
     """A tensor message that does not describe a valid tensor (dtype, dims, bytes)."""
 
 
-def _wire_dtype(dtype: np.dtype[Any]) -> int:
+def _wire_dtype(dtype: np.dtype[Any]) -> pb.DataType.ValueType:
     code = DTYPE_TO_PROTO.get(np.dtype(dtype).newbyteorder("<"))
     if code is None:
         raise TensorFormatError(
@@ -125,7 +125,7 @@ def write_tensor(msg: pb.Tensor, a: Any, name: str = "") -> pb.Tensor:
     code = _wire_dtype(arr.dtype)
     arr = np.asarray(arr, dtype=PROTO_TO_DTYPE[code], order="C")  # keeps 0-d
     msg.name = name
-    msg.dtype = code  # type: ignore[assignment]
+    msg.dtype = code
     msg.dims[:] = arr.shape
     msg.raw_data = arr.tobytes(order="C")
     return msg

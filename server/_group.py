@@ -29,7 +29,6 @@ __all__ = [
     "MAX_NAME_LENGTH",
     "ClientWindow",
     "Consistency",
-    "DeadlineExceeded",
     "Group",
     "GroupCapture",
     "GroupRuntime",
@@ -55,16 +54,9 @@ DEDUP_CLIENTS = 10_000  # windows per group at most: the least recently used go 
 MAX_NAME_LENGTH = 256
 
 
-class DeadlineExceeded(Exception):
-    """A wait (pull with min_version, push waiting for its sync step) timed out."""
-
-
 @dataclass(frozen=True)
-class Consistency:
-    mode: str = "async"  # "async" or "sync"
-    sync_workers: int = 0
-    reduction: str = "mean"  # "mean" or "sum"
-    max_staleness: int | None = None
+class Consistency(ConsistencyDefinition):
+    """The saved consistency settings, checked: a group is created only with these."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
@@ -388,9 +380,7 @@ class Group:
             dtype=self.dtype,
             names=self.names,
             shapes=self.shapes,
-            consistency=ConsistencyDefinition(
-                c.mode, c.sync_workers, c.reduction, c.max_staleness
-            ),
+            consistency=ConsistencyDefinition(**dataclasses.asdict(c)),
             allow_non_finite=self.allow_non_finite,
             lease_seconds=self.lease_seconds,
         )

@@ -10,7 +10,7 @@ kept in a process-wide table.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import Message
@@ -29,6 +29,12 @@ __all__ = [
 SERVICE = _SERVICE  # from the descriptor, derived once in the shared codec
 
 Behavior = Callable[..., Any]
+if TYPE_CHECKING:
+    Handler = grpc.RpcMethodHandler[Any, Any]
+    Interceptor = grpc.ServerInterceptor[Any, Any]
+else:  # grpc's classes are not generic at run time; only its stubs are
+    Handler = grpc.RpcMethodHandler
+    Interceptor = grpc.ServerInterceptor
 Deserializer = Callable[[bytes], Any]
 Serializer = Callable[[Any], bytes]
 
@@ -76,13 +82,15 @@ _FACTORIES = {
 }
 
 
-def _behavior_of(handler: grpc.RpcMethodHandler) -> Behavior:
-    return (  # type: ignore[no-any-return]
+def _behavior_of(handler: Handler) -> Behavior:
+    behavior = (
         handler.unary_unary
         or handler.unary_stream
         or handler.stream_unary
         or handler.stream_stream
     )
+    assert behavior is not None, "a handler always has one behavior"
+    return behavior
 
 
 def _hooked(behavior: Behavior, hooks: CallHooks, resp_s: bool) -> Behavior:
@@ -114,12 +122,12 @@ def _hooked(behavior: Behavior, hooks: CallHooks, resp_s: bool) -> Behavior:
 
 
 def wrap(
-    handler: grpc.RpcMethodHandler | None,
+    handler: Handler | None,
     hooks: CallHooks | None = None,
     *,
     request_deserializer: Deserializer | None = None,
     response_serializer: Serializer | None = None,
-) -> grpc.RpcMethodHandler | None:
+) -> Handler | None:
     """A handler of the same kind running ``hooks`` around the behavior (the same
     behavior when None), with the (de)serializers given (else the handler's own)."""
     if handler is None:

@@ -20,7 +20,6 @@ from grpc_status import rpc_status
 from onnxps.client.codec import TensorFormatError
 
 from . import errors
-from .store import DeadlineExceeded
 
 __all__ = ["DOMAIN", "details_of", "rich_status", "status_for", "status_of"]
 
@@ -42,13 +41,12 @@ _TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
-    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
 )
 
 # Reasons of errors that are not DomainErrors.
 _REASONS: tuple[tuple[type[BaseException], str], ...] = (
     (TensorFormatError, "INVALID_TENSOR"),
-    (DeadlineExceeded, "VERSION_NOT_REACHED"),
 )
 
 

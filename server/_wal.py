@@ -633,7 +633,7 @@ def _intact_frame_end(buf: Any, pos: int, size: int) -> int | None:
             return None
     finally:
         view.release()
-    return end
+    return int(end)
 
 
 def _intact_after(path: str, start: int, size: int) -> int:

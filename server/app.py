@@ -15,7 +15,7 @@ from onnxps.client.codec import CHUNK_BYTES
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from . import security
-from ._handlers import SERVICE
+from ._handlers import SERVICE, Interceptor
 from ._reflection import enable_reflection
 from .durability import MODES as DURABILITY_MODES
 from .durability import Durability
@@ -256,7 +256,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     recorder = Recorder(store, enabled=config.metrics_port is not None)
     # outermost first: observe every call (auth refusals too), then auth, limits
-    interceptors: list[grpc.ServerInterceptor] = [ObserveInterceptor(recorder)]
+    interceptors: list[Interceptor] = [ObserveInterceptor(recorder)]
     if grants is not None:
         interceptors.append(security.TokenAuthInterceptor(grants))
     interceptors.append(ShardInterceptor(shard))

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 __all__ = [
     "AlreadyExists",
+    "DeadlineExceeded",
     "DomainError",
     "FailedPrecondition",
     "InvalidArgument",
@@ -94,3 +95,9 @@ class Unavailable(DomainError):
     """The server is shutting down or cannot serve now; the client may retry."""
 
     default_reason = "SHUTTING_DOWN"
+
+
+class DeadlineExceeded(DomainError):
+    """A wait (pull with min_version, push waiting for its sync step) timed out."""
+
+    default_reason = "VERSION_NOT_REACHED"

@@ -23,7 +23,7 @@ from google.protobuf.message import Message
 from onnxps.client.codec import TensorFormatError, declared_nbytes
 from onnxps.v1 import parameter_server_pb2 as pb
 
-from ._handlers import CallHooks, Malformed, method_of, wrap
+from ._handlers import CallHooks, Interceptor, Malformed, method_of, wrap
 from .errors import InvalidArgument, ResourceExhausted
 
 __all__ = [
@@ -142,7 +142,7 @@ class InflightHold:
             self._budget.release(nbytes)
 
 
-class LimitsInterceptor(grpc.ServerInterceptor):
+class LimitsInterceptor(Interceptor):
     """Counts in-flight bytes and open streams for one server."""
 
     def __init__(

@@ -25,7 +25,15 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ._handlers import SERVICE, CallHooks, group_of, method_of, on_first, wrap
+from ._handlers import (
+    SERVICE,
+    CallHooks,
+    Interceptor,
+    group_of,
+    method_of,
+    on_first,
+    wrap,
+)
 from .limits import message_bytes
 from .security import is_loopback
 from .store import ParameterStore
@@ -220,7 +228,7 @@ def request_id(metadata: Iterable[tuple[str, Any]] | None) -> str:
     return uuid.uuid4().hex[:16]
 
 
-class ObserveInterceptor(grpc.ServerInterceptor):
+class ObserveInterceptor(Interceptor):
     """The outermost interceptor: sees every call, refused ones too. It reads
     nothing from a call itself, so a caller that never sends is refused further in
     (authentication, stream limit) without waiting here."""

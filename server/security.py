@@ -23,7 +23,15 @@ from typing import Any
 import grpc
 from onnxps.v1 import parameter_server_pb2 as pb
 
-from ._handlers import SERVICE, CallHooks, group_of, method_of, on_first, wrap
+from ._handlers import (
+    SERVICE,
+    CallHooks,
+    Interceptor,
+    group_of,
+    method_of,
+    on_first,
+    wrap,
+)
 
 __all__ = [
     "ROLES",
@@ -266,7 +274,7 @@ class _ListFiltered(CallHooks):
         )
 
 
-class TokenAuthInterceptor(grpc.ServerInterceptor):
+class TokenAuthInterceptor(Interceptor):
     """Bearer tokens -> role and group prefixes. Health and reflection stay open."""
 
     def __init__(self, grants: list[TokenGrant]) -> None:

@@ -68,7 +68,6 @@ from ._checks import (
 from ._group import (
     DEDUP_WINDOW,
     Consistency,
-    DeadlineExceeded,
     Group,
     GroupCapture,
     GroupRuntime,
@@ -85,6 +84,7 @@ from ._group import (
 )
 from .errors import (
     AlreadyExists,
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -98,7 +98,6 @@ __all__ = [
     "CallCancelled",
     "Cancellation",
     "Consistency",
-    "DeadlineExceeded",
     "GroupCapture",
     "GroupRuntime",
     "GroupView",

@@ -27,10 +27,26 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 __all__ = ["cache_note", "load"]
 
+# The kernels see NumPy arrays of the state dtype and scalars of that dtype; numba
+# compiles them from the signatures below and ignores these annotations.
+Array = np.ndarray[Any, Any]
 
-def _adagrad(x, g, h, start, stop, nc, has_nc, r, eps):
+
+def _adagrad(
+    x: Array,
+    g: Array,
+    h: Array,
+    start: int,
+    stop: int,
+    nc: float,
+    has_nc: bool,
+    r: float,
+    eps: float,
+) -> None:
     x, g, h = x[start:stop], g[start:stop], h[start:stop]
     for i in range(x.size):
         gr = x[i] * nc + g[i] if has_nc else g[i]
@@ -39,7 +55,19 @@ def _adagrad(x, g, h, start, stop, nc, has_nc, r, eps):
         x[i] = x[i] - gr * r / (math.sqrt(hi) + eps)
 
 
-def _momentum(x, g, v, start, stop, nc, has_nc, alpha, beta, r, nesterov):
+def _momentum(
+    x: Array,
+    g: Array,
+    v: Array,
+    start: int,
+    stop: int,
+    nc: float,
+    has_nc: bool,
+    alpha: float,
+    beta: float,
+    r: float,
+    nesterov: bool,
+) -> None:
     x, g, v = x[start:stop], g[start:stop], v[start:stop]
     for i in range(x.size):
         gr = x[i] * nc + g[i] if has_nc else g[i]
@@ -52,8 +80,23 @@ def _momentum(x, g, v, start, stop, nc, has_nc, alpha, beta, r, nesterov):
 
 
 def _adam(
-    x, g, v, h, start, stop, nc, has_nc, alpha, oma, beta, omb, eps, r, post, has_post
-):
+    x: Array,
+    g: Array,
+    v: Array,
+    h: Array,
+    start: int,
+    stop: int,
+    nc: float,
+    has_nc: bool,
+    alpha: float,
+    oma: float,
+    beta: float,
+    omb: float,
+    eps: float,
+    r: float,
+    post: float,
+    has_post: bool,
+) -> None:
     x, g, v, h = x[start:stop], g[start:stop], v[start:stop], h[start:stop]
     for i in range(x.size):
         gr = x[i] * nc + g[i] if has_nc else g[i]
