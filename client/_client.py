@@ -498,7 +498,8 @@ class Client:
             for a in state_arrays:
                 write_tensor(req.state.add(), a)
             msg = self._call("CreateGroup", req, deadline, shard=shard)
-        return msg.group
+        group: pb.GroupInfo = msg.group
+        return group
 
     def describe_group(self, name: str, *, timeout: float | None = None) -> GroupInfo:
         if self.shards is not None:

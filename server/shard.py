@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 from onnxps.client.codec import SHARD_METADATA_KEY
 
-from ._handlers import SERVICE, CallHooks, method_of, wrap
+from ._handlers import SERVICE, CallHooks, Interceptor, method_of, wrap
 from ._status import rich_status
 from .security import ConfigError
 
@@ -114,7 +114,7 @@ class _Refused(CallHooks):
         context.abort_with_status(self.status)
 
 
-class ShardInterceptor(grpc.ServerInterceptor):
+class ShardInterceptor(Interceptor):
     """Refuses calls routed for another shard layout (decided from the metadata)."""
 
     def __init__(self, shard: ShardIdentity | None) -> None:
