@@ -168,6 +168,7 @@ class _Deadline:
 
 
 R = TypeVar("R")
+_PartPush = tuple[int, pb.PushRequest, list[Array]]  # shard, request, gradients
 
 
 def until_landed(call: Callable[[], R], deadline: _Deadline) -> R:
@@ -295,6 +296,8 @@ class Client:
         self._channels: dict[int, grpc.Channel] = {}
         self._stubs: dict[int, pb_grpc.ParameterServerServiceStub] = {}
         self._layouts: dict[str, Layout] = {}
+        # group -> the parts of a push that did not land (sent first by the next)
+        self._unfinished: dict[str, tuple[list[_PartPush], list[_PartPush]]] = {}
         # Seqs start at the wall clock in microseconds, not 1: a worker restarted with
         # the same client_id must not repeat seqs the server remembers, or its first
         # pushes would be answered as duplicates and silently dropped.

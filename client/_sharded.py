@@ -25,6 +25,9 @@ from ._client import (
     _group_info,
     until_landed,
 )
+from ._client import (
+    _PartPush as PartPush,
+)
 from ._cluster import (
     Layout,
     LayoutError,
@@ -37,9 +40,11 @@ from ._cluster import (
 )
 from ._errors import (
     AlreadyExistsError,
+    DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    UnavailableError,
 )
 from .codec import PROTO_TO_DTYPE, tensor_to_array
 
@@ -364,37 +369,84 @@ def _check_gradients(found: Layout, arrays: Sequence[Array]) -> None:
             )
 
 
+def _land(
+    client: Client,
+    group: str,
+    parts: Sequence[PartPush],
+    after: Sequence[PartPush],
+    deadline: _Deadline,
+) -> list[Any]:
+    """Send ``parts`` in parallel, then (when they all landed) ``after``; replies in
+    that order. A part that did not land for want of a shard or of time may or may
+    not have been applied: it is remembered, with what comes after it, and the next
+    push to ``group`` sends it first with the same seq (exactly once), so parts
+    never stay a push apart."""
+
+    def send(part: PartPush) -> Any:
+        shard, req, grads = part
+        return until_landed(
+            functools.partial(client._push_one, shard, req, grads, deadline), deadline
+        )
+
+    results = fan_out(
+        [functools.partial(_attempt, functools.partial(send, p)) for p in parts]
+    )
+    failed = [
+        (p, r)
+        for p, r in zip(parts, results, strict=True)
+        if isinstance(r, BaseException)
+    ]
+    if failed:
+        unsure = [
+            p
+            for p, r in failed
+            if isinstance(r, UnavailableError | DeadlineExceededError)
+        ]
+        if unsure:
+            client._unfinished[group] = (unsure, list(after))
+        raise failed[0][1]
+    if not after:
+        return results
+    return [*results, *_land(client, group, after, (), deadline)]
+
+
+def _finish_earlier(client: Client, group: str, deadline: _Deadline) -> None:
+    """Send what an earlier push to ``group`` left unsent (same seqs)."""
+    unfinished = client._unfinished.pop(group, None)
+    if unfinished is not None:
+        log.info("push to %s: sending the parts an earlier push left first", group)
+        try:
+            _land(client, group, unfinished[0], unfinished[1], deadline)
+        except FailedPreconditionError:
+            pass  # part 0 refused it (stale): no part applied it, nothing is left
+
+
 def push(
     client: Client, req: pb.PushRequest, arrays: Sequence[Array], deadline: _Deadline
 ) -> PushResult:
+    _finish_earlier(client, req.group, deadline)
 
     def push_all(found: Layout) -> list[Any]:
         if found.split:
             _check_gradients(found, arrays)
 
-        def send(k: int, base_version: bool) -> Any:
-            part = found.parts[k]
+        def part(k: int, base_version: bool) -> PartPush:
+            p = found.parts[k]
             part_req = pb.PushRequest()
             part_req.CopyFrom(req)
-            part_req.group = part.name
+            part_req.group = p.name
             if not base_version:
                 part_req.ClearField("base_version")
-            grads = part_arrays(found, part, arrays)
-            return until_landed(
-                functools.partial(
-                    client._push_one, part.shard, part_req, grads, deadline
-                ),
-                deadline,
-            )
+            return p.shard, part_req, part_arrays(found, p, arrays)
 
         count = len(found.parts)
         if count > 1 and req.HasField("base_version"):
             # Part 0 alone decides whether the push is too stale; the others then
             # take it unconditionally, so no part refuses what another applied.
-            first = send(0, True)
-            rest = fan_out([functools.partial(send, k, False) for k in range(1, count)])
-            return [first, *rest]
-        return fan_out([functools.partial(send, k, True) for k in range(count)])
+            rest = [part(k, False) for k in range(1, count)]
+            return _land(client, req.group, [part(0, True)], rest, deadline)
+        parts = [part(k, True) for k in range(count)]
+        return _land(client, req.group, parts, (), deadline)
 
     replies = _rerouted(client, req.group, deadline, push_all)
     found = client._layouts[req.group]

@@ -28,6 +28,7 @@ from onnxps.client import (
     AlreadyExistsError,
     Async,
     Client,
+    DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     Momentum,
@@ -35,6 +36,7 @@ from onnxps.client import (
     NotFoundError,
     OptimizerSpec,
     Sync,
+    UnavailableError,
     placement,
     shard_ranking,
 )
@@ -485,3 +487,51 @@ def test_status_export_import_commands_take_a_shard_list(
         with Client(two, timeout=30) as ps:
             assert [g.name for g in ps.list_groups()] == ["big", "tiny"]
             assert ps.describe_group("big").update_count == 1
+
+
+def test_a_push_that_missed_a_shard_is_completed_by_the_next(tmp_path: Path) -> None:
+    """Shard down longer than a push's deadline: the push fails, having reached the
+    other parts; the client's next push to the group sends the missing part first
+    (same seq), so every part ends at the same T and the values of one server."""
+    data = tmp_path / "data"
+    wal = ("--durability", "wal", "--data-dir", f"{data}{{i}}")
+    rng = np.random.default_rng(3)
+    grads = [
+        [rng.standard_normal(s).astype(np.float32) for s in SHAPES] for _ in range(3)
+    ]
+    with shards(tmp_path, 3, *wal) as (addresses, procs):
+        with Client(addresses, timeout=30, split_bytes=SPLIT) as ps:
+            _create(ps, "late", Adam(), np.float32, False)
+            assert ps.push("late", *grads[0]) == 1
+            down = ps.describe_group("late").parts[1].shard
+            procs[down].send_signal(signal.SIGKILL)
+            procs[down].wait()
+            with pytest.raises((DeadlineExceededError, UnavailableError)):
+                ps.push("late", *grads[1], timeout=1.5)
+            up = [p for p in range(3) if p != down]
+            for i in up:
+                with Client(addresses[i]) as one:
+                    assert [g.update_count for g in one.list_groups("late#")] == [2]
+            proc, _ = start_server(
+                tmp_path / "again.log",
+                "--shard",
+                f"{down}/3",
+                "--address",
+                addresses[down],
+                *(a.replace("{i}", str(down)) for a in wal),
+            )
+            procs[down] = proc
+            assert ps.push("late", *grads[2]) == 3
+            assert _part_counts(ps, "late") == [3, 3, 3]
+            got = ps.pull("late", state=True)
+    one, one_address = start_server(tmp_path / "ref.log")
+    try:
+        with Client(one_address) as ref:
+            _create(ref, "late", Adam(), np.float32, False)
+            for g in grads:
+                ref.push("late", *g)
+            want = ref.pull("late", state=True)
+    finally:
+        stop(one)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w, strict=True)
