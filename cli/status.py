@@ -8,7 +8,6 @@ split groups (shard, T per part) and the shards (answering or not, parts held).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -24,6 +23,8 @@ from onnxps.client import (
 )
 from onnxps.client._cluster import base_name, parse_target
 from onnxps.v1 import parameter_server_pb2 as pb
+
+from ._args import add_connection_arguments, fail, read_tls_ca
 
 __all__ = ["add_arguments", "format_table", "run"]
 
@@ -46,16 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="host:port of the server, or of every shard of a cluster in shard "
         "order, comma-separated",
     )
-    p.add_argument(
-        "--timeout", type=float, default=3.0, help="seconds to wait (default 3)"
-    )
     p.add_argument("--prefix", default="", help="only groups whose name starts so")
-    p.add_argument(
-        "--token",
-        default=os.environ.get("ONNXPS_TOKEN"),
-        help="bearer token (ONNXPS_TOKEN)",
-    )
-    p.add_argument("--tls-ca", default=None, help="CA certificate (PEM) to use TLS")
+    add_connection_arguments(p, timeout=3.0)
 
 
 def _optimizer(info: GroupInfo) -> str:
@@ -154,10 +147,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Print the table; 1 with a message on stderr when the server cannot be asked
     (a cluster: when a shard cannot; the shard table says which)."""
     out = out or sys.stdout
-    roots = None
-    if args.tls_ca:
-        with open(args.tls_ca, "rb") as f:
-            roots = f.read()
+    roots = read_tls_ca("onnxps status", args.tls_ca)
     target = parse_target(args.address)
     shards: list[tuple[str, ...]] = []
     try:
@@ -173,15 +163,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                     print(format_table(shards, SHARD_COLUMNS, frozenset()), file=out)
             groups = ps.list_groups(args.prefix)
     except RpcError as exc:
-        print(
-            f"onnxps status: cannot list the groups on {args.address}: "
-            f"{exc.code.name}: {exc.details}",
-            file=sys.stderr,
+        fail(
+            "onnxps status",
+            f"cannot list the groups on {args.address}: {exc.code.name}: {exc.details}",
         )
-        return 1
     except OnnxpsError as exc:
-        print(f"onnxps status: {args.address}: {exc}", file=sys.stderr)
-        return 1
+        fail("onnxps status", f"{args.address}: {exc}")
     if not groups:
         print(f"no groups on {args.address}", file=out)
     else:

@@ -35,6 +35,7 @@ from ._errors import (
     UnavailableError,
 )
 from ._optimizers import Adagrad, Adam, Async, Momentum, Nesterov, OptimizerSpec, Sync
+from ._transfer import ExportFileError
 from .codec import TensorFormatError
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "Client",
     "ClientClosedError",
     "DeadlineExceededError",
+    "ExportFileError",
     "FailedPreconditionError",
     "GroupInfo",
     "InternalError",

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, NoReturn, TypeVar, overload
 
 import grpc
 import numpy as np
@@ -57,26 +57,62 @@ Transport = Literal["auto", "unary", "stream"]
 
 STREAM_THRESHOLD_BYTES = 1 << 20
 SPLIT_BYTES = 64 << 20  # a cluster splits a group whose X is larger
-_PUSH_SENDS = 5  # a push's sends at most, all within its deadline
+_RESEND_BACKOFF_MAX = 2.0  # seconds between a push's resends, at most
+_PUSH_SENDS = 5  # a row push's sends at most, all within its deadline
 
 # The one retry mechanism for every call: the channel retries UNAVAILABLE (the server
 # is down or draining), within the call's deadline. A push is also resent, with the
-# same (client_id, seq), when UNAVAILABLE reaches the client after the channel gave
-# up (e.g. a stream the channel cannot replay): the server applies it exactly once.
+# same (client_id, seq), while UNAVAILABLE reaches the client after the channel gave
+# up (e.g. a stream the channel cannot replay), until its deadline: the server applies
+# it exactly once. The calls that are safe to repeat (reads, and pushes, which the
+# server deduplicates) are also retried on CANCELLED: a server that stops cancels the
+# calls it had received but not yet started, and none of them ran.
+_SAFE_TO_REPEAT = (
+    "Push",
+    "PushStream",
+    "Pull",
+    "PullStream",
+    "DescribeGroup",
+    "ListGroups",
+    "Heartbeat",
+    "Apply",
+    "ApplyStream",
+)
+
+
+def _retry_policy(*codes: str) -> dict[str, Any]:
+    return {
+        "maxAttempts": 5,
+        "initialBackoff": "0.1s",
+        "maxBackoff": "2s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": list(codes),
+    }
+
+
 _SERVICE_CONFIG = {
     "methodConfig": [
         {
+            "name": [{"service": SERVICE, "method": m} for m in _SAFE_TO_REPEAT],
+            "retryPolicy": _retry_policy("UNAVAILABLE", "CANCELLED"),
+        },
+        {
             "name": [{"service": SERVICE}],
-            "retryPolicy": {
-                "maxAttempts": 5,
-                "initialBackoff": "0.1s",
-                "maxBackoff": "2s",
-                "backoffMultiplier": 2,
-                "retryableStatusCodes": ["UNAVAILABLE"],
-            },
-        }
+            "retryPolicy": _retry_policy("UNAVAILABLE"),
+        },
     ]
 }
+# A restarted server is found within about two seconds (gRPC's default reconnect
+# backoff grows to two minutes, longer than any push waits).
+_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 
 
 @dataclass(frozen=True)
@@ -236,6 +272,88 @@ def _group_info(msg: pb.GroupInfo) -> GroupInfo:
     )
 
 
+_RESEND_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+_TRANSPORTS = ("auto", "unary", "stream")
+
+
+def _check_client_arguments(
+    address: Any,
+    timeout: Any,
+    transport: Any,
+    chunk_bytes: Any,
+    unexpected: Mapping[str, Any],
+) -> None:
+    """TypeError/ValueError that say what ``Client(...)`` takes."""
+    if unexpected:
+        names = ", ".join(sorted(unexpected))
+        raise TypeError(
+            f"Client() got unexpected argument(s) {names}: it takes the server address "
+            "('host:port') and connection options (timeout=, token=, TLS, "
+            "transport=); tensors are given to create_group(), gradients to push()"
+        )
+    if isinstance(address, list | tuple) and address:  # a cluster's shards
+        if not all(isinstance(a, str) and a.strip() for a in address):
+            raise TypeError(
+                "Client([addresses]): a cluster's shards as 'host:port' strings in "
+                f"shard order, got {address!r}"
+            )
+    elif not isinstance(address, str) or not address.strip():
+        raise TypeError(
+            f"Client(address): the server's 'host:port' as a string, e.g. "
+            f"Client('127.0.0.1:50051'), or a cluster's shards as a list of them, "
+            f"got {type(address).__name__}"
+        )
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout is seconds (a number), got {timeout!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if transport not in _TRANSPORTS:
+        raise ValueError(
+            f"transport must be one of {', '.join(_TRANSPORTS)}, got {transport!r}"
+        )
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be an integer >= 1, got {chunk_bytes!r}")
+
+
+def _spec(value: Any, what: str, kind: Any = (Async, Sync)) -> Any:
+    """``value`` when it is an instance of ``kind`` (or has its ``to_proto``); else
+    a TypeError that says so (the class itself, ``Adam`` for ``Adam()``, is the usual
+    slip)."""
+    if isinstance(value, type):
+        raise TypeError(
+            f"{what} must be an instance, e.g. {value.__name__}(), not the class "
+            f"{value.__name__}"
+        )
+    if not isinstance(value, kind) and not callable(getattr(value, "to_proto", None)):
+        names = (
+            "Adagrad(), Momentum(), Nesterov() or Adam()"
+            if kind is OptimizerSpec
+            else "Async() or Sync(workers)"
+        )
+        raise TypeError(f"{what} must be one of {names}, got {value!r}")
+    return value
+
+
+def _named_tensors(tensors: Any) -> list[tuple[str, Any]]:
+    """``{name: array}`` or ``[(name, array), ...]`` as a list of pairs."""
+    if isinstance(tensors, Mapping):
+        items = list(tensors.items())
+    elif isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence):
+        items = None
+    else:
+        items = list(tensors)
+    if items is None or not all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in items
+    ):
+        raise TypeError(
+            "tensors must name each tensor, in the ONNX order: {'w': w0, 'b': b0} "
+            "or [('w', w0), ('b', b0)]"
+        )
+    return items
+
+
 class _State(enum.Enum):
     UNOPENED = 1
     OPEN = 2
@@ -259,7 +377,7 @@ class Client:
 
     def __init__(
         self,
-        address: str | Sequence[str],
+        address: str | Sequence[str] = "",  # required: a default only to say so
         *,
         timeout: float = 60.0,
         client_id: str | None = None,
@@ -272,11 +390,17 @@ class Client:
         stream_threshold_bytes: int = STREAM_THRESHOLD_BYTES,
         chunk_bytes: int = CHUNK_BYTES,
         split_bytes: int = SPLIT_BYTES,
+        **unexpected: NoReturn,
     ) -> None:
-        # A list of addresses is a cluster: shard i at addresses[i] (README, "Cluster").
+        _check_client_arguments(address, timeout, transport, chunk_bytes, unexpected)
+        if root_certificates is not None and not isinstance(root_certificates, bytes):
+            raise TypeError(
+                "root_certificates is the PEM bytes of the CA, not a path: pass "
+                "open(path, 'rb').read()"
+            )
+        # A list of addresses is a cluster: shard i at addresses[i] (README, "A
+        # cluster of shards").
         self.addresses = [address] if isinstance(address, str) else list(address)
-        if not self.addresses:
-            raise ValueError("a cluster needs at least one shard address")
         self.address = ",".join(self.addresses)
         self.shards: int | None = (
             None if isinstance(address, str) else len(self.addresses)
@@ -335,15 +459,7 @@ class Client:
             stub = self._stubs.get(shard)
             if stub is None:
                 address = self.addresses[shard]
-                options: list[tuple[str, Any]] = [
-                    ("grpc.max_receive_message_length", -1),
-                    ("grpc.max_send_message_length", -1),
-                    ("grpc.enable_retries", 1),
-                    ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
-                    # a restarted shard is reconnected to within a second
-                    ("grpc.initial_reconnect_backoff_ms", 100),
-                    ("grpc.max_reconnect_backoff_ms", 1000),
-                ]
+                options = list(_CHANNEL_OPTIONS)
                 if self._server_name_override:
                     options.append(
                         ("grpc.ssl_target_name_override", self._server_name_override)
@@ -408,6 +524,14 @@ class Client:
         error = translate(exc)
         if isinstance(error, DeadlineExceededError):
             return deadline.expired(what, error.details)
+        if error.code == grpc.StatusCode.CANCELLED:
+            # This client never cancels a call it waits on: the server did, because
+            # it is stopping (a graceful stop cancels what it had not yet started).
+            return UnavailableError(
+                f"{what}: the server cancelled the call (it is stopping), so it may "
+                f"or may not have taken effect ({error.details})",
+                grpc.StatusCode.CANCELLED,
+            )
         return error
 
     def _method(self, name: str, shard: int = 0) -> Any:
@@ -440,14 +564,14 @@ class Client:
         ``update_count`` resume a group whose optimizer state was saved elsewhere.
         On a cluster, a group above ``split_bytes`` is split across the shards.
         """
-        items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        items = _named_tensors(tensors)
         arrays = [np.asarray(a) for _, a in items]
         state_arrays = [np.asarray(a) for a in state or ()]
         req = pb.CreateGroupRequest(
             group=name,
-            optimizer=optimizer.to_proto(),
+            optimizer=_spec(optimizer, "optimizer", OptimizerSpec).to_proto(),
             learning_rate=learning_rate,
-            consistency=(consistency or Async()).to_proto(),
+            consistency=_spec(consistency or Async(), "consistency").to_proto(),
             allow_non_finite=allow_non_finite,
             update_count=update_count,
             lease_seconds=lease_seconds or 0.0,
@@ -654,29 +778,48 @@ class Client:
         deadline: _Deadline,
         shard: int = 0,
     ) -> Any:
-        """Send a push, and resend it (same seq) while the server is unavailable, up
-        to ``_PUSH_SENDS`` sends within the deadline: the server answers a repeat
-        with its first result."""
+        """Send a push, and resend it (same seq) while the server is unavailable,
+        until the deadline: the server answers a repeat with its first result."""
         what = f"the push to group {req.group} (seq {req.seq}) was not answered"
         backoff = 0.1
-        for sends in itertools.count(1):
+        unavailable: RpcError | None = None
+        while True:
             try:
                 if chunks is not None:
                     return self._call("PushStream", chunks(), deadline, what, shard)
                 return self._call("Push", req, deadline, what, shard)
-            except UnavailableError as exc:
-                pause = min(backoff, deadline.remaining())
-                if pause <= 0 or sends == _PUSH_SENDS:
+            except DeadlineExceededError:
+                if unavailable is None:
                     raise
-                log.warning(
-                    "push to %s seq %d: %s; resending in %.1f s",
-                    req.group,
-                    req.seq,
-                    exc.code.name,
-                    pause,
-                )
-                time.sleep(pause)
-                backoff = min(2.0, backoff * 2)
+                raise self._gone(req, deadline, unavailable) from None
+            except RpcError as exc:
+                if exc.code not in _RESEND_CODES:
+                    raise
+                unavailable = exc
+            pause = min(backoff, deadline.remaining())
+            if pause <= 0:
+                raise self._gone(req, deadline, unavailable)
+            log.info(
+                "push to %s seq %d: %s; resending in %.1f s",
+                req.group,
+                req.seq,
+                unavailable.code.name,
+                pause,
+            )
+            time.sleep(pause)
+            backoff = min(_RESEND_BACKOFF_MAX, backoff * 2)
+
+    def _gone(
+        self, req: pb.PushRequest, deadline: _Deadline, last: RpcError
+    ) -> UnavailableError:
+        return UnavailableError(
+            f"the server at {self.address} stayed unavailable for "
+            f"{deadline.seconds:g} s ({last.details}); the push to group "
+            f"{req.group} (seq {req.seq}) may not have been applied",
+            reason=last.reason,  # the last refusal's details (e.g. WAL_WRITE_FAILED)
+            metadata=last.metadata,
+            violations=last.violations,
+        )
 
     # -- pull ----------------------------------------------------------------------
     def pull(
@@ -749,6 +892,100 @@ class Client:
             tensor_to_array(t, t.name).copy() for t in msg.tensors
         ]
 
+    # -- rows ----------------------------------------------------------------------
+    def push_rows(
+        self,
+        group: str,
+        gradients: Mapping[str, Any],
+        *,
+        base_version: int | None = None,
+        learning_rate: float | None = None,
+        timeout: float | None = None,
+    ) -> PushResult:
+        """One step in which only the given rows change.
+
+        ``gradients`` maps a tensor name to ``(indices, rows)`` (int64 (k,) and
+        (k, *shape[1:])) or to a dense gradient of the whole tensor; tensors not
+        named keep every row. Repeated indices are summed first. The indices and rows
+        travel in ~1 MiB chunks (no size ceiling); a push the server did not answer
+        (UNAVAILABLE) is resent with the same seq, and answered once."""
+        deadline = self._deadline(timeout)
+        header = pb.PushRowsHeader(
+            group=group, client_id=self.client_id, seq=next(self._seq)
+        )
+        if base_version is not None:
+            header.base_version = base_version
+        if learning_rate is not None:
+            header.learning_rate = learning_rate
+        arrays: list[Array] = []
+        for name, g in gradients.items():
+            gr = header.gradients.add(name=name)
+            if isinstance(g, tuple):
+                indices = np.asarray(g[0])
+                if indices.dtype.kind in "iu":
+                    indices = indices.astype(np.int64, copy=False)
+                gr.indices.CopyFrom(header_tensor(indices))
+                arrays.append(indices)
+                values = np.asarray(g[1])
+            else:
+                values = np.asarray(g)
+            gr.values.CopyFrom(header_tensor(values))
+            arrays.append(values)
+
+        def chunks() -> Iterator[Any]:
+            yield pb.PushRowsRequest(header=header)
+            yield from chunk_messages(pb.PushRowsRequest, arrays, self.chunk_bytes)
+
+        what = f"the row push to group {group} (seq {header.seq}) was not answered"
+        backoff = 0.1
+        for sends in itertools.count(1):
+            try:
+                msg = self._call("PushRows", chunks(), deadline, what)
+                return PushResult(msg.update_count, msg.applied, msg.duplicate, None)
+            except UnavailableError:
+                pause = min(backoff, deadline.remaining())
+                if pause <= 0 or sends == _PUSH_SENDS:
+                    raise
+                time.sleep(pause)
+                backoff = min(2.0, backoff * 2)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def pull_rows(
+        self,
+        group: str,
+        selections: Mapping[str, Any],
+        *,
+        state: bool = False,
+        min_version: int | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Array]:
+        """Rows of tensors: ``{name: indices}`` in, ``{name: rows}`` out (with
+        ``state``, also ``"V:name"`` and ``"H:name"`` as the operator has them)."""
+        deadline = self._deadline(timeout)
+        header = pb.PullRowsHeader(group=group, with_state=state)
+        if min_version is not None:
+            header.min_version = min_version
+        arrays = []
+        for name, idx in selections.items():
+            indices = np.asarray(idx)
+            if indices.dtype.kind in "iu":
+                indices = indices.astype(np.int64, copy=False)
+            header.tensors.add(name=name, indices=header_tensor(indices))
+            arrays.append(indices)
+
+        def chunks() -> Iterator[Any]:
+            yield pb.PullRowsRequest(header=header)
+            yield from chunk_messages(pb.PullRowsRequest, arrays, self.chunk_bytes)
+
+        what = f"the row pull of group {group} was not answered"
+        it = self._stream_call("PullRows", chunks(), deadline, what)
+        first = next(it).header
+        names = [t.name for t in first.rows]
+        asm = TensorAssembler(list(first.rows), names)
+        for msg in it:
+            asm.add(msg.chunk)
+        return dict(zip(names, asm.finish(), strict=True))
+
     # -- apply ---------------------------------------------------------------------
     def apply(
         self, optimizer: OptimizerSpec, *inputs: Any, timeout: float | None = None
@@ -758,6 +995,7 @@ class Client:
         arrays = [np.asarray(a) for a in inputs]
         if len(arrays) >= 2 and arrays[1].dtype.kind in "iu":
             arrays[1] = arrays[1].astype(np.int64)
+        optimizer = _spec(optimizer, "optimizer", OptimizerSpec)
         if self._use_stream(sum(a.nbytes for a in arrays)):
             header = pb.ApplyRequest(
                 optimizer=optimizer.to_proto(),
@@ -901,8 +1139,18 @@ class Client:
 
         return export_groups(self, path, prefix)
 
-    def import_(self, path: str | os.PathLike[str]) -> list[str]:
-        """Create the groups of a file written by ``export``; returns their names."""
+    def import_(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        existing: Literal["fail", "skip", "replace"] = "fail",
+    ) -> list[str]:
+        """Create the groups of a file written by ``export``; returns their names.
+
+        The file is checked whole first. A group the server already has makes the
+        import fail before anything is created (``existing="fail"``), is left as it
+        is (``"skip"``, not in the result) or is replaced by the file's.
+        """
         from ._transfer import import_groups
 
-        return import_groups(self, path)
+        return import_groups(self, path, existing=existing).imported
