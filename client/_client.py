@@ -294,10 +294,12 @@ def _check_client_arguments(
             "transport=); tensors are given to create_group(), gradients to push()"
         )
     if isinstance(address, list | tuple) and address:  # a cluster's shards
-        if not all(isinstance(a, str) and a.strip() for a in address):
+        bad = [a for a in address if not (isinstance(a, str) and a.strip())]
+        if bad:
             raise TypeError(
-                "Client([addresses]): a cluster's shards as 'host:port' strings in "
-                f"shard order, got {address!r}"
+                "Client(address): the server's 'host:port' as a string, or a "
+                "cluster's shards as a list of them in shard order; the list holds "
+                f"{type(bad[0]).__name__}"
             )
     elif not isinstance(address, str) or not address.strip():
         raise TypeError(

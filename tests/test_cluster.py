@@ -535,3 +535,12 @@ def test_a_push_that_missed_a_shard_is_completed_by_the_next(tmp_path: Path) -> 
         stop(one)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w, strict=True)
+
+
+def test_client_takes_a_list_of_shard_addresses_only() -> None:
+    with pytest.raises(TypeError, match="a cluster's shards as a list of them"):
+        Client(["127.0.0.1:1", ""])
+    with Client(("127.0.0.1:1", "127.0.0.1:2")) as ps:
+        assert (ps.shards, ps.address) == (2, "127.0.0.1:1,127.0.0.1:2")
+    with Client("127.0.0.1:1") as one:
+        assert one.shards is None
