@@ -5,9 +5,20 @@ with Client("127.0.0.1:50051") as ps:
     ps.create_group("mlp", Adam(), learning_rate=0.01, tensors={"w": w0, "b": b0})
     t = ps.push("mlp", g_w, g_b)
     w, b = ps.pull("mlp")
+
+A cluster of shards: ``Client(["ps-0:50051", "ps-1:50051", "ps-2:50051"])``.
 """
 
-from ._client import Client, GroupInfo, LeaseInfo, PushResult, SaveInfo, WorkerInfo
+from ._client import (
+    Client,
+    GroupInfo,
+    LeaseInfo,
+    PartInfo,
+    PushResult,
+    SaveInfo,
+    WorkerInfo,
+)
+from ._cluster import placement, shard_addresses, shard_ranking
 from ._errors import (
     AlreadyExistsError,
     ClientClosedError,
@@ -46,6 +57,7 @@ __all__ = [
     "NotFoundError",
     "OnnxpsError",
     "OptimizerSpec",
+    "PartInfo",
     "PermissionDeniedError",
     "PushResult",
     "ResourceExhaustedError",
@@ -56,4 +68,7 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "WorkerInfo",
+    "placement",
+    "shard_addresses",
+    "shard_ranking",
 ]

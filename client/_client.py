@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import json
 import logging
@@ -12,13 +13,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NoReturn, overload
+from typing import Any, Literal, NoReturn, TypeVar, overload
 
 import grpc
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
+from ._cluster import SHARD_METADATA_KEY, Layout, fan_out
 from ._errors import (
     ClientClosedError,
     DeadlineExceededError,
@@ -42,6 +44,7 @@ __all__ = [
     "Client",
     "GroupInfo",
     "LeaseInfo",
+    "PartInfo",
     "PushResult",
     "SaveInfo",
     "WorkerInfo",
@@ -53,6 +56,7 @@ Array = np.ndarray[Any, Any]
 Transport = Literal["auto", "unary", "stream"]
 
 STREAM_THRESHOLD_BYTES = 1 << 20
+SPLIT_BYTES = 64 << 20  # a cluster splits a group whose X is larger
 _RESEND_BACKOFF_MAX = 2.0  # seconds between a push's resends, at most
 
 # The one retry mechanism for every call: the channel retries UNAVAILABLE (the server
@@ -118,6 +122,17 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
+class PartInfo:
+    """One part of a group on a cluster (an unsplit group has one)."""
+
+    name: str  # the group's name on that shard
+    shard: int
+    address: str
+    update_count: int
+    element_count: int
+
+
+@dataclass(frozen=True)
 class GroupInfo:
     name: str
     optimizer: OptimizerSpec
@@ -133,6 +148,7 @@ class GroupInfo:
     workers: list[WorkerInfo] = field(default_factory=list)
     pending_contributions: int = 0
     quorum: int = 0
+    parts: tuple[PartInfo, ...] = ()  # on a cluster: where its elements live
 
     @property
     def nbytes(self) -> int:
@@ -184,6 +200,26 @@ class _Deadline:
         if details and details.lower() != "deadline exceeded":
             why += f" ({details})"
         return DeadlineExceededError(why)
+
+
+R = TypeVar("R")
+_PartPush = tuple[int, pb.PushRequest, list[Array]]  # shard, request, gradients
+
+
+def until_landed(call: Callable[[], R], deadline: _Deadline) -> R:
+    """``call()``, resent while its server is unavailable, until the deadline (a
+    cluster's calls: a shard pod restarting must not fail the worker). A push
+    carries the same (client_id, seq) each time, so it lands exactly once."""
+    backoff = 0.1
+    while True:
+        try:
+            return call()
+        except UnavailableError:
+            pause = min(backoff, deadline.remaining())
+            if pause <= 0:
+                raise
+            time.sleep(pause)
+            backoff = min(1.0, backoff * 2)
 
 
 def _lease_info(msg: Any) -> LeaseInfo:
@@ -256,10 +292,19 @@ def _check_client_arguments(
             "('host:port') and connection options (timeout=, token=, TLS, "
             "transport=); tensors are given to create_group(), gradients to push()"
         )
-    if not isinstance(address, str) or not address.strip():
+    if isinstance(address, list | tuple) and address:  # a cluster's shards
+        bad = [a for a in address if not (isinstance(a, str) and a.strip())]
+        if bad:
+            raise TypeError(
+                "Client(address): the server's 'host:port' as a string, or a "
+                "cluster's shards as a list of them in shard order; the list holds "
+                f"{type(bad[0]).__name__}"
+            )
+    elif not isinstance(address, str) or not address.strip():
         raise TypeError(
             f"Client(address): the server's 'host:port' as a string, e.g. "
-            f"Client('127.0.0.1:50051'), got {type(address).__name__}"
+            f"Client('127.0.0.1:50051'), or a cluster's shards as a list of them, "
+            f"got {type(address).__name__}"
         )
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(f"timeout is seconds (a number), got {timeout!r}")
@@ -317,7 +362,12 @@ class _State(enum.Enum):
 
 
 class Client:
-    """A connection to one onnxps server.
+    """A connection to one onnxps server, or to a cluster of shards.
+
+    ``address`` is ``"host:port"`` (one server) or a list of the shards' addresses
+    in shard order (a cluster; README "A cluster of shards"): each call is routed
+    to the shards holding its group, and a group whose X is larger than
+    ``split_bytes`` is split across them.
 
     Every call takes ``timeout=`` (seconds) and falls back to the client's default.
     It is one deadline for the whole call: every retry of the channel and every
@@ -328,7 +378,7 @@ class Client:
 
     def __init__(
         self,
-        address: str = "",  # required: a default only to explain its absence
+        address: str | Sequence[str] = "",  # required: a default only to say so
         *,
         timeout: float = 60.0,
         client_id: str | None = None,
@@ -340,6 +390,7 @@ class Client:
         transport: Transport = "auto",
         stream_threshold_bytes: int = STREAM_THRESHOLD_BYTES,
         chunk_bytes: int = CHUNK_BYTES,
+        split_bytes: int = SPLIT_BYTES,
         **unexpected: NoReturn,
     ) -> None:
         _check_client_arguments(address, timeout, transport, chunk_bytes, unexpected)
@@ -348,7 +399,14 @@ class Client:
                 "root_certificates is the PEM bytes of the CA, not a path: pass "
                 "open(path, 'rb').read()"
             )
-        self.address = address
+        # A list of addresses is a cluster: shard i at addresses[i] (README, "A
+        # cluster of shards").
+        self.addresses = [address] if isinstance(address, str) else list(address)
+        self.address = ",".join(self.addresses)
+        self.shards: int | None = (
+            None if isinstance(address, str) else len(self.addresses)
+        )
+        self.split_bytes = split_bytes
         self.timeout = timeout
         self.client_id = client_id or uuid.uuid4().hex
         self.transport: Transport = transport
@@ -360,8 +418,11 @@ class Client:
         self._server_name_override = server_name_override
         self._state = _State.UNOPENED
         self._lock = threading.Lock()
-        self._channel: grpc.Channel | None = None
-        self._stub: pb_grpc.ParameterServerServiceStub | None = None
+        self._channels: dict[int, grpc.Channel] = {}
+        self._stubs: dict[int, pb_grpc.ParameterServerServiceStub] = {}
+        self._layouts: dict[str, Layout] = {}
+        # group -> the parts of a push that did not land (sent first by the next)
+        self._unfinished: dict[str, tuple[list[_PartPush], list[_PartPush]]] = {}
         # Seqs start at the wall clock in microseconds, not 1: a worker restarted with
         # the same client_id must not repeat seqs the server remembers, or its first
         # pushes would be answered as duplicates and silently dropped.
@@ -389,14 +450,16 @@ class Client:
         for stop, thread in beats:
             stop.set()
             thread.join(timeout=5)
-        if self._channel is not None:
-            self._channel.close()
+        for channel in self._channels.values():
+            channel.close()
 
-    def _get_stub(self) -> pb_grpc.ParameterServerServiceStub:
+    def _get_stub(self, shard: int = 0) -> pb_grpc.ParameterServerServiceStub:
         with self._lock:
             if self._state is _State.CLOSED:
                 raise ClientClosedError("this client was closed; create a new Client")
-            if self._stub is None:
+            stub = self._stubs.get(shard)
+            if stub is None:
+                address = self.addresses[shard]
                 options = list(_CHANNEL_OPTIONS)
                 if self._server_name_override:
                     options.append(
@@ -405,15 +468,19 @@ class Client:
                 if self._secure:
                     roots, key, chain = self._tls
                     creds = grpc.ssl_channel_credentials(roots, key, chain)
-                    self._channel = grpc.secure_channel(self.address, creds, options)
+                    channel = grpc.secure_channel(address, creds, options)
                 else:
-                    self._channel = grpc.insecure_channel(self.address, options)
-                self._stub = pb_grpc.ParameterServerServiceStub(self._channel)
+                    channel = grpc.insecure_channel(address, options)
+                self._channels[shard] = channel
+                stub = self._stubs[shard] = pb_grpc.ParameterServerServiceStub(channel)
                 self._state = _State.OPEN
-            return self._stub
+            return stub
 
-    def _metadata(self) -> list[tuple[str, str]] | None:
-        return [("authorization", f"Bearer {self._token}")] if self._token else None
+    def _metadata(self, shard: int = 0) -> list[tuple[str, str]] | None:
+        md = [("authorization", f"Bearer {self._token}")] if self._token else []
+        if self.shards is not None:
+            md.append((SHARD_METADATA_KEY, f"{shard}/{self.shards}"))
+        return md or None
 
     def _deadline(self, timeout: float | None) -> _Deadline:
         return _Deadline(self.timeout if timeout is None else timeout)
@@ -424,6 +491,7 @@ class Client:
         request: Any,
         deadline: _Deadline | float | None,
         what: str | None = None,
+        shard: int = 0,
     ) -> Any:
         """Invoke one RPC; the only place grpc errors turn into the client's own.
 
@@ -433,19 +501,21 @@ class Client:
         if not isinstance(deadline, _Deadline):
             deadline = self._deadline(deadline)
         what = what or f"{method} was not answered"
-        fn = self._method(method)
+        fn = self._method(method, shard)
         try:
-            return fn(request, timeout=deadline.remaining(), metadata=self._metadata())
+            return fn(
+                request, timeout=deadline.remaining(), metadata=self._metadata(shard)
+            )
         except grpc.RpcError as exc:
             raise self._error(exc, deadline, what) from None
 
     def _stream_call(
-        self, method: str, request: Any, deadline: _Deadline, what: str
+        self, method: str, request: Any, deadline: _Deadline, what: str, shard: int = 0
     ) -> Iterator[Any]:
-        fn = self._method(method)
+        fn = self._method(method, shard)
         try:
             yield from fn(
-                request, timeout=deadline.remaining(), metadata=self._metadata()
+                request, timeout=deadline.remaining(), metadata=self._metadata(shard)
             )
         except grpc.RpcError as exc:
             raise self._error(exc, deadline, what) from None
@@ -465,8 +535,8 @@ class Client:
             )
         return error
 
-    def _method(self, name: str) -> Any:
-        stub = self._get_stub()
+    def _method(self, name: str, shard: int = 0) -> Any:
+        stub = self._get_stub(shard)
         return getattr(stub, name)
 
     def _use_stream(self, nbytes: int) -> bool:
@@ -493,6 +563,7 @@ class Client:
 
         ``state`` (V_1..V_n then H_1..H_n, as the operator has them) and
         ``update_count`` resume a group whose optimizer state was saved elsewhere.
+        On a cluster, a group above ``split_bytes`` is split across the shards.
         """
         items = _named_tensors(tensors)
         arrays = [np.asarray(a) for _, a in items]
@@ -506,31 +577,63 @@ class Client:
             update_count=update_count,
             lease_seconds=lease_seconds or 0.0,
         )
-        nbytes = sum(a.nbytes for a in arrays + state_arrays)
+        deadline = self._deadline(timeout)
+        if self.shards is not None:
+            from . import _sharded
+
+            names = [n for n, _ in items]
+            return _sharded.create_group(
+                self, req, names, arrays, state_arrays, deadline
+            )
+        info = _group_info(
+            self._create_request(
+                0, req, [n for n, _ in items], arrays, state_arrays, deadline
+            )
+        )
+        self._sizes[name] = info.nbytes
+        return info
+
+    def _create_request(
+        self,
+        shard: int,
+        template: pb.CreateGroupRequest,
+        names: Sequence[str],
+        arrays: Sequence[Array],
+        state_arrays: Sequence[Array],
+        deadline: _Deadline,
+    ) -> pb.GroupInfo:
+        req = pb.CreateGroupRequest()
+        req.CopyFrom(template)
+        nbytes = sum(a.nbytes for a in [*arrays, *state_arrays])
         if self._use_stream(nbytes):
             req.tensors.extend(
-                header_tensor(a, n) for (n, _), a in zip(items, arrays, strict=True)
+                header_tensor(a, n) for n, a in zip(names, arrays, strict=True)
             )
             req.state.extend(header_tensor(a) for a in state_arrays)
 
             def chunks() -> Iterator[Any]:
                 yield pb.CreateGroupStreamRequest(header=req)
                 yield from chunk_messages(
-                    pb.CreateGroupStreamRequest, arrays + state_arrays, self.chunk_bytes
+                    pb.CreateGroupStreamRequest,
+                    [*arrays, *state_arrays],
+                    self.chunk_bytes,
                 )
 
-            msg = self._call("CreateGroupStream", chunks(), timeout)
+            msg = self._call("CreateGroupStream", chunks(), deadline, shard=shard)
         else:
-            for (n, _), a in zip(items, arrays, strict=True):
+            for n, a in zip(names, arrays, strict=True):
                 write_tensor(req.tensors.add(), a, n)
             for a in state_arrays:
                 write_tensor(req.state.add(), a)
-            msg = self._call("CreateGroup", req, timeout)
-        info = _group_info(msg.group)
-        self._sizes[name] = info.nbytes
-        return info
+            msg = self._call("CreateGroup", req, deadline, shard=shard)
+        group: pb.GroupInfo = msg.group
+        return group
 
     def describe_group(self, name: str, *, timeout: float | None = None) -> GroupInfo:
+        if self.shards is not None:
+            from . import _sharded
+
+            return _sharded.describe_group(self, name, self._deadline(timeout))
         req = pb.DescribeGroupRequest(group=name)
         info = _group_info(self._call("DescribeGroup", req, timeout).group)
         self._sizes[name] = info.nbytes
@@ -539,17 +642,31 @@ class Client:
     def list_groups(
         self, prefix: str = "", *, timeout: float | None = None
     ) -> list[GroupInfo]:
+        if self.shards is not None:
+            from . import _sharded
+
+            return _sharded.list_groups(self, prefix, self._deadline(timeout))
         msg = self._call("ListGroups", pb.ListGroupsRequest(prefix=prefix), timeout)
         return [_group_info(g) for g in msg.groups]
 
     def delete_group(self, name: str, *, timeout: float | None = None) -> bool:
         self._sizes.pop(name, None)
+        if self.shards is not None:
+            from . import _sharded
+
+            return _sharded.delete_group(self, name, self._deadline(timeout))
         msg = self._call("DeleteGroup", pb.DeleteGroupRequest(group=name), timeout)
         return bool(msg.deleted)
 
     def set_learning_rate(
         self, name: str, learning_rate: float, *, timeout: float | None = None
     ) -> GroupInfo:
+        if self.shards is not None:
+            from . import _sharded
+
+            return _sharded.set_learning_rate(
+                self, name, learning_rate, self._deadline(timeout)
+            )
         req = pb.SetLearningRateRequest(group=name, learning_rate=learning_rate)
         return _group_info(self._call("SetLearningRate", req, timeout).group)
 
@@ -622,6 +739,26 @@ class Client:
             req.base_version = base_version
         if learning_rate is not None:
             req.learning_rate = learning_rate
+        if self.shards is not None:
+            from . import _sharded
+
+            return _sharded.push(self, req, arrays, deadline)
+        msg = self._push_one(0, req, arrays, deadline)
+        values = None
+        if return_values:
+            values = [tensor_to_array(t, t.name).copy() for t in msg.values]
+        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
+
+    def _push_one(
+        self,
+        shard: int,
+        template: pb.PushRequest,
+        arrays: Sequence[Array],
+        deadline: _Deadline,
+    ) -> Any:
+        """One push (or a part's) to one shard: the reply message."""
+        req = pb.PushRequest()
+        req.CopyFrom(template)
         stream = self._use_stream(sum(a.nbytes for a in arrays))
         if stream:
             req.gradients.extend(header_tensor(a) for a in arrays)
@@ -633,29 +770,26 @@ class Client:
             yield pb.PushStreamRequest(header=req)
             yield from chunk_messages(pb.PushStreamRequest, arrays, self.chunk_bytes)
 
-        msg = self._send_push(req, chunks if stream else None, deadline)
-        values = None
-        if return_values:
-            values = [tensor_to_array(t, t.name).copy() for t in msg.values]
-        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
+        return self._send_push(req, chunks if stream else None, deadline, shard)
 
     def _send_push(
         self,
         req: pb.PushRequest,
         chunks: Callable[[], Iterator[Any]] | None,
         deadline: _Deadline,
+        shard: int = 0,
     ) -> Any:
         what = f"the push to group {req.group} (seq {req.seq}) was not answered"
         if chunks is not None:
             stream = chunks
             return self._resending(
-                lambda: self._call("PushStream", stream(), deadline, what),
+                lambda: self._call("PushStream", stream(), deadline, what, shard),
                 req.group,
                 req.seq,
                 deadline,
             )
         return self._resending(
-            lambda: self._call("Push", req, deadline, what),
+            lambda: self._call("Push", req, deadline, what, shard),
             req.group,
             req.seq,
             deadline,
@@ -729,8 +863,25 @@ class Client:
         min_version: int | None = None,
         timeout: float | None = None,
     ) -> tuple[int, list[Array]]:
-        """(T, arrays): the tensors and the update count they belong to."""
+        """(T, arrays): the tensors and the update count they belong to.
+
+        On a cluster, T is the lowest of the parts' (with pushes in flight, parts
+        can be a push apart); ``min_version`` waits for every part."""
         deadline = self._deadline(timeout)
+        if self.shards is not None:
+            from . import _sharded
+
+            return _sharded.pull(self, group, state, min_version, deadline)
+        return self._pull_one(0, group, state, min_version, deadline)
+
+    def _pull_one(
+        self,
+        shard: int,
+        group: str,
+        state: bool,
+        min_version: int | None,
+        deadline: _Deadline,
+    ) -> tuple[int, list[Array]]:
         req = pb.PullRequest(group=group, with_state=state, min_version=min_version)
         if min_version is not None:
             what = f"group {group} did not reach T={min_version}"
@@ -739,13 +890,13 @@ class Client:
         size = self._sizes.get(group)
         if size is None and self.transport == "auto":
             describe = pb.DescribeGroupRequest(group=group)
-            msg = self._call("DescribeGroup", describe, deadline)
+            msg = self._call("DescribeGroup", describe, deadline, shard=shard)
             size = self._sizes[group] = _group_info(msg.group).nbytes
         if self._use_stream(size or 0):
             stream_req = pb.PullStreamRequest(
                 group=group, with_state=state, min_version=min_version
             )
-            it = self._stream_call("PullStream", stream_req, deadline, what)
+            it = self._stream_call("PullStream", stream_req, deadline, what, shard)
             first = next(it)
             header = first.header
             names = [t.name for t in header.tensors]
@@ -753,7 +904,7 @@ class Client:
             for msg in it:
                 asm.add(msg.chunk)
             return header.update_count, asm.finish()
-        msg = self._call("Pull", req, deadline, what)
+        msg = self._call("Pull", req, deadline, what, shard)
         return msg.update_count, [
             tensor_to_array(t, t.name).copy() for t in msg.tensors
         ]
@@ -776,8 +927,9 @@ class Client:
         travel in ~1 MiB chunks (no size ceiling); a push the server did not answer
         (UNAVAILABLE) is resent with the same seq, and answered once."""
         deadline = self._deadline(timeout)
+        shard, part = self._rows_target(group, deadline)
         header = pb.PushRowsHeader(
-            group=group, client_id=self.client_id, seq=next(self._seq)
+            group=part, client_id=self.client_id, seq=next(self._seq)
         )
         if base_version is not None:
             header.base_version = base_version
@@ -804,12 +956,27 @@ class Client:
 
         what = f"the row push to group {group} (seq {header.seq}) was not answered"
         msg = self._resending(
-            lambda: self._call("PushRows", chunks(), deadline, what),
+            lambda: self._call("PushRows", chunks(), deadline, what, shard),
             group,
             header.seq,
             deadline,
         )
         return PushResult(msg.update_count, msg.applied, msg.duplicate, None)
+
+    def _rows_target(self, group: str, deadline: _Deadline) -> tuple[int, str]:
+        """The shard and name of the one part row calls go to (a plain server: 0)."""
+        if self.shards is None:
+            return 0, group
+        from . import _sharded
+
+        targets = _sharded.part_targets(self, group, deadline)
+        if len(targets) != 1:
+            raise ValueError(
+                f"group {group!r} is split into {len(targets)} parts across the "
+                "cluster; row pushes and pulls need a group held by one shard "
+                "(create it with a larger split_bytes)"
+            )
+        return targets[0]
 
     def pull_rows(
         self,
@@ -823,7 +990,8 @@ class Client:
         """Rows of tensors: ``{name: indices}`` in, ``{name: rows}`` out (with
         ``state``, also ``"V:name"`` and ``"H:name"`` as the operator has them)."""
         deadline = self._deadline(timeout)
-        header = pb.PullRowsHeader(group=group, with_state=state)
+        shard, part = self._rows_target(group, deadline)
+        header = pb.PullRowsHeader(group=part, with_state=state)
         if min_version is not None:
             header.min_version = min_version
         arrays = []
@@ -839,7 +1007,7 @@ class Client:
             yield from chunk_messages(pb.PullRowsRequest, arrays, self.chunk_bytes)
 
         what = f"the row pull of group {group} was not answered"
-        it = self._stream_call("PullRows", chunks(), deadline, what)
+        it = self._stream_call("PullRows", chunks(), deadline, what, shard)
         first = next(it).header
         names = [t.name for t in first.rows]
         asm = TensorAssembler(list(first.rows), names)
@@ -894,22 +1062,33 @@ class Client:
     def join(
         self, group: str, *, worker_id: str | None = None, timeout: float | None = None
     ) -> LeaseInfo:
-        """Join a group as a worker and keep the lease alive in the background."""
+        """Join a group as a worker and keep the lease alive in the background
+        (on a cluster: on every part of the group)."""
         wid = worker_id or self.client_id
-        req = pb.JoinGroupRequest(group=group, worker_id=wid)
-        lease = _lease_info(self._call("JoinGroup", req, timeout))
-        beat_req = pb.HeartbeatRequest(group=group, worker_id=wid)
+        targets = [(0, group)]
+        if self.shards is not None:
+            from . import _sharded
+
+            targets = _sharded.part_targets(self, group, self._deadline(timeout))
+        lease = self._lease_call("JoinGroup", targets, wid, self._deadline(timeout))
         stop = threading.Event()
         interval = max(0.05, lease.lease_seconds / 3)
 
         def beat() -> None:
             while not stop.wait(interval):
-                try:
-                    self._call("Heartbeat", beat_req, min(interval * 2, self.timeout))
-                except ClientClosedError:
-                    return
-                except RpcError as exc:
-                    log.warning("heartbeat for %s in %s failed: %s", wid, group, exc)
+                for shard, name in targets:
+                    beat_req = pb.HeartbeatRequest(group=name, worker_id=wid)
+                    try:
+                        self._call(
+                            "Heartbeat",
+                            beat_req,
+                            min(interval * 2, self.timeout),
+                            shard=shard,
+                        )
+                    except ClientClosedError:
+                        return
+                    except RpcError as exc:
+                        log.warning("heartbeat for %s in %s failed: %s", wid, name, exc)
 
         thread = threading.Thread(
             target=beat, name=f"onnxps-lease-{group}", daemon=True
@@ -931,14 +1110,56 @@ class Client:
         if beat is not None:
             beat[0].set()
             beat[1].join(timeout=5)
-        req = pb.LeaveGroupRequest(group=group, worker_id=worker_id or self.client_id)
-        return _lease_info(self._call("LeaveGroup", req, timeout))
+        targets = [(0, group)]
+        if self.shards is not None:
+            from . import _sharded
+
+            targets = _sharded.part_targets(self, group, self._deadline(timeout))
+        wid = worker_id or self.client_id
+        return self._lease_call("LeaveGroup", targets, wid, self._deadline(timeout))
+
+    def _lease_call(
+        self,
+        method: str,
+        targets: Sequence[tuple[int, str]],
+        worker_id: str,
+        deadline: _Deadline,
+    ) -> LeaseInfo:
+        """Join or leave every part; the lease as the first part answered it."""
+        request = pb.JoinGroupRequest if method == "JoinGroup" else pb.LeaveGroupRequest
+        calls = [
+            functools.partial(
+                self._call,
+                method,
+                request(group=name, worker_id=worker_id),
+                deadline,
+                shard=shard,
+            )
+            for shard, name in targets
+        ]
+        if self.shards is not None:
+            calls = [functools.partial(until_landed, c, deadline) for c in calls]
+        return _lease_info(fan_out(calls)[0])
 
     # -- durability ----------------------------------------------------------------
     def save(self, *, timeout: float | None = None) -> SaveInfo:
-        """Ask the server to write a snapshot of every group now."""
-        msg = self._call("Save", pb.SaveRequest(), timeout)
-        return SaveInfo(msg.path, msg.groups, msg.bytes)
+        """Ask the server (every shard of a cluster) to write a snapshot now; a
+        cluster's paths are joined with ", " in shard order."""
+        deadline = self._deadline(timeout)
+        shards = range(self.shards or 1)
+        replies = fan_out(
+            [
+                functools.partial(
+                    self._call, "Save", pb.SaveRequest(), deadline, None, i
+                )
+                for i in shards
+            ]
+        )
+        return SaveInfo(
+            ", ".join(m.path for m in replies),
+            sum(m.groups for m in replies),
+            sum(m.bytes for m in replies),
+        )
 
     def export(self, path: str | os.PathLike[str], prefix: str = "") -> list[str]:
         """Write every group whose name starts with ``prefix`` (tensors, optimizer
