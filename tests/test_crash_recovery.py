@@ -35,6 +35,7 @@ from onnxps.client import (
     UnavailableError,
 )
 from onnxps.server._snapshot import list_snapshots, load_snapshot
+from onnxps.server._wal import FRAME, SEGMENT_HEADER, read_segments, segment_paths
 from onnxps.server.kernels import apply_onnx
 from onnxps.server.store import combine_contributions
 
@@ -186,11 +187,29 @@ def _sync_worker(address: str, w: str, stop: threading.Event, acked: dict) -> No
             return
 
 
+def _read_settled(c: Client, g: str) -> tuple[int, list[np.ndarray], int]:
+    """T, X with its state, and the pending sync contributions, all of one version.
+
+    A restarted server may still take one sync step by itself: when the kill fell
+    after the completing push's record was durable but before the step's own record
+    was, both contributions are replayed as pending (the quorum is reached) and the
+    lease reaper takes the step within 0.1 s of the start. The writers are stopped,
+    so nothing else moves T: read again until T did not move between the two calls.
+    """
+    for _ in range(50):
+        t, values = c.pull_versioned(g, state=True)
+        info = c.describe_group(g)
+        if info.update_count == t:
+            return t, values, info.pending_contributions
+        time.sleep(0.05)
+    raise AssertionError(f"{g}: T still moves after the restart (T={t})")
+
+
 def _check(address: str, model: Model, acked: dict, wal: bool) -> dict[str, int]:
     seen = {}
     with Client(address, timeout=10) as c:
         for g in [*ASYNC, "sync"]:
-            t, values = c.pull_versioned(g, state=True)
+            t, values, pending = _read_settled(c, g)
             expected = model.at(g, t)
             for got, want in zip(values, expected, strict=True):
                 assert got.tobytes() == want.tobytes(), f"{g} at T={t}"
@@ -200,7 +219,6 @@ def _check(address: str, model: Model, acked: dict, wal: bool) -> dict[str, int]
                 if wal:
                     assert t >= acked[g], f"{g}: T={t} lost acked pushes ({acked[g]})"
                 continue
-            pending = c.describe_group(g).pending_contributions
             if wal:
                 assert all(acked[w] <= t + 1 for w in SYNC_WORKERS), (t, acked)
                 waiting = [w for w in SYNC_WORKERS if acked[w] == t + 1]
@@ -250,6 +268,54 @@ def test_kill_9_under_load_wal_loses_no_acknowledged_push(tmp_path: Path) -> Non
     assert result["progress"]["adam"] >= 20
     assert result["progress"]["sync"] >= 5
     assert result["acked"]["adam"] <= result["progress"]["adam"]
+
+
+def _cut_last_record(wal_dir: Path) -> str:
+    """Cut the log's last record off (a kill before its fsync); returns its op."""
+    _, path = segment_paths(str(wal_dir))[-1]
+    data = Path(path).read_bytes()
+    pos = last = SEGMENT_HEADER.size
+    while pos < len(data):
+        last = pos
+        _, hlen, blen, _ = FRAME.unpack_from(data, pos)
+        pos += FRAME.size + hlen + blen
+    *_, (header, _) = read_segments(str(wal_dir), 0)
+    os.truncate(path, last)
+    return str(header["op"])
+
+
+def test_kill_9_after_a_sync_push_before_its_step_is_logged(tmp_path: Path) -> None:
+    """The kill falls after the completing push of a sync step is durable, but before
+    the step's own record is: the restarted server replays both contributions and,
+    the quorum being reached, takes the step by itself (its lease reaper, within
+    0.1 s of the start). ``_check`` holds throughout: s1's acknowledged push is
+    pending at T=0, then in the step at T=1, never lost."""
+    data = tmp_path / "data"
+    server = Server(data, "wal")
+    try:
+        _create(server.address)
+        for w in ("s1", "s0"):  # s1's push is acknowledged, s0's is not (the kill)
+            with Client(server.address, client_id=w) as c:
+                c.push("sync", _grad(w, 0, 8, np.float32), base_version=0)
+    finally:
+        server.kill()
+    assert _cut_last_record(data / "wal") == "sync_step"
+    acked = {"adam": 0, "mom": 0, "s0": 0, "s1": 1}
+    model = Model()
+    server = Server(data, "wal")
+    try:
+        started = time.monotonic()
+        seen = []
+        while time.monotonic() - started < 0.5:  # across the reaper's step
+            seen.append(_check(server.address, model, acked, wal=True)["sync"])
+        assert seen[-1] == 1, seen
+        with Client(server.address) as c:
+            info = c.describe_group("sync")
+            assert (info.update_count, info.pending_contributions) == (1, 0)
+    finally:
+        server.kill()
+    log = (tmp_path / "data.log").read_text()
+    assert "Traceback" not in log
 
 
 def test_kill_9_under_load_snapshot_mode_keeps_a_prefix(tmp_path: Path) -> None:
