@@ -394,6 +394,9 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         interceptors=interceptors,
     )
     durability = _durability(config, store, health_servicer)
+    # A crash between a sync step's last push record and the step's own record leaves
+    # a full quorum pending after replay: take such steps before serving anything.
+    store.reap_leases()
     metrics = None
     try:
         servicer = ParameterServerServicer(

@@ -287,9 +287,8 @@ def _cut_last_record(wal_dir: Path) -> str:
 def test_kill_9_after_a_sync_push_before_its_step_is_logged(tmp_path: Path) -> None:
     """The kill falls after the completing push of a sync step is durable, but before
     the step's own record is: the restarted server replays both contributions and,
-    the quorum being reached, takes the step by itself (its lease reaper, within
-    0.1 s of the start). ``_check`` holds throughout: s1's acknowledged push is
-    pending at T=0, then in the step at T=1, never lost."""
+    the quorum being reached, takes the step before it serves anything (so it never
+    shows a full quorum pending). s1's acknowledged push is in the step, not lost."""
     data = tmp_path / "data"
     server = Server(data, "wal")
     try:
@@ -308,7 +307,7 @@ def test_kill_9_after_a_sync_push_before_its_step_is_logged(tmp_path: Path) -> N
         seen = []
         while time.monotonic() - started < 0.5:  # across the reaper's step
             seen.append(_check(server.address, model, acked, wal=True)["sync"])
-        assert seen[-1] == 1, seen
+        assert seen and set(seen) == {1}, seen
         with Client(server.address) as c:
             info = c.describe_group("sync")
             assert (info.update_count, info.pending_contributions) == (1, 0)
