@@ -3,39 +3,30 @@
 from __future__ import annotations
 
 import enum
-import itertools
-import json
-import logging
 import os
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, overload
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal, TypeVar, overload
 
 import grpc
 import numpy as np
-from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
-from ._errors import (
-    ClientClosedError,
-    DeadlineExceededError,
-    RpcError,
-    UnavailableError,
-    translate,
-)
-from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
-from .codec import (
-    CHUNK_BYTES,
-    PROTO_TO_DTYPE,
-    SERVICE,
-    TensorAssembler,
-    chunk_messages,
-    header_tensor,
-    tensor_to_array,
-    write_tensor,
+from ._errors import ClientClosedError, RpcError
+from ._optimizers import Async, OptimizerSpec, Sync
+from ._records import GroupInfo, LeaseInfo, PushResult, SaveInfo, WorkerInfo
+from ._requests import (
+    Call,
+    ClientCore,
+    Op,
+    OpRun,
+    Pause,
+    channel_credentials,
+    channel_options,
+    log,
+    push_reply,
 )
 
 __all__ = [
@@ -47,157 +38,10 @@ __all__ = [
     "WorkerInfo",
 ]
 
-log = logging.getLogger("onnxps.client")
-
 Array = np.ndarray[Any, Any]
-Transport = Literal["auto", "unary", "stream"]
+R = TypeVar("R")
 
-STREAM_THRESHOLD_BYTES = 1 << 20
-_PUSH_SENDS = 5  # a push's sends at most, all within its deadline
-
-# The one retry mechanism for every call: the channel retries UNAVAILABLE (the server
-# is down or draining), within the call's deadline. A push is also resent, with the
-# same (client_id, seq), when UNAVAILABLE reaches the client after the channel gave
-# up (e.g. a stream the channel cannot replay): the server applies it exactly once.
-_SERVICE_CONFIG = {
-    "methodConfig": [
-        {
-            "name": [{"service": SERVICE}],
-            "retryPolicy": {
-                "maxAttempts": 5,
-                "initialBackoff": "0.1s",
-                "maxBackoff": "2s",
-                "backoffMultiplier": 2,
-                "retryableStatusCodes": ["UNAVAILABLE"],
-            },
-        }
-    ]
-}
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    worker_id: str
-    alive: bool
-    lease_remaining_seconds: float
-
-
-@dataclass(frozen=True)
-class GroupInfo:
-    name: str
-    optimizer: OptimizerSpec
-    learning_rate: float
-    update_count: int
-    dtype: np.dtype[Any]
-    tensors: list[tuple[str, tuple[int, ...]]]
-    consistency: Async | Sync
-    allow_non_finite: bool
-    element_count: int
-    state_bytes: int
-    lease_seconds: float
-    workers: list[WorkerInfo] = field(default_factory=list)
-    pending_contributions: int = 0
-    quorum: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of X_1..X_n (one pull without state, one push)."""
-        return self.element_count * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class PushResult:
-    update_count: int  # T after the push (sync: T when it was buffered)
-    applied: bool  # False: buffered until the sync quorum pushes
-    duplicate: bool  # a retry the server had already taken
-    values: list[Array] | None = None  # X_1..X_n when asked for
-
-
-@dataclass(frozen=True)
-class LeaseInfo:
-    """A worker's lease on a group, as the server answered join or leave."""
-
-    lease_seconds: float  # renew before this runs out
-    update_count: int
-    live_workers: int
-    quorum: int
-
-
-@dataclass(frozen=True)
-class SaveInfo:
-    """The snapshot the server wrote on ``save``."""
-
-    path: str
-    groups: int
-    bytes: int
-
-
-class _Deadline:
-    """One absolute deadline for a whole call, whatever it sends and resends."""
-
-    __slots__ = ("at", "seconds")
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.at = time.monotonic() + seconds
-
-    def remaining(self) -> float:
-        return max(0.0, self.at - time.monotonic())
-
-    def expired(self, what: str, details: str) -> DeadlineExceededError:
-        why = f"{what} within {self.seconds:g} s"
-        if details and details.lower() != "deadline exceeded":
-            why += f" ({details})"
-        return DeadlineExceededError(why)
-
-
-def _lease_info(msg: Any) -> LeaseInfo:
-    return LeaseInfo(msg.lease_seconds, msg.update_count, msg.live_workers, msg.quorum)
-
-
-def _optimizer_from_proto(spec: pb.OptimizerSpec) -> OptimizerSpec:
-    kind = spec.WhichOneof("kind")
-    if kind == "adagrad":
-        a = spec.adagrad
-        return Adagrad(a.epsilon, a.decay_factor, a.norm_coefficient)
-    if kind == "momentum":
-        m = spec.momentum
-        mode: Literal["standard", "nesterov"] = (
-            "nesterov" if m.mode == "nesterov" else "standard"
-        )
-        return Momentum(m.alpha, m.beta, mode, m.norm_coefficient)
-    d = spec.adam
-    return Adam(d.alpha, d.beta, d.epsilon, d.norm_coefficient, d.norm_coefficient_post)
-
-
-def _group_info(msg: pb.GroupInfo) -> GroupInfo:
-    c = msg.consistency
-    consistency: Async | Sync
-    if c.mode == pb.CONSISTENCY_MODE_SYNC:
-        consistency = Sync(
-            c.sync_workers, "sum" if c.reduction == pb.REDUCTION_SUM else "mean"
-        )
-    else:
-        consistency = Async(c.max_staleness if c.HasField("max_staleness") else None)
-    return GroupInfo(
-        name=msg.name,
-        optimizer=_optimizer_from_proto(msg.optimizer),
-        learning_rate=msg.learning_rate,
-        update_count=msg.update_count,
-        dtype=PROTO_TO_DTYPE[msg.dtype].newbyteorder("="),
-        tensors=[(t.name, tuple(t.dims)) for t in msg.tensors],
-        consistency=consistency,
-        allow_non_finite=msg.allow_non_finite,
-        element_count=msg.element_count,
-        state_bytes=msg.state_bytes,
-        lease_seconds=msg.lease_seconds,
-        workers=[
-            WorkerInfo(w.worker_id, w.alive, w.lease_remaining_seconds)
-            for w in msg.workers
-        ],
-        pending_contributions=msg.pending_contributions,
-        quorum=msg.quorum,
-    )
+BACKGROUND_PUSHES = 4  # threads of a client's background pushes
 
 
 class _State(enum.Enum):
@@ -206,51 +50,23 @@ class _State(enum.Enum):
     CLOSED = 3
 
 
-class Client:
+class Client(ClientCore):
     """A connection to one onnxps server.
 
     Every call takes ``timeout=`` (seconds) and falls back to the client's default.
     It is one deadline for the whole call: every retry of the channel and every
     resend of a push happen within it. The channel is opened on first use; after
     ``close()`` (or leaving the ``with`` block) every call raises
-    ``ClientClosedError``.
+    ``ClientClosedError``. ``AsyncClient`` is the same client for asyncio.
     """
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        timeout: float = 60.0,
-        client_id: str | None = None,
-        token: str | None = None,
-        root_certificates: bytes | None = None,
-        private_key: bytes | None = None,
-        certificate_chain: bytes | None = None,
-        server_name_override: str | None = None,
-        transport: Transport = "auto",
-        stream_threshold_bytes: int = STREAM_THRESHOLD_BYTES,
-        chunk_bytes: int = CHUNK_BYTES,
-    ) -> None:
-        self.address = address
-        self.timeout = timeout
-        self.client_id = client_id or uuid.uuid4().hex
-        self.transport: Transport = transport
-        self.stream_threshold_bytes = stream_threshold_bytes
-        self.chunk_bytes = chunk_bytes
-        self._token = token
-        self._tls = (root_certificates, private_key, certificate_chain)
-        self._secure = root_certificates is not None or certificate_chain is not None
-        self._server_name_override = server_name_override
+    def _setup(self) -> None:
         self._state = _State.UNOPENED
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.ParameterServerServiceStub | None = None
-        # Seqs start at the wall clock in microseconds, not 1: a worker restarted with
-        # the same client_id must not repeat seqs the server remembers, or its first
-        # pushes would be answered as duplicates and silently dropped.
-        self._seq = itertools.count(time.time_ns() // 1000)
-        self._sizes: dict[str, int] = {}
         self._heartbeats: dict[str, tuple[threading.Event, threading.Thread]] = {}
+        self._background: ThreadPoolExecutor | None = None
 
     # -- lifecycle -----------------------------------------------------------------
     def __enter__(self) -> Client:
@@ -262,7 +78,12 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Stop heartbeats, close the channel; later calls raise ClientClosedError."""
+        """Finish the background pushes, stop heartbeats, close the channel; later
+        calls raise ClientClosedError."""
+        with self._lock:
+            background, self._background = self._background, None
+        if background is not None:
+            background.shutdown(wait=True)
         with self._lock:
             if self._state is _State.CLOSED:
                 return
@@ -280,19 +101,9 @@ class Client:
             if self._state is _State.CLOSED:
                 raise ClientClosedError("this client was closed; create a new Client")
             if self._stub is None:
-                options: list[tuple[str, Any]] = [
-                    ("grpc.max_receive_message_length", -1),
-                    ("grpc.max_send_message_length", -1),
-                    ("grpc.enable_retries", 1),
-                    ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
-                ]
-                if self._server_name_override:
-                    options.append(
-                        ("grpc.ssl_target_name_override", self._server_name_override)
-                    )
-                if self._secure:
-                    roots, key, chain = self._tls
-                    creds = grpc.ssl_channel_credentials(roots, key, chain)
+                options = channel_options(self._server_name_override)
+                creds = channel_credentials(self._tls)
+                if creds is not None:
                     self._channel = grpc.secure_channel(self.address, creds, options)
                 else:
                     self._channel = grpc.insecure_channel(self.address, options)
@@ -300,59 +111,37 @@ class Client:
                 self._state = _State.OPEN
             return self._stub
 
-    def _metadata(self) -> list[tuple[str, str]] | None:
-        return [("authorization", f"Bearer {self._token}")] if self._token else None
-
-    def _deadline(self, timeout: float | None) -> _Deadline:
-        return _Deadline(self.timeout if timeout is None else timeout)
-
-    def _call(
-        self,
-        method: str,
-        request: Any,
-        deadline: _Deadline | float | None,
-        what: str | None = None,
-    ) -> Any:
-        """Invoke one RPC; the only place grpc errors turn into the client's own.
-
-        ``deadline`` is the call's (shared by every send of it) or a timeout for a
-        call of its own; ``what`` says what was awaited, for DeadlineExceededError.
-        """
-        if not isinstance(deadline, _Deadline):
-            deadline = self._deadline(deadline)
-        what = what or f"{method} was not answered"
-        fn = self._method(method)
-        try:
-            return fn(request, timeout=deadline.remaining(), metadata=self._metadata())
-        except grpc.RpcError as exc:
-            raise self._error(exc, deadline, what) from None
-
-    def _stream_call(
-        self, method: str, request: Any, deadline: _Deadline, what: str
-    ) -> Iterator[Any]:
-        fn = self._method(method)
-        try:
-            yield from fn(
-                request, timeout=deadline.remaining(), metadata=self._metadata()
-            )
-        except grpc.RpcError as exc:
-            raise self._error(exc, deadline, what) from None
-
-    @staticmethod
-    def _error(exc: grpc.RpcError, deadline: _Deadline, what: str) -> RpcError:
-        error = translate(exc)
-        if isinstance(error, DeadlineExceededError):
-            return deadline.expired(what, error.details)
-        return error
-
     def _method(self, name: str) -> Any:
         stub = self._get_stub()
         return getattr(stub, name)
 
-    def _use_stream(self, nbytes: int) -> bool:
-        if self.transport == "auto":
-            return nbytes > self.stream_threshold_bytes
-        return self.transport == "stream"
+    def _run(self, op: Op[R]) -> R:
+        """Perform an operation's effects with blocking calls; return its result."""
+        run = OpRun(op)
+        while (effect := run.next_effect()) is not None:
+            try:
+                run.reply(self._perform(effect))
+            except RpcError as exc:
+                run.fail(exc)
+        result: R = run.result
+        return result
+
+    def _perform(self, effect: Call | Pause) -> Any:
+        if isinstance(effect, Pause):
+            time.sleep(effect.seconds)
+            return None
+        fn = self._method(effect.method)
+        timeout = effect.deadline.remaining()
+        try:
+            reply = fn(effect.request(), timeout=timeout, metadata=self._metadata())
+            if effect.reader is None:
+                return reply
+            reader = effect.reader()
+            for msg in reply:
+                reader.add(msg)
+            return reader.finish()
+        except grpc.RpcError as exc:
+            raise effect.error(exc) from None
 
     # -- groups --------------------------------------------------------------------
     def create_group(
@@ -374,64 +163,36 @@ class Client:
         ``state`` (V_1..V_n then H_1..H_n, as the operator has them) and
         ``update_count`` resume a group whose optimizer state was saved elsewhere.
         """
-        items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
-        arrays = [np.asarray(a) for _, a in items]
-        state_arrays = [np.asarray(a) for a in state or ()]
-        req = pb.CreateGroupRequest(
-            group=name,
-            optimizer=optimizer.to_proto(),
-            learning_rate=learning_rate,
-            consistency=(consistency or Async()).to_proto(),
-            allow_non_finite=allow_non_finite,
-            update_count=update_count,
-            lease_seconds=lease_seconds or 0.0,
-        )
-        nbytes = sum(a.nbytes for a in arrays + state_arrays)
-        if self._use_stream(nbytes):
-            req.tensors.extend(
-                header_tensor(a, n) for (n, _), a in zip(items, arrays, strict=True)
+        return self._run(
+            self._create_group_op(
+                name,
+                optimizer,
+                learning_rate,
+                tensors,
+                consistency,
+                allow_non_finite,
+                state,
+                update_count,
+                lease_seconds,
+                timeout,
             )
-            req.state.extend(header_tensor(a) for a in state_arrays)
-
-            def chunks() -> Iterator[Any]:
-                yield pb.CreateGroupStreamRequest(header=req)
-                yield from chunk_messages(
-                    pb.CreateGroupStreamRequest, arrays + state_arrays, self.chunk_bytes
-                )
-
-            msg = self._call("CreateGroupStream", chunks(), timeout)
-        else:
-            for (n, _), a in zip(items, arrays, strict=True):
-                write_tensor(req.tensors.add(), a, n)
-            for a in state_arrays:
-                write_tensor(req.state.add(), a)
-            msg = self._call("CreateGroup", req, timeout)
-        info = _group_info(msg.group)
-        self._sizes[name] = info.nbytes
-        return info
+        )
 
     def describe_group(self, name: str, *, timeout: float | None = None) -> GroupInfo:
-        req = pb.DescribeGroupRequest(group=name)
-        info = _group_info(self._call("DescribeGroup", req, timeout).group)
-        self._sizes[name] = info.nbytes
-        return info
+        return self._run(self._describe_group_op(name, self._deadline(timeout)))
 
     def list_groups(
         self, prefix: str = "", *, timeout: float | None = None
     ) -> list[GroupInfo]:
-        msg = self._call("ListGroups", pb.ListGroupsRequest(prefix=prefix), timeout)
-        return [_group_info(g) for g in msg.groups]
+        return self._run(self._list_groups_op(prefix, timeout))
 
     def delete_group(self, name: str, *, timeout: float | None = None) -> bool:
-        self._sizes.pop(name, None)
-        msg = self._call("DeleteGroup", pb.DeleteGroupRequest(group=name), timeout)
-        return bool(msg.deleted)
+        return self._run(self._delete_group_op(name, timeout))
 
     def set_learning_rate(
         self, name: str, learning_rate: float, *, timeout: float | None = None
     ) -> GroupInfo:
-        req = pb.SetLearningRateRequest(group=name, learning_rate=learning_rate)
-        return _group_info(self._call("SetLearningRate", req, timeout).group)
+        return self._run(self._set_learning_rate_op(name, learning_rate, timeout))
 
     # -- push ----------------------------------------------------------------------
     @overload
@@ -467,18 +228,10 @@ class Client:
     ) -> int | list[Array]:
         """Push G_1..G_n (ONNX order). Returns the new T, or X_1..X_n with
         ``return_values=True`` (after the step, in sync mode)."""
-        result = self.push_detailed(
-            group,
-            *gradients,
-            base_version=base_version,
-            learning_rate=learning_rate,
-            return_values=return_values,
-            timeout=timeout,
+        op = self._push_op(
+            group, gradients, base_version, learning_rate, return_values, timeout
         )
-        if return_values:
-            assert result.values is not None
-            return result.values
-        return result.update_count
+        return push_reply(self._run(op), return_values)
 
     def push_detailed(
         self,
@@ -490,64 +243,39 @@ class Client:
         timeout: float | None = None,
     ) -> PushResult:
         """Like ``push``, with everything the server said about it."""
-        deadline = self._deadline(timeout)
-        arrays = [np.asarray(g) for g in gradients]
-        req = pb.PushRequest(
-            group=group,
-            client_id=self.client_id,
-            seq=next(self._seq),
-            return_values=return_values,
+        return self._run(
+            self._push_op(
+                group, gradients, base_version, learning_rate, return_values, timeout
+            )
         )
-        if base_version is not None:
-            req.base_version = base_version
-        if learning_rate is not None:
-            req.learning_rate = learning_rate
-        stream = self._use_stream(sum(a.nbytes for a in arrays))
-        if stream:
-            req.gradients.extend(header_tensor(a) for a in arrays)
-        else:
-            for a in arrays:
-                write_tensor(req.gradients.add(), a)
 
-        def chunks() -> Iterator[Any]:
-            yield pb.PushStreamRequest(header=req)
-            yield from chunk_messages(pb.PushStreamRequest, arrays, self.chunk_bytes)
-
-        msg = self._send_push(req, chunks if stream else None, deadline)
-        values = None
-        if return_values:
-            values = [tensor_to_array(t, t.name).copy() for t in msg.values]
-        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
-
-    def _send_push(
+    def push_background(
         self,
-        req: pb.PushRequest,
-        chunks: Callable[[], Iterator[Any]] | None,
-        deadline: _Deadline,
-    ) -> Any:
-        """Send a push, and resend it (same seq) while the server is unavailable, up
-        to ``_PUSH_SENDS`` sends within the deadline: the server answers a repeat
-        with its first result."""
-        what = f"the push to group {req.group} (seq {req.seq}) was not answered"
-        backoff = 0.1
-        for sends in itertools.count(1):
-            try:
-                if chunks is not None:
-                    return self._call("PushStream", chunks(), deadline, what)
-                return self._call("Push", req, deadline, what)
-            except UnavailableError as exc:
-                pause = min(backoff, deadline.remaining())
-                if pause <= 0 or sends == _PUSH_SENDS:
-                    raise
-                log.warning(
-                    "push to %s seq %d: %s; resending in %.1f s",
-                    req.group,
-                    req.seq,
-                    exc.code.name,
-                    pause,
+        group: str,
+        *gradients: Any,
+        base_version: int | None = None,
+        learning_rate: float | None = None,
+        return_values: bool = False,
+        timeout: float | None = None,
+    ) -> Future[PushResult]:
+        """Start ``push_detailed`` on a background thread and return its future at
+        once, so the next step computes while this push travels.
+
+        The push is built now: its deadline starts now, and a unary push has copied
+        the gradients; a streamed one reads them while it sends, so leave them
+        unchanged until the future is done. ``close()`` waits for pending pushes.
+        """
+        op = self._push_op(
+            group, gradients, base_version, learning_rate, return_values, timeout
+        )
+        with self._lock:
+            if self._state is _State.CLOSED:
+                raise ClientClosedError("this client was closed; create a new Client")
+            if self._background is None:
+                self._background = ThreadPoolExecutor(
+                    BACKGROUND_PUSHES, thread_name_prefix="onnxps-push"
                 )
-                time.sleep(pause)
-                backoff = min(2.0, backoff * 2)
+            return self._background.submit(self._run, op)
 
     # -- pull ----------------------------------------------------------------------
     def pull(
@@ -562,9 +290,7 @@ class Client:
 
         ``min_version`` waits (within the deadline) until the group's T reaches it.
         """
-        return self.pull_versioned(
-            group, state=state, min_version=min_version, timeout=timeout
-        )[1]
+        return self._run(self._pull_op(group, state, min_version, timeout))[1]
 
     def pull_versioned(
         self,
@@ -575,33 +301,7 @@ class Client:
         timeout: float | None = None,
     ) -> tuple[int, list[Array]]:
         """(T, arrays): the tensors and the update count they belong to."""
-        deadline = self._deadline(timeout)
-        req = pb.PullRequest(group=group, with_state=state, min_version=min_version)
-        if min_version is not None:
-            what = f"group {group} did not reach T={min_version}"
-        else:
-            what = f"the pull of group {group} was not answered"
-        size = self._sizes.get(group)
-        if size is None and self.transport == "auto":
-            describe = pb.DescribeGroupRequest(group=group)
-            msg = self._call("DescribeGroup", describe, deadline)
-            size = self._sizes[group] = _group_info(msg.group).nbytes
-        if self._use_stream(size or 0):
-            stream_req = pb.PullStreamRequest(
-                group=group, with_state=state, min_version=min_version
-            )
-            it = self._stream_call("PullStream", stream_req, deadline, what)
-            first = next(it)
-            header = first.header
-            names = [t.name for t in header.tensors]
-            asm = TensorAssembler(list(header.tensors), names)
-            for msg in it:
-                asm.add(msg.chunk)
-            return header.update_count, asm.finish()
-        msg = self._call("Pull", req, deadline, what)
-        return msg.update_count, [
-            tensor_to_array(t, t.name).copy() for t in msg.tensors
-        ]
+        return self._run(self._pull_op(group, state, min_version, timeout))
 
     # -- apply ---------------------------------------------------------------------
     def apply(
@@ -609,41 +309,7 @@ class Client:
     ) -> list[Array]:
         """Run one ONNX node remotely: ``R, T, X..., G..., V..., H...`` in,
         ``X_new..., V_new..., H_new...`` out."""
-        arrays = [np.asarray(a) for a in inputs]
-        if len(arrays) >= 2 and arrays[1].dtype.kind in "iu":
-            arrays[1] = arrays[1].astype(np.int64)
-        if self._use_stream(sum(a.nbytes for a in arrays)):
-            header = pb.ApplyRequest(
-                optimizer=optimizer.to_proto(),
-                inputs=[header_tensor(a) for a in arrays],
-            )
-
-            def chunks() -> Iterator[Any]:
-                yield pb.ApplyStreamRequest(request=header)
-                yield from chunk_messages(
-                    pb.ApplyStreamRequest, arrays, self.chunk_bytes
-                )
-
-            it = self._stream_call(
-                "ApplyStream",
-                chunks(),
-                self._deadline(timeout),
-                "ApplyStream was not answered",
-            )
-            first = next(it).response
-            asm = TensorAssembler(
-                list(first.outputs), [f"output {i}" for i in range(len(first.outputs))]
-            )
-            for msg in it:
-                asm.add(msg.chunk)
-            return asm.finish()
-        req = pb.ApplyRequest(optimizer=optimizer.to_proto())
-        for a in arrays:
-            write_tensor(req.inputs.add(), a)
-        msg = self._call("Apply", req, timeout)
-        return [
-            tensor_to_array(t, f"output {i}").copy() for i, t in enumerate(msg.outputs)
-        ]
+        return self._run(self._apply_op(optimizer, inputs, timeout))
 
     # -- workers -------------------------------------------------------------------
     def join(
@@ -651,16 +317,14 @@ class Client:
     ) -> LeaseInfo:
         """Join a group as a worker and keep the lease alive in the background."""
         wid = worker_id or self.client_id
-        req = pb.JoinGroupRequest(group=group, worker_id=wid)
-        lease = _lease_info(self._call("JoinGroup", req, timeout))
-        beat_req = pb.HeartbeatRequest(group=group, worker_id=wid)
+        lease = self._run(self._join_op(group, wid, timeout))
         stop = threading.Event()
-        interval = max(0.05, lease.lease_seconds / 3)
+        interval = self._heartbeat_interval(lease)
 
         def beat() -> None:
             while not stop.wait(interval):
                 try:
-                    self._call("Heartbeat", beat_req, min(interval * 2, self.timeout))
+                    self._run(self._heartbeat_op(group, wid, interval))
                 except ClientClosedError:
                     return
                 except RpcError as exc:
@@ -686,14 +350,12 @@ class Client:
         if beat is not None:
             beat[0].set()
             beat[1].join(timeout=5)
-        req = pb.LeaveGroupRequest(group=group, worker_id=worker_id or self.client_id)
-        return _lease_info(self._call("LeaveGroup", req, timeout))
+        return self._run(self._leave_op(group, worker_id or self.client_id, timeout))
 
     # -- durability ----------------------------------------------------------------
     def save(self, *, timeout: float | None = None) -> SaveInfo:
         """Ask the server to write a snapshot of every group now."""
-        msg = self._call("Save", pb.SaveRequest(), timeout)
-        return SaveInfo(msg.path, msg.groups, msg.bytes)
+        return self._run(self._save_op(timeout))
 
     def export(self, path: str | os.PathLike[str], prefix: str = "") -> list[str]:
         """Write every group whose name starts with ``prefix`` (tensors, optimizer

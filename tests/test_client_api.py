@@ -59,6 +59,7 @@ CALLS: dict[str, Callable[..., Any]] = {
     "set_learning_rate": lambda c, **kw: c.set_learning_rate("g", 0.5, **kw),
     "push": lambda c, **kw: c.push("g", X, **kw),
     "push_detailed": lambda c, **kw: c.push_detailed("g", X, **kw),
+    "push_background": lambda c, **kw: c.push_background("g", X, **kw).result(),
     "pull": lambda c, **kw: c.pull("g", **kw),
     "pull_versioned": lambda c, **kw: c.pull_versioned("g", state=True, **kw),
     "apply": lambda c, **kw: c.apply(Adagrad(), np.float32(0.1), 0, X, X, X, **kw),

@@ -1,0 +1,525 @@
+"""What both clients do, written once: requests, replies, transports, deadlines, errors.
+
+Every call is an *operation*: a generator that builds its requests, yields the
+effects it needs (``Call``: one RPC; ``Pause``: wait before a resend) and returns
+the decoded reply. ``Client`` performs the effects with blocking grpc calls and
+``AsyncClient`` with ``grpc.aio`` coroutines; neither knows anything about a
+request or a reply. Operations compose with ``yield from``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeVar
+
+import grpc
+import numpy as np
+from onnxps.v1 import parameter_server_pb2 as pb
+
+from ._errors import DeadlineExceededError, RpcError, UnavailableError, translate
+from ._optimizers import Async, OptimizerSpec, Sync
+from ._records import (
+    GroupInfo,
+    LeaseInfo,
+    PushResult,
+    SaveInfo,
+    group_info,
+    lease_info,
+)
+from .codec import (
+    CHUNK_BYTES,
+    SERVICE,
+    TensorAssembler,
+    TensorFormatError,
+    chunk_messages,
+    header_tensor,
+    tensor_to_array,
+    write_tensor,
+)
+
+__all__ = [
+    "STREAM_THRESHOLD_BYTES",
+    "Call",
+    "ClientCore",
+    "Deadline",
+    "Op",
+    "OpRun",
+    "Pause",
+    "Transport",
+    "channel_credentials",
+    "channel_options",
+    "push_reply",
+]
+
+log = logging.getLogger("onnxps.client")
+
+Array = np.ndarray[Any, Any]
+Transport = Literal["auto", "unary", "stream"]
+R = TypeVar("R")
+
+STREAM_THRESHOLD_BYTES = 1 << 20
+_PUSH_SENDS = 5  # a push's sends at most, all within its deadline
+
+# The one retry mechanism for every call: the channel retries UNAVAILABLE (the server
+# is down or draining), within the call's deadline. A push is also resent, with the
+# same (client_id, seq), when UNAVAILABLE reaches the client after the channel gave
+# up (e.g. a stream the channel cannot replay): the server applies it exactly once.
+_SERVICE_CONFIG = {
+    "methodConfig": [
+        {
+            "name": [{"service": SERVICE}],
+            "retryPolicy": {
+                "maxAttempts": 5,
+                "initialBackoff": "0.1s",
+                "maxBackoff": "2s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }
+    ]
+}
+
+
+def channel_options(server_name_override: str | None) -> list[tuple[str, Any]]:
+    """The options of every channel either client opens."""
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_receive_message_length", -1),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
+    ]
+    if server_name_override:
+        options.append(("grpc.ssl_target_name_override", server_name_override))
+    return options
+
+
+def channel_credentials(
+    tls: tuple[bytes | None, bytes | None, bytes | None],
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials from (root certificates, private key, chain); None: plaintext."""
+    roots, key, chain = tls
+    if roots is None and chain is None:
+        return None
+    return grpc.ssl_channel_credentials(roots, key, chain)
+
+
+class Deadline:
+    """One absolute deadline for a whole call, whatever it sends and resends."""
+
+    __slots__ = ("at", "seconds")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        return max(0.0, self.at - time.monotonic())
+
+    def expired(self, what: str, details: str) -> DeadlineExceededError:
+        why = f"{what} within {self.seconds:g} s"
+        if details and details.lower() != "deadline exceeded":
+            why += f" ({details})"
+        return DeadlineExceededError(why)
+
+
+class StreamReader(Protocol):
+    def add(self, msg: Any) -> None: ...
+
+    def finish(self) -> Any: ...
+
+
+class _TensorStreamReader:
+    """A server stream: one header message naming the tensors, then their chunks."""
+
+    def __init__(
+        self, header: Callable[[Any], tuple[Any, list[pb.Tensor], list[str]]]
+    ) -> None:
+        self._header = header
+        self._asm: TensorAssembler | None = None
+        self._extra: Any = None
+
+    def add(self, msg: Any) -> None:
+        if self._asm is None:
+            self._extra, tensors, names = self._header(msg)
+            self._asm = TensorAssembler(tensors, names)
+        else:
+            self._asm.add(msg.chunk)
+
+    def finish(self) -> tuple[Any, list[Array]]:
+        if self._asm is None:
+            raise TensorFormatError("the reply stream ended before its header")
+        return self._extra, self._asm.finish()
+
+
+@dataclass(frozen=True)
+class Call:
+    """One RPC: ``request()`` gives the message (or a fresh iterator of stream
+    messages, for each send); ``reader`` is set when the reply is a stream."""
+
+    method: str
+    request: Callable[[], Any]
+    deadline: Deadline
+    what: str
+    reader: Callable[[], StreamReader] | None = None
+
+    def error(self, exc: grpc.RpcError) -> RpcError:
+        """The one place a failed RPC becomes the client's exception."""
+        error = translate(exc)
+        if isinstance(error, DeadlineExceededError):
+            return self.deadline.expired(self.what, error.details)
+        return error
+
+
+@dataclass(frozen=True)
+class Pause:
+    seconds: float
+
+
+Effect = Call | Pause
+Op = Generator[Effect, Any, R]
+
+
+class OpRun:
+    """Steps an operation: hands out its effects, feeds back their outcomes."""
+
+    def __init__(self, op: Op[Any]) -> None:
+        self._op = op
+        self._reply: Any = None
+        self._error: BaseException | None = None
+        self.result: Any = None
+
+    def next_effect(self) -> Effect | None:
+        """The next effect to perform; None when the operation returned ``result``."""
+        try:
+            if self._error is not None:
+                error, self._error = self._error, None
+                return self._op.throw(error)
+            return self._op.send(self._reply)
+        except StopIteration as stop:
+            self.result = stop.value
+            return None
+
+    def reply(self, value: Any) -> None:
+        self._reply = value
+
+    def fail(self, error: RpcError) -> None:
+        self._error = error
+
+
+def push_reply(result: PushResult, return_values: bool) -> int | list[Array]:
+    """What ``push`` returns: the new T, or X_1..X_n with ``return_values``."""
+    if return_values:
+        assert result.values is not None
+        return result.values
+    return result.update_count
+
+
+def _unary(msg: Any) -> Callable[[], Any]:
+    return lambda: msg
+
+
+class ClientCore:
+    """Settings and per-client state both clients share, and every operation."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float = 60.0,
+        client_id: str | None = None,
+        token: str | None = None,
+        root_certificates: bytes | None = None,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        server_name_override: str | None = None,
+        transport: Transport = "auto",
+        stream_threshold_bytes: int = STREAM_THRESHOLD_BYTES,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.client_id = client_id or uuid.uuid4().hex
+        self.transport: Transport = transport
+        self.stream_threshold_bytes = stream_threshold_bytes
+        self.chunk_bytes = chunk_bytes
+        self._token = token
+        self._tls = (root_certificates, private_key, certificate_chain)
+        self._server_name_override = server_name_override
+        # Seqs start at the wall clock in microseconds, not 1: a worker restarted with
+        # the same client_id must not repeat seqs the server remembers, or its first
+        # pushes would be answered as duplicates and silently dropped.
+        self._seq = itertools.count(time.time_ns() // 1000)
+        self._sizes: dict[str, int] = {}
+        self._setup()
+
+    def _setup(self) -> None:
+        """The connection state of the concrete client."""
+
+    def _metadata(self) -> list[tuple[str, str]] | None:
+        return [("authorization", f"Bearer {self._token}")] if self._token else None
+
+    def _deadline(self, timeout: float | None) -> Deadline:
+        return Deadline(self.timeout if timeout is None else timeout)
+
+    def _use_stream(self, nbytes: int) -> bool:
+        if self.transport == "auto":
+            return nbytes > self.stream_threshold_bytes
+        return self.transport == "stream"
+
+    def _unary_op(self, method: str, request: Any, timeout: float | None) -> Op[Any]:
+        return (
+            yield Call(method, _unary(request), self._deadline(timeout), what(method))
+        )
+
+    # -- groups --------------------------------------------------------------------
+    def _create_group_op(
+        self,
+        name: str,
+        optimizer: OptimizerSpec,
+        learning_rate: float,
+        tensors: Mapping[str, Any] | Sequence[tuple[str, Any]],
+        consistency: Async | Sync | None,
+        allow_non_finite: bool,
+        state: Sequence[Any] | None,
+        update_count: int,
+        lease_seconds: float | None,
+        timeout: float | None,
+    ) -> Op[GroupInfo]:
+        items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        arrays = [np.asarray(a) for _, a in items]
+        state_arrays = [np.asarray(a) for a in state or ()]
+        req = pb.CreateGroupRequest(
+            group=name,
+            optimizer=optimizer.to_proto(),
+            learning_rate=learning_rate,
+            consistency=(consistency or Async()).to_proto(),
+            allow_non_finite=allow_non_finite,
+            update_count=update_count,
+            lease_seconds=lease_seconds or 0.0,
+        )
+        names = [n for n, _ in items]
+        if self._use_stream(sum(a.nbytes for a in arrays + state_arrays)):
+            req.tensors.extend(map(header_tensor, arrays, names))
+            req.state.extend(header_tensor(a) for a in state_arrays)
+            chunks = self._chunks(
+                pb.CreateGroupStreamRequest, req, arrays + state_arrays
+            )
+            method = "CreateGroupStream"
+            call = Call(method, chunks, self._deadline(timeout), what(method))
+        else:
+            for n, a in zip(names, arrays, strict=True):
+                write_tensor(req.tensors.add(), a, n)
+            for a in state_arrays:
+                write_tensor(req.state.add(), a)
+            call = Call(
+                "CreateGroup", _unary(req), self._deadline(timeout), what("CreateGroup")
+            )
+        msg = yield call
+        return self._remember(group_info(msg.group))
+
+    def _chunks(
+        self, message: Any, header: Any, arrays: list[Array]
+    ) -> Callable[[], Iterator[Any]]:
+        """A client stream: the header, then every array in chunks."""
+        field = "request" if message is pb.ApplyStreamRequest else "header"
+
+        def chunks() -> Iterator[Any]:
+            yield message(**{field: header})
+            yield from chunk_messages(message, arrays, self.chunk_bytes)
+
+        return chunks
+
+    def _remember(self, info: GroupInfo) -> GroupInfo:
+        self._sizes[info.name] = info.nbytes
+        return info
+
+    def _describe_group_op(self, name: str, deadline: Deadline) -> Op[GroupInfo]:
+        req = pb.DescribeGroupRequest(group=name)
+        msg = yield Call("DescribeGroup", _unary(req), deadline, what("DescribeGroup"))
+        return self._remember(group_info(msg.group))
+
+    def _list_groups_op(
+        self, prefix: str, timeout: float | None
+    ) -> Op[list[GroupInfo]]:
+        req = pb.ListGroupsRequest(prefix=prefix)
+        msg = yield from self._unary_op("ListGroups", req, timeout)
+        return [group_info(g) for g in msg.groups]
+
+    def _delete_group_op(self, name: str, timeout: float | None) -> Op[bool]:
+        self._sizes.pop(name, None)
+        req = pb.DeleteGroupRequest(group=name)
+        msg = yield from self._unary_op("DeleteGroup", req, timeout)
+        return bool(msg.deleted)
+
+    def _set_learning_rate_op(
+        self, name: str, learning_rate: float, timeout: float | None
+    ) -> Op[GroupInfo]:
+        req = pb.SetLearningRateRequest(group=name, learning_rate=learning_rate)
+        msg = yield from self._unary_op("SetLearningRate", req, timeout)
+        return group_info(msg.group)
+
+    # -- push ----------------------------------------------------------------------
+    def _push_op(
+        self,
+        group: str,
+        gradients: Sequence[Any],
+        base_version: int | None,
+        learning_rate: float | None,
+        return_values: bool,
+        timeout: float | None,
+    ) -> Op[PushResult]:
+        """Build the push now (its deadline, seq and, unary, its bytes); send later."""
+        deadline = self._deadline(timeout)
+        arrays = [np.asarray(g) for g in gradients]
+        req = pb.PushRequest(
+            group=group,
+            client_id=self.client_id,
+            seq=next(self._seq),
+            return_values=return_values,
+        )
+        if base_version is not None:
+            req.base_version = base_version
+        if learning_rate is not None:
+            req.learning_rate = learning_rate
+        what = f"the push to group {group} (seq {req.seq}) was not answered"
+        if self._use_stream(sum(a.nbytes for a in arrays)):
+            req.gradients.extend(header_tensor(a) for a in arrays)
+            chunks = self._chunks(pb.PushStreamRequest, req, arrays)
+            call = Call("PushStream", chunks, deadline, what)
+        else:
+            for a in arrays:
+                write_tensor(req.gradients.add(), a)
+            call = Call("Push", _unary(req), deadline, what)
+        return _send_push(call, req)
+
+    # -- pull ----------------------------------------------------------------------
+    def _pull_op(
+        self,
+        group: str,
+        state: bool,
+        min_version: int | None,
+        timeout: float | None,
+    ) -> Op[tuple[int, list[Array]]]:
+        deadline = self._deadline(timeout)
+        if min_version is not None:
+            waited = f"group {group} did not reach T={min_version}"
+        else:
+            waited = f"the pull of group {group} was not answered"
+        size = self._sizes.get(group)
+        if size is None and self.transport == "auto":
+            size = (yield from self._describe_group_op(group, deadline)).nbytes
+        args = {"group": group, "with_state": state, "min_version": min_version}
+        if self._use_stream(size or 0):
+            req = pb.PullStreamRequest(**args)
+            t, arrays = yield Call(
+                "PullStream", _unary(req), deadline, waited, _pull_reader
+            )
+            return int(t), arrays
+        msg = yield Call("Pull", _unary(pb.PullRequest(**args)), deadline, waited)
+        return msg.update_count, [
+            tensor_to_array(t, t.name).copy() for t in msg.tensors
+        ]
+
+    # -- apply ---------------------------------------------------------------------
+    def _apply_op(
+        self, optimizer: OptimizerSpec, inputs: Sequence[Any], timeout: float | None
+    ) -> Op[list[Array]]:
+        arrays = [np.asarray(a) for a in inputs]
+        if len(arrays) >= 2 and arrays[1].dtype.kind in "iu":
+            arrays[1] = arrays[1].astype(np.int64)
+        deadline = self._deadline(timeout)
+        req = pb.ApplyRequest(optimizer=optimizer.to_proto())
+        if self._use_stream(sum(a.nbytes for a in arrays)):
+            req.inputs.extend(header_tensor(a) for a in arrays)
+            chunks = self._chunks(pb.ApplyStreamRequest, req, arrays)
+            what_ = what("ApplyStream")
+            _, outputs = yield Call(
+                "ApplyStream", chunks, deadline, what_, _apply_reader
+            )
+            return list(outputs)
+        for a in arrays:
+            write_tensor(req.inputs.add(), a)
+        msg = yield Call("Apply", _unary(req), deadline, what("Apply"))
+        return [
+            tensor_to_array(t, f"output {i}").copy() for i, t in enumerate(msg.outputs)
+        ]
+
+    # -- workers and durability ----------------------------------------------------
+    def _join_op(
+        self, group: str, worker_id: str, timeout: float | None
+    ) -> Op[LeaseInfo]:
+        req = pb.JoinGroupRequest(group=group, worker_id=worker_id)
+        return lease_info((yield from self._unary_op("JoinGroup", req, timeout)))
+
+    def _heartbeat_op(self, group: str, worker_id: str, interval: float) -> Op[Any]:
+        req = pb.HeartbeatRequest(group=group, worker_id=worker_id)
+        return (
+            yield from self._unary_op("Heartbeat", req, min(interval * 2, self.timeout))
+        )
+
+    def _heartbeat_interval(self, lease: LeaseInfo) -> float:
+        return max(0.05, lease.lease_seconds / 3)
+
+    def _leave_op(
+        self, group: str, worker_id: str, timeout: float | None
+    ) -> Op[LeaseInfo]:
+        req = pb.LeaveGroupRequest(group=group, worker_id=worker_id)
+        return lease_info((yield from self._unary_op("LeaveGroup", req, timeout)))
+
+    def _save_op(self, timeout: float | None) -> Op[SaveInfo]:
+        msg = yield from self._unary_op("Save", pb.SaveRequest(), timeout)
+        return SaveInfo(msg.path, msg.groups, msg.bytes)
+
+
+def what(method: str) -> str:
+    return f"{method} was not answered"
+
+
+def _pull_reader() -> StreamReader:
+    def header(m: pb.PullStreamResponse) -> tuple[int, list[pb.Tensor], list[str]]:
+        tensors = list(m.header.tensors)
+        return m.header.update_count, tensors, [t.name for t in tensors]
+
+    return _TensorStreamReader(header)
+
+
+def _apply_reader() -> StreamReader:
+    def header(m: pb.ApplyStreamResponse) -> tuple[None, list[pb.Tensor], list[str]]:
+        outputs = list(m.response.outputs)
+        return None, outputs, [f"output {i}" for i in range(len(outputs))]
+
+    return _TensorStreamReader(header)
+
+
+def _send_push(call: Call, req: pb.PushRequest) -> Op[PushResult]:
+    """Send a push, and resend it (same seq) while the server is unavailable, up to
+    ``_PUSH_SENDS`` sends within the deadline: the server answers a repeat with its
+    first result."""
+    backoff = 0.1
+    for sends in itertools.count(1):
+        try:
+            msg = yield call
+            break
+        except UnavailableError as exc:
+            pause = min(backoff, call.deadline.remaining())
+            if pause <= 0 or sends == _PUSH_SENDS:
+                raise
+            log.warning(
+                "push to %s seq %d: %s; resending in %.1f s",
+                req.group,
+                req.seq,
+                exc.code.name,
+                pause,
+            )
+            yield Pause(pause)
+            backoff = min(2.0, backoff * 2)
+    values = None
+    if req.return_values:
+        values = [tensor_to_array(t, t.name).copy() for t in msg.values]
+    return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
