@@ -5,8 +5,12 @@ with Client("127.0.0.1:50051") as ps:
     ps.create_group("mlp", Adam(), learning_rate=0.01, tensors={"w": w0, "b": b0})
     t = ps.push("mlp", g_w, g_b)
     w, b = ps.pull("mlp")
+
+``AsyncClient`` is the same client for asyncio (``async with``, ``await ps.push``);
+``Client.push_background`` starts a push and returns a future at once.
 """
 
+from ._async import AsyncClient
 from ._client import Client, GroupInfo, LeaseInfo, PushResult, SaveInfo, WorkerInfo
 from ._errors import (
     AlreadyExistsError,
@@ -31,6 +35,7 @@ __all__ = [
     "Adam",
     "AlreadyExistsError",
     "Async",
+    "AsyncClient",
     "Client",
     "ClientClosedError",
     "DeadlineExceededError",
