@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import os
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal, TypeVar, overload
+import functools
+from collections.abc import Callable, Coroutine
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, overload
 
 import grpc
 import grpc.aio
@@ -20,8 +20,7 @@ import numpy as np
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from ._errors import ClientClosedError, RpcError
-from ._optimizers import Async, OptimizerSpec, Sync
-from ._records import GroupInfo, LeaseInfo, PushResult, SaveInfo
+from ._records import LeaseInfo
 from ._requests import (
     Call,
     ClientCore,
@@ -33,12 +32,26 @@ from ._requests import (
     log,
     push_reply,
 )
-from ._transfer import export_op, import_op
 
 __all__ = ["AsyncClient"]
 
 Array = np.ndarray[Any, Any]
+P = ParamSpec("P")
 R = TypeVar("R")
+
+
+def _awaiting(
+    op: Callable[Concatenate[ClientCore, P], Op[R]],
+) -> Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, R]]:
+    """An AsyncClient method that runs the shared operation ``op`` to its result."""
+
+    @functools.wraps(op)
+    async def method(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return await self._run(op(self, *args, **kwargs))
+
+    method.__name__ = op.__name__.removeprefix("_")
+    method.__qualname__ = f"AsyncClient.{method.__name__}"
+    return method
 
 
 class _State(enum.Enum):
@@ -82,7 +95,7 @@ class AsyncClient(ClientCore):
             task.cancel()
         await asyncio.gather(*beats, return_exceptions=True)
         if self._channel is not None:
-            await self._channel.close()
+            await self._channel.close(None)
 
     def _method(self, name: str) -> Any:
         if self._state is _State.CLOSED:
@@ -126,55 +139,21 @@ class AsyncClient(ClientCore):
         except grpc.RpcError as exc:
             raise effect.error(exc) from None
 
-    # -- groups --------------------------------------------------------------------
-    async def create_group(
-        self,
-        name: str,
-        optimizer: OptimizerSpec,
-        *,
-        learning_rate: float,
-        tensors: Mapping[str, Any] | Sequence[tuple[str, Any]],
-        consistency: Async | Sync | None = None,
-        allow_non_finite: bool = False,
-        state: Sequence[Any] | None = None,
-        update_count: int = 0,
-        lease_seconds: float | None = None,
-        timeout: float | None = None,
-    ) -> GroupInfo:
-        """See ``Client.create_group``."""
-        op = self._create_group_op(
-            name,
-            optimizer,
-            learning_rate,
-            tensors,
-            consistency,
-            allow_non_finite,
-            state,
-            update_count,
-            lease_seconds,
-            timeout,
-        )
-        return await self._run(op)
+    # -- calls ---------------------------------------------------------------------
+    # Each is the shared operation of ClientCore, run with grpc.aio calls.
+    create_group = _awaiting(ClientCore._create_group)
+    describe_group = _awaiting(ClientCore._describe_group)
+    list_groups = _awaiting(ClientCore._list_groups)
+    delete_group = _awaiting(ClientCore._delete_group)
+    set_learning_rate = _awaiting(ClientCore._set_learning_rate)
+    push_detailed = _awaiting(ClientCore._push_detailed)
+    pull = _awaiting(ClientCore._pull)
+    pull_versioned = _awaiting(ClientCore._pull_versioned)
+    apply = _awaiting(ClientCore._apply)
+    save = _awaiting(ClientCore._save)
+    export = _awaiting(ClientCore._export)  # writes the file from the event loop
+    import_ = _awaiting(ClientCore._import_)
 
-    async def describe_group(
-        self, name: str, *, timeout: float | None = None
-    ) -> GroupInfo:
-        return await self._run(self._describe_group_op(name, self._deadline(timeout)))
-
-    async def list_groups(
-        self, prefix: str = "", *, timeout: float | None = None
-    ) -> list[GroupInfo]:
-        return await self._run(self._list_groups_op(prefix, timeout))
-
-    async def delete_group(self, name: str, *, timeout: float | None = None) -> bool:
-        return await self._run(self._delete_group_op(name, timeout))
-
-    async def set_learning_rate(
-        self, name: str, learning_rate: float, *, timeout: float | None = None
-    ) -> GroupInfo:
-        return await self._run(self._set_learning_rate_op(name, learning_rate, timeout))
-
-    # -- push ----------------------------------------------------------------------
     @overload
     async def push(
         self,
@@ -206,57 +185,16 @@ class AsyncClient(ClientCore):
         return_values: bool = False,
         timeout: float | None = None,
     ) -> int | list[Array]:
-        """See ``Client.push``. The push (its seq, deadline and, unary, its bytes) is
-        built when the coroutine starts."""
-        op = self._push_op(
-            group, gradients, base_version, learning_rate, return_values, timeout
+        """See ``Client.push``."""
+        op = self._push_detailed(
+            group,
+            *gradients,
+            base_version=base_version,
+            learning_rate=learning_rate,
+            return_values=return_values,
+            timeout=timeout,
         )
         return push_reply(await self._run(op), return_values)
-
-    async def push_detailed(
-        self,
-        group: str,
-        *gradients: Any,
-        base_version: int | None = None,
-        learning_rate: float | None = None,
-        return_values: bool = False,
-        timeout: float | None = None,
-    ) -> PushResult:
-        """See ``Client.push_detailed``."""
-        op = self._push_op(
-            group, gradients, base_version, learning_rate, return_values, timeout
-        )
-        return await self._run(op)
-
-    # -- pull ----------------------------------------------------------------------
-    async def pull(
-        self,
-        group: str,
-        *,
-        state: bool = False,
-        min_version: int | None = None,
-        timeout: float | None = None,
-    ) -> list[Array]:
-        """See ``Client.pull``."""
-        return (await self._run(self._pull_op(group, state, min_version, timeout)))[1]
-
-    async def pull_versioned(
-        self,
-        group: str,
-        *,
-        state: bool = False,
-        min_version: int | None = None,
-        timeout: float | None = None,
-    ) -> tuple[int, list[Array]]:
-        """See ``Client.pull_versioned``."""
-        return await self._run(self._pull_op(group, state, min_version, timeout))
-
-    # -- apply ---------------------------------------------------------------------
-    async def apply(
-        self, optimizer: OptimizerSpec, *inputs: Any, timeout: float | None = None
-    ) -> list[Array]:
-        """See ``Client.apply``."""
-        return await self._run(self._apply_op(optimizer, inputs, timeout))
 
     # -- workers -------------------------------------------------------------------
     async def join(
@@ -293,16 +231,3 @@ class AsyncClient(ClientCore):
             await asyncio.gather(beat, return_exceptions=True)
         wid = worker_id or self.client_id
         return await self._run(self._leave_op(group, wid, timeout))
-
-    # -- durability ----------------------------------------------------------------
-    async def save(self, *, timeout: float | None = None) -> SaveInfo:
-        """See ``Client.save``."""
-        return await self._run(self._save_op(timeout))
-
-    async def export(self, path: str | os.PathLike[str], prefix: str = "") -> list[str]:
-        """See ``Client.export`` (the file is written from the event loop)."""
-        return await self._run(export_op(self, path, prefix))
-
-    async def import_(self, path: str | os.PathLike[str]) -> list[str]:
-        """See ``Client.import_``."""
-        return await self._run(import_op(self, path))

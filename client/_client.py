@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import enum
-import os
+import functools
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, overload
 
 import grpc
 import numpy as np
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from ._errors import ClientClosedError, RpcError
-from ._optimizers import Async, OptimizerSpec, Sync
 from ._records import GroupInfo, LeaseInfo, PushResult, SaveInfo, WorkerInfo
 from ._requests import (
     Call,
@@ -39,9 +38,24 @@ __all__ = [
 ]
 
 Array = np.ndarray[Any, Any]
+P = ParamSpec("P")
 R = TypeVar("R")
 
 BACKGROUND_PUSHES = 4  # threads of a client's background pushes
+
+
+def _blocking(
+    op: Callable[Concatenate[ClientCore, P], Op[R]],
+) -> Callable[Concatenate[Client, P], R]:
+    """A Client method that runs the shared operation ``op`` to its result."""
+
+    @functools.wraps(op)
+    def method(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self._run(op(self, *args, **kwargs))
+
+    method.__name__ = op.__name__.removeprefix("_")
+    method.__qualname__ = f"Client.{method.__name__}"
+    return method
 
 
 class _State(enum.Enum):
@@ -143,58 +157,21 @@ class Client(ClientCore):
         except grpc.RpcError as exc:
             raise effect.error(exc) from None
 
-    # -- groups --------------------------------------------------------------------
-    def create_group(
-        self,
-        name: str,
-        optimizer: OptimizerSpec,
-        *,
-        learning_rate: float,
-        tensors: Mapping[str, Any] | Sequence[tuple[str, Any]],
-        consistency: Async | Sync | None = None,
-        allow_non_finite: bool = False,
-        state: Sequence[Any] | None = None,
-        update_count: int = 0,
-        lease_seconds: float | None = None,
-        timeout: float | None = None,
-    ) -> GroupInfo:
-        """Create a group; the order of ``tensors`` is the ONNX order from then on.
+    # -- calls ---------------------------------------------------------------------
+    # Each is the shared operation of ClientCore, run with blocking grpc calls.
+    create_group = _blocking(ClientCore._create_group)
+    describe_group = _blocking(ClientCore._describe_group)
+    list_groups = _blocking(ClientCore._list_groups)
+    delete_group = _blocking(ClientCore._delete_group)
+    set_learning_rate = _blocking(ClientCore._set_learning_rate)
+    push_detailed = _blocking(ClientCore._push_detailed)
+    pull = _blocking(ClientCore._pull)
+    pull_versioned = _blocking(ClientCore._pull_versioned)
+    apply = _blocking(ClientCore._apply)
+    save = _blocking(ClientCore._save)
+    export = _blocking(ClientCore._export)
+    import_ = _blocking(ClientCore._import_)
 
-        ``state`` (V_1..V_n then H_1..H_n, as the operator has them) and
-        ``update_count`` resume a group whose optimizer state was saved elsewhere.
-        """
-        return self._run(
-            self._create_group_op(
-                name,
-                optimizer,
-                learning_rate,
-                tensors,
-                consistency,
-                allow_non_finite,
-                state,
-                update_count,
-                lease_seconds,
-                timeout,
-            )
-        )
-
-    def describe_group(self, name: str, *, timeout: float | None = None) -> GroupInfo:
-        return self._run(self._describe_group_op(name, self._deadline(timeout)))
-
-    def list_groups(
-        self, prefix: str = "", *, timeout: float | None = None
-    ) -> list[GroupInfo]:
-        return self._run(self._list_groups_op(prefix, timeout))
-
-    def delete_group(self, name: str, *, timeout: float | None = None) -> bool:
-        return self._run(self._delete_group_op(name, timeout))
-
-    def set_learning_rate(
-        self, name: str, learning_rate: float, *, timeout: float | None = None
-    ) -> GroupInfo:
-        return self._run(self._set_learning_rate_op(name, learning_rate, timeout))
-
-    # -- push ----------------------------------------------------------------------
     @overload
     def push(
         self,
@@ -228,26 +205,15 @@ class Client(ClientCore):
     ) -> int | list[Array]:
         """Push G_1..G_n (ONNX order). Returns the new T, or X_1..X_n with
         ``return_values=True`` (after the step, in sync mode)."""
-        op = self._push_op(
-            group, gradients, base_version, learning_rate, return_values, timeout
+        op = self._push_detailed(
+            group,
+            *gradients,
+            base_version=base_version,
+            learning_rate=learning_rate,
+            return_values=return_values,
+            timeout=timeout,
         )
         return push_reply(self._run(op), return_values)
-
-    def push_detailed(
-        self,
-        group: str,
-        *gradients: Any,
-        base_version: int | None = None,
-        learning_rate: float | None = None,
-        return_values: bool = False,
-        timeout: float | None = None,
-    ) -> PushResult:
-        """Like ``push``, with everything the server said about it."""
-        return self._run(
-            self._push_op(
-                group, gradients, base_version, learning_rate, return_values, timeout
-            )
-        )
 
     def push_background(
         self,
@@ -265,8 +231,13 @@ class Client(ClientCore):
         the gradients; a streamed one reads them while it sends, so leave them
         unchanged until the future is done. ``close()`` waits for pending pushes.
         """
-        op = self._push_op(
-            group, gradients, base_version, learning_rate, return_values, timeout
+        op = self._push_detailed(
+            group,
+            *gradients,
+            base_version=base_version,
+            learning_rate=learning_rate,
+            return_values=return_values,
+            timeout=timeout,
         )
         with self._lock:
             if self._state is _State.CLOSED:
@@ -276,40 +247,6 @@ class Client(ClientCore):
                     BACKGROUND_PUSHES, thread_name_prefix="onnxps-push"
                 )
             return self._background.submit(self._run, op)
-
-    # -- pull ----------------------------------------------------------------------
-    def pull(
-        self,
-        group: str,
-        *,
-        state: bool = False,
-        min_version: int | None = None,
-        timeout: float | None = None,
-    ) -> list[Array]:
-        """X_1..X_n, or with ``state=True`` X..., V..., H... (ONNX output order).
-
-        ``min_version`` waits (within the deadline) until the group's T reaches it.
-        """
-        return self._run(self._pull_op(group, state, min_version, timeout))[1]
-
-    def pull_versioned(
-        self,
-        group: str,
-        *,
-        state: bool = False,
-        min_version: int | None = None,
-        timeout: float | None = None,
-    ) -> tuple[int, list[Array]]:
-        """(T, arrays): the tensors and the update count they belong to."""
-        return self._run(self._pull_op(group, state, min_version, timeout))
-
-    # -- apply ---------------------------------------------------------------------
-    def apply(
-        self, optimizer: OptimizerSpec, *inputs: Any, timeout: float | None = None
-    ) -> list[Array]:
-        """Run one ONNX node remotely: ``R, T, X..., G..., V..., H...`` in,
-        ``X_new..., V_new..., H_new...`` out."""
-        return self._run(self._apply_op(optimizer, inputs, timeout))
 
     # -- workers -------------------------------------------------------------------
     def join(
@@ -351,21 +288,3 @@ class Client(ClientCore):
             beat[0].set()
             beat[1].join(timeout=5)
         return self._run(self._leave_op(group, worker_id or self.client_id, timeout))
-
-    # -- durability ----------------------------------------------------------------
-    def save(self, *, timeout: float | None = None) -> SaveInfo:
-        """Ask the server to write a snapshot of every group now."""
-        return self._run(self._save_op(timeout))
-
-    def export(self, path: str | os.PathLike[str], prefix: str = "") -> list[str]:
-        """Write every group whose name starts with ``prefix`` (tensors, optimizer
-        state, T, learning rate) to one .npz file; returns the group names."""
-        from ._transfer import export_groups
-
-        return export_groups(self, path, prefix)
-
-    def import_(self, path: str | os.PathLike[str]) -> list[str]:
-        """Create the groups of a file written by ``export``; returns their names."""
-        from ._transfer import import_groups
-
-        return import_groups(self, path)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
@@ -32,6 +33,7 @@ from ._records import (
     group_info,
     lease_info,
 )
+from ._transfer import export_op, import_op
 from .codec import (
     CHUNK_BYTES,
     SERVICE,
@@ -278,19 +280,25 @@ class ClientCore:
         )
 
     # -- groups --------------------------------------------------------------------
-    def _create_group_op(
+    def _create_group(
         self,
         name: str,
         optimizer: OptimizerSpec,
+        *,
         learning_rate: float,
         tensors: Mapping[str, Any] | Sequence[tuple[str, Any]],
-        consistency: Async | Sync | None,
-        allow_non_finite: bool,
-        state: Sequence[Any] | None,
-        update_count: int,
-        lease_seconds: float | None,
-        timeout: float | None,
+        consistency: Async | Sync | None = None,
+        allow_non_finite: bool = False,
+        state: Sequence[Any] | None = None,
+        update_count: int = 0,
+        lease_seconds: float | None = None,
+        timeout: float | None = None,
     ) -> Op[GroupInfo]:
+        """Create a group; the order of ``tensors`` is the ONNX order from then on.
+
+        ``state`` (V_1..V_n then H_1..H_n, as the operator has them) and
+        ``update_count`` resume a group whose optimizer state was saved elsewhere.
+        """
         items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
         arrays = [np.asarray(a) for _, a in items]
         state_arrays = [np.asarray(a) for a in state or ()]
@@ -304,22 +312,22 @@ class ClientCore:
             lease_seconds=lease_seconds or 0.0,
         )
         names = [n for n, _ in items]
+        deadline = self._deadline(timeout)
         if self._use_stream(sum(a.nbytes for a in arrays + state_arrays)):
             req.tensors.extend(map(header_tensor, arrays, names))
             req.state.extend(header_tensor(a) for a in state_arrays)
             chunks = self._chunks(
                 pb.CreateGroupStreamRequest, req, arrays + state_arrays
             )
-            method = "CreateGroupStream"
-            call = Call(method, chunks, self._deadline(timeout), what(method))
+            call = Call(
+                "CreateGroupStream", chunks, deadline, what("CreateGroupStream")
+            )
         else:
             for n, a in zip(names, arrays, strict=True):
                 write_tensor(req.tensors.add(), a, n)
             for a in state_arrays:
                 write_tensor(req.state.add(), a)
-            call = Call(
-                "CreateGroup", _unary(req), self._deadline(timeout), what("CreateGroup")
-            )
+            call = Call("CreateGroup", _unary(req), deadline, what("CreateGroup"))
         msg = yield call
         return self._remember(group_info(msg.group))
 
@@ -339,42 +347,49 @@ class ClientCore:
         self._sizes[info.name] = info.nbytes
         return info
 
-    def _describe_group_op(self, name: str, deadline: Deadline) -> Op[GroupInfo]:
+    def _describe_group(
+        self, name: str, *, timeout: float | None = None
+    ) -> Op[GroupInfo]:
+        return self._describe(name, self._deadline(timeout))
+
+    def _describe(self, name: str, deadline: Deadline) -> Op[GroupInfo]:
         req = pb.DescribeGroupRequest(group=name)
         msg = yield Call("DescribeGroup", _unary(req), deadline, what("DescribeGroup"))
         return self._remember(group_info(msg.group))
 
-    def _list_groups_op(
-        self, prefix: str, timeout: float | None
+    def _list_groups(
+        self, prefix: str = "", *, timeout: float | None = None
     ) -> Op[list[GroupInfo]]:
         req = pb.ListGroupsRequest(prefix=prefix)
         msg = yield from self._unary_op("ListGroups", req, timeout)
         return [group_info(g) for g in msg.groups]
 
-    def _delete_group_op(self, name: str, timeout: float | None) -> Op[bool]:
+    def _delete_group(self, name: str, *, timeout: float | None = None) -> Op[bool]:
         self._sizes.pop(name, None)
         req = pb.DeleteGroupRequest(group=name)
         msg = yield from self._unary_op("DeleteGroup", req, timeout)
         return bool(msg.deleted)
 
-    def _set_learning_rate_op(
-        self, name: str, learning_rate: float, timeout: float | None
+    def _set_learning_rate(
+        self, name: str, learning_rate: float, *, timeout: float | None = None
     ) -> Op[GroupInfo]:
         req = pb.SetLearningRateRequest(group=name, learning_rate=learning_rate)
         msg = yield from self._unary_op("SetLearningRate", req, timeout)
         return group_info(msg.group)
 
     # -- push ----------------------------------------------------------------------
-    def _push_op(
+    def _push_detailed(
         self,
         group: str,
-        gradients: Sequence[Any],
-        base_version: int | None,
-        learning_rate: float | None,
-        return_values: bool,
-        timeout: float | None,
+        *gradients: Any,
+        base_version: int | None = None,
+        learning_rate: float | None = None,
+        return_values: bool = False,
+        timeout: float | None = None,
     ) -> Op[PushResult]:
-        """Build the push now (its deadline, seq and, unary, its bytes); send later."""
+        """Like ``push``, with everything the server said about it."""
+        # Built now, not when first stepped: its deadline and seq start with the
+        # call, and a unary push has copied the gradients before it returns.
         deadline = self._deadline(timeout)
         arrays = [np.asarray(g) for g in gradients]
         req = pb.PushRequest(
@@ -399,13 +414,32 @@ class ClientCore:
         return _send_push(call, req)
 
     # -- pull ----------------------------------------------------------------------
-    def _pull_op(
+    def _pull(
         self,
         group: str,
-        state: bool,
-        min_version: int | None,
-        timeout: float | None,
+        *,
+        state: bool = False,
+        min_version: int | None = None,
+        timeout: float | None = None,
+    ) -> Op[list[Array]]:
+        """X_1..X_n, or with ``state=True`` X..., V..., H... (ONNX output order).
+
+        ``min_version`` waits (within the deadline) until the group's T reaches it.
+        """
+        pulled = self._pull_versioned(
+            group, state=state, min_version=min_version, timeout=timeout
+        )
+        return (yield from pulled)[1]
+
+    def _pull_versioned(
+        self,
+        group: str,
+        *,
+        state: bool = False,
+        min_version: int | None = None,
+        timeout: float | None = None,
     ) -> Op[tuple[int, list[Array]]]:
+        """(T, arrays): the tensors and the update count they belong to."""
         deadline = self._deadline(timeout)
         if min_version is not None:
             waited = f"group {group} did not reach T={min_version}"
@@ -413,23 +447,27 @@ class ClientCore:
             waited = f"the pull of group {group} was not answered"
         size = self._sizes.get(group)
         if size is None and self.transport == "auto":
-            size = (yield from self._describe_group_op(group, deadline)).nbytes
-        args = {"group": group, "with_state": state, "min_version": min_version}
+            size = (yield from self._describe(group, deadline)).nbytes
         if self._use_stream(size or 0):
-            req = pb.PullStreamRequest(**args)
+            req = pb.PullStreamRequest(
+                group=group, with_state=state, min_version=min_version
+            )
             t, arrays = yield Call(
                 "PullStream", _unary(req), deadline, waited, _pull_reader
             )
             return int(t), arrays
-        msg = yield Call("Pull", _unary(pb.PullRequest(**args)), deadline, waited)
+        unary = pb.PullRequest(group=group, with_state=state, min_version=min_version)
+        msg = yield Call("Pull", _unary(unary), deadline, waited)
         return msg.update_count, [
             tensor_to_array(t, t.name).copy() for t in msg.tensors
         ]
 
     # -- apply ---------------------------------------------------------------------
-    def _apply_op(
-        self, optimizer: OptimizerSpec, inputs: Sequence[Any], timeout: float | None
+    def _apply(
+        self, optimizer: OptimizerSpec, *inputs: Any, timeout: float | None = None
     ) -> Op[list[Array]]:
+        """Run one ONNX node remotely: ``R, T, X..., G..., V..., H...`` in,
+        ``X_new..., V_new..., H_new...`` out."""
         arrays = [np.asarray(a) for a in inputs]
         if len(arrays) >= 2 and arrays[1].dtype.kind in "iu":
             arrays[1] = arrays[1].astype(np.int64)
@@ -438,9 +476,9 @@ class ClientCore:
         if self._use_stream(sum(a.nbytes for a in arrays)):
             req.inputs.extend(header_tensor(a) for a in arrays)
             chunks = self._chunks(pb.ApplyStreamRequest, req, arrays)
-            what_ = what("ApplyStream")
+            waited = what("ApplyStream")
             _, outputs = yield Call(
-                "ApplyStream", chunks, deadline, what_, _apply_reader
+                "ApplyStream", chunks, deadline, waited, _apply_reader
             )
             return list(outputs)
         for a in arrays:
@@ -459,9 +497,8 @@ class ClientCore:
 
     def _heartbeat_op(self, group: str, worker_id: str, interval: float) -> Op[Any]:
         req = pb.HeartbeatRequest(group=group, worker_id=worker_id)
-        return (
-            yield from self._unary_op("Heartbeat", req, min(interval * 2, self.timeout))
-        )
+        timeout = min(interval * 2, self.timeout)
+        return (yield from self._unary_op("Heartbeat", req, timeout))
 
     def _heartbeat_interval(self, lease: LeaseInfo) -> float:
         return max(0.05, lease.lease_seconds / 3)
@@ -472,9 +509,19 @@ class ClientCore:
         req = pb.LeaveGroupRequest(group=group, worker_id=worker_id)
         return lease_info((yield from self._unary_op("LeaveGroup", req, timeout)))
 
-    def _save_op(self, timeout: float | None) -> Op[SaveInfo]:
+    def _save(self, *, timeout: float | None = None) -> Op[SaveInfo]:
+        """Ask the server to write a snapshot of every group now."""
         msg = yield from self._unary_op("Save", pb.SaveRequest(), timeout)
         return SaveInfo(msg.path, msg.groups, msg.bytes)
+
+    def _export(self, path: str | os.PathLike[str], prefix: str = "") -> Op[list[str]]:
+        """Write every group whose name starts with ``prefix`` (tensors, optimizer
+        state, T, learning rate) to one .npz file; returns the group names."""
+        return export_op(self, path, prefix)
+
+    def _import_(self, path: str | os.PathLike[str]) -> Op[list[str]]:
+        """Create the groups of a file written by ``export``; returns their names."""
+        return import_op(self, path)
 
 
 def what(method: str) -> str:

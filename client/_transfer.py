@@ -19,18 +19,10 @@ from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
 from .image import ConsistencyDefinition, GroupDefinition, GroupImage
 
 if TYPE_CHECKING:
-    from ._client import Client
     from ._records import GroupInfo
     from ._requests import ClientCore, Op
 
-__all__ = [
-    "EXPORT_FORMAT_VERSION",
-    "export_groups",
-    "export_op",
-    "import_groups",
-    "import_op",
-    "read_export",
-]
+__all__ = ["EXPORT_FORMAT_VERSION", "export_op", "import_op", "read_export"]
 
 EXPORT_FORMAT = "onnxps-export"
 EXPORT_FORMAT_VERSION = 2
@@ -63,25 +55,17 @@ def _definition(info: GroupInfo, update_count: int) -> GroupDefinition:
     )
 
 
-def export_groups(
-    client: Client, path: str | os.PathLike[str], prefix: str = ""
-) -> list[str]:
-    """Write every group whose name starts with ``prefix``; returns their names."""
-    return client._run(export_op(client, path, prefix))
-
-
 def export_op(
     client: ClientCore, path: str | os.PathLike[str], prefix: str = ""
 ) -> Op[list[str]]:
-    """The export, as an operation either client runs.
+    """Write every group whose name starts with ``prefix``; returns their names.
 
     Each group's tensors, state and T come from one pull, so they belong together.
     """
     images: list[GroupImage] = []
-    for info in (yield from client._list_groups_op(prefix, None)):
-        t, values = yield from client._pull_op(info.name, True, None, None)
-        described = client._describe_group_op(info.name, client._deadline(None))
-        lr = (yield from described).learning_rate
+    for info in (yield from client._list_groups(prefix)):
+        t, values = yield from client._pull_versioned(info.name, state=True)
+        lr = (yield from client._describe_group(info.name)).learning_rate
         definition = dataclasses.replace(_definition(info, t), learning_rate=lr)
         images.append(GroupImage(definition, values))
     metadata = {
@@ -136,28 +120,22 @@ def _consistency(c: ConsistencyDefinition) -> Async | Sync:
     return Async(c.max_staleness)
 
 
-def import_groups(client: Client, path: str | os.PathLike[str]) -> list[str]:
-    """Create every group of an export file, with its state, T and learning rate."""
-    return client._run(import_op(client, path))
-
-
 def import_op(client: ClientCore, path: str | os.PathLike[str]) -> Op[list[str]]:
-    """The import, as an operation either client runs."""
+    """Create every group of an export file, with its state, T and learning rate."""
     names = []
     for image in read_export(path):
         d = image.definition
         n = len(d.names)
-        yield from client._create_group_op(
+        yield from client._create_group(
             d.name,
             _optimizer(d),
-            d.learning_rate,
-            list(zip(d.names, image.arrays[:n], strict=True)),
-            _consistency(d.consistency),
-            d.allow_non_finite,
-            image.arrays[n:],
-            d.update_count,
-            d.lease_seconds,
-            None,
+            learning_rate=d.learning_rate,
+            tensors=list(zip(d.names, image.arrays[:n], strict=True)),
+            consistency=_consistency(d.consistency),
+            allow_non_finite=d.allow_non_finite,
+            state=image.arrays[n:],
+            update_count=d.update_count,
+            lease_seconds=d.lease_seconds,
         )
         names.append(d.name)
     return names
