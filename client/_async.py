@@ -9,10 +9,8 @@ it at once (a waiting ``pull(min_version=...)`` or sync push frees its wait).
 from __future__ import annotations
 
 import asyncio
-import enum
-import functools
 from collections.abc import Callable, Coroutine
-from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, overload
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import grpc
 import grpc.aio
@@ -27,10 +25,12 @@ from ._requests import (
     Op,
     OpRun,
     Pause,
+    PushCall,
+    State,
+    as_method,
     channel_credentials,
     channel_options,
     log,
-    push_reply,
 )
 
 __all__ = ["AsyncClient"]
@@ -38,6 +38,7 @@ __all__ = ["AsyncClient"]
 Array = np.ndarray[Any, Any]
 P = ParamSpec("P")
 R = TypeVar("R")
+_Awaited = Coroutine[Any, Any, R]
 
 
 def _awaiting(
@@ -45,19 +46,11 @@ def _awaiting(
 ) -> Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, R]]:
     """An AsyncClient method that runs the shared operation ``op`` to its result."""
 
-    @functools.wraps(op)
     async def method(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return await self._run(op(self, *args, **kwargs))
 
-    method.__name__ = op.__name__.removeprefix("_")
-    method.__qualname__ = f"AsyncClient.{method.__name__}"
+    as_method(method, op, "AsyncClient")
     return method
-
-
-class _State(enum.Enum):
-    UNOPENED = 1
-    OPEN = 2
-    CLOSED = 3
 
 
 class AsyncClient(ClientCore):
@@ -70,15 +63,13 @@ class AsyncClient(ClientCore):
     """
 
     def _setup(self) -> None:
-        self._state = _State.UNOPENED
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.ParameterServerServiceStub | None = None
         self._heartbeats: dict[str, asyncio.Task[None]] = {}
 
     # -- lifecycle -----------------------------------------------------------------
     async def __aenter__(self) -> AsyncClient:
-        if self._state is _State.CLOSED:
-            raise ClientClosedError("this client was closed; create a new AsyncClient")
+        self._check_open()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -86,9 +77,9 @@ class AsyncClient(ClientCore):
 
     async def close(self) -> None:
         """Stop heartbeats, close the channel; later calls raise ClientClosedError."""
-        if self._state is _State.CLOSED:
+        if self._state is State.CLOSED:
             return
-        self._state = _State.CLOSED
+        self._state = State.CLOSED
         beats = list(self._heartbeats.values())
         self._heartbeats.clear()
         for task in beats:
@@ -98,8 +89,7 @@ class AsyncClient(ClientCore):
             await self._channel.close(None)
 
     def _method(self, name: str) -> Any:
-        if self._state is _State.CLOSED:
-            raise ClientClosedError("this client was closed; create a new AsyncClient")
+        self._check_open()
         if self._stub is None:
             options = channel_options(self._server_name_override)
             creds = channel_credentials(self._tls)
@@ -108,7 +98,7 @@ class AsyncClient(ClientCore):
             else:
                 self._channel = grpc.aio.insecure_channel(self.address, options)
             self._stub = pb_grpc.ParameterServerServiceStub(self._channel)
-            self._state = _State.OPEN
+            self._state = State.OPEN
         return getattr(self._stub, name)
 
     async def _run(self, op: Op[R]) -> R:
@@ -154,47 +144,10 @@ class AsyncClient(ClientCore):
     export = _awaiting(ClientCore._export)  # writes the file from the event loop
     import_ = _awaiting(ClientCore._import_)
 
-    @overload
-    async def push(
-        self,
-        group: str,
-        *gradients: Any,
-        base_version: int | None = ...,
-        learning_rate: float | None = ...,
-        return_values: Literal[False] = ...,
-        timeout: float | None = ...,
-    ) -> int: ...
-
-    @overload
-    async def push(
-        self,
-        group: str,
-        *gradients: Any,
-        base_version: int | None = ...,
-        learning_rate: float | None = ...,
-        return_values: Literal[True],
-        timeout: float | None = ...,
-    ) -> list[Array]: ...
-
-    async def push(
-        self,
-        group: str,
-        *gradients: Any,
-        base_version: int | None = None,
-        learning_rate: float | None = None,
-        return_values: bool = False,
-        timeout: float | None = None,
-    ) -> int | list[Array]:
-        """See ``Client.push``."""
-        op = self._push_detailed(
-            group,
-            *gradients,
-            base_version=base_version,
-            learning_rate=learning_rate,
-            return_values=return_values,
-            timeout=timeout,
-        )
-        return push_reply(await self._run(op), return_values)
+    # the runner's type has self; the annotation is the type callers see
+    push: PushCall[Coroutine[Any, Any, int], Coroutine[Any, Any, list[Array]]] = cast(
+        Any, _awaiting(ClientCore._push)
+    )
 
     # -- workers -------------------------------------------------------------------
     async def join(

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import enum
-import functools
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, overload
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import grpc
 import numpy as np
@@ -22,10 +20,12 @@ from ._requests import (
     Op,
     OpRun,
     Pause,
+    PushCall,
+    State,
+    as_method,
     channel_credentials,
     channel_options,
     log,
-    push_reply,
 )
 
 __all__ = [
@@ -49,19 +49,29 @@ def _blocking(
 ) -> Callable[Concatenate[Client, P], R]:
     """A Client method that runs the shared operation ``op`` to its result."""
 
-    @functools.wraps(op)
     def method(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return self._run(op(self, *args, **kwargs))
 
-    method.__name__ = op.__name__.removeprefix("_")
-    method.__qualname__ = f"Client.{method.__name__}"
+    as_method(method, op, "Client")
     return method
 
 
-class _State(enum.Enum):
-    UNOPENED = 1
-    OPEN = 2
-    CLOSED = 3
+def _in_background(
+    op: Callable[Concatenate[ClientCore, P], Op[R]],
+) -> Callable[Concatenate[Client, P], Future[R]]:
+    """A Client method that builds ``op`` now and runs it on a background thread."""
+
+    def method(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
+        return self._submit(op(self, *args, **kwargs))
+
+    as_method(method, op, "Client", "push_background")
+    method.__doc__ = """Start ``push_detailed`` on a background thread and return its
+    future at once, so the next step computes while this push travels.
+
+    The push is built now: its deadline and seq start now, and a unary push has
+    copied the gradients; a streamed one reads them as it sends, so leave them
+    unchanged until the future is done. ``close()`` waits for pending pushes."""
+    return method
 
 
 class Client(ClientCore):
@@ -75,7 +85,6 @@ class Client(ClientCore):
     """
 
     def _setup(self) -> None:
-        self._state = _State.UNOPENED
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.ParameterServerServiceStub | None = None
@@ -84,8 +93,7 @@ class Client(ClientCore):
 
     # -- lifecycle -----------------------------------------------------------------
     def __enter__(self) -> Client:
-        if self._state is _State.CLOSED:
-            raise ClientClosedError("this client was closed; create a new Client")
+        self._check_open()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -99,9 +107,9 @@ class Client(ClientCore):
         if background is not None:
             background.shutdown(wait=True)
         with self._lock:
-            if self._state is _State.CLOSED:
+            if self._state is State.CLOSED:
                 return
-            self._state = _State.CLOSED
+            self._state = State.CLOSED
             beats = list(self._heartbeats.values())
             self._heartbeats.clear()
         for stop, thread in beats:
@@ -112,8 +120,7 @@ class Client(ClientCore):
 
     def _get_stub(self) -> pb_grpc.ParameterServerServiceStub:
         with self._lock:
-            if self._state is _State.CLOSED:
-                raise ClientClosedError("this client was closed; create a new Client")
+            self._check_open()
             if self._stub is None:
                 options = channel_options(self._server_name_override)
                 creds = channel_credentials(self._tls)
@@ -122,7 +129,7 @@ class Client(ClientCore):
                 else:
                     self._channel = grpc.insecure_channel(self.address, options)
                 self._stub = pb_grpc.ParameterServerServiceStub(self._channel)
-                self._state = _State.OPEN
+                self._state = State.OPEN
             return self._stub
 
     def _method(self, name: str) -> Any:
@@ -172,76 +179,14 @@ class Client(ClientCore):
     export = _blocking(ClientCore._export)
     import_ = _blocking(ClientCore._import_)
 
-    @overload
-    def push(
-        self,
-        group: str,
-        *gradients: Any,
-        base_version: int | None = ...,
-        learning_rate: float | None = ...,
-        return_values: Literal[False] = ...,
-        timeout: float | None = ...,
-    ) -> int: ...
+    # the runner's type has self; the annotation is the type callers see
+    push: PushCall[int, list[Array]] = cast(Any, _blocking(ClientCore._push))
 
-    @overload
-    def push(
-        self,
-        group: str,
-        *gradients: Any,
-        base_version: int | None = ...,
-        learning_rate: float | None = ...,
-        return_values: Literal[True],
-        timeout: float | None = ...,
-    ) -> list[Array]: ...
+    push_background = _in_background(ClientCore._push_detailed)
 
-    def push(
-        self,
-        group: str,
-        *gradients: Any,
-        base_version: int | None = None,
-        learning_rate: float | None = None,
-        return_values: bool = False,
-        timeout: float | None = None,
-    ) -> int | list[Array]:
-        """Push G_1..G_n (ONNX order). Returns the new T, or X_1..X_n with
-        ``return_values=True`` (after the step, in sync mode)."""
-        op = self._push_detailed(
-            group,
-            *gradients,
-            base_version=base_version,
-            learning_rate=learning_rate,
-            return_values=return_values,
-            timeout=timeout,
-        )
-        return push_reply(self._run(op), return_values)
-
-    def push_background(
-        self,
-        group: str,
-        *gradients: Any,
-        base_version: int | None = None,
-        learning_rate: float | None = None,
-        return_values: bool = False,
-        timeout: float | None = None,
-    ) -> Future[PushResult]:
-        """Start ``push_detailed`` on a background thread and return its future at
-        once, so the next step computes while this push travels.
-
-        The push is built now: its deadline starts now, and a unary push has copied
-        the gradients; a streamed one reads them while it sends, so leave them
-        unchanged until the future is done. ``close()`` waits for pending pushes.
-        """
-        op = self._push_detailed(
-            group,
-            *gradients,
-            base_version=base_version,
-            learning_rate=learning_rate,
-            return_values=return_values,
-            timeout=timeout,
-        )
+    def _submit(self, op: Op[R]) -> Future[R]:
         with self._lock:
-            if self._state is _State.CLOSED:
-                raise ClientClosedError("this client was closed; create a new Client")
+            self._check_open()
             if self._background is None:
                 self._background = ThreadPoolExecutor(
                     BACKGROUND_PUSHES, thread_name_prefix="onnxps-push"

@@ -9,6 +9,8 @@ request or a reply. Operations compose with ``yield from``.
 
 from __future__ import annotations
 
+import enum
+import functools
 import itertools
 import json
 import logging
@@ -17,13 +19,19 @@ import time
 import uuid
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar, overload
 
 import grpc
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 
-from ._errors import DeadlineExceededError, RpcError, UnavailableError, translate
+from ._errors import (
+    ClientClosedError,
+    DeadlineExceededError,
+    RpcError,
+    UnavailableError,
+    translate,
+)
 from ._optimizers import Async, OptimizerSpec, Sync
 from ._records import (
     GroupInfo,
@@ -53,10 +61,12 @@ __all__ = [
     "Op",
     "OpRun",
     "Pause",
+    "PushCall",
+    "State",
     "Transport",
+    "as_method",
     "channel_credentials",
     "channel_options",
-    "push_reply",
 ]
 
 log = logging.getLogger("onnxps.client")
@@ -214,16 +224,56 @@ class OpRun:
         self._error = error
 
 
-def push_reply(result: PushResult, return_values: bool) -> int | list[Array]:
-    """What ``push`` returns: the new T, or X_1..X_n with ``return_values``."""
-    if return_values:
-        assert result.values is not None
-        return result.values
-    return result.update_count
+Int_co = TypeVar("Int_co", covariant=True)
+Values_co = TypeVar("Values_co", covariant=True)
+
+
+class PushCall(Protocol[Int_co, Values_co]):
+    """The type of ``push`` on either client: T, or X_1..X_n with ``return_values``
+    (``Client``: the values; ``AsyncClient``: coroutines of them). Written once
+    here because overloads do not pass through the ParamSpec of the runners."""
+
+    @overload
+    def __call__(
+        self,
+        group: str,
+        *gradients: Any,
+        base_version: int | None = ...,
+        learning_rate: float | None = ...,
+        return_values: Literal[False] = ...,
+        timeout: float | None = ...,
+    ) -> Int_co: ...
+
+    @overload
+    def __call__(
+        self,
+        group: str,
+        *gradients: Any,
+        base_version: int | None = ...,
+        learning_rate: float | None = ...,
+        return_values: Literal[True],
+        timeout: float | None = ...,
+    ) -> Values_co: ...
+
+
+def as_method(
+    method: Callable[..., Any], op: Callable[..., Any], owner: str, name: str = ""
+) -> None:
+    """Name ``method``, which runs the operation ``op``, as ``owner``'s public call
+    (``inspect.signature`` and ``help`` show the operation's)."""
+    functools.update_wrapper(method, op)
+    method.__name__ = name or op.__name__.removeprefix("_")
+    method.__qualname__ = f"{owner}.{method.__name__}"
 
 
 def _unary(msg: Any) -> Callable[[], Any]:
     return lambda: msg
+
+
+class State(enum.Enum):
+    UNOPENED = 1
+    OPEN = 2
+    CLOSED = 3
 
 
 class ClientCore:
@@ -258,10 +308,17 @@ class ClientCore:
         # pushes would be answered as duplicates and silently dropped.
         self._seq = itertools.count(time.time_ns() // 1000)
         self._sizes: dict[str, int] = {}
+        self._state = State.UNOPENED
         self._setup()
 
     def _setup(self) -> None:
         """The connection state of the concrete client."""
+
+    def _check_open(self) -> None:
+        if self._state is State.CLOSED:
+            raise ClientClosedError(
+                f"this client was closed; create a new {type(self).__name__}"
+            )
 
     def _metadata(self) -> list[tuple[str, str]] | None:
         return [("authorization", f"Bearer {self._token}")] if self._token else None
@@ -412,6 +469,15 @@ class ClientCore:
                 write_tensor(req.gradients.add(), a)
             call = Call("Push", _unary(req), deadline, what)
         return _send_push(call, req)
+
+    def _push(self, *args: Any, **kwargs: Any) -> Op[int | list[Array]]:
+        """Push G_1..G_n (ONNX order). Returns the new T, or X_1..X_n with
+        ``return_values=True`` (after the step, in sync mode)."""
+        result = yield from self._push_detailed(*args, **kwargs)
+        return result.update_count if result.values is None else result.values
+
+    # push takes push_detailed's arguments: inspect.signature(push) shows them
+    _push.__wrapped__ = _push_detailed  # type: ignore[attr-defined]
 
     # -- pull ----------------------------------------------------------------------
     def _pull(

@@ -8,7 +8,7 @@ import inspect
 import re
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -238,18 +238,6 @@ def test_a_cancelled_sync_push_releases_the_server(server: ServerHandle) -> None
             assert await _until(lambda: store.waiting_calls == 0) < 1.0
 
     asyncio.run(run())
-
-
-@pytest.fixture
-def silent_address() -> Iterator[str]:
-    """A TCP port that accepts connections and never speaks HTTP/2."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    try:
-        yield f"127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        sock.close()
 
 
 @pytest.mark.parametrize("transport", ["unary", "stream"])

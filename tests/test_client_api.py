@@ -8,7 +8,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -199,18 +199,6 @@ def test_pull_min_version_returns_when_reached(client: Client) -> None:
         timer.join()
     assert t == 1
     assert not np.array_equal(x, X)
-
-
-@pytest.fixture
-def silent_address() -> Iterator[str]:
-    """A TCP port that accepts connections and never speaks HTTP/2."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    try:
-        yield f"127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        sock.close()
 
 
 STREAMED = ("create_group", "push", "pull_versioned", "apply")
