@@ -1,0 +1,19 @@
+"""onnxps for PyTorch: a ``torch.optim.Optimizer`` whose state lives on the server.
+
+from onnxps.client import Adam, Client
+from onnxps.torch import RemoteOptimizer
+
+with Client("127.0.0.1:50051") as ps:
+    opt = RemoteOptimizer(model.named_parameters(), ps, group="net", lr=1e-3)
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()  # one push of every grad; the server's X written into the params
+
+Install with ``pip install 'onnxps[torch]'``.
+"""
+
+from ._optimizer import STATE_DICT_FORMAT_VERSION, RemoteOptimizer
+from ._workers import run_workers, shard
+
+__all__ = ["STATE_DICT_FORMAT_VERSION", "RemoteOptimizer", "run_workers", "shard"]
