@@ -1,10 +1,17 @@
-# onnxps: the server, the client library and the demo worker in one image.
-FROM python:3.12-slim
+# onnxps: two images from one file.
+#   docker build -t onnxps .                   # target "server" (the default): the
+#                                              # server, the CLI and the client library
+#   docker build --target demo -t onnxps-demo .  # the same plus scikit-learn, whose
+#                                              # bundled digits the demo workers train on
+# Both run as the unprivileged user "onnxps" (uid 10001), never as root.
+FROM python:3.12-slim AS base
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin onnxps \
+    && mkdir /data && chown onnxps:onnxps /data
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY protos ./protos
@@ -12,13 +19,21 @@ COPY client ./client
 COPY server ./server
 COPY cli ./cli
 COPY examples ./examples
-# The demo extra adds scikit-learn, whose bundled digits data set the workers train on.
-RUN pip install '.[demo]'
+RUN pip install .
 
 # Snapshots (and the WAL with --durability wal) live here; mount a volume on it.
 VOLUME /data
 EXPOSE 50051
 
+
+FROM base AS demo
+RUN pip install '.[demo]'
+USER onnxps
+CMD ["python", "-m", "onnxps.cli._demo_worker"]
+
+
+FROM base AS server
+USER onnxps
 # 0.0.0.0 without TLS and tokens is refused unless --insecure: give TLS and a token
 # file (--tls-cert, --tls-key, --tokens-file) when the port leaves a private network.
 CMD ["onnxps", "serve", "--address", "0.0.0.0:50051", "--insecure", "--data-dir", "/data"]

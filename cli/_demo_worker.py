@@ -35,10 +35,13 @@ from onnxps.client import (
     Client,
     DeadlineExceededError,
     Momentum,
+    OnnxpsError,
     OptimizerSpec,
     Sync,
     UnavailableError,
 )
+
+from ._args import Parser, at_least, positive_float
 
 __all__ = [
     "LEARNING_RATES",
@@ -149,27 +152,30 @@ def accuracy(params: Sequence[Array], x: Array, y: Array) -> float:
     return float((_forward(params, x)[1].argmax(axis=1) == y).mean())
 
 
-def _env(name: str, default: str) -> str:
+def _env(name: str, default: str | None) -> str | None:
     return os.environ.get(f"ONNXPS_{name}", default)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    # Defaults are the ONNXPS_* strings, checked by the flag's type like a flag.
+    p = Parser(
         prog="python -m onnxps.cli._demo_worker",
         description="train the demo MLP on one shard of digits through onnxps",
     )
     p.add_argument("--address", default=_env("ADDRESS", "127.0.0.1:50051"))
     p.add_argument("--group", default=_env("GROUP", "digits-mlp"))
-    p.add_argument("--index", type=int, default=int(_env("WORKER_INDEX", "0")))
-    p.add_argument("--workers", type=int, default=int(_env("WORKERS", "4")))
-    p.add_argument("--steps", type=int, default=int(_env("STEPS", "300")))
-    p.add_argument("--batch-size", type=int, default=int(_env("BATCH_SIZE", "32")))
+    p.add_argument("--index", type=at_least(0), default=_env("WORKER_INDEX", "0"))
+    p.add_argument("--workers", type=at_least(1), default=_env("WORKERS", "4"))
+    p.add_argument("--steps", type=at_least(1), default=_env("STEPS", "300"))
+    p.add_argument("--batch-size", type=at_least(1), default=_env("BATCH_SIZE", "32"))
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=_env("OPTIMIZER", "adam"))
-    p.add_argument("--learning-rate", type=float, default=None)
+    p.add_argument(
+        "--learning-rate", type=positive_float, default=_env("LEARNING_RATE", None)
+    )
     p.add_argument("--mode", choices=("async", "sync"), default=_env("MODE", "async"))
-    p.add_argument("--seed", type=int, default=int(_env("SEED", "0")))
-    p.add_argument("--log-every", type=int, default=int(_env("LOG_EVERY", "10")))
-    p.add_argument("--timeout", type=float, default=float(_env("TIMEOUT", "10")))
+    p.add_argument("--seed", type=at_least(0), default=_env("SEED", "0"))
+    p.add_argument("--log-every", type=at_least(1), default=_env("LOG_EVERY", "10"))
+    p.add_argument("--timeout", type=positive_float, default=_env("TIMEOUT", "10"))
     return p
 
 
@@ -196,9 +202,9 @@ def create_group_if_missing(
 
 
 def _train(args: argparse.Namespace, tag: str) -> None:
-    lr = args.learning_rate or float(
-        _env("LEARNING_RATE", str(LEARNING_RATES[args.optimizer]))
-    )
+    lr = args.learning_rate
+    if lr is None:
+        lr = LEARNING_RATES[args.optimizer]
     data = load_dataset(args.seed)
     x, y = data.shard(args.index, args.workers)
     rng = np.random.default_rng(args.seed * 1000 + args.index + 1)
@@ -236,17 +242,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _train(args, tag)
     except (UnavailableError, DeadlineExceededError) as exc:
-        print(
+        _say(
             f"{tag}: the parameter server at {args.address} is unreachable or gone "
-            f"({exc}); stopping",
-            file=sys.stderr,
-            flush=True,
+            f"({exc.details}); stopping"
         )
         return EXIT_SERVER_GONE
+    except OnnxpsError as exc:
+        _say(f"{tag}: {exc}; stopping")
+        return 1
     except KeyboardInterrupt:
-        print(f"{tag}: interrupted", file=sys.stderr, flush=True)
+        _say(f"{tag}: interrupted")
         return 130
     return 0
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

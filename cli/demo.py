@@ -17,6 +17,7 @@ import collections
 import contextlib
 import importlib.util
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from typing import Any, TextIO
 from onnxps.client import Client, OnnxpsError
 
 from . import _demo_worker as worker
+from ._args import Parser, at_least, positive_float
 from .process import start_server_process, stop_processes
 
 __all__ = ["Progress", "add_arguments", "run"]
@@ -46,33 +48,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="adam",
         help="ONNX optimizer applied by the server (default adam)",
     )
-    p.add_argument("--workers", type=int, default=4, help="worker processes (4)")
-    p.add_argument("--steps", type=int, default=300, help="pushes per worker (300)")
+    p.add_argument(
+        "--workers", type=at_least(1), default=4, help="worker processes (4)"
+    )
+    p.add_argument("--steps", type=at_least(1), default=300, help="pushes per worker")
     p.add_argument(
         "--mode", choices=("async", "sync"), default="async", help="consistency"
     )
     p.add_argument(
         "--learning-rate",
-        type=float,
+        type=positive_float,
         default=None,
         help="R (default tuned per optimizer: "
         + ", ".join(f"{k} {v}" for k, v in worker.LEARNING_RATES.items())
         + ")",
     )
-    p.add_argument("--batch-size", type=int, default=32, help="minibatch (32)")
-    p.add_argument("--seed", type=int, default=0, help="data split and init seed")
+    p.add_argument("--batch-size", type=at_least(1), default=32, help="minibatch (32)")
+    p.add_argument(
+        "--seed", type=at_least(0), default=0, help="data split and init seed (0)"
+    )
+
+
+STARTING = "starting workers..."
 
 
 class Progress:
-    """A progress bar on a terminal; periodic plain lines anywhere else."""
+    """A progress bar on a terminal (one line that fits its width, redrawn);
+    periodic plain lines anywhere else."""
 
     def __init__(
-        self, total: int, out: TextIO, tty: bool | None = None, every: float = 2.0
+        self,
+        total: int,
+        out: TextIO,
+        tty: bool | None = None,
+        every: float = 2.0,
+        columns: int | None = None,
     ) -> None:
         self.total = max(1, total)
         self.out = out
         self.tty = out.isatty() if tty is None else tty
         self.every = every if not self.tty else 0.1
+        self.columns = columns
         self.start = time.monotonic()
         self._last = -1e9
         self._shown = False
@@ -82,16 +98,30 @@ class Progress:
         now = time.monotonic()
         elapsed = now - self.start
         frac = min(1.0, done / self.total)
-        loss_text = "   -  " if loss is None else f"{loss:.4f}"
-        stats = (
-            f"{done}/{self.total} pushes  loss {loss_text}  "
-            f"{self.rate(now, done):.0f} pushes/s  {elapsed:.1f}s"
-        )
+        if done == 0 and loss is None:
+            stats = f"0/{self.total} pushes  {STARTING}  {elapsed:.1f}s"
+        else:
+            loss_text = "   -  " if loss is None else f"{loss:.4f}"
+            stats = (
+                f"{done}/{self.total} pushes  loss {loss_text}  "
+                f"{self.rate(now, done):.0f} pushes/s  {elapsed:.1f}s"
+            )
         if not self.tty:
+            if done == 0 and loss is None:
+                stats = f"0/{self.total} pushes  loss    -   {STARTING}  {elapsed:.1f}s"
             return f"progress {100 * frac:3.0f}%  {stats}"
-        width = 30
+        return self._fit(frac, f"{100 * frac:3.0f}%  {stats}")
+
+    def _fit(self, frac: float, text: str) -> str:
+        """The bar and ``text`` in one line shorter than the terminal: the bar
+        shrinks first (to nothing), then the text is cut."""
+        columns = self.columns or shutil.get_terminal_size((80, 24)).columns
+        room = columns - 1  # the last column would wrap on some terminals
+        width = min(30, room - len(text) - 3)
+        if width < 5:
+            return text[:room]
         filled = int(width * frac)
-        return f"[{'#' * filled}{'.' * (width - filled)}] {100 * frac:3.0f}%  {stats}"
+        return f"[{'#' * filled}{'.' * (width - filled)}] {text}"[:room]
 
     def rate(self, now: float, done: int) -> float:
         """Pushes per second over the last few seconds (not worker start-up)."""
@@ -131,6 +161,12 @@ class _Workers:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def read(self, index: int, stream: TextIO) -> None:
+        try:
+            self._read(index, stream)
+        except (OSError, ValueError):  # the stream was closed while stopping
+            return
+
+    def _read(self, index: int, stream: TextIO) -> None:
         for raw in stream:
             text = raw.rstrip("\n")
             m = STEP_LINE.match(text)
@@ -154,6 +190,9 @@ class _Interrupted(Exception):
 
 
 def _raise_interrupted(signum: int, frame: Any) -> None:
+    # Once: a second signal must not interrupt the stopping of the processes.
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
     raise _Interrupted(signum)
 
 
@@ -274,9 +313,6 @@ def _report_failure(
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run the demo; returns the exit status (see the module docstring)."""
     out = out or sys.stdout
-    if args.workers < 1 or args.steps < 1:
-        print("onnxps demo: --workers and --steps must be >= 1", file=sys.stderr)
-        return 2
     if importlib.util.find_spec("sklearn") is None:
         print(
             "onnxps demo trains on scikit-learn's digits: pip install 'onnxps[demo]' "
@@ -284,7 +320,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    args.lr = args.learning_rate or worker.LEARNING_RATES[args.optimizer]
+    args.lr = args.learning_rate
+    if args.lr is None:
+        args.lr = worker.LEARNING_RATES[args.optimizer]
     procs: list[subprocess.Popen[Any]] = []
     previous = {
         s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)
@@ -301,8 +339,6 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 stop_processes(procs[1:])
                 stop_processes(procs[:1])
     except _Interrupted as exc:
-        for s in previous:
-            signal.signal(s, signal.SIG_IGN)
         stop_processes(procs[1:])
         stop_processes(procs[:1])
         print(f"\nonnxps demo: {exc}: stopped the server and workers", file=sys.stderr)
@@ -313,7 +349,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="onnxps demo")
+    p = Parser(prog="onnxps demo")
     add_arguments(p)
     return run(p.parse_args(argv))
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -17,6 +16,8 @@ from onnxps.client import (
     RpcError,
     Sync,
 )
+
+from ._args import add_connection_arguments, fail, read_tls_ca
 
 __all__ = ["add_arguments", "format_table", "run"]
 
@@ -35,16 +36,8 @@ COLUMNS = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("address", help="host:port of the server")
-    p.add_argument(
-        "--timeout", type=float, default=3.0, help="seconds to wait (default 3)"
-    )
     p.add_argument("--prefix", default="", help="only groups whose name starts so")
-    p.add_argument(
-        "--token",
-        default=os.environ.get("ONNXPS_TOKEN"),
-        help="bearer token (ONNXPS_TOKEN)",
-    )
-    p.add_argument("--tls-ca", default=None, help="CA certificate (PEM) to use TLS")
+    add_connection_arguments(p, timeout=3.0)
 
 
 def _optimizer(info: GroupInfo) -> str:
@@ -98,10 +91,7 @@ def format_table(groups: Sequence[GroupInfo]) -> str:
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Print the table; 1 with a message on stderr when the server cannot be asked."""
     out = out or sys.stdout
-    roots = None
-    if args.tls_ca:
-        with open(args.tls_ca, "rb") as f:
-            roots = f.read()
+    roots = read_tls_ca("onnxps status", args.tls_ca)
     try:
         with Client(
             args.address,
@@ -111,15 +101,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         ) as ps:
             groups = ps.list_groups(args.prefix)
     except RpcError as exc:
-        print(
-            f"onnxps status: cannot list the groups on {args.address}: "
-            f"{exc.code.name}: {exc.details}",
-            file=sys.stderr,
+        fail(
+            "onnxps status",
+            f"cannot list the groups on {args.address}: {exc.code.name}: {exc.details}",
         )
-        return 1
     except OnnxpsError as exc:
-        print(f"onnxps status: {args.address}: {exc}", file=sys.stderr)
-        return 1
+        fail("onnxps status", f"{args.address}: {exc}")
     if not groups:
         print(f"no groups on {args.address}", file=out)
         return 0

@@ -28,6 +28,7 @@ from ._errors import (
     UnavailableError,
 )
 from ._optimizers import Adagrad, Adam, Async, Momentum, Nesterov, OptimizerSpec, Sync
+from ._transfer import ExportFileError
 from .codec import TensorFormatError
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "Client",
     "ClientClosedError",
     "DeadlineExceededError",
+    "ExportFileError",
     "FailedPreconditionError",
     "GroupInfo",
     "InternalError",

@@ -139,6 +139,8 @@ class AsyncClient(ClientCore):
     push_detailed = _awaiting(ClientCore._push_detailed)
     pull = _awaiting(ClientCore._pull)
     pull_versioned = _awaiting(ClientCore._pull_versioned)
+    push_rows = _awaiting(ClientCore._push_rows)
+    pull_rows = _awaiting(ClientCore._pull_rows)
     apply = _awaiting(ClientCore._apply)
     save = _awaiting(ClientCore._save)
     export = _awaiting(ClientCore._export)  # writes the file from the event loop

@@ -174,6 +174,8 @@ class Client(ClientCore):
     push_detailed = _blocking(ClientCore._push_detailed)
     pull = _blocking(ClientCore._pull)
     pull_versioned = _blocking(ClientCore._pull_versioned)
+    push_rows = _blocking(ClientCore._push_rows)
+    pull_rows = _blocking(ClientCore._pull_rows)
     apply = _blocking(ClientCore._apply)
     save = _blocking(ClientCore._save)
     export = _blocking(ClientCore._export)

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar, overload
+from typing import Any, Literal, NoReturn, Protocol, TypeVar, overload
 
 import grpc
 import numpy as np
@@ -76,39 +76,150 @@ Transport = Literal["auto", "unary", "stream"]
 R = TypeVar("R")
 
 STREAM_THRESHOLD_BYTES = 1 << 20
-_PUSH_SENDS = 5  # a push's sends at most, all within its deadline
+_RESEND_BACKOFF_MAX = 2.0  # seconds between a push's resends, at most
+_RESEND_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 # The one retry mechanism for every call: the channel retries UNAVAILABLE (the server
 # is down or draining), within the call's deadline. A push is also resent, with the
-# same (client_id, seq), when UNAVAILABLE reaches the client after the channel gave
-# up (e.g. a stream the channel cannot replay): the server applies it exactly once.
+# same (client_id, seq), while UNAVAILABLE reaches the client after the channel gave
+# up (e.g. a stream the channel cannot replay), until its deadline: the server applies
+# it exactly once. The calls that are safe to repeat (reads, and pushes, which the
+# server deduplicates) are also retried on CANCELLED: a server that stops cancels the
+# calls it had received but not yet started, and none of them ran.
+_SAFE_TO_REPEAT = (
+    "Push",
+    "PushStream",
+    "Pull",
+    "PullStream",
+    "DescribeGroup",
+    "ListGroups",
+    "Heartbeat",
+    "Apply",
+    "ApplyStream",
+)
+
+
+def _retry_policy(*codes: str) -> dict[str, Any]:
+    return {
+        "maxAttempts": 5,
+        "initialBackoff": "0.1s",
+        "maxBackoff": "2s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": list(codes),
+    }
+
+
 _SERVICE_CONFIG = {
     "methodConfig": [
         {
+            "name": [{"service": SERVICE, "method": m} for m in _SAFE_TO_REPEAT],
+            "retryPolicy": _retry_policy("UNAVAILABLE", "CANCELLED"),
+        },
+        {
             "name": [{"service": SERVICE}],
-            "retryPolicy": {
-                "maxAttempts": 5,
-                "initialBackoff": "0.1s",
-                "maxBackoff": "2s",
-                "backoffMultiplier": 2,
-                "retryableStatusCodes": ["UNAVAILABLE"],
-            },
-        }
+            "retryPolicy": _retry_policy("UNAVAILABLE"),
+        },
     ]
 }
+# A restarted server is found within about two seconds (gRPC's default reconnect
+# backoff grows to two minutes, longer than any push waits).
+_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 
 
 def channel_options(server_name_override: str | None) -> list[tuple[str, Any]]:
     """The options of every channel either client opens."""
-    options: list[tuple[str, Any]] = [
-        ("grpc.max_receive_message_length", -1),
-        ("grpc.max_send_message_length", -1),
-        ("grpc.enable_retries", 1),
-        ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
-    ]
+    options = list(_CHANNEL_OPTIONS)
     if server_name_override:
         options.append(("grpc.ssl_target_name_override", server_name_override))
     return options
+
+
+_TRANSPORTS = ("auto", "unary", "stream")
+
+
+def _check_client_arguments(
+    client: str,
+    address: Any,
+    timeout: Any,
+    transport: Any,
+    chunk_bytes: Any,
+    root_certificates: Any,
+    unexpected: Mapping[str, Any],
+) -> None:
+    """TypeError/ValueError that say what ``Client(...)`` (or ``AsyncClient``)
+    takes."""
+    if unexpected:
+        names = ", ".join(sorted(unexpected))
+        raise TypeError(
+            f"{client}() got unexpected argument(s) {names}: it takes the server "
+            "address ('host:port') and connection options (timeout=, token=, TLS, "
+            "transport=); tensors are given to create_group(), gradients to push()"
+        )
+    if not isinstance(address, str) or not address.strip():
+        raise TypeError(
+            f"{client}(address): the server's 'host:port' as a string, e.g. "
+            f"{client}('127.0.0.1:50051'), got {type(address).__name__}"
+        )
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout is seconds (a number), got {timeout!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if transport not in _TRANSPORTS:
+        raise ValueError(
+            f"transport must be one of {', '.join(_TRANSPORTS)}, got {transport!r}"
+        )
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be an integer >= 1, got {chunk_bytes!r}")
+    if root_certificates is not None and not isinstance(root_certificates, bytes):
+        raise TypeError(
+            "root_certificates is the PEM bytes of the CA, not a path: pass "
+            "open(path, 'rb').read()"
+        )
+
+
+def _spec(value: Any, what: str, kind: Any = (Async, Sync)) -> Any:
+    """``value`` when it is an instance of ``kind`` (or has its ``to_proto``); else
+    a TypeError that says so (the class itself, ``Adam`` for ``Adam()``, is the usual
+    slip)."""
+    if isinstance(value, type):
+        raise TypeError(
+            f"{what} must be an instance, e.g. {value.__name__}(), not the class "
+            f"{value.__name__}"
+        )
+    if not isinstance(value, kind) and not callable(getattr(value, "to_proto", None)):
+        names = (
+            "Adagrad(), Momentum(), Nesterov() or Adam()"
+            if kind is OptimizerSpec
+            else "Async() or Sync(workers)"
+        )
+        raise TypeError(f"{what} must be one of {names}, got {value!r}")
+    return value
+
+
+def _named_tensors(tensors: Any) -> list[tuple[str, Any]]:
+    """``{name: array}`` or ``[(name, array), ...]`` as a list of pairs."""
+    if isinstance(tensors, Mapping):
+        items = list(tensors.items())
+    elif isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence):
+        items = None
+    else:
+        items = list(tensors)
+    if items is None or not all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in items
+    ):
+        raise TypeError(
+            "tensors must name each tensor, in the ONNX order: {'w': w0, 'b': b0} "
+            "or [('w', w0), ('b', b0)]"
+        )
+    return items
 
 
 def channel_credentials(
@@ -185,6 +296,15 @@ class Call:
         error = translate(exc)
         if isinstance(error, DeadlineExceededError):
             return self.deadline.expired(self.what, error.details)
+        if error.code == grpc.StatusCode.CANCELLED:
+            # This client never cancels a call it waits on (a cancelled task raises
+            # asyncio.CancelledError): the server did, because it is stopping (a
+            # graceful stop cancels what it had not yet started).
+            return UnavailableError(
+                f"{self.what}: the server cancelled the call (it is stopping), so it "
+                f"may or may not have taken effect ({error.details})",
+                grpc.StatusCode.CANCELLED,
+            )
         return error
 
 
@@ -281,7 +401,7 @@ class ClientCore:
 
     def __init__(
         self,
-        address: str,
+        address: str = "",  # required: a default only to explain its absence
         *,
         timeout: float = 60.0,
         client_id: str | None = None,
@@ -293,7 +413,17 @@ class ClientCore:
         transport: Transport = "auto",
         stream_threshold_bytes: int = STREAM_THRESHOLD_BYTES,
         chunk_bytes: int = CHUNK_BYTES,
+        **unexpected: NoReturn,
     ) -> None:
+        _check_client_arguments(
+            type(self).__name__,
+            address,
+            timeout,
+            transport,
+            chunk_bytes,
+            root_certificates,
+            unexpected,
+        )
         self.address = address
         self.timeout = timeout
         self.client_id = client_id or uuid.uuid4().hex
@@ -356,14 +486,14 @@ class ClientCore:
         ``state`` (V_1..V_n then H_1..H_n, as the operator has them) and
         ``update_count`` resume a group whose optimizer state was saved elsewhere.
         """
-        items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        items = _named_tensors(tensors)
         arrays = [np.asarray(a) for _, a in items]
         state_arrays = [np.asarray(a) for a in state or ()]
         req = pb.CreateGroupRequest(
             group=name,
-            optimizer=optimizer.to_proto(),
+            optimizer=_spec(optimizer, "optimizer", OptimizerSpec).to_proto(),
             learning_rate=learning_rate,
-            consistency=(consistency or Async()).to_proto(),
+            consistency=_spec(consistency or Async(), "consistency").to_proto(),
             allow_non_finite=allow_non_finite,
             update_count=update_count,
             lease_seconds=lease_seconds or 0.0,
@@ -468,7 +598,11 @@ class ClientCore:
             for a in arrays:
                 write_tensor(req.gradients.add(), a)
             call = Call("Push", _unary(req), deadline, what)
-        return _send_push(call, req)
+        msg = yield from self._resending(call, group, req.seq)
+        values = None
+        if req.return_values:
+            values = [tensor_to_array(t, t.name).copy() for t in msg.values]
+        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
 
     def _push(self, *args: Any, **kwargs: Any) -> Op[int | list[Array]]:
         """Push G_1..G_n (ONNX order). Returns the new T, or X_1..X_n with
@@ -528,6 +662,115 @@ class ClientCore:
             tensor_to_array(t, t.name).copy() for t in msg.tensors
         ]
 
+    # -- rows ----------------------------------------------------------------------
+    def _push_rows(
+        self,
+        group: str,
+        gradients: Mapping[str, Any],
+        *,
+        base_version: int | None = None,
+        learning_rate: float | None = None,
+        timeout: float | None = None,
+    ) -> Op[PushResult]:
+        """One step in which only the given rows change.
+
+        ``gradients`` maps a tensor name to ``(indices, rows)`` (int64 (k,) and
+        (k, *shape[1:])) or to a dense gradient of the whole tensor; tensors not
+        named keep every row. Repeated indices are summed first. The indices and rows
+        travel in ~1 MiB chunks (no size ceiling); a push the server did not answer
+        (UNAVAILABLE) is resent with the same seq, and answered once."""
+        deadline = self._deadline(timeout)
+        header = pb.PushRowsHeader(
+            group=group, client_id=self.client_id, seq=next(self._seq)
+        )
+        if base_version is not None:
+            header.base_version = base_version
+        if learning_rate is not None:
+            header.learning_rate = learning_rate
+        arrays: list[Array] = []
+        for name, g in gradients.items():
+            gr = header.gradients.add(name=name)
+            if isinstance(g, tuple):
+                indices = _indices(g[0])
+                gr.indices.CopyFrom(header_tensor(indices))
+                arrays.append(indices)
+                values = np.asarray(g[1])
+            else:
+                values = np.asarray(g)
+            gr.values.CopyFrom(header_tensor(values))
+            arrays.append(values)
+        what = f"the row push to group {group} (seq {header.seq}) was not answered"
+        chunks = self._chunks(pb.PushRowsRequest, header, arrays)
+        call = Call("PushRows", chunks, deadline, what)
+        msg = yield from self._resending(call, group, header.seq)
+        return PushResult(msg.update_count, msg.applied, msg.duplicate, None)
+
+    def _pull_rows(
+        self,
+        group: str,
+        selections: Mapping[str, Any],
+        *,
+        state: bool = False,
+        min_version: int | None = None,
+        timeout: float | None = None,
+    ) -> Op[dict[str, Array]]:
+        """Rows of tensors: ``{name: indices}`` in, ``{name: rows}`` out (with
+        ``state``, also ``"V:name"`` and ``"H:name"`` as the operator has them)."""
+        deadline = self._deadline(timeout)
+        header = pb.PullRowsHeader(group=group, with_state=state)
+        if min_version is not None:
+            header.min_version = min_version
+        arrays = []
+        for name, idx in selections.items():
+            indices = _indices(idx)
+            header.tensors.add(name=name, indices=header_tensor(indices))
+            arrays.append(indices)
+        chunks = self._chunks(pb.PullRowsRequest, header, arrays)
+        what = f"the row pull of group {group} was not answered"
+        names, rows = yield Call("PullRows", chunks, deadline, what, _rows_reader)
+        return dict(zip(names, rows, strict=True))
+
+    def _resending(self, call: Call, group: str, seq: int) -> Op[Any]:
+        """Send a push, and resend it (same seq) while the server is unavailable,
+        until the deadline: the server answers a repeat with its first result."""
+        backoff = 0.1
+        unavailable: RpcError | None = None
+        while True:
+            try:
+                return (yield call)
+            except DeadlineExceededError:
+                if unavailable is None:
+                    raise
+                raise self._gone(group, seq, call.deadline, unavailable) from None
+            except RpcError as exc:
+                if exc.code not in _RESEND_CODES:
+                    raise
+                unavailable = exc
+            pause = min(backoff, call.deadline.remaining())
+            if pause <= 0:
+                raise self._gone(group, seq, call.deadline, unavailable)
+            log.info(
+                "push to %s seq %d: %s; resending in %.1f s",
+                group,
+                seq,
+                unavailable.code.name,
+                pause,
+            )
+            yield Pause(pause)
+            backoff = min(_RESEND_BACKOFF_MAX, backoff * 2)
+
+    def _gone(
+        self, group: str, seq: int, deadline: Deadline, last: RpcError
+    ) -> UnavailableError:
+        return UnavailableError(
+            f"the server at {self.address} stayed unavailable for "
+            f"{deadline.seconds:g} s ({last.details}); the push to group "
+            f"{group} (seq {seq}) may not have been applied",
+            reason=last.reason,  # the last refusal's details (e.g. WAL_WRITE_FAILED)
+            metadata=last.metadata,
+            violations=last.violations,
+        )
+
     # -- apply ---------------------------------------------------------------------
     def _apply(
         self, optimizer: OptimizerSpec, *inputs: Any, timeout: float | None = None
@@ -538,6 +781,7 @@ class ClientCore:
         if len(arrays) >= 2 and arrays[1].dtype.kind in "iu":
             arrays[1] = arrays[1].astype(np.int64)
         deadline = self._deadline(timeout)
+        optimizer = _spec(optimizer, "optimizer", OptimizerSpec)
         req = pb.ApplyRequest(optimizer=optimizer.to_proto())
         if self._use_stream(sum(a.nbytes for a in arrays)):
             req.inputs.extend(header_tensor(a) for a in arrays)
@@ -585,9 +829,19 @@ class ClientCore:
         state, T, learning rate) to one .npz file; returns the group names."""
         return export_op(self, path, prefix)
 
-    def _import_(self, path: str | os.PathLike[str]) -> Op[list[str]]:
-        """Create the groups of a file written by ``export``; returns their names."""
-        return import_op(self, path)
+    def _import_(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        existing: Literal["fail", "skip", "replace"] = "fail",
+    ) -> Op[list[str]]:
+        """Create the groups of a file written by ``export``; returns their names.
+
+        The file is checked whole first. A group the server already has makes the
+        import fail before anything is created (``existing="fail"``), is left as it
+        is (``"skip"``, not in the result) or is replaced by the file's.
+        """
+        return (yield from import_op(self, path, existing=existing)).imported
 
 
 def what(method: str) -> str:
@@ -602,37 +856,26 @@ def _pull_reader() -> StreamReader:
     return _TensorStreamReader(header)
 
 
+def _rows_reader() -> StreamReader:
+    def header(m: pb.PullRowsResponse) -> tuple[list[str], list[pb.Tensor], list[str]]:
+        rows = list(m.header.rows)
+        names = [t.name for t in rows]
+        return names, rows, names
+
+    return _TensorStreamReader(header)
+
+
+def _indices(idx: Any) -> Array:
+    """Row indices as given, integers widened to int64 (the wire's)."""
+    indices = np.asarray(idx)
+    if indices.dtype.kind in "iu":
+        indices = indices.astype(np.int64, copy=False)
+    return indices
+
+
 def _apply_reader() -> StreamReader:
     def header(m: pb.ApplyStreamResponse) -> tuple[None, list[pb.Tensor], list[str]]:
         outputs = list(m.response.outputs)
         return None, outputs, [f"output {i}" for i in range(len(outputs))]
 
     return _TensorStreamReader(header)
-
-
-def _send_push(call: Call, req: pb.PushRequest) -> Op[PushResult]:
-    """Send a push, and resend it (same seq) while the server is unavailable, up to
-    ``_PUSH_SENDS`` sends within the deadline: the server answers a repeat with its
-    first result."""
-    backoff = 0.1
-    for sends in itertools.count(1):
-        try:
-            msg = yield call
-            break
-        except UnavailableError as exc:
-            pause = min(backoff, call.deadline.remaining())
-            if pause <= 0 or sends == _PUSH_SENDS:
-                raise
-            log.warning(
-                "push to %s seq %d: %s; resending in %.1f s",
-                req.group,
-                req.seq,
-                exc.code.name,
-                pause,
-            )
-            yield Pause(pause)
-            backoff = min(2.0, backoff * 2)
-    values = None
-    if req.return_values:
-        values = [tensor_to_array(t, t.name).copy() for t in msg.values]
-    return PushResult(msg.update_count, msg.applied, msg.duplicate, values)

@@ -11,18 +11,50 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import TYPE_CHECKING, Any
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from ._errors import OnnxpsError
 from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
 from .image import ConsistencyDefinition, GroupDefinition, GroupImage
 
 if TYPE_CHECKING:
+    from ._client import Client
     from ._records import GroupInfo
     from ._requests import ClientCore, Op
 
-__all__ = ["EXPORT_FORMAT_VERSION", "export_op", "import_op", "read_export"]
+__all__ = [
+    "EXPORT_FORMAT_VERSION",
+    "ExportFileError",
+    "Existing",
+    "ImportResult",
+    "export_op",
+    "import_groups",
+    "import_op",
+    "read_export",
+]
+
+Existing = Literal["fail", "skip", "replace"]
+
+
+class ExportFileError(OnnxpsError, ValueError):
+    """An export file that cannot be read, or whose groups cannot be imported as
+    asked; nothing was created."""
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """What ``import_op`` did with each group of the file, in file order."""
+
+    imported: list[str]  # created or replaced
+    created: list[str]
+    replaced: list[str]
+    skipped: list[str]
+
 
 EXPORT_FORMAT = "onnxps-export"
 EXPORT_FORMAT_VERSION = 2
@@ -91,23 +123,45 @@ def export_op(
 
 
 def read_export(path: str | os.PathLike[str]) -> list[GroupImage]:
-    """Every group of an export file; checks the format versions."""
-    with np.load(os.fspath(path), allow_pickle=False) as z:
+    """Every group of an export file, all read and checked before this returns.
+
+    Raises ``ExportFileError`` (naming the file and what is wrong with it) for a
+    missing file, a file that is not an export, or a group that does not check.
+    """
+    path = os.fspath(path)
+    try:
+        return _read(path)
+    except ExportFileError:
+        raise
+    except OSError as exc:
+        raise ExportFileError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (ValueError, KeyError, TypeError, zipfile.BadZipFile, EOFError) as exc:
+        raise ExportFileError(f"{path} is not an onnxps export file ({exc})") from None
+
+
+def _read(path: str) -> list[GroupImage]:
+    with np.load(path, allow_pickle=False) as z:
+        if not isinstance(z, np.lib.npyio.NpzFile) or "metadata" not in z:
+            raise ExportFileError(f"{path} is not an onnxps export file (no metadata)")
         metadata = json.loads(z["metadata"].tobytes().decode("utf-8"))
-        if metadata.get("format") != EXPORT_FORMAT:
-            raise ValueError(f"{path} is not an onnxps export file")
+        if not isinstance(metadata, dict) or metadata.get("format") != EXPORT_FORMAT:
+            raise ExportFileError(f"{path} is not an onnxps export file")
         version = metadata.get("format_version")
         if version != EXPORT_FORMAT_VERSION:
-            raise ValueError(
+            raise ExportFileError(
                 f"{path} has format_version {version!r}; this onnxps reads version "
                 f"{EXPORT_FORMAT_VERSION}"
             )
         images = []
         for i, doc in enumerate(metadata["groups"]):
-            definition = GroupDefinition.from_json(doc, os.fspath(path))
+            definition = GroupDefinition.from_json(doc, path)
             arrays = [z[f"g{i}/{k}"] for k in range(definition.array_count)]
             images.append(GroupImage(definition, arrays))
-        return images
+    names = [image.name for image in images]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ExportFileError(f"{path} holds group {', '.join(twice)} more than once")
+    return images
 
 
 def _optimizer(definition: GroupDefinition) -> OptimizerSpec:
@@ -120,22 +174,68 @@ def _consistency(c: ConsistencyDefinition) -> Async | Sync:
     return Async(c.max_staleness)
 
 
-def import_op(client: ClientCore, path: str | os.PathLike[str]) -> Op[list[str]]:
-    """Create every group of an export file, with its state, T and learning rate."""
-    names = []
-    for image in read_export(path):
-        d = image.definition
-        n = len(d.names)
-        yield from client._create_group(
-            d.name,
-            _optimizer(d),
-            learning_rate=d.learning_rate,
-            tensors=list(zip(d.names, image.arrays[:n], strict=True)),
-            consistency=_consistency(d.consistency),
-            allow_non_finite=d.allow_non_finite,
-            state=image.arrays[n:],
-            update_count=d.update_count,
-            lease_seconds=d.lease_seconds,
+def import_op(
+    client: ClientCore,
+    path: str | os.PathLike[str],
+    *,
+    existing: Existing = "fail",
+) -> Op[ImportResult]:
+    """Create every group of an export file, with its state, T and learning rate.
+
+    The whole file is read and checked first. A group the server already has is an
+    error before anything is created (``existing="fail"``), left as it is
+    (``"skip"``), or deleted and created from the file (``"replace"``).
+    """
+    if existing not in ("fail", "skip", "replace"):
+        raise ValueError(f"existing must be fail, skip or replace, got {existing!r}")
+    images = read_export(path)
+    on_server = {info.name for info in (yield from client._list_groups())}
+    clashes = [image.name for image in images if image.name in on_server]
+    if clashes and existing == "fail":
+        raise ExportFileError(
+            f"the server already has {_count(clashes, 'group')} of {os.fspath(path)}: "
+            f"{', '.join(clashes)}; nothing was imported (skip or replace them)"
         )
-        names.append(d.name)
-    return names
+    imported: list[str] = []
+    created: list[str] = []
+    replaced: list[str] = []
+    skipped: list[str] = []
+    for image in images:
+        if image.name in on_server:
+            if existing == "skip":
+                skipped.append(image.name)
+                continue
+            yield from client._delete_group(image.name)
+            replaced.append(image.name)
+        else:
+            created.append(image.name)
+        yield from _create(client, image)
+        imported.append(image.name)
+    return ImportResult(imported, created, replaced, skipped)
+
+
+def _count(items: Sequence[Any], noun: str) -> str:
+    return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
+
+
+def _create(client: ClientCore, image: GroupImage) -> Op[GroupInfo]:
+    d = image.definition
+    n = len(d.names)
+    return client._create_group(
+        d.name,
+        _optimizer(d),
+        learning_rate=d.learning_rate,
+        tensors=list(zip(d.names, image.arrays[:n], strict=True)),
+        consistency=_consistency(d.consistency),
+        allow_non_finite=d.allow_non_finite,
+        state=image.arrays[n:],
+        update_count=d.update_count,
+        lease_seconds=d.lease_seconds,
+    )
+
+
+def import_groups(
+    client: Client, path: str | os.PathLike[str], *, existing: Existing = "fail"
+) -> ImportResult:
+    """``import_op`` run by a blocking client (``onnxps import``)."""
+    return client._run(import_op(client, path, existing=existing))

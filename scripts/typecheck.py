@@ -30,10 +30,22 @@ def package_dirs() -> dict[str, Path]:
 def build_tree(dest: Path) -> list[str]:
     """Symlink each top-level mapped package into ``dest``; returns their names."""
     tops = []
-    for name, path in sorted(package_dirs().items()):
+    dirs = package_dirs()
+    # A namespace portion (no __init__.py, e.g. onnxps's __main__): its modules only.
+    spaces = {
+        name for name, path in dirs.items() if not (path / "__init__.py").exists()
+    }
+    for name in spaces:
+        target = dest.joinpath(*name.split("."))
+        target.mkdir(parents=True, exist_ok=True)
+        for module in dirs[name].glob("*.py"):
+            (target / module.name).symlink_to(module)
+    for name, path in sorted(dirs.items()):
         parts = name.split(".")
         parent = dest.joinpath(*parts[:-1])
-        if any(name.startswith(other + ".") for other in package_dirs()):
+        if name in spaces or any(
+            name.startswith(other + ".") for other in dirs if other not in spaces
+        ):
             continue  # a sub-package of a mapped package: reached through its parent
         parent.mkdir(parents=True, exist_ok=True)
         (parent / parts[-1]).symlink_to(path, target_is_directory=True)

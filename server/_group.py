@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 from onnxps.client.image import ConsistencyDefinition, GroupDefinition, GroupImage
 
+from ._sparse import combine_rows, is_row_push, split_row_push, step_rows
 from .errors import InvalidArgument
 from .kernels import OptimizerAttrs, Stepper
 
@@ -205,6 +206,8 @@ def combine_contributions(
     A fixed order makes the combined gradient independent of arrival order, so a sync
     step is reproducible bit for bit.
     """
+    if any(is_row_push(c) for c in contributions.values()):
+        return combine_rows(contributions, reduction, dtype)
     keys = sorted(contributions)
     acc = [np.array(g, dtype=dtype, copy=True) for g in contributions[keys[0]]]
     for key in keys[1:]:
@@ -264,6 +267,7 @@ class Group:
             else:
                 self.states[sname] = [np.zeros_like(x) for x in self.xs]
         self.stepper = Stepper(attrs, self.dtype, [x.size for x in self.xs])
+        self.row_steppers: dict[int, Stepper] = {}  # row pushes, by size (_sparse)
         self.consistency = consistency
         self.allow_non_finite = allow_non_finite
         self.lease_seconds = lease_seconds
@@ -415,6 +419,14 @@ class Group:
     # -- changes (under the lock) -----------------------------------------------------
     def step(self, grads: Sequence[Array], learning_rate: float | None) -> None:
         r = self.learning_rate if learning_rate is None else learning_rate
+        if is_row_push(grads):
+            parts = split_row_push(grads)
+            step_rows(
+                self.attrs, r, self.update_count, self.xs, self.shapes, self.states,
+                parts, self.row_steppers,
+            )  # fmt: skip
+            self.update_count += 1
+            return
         self.stepper.step(
             r,
             self.update_count,

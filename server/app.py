@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import math
 import signal
+import socket
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +19,7 @@ from onnxps.client.codec import CHUNK_BYTES
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from . import security
+from ._gate import DrainGate
 from ._handlers import SERVICE, Interceptor
 from ._reflection import enable_reflection
 from .durability import MODES as DURABILITY_MODES
@@ -25,7 +30,7 @@ from .security import ConfigError
 from .service import ParameterServerServicer
 from .store import ParameterStore, StoreLimits
 
-__all__ = ["ServerConfig", "ServerHandle", "create_server", "serve"]
+__all__ = ["ServerConfig", "ServerHandle", "create_server", "serve", "validate_config"]
 
 log = logging.getLogger("onnxps.server")
 
@@ -94,6 +99,100 @@ class ServerConfig:
     )
     metrics_port: int | None = _option(None, "serve Prometheus metrics on this port")
 
+    def __post_init__(self) -> None:
+        validate_config(self)
+
+
+# A chunk of a stream plus its message framing must fit in one message, and so must
+# the ~1 MiB chunks every client sends by default.
+MESSAGE_OVERHEAD = 64 << 10
+MIN_MESSAGE_BYTES = CHUNK_BYTES + MESSAGE_OVERHEAD
+
+
+def _port_of(address: str) -> int | None:
+    """The port of ``host:port`` or ``[v6]:port``; None when there is none."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or host.endswith(":"):
+        return None
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        return None  # a bare IPv6 address without a port
+    return int(port)
+
+
+def _check_address(address: str) -> None:
+    if address.startswith(("unix:", "unix-abstract:")):
+        return
+    port = _port_of(address)
+    if port is None:
+        raise ConfigError(
+            f"address must be host:port (e.g. 127.0.0.1:50051, [::1]:50051) or "
+            f"unix:PATH, got {address!r}"
+        )
+    if port > 65535:
+        raise ConfigError(
+            f"address {address!r}: the port must be 1..65535 (0 picks a free one), "
+            f"got {port}"
+        )
+
+
+def _checks(c: ServerConfig) -> list[tuple[bool, str]]:
+    """(holds, what it says) for every field with a range."""
+    return [
+        (c.threads >= 1, f"threads must be >= 1, got {c.threads}"),
+        (
+            c.max_message_bytes
+            >= max(MIN_MESSAGE_BYTES, c.chunk_bytes + MESSAGE_OVERHEAD),
+            f"max_message_bytes must hold a stream chunk (chunk_bytes + "
+            f"{MESSAGE_OVERHEAD}) and be >= {MIN_MESSAGE_BYTES}, got "
+            f"{c.max_message_bytes}",
+        ),
+        (c.chunk_bytes >= 1, f"chunk_bytes must be >= 1, got {c.chunk_bytes}"),
+        (
+            c.max_concurrent_rpcs >= 1,
+            f"max_concurrent_rpcs must be >= 1, got {c.max_concurrent_rpcs}",
+        ),
+        (
+            c.lease_seconds > 0 and math.isfinite(c.lease_seconds),
+            f"lease_seconds must be a finite number > 0, got {c.lease_seconds}",
+        ),
+        (
+            c.snapshot_interval >= 0 and math.isfinite(c.snapshot_interval),
+            f"snapshot_interval must be a finite number >= 0 (0: no periodic "
+            f"snapshots), got {c.snapshot_interval}",
+        ),
+        (c.keep_snapshots >= 1, f"keep_snapshots must be >= 1, got {c.keep_snapshots}"),
+        (
+            c.metrics_port is None or 0 <= c.metrics_port <= 65535,
+            f"metrics_port must be 1..65535 (0 picks a free one), got {c.metrics_port}",
+        ),
+        (
+            c.durability in DURABILITY_MODES,
+            f"durability must be one of {', '.join(DURABILITY_MODES)}, got "
+            f"{c.durability!r}",
+        ),
+    ] + [
+        (
+            getattr(c, name) >= 0,
+            f"{name} must be >= 0 (0: no limit), got {getattr(c, name)}",
+        )
+        for name in (
+            "max_inflight_bytes",
+            "max_concurrent_streams",
+            "max_group_bytes",
+            "max_total_bytes",
+            "max_groups",
+        )
+    ]
+
+
+def validate_config(config: ServerConfig) -> None:
+    """Refuse a configuration the server could not run as meant (``ConfigError``,
+    naming the field and the value): called by ``ServerConfig`` itself."""
+    _check_address(config.address)
+    for holds, message in _checks(config):
+        if not holds:
+            raise ConfigError(message)
+
 
 @dataclass
 class ServerHandle:
@@ -106,6 +205,7 @@ class ServerHandle:
     health: health.HealthServicer
     durability: Durability | None = None
     metrics: MetricsEndpoint | None = None
+    gate: DrainGate = field(default_factory=DrainGate)
     _stopped: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -130,14 +230,27 @@ class ServerHandle:
     def stop(self, grace: float | None = 10.0) -> None:
         """Stop accepting calls, let in-flight ones finish within ``grace``, close:
         the RPC server, the metrics endpoint, durability (a last snapshot), the store.
+
+        The order matters: health says NOT_SERVING and the gate answers every new
+        call UNAVAILABLE (clients retry it) while the server still runs; waiting calls
+        are woken; only when the admitted calls have finished (or ``grace`` ran out)
+        is the gRPC server stopped, so it has nothing left to cancel.
         """
         if self._stopped.is_set():
             return
         self._stopped.set()
+        end = None if grace is None else time.monotonic() + grace
         self.health.enter_graceful_shutdown()
-        done = self.server.stop(grace)
+        self.gate.close()
         self.store.drain()
-        done.wait()
+        if end is not None and not self.gate.wait_idle(end - time.monotonic()):
+            log.warning(
+                "%d calls still running after the %g s grace: cancelling them",
+                self.gate.running,
+                grace,
+            )
+        left = None if end is None else max(0.0, end - time.monotonic())
+        self.server.stop(left).wait()
         if self.metrics is not None:
             self.metrics.stop()
         if self.durability is not None:
@@ -233,7 +346,8 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     recorder = Recorder(store, enabled=config.metrics_port is not None)
     # outermost first: observe every call (auth refusals too), then auth, limits
-    interceptors: list[Interceptor] = [ObserveInterceptor(recorder)]
+    gate = DrainGate()  # a graceful stop refuses new calls here first
+    interceptors: list[Interceptor] = [ObserveInterceptor(recorder), gate]
     if grants is not None:
         interceptors.append(security.TokenAuthInterceptor(grants))
     interceptors.append(
@@ -261,24 +375,75 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         pb_grpc.add_ParameterServerServiceServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         enable_reflection((SERVICE, health.SERVICE_NAME), server)
-        if credentials is None:
-            port = server.add_insecure_port(config.address)
-        else:
-            port = server.add_secure_port(config.address, credentials)
-        if port == 0:
-            raise OSError(f"could not bind {config.address}: is the port in use?")
+        port = _bind(server, config.address, credentials)
         if config.metrics_port is not None and recorder.registry is not None:
-            metrics = MetricsEndpoint(
-                recorder.registry, config.metrics_port, config.address
-            )
+            metrics = _metrics_endpoint(recorder.registry, config)
     except BaseException:
         if durability is not None:
             durability.close()
         store.close()
         raise
     return ServerHandle(
-        server, port, config, store, health_servicer, durability, metrics
+        server, port, config, store, health_servicer, durability, metrics, gate
     )
+
+
+def _bind(
+    server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None
+) -> int:
+    """Listen on ``address``; a port in use is an ``OSError`` that says so (checked
+    first with a plain socket, so gRPC does not log its own error line)."""
+    _check_free(address)
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise OSError(
+            f"cannot listen on {address}: the port is in use, or the host is not an "
+            "address of this machine"
+        )
+    return port
+
+
+def _check_free(address: str) -> None:
+    port = _port_of(address)
+    if not port:  # unix: sockets, and port 0 (any free port)
+        return
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except OSError:
+        return  # gRPC reports what it cannot resolve
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(sockaddr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise OSError(
+                    exc.errno,
+                    f"cannot listen on {address}: the port is in use (is another "
+                    "server running? pass another --address)",
+                ) from None
+
+
+def _metrics_endpoint(registry: Any, config: ServerConfig) -> MetricsEndpoint:
+    assert config.metrics_port is not None
+    try:
+        return MetricsEndpoint(registry, config.metrics_port, config.address)
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"cannot serve metrics on port {config.metrics_port}: "
+            f"{exc.strerror or exc} (--metrics-port)",
+        ) from exc
 
 
 def serve(config: ServerConfig | None = None) -> int:

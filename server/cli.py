@@ -83,12 +83,15 @@ def config_flags() -> list[Flag]:
 def add_serve_arguments(
     p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None
 ) -> None:
-    """The serve flags; a flag's default comes from its ONNXPS_* variable if set."""
+    """The serve flags; a flag's default comes from its ONNXPS_* variable if set
+    (checked like the flag, when ``serve`` parses its arguments)."""
     environ = os.environ if environ is None else environ
     for flag in config_flags():
         default = flag.default
         if flag.env in environ:
-            default = flag.parse(environ[flag.env])
+            default = environ[flag.env]
+            if flag.kind is bool:
+                default = flag.parse(default)
         help = f"{flag.meaning} ({flag.env}; default {default!r})"
         if flag.kind is bool:
             p.add_argument(
@@ -102,11 +105,30 @@ def add_serve_arguments(
             p.add_argument(
                 flag.flag,
                 dest=flag.name,
-                type=flag.parse,
+                type=_typed(flag, environ),
                 default=default,
                 help=help,
                 metavar=flag.name.upper(),
             )
+
+
+def _typed(flag: Flag, environ: Mapping[str, str]) -> Any:
+    """``flag.parse`` with argparse's one-line error (naming the variable when the
+    value came from it)."""
+
+    def parse(text: str) -> Any:
+        try:
+            return flag.parse(text)
+        except (TypeError, ValueError) as exc:
+            what = f"{text!r} is not a valid {flag.kind.__name__}"
+            if isinstance(exc, argparse.ArgumentTypeError):
+                what = str(exc)
+            if environ.get(flag.env) == text:
+                what += f" (from {flag.env})"
+            raise argparse.ArgumentTypeError(what) from None
+
+    parse.__name__ = flag.kind.__name__
+    return parse
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -114,7 +136,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``onnxps serve``: configure logging, serve until a signal, exit status."""
+    """``onnxps serve``: configure logging, serve until a signal, exit status: 0
+    after a graceful stop, 2 for a configuration it refuses (a file it was
+    given and cannot read too), 1 when it cannot start
+    (port or data directory in use). Each failure is one line
+    on stderr."""
     logging.basicConfig(
         level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -124,13 +150,27 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, WalFormatError) as exc:  # refused before binding: say why
         print(f"onnxps: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"onnxps: {_os_error(exc)}", file=sys.stderr)
+        return 2 if exc.filename is not None else 1  # a file it was told to read
+
+
+def _os_error(exc: OSError) -> str:
+    if exc.strerror is None:
+        return str(exc)
+    if exc.filename is not None:
+        return f"cannot read {exc.filename}: {exc.strerror}"
+    return exc.strerror
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m onnxps.server.cli [FLAGS]``: the same as ``onnxps serve``."""
-    parser = argparse.ArgumentParser(
-        prog="onnxps serve", description="run an onnxps parameter server"
-    )
+    parser = _Parser(prog="onnxps serve", description="run an onnxps parameter server")
     add_serve_arguments(parser)
     return run(parser.parse_args(argv))
 

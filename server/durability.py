@@ -214,6 +214,16 @@ class Durability:
                 base_version=h["base_version"],
                 learning_rate=h["lr"],
             )
+        elif op == "push_rows":
+            self._check_t(h)
+            store.replay_push_rows(
+                name,
+                arrays,
+                client_id=h["client_id"],
+                seq=h["seq"],
+                base_version=h["base_version"],
+                learning_rate=h["lr"],
+            )
         elif op == "sync_step":
             store.replay_sync_step(name, len(h["contributors"]))
         elif op == "create":

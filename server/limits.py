@@ -52,7 +52,18 @@ def declared_bytes(msg: Message) -> int:
     for field, value in body.ListFields():
         if field.message_type is pb.Tensor.DESCRIPTOR and field.is_repeated:
             total += sum(_tensor_bytes(t) for t in value)
+        elif field.message_type in _ROW_MESSAGES and field.is_repeated:
+            # a row push's or pull's tensors sit one level down (RowGradient...)
+            total += sum(
+                _tensor_bytes(t)
+                for m in value
+                for f, t in m.ListFields()
+                if f.message_type is pb.Tensor.DESCRIPTOR
+            )
     return total
+
+
+_ROW_MESSAGES = (pb.RowGradient.DESCRIPTOR, pb.RowSelection.DESCRIPTOR)
 
 
 def message_bytes(msg: Any) -> int:

@@ -47,12 +47,21 @@ __all__ = [
 log = logging.getLogger("onnxps.security")
 
 _READ = frozenset(
-    {"DescribeGroup", "ListGroups", "Pull", "PullStream", "Apply", "ApplyStream"}
+    {
+        "DescribeGroup",
+        "ListGroups",
+        "Pull",
+        "PullStream",
+        "PullRows",
+        "Apply",
+        "ApplyStream",
+    }
 )
 # Workers join, heartbeat and leave the groups they push to: that is writing.
 _WRITE = _READ | {
     "Push",
     "PushStream",
+    "PushRows",
     "SetLearningRate",
     "JoinGroup",
     "Heartbeat",

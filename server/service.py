@@ -414,6 +414,92 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
                 pb.PullStreamResponse, out.arrays, self.chunk_bytes
             )
 
+    # -- rows ------------------------------------------------------------------------
+    @_unary
+    def PushRows(
+        self, request_iterator: Iterable[pb.PushRowsRequest], context: Any
+    ) -> pb.PushRowsResponse:
+        req, it = _stream_header(request_iterator, "header", "a PushRows", context)
+        headers: list[pb.Tensor] = []
+        names: list[str] = []
+        for j, gr in enumerate(req.gradients):
+            if gr.HasField("indices"):
+                headers.append(gr.indices)
+                names.append(f"gradients[{j}].indices ({gr.name!r})")
+            headers.append(gr.values)
+            names.append(f"gradients[{j}].values ({gr.name!r})")
+        self.store.validate_push_rows(
+            req.group,
+            (
+                (
+                    gr.name,
+                    tensor_spec(gr.indices, f"gradients[{j}].indices")
+                    if gr.HasField("indices")
+                    else None,
+                    tensor_spec(gr.values, f"gradients[{j}].values"),
+                )
+                for j, gr in enumerate(req.gradients)
+            ),
+        )
+        arrays = iter(self._assemble(it, headers, names, context))
+        gradients: dict[str, Array | tuple[Array, Array]] = {}
+        for gr in req.gradients:
+            if gr.HasField("indices"):
+                gradients[gr.name] = (next(arrays), next(arrays))
+            else:
+                gradients[gr.name] = next(arrays)
+        out = self.store.push_rows(
+            req.group,
+            gradients,
+            client_id=req.client_id,
+            seq=req.seq,
+            base_version=req.base_version if req.HasField("base_version") else None,
+            learning_rate=req.learning_rate if req.HasField("learning_rate") else None,
+        )
+        return pb.PushRowsResponse(
+            update_count=out.update_count, applied=out.applied, duplicate=out.duplicate
+        )
+
+    @_streaming
+    def PullRows(
+        self, request_iterator: Iterable[pb.PullRowsRequest], context: Any
+    ) -> Iterator[Any]:
+        req, it = _stream_header(request_iterator, "header", "a PullRows", context)
+        headers = [sel.indices for sel in req.tensors]
+        names = [f"tensors[{j}].indices" for j in range(len(headers))]
+        for h, what in zip(headers, names, strict=True):
+            dtype, dims = tensor_spec(h, what)
+            if dtype != np.int64 or len(dims) != 1:
+                raise InvalidArgument(
+                    f"{what} must be int64 of shape (k,), got {dtype} {list(dims)}"
+                )
+        indices = self._assemble(it, headers, names, context)
+        selections = {
+            sel.name: idx for sel, idx in zip(req.tensors, indices, strict=True)
+        }
+        if len(selections) != len(headers):
+            raise InvalidArgument("a PullRows names each tensor at most once")
+        waits = req.HasField("min_version")
+        with self._reply_bytes(context, stream=True) as hold:
+            out = self.store.pull_rows(
+                req.group,
+                selections,
+                with_state=req.with_state,
+                min_version=req.min_version if waits else None,
+                timeout=_timeout(context),
+                cancellation=_cancellation(context) if waits else None,
+                reserve=functools.partial(hold.admit, what="this pull's reply carries"),
+            )
+            header = pb.PullRowsReply(
+                update_count=out.update_count,
+                rows=[
+                    header_tensor(a, n)
+                    for a, n in zip(out.arrays, out.names, strict=True)
+                ],
+            )
+            yield pb.PullRowsResponse(header=header)
+            yield from chunk_messages(pb.PullRowsResponse, out.arrays, self.chunk_bytes)
+
     # -- apply ---------------------------------------------------------------------
     def _apply(self, req: pb.ApplyRequest, inputs: list[Array]) -> list[Array]:
         attrs = attrs_from_proto(req.optimizer)

@@ -82,6 +82,16 @@ from ._group import (
     check_name,
     combine_contributions,
 )
+from ._sparse import (
+    INDEX_DTYPE,
+    RowSpec,
+    check_indices,
+    check_row_specs,
+    flatten,
+    gather_rows,
+    row_push_parts,
+    split_row_push,
+)
 from .errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -191,10 +201,11 @@ class _PushRequest:
     seq: int  # the client's push number, not a log position
     base_version: int | None
     learning_rate: float | None
+    rows: bool = False  # a row push (``_sparse``): logged as its rows, not a table
 
     def record(self, group: str, update_count: int) -> dict[str, Any]:
         return {
-            "op": "push",
+            "op": "push_rows" if self.rows else "push",
             "group": group,
             "client_id": self.client_id,
             "seq": self.seq,
@@ -671,7 +682,10 @@ class ParameterStore:
                 reason="DUPLICATE_SYNC_PUSH",
                 metadata={"group": g.name, "update_count": t},
             )
-        g.pending[key] = [np.array(a, dtype=g.dtype, order="C") for a in grads]
+        g.pending[key] = [
+            np.array(a, dtype=a.dtype if a.dtype == INDEX_DTYPE else g.dtype, order="C")
+            for a in grads
+        ]
         try:
             journal.durable(record, grads)
         except Unavailable:
@@ -730,6 +744,144 @@ class ParameterStore:
         now = self._clock()
         g.remember(client_id, seq, (outcome.update_count, outcome.applied), now)
         g.forget_clients(now, self.limits.dedup_seconds, self.limits.dedup_clients)
+
+    # -- row pushes and pulls (``_sparse``) ----------------------------------------
+    def validate_push_rows(self, name: str, specs: Iterable[RowSpec]) -> None:
+        """Check a row push's header (tensor names, dtypes, shapes) before any bytes
+        are read; ``specs`` is read after the group is found."""
+        g = self._group(name)
+        check_row_specs(g.name, g.names, g.shapes, g.dtype, list(specs))
+
+    def push_rows(
+        self,
+        name: str,
+        gradients: dict[str, Array | tuple[Array, Array]],
+        *,
+        client_id: str = "",
+        seq: int = 0,
+        base_version: int | None = None,
+        learning_rate: float | None = None,
+    ) -> PushOutcome:
+        """One step in which only the given rows change.
+
+        ``gradients`` maps a tensor name to ``(indices, rows)`` (int64 (k,) and
+        (k, shape[1:]...)) or to a dense gradient; tensors not named keep every row.
+        Repeated indices are summed first; an index out of [0, rows) is refused
+        with the state unchanged. Exactly-once, staleness and sync mode are those of
+        ``push`` (the same (client_id, seq) window).
+        """
+        self._check_open()
+        g = self._group(name)
+        if not client_id and g.consistency.mode == "sync":
+            raise InvalidArgument(
+                f"group {name!r} is sync: every push needs a client_id; set client_id"
+            )
+        parts = row_push_parts(g.name, g.names, g.shapes, g.dtype, gradients)
+        flat = flatten(parts)
+        self._check_row_values(g, flat, learning_rate)
+        request = _PushRequest(client_id, seq, base_version, learning_rate, rows=True)
+        return self._push(g, flat, request)
+
+    def _check_row_values(
+        self, g: Group, flat: Sequence[Array], learning_rate: float | None
+    ) -> None:
+        if learning_rate is not None:
+            check_learning_rate(learning_rate, g.dtype, "the push's learning_rate")
+        if g.allow_non_finite:
+            return
+        for a in flat:
+            if a.dtype != INDEX_DTYPE and not all_finite(a):
+                raise InvalidArgument(
+                    f"a row gradient holds NaN or inf, which would poison group "
+                    f"{g.name!r} for good; fix the worker, or create the group with "
+                    "allow_non_finite=True",
+                    reason="NON_FINITE_GRADIENT",
+                    field="gradients",
+                    metadata={"group": g.name},
+                )
+
+    def replay_push_rows(
+        self,
+        name: str,
+        arrays: Sequence[Array],
+        *,
+        client_id: str,
+        seq: int,
+        base_version: int | None,
+        learning_rate: float | None,
+    ) -> PushOutcome:
+        """Redo a logged row push (its rows are coalesced and checked already)."""
+        g = self._group(name)
+        parts = split_row_push(arrays)
+        if len(parts) != len(g.names):
+            raise InvalidArgument(
+                f"logged row push has {len(parts)} tensors, group {name!r} has "
+                f"{len(g.names)}"
+            )
+        for i, p in enumerate(parts):
+            if isinstance(p, np.ndarray):
+                continue
+            check_indices(p.indices, g.shapes[i][0], f"tensor {g.names[i]!r}", name)
+        request = _PushRequest(client_id, seq, base_version, learning_rate, rows=True)
+        return self._push(g, list(arrays), request, replay=True)
+
+    def pull_rows(
+        self,
+        name: str,
+        selections: dict[str, Array],
+        *,
+        with_state: bool = False,
+        min_version: int | None = None,
+        timeout: float | None = None,
+        cancellation: Cancellation | None = None,
+        reserve: Callable[[int], None] | None = None,
+    ) -> PullResult:
+        """Copies of rows of tensors (indices may repeat), of one version: the X
+        rows per selection in order, then (``with_state``) V rows and H rows."""
+        self._check_open()
+        g = self._group(name)
+        checked: list[tuple[int, Array]] = []
+        for j, (tname, idx) in enumerate(selections.items()):
+            if tname not in g.names:
+                raise InvalidArgument(
+                    f"group {name!r} has no tensor {tname!r}; it holds "
+                    f"{', '.join(g.names)}",
+                    reason="UNKNOWN_TENSOR",
+                    field=f"tensors[{j}].name",
+                    metadata={"group": name, "tensor": tname},
+                )
+            i = g.names.index(tname)
+            if not g.shapes[i]:
+                raise InvalidArgument(
+                    f"tensor {tname!r} is a scalar: it has no rows",
+                    reason="NOT_A_TABLE",
+                    field=f"tensors[{j}].indices",
+                )
+            where = f"tensors[{j}].indices"
+            checked.append((i, check_indices(idx, g.shapes[i][0], where, name)))
+        with g.cond:
+            self._check_live(g)
+            if min_version is not None:
+                self._wait_version(g, min_version, _Wait(timeout, cancellation))
+            states = g.attrs.state_names if with_state else ()
+            if reserve is not None:
+                row_bytes = sum(
+                    idx.size * (g.xs[i].size // max(1, g.shapes[i][0]))
+                    for i, idx in checked
+                )
+                reserve(row_bytes * g.dtype.itemsize * (1 + len(states)))
+            sources = [g.xs] + [g.states[s] for s in states]
+            arrays = tuple(
+                gather_rows(src[i], g.shapes[i], idx)
+                for src in sources
+                for i, idx in checked
+            )
+            names = tuple(
+                (f"{s}:" if s else "") + g.names[i]
+                for s in ("", *states)
+                for i, _ in checked
+            )
+            return PullResult(g.update_count, g.learning_rate, arrays, names)
 
     # -- pull ----------------------------------------------------------------------
     def pull(

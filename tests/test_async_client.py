@@ -9,11 +9,13 @@ import re
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxps.client
 import pytest
+from _procs import start_server, stop
 from onnxps.client import (
     Adagrad,
     Adam,
@@ -325,3 +327,82 @@ def test_close_waits_for_background_pushes_then_refuses_them(
     )
     with pytest.raises(ClientClosedError):
         c.push_background("g", x)
+
+
+async def _rows_sequence(ps: Any, group: str, dtype: str) -> list[Any]:
+    rng = np.random.default_rng(11)
+    table = rng.standard_normal((40, 6)).astype(dtype)
+    bias = rng.standard_normal(6).astype(dtype)
+    seen: list[Any] = []
+    await ps.create_group(
+        group,
+        Adam(norm_coefficient=0.01),
+        learning_rate=0.1,
+        tensors={"emb": table, "b": bias},
+    )
+    idx = np.array([3, 17, 3, 39, 0], np.int32)  # repeats are summed first
+    rows = rng.standard_normal((5, 6)).astype(dtype)
+    seen.append(_flat(await ps.push_rows(group, {"emb": (idx, rows)})))
+    dense_b = rng.standard_normal(6).astype(dtype)
+    more = rng.standard_normal((2, 6)).astype(dtype)
+    pushed = await ps.push_rows(
+        group, {"emb": ([1, 3], more), "b": dense_b}, learning_rate=0.05
+    )
+    seen.append(_flat(pushed))
+    got = await ps.pull_rows(group, {"emb": [3, 3, 0, 39]}, state=True)
+    seen.append({k: _flat(v) for k, v in sorted(got.items())})
+    seen.append(_flat(await ps.pull(group, min_version=2)))
+    with pytest.raises(InvalidArgumentError) as bad:
+        await ps.pull_rows(group, {"emb": [40]})
+    seen.append(type(bad.value).__name__)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_client_and_async_client_rows_end_bit_identical(
+    server: ServerHandle, dtype: str
+) -> None:
+    settings: dict[str, Any] = {"timeout": 30, "chunk_bytes": 64}  # several chunks
+
+    async def run() -> tuple[list[Any], list[Any]]:
+        with Client(server.address, **settings) as c:
+            blocking = await _rows_sequence(_Awaiting(c), "rows-sync", dtype)
+        async with AsyncClient(server.address, **settings) as ac:
+            awaited = await _rows_sequence(ac, "rows-async", dtype)
+        return blocking, awaited
+
+    blocking, awaited = asyncio.run(run())
+    assert awaited == blocking
+    assert blocking[0][:3] == [1, True, False] and blocking[1][:3] == [2, True, False]
+    assert set(blocking[2]) == {"emb", "V:emb", "H:emb"}
+
+
+@pytest.mark.parametrize("call", ["push", "push_rows"])
+def test_an_async_push_resends_until_its_deadline_to_a_stopped_server(
+    tmp_path: Path, call: str
+) -> None:
+    proc, address = start_server(tmp_path / "s.log")
+
+    async def run() -> tuple[float, UnavailableError]:
+        async with AsyncClient(address, timeout=10) as ps:
+            await ps.create_group(
+                "g", Adagrad(), learning_rate=0.1, tensors={"x": np.zeros((4, 2))}
+            )
+            proc.terminate()
+            assert proc.wait(30) == 0
+            start = time.monotonic()
+            with pytest.raises(UnavailableError) as err:
+                if call == "push":
+                    await ps.push("g", np.ones((4, 2)), timeout=2)
+                else:
+                    await ps.push_rows("g", {"x": ([1], np.ones((1, 2)))}, timeout=2)
+            return time.monotonic() - start, err.value
+
+    try:
+        elapsed, error = asyncio.run(run())
+    finally:
+        stop(proc)
+    assert 1.5 <= elapsed < 5  # resent until the deadline, not a fixed count
+    message = str(error)
+    assert f"the server at {address} stayed unavailable for 2 s" in message
+    assert "may not have been applied" in message

@@ -57,7 +57,7 @@ def _env(service: dict[str, Any], replace: dict[str, str]) -> dict[str, str]:
 def test_compose_declares_server_workers_and_volume(compose: dict[str, Any]) -> None:
     services = compose["services"]
     server = services["server"]
-    assert server["build"] == "."
+    assert server["build"] == {"context": ".", "target": "server"}
     assert "--address=0.0.0.0:50051" in server["command"]
     assert "--insecure" in server["command"]
     assert "onnxps-data:/data" in server["volumes"]
@@ -71,6 +71,8 @@ def test_compose_declares_server_workers_and_volume(compose: dict[str, Any]) -> 
         assert w["environment"]["ONNXPS_ADDRESS"] == "server:50051"
         assert w["environment"]["ONNXPS_WORKER_INDEX"] == str(i)
         assert w["environment"]["ONNXPS_WORKERS"] == "4"
+        assert w["build"] == {"context": ".", "target": "demo"}
+        assert w["image"] != server["image"]
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "pip install '.[demo]'" in dockerfile
     assert "VOLUME /data" in dockerfile and "EXPOSE 50051" in dockerfile

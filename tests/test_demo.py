@@ -143,7 +143,7 @@ def test_progress_plain_lines_when_not_a_terminal() -> None:
 
 def test_progress_bar_redraws_one_line_on_a_terminal() -> None:
     out = io.StringIO()
-    bar = Progress(400, out, tty=True)
+    bar = Progress(400, out, tty=True, columns=120)
     bar.update(200, 0.5, force=True)
     bar.update(400, 0.25, force=True)
     bar.close()
@@ -225,3 +225,100 @@ def test_demo_exits_1_and_says_so_when_its_server_dies() -> None:
         for stream in (proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
+
+
+@pytest.mark.parametrize("columns", [20, 40, 60, 80])
+def test_progress_bar_fits_a_narrow_terminal(columns: int) -> None:
+    out = io.StringIO()
+    bar = Progress(12000, out, tty=True, columns=columns)
+    for done in (0, 600, 12000):
+        bar.update(done, None if done == 0 else 0.123456, force=True)
+    bar.close()
+    frames = out.getvalue().rstrip("\n").split("\r\x1b[K")[1:]
+    assert len(frames) == 3
+    assert all(len(f) <= columns - 1 for f in frames), frames
+    assert "12000/12000" in frames[2] or columns < 40
+
+
+def test_progress_says_starting_workers_until_the_first_push() -> None:
+    out = io.StringIO()
+    bar = Progress(400, out, tty=True, columns=100)
+    bar.update(0, None, force=True)
+    bar.update(4, 2.3, force=True)
+    frames = out.getvalue().split("\r\x1b[K")[1:]
+    assert "0/400 pushes  starting workers..." in frames[0]
+    assert "starting" not in frames[1] and "4/400 pushes  loss 2.3000" in frames[1]
+    plain = io.StringIO()
+    Progress(400, plain, tty=False).update(0, None)
+    assert "starting workers..." in plain.getvalue()
+
+
+def test_demo_sigterm_stops_every_process_and_exits_143_without_tracebacks() -> None:
+    proc = subprocess.Popen(
+        _demo("--workers=2", "--steps=100000"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        for line in proc.stdout:
+            if line.startswith("progress") and " 0/" not in line:
+                break
+        kids = children(proc.pid)
+        assert len(kids) == 3
+        proc.terminate()
+        assert proc.wait(30) == 143
+        assert all(gone(pid) for pid in kids)
+        err = proc.stderr.read()
+    finally:
+        watchdog.cancel()
+        stop(proc)  # type: ignore[arg-type]
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+    assert err.strip() == "onnxps demo: SIGTERM: stopped the server and workers"
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--learning-rate=0", "argument --learning-rate: must be a finite number > 0"),
+        ("--batch-size=0", "argument --batch-size: must be >= 1, got 0"),
+        ("--seed=-1", "argument --seed: must be >= 0, got -1"),
+        ("--workers=0", "argument --workers: must be >= 1, got 0"),
+        ("--steps=x", "argument --steps: 'x' is not an integer"),
+    ],
+)
+def test_demo_refuses_bad_flags_with_one_line_and_status_2(
+    flag: str, message: str
+) -> None:
+    run = subprocess.run(
+        _demo(flag), capture_output=True, text=True, timeout=60, env=clean_env()
+    )
+    assert run.returncode == 2
+    assert run.stdout == ""
+    assert run.stderr.splitlines() == [
+        f"onnxps demo: {message}" + run.stderr.split(message, 1)[1].rstrip("\n")
+    ]
+    assert run.stderr.endswith("(see onnxps demo --help)\n")
+
+
+@pytest.mark.parametrize(
+    "flag", ["--batch-size=0", "--seed=-1", "--learning-rate=0", "--timeout=-1"]
+)
+def test_demo_worker_refuses_bad_flags(flag: str) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "onnxps.cli._demo_worker", flag],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+    )
+    assert run.returncode == 2
+    assert len(run.stderr.splitlines()) == 1, run.stderr
+    assert "Traceback" not in run.stderr

@@ -46,6 +46,8 @@ def test_stubs_serve_the_package_named_in_the_proto() -> None:
         "Heartbeat",
         "LeaveGroup",
         "Save",
+        "PushRows",
+        "PullRows",
     ]
 
 

@@ -37,7 +37,10 @@ def test_stop_releases_waiting_pulls_and_sync_pushes_with_unavailable() -> None:
                 target=run,
                 args=(
                     "push",
-                    lambda: c.push("s", np.ones(3, np.float32), return_values=True),
+                    # resent until its deadline while the server is gone
+                    lambda: c.push(
+                        "s", np.ones(3, np.float32), return_values=True, timeout=5
+                    ),
                 ),
             ),
         ]

@@ -1520,3 +1520,322 @@ class SaveResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SaveResponse: _TypeAlias = SaveResponse  # noqa: Y015
+
+@_typing.final
+class RowGradient(_message.Message):
+    """The gradient of one tensor in a PushRows: rows of it (indices set) or all of
+    it (indices unset, values shaped like the tensor).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    INDICES_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The tensor's name within its group."""
+    @_builtins.property
+    def indices(self) -> Global___Tensor:
+        """int64 (k,): the rows the values are for, each in [0, rows); repeats are
+        summed first, left to right in the order they appear. Unset: a dense gradient.
+        """
+
+    @_builtins.property
+    def values(self) -> Global___Tensor:
+        """(k, dims[1:]...) rows of G, one per index; with indices unset, G itself."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        indices: Global___Tensor | None = ...,
+        values: Global___Tensor | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["indices", b"indices", "values", b"values"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["indices", b"indices", "name", b"name", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RowGradient: _TypeAlias = RowGradient  # noqa: Y015
+
+@_typing.final
+class PushRowsHeader(_message.Message):
+    """The header of a PushRows stream: one optimizer step of a group in which
+    only the given rows of each named tensor step (tensors not named keep every
+    row); the bytes of each gradient's indices (when set) and then its values,
+    gradient by gradient, follow as chunks in that order.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    GRADIENTS_FIELD_NUMBER: _builtins.int
+    CLIENT_ID_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    BASE_VERSION_FIELD_NUMBER: _builtins.int
+    LEARNING_RATE_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    """The group's name."""
+    client_id: _builtins.str
+    """Exactly-once, as in PushRequest."""
+    seq: _builtins.int
+    """The push's number for this client_id; a resend uses the same one."""
+    base_version: _builtins.int
+    """The T the gradients were computed against (staleness and sync steps)."""
+    learning_rate: _builtins.float
+    """R for this push only."""
+    @_builtins.property
+    def gradients(self) -> _containers.RepeatedCompositeFieldContainer[Global___RowGradient]:
+        """At most one per tensor of the group; tensors of the group not listed take
+        no rows this step.
+        """
+
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        gradients: _abc.Iterable[Global___RowGradient] | None = ...,
+        client_id: _builtins.str = ...,
+        seq: _builtins.int = ...,
+        base_version: _builtins.int | None = ...,
+        learning_rate: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_base_version", b"_base_version", "_learning_rate", b"_learning_rate", "base_version", b"base_version", "learning_rate", b"learning_rate"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_base_version", b"_base_version", "_learning_rate", b"_learning_rate", "base_version", b"base_version", "client_id", b"client_id", "gradients", b"gradients", "group", b"group", "learning_rate", b"learning_rate", "seq", b"seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__base_version: _TypeAlias = _typing.Literal["base_version"]  # noqa: Y015
+    _WhichOneofArgType__base_version: _TypeAlias = _typing.Literal["_base_version", b"_base_version"]  # noqa: Y015
+    _WhichOneofReturnType__learning_rate: _TypeAlias = _typing.Literal["learning_rate"]  # noqa: Y015
+    _WhichOneofArgType__learning_rate: _TypeAlias = _typing.Literal["_learning_rate", b"_learning_rate"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__base_version) -> _WhichOneofReturnType__base_version | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__learning_rate) -> _WhichOneofReturnType__learning_rate | None: ...
+
+Global___PushRowsHeader: _TypeAlias = PushRowsHeader  # noqa: Y015
+
+@_typing.final
+class PushRowsRequest(_message.Message):
+    """One message of a PushRows stream: the header first, then chunks."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___PushRowsHeader:
+        """The push, tensors without raw_data."""
+
+    @_builtins.property
+    def chunk(self) -> Global___TensorChunk:
+        """Index and value bytes."""
+
+    def __init__(
+        self,
+        *,
+        header: Global___PushRowsHeader | None = ...,
+        chunk: Global___TensorChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___PushRowsRequest: _TypeAlias = PushRowsRequest  # noqa: Y015
+
+@_typing.final
+class PushRowsResponse(_message.Message):
+    """The outcome of a PushRows; the fields of PushResponse."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    UPDATE_COUNT_FIELD_NUMBER: _builtins.int
+    APPLIED_FIELD_NUMBER: _builtins.int
+    DUPLICATE_FIELD_NUMBER: _builtins.int
+    update_count: _builtins.int
+    """T after this push (SYNC: T when it was buffered)."""
+    applied: _builtins.bool
+    """False: buffered, waiting for the SYNC quorum."""
+    duplicate: _builtins.bool
+    """A retry of a push that was already taken."""
+    def __init__(
+        self,
+        *,
+        update_count: _builtins.int = ...,
+        applied: _builtins.bool = ...,
+        duplicate: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "duplicate", b"duplicate", "update_count", b"update_count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushRowsResponse: _TypeAlias = PushRowsResponse  # noqa: Y015
+
+@_typing.final
+class RowSelection(_message.Message):
+    """The rows of one tensor a PullRows reads."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    INDICES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The tensor's name within its group."""
+    @_builtins.property
+    def indices(self) -> Global___Tensor:
+        """int64 (k,): row indices, each in [0, rows); repeats are allowed."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        indices: Global___Tensor | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["indices", b"indices"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["indices", b"indices", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RowSelection: _TypeAlias = RowSelection  # noqa: Y015
+
+@_typing.final
+class PullRowsHeader(_message.Message):
+    """The header of a PullRows stream; the bytes of each selection's indices
+    follow as chunks, in order.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
+    WITH_STATE_FIELD_NUMBER: _builtins.int
+    MIN_VERSION_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    """The group's name."""
+    with_state: _builtins.bool
+    """Also the V and H rows (ONNX output order: X rows..., V rows..., H rows...)."""
+    min_version: _builtins.int
+    """Wait (within the deadline) until the group's T reaches this value."""
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___RowSelection]:
+        """The rows to read, per tensor."""
+
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        tensors: _abc.Iterable[Global___RowSelection] | None = ...,
+        with_state: _builtins.bool = ...,
+        min_version: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "min_version", b"min_version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "group", b"group", "min_version", b"min_version", "tensors", b"tensors", "with_state", b"with_state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__min_version: _TypeAlias = _typing.Literal["min_version"]  # noqa: Y015
+    _WhichOneofArgType__min_version: _TypeAlias = _typing.Literal["_min_version", b"_min_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_version) -> _WhichOneofReturnType__min_version | None: ...
+
+Global___PullRowsHeader: _TypeAlias = PullRowsHeader  # noqa: Y015
+
+@_typing.final
+class PullRowsRequest(_message.Message):
+    """One message of a PullRows stream from the client: the header, then chunks."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___PullRowsHeader:
+        """The request, indices without raw_data."""
+
+    @_builtins.property
+    def chunk(self) -> Global___TensorChunk:
+        """Index bytes."""
+
+    def __init__(
+        self,
+        *,
+        header: Global___PullRowsHeader | None = ...,
+        chunk: Global___TensorChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___PullRowsRequest: _TypeAlias = PullRowsRequest  # noqa: Y015
+
+@_typing.final
+class PullRowsReply(_message.Message):
+    """The header of the rows a PullRows returns; their bytes follow as chunks."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    UPDATE_COUNT_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    update_count: _builtins.int
+    """T of these rows."""
+    @_builtins.property
+    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tensor]:
+        """(k, dims[1:]...) per selection, in order, named as the tensor; then the V
+        rows ("V:" + name) and H rows ("H:" + name) when with_state was set.
+        """
+
+    def __init__(
+        self,
+        *,
+        update_count: _builtins.int = ...,
+        rows: _abc.Iterable[Global___Tensor] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rows", b"rows", "update_count", b"update_count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullRowsReply: _TypeAlias = PullRowsReply  # noqa: Y015
+
+@_typing.final
+class PullRowsResponse(_message.Message):
+    """One message of a PullRows stream from the server: the header, then chunks."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___PullRowsReply:
+        """The reply, rows without raw_data."""
+
+    @_builtins.property
+    def chunk(self) -> Global___TensorChunk:
+        """Row bytes."""
+
+    def __init__(
+        self,
+        *,
+        header: Global___PullRowsReply | None = ...,
+        chunk: Global___TensorChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___PullRowsResponse: _TypeAlias = PullRowsResponse  # noqa: Y015

@@ -115,6 +115,16 @@ class ParameterServerServiceStub:
                 request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.SaveRequest.SerializeToString,
                 response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.SaveResponse.FromString,
                 _registered_method=True)
+        self.PushRows = channel.stream_unary(
+                '/onnxps.v1.ParameterServerService/PushRows',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PushRowsRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PushRowsResponse.FromString,
+                _registered_method=True)
+        self.PullRows = channel.stream_stream(
+                '/onnxps.v1.ParameterServerService/PullRows',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PullRowsRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PullRowsResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServiceServicer:
@@ -233,6 +243,21 @@ class ParameterServerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushRows(self, request_iterator, context):
+        """Push rows of (rows, ...) tensors (and dense gradients) as a header and
+        chunks: one step in which only those rows change.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullRows(self, request_iterator, context):
+        """Read rows of tensors: indices as a header and chunks; rows back the same way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -315,6 +340,16 @@ def add_ParameterServerServiceServicer_to_server(servicer, server):
                     servicer.Save,
                     request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.SaveRequest.FromString,
                     response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.SaveResponse.SerializeToString,
+            ),
+            'PushRows': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushRows,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PushRowsRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PushRowsResponse.SerializeToString,
+            ),
+            'PullRows': grpc.stream_stream_rpc_method_handler(
+                    servicer.PullRows,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PullRowsRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PullRowsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -750,6 +785,60 @@ class ParameterServerService:
             '/onnxps.v1.ParameterServerService/Save',
             onnxps_dot_v1_dot_parameter__server__pb2.SaveRequest.SerializeToString,
             onnxps_dot_v1_dot_parameter__server__pb2.SaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushRows(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/onnxps.v1.ParameterServerService/PushRows',
+            onnxps_dot_v1_dot_parameter__server__pb2.PushRowsRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.PushRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullRows(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/onnxps.v1.ParameterServerService/PullRows',
+            onnxps_dot_v1_dot_parameter__server__pb2.PullRowsRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.PullRowsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -85,6 +85,12 @@ class ParameterServerServiceStub:
     """Leave a group."""
     Save: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.SaveRequest, _parameter_server_pb2.SaveResponse]
     """Write a snapshot of every group now."""
+    PushRows: _grpc.StreamUnaryMultiCallable[_parameter_server_pb2.PushRowsRequest, _parameter_server_pb2.PushRowsResponse]
+    """Push rows of (rows, ...) tensors (and dense gradients) as a header and
+    chunks: one step in which only those rows change.
+    """
+    PullRows: _grpc.StreamStreamMultiCallable[_parameter_server_pb2.PullRowsRequest, _parameter_server_pb2.PullRowsResponse]
+    """Read rows of tensors: indices as a header and chunks; rows back the same way."""
 
 @_typing.type_check_only
 class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
@@ -123,6 +129,12 @@ class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
     """Leave a group."""
     Save: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.SaveRequest, _parameter_server_pb2.SaveResponse]  # type: ignore[assignment]
     """Write a snapshot of every group now."""
+    PushRows: _aio.StreamUnaryMultiCallable[_parameter_server_pb2.PushRowsRequest, _parameter_server_pb2.PushRowsResponse]  # type: ignore[assignment]
+    """Push rows of (rows, ...) tensors (and dense gradients) as a header and
+    chunks: one step in which only those rows change.
+    """
+    PullRows: _aio.StreamStreamMultiCallable[_parameter_server_pb2.PullRowsRequest, _parameter_server_pb2.PullRowsResponse]  # type: ignore[assignment]
+    """Read rows of tensors: indices as a header and chunks; rows back the same way."""
 
 class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
     """The parameter server."""
@@ -254,5 +266,23 @@ class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_parameter_server_pb2.SaveResponse, _abc.Awaitable[_parameter_server_pb2.SaveResponse]]:
         """Write a snapshot of every group now."""
+
+    @_abc_1.abstractmethod
+    def PushRows(
+        self,
+        request_iterator: _MaybeAsyncIterator[_parameter_server_pb2.PushRowsRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.PushRowsResponse, _abc.Awaitable[_parameter_server_pb2.PushRowsResponse]]:
+        """Push rows of (rows, ...) tensors (and dense gradients) as a header and
+        chunks: one step in which only those rows change.
+        """
+
+    @_abc_1.abstractmethod
+    def PullRows(
+        self,
+        request_iterator: _MaybeAsyncIterator[_parameter_server_pb2.PullRowsRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_parameter_server_pb2.PullRowsResponse], _abc.AsyncIterator[_parameter_server_pb2.PullRowsResponse]]:
+        """Read rows of tensors: indices as a header and chunks; rows back the same way."""
 
 def add_ParameterServerServiceServicer_to_server(servicer: ParameterServerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,95 @@
+"""The graceful stop's gate: refuse new calls with UNAVAILABLE, count the running ones.
+
+``grpc.Server.stop`` cancels the calls gRPC has received but not yet handed to a
+handler thread (the client sees a bare ``CANCELLED``: not retried, and it cannot tell
+whether a push was applied). So a graceful stop first closes this gate: every call
+that reaches a handler from then on is answered UNAVAILABLE, which clients retry (a
+push with the same ``(client_id, seq)``, applied once), and the calls already past the
+gate run to the end. Only when they have finished does the server itself stop, with
+nothing left in flight to cancel.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from ._handlers import SERVICE, CallHooks, Interceptor, method_of, wrap
+
+__all__ = ["DrainGate"]
+
+REFUSAL = "the server is shutting down; retry (after it restarts or on another server)"
+
+
+class DrainGate(Interceptor):
+    """Counts the service's calls in flight; after ``close()`` refuses new ones."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running = 0
+        self._closed = False
+
+    @property
+    def running(self) -> int:
+        with self._cond:
+            return self._running
+
+    def close(self) -> None:
+        """Answer every call that starts from now on with UNAVAILABLE."""
+        with self._cond:
+            self._closed = True
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no admitted call runs; False when ``timeout`` passed first."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while self._running:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None or method_of(handler_call_details)[0] != SERVICE:
+            return handler  # health and reflection: answered until the end
+        return wrap(handler, _Admitted(self))
+
+    def _enter(self) -> bool:
+        with self._cond:
+            if self._closed:
+                return False
+            self._running += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._cond:
+            self._running -= 1
+            if not self._running:
+                self._cond.notify_all()
+
+
+class _Admitted(CallHooks):
+    def __init__(self, gate: DrainGate) -> None:
+        self.gate = gate
+        self.admitted = False
+
+    def before(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.admitted = self.gate._enter()
+        if not self.admitted:
+            context.abort(grpc.StatusCode.UNAVAILABLE, REFUSAL)
+        return request
+
+    def finish(self, context: grpc.ServicerContext, failed: bool) -> None:
+        if self.admitted:
+            self.admitted = False
+            self.gate._leave()
