@@ -40,6 +40,7 @@ from onnxps.client import (
     Sync,
     UnavailableError,
 )
+from onnxps.client._cluster import parse_target
 
 from ._args import Parser, at_least, positive_float
 
@@ -176,6 +177,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=at_least(0), default=_env("SEED", "0"))
     p.add_argument("--log-every", type=at_least(1), default=_env("LOG_EVERY", "10"))
     p.add_argument("--timeout", type=positive_float, default=_env("TIMEOUT", "10"))
+    p.add_argument("--token", default=_env("TOKEN", None))
+    p.add_argument("--tls-ca", default=_env("TLS_CA", None))
     return p
 
 
@@ -208,7 +211,16 @@ def _train(args: argparse.Namespace, tag: str) -> None:
     data = load_dataset(args.seed)
     x, y = data.shard(args.index, args.workers)
     rng = np.random.default_rng(args.seed * 1000 + args.index + 1)
-    with Client(args.address, timeout=args.timeout) as ps:
+    roots = None
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            roots = f.read()
+    with Client(
+        parse_target(args.address),
+        timeout=args.timeout,
+        token=args.token,
+        root_certificates=roots,
+    ) as ps:
         create_group_if_missing(
             ps, args.group, args.optimizer, lr, args.mode, args.workers, args.seed
         )

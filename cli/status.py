@@ -1,4 +1,9 @@
-"""``onnxps status ADDRESS``: a table of the groups a server holds."""
+"""``onnxps status ADDRESS``: a table of the groups a server holds.
+
+``ADDRESS`` may list every shard of a cluster, comma-separated in shard order: then a
+group appears once (its parts merged), and two more tables follow: the parts of the
+split groups (shard, T per part) and the shards (answering or not, parts held).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from onnxps.client import (
     RpcError,
     Sync,
 )
+from onnxps.client._cluster import base_name, parse_target
+from onnxps.v1 import parameter_server_pb2 as pb
 
 from ._args import add_connection_arguments, fail, read_tls_ca
 
@@ -35,7 +42,11 @@ COLUMNS = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("address", help="host:port of the server")
+    p.add_argument(
+        "address",
+        help="host:port of the server, or of every shard of a cluster in shard "
+        "order, comma-separated",
+    )
     p.add_argument("--prefix", default="", help="only groups whose name starts so")
     add_connection_arguments(p, timeout=3.0)
 
@@ -73,11 +84,15 @@ def row(info: GroupInfo) -> tuple[str, ...]:
     )
 
 
-def format_table(groups: Sequence[GroupInfo]) -> str:
-    """Aligned columns, one line per group, numbers right-aligned."""
-    rows = [COLUMNS, *(row(g) for g in groups)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    numeric = {3, 4, 5}
+def format_table(
+    groups: Sequence[GroupInfo] | Sequence[tuple[str, ...]],
+    columns: tuple[str, ...] = COLUMNS,
+    numeric: frozenset[int] = frozenset({3, 4, 5}),
+) -> str:
+    """Aligned columns, one line per group (or row), numbers right-aligned."""
+    body = [g if isinstance(g, tuple) else row(g) for g in groups]
+    rows = [columns, *body]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = []
     for r in rows:
         cells = [
@@ -88,17 +103,64 @@ def format_table(groups: Sequence[GroupInfo]) -> str:
     return "\n".join(lines)
 
 
+PART_COLUMNS = ("GROUP", "PART", "SHARD", "ADDRESS", "ELEMENTS", "T")
+SHARD_COLUMNS = ("SHARD", "ADDRESS", "STATE", "PARTS")
+
+
+def part_rows(groups: Sequence[GroupInfo]) -> list[tuple[str, ...]]:
+    """One row per part of each split group."""
+    return [
+        (
+            g.name,
+            p.name,
+            str(p.shard),
+            p.address,
+            str(p.element_count),
+            str(p.update_count),
+        )
+        for g in groups
+        if len(g.parts) > 1
+        for p in g.parts
+    ]
+
+
+def shard_rows(ps: Client, prefix: str, timeout: float) -> list[tuple[str, ...]]:
+    """Each shard: whether it answers (and accepts this layout), and what it holds."""
+    rows: list[tuple[str, ...]] = []
+    for i, address in enumerate(ps.addresses):
+        try:
+            msg = ps._call(
+                "ListGroups", pb.ListGroupsRequest(prefix=prefix), timeout, None, i
+            )
+        except RpcError as exc:
+            gone = exc.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+            state = "unreachable" if gone else (exc.reason or exc.code.name)
+            rows.append((str(i), address, state, "-"))
+            continue
+        whole = sum(base_name(g.name)[2] == 1 for g in msg.groups)
+        parts = len(msg.groups) - whole
+        rows.append((str(i), address, "serving", f"{whole} whole, {parts} split"))
+    return rows
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Print the table; 1 with a message on stderr when the server cannot be asked."""
+    """Print the table; 1 with a message on stderr when the server cannot be asked
+    (a cluster: when a shard cannot; the shard table says which)."""
     out = out or sys.stdout
     roots = read_tls_ca("onnxps status", args.tls_ca)
+    target = parse_target(args.address)
+    shards: list[tuple[str, ...]] = []
     try:
         with Client(
-            args.address,
+            target,
             timeout=args.timeout,
             token=args.token,
             root_certificates=roots,
         ) as ps:
+            if ps.shards is not None:
+                shards = shard_rows(ps, args.prefix, args.timeout)
+                if any(r[2] != "serving" for r in shards):
+                    print(format_table(shards, SHARD_COLUMNS, frozenset()), file=out)
             groups = ps.list_groups(args.prefix)
     except RpcError as exc:
         fail(
@@ -109,6 +171,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         fail("onnxps status", f"{args.address}: {exc}")
     if not groups:
         print(f"no groups on {args.address}", file=out)
-        return 0
-    print(format_table(groups), file=out)
+    else:
+        print(format_table(groups), file=out)
+    if shards:
+        parts = part_rows(groups)
+        if parts:
+            print(file=out)
+            print(format_table(parts, PART_COLUMNS, frozenset({2, 4, 5})), file=out)
+        print(file=out)
+        print(format_table(shards, SHARD_COLUMNS, frozenset({0})), file=out)
     return 0

@@ -8,11 +8,17 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from onnxps.client import Client, OnnxpsError
+from onnxps.client._cluster import parse_target
 from onnxps.client._transfer import ExportFileError, import_groups
 
 from ._args import EXIT_FAILURE, add_connection_arguments, fail, read_tls_ca
 
 __all__ = ["add_export_arguments", "add_import_arguments", "plural", "run"]
+
+_ADDRESS = (
+    "host:port of the server, or of every shard of a cluster in shard order, "
+    "comma-separated (a cluster exports to one file and imports into any shard count)"
+)
 
 
 def plural(n: int, noun: str) -> str:
@@ -21,14 +27,14 @@ def plural(n: int, noun: str) -> str:
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("address", help="host:port of the server")
+    p.add_argument("address", help=_ADDRESS)
     p.add_argument("file", help="the .npz file to write")
     p.add_argument("--prefix", default="", help="only groups whose name starts so")
     add_connection_arguments(p)
 
 
 def add_import_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("address", help="host:port of the server")
+    p.add_argument("address", help=_ADDRESS)
     p.add_argument("file", help="a file written by onnxps export")
     existing = p.add_mutually_exclusive_group()
     existing.add_argument(
@@ -79,7 +85,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     roots = read_tls_ca(prog, args.tls_ca)
     try:
         with Client(
-            args.address,
+            parse_target(args.address),
             timeout=args.timeout,
             token=args.token,
             root_certificates=roots,

@@ -6,12 +6,22 @@ with Client("127.0.0.1:50051") as ps:
     t = ps.push("mlp", g_w, g_b)
     w, b = ps.pull("mlp")
 
-``AsyncClient`` is the same client for asyncio (``async with``, ``await ps.push``);
-``Client.push_background`` starts a push and returns a future at once.
+A cluster of shards: ``Client(["ps-0:50051", "ps-1:50051", "ps-2:50051"])``.
+``AsyncClient`` is the same client for asyncio (``async with``, ``await ps.push``),
+on one server; ``Client.push_background`` starts a push and returns a future at once.
 """
 
 from ._async import AsyncClient
-from ._client import Client, GroupInfo, LeaseInfo, PushResult, SaveInfo, WorkerInfo
+from ._client import (
+    Client,
+    GroupInfo,
+    LeaseInfo,
+    PartInfo,
+    PushResult,
+    SaveInfo,
+    WorkerInfo,
+)
+from ._cluster import placement, shard_addresses, shard_ranking
 from ._errors import (
     AlreadyExistsError,
     ClientClosedError,
@@ -51,6 +61,7 @@ __all__ = [
     "NotFoundError",
     "OnnxpsError",
     "OptimizerSpec",
+    "PartInfo",
     "PermissionDeniedError",
     "PushResult",
     "ResourceExhaustedError",
@@ -61,4 +72,7 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "WorkerInfo",
+    "placement",
+    "shard_addresses",
+    "shard_ranking",
 ]

@@ -63,6 +63,11 @@ class AsyncClient(ClientCore):
     """
 
     def _setup(self) -> None:
+        if self.shards is not None:
+            raise ValueError(
+                "AsyncClient talks to one server; a cluster needs Client for now "
+                f"(got {self.shards} shard addresses)"
+            )
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.ParameterServerServiceStub | None = None
         self._heartbeats: dict[str, asyncio.Task[None]] = {}

@@ -2,21 +2,34 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import grpc
 import numpy as np
+from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
-from ._errors import ClientClosedError, RpcError
-from ._records import GroupInfo, LeaseInfo, PushResult, SaveInfo, WorkerInfo
+from ._cluster import Layout, fan_out
+from ._errors import ClientClosedError, RpcError, UnavailableError
+from ._records import (
+    GroupInfo,
+    LeaseInfo,
+    PartInfo,
+    PushResult,
+    SaveInfo,
+    WorkerInfo,
+    group_info,
+    lease_info,
+)
 from ._requests import (
     Call,
     ClientCore,
+    Deadline,
     Op,
     OpRun,
     Pause,
@@ -32,6 +45,7 @@ __all__ = [
     "Client",
     "GroupInfo",
     "LeaseInfo",
+    "PartInfo",
     "PushResult",
     "SaveInfo",
     "WorkerInfo",
@@ -43,14 +57,45 @@ R = TypeVar("R")
 
 BACKGROUND_PUSHES = 4  # threads of a client's background pushes
 
+# the names the cluster calls (_sharded) use
+_Deadline = Deadline
+_group_info = group_info
+_PartPush = tuple[int, pb.PushRequest, list[Array]]  # shard, request, gradients
+
+
+def until_landed(call: Callable[[], R], deadline: Deadline) -> R:
+    """``call()``, resent while its server is unavailable, until the deadline (a
+    cluster's calls: a shard pod restarting must not fail the worker). A push
+    carries the same (client_id, seq) each time, so it lands exactly once."""
+    backoff = 0.1
+    while True:
+        try:
+            return call()
+        except UnavailableError:
+            pause = min(backoff, deadline.remaining())
+            if pause <= 0:
+                raise
+            time.sleep(pause)
+            backoff = min(1.0, backoff * 2)
+
+
+def _lazy(call: Callable[[], R]) -> Op[R]:
+    """An operation that, when run, makes its calls itself with ``call()`` (a
+    cluster's: blocking, one per shard, through the client's ``_call``)."""
+    yield from ()  # a generator: nothing runs before the operation does
+    return call()
+
 
 def _blocking(
     op: Callable[Concatenate[ClientCore, P], Op[R]],
 ) -> Callable[Concatenate[Client, P], R]:
-    """A Client method that runs the shared operation ``op`` to its result."""
+    """A Client method that runs the shared operation ``op`` to its result (the
+    Client's own ``op``, by name: on a cluster it routes the call)."""
+    name = op.__name__
 
     def method(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        return self._run(op(self, *args, **kwargs))
+        built: Op[R] = getattr(self, name)(*args, **kwargs)
+        return self._run(built)
 
     as_method(method, op, "Client")
     return method
@@ -75,7 +120,12 @@ def _in_background(
 
 
 class Client(ClientCore):
-    """A connection to one onnxps server.
+    """A connection to one onnxps server, or to a cluster of shards.
+
+    ``address`` is ``"host:port"`` (one server) or a list of the shards' addresses
+    in shard order (a cluster; README "A cluster of shards"): each call is routed
+    to the shards holding its group, and a group whose X is larger than
+    ``split_bytes`` is split across them.
 
     Every call takes ``timeout=`` (seconds) and falls back to the client's default.
     It is one deadline for the whole call: every retry of the channel and every
@@ -86,8 +136,11 @@ class Client(ClientCore):
 
     def _setup(self) -> None:
         self._lock = threading.Lock()
-        self._channel: grpc.Channel | None = None
-        self._stub: pb_grpc.ParameterServerServiceStub | None = None
+        self._channels: dict[int, grpc.Channel] = {}
+        self._stubs: dict[int, pb_grpc.ParameterServerServiceStub] = {}
+        self._layouts: dict[str, Layout] = {}
+        # group -> the parts of a push that did not land (sent first by the next)
+        self._unfinished: dict[str, tuple[list[_PartPush], list[_PartPush]]] = {}
         self._heartbeats: dict[str, tuple[threading.Event, threading.Thread]] = {}
         self._background: ThreadPoolExecutor | None = None
 
@@ -115,46 +168,52 @@ class Client(ClientCore):
         for stop, thread in beats:
             stop.set()
             thread.join(timeout=5)
-        if self._channel is not None:
-            self._channel.close()
+        for channel in self._channels.values():
+            channel.close()
 
-    def _get_stub(self) -> pb_grpc.ParameterServerServiceStub:
+    def _get_stub(self, shard: int = 0) -> pb_grpc.ParameterServerServiceStub:
         with self._lock:
             self._check_open()
-            if self._stub is None:
+            stub = self._stubs.get(shard)
+            if stub is None:
+                address = self.addresses[shard]
                 options = channel_options(self._server_name_override)
                 creds = channel_credentials(self._tls)
                 if creds is not None:
-                    self._channel = grpc.secure_channel(self.address, creds, options)
+                    channel = grpc.secure_channel(address, creds, options)
                 else:
-                    self._channel = grpc.insecure_channel(self.address, options)
-                self._stub = pb_grpc.ParameterServerServiceStub(self._channel)
+                    channel = grpc.insecure_channel(address, options)
+                self._channels[shard] = channel
+                stub = self._stubs[shard] = pb_grpc.ParameterServerServiceStub(channel)
                 self._state = State.OPEN
-            return self._stub
+            return stub
 
-    def _method(self, name: str) -> Any:
-        stub = self._get_stub()
+    def _method(self, name: str, shard: int = 0) -> Any:
+        stub = self._get_stub(shard)
         return getattr(stub, name)
 
-    def _run(self, op: Op[R]) -> R:
-        """Perform an operation's effects with blocking calls; return its result."""
+    def _run(self, op: Op[R], shard: int = 0) -> R:
+        """Perform an operation's effects with blocking calls (to ``shard`` of a
+        cluster); return its result."""
         run = OpRun(op)
         while (effect := run.next_effect()) is not None:
             try:
-                run.reply(self._perform(effect))
+                run.reply(self._perform(effect, shard))
             except RpcError as exc:
                 run.fail(exc)
         result: R = run.result
         return result
 
-    def _perform(self, effect: Call | Pause) -> Any:
+    def _perform(self, effect: Call | Pause, shard: int = 0) -> Any:
         if isinstance(effect, Pause):
             time.sleep(effect.seconds)
             return None
-        fn = self._method(effect.method)
+        fn = self._method(effect.method, shard)
         timeout = effect.deadline.remaining()
         try:
-            reply = fn(effect.request(), timeout=timeout, metadata=self._metadata())
+            reply = fn(
+                effect.request(), timeout=timeout, metadata=self._metadata(shard)
+            )
             if effect.reader is None:
                 return reply
             reader = effect.reader()
@@ -164,8 +223,160 @@ class Client(ClientCore):
         except grpc.RpcError as exc:
             raise effect.error(exc) from None
 
+    # -- one shard's calls (the cluster's, in _sharded, are made of these) ----------
+    def _call(
+        self,
+        method: str,
+        request: Any,
+        deadline: Deadline | float | None,
+        what: str | None = None,
+        shard: int = 0,
+    ) -> Any:
+        """One unary RPC to ``shard``: its reply. ``deadline`` is the call's (shared
+        by every send of it) or a timeout for a call of its own."""
+        if not isinstance(deadline, Deadline):
+            deadline = self._deadline(deadline)
+        what = what or f"{method} was not answered"
+        call = Call(method, lambda: request, deadline, what)
+        return self._run(self._call_op(call), shard)
+
+    def _create_request(
+        self,
+        shard: int,
+        template: pb.CreateGroupRequest,
+        names: Sequence[str],
+        arrays: Sequence[Array],
+        state_arrays: Sequence[Array],
+        deadline: Deadline,
+    ) -> pb.GroupInfo:
+        op = self._create_op(template, names, arrays, state_arrays, deadline)
+        return self._run(op, shard)
+
+    def _push_one(
+        self,
+        shard: int,
+        template: pb.PushRequest,
+        arrays: Sequence[Array],
+        deadline: Deadline,
+    ) -> Any:
+        """One push (or a part's) to one shard: the reply message."""
+        return self._run(self._push_op(template, arrays, deadline), shard)
+
+    def _pull_one(
+        self,
+        shard: int,
+        group: str,
+        state: bool,
+        min_version: int | None,
+        deadline: Deadline,
+    ) -> tuple[int, list[Array]]:
+        return self._run(self._pull_op(group, state, min_version, deadline), shard)
+
+    # -- a cluster's operations: routed to the shards holding the group --------------
+    def _create_parts(
+        self,
+        req: pb.CreateGroupRequest,
+        names: list[str],
+        arrays: list[Array],
+        state_arrays: list[Array],
+        deadline: Deadline,
+    ) -> Op[GroupInfo]:
+        if self.shards is None:
+            return super()._create_parts(req, names, arrays, state_arrays, deadline)
+        from . import _sharded
+
+        return _lazy(
+            lambda: _sharded.create_group(
+                self, req, names, arrays, state_arrays, deadline
+            )
+        )
+
+    def _describe_group(
+        self, name: str, *, timeout: float | None = None
+    ) -> Op[GroupInfo]:
+        if self.shards is None:
+            return super()._describe_group(name, timeout=timeout)
+        from . import _sharded
+
+        deadline = self._deadline(timeout)
+        return _lazy(lambda: _sharded.describe_group(self, name, deadline))
+
+    def _list_groups(
+        self, prefix: str = "", *, timeout: float | None = None
+    ) -> Op[list[GroupInfo]]:
+        if self.shards is None:
+            return super()._list_groups(prefix, timeout=timeout)
+        from . import _sharded
+
+        deadline = self._deadline(timeout)
+        return _lazy(lambda: _sharded.list_groups(self, prefix, deadline))
+
+    def _delete_group(self, name: str, *, timeout: float | None = None) -> Op[bool]:
+        if self.shards is None:
+            return super()._delete_group(name, timeout=timeout)
+        from . import _sharded
+
+        self._sizes.pop(name, None)
+        deadline = self._deadline(timeout)
+        return _lazy(lambda: _sharded.delete_group(self, name, deadline))
+
+    def _set_learning_rate(
+        self, name: str, learning_rate: float, *, timeout: float | None = None
+    ) -> Op[GroupInfo]:
+        if self.shards is None:
+            return super()._set_learning_rate(name, learning_rate, timeout=timeout)
+        from . import _sharded
+
+        deadline = self._deadline(timeout)
+        return _lazy(
+            lambda: _sharded.set_learning_rate(self, name, learning_rate, deadline)
+        )
+
+    def _push_parts(
+        self, req: pb.PushRequest, arrays: list[Array], deadline: Deadline
+    ) -> Op[PushResult]:
+        if self.shards is None:
+            return super()._push_parts(req, arrays, deadline)
+        from . import _sharded
+
+        return _lazy(lambda: _sharded.push(self, req, arrays, deadline))
+
+    def _pull_parts(
+        self, group: str, state: bool, min_version: int | None, deadline: Deadline
+    ) -> Op[tuple[int, list[Array]]]:
+        if self.shards is None:
+            return super()._pull_parts(group, state, min_version, deadline)
+        from . import _sharded
+
+        return _lazy(lambda: _sharded.pull(self, group, state, min_version, deadline))
+
+    def _save(self, *, timeout: float | None = None) -> Op[SaveInfo]:
+        """Ask the server (every shard of a cluster) to write a snapshot now; a
+        cluster's paths are joined with ", " in shard order."""
+        if self.shards is None:
+            return super()._save(timeout=timeout)
+        deadline = self._deadline(timeout)
+
+        def save_all() -> SaveInfo:
+            replies = fan_out(
+                [
+                    functools.partial(
+                        self._call, "Save", pb.SaveRequest(), deadline, None, i
+                    )
+                    for i in range(self.shards or 1)
+                ]
+            )
+            return SaveInfo(
+                ", ".join(m.path for m in replies),
+                sum(m.groups for m in replies),
+                sum(m.bytes for m in replies),
+            )
+
+        return _lazy(save_all)
+
     # -- calls ---------------------------------------------------------------------
-    # Each is the shared operation of ClientCore, run with blocking grpc calls.
+    # Each is the shared operation of ClientCore, run with blocking grpc calls (on a
+    # cluster, the operations above route it to the shards of its group).
     create_group = _blocking(ClientCore._create_group)
     describe_group = _blocking(ClientCore._describe_group)
     list_groups = _blocking(ClientCore._list_groups)
@@ -195,24 +406,95 @@ class Client(ClientCore):
                 )
             return self._background.submit(self._run, op)
 
+    # -- rows ----------------------------------------------------------------------
+    def _push_rows(
+        self,
+        group: str,
+        gradients: Mapping[str, Any],
+        *,
+        base_version: int | None = None,
+        learning_rate: float | None = None,
+        timeout: float | None = None,
+    ) -> Op[PushResult]:
+        if self.shards is None:
+            return super()._push_rows(
+                group,
+                gradients,
+                base_version=base_version,
+                learning_rate=learning_rate,
+                timeout=timeout,
+            )
+        deadline = self._deadline(timeout)
+
+        def push() -> PushResult:
+            shard, part = self._rows_target(group, deadline)
+            op = self._rows_push_op(
+                group, part, gradients, base_version, learning_rate, deadline
+            )
+            return self._run(op, shard)
+
+        return _lazy(push)
+
+    def _pull_rows(
+        self,
+        group: str,
+        selections: Mapping[str, Any],
+        *,
+        state: bool = False,
+        min_version: int | None = None,
+        timeout: float | None = None,
+    ) -> Op[dict[str, Array]]:
+        if self.shards is None:
+            return super()._pull_rows(
+                group, selections, state=state, min_version=min_version, timeout=timeout
+            )
+        deadline = self._deadline(timeout)
+
+        def pull() -> dict[str, Array]:
+            shard, part = self._rows_target(group, deadline)
+            op = self._rows_pull_op(
+                group, part, selections, state, min_version, deadline
+            )
+            return self._run(op, shard)
+
+        return _lazy(pull)
+
+    def _rows_target(self, group: str, deadline: Deadline) -> tuple[int, str]:
+        """The shard and name of the one part row calls go to (a plain server: 0)."""
+        if self.shards is None:
+            return 0, group
+        from . import _sharded
+
+        targets = _sharded.part_targets(self, group, deadline)
+        if len(targets) != 1:
+            raise ValueError(
+                f"group {group!r} is split into {len(targets)} parts across the "
+                "cluster; row pushes and pulls need a group held by one shard "
+                "(create it with a larger split_bytes)"
+            )
+        return targets[0]
+
     # -- workers -------------------------------------------------------------------
     def join(
         self, group: str, *, worker_id: str | None = None, timeout: float | None = None
     ) -> LeaseInfo:
-        """Join a group as a worker and keep the lease alive in the background."""
+        """Join a group as a worker and keep the lease alive in the background
+        (on a cluster: on every part of the group)."""
         wid = worker_id or self.client_id
-        lease = self._run(self._join_op(group, wid, timeout))
+        targets = self._lease_targets(group, timeout)
+        lease = self._lease_call("JoinGroup", targets, wid, timeout)
         stop = threading.Event()
         interval = self._heartbeat_interval(lease)
 
         def beat() -> None:
             while not stop.wait(interval):
-                try:
-                    self._run(self._heartbeat_op(group, wid, interval))
-                except ClientClosedError:
-                    return
-                except RpcError as exc:
-                    log.warning("heartbeat for %s in %s failed: %s", wid, group, exc)
+                for shard, name in targets:
+                    try:
+                        self._run(self._heartbeat_op(name, wid, interval), shard)
+                    except ClientClosedError:
+                        return
+                    except RpcError as exc:
+                        log.warning("heartbeat for %s in %s failed: %s", wid, name, exc)
 
         thread = threading.Thread(
             target=beat, name=f"onnxps-lease-{group}", daemon=True
@@ -234,4 +516,45 @@ class Client(ClientCore):
         if beat is not None:
             beat[0].set()
             beat[1].join(timeout=5)
-        return self._run(self._leave_op(group, worker_id or self.client_id, timeout))
+        targets = self._lease_targets(group, timeout)
+        wid = worker_id or self.client_id
+        return self._lease_call("LeaveGroup", targets, wid, timeout)
+
+    def _lease_targets(
+        self, group: str, timeout: float | None
+    ) -> list[tuple[int, str]]:
+        if self.shards is None:
+            return [(0, group)]
+        from . import _sharded
+
+        return _sharded.part_targets(self, group, self._deadline(timeout))
+
+    def _lease_call(
+        self,
+        method: str,
+        targets: Sequence[tuple[int, str]],
+        worker_id: str,
+        timeout: float | None,
+    ) -> LeaseInfo:
+        """Join or leave every part; the lease as the first part answered it."""
+        if self.shards is None:
+            lease_op = self._join_op if method == "JoinGroup" else self._leave_op
+            return self._run(lease_op(targets[0][1], worker_id, timeout))
+        deadline = self._deadline(timeout)
+        request = pb.JoinGroupRequest if method == "JoinGroup" else pb.LeaveGroupRequest
+        calls = [
+            functools.partial(
+                until_landed,
+                functools.partial(
+                    self._call,
+                    method,
+                    request(group=name, worker_id=worker_id),
+                    deadline,
+                    None,
+                    shard,
+                ),
+                deadline,
+            )
+            for shard, name in targets
+        ]
+        return lease_info(fan_out(calls)[0])

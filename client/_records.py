@@ -14,6 +14,7 @@ from .codec import PROTO_TO_DTYPE
 __all__ = [
     "GroupInfo",
     "LeaseInfo",
+    "PartInfo",
     "PushResult",
     "SaveInfo",
     "WorkerInfo",
@@ -33,6 +34,17 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
+class PartInfo:
+    """One part of a group on a cluster (an unsplit group has one)."""
+
+    name: str  # the group's name on that shard
+    shard: int
+    address: str
+    update_count: int
+    element_count: int
+
+
+@dataclass(frozen=True)
 class GroupInfo:
     name: str
     optimizer: OptimizerSpec
@@ -48,6 +60,7 @@ class GroupInfo:
     workers: list[WorkerInfo] = field(default_factory=list)
     pending_contributions: int = 0
     quorum: int = 0
+    parts: tuple[PartInfo, ...] = ()  # on a cluster: where its elements live
 
     @property
     def nbytes(self) -> int:

@@ -45,6 +45,7 @@ from ._transfer import export_op, import_op
 from .codec import (
     CHUNK_BYTES,
     SERVICE,
+    SHARD_METADATA_KEY,
     TensorAssembler,
     TensorFormatError,
     chunk_messages,
@@ -54,6 +55,7 @@ from .codec import (
 )
 
 __all__ = [
+    "SPLIT_BYTES",
     "STREAM_THRESHOLD_BYTES",
     "Call",
     "ClientCore",
@@ -76,6 +78,7 @@ Transport = Literal["auto", "unary", "stream"]
 R = TypeVar("R")
 
 STREAM_THRESHOLD_BYTES = 1 << 20
+SPLIT_BYTES = 64 << 20  # a cluster splits a group whose X is larger
 _RESEND_BACKOFF_MAX = 2.0  # seconds between a push's resends, at most
 _RESEND_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
@@ -163,10 +166,19 @@ def _check_client_arguments(
             "address ('host:port') and connection options (timeout=, token=, TLS, "
             "transport=); tensors are given to create_group(), gradients to push()"
         )
-    if not isinstance(address, str) or not address.strip():
+    if isinstance(address, list | tuple) and address:  # a cluster's shards
+        bad = [a for a in address if not (isinstance(a, str) and a.strip())]
+        if bad:
+            raise TypeError(
+                f"{client}(address): the server's 'host:port' as a string, or a "
+                "cluster's shards as a list of them in shard order; the list holds "
+                f"{type(bad[0]).__name__}"
+            )
+    elif not isinstance(address, str) or not address.strip():
         raise TypeError(
             f"{client}(address): the server's 'host:port' as a string, e.g. "
-            f"{client}('127.0.0.1:50051'), got {type(address).__name__}"
+            f"{client}('127.0.0.1:50051'), or a cluster's shards as a list of them, "
+            f"got {type(address).__name__}"
         )
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(f"timeout is seconds (a number), got {timeout!r}")
@@ -401,7 +413,7 @@ class ClientCore:
 
     def __init__(
         self,
-        address: str = "",  # required: a default only to explain its absence
+        address: str | Sequence[str] = "",  # required: a default only to say so
         *,
         timeout: float = 60.0,
         client_id: str | None = None,
@@ -413,6 +425,7 @@ class ClientCore:
         transport: Transport = "auto",
         stream_threshold_bytes: int = STREAM_THRESHOLD_BYTES,
         chunk_bytes: int = CHUNK_BYTES,
+        split_bytes: int = SPLIT_BYTES,
         **unexpected: NoReturn,
     ) -> None:
         _check_client_arguments(
@@ -424,7 +437,14 @@ class ClientCore:
             root_certificates,
             unexpected,
         )
-        self.address = address
+        # A list of addresses is a cluster: shard i at addresses[i] (README, "A
+        # cluster of shards").
+        self.addresses = [address] if isinstance(address, str) else list(address)
+        self.address = ",".join(self.addresses)
+        self.shards: int | None = (
+            None if isinstance(address, str) else len(self.addresses)
+        )
+        self.split_bytes = split_bytes
         self.timeout = timeout
         self.client_id = client_id or uuid.uuid4().hex
         self.transport: Transport = transport
@@ -450,8 +470,11 @@ class ClientCore:
                 f"this client was closed; create a new {type(self).__name__}"
             )
 
-    def _metadata(self) -> list[tuple[str, str]] | None:
-        return [("authorization", f"Bearer {self._token}")] if self._token else None
+    def _metadata(self, shard: int = 0) -> list[tuple[str, str]] | None:
+        md = [("authorization", f"Bearer {self._token}")] if self._token else []
+        if self.shards is not None:
+            md.append((SHARD_METADATA_KEY, f"{shard}/{self.shards}"))
+        return md or None
 
     def _deadline(self, timeout: float | None) -> Deadline:
         return Deadline(self.timeout if timeout is None else timeout)
@@ -465,6 +488,10 @@ class ClientCore:
         return (
             yield Call(method, _unary(request), self._deadline(timeout), what(method))
         )
+
+    @staticmethod
+    def _call_op(call: Call) -> Op[Any]:
+        return (yield call)
 
     # -- groups --------------------------------------------------------------------
     def _create_group(
@@ -500,6 +527,36 @@ class ClientCore:
         )
         names = [n for n, _ in items]
         deadline = self._deadline(timeout)
+        return (
+            yield from self._create_parts(req, names, arrays, state_arrays, deadline)
+        )
+
+    def _create_parts(
+        self,
+        req: pb.CreateGroupRequest,
+        names: list[str],
+        arrays: list[Array],
+        state_arrays: list[Array],
+        deadline: Deadline,
+    ) -> Op[GroupInfo]:
+        """Create the group (a cluster client: its parts, on their shards)."""
+        msg = yield from self._create_op(req, names, arrays, state_arrays, deadline)
+        return self._remember(group_info(msg))
+
+    def _create_op(
+        self,
+        template: pb.CreateGroupRequest,
+        names: Sequence[str],
+        arrays: Sequence[Array],
+        state_arrays: Sequence[Array],
+        deadline: Deadline,
+    ) -> Op[pb.GroupInfo]:
+        """One CreateGroup(Stream) of ``template`` with these tensors: the reply's
+        group."""
+        req = pb.CreateGroupRequest()
+        req.CopyFrom(template)
+        arrays = list(arrays)
+        state_arrays = list(state_arrays)
         if self._use_stream(sum(a.nbytes for a in arrays + state_arrays)):
             req.tensors.extend(map(header_tensor, arrays, names))
             req.state.extend(header_tensor(a) for a in state_arrays)
@@ -516,7 +573,8 @@ class ClientCore:
                 write_tensor(req.state.add(), a)
             call = Call("CreateGroup", _unary(req), deadline, what("CreateGroup"))
         msg = yield call
-        return self._remember(group_info(msg.group))
+        group: pb.GroupInfo = msg.group
+        return group
 
     def _chunks(
         self, message: Any, header: Any, arrays: list[Array]
@@ -589,7 +647,28 @@ class ClientCore:
             req.base_version = base_version
         if learning_rate is not None:
             req.learning_rate = learning_rate
+        return (yield from self._push_parts(req, arrays, deadline))
+
+    def _push_parts(
+        self, req: pb.PushRequest, arrays: list[Array], deadline: Deadline
+    ) -> Op[PushResult]:
+        """Send the push (a cluster client: its parts, to their shards)."""
+        msg = yield from self._push_op(req, arrays, deadline)
+        values = None
+        if req.return_values:
+            values = [tensor_to_array(t, t.name).copy() for t in msg.values]
+        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
+
+    def _push_op(
+        self, template: pb.PushRequest, arrays: Sequence[Array], deadline: Deadline
+    ) -> Op[Any]:
+        """One push of ``template`` with these gradients, resent while unanswered:
+        the reply message."""
+        req = pb.PushRequest()
+        req.CopyFrom(template)
+        group = req.group
         what = f"the push to group {group} (seq {req.seq}) was not answered"
+        arrays = list(arrays)
         if self._use_stream(sum(a.nbytes for a in arrays)):
             req.gradients.extend(header_tensor(a) for a in arrays)
             chunks = self._chunks(pb.PushStreamRequest, req, arrays)
@@ -598,11 +677,7 @@ class ClientCore:
             for a in arrays:
                 write_tensor(req.gradients.add(), a)
             call = Call("Push", _unary(req), deadline, what)
-        msg = yield from self._resending(call, group, req.seq)
-        values = None
-        if req.return_values:
-            values = [tensor_to_array(t, t.name).copy() for t in msg.values]
-        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
+        return (yield from self._resending(call, group, req.seq))
 
     def _push(self, *args: Any, **kwargs: Any) -> Op[int | list[Array]]:
         """Push G_1..G_n (ONNX order). Returns the new T, or X_1..X_n with
@@ -639,8 +714,23 @@ class ClientCore:
         min_version: int | None = None,
         timeout: float | None = None,
     ) -> Op[tuple[int, list[Array]]]:
-        """(T, arrays): the tensors and the update count they belong to."""
+        """(T, arrays): the tensors and the update count they belong to.
+
+        On a cluster, T is the lowest of the parts' (with pushes in flight, parts
+        can be a push apart); ``min_version`` waits for every part."""
         deadline = self._deadline(timeout)
+        return (yield from self._pull_parts(group, state, min_version, deadline))
+
+    def _pull_parts(
+        self, group: str, state: bool, min_version: int | None, deadline: Deadline
+    ) -> Op[tuple[int, list[Array]]]:
+        """Pull the group (a cluster client: its parts, from their shards)."""
+        return (yield from self._pull_op(group, state, min_version, deadline))
+
+    def _pull_op(
+        self, group: str, state: bool, min_version: int | None, deadline: Deadline
+    ) -> Op[tuple[int, list[Array]]]:
+        """One pull of one group (or part) from one server."""
         if min_version is not None:
             waited = f"group {group} did not reach T={min_version}"
         else:
@@ -680,8 +770,24 @@ class ClientCore:
         travel in ~1 MiB chunks (no size ceiling); a push the server did not answer
         (UNAVAILABLE) is resent with the same seq, and answered once."""
         deadline = self._deadline(timeout)
+        return (
+            yield from self._rows_push_op(
+                group, group, gradients, base_version, learning_rate, deadline
+            )
+        )
+
+    def _rows_push_op(
+        self,
+        group: str,
+        part: str,
+        gradients: Mapping[str, Any],
+        base_version: int | None,
+        learning_rate: float | None,
+        deadline: Deadline,
+    ) -> Op[PushResult]:
+        """A row push to ``part``, the name of ``group`` on the server it goes to."""
         header = pb.PushRowsHeader(
-            group=group, client_id=self.client_id, seq=next(self._seq)
+            group=part, client_id=self.client_id, seq=next(self._seq)
         )
         if base_version is not None:
             header.base_version = base_version
@@ -717,7 +823,23 @@ class ClientCore:
         """Rows of tensors: ``{name: indices}`` in, ``{name: rows}`` out (with
         ``state``, also ``"V:name"`` and ``"H:name"`` as the operator has them)."""
         deadline = self._deadline(timeout)
-        header = pb.PullRowsHeader(group=group, with_state=state)
+        return (
+            yield from self._rows_pull_op(
+                group, group, selections, state, min_version, deadline
+            )
+        )
+
+    def _rows_pull_op(
+        self,
+        group: str,
+        part: str,
+        selections: Mapping[str, Any],
+        state: bool,
+        min_version: int | None,
+        deadline: Deadline,
+    ) -> Op[dict[str, Array]]:
+        """A row pull from ``part``, the name of ``group`` on the server it asks."""
+        header = pb.PullRowsHeader(group=part, with_state=state)
         if min_version is not None:
             header.min_version = min_version
         arrays = []

@@ -27,6 +27,7 @@ __all__ = [
     "MAX_DIMS",
     "PROTO_TO_DTYPE",
     "SERVICE",
+    "SHARD_METADATA_KEY",
     "TensorAssembler",
     "TensorFormatError",
     "array_to_tensor",
@@ -47,6 +48,11 @@ MAX_DIMS = 64  # NumPy's limit on an array's number of dimensions
 # metrics and auth all use this one value.
 (_SERVICE_DESCRIPTOR,) = pb.DESCRIPTOR.services_by_name.values()
 SERVICE: str = _SERVICE_DESCRIPTOR.full_name
+
+# The metadata every call of a cluster client carries: "I/N", the shard index (from
+# 0) it routed the call to and the shard count it routed for; a shard started with
+# another identity refuses the call (README, "A cluster of shards").
+SHARD_METADATA_KEY = "onnxps-shard"
 
 Array = np.ndarray[Any, Any]
 

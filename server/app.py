@@ -28,6 +28,7 @@ from .limits import InflightBytes, LimitsInterceptor
 from .metrics import MetricsEndpoint, ObserveInterceptor, Recorder
 from .security import ConfigError
 from .service import ParameterServerServicer
+from .shard import ShardInterceptor, parse_shard
 from .store import ParameterStore, StoreLimits
 
 __all__ = ["ServerConfig", "ServerHandle", "create_server", "serve", "validate_config"]
@@ -98,6 +99,17 @@ class ServerConfig:
         False, "allow a non-loopback address without TLS and tokens"
     )
     metrics_port: int | None = _option(None, "serve Prometheus metrics on this port")
+    health_port: int | None = _option(
+        None,
+        "also serve grpc.health.v1 alone, in plaintext, on this port (Kubernetes' "
+        "native gRPC probes cannot speak TLS); 0 picks a free port",
+    )
+    shard: str | None = _option(
+        None,
+        "this server is shard INDEX/COUNT of a cluster (from 0), or auto/COUNT to "
+        "take INDEX from the host name's -<ordinal> (a StatefulSet pod); calls "
+        "routed for another layout are refused",
+    )
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -166,6 +178,10 @@ def _checks(c: ServerConfig) -> list[tuple[bool, str]]:
             f"metrics_port must be 1..65535 (0 picks a free one), got {c.metrics_port}",
         ),
         (
+            c.health_port is None or 0 <= c.health_port <= 65535,
+            f"health_port must be 1..65535 (0 picks a free one), got {c.health_port}",
+        ),
+        (
             c.durability in DURABILITY_MODES,
             f"durability must be one of {', '.join(DURABILITY_MODES)}, got "
             f"{c.durability!r}",
@@ -192,6 +208,8 @@ def validate_config(config: ServerConfig) -> None:
     for holds, message in _checks(config):
         if not holds:
             raise ConfigError(message)
+    if config.shard:
+        parse_shard(config.shard)
 
 
 @dataclass
@@ -206,6 +224,8 @@ class ServerHandle:
     durability: Durability | None = None
     metrics: MetricsEndpoint | None = None
     gate: DrainGate = field(default_factory=DrainGate)
+    health_server: grpc.Server | None = None
+    health_port: int | None = None
     _stopped: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -220,6 +240,10 @@ class ServerHandle:
 
     def start(self) -> ServerHandle:
         self.server.start()
+        if self.health_server is not None:
+            self.health_server.start()
+            host = self.config.address.rsplit(":", 1)[0]
+            log.info("onnxps health (plaintext) on %s:%d", host, self.health_port)
         self.store.start()
         if self.durability is not None:
             self.durability.start_periodic(self.config.snapshot_interval)
@@ -251,6 +275,8 @@ class ServerHandle:
             )
         left = None if end is None else max(0.0, end - time.monotonic())
         self.server.stop(left).wait()
+        if self.health_server is not None:
+            self.health_server.stop(0).wait()
         if self.metrics is not None:
             self.metrics.stop()
         if self.durability is not None:
@@ -333,6 +359,9 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     security.check_bind_policy(config)
     credentials = security.server_credentials(config)
     grants = security.load_tokens(config.tokens_file) if config.tokens_file else None
+    shard = parse_shard(config.shard) if config.shard else None
+    if shard is not None:
+        log.info("this server is shard %d of %d", shard.index, shard.count)
     store = ParameterStore(
         StoreLimits(
             max_group_bytes=config.max_group_bytes,
@@ -350,6 +379,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     interceptors: list[Interceptor] = [ObserveInterceptor(recorder), gate]
     if grants is not None:
         interceptors.append(security.TokenAuthInterceptor(grants))
+    interceptors.append(ShardInterceptor(shard))
     interceptors.append(
         LimitsInterceptor(
             max_concurrent_streams=config.max_concurrent_streams, inflight=inflight
@@ -376,6 +406,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         enable_reflection((SERVICE, health.SERVICE_NAME), server)
         port = _bind(server, config.address, credentials)
+        health_server, health_port = _health_server(config, health_servicer)
         if config.metrics_port is not None and recorder.registry is not None:
             metrics = _metrics_endpoint(recorder.registry, config)
     except BaseException:
@@ -384,7 +415,16 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         store.close()
         raise
     return ServerHandle(
-        server, port, config, store, health_servicer, durability, metrics, gate
+        server,
+        port,
+        config,
+        store,
+        health_servicer,
+        durability,
+        metrics,
+        gate,
+        health_server=health_server,
+        health_port=health_port,
     )
 
 
@@ -444,6 +484,20 @@ def _metrics_endpoint(registry: Any, config: ServerConfig) -> MetricsEndpoint:
             f"cannot serve metrics on port {config.metrics_port}: "
             f"{exc.strerror or exc} (--metrics-port)",
         ) from exc
+
+
+def _health_server(
+    config: ServerConfig, servicer: health.HealthServicer
+) -> tuple[grpc.Server | None, int | None]:
+    """The plaintext health-only server, when ``health_port`` is set. It shares the
+    main server's health servicer (SERVING, NOT_SERVING, draining) and serves
+    nothing else, so it needs no TLS and no token (health is open anyway)."""
+    if config.health_port is None:
+        return None, None
+    server = grpc.server(futures.ThreadPoolExecutor(2, "onnxps-health"))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    host = config.address.rsplit(":", 1)[0]
+    return server, _bind(server, f"{host}:{config.health_port}", None)
 
 
 def serve(config: ServerConfig | None = None) -> int:

@@ -153,7 +153,7 @@ def test_composite_calls_after_close_raise_client_closed(
 
 def test_channel_opens_on_first_use() -> None:
     c = Client("127.0.0.1:1", timeout=1)  # nothing listens there: no error yet
-    assert c._channel is None
+    assert c._channels == {}
     c.close()
 
 

@@ -143,3 +143,66 @@ def test_compose_services_train_against_the_server(
                     stream.close()
         stop(server)
     assert f"listening on 127.0.0.1:{port}" in log.read_text()
+
+
+def test_compose_sharded_profile_trains_against_three_shards(
+    compose: dict[str, Any], tmp_path: Path
+) -> None:
+    services = compose["services"]
+    shard_names = sorted(n for n in services if n.startswith("shard-"))
+    assert shard_names == ["shard-0", "shard-1", "shard-2"]
+    names = sorted(n for n in services if n.startswith("sharded-worker-"))
+    assert len(names) == 4
+    for name in [*shard_names, *names, "sharded-status"]:
+        assert services[name]["profiles"] == ["sharded"]
+    shards: list[subprocess.Popen[bytes]] = []
+    workers: list[subprocess.Popen[str]] = []
+    try:
+        to_address = {}
+        for i, name in enumerate(shard_names):
+            svc = services[name]
+            assert f"--shard={i}/3" in svc["command"]
+            assert svc["volumes"] == [f"onnxps-shard-{i}:/data"]
+            data = tmp_path / f"data-{i}"
+            to_local = {"0.0.0.0:50051": "127.0.0.1:0", "/data": str(data)}
+            log = tmp_path / f"{name}.log"
+            with open(log, "wb") as f:
+                shards.append(
+                    subprocess.Popen(
+                        _local(svc["command"], to_local),
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        env=_env(svc, to_local),
+                    )
+                )
+            to_address[f"{name}:50051"] = wait_for_listening(shards[-1], log)
+        for name in names:
+            svc = services[name]
+            assert set(svc["depends_on"]) == set(shard_names)
+            workers.append(
+                subprocess.Popen(
+                    _local(svc["command"], to_address),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=_env(svc, to_address),
+                )
+            )
+        for name, w in zip(names, workers, strict=True):
+            out, err = w.communicate(timeout=120)
+            assert w.returncode == 0, f"{name}: {err}"
+            m = ACCURACY.match(out.splitlines()[-1])
+            assert m and m.group(1) == name[-1] and float(m.group(2)) > 0.8, out
+        status = _local(services["sharded-status"]["command"], to_address)
+        shown = subprocess.run(
+            status, capture_output=True, text=True, timeout=30, env=clean_env()
+        )
+        assert shown.returncode == 0, shown.stderr
+        row = shown.stdout.splitlines()[1].split()
+        assert row[:6] == ["digits-mlp", "adam", "float32", "4", "4810", "1200"]
+        assert shown.stdout.count(" serving ") == 3
+    finally:
+        for w in workers:
+            stop(w)  # type: ignore[arg-type]
+        for s in shards:
+            stop(s)

@@ -1,0 +1,140 @@
+"""A shard's identity (``--shard I/N``) and the check that calls were routed for it.
+
+A cluster client sends ``onnxps-shard: I/N`` with every call: the shard index it
+routed the call to and the shard count it routed for. A shard started with another
+identity refuses the call with FAILED_PRECONDITION (reason ``SHARD_LAYOUT_MISMATCH``)
+before reading it, so a group is never created or stepped on the wrong shard. A call
+without the metadata (a one-server client, ``grpcurl``) is served.
+
+``--shard auto/N`` takes the index from the host name's trailing ``-<ordinal>``: a
+StatefulSet pod ``ps-2`` is shard 2. The host name is ``$HOSTNAME`` (Kubernetes sets
+it to the pod name), else the system's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from onnxps.client.codec import SHARD_METADATA_KEY
+
+from ._handlers import SERVICE, CallHooks, Interceptor, method_of, wrap
+from ._status import rich_status
+from .security import ConfigError
+
+__all__ = ["ShardIdentity", "ShardInterceptor", "parse_shard"]
+
+_ORDINAL = re.compile(r"-(\d+)$")
+REASON = "SHARD_LAYOUT_MISMATCH"
+
+
+@dataclass(frozen=True)
+class ShardIdentity:
+    index: int  # from 0
+    count: int
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def _hostname() -> str:
+    return os.environ.get("HOSTNAME") or socket.gethostname()
+
+
+def parse_shard(text: str, hostname: str | None = None) -> ShardIdentity:
+    """``"2/4"``, or ``"auto/4"`` with the index from the host name's ordinal."""
+    index_text, sep, count_text = text.partition("/")
+    try:
+        count = int(count_text)
+    except ValueError:
+        count = 0
+    if not sep or count < 1:
+        raise ConfigError(
+            f"--shard takes INDEX/COUNT or auto/COUNT (e.g. 2/4), got {text!r}"
+        )
+    if index_text == "auto":
+        host = hostname if hostname is not None else _hostname()
+        m = _ORDINAL.search(host)
+        if m is None:
+            raise ConfigError(
+                f"--shard auto/{count}: the host name {host!r} does not end in "
+                "-<ordinal> (a StatefulSet pod's name does); give the index"
+            )
+        index_text = m.group(1)
+    if not index_text.isdigit() or int(index_text) >= count:
+        raise ConfigError(
+            f"--shard {text!r}: the index must be a whole number from 0 to {count - 1}"
+        )
+    return ShardIdentity(int(index_text), count)
+
+
+def _routed(metadata: Any) -> str | None:
+    for key, value in metadata or ():
+        if key == SHARD_METADATA_KEY:
+            return value.decode("latin-1") if isinstance(value, bytes) else str(value)
+    return None
+
+
+def mismatch(shard: ShardIdentity | None, routed: str) -> str | None:
+    """Why a call routed as ``routed`` ("I/N") may not be served here; None: it may."""
+    index_text, _, count_text = routed.partition("/")
+    if not (index_text.isdigit() and count_text.isdigit()):
+        return f"the {SHARD_METADATA_KEY} metadata must be INDEX/COUNT, got {routed!r}"
+    index, count = int(index_text), int(count_text)
+    if shard is None:
+        if count == 1:
+            return None
+        return (
+            f"this server is not a shard (started without --shard); the client "
+            f"routed for {count} shards"
+        )
+    if count != shard.count:
+        return (
+            f"this is shard {shard.index} of {shard.count}; the client routed for "
+            f"{count} shards"
+        )
+    if index != shard.index:
+        return (
+            f"this is shard {shard.index} of {shard.count}; the client routed this "
+            f"call to shard {index} (its address list is in another order)"
+        )
+    return None
+
+
+class _Refused(CallHooks):
+    def __init__(self, status: grpc.Status) -> None:
+        self.status = status
+
+    def before(self, request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort_with_status(self.status)
+
+
+class ShardInterceptor(Interceptor):
+    """Refuses calls routed for another shard layout (decided from the metadata)."""
+
+    def __init__(self, shard: ShardIdentity | None) -> None:
+        self.shard = shard
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = continuation(handler_call_details)
+        service, _ = method_of(handler_call_details)
+        routed = _routed(handler_call_details.invocation_metadata)
+        if handler is None or service != SERVICE or routed is None:
+            return handler
+        why = mismatch(self.shard, routed)
+        if why is None:
+            return handler
+        metadata = {"routed": routed}
+        if self.shard is not None:
+            metadata["shard"] = str(self.shard)
+        status = rich_status(grpc.StatusCode.FAILED_PRECONDITION, why, REASON, metadata)
+        return wrap(handler, _Refused(status))
