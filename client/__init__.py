@@ -7,8 +7,11 @@ with Client("127.0.0.1:50051") as ps:
     w, b = ps.pull("mlp")
 
 A cluster of shards: ``Client(["ps-0:50051", "ps-1:50051", "ps-2:50051"])``.
+``AsyncClient`` is the same client for asyncio (``async with``, ``await ps.push``),
+on one server; ``Client.push_background`` starts a push and returns a future at once.
 """
 
+from ._async import AsyncClient
 from ._client import (
     Client,
     GroupInfo,
@@ -43,6 +46,7 @@ __all__ = [
     "Adam",
     "AlreadyExistsError",
     "Async",
+    "AsyncClient",
     "Client",
     "ClientClosedError",
     "DeadlineExceededError",

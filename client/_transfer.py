@@ -23,15 +23,18 @@ from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
 from .image import ConsistencyDefinition, GroupDefinition, GroupImage
 
 if TYPE_CHECKING:
-    from ._client import Client, GroupInfo
+    from ._client import Client
+    from ._records import GroupInfo
+    from ._requests import ClientCore, Op
 
 __all__ = [
     "EXPORT_FORMAT_VERSION",
     "ExportFileError",
     "Existing",
     "ImportResult",
-    "export_groups",
+    "export_op",
     "import_groups",
+    "import_op",
     "read_export",
 ]
 
@@ -45,7 +48,7 @@ class ExportFileError(OnnxpsError, ValueError):
 
 @dataclass(frozen=True)
 class ImportResult:
-    """What ``import_groups`` did with each group of the file, in file order."""
+    """What ``import_op`` did with each group of the file, in file order."""
 
     imported: list[str]  # created or replaced
     created: list[str]
@@ -84,17 +87,17 @@ def _definition(info: GroupInfo, update_count: int) -> GroupDefinition:
     )
 
 
-def export_groups(
-    client: Client, path: str | os.PathLike[str], prefix: str = ""
-) -> list[str]:
+def export_op(
+    client: ClientCore, path: str | os.PathLike[str], prefix: str = ""
+) -> Op[list[str]]:
     """Write every group whose name starts with ``prefix``; returns their names.
 
     Each group's tensors, state and T come from one pull, so they belong together.
     """
     images: list[GroupImage] = []
-    for info in client.list_groups(prefix):
-        t, values = client.pull_versioned(info.name, state=True)
-        lr = client.describe_group(info.name).learning_rate
+    for info in (yield from client._list_groups(prefix)):
+        t, values = yield from client._pull_versioned(info.name, state=True)
+        lr = (yield from client._describe_group(info.name)).learning_rate
         definition = dataclasses.replace(_definition(info, t), learning_rate=lr)
         images.append(GroupImage(definition, values))
     metadata = {
@@ -171,12 +174,12 @@ def _consistency(c: ConsistencyDefinition) -> Async | Sync:
     return Async(c.max_staleness)
 
 
-def import_groups(
-    client: Client,
+def import_op(
+    client: ClientCore,
     path: str | os.PathLike[str],
     *,
     existing: Existing = "fail",
-) -> ImportResult:
+) -> Op[ImportResult]:
     """Create every group of an export file, with its state, T and learning rate.
 
     The whole file is read and checked first. A group the server already has is an
@@ -186,7 +189,7 @@ def import_groups(
     if existing not in ("fail", "skip", "replace"):
         raise ValueError(f"existing must be fail, skip or replace, got {existing!r}")
     images = read_export(path)
-    on_server = {info.name for info in client.list_groups()}
+    on_server = {info.name for info in (yield from client._list_groups())}
     clashes = [image.name for image in images if image.name in on_server]
     if clashes and existing == "fail":
         raise ExportFileError(
@@ -202,11 +205,11 @@ def import_groups(
             if existing == "skip":
                 skipped.append(image.name)
                 continue
-            client.delete_group(image.name)
+            yield from client._delete_group(image.name)
             replaced.append(image.name)
         else:
             created.append(image.name)
-        _create(client, image)
+        yield from _create(client, image)
         imported.append(image.name)
     return ImportResult(imported, created, replaced, skipped)
 
@@ -215,10 +218,10 @@ def _count(items: Sequence[Any], noun: str) -> str:
     return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
 
 
-def _create(client: Client, image: GroupImage) -> None:
+def _create(client: ClientCore, image: GroupImage) -> Op[GroupInfo]:
     d = image.definition
     n = len(d.names)
-    client.create_group(
+    return client._create_group(
         d.name,
         _optimizer(d),
         learning_rate=d.learning_rate,
@@ -229,3 +232,10 @@ def _create(client: Client, image: GroupImage) -> None:
         update_count=d.update_count,
         lease_seconds=d.lease_seconds,
     )
+
+
+def import_groups(
+    client: Client, path: str | os.PathLike[str], *, existing: Existing = "fail"
+) -> ImportResult:
+    """``import_op`` run by a blocking client (``onnxps import``)."""
+    return client._run(import_op(client, path, existing=existing))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -25,3 +26,15 @@ def client(server: ServerHandle) -> Iterator[Client]:
     """A client of ``server`` with a 30 s default deadline; closed after the test."""
     with Client(server.address, timeout=30.0) as c:
         yield c
+
+
+@pytest.fixture
+def silent_address() -> Iterator[str]:
+    """A TCP port that accepts connections and never speaks HTTP/2."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    try:
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()

@@ -8,7 +8,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ CALLS: dict[str, Callable[..., Any]] = {
     "set_learning_rate": lambda c, **kw: c.set_learning_rate("g", 0.5, **kw),
     "push": lambda c, **kw: c.push("g", X, **kw),
     "push_detailed": lambda c, **kw: c.push_detailed("g", X, **kw),
+    "push_background": lambda c, **kw: c.push_background("g", X, **kw).result(),
     "pull": lambda c, **kw: c.pull("g", **kw),
     "pull_versioned": lambda c, **kw: c.pull_versioned("g", state=True, **kw),
     "push_rows": lambda c, **kw: c.push_rows("g", {"x": ([0], X[:1])}, **kw),
@@ -200,18 +201,6 @@ def test_pull_min_version_returns_when_reached(client: Client) -> None:
         timer.join()
     assert t == 1
     assert not np.array_equal(x, X)
-
-
-@pytest.fixture
-def silent_address() -> Iterator[str]:
-    """A TCP port that accepts connections and never speaks HTTP/2."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    try:
-        yield f"127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        sock.close()
 
 
 STREAMED = ("create_group", "push", "pull_versioned", "apply")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 import json
@@ -24,6 +25,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.client import (
     Adagrad,
+    AsyncClient,
     Client,
     PermissionDeniedError,
     UnauthenticatedError,
@@ -229,6 +231,33 @@ def test_mutual_tls_requires_a_client_certificate_from_the_ca(pki: Pki) -> None:
 
 
 # -- tokens ----
+def test_async_client_over_mutual_tls_streams_and_unary(pki: Pki) -> None:
+    handle = _serve(
+        tls_cert=str(pki.server_cert),
+        tls_key=str(pki.server_key),
+        tls_client_ca=str(pki.ca_file),
+    )
+
+    async def run() -> list[int]:
+        async with AsyncClient(
+            f"localhost:{handle.port}",
+            root_certificates=pki.ca,
+            private_key=pki.client_key,
+            certificate_chain=pki.client_cert,
+            timeout=10,
+        ) as c:
+            await c.create_group("t", Adagrad(), learning_rate=0.5, tensors={"w": W0})
+            ts = [await c.push("t", G)]
+            c.transport = "stream"
+            ts.append(await c.push("t", G))
+            return ts
+
+    try:
+        assert asyncio.run(run()) == [1, 2]
+    finally:
+        handle.stop(grace=0)
+
+
 TOKENS = {
     "admin": "adm-7f3a9c1e5b2d4f60",
     "writer": "wr-1b2c3d4e5f607182",
@@ -510,3 +539,16 @@ def test_the_cli_refuses_a_public_bind_with_a_message_and_status_2() -> None:
     assert proc.returncode == 2
     assert proc.stderr.startswith("onnxps: refusing to listen on 0.0.0.0:0")
     assert "Traceback" not in proc.stderr
+
+
+def test_async_client_sends_its_token(auth_server: ServerHandle) -> None:
+    async def push(token: str | None) -> int:
+        async with AsyncClient(auth_server.address, token=token, timeout=10) as c:
+            return await c.push("a/x", G)
+
+    before = _state(auth_server, "a/x")[0]
+    assert asyncio.run(push(TOKENS["writer"])) == before + 1
+    with pytest.raises(UnauthenticatedError):
+        asyncio.run(push(None))
+    with pytest.raises(PermissionDeniedError):
+        asyncio.run(push(TOKENS["reader"]))

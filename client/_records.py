@@ -1,0 +1,144 @@
+"""What the server answers, as both clients return it: records and their decoders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from onnxps.v1 import parameter_server_pb2 as pb
+
+from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
+from .codec import PROTO_TO_DTYPE
+
+__all__ = [
+    "GroupInfo",
+    "LeaseInfo",
+    "PartInfo",
+    "PushResult",
+    "SaveInfo",
+    "WorkerInfo",
+    "group_info",
+    "lease_info",
+    "optimizer_from_proto",
+]
+
+Array = np.ndarray[Any, Any]
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    alive: bool
+    lease_remaining_seconds: float
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """One part of a group on a cluster (an unsplit group has one)."""
+
+    name: str  # the group's name on that shard
+    shard: int
+    address: str
+    update_count: int
+    element_count: int
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    name: str
+    optimizer: OptimizerSpec
+    learning_rate: float
+    update_count: int
+    dtype: np.dtype[Any]
+    tensors: list[tuple[str, tuple[int, ...]]]
+    consistency: Async | Sync
+    allow_non_finite: bool
+    element_count: int
+    state_bytes: int
+    lease_seconds: float
+    workers: list[WorkerInfo] = field(default_factory=list)
+    pending_contributions: int = 0
+    quorum: int = 0
+    parts: tuple[PartInfo, ...] = ()  # on a cluster: where its elements live
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of X_1..X_n (one pull without state, one push)."""
+        return self.element_count * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class PushResult:
+    update_count: int  # T after the push (sync: T when it was buffered)
+    applied: bool  # False: buffered until the sync quorum pushes
+    duplicate: bool  # a retry the server had already taken
+    values: list[Array] | None = None  # X_1..X_n when asked for
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """A worker's lease on a group, as the server answered join or leave."""
+
+    lease_seconds: float  # renew before this runs out
+    update_count: int
+    live_workers: int
+    quorum: int
+
+
+@dataclass(frozen=True)
+class SaveInfo:
+    """The snapshot the server wrote on ``save``."""
+
+    path: str
+    groups: int
+    bytes: int
+
+
+def lease_info(msg: Any) -> LeaseInfo:
+    return LeaseInfo(msg.lease_seconds, msg.update_count, msg.live_workers, msg.quorum)
+
+
+def optimizer_from_proto(spec: pb.OptimizerSpec) -> OptimizerSpec:
+    kind = spec.WhichOneof("kind")
+    if kind == "adagrad":
+        a = spec.adagrad
+        return Adagrad(a.epsilon, a.decay_factor, a.norm_coefficient)
+    if kind == "momentum":
+        m = spec.momentum
+        mode: Literal["standard", "nesterov"] = (
+            "nesterov" if m.mode == "nesterov" else "standard"
+        )
+        return Momentum(m.alpha, m.beta, mode, m.norm_coefficient)
+    d = spec.adam
+    return Adam(d.alpha, d.beta, d.epsilon, d.norm_coefficient, d.norm_coefficient_post)
+
+
+def group_info(msg: pb.GroupInfo) -> GroupInfo:
+    c = msg.consistency
+    consistency: Async | Sync
+    if c.mode == pb.CONSISTENCY_MODE_SYNC:
+        consistency = Sync(
+            c.sync_workers, "sum" if c.reduction == pb.REDUCTION_SUM else "mean"
+        )
+    else:
+        consistency = Async(c.max_staleness if c.HasField("max_staleness") else None)
+    return GroupInfo(
+        name=msg.name,
+        optimizer=optimizer_from_proto(msg.optimizer),
+        learning_rate=msg.learning_rate,
+        update_count=msg.update_count,
+        dtype=PROTO_TO_DTYPE[msg.dtype].newbyteorder("="),
+        tensors=[(t.name, tuple(t.dims)) for t in msg.tensors],
+        consistency=consistency,
+        allow_non_finite=msg.allow_non_finite,
+        element_count=msg.element_count,
+        state_bytes=msg.state_bytes,
+        lease_seconds=msg.lease_seconds,
+        workers=[
+            WorkerInfo(w.worker_id, w.alive, w.lease_remaining_seconds)
+            for w in msg.workers
+        ],
+        pending_contributions=msg.pending_contributions,
+        quorum=msg.quorum,
+    )

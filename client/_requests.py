@@ -1,0 +1,1003 @@
+"""What both clients do, written once: requests, replies, transports, deadlines, errors.
+
+Every call is an *operation*: a generator that builds its requests, yields the
+effects it needs (``Call``: one RPC; ``Pause``: wait before a resend) and returns
+the decoded reply. ``Client`` performs the effects with blocking grpc calls and
+``AsyncClient`` with ``grpc.aio`` coroutines; neither knows anything about a
+request or a reply. Operations compose with ``yield from``.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import itertools
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, NoReturn, Protocol, TypeVar, overload
+
+import grpc
+import numpy as np
+from onnxps.v1 import parameter_server_pb2 as pb
+
+from ._errors import (
+    ClientClosedError,
+    DeadlineExceededError,
+    RpcError,
+    UnavailableError,
+    translate,
+)
+from ._optimizers import Async, OptimizerSpec, Sync
+from ._records import (
+    GroupInfo,
+    LeaseInfo,
+    PushResult,
+    SaveInfo,
+    group_info,
+    lease_info,
+)
+from ._transfer import export_op, import_op
+from .codec import (
+    CHUNK_BYTES,
+    SERVICE,
+    SHARD_METADATA_KEY,
+    TensorAssembler,
+    TensorFormatError,
+    chunk_messages,
+    header_tensor,
+    tensor_to_array,
+    write_tensor,
+)
+
+__all__ = [
+    "SPLIT_BYTES",
+    "STREAM_THRESHOLD_BYTES",
+    "Call",
+    "ClientCore",
+    "Deadline",
+    "Op",
+    "OpRun",
+    "Pause",
+    "PushCall",
+    "State",
+    "Transport",
+    "as_method",
+    "channel_credentials",
+    "channel_options",
+]
+
+log = logging.getLogger("onnxps.client")
+
+Array = np.ndarray[Any, Any]
+Transport = Literal["auto", "unary", "stream"]
+R = TypeVar("R")
+
+STREAM_THRESHOLD_BYTES = 1 << 20
+SPLIT_BYTES = 64 << 20  # a cluster splits a group whose X is larger
+_RESEND_BACKOFF_MAX = 2.0  # seconds between a push's resends, at most
+_RESEND_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+# The one retry mechanism for every call: the channel retries UNAVAILABLE (the server
+# is down or draining), within the call's deadline. A push is also resent, with the
+# same (client_id, seq), while UNAVAILABLE reaches the client after the channel gave
+# up (e.g. a stream the channel cannot replay), until its deadline: the server applies
+# it exactly once. The calls that are safe to repeat (reads, and pushes, which the
+# server deduplicates) are also retried on CANCELLED: a server that stops cancels the
+# calls it had received but not yet started, and none of them ran.
+_SAFE_TO_REPEAT = (
+    "Push",
+    "PushStream",
+    "Pull",
+    "PullStream",
+    "DescribeGroup",
+    "ListGroups",
+    "Heartbeat",
+    "Apply",
+    "ApplyStream",
+)
+
+
+def _retry_policy(*codes: str) -> dict[str, Any]:
+    return {
+        "maxAttempts": 5,
+        "initialBackoff": "0.1s",
+        "maxBackoff": "2s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": list(codes),
+    }
+
+
+_SERVICE_CONFIG = {
+    "methodConfig": [
+        {
+            "name": [{"service": SERVICE, "method": m} for m in _SAFE_TO_REPEAT],
+            "retryPolicy": _retry_policy("UNAVAILABLE", "CANCELLED"),
+        },
+        {
+            "name": [{"service": SERVICE}],
+            "retryPolicy": _retry_policy("UNAVAILABLE"),
+        },
+    ]
+}
+# A restarted server is found within about two seconds (gRPC's default reconnect
+# backoff grows to two minutes, longer than any push waits).
+_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+def channel_options(server_name_override: str | None) -> list[tuple[str, Any]]:
+    """The options of every channel either client opens."""
+    options = list(_CHANNEL_OPTIONS)
+    if server_name_override:
+        options.append(("grpc.ssl_target_name_override", server_name_override))
+    return options
+
+
+_TRANSPORTS = ("auto", "unary", "stream")
+
+
+def _check_client_arguments(
+    client: str,
+    address: Any,
+    timeout: Any,
+    transport: Any,
+    chunk_bytes: Any,
+    root_certificates: Any,
+    unexpected: Mapping[str, Any],
+) -> None:
+    """TypeError/ValueError that say what ``Client(...)`` (or ``AsyncClient``)
+    takes."""
+    if unexpected:
+        names = ", ".join(sorted(unexpected))
+        raise TypeError(
+            f"{client}() got unexpected argument(s) {names}: it takes the server "
+            "address ('host:port') and connection options (timeout=, token=, TLS, "
+            "transport=); tensors are given to create_group(), gradients to push()"
+        )
+    if isinstance(address, list | tuple) and address:  # a cluster's shards
+        bad = [a for a in address if not (isinstance(a, str) and a.strip())]
+        if bad:
+            raise TypeError(
+                f"{client}(address): the server's 'host:port' as a string, or a "
+                "cluster's shards as a list of them in shard order; the list holds "
+                f"{type(bad[0]).__name__}"
+            )
+    elif not isinstance(address, str) or not address.strip():
+        raise TypeError(
+            f"{client}(address): the server's 'host:port' as a string, e.g. "
+            f"{client}('127.0.0.1:50051'), or a cluster's shards as a list of them, "
+            f"got {type(address).__name__}"
+        )
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout is seconds (a number), got {timeout!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if transport not in _TRANSPORTS:
+        raise ValueError(
+            f"transport must be one of {', '.join(_TRANSPORTS)}, got {transport!r}"
+        )
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be an integer >= 1, got {chunk_bytes!r}")
+    if root_certificates is not None and not isinstance(root_certificates, bytes):
+        raise TypeError(
+            "root_certificates is the PEM bytes of the CA, not a path: pass "
+            "open(path, 'rb').read()"
+        )
+
+
+def _spec(value: Any, what: str, kind: Any = (Async, Sync)) -> Any:
+    """``value`` when it is an instance of ``kind`` (or has its ``to_proto``); else
+    a TypeError that says so (the class itself, ``Adam`` for ``Adam()``, is the usual
+    slip)."""
+    if isinstance(value, type):
+        raise TypeError(
+            f"{what} must be an instance, e.g. {value.__name__}(), not the class "
+            f"{value.__name__}"
+        )
+    if not isinstance(value, kind) and not callable(getattr(value, "to_proto", None)):
+        names = (
+            "Adagrad(), Momentum(), Nesterov() or Adam()"
+            if kind is OptimizerSpec
+            else "Async() or Sync(workers)"
+        )
+        raise TypeError(f"{what} must be one of {names}, got {value!r}")
+    return value
+
+
+def _named_tensors(tensors: Any) -> list[tuple[str, Any]]:
+    """``{name: array}`` or ``[(name, array), ...]`` as a list of pairs."""
+    if isinstance(tensors, Mapping):
+        items = list(tensors.items())
+    elif isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence):
+        items = None
+    else:
+        items = list(tensors)
+    if items is None or not all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in items
+    ):
+        raise TypeError(
+            "tensors must name each tensor, in the ONNX order: {'w': w0, 'b': b0} "
+            "or [('w', w0), ('b', b0)]"
+        )
+    return items
+
+
+def channel_credentials(
+    tls: tuple[bytes | None, bytes | None, bytes | None],
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials from (root certificates, private key, chain); None: plaintext."""
+    roots, key, chain = tls
+    if roots is None and chain is None:
+        return None
+    return grpc.ssl_channel_credentials(roots, key, chain)
+
+
+class Deadline:
+    """One absolute deadline for a whole call, whatever it sends and resends."""
+
+    __slots__ = ("at", "seconds")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        return max(0.0, self.at - time.monotonic())
+
+    def expired(self, what: str, details: str) -> DeadlineExceededError:
+        why = f"{what} within {self.seconds:g} s"
+        if details and details.lower() != "deadline exceeded":
+            why += f" ({details})"
+        return DeadlineExceededError(why)
+
+
+class StreamReader(Protocol):
+    def add(self, msg: Any) -> None: ...
+
+    def finish(self) -> Any: ...
+
+
+class _TensorStreamReader:
+    """A server stream: one header message naming the tensors, then their chunks."""
+
+    def __init__(
+        self, header: Callable[[Any], tuple[Any, list[pb.Tensor], list[str]]]
+    ) -> None:
+        self._header = header
+        self._asm: TensorAssembler | None = None
+        self._extra: Any = None
+
+    def add(self, msg: Any) -> None:
+        if self._asm is None:
+            self._extra, tensors, names = self._header(msg)
+            self._asm = TensorAssembler(tensors, names)
+        else:
+            self._asm.add(msg.chunk)
+
+    def finish(self) -> tuple[Any, list[Array]]:
+        if self._asm is None:
+            raise TensorFormatError("the reply stream ended before its header")
+        return self._extra, self._asm.finish()
+
+
+@dataclass(frozen=True)
+class Call:
+    """One RPC: ``request()`` gives the message (or a fresh iterator of stream
+    messages, for each send); ``reader`` is set when the reply is a stream."""
+
+    method: str
+    request: Callable[[], Any]
+    deadline: Deadline
+    what: str
+    reader: Callable[[], StreamReader] | None = None
+
+    def error(self, exc: grpc.RpcError) -> RpcError:
+        """The one place a failed RPC becomes the client's exception."""
+        error = translate(exc)
+        if isinstance(error, DeadlineExceededError):
+            return self.deadline.expired(self.what, error.details)
+        if error.code == grpc.StatusCode.CANCELLED:
+            # This client never cancels a call it waits on (a cancelled task raises
+            # asyncio.CancelledError): the server did, because it is stopping (a
+            # graceful stop cancels what it had not yet started).
+            return UnavailableError(
+                f"{self.what}: the server cancelled the call (it is stopping), so it "
+                f"may or may not have taken effect ({error.details})",
+                grpc.StatusCode.CANCELLED,
+            )
+        return error
+
+
+@dataclass(frozen=True)
+class Pause:
+    seconds: float
+
+
+Effect = Call | Pause
+Op = Generator[Effect, Any, R]
+
+
+class OpRun:
+    """Steps an operation: hands out its effects, feeds back their outcomes."""
+
+    def __init__(self, op: Op[Any]) -> None:
+        self._op = op
+        self._reply: Any = None
+        self._error: BaseException | None = None
+        self.result: Any = None
+
+    def next_effect(self) -> Effect | None:
+        """The next effect to perform; None when the operation returned ``result``."""
+        try:
+            if self._error is not None:
+                error, self._error = self._error, None
+                return self._op.throw(error)
+            return self._op.send(self._reply)
+        except StopIteration as stop:
+            self.result = stop.value
+            return None
+
+    def reply(self, value: Any) -> None:
+        self._reply = value
+
+    def fail(self, error: RpcError) -> None:
+        self._error = error
+
+
+Int_co = TypeVar("Int_co", covariant=True)
+Values_co = TypeVar("Values_co", covariant=True)
+
+
+class PushCall(Protocol[Int_co, Values_co]):
+    """The type of ``push`` on either client: T, or X_1..X_n with ``return_values``
+    (``Client``: the values; ``AsyncClient``: coroutines of them). Written once
+    here because overloads do not pass through the ParamSpec of the runners."""
+
+    @overload
+    def __call__(
+        self,
+        group: str,
+        *gradients: Any,
+        base_version: int | None = ...,
+        learning_rate: float | None = ...,
+        return_values: Literal[False] = ...,
+        timeout: float | None = ...,
+    ) -> Int_co: ...
+
+    @overload
+    def __call__(
+        self,
+        group: str,
+        *gradients: Any,
+        base_version: int | None = ...,
+        learning_rate: float | None = ...,
+        return_values: Literal[True],
+        timeout: float | None = ...,
+    ) -> Values_co: ...
+
+
+def as_method(
+    method: Callable[..., Any], op: Callable[..., Any], owner: str, name: str = ""
+) -> None:
+    """Name ``method``, which runs the operation ``op``, as ``owner``'s public call
+    (``inspect.signature`` and ``help`` show the operation's)."""
+    functools.update_wrapper(method, op)
+    method.__name__ = name or op.__name__.removeprefix("_")
+    method.__qualname__ = f"{owner}.{method.__name__}"
+
+
+def _unary(msg: Any) -> Callable[[], Any]:
+    return lambda: msg
+
+
+class State(enum.Enum):
+    UNOPENED = 1
+    OPEN = 2
+    CLOSED = 3
+
+
+class ClientCore:
+    """Settings and per-client state both clients share, and every operation."""
+
+    def __init__(
+        self,
+        address: str | Sequence[str] = "",  # required: a default only to say so
+        *,
+        timeout: float = 60.0,
+        client_id: str | None = None,
+        token: str | None = None,
+        root_certificates: bytes | None = None,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        server_name_override: str | None = None,
+        transport: Transport = "auto",
+        stream_threshold_bytes: int = STREAM_THRESHOLD_BYTES,
+        chunk_bytes: int = CHUNK_BYTES,
+        split_bytes: int = SPLIT_BYTES,
+        **unexpected: NoReturn,
+    ) -> None:
+        _check_client_arguments(
+            type(self).__name__,
+            address,
+            timeout,
+            transport,
+            chunk_bytes,
+            root_certificates,
+            unexpected,
+        )
+        # A list of addresses is a cluster: shard i at addresses[i] (README, "A
+        # cluster of shards").
+        self.addresses = [address] if isinstance(address, str) else list(address)
+        self.address = ",".join(self.addresses)
+        self.shards: int | None = (
+            None if isinstance(address, str) else len(self.addresses)
+        )
+        self.split_bytes = split_bytes
+        self.timeout = timeout
+        self.client_id = client_id or uuid.uuid4().hex
+        self.transport: Transport = transport
+        self.stream_threshold_bytes = stream_threshold_bytes
+        self.chunk_bytes = chunk_bytes
+        self._token = token
+        self._tls = (root_certificates, private_key, certificate_chain)
+        self._server_name_override = server_name_override
+        # Seqs start at the wall clock in microseconds, not 1: a worker restarted with
+        # the same client_id must not repeat seqs the server remembers, or its first
+        # pushes would be answered as duplicates and silently dropped.
+        self._seq = itertools.count(time.time_ns() // 1000)
+        self._sizes: dict[str, int] = {}
+        self._state = State.UNOPENED
+        self._setup()
+
+    def _setup(self) -> None:
+        """The connection state of the concrete client."""
+
+    def _check_open(self) -> None:
+        if self._state is State.CLOSED:
+            raise ClientClosedError(
+                f"this client was closed; create a new {type(self).__name__}"
+            )
+
+    def _metadata(self, shard: int = 0) -> list[tuple[str, str]] | None:
+        md = [("authorization", f"Bearer {self._token}")] if self._token else []
+        if self.shards is not None:
+            md.append((SHARD_METADATA_KEY, f"{shard}/{self.shards}"))
+        return md or None
+
+    def _deadline(self, timeout: float | None) -> Deadline:
+        return Deadline(self.timeout if timeout is None else timeout)
+
+    def _use_stream(self, nbytes: int) -> bool:
+        if self.transport == "auto":
+            return nbytes > self.stream_threshold_bytes
+        return self.transport == "stream"
+
+    def _unary_op(self, method: str, request: Any, timeout: float | None) -> Op[Any]:
+        return (
+            yield Call(method, _unary(request), self._deadline(timeout), what(method))
+        )
+
+    @staticmethod
+    def _call_op(call: Call) -> Op[Any]:
+        return (yield call)
+
+    # -- groups --------------------------------------------------------------------
+    def _create_group(
+        self,
+        name: str,
+        optimizer: OptimizerSpec,
+        *,
+        learning_rate: float,
+        tensors: Mapping[str, Any] | Sequence[tuple[str, Any]],
+        consistency: Async | Sync | None = None,
+        allow_non_finite: bool = False,
+        state: Sequence[Any] | None = None,
+        update_count: int = 0,
+        lease_seconds: float | None = None,
+        timeout: float | None = None,
+    ) -> Op[GroupInfo]:
+        """Create a group; the order of ``tensors`` is the ONNX order from then on.
+
+        ``state`` (V_1..V_n then H_1..H_n, as the operator has them) and
+        ``update_count`` resume a group whose optimizer state was saved elsewhere.
+        """
+        items = _named_tensors(tensors)
+        arrays = [np.asarray(a) for _, a in items]
+        state_arrays = [np.asarray(a) for a in state or ()]
+        req = pb.CreateGroupRequest(
+            group=name,
+            optimizer=_spec(optimizer, "optimizer", OptimizerSpec).to_proto(),
+            learning_rate=learning_rate,
+            consistency=_spec(consistency or Async(), "consistency").to_proto(),
+            allow_non_finite=allow_non_finite,
+            update_count=update_count,
+            lease_seconds=lease_seconds or 0.0,
+        )
+        names = [n for n, _ in items]
+        deadline = self._deadline(timeout)
+        return (
+            yield from self._create_parts(req, names, arrays, state_arrays, deadline)
+        )
+
+    def _create_parts(
+        self,
+        req: pb.CreateGroupRequest,
+        names: list[str],
+        arrays: list[Array],
+        state_arrays: list[Array],
+        deadline: Deadline,
+    ) -> Op[GroupInfo]:
+        """Create the group (a cluster client: its parts, on their shards)."""
+        msg = yield from self._create_op(req, names, arrays, state_arrays, deadline)
+        return self._remember(group_info(msg))
+
+    def _create_op(
+        self,
+        template: pb.CreateGroupRequest,
+        names: Sequence[str],
+        arrays: Sequence[Array],
+        state_arrays: Sequence[Array],
+        deadline: Deadline,
+    ) -> Op[pb.GroupInfo]:
+        """One CreateGroup(Stream) of ``template`` with these tensors: the reply's
+        group."""
+        req = pb.CreateGroupRequest()
+        req.CopyFrom(template)
+        arrays = list(arrays)
+        state_arrays = list(state_arrays)
+        if self._use_stream(sum(a.nbytes for a in arrays + state_arrays)):
+            req.tensors.extend(map(header_tensor, arrays, names))
+            req.state.extend(header_tensor(a) for a in state_arrays)
+            chunks = self._chunks(
+                pb.CreateGroupStreamRequest, req, arrays + state_arrays
+            )
+            call = Call(
+                "CreateGroupStream", chunks, deadline, what("CreateGroupStream")
+            )
+        else:
+            for n, a in zip(names, arrays, strict=True):
+                write_tensor(req.tensors.add(), a, n)
+            for a in state_arrays:
+                write_tensor(req.state.add(), a)
+            call = Call("CreateGroup", _unary(req), deadline, what("CreateGroup"))
+        msg = yield call
+        group: pb.GroupInfo = msg.group
+        return group
+
+    def _chunks(
+        self, message: Any, header: Any, arrays: list[Array]
+    ) -> Callable[[], Iterator[Any]]:
+        """A client stream: the header, then every array in chunks."""
+        field = "request" if message is pb.ApplyStreamRequest else "header"
+
+        def chunks() -> Iterator[Any]:
+            yield message(**{field: header})
+            yield from chunk_messages(message, arrays, self.chunk_bytes)
+
+        return chunks
+
+    def _remember(self, info: GroupInfo) -> GroupInfo:
+        self._sizes[info.name] = info.nbytes
+        return info
+
+    def _describe_group(
+        self, name: str, *, timeout: float | None = None
+    ) -> Op[GroupInfo]:
+        return self._describe(name, self._deadline(timeout))
+
+    def _describe(self, name: str, deadline: Deadline) -> Op[GroupInfo]:
+        req = pb.DescribeGroupRequest(group=name)
+        msg = yield Call("DescribeGroup", _unary(req), deadline, what("DescribeGroup"))
+        return self._remember(group_info(msg.group))
+
+    def _list_groups(
+        self, prefix: str = "", *, timeout: float | None = None
+    ) -> Op[list[GroupInfo]]:
+        req = pb.ListGroupsRequest(prefix=prefix)
+        msg = yield from self._unary_op("ListGroups", req, timeout)
+        return [group_info(g) for g in msg.groups]
+
+    def _delete_group(self, name: str, *, timeout: float | None = None) -> Op[bool]:
+        self._sizes.pop(name, None)
+        req = pb.DeleteGroupRequest(group=name)
+        msg = yield from self._unary_op("DeleteGroup", req, timeout)
+        return bool(msg.deleted)
+
+    def _set_learning_rate(
+        self, name: str, learning_rate: float, *, timeout: float | None = None
+    ) -> Op[GroupInfo]:
+        req = pb.SetLearningRateRequest(group=name, learning_rate=learning_rate)
+        msg = yield from self._unary_op("SetLearningRate", req, timeout)
+        return group_info(msg.group)
+
+    # -- push ----------------------------------------------------------------------
+    def _push_detailed(
+        self,
+        group: str,
+        *gradients: Any,
+        base_version: int | None = None,
+        learning_rate: float | None = None,
+        return_values: bool = False,
+        timeout: float | None = None,
+    ) -> Op[PushResult]:
+        """Like ``push``, with everything the server said about it."""
+        # Built now, not when first stepped: its deadline and seq start with the
+        # call, and a unary push has copied the gradients before it returns.
+        deadline = self._deadline(timeout)
+        arrays = [np.asarray(g) for g in gradients]
+        req = pb.PushRequest(
+            group=group,
+            client_id=self.client_id,
+            seq=next(self._seq),
+            return_values=return_values,
+        )
+        if base_version is not None:
+            req.base_version = base_version
+        if learning_rate is not None:
+            req.learning_rate = learning_rate
+        return (yield from self._push_parts(req, arrays, deadline))
+
+    def _push_parts(
+        self, req: pb.PushRequest, arrays: list[Array], deadline: Deadline
+    ) -> Op[PushResult]:
+        """Send the push (a cluster client: its parts, to their shards)."""
+        msg = yield from self._push_op(req, arrays, deadline)
+        values = None
+        if req.return_values:
+            values = [tensor_to_array(t, t.name).copy() for t in msg.values]
+        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
+
+    def _push_op(
+        self, template: pb.PushRequest, arrays: Sequence[Array], deadline: Deadline
+    ) -> Op[Any]:
+        """One push of ``template`` with these gradients, resent while unanswered:
+        the reply message."""
+        req = pb.PushRequest()
+        req.CopyFrom(template)
+        group = req.group
+        what = f"the push to group {group} (seq {req.seq}) was not answered"
+        arrays = list(arrays)
+        if self._use_stream(sum(a.nbytes for a in arrays)):
+            req.gradients.extend(header_tensor(a) for a in arrays)
+            chunks = self._chunks(pb.PushStreamRequest, req, arrays)
+            call = Call("PushStream", chunks, deadline, what)
+        else:
+            for a in arrays:
+                write_tensor(req.gradients.add(), a)
+            call = Call("Push", _unary(req), deadline, what)
+        return (yield from self._resending(call, group, req.seq))
+
+    def _push(self, *args: Any, **kwargs: Any) -> Op[int | list[Array]]:
+        """Push G_1..G_n (ONNX order). Returns the new T, or X_1..X_n with
+        ``return_values=True`` (after the step, in sync mode)."""
+        result = yield from self._push_detailed(*args, **kwargs)
+        return result.update_count if result.values is None else result.values
+
+    # push takes push_detailed's arguments: inspect.signature(push) shows them
+    _push.__wrapped__ = _push_detailed  # type: ignore[attr-defined]
+
+    # -- pull ----------------------------------------------------------------------
+    def _pull(
+        self,
+        group: str,
+        *,
+        state: bool = False,
+        min_version: int | None = None,
+        timeout: float | None = None,
+    ) -> Op[list[Array]]:
+        """X_1..X_n, or with ``state=True`` X..., V..., H... (ONNX output order).
+
+        ``min_version`` waits (within the deadline) until the group's T reaches it.
+        """
+        pulled = self._pull_versioned(
+            group, state=state, min_version=min_version, timeout=timeout
+        )
+        return (yield from pulled)[1]
+
+    def _pull_versioned(
+        self,
+        group: str,
+        *,
+        state: bool = False,
+        min_version: int | None = None,
+        timeout: float | None = None,
+    ) -> Op[tuple[int, list[Array]]]:
+        """(T, arrays): the tensors and the update count they belong to.
+
+        On a cluster, T is the lowest of the parts' (with pushes in flight, parts
+        can be a push apart); ``min_version`` waits for every part."""
+        deadline = self._deadline(timeout)
+        return (yield from self._pull_parts(group, state, min_version, deadline))
+
+    def _pull_parts(
+        self, group: str, state: bool, min_version: int | None, deadline: Deadline
+    ) -> Op[tuple[int, list[Array]]]:
+        """Pull the group (a cluster client: its parts, from their shards)."""
+        return (yield from self._pull_op(group, state, min_version, deadline))
+
+    def _pull_op(
+        self, group: str, state: bool, min_version: int | None, deadline: Deadline
+    ) -> Op[tuple[int, list[Array]]]:
+        """One pull of one group (or part) from one server."""
+        if min_version is not None:
+            waited = f"group {group} did not reach T={min_version}"
+        else:
+            waited = f"the pull of group {group} was not answered"
+        size = self._sizes.get(group)
+        if size is None and self.transport == "auto":
+            size = (yield from self._describe(group, deadline)).nbytes
+        if self._use_stream(size or 0):
+            req = pb.PullStreamRequest(
+                group=group, with_state=state, min_version=min_version
+            )
+            t, arrays = yield Call(
+                "PullStream", _unary(req), deadline, waited, _pull_reader
+            )
+            return int(t), arrays
+        unary = pb.PullRequest(group=group, with_state=state, min_version=min_version)
+        msg = yield Call("Pull", _unary(unary), deadline, waited)
+        return msg.update_count, [
+            tensor_to_array(t, t.name).copy() for t in msg.tensors
+        ]
+
+    # -- rows ----------------------------------------------------------------------
+    def _push_rows(
+        self,
+        group: str,
+        gradients: Mapping[str, Any],
+        *,
+        base_version: int | None = None,
+        learning_rate: float | None = None,
+        timeout: float | None = None,
+    ) -> Op[PushResult]:
+        """One step in which only the given rows change.
+
+        ``gradients`` maps a tensor name to ``(indices, rows)`` (int64 (k,) and
+        (k, *shape[1:])) or to a dense gradient of the whole tensor; tensors not
+        named keep every row. Repeated indices are summed first. The indices and rows
+        travel in ~1 MiB chunks (no size ceiling); a push the server did not answer
+        (UNAVAILABLE) is resent with the same seq, and answered once."""
+        deadline = self._deadline(timeout)
+        return (
+            yield from self._rows_push_op(
+                group, group, gradients, base_version, learning_rate, deadline
+            )
+        )
+
+    def _rows_push_op(
+        self,
+        group: str,
+        part: str,
+        gradients: Mapping[str, Any],
+        base_version: int | None,
+        learning_rate: float | None,
+        deadline: Deadline,
+    ) -> Op[PushResult]:
+        """A row push to ``part``, the name of ``group`` on the server it goes to."""
+        header = pb.PushRowsHeader(
+            group=part, client_id=self.client_id, seq=next(self._seq)
+        )
+        if base_version is not None:
+            header.base_version = base_version
+        if learning_rate is not None:
+            header.learning_rate = learning_rate
+        arrays: list[Array] = []
+        for name, g in gradients.items():
+            gr = header.gradients.add(name=name)
+            if isinstance(g, tuple):
+                indices = _indices(g[0])
+                gr.indices.CopyFrom(header_tensor(indices))
+                arrays.append(indices)
+                values = np.asarray(g[1])
+            else:
+                values = np.asarray(g)
+            gr.values.CopyFrom(header_tensor(values))
+            arrays.append(values)
+        what = f"the row push to group {group} (seq {header.seq}) was not answered"
+        chunks = self._chunks(pb.PushRowsRequest, header, arrays)
+        call = Call("PushRows", chunks, deadline, what)
+        msg = yield from self._resending(call, group, header.seq)
+        return PushResult(msg.update_count, msg.applied, msg.duplicate, None)
+
+    def _pull_rows(
+        self,
+        group: str,
+        selections: Mapping[str, Any],
+        *,
+        state: bool = False,
+        min_version: int | None = None,
+        timeout: float | None = None,
+    ) -> Op[dict[str, Array]]:
+        """Rows of tensors: ``{name: indices}`` in, ``{name: rows}`` out (with
+        ``state``, also ``"V:name"`` and ``"H:name"`` as the operator has them)."""
+        deadline = self._deadline(timeout)
+        return (
+            yield from self._rows_pull_op(
+                group, group, selections, state, min_version, deadline
+            )
+        )
+
+    def _rows_pull_op(
+        self,
+        group: str,
+        part: str,
+        selections: Mapping[str, Any],
+        state: bool,
+        min_version: int | None,
+        deadline: Deadline,
+    ) -> Op[dict[str, Array]]:
+        """A row pull from ``part``, the name of ``group`` on the server it asks."""
+        header = pb.PullRowsHeader(group=part, with_state=state)
+        if min_version is not None:
+            header.min_version = min_version
+        arrays = []
+        for name, idx in selections.items():
+            indices = _indices(idx)
+            header.tensors.add(name=name, indices=header_tensor(indices))
+            arrays.append(indices)
+        chunks = self._chunks(pb.PullRowsRequest, header, arrays)
+        what = f"the row pull of group {group} was not answered"
+        names, rows = yield Call("PullRows", chunks, deadline, what, _rows_reader)
+        return dict(zip(names, rows, strict=True))
+
+    def _resending(self, call: Call, group: str, seq: int) -> Op[Any]:
+        """Send a push, and resend it (same seq) while the server is unavailable,
+        until the deadline: the server answers a repeat with its first result."""
+        backoff = 0.1
+        unavailable: RpcError | None = None
+        while True:
+            try:
+                return (yield call)
+            except DeadlineExceededError:
+                if unavailable is None:
+                    raise
+                raise self._gone(group, seq, call.deadline, unavailable) from None
+            except RpcError as exc:
+                if exc.code not in _RESEND_CODES:
+                    raise
+                unavailable = exc
+            pause = min(backoff, call.deadline.remaining())
+            if pause <= 0:
+                raise self._gone(group, seq, call.deadline, unavailable)
+            log.info(
+                "push to %s seq %d: %s; resending in %.1f s",
+                group,
+                seq,
+                unavailable.code.name,
+                pause,
+            )
+            yield Pause(pause)
+            backoff = min(_RESEND_BACKOFF_MAX, backoff * 2)
+
+    def _gone(
+        self, group: str, seq: int, deadline: Deadline, last: RpcError
+    ) -> UnavailableError:
+        return UnavailableError(
+            f"the server at {self.address} stayed unavailable for "
+            f"{deadline.seconds:g} s ({last.details}); the push to group "
+            f"{group} (seq {seq}) may not have been applied",
+            reason=last.reason,  # the last refusal's details (e.g. WAL_WRITE_FAILED)
+            metadata=last.metadata,
+            violations=last.violations,
+        )
+
+    # -- apply ---------------------------------------------------------------------
+    def _apply(
+        self, optimizer: OptimizerSpec, *inputs: Any, timeout: float | None = None
+    ) -> Op[list[Array]]:
+        """Run one ONNX node remotely: ``R, T, X..., G..., V..., H...`` in,
+        ``X_new..., V_new..., H_new...`` out."""
+        arrays = [np.asarray(a) for a in inputs]
+        if len(arrays) >= 2 and arrays[1].dtype.kind in "iu":
+            arrays[1] = arrays[1].astype(np.int64)
+        deadline = self._deadline(timeout)
+        optimizer = _spec(optimizer, "optimizer", OptimizerSpec)
+        req = pb.ApplyRequest(optimizer=optimizer.to_proto())
+        if self._use_stream(sum(a.nbytes for a in arrays)):
+            req.inputs.extend(header_tensor(a) for a in arrays)
+            chunks = self._chunks(pb.ApplyStreamRequest, req, arrays)
+            waited = what("ApplyStream")
+            _, outputs = yield Call(
+                "ApplyStream", chunks, deadline, waited, _apply_reader
+            )
+            return list(outputs)
+        for a in arrays:
+            write_tensor(req.inputs.add(), a)
+        msg = yield Call("Apply", _unary(req), deadline, what("Apply"))
+        return [
+            tensor_to_array(t, f"output {i}").copy() for i, t in enumerate(msg.outputs)
+        ]
+
+    # -- workers and durability ----------------------------------------------------
+    def _join_op(
+        self, group: str, worker_id: str, timeout: float | None
+    ) -> Op[LeaseInfo]:
+        req = pb.JoinGroupRequest(group=group, worker_id=worker_id)
+        return lease_info((yield from self._unary_op("JoinGroup", req, timeout)))
+
+    def _heartbeat_op(self, group: str, worker_id: str, interval: float) -> Op[Any]:
+        req = pb.HeartbeatRequest(group=group, worker_id=worker_id)
+        timeout = min(interval * 2, self.timeout)
+        return (yield from self._unary_op("Heartbeat", req, timeout))
+
+    def _heartbeat_interval(self, lease: LeaseInfo) -> float:
+        return max(0.05, lease.lease_seconds / 3)
+
+    def _leave_op(
+        self, group: str, worker_id: str, timeout: float | None
+    ) -> Op[LeaseInfo]:
+        req = pb.LeaveGroupRequest(group=group, worker_id=worker_id)
+        return lease_info((yield from self._unary_op("LeaveGroup", req, timeout)))
+
+    def _save(self, *, timeout: float | None = None) -> Op[SaveInfo]:
+        """Ask the server to write a snapshot of every group now."""
+        msg = yield from self._unary_op("Save", pb.SaveRequest(), timeout)
+        return SaveInfo(msg.path, msg.groups, msg.bytes)
+
+    def _export(self, path: str | os.PathLike[str], prefix: str = "") -> Op[list[str]]:
+        """Write every group whose name starts with ``prefix`` (tensors, optimizer
+        state, T, learning rate) to one .npz file; returns the group names."""
+        return export_op(self, path, prefix)
+
+    def _import_(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        existing: Literal["fail", "skip", "replace"] = "fail",
+    ) -> Op[list[str]]:
+        """Create the groups of a file written by ``export``; returns their names.
+
+        The file is checked whole first. A group the server already has makes the
+        import fail before anything is created (``existing="fail"``), is left as it
+        is (``"skip"``, not in the result) or is replaced by the file's.
+        """
+        return (yield from import_op(self, path, existing=existing)).imported
+
+
+def what(method: str) -> str:
+    return f"{method} was not answered"
+
+
+def _pull_reader() -> StreamReader:
+    def header(m: pb.PullStreamResponse) -> tuple[int, list[pb.Tensor], list[str]]:
+        tensors = list(m.header.tensors)
+        return m.header.update_count, tensors, [t.name for t in tensors]
+
+    return _TensorStreamReader(header)
+
+
+def _rows_reader() -> StreamReader:
+    def header(m: pb.PullRowsResponse) -> tuple[list[str], list[pb.Tensor], list[str]]:
+        rows = list(m.header.rows)
+        names = [t.name for t in rows]
+        return names, rows, names
+
+    return _TensorStreamReader(header)
+
+
+def _indices(idx: Any) -> Array:
+    """Row indices as given, integers widened to int64 (the wire's)."""
+    indices = np.asarray(idx)
+    if indices.dtype.kind in "iu":
+        indices = indices.astype(np.int64, copy=False)
+    return indices
+
+
+def _apply_reader() -> StreamReader:
+    def header(m: pb.ApplyStreamResponse) -> tuple[None, list[pb.Tensor], list[str]]:
+        outputs = list(m.response.outputs)
+        return None, outputs, [f"output {i}" for i in range(len(outputs))]
+
+    return _TensorStreamReader(header)
