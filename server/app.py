@@ -25,7 +25,7 @@ from ._reflection import enable_reflection
 from .durability import MODES as DURABILITY_MODES
 from .durability import Durability
 from .limits import InflightBytes, LimitsInterceptor
-from .metrics import MetricsEndpoint, ObserveInterceptor, Recorder
+from .metrics import LoadCollector, MetricsEndpoint, ObserveInterceptor, Recorder
 from .security import ConfigError
 from .service import ParameterServerServicer
 from .shard import ShardInterceptor, parse_shard
@@ -376,6 +376,14 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     recorder = Recorder(store, enabled=config.metrics_port is not None)
     # outermost first: observe every call (auth refusals too), then auth, limits
     gate = DrainGate()  # a graceful stop refuses new calls here first
+    if recorder.registry is not None:
+        recorder.registry.register(
+            LoadCollector(
+                lambda: gate.running,
+                lambda: inflight.held,
+                lambda: store.waiting_calls,
+            )
+        )
     interceptors: list[Interceptor] = [ObserveInterceptor(recorder), gate]
     if grants is not None:
         interceptors.append(security.TokenAuthInterceptor(grants))

@@ -218,6 +218,39 @@ class StoreCollector(Collector):
         return []
 
 
+class LoadCollector(Collector):
+    """Gauges of the load right now: calls running, bytes held, calls waiting."""
+
+    def __init__(
+        self,
+        calls: Callable[[], int],
+        inflight_bytes: Callable[[], int],
+        waiting: Callable[[], int],
+    ) -> None:
+        self.calls, self.inflight_bytes, self.waiting = calls, inflight_bytes, waiting
+
+    def collect(self) -> Iterable[Any]:
+        yield GaugeMetricFamily(
+            "onnxps_calls_in_flight",
+            "Service calls admitted and not yet finished",
+            value=self.calls(),
+        )
+        yield GaugeMetricFamily(
+            "onnxps_inflight_bytes",
+            "Request and reply bytes held, counted against --max-inflight-bytes",
+            value=self.inflight_bytes(),
+        )
+        yield GaugeMetricFamily(
+            "onnxps_waiting_calls",
+            "Calls waiting for a version (pull min_version, sync push), "
+            "bounded by --max-waiting-calls",
+            value=self.waiting(),
+        )
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+
 def request_id(metadata: Iterable[tuple[str, Any]] | None) -> str:
     for key, value in metadata or ():
         if key == "x-request-id":

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -54,9 +55,11 @@ def test_serve_drains_in_flight_call_and_exits_0_on_signal(
     tmp_path: Path, signum: signal.Signals
 ) -> None:
     log = tmp_path / "server.log"
-    proc, address = start_server(log)
+    proc, address = start_server(log, "--metrics-port", "0")
     try:
         assert address.startswith("127.0.0.1:") and int(address.split(":")[1]) > 0
+        found = re.search(r"metrics on (http://\S+/metrics)", log.read_text())
+        assert found, log.read_text()
         x = np.zeros(1 << 20, np.float32)  # 4 MiB: four 1 MiB chunks
         with Client(address, timeout=10) as c:
             c.create_group("big", Adagrad(), learning_rate=0.5, tensors={"x": x})
@@ -72,6 +75,9 @@ def test_serve_drains_in_flight_call_and_exits_0_on_signal(
         t = threading.Thread(target=run)
         t.start()
         assert in_flight.wait(10)
+        # The client has sent two chunks; the server may not have handed the call to
+        # a handler yet. Signal only once it counts the push as admitted.
+        assert _wait_gauge(found.group(1), "onnxps_calls_in_flight", 1, 10)
         proc.send_signal(signum)
         deadline = time.monotonic() + 10
         while "draining" not in log.read_text() and time.monotonic() < deadline:
@@ -94,6 +100,18 @@ def test_serve_drains_in_flight_call_and_exits_0_on_signal(
     assert f"onnxps listening on {address}" in text
     assert f"received {signum.name}: draining in-flight calls" in text
     assert f"onnxps on {address} stopped" in text
+
+
+def _wait_gauge(url: str, name: str, value: float, timeout: float) -> bool:
+    """True once the metric ``name`` at ``url`` reads ``value``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            text = reply.read().decode()
+        if re.search(rf"^{name} {float(value)}$", text, re.M):
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def _free_port() -> int:

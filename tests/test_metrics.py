@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -162,3 +164,34 @@ def test_each_rpc_logs_method_group_code_and_its_request_id(
     assert len(ok) == 1 and ok[0].levelno == logging.DEBUG
     assert ok[0].getMessage().startswith("rpc ListGroups group=- code=OK ")
     assert ok[0].rpc_code == "OK"  # type: ignore[attr-defined]
+
+
+def test_load_gauges_count_a_waiting_call_while_it_waits() -> None:
+    handle = _serve(metrics_port=0)
+    try:
+        with Client(handle.address, timeout=10) as c:
+            c.create_group("g", Adagrad(), learning_rate=0.5, tensors={"w": W0})
+            idle = scrape(handle)
+            assert idle[("onnxps_calls_in_flight", ())] == 0
+            assert idle[("onnxps_waiting_calls", ())] == 0
+            assert idle[("onnxps_inflight_bytes", ())] == 0
+            got: list[object] = []
+            waiter = threading.Thread(
+                target=lambda: got.append(c.pull("g", min_version=1, timeout=10))
+            )
+            waiter.start()
+            deadline = time.monotonic() + 10
+            m = scrape(handle)
+            while m[("onnxps_waiting_calls", ())] != 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+                m = scrape(handle)
+            assert m[("onnxps_waiting_calls", ())] == 1
+            assert m[("onnxps_calls_in_flight", ())] == 1
+            c.push("g", G)
+            waiter.join(10)
+            assert len(got) == 1
+            after = scrape(handle)
+            assert after[("onnxps_waiting_calls", ())] == 0
+            assert after[("onnxps_calls_in_flight", ())] == 0
+    finally:
+        handle.stop(grace=0)
