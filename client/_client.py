@@ -60,7 +60,8 @@ BACKGROUND_PUSHES = 4  # threads of a client's background pushes
 # the names the cluster calls (_sharded) use
 _Deadline = Deadline
 _group_info = group_info
-_PartPush = tuple[int, pb.PushRequest, list[Array]]  # shard, request, gradients
+# shard, request (a dense push's, or a row push's header), gradients
+_PartPush = tuple[int, pb.PushRequest | pb.PushRowsHeader, list[Array]]
 
 
 def until_landed(call: Callable[[], R], deadline: Deadline) -> R:
@@ -255,11 +256,14 @@ class Client(ClientCore):
     def _push_one(
         self,
         shard: int,
-        template: pb.PushRequest,
+        template: pb.PushRequest | pb.PushRowsHeader,
         arrays: Sequence[Array],
         deadline: Deadline,
     ) -> Any:
         """One push (or a part's) to one shard: the reply message."""
+        if isinstance(template, pb.PushRowsHeader):
+            op = self._rows_send_op(template.group, template, list(arrays), deadline)
+            return self._run(op, shard)
         return self._run(self._push_op(template, arrays, deadline), shard)
 
     def _pull_one(
@@ -424,14 +428,14 @@ class Client(ClientCore):
                 learning_rate=learning_rate,
                 timeout=timeout,
             )
+        from . import _rowsplit
+
         deadline = self._deadline(timeout)
 
         def push() -> PushResult:
-            shard, part = self._rows_target(group, deadline)
-            op = self._rows_push_op(
-                group, part, gradients, base_version, learning_rate, deadline
+            return _rowsplit.push_rows(
+                self, group, gradients, base_version, learning_rate, deadline
             )
-            return self._run(op, shard)
 
         return _lazy(push)
 
@@ -448,31 +452,16 @@ class Client(ClientCore):
             return super()._pull_rows(
                 group, selections, state=state, min_version=min_version, timeout=timeout
             )
+        from . import _rowsplit
+
         deadline = self._deadline(timeout)
 
         def pull() -> dict[str, Array]:
-            shard, part = self._rows_target(group, deadline)
-            op = self._rows_pull_op(
-                group, part, selections, state, min_version, deadline
+            return _rowsplit.pull_rows(
+                self, group, selections, state, min_version, deadline
             )
-            return self._run(op, shard)
 
         return _lazy(pull)
-
-    def _rows_target(self, group: str, deadline: Deadline) -> tuple[int, str]:
-        """The shard and name of the one part row calls go to (a plain server: 0)."""
-        if self.shards is None:
-            return 0, group
-        from . import _sharded
-
-        targets = _sharded.part_targets(self, group, deadline)
-        if len(targets) != 1:
-            raise ValueError(
-                f"group {group!r} is split into {len(targets)} parts across the "
-                "cluster; row pushes and pulls need a group held by one shard "
-                "(create it with a larger split_bytes)"
-            )
-        return targets[0]
 
     # -- workers -------------------------------------------------------------------
     def join(

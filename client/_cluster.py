@@ -11,8 +11,12 @@ second client class (an asyncio one) reuses these as they are.
 - A group whose X bytes exceed ``split_bytes`` is split into ``K = min(n,
   ceil(bytes / split_bytes))`` parts: the concatenation of X_1..X_n flattened in C
   order is cut at ``floor(total * k / K)``; part ``k`` is an ordinary group named
-  ``"{group}#p{k}of{K}"`` on the shard ranked ``k``, holding 1-D slices of the tensors
-  its range meets, each named ``"{tensor}@{start}-{stop}@{d0,d1,...}"``.
+  ``"{group}#p{k}of{K}"`` on the shard ranked ``k``, holding the pieces of the
+  tensors its range meets. A cut inside a tensor of 2+ dims moves down to a row
+  boundary (equal cuts merge, so K can shrink): such a tensor is split by rows, its
+  piece a ``(rows, d1, ...)`` tensor named ``"{tensor}@r{a}-{b}@{d0,d1,...}"`` (rows
+  ``[a, b)``). A 1-D tensor is split by element ranges, its piece named
+  ``"{tensor}@{start}-{stop}@{d0}"``; older layouts split any tensor that way.
 """
 
 from __future__ import annotations
@@ -109,11 +113,13 @@ def shard_addresses(template: str, shards: int) -> list[str]:
 
 @dataclass(frozen=True)
 class Slot:
-    """The flat C-order elements ``[start, stop)`` of the group's tensor ``tensor``."""
+    """The flat C-order elements ``[start, stop)`` of the group's tensor ``tensor``;
+    ``rows``: they are whole rows, held as a ``(rows, d1, ...)`` tensor (else 1-D)."""
 
     tensor: int
     start: int
     stop: int
+    rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,15 +150,53 @@ class Layout:
         """The tensor names of a part on its shard (the group's own when unsplit)."""
         if not self.split:
             return list(self.names)
-        return [
-            f"{self.names[s.tensor]}@{s.start}-{s.stop}@"
-            + ",".join(str(d) for d in self.shapes[s.tensor])
-            for s in part.slots
-        ]
+        return [self.slot_name(s) for s in part.slots]
+
+    def slot_name(self, s: Slot) -> str:
+        shape = self.shapes[s.tensor]
+        dims = ",".join(str(d) for d in shape)
+        if s.rows:
+            row = _row_size(shape)
+            return f"{self.names[s.tensor]}@r{s.start // row}-{s.stop // row}@{dims}"
+        return f"{self.names[s.tensor]}@{s.start}-{s.stop}@{dims}"
+
+    def slot_shape(self, s: Slot) -> tuple[int, ...]:
+        """The shape of a split group's piece on its shard."""
+        if not s.rows:
+            return (s.stop - s.start,)
+        shape = self.shapes[s.tensor]
+        return ((s.stop - s.start) // _row_size(shape), *shape[1:])
 
 
 def _size(shape: Sequence[int]) -> int:
     return math.prod(shape)
+
+
+def _row_size(shape: Sequence[int]) -> int:
+    """Elements per row of a tensor of 2+ dims (at least 1, for the arithmetic)."""
+    return max(1, _size(shape[1:]))
+
+
+def _by_rows(shape: Sequence[int]) -> bool:
+    return len(shape) >= 2
+
+
+def _row_cuts(bounds: Sequence[int], shapes: Sequence[tuple[int, ...]]) -> list[int]:
+    """``bounds`` with each cut inside a tensor of 2+ dims moved down to the row
+    boundary at or before it, equal cuts merged."""
+    out: list[int] = []
+    for b in bounds:
+        offset = 0
+        for shape in shapes:
+            size = _size(shape)
+            if offset < b < offset + size and _by_rows(shape):
+                row = _row_size(shape)
+                b = offset + (b - offset) // row * row
+                break
+            offset += size
+        if not out or b != out[-1]:
+            out.append(b)
+    return out
 
 
 def _whole(
@@ -180,17 +224,21 @@ def plan_layout(
         count = min(shards, math.ceil(total * itemsize / split_bytes), total)
     if count == 1:
         return _whole(group, names, shapes_t, ranking[0])
-    bounds = [total * k // count for k in range(count + 1)]
+    bounds = _row_cuts([total * k // count for k in range(count + 1)], shapes_t)
+    count = len(bounds) - 1
+    if count == 1:
+        return _whole(group, names, shapes_t, ranking[0])
     slots: list[list[Slot]] = [[] for _ in range(count)]
     offset = 0
     for i, size in enumerate(sizes):
+        rows = _by_rows(shapes_t[i])
         if size == 0:  # an empty tensor goes with the part its offset falls in
             k = next((k for k in range(count) if offset < bounds[k + 1]), count - 1)
-            slots[k].append(Slot(i, 0, 0))
+            slots[k].append(Slot(i, 0, 0, rows))
         for k in range(count):
             lo, hi = max(bounds[k], offset), min(bounds[k + 1], offset + size)
             if lo < hi:
-                slots[k].append(Slot(i, lo - offset, hi - offset))
+                slots[k].append(Slot(i, lo - offset, hi - offset, rows))
         offset += size
     parts = tuple(
         Part(part_name(group, k, count), ranking[k], tuple(slots[k]))
@@ -199,14 +247,20 @@ def plan_layout(
     return Layout(group, tuple(names), shapes_t, parts)
 
 
-def _parse_slot(text: str) -> tuple[str, int, int, tuple[int, ...]]:
+def _parse_slot(text: str) -> tuple[str, int, int, tuple[int, ...], bool]:
+    """``(tensor, start, stop, shape, rows)`` of a piece's name (elements)."""
     try:
         name, span, dims = text.rsplit("@", 2)
-        start, stop = (int(x) for x in span.split("-"))
+        rows = span.startswith("r")
+        start, stop = (int(x) for x in span.removeprefix("r").split("-"))
         shape = tuple(int(d) for d in dims.split(",")) if dims else ()
     except ValueError as exc:
         raise LayoutError(f"{text!r} is not a part's tensor name") from exc
-    return name, start, stop, shape
+    if rows:
+        if not _by_rows(shape):
+            raise LayoutError(f"{text!r}: rows of a tensor with fewer than 2 dims")
+        start, stop = start * _row_size(shape), stop * _row_size(shape)
+    return name, start, stop, shape, rows
 
 
 def layout_from_listing(
@@ -256,11 +310,11 @@ def layout_from_listing(
         shard, name, tensors = parts[k]
         slots = []
         for text, _ in tensors:
-            tname, start, stop, shape = _parse_slot(text)
+            tname, start, stop, shape, rows = _parse_slot(text)
             if not names or start != last_stop or tname != names[-1] or start == 0:
                 names.append(tname)
                 shapes.append(shape)
-            slots.append(Slot(len(names) - 1, start, stop))
+            slots.append(Slot(len(names) - 1, start, stop, rows))
             last_stop = stop
         built.append(Part(name, shard, tuple(slots)))
     return Layout(group, tuple(names), tuple(shapes), tuple(built))
@@ -279,7 +333,8 @@ def part_arrays(layout: Layout, part: Part, arrays: Sequence[Array]) -> list[Arr
     out = []
     for r in range(len(arrays) // n):
         for s in part.slots:
-            out.append(_flat(arrays[r * n + s.tensor])[s.start : s.stop])
+            piece = _flat(arrays[r * n + s.tensor])[s.start : s.stop]
+            out.append(piece.reshape(layout.slot_shape(s)))
     return out
 
 
@@ -295,7 +350,8 @@ def join_arrays(layout: Layout, per_part: Sequence[Sequence[Array]]) -> list[Arr
         m = len(part.slots)
         for r in range(repeats):
             for j, s in enumerate(part.slots):
-                out[r * n + s.tensor].reshape(-1)[s.start : s.stop] = arrays[r * m + j]
+                piece = arrays[r * m + j].reshape(-1)
+                out[r * n + s.tensor].reshape(-1)[s.start : s.stop] = piece
     return out
 
 

@@ -69,6 +69,7 @@ __all__ = [
     "as_method",
     "channel_credentials",
     "channel_options",
+    "row_gradients",
 ]
 
 log = logging.getLogger("onnxps.client")
@@ -793,23 +794,29 @@ class ClientCore:
             header.base_version = base_version
         if learning_rate is not None:
             header.learning_rate = learning_rate
-        arrays: list[Array] = []
+        entries: list[tuple[str, Array | None, Array]] = []
         for name, g in gradients.items():
-            gr = header.gradients.add(name=name)
             if isinstance(g, tuple):
-                indices = _indices(g[0])
-                gr.indices.CopyFrom(header_tensor(indices))
-                arrays.append(indices)
-                values = np.asarray(g[1])
+                entries.append((name, _indices(g[0]), np.asarray(g[1])))
             else:
-                values = np.asarray(g)
-            gr.values.CopyFrom(header_tensor(values))
-            arrays.append(values)
+                entries.append((name, None, np.asarray(g)))
+        arrays = row_gradients(header, entries)
+        msg = yield from self._rows_send_op(group, header, arrays, deadline)
+        return PushResult(msg.update_count, msg.applied, msg.duplicate, None)
+
+    def _rows_send_op(
+        self,
+        group: str,
+        header: pb.PushRowsHeader,
+        arrays: list[Array],
+        deadline: Deadline,
+    ) -> Op[Any]:
+        """Send a row push (``row_gradients`` built it), resent while unanswered:
+        the reply message."""
         what = f"the row push to group {group} (seq {header.seq}) was not answered"
         chunks = self._chunks(pb.PushRowsRequest, header, arrays)
         call = Call("PushRows", chunks, deadline, what)
-        msg = yield from self._resending(call, group, header.seq)
-        return PushResult(msg.update_count, msg.applied, msg.duplicate, None)
+        return (yield from self._resending(call, group, header.seq))
 
     def _pull_rows(
         self,
@@ -985,6 +992,22 @@ def _rows_reader() -> StreamReader:
         return names, rows, names
 
     return _TensorStreamReader(header)
+
+
+def row_gradients(
+    header: pb.PushRowsHeader, entries: Sequence[tuple[str, Array | None, Array]]
+) -> list[Array]:
+    """Declare ``(name, indices or None for a dense gradient, values)`` in a row
+    push's header; the arrays whose bytes follow it, in order."""
+    arrays: list[Array] = []
+    for name, indices, values in entries:
+        gr = header.gradients.add(name=name)
+        if indices is not None:
+            gr.indices.CopyFrom(header_tensor(indices))
+            arrays.append(indices)
+        gr.values.CopyFrom(header_tensor(values))
+        arrays.append(values)
+    return arrays
 
 
 def _indices(idx: Any) -> Array:

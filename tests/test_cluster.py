@@ -149,10 +149,14 @@ def test_layout_splits_by_flat_element_ranges_and_joins_back() -> None:
     assert [p.name for p in layout.parts] == ["g#p0of3", "g#p1of3", "g#p2of3"]
     assert [p.shard for p in layout.parts] == shard_ranking("g", 3)
     total = sum(a.size for a in arrays)
-    assert [p.element_count for p in layout.parts] == [
-        total * (k + 1) // 3 - total * k // 3 for k in range(3)
+    # the cuts at 681 and 1362 fall inside t0 (50, 40): moved down to rows 17, 34
+    assert [p.element_count for p in layout.parts] == [680, 680, total - 1360]
+    assert layout.slot_names(layout.parts[0])[0] == "t0@r0-17@50,40"
+    assert layout.slot_names(layout.parts[2])[1:] == [
+        "t1@r0-0@0,4",
+        "t2@0-40@40",
+        "t3@0-3@3",
     ]
-    assert layout.slot_names(layout.parts[0])[0] == "t0@0-681@50,40"
     pieces = [part_arrays(layout, p, arrays) for p in layout.parts]
     for got, want in zip(join_arrays(layout, pieces), arrays, strict=True):
         np.testing.assert_array_equal(got, want, strict=True)
@@ -567,5 +571,9 @@ def test_row_pushes_go_to_the_shard_holding_the_group(tmp_path: Path) -> None:
             split.create_group(
                 "big", Adagrad(), learning_rate=0.1, tensors={"e": table}
             )
-            with pytest.raises(ValueError, match="split into 3 parts"):
-                split.push_rows("big", {"e": (np.array([0]), rows[:1])})
+            assert len(split.describe_group("big").parts) == 3
+            out = split.push_rows("big", {"e": (np.array([99, 0]), rows)})
+            assert out.update_count == 1
+            got = split.pull_rows("big", {"e": np.array([99, 50, 0])})["e"]
+            np.testing.assert_array_equal(got, split.pull("big")[0][[99, 50, 0]])
+            assert got[0][0] < 0 and got[1].tolist() == [0.0] * 4 and got[2][0] < 0
