@@ -164,6 +164,7 @@ def step_rows(
     """One ONNX step at T=t in place: dense parts step whole tensors, row parts
     step their (coalesced, unique) rows only. Not thread-safe (the group's lock)."""
     dtype = xs[0].dtype
+    fused = _stepper(cache, attrs, dtype, 0)  # its fused row kernel, if any
     for i, part in enumerate(parts):
         x = xs[i]
         v = states["V"][i] if "V" in states else None
@@ -177,10 +178,13 @@ def step_rows(
         if idx.size == 0:
             continue
         shape = shapes[i]
+        g = np.ascontiguousarray(part.values, dtype=dtype).reshape(-1)
+        row = x.size // max(1, shape[0])
+        if fused.step_rows(r, t, x, g, v, h, idx, row):
+            continue
         xr = gather_rows(x, shape, idx).reshape(-1)
         vr = gather_rows(v, shape, idx).reshape(-1) if v is not None else None
         hr = gather_rows(h, shape, idx).reshape(-1) if h is not None else None
-        g = np.ascontiguousarray(part.values, dtype=dtype).reshape(-1)
         _stepper(cache, attrs, dtype, xr.size).step(r, t, [xr], [g], _one(vr), _one(hr))
         rows = (idx.size, *shape[1:])
         x.reshape(shape)[idx] = xr.reshape(rows)

@@ -231,6 +231,60 @@ def test_strided_gradient_falls_back_to_numpy_blocks(dtype: Any) -> None:
     assert_same_bits([x, v, h], step("numpy", op, attrs, arrays, 1))
 
 
+def step_rows(
+    path: str, op: str, attrs: dict[str, Any], arrays: list[Array], t: int
+) -> tuple[list[Array], bool]:
+    """X, V, H of (rows, 24) tables after a row step of ``path`` on copies: the
+    fused row kernel, or (numpy) gather, ``step`` and scatter; and whether the
+    fused kernel ran."""
+    rows, width = 500, 24
+    x, g, *states = (np.copy(a[: rows * width]) for a in arrays)
+    by_name = dict(zip(STATES[op], states, strict=True))
+    v, h = by_name.get("V"), by_name.get("H")
+    idx = np.unique(np.random.default_rng(t).integers(0, rows, 300))
+    rows_g = g[: idx.size * width]
+    rows_g.flags.writeable = False
+    stepper = Stepper(make_attrs(op, attrs), x.dtype, [0], kernels=path)
+    fused = stepper.step_rows(0.01, t, x, rows_g, v, h, idx, width)
+    if not fused:
+        table = [a.reshape(rows, width) for a in (x, v, h) if a is not None]
+        got = [a[idx].reshape(-1) for a in table]
+        xr, *sr = got
+        sv = dict(zip(STATES[op], sr, strict=True))
+        dense = Stepper(make_attrs(op, attrs), x.dtype, [xr.size], kernels=path)
+        vr, hr = sv.get("V"), sv.get("H")
+        dense.step(
+            0.01, t, [xr], [rows_g], None if vr is None else [vr],
+            None if hr is None else [hr],
+        )  # fmt: skip
+        for a, b in zip(table, got, strict=True):
+            a[idx] = b.reshape(-1, width)
+    return [x, *states], fused
+
+
+@needs_numba
+@pytest.mark.parametrize("t", [0, 7])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("config", CONFIGS.keys())
+def test_fused_row_kernel_equals_gather_step_scatter(
+    config: str, dtype: Any, t: int
+) -> None:
+    """A row push's one-pass kernel against the NumPy path on gathered rows."""
+    op, attrs = CONFIGS[config]
+    arrays = group(op, 12000, dtype, seed=t + 1, finite=True)
+    fused, took = step_rows("numba", op, attrs, arrays, t)
+    reference, numpy_took = step_rows("numpy", op, attrs, arrays, t)
+    assert took and not numpy_took
+    assert_same_bits(fused, reference)
+    touched = np.unique(np.random.default_rng(t).integers(0, 500, 300))
+    x0 = arrays[0][: 500 * 24].reshape(500, 24)
+    assert not np.array_equal(fused[0].reshape(500, 24)[touched], x0[touched])
+    untouched = np.setdiff1d(np.arange(500), touched)
+    for got, before in zip(fused, [arrays[0], *arrays[2:]], strict=True):
+        was = before[: 500 * 24].reshape(500, 24)[untouched]
+        assert_same_bits([got.reshape(500, 24)[untouched]], [was])
+
+
 # -- choosing the path ---------------------------------------------------------------
 
 

@@ -214,6 +214,7 @@ class Stepper:
         self.sizes = [int(n) for n in sizes]
         self.kernels = kernel_path(kernels)
         self._kernel = _compiled_kernel(self.kernels, attrs.op)
+        self._row_kernel = _compiled_kernel(self.kernels, f"{attrs.op}_rows")
         total = sum(self.sizes)
         parallel = total >= PARALLEL_MIN_ELEMENTS and _THREADS > 1
         if block is None:
@@ -264,6 +265,34 @@ class Stepper:
         run(0, *args)
         for f in futures:
             f.result()
+
+    def step_rows(
+        self,
+        r: float,
+        t: int,
+        x: Array,
+        g: Array,
+        v: Array | None,
+        h: Array | None,
+        indices: Array,
+        row: int,
+    ) -> bool:
+        """One ONNX step in place on the rows ``indices`` (unique) of the flat
+        (rows, row) tensors X, V, H, with G holding one row per index, in one fused
+        pass. False, touching nothing, when there is no fused row kernel (the caller
+        gathers the rows and calls ``step``): the same bits either way."""
+        kernel = self._row_kernel
+        arrays = [a for a in (x, g, v, h) if a is not None]
+        if kernel is None or not all(
+            a.flags.c_contiguous and a.flags.aligned and a.dtype == self.dtype
+            for a in arrays
+        ):
+            return False
+        c = coefficients(self.attrs, float(r), int(t), self.dtype)
+        idx = indices.view()
+        idx.flags.writeable = False  # the kernels are compiled for read-only indices
+        kernel(*arrays, idx, row, *_fused_scalars(self.attrs.op, c, self.dtype))
+        return True
 
     def _run(
         self,
@@ -330,7 +359,7 @@ class Stepper:
 
 def _compiled_kernel(path: str, op: str) -> Callable[..., None] | None:
     kernels = fused_kernels() if path == "numba" else None
-    return None if kernels is None else kernels[op]
+    return None if kernels is None else kernels.get(op)
 
 
 def _fused_scalars(op: str, c: dict[str, Any], dtype: np.dtype[Any]) -> tuple[Any, ...]:

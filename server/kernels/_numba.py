@@ -108,12 +108,106 @@ def _adam(
         x[i] = xi * post if has_post else xi
 
 
+# Row kernels: the same element updates on the rows ``idx`` of flat (rows, row)
+# tensors, in place, with G holding one row per index (a row push's coalesced rows):
+# gather, step and scatter in one pass, the same operations in the same order.
+def _adagrad_rows(
+    x: Array,
+    g: Array,
+    h: Array,
+    idx: Array,
+    row: int,
+    nc: float,
+    has_nc: bool,
+    r: float,
+    eps: float,
+) -> None:
+    for u in range(idx.size):
+        base = idx[u] * row
+        xr, gr_, hr = (
+            x[base : base + row],
+            g[u * row : u * row + row],
+            h[base : base + row],
+        )
+        for i in range(row):
+            gr = xr[i] * nc + gr_[i] if has_nc else gr_[i]
+            hi = hr[i] + gr * gr
+            hr[i] = hi
+            xr[i] = xr[i] - gr * r / (math.sqrt(hi) + eps)
+
+
+def _momentum_rows(
+    x: Array,
+    g: Array,
+    v: Array,
+    idx: Array,
+    row: int,
+    nc: float,
+    has_nc: bool,
+    alpha: float,
+    beta: float,
+    r: float,
+    nesterov: bool,
+) -> None:
+    for u in range(idx.size):
+        base = idx[u] * row
+        xr, gr_, vr = (
+            x[base : base + row],
+            g[u * row : u * row + row],
+            v[base : base + row],
+        )
+        for i in range(row):
+            gr = xr[i] * nc + gr_[i] if has_nc else gr_[i]
+            vi = vr[i] * alpha + gr * beta
+            vr[i] = vi
+            if nesterov:
+                xr[i] = xr[i] - (gr + vi * alpha) * r
+            else:
+                xr[i] = xr[i] - vi * r
+
+
+def _adam_rows(
+    x: Array,
+    g: Array,
+    v: Array,
+    h: Array,
+    idx: Array,
+    row: int,
+    nc: float,
+    has_nc: bool,
+    alpha: float,
+    oma: float,
+    beta: float,
+    omb: float,
+    eps: float,
+    r: float,
+    post: float,
+    has_post: bool,
+) -> None:
+    for u in range(idx.size):
+        base = idx[u] * row
+        xr, gr_ = x[base : base + row], g[u * row : u * row + row]
+        vr, hr = v[base : base + row], h[base : base + row]
+        for i in range(row):
+            gr = xr[i] * nc + gr_[i] if has_nc else gr_[i]
+            vi = vr[i] * alpha + gr * oma
+            hi = hr[i] * beta + gr * gr * omb
+            vr[i] = vi
+            hr[i] = hi
+            xi = xr[i] - vi / (math.sqrt(hi) + eps) * r
+            xr[i] = xi * post if has_post else xi
+
+
 # Each kernel's arguments in order: a, a state or X array; g, the gradient (writable or
-# read-only); i, an element index; f, a scalar of the state dtype; b, a flag.
+# read-only); i, an element index; f, a scalar of the state dtype; b, a flag; n, the
+# int64 row indices of a row kernel.
 _LAYOUTS = {
     "Adagrad": "agaiifbff",
     "Momentum": "agaiifbfffb",
     "Adam": "agaaiifbfffffffb",
+    "Adagrad_rows": "aganifbff",
+    "Momentum_rows": "aganifbfffb",
+    "Adam_rows": "agaanifbfffffffb",
 }
 
 
@@ -127,6 +221,7 @@ def _signatures(op: str) -> list[Any]:
             kinds = {
                 "a": array,
                 "g": grad,
+                "n": types.Array(types.int64, 1, "C", readonly=True),
                 "i": types.int64,
                 "f": scalar,
                 "b": types.boolean,
@@ -135,11 +230,19 @@ def _signatures(op: str) -> list[Any]:
     return sigs
 
 
-_PY_FUNCS: dict[str, Any] = {"Adagrad": _adagrad, "Momentum": _momentum, "Adam": _adam}
+_PY_FUNCS: dict[str, Any] = {
+    "Adagrad": _adagrad,
+    "Momentum": _momentum,
+    "Adam": _adam,
+    "Adagrad_rows": _adagrad_rows,
+    "Momentum_rows": _momentum_rows,
+    "Adam_rows": _adam_rows,
+}
 
 
 def load() -> dict[str, Callable[..., None]]:
-    """The compiled kernels by operator; raises ImportError without numba.
+    """The compiled kernels by operator (and ``"{op}_rows"``, a row push's);
+    raises ImportError without numba.
 
     Uses numba's on-disk cache (next to this file, or in ``NUMBA_CACHE_DIR``, or
     the user's cache directory, whichever is writable) and compiles without it
