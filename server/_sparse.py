@@ -120,8 +120,7 @@ def coalesce(indices: Array, values: Array) -> RowGradient:
     order but is slower for few repeats)."""
     if indices.size == 0:
         return RowGradient(indices.astype(INDEX_DTYPE), values)
-    order = np.argsort(indices, kind="stable")
-    s_idx = indices[order]
+    order, s_idx = _stable_order(indices)
     starts = np.flatnonzero(np.r_[True, s_idx[1:] != s_idx[:-1]])
     if starts.size == s_idx.size:  # no repeats
         return RowGradient(s_idx, values[order])
@@ -131,6 +130,21 @@ def coalesce(indices: Array, values: Array) -> RowGradient:
         has = counts > r  # the (r+1)-th occurrence, at unique positions of ``out``
         out[has] += values[order[starts[has] + r]]
     return RowGradient(s_idx[starts], out)
+
+
+def _stable_order(indices: Array) -> tuple[Array, Array]:
+    """``argsort(indices, kind="stable")`` and the sorted indices.
+
+    Sorting the keys ``index * k + position`` (unique, so any sort is stable) gives
+    the same order several times faster than a stable argsort of int64, when the
+    keys fit in int64 (indices in [0, 2**62 / k))."""
+    k = indices.size
+    if int(indices.min()) >= 0 and int(indices.max()) < (1 << 62) // k:
+        key = indices * k + np.arange(k, dtype=INDEX_DTYPE)
+        key.sort()
+        return key % k, key // k
+    order = np.argsort(indices, kind="stable")
+    return order, indices[order]
 
 
 def gather_rows(x: Array, shape: tuple[int, ...], indices: Array) -> Array:
