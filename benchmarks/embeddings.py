@@ -13,6 +13,11 @@ Figures, each beside a baseline measured in the same run:
   alone, and with the backward pass that builds its sparse gradient), when torch is
   installed.
 
+- with ``--cluster``: the table split by rows over 2 shard processes (``Client`` of
+  a list of shards): ``push_rows`` of random rows (both parts own some), of rows of
+  part 0 only (part 1 gets the push with no rows, which keeps its T with part 0's),
+  an empty row push alone (what a part that owns no row costs), and ``pull_rows``.
+
 The machine may be shared: read the ratios, not the absolute figures.
 """
 
@@ -48,10 +53,8 @@ def _pct(ts: list[float], q: float) -> float:
 
 
 def _line(what: str, ts: list[float], rows: int) -> None:
-    print(
-        f"{what:<44} p50 {_pct(ts, 0.5):9.2f} ms  p99 {_pct(ts, 0.99):9.2f} ms"
-        f"  {rows / statistics.median(ts):12,.0f} rows/s"
-    )
+    rate = f"  {rows / statistics.median(ts):12,.0f} rows/s" if rows else ""
+    print(f"{what:<44} p50 {_pct(ts, 0.5):9.2f} ms  p99 {_pct(ts, 0.99):9.2f} ms{rate}")
 
 
 def _batches(rows: int, dim: int, batch: int, n: int) -> list[tuple[Any, Any]]:
@@ -153,6 +156,55 @@ def sparse_adam(rows: int, dim: int, batch: int, n: int) -> float | None:
     return statistics.median(step_ts)
 
 
+def cluster(rows: int, dim: int, batch: int, pushes: int) -> None:
+    x = np.random.default_rng(1).standard_normal((rows, dim)).astype(np.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        procs, addresses = [], []
+        try:
+            for i in range(2):
+                proc, address = start_server_process(
+                    "--shard", f"{i}/2", log=Path(tmp) / f"shard{i}.log"
+                )
+                procs.append(proc)
+                addresses.append(address)
+            split = x.nbytes // 2
+            with Client(addresses, timeout=600.0, split_bytes=split) as c:
+                c.create_group("emb", Adam(), learning_rate=0.01, tensors={"emb": x})
+                parts = c.describe_group("emb").parts
+                first_rows = parts[0].element_count // dim
+                work = _batches(rows, dim, batch, pushes)
+                near = _batches(first_rows, dim, batch, pushes)
+                it = iter(work * 2)
+                it0 = iter(near * 2)
+
+                def push() -> None:
+                    idx, g = next(it)
+                    c.push_rows("emb", {"emb": (idx, g)})
+
+                def push_part0() -> None:
+                    idx, g = next(it0)
+                    c.push_rows("emb", {"emb": (idx, g)})
+
+                def empty() -> None:
+                    c.push_rows("emb", {})
+
+                def pull() -> None:
+                    c.pull_rows("emb", {"emb": work[0][0]})
+
+                _times(push, 5)
+                push_ts = _times(push, pushes)
+                part0_ts = _times(push_part0, pushes)
+                empty_ts = _times(empty, pushes)
+                pull_ts = _times(pull, pushes)
+        finally:
+            stop_processes(procs)
+    print(f"\n-- a cluster of 2 shards, the table split by rows ({len(parts)} parts)")
+    _line(f"push_rows ({batch:,} random rows)", push_ts, batch)
+    _line(f"push_rows ({batch:,} rows of part 0 only)", part0_ts, batch)
+    _line("push_rows with no rows (every part steps T)", empty_ts, 0)
+    _line(f"pull_rows ({batch:,} rows)", pull_ts, batch)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=1_000_000)
@@ -160,6 +212,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--pushes", type=int, default=100)
     p.add_argument("--dense", type=int, default=5)
+    p.add_argument("--cluster", action="store_true", help="also on 2 shards")
     a = p.parse_args()
     served(a.rows, a.dim, a.batch, a.pushes, a.dense)
     ours = server_step(a.rows, a.dim, a.batch, a.pushes)
@@ -167,6 +220,8 @@ def main() -> None:
     if theirs:
         ratio = ours / theirs
         print(f"server-side step / SparseAdam step (p50): {ratio:.2f}x  (aim: <= 2x)")
+    if a.cluster:
+        cluster(a.rows, a.dim, a.batch, a.pushes)
 
 
 if __name__ == "__main__":
