@@ -290,7 +290,7 @@ class Stepper:
             return False
         c = coefficients(self.attrs, float(r), int(t), self.dtype)
         idx = indices.view()
-        idx.flags.writeable = False  # the kernels are compiled for read-only indices
+        idx.flags.writeable = False  # one compiled variant, whatever the caller's
         kernel(*arrays, idx, row, *_fused_scalars(self.attrs.op, c, self.dtype))
         return True
 

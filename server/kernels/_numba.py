@@ -199,15 +199,11 @@ def _adam_rows(
 
 
 # Each kernel's arguments in order: a, a state or X array; g, the gradient (writable or
-# read-only); i, an element index; f, a scalar of the state dtype; b, a flag; n, the
-# int64 row indices of a row kernel.
+# read-only); i, an element index; f, a scalar of the state dtype; b, a flag.
 _LAYOUTS = {
     "Adagrad": "agaiifbff",
     "Momentum": "agaiifbfffb",
     "Adam": "agaaiifbfffffffb",
-    "Adagrad_rows": "aganifbff",
-    "Momentum_rows": "aganifbfffb",
-    "Adam_rows": "agaanifbfffffffb",
 }
 
 
@@ -221,7 +217,6 @@ def _signatures(op: str) -> list[Any]:
             kinds = {
                 "a": array,
                 "g": grad,
-                "n": types.Array(types.int64, 1, "C", readonly=True),
                 "i": types.int64,
                 "f": scalar,
                 "b": types.boolean,
@@ -253,10 +248,13 @@ def load() -> dict[str, Callable[..., None]]:
     kernels: dict[str, Callable[..., None]] = {}
     for op, fn in _PY_FUNCS.items():
         options: dict[str, Any] = {"nogil": True, "error_model": "numpy"}
+        # The row kernels compile on their first call (a group's first row push),
+        # for the types it brings: a server that never sees one never pays for them.
+        sigs = None if op.endswith("_rows") else _signatures(op)
         try:
-            kernels[op] = numba.njit(_signatures(op), cache=True, **options)(fn)
+            kernels[op] = numba.njit(sigs, cache=True, **options)(fn)
         except RuntimeError:  # "cannot cache function ...: no locator available"
-            kernels[op] = numba.njit(_signatures(op), **options)(fn)
+            kernels[op] = numba.njit(sigs, **options)(fn)
     return kernels
 
 
