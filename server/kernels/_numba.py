@@ -18,7 +18,9 @@ operation. The operations, their operands and their grouping are exactly those o
 The kernels take whole tensors and an element range, release the GIL, and are
 compiled for C-contiguous 1-D arrays of float32 and float64, with G writable or
 read-only (a gradient decoded from the wire is a read-only buffer). ``load()``
-compiles them, or loads them from numba's on-disk cache, once per process.
+compiles them, or loads them from numba's on-disk cache, once per process. The row
+kernels (``"{op}_rows"``: a row push's rows of X, V and H stepped in place in one
+pass, the same operations per element) compile on their first call instead.
 """
 
 from __future__ import annotations
