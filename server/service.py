@@ -147,10 +147,10 @@ def _timeout(context: grpc.ServicerContext) -> float | None:
     """How long a wait may last: a little less than the call's deadline, so that the
     server's answer (what it waited for, the group's T) reaches the client before
     the client's own deadline fires with a bare DEADLINE_EXCEEDED."""
-    remaining = context.time_remaining()
-    if remaining is None:
+    left: float | None = context.time_remaining()
+    if left is None:  # grpc's stubs say float; it is None without a deadline
         return None
-    return max(0.0, remaining - min(_ANSWER_EARLY_SECONDS, remaining / 10))
+    return max(0.0, left - min(_ANSWER_EARLY_SECONDS, left / 10))
 
 
 def _raise_if_cut_off(context: grpc.ServicerContext) -> None:
