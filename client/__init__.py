@@ -38,8 +38,10 @@ from ._errors import (
     UnavailableError,
 )
 from ._optimizers import Adagrad, Adam, Async, Momentum, Nesterov, OptimizerSpec, Sync
+from ._records import RowsPage, TableInfo
 from ._transfer import ExportFileError
 from .codec import TensorFormatError
+from .initializers import IdsTable, Normal, Uniform, Zeros
 
 __all__ = [
     "Adagrad",
@@ -53,11 +55,13 @@ __all__ = [
     "ExportFileError",
     "FailedPreconditionError",
     "GroupInfo",
+    "IdsTable",
     "InternalError",
     "InvalidArgumentError",
     "LeaseInfo",
     "Momentum",
     "Nesterov",
+    "Normal",
     "NotFoundError",
     "OnnxpsError",
     "OptimizerSpec",
@@ -65,13 +69,17 @@ __all__ = [
     "PermissionDeniedError",
     "PushResult",
     "ResourceExhaustedError",
+    "RowsPage",
     "RpcError",
     "SaveInfo",
     "Sync",
+    "TableInfo",
     "TensorFormatError",
     "UnauthenticatedError",
     "UnavailableError",
+    "Uniform",
     "WorkerInfo",
+    "Zeros",
     "placement",
     "shard_addresses",
     "shard_ranking",

@@ -280,9 +280,13 @@ class Client(ClientCore):
         arrays: list[Array],
         state_arrays: list[Array],
         deadline: Deadline,
+        *,
+        table_arrays: Sequence[Sequence[Array]] = (),
     ) -> Op[GroupInfo]:
         if self.shards is None:
-            return super()._create_parts(req, names, arrays, state_arrays, deadline)
+            return super()._create_parts(
+                req, names, arrays, state_arrays, deadline, table_arrays=table_arrays
+            )
         from . import _sharded
 
         return _lazy(
@@ -387,6 +391,9 @@ class Client(ClientCore):
     pull_versioned = _blocking(ClientCore._pull_versioned)
     push_rows = _blocking(ClientCore._push_rows)
     pull_rows = _blocking(ClientCore._pull_rows)
+    list_rows = _blocking(ClientCore._list_rows)
+    count_rows = _blocking(ClientCore._count_rows)
+    export_rows = _blocking(ClientCore._export_rows)
     apply = _blocking(ClientCore._apply)
     save = _blocking(ClientCore._save)
     export = _blocking(ClientCore._export)

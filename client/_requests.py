@@ -37,13 +37,16 @@ from ._records import (
     GroupInfo,
     LeaseInfo,
     PushResult,
+    RowsPage,
     SaveInfo,
     group_info,
+    initializer_to_proto,
     lease_info,
 )
 from ._transfer import export_op, import_op
 from .codec import (
     CHUNK_BYTES,
+    DTYPE_TO_PROTO,
     SERVICE,
     SHARD_METADATA_KEY,
     TensorAssembler,
@@ -53,6 +56,7 @@ from .codec import (
     tensor_to_array,
     write_tensor,
 )
+from .initializers import IdsTable
 
 __all__ = [
     "SPLIT_BYTES",
@@ -500,22 +504,28 @@ class ClientCore:
         optimizer: OptimizerSpec,
         *,
         learning_rate: float,
-        tensors: Mapping[str, Any] | Sequence[tuple[str, Any]],
+        tensors: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None,
         consistency: Async | Sync | None = None,
         allow_non_finite: bool = False,
         state: Sequence[Any] | None = None,
         update_count: int = 0,
         lease_seconds: float | None = None,
+        tables: Mapping[str, IdsTable] | None = None,
+        table_rows: Sequence[Sequence[Any]] | None = None,
         timeout: float | None = None,
     ) -> Op[GroupInfo]:
         """Create a group; the order of ``tensors`` is the ONNX order from then on.
 
         ``state`` (V_1..V_n then H_1..H_n, as the operator has them) and
         ``update_count`` resume a group whose optimizer state was saved elsewhere.
+        ``tables`` adds ids tables (``IdsTable``: rows keyed by int64 ids, created
+        on first push); ``table_rows`` resumes them: per table its ids (ascending),
+        X rows, then V rows, H rows as the operator has them.
         """
-        items = _named_tensors(tensors)
+        items = _named_tensors(tensors or {})
         arrays = [np.asarray(a) for _, a in items]
         state_arrays = [np.asarray(a) for a in state or ()]
+        specs, table_arrays = _table_specs(tables or {}, table_rows, arrays)
         req = pb.CreateGroupRequest(
             group=name,
             optimizer=_spec(optimizer, "optimizer", OptimizerSpec).to_proto(),
@@ -524,11 +534,20 @@ class ClientCore:
             allow_non_finite=allow_non_finite,
             update_count=update_count,
             lease_seconds=lease_seconds or 0.0,
+            tables=specs,
         )
+        if not arrays and specs:
+            dtype = next(
+                (t.dtype for t in (tables or {}).values() if t.dtype is not None),
+                np.float32,
+            )
+            req.dtype = DTYPE_TO_PROTO[np.dtype(dtype).newbyteorder("<")]
         names = [n for n, _ in items]
         deadline = self._deadline(timeout)
         return (
-            yield from self._create_parts(req, names, arrays, state_arrays, deadline)
+            yield from self._create_parts(
+                req, names, arrays, state_arrays, deadline, table_arrays=table_arrays
+            )
         )
 
     def _create_parts(
@@ -538,9 +557,13 @@ class ClientCore:
         arrays: list[Array],
         state_arrays: list[Array],
         deadline: Deadline,
+        *,
+        table_arrays: Sequence[Sequence[Array]] = (),
     ) -> Op[GroupInfo]:
         """Create the group (a cluster client: its parts, on their shards)."""
-        msg = yield from self._create_op(req, names, arrays, state_arrays, deadline)
+        msg = yield from self._create_op(
+            req, names, arrays, state_arrays, deadline, table_arrays=table_arrays
+        )
         return self._remember(group_info(msg))
 
     def _create_op(
@@ -550,18 +573,25 @@ class ClientCore:
         arrays: Sequence[Array],
         state_arrays: Sequence[Array],
         deadline: Deadline,
+        *,
+        table_arrays: Sequence[Sequence[Array]] = (),
     ) -> Op[pb.GroupInfo]:
-        """One CreateGroup(Stream) of ``template`` with these tensors: the reply's
-        group."""
+        """One CreateGroup(Stream) of ``template`` with these tensors (and the rows
+        of its ids tables, ``table_arrays``): the reply's group."""
         req = pb.CreateGroupRequest()
         req.CopyFrom(template)
         arrays = list(arrays)
         state_arrays = list(state_arrays)
-        if self._use_stream(sum(a.nbytes for a in arrays + state_arrays)):
+        rows = [a for t in table_arrays for a in t]
+        if self._use_stream(sum(a.nbytes for a in arrays + state_arrays + rows)):
             req.tensors.extend(map(header_tensor, arrays, names))
             req.state.extend(header_tensor(a) for a in state_arrays)
+            for spec, (ids, x, *st) in zip(req.tables, table_arrays, strict=False):
+                spec.ids.CopyFrom(header_tensor(ids))
+                spec.rows.CopyFrom(header_tensor(x))
+                spec.state.extend(header_tensor(a) for a in st)
             chunks = self._chunks(
-                pb.CreateGroupStreamRequest, req, arrays + state_arrays
+                pb.CreateGroupStreamRequest, req, arrays + state_arrays + rows
             )
             call = Call(
                 "CreateGroupStream", chunks, deadline, what("CreateGroupStream")
@@ -571,6 +601,11 @@ class ClientCore:
                 write_tensor(req.tensors.add(), a, n)
             for a in state_arrays:
                 write_tensor(req.state.add(), a)
+            for spec, (ids, x, *st) in zip(req.tables, table_arrays, strict=False):
+                write_tensor(spec.ids, ids)
+                write_tensor(spec.rows, x)
+                for a in st:
+                    write_tensor(spec.state.add(), a)
             call = Call("CreateGroup", _unary(req), deadline, what("CreateGroup"))
         msg = yield call
         group: pb.GroupInfo = msg.group
@@ -852,6 +887,98 @@ class ClientCore:
         names, rows = yield Call("PullRows", chunks, deadline, what, _rows_reader)
         return dict(zip(names, rows, strict=True))
 
+    def _list_rows(
+        self,
+        group: str,
+        table: str,
+        *,
+        page_token: str = "",
+        page_size: int = 0,
+        values: bool = False,
+        state: bool = False,
+        timeout: float | None = None,
+    ) -> Op[RowsPage]:
+        """A page of an ids table's ids, ascending: from the first (``page_token``
+        "") or after the page whose ``next_page_token`` is given; at most
+        ``page_size`` ids (0: 1000; the server may return fewer), with their X rows
+        (``values``) and V, H rows (``state``)."""
+        deadline = self._deadline(timeout)
+        return (
+            yield from self._list_rows_op(
+                group, table, page_token, page_size, values, state, deadline
+            )
+        )
+
+    def _list_rows_op(
+        self,
+        group: str,
+        table: str,
+        page_token: str,
+        page_size: int,
+        values: bool,
+        state: bool,
+        deadline: Deadline,
+    ) -> Op[RowsPage]:
+        req = pb.ListRowsRequest(
+            group=group,
+            table=table,
+            page_token=page_token,
+            page_size=page_size,
+            with_values=values,
+            with_state=state,
+        )
+        msg = yield Call("ListRows", _unary(req), deadline, what("ListRows"))
+        return RowsPage(
+            tensor_to_array(msg.ids, "ids").copy(),
+            {t.name: tensor_to_array(t, t.name).copy() for t in msg.rows},
+            msg.next_page_token,
+            int(msg.row_count),
+            int(msg.update_count),
+        )
+
+    def _count_rows(
+        self, group: str, table: str, *, timeout: float | None = None
+    ) -> Op[int]:
+        """Rows an ids table holds."""
+        info = yield from self._describe_group(group, timeout=timeout)
+        if table not in info.tables:
+            held = ", ".join(info.tables) or "none"
+            raise ValueError(
+                f"group {group!r} has no ids table {table!r}; its ids tables: {held}"
+            )
+        return info.tables[table].row_count
+
+    def _export_rows(
+        self,
+        group: str,
+        table: str,
+        *,
+        state: bool = False,
+        page_size: int = 0,
+        timeout: float | None = None,
+    ) -> Op[tuple[Array, dict[str, Array]]]:
+        """Every id of an ids table ascending and its rows (X, and V, H with
+        ``state``), read page by page (each page under ``timeout``)."""
+        pages: list[RowsPage] = []
+        token = ""
+        while True:
+            page = yield from self._list_rows(
+                group,
+                table,
+                page_token=token,
+                page_size=page_size,
+                values=True,
+                state=state,
+                timeout=timeout,
+            )
+            pages.append(page)
+            token = page.next_page_token
+            if not token:
+                break
+        ids = np.concatenate([p.ids for p in pages])
+        rows = {k: np.concatenate([p.rows[k] for p in pages]) for k in pages[0].rows}
+        return ids, rows
+
     def _resending(self, call: Call, group: str, seq: int) -> Op[Any]:
         """Send a push, and resend it (same seq) while the server is unavailable,
         until the deadline: the server answers a repeat with its first result."""
@@ -964,6 +1091,39 @@ class ClientCore:
         is (``"skip"``, not in the result) or is replaced by the file's.
         """
         return (yield from import_op(self, path, existing=existing)).imported
+
+
+def _table_specs(
+    tables: Mapping[str, IdsTable],
+    table_rows: Sequence[Sequence[Any]] | None,
+    arrays: Sequence[Array],
+) -> tuple[list[pb.IdsTableSpec], list[list[Array]]]:
+    """The IdsTableSpec messages of ``tables`` and their rows (for import)."""
+    specs = []
+    for name, t in tables.items():
+        if not isinstance(t, IdsTable):
+            raise TypeError(
+                f"tables[{name!r}] must be an IdsTable(dim, ...), got {t!r}"
+            )
+        if t.dtype is not None and arrays and np.dtype(t.dtype) != arrays[0].dtype:
+            raise ValueError(
+                f"ids table {name!r} is {np.dtype(t.dtype)}, the group's tensors "
+                f"{arrays[0].dtype}: a group has one dtype"
+            )
+        specs.append(
+            pb.IdsTableSpec(
+                name=name,
+                dim=t.dim,
+                initializer=initializer_to_proto(t.initializer),
+                max_rows=t.max_rows,
+            )
+        )
+    rows = [[np.asarray(a) for a in r] for r in table_rows or ()]
+    if rows and len(rows) != len(specs):
+        raise ValueError(
+            f"table_rows has {len(rows)} entries for {len(specs)} ids tables"
+        )
+    return specs, rows
 
 
 def what(method: str) -> str:

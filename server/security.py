@@ -53,6 +53,7 @@ _READ = frozenset(
         "Pull",
         "PullStream",
         "PullRows",
+        "ListRows",
         "Apply",
         "ApplyStream",
     }

@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 from onnxps.client.codec import (
     CHUNK_BYTES,
+    PROTO_TO_DTYPE,
     TensorAssembler,
     TensorFormatError,
     chunk_messages,
@@ -36,7 +37,12 @@ from onnxps.client.codec import (
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
-from ._convert import attrs_from_proto, consistency_from_proto, group_info
+from ._convert import (
+    attrs_from_proto,
+    consistency_from_proto,
+    group_info,
+    table_from_proto,
+)
 from ._status import rich_status, status_of
 from .durability import SaveResult
 from .errors import FailedPrecondition, InvalidArgument
@@ -181,6 +187,29 @@ def _names(prefix: str, n: int, names: Sequence[str] | None = None) -> list[str]
     return [f"{prefix}_{i + 1}" for i in range(n)]
 
 
+# ListRows pages: ids per page by default and at most, and bytes of rows at most.
+_PAGE_SIZE = 1000
+_MAX_PAGE_SIZE = 100_000
+_PAGE_BYTES = 2 << 20
+
+
+def _table_tensors(t: pb.IdsTableSpec) -> tuple[list[pb.Tensor], list[str]]:
+    """The tensors an ids table spec carries (import): ids, rows, state."""
+    if not t.HasField("ids"):
+        return [], []
+    what = f"ids table {t.name!r}"
+    headers = [t.ids, t.rows, *t.state]
+    names = [f"{what} ids", f"{what} rows"] + [
+        f"{what} state {i + 1}" for i in range(len(t.state))
+    ]
+    return headers, names
+
+
+def _empty_table(dim: int, dtype: np.dtype[Any], attrs: Any) -> list[Array]:
+    empty = np.empty((0, dim), dtype)
+    return [np.empty(0, np.int64), empty] + [empty for _ in attrs.state_names]
+
+
 class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     def __init__(
         self,
@@ -198,10 +227,35 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
 
     # -- groups --------------------------------------------------------------------
     def _create(
-        self, req: pb.CreateGroupRequest, tensors: list[Array], state: list[Array]
+        self,
+        req: pb.CreateGroupRequest,
+        tensors: list[Array],
+        state: list[Array],
+        table_arrays: Sequence[Sequence[Array]] = (),
     ) -> pb.GroupInfo:
         attrs = attrs_from_proto(req.optimizer)
         names = [t.name for t in req.tensors]
+        tables = [table_from_proto(t) for t in req.tables]
+        dtype = None
+        if req.dtype != pb.DATA_TYPE_UNSPECIFIED:
+            dtype = PROTO_TO_DTYPE.get(req.dtype)
+            if dtype is None or dtype.kind != "f":
+                raise InvalidArgument(
+                    f"a group's dtype is FLOAT or DOUBLE, got DataType {req.dtype}"
+                )
+            dtype = dtype.newbyteorder("=")
+            if tensors and tensors[0].dtype != dtype:
+                raise InvalidArgument(
+                    f"the group's dtype is {dtype}, but its tensors are "
+                    f"{tensors[0].dtype}"
+                )
+        if any(a for a in table_arrays):
+            table_arrays = [
+                list(a) or _empty_table(t.dim, dtype or np.dtype(np.float32), attrs)
+                for t, a in zip(tables, table_arrays, strict=True)
+            ]
+        else:
+            table_arrays = ()
         view = self.store.create_group(
             req.group,
             attrs,
@@ -212,6 +266,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             state=state,
             update_count=req.update_count,
             lease_seconds=req.lease_seconds or None,
+            tables=tables,
+            table_arrays=table_arrays,
+            dtype=dtype,
         )
         return group_info(view)
 
@@ -220,9 +277,16 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         nbytes = sum(declared_nbytes(t, f"tensor {t.name!r}") for t in req.tensors)
         kind = req.optimizer.WhichOneof("kind")
         states = {"adagrad": 1, "momentum": 1, "adam": 2}.get(kind or "", 0)
-        self.store.check_group_size(nbytes * (1 + states))
-        if not req.tensors:
-            raise InvalidArgument(f"group {req.group!r} needs at least one tensor")
+        rows = sum(
+            declared_nbytes(t.rows, f"rows of ids table {t.name!r}")
+            for t in req.tables
+            if t.HasField("rows")
+        )
+        self.store.check_group_size((nbytes + rows) * (1 + states))
+        if not req.tensors and not req.tables:
+            raise InvalidArgument(
+                f"group {req.group!r} needs at least one tensor or ids table"
+            )
 
     @_unary
     def CreateGroup(
@@ -233,7 +297,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         state = [
             tensor_to_array(t, f"state {i + 1}") for i, t in enumerate(request.state)
         ]
-        return pb.CreateGroupResponse(group=self._create(request, tensors, state))
+        table_arrays = [
+            [tensor_to_array(h, w) for h, w in zip(*_table_tensors(t), strict=True)]
+            for t in request.tables
+        ]
+        return pb.CreateGroupResponse(
+            group=self._create(request, tensors, state, table_arrays)
+        )
 
     @_unary
     def CreateGroupStream(
@@ -247,9 +317,21 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         names = [f"tensor {t.name!r}" for t in req.tensors] + _names(
             "state", len(req.state)
         )
+        per_table = [_table_tensors(t) for t in req.tables]
+        for h, w in per_table:
+            headers += h
+            names += w
         asm = self._assemble(it, headers, names, context)
-        n = len(req.tensors)
-        return pb.CreateGroupStreamResponse(group=self._create(req, asm[:n], asm[n:]))
+        n, m = len(req.tensors), len(req.tensors) + len(req.state)
+        table_arrays: list[list[Array]] = []
+        for h, _ in per_table:
+            table_arrays.append(asm[m : m + len(h)])
+            m += len(h)
+        return pb.CreateGroupStreamResponse(
+            group=self._create(
+                req, asm[:n], asm[n : len(req.tensors) + len(req.state)], table_arrays
+            )
+        )
 
     @_unary
     def DescribeGroup(
@@ -499,6 +581,44 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             )
             yield pb.PullRowsResponse(header=header)
             yield from chunk_messages(pb.PullRowsResponse, out.arrays, self.chunk_bytes)
+
+    @_unary
+    def ListRows(
+        self, request: pb.ListRowsRequest, context: Any
+    ) -> pb.ListRowsResponse:
+        after = None
+        if request.page_token:
+            try:
+                after = int(request.page_token)
+            except ValueError:
+                raise InvalidArgument(
+                    f"page_token {request.page_token!r} is not one a ListRows "
+                    "returned; pass an empty token to start from the first id"
+                ) from None
+        size = min(request.page_size or _PAGE_SIZE, _MAX_PAGE_SIZE)
+        if request.with_values:
+            row = self.store.describe(request.group)
+            dims = {t.name: t.definition.dim for t in row.tables}
+            states = len(row.attrs.state_names) if request.with_state else 0
+            per_row = dims.get(request.table, 1) * row.dtype.itemsize * (1 + states)
+            size = max(1, min(size, _PAGE_BYTES // per_row))
+        page = self.store.list_rows(
+            request.group,
+            request.table,
+            after=after,
+            limit=size,
+            with_values=request.with_values,
+            with_state=request.with_state,
+        )
+        reply = pb.ListRowsResponse(
+            next_page_token="" if page.next_after is None else str(page.next_after),
+            row_count=page.row_count,
+            update_count=page.update_count,
+        )
+        write_tensor(reply.ids, page.ids)
+        for a, n in zip(page.rows, page.names, strict=True):
+            write_tensor(reply.rows.add(), a, n)
+        return reply
 
     # -- apply ---------------------------------------------------------------------
     def _apply(self, req: pb.ApplyRequest, inputs: list[Array]) -> list[Array]:
