@@ -21,6 +21,7 @@ from ._records import (
     LeaseInfo,
     PartInfo,
     PushResult,
+    RowsPage,
     SaveInfo,
     WorkerInfo,
     group_info,
@@ -289,6 +290,15 @@ class Client(ClientCore):
             )
         from . import _sharded
 
+        if req.tables:
+            from . import _ids_cluster
+
+            return _lazy(
+                lambda: _ids_cluster.create_group(
+                    self, req, names, table_arrays, deadline
+                )
+            )
+
         return _lazy(
             lambda: _sharded.create_group(
                 self, req, names, arrays, state_arrays, deadline
@@ -434,6 +444,13 @@ class Client(ClientCore):
         deadline = self._deadline(timeout)
 
         def push() -> PushResult:
+            found = self._ids_layout(group, deadline)
+            if found is not None:
+                from . import _ids_cluster
+
+                return _ids_cluster.push_rows(
+                    self, found, gradients, base_version, learning_rate, deadline
+                )
             shard, part = self._rows_target(group, deadline)
             op = self._rows_push_op(
                 group, part, gradients, base_version, learning_rate, deadline
@@ -458,6 +475,13 @@ class Client(ClientCore):
         deadline = self._deadline(timeout)
 
         def pull() -> dict[str, Array]:
+            found = self._ids_layout(group, deadline)
+            if found is not None:
+                from . import _ids_cluster
+
+                return _ids_cluster.pull_rows(
+                    self, found, selections, state, min_version, deadline
+                )
             shard, part = self._rows_target(group, deadline)
             op = self._rows_pull_op(
                 group, part, selections, state, min_version, deadline
@@ -465,6 +489,53 @@ class Client(ClientCore):
             return self._run(op, shard)
 
         return _lazy(pull)
+
+    def _ids_layout(self, group: str, deadline: Deadline) -> Layout | None:
+        """The layout of a group of ids tables split by id (``_ids_cluster``)."""
+        from . import _ids_cluster, _sharded
+
+        found = _sharded.layout(self, group, deadline)
+        return found if _ids_cluster.is_ids_layout(found) else None
+
+    def _list_rows(
+        self,
+        group: str,
+        table: str,
+        *,
+        page_token: str = "",
+        page_size: int = 0,
+        values: bool = False,
+        state: bool = False,
+        timeout: float | None = None,
+    ) -> Op[RowsPage]:
+        if self.shards is None:
+            return super()._list_rows(
+                group,
+                table,
+                page_token=page_token,
+                page_size=page_size,
+                values=values,
+                state=state,
+                timeout=timeout,
+            )
+        deadline = self._deadline(timeout)
+
+        def page() -> RowsPage:
+            from . import _ids_cluster
+
+            found = self._ids_layout(group, deadline)
+            if found is not None:
+                return _ids_cluster.list_rows(
+                    self, found, table, page_token, page_size, values, state, deadline
+                )
+            shard, part = self._rows_target(group, deadline)
+            op = self._list_rows_op(
+                part, table, page_token, page_size, values, state, deadline
+            )
+            result: RowsPage = self._run(op, shard)
+            return result
+
+        return _lazy(page)
 
     def _rows_target(self, group: str, deadline: Deadline) -> tuple[int, str]:
         """The shard and name of the one part row calls go to (a plain server: 0)."""

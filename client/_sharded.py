@@ -176,6 +176,12 @@ def _merged(client: Client, found: Layout, infos: Sequence[pb.GroupInfo]) -> Gro
         element_count=sum(p.element_count for p in parts),
         state_bytes=sum(int(g.state_bytes) for g in infos),
         parts=parts,
+        tables={  # an ids table split by id (``_ids_cluster``): its rows summed
+            name: dataclasses.replace(
+                t, row_count=sum(_group_info(g).tables[name].row_count for g in infos)
+            )
+            for name, t in first.tables.items()
+        },
     )
 
 

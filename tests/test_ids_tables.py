@@ -626,3 +626,81 @@ def test_sync_group_through_the_server(server: Any) -> None:
         # H = mean gradient squared: id 1 got (1 + 0) / 2, id 2 got (1 + 1) / 2
         assert rows["H:emb"].tolist() == [[0.25, 0.25], [1.0, 1.0], [0.0, 0.0]]
         assert a.count_rows("s", "emb") == 2
+
+
+# -- a cluster of shard processes ------------------------------------------------------
+@pytest.fixture
+def cluster(tmp_path: Path) -> Any:
+    from _procs import start_server, stop
+
+    procs, addresses = [], []
+    try:
+        for i in range(3):
+            proc, address = start_server(tmp_path / f"s{i}.log", "--shard", f"{i}/3")
+            procs.append(proc)
+            addresses.append(address)
+        yield addresses
+    finally:
+        for p in procs:
+            stop(p)
+
+
+# decay_factor 0: Adagrad's step does not depend on T, and each part counts its own
+T_FREE = Adagrad(epsilon=1e-7, decay_factor=0.0, norm_coefficient=0.01)
+
+
+def test_cluster_splits_an_ids_table_by_id_hash(
+    cluster: list[str], tmp_path: Path
+) -> None:
+    from onnxps.client._ids_cluster import owners
+
+    one = create_server(ServerConfig(address="127.0.0.1:0", durability="none"))
+    one.start()
+    try:
+        with Client(cluster, timeout=30.0) as c, Client(one.address) as s:
+            for cl in (c, s):
+                _create(cl, dim=4, optimizer=T_FREE, max_rows=1000, tensors={})
+            with pytest.raises(ValueError, match="holds ids tables only"):
+                _create(c, name="mixed", dim=4)
+            info = c.describe_group("g")
+            assert [p.name for p in info.parts] == [f"g#p{k}of3" for k in range(3)]
+            rng = np.random.default_rng(6)
+            universe = rng.integers(-(2**63), 2**63 - 1, 200)
+            for _ in range(4):
+                ids = universe[rng.integers(0, 200, 64)]
+                g = rng.standard_normal((64, 4)).astype(np.float32)
+                for cl in (c, s):
+                    cl.push_rows("g", {"emb": (ids, g)})
+            assert _table(c) == _table(s)
+            assert c.count_rows("g", "emb") == s.count_rows("g", "emb")
+            probe = np.concatenate([universe[:50], [1, 2, 3]])
+            a = c.pull_rows("g", {"emb": probe}, state=True)
+            b = s.pull_rows("g", {"emb": probe}, state=True)
+            assert all(a[k].tobytes() == b[k].tobytes() for k in b)
+            # each part holds exactly the ids it owns
+            for k, part in enumerate(info.parts):
+                with Client(cluster[part.shard]) as direct:
+                    ids, _ = direct.export_rows(part.name, "emb")
+                    assert ids.size and bool(np.all(owners(ids, 3) == k))
+            # a push of ids owned by one part reaches only that part
+            mine = universe[owners(universe, 3) == 1][:3]
+            before = [p.update_count for p in c.describe_group("g").parts]
+            c.push_rows("g", {"emb": (mine, np.ones((3, 4), np.float32))})
+            after = [p.update_count for p in c.describe_group("g").parts]
+            assert [b - a for a, b in zip(before, after, strict=True)] == [0, 1, 0]
+            # pages across the parts, ascending
+            seen, token = [], ""
+            while True:
+                page = c.list_rows("g", "emb", page_token=token, page_size=17)
+                seen += page.ids.tolist()
+                token = page.next_page_token
+                if not token:
+                    break
+            assert seen == sorted(seen) and len(seen) == c.count_rows("g", "emb")
+            c.export(tmp_path / "c.npz")
+            want = _table(c)
+            c.delete_group("g")
+            c.import_(tmp_path / "c.npz")
+            assert _table(c) == want
+    finally:
+        one.stop(grace=0)
