@@ -1,12 +1,14 @@
 """Tables keyed by arbitrary int64 ids: storage, lookups and their checks (no grpc).
 
 A table's rows live in growable arrays ``x`` (and V, H as the operator keeps them)
-of shape (capacity, dim), doubled when full (amortised O(1) per new row), with a
-dict id -> slot. Slots are in creation order; a row never moves or goes away. A
-lookup is one dict probe per id (``map(dict.get, ...)``, about 0.1 us per id); the
-ids' sorted order, for listing and saving, is computed on demand and cached until
-the next row is created. Cost per row: dim elements of X (and of V, H) plus the
-id (8 bytes) and its dict entry (~100 bytes).
+of shape (capacity, dim), doubled when full (amortised O(1) per new row). Slots are
+in creation order; a row never moves or goes away. The index is a sorted array of
+ids with their slots (``np.searchsorted``: a vectorised lookup, O(log n) per id)
+plus a dict of the ids created since it was last rebuilt (probed only for the ids
+the sorted array misses); the sorted array is rebuilt (one argsort) when that dict
+holds more than an eighth of the rows, so a new row costs amortised O(log n). The
+same sorted order serves listing and saving. Cost per row: dim elements of X (and of
+V, H) plus 24 bytes of index (id, sorted id, slot).
 
 A new row's X is ``initial_rows`` of its id (``onnxps.client.initializers``); its V
 and H are zeros, the operator's initial state. A row push steps a table's rows as
@@ -74,11 +76,12 @@ class IdsTable:
         self.dtype = dtype
         self.state_names = tuple(state_names)
         self.count = 0
-        self.slots: dict[int, int] = {}
+        self._keys = np.empty(0, INDEX_DTYPE)  # sorted ids of the first _indexed rows
+        self._order = np.empty(0, np.int64)  # their slots
+        self._recent: dict[int, int] = {}  # ids created since, -> slot
         self._ids = np.empty(0, INDEX_DTYPE)
         self.x = np.empty((0, self.dim), dtype)
         self.states = {s: np.empty((0, self.dim), dtype) for s in self.state_names}
-        self._order: Array | None = None  # slots by ascending id, cached
 
     @property
     def row_bytes(self) -> int:
@@ -92,18 +95,34 @@ class IdsTable:
     # -- lookups -------------------------------------------------------------------
     def lookup(self, ids: Array) -> Array:
         """The slot of each id, -1 for an id the table does not hold."""
-        get = self.slots.get
-        found = map(get, ids.tolist(), itertools.repeat(-1))
-        return np.fromiter(found, np.int64, count=ids.size)
+        keys = self._keys
+        pos = np.searchsorted(keys, ids)
+        if keys.size:
+            np.minimum(pos, keys.size - 1, out=pos)
+            slots = np.where(keys[pos] == ids, self._order[pos], -1)
+        else:
+            slots = np.full(ids.size, -1, np.int64)
+        if self._recent:
+            miss = np.flatnonzero(slots < 0)
+            get = self._recent.get
+            found = map(get, ids[miss].tolist(), itertools.repeat(-1))
+            slots[miss] = np.fromiter(found, np.int64, count=miss.size)
+        return slots
 
     def missing(self, unique_ids: Array) -> Array:
         """The ids (of unique ones) the table does not hold yet, in order."""
         return unique_ids[self.lookup(unique_ids) < 0]
 
     def sorted_slots(self) -> Array:
-        if self._order is None:
-            self._order = np.argsort(self._ids[: self.count], kind="stable")
+        """Every row's slot, by ascending id."""
+        if self._recent:
+            self._reindex()
         return self._order
+
+    def _reindex(self) -> None:
+        self._order = np.argsort(self._ids[: self.count], kind="stable")
+        self._keys = self._ids[self._order]
+        self._recent = {}
 
     # -- changes -------------------------------------------------------------------
     def ensure(self, unique_ids: Array) -> Array:
@@ -131,9 +150,10 @@ class IdsTable:
             self.x[slots] = values[0]
             for s, v in zip(self.state_names, values[1:], strict=True):
                 self.states[s][slots] = v
-        self.slots.update(zip(ids.tolist(), slots.tolist(), strict=True))
         self.count += k
-        self._order = None
+        self._recent.update(zip(ids.tolist(), slots.tolist(), strict=True))
+        if len(self._recent) > max(1024, self.count // 8):
+            self._reindex()
         return slots
 
     def _grow(self, need: int) -> None:

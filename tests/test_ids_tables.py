@@ -704,3 +704,22 @@ def test_cluster_splits_an_ids_table_by_id_hash(
             assert _table(c) == want
     finally:
         one.stop(grace=0)
+
+
+def test_the_index_finds_every_row_across_rebuilds() -> None:
+    from onnxps.client.image import TableDefinition
+    from onnxps.server._ids import IdsTable as Storage
+
+    t = Storage(TableDefinition("emb", 2, Zeros().to_json()), np.dtype(np.float32), ())
+    rng = np.random.default_rng(9)
+    held: dict[int, int] = {}
+    for size in (5, 2000, 3, 700, 1500, 1, 40):  # some rebuild the index, some not
+        new = np.unique(rng.integers(-(2**63), 2**63 - 1, size))
+        new = new[[i not in held for i in new.tolist()]]
+        slots = t.ensure(new)
+        held.update(zip(new.tolist(), slots.tolist(), strict=True))
+        probe = np.array([*held, 17, -17], np.int64)
+        want = [*held.values(), -1, -1]
+        assert t.lookup(probe).tolist() == want
+    assert t.count == len(held) == len(set(held.values()))
+    assert t._ids[t.sorted_slots()].tolist() == sorted(held)
