@@ -1012,8 +1012,11 @@ class ParameterStore:
         """Under the lock, before a row push is logged: the rows it (and, in a sync
         group, the step it joins) would create fit the tables' max_rows and the
         server's byte limits; RESOURCE_EXHAUSTED otherwise, nothing changed."""
-        if not is_row_push(grads):
-            return
+        limits = self.limits.max_group_bytes or self.limits.max_total_bytes
+        if not is_row_push(grads) or not (
+            limits or any(t.max_rows for t in g.tables.values())
+        ):
+            return  # nothing to count against
         n = len(g.names)
         mine = split_row_push(grads)[n:]
         pushes = [split_row_push(c)[n:] for c in g.pending.values()] + [mine]
