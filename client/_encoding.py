@@ -102,7 +102,7 @@ def encode(a: Any, encoding: str, what: str = "tensor") -> Array:
             f"{what} is {arr.dtype}: the {encoding} encoding applies to float32 and "
             "float64 tensors (the group's dtype)"
         )
-    arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("="))
+    arr = np.asarray(arr, dtype=arr.dtype.newbyteorder("="), order="C")  # keeps 0-d
     out = np.empty(arr.shape, encoded_dtype(encoding, arr.dtype))
     src = arr.reshape(-1)
     dst = out.reshape(-1).view(np.uint16)
@@ -190,6 +190,6 @@ def decode(encoded: Array) -> Array:
     """An ENCODED array widened to the dtype it stands for (tests, benchmarks)."""
     dtype, code = ENCODED[encoded.dtype]
     out = np.empty(encoded.shape, dtype)
-    data = np.ascontiguousarray(encoded).reshape(-1).view(np.uint16)
+    data = np.asarray(encoded, order="C").reshape(-1).view(np.uint16)
     widen_into(out.reshape(-1), data, code)
     return out
