@@ -206,6 +206,62 @@ def test_float16_rounds_as_ieee_binary16(dtype: type) -> None:
     assert np.isnan(got[-1])
 
 
+def test_float16_of_random_float32_bit_patterns_equals_numpy() -> None:
+    rng = np.random.default_rng(4)
+    bits = rng.integers(0, 2**32, 400_000, dtype=np.uint64).astype(np.uint32)
+    bits = np.concatenate([bits, np.arange(0x33000000, 0x33800000, 97, np.uint32)])
+    x = bits.view(np.float32)
+    x = x[~(np.isfinite(x) & (np.abs(x) >= 65520))]  # no finite overflow
+    got = bits16(encode(x, "float16"))
+    with np.errstate(over="ignore"):
+        expected = x.astype(np.float16).view(np.uint16)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(got[~nan], expected[~nan])
+    assert np.isnan(got[nan].view(np.float16)).all()
+    assert (np.signbit(got[nan].view(np.float16)) == np.signbit(x[nan])).all()
+
+
+def test_float16_of_random_float64_equals_numpy_direct_rounding() -> None:
+    rng = np.random.default_rng(5)
+    halves = np.arange(0, 0x7BFF, dtype=np.uint16).view(np.float16).astype("f8")
+    ties = (halves[:-1] + halves[1:]) / 2  # exact in float64
+    x = np.concatenate(
+        [
+            ties,
+            np.nextafter(ties, 0),
+            np.nextafter(ties, np.inf),
+            rng.standard_normal(20_000) * 10.0 ** rng.integers(-12, 5, 20_000),
+        ]
+    )
+    x = np.concatenate([x, -x])
+    np.testing.assert_array_equal(
+        bits16(encode(x, "float16")), x.astype(np.float16).view(np.uint16)
+    )
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_every_float16_and_bfloat16_value_widens_exactly(dtype: type) -> None:
+    every = np.arange(1 << 16, dtype=np.uint16)
+    with np.errstate(invalid="ignore"):  # signalling NaNs
+        bf16 = every.view(BF16).astype(np.float32).astype(dtype)
+    for enc, expected in (
+        ("float16", every.view(np.float16).astype(dtype)),
+        ("bfloat16", bf16),
+    ):
+        t = pb.Tensor(
+            dtype=pb.DATA_TYPE_FLOAT if dtype == np.float32 else pb.DATA_TYPE_DOUBLE,
+            dims=[1 << 16],
+            raw_data=every.astype("<u2").tobytes(),
+            encoding=pb.ENCODING_FLOAT16 if enc == "float16" else pb.ENCODING_BFLOAT16,
+        )
+        got = tensor_to_array(t, encoded=True)
+        assert got.dtype == dtype
+        nan = np.isnan(expected)
+        assert got[~nan].tobytes() == expected[~nan].tobytes(), enc
+        assert np.isnan(got[nan]).all()
+        assert (np.signbit(got[nan]) == np.signbit(expected[nan])).all()
+
+
 def test_float16_of_float64_is_rounded_once() -> None:
     x = np.array([1 + 2**-11 + 2**-40])  # just above the tie: up
     assert decode(encode(x, "float16")).tolist() == [1 + 2**-10]
@@ -320,3 +376,12 @@ def test_assembler_refuses_odd_short_long_and_unexpected_encoded_chunks() -> Non
         a.finish()
     with pytest.raises(TensorFormatError, match="only gradients"):
         TensorAssembler([h], ["tensor 'w'"])
+
+
+@pytest.mark.parametrize("encoding", ["bfloat16", "float16"])
+def test_signalling_nans_of_float64_stay_nan_without_a_warning(encoding: str) -> None:
+    # pytest turns warnings into errors: NumPy warns when a cast meets one
+    bits = [0x7FF0000000000001, 0xFFF0000000000001, 0x7FF8000000000000]
+    x = np.array(bits, np.uint64).view(np.float64)
+    got = decode(encode(x, encoding))
+    assert np.isnan(got).all() and np.signbit(got).tolist() == [False, True, False]
