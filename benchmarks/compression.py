@@ -87,7 +87,7 @@ def codec(elements: int, rounds: int) -> list[list[str]]:
     for enc in ("bfloat16", "float16"):
         encoded = encode(g, enc)
         enc_t = [_timed(lambda e=enc: encode(g, e)) for _ in range(rounds)]
-        dec_t = [_timed(lambda: decode(encoded)) for _ in range(rounds)]
+        dec_t = [_timed(lambda e=encoded: decode(e)) for _ in range(rounds)]
         for what, t in (("encode", enc_t), ("widen", dec_t)):
             rows.append([what, enc, _spread(t, 1e9 / elements, ".2f")])
     copy_t = [_timed(g.copy) for _ in range(rounds)]

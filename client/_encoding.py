@@ -10,9 +10,8 @@ The one rounding happens at the sender, to nearest with ties to even:
   the correctly rounded bfloat16); NaN stays NaN (quiet, sign kept).
 - float16: IEEE 754 binary16 (float64 values also through float32 rounded to odd).
 
-Both run as integer operations on the float32 bits, block by block (NumPy's float16
-cast is a scalar loop, several times slower); widening float16 is a lookup in a
-65,536-entry table made by NumPy's exact cast.
+Both run as integer operations on the float32 bits, block by block, both ways
+(NumPy's float16 casts are scalar loops, several times slower).
 
 A finite value whose encoding would be infinite (beyond bfloat16's 3.39e38 or
 float16's 65504) is refused with ``EncodingRangeError``, never sent as inf; values
@@ -26,7 +25,6 @@ and the encoding off it when it writes the tensor message.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Literal
 
 import numpy as np
@@ -208,23 +206,49 @@ def widen_into(out: Array, data: Any, code: int) -> None:
     """Widen the 2-byte values in ``data`` (bytes) into ``out`` (1-D float32 or
     float64, as many elements), exactly: the only pass over the bytes."""
     u = np.frombuffer(data, dtype="<u2")
-    if code == pb.ENCODING_FLOAT16:
-        np.take(_float16_table(out.dtype), u, out=out, mode="clip")  # unbuffered
-    elif out.dtype.itemsize == 4:
+    if code == pb.ENCODING_BFLOAT16 and out.dtype.itemsize == 4:
         np.left_shift(u, 16, out=out.view(np.uint32), dtype=np.uint32)
-    else:
-        t = np.empty(min(_BLOCK, u.size), np.uint32)
-        for start in range(0, u.size, _BLOCK):
-            block = t[: min(_BLOCK, u.size - start)]
-            np.left_shift(u[start : start + _BLOCK], 16, out=block, dtype=np.uint32)
+        return
+    to_float32 = _float16_bits if code == pb.ENCODING_FLOAT16 else _bfloat16_bits
+    block = min(_BLOCK, u.size)
+    scratch = [np.empty(block, np.uint32) for _ in range(3)]
+    mask = np.empty(block, np.bool_)
+    for start in range(0, u.size, _BLOCK):
+        src = u[start : start + _BLOCK]
+        dst = out[start : start + _BLOCK]
+        k = src.size
+        if out.dtype.itemsize == 4:
+            to_float32(src, dst.view(np.uint32), [t[:k] for t in scratch], mask[:k])
+        else:
+            bits = scratch[2][:k]
+            to_float32(src, bits, [t[:k] for t in scratch[:2]], mask[:k])
             with np.errstate(invalid="ignore"):  # a signalling NaN stays NaN
-                np.copyto(out[start : start + _BLOCK], block.view(np.float32))
+                np.copyto(dst, bits.view(np.float32))
 
 
-@functools.cache
-def _float16_table(dtype: np.dtype[Any]) -> Array:
-    """Every float16 bit pattern's value in ``dtype`` (NumPy's exact cast)."""
-    return np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(dtype)
+def _bfloat16_bits(u: Array, out: Array, scratch: list[Array], mask: Array) -> None:
+    np.left_shift(u, 16, out=out, dtype=np.uint32)
+
+
+def _float16_bits(u: Array, out: Array, scratch: list[Array], mask: Array) -> None:
+    """The float32 bits of the float16 values ``u``, into uint32 ``out`` (F.
+    Giesen's half_to_float, on whole blocks; every step is exact)."""
+    t, e = scratch[0], scratch[1]
+    np.left_shift(u, 13, out=t, dtype=np.uint32)
+    np.bitwise_and(t, 0x10000000, out=e)  # the sign, 3 bits short of its place
+    np.left_shift(e, 3, out=e)
+    np.bitwise_and(t, 0x0FFFE000, out=out)  # exponent and mantissa
+    np.bitwise_and(out, 0x0F800000, out=t)  # the exponent alone
+    np.add(out, 0x38000000, out=out)  # rebias 15 -> 127
+    np.equal(t, 0x0F800000, out=mask)  # inf, NaN: to float32's top exponent
+    if mask.any():
+        np.add(out, 0x38000000, out=out, where=mask)
+    np.equal(t, 0, out=mask)  # zero or subnormal: renormalised by the FPU
+    if mask.any():
+        np.add(out, 0x00800000, out=out, where=mask)
+        f = out.view(np.float32)
+        np.subtract(f, np.float32(2.0**-14), out=f, where=mask)
+    np.bitwise_or(out, e, out=out)
 
 
 def decode(encoded: Array) -> Array:
