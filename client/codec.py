@@ -156,7 +156,10 @@ def _wire_itemsize(t: pb.Tensor, dtype: np.dtype[Any]) -> int:
 
 
 def declared_nbytes(t: pb.Tensor, what: str = "tensor") -> int:
-    dtype, dims = tensor_spec(t, what)
+    """The bytes the tensor takes once read: its dtype's, whatever its encoding
+    (an encoded tensor is widened; where encodings are allowed is checked when it is
+    read)."""
+    dtype, dims = tensor_spec(t, what, encoded=True)
     return math.prod(dims) * dtype.itemsize
 
 

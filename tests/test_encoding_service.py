@@ -27,6 +27,7 @@ from onnxps.client import (
 )
 from onnxps.client.codec import array_to_tensor, decode, encode, header_tensor
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.limits import declared_bytes, message_bytes
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 from test_durability import _crash
@@ -396,3 +397,17 @@ def test_push_rows_encodes_the_rows_not_the_indices(client: Client) -> None:
     client.push_rows("ref", {"e": (idx, widened(rows, "bfloat16"))})
     assert_bit_identical(client.pull("enc", state=True), client.pull("ref", state=True))
     assert client.pull("enc")[0].tobytes() != table.tobytes()
+
+
+def test_encoded_push_counts_its_widened_bytes_in_flight() -> None:
+    # what the server holds of an encoded push is the widened gradient: 4 bytes per
+    # float32 element, although 2 travel (the in-flight budget and its gauge)
+    g = encode(np.ones((300, 1000), np.float32), "bfloat16")
+    header = pb.PushRequest(group="g", gradients=[header_tensor(g)])
+    assert declared_bytes(pb.PushStreamRequest(header=header)) == 1_200_000
+    unary = pb.PushRequest(group="g", gradients=[array_to_tensor(g)])
+    assert len(unary.gradients[0].raw_data) == 600_000
+    assert message_bytes(unary) == 1_200_000 + 256
+    rows = pb.PushRowsHeader(group="g")
+    rows.gradients.add(name="w", values=header_tensor(g))
+    assert declared_bytes(pb.PushRowsRequest(header=rows)) == 1_200_000
