@@ -122,8 +122,11 @@ def encode(a: Any, encoding: str, what: str = "tensor") -> Array:
             _to_float32_odd(x, x32)
         else:
             x32 = x
-        to_bits(x32, o, [t[: x.size] for t in scratch], mask[: x.size])
-        overflow = (o & 0x7FFF) == inf
+        k = x.size
+        to_bits(x32, o, [t[:k] for t in scratch], mask[:k])
+        magnitude = scratch[0][:k].view(np.uint16)[:k]  # scratch is free again
+        np.bitwise_and(o, 0x7FFF, out=magnitude)
+        overflow = np.equal(magnitude, inf, out=mask[:k])
         if overflow.any():
             _refuse_overflow(x, overflow, start, encoding, what)
     return out
