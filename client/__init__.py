@@ -22,6 +22,7 @@ from ._client import (
     WorkerInfo,
 )
 from ._cluster import placement, shard_addresses, shard_ranking
+from ._encoding import Encoding, EncodingRangeError
 from ._errors import (
     AlreadyExistsError,
     ClientClosedError,
@@ -52,6 +53,8 @@ __all__ = [
     "Client",
     "ClientClosedError",
     "DeadlineExceededError",
+    "Encoding",
+    "EncodingRangeError",
     "ExportFileError",
     "FailedPreconditionError",
     "GroupInfo",

@@ -15,6 +15,7 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from ._cluster import Layout, fan_out
+from ._encoding import Encoding
 from ._errors import ClientClosedError, RpcError, UnavailableError
 from ._records import (
     GroupInfo,
@@ -270,8 +271,10 @@ class Client(ClientCore):
         state: bool,
         min_version: int | None,
         deadline: Deadline,
+        encoding: Encoding = "native",
     ) -> tuple[int, list[Array]]:
-        return self._run(self._pull_op(group, state, min_version, deadline), shard)
+        op = self._pull_op(group, state, min_version, deadline, encoding)
+        return self._run(op, shard)
 
     # -- a cluster's operations: routed to the shards holding the group --------------
     def _create_parts(
@@ -356,13 +359,20 @@ class Client(ClientCore):
         return _lazy(lambda: _sharded.push(self, req, arrays, deadline))
 
     def _pull_parts(
-        self, group: str, state: bool, min_version: int | None, deadline: Deadline
+        self,
+        group: str,
+        state: bool,
+        min_version: int | None,
+        deadline: Deadline,
+        encoding: Encoding = "native",
     ) -> Op[tuple[int, list[Array]]]:
         if self.shards is None:
-            return super()._pull_parts(group, state, min_version, deadline)
+            return super()._pull_parts(group, state, min_version, deadline, encoding)
         from . import _sharded
 
-        return _lazy(lambda: _sharded.pull(self, group, state, min_version, deadline))
+        return _lazy(
+            lambda: _sharded.pull(self, group, state, min_version, deadline, encoding)
+        )
 
     def _save(self, *, timeout: float | None = None) -> Op[SaveInfo]:
         """Ask the server (every shard of a cluster) to write a snapshot now; a
@@ -431,6 +441,7 @@ class Client(ClientCore):
         *,
         base_version: int | None = None,
         learning_rate: float | None = None,
+        encoding: Encoding | None = None,
         timeout: float | None = None,
     ) -> Op[PushResult]:
         if self.shards is None:
@@ -439,9 +450,11 @@ class Client(ClientCore):
                 gradients,
                 base_version=base_version,
                 learning_rate=learning_rate,
+                encoding=encoding,
                 timeout=timeout,
             )
         deadline = self._deadline(timeout)
+        enc = self._encoding(encoding, self.gradient_encoding, "encoding")
 
         def push() -> PushResult:
             found = self._ids_layout(group, deadline)
@@ -453,7 +466,7 @@ class Client(ClientCore):
                 )
             shard, part = self._rows_target(group, deadline)
             op = self._rows_push_op(
-                group, part, gradients, base_version, learning_rate, deadline
+                group, part, gradients, base_version, learning_rate, deadline, enc
             )
             return self._run(op, shard)
 

@@ -25,6 +25,7 @@ import grpc
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 
+from ._encoding import ENCODING_TO_PROTO, Encoding, check_encoding, encode
 from ._errors import (
     ClientClosedError,
     DeadlineExceededError,
@@ -277,16 +278,20 @@ class _TensorStreamReader:
     """A server stream: one header message naming the tensors, then their chunks."""
 
     def __init__(
-        self, header: Callable[[Any], tuple[Any, list[pb.Tensor], list[str]]]
+        self,
+        header: Callable[[Any], tuple[Any, list[pb.Tensor], list[str]]],
+        *,
+        encoded: bool = False,
     ) -> None:
         self._header = header
+        self._encoded = encoded
         self._asm: TensorAssembler | None = None
         self._extra: Any = None
 
     def add(self, msg: Any) -> None:
         if self._asm is None:
             self._extra, tensors, names = self._header(msg)
-            self._asm = TensorAssembler(tensors, names)
+            self._asm = TensorAssembler(tensors, names, encoded=self._encoded)
         else:
             self._asm.add(msg.chunk)
 
@@ -377,6 +382,7 @@ class PushCall(Protocol[Int_co, Values_co]):
         base_version: int | None = ...,
         learning_rate: float | None = ...,
         return_values: Literal[False] = ...,
+        encoding: Encoding | None = ...,
         timeout: float | None = ...,
     ) -> Int_co: ...
 
@@ -388,6 +394,7 @@ class PushCall(Protocol[Int_co, Values_co]):
         base_version: int | None = ...,
         learning_rate: float | None = ...,
         return_values: Literal[True],
+        encoding: Encoding | None = ...,
         timeout: float | None = ...,
     ) -> Values_co: ...
 
@@ -430,6 +437,8 @@ class ClientCore:
         stream_threshold_bytes: int = STREAM_THRESHOLD_BYTES,
         chunk_bytes: int = CHUNK_BYTES,
         split_bytes: int = SPLIT_BYTES,
+        gradient_encoding: Encoding | None = None,
+        pull_encoding: Encoding | None = None,
         **unexpected: NoReturn,
     ) -> None:
         _check_client_arguments(
@@ -454,6 +463,10 @@ class ClientCore:
         self.transport: Transport = transport
         self.stream_threshold_bytes = stream_threshold_bytes
         self.chunk_bytes = chunk_bytes
+        # How gradients and pulled X travel unless a call says (README, "Compressed
+        # gradients on the wire"): None is native.
+        self.gradient_encoding = check_encoding(gradient_encoding, "gradient_encoding")
+        self.pull_encoding = check_encoding(pull_encoding, "pull_encoding")
         self._token = token
         self._tls = (root_certificates, private_key, certificate_chain)
         self._server_name_override = server_name_override
@@ -479,6 +492,10 @@ class ClientCore:
         if self.shards is not None:
             md.append((SHARD_METADATA_KEY, f"{shard}/{self.shards}"))
         return md or None
+
+    @staticmethod
+    def _encoding(value: Any, default: Encoding, what: str) -> Encoding:
+        return default if value is None else check_encoding(value, what)
 
     def _deadline(self, timeout: float | None) -> Deadline:
         return Deadline(self.timeout if timeout is None else timeout)
@@ -665,13 +682,20 @@ class ClientCore:
         base_version: int | None = None,
         learning_rate: float | None = None,
         return_values: bool = False,
+        encoding: Encoding | None = None,
         timeout: float | None = None,
     ) -> Op[PushResult]:
-        """Like ``push``, with everything the server said about it."""
+        """Like ``push``, with everything the server said about it.
+
+        ``encoding`` ("bfloat16", "float16", "native"; None: the client's
+        ``gradient_encoding``) sends the gradients in 2 bytes per element, rounded
+        to nearest even here; the server widens them exactly to the group's dtype.
+        A finite gradient the encoding cannot hold raises ``EncodingRangeError``."""
         # Built now, not when first stepped: its deadline and seq start with the
         # call, and a unary push has copied the gradients before it returns.
         deadline = self._deadline(timeout)
-        arrays = [np.asarray(g) for g in gradients]
+        enc = self._encoding(encoding, self.gradient_encoding, "encoding")
+        arrays = [encode(g, enc, f"gradient {i + 1}") for i, g in enumerate(gradients)]
         req = pb.PushRequest(
             group=group,
             client_id=self.client_id,
@@ -730,14 +754,23 @@ class ClientCore:
         *,
         state: bool = False,
         min_version: int | None = None,
+        encoding: Encoding | None = None,
         timeout: float | None = None,
     ) -> Op[list[Array]]:
         """X_1..X_n, or with ``state=True`` X..., V..., H... (ONNX output order).
 
         ``min_version`` waits (within the deadline) until the group's T reaches it.
+        ``encoding`` ("bfloat16", "float16", "native"; None: the client's
+        ``pull_encoding``) has X sent in 2 bytes per element and widened here to
+        the group's dtype (X rounded to nearest even); pulls with ``state`` are
+        native (the client's ``pull_encoding`` does not apply to them).
         """
         pulled = self._pull_versioned(
-            group, state=state, min_version=min_version, timeout=timeout
+            group,
+            state=state,
+            min_version=min_version,
+            encoding=encoding,
+            timeout=timeout,
         )
         return (yield from pulled)[1]
 
@@ -747,6 +780,7 @@ class ClientCore:
         *,
         state: bool = False,
         min_version: int | None = None,
+        encoding: Encoding | None = None,
         timeout: float | None = None,
     ) -> Op[tuple[int, list[Array]]]:
         """(T, arrays): the tensors and the update count they belong to.
@@ -754,16 +788,37 @@ class ClientCore:
         On a cluster, T is the lowest of the parts' (with pushes in flight, parts
         can be a push apart); ``min_version`` waits for every part."""
         deadline = self._deadline(timeout)
-        return (yield from self._pull_parts(group, state, min_version, deadline))
+        enc = self._pull_encoding(encoding, state)
+        return (yield from self._pull_parts(group, state, min_version, deadline, enc))
+
+    def _pull_encoding(self, encoding: Any, state: bool) -> Encoding:
+        if not state:
+            return self._encoding(encoding, self.pull_encoding, "encoding")
+        if check_encoding(encoding) != "native":
+            raise ValueError(
+                f"a pull with state=True travels native: encoding={encoding!r} is "
+                "for X alone (pull X encoded, or the state without an encoding)"
+            )
+        return "native"
 
     def _pull_parts(
-        self, group: str, state: bool, min_version: int | None, deadline: Deadline
+        self,
+        group: str,
+        state: bool,
+        min_version: int | None,
+        deadline: Deadline,
+        encoding: Encoding = "native",
     ) -> Op[tuple[int, list[Array]]]:
         """Pull the group (a cluster client: its parts, from their shards)."""
-        return (yield from self._pull_op(group, state, min_version, deadline))
+        return (yield from self._pull_op(group, state, min_version, deadline, encoding))
 
     def _pull_op(
-        self, group: str, state: bool, min_version: int | None, deadline: Deadline
+        self,
+        group: str,
+        state: bool,
+        min_version: int | None,
+        deadline: Deadline,
+        encoding: Encoding = "native",
     ) -> Op[tuple[int, list[Array]]]:
         """One pull of one group (or part) from one server."""
         if min_version is not None:
@@ -775,17 +830,23 @@ class ClientCore:
             size = (yield from self._describe(group, deadline)).nbytes
         if self._use_stream(size or 0):
             req = pb.PullStreamRequest(
-                group=group, with_state=state, min_version=min_version
+                group=group,
+                with_state=state,
+                min_version=min_version,
+                encoding=ENCODING_TO_PROTO[encoding],
             )
             t, arrays = yield Call(
                 "PullStream", _unary(req), deadline, waited, _pull_reader
             )
             return int(t), arrays
-        unary = pb.PullRequest(group=group, with_state=state, min_version=min_version)
+        unary = pb.PullRequest(
+            group=group,
+            with_state=state,
+            min_version=min_version,
+            encoding=ENCODING_TO_PROTO[encoding],
+        )
         msg = yield Call("Pull", _unary(unary), deadline, waited)
-        return msg.update_count, [
-            tensor_to_array(t, t.name).copy() for t in msg.tensors
-        ]
+        return msg.update_count, [_pulled(t) for t in msg.tensors]
 
     # -- rows ----------------------------------------------------------------------
     def _push_rows(
@@ -795,6 +856,7 @@ class ClientCore:
         *,
         base_version: int | None = None,
         learning_rate: float | None = None,
+        encoding: Encoding | None = None,
         timeout: float | None = None,
     ) -> Op[PushResult]:
         """One step in which only the given rows change.
@@ -803,11 +865,14 @@ class ClientCore:
         (k, *shape[1:])) or to a dense gradient of the whole tensor; tensors not
         named keep every row. Repeated indices are summed first. The indices and rows
         travel in ~1 MiB chunks (no size ceiling); a push the server did not answer
-        (UNAVAILABLE) is resent with the same seq, and answered once."""
+        (UNAVAILABLE) is resent with the same seq, and answered once. ``encoding``
+        (None: the client's ``gradient_encoding``) encodes the rows as ``push``
+        does; indices travel as they are."""
         deadline = self._deadline(timeout)
+        enc = self._encoding(encoding, self.gradient_encoding, "encoding")
         return (
             yield from self._rows_push_op(
-                group, group, gradients, base_version, learning_rate, deadline
+                group, group, gradients, base_version, learning_rate, deadline, enc
             )
         )
 
@@ -819,6 +884,7 @@ class ClientCore:
         base_version: int | None,
         learning_rate: float | None,
         deadline: Deadline,
+        encoding: Encoding = "native",
     ) -> Op[PushResult]:
         """A row push to ``part``, the name of ``group`` on the server it goes to."""
         header = pb.PushRowsHeader(
@@ -835,9 +901,9 @@ class ClientCore:
                 indices = _indices(g[0])
                 gr.indices.CopyFrom(header_tensor(indices))
                 arrays.append(indices)
-                values = np.asarray(g[1])
+                values = encode(g[1], encoding, f"rows of {name!r}")
             else:
-                values = np.asarray(g)
+                values = encode(g, encoding, f"gradient of {name!r}")
             gr.values.CopyFrom(header_tensor(values))
             arrays.append(values)
         what = f"the row push to group {group} (seq {header.seq}) was not answered"
@@ -1130,12 +1196,18 @@ def what(method: str) -> str:
     return f"{method} was not answered"
 
 
+def _pulled(t: pb.Tensor) -> Array:
+    """A pulled tensor as an array of its own (an encoded one is widened already)."""
+    a = tensor_to_array(t, t.name, encoded=True)
+    return a.copy() if t.encoding == pb.ENCODING_UNSPECIFIED else a
+
+
 def _pull_reader() -> StreamReader:
     def header(m: pb.PullStreamResponse) -> tuple[int, list[pb.Tensor], list[str]]:
         tensors = list(m.header.tensors)
         return m.header.update_count, tensors, [t.name for t in tensors]
 
-    return _TensorStreamReader(header)
+    return _TensorStreamReader(header, encoded=True)
 
 
 def _rows_reader() -> StreamReader:

@@ -38,6 +38,7 @@ from ._cluster import (
     part_arrays,
     plan_layout,
 )
+from ._encoding import Encoding
 from ._errors import (
     AlreadyExistsError,
     DeadlineExceededError,
@@ -478,6 +479,7 @@ def pull(
     state: bool,
     min_version: int | None,
     deadline: _Deadline,
+    encoding: Encoding = "native",
 ) -> tuple[int, list[Array]]:
     def pull_all(found: Layout) -> list[tuple[int, list[Array]]]:
         return fan_out(
@@ -485,7 +487,13 @@ def pull(
                 functools.partial(
                     until_landed,
                     functools.partial(
-                        client._pull_one, p.shard, p.name, state, min_version, deadline
+                        client._pull_one,
+                        p.shard,
+                        p.name,
+                        state,
+                        min_version,
+                        deadline,
+                        encoding,
                     ),
                     deadline,
                 )

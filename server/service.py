@@ -24,7 +24,9 @@ import grpc
 import numpy as np
 from onnxps.client.codec import (
     CHUNK_BYTES,
+    ENCODING_NAMES,
     PROTO_TO_DTYPE,
+    EncodingRangeError,
     TensorAssembler,
     TensorFormatError,
     chunk_messages,
@@ -34,6 +36,7 @@ from onnxps.client.codec import (
     tensor_to_array,
     write_tensor,
 )
+from onnxps.client.codec import encode as encode_tensor
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
@@ -153,10 +156,10 @@ def _timeout(context: grpc.ServicerContext) -> float | None:
     """How long a wait may last: a little less than the call's deadline, so that the
     server's answer (what it waited for, the group's T) reaches the client before
     the client's own deadline fires with a bare DEADLINE_EXCEEDED."""
-    remaining: float | None = context.time_remaining()  # None: no deadline
-    if remaining is None:
+    left: float | None = context.time_remaining()
+    if left is None:  # grpc's stubs say float; it is None without a deadline
         return None
-    return max(0.0, remaining - min(_ANSWER_EARLY_SECONDS, remaining / 10))
+    return max(0.0, left - min(_ANSWER_EARLY_SECONDS, left / 10))
 
 
 def _raise_if_cut_off(context: grpc.ServicerContext) -> None:
@@ -215,6 +218,45 @@ def _table_tensors(t: pb.IdsTableSpec) -> tuple[list[pb.Tensor], list[str]]:
 def _empty_table(dim: int, dtype: np.dtype[Any], attrs: Any) -> list[Array]:
     empty = np.empty((0, dim), dtype)
     return [np.empty(0, np.int64), empty] + [empty for _ in attrs.state_names]
+
+
+def _check_pull_encoding(req: pb.PullRequest | pb.PullStreamRequest) -> None:
+    """A pull's encoding: a known one, and for X alone (state travels native)."""
+    if not req.encoding:
+        return
+    name = ENCODING_NAMES.get(req.encoding)
+    if name is None:
+        raise InvalidArgument(
+            f"encoding {req.encoding} is not one of ENCODING_UNSPECIFIED (0, native), "
+            "ENCODING_BFLOAT16 (1) or ENCODING_FLOAT16 (2)",
+            field="encoding",
+        )
+    if req.with_state:
+        raise InvalidArgument(
+            f"a pull with_state travels native: the {name} encoding is for X alone "
+            "(pull X encoded, or the state without an encoding)",
+            field="encoding",
+        )
+
+
+def _encoded_values(
+    arrays: Sequence[Array], names: Sequence[str], encoding: int
+) -> Sequence[Array]:
+    """X in the pull's encoding (checked by ``_check_pull_encoding``)."""
+    if not encoding:
+        return arrays
+    name = ENCODING_NAMES[encoding]
+    try:
+        return [
+            encode_tensor(a, name, f"X {n!r}")
+            for a, n in zip(arrays, names, strict=True)
+        ]
+    except EncodingRangeError as exc:
+        raise FailedPrecondition(
+            f"cannot pull as {name}: {exc}",
+            reason="OUT_OF_ENCODING_RANGE",
+            metadata={"encoding": name},
+        ) from None
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
@@ -400,7 +442,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     def _validate_push(self, req: pb.PushRequest) -> PushTicket:
         """Check the gradients' header against the group before reading any bytes."""
         specs = (
-            tensor_spec(t, f"gradient {i + 1}") for i, t in enumerate(req.gradients)
+            tensor_spec(t, f"gradient {i + 1}", encoded=True)
+            for i, t in enumerate(req.gradients)
         )
         return self.store.validate_push(req.group, specs)
 
@@ -408,7 +451,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     def Push(self, request: pb.PushRequest, context: Any) -> pb.PushResponse:
         ticket = self._validate_push(request)
         grads = [
-            tensor_to_array(t, f"gradient {i + 1} ({ticket.names[i]!r})")
+            tensor_to_array(t, f"gradient {i + 1} ({ticket.names[i]!r})", encoded=True)
             for i, t in enumerate(request.gradients)
         ]
         return self._push(request, ticket, grads, context, pb.PushResponse)
@@ -420,9 +463,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         req, it = _stream_header(request_iterator, "header", "a PushStream", context)
         ticket = self._validate_push(req)
         headers = list(req.gradients)
-        grads = self._assemble(
-            it, headers, _names("gradient", len(headers), ticket.names), context
-        )
+        names = _names("gradient", len(headers), ticket.names)
+        grads = self._assemble(it, headers, names, context, encoded=True)
         return self._push(req, ticket, grads, context, pb.PushStreamResponse)
 
     def _assemble(
@@ -431,8 +473,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         headers: Sequence[pb.Tensor],
         names: Sequence[str],
         context: Any,
+        *,
+        encoded: bool = False,
     ) -> list[Array]:
-        asm = TensorAssembler(headers, names)
+        """The tensors of a stream; with ``encoded``, encoded ones widened."""
+        asm = TensorAssembler(headers, names, encoded=encoded)
         for msg in it:
             if msg.WhichOneof("part") != "chunk":
                 raise InvalidArgument("after the header a stream carries only chunks")
@@ -466,6 +511,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         hold: InflightHold,
     ) -> PullResult:
         waits = req.HasField("min_version")
+        _check_pull_encoding(req)
         return self.store.pull(
             req.group,
             with_state=req.with_state,
@@ -482,7 +528,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             reply = pb.PullResponse(
                 update_count=out.update_count, learning_rate=out.learning_rate
             )
-            for a, n in zip(out.arrays, out.names, strict=True):
+            arrays = _encoded_values(out.arrays, out.names, request.encoding)
+            for a, n in zip(arrays, out.names, strict=True):
                 write_tensor(reply.tensors.add(), a, n)
             return reply
 
@@ -490,18 +537,16 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     def PullStream(self, request: pb.PullStreamRequest, context: Any) -> Iterator[Any]:
         with self._reply_bytes(context, stream=True) as hold:
             out = self._pull(request, context, hold)
+            arrays = _encoded_values(out.arrays, out.names, request.encoding)
             header = pb.PullResponse(
                 update_count=out.update_count,
                 learning_rate=out.learning_rate,
                 tensors=[
-                    header_tensor(a, n)
-                    for a, n in zip(out.arrays, out.names, strict=True)
+                    header_tensor(a, n) for a, n in zip(arrays, out.names, strict=True)
                 ],
             )
             yield pb.PullStreamResponse(header=header)
-            yield from chunk_messages(
-                pb.PullStreamResponse, out.arrays, self.chunk_bytes
-            )
+            yield from chunk_messages(pb.PullStreamResponse, arrays, self.chunk_bytes)
 
     # -- rows ------------------------------------------------------------------------
     @_unary
@@ -525,12 +570,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
                     tensor_spec(gr.indices, f"gradients[{j}].indices")
                     if gr.HasField("indices")
                     else None,
-                    tensor_spec(gr.values, f"gradients[{j}].values"),
+                    tensor_spec(gr.values, f"gradients[{j}].values", encoded=True),
                 )
                 for j, gr in enumerate(req.gradients)
             ),
         )
-        arrays = iter(self._assemble(it, headers, names, context))
+        arrays = iter(self._assemble(it, headers, names, context, encoded=True))
         gradients: dict[str, Array | tuple[Array, Array]] = {}
         for gr in req.gradients:
             if gr.HasField("indices"):

@@ -102,7 +102,9 @@ def test_all_lists_every_public_class_and_function() -> None:
         for cls in vars(onnxps.client).values()
         if inspect.isclass(cls) and issubclass(cls, OnnxpsError)
     }
-    assert len(errors) == 15  # with TensorFormatError and ExportFileError
+    assert (
+        len(errors) == 16
+    )  # with TensorFormatError, ExportFileError, EncodingRangeError
     assert errors <= set(onnxps.client.__all__)
 
 

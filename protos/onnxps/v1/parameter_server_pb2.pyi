@@ -67,6 +67,48 @@ DATA_TYPE_DOUBLE: DataType.ValueType  # 11
 """float64: state tensors, gradients, R."""
 Global___DataType: _TypeAlias = DataType  # noqa: Y015
 
+class _Encoding:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _EncodingEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Encoding.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ENCODING_UNSPECIFIED: _Encoding.ValueType  # 0
+    """Not set: native, the bytes of the dtype (product(dims) * itemsize)."""
+    ENCODING_BFLOAT16: _Encoding.ValueType  # 1
+    """bfloat16: the upper 16 bits of the value as a float32 (float64 values are
+    first rounded to float32), rounded to nearest, ties to even; NaN stays NaN.
+    """
+    ENCODING_FLOAT16: _Encoding.ValueType  # 2
+    """float16: IEEE 754 binary16, rounded to nearest, ties to even; finite values
+    beyond +-65504 cannot be sent.
+    """
+
+class Encoding(_Encoding, metaclass=_EncodingEnumTypeWrapper):
+    """How a tensor's elements travel. The tensor's dtype and dims stay what they
+    are (the group's dtype); only the bytes change. An encoded tensor is 2 bytes
+    per element, little-endian, C order: product(dims) * 2 bytes. Encodings are
+    accepted on FLOAT and DOUBLE tensors of Push and PushStream gradients and
+    PushRows values, and asked for by Pull and PullStream (X only); anywhere else
+    a tensor must travel native. The server widens an encoded gradient exactly to
+    the group's dtype before the step (every bfloat16 and float16 value is a
+    float32 and a float64 value), so the step is exact on the gradient it
+    received; the rounding happens once, at the sender. A finite value whose
+    encoding would be infinite is refused by the sender, not sent as inf.
+    """
+
+ENCODING_UNSPECIFIED: Encoding.ValueType  # 0
+"""Not set: native, the bytes of the dtype (product(dims) * itemsize)."""
+ENCODING_BFLOAT16: Encoding.ValueType  # 1
+"""bfloat16: the upper 16 bits of the value as a float32 (float64 values are
+first rounded to float32), rounded to nearest, ties to even; NaN stays NaN.
+"""
+ENCODING_FLOAT16: Encoding.ValueType  # 2
+"""float16: IEEE 754 binary16, rounded to nearest, ties to even; finite values
+beyond +-65504 cannot be sent.
+"""
+Global___Encoding: _TypeAlias = Encoding  # noqa: Y015
+
 class _ConsistencyMode:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -149,8 +191,8 @@ Global___RowInitializerKind: _TypeAlias = RowInitializerKind  # noqa: Y015
 @_typing.final
 class Tensor(_message.Message):
     """A dense tensor. Bytes are little-endian, C (row-major) order, exactly
-    product(dims) * itemsize long. In a stream header raw_data is empty and the
-    bytes follow in TensorChunk messages.
+    product(dims) * itemsize long (product(dims) * 2 when encoded). In a stream
+    header raw_data is empty and the bytes follow in TensorChunk messages.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -159,12 +201,17 @@ class Tensor(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     DIMS_FIELD_NUMBER: _builtins.int
     RAW_DATA_FIELD_NUMBER: _builtins.int
+    ENCODING_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The tensor's name within its group (may be empty in Apply)."""
     dtype: Global___DataType.ValueType
     """The element type."""
     raw_data: _builtins.bytes
     """The elements: little-endian, C order; empty in a stream header."""
+    encoding: Global___Encoding.ValueType
+    """How raw_data (or the chunks) encode the elements; unset: native. The chunks
+    of an encoded tensor hold whole elements (even offsets and lengths).
+    """
     @_builtins.property
     def dims(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The shape; empty for a scalar (0-d), which holds one element."""
@@ -176,10 +223,11 @@ class Tensor(_message.Message):
         dtype: Global___DataType.ValueType = ...,
         dims: _abc.Iterable[_builtins.int] | None = ...,
         raw_data: _builtins.bytes = ...,
+        encoding: Global___Encoding.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dims", b"dims", "dtype", b"dtype", "name", b"name", "raw_data", b"raw_data"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dims", b"dims", "dtype", b"dtype", "encoding", b"encoding", "name", b"name", "raw_data", b"raw_data"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1250,22 +1298,28 @@ class PullRequest(_message.Message):
     GROUP_FIELD_NUMBER: _builtins.int
     WITH_STATE_FIELD_NUMBER: _builtins.int
     MIN_VERSION_FIELD_NUMBER: _builtins.int
+    ENCODING_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """The group's name."""
     with_state: _builtins.bool
     """Also V..., H... (ONNX output order)."""
     min_version: _builtins.int
     """Wait (within the deadline) until the group's T reaches this value."""
+    encoding: Global___Encoding.ValueType
+    """Send X_1..X_n in this encoding (the reply's tensors say theirs); unset:
+    native. Refused with with_state: V and H travel native.
+    """
     def __init__(
         self,
         *,
         group: _builtins.str = ...,
         with_state: _builtins.bool = ...,
         min_version: _builtins.int | None = ...,
+        encoding: Global___Encoding.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "min_version", b"min_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "group", b"group", "min_version", b"min_version", "with_state", b"with_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "encoding", b"encoding", "group", b"group", "min_version", b"min_version", "with_state", b"with_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__min_version: _TypeAlias = _typing.Literal["min_version"]  # noqa: Y015
     _WhichOneofArgType__min_version: _TypeAlias = _typing.Literal["_min_version", b"_min_version"]  # noqa: Y015
@@ -1314,22 +1368,28 @@ class PullStreamRequest(_message.Message):
     GROUP_FIELD_NUMBER: _builtins.int
     WITH_STATE_FIELD_NUMBER: _builtins.int
     MIN_VERSION_FIELD_NUMBER: _builtins.int
+    ENCODING_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """The group's name."""
     with_state: _builtins.bool
     """Also V..., H... (ONNX output order)."""
     min_version: _builtins.int
     """Wait (within the deadline) until the group's T reaches this value."""
+    encoding: Global___Encoding.ValueType
+    """Send X_1..X_n in this encoding (the reply's tensors say theirs); unset:
+    native. Refused with with_state: V and H travel native.
+    """
     def __init__(
         self,
         *,
         group: _builtins.str = ...,
         with_state: _builtins.bool = ...,
         min_version: _builtins.int | None = ...,
+        encoding: Global___Encoding.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "min_version", b"min_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "group", b"group", "min_version", b"min_version", "with_state", b"with_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "encoding", b"encoding", "group", b"group", "min_version", b"min_version", "with_state", b"with_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__min_version: _TypeAlias = _typing.Literal["min_version"]  # noqa: Y015
     _WhichOneofArgType__min_version: _TypeAlias = _typing.Literal["_min_version", b"_min_version"]  # noqa: Y015
