@@ -22,6 +22,7 @@ from ._client import (
     WorkerInfo,
 )
 from ._cluster import placement, shard_addresses, shard_ranking
+from ._encoding import Encoding, EncodingRangeError
 from ._errors import (
     AlreadyExistsError,
     ClientClosedError,
@@ -38,8 +39,10 @@ from ._errors import (
     UnavailableError,
 )
 from ._optimizers import Adagrad, Adam, Async, Momentum, Nesterov, OptimizerSpec, Sync
+from ._records import RowsPage, TableInfo
 from ._transfer import ExportFileError
 from .codec import TensorFormatError
+from .initializers import IdsTable, Normal, Uniform, Zeros
 
 __all__ = [
     "Adagrad",
@@ -50,14 +53,18 @@ __all__ = [
     "Client",
     "ClientClosedError",
     "DeadlineExceededError",
+    "Encoding",
+    "EncodingRangeError",
     "ExportFileError",
     "FailedPreconditionError",
     "GroupInfo",
+    "IdsTable",
     "InternalError",
     "InvalidArgumentError",
     "LeaseInfo",
     "Momentum",
     "Nesterov",
+    "Normal",
     "NotFoundError",
     "OnnxpsError",
     "OptimizerSpec",
@@ -65,13 +72,17 @@ __all__ = [
     "PermissionDeniedError",
     "PushResult",
     "ResourceExhaustedError",
+    "RowsPage",
     "RpcError",
     "SaveInfo",
     "Sync",
+    "TableInfo",
     "TensorFormatError",
     "UnauthenticatedError",
     "UnavailableError",
+    "Uniform",
     "WorkerInfo",
+    "Zeros",
     "placement",
     "shard_addresses",
     "shard_ranking",

@@ -146,6 +146,9 @@ class AsyncClient(ClientCore):
     pull_versioned = _awaiting(ClientCore._pull_versioned)
     push_rows = _awaiting(ClientCore._push_rows)
     pull_rows = _awaiting(ClientCore._pull_rows)
+    list_rows = _awaiting(ClientCore._list_rows)
+    count_rows = _awaiting(ClientCore._count_rows)
+    export_rows = _awaiting(ClientCore._export_rows)
     apply = _awaiting(ClientCore._apply)
     save = _awaiting(ClientCore._save)
     export = _awaiting(ClientCore._export)  # writes the file from the event loop

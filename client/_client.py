@@ -15,12 +15,19 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from ._cluster import Layout, fan_out
-from ._errors import ClientClosedError, RpcError, UnavailableError
+from ._encoding import Encoding
+from ._errors import (
+    ClientClosedError,
+    InvalidArgumentError,
+    RpcError,
+    UnavailableError,
+)
 from ._records import (
     GroupInfo,
     LeaseInfo,
     PartInfo,
     PushResult,
+    RowsPage,
     SaveInfo,
     WorkerInfo,
     group_info,
@@ -273,8 +280,10 @@ class Client(ClientCore):
         state: bool,
         min_version: int | None,
         deadline: Deadline,
+        encoding: Encoding = "native",
     ) -> tuple[int, list[Array]]:
-        return self._run(self._pull_op(group, state, min_version, deadline), shard)
+        op = self._pull_op(group, state, min_version, deadline, encoding)
+        return self._run(op, shard)
 
     # -- a cluster's operations: routed to the shards holding the group --------------
     def _create_parts(
@@ -284,10 +293,23 @@ class Client(ClientCore):
         arrays: list[Array],
         state_arrays: list[Array],
         deadline: Deadline,
+        *,
+        table_arrays: Sequence[Sequence[Array]] = (),
     ) -> Op[GroupInfo]:
         if self.shards is None:
-            return super()._create_parts(req, names, arrays, state_arrays, deadline)
+            return super()._create_parts(
+                req, names, arrays, state_arrays, deadline, table_arrays=table_arrays
+            )
         from . import _sharded
+
+        if req.tables:
+            from . import _ids_cluster
+
+            return _lazy(
+                lambda: _ids_cluster.create_group(
+                    self, req, names, table_arrays, deadline
+                )
+            )
 
         return _lazy(
             lambda: _sharded.create_group(
@@ -346,13 +368,20 @@ class Client(ClientCore):
         return _lazy(lambda: _sharded.push(self, req, arrays, deadline))
 
     def _pull_parts(
-        self, group: str, state: bool, min_version: int | None, deadline: Deadline
+        self,
+        group: str,
+        state: bool,
+        min_version: int | None,
+        deadline: Deadline,
+        encoding: Encoding = "native",
     ) -> Op[tuple[int, list[Array]]]:
         if self.shards is None:
-            return super()._pull_parts(group, state, min_version, deadline)
+            return super()._pull_parts(group, state, min_version, deadline, encoding)
         from . import _sharded
 
-        return _lazy(lambda: _sharded.pull(self, group, state, min_version, deadline))
+        return _lazy(
+            lambda: _sharded.pull(self, group, state, min_version, deadline, encoding)
+        )
 
     def _save(self, *, timeout: float | None = None) -> Op[SaveInfo]:
         """Ask the server (every shard of a cluster) to write a snapshot now; a
@@ -391,6 +420,9 @@ class Client(ClientCore):
     pull_versioned = _blocking(ClientCore._pull_versioned)
     push_rows = _blocking(ClientCore._push_rows)
     pull_rows = _blocking(ClientCore._pull_rows)
+    list_rows = _blocking(ClientCore._list_rows)
+    count_rows = _blocking(ClientCore._count_rows)
+    export_rows = _blocking(ClientCore._export_rows)
     apply = _blocking(ClientCore._apply)
     save = _blocking(ClientCore._save)
     export = _blocking(ClientCore._export)
@@ -418,6 +450,7 @@ class Client(ClientCore):
         *,
         base_version: int | None = None,
         learning_rate: float | None = None,
+        encoding: Encoding | None = None,
         timeout: float | None = None,
     ) -> Op[PushResult]:
         if self.shards is None:
@@ -426,15 +459,17 @@ class Client(ClientCore):
                 gradients,
                 base_version=base_version,
                 learning_rate=learning_rate,
+                encoding=encoding,
                 timeout=timeout,
             )
         from . import _rowsplit
 
         deadline = self._deadline(timeout)
+        enc = self._encoding(encoding, self.gradient_encoding, "encoding")
 
         def push() -> PushResult:
             return _rowsplit.push_rows(
-                self, group, gradients, base_version, learning_rate, deadline
+                self, group, gradients, base_version, learning_rate, deadline, enc
             )
 
         return _lazy(push)
@@ -462,6 +497,72 @@ class Client(ClientCore):
             )
 
         return _lazy(pull)
+
+    def _ids_layout(self, group: str, deadline: Deadline) -> Layout | None:
+        """The layout of a group of ids tables split by id (``_ids_cluster``)."""
+        from . import _ids_cluster, _sharded
+
+        found = _sharded.layout(self, group, deadline)
+        return found if _ids_cluster.is_ids_layout(found) else None
+
+    def _list_rows(
+        self,
+        group: str,
+        table: str,
+        *,
+        page_token: str = "",
+        page_size: int = 0,
+        values: bool = False,
+        state: bool = False,
+        timeout: float | None = None,
+    ) -> Op[RowsPage]:
+        if self.shards is None:
+            return super()._list_rows(
+                group,
+                table,
+                page_token=page_token,
+                page_size=page_size,
+                values=values,
+                state=state,
+                timeout=timeout,
+            )
+        deadline = self._deadline(timeout)
+
+        def page() -> RowsPage:
+            from . import _ids_cluster
+
+            found = self._ids_layout(group, deadline)
+            if found is not None:
+                return _ids_cluster.list_rows(
+                    self, found, table, page_token, page_size, values, state, deadline
+                )
+            shard, part = self._rows_target(group, deadline)
+            op = self._list_rows_op(
+                part, table, page_token, page_size, values, state, deadline
+            )
+            result: RowsPage = self._run(op, shard)
+            return result
+
+        return _lazy(page)
+
+    def _rows_target(self, group: str, deadline: Deadline) -> tuple[int, str]:
+        """The shard and name of the one part ``list_rows`` asks about a group
+        that is not split by id (a plain server: 0). A group split into parts of
+        fixed tensors has no ids tables: refused here as its server would."""
+        if self.shards is None:
+            return 0, group
+        from . import _sharded
+
+        targets = _sharded.part_targets(self, group, deadline)
+        if len(targets) != 1:
+            raise InvalidArgumentError(
+                f"group {group!r} has no ids tables: it is split into "
+                f"{len(targets)} parts of fixed tensors, and list_rows lists the "
+                "ids of an ids table",
+                reason="UNKNOWN_TENSOR",
+                metadata={"group": group},
+            )
+        return targets[0]
 
     # -- workers -------------------------------------------------------------------
     def join(

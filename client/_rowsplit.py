@@ -8,7 +8,8 @@ disagree about a refusal; then each owner gets its rows (indices made part-local
 in the order they came, so repeats sum as on one server) and every other part the
 same push with no rows, so that every part steps T (README, "Row pushes on a
 split group"). A row pull asks only the owners and puts the rows back in request
-order.
+order. A group of ids tables split by id (``_ids_cluster``) lands its row pushes
+the same way: ``_ids_cluster.split_push`` says what each part gets.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from ._client import Array, Client, PushResult, _Deadline, until_landed
 from ._client import _PartPush as PartPush
 from ._cluster import Layout, Part, Slot, fan_out
+from ._encoding import Encoding, encode
 from ._errors import FailedPreconditionError, InvalidArgumentError
 from ._requests import _indices, row_gradients
 from ._sharded import _finish_earlier, _land, _rerouted, describe_group
 
-__all__ = ["pull_rows", "push_rows"]
+__all__ = ["check_finite", "land", "pull_rows", "push_rows"]
 
 _INDEX = np.dtype(np.int64)
 
@@ -152,9 +154,14 @@ _Entries = list[list[tuple[str, Array | None, Array]]]
 
 
 def _split_push(
-    client: Client, found: Layout, gradients: Mapping[str, Any], deadline: _Deadline
+    client: Client,
+    found: Layout,
+    gradients: Mapping[str, Any],
+    deadline: _Deadline,
+    encoding: Encoding = "native",
 ) -> _Entries:
-    """Each part's row gradients (name on its shard, indices or None, values)."""
+    """Each part's row gradients (name on its shard, indices or None, values in
+    ``encoding``: encoded whole, once checked, then cut per part)."""
     dtype = _dtype(client, found)
     per_part: _Entries = [[] for _ in found.parts]
     finite = True
@@ -186,6 +193,7 @@ def _split_push(
                 tensor=name,
             )
         finite = finite and bool(np.isfinite(values).all())
+        values = encode(values, encoding, f"gradient of {name!r}")
         if idx is None:
             flat = np.ascontiguousarray(values).reshape(-1)
             row = values.size // max(1, shape[0])
@@ -199,6 +207,15 @@ def _split_push(
             else:
                 local, rows = idx[mine] - pc.a, values[mine]
             per_part[pc.part].append((pc.name, local, rows))
+    check_finite(client, found, finite, deadline)
+    return per_part
+
+
+def check_finite(
+    client: Client, found: Layout, finite: bool, deadline: _Deadline
+) -> None:
+    """Refuse a push holding NaN or inf unless the group allows them (asked only
+    then), here: a part would refuse only the rows it owns."""
     if (
         not finite
         and not describe_group(client, found.group, deadline).allow_non_finite
@@ -210,7 +227,6 @@ def _split_push(
             "allow_non_finite=True",
             "NON_FINITE_GRADIENT",
         )
-    return per_part
 
 
 def push_rows(
@@ -220,48 +236,77 @@ def push_rows(
     base_version: int | None,
     learning_rate: float | None,
     deadline: _Deadline,
+    encoding: Encoding = "native",
 ) -> PushResult:
-    """A row push to a group of a cluster: its parts' pushes, one seq for all."""
+    """A row push to a group of a cluster: its parts' pushes, one seq for all,
+    every part sent one (with no rows when it owns none of the push's)."""
+    from . import _ids_cluster
+
     _finish_earlier(client, group, deadline)
     seq = next(client._seq)
 
     def push_all(found: Layout) -> PushResult:
-        if not found.split:  # the group's one shard checks it all
+        if _ids_cluster.is_ids_layout(found):
+            per_part = _ids_cluster.split_push(
+                client, found, gradients, deadline, encoding
+            )
+        elif not found.split:  # the group's one shard checks it all
             (p,) = found.parts
             op = client._rows_push_op(
-                group, p.name, gradients, base_version, learning_rate, deadline
+                group,
+                p.name,
+                gradients,
+                base_version,
+                learning_rate,
+                deadline,
+                encoding,
             )
             return client._run(op, p.shard)
-        per_part = _split_push(client, found, gradients, deadline)
-
-        def part(k: int, with_base: bool) -> PartPush:
-            p: Part = found.parts[k]
-            header = pb.PushRowsHeader(
-                group=p.name, client_id=client.client_id, seq=seq
-            )
-            if with_base and base_version is not None:
-                header.base_version = base_version
-            if learning_rate is not None:
-                header.learning_rate = learning_rate
-            return p.shard, header, row_gradients(header, per_part[k])
-
-        count = len(found.parts)
-        if base_version is not None:
-            # Part 0 alone decides whether the push is too stale (as dense pushes).
-            rest = [part(k, False) for k in range(1, count)]
-            replies = _land(client, group, [part(0, True)], rest, deadline)
         else:
-            replies = _land(
-                client, group, [part(k, True) for k in range(count)], (), deadline
-            )
-        return PushResult(
-            max(int(m.update_count) for m in replies),
-            all(m.applied for m in replies),
-            all(m.duplicate for m in replies),
-            None,
-        )
+            per_part = _split_push(client, found, gradients, deadline, encoding)
+        return land(client, found, per_part, seq, base_version, learning_rate, deadline)
 
     return _rerouted(client, group, deadline, push_all)
+
+
+def land(
+    client: Client,
+    found: Layout,
+    per_part: _Entries,
+    seq: int,
+    base_version: int | None,
+    learning_rate: float | None,
+    deadline: _Deadline,
+) -> PushResult:
+    """Send every part its row gradients with one (client_id, seq); parts that did
+    not answer are resent with that seq until the deadline, and a part still
+    missing is sent first by the next push to the group (``_sharded._land``), so
+    every part takes the push exactly once and all keep the same T."""
+
+    def part(k: int, with_base: bool) -> PartPush:
+        p: Part = found.parts[k]
+        header = pb.PushRowsHeader(group=p.name, client_id=client.client_id, seq=seq)
+        if with_base and base_version is not None:
+            header.base_version = base_version
+        if learning_rate is not None:
+            header.learning_rate = learning_rate
+        return p.shard, header, row_gradients(header, per_part[k])
+
+    count = len(found.parts)
+    if base_version is not None:
+        # Part 0 alone decides whether the push is too stale (as dense pushes).
+        rest = [part(k, False) for k in range(1, count)]
+        replies = _land(client, found.group, [part(0, True)], rest, deadline)
+    else:
+        replies = _land(
+            client, found.group, [part(k, True) for k in range(count)], (), deadline
+        )
+    return PushResult(
+        max(int(m.update_count) for m in replies),
+        all(m.applied for m in replies),
+        all(m.duplicate for m in replies),
+        None,
+    )
 
 
 def pull_rows(
@@ -275,7 +320,13 @@ def pull_rows(
     """Rows of a group of a cluster, from the parts that own them (a selection
     with no rows asks the part holding the tensor's first rows)."""
 
+    from . import _ids_cluster
+
     def pull_all(found: Layout) -> dict[str, Array]:
+        if _ids_cluster.is_ids_layout(found):
+            return _ids_cluster.pull_rows(
+                client, found, selections, state, min_version, deadline
+            )
         asks: list[dict[str, Array]] = [{} for _ in found.parts]
         # per selection: its tensor, and (part, piece name, positions) it reads
         plan: list[tuple[str, int, list[tuple[int, str, Array]]]] = []

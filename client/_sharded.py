@@ -38,6 +38,7 @@ from ._cluster import (
     part_arrays,
     plan_layout,
 )
+from ._encoding import Encoding
 from ._errors import (
     AlreadyExistsError,
     DeadlineExceededError,
@@ -176,6 +177,12 @@ def _merged(client: Client, found: Layout, infos: Sequence[pb.GroupInfo]) -> Gro
         element_count=sum(p.element_count for p in parts),
         state_bytes=sum(int(g.state_bytes) for g in infos),
         parts=parts,
+        tables={  # an ids table split by id (``_ids_cluster``): its rows summed
+            name: dataclasses.replace(
+                t, row_count=sum(_group_info(g).tables[name].row_count for g in infos)
+            )
+            for name, t in first.tables.items()
+        },
     )
 
 
@@ -472,6 +479,7 @@ def pull(
     state: bool,
     min_version: int | None,
     deadline: _Deadline,
+    encoding: Encoding = "native",
 ) -> tuple[int, list[Array]]:
     def pull_all(found: Layout) -> list[tuple[int, list[Array]]]:
         return fan_out(
@@ -479,7 +487,13 @@ def pull(
                 functools.partial(
                     until_landed,
                     functools.partial(
-                        client._pull_one, p.shard, p.name, state, min_version, deadline
+                        client._pull_one,
+                        p.shard,
+                        p.name,
+                        state,
+                        min_version,
+                        deadline,
+                        encoding,
                     ),
                     deadline,
                 )

@@ -54,6 +54,7 @@ _READ = frozenset(
         "Pull",
         "PullStream",
         "PullRows",
+        "ListRows",
         "Apply",
         "ApplyStream",
     }

@@ -24,6 +24,9 @@ import grpc
 import numpy as np
 from onnxps.client.codec import (
     CHUNK_BYTES,
+    ENCODING_NAMES,
+    PROTO_TO_DTYPE,
+    EncodingRangeError,
     TensorAssembler,
     TensorFormatError,
     chunk_messages,
@@ -33,10 +36,16 @@ from onnxps.client.codec import (
     tensor_to_array,
     write_tensor,
 )
+from onnxps.client.codec import encode as encode_tensor
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
-from ._convert import attrs_from_proto, consistency_from_proto, group_info
+from ._convert import (
+    attrs_from_proto,
+    consistency_from_proto,
+    group_info,
+    table_from_proto,
+)
 from ._status import rich_status, status_of
 from .durability import SaveResult
 from .errors import FailedPrecondition, InvalidArgument
@@ -188,6 +197,68 @@ def _names(prefix: str, n: int, names: Sequence[str] | None = None) -> list[str]
     return [f"{prefix}_{i + 1}" for i in range(n)]
 
 
+# ListRows pages: ids per page by default and at most, and bytes of rows at most.
+_PAGE_SIZE = 1000
+_MAX_PAGE_SIZE = 100_000
+_PAGE_BYTES = 2 << 20
+
+
+def _table_tensors(t: pb.IdsTableSpec) -> tuple[list[pb.Tensor], list[str]]:
+    """The tensors an ids table spec carries (import): ids, rows, state."""
+    if not t.HasField("ids"):
+        return [], []
+    what = f"ids table {t.name!r}"
+    headers = [t.ids, t.rows, *t.state]
+    names = [f"{what} ids", f"{what} rows"] + [
+        f"{what} state {i + 1}" for i in range(len(t.state))
+    ]
+    return headers, names
+
+
+def _empty_table(dim: int, dtype: np.dtype[Any], attrs: Any) -> list[Array]:
+    empty = np.empty((0, dim), dtype)
+    return [np.empty(0, np.int64), empty] + [empty for _ in attrs.state_names]
+
+
+def _check_pull_encoding(req: pb.PullRequest | pb.PullStreamRequest) -> None:
+    """A pull's encoding: a known one, and for X alone (state travels native)."""
+    if not req.encoding:
+        return
+    name = ENCODING_NAMES.get(req.encoding)
+    if name is None:
+        raise InvalidArgument(
+            f"encoding {req.encoding} is not one of ENCODING_UNSPECIFIED (0, native), "
+            "ENCODING_BFLOAT16 (1) or ENCODING_FLOAT16 (2)",
+            field="encoding",
+        )
+    if req.with_state:
+        raise InvalidArgument(
+            f"a pull with_state travels native: the {name} encoding is for X alone "
+            "(pull X encoded, or the state without an encoding)",
+            field="encoding",
+        )
+
+
+def _encoded_values(
+    arrays: Sequence[Array], names: Sequence[str], encoding: int
+) -> Sequence[Array]:
+    """X in the pull's encoding (checked by ``_check_pull_encoding``)."""
+    if not encoding:
+        return arrays
+    name = ENCODING_NAMES[encoding]
+    try:
+        return [
+            encode_tensor(a, name, f"X {n!r}")
+            for a, n in zip(arrays, names, strict=True)
+        ]
+    except EncodingRangeError as exc:
+        raise FailedPrecondition(
+            f"cannot pull as {name}: {exc}",
+            reason="OUT_OF_ENCODING_RANGE",
+            metadata={"encoding": name},
+        ) from None
+
+
 class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     def __init__(
         self,
@@ -205,10 +276,35 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
 
     # -- groups --------------------------------------------------------------------
     def _create(
-        self, req: pb.CreateGroupRequest, tensors: list[Array], state: list[Array]
+        self,
+        req: pb.CreateGroupRequest,
+        tensors: list[Array],
+        state: list[Array],
+        table_arrays: Sequence[Sequence[Array]] = (),
     ) -> pb.GroupInfo:
         attrs = attrs_from_proto(req.optimizer)
         names = [t.name for t in req.tensors]
+        tables = [table_from_proto(t) for t in req.tables]
+        dtype = None
+        if req.dtype != pb.DATA_TYPE_UNSPECIFIED:
+            dtype = PROTO_TO_DTYPE.get(req.dtype)
+            if dtype is None or dtype.kind != "f":
+                raise InvalidArgument(
+                    f"a group's dtype is FLOAT or DOUBLE, got DataType {req.dtype}"
+                )
+            dtype = dtype.newbyteorder("=")
+            if tensors and tensors[0].dtype != dtype:
+                raise InvalidArgument(
+                    f"the group's dtype is {dtype}, but its tensors are "
+                    f"{tensors[0].dtype}"
+                )
+        if any(a for a in table_arrays):
+            table_arrays = [
+                list(a) or _empty_table(t.dim, dtype or np.dtype(np.float32), attrs)
+                for t, a in zip(tables, table_arrays, strict=True)
+            ]
+        else:
+            table_arrays = ()
         view = self.store.create_group(
             req.group,
             attrs,
@@ -219,6 +315,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             state=state,
             update_count=req.update_count,
             lease_seconds=req.lease_seconds or None,
+            tables=tables,
+            table_arrays=table_arrays,
+            dtype=dtype,
         )
         return group_info(view)
 
@@ -227,9 +326,16 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         nbytes = sum(declared_nbytes(t, f"tensor {t.name!r}") for t in req.tensors)
         kind = req.optimizer.WhichOneof("kind")
         states = {"adagrad": 1, "momentum": 1, "adam": 2}.get(kind or "", 0)
-        self.store.check_group_size(nbytes * (1 + states))
-        if not req.tensors:
-            raise InvalidArgument(f"group {req.group!r} needs at least one tensor")
+        rows = sum(
+            declared_nbytes(t.rows, f"rows of ids table {t.name!r}")
+            for t in req.tables
+            if t.HasField("rows")
+        )
+        self.store.check_group_size((nbytes + rows) * (1 + states))
+        if not req.tensors and not req.tables:
+            raise InvalidArgument(
+                f"group {req.group!r} needs at least one tensor or ids table"
+            )
 
     @_unary
     def CreateGroup(
@@ -240,7 +346,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         state = [
             tensor_to_array(t, f"state {i + 1}") for i, t in enumerate(request.state)
         ]
-        return pb.CreateGroupResponse(group=self._create(request, tensors, state))
+        table_arrays = [
+            [tensor_to_array(h, w) for h, w in zip(*_table_tensors(t), strict=True)]
+            for t in request.tables
+        ]
+        return pb.CreateGroupResponse(
+            group=self._create(request, tensors, state, table_arrays)
+        )
 
     @_unary
     def CreateGroupStream(
@@ -254,9 +366,21 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         names = [f"tensor {t.name!r}" for t in req.tensors] + _names(
             "state", len(req.state)
         )
+        per_table = [_table_tensors(t) for t in req.tables]
+        for h, w in per_table:
+            headers += h
+            names += w
         asm = self._assemble(it, headers, names, context)
-        n = len(req.tensors)
-        return pb.CreateGroupStreamResponse(group=self._create(req, asm[:n], asm[n:]))
+        n, m = len(req.tensors), len(req.tensors) + len(req.state)
+        table_arrays: list[list[Array]] = []
+        for h, _ in per_table:
+            table_arrays.append(asm[m : m + len(h)])
+            m += len(h)
+        return pb.CreateGroupStreamResponse(
+            group=self._create(
+                req, asm[:n], asm[n : len(req.tensors) + len(req.state)], table_arrays
+            )
+        )
 
     @_unary
     def DescribeGroup(
@@ -318,7 +442,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     def _validate_push(self, req: pb.PushRequest) -> PushTicket:
         """Check the gradients' header against the group before reading any bytes."""
         specs = (
-            tensor_spec(t, f"gradient {i + 1}") for i, t in enumerate(req.gradients)
+            tensor_spec(t, f"gradient {i + 1}", encoded=True)
+            for i, t in enumerate(req.gradients)
         )
         return self.store.validate_push(req.group, specs)
 
@@ -326,7 +451,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     def Push(self, request: pb.PushRequest, context: Any) -> pb.PushResponse:
         ticket = self._validate_push(request)
         grads = [
-            tensor_to_array(t, f"gradient {i + 1} ({ticket.names[i]!r})")
+            tensor_to_array(t, f"gradient {i + 1} ({ticket.names[i]!r})", encoded=True)
             for i, t in enumerate(request.gradients)
         ]
         return self._push(request, ticket, grads, context, pb.PushResponse)
@@ -338,9 +463,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         req, it = _stream_header(request_iterator, "header", "a PushStream", context)
         ticket = self._validate_push(req)
         headers = list(req.gradients)
-        grads = self._assemble(
-            it, headers, _names("gradient", len(headers), ticket.names), context
-        )
+        names = _names("gradient", len(headers), ticket.names)
+        grads = self._assemble(it, headers, names, context, encoded=True)
         return self._push(req, ticket, grads, context, pb.PushStreamResponse)
 
     def _assemble(
@@ -349,8 +473,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         headers: Sequence[pb.Tensor],
         names: Sequence[str],
         context: Any,
+        *,
+        encoded: bool = False,
     ) -> list[Array]:
-        asm = TensorAssembler(headers, names)
+        """The tensors of a stream; with ``encoded``, encoded ones widened."""
+        asm = TensorAssembler(headers, names, encoded=encoded)
         for msg in it:
             if msg.WhichOneof("part") != "chunk":
                 raise InvalidArgument("after the header a stream carries only chunks")
@@ -384,6 +511,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         hold: InflightHold,
     ) -> PullResult:
         waits = req.HasField("min_version")
+        _check_pull_encoding(req)
         return self.store.pull(
             req.group,
             with_state=req.with_state,
@@ -400,7 +528,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             reply = pb.PullResponse(
                 update_count=out.update_count, learning_rate=out.learning_rate
             )
-            for a, n in zip(out.arrays, out.names, strict=True):
+            arrays = _encoded_values(out.arrays, out.names, request.encoding)
+            for a, n in zip(arrays, out.names, strict=True):
                 write_tensor(reply.tensors.add(), a, n)
             return reply
 
@@ -408,18 +537,16 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     def PullStream(self, request: pb.PullStreamRequest, context: Any) -> Iterator[Any]:
         with self._reply_bytes(context, stream=True) as hold:
             out = self._pull(request, context, hold)
+            arrays = _encoded_values(out.arrays, out.names, request.encoding)
             header = pb.PullResponse(
                 update_count=out.update_count,
                 learning_rate=out.learning_rate,
                 tensors=[
-                    header_tensor(a, n)
-                    for a, n in zip(out.arrays, out.names, strict=True)
+                    header_tensor(a, n) for a, n in zip(arrays, out.names, strict=True)
                 ],
             )
             yield pb.PullStreamResponse(header=header)
-            yield from chunk_messages(
-                pb.PullStreamResponse, out.arrays, self.chunk_bytes
-            )
+            yield from chunk_messages(pb.PullStreamResponse, arrays, self.chunk_bytes)
 
     # -- rows ------------------------------------------------------------------------
     @_unary
@@ -443,12 +570,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
                     tensor_spec(gr.indices, f"gradients[{j}].indices")
                     if gr.HasField("indices")
                     else None,
-                    tensor_spec(gr.values, f"gradients[{j}].values"),
+                    tensor_spec(gr.values, f"gradients[{j}].values", encoded=True),
                 )
                 for j, gr in enumerate(req.gradients)
             ),
         )
-        arrays = iter(self._assemble(it, headers, names, context))
+        arrays = iter(self._assemble(it, headers, names, context, encoded=True))
         gradients: dict[str, Array | tuple[Array, Array]] = {}
         for gr in req.gradients:
             if gr.HasField("indices"):
@@ -506,6 +633,44 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             )
             yield pb.PullRowsResponse(header=header)
             yield from chunk_messages(pb.PullRowsResponse, out.arrays, self.chunk_bytes)
+
+    @_unary
+    def ListRows(
+        self, request: pb.ListRowsRequest, context: Any
+    ) -> pb.ListRowsResponse:
+        after = None
+        if request.page_token:
+            try:
+                after = int(request.page_token)
+            except ValueError:
+                raise InvalidArgument(
+                    f"page_token {request.page_token!r} is not one a ListRows "
+                    "returned; pass an empty token to start from the first id"
+                ) from None
+        size = min(request.page_size or _PAGE_SIZE, _MAX_PAGE_SIZE)
+        if request.with_values:
+            row = self.store.describe(request.group)
+            dims = {t.name: t.definition.dim for t in row.tables}
+            states = len(row.attrs.state_names) if request.with_state else 0
+            per_row = dims.get(request.table, 1) * row.dtype.itemsize * (1 + states)
+            size = max(1, min(size, _PAGE_BYTES // per_row))
+        page = self.store.list_rows(
+            request.group,
+            request.table,
+            after=after,
+            limit=size,
+            with_values=request.with_values,
+            with_state=request.with_state,
+        )
+        reply = pb.ListRowsResponse(
+            next_page_token="" if page.next_after is None else str(page.next_after),
+            row_count=page.row_count,
+            update_count=page.update_count,
+        )
+        write_tensor(reply.ids, page.ids)
+        for a, n in zip(page.rows, page.names, strict=True):
+            write_tensor(reply.rows.add(), a, n)
+        return reply
 
     # -- apply ---------------------------------------------------------------------
     def _apply(self, req: pb.ApplyRequest, inputs: list[Array]) -> list[Array]:

@@ -17,6 +17,7 @@ from onnxps.client import (
     Adam,
     Client,
     DeadlineExceededError,
+    EncodingRangeError,
     FailedPreconditionError,
     InvalidArgumentError,
     OptimizerSpec,
@@ -173,6 +174,53 @@ def test_row_and_dense_pushes_on_a_split_table_equal_one_server(
                     empty = ps.pull_rows(opt, {"emb": np.array([], np.int64)})
                     assert empty["emb"].shape == (0, DIM)
                     assert empty["emb"].dtype == dtype
+        finally:
+            stop(one)
+
+
+def test_encoded_row_pushes_on_a_split_table_equal_one_server(tmp_path: Path) -> None:
+    """``encoding=`` on a split table: each part gets its rows in the encoding (the
+    rounding of the whole push, cut per part), as one server gets them; a value the
+    encoding cannot hold is refused before any part is sent."""
+    with shards(tmp_path, 3) as (addresses, _):
+        one, one_address = start_server(tmp_path / "one.log")
+        try:
+            with (
+                Client(addresses, timeout=60, split_bytes=SPLIT) as ps,
+                Client(one_address, timeout=60) as ref,
+                Client(addresses, timeout=60, gradient_encoding="bfloat16") as ps16,
+                Client(one_address, timeout=60, gradient_encoding="bfloat16") as ref16,
+            ):
+                for dtype in (np.float32, np.float64):
+                    name = f"enc-{np.dtype(dtype).name}"
+                    _create(ps, name, Adam(), dtype)
+                    _create(ref, name, Adam(), dtype)
+                    assert len(ps.describe_group(name).parts) == 3
+                    for k, grads in enumerate(_row_pushes(dtype)):
+                        enc = ("bfloat16", "float16")[k % 2]
+                        got = ps.push_rows(name, grads, encoding=enc)
+                        want = ref.push_rows(name, grads, encoding=enc)
+                        assert got.update_count == want.update_count == k + 1
+                    for c in (ps16, ref16):  # the client's default encoding
+                        c.push_rows(name, _row_pushes(dtype)[0])
+                    _same(ps, ref, name)
+                    native = _row_pushes(dtype)[0]["emb"]
+                    before = ps.pull(name, state=True)
+                    too_big = {"emb": (native[0], np.full_like(native[1], 1e6))}
+                    with pytest.raises(EncodingRangeError, match="float16"):
+                        ps.push_rows(name, too_big, encoding="float16")
+                    assert [p.update_count for p in ps.describe_group(name).parts] == [
+                        6
+                    ] * 3
+                    for g, w in zip(ps.pull(name, state=True), before, strict=True):
+                        np.testing.assert_array_equal(g, w, strict=True)
+                    # the encoding did round: a native push gives other values
+                    ps.push_rows(name, {"emb": native})
+                    ref.push_rows(name, {"emb": native}, encoding="bfloat16")
+                    got_rows = ps.pull_rows(name, {"emb": native[0]})["emb"]
+                    want_rows = ref.pull_rows(name, {"emb": native[0]})["emb"]
+                    assert got_rows.dtype == want_rows.dtype == dtype
+                    assert got_rows.tobytes() != want_rows.tobytes()
         finally:
             stop(one)
 

@@ -125,6 +125,11 @@ class ParameterServerServiceStub:
                 request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PullRowsRequest.SerializeToString,
                 response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PullRowsResponse.FromString,
                 _registered_method=True)
+        self.ListRows = channel.unary_unary(
+                '/onnxps.v1.ParameterServerService/ListRows',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ListRowsRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ListRowsResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServiceServicer:
@@ -258,6 +263,13 @@ class ParameterServerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRows(self, request, context):
+        """A page of an ids table's ids (and rows).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -350,6 +362,11 @@ def add_ParameterServerServiceServicer_to_server(servicer, server):
                     servicer.PullRows,
                     request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PullRowsRequest.FromString,
                     response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PullRowsResponse.SerializeToString,
+            ),
+            'ListRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRows,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ListRowsRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ListRowsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -839,6 +856,33 @@ class ParameterServerService:
             '/onnxps.v1.ParameterServerService/PullRows',
             onnxps_dot_v1_dot_parameter__server__pb2.PullRowsRequest.SerializeToString,
             onnxps_dot_v1_dot_parameter__server__pb2.PullRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/onnxps.v1.ParameterServerService/ListRows',
+            onnxps_dot_v1_dot_parameter__server__pb2.ListRowsRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.ListRowsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -91,6 +91,8 @@ class ParameterServerServiceStub:
     """
     PullRows: _grpc.StreamStreamMultiCallable[_parameter_server_pb2.PullRowsRequest, _parameter_server_pb2.PullRowsResponse]
     """Read rows of tensors: indices as a header and chunks; rows back the same way."""
+    ListRows: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.ListRowsRequest, _parameter_server_pb2.ListRowsResponse]
+    """A page of an ids table's ids (and rows)."""
 
 @_typing.type_check_only
 class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
@@ -135,6 +137,8 @@ class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
     """
     PullRows: _aio.StreamStreamMultiCallable[_parameter_server_pb2.PullRowsRequest, _parameter_server_pb2.PullRowsResponse]  # type: ignore[assignment]
     """Read rows of tensors: indices as a header and chunks; rows back the same way."""
+    ListRows: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.ListRowsRequest, _parameter_server_pb2.ListRowsResponse]  # type: ignore[assignment]
+    """A page of an ids table's ids (and rows)."""
 
 class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
     """The parameter server."""
@@ -284,5 +288,13 @@ class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_parameter_server_pb2.PullRowsResponse], _abc.AsyncIterator[_parameter_server_pb2.PullRowsResponse]]:
         """Read rows of tensors: indices as a header and chunks; rows back the same way."""
+
+    @_abc_1.abstractmethod
+    def ListRows(
+        self,
+        request: _parameter_server_pb2.ListRowsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.ListRowsResponse, _abc.Awaitable[_parameter_server_pb2.ListRowsResponse]]:
+        """A page of an ids table's ids (and rows)."""
 
 def add_ParameterServerServiceServicer_to_server(servicer: ParameterServerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
