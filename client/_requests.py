@@ -48,8 +48,11 @@ from .codec import (
     SHARD_METADATA_KEY,
     TensorAssembler,
     TensorFormatError,
-    chunk_messages,
+    chunk_frames,
+    deserializer,
     header_tensor,
+    rpc_messages,
+    serializer,
     tensor_to_array,
     write_tensor,
 )
@@ -69,6 +72,7 @@ __all__ = [
     "as_method",
     "channel_credentials",
     "channel_options",
+    "multicallable",
 ]
 
 log = logging.getLogger("onnxps.client")
@@ -242,6 +246,22 @@ def channel_credentials(
     if roots is None and chain is None:
         return None
     return grpc.ssl_channel_credentials(roots, key, chain)
+
+
+def multicallable(channel: Any, method: str) -> Any:
+    """``channel``'s callable for one RPC (blocking or ``grpc.aio``), whose stream
+    messages may be encoded chunk frames (``codec.chunk_frames``) and whose received
+    chunks are read as views (``codec.RawChunk``)."""
+    request, reply, req_s, resp_s = rpc_messages(method)
+    kind = ("unary" if not req_s else "stream") + (
+        "_unary" if not resp_s else "_stream"
+    )
+    return getattr(channel, kind)(
+        f"/{SERVICE}/{method}",
+        request_serializer=serializer(request),
+        response_deserializer=deserializer(reply),
+        _registered_method=True,
+    )
 
 
 class Deadline:
@@ -584,7 +604,7 @@ class ClientCore:
 
         def chunks() -> Iterator[Any]:
             yield message(**{field: header})
-            yield from chunk_messages(message, arrays, self.chunk_bytes)
+            yield from chunk_frames(message, arrays, self.chunk_bytes)
 
         return chunks
 

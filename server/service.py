@@ -26,9 +26,12 @@ from onnxps.client.codec import (
     CHUNK_BYTES,
     TensorAssembler,
     TensorFormatError,
-    chunk_messages,
+    chunk_frames,
     declared_nbytes,
+    deserializer,
     header_tensor,
+    rpc_messages,
+    serializer,
     tensor_spec,
     tensor_to_array,
     write_tensor,
@@ -51,7 +54,7 @@ from .store import (
     PushTicket,
 )
 
-__all__ = ["ParameterServerServicer"]
+__all__ = ["ParameterServerServicer", "add_servicer"]
 
 log = logging.getLogger("onnxps.service")
 
@@ -179,6 +182,36 @@ def _names(prefix: str, n: int, names: Sequence[str] | None = None) -> list[str]
     if names is not None:
         return [f"{prefix}_{i + 1} ({name!r})" for i, name in enumerate(names)]
     return [f"{prefix}_{i + 1}" for i in range(n)]
+
+
+_FACTORIES = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_servicer(servicer: ParameterServerServicer, server: grpc.Server) -> None:
+    """Serve ``servicer``'s RPCs on ``server`` (what the generated
+    ``add_ParameterServerServiceServicer_to_server`` does), with the chunk-frame
+    codec on the streams: received chunks are views (``codec.RawChunk``), and
+    encoded frames (``codec.chunk_frames``) are sent as they are."""
+    handlers = {}
+    for method in _SERVICE.methods_by_name:
+        request, reply, req_s, resp_s = rpc_messages(method)
+        handlers[method] = _FACTORIES[req_s, resp_s](
+            getattr(servicer, method),
+            request_deserializer=deserializer(request),
+            response_serializer=serializer(reply),
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),)
+    )
+    server.add_registered_method_handlers(_SERVICE.full_name, handlers)
+
+
+(_SERVICE,) = pb.DESCRIPTOR.services_by_name.values()
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
@@ -410,9 +443,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
                 ],
             )
             yield pb.PullStreamResponse(header=header)
-            yield from chunk_messages(
-                pb.PullStreamResponse, out.arrays, self.chunk_bytes
-            )
+            yield from chunk_frames(pb.PullStreamResponse, out.arrays, self.chunk_bytes)
 
     # -- rows ------------------------------------------------------------------------
     @_unary
@@ -498,7 +529,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
                 ],
             )
             yield pb.PullRowsResponse(header=header)
-            yield from chunk_messages(pb.PullRowsResponse, out.arrays, self.chunk_bytes)
+            yield from chunk_frames(pb.PullRowsResponse, out.arrays, self.chunk_bytes)
 
     # -- apply ---------------------------------------------------------------------
     def _apply(self, req: pb.ApplyRequest, inputs: list[Array]) -> list[Array]:
@@ -533,7 +564,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         yield pb.ApplyStreamResponse(
             response=pb.ApplyResponse(outputs=[header_tensor(o) for o in outputs])
         )
-        yield from chunk_messages(pb.ApplyStreamResponse, outputs, self.chunk_bytes)
+        yield from chunk_frames(pb.ApplyStreamResponse, outputs, self.chunk_bytes)
 
     # -- workers and saving ----------------------------------------------------------
     def _lease(self, lease: LeaseView, reply_type: type[L]) -> L:
