@@ -69,8 +69,8 @@ def worker(mib: int) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--a", required=True, help="PYTHONPATH root of variant a")
-    p.add_argument("--b", required=True, help="PYTHONPATH root of variant b")
+    p.add_argument("--a", default="", help="PYTHONPATH root of variant a")
+    p.add_argument("--b", default="", help="PYTHONPATH root of variant b")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--mib", type=int, default=64)

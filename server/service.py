@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -29,6 +31,7 @@ from onnxps.client.codec import (
     chunk_frames,
     declared_nbytes,
     deserializer,
+    encode_chunk,
     header_tensor,
     rpc_messages,
     serializer,
@@ -51,6 +54,7 @@ from .store import (
     LeaseView,
     ParameterStore,
     PullResult,
+    PushOutcome,
     PushTicket,
 )
 
@@ -182,6 +186,78 @@ def _names(prefix: str, n: int, names: Sequence[str] | None = None) -> list[str]
     if names is not None:
         return [f"{prefix}_{i + 1} ({name!r})" for i, name in enumerate(names)]
     return [f"{prefix}_{i + 1}" for i in range(n)]
+
+
+_END = object()
+_REPLY_CHUNK_FIELD = pb.PushPullStreamResponse.DESCRIPTOR.fields_by_name["chunk"].number
+
+
+class _Failed:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _FrameSink:
+    """Takes X from the store as a push steps it (a ``ValuesSink``) and hands it,
+    as encoded PushPullStream frames, to the thread that sends the reply.
+
+    The push runs on a thread of its own (``run``), so each block is copied into
+    its frames under the group's lock and sent while the next block steps. After
+    ``close`` (the caller went away) frames are dropped; the push still finishes.
+    """
+
+    def __init__(self, headers: Sequence[pb.Tensor], chunk_bytes: int) -> None:
+        self._headers = headers
+        self._chunk_bytes = chunk_bytes
+        self._frames: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._views: list[memoryview] = []
+        self._itemsizes: list[int] = []
+        self._closed = False
+
+    def begin(self, outcome: PushOutcome, xs: Sequence[Array]) -> None:
+        self._views = [memoryview(x).cast("B") for x in xs]  # type: ignore[arg-type]
+        self._itemsizes = [x.itemsize for x in xs]
+        header = pb.PushResponse(
+            update_count=outcome.update_count,
+            applied=outcome.applied,
+            duplicate=outcome.duplicate,
+            values=self._headers,
+        )
+        self._put(pb.PushPullStreamResponse(header=header))
+
+    def block(self, index: int, start: int, stop: int) -> None:
+        size = self._itemsizes[index]
+        view = self._views[index]
+        step = self._chunk_bytes
+        for a in range(start * size, stop * size, step):
+            b = min(a + step, stop * size)
+            self._put(encode_chunk(_REPLY_CHUNK_FIELD, index, a, view[a:b]))
+
+    def _put(self, item: Any) -> None:
+        if not self._closed:
+            self._frames.put(item)
+
+    def run(self, push: Callable[[], Any]) -> None:
+        try:
+            push()
+        except BaseException as exc:  # noqa: BLE001 - raised on the sending thread
+            self._frames.put(_Failed(exc))
+        else:
+            self._frames.put(_END)
+        finally:
+            self._views = []
+
+    def frames(self) -> Iterator[Any]:
+        while (item := self._frames.get()) is not _END:
+            if isinstance(item, _Failed):
+                error, item.error = item.error, None  # type: ignore[assignment]
+                raise error
+            yield item
+
+    def close(self) -> None:
+        self._closed = True
 
 
 _FACTORIES = {
@@ -368,6 +444,53 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             it, headers, _names("gradient", len(headers), ticket.names), context
         )
         return self._push(req, ticket, grads, context, pb.PushStreamResponse)
+
+    @_streaming
+    def PushPullStream(
+        self, request_iterator: Iterable[pb.PushPullStreamRequest], context: Any
+    ) -> Iterator[Any]:
+        req, it = _stream_header(
+            request_iterator, "header", "a PushPullStream", context
+        )
+        ticket = self._validate_push(req)
+        headers = list(req.gradients)
+        with self._reply_bytes(context, stream=True) as hold:
+            hold.admit(
+                sum(declared_nbytes(t) for t in headers),
+                what="this push's reply carries",
+            )
+            grads = self._assemble(
+                it, headers, _names("gradient", len(headers), ticket.names), context
+            )
+            values = [
+                pb.Tensor(name=n, dtype=t.dtype, dims=t.dims)
+                for n, t in zip(ticket.names, headers, strict=True)
+            ]
+            sink = _FrameSink(values, self.chunk_bytes)
+            push = functools.partial(
+                self.store.push,
+                ticket,
+                grads,
+                client_id=req.client_id,
+                seq=req.seq,
+                base_version=req.base_version if req.HasField("base_version") else None,
+                learning_rate=req.learning_rate
+                if req.HasField("learning_rate")
+                else None,
+                return_values=True,
+                timeout=_timeout(context),
+                cancellation=_cancellation(context),
+                sink=sink,
+            )
+            del grads
+            worker = threading.Thread(
+                target=sink.run, args=(push,), name="onnxps-push", daemon=True
+            )
+            worker.start()
+            try:
+                yield from sink.frames()
+            finally:
+                sink.close()
 
     def _assemble(
         self,
