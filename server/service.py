@@ -284,7 +284,10 @@ def add_servicer(servicer: ParameterServerServicer, server: grpc.Server) -> None
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),)
     )
-    server.add_registered_method_handlers(_SERVICE.full_name, handlers)
+    # grpc's stubs do not declare it yet; the generated code calls it too
+    server.add_registered_method_handlers(  # type: ignore[attr-defined]
+        _SERVICE.full_name, handlers
+    )
 
 
 (_SERVICE,) = pb.DESCRIPTOR.services_by_name.values()
