@@ -294,12 +294,13 @@ def raw_client(port: int, mib: int) -> None:
         def push(a: Any) -> None:
             view = memoryview(a).cast("B")
             size = a.size.to_bytes(8, "little")
-            up(
-                iter(
-                    [size]
-                    + [bytes(view[s : s + CHUNK]) for s in range(0, len(view), CHUNK)]
-                )
-            )
+
+            def messages() -> Any:
+                yield size
+                for s in range(0, len(view), CHUNK):
+                    yield bytes(view[s : s + CHUNK])
+
+            up(messages())
 
         def pull(size: int) -> Any:
             x = np.empty(size, np.float32)
