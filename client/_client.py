@@ -46,6 +46,7 @@ from ._requests import (
     channel_credentials,
     channel_options,
     log,
+    multicallable,
 )
 
 __all__ = [
@@ -146,6 +147,7 @@ class Client(ClientCore):
         self._lock = threading.Lock()
         self._channels: dict[int, grpc.Channel] = {}
         self._stubs: dict[int, pb_grpc.ParameterServerServiceStub] = {}
+        self._callables: dict[tuple[int, str], Any] = {}
         self._layouts: dict[str, Layout] = {}
         # group -> the parts of a push that did not land (sent first by the next)
         self._unfinished: dict[str, tuple[list[_PartPush], list[_PartPush]]] = {}
@@ -197,8 +199,12 @@ class Client(ClientCore):
             return stub
 
     def _method(self, name: str, shard: int = 0) -> Any:
-        stub = self._get_stub(shard)
-        return getattr(stub, name)
+        self._get_stub(shard)  # opens the channel
+        key = (shard, name)
+        fn = self._callables.get(key)
+        if fn is None:
+            fn = self._callables[key] = multicallable(self._channels[shard], name)
+        return fn
 
     def _run(self, op: Op[R], shard: int = 0) -> R:
         """Perform an operation's effects with blocking calls (to ``shard`` of a

@@ -52,8 +52,11 @@ from .codec import (
     SHARD_METADATA_KEY,
     TensorAssembler,
     TensorFormatError,
-    chunk_messages,
+    chunk_frames,
+    deserializer,
     header_tensor,
+    rpc_messages,
+    serializer,
     tensor_to_array,
     write_tensor,
 )
@@ -74,6 +77,7 @@ __all__ = [
     "as_method",
     "channel_credentials",
     "channel_options",
+    "multicallable",
     "row_gradients",
 ]
 
@@ -98,6 +102,7 @@ _RESEND_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 _SAFE_TO_REPEAT = (
     "Push",
     "PushStream",
+    "PushPullStream",
     "Pull",
     "PullStream",
     "DescribeGroup",
@@ -248,6 +253,22 @@ def channel_credentials(
     if roots is None and chain is None:
         return None
     return grpc.ssl_channel_credentials(roots, key, chain)
+
+
+def multicallable(channel: Any, method: str) -> Any:
+    """``channel``'s callable for one RPC (blocking or ``grpc.aio``), whose stream
+    messages may be encoded chunk frames (``codec.chunk_frames``) and whose received
+    chunks are read as views (``codec.RawChunk``)."""
+    request, reply, req_s, resp_s = rpc_messages(method)
+    kind = ("unary" if not req_s else "stream") + (
+        "_unary" if not resp_s else "_stream"
+    )
+    return getattr(channel, kind)(
+        f"/{SERVICE}/{method}",
+        request_serializer=serializer(request),
+        response_deserializer=deserializer(reply),
+        _registered_method=True,
+    )
 
 
 class Deadline:
@@ -637,7 +658,7 @@ class ClientCore:
 
         def chunks() -> Iterator[Any]:
             yield message(**{field: header})
-            yield from chunk_messages(message, arrays, self.chunk_bytes)
+            yield from chunk_frames(message, arrays, self.chunk_bytes)
 
         return chunks
 
@@ -713,17 +734,15 @@ class ClientCore:
         self, req: pb.PushRequest, arrays: list[Array], deadline: Deadline
     ) -> Op[PushResult]:
         """Send the push (a cluster client: its parts, to their shards)."""
-        msg = yield from self._push_op(req, arrays, deadline)
-        values = None
-        if req.return_values:
-            values = [tensor_to_array(t, t.name).copy() for t in msg.values]
-        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
+        return (yield from self._push_op(req, arrays, deadline))
 
     def _push_op(
         self, template: pb.PushRequest, arrays: Sequence[Array], deadline: Deadline
-    ) -> Op[Any]:
-        """One push of ``template`` with these gradients, resent while unanswered:
-        the reply message."""
+    ) -> Op[PushResult]:
+        """One push of ``template`` with these gradients, resent while unanswered.
+
+        On the stream transport a push that returns X is a PushPullStream: X comes
+        back in chunks, sent while the server steps."""
         req = pb.PushRequest()
         req.CopyFrom(template)
         group = req.group
@@ -731,13 +750,22 @@ class ClientCore:
         arrays = list(arrays)
         if self._use_stream(sum(a.nbytes for a in arrays)):
             req.gradients.extend(header_tensor(a) for a in arrays)
+            if req.return_values:
+                chunks = self._chunks(pb.PushPullStreamRequest, req, arrays)
+                call = Call("PushPullStream", chunks, deadline, what, _push_reader)
+                msg, values = yield from self._resending(call, group, req.seq)
+                return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
             chunks = self._chunks(pb.PushStreamRequest, req, arrays)
             call = Call("PushStream", chunks, deadline, what)
         else:
             for a in arrays:
                 write_tensor(req.gradients.add(), a)
             call = Call("Push", _unary(req), deadline, what)
-        return (yield from self._resending(call, group, req.seq))
+        msg = yield from self._resending(call, group, req.seq)
+        values = None
+        if req.return_values:
+            values = [tensor_to_array(t, t.name).copy() for t in msg.values]
+        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
 
     def _push(self, *args: Any, **kwargs: Any) -> Op[int | list[Array]]:
         """Push G_1..G_n (ONNX order). Returns the new T, or X_1..X_n with
@@ -1218,6 +1246,16 @@ def _pull_reader() -> StreamReader:
         return m.header.update_count, tensors, [t.name for t in tensors]
 
     return _TensorStreamReader(header, encoded=True)
+
+
+def _push_reader() -> StreamReader:
+    def header(
+        m: pb.PushPullStreamResponse,
+    ) -> tuple[pb.PushResponse, list[pb.Tensor], list[str]]:
+        values = list(m.header.values)
+        return m.header, values, [t.name for t in values]
+
+    return _TensorStreamReader(header)
 
 
 def _rows_reader() -> StreamReader:

@@ -47,7 +47,7 @@ from ._errors import (
     NotFoundError,
     UnavailableError,
 )
-from .codec import PROTO_TO_DTYPE, tensor_to_array
+from .codec import PROTO_TO_DTYPE
 
 __all__ = [
     "create_group",
@@ -462,9 +462,7 @@ def push(
         log.debug("push to %s: parts answered T=%s", req.group, sorted(counts))
     values = None
     if req.return_values:
-        per_part = [[tensor_to_array(t, t.name) for t in m.values] for m in replies]
-        joined = join_arrays(found, per_part)
-        values = joined if found.split else [a.copy() for a in joined]
+        values = join_arrays(found, [m.values for m in replies])
     return PushResult(
         max(counts),
         all(m.applied for m in replies),

@@ -17,10 +17,12 @@ gradients, pulled X); the reader widens it to its dtype as it arrives.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
+from google.protobuf.message import Message
 from onnxps.v1 import parameter_server_pb2 as pb
 
 from ._encoding import (
@@ -41,17 +43,24 @@ __all__ = [
     "EncodingRangeError",
     "MAX_DIMS",
     "PROTO_TO_DTYPE",
+    "RawChunk",
     "SERVICE",
     "SHARD_METADATA_KEY",
     "TensorAssembler",
     "TensorFormatError",
     "array_to_tensor",
+    "chunk_frames",
     "chunk_messages",
     "declared_nbytes",
     "decode",
     "encode",
+    "decode_chunk",
+    "deserializer",
+    "encode_chunk",
     "header_tensor",
     "iter_chunks",
+    "rpc_messages",
+    "serializer",
     "tensor_spec",
     "tensor_to_array",
     "write_tensor",
@@ -363,3 +372,162 @@ class TensorAssembler:
                     f"of {size} bytes{self._as(i)} received"
                 )
         return self.arrays
+
+
+# -- the chunk frames: a stream message whose ``chunk`` is set, by hand ----------------
+# Protobuf costs three copies of every chunk's bytes on the way out (``bytes(view)``,
+# the field's arena, ``SerializeToString``) and two on the way in (``FromString``, then
+# each read of ``data``), each into freshly mapped memory. A frame is the same wire
+# bytes (the canonical encoding a protobuf library writes) made with one copy from the
+# array, and a received frame is read as a view of the bytes gRPC handed over. Any
+# other message (the header, or a chunk encoded differently) goes through protobuf.
+
+
+@dataclass(frozen=True)
+class RawChunk:
+    """A received ``TensorChunk`` whose ``data`` is a view of the frame it came in.
+
+    It also stands for its stream message (``msg.chunk``, ``msg.WhichOneof``), so
+    code written against the protobuf classes reads it unchanged.
+    """
+
+    index: int
+    offset: int
+    data: memoryview
+
+    @property
+    def chunk(self) -> RawChunk:
+        return self
+
+    def WhichOneof(self, name: str) -> str:  # noqa: N802 - the protobuf spelling
+        return "chunk"
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while pos < end and shift < 64:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    return -1, pos  # truncated or too long
+
+
+def _chunk_field(message: Any) -> int | None:
+    """The field number of a stream message's ``chunk`` (None: it has none)."""
+    field = message.DESCRIPTOR.fields_by_name.get("chunk")
+    if field is None or field.message_type is not pb.TensorChunk.DESCRIPTOR:
+        return None
+    return int(field.number)
+
+
+def encode_chunk(field: int, index: int, offset: int, data: Any) -> bytes:
+    """The wire bytes of a stream message whose ``chunk`` (field ``field``) is
+    ``TensorChunk(index, offset, data)``: one copy of ``data``."""
+    inner = b""
+    if index:
+        inner += b"\x08" + _varint(index)
+    if offset:
+        inner += b"\x10" + _varint(offset)
+    size = len(data)
+    inner += b"\x1a" + _varint(size)
+    head = _varint((field << 3) | 2) + _varint(len(inner) + size) + inner
+    return b"".join((head, data))
+
+
+def decode_chunk(raw: bytes, field: int) -> RawChunk | None:
+    """The chunk of a frame in canonical form; None for anything else."""
+    buf = memoryview(raw)
+    end = len(buf)
+    tag, pos = _read_varint(buf, 0, end)
+    if tag != (field << 3) | 2:
+        return None
+    length, pos = _read_varint(buf, pos, end)
+    if length < 0 or pos + length != end:
+        return None
+    index = offset = 0
+    while pos < end:
+        key, pos = _read_varint(buf, pos, end)
+        if key == 0x08:
+            index, pos = _read_varint(buf, pos, end)
+            if not 0 <= index <= 0xFFFFFFFF:
+                return None
+        elif key == 0x10:
+            offset, pos = _read_varint(buf, pos, end)
+            if offset < 0:
+                return None
+        elif key == 0x1A:
+            size, pos = _read_varint(buf, pos, end)
+            if size < 0 or pos + size != end:
+                return None
+            return RawChunk(index, offset, buf[pos:end])
+        else:
+            return None
+    return None
+
+
+def chunk_frames(
+    message: Any, arrays: Iterable[Any], chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[bytes]:
+    """The bytes of ``arrays`` as encoded stream messages of type ``message`` (what
+    ``chunk_messages`` yields, serialized): send them with ``serializer``."""
+    field = _chunk_field(message)
+    assert field is not None, f"{message.DESCRIPTOR.name} carries no chunk"
+    arrays = list(arrays)
+    for index, view in _byte_views(arrays):
+        step = _step(arrays[index], chunk_bytes)
+        for start in range(0, len(view), step):
+            yield encode_chunk(field, index, start, view[start : start + step])
+
+
+def serializer(message: Any) -> Callable[[Any], bytes]:
+    """gRPC's serializer for ``message``: encoded frames (bytes) pass as they are."""
+
+    def serialize(msg: Any) -> bytes:
+        if isinstance(msg, bytes):
+            return msg
+        out: bytes = msg.SerializeToString()
+        return out
+
+    return serialize if _chunk_field(message) is not None else _proto_serializer
+
+
+def _proto_serializer(msg: Message) -> bytes:
+    return msg.SerializeToString()
+
+
+def deserializer(message: Any) -> Callable[[bytes], Any]:
+    """gRPC's deserializer for ``message``: chunks as ``RawChunk``, else protobuf."""
+    field = _chunk_field(message)
+    parse: Callable[[bytes], Any] = message.FromString
+    if field is None:
+        return parse
+
+    def deserialize(raw: bytes) -> Any:
+        chunk = decode_chunk(raw, field)
+        return chunk if chunk is not None else parse(raw)
+
+    return deserialize
+
+
+def rpc_messages(method: str) -> tuple[Any, Any, bool, bool]:
+    """An RPC of the service: its request and reply message classes, and whether
+    each is a stream."""
+    m = _SERVICE_DESCRIPTOR.methods_by_name[method]
+    return (
+        getattr(pb, m.input_type.name),
+        getattr(pb, m.output_type.name),
+        bool(m.client_streaming),
+        bool(m.server_streaming),
+    )

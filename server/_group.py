@@ -457,7 +457,14 @@ class Group:
                 w.results[int(s)] = (int(t), bool(a))
 
     # -- changes (under the lock) -----------------------------------------------------
-    def step(self, grads: Sequence[Array], learning_rate: float | None) -> None:
+    def step(
+        self,
+        grads: Sequence[Array],
+        learning_rate: float | None,
+        done: Callable[[int, int, int], None] | None = None,
+    ) -> None:
+        """One step; ``done(i, start, stop)`` is called as each block of X_i's flat
+        elements is final, in order (a dense push only)."""
         r = self.learning_rate if learning_rate is None else learning_rate
         if is_row_push(grads):
             parts = split_row_push(grads)
@@ -475,7 +482,7 @@ class Group:
         if not self.xs:  # a group of ids tables only: a dense push steps nothing
             self.update_count += 1
             return
-        self.stepper.step(
+        args = (
             r,
             self.update_count,
             self.xs,
@@ -483,6 +490,10 @@ class Group:
             self.states.get("V"),
             self.states.get("H"),
         )
+        if done is None:
+            self.stepper.step(*args)
+        else:
+            self.stepper.step_in_order(*args, done)
         self.update_count += 1
 
     def remember(

@@ -42,7 +42,7 @@ __all__ = ["MetricsEndpoint", "ObserveInterceptor", "Recorder", "StoreCollector"
 
 log = logging.getLogger("onnxps.rpc")
 
-_PUSH = frozenset({"Push", "PushStream", "PushRows"})
+_PUSH = frozenset({"Push", "PushStream", "PushPullStream", "PushRows"})
 _PULL = frozenset({"Pull", "PullStream", "PullRows", "ListRows"})
 _APPLY = frozenset({"Apply", "ApplyStream"})
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,64}")

@@ -63,6 +63,7 @@ _READ = frozenset(
 _WRITE = _READ | {
     "Push",
     "PushStream",
+    "PushPullStream",
     "PushRows",
     "SetLearningRate",
     "JoinGroup",

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -29,9 +31,13 @@ from onnxps.client.codec import (
     EncodingRangeError,
     TensorAssembler,
     TensorFormatError,
-    chunk_messages,
+    chunk_frames,
     declared_nbytes,
+    deserializer,
+    encode_chunk,
     header_tensor,
+    rpc_messages,
+    serializer,
     tensor_spec,
     tensor_to_array,
     write_tensor,
@@ -57,10 +63,11 @@ from .store import (
     LeaseView,
     ParameterStore,
     PullResult,
+    PushOutcome,
     PushTicket,
 )
 
-__all__ = ["ParameterServerServicer"]
+__all__ = ["ParameterServerServicer", "add_servicer"]
 
 log = logging.getLogger("onnxps.service")
 
@@ -257,6 +264,111 @@ def _encoded_values(
             reason="OUT_OF_ENCODING_RANGE",
             metadata={"encoding": name},
         ) from None
+
+
+_END = object()
+_REPLY_CHUNK_FIELD = pb.PushPullStreamResponse.DESCRIPTOR.fields_by_name["chunk"].number
+
+
+class _Failed:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _FrameSink:
+    """Takes X from the store as a push steps it (a ``ValuesSink``) and hands it,
+    as encoded PushPullStream frames, to the thread that sends the reply.
+
+    The push runs on a thread of its own (``run``), so each block is copied into
+    its frames under the group's lock and sent while the next block steps. After
+    ``close`` (the caller went away) frames are dropped; the push still finishes.
+    """
+
+    def __init__(self, headers: Sequence[pb.Tensor], chunk_bytes: int) -> None:
+        self._headers = headers
+        self._chunk_bytes = chunk_bytes
+        self._frames: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._views: list[memoryview] = []
+        self._itemsizes: list[int] = []
+        self._closed = False
+
+    def begin(self, outcome: PushOutcome, xs: Sequence[Array]) -> None:
+        self._views = [memoryview(x).cast("B") for x in xs]  # type: ignore[arg-type]
+        self._itemsizes = [x.itemsize for x in xs]
+        header = pb.PushResponse(
+            update_count=outcome.update_count,
+            applied=outcome.applied,
+            duplicate=outcome.duplicate,
+            values=self._headers,
+        )
+        self._put(pb.PushPullStreamResponse(header=header))
+
+    def block(self, index: int, start: int, stop: int) -> None:
+        size = self._itemsizes[index]
+        view = self._views[index]
+        step = self._chunk_bytes
+        for a in range(start * size, stop * size, step):
+            b = min(a + step, stop * size)
+            self._put(encode_chunk(_REPLY_CHUNK_FIELD, index, a, view[a:b]))
+
+    def _put(self, item: Any) -> None:
+        if not self._closed:
+            self._frames.put(item)
+
+    def run(self, push: Callable[[], Any]) -> None:
+        try:
+            push()
+        except BaseException as exc:  # noqa: BLE001 - raised on the sending thread
+            self._frames.put(_Failed(exc))
+        else:
+            self._frames.put(_END)
+        finally:
+            self._views = []
+
+    def frames(self) -> Iterator[Any]:
+        while (item := self._frames.get()) is not _END:
+            if isinstance(item, _Failed):
+                error, item.error = item.error, None  # type: ignore[assignment]
+                raise error
+            yield item
+
+    def close(self) -> None:
+        self._closed = True
+
+
+_FACTORIES = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_servicer(servicer: ParameterServerServicer, server: grpc.Server) -> None:
+    """Serve ``servicer``'s RPCs on ``server`` (what the generated
+    ``add_ParameterServerServiceServicer_to_server`` does), with the chunk-frame
+    codec on the streams: received chunks are views (``codec.RawChunk``), and
+    encoded frames (``codec.chunk_frames``) are sent as they are."""
+    handlers = {}
+    for method in _SERVICE.methods_by_name:
+        request, reply, req_s, resp_s = rpc_messages(method)
+        handlers[method] = _FACTORIES[req_s, resp_s](
+            getattr(servicer, method),
+            request_deserializer=deserializer(request),
+            response_serializer=serializer(reply),
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),)
+    )
+    # grpc's stubs do not declare it yet; the generated code calls it too
+    server.add_registered_method_handlers(  # type: ignore[attr-defined]
+        _SERVICE.full_name, handlers
+    )
+
+
+(_SERVICE,) = pb.DESCRIPTOR.services_by_name.values()
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
@@ -467,6 +579,53 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         grads = self._assemble(it, headers, names, context, encoded=True)
         return self._push(req, ticket, grads, context, pb.PushStreamResponse)
 
+    @_streaming
+    def PushPullStream(
+        self, request_iterator: Iterable[pb.PushPullStreamRequest], context: Any
+    ) -> Iterator[Any]:
+        req, it = _stream_header(
+            request_iterator, "header", "a PushPullStream", context
+        )
+        ticket = self._validate_push(req)
+        headers = list(req.gradients)
+        with self._reply_bytes(context, stream=True) as hold:
+            hold.admit(
+                sum(declared_nbytes(t) for t in headers),
+                what="this push's reply carries",
+            )
+            grads = self._assemble(
+                it, headers, _names("gradient", len(headers), ticket.names), context
+            )
+            values = [
+                pb.Tensor(name=n, dtype=t.dtype, dims=t.dims)
+                for n, t in zip(ticket.names, headers, strict=True)
+            ]
+            sink = _FrameSink(values, self.chunk_bytes)
+            push = functools.partial(
+                self.store.push,
+                ticket,
+                grads,
+                client_id=req.client_id,
+                seq=req.seq,
+                base_version=req.base_version if req.HasField("base_version") else None,
+                learning_rate=req.learning_rate
+                if req.HasField("learning_rate")
+                else None,
+                return_values=True,
+                timeout=_timeout(context),
+                cancellation=_cancellation(context),
+                sink=sink,
+            )
+            del grads
+            worker = threading.Thread(
+                target=sink.run, args=(push,), name="onnxps-push", daemon=True
+            )
+            worker.start()
+            try:
+                yield from sink.frames()
+            finally:
+                sink.close()
+
     def _assemble(
         self,
         it: Iterator[Any],
@@ -546,7 +705,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
                 ],
             )
             yield pb.PullStreamResponse(header=header)
-            yield from chunk_messages(pb.PullStreamResponse, arrays, self.chunk_bytes)
+            yield from chunk_frames(pb.PullStreamResponse, arrays, self.chunk_bytes)
 
     # -- rows ------------------------------------------------------------------------
     @_unary
@@ -632,7 +791,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
                 ],
             )
             yield pb.PullRowsResponse(header=header)
-            yield from chunk_messages(pb.PullRowsResponse, out.arrays, self.chunk_bytes)
+            yield from chunk_frames(pb.PullRowsResponse, out.arrays, self.chunk_bytes)
 
     @_unary
     def ListRows(
@@ -705,7 +864,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         yield pb.ApplyStreamResponse(
             response=pb.ApplyResponse(outputs=[header_tensor(o) for o in outputs])
         )
-        yield from chunk_messages(pb.ApplyStreamResponse, outputs, self.chunk_bytes)
+        yield from chunk_frames(pb.ApplyStreamResponse, outputs, self.chunk_bytes)
 
     # -- workers and saving ----------------------------------------------------------
     def _lease(self, lease: LeaseView, reply_type: type[L]) -> L:

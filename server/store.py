@@ -52,7 +52,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from onnxps.client.image import GroupImage, TableDefinition
@@ -129,6 +129,7 @@ __all__ = [
     "PushOutcome",
     "PushTicket",
     "StoreLimits",
+    "ValuesSink",
     "WorkerLease",
     "combine_contributions",
 ]
@@ -202,6 +203,40 @@ class PushTicket:
     group: str
     names: tuple[str, ...]  # the group's tensor names, in gradient order
     _group: Group = field(repr=False, compare=False)
+
+
+class ValuesSink(Protocol):
+    """Takes a push's X_1..X_n as the push makes them (``push(..., sink=)``).
+
+    Both methods are called under the group's lock and must not raise (a push
+    they interrupted would be half applied): they copy what they need at once.
+    ``begin`` gets the push's outcome and the group's flat X arrays, readable only
+    during these calls; ``block(i, start, stop)`` says that elements
+    ``start:stop`` of ``xs[i]`` hold their final values. Blocks come in order and
+    cover every element once.
+    """
+
+    def begin(self, outcome: PushOutcome, xs: Sequence[Array]) -> None: ...
+
+    def block(self, index: int, start: int, stop: int) -> None: ...
+
+
+class _Emission:
+    """A ``ValuesSink`` and whether the push has started sending to it."""
+
+    def __init__(self, sink: ValuesSink) -> None:
+        self.sink = sink
+        self.begun = False
+
+    def begin(self, outcome: PushOutcome, xs: Sequence[Array]) -> None:
+        self.begun = True
+        self.sink.begin(outcome, xs)
+
+    def all_of(self, outcome: PushOutcome, xs: Sequence[Array]) -> None:
+        """Send X whole (a duplicate, or a sync push whose step is taken)."""
+        self.begin(outcome, xs)
+        for i, x in enumerate(xs):
+            self.sink.block(i, 0, x.size)
 
 
 @dataclass(frozen=True)
@@ -582,13 +617,17 @@ class ParameterStore:
         return_values: bool = False,
         timeout: float | None = None,
         cancellation: Cancellation | None = None,
+        sink: ValuesSink | None = None,
     ) -> PushOutcome:
         """Push gradients G_1..G_n; ``group`` is a name or a ticket for these grads.
 
         ``(client_id, seq)`` identifies the push for exactly-once delivery. With
         ``return_values`` a sync push waits for its step (see ``pull``); when every
         waiting slot is taken, a push that would wait is refused before anything
-        changes (one that completes the step goes through).
+        changes (one that completes the step goes through). With ``return_values``
+        and a ``sink``, X goes to the sink instead of ``values``: block by block
+        while an async push steps, so the caller can send each block while the
+        next one steps (whole, for a duplicate or a sync push).
         """
         self._check_open()
         ticket = self._ticket(group, grads)
@@ -605,7 +644,8 @@ class ParameterStore:
         slot = self._waiting_slot(g.name, required=False)
         with slot if may_wait else nullcontext(False) as held:
             wait = _Wait(timeout, cancellation, counted=held)
-            return self._push(g, grads, request, return_values, wait)
+            emit = _Emission(sink) if sink is not None and return_values else None
+            return self._push(g, grads, request, return_values, wait, emit=emit)
 
     def _ticket(self, group: str | PushTicket, grads: Sequence[Array]) -> PushTicket:
         if isinstance(group, PushTicket):
@@ -641,6 +681,7 @@ class ParameterStore:
         wait: _Wait | None = None,
         *,
         replay: bool = False,
+        emit: _Emission | None = None,
     ) -> PushOutcome:
         with self._journaled(replay) as journal, g.cond:
             self._check_live(g)
@@ -651,10 +692,14 @@ class ParameterStore:
                 if return_values:
                     self._check_room_to_wait(g, request, wait)
                 due = _logged_step_due if replay else _quorum_reached
-                outcome = self._step_or_buffer(g, grads, request, journal, due)
+                outcome = self._step_or_buffer(g, grads, request, journal, due, emit)
             if return_values:
                 if not outcome.applied:
                     self._wait_version(g, outcome.update_count + 1, wait or _Wait())
+                if emit is not None:
+                    if not emit.begun:
+                        emit.all_of(outcome, g.xs)
+                    return outcome
                 values = self._frozen_values(g, False)
                 outcome = dataclasses.replace(outcome, values=values)
             return outcome
@@ -666,6 +711,7 @@ class ParameterStore:
         request: _PushRequest,
         journal: _JournalEntry,
         due: Callable[[Group], bool],
+        emit: _Emission | None = None,
     ) -> PushOutcome:
         _check_base_version(g, request.base_version)
         if g.tables and due is not _logged_step_due:  # replay: it fitted when logged
@@ -679,7 +725,11 @@ class ParameterStore:
         record = request.record(g.name, g.update_count)
         if g.consistency.mode == "async":
             journal.durable(record, grads)  # Unavailable: refused, nothing changed
-            g.step(grads, request.learning_rate)
+            if emit is None:
+                g.step(grads, request.learning_rate)
+            else:
+                emit.begin(PushOutcome(g.update_count + 1, True), g.xs)
+                g.step(grads, request.learning_rate, emit.sink.block)
             outcome = PushOutcome(g.update_count, True)
         else:
             outcome = self._buffer(g, grads, request.client_id, record, journal, due)

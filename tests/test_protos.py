@@ -38,6 +38,7 @@ def test_stubs_serve_the_package_named_in_the_proto() -> None:
         "SetLearningRate",
         "Push",
         "PushStream",
+        "PushPullStream",
         "Pull",
         "PullStream",
         "Apply",

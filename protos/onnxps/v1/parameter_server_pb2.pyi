@@ -1290,6 +1290,76 @@ class PushStreamResponse(_message.Message):
 Global___PushStreamResponse: _TypeAlias = PushStreamResponse  # noqa: Y015
 
 @_typing.final
+class PushPullStreamRequest(_message.Message):
+    """One message of a PushPullStream: the header first, then chunks (the fields
+    of PushStreamRequest). The reply carries X_1..X_n whatever return_values says.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___PushRequest:
+        """The push, gradients without raw_data."""
+
+    @_builtins.property
+    def chunk(self) -> Global___TensorChunk:
+        """Gradient bytes."""
+
+    def __init__(
+        self,
+        *,
+        header: Global___PushRequest | None = ...,
+        chunk: Global___TensorChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___PushPullStreamRequest: _TypeAlias = PushPullStreamRequest  # noqa: Y015
+
+@_typing.final
+class PushPullStreamResponse(_message.Message):
+    """One message of a PushPullStream's reply: the header first, then the chunks of
+    X_1..X_n after the push (SYNC: after its step). A new step's values are sent
+    block by block as each block is stepped; a repeated push (duplicate) gets the
+    group's current values, as a Push with return_values does.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___PushResponse:
+        """The push's outcome, and X_1..X_n in values, without raw_data."""
+
+    @_builtins.property
+    def chunk(self) -> Global___TensorChunk:
+        """Bytes of X_1..X_n."""
+
+    def __init__(
+        self,
+        *,
+        header: Global___PushResponse | None = ...,
+        chunk: Global___TensorChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___PushPullStreamResponse: _TypeAlias = PushPullStreamResponse  # noqa: Y015
+
+@_typing.final
 class PullRequest(_message.Message):
     """Read a group's tensors."""
 

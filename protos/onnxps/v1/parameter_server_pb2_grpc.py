@@ -75,6 +75,11 @@ class ParameterServerServiceStub:
                 request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PushStreamRequest.SerializeToString,
                 response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PushStreamResponse.FromString,
                 _registered_method=True)
+        self.PushPullStream = channel.stream_stream(
+                '/onnxps.v1.ParameterServerService/PushPullStream',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PushPullStreamRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PushPullStreamResponse.FromString,
+                _registered_method=True)
         self.Pull = channel.unary_unary(
                 '/onnxps.v1.ParameterServerService/Pull',
                 request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PullRequest.SerializeToString,
@@ -187,6 +192,14 @@ class ParameterServerServiceServicer:
 
     def PushStream(self, request_iterator, context):
         """Push gradients as a header and chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushPullStream(self, request_iterator, context):
+        """Push gradients as a header and chunks and receive X_1..X_n after the step as
+        a header and chunks, streamed while the group steps (one call: push and pull).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -312,6 +325,11 @@ def add_ParameterServerServiceServicer_to_server(servicer, server):
                     servicer.PushStream,
                     request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PushStreamRequest.FromString,
                     response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PushStreamResponse.SerializeToString,
+            ),
+            'PushPullStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushPullStream,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PushPullStreamRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PushPullStreamResponse.SerializeToString,
             ),
             'Pull': grpc.unary_unary_rpc_method_handler(
                     servicer.Pull,
@@ -586,6 +604,33 @@ class ParameterServerService:
             '/onnxps.v1.ParameterServerService/PushStream',
             onnxps_dot_v1_dot_parameter__server__pb2.PushStreamRequest.SerializeToString,
             onnxps_dot_v1_dot_parameter__server__pb2.PushStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPullStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/onnxps.v1.ParameterServerService/PushPullStream',
+            onnxps_dot_v1_dot_parameter__server__pb2.PushPullStreamRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.PushPullStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -69,6 +69,10 @@ class ParameterServerServiceStub:
     """Push gradients inline."""
     PushStream: _grpc.StreamUnaryMultiCallable[_parameter_server_pb2.PushStreamRequest, _parameter_server_pb2.PushStreamResponse]
     """Push gradients as a header and chunks."""
+    PushPullStream: _grpc.StreamStreamMultiCallable[_parameter_server_pb2.PushPullStreamRequest, _parameter_server_pb2.PushPullStreamResponse]
+    """Push gradients as a header and chunks and receive X_1..X_n after the step as
+    a header and chunks, streamed while the group steps (one call: push and pull).
+    """
     Pull: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.PullRequest, _parameter_server_pb2.PullResponse]
     """Pull tensors inline."""
     PullStream: _grpc.UnaryStreamMultiCallable[_parameter_server_pb2.PullStreamRequest, _parameter_server_pb2.PullStreamResponse]
@@ -115,6 +119,10 @@ class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
     """Push gradients inline."""
     PushStream: _aio.StreamUnaryMultiCallable[_parameter_server_pb2.PushStreamRequest, _parameter_server_pb2.PushStreamResponse]  # type: ignore[assignment]
     """Push gradients as a header and chunks."""
+    PushPullStream: _aio.StreamStreamMultiCallable[_parameter_server_pb2.PushPullStreamRequest, _parameter_server_pb2.PushPullStreamResponse]  # type: ignore[assignment]
+    """Push gradients as a header and chunks and receive X_1..X_n after the step as
+    a header and chunks, streamed while the group steps (one call: push and pull).
+    """
     Pull: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.PullRequest, _parameter_server_pb2.PullResponse]  # type: ignore[assignment]
     """Pull tensors inline."""
     PullStream: _aio.UnaryStreamMultiCallable[_parameter_server_pb2.PullStreamRequest, _parameter_server_pb2.PullStreamResponse]  # type: ignore[assignment]
@@ -206,6 +214,16 @@ class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_parameter_server_pb2.PushStreamResponse, _abc.Awaitable[_parameter_server_pb2.PushStreamResponse]]:
         """Push gradients as a header and chunks."""
+
+    @_abc_1.abstractmethod
+    def PushPullStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_parameter_server_pb2.PushPullStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_parameter_server_pb2.PushPullStreamResponse], _abc.AsyncIterator[_parameter_server_pb2.PushPullStreamResponse]]:
+        """Push gradients as a header and chunks and receive X_1..X_n after the step as
+        a header and chunks, streamed while the group steps (one call: push and pull).
+        """
 
     @_abc_1.abstractmethod
     def Pull(
