@@ -34,6 +34,7 @@ from ._errors import (
     PermissionDeniedError,
     ResourceExhaustedError,
     RpcError,
+    SharedMemoryError,
     UnauthenticatedError,
     UnavailableError,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "ResourceExhaustedError",
     "RpcError",
     "SaveInfo",
+    "SharedMemoryError",
     "Sync",
     "TensorFormatError",
     "UnauthenticatedError",

@@ -170,6 +170,7 @@ class Client(ClientCore):
             thread.join(timeout=5)
         for channel in self._channels.values():
             channel.close()
+        self._close_shared_memory()
 
     def _get_stub(self, shard: int = 0) -> pb_grpc.ParameterServerServiceStub:
         with self._lock:

@@ -9,6 +9,7 @@ request or a reply. Operations compose with ``yield from``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import itertools
@@ -29,6 +30,7 @@ from ._errors import (
     ClientClosedError,
     DeadlineExceededError,
     RpcError,
+    SharedMemoryError,
     UnavailableError,
     translate,
 )
@@ -52,6 +54,14 @@ from .codec import (
     header_tensor,
     tensor_to_array,
     write_tensor,
+)
+from .shm import (
+    Segment,
+    SegmentPool,
+    SharedMemoryMode,
+    hello_segment,
+    layout,
+    sweep_orphans,
 )
 
 __all__ = [
@@ -78,6 +88,17 @@ Transport = Literal["auto", "unary", "stream"]
 R = TypeVar("R")
 
 STREAM_THRESHOLD_BYTES = 1 << 20
+# With shared_memory="auto", tensors of a call at least this large go through shared
+# memory (below it, inline bytes cost less than mapping a segment on the server).
+SHARED_MEMORY_THRESHOLD_BYTES = 64 << 10
+_SHM_MODES = ("auto", "on", "off")
+# Refusals of a hello that mean "not here": the client falls back to bytes.
+_HELLO_REFUSALS = (
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+)
 SPLIT_BYTES = 64 << 20  # a cluster splits a group whose X is larger
 _RESEND_BACKOFF_MAX = 2.0  # seconds between a push's resends, at most
 _RESEND_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -93,6 +114,7 @@ _SAFE_TO_REPEAT = (
     "Push",
     "PushStream",
     "Pull",
+    "SharedMemoryHello",
     "PullStream",
     "DescribeGroup",
     "ListGroups",
@@ -156,6 +178,7 @@ def _check_client_arguments(
     chunk_bytes: Any,
     root_certificates: Any,
     unexpected: Mapping[str, Any],
+    shared_memory: Any = "off",
 ) -> None:
     """TypeError/ValueError that say what ``Client(...)`` (or ``AsyncClient``)
     takes."""
@@ -187,6 +210,11 @@ def _check_client_arguments(
     if transport not in _TRANSPORTS:
         raise ValueError(
             f"transport must be one of {', '.join(_TRANSPORTS)}, got {transport!r}"
+        )
+    if shared_memory not in _SHM_MODES:
+        raise ValueError(
+            f"shared_memory must be one of {', '.join(_SHM_MODES)}, got "
+            f"{shared_memory!r}"
         )
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be an integer >= 1, got {chunk_bytes!r}")
@@ -426,6 +454,7 @@ class ClientCore:
         stream_threshold_bytes: int = STREAM_THRESHOLD_BYTES,
         chunk_bytes: int = CHUNK_BYTES,
         split_bytes: int = SPLIT_BYTES,
+        shared_memory: SharedMemoryMode = "auto",
         **unexpected: NoReturn,
     ) -> None:
         _check_client_arguments(
@@ -436,6 +465,7 @@ class ClientCore:
             chunk_bytes,
             root_certificates,
             unexpected,
+            shared_memory,
         )
         # A list of addresses is a cluster: shard i at addresses[i] (README, "A
         # cluster of shards").
@@ -458,6 +488,13 @@ class ClientCore:
         # pushes would be answered as duplicates and silently dropped.
         self._seq = itertools.count(time.time_ns() // 1000)
         self._sizes: dict[str, int] = {}
+        # group -> segment bytes its pull needs without and with state
+        self._pull_segments: dict[str, tuple[int, int]] = {}
+        # The same-host transport: "auto" tries it for large tensors and falls back
+        # to bytes where the hello is refused; "on" raises instead; "off" never.
+        self.shared_memory: SharedMemoryMode = shared_memory
+        self._shm_pool: SegmentPool | None = None
+        self._shm_refused: str | None = None
         self._state = State.UNOPENED
         self._setup()
 
@@ -590,6 +627,12 @@ class ClientCore:
 
     def _remember(self, info: GroupInfo) -> GroupInfo:
         self._sizes[info.name] = info.nbytes
+        sizes = [
+            int(np.prod(dims, dtype=np.int64)) * info.dtype.itemsize
+            for _, dims in info.tensors
+        ]
+        # with state: X, V and H at most (Adam)
+        self._pull_segments[info.name] = (layout(sizes)[1], layout(sizes * 3)[1])
         return info
 
     def _describe_group(
@@ -653,6 +696,10 @@ class ClientCore:
         self, req: pb.PushRequest, arrays: list[Array], deadline: Deadline
     ) -> Op[PushResult]:
         """Send the push (a cluster client: its parts, to their shards)."""
+        nbytes = sum(a.nbytes for a in arrays)
+        pool = yield from self._shared_memory(nbytes, deadline)
+        if pool is not None:
+            return (yield from self._push_shared_op(pool, req, arrays, deadline))
         msg = yield from self._push_op(req, arrays, deadline)
         values = None
         if req.return_values:
@@ -678,6 +725,107 @@ class ClientCore:
                 write_tensor(req.gradients.add(), a)
             call = Call("Push", _unary(req), deadline, what)
         return (yield from self._resending(call, group, req.seq))
+
+    def _push_shared_op(
+        self,
+        pool: SegmentPool,
+        template: pb.PushRequest,
+        arrays: list[Array],
+        deadline: Deadline,
+    ) -> Op[PushResult]:
+        """A push whose gradients (and returned X) travel in shared memory; the
+        unary Push carries only their region. Resent like any push."""
+        req = pb.PushRequest()
+        req.CopyFrom(template)
+        req.gradients.extend(header_tensor(a) for a in arrays)
+        sizes = [a.nbytes for a in arrays]
+        with _segments(pool, sizes, 2 if req.return_values else 1) as segs:
+            req.gradients_region.CopyFrom(segs[0].write(arrays))
+            if req.return_values:
+                req.reply_region.CopyFrom(segs[1].region())
+            what = f"the push to group {req.group} (seq {req.seq}) was not answered"
+            call = Call("Push", _unary(req), deadline, what)
+            msg = yield from self._shared_call(
+                self._resending(call, req.group, req.seq)
+            )
+            values = None
+            if req.return_values and msg.HasField("values_region"):
+                values = segs[1].read(msg.values_region, msg.values)
+            elif req.return_values:
+                values = [tensor_to_array(t, t.name).copy() for t in msg.values]
+        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
+
+    # -- the same-host transport ---------------------------------------------------
+    def _shared_memory(self, nbytes: int, deadline: Deadline) -> Op[SegmentPool | None]:
+        """The segments of the same-host transport when a call of ``nbytes`` should
+        use it (a hello on first use), else None (bytes over gRPC)."""
+        if self.shared_memory == "off" or self.shards is not None:
+            return None
+        if self.shared_memory == "auto" and nbytes < SHARED_MEMORY_THRESHOLD_BYTES:
+            return None
+        if self._shm_pool is not None:
+            return self._shm_pool
+        if self._shm_refused is not None:
+            self._refuse_shared_memory(self._shm_refused)
+            return None
+        try:
+            seg, nonce = hello_segment()
+        except OSError as exc:
+            why = f"cannot create a segment in /dev/shm ({exc.strerror})"
+            self._refuse_shared_memory(why)
+            return None
+        try:
+            sweep_orphans()
+            req = pb.SharedMemoryHelloRequest(segment=seg.name)
+            call = Call("SharedMemoryHello", _unary(req), deadline, what("the hello"))
+            msg = yield call
+        except RpcError as exc:
+            if exc.code not in _HELLO_REFUSALS:
+                raise
+            self._refuse_shared_memory(f"{exc.code.name}: {exc.details}")
+            return None
+        finally:
+            seg.close()
+        if msg.nonce != nonce:
+            why = "the server read another nonce: it does not share this /dev/shm"
+            self._refuse_shared_memory(why)
+            return None
+        log.info("shared memory with %s: tensors move through /dev/shm", self.address)
+        self._shm_pool = SegmentPool()
+        return self._shm_pool
+
+    def _refuse_shared_memory(self, why: str) -> None:
+        """Remember that the hello failed: "on" raises, "auto" falls back (once
+        logged)."""
+        first = self._shm_refused is None
+        self._shm_refused = why
+        if self.shared_memory == "on":
+            raise SharedMemoryError(
+                f"shared_memory='on' but the server at {self.address} cannot share "
+                f"memory with this client: {why}"
+            )
+        if first:
+            log.info(
+                "shared memory with %s is not possible (%s); sending tensor bytes "
+                "over gRPC",
+                self.address,
+                why,
+            )
+        return None
+
+    def _shared_call(self, op: Op[R]) -> Op[R]:
+        """``op``; when it fails because the server went away, the segments are
+        unlinked (and the next call says hello again, to whatever answers then)."""
+        try:
+            return (yield from op)
+        except (UnavailableError, DeadlineExceededError):
+            self._close_shared_memory()
+            raise
+
+    def _close_shared_memory(self) -> None:
+        pool, self._shm_pool = self._shm_pool, None
+        if pool is not None:
+            pool.close()
 
     def _push(self, *args: Any, **kwargs: Any) -> Op[int | list[Array]]:
         """Push G_1..G_n (ONNX order). Returns the new T, or X_1..X_n with
@@ -738,6 +886,13 @@ class ClientCore:
         size = self._sizes.get(group)
         if size is None and self.transport == "auto":
             size = (yield from self._describe(group, deadline)).nbytes
+        segment = self._pull_segments.get(group, (0, 0))[state]
+        pool = yield from self._shared_memory(size or 0, deadline)
+        if pool is not None and segment:
+            shared = pb.PullRequest(
+                group=group, with_state=state, min_version=min_version
+            )
+            return (yield from self._pull_shared_op(pool, shared, segment, deadline))
         if self._use_stream(size or 0):
             req = pb.PullStreamRequest(
                 group=group, with_state=state, min_version=min_version
@@ -748,6 +903,25 @@ class ClientCore:
             return int(t), arrays
         unary = pb.PullRequest(group=group, with_state=state, min_version=min_version)
         msg = yield Call("Pull", _unary(unary), deadline, waited)
+        return msg.update_count, [
+            tensor_to_array(t, t.name).copy() for t in msg.tensors
+        ]
+
+    def _pull_shared_op(
+        self, pool: SegmentPool, req: pb.PullRequest, nbytes: int, deadline: Deadline
+    ) -> Op[tuple[int, list[Array]]]:
+        """A pull whose tensors come back in shared memory (inline when they no
+        longer fit the segment, e.g. the group was replaced)."""
+        if req.HasField("min_version"):
+            waited = f"group {req.group} did not reach T={req.min_version}"
+        else:
+            waited = f"the pull of group {req.group} was not answered"
+        with _segments(pool, [nbytes], 1) as (seg,):
+            req.reply_region.CopyFrom(seg.region())
+            call = Call("Pull", _unary(req), deadline, waited)
+            msg = yield from self._shared_call(self._call_op(call))
+            if msg.HasField("tensors_region"):
+                return msg.update_count, seg.read(msg.tensors_region, msg.tensors)
         return msg.update_count, [
             tensor_to_array(t, t.name).copy() for t in msg.tensors
         ]
@@ -964,6 +1138,19 @@ class ClientCore:
         is (``"skip"``, not in the result) or is replaced by the file's.
         """
         return (yield from import_op(self, path, existing=existing)).imported
+
+
+@contextlib.contextmanager
+def _segments(pool: SegmentPool, sizes: list[int], n: int) -> Iterator[list[Segment]]:
+    """``n`` segments of ``pool`` that hold tensors of these sizes, for one call."""
+    segs: list[Segment] = []
+    try:
+        for _ in range(n):
+            segs.append(pool.acquire(sizes))
+        yield segs
+    finally:
+        for seg in segs:
+            pool.release(seg)
 
 
 def what(method: str) -> str:

@@ -37,6 +37,7 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from ._convert import attrs_from_proto, consistency_from_proto, group_info
+from ._shm import SharedMemory
 from ._status import rich_status, status_of
 from .durability import SaveResult
 from .errors import FailedPrecondition, InvalidArgument
@@ -189,8 +190,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         chunk_bytes: int = CHUNK_BYTES,
         save: Callable[[], SaveResult] | None = None,
         inflight: InflightBytes | None = None,
+        shared_memory: SharedMemory | None = None,
     ) -> None:
         self.store = store
+        # The same-host transport (off when not given).
+        self._shm = shared_memory or SharedMemory(enabled=False)
         self.chunk_bytes = chunk_bytes
         self._save = save
         # Pull replies are counted in the same budget as requests (see limits).
@@ -303,9 +307,17 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         reply = reply_type(
             update_count=out.update_count, applied=out.applied, duplicate=out.duplicate
         )
-        if out.values is not None:
-            for v, n in zip(out.values, ticket.names, strict=True):
-                write_tensor(reply.values.add(), v, n)
+        if out.values is None:
+            return reply
+        region = None
+        if req.HasField("reply_region"):
+            region = self._shm.write(req.reply_region, out.values)
+        if region is not None:
+            reply.values_region.CopyFrom(region)
+            reply.values.extend(map(header_tensor, out.values, ticket.names))
+            return reply
+        for v, n in zip(out.values, ticket.names, strict=True):
+            write_tensor(reply.values.add(), v, n)
         return reply
 
     def _validate_push(self, req: pb.PushRequest) -> PushTicket:
@@ -318,6 +330,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     @_unary
     def Push(self, request: pb.PushRequest, context: Any) -> pb.PushResponse:
         ticket = self._validate_push(request)
+        if request.HasField("gradients_region"):
+            return self._push_shared(request, ticket, context)
         grads = [
             tensor_to_array(t, f"gradient {i + 1} ({ticket.names[i]!r})")
             for i, t in enumerate(request.gradients)
@@ -329,12 +343,42 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         self, request_iterator: Iterable[pb.PushStreamRequest], context: Any
     ) -> pb.PushStreamResponse:
         req, it = _stream_header(request_iterator, "header", "a PushStream", context)
+        if req.HasField("gradients_region"):
+            raise InvalidArgument(
+                "a PushStream carries its gradients as chunks; gradients in shared "
+                "memory (gradients_region) go in a unary Push",
+                field="header.gradients_region",
+            )
         ticket = self._validate_push(req)
         headers = list(req.gradients)
         grads = self._assemble(
             it, headers, _names("gradient", len(headers), ticket.names), context
         )
         return self._push(req, ticket, grads, context, pb.PushStreamResponse)
+
+    def _push_shared(
+        self, req: pb.PushRequest, ticket: PushTicket, context: Any
+    ) -> pb.PushResponse:
+        """A push whose gradients lie in the client's shared-memory segment: the
+        store reads them in place."""
+        specs = []
+        for i, t in enumerate(req.gradients):
+            if t.raw_data:
+                raise InvalidArgument(
+                    f"gradient {i + 1} carries bytes inline and in gradients_region: "
+                    "with a region, raw_data must be empty",
+                    field=f"gradients[{i}].raw_data",
+                )
+            specs.append(tensor_spec(t, f"gradient {i + 1}"))
+        names = _names("gradient", len(specs), ticket.names)
+        with self._shm.read(req.gradients_region, specs, names) as grads:
+            return self._push(req, ticket, grads, context, pb.PushResponse)
+
+    @_unary
+    def SharedMemoryHello(
+        self, request: pb.SharedMemoryHelloRequest, context: Any
+    ) -> pb.SharedMemoryHelloResponse:
+        return pb.SharedMemoryHelloResponse(nonce=self._shm.hello(request.segment))
 
     def _assemble(
         self,
@@ -393,6 +437,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             reply = pb.PullResponse(
                 update_count=out.update_count, learning_rate=out.learning_rate
             )
+            region = None
+            if request.HasField("reply_region"):
+                region = self._shm.write(request.reply_region, out.arrays)
+            if region is not None:
+                reply.tensors_region.CopyFrom(region)
+                reply.tensors.extend(map(header_tensor, out.arrays, out.names))
+                return reply
             for a, n in zip(out.arrays, out.names, strict=True):
                 write_tensor(reply.tensors.add(), a, n)
             return reply

@@ -99,7 +99,7 @@ def test_all_lists_every_public_class_and_function() -> None:
         for cls in vars(onnxps.client).values()
         if inspect.isclass(cls) and issubclass(cls, OnnxpsError)
     }
-    assert len(errors) == 15  # with TensorFormatError and ExportFileError
+    assert len(errors) == 16  # TensorFormatError, ExportFileError, SharedMemoryError
     assert errors <= set(onnxps.client.__all__)
 
 

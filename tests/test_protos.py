@@ -48,6 +48,7 @@ def test_stubs_serve_the_package_named_in_the_proto() -> None:
         "Save",
         "PushRows",
         "PullRows",
+        "SharedMemoryHello",
     ]
 
 

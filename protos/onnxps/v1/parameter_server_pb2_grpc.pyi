@@ -91,6 +91,11 @@ class ParameterServerServiceStub:
     """
     PullRows: _grpc.StreamStreamMultiCallable[_parameter_server_pb2.PullRowsRequest, _parameter_server_pb2.PullRowsResponse]
     """Read rows of tensors: indices as a header and chunks; rows back the same way."""
+    SharedMemoryHello: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.SharedMemoryHelloRequest, _parameter_server_pb2.SharedMemoryHelloResponse]
+    """Negotiate the same-host shared-memory transport (refused with
+    FAILED_PRECONDITION, PERMISSION_DENIED or INVALID_ARGUMENT where it cannot
+    work: the client then sends bytes over gRPC).
+    """
 
 @_typing.type_check_only
 class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
@@ -135,6 +140,11 @@ class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
     """
     PullRows: _aio.StreamStreamMultiCallable[_parameter_server_pb2.PullRowsRequest, _parameter_server_pb2.PullRowsResponse]  # type: ignore[assignment]
     """Read rows of tensors: indices as a header and chunks; rows back the same way."""
+    SharedMemoryHello: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.SharedMemoryHelloRequest, _parameter_server_pb2.SharedMemoryHelloResponse]  # type: ignore[assignment]
+    """Negotiate the same-host shared-memory transport (refused with
+    FAILED_PRECONDITION, PERMISSION_DENIED or INVALID_ARGUMENT where it cannot
+    work: the client then sends bytes over gRPC).
+    """
 
 class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
     """The parameter server."""
@@ -284,5 +294,16 @@ class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_parameter_server_pb2.PullRowsResponse], _abc.AsyncIterator[_parameter_server_pb2.PullRowsResponse]]:
         """Read rows of tensors: indices as a header and chunks; rows back the same way."""
+
+    @_abc_1.abstractmethod
+    def SharedMemoryHello(
+        self,
+        request: _parameter_server_pb2.SharedMemoryHelloRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.SharedMemoryHelloResponse, _abc.Awaitable[_parameter_server_pb2.SharedMemoryHelloResponse]]:
+        """Negotiate the same-host shared-memory transport (refused with
+        FAILED_PRECONDITION, PERMISSION_DENIED or INVALID_ARGUMENT where it cannot
+        work: the client then sends bytes over gRPC).
+        """
 
 def add_ParameterServerServiceServicer_to_server(servicer: ParameterServerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
