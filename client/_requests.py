@@ -490,8 +490,10 @@ class ClientCore:
         self._sizes: dict[str, int] = {}
         # group -> segment bytes its pull needs without and with state
         self._pull_segments: dict[str, tuple[int, int]] = {}
-        # The same-host transport: "auto" tries it for large tensors and falls back
-        # to bytes where the hello is refused; "on" raises instead; "off" never.
+        # The same-host transport: "auto" (with transport="auto") tries it for
+        # calls of at least SHARED_MEMORY_THRESHOLD_BYTES and falls back to bytes
+        # where the hello is refused; "on" uses it for every push and pull and
+        # raises SharedMemoryError where it cannot work; "off" never uses it.
         self.shared_memory: SharedMemoryMode = shared_memory
         self._shm_pool: SegmentPool | None = None
         self._shm_refused: str | None = None
@@ -761,8 +763,10 @@ class ClientCore:
         use it (a hello on first use), else None (bytes over gRPC)."""
         if self.shared_memory == "off" or self.shards is not None:
             return None
-        if self.shared_memory == "auto" and nbytes < SHARED_MEMORY_THRESHOLD_BYTES:
-            return None
+        if self.shared_memory == "auto" and (
+            self.transport != "auto" or nbytes < SHARED_MEMORY_THRESHOLD_BYTES
+        ):
+            return None  # small, or a gRPC transport was asked for by name
         if self._shm_pool is not None:
             return self._shm_pool
         if self._shm_refused is not None:
@@ -884,7 +888,10 @@ class ClientCore:
         else:
             waited = f"the pull of group {group} was not answered"
         size = self._sizes.get(group)
-        if size is None and self.transport == "auto":
+        unknown = group not in self._pull_segments
+        if (size is None and self.transport == "auto") or (
+            unknown and self.shared_memory == "on" and self.shards is None
+        ):
             size = (yield from self._describe(group, deadline)).nbytes
         segment = self._pull_segments.get(group, (0, 0))[state]
         pool = yield from self._shared_memory(size or 0, deadline)
