@@ -72,7 +72,8 @@ NONCE_BYTES = 32
 _ALIGN = 64
 _NAME = re.compile(r"onnxps-[A-Za-z0-9-]{1,200}\Z")
 _OWNER = re.compile(r"onnxps-(\d+)-")
-_IDLE_SEGMENTS = 4  # kept by a client for its next calls
+_IDLE_SEGMENTS = 6  # kept by a client for its next calls
+_MIN_SEGMENT = 64 << 10
 
 
 def is_onnxps_name(name: str) -> bool:
@@ -230,27 +231,36 @@ class SegmentPool:
         self._closed = False
 
     def acquire(self, nbytes: Sequence[int]) -> Segment:
-        """A segment that holds tensors of these sizes, for this call alone."""
-        _, size = layout(nbytes)
+        """A segment that holds tensors of these sizes, for this call alone.
+
+        Sizes are rounded up to a power of two and a call takes a segment of its
+        own size class, so a small call never maps a large segment."""
+        _, need = layout(nbytes)
+        size = max(_MIN_SEGMENT, 1 << (need - 1).bit_length())
         with self._lock:
-            fits = [s for s in self._idle if s.size >= size]
-            if fits:
-                seg = min(fits, key=lambda s: s.size)
-                self._idle.remove(seg)
-                self._busy.add(seg)
-                return seg
+            for seg in self._idle:
+                if seg.size == size:
+                    self._idle.remove(seg)
+                    self._busy.add(seg)
+                    return seg
         seg = Segment(size, self.directory)
         with self._lock:
             self._busy.add(seg)
         return seg
 
     def release(self, seg: Segment) -> None:
+        """Give a call's segment back; the oldest idle one beyond the few kept is
+        unlinked (every one, once the pool is closed)."""
+        evicted: Segment | None = seg
         with self._lock:
             self._busy.discard(seg)
-            if not self._closed and len(self._idle) < _IDLE_SEGMENTS:
+            if not self._closed:
                 self._idle.append(seg)
-                return
-        seg.close()
+                evicted = None
+                if len(self._idle) > _IDLE_SEGMENTS:
+                    evicted = self._idle.pop(0)
+        if evicted is not None:
+            evicted.close()
 
     def close(self) -> None:
         """Unlink every segment: idle ones now, busy ones when their call ends."""

@@ -7,7 +7,12 @@ the generation the call names), maps it and reads the gradients in place with
 same uid could signal this process anyway, so a segment is trusted as much as the
 user: it is not copied before it is validated and stepped.
 
-A sweeper thread unlinks the segments of clients that died (``sweep_orphans``).
+Mappings are cached by segment name and inode (a client reuses its segments call
+after call, and mapping 64 MiB costs milliseconds): every call still opens and
+checks the file, and a file that changed (another inode or size) is mapped anew.
+A sweeper thread unlinks the segments of clients that died (``sweep_orphans``)
+and drops the mappings of segments that are gone, so their memory is freed
+within a sweep.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import mmap
 import os
 import struct
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,6 +50,20 @@ log = logging.getLogger("onnxps.shm")
 
 Array = np.ndarray[Any, Any]
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_CACHED_MAPS = 32
+
+
+@dataclass(frozen=True)
+class _Mapping:
+    inode: int
+    size: int
+    map: mmap.mmap
+
+
+def _unmap(m: _Mapping) -> None:
+    # A call still viewing it keeps it mapped until its arrays are gone.
+    with contextlib.suppress(BufferError):
+        m.map.close()
 
 
 class SharedMemory:
@@ -60,6 +81,8 @@ class SharedMemory:
         self._sweep_seconds = sweep_seconds
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._maps: OrderedDict[str, _Mapping] = OrderedDict()
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
@@ -75,6 +98,7 @@ class SharedMemory:
         while not self._stop.wait(self._sweep_seconds):
             try:
                 sweep_orphans(self.directory)
+                self._drop_gone()
             except Exception:  # noqa: BLE001 - a sweep must never end the thread
                 log.exception("sweeping orphaned shared-memory segments failed")
 
@@ -82,6 +106,48 @@ class SharedMemory:
         self._stop.set()
         if self._sweeper is not None:
             self._sweeper.join(timeout=5)
+        with self._lock:
+            maps, self._maps = list(self._maps.values()), OrderedDict()
+        for m in maps:
+            _unmap(m)
+
+    def _drop_gone(self) -> None:
+        """Unmap the cached segments whose file was unlinked or replaced."""
+        with self._lock:
+            cached = list(self._maps.items())
+        for name, m in cached:
+            try:
+                alive = os.stat(os.path.join(self.directory, name)).st_ino == m.inode
+            except OSError:
+                alive = False
+            if not alive:
+                with self._lock:
+                    if self._maps.get(name) is m:
+                        del self._maps[name]
+                _unmap(m)
+
+    def _map(self, name: str, fd: int, st: os.stat_result) -> mmap.mmap:
+        """The mapping of the open segment ``fd`` (cached while its file is the
+        same)."""
+        with self._lock:
+            m = self._maps.get(name)
+            if m is not None and (m.inode, m.size) == (st.st_ino, st.st_size):
+                self._maps.move_to_end(name)
+                return m.map
+        fresh = _Mapping(
+            st.st_ino,
+            st.st_size,
+            mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | _POPULATE),
+        )
+        with self._lock:
+            old = self._maps.pop(name, None)
+            self._maps[name] = fresh
+            evicted = [old] if old is not None else []
+            while len(self._maps) > _CACHED_MAPS:
+                evicted.append(self._maps.popitem(last=False)[1])
+        for m in evicted:
+            _unmap(m)
+        return fresh.map
 
     # -- checks --------------------------------------------------------------------
     def _check_on(self) -> None:
@@ -92,9 +158,9 @@ class SharedMemory:
                 reason="SHARED_MEMORY_OFF",
             )
 
-    @contextlib.contextmanager
-    def _mapped(self, name: str, writable: bool, what: str) -> Iterator[mmap.mmap]:
-        """The checked segment ``name``, mapped for the duration of the block."""
+    def _mapped(self, name: str, what: str) -> mmap.mmap:
+        """The checked segment ``name``, mapped (read and write: the checks are the
+        owner's uid and mode 0600, so this user may write it)."""
         self._check_on()
         if not is_onnxps_name(name):
             raise InvalidArgument(
@@ -104,7 +170,7 @@ class SharedMemory:
                 field=f"{what}.segment",
             )
         path = os.path.join(self.directory, name)
-        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW
+        flags = os.O_RDWR | os.O_NOFOLLOW
         try:
             fd = os.open(path, flags)
         except OSError as exc:
@@ -126,31 +192,23 @@ class SharedMemory:
                     f"its {HEADER_BYTES}-byte header",
                     reason="BAD_SEGMENT",
                 )
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            mapped = mmap.mmap(
-                fd, st.st_size, flags=mmap.MAP_SHARED | _POPULATE, prot=prot
-            )
+            mapped = self._map(name, fd, st)
         finally:
             os.close(fd)
-        try:
-            if mapped[: len(MAGIC)] != MAGIC:
-                raise InvalidArgument(
-                    f"{what}: segment {name!r} does not begin with the onnxps header",
-                    reason="BAD_SEGMENT",
-                )
-            yield mapped
-        finally:
-            # Arrays still viewing it (none once the call is done) keep it mapped.
-            with contextlib.suppress(BufferError):
-                mapped.close()
+        if mapped[: len(MAGIC)] != MAGIC:
+            raise InvalidArgument(
+                f"{what}: segment {name!r} does not begin with the onnxps header",
+                reason="BAD_SEGMENT",
+            )
+        return mapped
 
     # -- calls ---------------------------------------------------------------------
     def hello(self, name: str) -> bytes:
         """The nonce a client's hello segment holds, once its pid namespace is ours."""
-        with self._mapped(name, False, "hello") as m:
-            end = len(MAGIC) + NONCE_BYTES
-            nonce = bytes(m[len(MAGIC) : end])
-            (their_ns,) = struct.unpack_from("<Q", m, end)
+        m = self._mapped(name, "hello")
+        end = len(MAGIC) + NONCE_BYTES
+        nonce = bytes(m[len(MAGIC) : end])
+        (their_ns,) = struct.unpack_from("<Q", m, end)
         ours = pid_namespace()
         if their_ns != ours:
             raise FailedPrecondition(
@@ -175,19 +233,19 @@ class SharedMemory:
                 f"{what} has {len(region.offsets)} offsets for {len(specs)} tensors",
                 field=f"{what}.offsets",
             )
-        with self._mapped(region.segment, False, what) as m:
-            _check_generation(m, region, what)
-            arrays = []
-            for (dtype, dims), at, name in zip(
-                specs, region.offsets, names, strict=True
-            ):
-                count = int(np.prod(dims, dtype=np.int64))
-                _check_span(m, at, count * dtype.itemsize, dtype.itemsize, name, what)
-                arrays.append(np.frombuffer(m, dtype, count, at).reshape(dims))
-            try:
-                yield arrays
-            finally:
-                arrays.clear()
+        m = self._mapped(region.segment, what)
+        _check_generation(m, region, what)
+        arrays = []
+        for (dtype, dims), at, name in zip(specs, region.offsets, names, strict=True):
+            count = int(np.prod(dims, dtype=np.int64))
+            _check_span(m, at, count * dtype.itemsize, dtype.itemsize, name, what)
+            view = np.frombuffer(m, dtype, count, at).reshape(dims)
+            view.flags.writeable = False
+            arrays.append(view)
+        try:
+            yield arrays
+        finally:
+            arrays.clear()
 
     def write(
         self, region: pb.SharedMemoryRegion, arrays: Sequence[Array]
@@ -198,15 +256,15 @@ class SharedMemory:
         carries them inline). A resent call writes them again."""
         what = "reply_region"
         offsets, size = layout([a.nbytes for a in arrays])
-        with self._mapped(region.segment, True, what) as m:
-            if size > len(m):
-                return None
-            for a, at in zip(arrays, offsets, strict=True):
-                dest = np.frombuffer(m, a.dtype, a.size, at).reshape(a.shape)
-                np.copyto(dest, a)
-                del dest
-            generation = region.generation + 1
-            struct.pack_into("<Q", m, len(MAGIC), generation)
+        m = self._mapped(region.segment, what)
+        if size > len(m):
+            return None
+        for a, at in zip(arrays, offsets, strict=True):
+            dest = np.frombuffer(m, a.dtype, a.size, at).reshape(a.shape)
+            np.copyto(dest, a)
+            del dest
+        generation = region.generation + 1
+        struct.pack_into("<Q", m, len(MAGIC), generation)
         return pb.SharedMemoryRegion(
             segment=region.segment, generation=generation, offsets=offsets
         )

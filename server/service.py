@@ -430,20 +430,43 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             reserve=functools.partial(hold.admit, what="this pull's reply carries"),
         )
 
+    def _pull_shared(self, req: pb.PullRequest, context: Any) -> pb.PullResponse | None:
+        """A pull written straight from the group into the client's segment (one
+        copy, under the group's lock); None when it does not fit there."""
+
+        def write(arrays: Sequence[Array], names: tuple[str, ...]) -> pb.PullResponse:
+            region = self._shm.write(req.reply_region, arrays)
+            reply = pb.PullResponse()
+            if region is not None:
+                reply.tensors_region.CopyFrom(region)
+                reply.tensors.extend(map(header_tensor, arrays, names))
+            return reply
+
+        waits = req.HasField("min_version")
+        t, lr, reply = self.store.pull_into(
+            req.group,
+            write,
+            with_state=req.with_state,
+            min_version=req.min_version if waits else None,
+            timeout=_timeout(context),
+            cancellation=_cancellation(context) if waits else None,
+        )
+        if not reply.HasField("tensors_region"):
+            return None
+        reply.update_count, reply.learning_rate = t, lr
+        return reply
+
     @_unary
     def Pull(self, request: pb.PullRequest, context: Any) -> pb.PullResponse:
+        if request.HasField("reply_region"):
+            shared = self._pull_shared(request, context)
+            if shared is not None:
+                return shared
         with self._reply_bytes(context, stream=False) as hold:
             out = self._pull(request, context, hold)
             reply = pb.PullResponse(
                 update_count=out.update_count, learning_rate=out.learning_rate
             )
-            region = None
-            if request.HasField("reply_region"):
-                region = self._shm.write(request.reply_region, out.arrays)
-            if region is not None:
-                reply.tensors_region.CopyFrom(region)
-                reply.tensors.extend(map(header_tensor, out.arrays, out.names))
-                return reply
             for a, n in zip(out.arrays, out.names, strict=True):
                 write_tensor(reply.tensors.add(), a, n)
             return reply

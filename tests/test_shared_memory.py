@@ -535,3 +535,33 @@ def test_a_server_sweeps_orphans_at_start(tmp_path: Path) -> None:
     finally:
         handle.stop(grace=0)
         orphan.unlink(missing_ok=True)
+
+
+def test_a_reply_region_too_small_gets_the_tensors_inline(
+    server: ServerHandle,
+) -> None:
+    w0 = np.arange(100, dtype=np.float32)
+    with Client(server.address, shared_memory="off") as c:
+        c.create_group("g", Adam(), learning_rate=0.1, tensors={"w": w0})
+    small, large = Segment(128), Segment(4096)
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.ParameterServerServiceStub(ch)
+            inline = stub.Pull(
+                pb.PullRequest(group="g", reply_region=small.region()), timeout=10
+            )
+            shared = stub.Pull(
+                pb.PullRequest(group="g", reply_region=large.region()), timeout=10
+            )
+        assert not inline.HasField("tensors_region")
+        assert np.frombuffer(inline.tensors[0].raw_data, np.float32).tolist() == (
+            w0.tolist()
+        )
+        assert shared.HasField("tensors_region")
+        assert shared.tensors[0].raw_data == b""
+        (w,) = large.read(shared.tensors_region, shared.tensors)
+        assert w.tolist() == w0.tolist()
+        assert shared.tensors_region.generation == 1
+    finally:
+        small.close()
+        large.close()
