@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from ._handlers import SERVICE, CallHooks, Interceptor, method_of, wrap
+from ._status import refuse
 
 __all__ = ["DrainGate"]
 
@@ -86,7 +87,7 @@ class _Admitted(CallHooks):
     def before(self, request: Any, context: grpc.ServicerContext) -> Any:
         self.admitted = self.gate._enter()
         if not self.admitted:
-            context.abort(grpc.StatusCode.UNAVAILABLE, REFUSAL)
+            refuse(context, grpc.StatusCode.UNAVAILABLE, REFUSAL, "SHUTTING_DOWN")
         return request
 
     def finish(self, context: grpc.ServicerContext, failed: bool) -> None:

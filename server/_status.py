@@ -21,7 +21,14 @@ from onnxps.client.codec import TensorFormatError
 
 from . import errors
 
-__all__ = ["DOMAIN", "details_of", "rich_status", "status_for", "status_of"]
+__all__ = [
+    "DOMAIN",
+    "details_of",
+    "refuse",
+    "rich_status",
+    "status_for",
+    "status_of",
+]
 
 DOMAIN = "onnxps.v1"  # ErrorInfo.domain of every onnxps error
 
@@ -127,3 +134,18 @@ def status_of(exc: BaseException, trailers: Trailers = ()) -> grpc.Status | None
         return None
     reason, metadata, field = details_of(exc)
     return rich_status(code, str(exc), reason, metadata, field, trailers)
+
+
+def refuse(
+    context: grpc.ServicerContext,
+    code: grpc.StatusCode,
+    message: str,
+    reason: str,
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """End the call with a rich status (an interceptor's refusal); raises.
+
+    The trailers already set on the call (the request id echo) are kept.
+    """
+    kept = tuple(context.trailing_metadata() or ())
+    context.abort_with_status(rich_status(code, message, reason, metadata, None, kept))

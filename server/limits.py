@@ -24,6 +24,7 @@ from onnxps.client.codec import TensorFormatError, declared_nbytes
 from onnxps.v1 import parameter_server_pb2 as pb
 
 from ._handlers import CallHooks, Interceptor, Malformed, method_of, wrap
+from ._status import refuse
 from .errors import InvalidArgument, ResourceExhausted
 
 __all__ = [
@@ -200,10 +201,13 @@ class LimitsInterceptor(Interceptor):
         with self._lock:
             limit = self.max_concurrent_streams
             if limit and self.streams >= limit:
-                context.abort(
+                refuse(
+                    context,
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"the server is at its limit of {limit} concurrent streams; "
                     "retry later",
+                    "STREAM_LIMIT",
+                    {"limit": str(limit)},
                 )
             self.streams += 1
 
@@ -214,7 +218,10 @@ class LimitsInterceptor(Interceptor):
             why = str(exc)
         else:
             return
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+        metadata = {"limit": str(self.inflight.limit), "requested": str(nbytes)}
+        refuse(
+            context, grpc.StatusCode.RESOURCE_EXHAUSTED, why, "INFLIGHT_BYTES", metadata
+        )
 
     def release(self, nbytes: int, stream: bool) -> None:
         self.inflight.release(nbytes)
@@ -266,16 +273,22 @@ class _Admission(CallHooks):
             it = iter(request)
             first = next(it, None)
             if isinstance(first, Malformed):
-                context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(first)
+                refuse(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    _malformed_message(first),
+                    "MALFORMED_MESSAGE",
                 )
             if first is None:
                 return it
             nbytes, request = message_bytes(first), _checked(first, it)
         else:
             if isinstance(request, Malformed):
-                context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(request)
+                refuse(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    _malformed_message(request),
+                    "MALFORMED_MESSAGE",
                 )
             nbytes = self.size
         self.limits.admit_bytes(context, nbytes)

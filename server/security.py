@@ -32,6 +32,7 @@ from ._handlers import (
     on_first,
     wrap,
 )
+from ._status import refuse
 
 __all__ = [
     "ROLES",
@@ -245,11 +246,18 @@ def _bearer(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
 class _Refused(CallHooks):
     """Aborts the call before anything is read from it."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        details: str,
+        reason: str,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
         self.code, self.details = code, details
+        self.reason, self.metadata = reason, metadata
 
     def before(self, request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(self.code, self.details)
+        refuse(context, self.code, self.details, self.reason, self.metadata)
 
 
 class _GroupChecked(CallHooks):
@@ -321,6 +329,8 @@ class TokenAuthInterceptor(Interceptor):
                     "<token>'"
                     if token is None
                     else f"{method}: the token is not known to this server",
+                    "TOKEN_MISSING" if token is None else "TOKEN_UNKNOWN",
+                    {"method": method},
                 ),
             )
         if method not in ROLES[grant.role]:
@@ -329,6 +339,8 @@ class TokenAuthInterceptor(Interceptor):
                 _Refused(
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"a {grant.role} token may not call {method}",
+                    "ROLE_FORBIDS_METHOD",
+                    {"method": method, "role": grant.role},
                 ),
             )
         if method == "ListGroups":
@@ -340,7 +352,10 @@ class TokenAuthInterceptor(Interceptor):
 
 def _deny(context: grpc.ServicerContext, grant: TokenGrant, group: str) -> None:
     allowed = ", ".join(repr(p) for p in grant.prefixes)
-    context.abort(
+    refuse(
+        context,
         grpc.StatusCode.PERMISSION_DENIED,
         f"this token may touch groups whose names start with {allowed}, not {group!r}",
+        "GROUP_NOT_PERMITTED",
+        {"group": group, "prefixes": allowed},
     )

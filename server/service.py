@@ -58,6 +58,8 @@ log = logging.getLogger("onnxps.service")
 
 Array = np.ndarray[Any, Any]
 F = TypeVar("F", bound=Callable[..., Any])
+# A wait ends this much before its call's deadline (at most a tenth of the time left).
+_ANSWER_EARLY_SECONDS = 0.05
 # How long a request stream that ended early is watched for its client's cancellation.
 _CUT_OFF_SECONDS = 0.2
 # The stream and unary RPCs answer with messages of the same fields.
@@ -143,8 +145,13 @@ def _cancellation(context: grpc.ServicerContext) -> Cancellation:
 
 
 def _timeout(context: grpc.ServicerContext) -> float | None:
+    """How long a wait may last: a little less than the call's deadline, so that the
+    server's answer (what it waited for, the group's T) reaches the client before
+    the client's own deadline fires with a bare DEADLINE_EXCEEDED."""
     remaining = context.time_remaining()
-    return None if remaining is None else max(0.0, remaining)
+    if remaining is None:
+        return None
+    return max(0.0, remaining - min(_ANSWER_EARLY_SECONDS, remaining / 10))
 
 
 def _raise_if_cut_off(context: grpc.ServicerContext) -> None:

@@ -84,8 +84,9 @@ def test_serve_drains_in_flight_call_and_exits_0_on_signal(
             time.sleep(0.02)
         # Draining: a new call is refused while the stalled push is still open.
         with Client(address, timeout=5) as late:
-            with pytest.raises(UnavailableError):
+            with pytest.raises(UnavailableError) as refused:
                 late.list_groups()
+            assert refused.value.reason == "SHUTTING_DOWN"
         go.set()
         t.join(20)
         assert proc.wait(20) == 0

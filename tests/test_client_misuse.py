@@ -81,6 +81,11 @@ def test_pull_min_version_says_what_it_waited_for(
     client.create_group("g", Adam(), learning_rate=0.1, tensors={"w": W})
     with pytest.raises(DeadlineExceededError) as err:
         client.pull("g", min_version=5, timeout=0.5)
-    assert str(err.value).startswith(
-        "DEADLINE_EXCEEDED: group g did not reach T=5 within 0.5 s ("
+    text = str(err.value)
+    # The server answers a little before the deadline, saying where T is; on a loaded
+    # machine the client's own deadline can still fire first.
+    assert text.startswith("DEADLINE_EXCEEDED: group g did not reach T=5 within 0.5 s")
+    rest = text.removeprefix(
+        "DEADLINE_EXCEEDED: group g did not reach T=5 within 0.5 s"
     )
+    assert rest == "" or rest.startswith(" ("), text

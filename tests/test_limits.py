@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 import grpc
 import numpy as np
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from onnxps.client import (
     Adagrad,
     Client,
@@ -142,8 +144,10 @@ def test_in_flight_bytes_are_bounded_and_released() -> None:
                 return False
 
             _until(probe_refused)
-            with pytest.raises(ResourceExhaustedError):
+            with pytest.raises(ResourceExhaustedError) as err:
                 c.push("big", grad)
+            assert err.value.reason == "INFLIGHT_BYTES"
+            assert err.value.metadata["limit"] == str(limit)
             assert c.describe_group("big").update_count == 1
             release.set()
             t.join(20)
@@ -271,5 +275,29 @@ def test_a_client_deadline_ends_a_waiting_pull() -> None:
             with pytest.raises(DeadlineExceededError):
                 c.pull("g", min_version=5, timeout=0.3)
             assert time.monotonic() - start < 3.0
+    finally:
+        handle.stop(grace=0)
+
+
+def test_interceptor_refusals_carry_error_info_and_the_request_id() -> None:
+    handle = _serve(max_concurrent_streams=1)
+    try:
+        with grpc.insecure_channel(handle.address) as ch:
+            raw = ch.unary_unary(
+                "/onnxps.v1.ParameterServerService/Push",
+                request_serializer=None,
+                response_deserializer=None,
+            )
+            with pytest.raises(grpc.RpcError) as err:
+                raw(b"\xff\xff\xff", metadata=[("x-request-id", "req-7")], timeout=10)
+        status = rpc_status.from_call(err.value)  # type: ignore[arg-type]
+        assert status is not None
+        assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        (packed,) = status.details
+        info = error_details_pb2.ErrorInfo()
+        assert packed.Unpack(info)
+        assert (info.reason, info.domain) == ("MALFORMED_MESSAGE", "onnxps.v1")
+        assert status.message.startswith("the request of Push is not a valid protobuf")
+        assert ("x-request-id", "req-7") in err.value.trailing_metadata()  # type: ignore[attr-defined]
     finally:
         handle.stop(grace=0)

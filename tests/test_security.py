@@ -302,6 +302,10 @@ def test_no_token_or_an_unknown_token_is_unauthenticated(
                 c.push("a/x", G)
             assert "token" in err.value.details
             assert TOKENS["admin"] not in err.value.details
+            assert err.value.reason == (
+                "TOKEN_MISSING" if token is None else "TOKEN_UNKNOWN"
+            )
+            assert err.value.metadata == {"method": "Push"}
             with pytest.raises(UnauthenticatedError):
                 c.pull("a/x")
             with pytest.raises(UnauthenticatedError):
@@ -320,9 +324,10 @@ def test_a_read_token_reads_but_cannot_push_or_create(
             c.transport = transport  # type: ignore[assignment]
             with pytest.raises(PermissionDeniedError) as err:
                 c.push("b/x", G)
-            assert err.value.details == "a read token may not call " + (
-                "Push" if transport == "unary" else "PushStream"
-            )
+            method = "Push" if transport == "unary" else "PushStream"
+            assert err.value.details == "a read token may not call " + method
+            assert err.value.reason == "ROLE_FORBIDS_METHOD"
+            assert err.value.metadata == {"method": method, "role": "read"}
         c.transport = "auto"
         with pytest.raises(PermissionDeniedError):
             c.set_learning_rate("b/x", 9.0)
@@ -351,6 +356,8 @@ def test_a_prefix_token_touches_only_its_prefixes(auth_server: ServerHandle) -> 
                 "this token may touch groups whose names start with 'a/', 'shared/', "
                 "not 'b/x'"
             )
+            assert err.value.reason == "GROUP_NOT_PERMITTED"
+            assert err.value.metadata == {"group": "b/x", "prefixes": "'a/', 'shared/'"}
             with pytest.raises(PermissionDeniedError):
                 c.pull("b/x")
         c.transport = "auto"
