@@ -148,7 +148,8 @@ def _timeout(context: grpc.ServicerContext) -> float | None:
     """How long a wait may last: a little less than the call's deadline, so that the
     server's answer (what it waited for, the group's T) reaches the client before
     the client's own deadline fires with a bare DEADLINE_EXCEEDED."""
-    remaining = context.time_remaining()
+    # None without a deadline (grpc's stubs say float)
+    remaining: float | None = context.time_remaining()
     if remaining is None:
         return None
     return max(0.0, remaining - min(_ANSWER_EARLY_SECONDS, remaining / 10))
