@@ -700,8 +700,10 @@ class ClientCore:
         """Send the push (a cluster client: its parts, to their shards)."""
         nbytes = sum(a.nbytes for a in arrays)
         pool = yield from self._shared_memory(nbytes, deadline)
-        if pool is not None:
-            return (yield from self._push_shared_op(pool, req, arrays, deadline))
+        sizes = [a.nbytes for a in arrays]
+        segs = self._segments(pool, sizes, 2 if req.return_values else 1)
+        if pool is not None and segs is not None:
+            return (yield from self._push_shared_op(pool, segs, req, arrays, deadline))
         msg = yield from self._push_op(req, arrays, deadline)
         values = None
         if req.return_values:
@@ -731,17 +733,18 @@ class ClientCore:
     def _push_shared_op(
         self,
         pool: SegmentPool,
+        segs: list[Segment],
         template: pb.PushRequest,
         arrays: list[Array],
         deadline: Deadline,
     ) -> Op[PushResult]:
-        """A push whose gradients (and returned X) travel in shared memory; the
-        unary Push carries only their region. Resent like any push."""
+        """A push whose gradients (and returned X) travel in shared memory (in
+        ``segs``, given back to ``pool`` at the end); the unary Push carries only
+        their region. Resent like any push."""
         req = pb.PushRequest()
         req.CopyFrom(template)
         req.gradients.extend(header_tensor(a) for a in arrays)
-        sizes = [a.nbytes for a in arrays]
-        with _segments(pool, sizes, 2 if req.return_values else 1) as segs:
+        with _released(pool, segs):
             req.gradients_region.CopyFrom(segs[0].write(arrays))
             if req.return_values:
                 req.reply_region.CopyFrom(segs[1].region())
@@ -797,6 +800,27 @@ class ClientCore:
         log.info("shared memory with %s: tensors move through /dev/shm", self.address)
         self._shm_pool = SegmentPool()
         return self._shm_pool
+
+    def _segments(
+        self, pool: SegmentPool | None, sizes: list[int], n: int
+    ) -> list[Segment] | None:
+        """``n`` segments of ``pool`` for one call's tensors; None (bytes over gRPC
+        for this call, or SharedMemoryError with "on") when /dev/shm has no room."""
+        if pool is None:
+            return None
+        segs: list[Segment] = []
+        try:
+            for _ in range(n):
+                segs.append(pool.acquire(sizes))
+        except OSError as exc:
+            for seg in segs:
+                pool.release(seg)
+            why = f"no room in /dev/shm for {sum(sizes)} bytes ({exc.strerror})"
+            if self.shared_memory == "on":
+                raise SharedMemoryError(why) from None
+            log.info("%s: this call sends its tensors over gRPC", why)
+            return None
+        return segs
 
     def _refuse_shared_memory(self, why: str) -> None:
         """Remember that the hello failed: "on" raises, "auto" falls back (once
@@ -895,11 +919,12 @@ class ClientCore:
             size = (yield from self._describe(group, deadline)).nbytes
         segment = self._pull_segments.get(group, (0, 0))[state]
         pool = yield from self._shared_memory(size or 0, deadline)
-        if pool is not None and segment:
+        segs = self._segments(pool, [segment], 1) if segment else None
+        if pool is not None and segs is not None:
             shared = pb.PullRequest(
                 group=group, with_state=state, min_version=min_version
             )
-            return (yield from self._pull_shared_op(pool, shared, segment, deadline))
+            return (yield from self._pull_shared_op(pool, segs[0], shared, deadline))
         if self._use_stream(size or 0):
             req = pb.PullStreamRequest(
                 group=group, with_state=state, min_version=min_version
@@ -915,7 +940,7 @@ class ClientCore:
         ]
 
     def _pull_shared_op(
-        self, pool: SegmentPool, req: pb.PullRequest, nbytes: int, deadline: Deadline
+        self, pool: SegmentPool, seg: Segment, req: pb.PullRequest, deadline: Deadline
     ) -> Op[tuple[int, list[Array]]]:
         """A pull whose tensors come back in shared memory (inline when they no
         longer fit the segment, e.g. the group was replaced)."""
@@ -923,7 +948,7 @@ class ClientCore:
             waited = f"group {req.group} did not reach T={req.min_version}"
         else:
             waited = f"the pull of group {req.group} was not answered"
-        with _segments(pool, [nbytes], 1) as (seg,):
+        with _released(pool, [seg]):
             req.reply_region.CopyFrom(seg.region())
             call = Call("Pull", _unary(req), deadline, waited)
             msg = yield from self._shared_call(self._call_op(call))
@@ -1148,13 +1173,10 @@ class ClientCore:
 
 
 @contextlib.contextmanager
-def _segments(pool: SegmentPool, sizes: list[int], n: int) -> Iterator[list[Segment]]:
-    """``n`` segments of ``pool`` that hold tensors of these sizes, for one call."""
-    segs: list[Segment] = []
+def _released(pool: SegmentPool, segs: list[Segment]) -> Iterator[None]:
+    """Give a call's segments back to ``pool`` when it ends, however it ends."""
     try:
-        for _ in range(n):
-            segs.append(pool.acquire(sizes))
-        yield segs
+        yield
     finally:
         for seg in segs:
             pool.release(seg)

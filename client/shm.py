@@ -141,7 +141,9 @@ class Segment:
         self.path = os.path.join(directory, self.name)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # Allocated now: a full /dev/shm (a container's is often 64 MiB) is an
+            # OSError here, not a SIGBUS when either side writes.
+            os.posix_fallocate(fd, 0, size)
             self.map = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)

@@ -565,3 +565,48 @@ def test_a_reply_region_too_small_gets_the_tensors_inline(
     finally:
         small.close()
         large.close()
+
+
+_NO_ROOM = textwrap.dedent(
+    """
+    import logging, resource, signal, sys
+    import numpy as np
+    from onnxps.client import Client, SharedMemoryError
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+    # files of at most 1 MiB: a segment for 4 MiB finds no room, as in a full
+    # /dev/shm (a container's is often 64 MiB)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    g = np.ones(1 << 20, np.float32)
+    with Client(sys.argv[1], shared_memory="on", timeout=10) as c:
+        try:
+            c.push("g", g, np.ones(33, np.float32))
+        except SharedMemoryError as exc:
+            print("REFUSED", exc)
+    with Client(sys.argv[1], timeout=10) as c:
+        print("T", c.push("g", g, np.ones(33, np.float32)))
+        print("PULLED", c.pull("g")[0].shape)
+    """
+)
+
+
+def test_no_room_in_dev_shm_falls_back_to_grpc_bytes(
+    server: ServerHandle, tmp_path: Path
+) -> None:
+    with Client(server.address, shared_memory="off") as c:
+        _create(c, "g")
+    script = tmp_path / "no_room.py"
+    script.write_text(_NO_ROOM)
+    out = subprocess.run(
+        [sys.executable, str(script), server.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "REFUSED no room in /dev/shm for 4194436 bytes" in out.stdout
+    assert "this call sends its tensors over gRPC" in out.stdout
+    assert "T 1" in out.stdout
+    assert "PULLED (1048576,)" in out.stdout
