@@ -7,7 +7,8 @@ them all alike), servers in their own processes:
 
 - ``tcp``: ``onnxps serve`` on 127.0.0.1, chunked gRPC streams (transport="stream");
 - ``unix``: the same on a Unix socket (``--address unix:PATH``);
-- ``shm``: the TCP server, tensors through /dev/shm (``shared_memory="on"``);
+- ``shm``: the Unix-socket server, tensors through /dev/shm (``shared_memory="on"``:
+  every call, the 1,000-element ones too; with "auto" those go inline);
 - ``torch-shm``: torch.distributed.rpc with TensorPipe ``_transports=["shm"]`` (and
   its default channels), a server-side ``torch.optim.Adam(fused=True)`` (when torch
   is installed).
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     variants: list[Variant] = [
         Onnxps("tcp", tcp, transport="stream", shared_memory="off"),
         Onnxps("unix", unix, transport="stream", shared_memory="off"),
-        Onnxps("shm", tcp, shared_memory="on"),
+        Onnxps("shm", unix, shared_memory="on"),
     ]
     rpc = None
     if not args.no_torch:
