@@ -13,6 +13,12 @@ Figures, each beside a baseline measured in the same run:
   alone, and with the backward pass that builds its sparse gradient), when torch is
   installed.
 
+- an ids table (``--ids``, default 1,000,000 distinct random int64 ids, 0: skip):
+  through a server process, the table is filled by pushes of 65,536 new ids (rows
+  created/s), then ``push_rows`` of ``--batch`` ids drawn with repeats from those ids
+  and ``pull_rows`` of as many (p50/p99, rows/s); and the server-side step alone in
+  this process on a table of the same ids.
+
 The machine may be shared: read the ratios, not the absolute figures.
 """
 
@@ -28,7 +34,8 @@ from typing import Any
 
 import numpy as np
 from onnxps.cli.process import start_server_process, stop_processes
-from onnxps.client import Adam, Client
+from onnxps.client import Adam, Client, IdsTable, Uniform
+from onnxps.client.image import TableDefinition
 from onnxps.server.kernels import make_attrs
 from onnxps.server.store import ParameterStore
 
@@ -153,6 +160,75 @@ def sparse_adam(rows: int, dim: int, batch: int, n: int) -> float | None:
     return statistics.median(step_ts)
 
 
+def _ids_batches(universe: Any, dim: int, batch: int, n: int) -> list[tuple[Any, Any]]:
+    rng = np.random.default_rng(2)
+    return [
+        (
+            universe[rng.integers(0, universe.size, batch)],  # with repeats
+            rng.standard_normal((batch, dim)).astype(np.float32),
+        )
+        for _ in range(n)
+    ]
+
+
+def ids_table(ids: int, dim: int, batch: int, pushes: int) -> None:
+    universe = np.random.default_rng(3).integers(-(2**63), 2**63 - 1, ids)
+    fill = 65_536
+    work = _ids_batches(universe, dim, batch, pushes)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, address = start_server_process(log=Path(tmp) / "server.log")
+        try:
+            with Client(address, timeout=600.0) as c:
+                c.create_group(
+                    "ids",
+                    Adam(),
+                    learning_rate=0.01,
+                    tables={"emb": IdsTable(dim, Uniform(-0.05, 0.05, seed=7))},
+                )
+                chunks = [universe[i : i + fill] for i in range(0, ids, fill)]
+                g = np.ones((fill, dim), np.float32)
+                t0 = time.perf_counter()
+                for chunk in chunks:
+                    c.push_rows("ids", {"emb": (chunk, g[: chunk.size])})
+                filled = time.perf_counter() - t0
+                rows = c.count_rows("ids", "emb")
+                it = iter(work * 2)
+
+                def push() -> None:
+                    i, gr = next(it)
+                    c.push_rows("ids", {"emb": (i, gr)})
+
+                def pull() -> None:
+                    c.pull_rows("ids", {"emb": work[0][0]})
+
+                _times(push, 5)
+                push_ts = _times(push, pushes)
+                pull_ts = _times(pull, pushes)
+        finally:
+            stop_processes([proc])
+    print(f"\n-- an ids table through a server: {rows:,} random int64 ids x {dim}")
+    print(
+        f"{'filling: pushes of 65,536 new ids':<44} {filled:9.2f} s total"
+        f"  {rows / filled:12,.0f} rows created/s"
+    )
+    _line(f"push_rows ({batch:,} ids, with repeats)", push_ts, batch)
+    _line(f"pull_rows ({batch:,} ids)", pull_ts, batch)
+    store = ParameterStore()
+    table = TableDefinition("emb", dim, Uniform(-0.05, 0.05, seed=7).to_json())
+    store.create_group("ids", make_attrs("Adam", {}), 0.01, [], tables=[table])
+    for i in range(0, ids, fill):
+        chunk = universe[i : i + fill]
+        store.push_rows("ids", {"emb": (chunk, np.ones((chunk.size, dim), np.float32))})
+    it2 = iter(work * 2)
+
+    def step() -> None:
+        i, gr = next(it2)
+        store.push_rows("ids", {"emb": (i, gr)})
+
+    _times(step, 5)
+    _line("ParameterStore.push_rows on the ids table", _times(step, pushes), batch)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=1_000_000)
@@ -160,7 +236,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--pushes", type=int, default=100)
     p.add_argument("--dense", type=int, default=5)
+    p.add_argument("--ids", type=int, default=1_000_000)
+    p.add_argument("--only-ids", action="store_true", help="the ids table run alone")
     a = p.parse_args()
+    if a.ids:
+        ids_table(a.ids, a.dim, a.batch, a.pushes)
+    if a.only_ids:
+        return
     served(a.rows, a.dim, a.batch, a.pushes, a.dense)
     ours = server_step(a.rows, a.dim, a.batch, a.pushes)
     theirs = sparse_adam(a.rows, a.dim, a.batch, a.pushes)

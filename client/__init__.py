@@ -22,6 +22,7 @@ from ._client import (
     WorkerInfo,
 )
 from ._cluster import placement, shard_addresses, shard_ranking
+from ._encoding import Encoding, EncodingRangeError
 from ._errors import (
     AlreadyExistsError,
     ClientClosedError,
@@ -39,8 +40,10 @@ from ._errors import (
     UnavailableError,
 )
 from ._optimizers import Adagrad, Adam, Async, Momentum, Nesterov, OptimizerSpec, Sync
+from ._records import RowsPage, TableInfo
 from ._transfer import ExportFileError
 from .codec import TensorFormatError
+from .initializers import IdsTable, Normal, Uniform, Zeros
 
 __all__ = [
     "Adagrad",
@@ -51,14 +54,18 @@ __all__ = [
     "Client",
     "ClientClosedError",
     "DeadlineExceededError",
+    "Encoding",
+    "EncodingRangeError",
     "ExportFileError",
     "FailedPreconditionError",
     "GroupInfo",
+    "IdsTable",
     "InternalError",
     "InvalidArgumentError",
     "LeaseInfo",
     "Momentum",
     "Nesterov",
+    "Normal",
     "NotFoundError",
     "OnnxpsError",
     "OptimizerSpec",
@@ -66,14 +73,18 @@ __all__ = [
     "PermissionDeniedError",
     "PushResult",
     "ResourceExhaustedError",
+    "RowsPage",
     "RpcError",
     "SaveInfo",
     "SharedMemoryError",
     "Sync",
+    "TableInfo",
     "TensorFormatError",
     "UnauthenticatedError",
     "UnavailableError",
+    "Uniform",
     "WorkerInfo",
+    "Zeros",
     "placement",
     "shard_addresses",
     "shard_ranking",

@@ -31,6 +31,7 @@ from ._requests import (
     channel_credentials,
     channel_options,
     log,
+    multicallable,
 )
 
 __all__ = ["AsyncClient"]
@@ -70,6 +71,7 @@ class AsyncClient(ClientCore):
             )
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.ParameterServerServiceStub | None = None
+        self._callables: dict[str, Any] = {}
         self._heartbeats: dict[str, asyncio.Task[None]] = {}
 
     # -- lifecycle -----------------------------------------------------------------
@@ -105,7 +107,10 @@ class AsyncClient(ClientCore):
                 self._channel = grpc.aio.insecure_channel(self.address, options)
             self._stub = pb_grpc.ParameterServerServiceStub(self._channel)
             self._state = State.OPEN
-        return getattr(self._stub, name)
+        fn = self._callables.get(name)
+        if fn is None:
+            fn = self._callables[name] = multicallable(self._channel, name)
+        return fn
 
     async def _run(self, op: Op[R]) -> R:
         """Perform an operation's effects as coroutines; return its result."""
@@ -147,6 +152,9 @@ class AsyncClient(ClientCore):
     pull_versioned = _awaiting(ClientCore._pull_versioned)
     push_rows = _awaiting(ClientCore._push_rows)
     pull_rows = _awaiting(ClientCore._pull_rows)
+    list_rows = _awaiting(ClientCore._list_rows)
+    count_rows = _awaiting(ClientCore._count_rows)
+    export_rows = _awaiting(ClientCore._export_rows)
     apply = _awaiting(ClientCore._apply)
     save = _awaiting(ClientCore._save)
     export = _awaiting(ClientCore._export)  # writes the file from the event loop

@@ -15,12 +15,14 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from ._cluster import Layout, fan_out
+from ._encoding import Encoding
 from ._errors import ClientClosedError, RpcError, UnavailableError
 from ._records import (
     GroupInfo,
     LeaseInfo,
     PartInfo,
     PushResult,
+    RowsPage,
     SaveInfo,
     WorkerInfo,
     group_info,
@@ -39,6 +41,7 @@ from ._requests import (
     channel_credentials,
     channel_options,
     log,
+    multicallable,
 )
 
 __all__ = [
@@ -146,6 +149,7 @@ class Client(ClientCore):
         self._lock = threading.Lock()
         self._channels: dict[int, grpc.Channel] = {}
         self._stubs: dict[int, pb_grpc.ParameterServerServiceStub] = {}
+        self._callables: dict[tuple[int, str], Any] = {}
         self._layouts: dict[str, Layout] = {}
         # group -> the parts of a push that did not land (sent first by the next)
         self._unfinished: dict[str, tuple[list[_PartPush], list[_PartPush]]] = {}
@@ -198,8 +202,12 @@ class Client(ClientCore):
             return stub
 
     def _method(self, name: str, shard: int = 0) -> Any:
-        stub = self._get_stub(shard)
-        return getattr(stub, name)
+        self._get_stub(shard)  # opens the channel
+        key = (shard, name)
+        fn = self._callables.get(key)
+        if fn is None:
+            fn = self._callables[key] = multicallable(self._channels[shard], name)
+        return fn
 
     def _run(self, op: Op[R], shard: int = 0) -> R:
         """Perform an operation's effects with blocking calls (to ``shard`` of a
@@ -278,8 +286,10 @@ class Client(ClientCore):
         state: bool,
         min_version: int | None,
         deadline: Deadline,
+        encoding: Encoding = "native",
     ) -> tuple[int, list[Array]]:
-        return self._run(self._pull_op(group, state, min_version, deadline), shard)
+        op = self._pull_op(group, state, min_version, deadline, encoding)
+        return self._run(op, shard)
 
     # -- a cluster's operations: routed to the shards holding the group --------------
     def _create_parts(
@@ -289,10 +299,23 @@ class Client(ClientCore):
         arrays: list[Array],
         state_arrays: list[Array],
         deadline: Deadline,
+        *,
+        table_arrays: Sequence[Sequence[Array]] = (),
     ) -> Op[GroupInfo]:
         if self.shards is None:
-            return super()._create_parts(req, names, arrays, state_arrays, deadline)
+            return super()._create_parts(
+                req, names, arrays, state_arrays, deadline, table_arrays=table_arrays
+            )
         from . import _sharded
+
+        if req.tables:
+            from . import _ids_cluster
+
+            return _lazy(
+                lambda: _ids_cluster.create_group(
+                    self, req, names, table_arrays, deadline
+                )
+            )
 
         return _lazy(
             lambda: _sharded.create_group(
@@ -351,13 +374,20 @@ class Client(ClientCore):
         return _lazy(lambda: _sharded.push(self, req, arrays, deadline))
 
     def _pull_parts(
-        self, group: str, state: bool, min_version: int | None, deadline: Deadline
+        self,
+        group: str,
+        state: bool,
+        min_version: int | None,
+        deadline: Deadline,
+        encoding: Encoding = "native",
     ) -> Op[tuple[int, list[Array]]]:
         if self.shards is None:
-            return super()._pull_parts(group, state, min_version, deadline)
+            return super()._pull_parts(group, state, min_version, deadline, encoding)
         from . import _sharded
 
-        return _lazy(lambda: _sharded.pull(self, group, state, min_version, deadline))
+        return _lazy(
+            lambda: _sharded.pull(self, group, state, min_version, deadline, encoding)
+        )
 
     def _save(self, *, timeout: float | None = None) -> Op[SaveInfo]:
         """Ask the server (every shard of a cluster) to write a snapshot now; a
@@ -396,6 +426,9 @@ class Client(ClientCore):
     pull_versioned = _blocking(ClientCore._pull_versioned)
     push_rows = _blocking(ClientCore._push_rows)
     pull_rows = _blocking(ClientCore._pull_rows)
+    list_rows = _blocking(ClientCore._list_rows)
+    count_rows = _blocking(ClientCore._count_rows)
+    export_rows = _blocking(ClientCore._export_rows)
     apply = _blocking(ClientCore._apply)
     save = _blocking(ClientCore._save)
     export = _blocking(ClientCore._export)
@@ -423,6 +456,7 @@ class Client(ClientCore):
         *,
         base_version: int | None = None,
         learning_rate: float | None = None,
+        encoding: Encoding | None = None,
         timeout: float | None = None,
     ) -> Op[PushResult]:
         if self.shards is None:
@@ -431,14 +465,23 @@ class Client(ClientCore):
                 gradients,
                 base_version=base_version,
                 learning_rate=learning_rate,
+                encoding=encoding,
                 timeout=timeout,
             )
         deadline = self._deadline(timeout)
+        enc = self._encoding(encoding, self.gradient_encoding, "encoding")
 
         def push() -> PushResult:
+            found = self._ids_layout(group, deadline)
+            if found is not None:
+                from . import _ids_cluster
+
+                return _ids_cluster.push_rows(
+                    self, found, gradients, base_version, learning_rate, deadline
+                )
             shard, part = self._rows_target(group, deadline)
             op = self._rows_push_op(
-                group, part, gradients, base_version, learning_rate, deadline
+                group, part, gradients, base_version, learning_rate, deadline, enc
             )
             return self._run(op, shard)
 
@@ -460,6 +503,13 @@ class Client(ClientCore):
         deadline = self._deadline(timeout)
 
         def pull() -> dict[str, Array]:
+            found = self._ids_layout(group, deadline)
+            if found is not None:
+                from . import _ids_cluster
+
+                return _ids_cluster.pull_rows(
+                    self, found, selections, state, min_version, deadline
+                )
             shard, part = self._rows_target(group, deadline)
             op = self._rows_pull_op(
                 group, part, selections, state, min_version, deadline
@@ -467,6 +517,53 @@ class Client(ClientCore):
             return self._run(op, shard)
 
         return _lazy(pull)
+
+    def _ids_layout(self, group: str, deadline: Deadline) -> Layout | None:
+        """The layout of a group of ids tables split by id (``_ids_cluster``)."""
+        from . import _ids_cluster, _sharded
+
+        found = _sharded.layout(self, group, deadline)
+        return found if _ids_cluster.is_ids_layout(found) else None
+
+    def _list_rows(
+        self,
+        group: str,
+        table: str,
+        *,
+        page_token: str = "",
+        page_size: int = 0,
+        values: bool = False,
+        state: bool = False,
+        timeout: float | None = None,
+    ) -> Op[RowsPage]:
+        if self.shards is None:
+            return super()._list_rows(
+                group,
+                table,
+                page_token=page_token,
+                page_size=page_size,
+                values=values,
+                state=state,
+                timeout=timeout,
+            )
+        deadline = self._deadline(timeout)
+
+        def page() -> RowsPage:
+            from . import _ids_cluster
+
+            found = self._ids_layout(group, deadline)
+            if found is not None:
+                return _ids_cluster.list_rows(
+                    self, found, table, page_token, page_size, values, state, deadline
+                )
+            shard, part = self._rows_target(group, deadline)
+            op = self._list_rows_op(
+                part, table, page_token, page_size, values, state, deadline
+            )
+            result: RowsPage = self._run(op, shard)
+            return result
+
+        return _lazy(page)
 
     def _rows_target(self, group: str, deadline: Deadline) -> tuple[int, str]:
         """The shard and name of the one part row calls go to (a plain server: 0)."""

@@ -10,13 +10,16 @@ from onnxps.v1 import parameter_server_pb2 as pb
 
 from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
 from .codec import PROTO_TO_DTYPE
+from .initializers import Initializer, Normal, Uniform, Zeros
 
 __all__ = [
     "GroupInfo",
     "LeaseInfo",
     "PartInfo",
     "PushResult",
+    "RowsPage",
     "SaveInfo",
+    "TableInfo",
     "WorkerInfo",
     "group_info",
     "lease_info",
@@ -45,6 +48,29 @@ class PartInfo:
 
 
 @dataclass(frozen=True)
+class TableInfo:
+    """An ids table of a group (``IdsTable``) and the rows it holds."""
+
+    name: str
+    dim: int
+    initializer: Initializer
+    max_rows: int  # 0: no limit
+    row_count: int
+
+
+@dataclass(frozen=True)
+class RowsPage:
+    """A page of an ids table (``list_rows``): ids ascending, and their rows when
+    asked (``{table: X rows, "V:table": ..., "H:table": ...}``)."""
+
+    ids: Array
+    rows: dict[str, Array]
+    next_page_token: str  # "": this was the last page
+    row_count: int  # rows the table holds
+    update_count: int
+
+
+@dataclass(frozen=True)
 class GroupInfo:
     name: str
     optimizer: OptimizerSpec
@@ -61,6 +87,7 @@ class GroupInfo:
     pending_contributions: int = 0
     quorum: int = 0
     parts: tuple[PartInfo, ...] = ()  # on a cluster: where its elements live
+    tables: dict[str, TableInfo] = field(default_factory=dict)  # ids tables
 
     @property
     def nbytes(self) -> int:
@@ -141,4 +168,41 @@ def group_info(msg: pb.GroupInfo) -> GroupInfo:
         ],
         pending_contributions=msg.pending_contributions,
         quorum=msg.quorum,
+        tables={
+            t.name: TableInfo(
+                t.name,
+                int(t.dim),
+                initializer_from_proto(t.initializer),
+                int(t.max_rows),
+                int(t.row_count),
+            )
+            for t in msg.tables
+        },
     )
+
+
+def initializer_from_proto(msg: pb.RowInitializer) -> Initializer:
+    if msg.kind == pb.ROW_INITIALIZER_KIND_UNIFORM:
+        return Uniform(msg.low, msg.high, msg.seed)
+    if msg.kind == pb.ROW_INITIALIZER_KIND_NORMAL:
+        return Normal(msg.mean, msg.stddev, msg.seed, msg.truncated)
+    return Zeros()
+
+
+def initializer_to_proto(init: Initializer) -> pb.RowInitializer:
+    if isinstance(init, Uniform):
+        return pb.RowInitializer(
+            kind=pb.ROW_INITIALIZER_KIND_UNIFORM,
+            low=init.low,
+            high=init.high,
+            seed=init.seed,
+        )
+    if isinstance(init, Normal):
+        return pb.RowInitializer(
+            kind=pb.ROW_INITIALIZER_KIND_NORMAL,
+            mean=init.mean,
+            stddev=init.std,
+            seed=init.seed,
+            truncated=init.truncated,
+        )
+    return pb.RowInitializer(kind=pb.ROW_INITIALIZER_KIND_ZEROS)

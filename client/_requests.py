@@ -26,6 +26,7 @@ import grpc
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 
+from ._encoding import ENCODING_TO_PROTO, Encoding, check_encoding, encode
 from ._errors import (
     ClientClosedError,
     DeadlineExceededError,
@@ -39,22 +40,29 @@ from ._records import (
     GroupInfo,
     LeaseInfo,
     PushResult,
+    RowsPage,
     SaveInfo,
     group_info,
+    initializer_to_proto,
     lease_info,
 )
 from ._transfer import export_op, import_op
 from .codec import (
     CHUNK_BYTES,
+    DTYPE_TO_PROTO,
     SERVICE,
     SHARD_METADATA_KEY,
     TensorAssembler,
     TensorFormatError,
-    chunk_messages,
+    chunk_frames,
+    deserializer,
     header_tensor,
+    rpc_messages,
+    serializer,
     tensor_to_array,
     write_tensor,
 )
+from .initializers import IdsTable
 from .shm import (
     Segment,
     SegmentPool,
@@ -79,6 +87,7 @@ __all__ = [
     "as_method",
     "channel_credentials",
     "channel_options",
+    "multicallable",
 ]
 
 log = logging.getLogger("onnxps.client")
@@ -113,6 +122,7 @@ _RESEND_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 _SAFE_TO_REPEAT = (
     "Push",
     "PushStream",
+    "PushPullStream",
     "Pull",
     "SharedMemoryHello",
     "PullStream",
@@ -272,6 +282,22 @@ def channel_credentials(
     return grpc.ssl_channel_credentials(roots, key, chain)
 
 
+def multicallable(channel: Any, method: str) -> Any:
+    """``channel``'s callable for one RPC (blocking or ``grpc.aio``), whose stream
+    messages may be encoded chunk frames (``codec.chunk_frames``) and whose received
+    chunks are read as views (``codec.RawChunk``)."""
+    request, reply, req_s, resp_s = rpc_messages(method)
+    kind = ("unary" if not req_s else "stream") + (
+        "_unary" if not resp_s else "_stream"
+    )
+    return getattr(channel, kind)(
+        f"/{SERVICE}/{method}",
+        request_serializer=serializer(request),
+        response_deserializer=deserializer(reply),
+        _registered_method=True,
+    )
+
+
 class Deadline:
     """One absolute deadline for a whole call, whatever it sends and resends."""
 
@@ -301,16 +327,20 @@ class _TensorStreamReader:
     """A server stream: one header message naming the tensors, then their chunks."""
 
     def __init__(
-        self, header: Callable[[Any], tuple[Any, list[pb.Tensor], list[str]]]
+        self,
+        header: Callable[[Any], tuple[Any, list[pb.Tensor], list[str]]],
+        *,
+        encoded: bool = False,
     ) -> None:
         self._header = header
+        self._encoded = encoded
         self._asm: TensorAssembler | None = None
         self._extra: Any = None
 
     def add(self, msg: Any) -> None:
         if self._asm is None:
             self._extra, tensors, names = self._header(msg)
-            self._asm = TensorAssembler(tensors, names)
+            self._asm = TensorAssembler(tensors, names, encoded=self._encoded)
         else:
             self._asm.add(msg.chunk)
 
@@ -401,6 +431,7 @@ class PushCall(Protocol[Int_co, Values_co]):
         base_version: int | None = ...,
         learning_rate: float | None = ...,
         return_values: Literal[False] = ...,
+        encoding: Encoding | None = ...,
         timeout: float | None = ...,
     ) -> Int_co: ...
 
@@ -412,6 +443,7 @@ class PushCall(Protocol[Int_co, Values_co]):
         base_version: int | None = ...,
         learning_rate: float | None = ...,
         return_values: Literal[True],
+        encoding: Encoding | None = ...,
         timeout: float | None = ...,
     ) -> Values_co: ...
 
@@ -455,6 +487,8 @@ class ClientCore:
         chunk_bytes: int = CHUNK_BYTES,
         split_bytes: int = SPLIT_BYTES,
         shared_memory: SharedMemoryMode = "auto",
+        gradient_encoding: Encoding | None = None,
+        pull_encoding: Encoding | None = None,
         **unexpected: NoReturn,
     ) -> None:
         _check_client_arguments(
@@ -480,6 +514,10 @@ class ClientCore:
         self.transport: Transport = transport
         self.stream_threshold_bytes = stream_threshold_bytes
         self.chunk_bytes = chunk_bytes
+        # How gradients and pulled X travel unless a call says (README, "Compressed
+        # gradients on the wire"): None is native.
+        self.gradient_encoding = check_encoding(gradient_encoding, "gradient_encoding")
+        self.pull_encoding = check_encoding(pull_encoding, "pull_encoding")
         self._token = token
         self._tls = (root_certificates, private_key, certificate_chain)
         self._server_name_override = server_name_override
@@ -515,6 +553,10 @@ class ClientCore:
             md.append((SHARD_METADATA_KEY, f"{shard}/{self.shards}"))
         return md or None
 
+    @staticmethod
+    def _encoding(value: Any, default: Encoding, what: str) -> Encoding:
+        return default if value is None else check_encoding(value, what)
+
     def _deadline(self, timeout: float | None) -> Deadline:
         return Deadline(self.timeout if timeout is None else timeout)
 
@@ -539,22 +581,28 @@ class ClientCore:
         optimizer: OptimizerSpec,
         *,
         learning_rate: float,
-        tensors: Mapping[str, Any] | Sequence[tuple[str, Any]],
+        tensors: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None,
         consistency: Async | Sync | None = None,
         allow_non_finite: bool = False,
         state: Sequence[Any] | None = None,
         update_count: int = 0,
         lease_seconds: float | None = None,
+        tables: Mapping[str, IdsTable] | None = None,
+        table_rows: Sequence[Sequence[Any]] | None = None,
         timeout: float | None = None,
     ) -> Op[GroupInfo]:
         """Create a group; the order of ``tensors`` is the ONNX order from then on.
 
         ``state`` (V_1..V_n then H_1..H_n, as the operator has them) and
         ``update_count`` resume a group whose optimizer state was saved elsewhere.
+        ``tables`` adds ids tables (``IdsTable``: rows keyed by int64 ids, created
+        on first push); ``table_rows`` resumes them: per table its ids (ascending),
+        X rows, then V rows, H rows as the operator has them.
         """
-        items = _named_tensors(tensors)
+        items = _named_tensors(tensors or {})
         arrays = [np.asarray(a) for _, a in items]
         state_arrays = [np.asarray(a) for a in state or ()]
+        specs, table_arrays = _table_specs(tables or {}, table_rows, arrays)
         req = pb.CreateGroupRequest(
             group=name,
             optimizer=_spec(optimizer, "optimizer", OptimizerSpec).to_proto(),
@@ -563,11 +611,20 @@ class ClientCore:
             allow_non_finite=allow_non_finite,
             update_count=update_count,
             lease_seconds=lease_seconds or 0.0,
+            tables=specs,
         )
+        if not arrays and specs:
+            dtype = next(
+                (t.dtype for t in (tables or {}).values() if t.dtype is not None),
+                np.float32,
+            )
+            req.dtype = DTYPE_TO_PROTO[np.dtype(dtype).newbyteorder("<")]
         names = [n for n, _ in items]
         deadline = self._deadline(timeout)
         return (
-            yield from self._create_parts(req, names, arrays, state_arrays, deadline)
+            yield from self._create_parts(
+                req, names, arrays, state_arrays, deadline, table_arrays=table_arrays
+            )
         )
 
     def _create_parts(
@@ -577,9 +634,13 @@ class ClientCore:
         arrays: list[Array],
         state_arrays: list[Array],
         deadline: Deadline,
+        *,
+        table_arrays: Sequence[Sequence[Array]] = (),
     ) -> Op[GroupInfo]:
         """Create the group (a cluster client: its parts, on their shards)."""
-        msg = yield from self._create_op(req, names, arrays, state_arrays, deadline)
+        msg = yield from self._create_op(
+            req, names, arrays, state_arrays, deadline, table_arrays=table_arrays
+        )
         return self._remember(group_info(msg))
 
     def _create_op(
@@ -589,18 +650,25 @@ class ClientCore:
         arrays: Sequence[Array],
         state_arrays: Sequence[Array],
         deadline: Deadline,
+        *,
+        table_arrays: Sequence[Sequence[Array]] = (),
     ) -> Op[pb.GroupInfo]:
-        """One CreateGroup(Stream) of ``template`` with these tensors: the reply's
-        group."""
+        """One CreateGroup(Stream) of ``template`` with these tensors (and the rows
+        of its ids tables, ``table_arrays``): the reply's group."""
         req = pb.CreateGroupRequest()
         req.CopyFrom(template)
         arrays = list(arrays)
         state_arrays = list(state_arrays)
-        if self._use_stream(sum(a.nbytes for a in arrays + state_arrays)):
+        rows = [a for t in table_arrays for a in t]
+        if self._use_stream(sum(a.nbytes for a in arrays + state_arrays + rows)):
             req.tensors.extend(map(header_tensor, arrays, names))
             req.state.extend(header_tensor(a) for a in state_arrays)
+            for spec, (ids, x, *st) in zip(req.tables, table_arrays, strict=False):
+                spec.ids.CopyFrom(header_tensor(ids))
+                spec.rows.CopyFrom(header_tensor(x))
+                spec.state.extend(header_tensor(a) for a in st)
             chunks = self._chunks(
-                pb.CreateGroupStreamRequest, req, arrays + state_arrays
+                pb.CreateGroupStreamRequest, req, arrays + state_arrays + rows
             )
             call = Call(
                 "CreateGroupStream", chunks, deadline, what("CreateGroupStream")
@@ -610,6 +678,11 @@ class ClientCore:
                 write_tensor(req.tensors.add(), a, n)
             for a in state_arrays:
                 write_tensor(req.state.add(), a)
+            for spec, (ids, x, *st) in zip(req.tables, table_arrays, strict=False):
+                write_tensor(spec.ids, ids)
+                write_tensor(spec.rows, x)
+                for a in st:
+                    write_tensor(spec.state.add(), a)
             call = Call("CreateGroup", _unary(req), deadline, what("CreateGroup"))
         msg = yield call
         group: pb.GroupInfo = msg.group
@@ -623,7 +696,7 @@ class ClientCore:
 
         def chunks() -> Iterator[Any]:
             yield message(**{field: header})
-            yield from chunk_messages(message, arrays, self.chunk_bytes)
+            yield from chunk_frames(message, arrays, self.chunk_bytes)
 
         return chunks
 
@@ -675,13 +748,20 @@ class ClientCore:
         base_version: int | None = None,
         learning_rate: float | None = None,
         return_values: bool = False,
+        encoding: Encoding | None = None,
         timeout: float | None = None,
     ) -> Op[PushResult]:
-        """Like ``push``, with everything the server said about it."""
+        """Like ``push``, with everything the server said about it.
+
+        ``encoding`` ("bfloat16", "float16", "native"; None: the client's
+        ``gradient_encoding``) sends the gradients in 2 bytes per element, rounded
+        to nearest even here; the server widens them exactly to the group's dtype.
+        A finite gradient the encoding cannot hold raises ``EncodingRangeError``."""
         # Built now, not when first stepped: its deadline and seq start with the
         # call, and a unary push has copied the gradients before it returns.
         deadline = self._deadline(timeout)
-        arrays = [np.asarray(g) for g in gradients]
+        enc = self._encoding(encoding, self.gradient_encoding, "encoding")
+        arrays = [encode(g, enc, f"gradient {i + 1}") for i, g in enumerate(gradients)]
         req = pb.PushRequest(
             group=group,
             client_id=self.client_id,
@@ -698,23 +778,24 @@ class ClientCore:
         self, req: pb.PushRequest, arrays: list[Array], deadline: Deadline
     ) -> Op[PushResult]:
         """Send the push (a cluster client: its parts, to their shards)."""
-        nbytes = sum(a.nbytes for a in arrays)
-        pool = yield from self._shared_memory(nbytes, deadline)
+        pool = None
+        if all(a.dtype.kind == "f" for a in arrays):  # not an encoded push
+            pool = yield from self._shared_memory(
+                sum(a.nbytes for a in arrays), deadline
+            )
         sizes = [a.nbytes for a in arrays]
         segs = self._segments(pool, sizes, 2 if req.return_values else 1)
         if pool is not None and segs is not None:
             return (yield from self._push_shared_op(pool, segs, req, arrays, deadline))
-        msg = yield from self._push_op(req, arrays, deadline)
-        values = None
-        if req.return_values:
-            values = [tensor_to_array(t, t.name).copy() for t in msg.values]
-        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
+        return (yield from self._push_op(req, arrays, deadline))
 
     def _push_op(
         self, template: pb.PushRequest, arrays: Sequence[Array], deadline: Deadline
-    ) -> Op[Any]:
-        """One push of ``template`` with these gradients, resent while unanswered:
-        the reply message."""
+    ) -> Op[PushResult]:
+        """One push of ``template`` with these gradients, resent while unanswered.
+
+        On the stream transport a push that returns X is a PushPullStream: X comes
+        back in chunks, sent while the server steps."""
         req = pb.PushRequest()
         req.CopyFrom(template)
         group = req.group
@@ -722,13 +803,22 @@ class ClientCore:
         arrays = list(arrays)
         if self._use_stream(sum(a.nbytes for a in arrays)):
             req.gradients.extend(header_tensor(a) for a in arrays)
+            if req.return_values:
+                chunks = self._chunks(pb.PushPullStreamRequest, req, arrays)
+                call = Call("PushPullStream", chunks, deadline, what, _push_reader)
+                msg, values = yield from self._resending(call, group, req.seq)
+                return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
             chunks = self._chunks(pb.PushStreamRequest, req, arrays)
             call = Call("PushStream", chunks, deadline, what)
         else:
             for a in arrays:
                 write_tensor(req.gradients.add(), a)
             call = Call("Push", _unary(req), deadline, what)
-        return (yield from self._resending(call, group, req.seq))
+        msg = yield from self._resending(call, group, req.seq)
+        values = None
+        if req.return_values:
+            values = [tensor_to_array(t, t.name).copy() for t in msg.values]
+        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
 
     def _push_shared_op(
         self,
@@ -871,14 +961,23 @@ class ClientCore:
         *,
         state: bool = False,
         min_version: int | None = None,
+        encoding: Encoding | None = None,
         timeout: float | None = None,
     ) -> Op[list[Array]]:
         """X_1..X_n, or with ``state=True`` X..., V..., H... (ONNX output order).
 
         ``min_version`` waits (within the deadline) until the group's T reaches it.
+        ``encoding`` ("bfloat16", "float16", "native"; None: the client's
+        ``pull_encoding``) has X sent in 2 bytes per element and widened here to
+        the group's dtype (X rounded to nearest even); pulls with ``state`` are
+        native (the client's ``pull_encoding`` does not apply to them).
         """
         pulled = self._pull_versioned(
-            group, state=state, min_version=min_version, timeout=timeout
+            group,
+            state=state,
+            min_version=min_version,
+            encoding=encoding,
+            timeout=timeout,
         )
         return (yield from pulled)[1]
 
@@ -888,6 +987,7 @@ class ClientCore:
         *,
         state: bool = False,
         min_version: int | None = None,
+        encoding: Encoding | None = None,
         timeout: float | None = None,
     ) -> Op[tuple[int, list[Array]]]:
         """(T, arrays): the tensors and the update count they belong to.
@@ -895,16 +995,37 @@ class ClientCore:
         On a cluster, T is the lowest of the parts' (with pushes in flight, parts
         can be a push apart); ``min_version`` waits for every part."""
         deadline = self._deadline(timeout)
-        return (yield from self._pull_parts(group, state, min_version, deadline))
+        enc = self._pull_encoding(encoding, state)
+        return (yield from self._pull_parts(group, state, min_version, deadline, enc))
+
+    def _pull_encoding(self, encoding: Any, state: bool) -> Encoding:
+        if not state:
+            return self._encoding(encoding, self.pull_encoding, "encoding")
+        if check_encoding(encoding) != "native":
+            raise ValueError(
+                f"a pull with state=True travels native: encoding={encoding!r} is "
+                "for X alone (pull X encoded, or the state without an encoding)"
+            )
+        return "native"
 
     def _pull_parts(
-        self, group: str, state: bool, min_version: int | None, deadline: Deadline
+        self,
+        group: str,
+        state: bool,
+        min_version: int | None,
+        deadline: Deadline,
+        encoding: Encoding = "native",
     ) -> Op[tuple[int, list[Array]]]:
         """Pull the group (a cluster client: its parts, from their shards)."""
-        return (yield from self._pull_op(group, state, min_version, deadline))
+        return (yield from self._pull_op(group, state, min_version, deadline, encoding))
 
     def _pull_op(
-        self, group: str, state: bool, min_version: int | None, deadline: Deadline
+        self,
+        group: str,
+        state: bool,
+        min_version: int | None,
+        deadline: Deadline,
+        encoding: Encoding = "native",
     ) -> Op[tuple[int, list[Array]]]:
         """One pull of one group (or part) from one server."""
         if min_version is not None:
@@ -918,7 +1039,9 @@ class ClientCore:
         ):
             size = (yield from self._describe(group, deadline)).nbytes
         segment = self._pull_segments.get(group, (0, 0))[state]
-        pool = yield from self._shared_memory(size or 0, deadline)
+        pool = None
+        if encoding == "native":  # an encoded pull is asked for by name
+            pool = yield from self._shared_memory(size or 0, deadline)
         segs = self._segments(pool, [segment], 1) if segment else None
         if pool is not None and segs is not None:
             shared = pb.PullRequest(
@@ -927,17 +1050,23 @@ class ClientCore:
             return (yield from self._pull_shared_op(pool, segs[0], shared, deadline))
         if self._use_stream(size or 0):
             req = pb.PullStreamRequest(
-                group=group, with_state=state, min_version=min_version
+                group=group,
+                with_state=state,
+                min_version=min_version,
+                encoding=ENCODING_TO_PROTO[encoding],
             )
             t, arrays = yield Call(
                 "PullStream", _unary(req), deadline, waited, _pull_reader
             )
             return int(t), arrays
-        unary = pb.PullRequest(group=group, with_state=state, min_version=min_version)
+        unary = pb.PullRequest(
+            group=group,
+            with_state=state,
+            min_version=min_version,
+            encoding=ENCODING_TO_PROTO[encoding],
+        )
         msg = yield Call("Pull", _unary(unary), deadline, waited)
-        return msg.update_count, [
-            tensor_to_array(t, t.name).copy() for t in msg.tensors
-        ]
+        return msg.update_count, [_pulled(t) for t in msg.tensors]
 
     def _pull_shared_op(
         self, pool: SegmentPool, seg: Segment, req: pb.PullRequest, deadline: Deadline
@@ -966,6 +1095,7 @@ class ClientCore:
         *,
         base_version: int | None = None,
         learning_rate: float | None = None,
+        encoding: Encoding | None = None,
         timeout: float | None = None,
     ) -> Op[PushResult]:
         """One step in which only the given rows change.
@@ -974,11 +1104,14 @@ class ClientCore:
         (k, *shape[1:])) or to a dense gradient of the whole tensor; tensors not
         named keep every row. Repeated indices are summed first. The indices and rows
         travel in ~1 MiB chunks (no size ceiling); a push the server did not answer
-        (UNAVAILABLE) is resent with the same seq, and answered once."""
+        (UNAVAILABLE) is resent with the same seq, and answered once. ``encoding``
+        (None: the client's ``gradient_encoding``) encodes the rows as ``push``
+        does; indices travel as they are."""
         deadline = self._deadline(timeout)
+        enc = self._encoding(encoding, self.gradient_encoding, "encoding")
         return (
             yield from self._rows_push_op(
-                group, group, gradients, base_version, learning_rate, deadline
+                group, group, gradients, base_version, learning_rate, deadline, enc
             )
         )
 
@@ -990,6 +1123,7 @@ class ClientCore:
         base_version: int | None,
         learning_rate: float | None,
         deadline: Deadline,
+        encoding: Encoding = "native",
     ) -> Op[PushResult]:
         """A row push to ``part``, the name of ``group`` on the server it goes to."""
         header = pb.PushRowsHeader(
@@ -1006,9 +1140,9 @@ class ClientCore:
                 indices = _indices(g[0])
                 gr.indices.CopyFrom(header_tensor(indices))
                 arrays.append(indices)
-                values = np.asarray(g[1])
+                values = encode(g[1], encoding, f"rows of {name!r}")
             else:
-                values = np.asarray(g)
+                values = encode(g, encoding, f"gradient of {name!r}")
             gr.values.CopyFrom(header_tensor(values))
             arrays.append(values)
         what = f"the row push to group {group} (seq {header.seq}) was not answered"
@@ -1057,6 +1191,98 @@ class ClientCore:
         what = f"the row pull of group {group} was not answered"
         names, rows = yield Call("PullRows", chunks, deadline, what, _rows_reader)
         return dict(zip(names, rows, strict=True))
+
+    def _list_rows(
+        self,
+        group: str,
+        table: str,
+        *,
+        page_token: str = "",
+        page_size: int = 0,
+        values: bool = False,
+        state: bool = False,
+        timeout: float | None = None,
+    ) -> Op[RowsPage]:
+        """A page of an ids table's ids, ascending: from the first (``page_token``
+        "") or after the page whose ``next_page_token`` is given; at most
+        ``page_size`` ids (0: 1000; the server may return fewer), with their X rows
+        (``values``) and V, H rows (``state``)."""
+        deadline = self._deadline(timeout)
+        return (
+            yield from self._list_rows_op(
+                group, table, page_token, page_size, values, state, deadline
+            )
+        )
+
+    def _list_rows_op(
+        self,
+        group: str,
+        table: str,
+        page_token: str,
+        page_size: int,
+        values: bool,
+        state: bool,
+        deadline: Deadline,
+    ) -> Op[RowsPage]:
+        req = pb.ListRowsRequest(
+            group=group,
+            table=table,
+            page_token=page_token,
+            page_size=page_size,
+            with_values=values,
+            with_state=state,
+        )
+        msg = yield Call("ListRows", _unary(req), deadline, what("ListRows"))
+        return RowsPage(
+            tensor_to_array(msg.ids, "ids").copy(),
+            {t.name: tensor_to_array(t, t.name).copy() for t in msg.rows},
+            msg.next_page_token,
+            int(msg.row_count),
+            int(msg.update_count),
+        )
+
+    def _count_rows(
+        self, group: str, table: str, *, timeout: float | None = None
+    ) -> Op[int]:
+        """Rows an ids table holds."""
+        info = yield from self._describe_group(group, timeout=timeout)
+        if table not in info.tables:
+            held = ", ".join(info.tables) or "none"
+            raise ValueError(
+                f"group {group!r} has no ids table {table!r}; its ids tables: {held}"
+            )
+        return info.tables[table].row_count
+
+    def _export_rows(
+        self,
+        group: str,
+        table: str,
+        *,
+        state: bool = False,
+        page_size: int = 0,
+        timeout: float | None = None,
+    ) -> Op[tuple[Array, dict[str, Array]]]:
+        """Every id of an ids table ascending and its rows (X, and V, H with
+        ``state``), read page by page (each page under ``timeout``)."""
+        pages: list[RowsPage] = []
+        token = ""
+        while True:
+            page = yield from self._list_rows(
+                group,
+                table,
+                page_token=token,
+                page_size=page_size,
+                values=True,
+                state=state,
+                timeout=timeout,
+            )
+            pages.append(page)
+            token = page.next_page_token
+            if not token:
+                break
+        ids = np.concatenate([p.ids for p in pages])
+        rows = {k: np.concatenate([p.rows[k] for p in pages]) for k in pages[0].rows}
+        return ids, rows
 
     def _resending(self, call: Call, group: str, seq: int) -> Op[Any]:
         """Send a push, and resend it (same seq) while the server is unavailable,
@@ -1182,14 +1408,63 @@ def _released(pool: SegmentPool, segs: list[Segment]) -> Iterator[None]:
             pool.release(seg)
 
 
+def _table_specs(
+    tables: Mapping[str, IdsTable],
+    table_rows: Sequence[Sequence[Any]] | None,
+    arrays: Sequence[Array],
+) -> tuple[list[pb.IdsTableSpec], list[list[Array]]]:
+    """The IdsTableSpec messages of ``tables`` and their rows (for import)."""
+    specs = []
+    for name, t in tables.items():
+        if not isinstance(t, IdsTable):
+            raise TypeError(
+                f"tables[{name!r}] must be an IdsTable(dim, ...), got {t!r}"
+            )
+        if t.dtype is not None and arrays and np.dtype(t.dtype) != arrays[0].dtype:
+            raise ValueError(
+                f"ids table {name!r} is {np.dtype(t.dtype)}, the group's tensors "
+                f"{arrays[0].dtype}: a group has one dtype"
+            )
+        specs.append(
+            pb.IdsTableSpec(
+                name=name,
+                dim=t.dim,
+                initializer=initializer_to_proto(t.initializer),
+                max_rows=t.max_rows,
+            )
+        )
+    rows = [[np.asarray(a) for a in r] for r in table_rows or ()]
+    if rows and len(rows) != len(specs):
+        raise ValueError(
+            f"table_rows has {len(rows)} entries for {len(specs)} ids tables"
+        )
+    return specs, rows
+
+
 def what(method: str) -> str:
     return f"{method} was not answered"
+
+
+def _pulled(t: pb.Tensor) -> Array:
+    """A pulled tensor as an array of its own (an encoded one is widened already)."""
+    a = tensor_to_array(t, t.name, encoded=True)
+    return a.copy() if t.encoding == pb.ENCODING_UNSPECIFIED else a
 
 
 def _pull_reader() -> StreamReader:
     def header(m: pb.PullStreamResponse) -> tuple[int, list[pb.Tensor], list[str]]:
         tensors = list(m.header.tensors)
         return m.header.update_count, tensors, [t.name for t in tensors]
+
+    return _TensorStreamReader(header, encoded=True)
+
+
+def _push_reader() -> StreamReader:
+    def header(
+        m: pb.PushPullStreamResponse,
+    ) -> tuple[pb.PushResponse, list[pb.Tensor], list[str]]:
+        values = list(m.header.values)
+        return m.header, values, [t.name for t in values]
 
     return _TensorStreamReader(header)
 

@@ -38,6 +38,7 @@ from ._cluster import (
     part_arrays,
     plan_layout,
 )
+from ._encoding import Encoding
 from ._errors import (
     AlreadyExistsError,
     DeadlineExceededError,
@@ -46,7 +47,7 @@ from ._errors import (
     NotFoundError,
     UnavailableError,
 )
-from .codec import PROTO_TO_DTYPE, tensor_to_array
+from .codec import PROTO_TO_DTYPE
 
 __all__ = [
     "create_group",
@@ -176,6 +177,12 @@ def _merged(client: Client, found: Layout, infos: Sequence[pb.GroupInfo]) -> Gro
         element_count=sum(p.element_count for p in parts),
         state_bytes=sum(int(g.state_bytes) for g in infos),
         parts=parts,
+        tables={  # an ids table split by id (``_ids_cluster``): its rows summed
+            name: dataclasses.replace(
+                t, row_count=sum(_group_info(g).tables[name].row_count for g in infos)
+            )
+            for name, t in first.tables.items()
+        },
     )
 
 
@@ -455,9 +462,7 @@ def push(
         log.debug("push to %s: parts answered T=%s", req.group, sorted(counts))
     values = None
     if req.return_values:
-        per_part = [[tensor_to_array(t, t.name) for t in m.values] for m in replies]
-        joined = join_arrays(found, per_part)
-        values = joined if found.split else [a.copy() for a in joined]
+        values = join_arrays(found, [m.values for m in replies])
     return PushResult(
         max(counts),
         all(m.applied for m in replies),
@@ -472,6 +477,7 @@ def pull(
     state: bool,
     min_version: int | None,
     deadline: _Deadline,
+    encoding: Encoding = "native",
 ) -> tuple[int, list[Array]]:
     def pull_all(found: Layout) -> list[tuple[int, list[Array]]]:
         return fan_out(
@@ -479,7 +485,13 @@ def pull(
                 functools.partial(
                     until_landed,
                     functools.partial(
-                        client._pull_one, p.shard, p.name, state, min_version, deadline
+                        client._pull_one,
+                        p.shard,
+                        p.name,
+                        state,
+                        min_version,
+                        deadline,
+                        encoding,
                     ),
                     deadline,
                 )

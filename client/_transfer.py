@@ -3,7 +3,8 @@
 The file is a NumPy ``.npz`` archive (``np.savez``, no pickle): a ``metadata`` entry
 holding UTF-8 JSON (uint8 array) with one ``GroupImage`` JSON per group
 (``onnxps.client.image``), and per group ``i`` its arrays ``g<i>/<k>`` in ONNX output
-order: X_1..X_n, then V_1..V_n, then H_1..H_n. See docs/FORMAT.md.
+order: X_1..X_n, then V_1..V_n, then H_1..H_n, then per ids table its ids, X rows,
+V rows, H rows (``GroupImage``). See docs/FORMAT.md.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ import numpy as np
 
 from ._errors import OnnxpsError
 from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
-from .image import ConsistencyDefinition, GroupDefinition, GroupImage
+from .image import (
+    ConsistencyDefinition,
+    GroupDefinition,
+    GroupImage,
+    TableDefinition,
+)
+from .initializers import IdsTable, initializer_from_json
 
 if TYPE_CHECKING:
     from ._client import Client
@@ -84,6 +91,10 @@ def _definition(info: GroupInfo, update_count: int) -> GroupDefinition:
         consistency=consistency,
         allow_non_finite=info.allow_non_finite,
         lease_seconds=info.lease_seconds,
+        tables=tuple(
+            TableDefinition(t.name, t.dim, t.initializer.to_json(), t.max_rows)
+            for t in info.tables.values()
+        ),
     )
 
 
@@ -96,8 +107,16 @@ def export_op(
     """
     images: list[GroupImage] = []
     for info in (yield from client._list_groups(prefix)):
-        t, values = yield from client._pull_versioned(info.name, state=True)
+        if info.tensors:
+            t, values = yield from client._pull_versioned(info.name, state=True)
+        else:
+            t, values = info.update_count, []
         lr = (yield from client._describe_group(info.name)).learning_rate
+        for table in info.tables:
+            # An ids table is read page by page: export a group no one pushes to
+            # for one consistent T (the image takes the dense pull's).
+            ids, rows = yield from client._export_rows(info.name, table, state=True)
+            values += [ids, *rows.values()]
         definition = dataclasses.replace(_definition(info, t), learning_rate=lr)
         images.append(GroupImage(definition, values))
     metadata = {
@@ -228,9 +247,16 @@ def _create(client: ClientCore, image: GroupImage) -> Op[GroupInfo]:
         tensors=list(zip(d.names, image.arrays[:n], strict=True)),
         consistency=_consistency(d.consistency),
         allow_non_finite=d.allow_non_finite,
-        state=image.arrays[n:],
+        state=image.arrays[n : d.dense_array_count],
         update_count=d.update_count,
         lease_seconds=d.lease_seconds,
+        tables={
+            t.name: IdsTable(
+                t.dim, initializer_from_json(t.initializer), t.max_rows, d.dtype
+            )
+            for t in d.tables
+        },
+        table_rows=image.table_arrays() if d.tables else None,
     )
 
 

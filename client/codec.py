@@ -8,33 +8,59 @@ A stream carries a header (the tensors without bytes) and then stream messages w
 ``chunk`` field holds the next ~1 MiB of one tensor, tensors in header order and
 each tensor's chunks in offset order (``chunk_messages`` writes them,
 ``TensorAssembler`` reads them back and checks every offset).
+
+A FLOAT or DOUBLE tensor may travel encoded in 2 bytes per element (``Tensor.encoding``:
+bfloat16 or float16, see ``_encoding``) where the reader allows it (``encoded=True``:
+gradients, pulled X); the reader widens it to its dtype as it arrives.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
+from google.protobuf.message import Message
 from onnxps.v1 import parameter_server_pb2 as pb
 
+from ._encoding import (
+    ENCODED,
+    ENCODING_NAMES,
+    EncodingRangeError,
+    decode,
+    encode,
+    widen_into,
+)
 from ._errors import OnnxpsError
 
 __all__ = [
     "CHUNK_BYTES",
     "DTYPE_TO_PROTO",
+    "ENCODED",
+    "ENCODING_NAMES",
+    "EncodingRangeError",
     "MAX_DIMS",
     "PROTO_TO_DTYPE",
+    "RawChunk",
     "SERVICE",
     "SHARD_METADATA_KEY",
     "TensorAssembler",
     "TensorFormatError",
     "array_to_tensor",
+    "chunk_frames",
     "chunk_messages",
     "declared_nbytes",
+    "decode",
+    "encode",
+    "decode_chunk",
+    "deserializer",
+    "encode_chunk",
     "header_tensor",
     "iter_chunks",
+    "rpc_messages",
+    "serializer",
     "tensor_spec",
     "tensor_to_array",
     "write_tensor",
@@ -84,15 +110,18 @@ def _wire_dtype(dtype: np.dtype[Any]) -> pb.DataType.ValueType:
 
 
 def tensor_spec(
-    t: pb.Tensor, what: str = "tensor"
+    t: pb.Tensor, what: str = "tensor", *, encoded: bool = False
 ) -> tuple[np.dtype[Any], tuple[int, ...]]:
-    """The dtype and shape a tensor message declares, validated."""
+    """The dtype and shape a tensor message declares, validated; its encoding too,
+    which is refused unless ``encoded`` (a gradient, or a pulled X)."""
     dtype = PROTO_TO_DTYPE.get(t.dtype)
     if dtype is None:
         raise TensorFormatError(
             f"{what} has data type {t.dtype}: expected FLOAT (1), DOUBLE (11) or "
             "INT64 (7), numbered as ONNX TensorProto.DataType"
         )
+    if t.encoding:
+        _check_encoding(t, dtype, what, encoded)
     if len(t.dims) > MAX_DIMS:
         raise TensorFormatError(
             f"{what} has {len(t.dims)} dims: an array has at most {MAX_DIMS}"
@@ -110,8 +139,36 @@ def tensor_spec(
     return dtype, dims
 
 
+def _check_encoding(
+    t: pb.Tensor, dtype: np.dtype[Any], what: str, allowed: bool
+) -> None:
+    name = ENCODING_NAMES.get(t.encoding)
+    if name is None:
+        raise TensorFormatError(
+            f"{what} has encoding {t.encoding}: expected ENCODING_UNSPECIFIED (0, "
+            "native), ENCODING_BFLOAT16 (1) or ENCODING_FLOAT16 (2)"
+        )
+    if not allowed:
+        raise TensorFormatError(
+            f"{what} is encoded as {name}: only gradients (Push, PushStream, PushRows "
+            "values) travel encoded; send this tensor native (encoding unset)"
+        )
+    if dtype.kind != "f":
+        raise TensorFormatError(
+            f"{what} is {_NAMES[t.dtype]} encoded as {name}: encodings apply to "
+            "FLOAT and DOUBLE tensors only"
+        )
+
+
+def _wire_itemsize(t: pb.Tensor, dtype: np.dtype[Any]) -> int:
+    return 2 if t.encoding else dtype.itemsize
+
+
 def declared_nbytes(t: pb.Tensor, what: str = "tensor") -> int:
-    dtype, dims = tensor_spec(t, what)
+    """The bytes the tensor takes once read: its dtype's, whatever its encoding
+    (an encoded tensor is widened; where encodings are allowed is checked when it is
+    read)."""
+    dtype, dims = tensor_spec(t, what, encoded=True)
     return math.prod(dims) * dtype.itemsize
 
 
@@ -122,13 +179,26 @@ def write_tensor(msg: pb.Tensor, a: Any, name: str = "") -> pb.Tensor:
     a copy of the bytes: protobuf copies a message when it is appended or nested.
     """
     arr = np.asarray(a)
-    code = _wire_dtype(arr.dtype)
-    arr = np.asarray(arr, dtype=PROTO_TO_DTYPE[code], order="C")  # keeps 0-d
+    code, encoding = _wire_type(arr.dtype)
+    if not encoding:
+        arr = np.asarray(arr, dtype=PROTO_TO_DTYPE[code], order="C")  # keeps 0-d
     msg.name = name
     msg.dtype = code
     msg.dims[:] = arr.shape
     msg.raw_data = arr.tobytes(order="C")
+    if encoding:
+        msg.encoding = encoding
     return msg
+
+
+def _wire_type(
+    dtype: np.dtype[Any],
+) -> tuple[pb.DataType.ValueType, pb.Encoding.ValueType]:
+    """The wire dtype and encoding of an array (an ENCODED one: its own)."""
+    encoded = ENCODED.get(dtype)
+    if encoded is not None:
+        return DTYPE_TO_PROTO[encoded[0]], encoded[1]
+    return _wire_dtype(dtype), pb.ENCODING_UNSPECIFIED
 
 
 def array_to_tensor(a: Any, name: str = "") -> pb.Tensor:
@@ -139,20 +209,29 @@ def array_to_tensor(a: Any, name: str = "") -> pb.Tensor:
 def header_tensor(a: Any, name: str = "") -> pb.Tensor:
     """A tensor message without bytes: the header of a stream."""
     arr = np.asarray(a)
-    return pb.Tensor(name=name, dtype=_wire_dtype(arr.dtype), dims=arr.shape)
+    code, encoding = _wire_type(arr.dtype)
+    return pb.Tensor(name=name, dtype=code, dims=arr.shape, encoding=encoding)
 
 
-def tensor_to_array(t: pb.Tensor, what: str = "tensor") -> Array:
-    """A read-only array over the message's bytes, after checking their length."""
-    dtype, dims = tensor_spec(t, what)
+def tensor_to_array(
+    t: pb.Tensor, what: str = "tensor", *, encoded: bool = False
+) -> Array:
+    """A read-only array over the message's bytes, after checking their length; an
+    encoded tensor (allowed with ``encoded``) widened into a new array."""
+    dtype, dims = tensor_spec(t, what, encoded=encoded)
     raw = t.raw_data  # read the field once: each read copies
-    expected = math.prod(dims) * dtype.itemsize
+    expected = math.prod(dims) * _wire_itemsize(t, dtype)
     if len(raw) != expected:
+        encoding = f" encoded as {ENCODING_NAMES[t.encoding]}" if t.encoding else ""
         raise TensorFormatError(
-            f"{what} declares {dtype.name} dims {list(dims)}, which is {expected} "
-            f"bytes, but carries {len(raw)} bytes"
+            f"{what} declares {dtype.name} dims {list(dims)}{encoding}, which is "
+            f"{expected} bytes, but carries {len(raw)} bytes"
         )
-    return np.frombuffer(raw, dtype=dtype).reshape(dims)
+    if not t.encoding:
+        return np.frombuffer(raw, dtype=dtype).reshape(dims)
+    out = np.empty(dims, dtype)
+    widen_into(out.reshape(-1), raw, t.encoding)
+    return out
 
 
 def _byte_views(arrays: Iterable[Any]) -> Iterator[tuple[int, memoryview]]:
@@ -162,14 +241,23 @@ def _byte_views(arrays: Iterable[Any]) -> Iterator[tuple[int, memoryview]]:
         yield index, memoryview(arr.reshape(-1)).cast("B")  # type: ignore[arg-type]
 
 
+def _step(a: Any, chunk_bytes: int) -> int:
+    """Chunk size for one array: an encoded one's chunks hold whole elements."""
+    if np.asarray(a).dtype in ENCODED:
+        return max(2, chunk_bytes - chunk_bytes % 2)
+    return chunk_bytes
+
+
 def iter_chunks(
     arrays: Iterable[Any], chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[pb.TensorChunk]:
     """The bytes of ``arrays`` in order, as ~chunk_bytes TensorChunk messages."""
+    arrays = list(arrays)
     for index, view in _byte_views(arrays):
-        for start in range(0, len(view), chunk_bytes):
+        step = _step(arrays[index], chunk_bytes)
+        for start in range(0, len(view), step):
             yield pb.TensorChunk(
-                index=index, offset=start, data=bytes(view[start : start + chunk_bytes])
+                index=index, offset=start, data=bytes(view[start : start + step])
             )
 
 
@@ -191,24 +279,38 @@ def chunk_messages(
     The chunk is filled inside the stream message: building a ``TensorChunk`` and
     nesting it would copy its bytes once more.
     """
+    arrays = list(arrays)
     for index, view in _byte_views(arrays):
-        for start in range(0, len(view), chunk_bytes):
+        step = _step(arrays[index], chunk_bytes)
+        for start in range(0, len(view), step):
             msg = message()
             chunk = msg.chunk
             chunk.index = index
             chunk.offset = start
-            chunk.data = bytes(view[start : start + chunk_bytes])
+            chunk.data = bytes(view[start : start + step])
             yield msg
 
 
 class TensorAssembler:
-    """Fills preallocated arrays from a stream's chunks, checking every offset."""
+    """Fills preallocated arrays from a stream's chunks, checking every offset.
 
-    def __init__(self, headers: Sequence[pb.Tensor], names: Sequence[str]) -> None:
+    With ``encoded``, a tensor may arrive encoded (its header says how): each chunk
+    is widened into its array as it arrives, so its chunks must hold whole elements.
+    """
+
+    def __init__(
+        self,
+        headers: Sequence[pb.Tensor],
+        names: Sequence[str],
+        *,
+        encoded: bool = False,
+    ) -> None:
         self.names = list(names)
         self.arrays: list[Array] = []
+        self._encodings: list[int] = []
         for t, what in zip(headers, self.names, strict=True):
-            dtype, dims = tensor_spec(t, what)
+            dtype, dims = tensor_spec(t, what, encoded=encoded)
+            self._encodings.append(t.encoding)
             try:
                 self.arrays.append(np.empty(dims, dtype=dtype))
             except ValueError as exc:  # dims whose product overflows, next to a 0
@@ -218,6 +320,11 @@ class TensorAssembler:
         self._views = [
             memoryview(a.reshape(-1)).cast("B")  # type: ignore[arg-type]
             for a in self.arrays
+        ]
+        # Bytes on the wire per tensor: half or a quarter of the array when encoded.
+        self._sizes = [
+            a.size * 2 if enc else a.nbytes
+            for a, enc in zip(self.arrays, self._encodings, strict=True)
         ]
         self._filled = [0] * len(self.arrays)
 
@@ -229,25 +336,198 @@ class TensorAssembler:
                 f"{len(self.arrays)} tensors"
             )
         data = chunk.data
-        view = self._views[i]
         if chunk.offset != self._filled[i]:
             raise TensorFormatError(
                 f"chunk of {self.names[i]} at byte offset {chunk.offset}, expected "
                 f"offset {self._filled[i]} (chunks of a tensor arrive in order)"
             )
         end = chunk.offset + len(data)
-        if end > len(view):
+        if end > self._sizes[i]:
             raise TensorFormatError(
-                f"{self.names[i]} is {len(view)} bytes, but chunks reach byte {end}"
+                f"{self.names[i]} is {self._sizes[i]} bytes{self._as(i)}, but chunks "
+                f"reach byte {end}"
             )
-        view[chunk.offset : end] = data
+        if self._encodings[i]:
+            if len(data) % 2:
+                raise TensorFormatError(
+                    f"chunk of {self.names[i]} at byte offset {chunk.offset} carries "
+                    f"{len(data)} bytes{self._as(i)}: the chunks of an encoded tensor "
+                    "hold whole 2-byte elements (even lengths)"
+                )
+            flat = self.arrays[i].reshape(-1)
+            widen_into(flat[chunk.offset // 2 : end // 2], data, self._encodings[i])
+        else:
+            self._views[i][chunk.offset : end] = data
         self._filled[i] = end
 
+    def _as(self, i: int) -> str:
+        enc = self._encodings[i]
+        return f" encoded as {ENCODING_NAMES[enc]}" if enc else ""
+
     def finish(self) -> list[Array]:
-        for i, view in enumerate(self._views):
-            if self._filled[i] != len(view):
+        for i, size in enumerate(self._sizes):
+            if self._filled[i] != size:
                 raise TensorFormatError(
                     f"stream ended with {self.names[i]} incomplete: {self._filled[i]} "
-                    f"of {len(view)} bytes received"
+                    f"of {size} bytes{self._as(i)} received"
                 )
         return self.arrays
+
+
+# -- the chunk frames: a stream message whose ``chunk`` is set, by hand ----------------
+# Protobuf costs three copies of every chunk's bytes on the way out (``bytes(view)``,
+# the field's arena, ``SerializeToString``) and two on the way in (``FromString``, then
+# each read of ``data``), each into freshly mapped memory. A frame is the same wire
+# bytes (the canonical encoding a protobuf library writes) made with one copy from the
+# array, and a received frame is read as a view of the bytes gRPC handed over. Any
+# other message (the header, or a chunk encoded differently) goes through protobuf.
+
+
+@dataclass(frozen=True)
+class RawChunk:
+    """A received ``TensorChunk`` whose ``data`` is a view of the frame it came in.
+
+    It also stands for its stream message (``msg.chunk``, ``msg.WhichOneof``), so
+    code written against the protobuf classes reads it unchanged.
+    """
+
+    index: int
+    offset: int
+    data: memoryview
+
+    @property
+    def chunk(self) -> RawChunk:
+        return self
+
+    def WhichOneof(self, name: str) -> str:  # noqa: N802 - the protobuf spelling
+        return "chunk"
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while pos < end and shift < 64:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    return -1, pos  # truncated or too long
+
+
+def _chunk_field(message: Any) -> int | None:
+    """The field number of a stream message's ``chunk`` (None: it has none)."""
+    field = message.DESCRIPTOR.fields_by_name.get("chunk")
+    if field is None or field.message_type is not pb.TensorChunk.DESCRIPTOR:
+        return None
+    return int(field.number)
+
+
+def encode_chunk(field: int, index: int, offset: int, data: Any) -> bytes:
+    """The wire bytes of a stream message whose ``chunk`` (field ``field``) is
+    ``TensorChunk(index, offset, data)``: one copy of ``data``."""
+    inner = b""
+    if index:
+        inner += b"\x08" + _varint(index)
+    if offset:
+        inner += b"\x10" + _varint(offset)
+    size = len(data)
+    inner += b"\x1a" + _varint(size)
+    head = _varint((field << 3) | 2) + _varint(len(inner) + size) + inner
+    return b"".join((head, data))
+
+
+def decode_chunk(raw: bytes, field: int) -> RawChunk | None:
+    """The chunk of a frame in canonical form; None for anything else."""
+    buf = memoryview(raw)
+    end = len(buf)
+    tag, pos = _read_varint(buf, 0, end)
+    if tag != (field << 3) | 2:
+        return None
+    length, pos = _read_varint(buf, pos, end)
+    if length < 0 or pos + length != end:
+        return None
+    index = offset = 0
+    while pos < end:
+        key, pos = _read_varint(buf, pos, end)
+        if key == 0x08:
+            index, pos = _read_varint(buf, pos, end)
+            if not 0 <= index <= 0xFFFFFFFF:
+                return None
+        elif key == 0x10:
+            offset, pos = _read_varint(buf, pos, end)
+            if offset < 0:
+                return None
+        elif key == 0x1A:
+            size, pos = _read_varint(buf, pos, end)
+            if size < 0 or pos + size != end:
+                return None
+            return RawChunk(index, offset, buf[pos:end])
+        else:
+            return None
+    return None
+
+
+def chunk_frames(
+    message: Any, arrays: Iterable[Any], chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[bytes]:
+    """The bytes of ``arrays`` as encoded stream messages of type ``message`` (what
+    ``chunk_messages`` yields, serialized): send them with ``serializer``."""
+    field = _chunk_field(message)
+    assert field is not None, f"{message.DESCRIPTOR.name} carries no chunk"
+    arrays = list(arrays)
+    for index, view in _byte_views(arrays):
+        step = _step(arrays[index], chunk_bytes)
+        for start in range(0, len(view), step):
+            yield encode_chunk(field, index, start, view[start : start + step])
+
+
+def serializer(message: Any) -> Callable[[Any], bytes]:
+    """gRPC's serializer for ``message``: encoded frames (bytes) pass as they are."""
+
+    def serialize(msg: Any) -> bytes:
+        if isinstance(msg, bytes):
+            return msg
+        out: bytes = msg.SerializeToString()
+        return out
+
+    return serialize if _chunk_field(message) is not None else _proto_serializer
+
+
+def _proto_serializer(msg: Message) -> bytes:
+    return msg.SerializeToString()
+
+
+def deserializer(message: Any) -> Callable[[bytes], Any]:
+    """gRPC's deserializer for ``message``: chunks as ``RawChunk``, else protobuf."""
+    field = _chunk_field(message)
+    parse: Callable[[bytes], Any] = message.FromString
+    if field is None:
+        return parse
+
+    def deserialize(raw: bytes) -> Any:
+        chunk = decode_chunk(raw, field)
+        return chunk if chunk is not None else parse(raw)
+
+    return deserialize
+
+
+def rpc_messages(method: str) -> tuple[Any, Any, bool, bool]:
+    """An RPC of the service: its request and reply message classes, and whether
+    each is a stream."""
+    m = _SERVICE_DESCRIPTOR.methods_by_name[method]
+    return (
+        getattr(pb, m.input_type.name),
+        getattr(pb, m.output_type.name),
+        bool(m.client_streaming),
+        bool(m.server_streaming),
+    )

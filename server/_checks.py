@@ -11,6 +11,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from onnxps.client.image import (
+    GroupDefinition,
+    GroupImage,
+    ImageFormatError,
+    TableDefinition,
+)
+from onnxps.client.initializers import initializer_from_json
 
 from ._group import all_finite, check_name
 from .errors import InvalidArgument
@@ -22,6 +29,7 @@ __all__ = [
     "check_learning_rate",
     "check_lease_seconds",
     "check_state",
+    "check_tables",
     "check_tensors",
     "check_update_count",
 ]
@@ -134,3 +142,68 @@ def check_state(
                 f"state {sname} of {tname!r} holds negative values: {attrs.op}'s "
                 f"{sname} accumulates squared gradients and must be >= 0"
             )
+
+
+def check_tables(
+    group: str,
+    attrs: OptimizerAttrs,
+    tensor_names: Sequence[str],
+    dtype: np.dtype[Any],
+    tables: Sequence[TableDefinition],
+    table_arrays: Sequence[Sequence[Array]],
+    allow_non_finite: bool,
+) -> int:
+    """Check a new group's ids tables (and the rows it resumes them with); returns
+    the bytes their rows hold."""
+    if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise InvalidArgument(f"a group's dtype is float32 or float64, got {dtype}")
+    seen = set(tensor_names)
+    for t in tables:
+        check_name(t.name, "ids table name")
+        if t.name in seen:
+            raise InvalidArgument(
+                f"ids table name {t.name!r} is also a tensor or table of group "
+                f"{group!r}; names are unique in a group"
+            )
+        seen.add(t.name)
+        if t.dim < 1 or t.max_rows < 0:
+            raise InvalidArgument(
+                f"ids table {t.name!r} needs dim >= 1 and max_rows >= 0, got "
+                f"dim={t.dim}, max_rows={t.max_rows}"
+            )
+        try:
+            initializer_from_json(t.initializer)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgument(
+                f"ids table {t.name!r}: bad initializer {dict(t.initializer)}: {exc}"
+            ) from None
+    if not table_arrays:
+        return 0
+    per = 2 + len(attrs.state_names)
+    if len(table_arrays) != len(tables) or any(len(a) != per for a in table_arrays):
+        raise InvalidArgument(
+            f"the rows of {len(tables)} ids tables are, per table, ids, X rows and "
+            f"{'/'.join(attrs.state_names)} rows ({per} arrays)"
+        )
+    definition = GroupDefinition(
+        group, attrs.op, {}, 0.0, 0, dtype, (), (), tables=tuple(tables)
+    )
+    try:
+        GroupImage(definition, [a for arrays in table_arrays for a in arrays])
+    except ImageFormatError as exc:
+        raise InvalidArgument(str(exc)) from None
+    nbytes = 0
+    for t, (ids, *rows) in zip(tables, table_arrays, strict=True):
+        if t.max_rows and ids.size > t.max_rows:
+            raise InvalidArgument(
+                f"ids table {t.name!r} is given {ids.size} rows, over its "
+                f"max_rows={t.max_rows}"
+            )
+        for r in rows:
+            if not allow_non_finite and r.size and not bool(np.isfinite(r).all()):
+                raise InvalidArgument(
+                    f"the rows of ids table {t.name!r} hold NaN or inf; pass "
+                    "allow_non_finite=True to keep them"
+                )
+        nbytes += sum(r.nbytes for r in rows)
+    return nbytes

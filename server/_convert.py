@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
 from onnxps.client.codec import DTYPE_TO_PROTO
+from onnxps.client.image import TableDefinition
 from onnxps.v1 import parameter_server_pb2 as pb
 
 from .errors import InvalidArgument
@@ -18,7 +20,16 @@ __all__ = [
     "consistency_from_proto",
     "consistency_to_proto",
     "group_info",
+    "initializer_from_proto",
+    "table_from_proto",
 ]
+
+_INIT_KINDS = {
+    pb.ROW_INITIALIZER_KIND_UNSPECIFIED: "zeros",
+    pb.ROW_INITIALIZER_KIND_ZEROS: "zeros",
+    pb.ROW_INITIALIZER_KIND_UNIFORM: "uniform",
+    pb.ROW_INITIALIZER_KIND_NORMAL: "normal",
+}
 
 _KIND_TO_OP = {"adagrad": "Adagrad", "momentum": "Momentum", "adam": "Adam"}
 _OP_TO_KIND = {v: k for k, v in _KIND_TO_OP.items()}
@@ -109,4 +120,64 @@ def group_info(view: GroupView) -> pb.GroupInfo:
         + [pb.WorkerInfo(worker_id=w, alive=False) for w in view.dead_workers],
         pending_contributions=view.pending,
         quorum=view.quorum,
+        tables=[
+            pb.IdsTableInfo(
+                name=t.name,
+                dim=t.definition.dim,
+                initializer=initializer_to_proto(t.definition.initializer),
+                max_rows=t.definition.max_rows,
+                row_count=t.row_count,
+            )
+            for t in view.tables
+        ],
+    )
+
+
+def initializer_from_proto(msg: pb.RowInitializer) -> dict[str, Any]:
+    """An ids table's initializer as its JSON (``onnxps.client.initializers``)."""
+    kind = _INIT_KINDS.get(msg.kind)
+    if kind is None:
+        raise InvalidArgument(
+            f"unknown row initializer kind {msg.kind}: expected ZEROS, UNIFORM or "
+            "NORMAL"
+        )
+    if kind == "uniform":
+        return {"kind": kind, "low": msg.low, "high": msg.high, "seed": msg.seed}
+    if kind == "normal":
+        return {
+            "kind": kind,
+            "mean": msg.mean,
+            "std": msg.stddev,
+            "seed": msg.seed,
+            "truncated": msg.truncated,
+        }
+    return {"kind": "zeros"}
+
+
+def initializer_to_proto(doc: Mapping[str, Any]) -> pb.RowInitializer:
+    kind = doc["kind"]
+    if kind == "uniform":
+        return pb.RowInitializer(
+            kind=pb.ROW_INITIALIZER_KIND_UNIFORM,
+            low=doc["low"],
+            high=doc["high"],
+            seed=doc["seed"],
+        )
+    if kind == "normal":
+        return pb.RowInitializer(
+            kind=pb.ROW_INITIALIZER_KIND_NORMAL,
+            mean=doc["mean"],
+            stddev=doc["std"],
+            seed=doc["seed"],
+            truncated=doc["truncated"],
+        )
+    return pb.RowInitializer(kind=pb.ROW_INITIALIZER_KIND_ZEROS)
+
+
+def table_from_proto(spec: pb.IdsTableSpec) -> TableDefinition:
+    return TableDefinition(
+        name=spec.name,
+        dim=int(spec.dim),
+        initializer=initializer_from_proto(spec.initializer),
+        max_rows=int(spec.max_rows),
     )

@@ -17,9 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
-from onnxps.client.image import ConsistencyDefinition, GroupDefinition, GroupImage
+from onnxps.client.image import (
+    ConsistencyDefinition,
+    GroupDefinition,
+    GroupImage,
+    TableDefinition,
+)
 
-from ._sparse import combine_rows, is_row_push, split_row_push, step_rows
+from ._ids import IdsTable
+from ._sparse import RowGradient, combine_rows, is_row_push, split_row_push, step_rows
 from .errors import InvalidArgument
 from .kernels import OptimizerAttrs, Stepper
 
@@ -109,6 +115,18 @@ class WorkerLease:
 
 
 @dataclass(frozen=True)
+class TableView:
+    """An ids table's facts (``_ids``)."""
+
+    definition: TableDefinition
+    row_count: int
+
+    @property
+    def name(self) -> str:
+        return self.definition.name
+
+
+@dataclass(frozen=True)
 class GroupView:
     """A consistent copy of a group's facts, read under its lock."""
 
@@ -129,6 +147,7 @@ class GroupView:
     dead_workers: tuple[str, ...]  # leases that ran out or were given up, sorted
     pending: int  # buffered sync contributions
     quorum: int  # pushes the pending sync step needs (0 for async groups)
+    tables: tuple[TableView, ...] = ()  # ids tables, in order
 
     @property
     def op(self) -> str:
@@ -240,13 +259,17 @@ class Group:
         state: Sequence[Array] | None = None,
         update_count: int = 0,
         adopt: bool = False,
+        tables: Sequence[TableDefinition] = (),
+        table_arrays: Sequence[Sequence[Array]] = (),
+        dtype: np.dtype[Any] | None = None,
     ) -> None:
         self.name = name
         self.incarnation = incarnation
         self.attrs = attrs
         self.learning_rate = float(learning_rate)
         self.update_count = int(update_count)
-        self.dtype = np.dtype(tensors[0][1].dtype).newbyteorder("=")
+        given = tensors[0][1].dtype if tensors else dtype
+        self.dtype = np.dtype(given).newbyteorder("=")
         self.names = tuple(n for n, _ in tensors)
         self.shapes = tuple(tuple(int(d) for d in a.shape) for _, a in tensors)
 
@@ -267,6 +290,13 @@ class Group:
             else:
                 self.states[sname] = [np.zeros_like(x) for x in self.xs]
         self.stepper = Stepper(attrs, self.dtype, [x.size for x in self.xs])
+        # ids tables (``_ids``), after the tensors in a row push's parts
+        self.tables: dict[str, IdsTable] = {}
+        for k, t in enumerate(tables):
+            table = self.tables[t.name] = IdsTable(t, self.dtype, attrs.state_names)
+            if k < len(table_arrays):
+                ids, *rows = table_arrays[k]
+                table.load(ids, rows)
         self.row_steppers: dict[int, Stepper] = {}  # row pushes, by size (_sparse)
         self.consistency = consistency
         self.allow_non_finite = allow_non_finite
@@ -287,12 +317,15 @@ class Group:
         """The one rebuild path from a saved form; adopts the image's arrays."""
         d = image.definition
         n = len(d.names)
-        arrays = list(image.arrays)
+        arrays = list(image.arrays[: d.dense_array_count])
         return cls(
             d.name,
             attrs,
             d.learning_rate,
             list(zip(d.names, arrays[:n], strict=True)),
+            tables=d.tables,
+            table_arrays=image.table_arrays(),
+            dtype=d.dtype,
             consistency=Consistency(**dataclasses.asdict(d.consistency)),
             allow_non_finite=d.allow_non_finite,
             lease_seconds=d.lease_seconds,
@@ -310,7 +343,8 @@ class Group:
     @property
     def state_bytes(self) -> int:
         per = self.element_count * self.dtype.itemsize
-        return per * (1 + len(self.states))
+        tables = sum(t.state_bytes for t in self.tables.values())
+        return per * (1 + len(self.states)) + tables
 
     def state_arrays(self) -> list[Array]:
         """V..., H... in ONNX order (flat)."""
@@ -358,6 +392,9 @@ class Group:
             dead_workers=tuple(sorted(self.dead)),
             pending=len(self.pending),
             quorum=self.quorum() if sync else 0,
+            tables=tuple(
+                TableView(t.definition, t.count) for t in self.tables.values()
+            ),
         )
 
     def lease_view(self) -> LeaseView:
@@ -387,11 +424,14 @@ class Group:
             consistency=ConsistencyDefinition(**dataclasses.asdict(c)),
             allow_non_finite=self.allow_non_finite,
             lease_seconds=self.lease_seconds,
+            tables=tuple(t.definition for t in self.tables.values()),
         )
 
     def image(self, scratch: Callable[[int], Array] | None = None) -> GroupImage:
         """X, V and H copied; ``scratch(n)`` may lend a reusable buffer of n bytes."""
         arrays = self.copy_into(scratch) if scratch else self.copy_values(True)
+        for t in self.tables.values():
+            arrays += t.arrays()
         return GroupImage(self.definition(), arrays)
 
     def runtime(self, covered_lsn: int) -> GroupRuntime:
@@ -417,17 +457,32 @@ class Group:
                 w.results[int(s)] = (int(t), bool(a))
 
     # -- changes (under the lock) -----------------------------------------------------
-    def step(self, grads: Sequence[Array], learning_rate: float | None) -> None:
+    def step(
+        self,
+        grads: Sequence[Array],
+        learning_rate: float | None,
+        done: Callable[[int, int, int], None] | None = None,
+    ) -> None:
+        """One step; ``done(i, start, stop)`` is called as each block of X_i's flat
+        elements is final, in order (a dense push only)."""
         r = self.learning_rate if learning_rate is None else learning_rate
         if is_row_push(grads):
             parts = split_row_push(grads)
-            step_rows(
-                self.attrs, r, self.update_count, self.xs, self.shapes, self.states,
-                parts, self.row_steppers,
-            )  # fmt: skip
+            n = len(self.xs)
+            if n:
+                step_rows(
+                    self.attrs, r, self.update_count, self.xs, self.shapes,
+                    self.states, parts[:n], self.row_steppers,
+                )  # fmt: skip
+            for table, part in zip(self.tables.values(), parts[n:], strict=True):
+                assert isinstance(part, RowGradient)
+                table.step(self.attrs, r, self.update_count, part, self.row_steppers)
             self.update_count += 1
             return
-        self.stepper.step(
+        if not self.xs:  # a group of ids tables only: a dense push steps nothing
+            self.update_count += 1
+            return
+        args = (
             r,
             self.update_count,
             self.xs,
@@ -435,6 +490,10 @@ class Group:
             self.states.get("V"),
             self.states.get("H"),
         )
+        if done is None:
+            self.stepper.step(*args)
+        else:
+            self.stepper.step_in_order(*args, done)
         self.update_count += 1
 
     def remember(

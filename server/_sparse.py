@@ -217,9 +217,9 @@ def combine_rows(
             acc = np.zeros(dense[0].shape, dtype)
             for p in parts:
                 if isinstance(p, RowGradient):
-                    acc.reshape(acc.shape[0], -1)[p.indices] += p.values.reshape(
-                        p.indices.size, -1
-                    )
+                    if p.indices.size:  # (0, -1) is no shape to reshape to
+                        flat = acc.reshape(acc.shape[0], -1)
+                        flat[p.indices] += p.values.reshape(p.indices.size, -1)
                 else:
                     np.add(acc, p, out=acc)
             if reduction == "mean" and len(keys) > 1:

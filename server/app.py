@@ -16,7 +16,6 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from onnxps.client.codec import CHUNK_BYTES
-from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from . import security
 from ._gate import DrainGate
@@ -29,7 +28,7 @@ from .durability import Durability
 from .limits import InflightBytes, LimitsInterceptor
 from .metrics import LoadCollector, MetricsEndpoint, ObserveInterceptor, Recorder
 from .security import ConfigError
-from .service import ParameterServerServicer
+from .service import ParameterServerServicer, add_servicer
 from .shard import ShardInterceptor, parse_shard
 from .store import ParameterStore, StoreLimits
 
@@ -449,7 +448,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             inflight=inflight,
             shared_memory=shared_memory,
         )
-        pb_grpc.add_ParameterServerServiceServicer_to_server(servicer, server)
+        add_servicer(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         enable_reflection((SERVICE, health.SERVICE_NAME), server)
         unix_socket = UnixSocket.of(config.address, config.unix_socket_mode)

@@ -75,6 +75,8 @@ def message_bytes(msg: Any) -> int:
     """
     if isinstance(msg, Malformed):
         return msg.size
+    if isinstance(msg, bytes):  # an encoded chunk frame (codec.chunk_frames)
+        return len(msg)
     if not isinstance(msg, Message):
         return 0
     declared = declared_bytes(msg)

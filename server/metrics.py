@@ -42,8 +42,8 @@ __all__ = ["MetricsEndpoint", "ObserveInterceptor", "Recorder", "StoreCollector"
 
 log = logging.getLogger("onnxps.rpc")
 
-_PUSH = frozenset({"Push", "PushStream", "PushRows"})
-_PULL = frozenset({"Pull", "PullStream", "PullRows"})
+_PUSH = frozenset({"Push", "PushStream", "PushPullStream", "PushRows"})
+_PULL = frozenset({"Pull", "PullStream", "PullRows", "ListRows"})
 _APPLY = frozenset({"Apply", "ApplyStream"})
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,64}")
 _LATENCY_BUCKETS = (

@@ -54,6 +54,7 @@ _READ = frozenset(
         "Pull",
         "PullStream",
         "PullRows",
+        "ListRows",
         "Apply",
         "ApplyStream",
         "SharedMemoryHello",
@@ -63,6 +64,7 @@ _READ = frozenset(
 _WRITE = _READ | {
     "Push",
     "PushStream",
+    "PushPullStream",
     "PushRows",
     "SetLearningRate",
     "JoinGroup",

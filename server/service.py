@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -24,19 +26,32 @@ import grpc
 import numpy as np
 from onnxps.client.codec import (
     CHUNK_BYTES,
+    ENCODING_NAMES,
+    PROTO_TO_DTYPE,
+    EncodingRangeError,
     TensorAssembler,
     TensorFormatError,
-    chunk_messages,
+    chunk_frames,
     declared_nbytes,
+    deserializer,
+    encode_chunk,
     header_tensor,
+    rpc_messages,
+    serializer,
     tensor_spec,
     tensor_to_array,
     write_tensor,
 )
+from onnxps.client.codec import encode as encode_tensor
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
-from ._convert import attrs_from_proto, consistency_from_proto, group_info
+from ._convert import (
+    attrs_from_proto,
+    consistency_from_proto,
+    group_info,
+    table_from_proto,
+)
 from ._shm import SharedMemory
 from ._status import rich_status, status_of
 from .durability import SaveResult
@@ -49,10 +64,11 @@ from .store import (
     LeaseView,
     ParameterStore,
     PullResult,
+    PushOutcome,
     PushTicket,
 )
 
-__all__ = ["ParameterServerServicer"]
+__all__ = ["ParameterServerServicer", "add_servicer"]
 
 log = logging.getLogger("onnxps.service")
 
@@ -148,11 +164,10 @@ def _timeout(context: grpc.ServicerContext) -> float | None:
     """How long a wait may last: a little less than the call's deadline, so that the
     server's answer (what it waited for, the group's T) reaches the client before
     the client's own deadline fires with a bare DEADLINE_EXCEEDED."""
-    # None without a deadline (grpc's stubs say float)
-    remaining: float | None = context.time_remaining()
-    if remaining is None:
+    left: float | None = context.time_remaining()
+    if left is None:  # grpc's stubs say float; it is None without a deadline
         return None
-    return max(0.0, remaining - min(_ANSWER_EARLY_SECONDS, remaining / 10))
+    return max(0.0, left - min(_ANSWER_EARLY_SECONDS, left / 10))
 
 
 def _raise_if_cut_off(context: grpc.ServicerContext) -> None:
@@ -190,6 +205,173 @@ def _names(prefix: str, n: int, names: Sequence[str] | None = None) -> list[str]
     return [f"{prefix}_{i + 1}" for i in range(n)]
 
 
+# ListRows pages: ids per page by default and at most, and bytes of rows at most.
+_PAGE_SIZE = 1000
+_MAX_PAGE_SIZE = 100_000
+_PAGE_BYTES = 2 << 20
+
+
+def _table_tensors(t: pb.IdsTableSpec) -> tuple[list[pb.Tensor], list[str]]:
+    """The tensors an ids table spec carries (import): ids, rows, state."""
+    if not t.HasField("ids"):
+        return [], []
+    what = f"ids table {t.name!r}"
+    headers = [t.ids, t.rows, *t.state]
+    names = [f"{what} ids", f"{what} rows"] + [
+        f"{what} state {i + 1}" for i in range(len(t.state))
+    ]
+    return headers, names
+
+
+def _empty_table(dim: int, dtype: np.dtype[Any], attrs: Any) -> list[Array]:
+    empty = np.empty((0, dim), dtype)
+    return [np.empty(0, np.int64), empty] + [empty for _ in attrs.state_names]
+
+
+def _check_pull_encoding(req: pb.PullRequest | pb.PullStreamRequest) -> None:
+    """A pull's encoding: a known one, and for X alone (state travels native)."""
+    if not req.encoding:
+        return
+    name = ENCODING_NAMES.get(req.encoding)
+    if name is None:
+        raise InvalidArgument(
+            f"encoding {req.encoding} is not one of ENCODING_UNSPECIFIED (0, native), "
+            "ENCODING_BFLOAT16 (1) or ENCODING_FLOAT16 (2)",
+            field="encoding",
+        )
+    if req.with_state:
+        raise InvalidArgument(
+            f"a pull with_state travels native: the {name} encoding is for X alone "
+            "(pull X encoded, or the state without an encoding)",
+            field="encoding",
+        )
+
+
+def _encoded_values(
+    arrays: Sequence[Array], names: Sequence[str], encoding: int
+) -> Sequence[Array]:
+    """X in the pull's encoding (checked by ``_check_pull_encoding``)."""
+    if not encoding:
+        return arrays
+    name = ENCODING_NAMES[encoding]
+    try:
+        return [
+            encode_tensor(a, name, f"X {n!r}")
+            for a, n in zip(arrays, names, strict=True)
+        ]
+    except EncodingRangeError as exc:
+        raise FailedPrecondition(
+            f"cannot pull as {name}: {exc}",
+            reason="OUT_OF_ENCODING_RANGE",
+            metadata={"encoding": name},
+        ) from None
+
+
+_END = object()
+_REPLY_CHUNK_FIELD = pb.PushPullStreamResponse.DESCRIPTOR.fields_by_name["chunk"].number
+
+
+class _Failed:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _FrameSink:
+    """Takes X from the store as a push steps it (a ``ValuesSink``) and hands it,
+    as encoded PushPullStream frames, to the thread that sends the reply.
+
+    The push runs on a thread of its own (``run``), so each block is copied into
+    its frames under the group's lock and sent while the next block steps. After
+    ``close`` (the caller went away) frames are dropped; the push still finishes.
+    """
+
+    def __init__(self, headers: Sequence[pb.Tensor], chunk_bytes: int) -> None:
+        self._headers = headers
+        self._chunk_bytes = chunk_bytes
+        self._frames: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._views: list[memoryview] = []
+        self._itemsizes: list[int] = []
+        self._closed = False
+
+    def begin(self, outcome: PushOutcome, xs: Sequence[Array]) -> None:
+        self._views = [memoryview(x).cast("B") for x in xs]  # type: ignore[arg-type]
+        self._itemsizes = [x.itemsize for x in xs]
+        header = pb.PushResponse(
+            update_count=outcome.update_count,
+            applied=outcome.applied,
+            duplicate=outcome.duplicate,
+            values=self._headers,
+        )
+        self._put(pb.PushPullStreamResponse(header=header))
+
+    def block(self, index: int, start: int, stop: int) -> None:
+        size = self._itemsizes[index]
+        view = self._views[index]
+        step = self._chunk_bytes
+        for a in range(start * size, stop * size, step):
+            b = min(a + step, stop * size)
+            self._put(encode_chunk(_REPLY_CHUNK_FIELD, index, a, view[a:b]))
+
+    def _put(self, item: Any) -> None:
+        if not self._closed:
+            self._frames.put(item)
+
+    def run(self, push: Callable[[], Any]) -> None:
+        try:
+            push()
+        except BaseException as exc:  # noqa: BLE001 - raised on the sending thread
+            self._frames.put(_Failed(exc))
+        else:
+            self._frames.put(_END)
+        finally:
+            self._views = []
+
+    def frames(self) -> Iterator[Any]:
+        while (item := self._frames.get()) is not _END:
+            if isinstance(item, _Failed):
+                error, item.error = item.error, None  # type: ignore[assignment]
+                raise error
+            yield item
+
+    def close(self) -> None:
+        self._closed = True
+
+
+_FACTORIES = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_servicer(servicer: ParameterServerServicer, server: grpc.Server) -> None:
+    """Serve ``servicer``'s RPCs on ``server`` (what the generated
+    ``add_ParameterServerServiceServicer_to_server`` does), with the chunk-frame
+    codec on the streams: received chunks are views (``codec.RawChunk``), and
+    encoded frames (``codec.chunk_frames``) are sent as they are."""
+    handlers = {}
+    for method in _SERVICE.methods_by_name:
+        request, reply, req_s, resp_s = rpc_messages(method)
+        handlers[method] = _FACTORIES[req_s, resp_s](
+            getattr(servicer, method),
+            request_deserializer=deserializer(request),
+            response_serializer=serializer(reply),
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),)
+    )
+    # grpc's stubs do not declare it yet; the generated code calls it too
+    server.add_registered_method_handlers(  # type: ignore[attr-defined]
+        _SERVICE.full_name, handlers
+    )
+
+
+(_SERVICE,) = pb.DESCRIPTOR.services_by_name.values()
+
+
 class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     def __init__(
         self,
@@ -210,10 +392,35 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
 
     # -- groups --------------------------------------------------------------------
     def _create(
-        self, req: pb.CreateGroupRequest, tensors: list[Array], state: list[Array]
+        self,
+        req: pb.CreateGroupRequest,
+        tensors: list[Array],
+        state: list[Array],
+        table_arrays: Sequence[Sequence[Array]] = (),
     ) -> pb.GroupInfo:
         attrs = attrs_from_proto(req.optimizer)
         names = [t.name for t in req.tensors]
+        tables = [table_from_proto(t) for t in req.tables]
+        dtype = None
+        if req.dtype != pb.DATA_TYPE_UNSPECIFIED:
+            dtype = PROTO_TO_DTYPE.get(req.dtype)
+            if dtype is None or dtype.kind != "f":
+                raise InvalidArgument(
+                    f"a group's dtype is FLOAT or DOUBLE, got DataType {req.dtype}"
+                )
+            dtype = dtype.newbyteorder("=")
+            if tensors and tensors[0].dtype != dtype:
+                raise InvalidArgument(
+                    f"the group's dtype is {dtype}, but its tensors are "
+                    f"{tensors[0].dtype}"
+                )
+        if any(a for a in table_arrays):
+            table_arrays = [
+                list(a) or _empty_table(t.dim, dtype or np.dtype(np.float32), attrs)
+                for t, a in zip(tables, table_arrays, strict=True)
+            ]
+        else:
+            table_arrays = ()
         view = self.store.create_group(
             req.group,
             attrs,
@@ -224,6 +431,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             state=state,
             update_count=req.update_count,
             lease_seconds=req.lease_seconds or None,
+            tables=tables,
+            table_arrays=table_arrays,
+            dtype=dtype,
         )
         return group_info(view)
 
@@ -232,9 +442,16 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         nbytes = sum(declared_nbytes(t, f"tensor {t.name!r}") for t in req.tensors)
         kind = req.optimizer.WhichOneof("kind")
         states = {"adagrad": 1, "momentum": 1, "adam": 2}.get(kind or "", 0)
-        self.store.check_group_size(nbytes * (1 + states))
-        if not req.tensors:
-            raise InvalidArgument(f"group {req.group!r} needs at least one tensor")
+        rows = sum(
+            declared_nbytes(t.rows, f"rows of ids table {t.name!r}")
+            for t in req.tables
+            if t.HasField("rows")
+        )
+        self.store.check_group_size((nbytes + rows) * (1 + states))
+        if not req.tensors and not req.tables:
+            raise InvalidArgument(
+                f"group {req.group!r} needs at least one tensor or ids table"
+            )
 
     @_unary
     def CreateGroup(
@@ -245,7 +462,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         state = [
             tensor_to_array(t, f"state {i + 1}") for i, t in enumerate(request.state)
         ]
-        return pb.CreateGroupResponse(group=self._create(request, tensors, state))
+        table_arrays = [
+            [tensor_to_array(h, w) for h, w in zip(*_table_tensors(t), strict=True)]
+            for t in request.tables
+        ]
+        return pb.CreateGroupResponse(
+            group=self._create(request, tensors, state, table_arrays)
+        )
 
     @_unary
     def CreateGroupStream(
@@ -259,9 +482,21 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         names = [f"tensor {t.name!r}" for t in req.tensors] + _names(
             "state", len(req.state)
         )
+        per_table = [_table_tensors(t) for t in req.tables]
+        for h, w in per_table:
+            headers += h
+            names += w
         asm = self._assemble(it, headers, names, context)
-        n = len(req.tensors)
-        return pb.CreateGroupStreamResponse(group=self._create(req, asm[:n], asm[n:]))
+        n, m = len(req.tensors), len(req.tensors) + len(req.state)
+        table_arrays: list[list[Array]] = []
+        for h, _ in per_table:
+            table_arrays.append(asm[m : m + len(h)])
+            m += len(h)
+        return pb.CreateGroupStreamResponse(
+            group=self._create(
+                req, asm[:n], asm[n : len(req.tensors) + len(req.state)], table_arrays
+            )
+        )
 
     @_unary
     def DescribeGroup(
@@ -331,7 +566,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     def _validate_push(self, req: pb.PushRequest) -> PushTicket:
         """Check the gradients' header against the group before reading any bytes."""
         specs = (
-            tensor_spec(t, f"gradient {i + 1}") for i, t in enumerate(req.gradients)
+            tensor_spec(t, f"gradient {i + 1}", encoded=True)
+            for i, t in enumerate(req.gradients)
         )
         return self.store.validate_push(req.group, specs)
 
@@ -341,7 +577,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         if request.HasField("gradients_region"):
             return self._push_shared(request, ticket, context)
         grads = [
-            tensor_to_array(t, f"gradient {i + 1} ({ticket.names[i]!r})")
+            tensor_to_array(t, f"gradient {i + 1} ({ticket.names[i]!r})", encoded=True)
             for i, t in enumerate(request.gradients)
         ]
         return self._push(request, ticket, grads, context, pb.PushResponse)
@@ -359,9 +595,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             )
         ticket = self._validate_push(req)
         headers = list(req.gradients)
-        grads = self._assemble(
-            it, headers, _names("gradient", len(headers), ticket.names), context
-        )
+        names = _names("gradient", len(headers), ticket.names)
+        grads = self._assemble(it, headers, names, context, encoded=True)
         return self._push(req, ticket, grads, context, pb.PushStreamResponse)
 
     def _push_shared(
@@ -377,7 +612,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
                     "with a region, raw_data must be empty",
                     field=f"gradients[{i}].raw_data",
                 )
-            specs.append(tensor_spec(t, f"gradient {i + 1}"))
+            dtype, dims = tensor_spec(t, f"gradient {i + 1}")
+            if dtype.kind != "f":
+                raise InvalidArgument(
+                    f"gradient {i + 1} is {dtype}: gradients in shared memory travel "
+                    "in the group's dtype (float32 or float64), not encoded",
+                    field=f"gradients[{i}].dtype",
+                )
+            specs.append((dtype, dims))
         names = _names("gradient", len(specs), ticket.names)
         with self._shm.read(req.gradients_region, specs, names) as grads:
             return self._push(req, ticket, grads, context, pb.PushResponse)
@@ -388,14 +630,70 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     ) -> pb.SharedMemoryHelloResponse:
         return pb.SharedMemoryHelloResponse(nonce=self._shm.hello(request.segment))
 
+    @_streaming
+    def PushPullStream(
+        self, request_iterator: Iterable[pb.PushPullStreamRequest], context: Any
+    ) -> Iterator[Any]:
+        req, it = _stream_header(
+            request_iterator, "header", "a PushPullStream", context
+        )
+        if req.HasField("gradients_region") or req.HasField("reply_region"):
+            raise InvalidArgument(
+                "a PushPullStream carries tensors as chunks; tensors in shared memory "
+                "go in a unary Push",
+                field="header.gradients_region",
+            )
+        ticket = self._validate_push(req)
+        headers = list(req.gradients)
+        with self._reply_bytes(context, stream=True) as hold:
+            hold.admit(
+                sum(declared_nbytes(t) for t in headers),
+                what="this push's reply carries",
+            )
+            grads = self._assemble(
+                it, headers, _names("gradient", len(headers), ticket.names), context
+            )
+            values = [
+                pb.Tensor(name=n, dtype=t.dtype, dims=t.dims)
+                for n, t in zip(ticket.names, headers, strict=True)
+            ]
+            sink = _FrameSink(values, self.chunk_bytes)
+            push = functools.partial(
+                self.store.push,
+                ticket,
+                grads,
+                client_id=req.client_id,
+                seq=req.seq,
+                base_version=req.base_version if req.HasField("base_version") else None,
+                learning_rate=req.learning_rate
+                if req.HasField("learning_rate")
+                else None,
+                return_values=True,
+                timeout=_timeout(context),
+                cancellation=_cancellation(context),
+                sink=sink,
+            )
+            del grads
+            worker = threading.Thread(
+                target=sink.run, args=(push,), name="onnxps-push", daemon=True
+            )
+            worker.start()
+            try:
+                yield from sink.frames()
+            finally:
+                sink.close()
+
     def _assemble(
         self,
         it: Iterator[Any],
         headers: Sequence[pb.Tensor],
         names: Sequence[str],
         context: Any,
+        *,
+        encoded: bool = False,
     ) -> list[Array]:
-        asm = TensorAssembler(headers, names)
+        """The tensors of a stream; with ``encoded``, encoded ones widened."""
+        asm = TensorAssembler(headers, names, encoded=encoded)
         for msg in it:
             if msg.WhichOneof("part") != "chunk":
                 raise InvalidArgument("after the header a stream carries only chunks")
@@ -429,6 +727,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         hold: InflightHold,
     ) -> PullResult:
         waits = req.HasField("min_version")
+        _check_pull_encoding(req)
         return self.store.pull(
             req.group,
             with_state=req.with_state,
@@ -475,7 +774,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             reply = pb.PullResponse(
                 update_count=out.update_count, learning_rate=out.learning_rate
             )
-            for a, n in zip(out.arrays, out.names, strict=True):
+            arrays = _encoded_values(out.arrays, out.names, request.encoding)
+            for a, n in zip(arrays, out.names, strict=True):
                 write_tensor(reply.tensors.add(), a, n)
             return reply
 
@@ -483,18 +783,16 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     def PullStream(self, request: pb.PullStreamRequest, context: Any) -> Iterator[Any]:
         with self._reply_bytes(context, stream=True) as hold:
             out = self._pull(request, context, hold)
+            arrays = _encoded_values(out.arrays, out.names, request.encoding)
             header = pb.PullResponse(
                 update_count=out.update_count,
                 learning_rate=out.learning_rate,
                 tensors=[
-                    header_tensor(a, n)
-                    for a, n in zip(out.arrays, out.names, strict=True)
+                    header_tensor(a, n) for a, n in zip(arrays, out.names, strict=True)
                 ],
             )
             yield pb.PullStreamResponse(header=header)
-            yield from chunk_messages(
-                pb.PullStreamResponse, out.arrays, self.chunk_bytes
-            )
+            yield from chunk_frames(pb.PullStreamResponse, arrays, self.chunk_bytes)
 
     # -- rows ------------------------------------------------------------------------
     @_unary
@@ -518,12 +816,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
                     tensor_spec(gr.indices, f"gradients[{j}].indices")
                     if gr.HasField("indices")
                     else None,
-                    tensor_spec(gr.values, f"gradients[{j}].values"),
+                    tensor_spec(gr.values, f"gradients[{j}].values", encoded=True),
                 )
                 for j, gr in enumerate(req.gradients)
             ),
         )
-        arrays = iter(self._assemble(it, headers, names, context))
+        arrays = iter(self._assemble(it, headers, names, context, encoded=True))
         gradients: dict[str, Array | tuple[Array, Array]] = {}
         for gr in req.gradients:
             if gr.HasField("indices"):
@@ -580,7 +878,45 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
                 ],
             )
             yield pb.PullRowsResponse(header=header)
-            yield from chunk_messages(pb.PullRowsResponse, out.arrays, self.chunk_bytes)
+            yield from chunk_frames(pb.PullRowsResponse, out.arrays, self.chunk_bytes)
+
+    @_unary
+    def ListRows(
+        self, request: pb.ListRowsRequest, context: Any
+    ) -> pb.ListRowsResponse:
+        after = None
+        if request.page_token:
+            try:
+                after = int(request.page_token)
+            except ValueError:
+                raise InvalidArgument(
+                    f"page_token {request.page_token!r} is not one a ListRows "
+                    "returned; pass an empty token to start from the first id"
+                ) from None
+        size = min(request.page_size or _PAGE_SIZE, _MAX_PAGE_SIZE)
+        if request.with_values:
+            row = self.store.describe(request.group)
+            dims = {t.name: t.definition.dim for t in row.tables}
+            states = len(row.attrs.state_names) if request.with_state else 0
+            per_row = dims.get(request.table, 1) * row.dtype.itemsize * (1 + states)
+            size = max(1, min(size, _PAGE_BYTES // per_row))
+        page = self.store.list_rows(
+            request.group,
+            request.table,
+            after=after,
+            limit=size,
+            with_values=request.with_values,
+            with_state=request.with_state,
+        )
+        reply = pb.ListRowsResponse(
+            next_page_token="" if page.next_after is None else str(page.next_after),
+            row_count=page.row_count,
+            update_count=page.update_count,
+        )
+        write_tensor(reply.ids, page.ids)
+        for a, n in zip(page.rows, page.names, strict=True):
+            write_tensor(reply.rows.add(), a, n)
+        return reply
 
     # -- apply ---------------------------------------------------------------------
     def _apply(self, req: pb.ApplyRequest, inputs: list[Array]) -> list[Array]:
@@ -615,7 +951,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         yield pb.ApplyStreamResponse(
             response=pb.ApplyResponse(outputs=[header_tensor(o) for o in outputs])
         )
-        yield from chunk_messages(pb.ApplyStreamResponse, outputs, self.chunk_bytes)
+        yield from chunk_frames(pb.ApplyStreamResponse, outputs, self.chunk_bytes)
 
     # -- workers and saving ----------------------------------------------------------
     def _lease(self, lease: LeaseView, reply_type: type[L]) -> L:

@@ -52,16 +52,17 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
-from onnxps.client.image import GroupImage
+from onnxps.client.image import GroupImage, TableDefinition
 
 from ._checks import (
     MAX_UPDATE_COUNT,
     check_learning_rate,
     check_lease_seconds,
     check_state,
+    check_tables,
     check_tensors,
     check_update_count,
 )
@@ -82,6 +83,15 @@ from ._group import (
     check_name,
     combine_contributions,
 )
+from ._ids import (
+    IdsTable,
+    RowsPage,
+    check_ids,
+    check_table_spec,
+    empty_part,
+    new_row_counts,
+    table_part,
+)
 from ._sparse import (
     INDEX_DTYPE,
     RowSpec,
@@ -89,6 +99,7 @@ from ._sparse import (
     check_row_specs,
     flatten,
     gather_rows,
+    is_row_push,
     row_push_parts,
     split_row_push,
 )
@@ -118,6 +129,7 @@ __all__ = [
     "PushOutcome",
     "PushTicket",
     "StoreLimits",
+    "ValuesSink",
     "WorkerLease",
     "combine_contributions",
 ]
@@ -192,6 +204,40 @@ class PushTicket:
     group: str
     names: tuple[str, ...]  # the group's tensor names, in gradient order
     _group: Group = field(repr=False, compare=False)
+
+
+class ValuesSink(Protocol):
+    """Takes a push's X_1..X_n as the push makes them (``push(..., sink=)``).
+
+    Both methods are called under the group's lock and must not raise (a push
+    they interrupted would be half applied): they copy what they need at once.
+    ``begin`` gets the push's outcome and the group's flat X arrays, readable only
+    during these calls; ``block(i, start, stop)`` says that elements
+    ``start:stop`` of ``xs[i]`` hold their final values. Blocks come in order and
+    cover every element once.
+    """
+
+    def begin(self, outcome: PushOutcome, xs: Sequence[Array]) -> None: ...
+
+    def block(self, index: int, start: int, stop: int) -> None: ...
+
+
+class _Emission:
+    """A ``ValuesSink`` and whether the push has started sending to it."""
+
+    def __init__(self, sink: ValuesSink) -> None:
+        self.sink = sink
+        self.begun = False
+
+    def begin(self, outcome: PushOutcome, xs: Sequence[Array]) -> None:
+        self.begun = True
+        self.sink.begin(outcome, xs)
+
+    def all_of(self, outcome: PushOutcome, xs: Sequence[Array]) -> None:
+        """Send X whole (a duplicate, or a sync push whose step is taken)."""
+        self.begin(outcome, xs)
+        for i, x in enumerate(xs):
+            self.sink.block(i, 0, x.size)
 
 
 @dataclass(frozen=True)
@@ -386,19 +432,34 @@ class ParameterStore:
         state: Sequence[Array] | None = None,
         update_count: int = 0,
         lease_seconds: float | None = None,
+        tables: Sequence[TableDefinition] = (),
+        table_arrays: Sequence[Sequence[Array]] = (),
+        dtype: np.dtype[Any] | None = None,
     ) -> GroupView:
+        """Create a group of ``tensors`` and ids ``tables`` (``_ids``; their rows
+        ``table_arrays``, as an image has them, when resumed; else empty); a group
+        of tables only takes its ``dtype`` (default float32)."""
         self._check_open()
         check_name(name)
-        if not tensors:
-            raise InvalidArgument(f"group {name!r} needs at least one tensor")
+        if not tensors and not tables:
+            raise InvalidArgument(
+                f"group {name!r} needs at least one tensor or ids table"
+            )
         check_update_count(update_count)
-        dtype = check_tensors(tensors, allow_non_finite)
+        if tensors:
+            dtype = check_tensors(tensors, allow_non_finite)
+        dtype = np.dtype(dtype or np.float32)
+        table_bytes = check_tables(
+            name, attrs, [n for n, _ in tensors], dtype, tables, table_arrays,
+            allow_non_finite,
+        )  # fmt: skip
         check_learning_rate(learning_rate, dtype)
         if lease_seconds is None:
             lease_seconds = self.limits.default_lease_seconds
         check_lease_seconds(lease_seconds)
         check_state(attrs, tensors, dtype, state, allow_non_finite)
         group_bytes = sum(a.nbytes for _, a in tensors) * (1 + len(attrs.state_names))
+        group_bytes += table_bytes
         self.check_group_size(group_bytes)
         group = Group(
             name,
@@ -411,6 +472,9 @@ class ParameterStore:
             incarnation=next(self._incarnations),
             state=state or None,
             update_count=update_count,
+            tables=tables,
+            table_arrays=table_arrays,
+            dtype=dtype,
         )
         journal = _JournalEntry(self._journal)
         # Held until the create record is durable: no call uses the group before.
@@ -554,13 +618,17 @@ class ParameterStore:
         return_values: bool = False,
         timeout: float | None = None,
         cancellation: Cancellation | None = None,
+        sink: ValuesSink | None = None,
     ) -> PushOutcome:
         """Push gradients G_1..G_n; ``group`` is a name or a ticket for these grads.
 
         ``(client_id, seq)`` identifies the push for exactly-once delivery. With
         ``return_values`` a sync push waits for its step (see ``pull``); when every
         waiting slot is taken, a push that would wait is refused before anything
-        changes (one that completes the step goes through).
+        changes (one that completes the step goes through). With ``return_values``
+        and a ``sink``, X goes to the sink instead of ``values``: block by block
+        while an async push steps, so the caller can send each block while the
+        next one steps (whole, for a duplicate or a sync push).
         """
         self._check_open()
         ticket = self._ticket(group, grads)
@@ -577,7 +645,8 @@ class ParameterStore:
         slot = self._waiting_slot(g.name, required=False)
         with slot if may_wait else nullcontext(False) as held:
             wait = _Wait(timeout, cancellation, counted=held)
-            return self._push(g, grads, request, return_values, wait)
+            emit = _Emission(sink) if sink is not None and return_values else None
+            return self._push(g, grads, request, return_values, wait, emit=emit)
 
     def _ticket(self, group: str | PushTicket, grads: Sequence[Array]) -> PushTicket:
         if isinstance(group, PushTicket):
@@ -613,6 +682,7 @@ class ParameterStore:
         wait: _Wait | None = None,
         *,
         replay: bool = False,
+        emit: _Emission | None = None,
     ) -> PushOutcome:
         with self._journaled(replay) as journal, g.cond:
             self._check_live(g)
@@ -623,10 +693,14 @@ class ParameterStore:
                 if return_values:
                     self._check_room_to_wait(g, request, wait)
                 due = _logged_step_due if replay else _quorum_reached
-                outcome = self._step_or_buffer(g, grads, request, journal, due)
+                outcome = self._step_or_buffer(g, grads, request, journal, due, emit)
             if return_values:
                 if not outcome.applied:
                     self._wait_version(g, outcome.update_count + 1, wait or _Wait())
+                if emit is not None:
+                    if not emit.begun:
+                        emit.all_of(outcome, g.xs)
+                    return outcome
                 values = self._frozen_values(g, False)
                 outcome = dataclasses.replace(outcome, values=values)
             return outcome
@@ -638,8 +712,11 @@ class ParameterStore:
         request: _PushRequest,
         journal: _JournalEntry,
         due: Callable[[Group], bool],
+        emit: _Emission | None = None,
     ) -> PushOutcome:
         _check_base_version(g, request.base_version)
+        if g.tables and due is not _logged_step_due:  # replay: it fitted when logged
+            self._check_table_room(g, grads)
         if g.update_count >= MAX_UPDATE_COUNT:
             raise FailedPrecondition(
                 f"group {g.name!r} is at T={g.update_count}, the most steps a group "
@@ -649,7 +726,11 @@ class ParameterStore:
         record = request.record(g.name, g.update_count)
         if g.consistency.mode == "async":
             journal.durable(record, grads)  # Unavailable: refused, nothing changed
-            g.step(grads, request.learning_rate)
+            if emit is None:
+                g.step(grads, request.learning_rate)
+            else:
+                emit.begin(PushOutcome(g.update_count + 1, True), g.xs)
+                g.step(grads, request.learning_rate, emit.sink.block)
             outcome = PushOutcome(g.update_count, True)
         else:
             outcome = self._buffer(g, grads, request.client_id, record, journal, due)
@@ -683,9 +764,14 @@ class ParameterStore:
                 reason="DUPLICATE_SYNC_PUSH",
                 metadata={"group": g.name, "update_count": t},
             )
+        kept = list(grads)
+        if g.tables and not is_row_push(grads):
+            # a dense push to a group with ids tables: no rows of them (so every
+            # contribution has a part per table)
+            kept += flatten([empty_part(t) for t in g.tables.values()])
         g.pending[key] = [
             np.array(a, dtype=a.dtype if a.dtype == INDEX_DTYPE else g.dtype, order="C")
-            for a in grads
+            for a in kept
         ]
         try:
             journal.durable(record, grads)
@@ -751,7 +837,27 @@ class ParameterStore:
         """Check a row push's header (tensor names, dtypes, shapes) before any bytes
         are read; ``specs`` is read after the group is found."""
         g = self._group(name)
-        check_row_specs(g.name, g.names, g.shapes, g.dtype, list(specs))
+        specs = list(specs)
+        dense = [s for s in specs if s[0] not in g.tables]
+        check_row_specs(g.name, g.names, g.shapes, g.dtype, dense)
+        seen: set[str] = set()
+        for j, (tname, index_spec, value_spec) in enumerate(specs):
+            if tname in g.tables:
+                self._check_table_once(g, tname, seen, f"gradients[{j}]")
+                where = f"gradients[{j}]"
+                check_table_spec(g.name, g.tables[tname], where, index_spec, value_spec)
+
+    @staticmethod
+    def _check_table_once(g: Group, tname: str, seen: set[str], where: str) -> None:
+        if tname in seen:
+            raise InvalidArgument(
+                f"ids table {tname!r} is named twice in one row push; put its rows "
+                "in one gradient (repeated ids are summed)",
+                reason="DUPLICATE_TENSOR",
+                field=f"{where}.name",
+                metadata={"group": g.name, "tensor": tname},
+            )
+        seen.add(tname)
 
     def push_rows(
         self,
@@ -777,7 +883,23 @@ class ParameterStore:
             raise InvalidArgument(
                 f"group {name!r} is sync: every push needs a client_id; set client_id"
             )
-        parts = row_push_parts(g.name, g.names, g.shapes, g.dtype, gradients)
+        dense = {k: v for k, v in gradients.items() if k not in g.tables}
+        parts = row_push_parts(g.name, g.names, g.shapes, g.dtype, dense)
+        where = {k: f"gradients[{j}]" for j, k in enumerate(gradients)}
+        for tname, table in g.tables.items():
+            grad = gradients.get(tname)
+            if grad is None:
+                parts.append(empty_part(table))
+                continue
+            if not isinstance(grad, tuple):
+                raise InvalidArgument(
+                    f"{tname!r} is an ids table: its gradient is (ids, rows), not a "
+                    "dense gradient",
+                    reason="ROW_INDICES",
+                    field=f"{where[tname]}.indices",
+                    metadata={"group": name, "tensor": tname},
+                )
+            parts.append(table_part(name, table, where[tname], grad[0], grad[1]))
         flat = flatten(parts)
         self._check_row_values(g, flat, learning_rate)
         request = _PushRequest(client_id, seq, base_version, learning_rate, rows=True)
@@ -814,12 +936,12 @@ class ParameterStore:
         """Redo a logged row push (its rows are coalesced and checked already)."""
         g = self._group(name)
         parts = split_row_push(arrays)
-        if len(parts) != len(g.names):
+        if len(parts) != len(g.names) + len(g.tables):
             raise InvalidArgument(
                 f"logged row push has {len(parts)} tensors, group {name!r} has "
-                f"{len(g.names)}"
+                f"{len(g.names)} and {len(g.tables)} ids tables"
             )
-        for i, p in enumerate(parts):
+        for i, p in enumerate(parts[: len(g.names)]):
             if isinstance(p, np.ndarray):
                 continue
             check_indices(p.indices, g.shapes[i][0], f"tensor {g.names[i]!r}", name)
@@ -838,15 +960,23 @@ class ParameterStore:
         reserve: Callable[[int], None] | None = None,
     ) -> PullResult:
         """Copies of rows of tensors (indices may repeat), of one version: the X
-        rows per selection in order, then (``with_state``) V rows and H rows."""
+        rows per selection in order, then (``with_state``) V rows and H rows.
+
+        An id an ids table does not hold reads as its initial row (V and H zeros)
+        and is not created: a pull changes nothing."""
         self._check_open()
         g = self._group(name)
-        checked: list[tuple[int, Array]] = []
+        checked: list[tuple[str, int, Array]] = []  # (name, tensor or -1, indices)
         for j, (tname, idx) in enumerate(selections.items()):
+            where = f"tensors[{j}].indices"
+            if tname in g.tables:
+                checked.append((tname, -1, check_ids(idx, where, name)))
+                continue
             if tname not in g.names:
+                held = [*g.names, *g.tables]
                 raise InvalidArgument(
                     f"group {name!r} has no tensor {tname!r}; it holds "
-                    f"{', '.join(g.names)}",
+                    f"{', '.join(held)}",
                     reason="UNKNOWN_TENSOR",
                     field=f"tensors[{j}].name",
                     metadata={"group": name, "tensor": tname},
@@ -856,10 +986,9 @@ class ParameterStore:
                 raise InvalidArgument(
                     f"tensor {tname!r} is a scalar: it has no rows",
                     reason="NOT_A_TABLE",
-                    field=f"tensors[{j}].indices",
+                    field=where,
                 )
-            where = f"tensors[{j}].indices"
-            checked.append((i, check_indices(idx, g.shapes[i][0], where, name)))
+            checked.append((tname, i, check_indices(idx, g.shapes[i][0], where, name)))
         with g.cond:
             self._check_live(g)
             if min_version is not None:
@@ -867,22 +996,116 @@ class ParameterStore:
             states = g.attrs.state_names if with_state else ()
             if reserve is not None:
                 row_bytes = sum(
-                    idx.size * (g.xs[i].size // max(1, g.shapes[i][0]))
-                    for i, idx in checked
+                    idx.size
+                    * (
+                        g.tables[t].dim
+                        if i < 0
+                        else g.xs[i].size // max(1, g.shapes[i][0])
+                    )
+                    for t, i, idx in checked
                 )
                 reserve(row_bytes * g.dtype.itemsize * (1 + len(states)))
-            sources = [g.xs] + [g.states[s] for s in states]
+            per_selection = [
+                g.tables[t].read(idx, with_state)
+                if i < 0
+                else [
+                    gather_rows(src[i], g.shapes[i], idx)
+                    for src in [g.xs] + [g.states[s] for s in states]
+                ]
+                for t, i, idx in checked
+            ]
             arrays = tuple(
-                gather_rows(src[i], g.shapes[i], idx)
-                for src in sources
-                for i, idx in checked
+                rows[k] for k in range(1 + len(states)) for rows in per_selection
             )
             names = tuple(
-                (f"{s}:" if s else "") + g.names[i]
-                for s in ("", *states)
-                for i, _ in checked
+                (f"{s}:" if s else "") + t for s in ("", *states) for t, _, _ in checked
             )
             return PullResult(g.update_count, g.learning_rate, arrays, names)
+
+    def list_rows(
+        self,
+        name: str,
+        table: str,
+        *,
+        after: int | None = None,
+        limit: int = 0,
+        with_values: bool = False,
+        with_state: bool = False,
+    ) -> RowsPage:
+        """A page of an ids table's ids ascending, above ``after`` (None: from the
+        first), at most ``limit`` (0: all); with their X rows (and V, H rows)."""
+        self._check_open()
+        g = self._group(name)
+        with g.cond:
+            self._check_live(g)
+            t = self._table(g, table)
+            page, rows, last = t.page(
+                after, limit or max(1, t.count), with_values, with_state
+            )
+            states = t.state_names if with_state else ()
+            names = (table, *(f"{s}:{table}" for s in states)) if with_values else ()
+            return RowsPage(page, tuple(rows), names, last, t.count, g.update_count)
+
+    @staticmethod
+    def _table(g: Group, table: str) -> IdsTable:
+        t = g.tables.get(table)
+        if t is None:
+            held = ", ".join(g.tables) or "none"
+            raise InvalidArgument(
+                f"group {g.name!r} has no ids table {table!r}; its ids tables: {held}",
+                reason="UNKNOWN_TENSOR",
+                field="table",
+                metadata={"group": g.name, "tensor": table},
+            )
+        return t
+
+    def _check_table_room(self, g: Group, grads: Sequence[Array]) -> None:
+        """Under the lock, before a row push is logged: the rows it (and, in a sync
+        group, the step it joins) would create fit the tables' max_rows and the
+        server's byte limits; RESOURCE_EXHAUSTED otherwise, nothing changed."""
+        limits = self.limits.max_group_bytes or self.limits.max_total_bytes
+        if not is_row_push(grads) or not (
+            limits or any(t.max_rows for t in g.tables.values())
+        ):
+            return  # nothing to count against
+        n = len(g.names)
+        mine = split_row_push(grads)[n:]
+        pushes = [split_row_push(c)[n:] for c in g.pending.values()] + [mine]
+        new = new_row_counts(g.tables, pushes)  # type: ignore[arg-type]
+        new_bytes = 0
+        for tname, k in new.items():
+            t = g.tables[tname]
+            if t.max_rows and t.count + k > t.max_rows:
+                raise ResourceExhausted(
+                    f"the push would create {k} rows in ids table {tname!r} of group "
+                    f"{g.name!r}, which holds {t.count} of its max_rows={t.max_rows}; "
+                    "nothing was changed",
+                    metadata={"limit": "max_rows", "group": g.name, "table": tname},
+                )
+            new_bytes += k * t.row_bytes
+        if not new_bytes:
+            return
+        limit = self.limits.max_group_bytes
+        if limit and g.state_bytes + new_bytes > limit:
+            raise ResourceExhausted(
+                f"the push would grow group {g.name!r} by {new_bytes} bytes of new "
+                f"rows to {g.state_bytes + new_bytes}, over the server's limit of "
+                f"{limit} bytes per group; nothing was changed",
+                metadata={"limit": "max_group_bytes", "group": g.name},
+            )
+        limit = self.limits.max_total_bytes
+        if limit:
+            with self._lock:
+                others = [o for o in self._groups.values() if o is not g]
+            # other groups' sizes read without their locks: a moment's estimate
+            total = sum(o.state_bytes for o in others) + g.state_bytes + new_bytes
+            if total > limit:
+                raise ResourceExhausted(
+                    f"the push would grow group {g.name!r} by {new_bytes} bytes of "
+                    f"new rows; the server would hold {total}, over its limit of "
+                    f"{limit}; nothing was changed",
+                    metadata={"limit": "max_total_bytes", "group": g.name},
+                )
 
     # -- pull ----------------------------------------------------------------------
     def pull(

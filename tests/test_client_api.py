@@ -64,6 +64,9 @@ CALLS: dict[str, Callable[..., Any]] = {
     "pull_versioned": lambda c, **kw: c.pull_versioned("g", state=True, **kw),
     "push_rows": lambda c, **kw: c.push_rows("g", {"x": ([0], X[:1])}, **kw),
     "pull_rows": lambda c, **kw: c.pull_rows("g", {"x": [0, 2]}, **kw),
+    "list_rows": lambda c, **kw: c.list_rows("g", "emb", **kw),
+    "count_rows": lambda c, **kw: c.count_rows("g", "emb", **kw),
+    "export_rows": lambda c, **kw: c.export_rows("g", "emb", **kw),
     "apply": lambda c, **kw: c.apply(Adagrad(), np.float32(0.1), 0, X, X, X, **kw),
     "join": lambda c, **kw: c.join("g", **kw),
     "leave": lambda c, **kw: c.leave("g", **kw),
@@ -99,7 +102,8 @@ def test_all_lists_every_public_class_and_function() -> None:
         for cls in vars(onnxps.client).values()
         if inspect.isclass(cls) and issubclass(cls, OnnxpsError)
     }
-    assert len(errors) == 16  # TensorFormatError, ExportFileError, SharedMemoryError
+    # with TensorFormatError, ExportFileError, EncodingRangeError, SharedMemoryError
+    assert len(errors) == 17
     assert errors <= set(onnxps.client.__all__)
 
 

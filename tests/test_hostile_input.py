@@ -57,6 +57,7 @@ METHODS = {
     "SetLearningRate": UNARY,
     "Push": UNARY,
     "PushStream": CLIENT_STREAM,
+    "PushPullStream": BIDI,
     "Pull": UNARY,
     "PullStream": SERVER_STREAM,
     "Apply": UNARY,

@@ -237,6 +237,9 @@ def test_streams_count_from_when_they_open_not_from_their_header() -> None:
             c.create_group("g", Adagrad(), learning_rate=1.0, tensors={"w": w})
             stub = pb_grpc.ParameterServerServiceStub(ch)
             held = [stub.PushStream.future(silent(), timeout=30) for _ in range(4)]
+            # Probe only once the server runs all four: a probe admitted before one of
+            # them would take its slot, and that one would be refused instead.
+            _until(lambda: handle.gate.running == 4)
 
             def fifth_refused() -> bool:
                 try:

@@ -38,6 +38,7 @@ def test_stubs_serve_the_package_named_in_the_proto() -> None:
         "SetLearningRate",
         "Push",
         "PushStream",
+        "PushPullStream",
         "Pull",
         "PullStream",
         "Apply",
@@ -48,6 +49,7 @@ def test_stubs_serve_the_package_named_in_the_proto() -> None:
         "Save",
         "PushRows",
         "PullRows",
+        "ListRows",
         "SharedMemoryHello",
     ]
 

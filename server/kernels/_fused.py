@@ -265,6 +265,37 @@ class Stepper:
         for f in futures:
             f.result()
 
+    def step_in_order(
+        self,
+        r: float,
+        t: int,
+        xs: Sequence[Array],
+        gs: Sequence[Array],
+        vs: Sequence[Array] | None,
+        hs: Sequence[Array] | None,
+        done: Callable[[int, int, int], None],
+    ) -> None:
+        """``step``, calling ``done(i, start, stop)`` as soon as elements
+        ``start:stop`` of tensor ``i`` are final, blocks in order (the same blocks
+        and kernels as ``step``, so the same bits). The threads take one block each
+        at a time; ``done`` runs on the caller's thread between them."""
+        c = coefficients(self.attrs, float(r), int(t), self.dtype)
+        run = self._run if self._kernel is None else self._run_fused
+        width = len(self._slices)
+        pool = _shared_pool() if width > 1 else None
+        for k in range(0, len(self._blocks), width):
+            wave = self._blocks[k : k + width]
+            futures = [
+                pool.submit(run, j, c, xs, gs, vs, hs, [block])
+                for j, block in enumerate(wave[1:], start=1)
+                if pool is not None
+            ]
+            run(0, c, xs, gs, vs, hs, wave[:1])
+            for f in futures:
+                f.result()
+            for i, a, b in wave:
+                done(i, a, b)
+
     def _run(
         self,
         slot: int,
@@ -273,12 +304,13 @@ class Stepper:
         gs: Sequence[Array],
         vs: Sequence[Array] | None,
         hs: Sequence[Array] | None,
+        blocks: Sequence[Block] | None = None,
     ) -> None:
         # NaN/inf in, NaN/inf out, as IEEE says and the operator is defined: no
         # RuntimeWarning (an error under filterwarnings=error). errstate is
         # per-thread, hence here, where every pool thread runs.
         with np.errstate(all="ignore"):
-            for block in self._slices[slot]:
+            for block in self._slices[slot] if blocks is None else blocks:
                 self._run_block(slot, c, xs, gs, vs, hs, block)
 
     def _run_block(
@@ -314,12 +346,13 @@ class Stepper:
         gs: Sequence[Array],
         vs: Sequence[Array] | None,
         hs: Sequence[Array] | None,
+        blocks: Sequence[Block] | None = None,
     ) -> None:
         kernel = self._kernel
         assert kernel is not None
         scalars = _fused_scalars(self.attrs.op, c, self.dtype)
         tensors = [a for a in (xs, gs, vs, hs) if a is not None]
-        for block in self._slices[slot]:
+        for block in self._slices[slot] if blocks is None else blocks:
             i, a, b = block
             try:
                 kernel(*[arrays[i] for arrays in tensors], a, b, *scalars)

@@ -67,6 +67,48 @@ DATA_TYPE_DOUBLE: DataType.ValueType  # 11
 """float64: state tensors, gradients, R."""
 Global___DataType: _TypeAlias = DataType  # noqa: Y015
 
+class _Encoding:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _EncodingEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Encoding.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ENCODING_UNSPECIFIED: _Encoding.ValueType  # 0
+    """Not set: native, the bytes of the dtype (product(dims) * itemsize)."""
+    ENCODING_BFLOAT16: _Encoding.ValueType  # 1
+    """bfloat16: the upper 16 bits of the value as a float32 (float64 values are
+    first rounded to float32), rounded to nearest, ties to even; NaN stays NaN.
+    """
+    ENCODING_FLOAT16: _Encoding.ValueType  # 2
+    """float16: IEEE 754 binary16, rounded to nearest, ties to even; finite values
+    beyond +-65504 cannot be sent.
+    """
+
+class Encoding(_Encoding, metaclass=_EncodingEnumTypeWrapper):
+    """How a tensor's elements travel. The tensor's dtype and dims stay what they
+    are (the group's dtype); only the bytes change. An encoded tensor is 2 bytes
+    per element, little-endian, C order: product(dims) * 2 bytes. Encodings are
+    accepted on FLOAT and DOUBLE tensors of Push and PushStream gradients and
+    PushRows values, and asked for by Pull and PullStream (X only); anywhere else
+    a tensor must travel native. The server widens an encoded gradient exactly to
+    the group's dtype before the step (every bfloat16 and float16 value is a
+    float32 and a float64 value), so the step is exact on the gradient it
+    received; the rounding happens once, at the sender. A finite value whose
+    encoding would be infinite is refused by the sender, not sent as inf.
+    """
+
+ENCODING_UNSPECIFIED: Encoding.ValueType  # 0
+"""Not set: native, the bytes of the dtype (product(dims) * itemsize)."""
+ENCODING_BFLOAT16: Encoding.ValueType  # 1
+"""bfloat16: the upper 16 bits of the value as a float32 (float64 values are
+first rounded to float32), rounded to nearest, ties to even; NaN stays NaN.
+"""
+ENCODING_FLOAT16: Encoding.ValueType  # 2
+"""float16: IEEE 754 binary16, rounded to nearest, ties to even; finite values
+beyond +-65504 cannot be sent.
+"""
+Global___Encoding: _TypeAlias = Encoding  # noqa: Y015
+
 class _ConsistencyMode:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -115,11 +157,42 @@ REDUCTION_SUM: Reduction.ValueType  # 2
 """The sum of the contributions."""
 Global___Reduction: _TypeAlias = Reduction  # noqa: Y015
 
+class _RowInitializerKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RowInitializerKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RowInitializerKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ROW_INITIALIZER_KIND_UNSPECIFIED: _RowInitializerKind.ValueType  # 0
+    """Not set: zeros."""
+    ROW_INITIALIZER_KIND_ZEROS: _RowInitializerKind.ValueType  # 1
+    """Every element 0."""
+    ROW_INITIALIZER_KIND_UNIFORM: _RowInitializerKind.ValueType  # 2
+    """Uniform in [low, high)."""
+    ROW_INITIALIZER_KIND_NORMAL: _RowInitializerKind.ValueType  # 3
+    """Normal(mean, stddev); with truncated, redrawn outside two stddev."""
+
+class RowInitializerKind(_RowInitializerKind, metaclass=_RowInitializerKindEnumTypeWrapper):
+    """How an ids table's new rows start. The exact function of (seed, table name, id)
+    is in onnxps/client/initializers.py (SplitMix64 words -> float64 -> the dtype), so
+    every server, a restart and a replay give an id the same row.
+    """
+
+ROW_INITIALIZER_KIND_UNSPECIFIED: RowInitializerKind.ValueType  # 0
+"""Not set: zeros."""
+ROW_INITIALIZER_KIND_ZEROS: RowInitializerKind.ValueType  # 1
+"""Every element 0."""
+ROW_INITIALIZER_KIND_UNIFORM: RowInitializerKind.ValueType  # 2
+"""Uniform in [low, high)."""
+ROW_INITIALIZER_KIND_NORMAL: RowInitializerKind.ValueType  # 3
+"""Normal(mean, stddev); with truncated, redrawn outside two stddev."""
+Global___RowInitializerKind: _TypeAlias = RowInitializerKind  # noqa: Y015
+
 @_typing.final
 class Tensor(_message.Message):
     """A dense tensor. Bytes are little-endian, C (row-major) order, exactly
-    product(dims) * itemsize long. In a stream header raw_data is empty and the
-    bytes follow in TensorChunk messages.
+    product(dims) * itemsize long (product(dims) * 2 when encoded). In a stream
+    header raw_data is empty and the bytes follow in TensorChunk messages.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -128,12 +201,17 @@ class Tensor(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     DIMS_FIELD_NUMBER: _builtins.int
     RAW_DATA_FIELD_NUMBER: _builtins.int
+    ENCODING_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The tensor's name within its group (may be empty in Apply)."""
     dtype: Global___DataType.ValueType
     """The element type."""
     raw_data: _builtins.bytes
     """The elements: little-endian, C order; empty in a stream header."""
+    encoding: Global___Encoding.ValueType
+    """How raw_data (or the chunks) encode the elements; unset: native. The chunks
+    of an encoded tensor hold whole elements (even offsets and lengths).
+    """
     @_builtins.property
     def dims(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The shape; empty for a scalar (0-d), which holds one element."""
@@ -145,10 +223,11 @@ class Tensor(_message.Message):
         dtype: Global___DataType.ValueType = ...,
         dims: _abc.Iterable[_builtins.int] | None = ...,
         raw_data: _builtins.bytes = ...,
+        encoding: Global___Encoding.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dims", b"dims", "dtype", b"dtype", "name", b"name", "raw_data", b"raw_data"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dims", b"dims", "dtype", b"dtype", "encoding", b"encoding", "name", b"name", "raw_data", b"raw_data"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -493,6 +572,7 @@ class GroupInfo(_message.Message):
     WORKERS_FIELD_NUMBER: _builtins.int
     PENDING_CONTRIBUTIONS_FIELD_NUMBER: _builtins.int
     QUORUM_FIELD_NUMBER: _builtins.int
+    TABLES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The group's name."""
     learning_rate: _builtins.float
@@ -529,6 +609,10 @@ class GroupInfo(_message.Message):
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerInfo]:
         """The workers that joined."""
 
+    @_builtins.property
+    def tables(self) -> _containers.RepeatedCompositeFieldContainer[Global___IdsTableInfo]:
+        """The ids tables, in order (after the tensors in a row push)."""
+
     def __init__(
         self,
         *,
@@ -546,14 +630,159 @@ class GroupInfo(_message.Message):
         workers: _abc.Iterable[Global___WorkerInfo] | None = ...,
         pending_contributions: _builtins.int = ...,
         quorum: _builtins.int = ...,
+        tables: _abc.Iterable[Global___IdsTableInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["consistency", b"consistency", "optimizer", b"optimizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_non_finite", b"allow_non_finite", "consistency", b"consistency", "dtype", b"dtype", "element_count", b"element_count", "learning_rate", b"learning_rate", "lease_seconds", b"lease_seconds", "name", b"name", "optimizer", b"optimizer", "pending_contributions", b"pending_contributions", "quorum", b"quorum", "state_bytes", b"state_bytes", "tensors", b"tensors", "update_count", b"update_count", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_non_finite", b"allow_non_finite", "consistency", b"consistency", "dtype", b"dtype", "element_count", b"element_count", "learning_rate", b"learning_rate", "lease_seconds", b"lease_seconds", "name", b"name", "optimizer", b"optimizer", "pending_contributions", b"pending_contributions", "quorum", b"quorum", "state_bytes", b"state_bytes", "tables", b"tables", "tensors", b"tensors", "update_count", b"update_count", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GroupInfo: _TypeAlias = GroupInfo  # noqa: Y015
+
+@_typing.final
+class RowInitializer(_message.Message):
+    """An ids table's initializer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    LOW_FIELD_NUMBER: _builtins.int
+    HIGH_FIELD_NUMBER: _builtins.int
+    MEAN_FIELD_NUMBER: _builtins.int
+    STDDEV_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    kind: Global___RowInitializerKind.ValueType
+    """Which distribution."""
+    low: _builtins.float
+    """UNIFORM: the lower bound."""
+    high: _builtins.float
+    """UNIFORM: the upper bound (>= low)."""
+    mean: _builtins.float
+    """NORMAL: the mean."""
+    stddev: _builtins.float
+    """NORMAL: the standard deviation (>= 0)."""
+    truncated: _builtins.bool
+    """NORMAL: redraw values more than two stddev from the mean."""
+    seed: _builtins.int
+    """The seed (UNIFORM, NORMAL)."""
+    def __init__(
+        self,
+        *,
+        kind: Global___RowInitializerKind.ValueType = ...,
+        low: _builtins.float = ...,
+        high: _builtins.float = ...,
+        mean: _builtins.float = ...,
+        stddev: _builtins.float = ...,
+        truncated: _builtins.bool = ...,
+        seed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["high", b"high", "kind", b"kind", "low", b"low", "mean", b"mean", "seed", b"seed", "stddev", b"stddev", "truncated", b"truncated"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RowInitializer: _TypeAlias = RowInitializer  # noqa: Y015
+
+@_typing.final
+class IdsTableSpec(_message.Message):
+    """An ids table of a new group: rows of dim elements (the group's dtype) keyed by
+    arbitrary int64 ids, created when a push first touches their id.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DIM_FIELD_NUMBER: _builtins.int
+    INITIALIZER_FIELD_NUMBER: _builtins.int
+    MAX_ROWS_FIELD_NUMBER: _builtins.int
+    IDS_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The table's name, unique among the group's tensors and tables."""
+    dim: _builtins.int
+    """Elements per row (>= 1)."""
+    max_rows: _builtins.int
+    """The most rows it may hold; 0: no limit but the server's byte limits."""
+    @_builtins.property
+    def initializer(self) -> Global___RowInitializer:
+        """A new row's X (V and H start at zeros)."""
+
+    @_builtins.property
+    def ids(self) -> Global___Tensor:
+        """Import: int64 (k,) ids ascending and unique of the rows it starts with; unset:
+        it starts empty.
+        """
+
+    @_builtins.property
+    def rows(self) -> Global___Tensor:
+        """Import: X rows (k, dim) of those ids."""
+
+    @_builtins.property
+    def state(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tensor]:
+        """Import: V rows, then H rows (k, dim), as the operator has them."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        dim: _builtins.int = ...,
+        initializer: Global___RowInitializer | None = ...,
+        max_rows: _builtins.int = ...,
+        ids: Global___Tensor | None = ...,
+        rows: Global___Tensor | None = ...,
+        state: _abc.Iterable[Global___Tensor] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids", "initializer", b"initializer", "rows", b"rows"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dim", b"dim", "ids", b"ids", "initializer", b"initializer", "max_rows", b"max_rows", "name", b"name", "rows", b"rows", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___IdsTableSpec: _TypeAlias = IdsTableSpec  # noqa: Y015
+
+@_typing.final
+class IdsTableInfo(_message.Message):
+    """An ids table of a group."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DIM_FIELD_NUMBER: _builtins.int
+    INITIALIZER_FIELD_NUMBER: _builtins.int
+    MAX_ROWS_FIELD_NUMBER: _builtins.int
+    ROW_COUNT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The table's name."""
+    dim: _builtins.int
+    """Elements per row."""
+    max_rows: _builtins.int
+    """The most rows it may hold; 0: no limit."""
+    row_count: _builtins.int
+    """Rows it holds now."""
+    @_builtins.property
+    def initializer(self) -> Global___RowInitializer:
+        """A new row's X."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        dim: _builtins.int = ...,
+        initializer: Global___RowInitializer | None = ...,
+        max_rows: _builtins.int = ...,
+        row_count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["initializer", b"initializer"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dim", b"dim", "initializer", b"initializer", "max_rows", b"max_rows", "name", b"name", "row_count", b"row_count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___IdsTableInfo: _TypeAlias = IdsTableInfo  # noqa: Y015
 
 @_typing.final
 class CreateGroupRequest(_message.Message):
@@ -570,6 +799,8 @@ class CreateGroupRequest(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     UPDATE_COUNT_FIELD_NUMBER: _builtins.int
     LEASE_SECONDS_FIELD_NUMBER: _builtins.int
+    TABLES_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """The new group's name."""
     learning_rate: _builtins.float
@@ -580,6 +811,10 @@ class CreateGroupRequest(_message.Message):
     """The update count to resume from. Used by import."""
     lease_seconds: _builtins.float
     """The workers' lease; 0: the server's default."""
+    dtype: Global___DataType.ValueType
+    """The group's dtype when it has no tensors (unset: float32); with tensors, unset
+    or theirs.
+    """
     @_builtins.property
     def optimizer(self) -> Global___OptimizerSpec:
         """The optimizer and its attributes."""
@@ -598,6 +833,12 @@ class CreateGroupRequest(_message.Message):
         has them (all or none). Used by import.
         """
 
+    @_builtins.property
+    def tables(self) -> _containers.RepeatedCompositeFieldContainer[Global___IdsTableSpec]:
+        """Ids tables (tensors may then be empty). In a CreateGroupStream their ids,
+        rows and state bytes follow the tensors' and state's chunks, table by table.
+        """
+
     def __init__(
         self,
         *,
@@ -610,10 +851,12 @@ class CreateGroupRequest(_message.Message):
         state: _abc.Iterable[Global___Tensor] | None = ...,
         update_count: _builtins.int = ...,
         lease_seconds: _builtins.float = ...,
+        tables: _abc.Iterable[Global___IdsTableSpec] | None = ...,
+        dtype: Global___DataType.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["consistency", b"consistency", "optimizer", b"optimizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_non_finite", b"allow_non_finite", "consistency", b"consistency", "group", b"group", "learning_rate", b"learning_rate", "lease_seconds", b"lease_seconds", "optimizer", b"optimizer", "state", b"state", "tensors", b"tensors", "update_count", b"update_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_non_finite", b"allow_non_finite", "consistency", b"consistency", "dtype", b"dtype", "group", b"group", "learning_rate", b"learning_rate", "lease_seconds", b"lease_seconds", "optimizer", b"optimizer", "state", b"state", "tables", b"tables", "tensors", b"tensors", "update_count", b"update_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1078,6 +1321,76 @@ class PushStreamResponse(_message.Message):
 Global___PushStreamResponse: _TypeAlias = PushStreamResponse  # noqa: Y015
 
 @_typing.final
+class PushPullStreamRequest(_message.Message):
+    """One message of a PushPullStream: the header first, then chunks (the fields
+    of PushStreamRequest). The reply carries X_1..X_n whatever return_values says.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___PushRequest:
+        """The push, gradients without raw_data."""
+
+    @_builtins.property
+    def chunk(self) -> Global___TensorChunk:
+        """Gradient bytes."""
+
+    def __init__(
+        self,
+        *,
+        header: Global___PushRequest | None = ...,
+        chunk: Global___TensorChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___PushPullStreamRequest: _TypeAlias = PushPullStreamRequest  # noqa: Y015
+
+@_typing.final
+class PushPullStreamResponse(_message.Message):
+    """One message of a PushPullStream's reply: the header first, then the chunks of
+    X_1..X_n after the push (SYNC: after its step). A new step's values are sent
+    block by block as each block is stepped; a repeated push (duplicate) gets the
+    group's current values, as a Push with return_values does.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___PushResponse:
+        """The push's outcome, and X_1..X_n in values, without raw_data."""
+
+    @_builtins.property
+    def chunk(self) -> Global___TensorChunk:
+        """Bytes of X_1..X_n."""
+
+    def __init__(
+        self,
+        *,
+        header: Global___PushResponse | None = ...,
+        chunk: Global___TensorChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___PushPullStreamResponse: _TypeAlias = PushPullStreamResponse  # noqa: Y015
+
+@_typing.final
 class PullRequest(_message.Message):
     """Read a group's tensors."""
 
@@ -1086,6 +1399,7 @@ class PullRequest(_message.Message):
     GROUP_FIELD_NUMBER: _builtins.int
     WITH_STATE_FIELD_NUMBER: _builtins.int
     MIN_VERSION_FIELD_NUMBER: _builtins.int
+    ENCODING_FIELD_NUMBER: _builtins.int
     REPLY_REGION_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """The group's name."""
@@ -1093,6 +1407,10 @@ class PullRequest(_message.Message):
     """Also V..., H... (ONNX output order)."""
     min_version: _builtins.int
     """Wait (within the deadline) until the group's T reaches this value."""
+    encoding: Global___Encoding.ValueType
+    """Send X_1..X_n in this encoding (the reply's tensors say theirs); unset:
+    native. Refused with with_state: V and H travel native.
+    """
     @_builtins.property
     def reply_region(self) -> Global___SharedMemoryRegion:
         """Same-host transport: write the tensors into this region of a segment the
@@ -1106,11 +1424,12 @@ class PullRequest(_message.Message):
         group: _builtins.str = ...,
         with_state: _builtins.bool = ...,
         min_version: _builtins.int | None = ...,
+        encoding: Global___Encoding.ValueType = ...,
         reply_region: Global___SharedMemoryRegion | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "min_version", b"min_version", "reply_region", b"reply_region"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "group", b"group", "min_version", b"min_version", "reply_region", b"reply_region", "with_state", b"with_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "encoding", b"encoding", "group", b"group", "min_version", b"min_version", "reply_region", b"reply_region", "with_state", b"with_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__min_version: _TypeAlias = _typing.Literal["min_version"]  # noqa: Y015
     _WhichOneofArgType__min_version: _TypeAlias = _typing.Literal["_min_version", b"_min_version"]  # noqa: Y015
@@ -1167,22 +1486,28 @@ class PullStreamRequest(_message.Message):
     GROUP_FIELD_NUMBER: _builtins.int
     WITH_STATE_FIELD_NUMBER: _builtins.int
     MIN_VERSION_FIELD_NUMBER: _builtins.int
+    ENCODING_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """The group's name."""
     with_state: _builtins.bool
     """Also V..., H... (ONNX output order)."""
     min_version: _builtins.int
     """Wait (within the deadline) until the group's T reaches this value."""
+    encoding: Global___Encoding.ValueType
+    """Send X_1..X_n in this encoding (the reply's tensors say theirs); unset:
+    native. Refused with with_state: V and H travel native.
+    """
     def __init__(
         self,
         *,
         group: _builtins.str = ...,
         with_state: _builtins.bool = ...,
         min_version: _builtins.int | None = ...,
+        encoding: Global___Encoding.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "min_version", b"min_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "group", b"group", "min_version", b"min_version", "with_state", b"with_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "encoding", b"encoding", "group", b"group", "min_version", b"min_version", "with_state", b"with_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__min_version: _TypeAlias = _typing.Literal["min_version"]  # noqa: Y015
     _WhichOneofArgType__min_version: _TypeAlias = _typing.Literal["_min_version", b"_min_version"]  # noqa: Y015
@@ -1887,6 +2212,92 @@ class PullRowsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
 
 Global___PullRowsResponse: _TypeAlias = PullRowsResponse  # noqa: Y015
+
+@_typing.final
+class ListRowsRequest(_message.Message):
+    """List the ids of an ids table, ascending, a page at a time."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    TABLE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    WITH_VALUES_FIELD_NUMBER: _builtins.int
+    WITH_STATE_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    """The group's name."""
+    table: _builtins.str
+    """The ids table's name."""
+    page_token: _builtins.str
+    """Empty: from the first id; else a next_page_token."""
+    page_size: _builtins.int
+    """The most ids to return (0: 1000); the server may return fewer (at most
+    100000 ids, and about 2 MiB of rows with values); follow next_page_token.
+    """
+    with_values: _builtins.bool
+    """Also the X rows of the ids."""
+    with_state: _builtins.bool
+    """With with_values: also their V rows, then H rows."""
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        table: _builtins.str = ...,
+        page_token: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        with_values: _builtins.bool = ...,
+        with_state: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "page_size", b"page_size", "page_token", b"page_token", "table", b"table", "with_state", b"with_state", "with_values", b"with_values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRowsRequest: _TypeAlias = ListRowsRequest  # noqa: Y015
+
+@_typing.final
+class ListRowsResponse(_message.Message):
+    """A page of an ids table."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDS_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    ROW_COUNT_FIELD_NUMBER: _builtins.int
+    UPDATE_COUNT_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Empty: this was the last page."""
+    row_count: _builtins.int
+    """Rows the table holds."""
+    update_count: _builtins.int
+    """T of this page."""
+    @_builtins.property
+    def ids(self) -> Global___Tensor:
+        """int64 (k,): the ids of this page, ascending."""
+
+    @_builtins.property
+    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tensor]:
+        """With with_values: X rows (k, dim) named as the table, then "V:" and "H:" rows."""
+
+    def __init__(
+        self,
+        *,
+        ids: Global___Tensor | None = ...,
+        rows: _abc.Iterable[Global___Tensor] | None = ...,
+        next_page_token: _builtins.str = ...,
+        row_count: _builtins.int = ...,
+        update_count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids", "next_page_token", b"next_page_token", "row_count", b"row_count", "rows", b"rows", "update_count", b"update_count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRowsResponse: _TypeAlias = ListRowsResponse  # noqa: Y015
 
 @_typing.final
 class SharedMemoryRegion(_message.Message):

@@ -75,6 +75,11 @@ class ParameterServerServiceStub:
                 request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PushStreamRequest.SerializeToString,
                 response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PushStreamResponse.FromString,
                 _registered_method=True)
+        self.PushPullStream = channel.stream_stream(
+                '/onnxps.v1.ParameterServerService/PushPullStream',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PushPullStreamRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PushPullStreamResponse.FromString,
+                _registered_method=True)
         self.Pull = channel.unary_unary(
                 '/onnxps.v1.ParameterServerService/Pull',
                 request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PullRequest.SerializeToString,
@@ -124,6 +129,11 @@ class ParameterServerServiceStub:
                 '/onnxps.v1.ParameterServerService/PullRows',
                 request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PullRowsRequest.SerializeToString,
                 response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PullRowsResponse.FromString,
+                _registered_method=True)
+        self.ListRows = channel.unary_unary(
+                '/onnxps.v1.ParameterServerService/ListRows',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ListRowsRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ListRowsResponse.FromString,
                 _registered_method=True)
         self.SharedMemoryHello = channel.unary_unary(
                 '/onnxps.v1.ParameterServerService/SharedMemoryHello',
@@ -187,6 +197,14 @@ class ParameterServerServiceServicer:
 
     def PushStream(self, request_iterator, context):
         """Push gradients as a header and chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushPullStream(self, request_iterator, context):
+        """Push gradients as a header and chunks and receive X_1..X_n after the step as
+        a header and chunks, streamed while the group steps (one call: push and pull).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -263,6 +281,13 @@ class ParameterServerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRows(self, request, context):
+        """A page of an ids table's ids (and rows).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SharedMemoryHello(self, request, context):
         """Negotiate the same-host shared-memory transport (refused with
         FAILED_PRECONDITION, PERMISSION_DENIED or INVALID_ARGUMENT where it cannot
@@ -315,6 +340,11 @@ def add_ParameterServerServiceServicer_to_server(servicer, server):
                     request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PushStreamRequest.FromString,
                     response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PushStreamResponse.SerializeToString,
             ),
+            'PushPullStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushPullStream,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PushPullStreamRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PushPullStreamResponse.SerializeToString,
+            ),
             'Pull': grpc.unary_unary_rpc_method_handler(
                     servicer.Pull,
                     request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PullRequest.FromString,
@@ -364,6 +394,11 @@ def add_ParameterServerServiceServicer_to_server(servicer, server):
                     servicer.PullRows,
                     request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.PullRowsRequest.FromString,
                     response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.PullRowsResponse.SerializeToString,
+            ),
+            'ListRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRows,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ListRowsRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ListRowsResponse.SerializeToString,
             ),
             'SharedMemoryHello': grpc.unary_unary_rpc_method_handler(
                     servicer.SharedMemoryHello,
@@ -588,6 +623,33 @@ class ParameterServerService:
             '/onnxps.v1.ParameterServerService/PushStream',
             onnxps_dot_v1_dot_parameter__server__pb2.PushStreamRequest.SerializeToString,
             onnxps_dot_v1_dot_parameter__server__pb2.PushStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPullStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/onnxps.v1.ParameterServerService/PushPullStream',
+            onnxps_dot_v1_dot_parameter__server__pb2.PushPullStreamRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.PushPullStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -858,6 +920,33 @@ class ParameterServerService:
             '/onnxps.v1.ParameterServerService/PullRows',
             onnxps_dot_v1_dot_parameter__server__pb2.PullRowsRequest.SerializeToString,
             onnxps_dot_v1_dot_parameter__server__pb2.PullRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/onnxps.v1.ParameterServerService/ListRows',
+            onnxps_dot_v1_dot_parameter__server__pb2.ListRowsRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.ListRowsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -69,6 +69,10 @@ class ParameterServerServiceStub:
     """Push gradients inline."""
     PushStream: _grpc.StreamUnaryMultiCallable[_parameter_server_pb2.PushStreamRequest, _parameter_server_pb2.PushStreamResponse]
     """Push gradients as a header and chunks."""
+    PushPullStream: _grpc.StreamStreamMultiCallable[_parameter_server_pb2.PushPullStreamRequest, _parameter_server_pb2.PushPullStreamResponse]
+    """Push gradients as a header and chunks and receive X_1..X_n after the step as
+    a header and chunks, streamed while the group steps (one call: push and pull).
+    """
     Pull: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.PullRequest, _parameter_server_pb2.PullResponse]
     """Pull tensors inline."""
     PullStream: _grpc.UnaryStreamMultiCallable[_parameter_server_pb2.PullStreamRequest, _parameter_server_pb2.PullStreamResponse]
@@ -91,6 +95,8 @@ class ParameterServerServiceStub:
     """
     PullRows: _grpc.StreamStreamMultiCallable[_parameter_server_pb2.PullRowsRequest, _parameter_server_pb2.PullRowsResponse]
     """Read rows of tensors: indices as a header and chunks; rows back the same way."""
+    ListRows: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.ListRowsRequest, _parameter_server_pb2.ListRowsResponse]
+    """A page of an ids table's ids (and rows)."""
     SharedMemoryHello: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.SharedMemoryHelloRequest, _parameter_server_pb2.SharedMemoryHelloResponse]
     """Negotiate the same-host shared-memory transport (refused with
     FAILED_PRECONDITION, PERMISSION_DENIED or INVALID_ARGUMENT where it cannot
@@ -118,6 +124,10 @@ class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
     """Push gradients inline."""
     PushStream: _aio.StreamUnaryMultiCallable[_parameter_server_pb2.PushStreamRequest, _parameter_server_pb2.PushStreamResponse]  # type: ignore[assignment]
     """Push gradients as a header and chunks."""
+    PushPullStream: _aio.StreamStreamMultiCallable[_parameter_server_pb2.PushPullStreamRequest, _parameter_server_pb2.PushPullStreamResponse]  # type: ignore[assignment]
+    """Push gradients as a header and chunks and receive X_1..X_n after the step as
+    a header and chunks, streamed while the group steps (one call: push and pull).
+    """
     Pull: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.PullRequest, _parameter_server_pb2.PullResponse]  # type: ignore[assignment]
     """Pull tensors inline."""
     PullStream: _aio.UnaryStreamMultiCallable[_parameter_server_pb2.PullStreamRequest, _parameter_server_pb2.PullStreamResponse]  # type: ignore[assignment]
@@ -140,6 +150,8 @@ class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
     """
     PullRows: _aio.StreamStreamMultiCallable[_parameter_server_pb2.PullRowsRequest, _parameter_server_pb2.PullRowsResponse]  # type: ignore[assignment]
     """Read rows of tensors: indices as a header and chunks; rows back the same way."""
+    ListRows: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.ListRowsRequest, _parameter_server_pb2.ListRowsResponse]  # type: ignore[assignment]
+    """A page of an ids table's ids (and rows)."""
     SharedMemoryHello: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.SharedMemoryHelloRequest, _parameter_server_pb2.SharedMemoryHelloResponse]  # type: ignore[assignment]
     """Negotiate the same-host shared-memory transport (refused with
     FAILED_PRECONDITION, PERMISSION_DENIED or INVALID_ARGUMENT where it cannot
@@ -212,6 +224,16 @@ class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_parameter_server_pb2.PushStreamResponse, _abc.Awaitable[_parameter_server_pb2.PushStreamResponse]]:
         """Push gradients as a header and chunks."""
+
+    @_abc_1.abstractmethod
+    def PushPullStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_parameter_server_pb2.PushPullStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_parameter_server_pb2.PushPullStreamResponse], _abc.AsyncIterator[_parameter_server_pb2.PushPullStreamResponse]]:
+        """Push gradients as a header and chunks and receive X_1..X_n after the step as
+        a header and chunks, streamed while the group steps (one call: push and pull).
+        """
 
     @_abc_1.abstractmethod
     def Pull(
@@ -294,6 +316,14 @@ class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_parameter_server_pb2.PullRowsResponse], _abc.AsyncIterator[_parameter_server_pb2.PullRowsResponse]]:
         """Read rows of tensors: indices as a header and chunks; rows back the same way."""
+
+    @_abc_1.abstractmethod
+    def ListRows(
+        self,
+        request: _parameter_server_pb2.ListRowsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.ListRowsResponse, _abc.Awaitable[_parameter_server_pb2.ListRowsResponse]]:
+        """A page of an ids table's ids (and rows)."""
 
     @_abc_1.abstractmethod
     def SharedMemoryHello(

@@ -1,0 +1,127 @@
+"""Compressed gradients on the wire: native vs bfloat16 vs float16, push and pull.
+
+    python benchmarks/compression.py [--rounds N] [--mib 64]
+
+The server runs as a separate process (``onnxps serve`` on a free loopback port) and
+holds one float32 Adam group of ``--mib`` MiB (64 by default). Each round pushes one
+gradient and pulls X in every encoding, alternating, so that all of them see the same
+machine load; the table gives the median over the rounds and the spread (min-max).
+
+- bytes: the tensor bytes the call carries (its messages add a few hundred bytes).
+- ms: the whole call, client-side encoding (push) or widening (pull) included.
+- GB/s: logical data (the float32 tensor, 4 bytes per element) per second.
+
+Then the codec alone, in this process: encode (float32 -> 2 bytes, round to nearest
+even, overflow check) and widen (2 bytes -> float32) in ns per element.
+
+The machine may be shared: read the ratios, not the absolute figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from onnxps.cli.process import start_server_process, stop_processes
+from onnxps.client import Adam, Client
+from onnxps.client.codec import decode, encode
+
+MIB = 1 << 20
+ENCODINGS = ("native", "bfloat16", "float16")
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _spread(values: list[float], scale: float, fmt: str) -> str:
+    lo, mid, hi = min(values), statistics.median(values), max(values)
+    return f"{mid * scale:{fmt}} ({lo * scale:{fmt}}-{hi * scale:{fmt}})"
+
+
+def wire(address: str, elements: int, rounds: int) -> list[list[str]]:
+    rng = np.random.default_rng(0)
+    x0 = rng.standard_normal(elements, dtype=np.float32)
+    grad = rng.standard_normal(elements, dtype=np.float32) * np.float32(1e-3)
+    times: dict[tuple[str, str], list[float]] = {}
+    with Client(address, timeout=600, transport="stream") as c:
+        c.create_group("big", Adam(), learning_rate=1e-3, tensors={"w": x0})
+        for r in range(rounds + 1):  # the first round warms up
+            for enc in ENCODINGS:
+                push = _timed(lambda e=enc: c.push("big", grad, encoding=e))
+                pull = _timed(lambda e=enc: c.pull("big", encoding=e))
+                if r:
+                    times.setdefault(("push", enc), []).append(push)
+                    times.setdefault(("pull", enc), []).append(pull)
+    logical = elements * 4
+    rows = []
+    for what in ("push", "pull"):
+        base = statistics.median(times[(what, "native")])
+        for enc in ENCODINGS:
+            t = times[(what, enc)]
+            nbytes = logical if enc == "native" else elements * 2
+            rows.append(
+                [
+                    what,
+                    enc,
+                    f"{nbytes:,}",
+                    _spread(t, 1e3, ".1f"),
+                    f"{logical / statistics.median(t) / 1e9:.2f}",
+                    f"{statistics.median(t) / base:.2f}x",
+                ]
+            )
+    return rows
+
+
+def codec(elements: int, rounds: int) -> list[list[str]]:
+    g = np.random.default_rng(1).standard_normal(elements, dtype=np.float32)
+    rows = []
+    for enc in ("bfloat16", "float16"):
+        encoded = encode(g, enc)
+        enc_t = [_timed(lambda e=enc: encode(g, e)) for _ in range(rounds)]
+        dec_t = [_timed(lambda e=encoded: decode(e)) for _ in range(rounds)]
+        for what, t in (("encode", enc_t), ("widen", dec_t)):
+            rows.append([what, enc, _spread(t, 1e9 / elements, ".2f")])
+    copy_t = [_timed(g.copy) for _ in range(rounds)]
+    rows.append(["copy (baseline)", "float32", _spread(copy_t, 1e9 / elements, ".2f")])
+    return rows
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--mib", type=int, default=64, help="size of X (float32)")
+    args = p.parse_args()
+    elements = args.mib * MIB // 4
+    with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
+        proc, address = start_server_process(log=Path(log.name))
+        try:
+            rows = wire(address, elements, args.rounds)
+        finally:
+            stop_processes([proc], timeout=15)
+    print(
+        f"{args.mib} MiB float32 Adam group, server in its own process, loopback, "
+        f"{args.rounds} alternating rounds: median (min-max)\n"
+    )
+    header = ["call", "encoding", "tensor bytes", "ms", "GB/s logical", "vs native"]
+    print(_table(header, rows))
+    print(f"\ncodec in this process, {elements:,} float32 elements: ns/element\n")
+    print(_table(["", "encoding", "ns/element"], codec(elements, args.rounds)))
+
+
+if __name__ == "__main__":
+    main()
