@@ -35,6 +35,7 @@ from ._errors import (
     PermissionDeniedError,
     ResourceExhaustedError,
     RpcError,
+    SharedMemoryError,
     UnauthenticatedError,
     UnavailableError,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "RowsPage",
     "RpcError",
     "SaveInfo",
+    "SharedMemoryError",
     "Sync",
     "TableInfo",
     "TensorFormatError",

@@ -94,6 +94,7 @@ class AsyncClient(ClientCore):
         await asyncio.gather(*beats, return_exceptions=True)
         if self._channel is not None:
             await self._channel.close(None)
+        self._close_shared_memory()
 
     def _method(self, name: str) -> Any:
         self._check_open()

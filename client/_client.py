@@ -136,6 +136,14 @@ class Client(ClientCore):
     to the shards holding its group, and a group whose X is larger than
     ``split_bytes`` is split across them.
 
+    ``address`` may also be ``"unix:///path/to.sock"`` (or ``"unix:relative"``): a
+    server listening on a Unix socket. ``shared_memory`` chooses the same-host
+    transport (README "Same host: Unix sockets and shared memory"): ``"auto"`` (the
+    default) moves the tensors of large pushes and pulls through /dev/shm when a
+    hello proves client and server share host and user, and sends bytes over gRPC
+    otherwise (logged once); ``"on"`` raises ``SharedMemoryError`` where it cannot
+    work; ``"off"`` never uses it.
+
     Every call takes ``timeout=`` (seconds) and falls back to the client's default.
     It is one deadline for the whole call: every retry of the channel and every
     resend of a push happen within it. The channel is opened on first use; after
@@ -180,6 +188,7 @@ class Client(ClientCore):
             thread.join(timeout=5)
         for channel in self._channels.values():
             channel.close()
+        self._close_shared_memory()
 
     def _get_stub(self, shard: int = 0) -> pb_grpc.ParameterServerServiceStub:
         with self._lock:

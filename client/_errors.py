@@ -20,6 +20,7 @@ __all__ = [
     "PermissionDeniedError",
     "ResourceExhaustedError",
     "RpcError",
+    "SharedMemoryError",
     "UnauthenticatedError",
     "UnavailableError",
     "translate",
@@ -32,6 +33,11 @@ class OnnxpsError(Exception):
 
 class ClientClosedError(OnnxpsError):
     """The client was closed; create a new one."""
+
+
+class SharedMemoryError(OnnxpsError):
+    """``shared_memory="on"`` where client and server cannot share memory (another
+    host, another user, no shared /dev/shm, or the server turned it off)."""
 
 
 class RpcError(OnnxpsError):

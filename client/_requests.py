@@ -9,6 +9,7 @@ request or a reply. Operations compose with ``yield from``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import itertools
@@ -30,6 +31,7 @@ from ._errors import (
     ClientClosedError,
     DeadlineExceededError,
     RpcError,
+    SharedMemoryError,
     UnavailableError,
     translate,
 )
@@ -61,6 +63,14 @@ from .codec import (
     write_tensor,
 )
 from .initializers import IdsTable
+from .shm import (
+    Segment,
+    SegmentPool,
+    SharedMemoryMode,
+    hello_segment,
+    layout,
+    sweep_orphans,
+)
 
 __all__ = [
     "SPLIT_BYTES",
@@ -88,6 +98,17 @@ Transport = Literal["auto", "unary", "stream"]
 R = TypeVar("R")
 
 STREAM_THRESHOLD_BYTES = 1 << 20
+# With shared_memory="auto", tensors of a call at least this large go through shared
+# memory (below it, inline bytes cost less than mapping a segment on the server).
+SHARED_MEMORY_THRESHOLD_BYTES = 64 << 10
+_SHM_MODES = ("auto", "on", "off")
+# Refusals of a hello that mean "not here": the client falls back to bytes.
+_HELLO_REFUSALS = (
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+)
 SPLIT_BYTES = 64 << 20  # a cluster splits a group whose X is larger
 _RESEND_BACKOFF_MAX = 2.0  # seconds between a push's resends, at most
 _RESEND_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -104,6 +125,7 @@ _SAFE_TO_REPEAT = (
     "PushStream",
     "PushPullStream",
     "Pull",
+    "SharedMemoryHello",
     "PullStream",
     "DescribeGroup",
     "ListGroups",
@@ -167,6 +189,7 @@ def _check_client_arguments(
     chunk_bytes: Any,
     root_certificates: Any,
     unexpected: Mapping[str, Any],
+    shared_memory: Any = "off",
 ) -> None:
     """TypeError/ValueError that say what ``Client(...)`` (or ``AsyncClient``)
     takes."""
@@ -198,6 +221,11 @@ def _check_client_arguments(
     if transport not in _TRANSPORTS:
         raise ValueError(
             f"transport must be one of {', '.join(_TRANSPORTS)}, got {transport!r}"
+        )
+    if shared_memory not in _SHM_MODES:
+        raise ValueError(
+            f"shared_memory must be one of {', '.join(_SHM_MODES)}, got "
+            f"{shared_memory!r}"
         )
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be an integer >= 1, got {chunk_bytes!r}")
@@ -459,6 +487,7 @@ class ClientCore:
         stream_threshold_bytes: int = STREAM_THRESHOLD_BYTES,
         chunk_bytes: int = CHUNK_BYTES,
         split_bytes: int = SPLIT_BYTES,
+        shared_memory: SharedMemoryMode = "auto",
         gradient_encoding: Encoding | None = None,
         pull_encoding: Encoding | None = None,
         **unexpected: NoReturn,
@@ -471,6 +500,7 @@ class ClientCore:
             chunk_bytes,
             root_certificates,
             unexpected,
+            shared_memory,
         )
         # A list of addresses is a cluster: shard i at addresses[i] (README, "A
         # cluster of shards").
@@ -497,6 +527,15 @@ class ClientCore:
         # pushes would be answered as duplicates and silently dropped.
         self._seq = itertools.count(time.time_ns() // 1000)
         self._sizes: dict[str, int] = {}
+        # group -> segment bytes its pull needs without and with state
+        self._pull_segments: dict[str, tuple[int, int]] = {}
+        # The same-host transport: "auto" (with transport="auto") tries it for
+        # calls of at least SHARED_MEMORY_THRESHOLD_BYTES and falls back to bytes
+        # where the hello is refused; "on" uses it for every push and pull and
+        # raises SharedMemoryError where it cannot work; "off" never uses it.
+        self.shared_memory: SharedMemoryMode = shared_memory
+        self._shm_pool: SegmentPool | None = None
+        self._shm_refused: str | None = None
         self._state = State.UNOPENED
         self._setup()
 
@@ -664,6 +703,12 @@ class ClientCore:
 
     def _remember(self, info: GroupInfo) -> GroupInfo:
         self._sizes[info.name] = info.nbytes
+        sizes = [
+            int(np.prod(dims, dtype=np.int64)) * info.dtype.itemsize
+            for _, dims in info.tensors
+        ]
+        # with state: X, V and H at most (Adam)
+        self._pull_segments[info.name] = (layout(sizes)[1], layout(sizes * 3)[1])
         return info
 
     def _describe_group(
@@ -734,6 +779,15 @@ class ClientCore:
         self, req: pb.PushRequest, arrays: list[Array], deadline: Deadline
     ) -> Op[PushResult]:
         """Send the push (a cluster client: its parts, to their shards)."""
+        pool = None
+        if all(a.dtype.kind == "f" for a in arrays):  # not an encoded push
+            pool = yield from self._shared_memory(
+                sum(a.nbytes for a in arrays), deadline
+            )
+        sizes = [a.nbytes for a in arrays]
+        segs = self._segments(pool, sizes, 2 if req.return_values else 1)
+        if pool is not None and segs is not None:
+            return (yield from self._push_shared_op(pool, segs, req, arrays, deadline))
         return (yield from self._push_op(req, arrays, deadline))
 
     def _push_op(
@@ -766,6 +820,131 @@ class ClientCore:
         if req.return_values:
             values = [tensor_to_array(t, t.name).copy() for t in msg.values]
         return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
+
+    def _push_shared_op(
+        self,
+        pool: SegmentPool,
+        segs: list[Segment],
+        template: pb.PushRequest,
+        arrays: list[Array],
+        deadline: Deadline,
+    ) -> Op[PushResult]:
+        """A push whose gradients (and returned X) travel in shared memory (in
+        ``segs``, given back to ``pool`` at the end); the unary Push carries only
+        their region. Resent like any push."""
+        req = pb.PushRequest()
+        req.CopyFrom(template)
+        req.gradients.extend(header_tensor(a) for a in arrays)
+        with _released(pool, segs):
+            req.gradients_region.CopyFrom(segs[0].write(arrays))
+            if req.return_values:
+                req.reply_region.CopyFrom(segs[1].region())
+            what = f"the push to group {req.group} (seq {req.seq}) was not answered"
+            call = Call("Push", _unary(req), deadline, what)
+            msg = yield from self._shared_call(
+                self._resending(call, req.group, req.seq)
+            )
+            values = None
+            if req.return_values and msg.HasField("values_region"):
+                values = segs[1].read(msg.values_region, msg.values)
+            elif req.return_values:
+                values = [tensor_to_array(t, t.name).copy() for t in msg.values]
+        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
+
+    # -- the same-host transport ---------------------------------------------------
+    def _shared_memory(self, nbytes: int, deadline: Deadline) -> Op[SegmentPool | None]:
+        """The segments of the same-host transport when a call of ``nbytes`` should
+        use it (a hello on first use), else None (bytes over gRPC)."""
+        if self.shared_memory == "off" or self.shards is not None:
+            return None
+        if self.shared_memory == "auto" and (
+            self.transport != "auto" or nbytes < SHARED_MEMORY_THRESHOLD_BYTES
+        ):
+            return None  # small, or a gRPC transport was asked for by name
+        if self._shm_pool is not None:
+            return self._shm_pool
+        if self._shm_refused is not None:
+            self._refuse_shared_memory(self._shm_refused)
+            return None
+        try:
+            seg, nonce = hello_segment()
+        except OSError as exc:
+            why = f"cannot create a segment in /dev/shm ({exc.strerror})"
+            self._refuse_shared_memory(why)
+            return None
+        try:
+            sweep_orphans()
+            req = pb.SharedMemoryHelloRequest(segment=seg.name)
+            call = Call("SharedMemoryHello", _unary(req), deadline, what("the hello"))
+            msg = yield call
+        except RpcError as exc:
+            if exc.code not in _HELLO_REFUSALS:
+                raise
+            self._refuse_shared_memory(f"{exc.code.name}: {exc.details}")
+            return None
+        finally:
+            seg.close()
+        if msg.nonce != nonce:
+            why = "the server read another nonce: it does not share this /dev/shm"
+            self._refuse_shared_memory(why)
+            return None
+        log.info("shared memory with %s: tensors move through /dev/shm", self.address)
+        self._shm_pool = SegmentPool()
+        return self._shm_pool
+
+    def _segments(
+        self, pool: SegmentPool | None, sizes: list[int], n: int
+    ) -> list[Segment] | None:
+        """``n`` segments of ``pool`` for one call's tensors; None (bytes over gRPC
+        for this call, or SharedMemoryError with "on") when /dev/shm has no room."""
+        if pool is None:
+            return None
+        segs: list[Segment] = []
+        try:
+            for _ in range(n):
+                segs.append(pool.acquire(sizes))
+        except OSError as exc:
+            for seg in segs:
+                pool.release(seg)
+            why = f"no room in /dev/shm for {sum(sizes)} bytes ({exc.strerror})"
+            if self.shared_memory == "on":
+                raise SharedMemoryError(why) from None
+            log.info("%s: this call sends its tensors over gRPC", why)
+            return None
+        return segs
+
+    def _refuse_shared_memory(self, why: str) -> None:
+        """Remember that the hello failed: "on" raises, "auto" falls back (once
+        logged)."""
+        first = self._shm_refused is None
+        self._shm_refused = why
+        if self.shared_memory == "on":
+            raise SharedMemoryError(
+                f"shared_memory='on' but the server at {self.address} cannot share "
+                f"memory with this client: {why}"
+            )
+        if first:
+            log.info(
+                "shared memory with %s is not possible (%s); sending tensor bytes "
+                "over gRPC",
+                self.address,
+                why,
+            )
+        return None
+
+    def _shared_call(self, op: Op[R]) -> Op[R]:
+        """``op``; when it fails because the server went away, the segments are
+        unlinked (and the next call says hello again, to whatever answers then)."""
+        try:
+            return (yield from op)
+        except (UnavailableError, DeadlineExceededError):
+            self._close_shared_memory()
+            raise
+
+    def _close_shared_memory(self) -> None:
+        pool, self._shm_pool = self._shm_pool, None
+        if pool is not None:
+            pool.close()
 
     def _push(self, *args: Any, **kwargs: Any) -> Op[int | list[Array]]:
         """Push G_1..G_n (ONNX order). Returns the new T, or X_1..X_n with
@@ -855,8 +1034,21 @@ class ClientCore:
         else:
             waited = f"the pull of group {group} was not answered"
         size = self._sizes.get(group)
-        if size is None and self.transport == "auto":
+        unknown = group not in self._pull_segments
+        if (size is None and self.transport == "auto") or (
+            unknown and self.shared_memory == "on" and self.shards is None
+        ):
             size = (yield from self._describe(group, deadline)).nbytes
+        segment = self._pull_segments.get(group, (0, 0))[state]
+        pool = None
+        if encoding == "native":  # an encoded pull is asked for by name
+            pool = yield from self._shared_memory(size or 0, deadline)
+        segs = self._segments(pool, [segment], 1) if segment else None
+        if pool is not None and segs is not None:
+            shared = pb.PullRequest(
+                group=group, with_state=state, min_version=min_version
+            )
+            return (yield from self._pull_shared_op(pool, segs[0], shared, deadline))
         if self._use_stream(size or 0):
             req = pb.PullStreamRequest(
                 group=group,
@@ -876,6 +1068,25 @@ class ClientCore:
         )
         msg = yield Call("Pull", _unary(unary), deadline, waited)
         return msg.update_count, [_pulled(t) for t in msg.tensors]
+
+    def _pull_shared_op(
+        self, pool: SegmentPool, seg: Segment, req: pb.PullRequest, deadline: Deadline
+    ) -> Op[tuple[int, list[Array]]]:
+        """A pull whose tensors come back in shared memory (inline when they no
+        longer fit the segment, e.g. the group was replaced)."""
+        if req.HasField("min_version"):
+            waited = f"group {req.group} did not reach T={req.min_version}"
+        else:
+            waited = f"the pull of group {req.group} was not answered"
+        with _released(pool, [seg]):
+            req.reply_region.CopyFrom(seg.region())
+            call = Call("Pull", _unary(req), deadline, waited)
+            msg = yield from self._shared_call(self._call_op(call))
+            if msg.HasField("tensors_region"):
+                return msg.update_count, seg.read(msg.tensors_region, msg.tensors)
+        return msg.update_count, [
+            tensor_to_array(t, t.name).copy() for t in msg.tensors
+        ]
 
     # -- rows ----------------------------------------------------------------------
     def _push_rows(
@@ -1195,6 +1406,16 @@ class ClientCore:
         is (``"skip"``, not in the result) or is replaced by the file's.
         """
         return (yield from import_op(self, path, existing=existing)).imported
+
+
+@contextlib.contextmanager
+def _released(pool: SegmentPool, segs: list[Segment]) -> Iterator[None]:
+    """Give a call's segments back to ``pool`` when it ends, however it ends."""
+    try:
+        yield
+    finally:
+        for seg in segs:
+            pool.release(seg)
 
 
 def _table_specs(

@@ -21,6 +21,8 @@ from . import security
 from ._gate import DrainGate
 from ._handlers import SERVICE, Interceptor
 from ._reflection import enable_reflection
+from ._shm import SharedMemory
+from ._unix import UnixSocket, socket_mode
 from .durability import MODES as DURABILITY_MODES
 from .durability import Durability
 from .limits import InflightBytes, LimitsInterceptor
@@ -49,7 +51,19 @@ class ServerConfig:
     """Everything a server is started with. ``onnxps serve`` is generated from these
     fields (flags, ``ONNXPS_*`` variables, defaults); the README table too."""
 
-    address: str = _option("127.0.0.1:50051", "host:port to listen on")
+    address: str = _option(
+        "127.0.0.1:50051", "host:port to listen on, or unix:PATH (a Unix socket)"
+    )
+    unix_socket_mode: str = _option(
+        "0600",
+        "permissions (octal) of the unix:PATH socket the server creates: 0600 lets "
+        "its user connect, 0660 its group too",
+    )
+    shared_memory: str = _option(
+        "on",
+        "same-host clients of this server's user may move tensors through /dev/shm",
+        choices=("on", "off"),
+    )
     threads: int = _option(64, "RPC worker threads")
     log_level: str = _option(
         "INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR")
@@ -149,6 +163,15 @@ def _check_address(address: str) -> None:
 def _checks(c: ServerConfig) -> list[tuple[bool, str]]:
     """(holds, what it says) for every field with a range."""
     return [
+        (
+            socket_mode(c.unix_socket_mode) is not None,
+            f"unix_socket_mode must be octal permissions 0000..0777 (e.g. 0600), got "
+            f"{c.unix_socket_mode!r}",
+        ),
+        (
+            c.shared_memory in ("on", "off"),
+            f"shared_memory must be on or off, got {c.shared_memory!r}",
+        ),
         (c.threads >= 1, f"threads must be >= 1, got {c.threads}"),
         (
             c.max_message_bytes
@@ -225,10 +248,14 @@ class ServerHandle:
     gate: DrainGate = field(default_factory=DrainGate)
     health_server: grpc.Server | None = None
     health_port: int | None = None
+    shared_memory: SharedMemory | None = None
+    unix_socket: UnixSocket | None = None
     _stopped: threading.Event = field(default_factory=threading.Event)
 
     @property
     def address(self) -> str:
+        if self.unix_socket is not None or self.config.address.startswith("unix"):
+            return self.config.address
         host = self.config.address.rsplit(":", 1)[0]
         return f"{host}:{self.port}"
 
@@ -241,9 +268,11 @@ class ServerHandle:
         self.server.start()
         if self.health_server is not None:
             self.health_server.start()
-            host = self.config.address.rsplit(":", 1)[0]
+            host = _health_host(self.config.address)
             log.info("onnxps health (plaintext) on %s:%d", host, self.health_port)
         self.store.start()
+        if self.shared_memory is not None:
+            self.shared_memory.start()
         if self.durability is not None:
             self.durability.start_periodic(self.config.snapshot_interval)
         _set_health(self.health, _SERVING)
@@ -274,6 +303,10 @@ class ServerHandle:
             )
         left = None if end is None else max(0.0, end - time.monotonic())
         self.server.stop(left).wait()
+        if self.unix_socket is not None:
+            self.unix_socket.remove()
+        if self.shared_memory is not None:
+            self.shared_memory.stop()
         if self.health_server is not None:
             self.health_server.stop(0).wait()
         if self.metrics is not None:
@@ -405,17 +438,24 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     # a full quorum pending after replay: take such steps before serving anything.
     store.reap_leases()
     metrics = None
+    shared_memory = SharedMemory(enabled=config.shared_memory == "on")
+    unix_socket = None
     try:
         servicer = ParameterServerServicer(
             store,
             chunk_bytes=config.chunk_bytes,
             save=None if durability is None else durability.save,
             inflight=inflight,
+            shared_memory=shared_memory,
         )
         add_servicer(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         enable_reflection((SERVICE, health.SERVICE_NAME), server)
-        port = _bind(server, config.address, credentials)
+        unix_socket = UnixSocket.of(config.address, config.unix_socket_mode)
+        if unix_socket is not None:
+            port = unix_socket.bind(lambda: _bind(server, config.address, credentials))
+        else:
+            port = _bind(server, config.address, credentials)
         health_server, health_port = _health_server(config, health_servicer)
         if config.metrics_port is not None and recorder.registry is not None:
             metrics = _metrics_endpoint(recorder.registry, config)
@@ -435,6 +475,8 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         gate,
         health_server=health_server,
         health_port=health_port,
+        shared_memory=shared_memory,
+        unix_socket=unix_socket,
     )
 
 
@@ -506,8 +548,15 @@ def _health_server(
         return None, None
     server = grpc.server(futures.ThreadPoolExecutor(2, "onnxps-health"))
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    host = config.address.rsplit(":", 1)[0]
+    host = _health_host(config.address)
     return server, _bind(server, f"{host}:{config.health_port}", None)
+
+
+def _health_host(address: str) -> str:
+    """The host the plaintext health port listens on (loopback beside a socket)."""
+    if address.startswith("unix"):
+        return "127.0.0.1"
+    return address.rsplit(":", 1)[0]
 
 
 def serve(config: ServerConfig | None = None) -> int:

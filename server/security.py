@@ -57,6 +57,7 @@ _READ = frozenset(
         "ListRows",
         "Apply",
         "ApplyStream",
+        "SharedMemoryHello",
     }
 )
 # Workers join, heartbeat and leave the groups they push to: that is writing.
@@ -73,7 +74,9 @@ _WRITE = _READ | {
 _ADMIN = _WRITE | {"CreateGroup", "CreateGroupStream", "DeleteGroup", "Save"}
 ROLES: dict[str, frozenset[str]] = {"read": _READ, "write": _WRITE, "admin": _ADMIN}
 # Methods that name no group: any prefix may call them (if the role allows).
-_GROUPLESS = frozenset({"ListGroups", "Apply", "ApplyStream", "Save"})
+_GROUPLESS = frozenset(
+    {"ListGroups", "Apply", "ApplyStream", "Save", "SharedMemoryHello"}
+)
 
 
 class ConfigError(ValueError):

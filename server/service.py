@@ -52,6 +52,7 @@ from ._convert import (
     group_info,
     table_from_proto,
 )
+from ._shm import SharedMemory
 from ._status import rich_status, status_of
 from .durability import SaveResult
 from .errors import FailedPrecondition, InvalidArgument
@@ -379,8 +380,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         chunk_bytes: int = CHUNK_BYTES,
         save: Callable[[], SaveResult] | None = None,
         inflight: InflightBytes | None = None,
+        shared_memory: SharedMemory | None = None,
     ) -> None:
         self.store = store
+        # The same-host transport (off when not given).
+        self._shm = shared_memory or SharedMemory(enabled=False)
         self.chunk_bytes = chunk_bytes
         self._save = save
         # Pull replies are counted in the same budget as requests (see limits).
@@ -546,9 +550,17 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         reply = reply_type(
             update_count=out.update_count, applied=out.applied, duplicate=out.duplicate
         )
-        if out.values is not None:
-            for v, n in zip(out.values, ticket.names, strict=True):
-                write_tensor(reply.values.add(), v, n)
+        if out.values is None:
+            return reply
+        region = None
+        if req.HasField("reply_region"):
+            region = self._shm.write(req.reply_region, out.values)
+        if region is not None:
+            reply.values_region.CopyFrom(region)
+            reply.values.extend(map(header_tensor, out.values, ticket.names))
+            return reply
+        for v, n in zip(out.values, ticket.names, strict=True):
+            write_tensor(reply.values.add(), v, n)
         return reply
 
     def _validate_push(self, req: pb.PushRequest) -> PushTicket:
@@ -562,6 +574,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     @_unary
     def Push(self, request: pb.PushRequest, context: Any) -> pb.PushResponse:
         ticket = self._validate_push(request)
+        if request.HasField("gradients_region"):
+            return self._push_shared(request, ticket, context)
         grads = [
             tensor_to_array(t, f"gradient {i + 1} ({ticket.names[i]!r})", encoded=True)
             for i, t in enumerate(request.gradients)
@@ -573,11 +587,48 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         self, request_iterator: Iterable[pb.PushStreamRequest], context: Any
     ) -> pb.PushStreamResponse:
         req, it = _stream_header(request_iterator, "header", "a PushStream", context)
+        if req.HasField("gradients_region"):
+            raise InvalidArgument(
+                "a PushStream carries its gradients as chunks; gradients in shared "
+                "memory (gradients_region) go in a unary Push",
+                field="header.gradients_region",
+            )
         ticket = self._validate_push(req)
         headers = list(req.gradients)
         names = _names("gradient", len(headers), ticket.names)
         grads = self._assemble(it, headers, names, context, encoded=True)
         return self._push(req, ticket, grads, context, pb.PushStreamResponse)
+
+    def _push_shared(
+        self, req: pb.PushRequest, ticket: PushTicket, context: Any
+    ) -> pb.PushResponse:
+        """A push whose gradients lie in the client's shared-memory segment: the
+        store reads them in place."""
+        specs = []
+        for i, t in enumerate(req.gradients):
+            if t.raw_data:
+                raise InvalidArgument(
+                    f"gradient {i + 1} carries bytes inline and in gradients_region: "
+                    "with a region, raw_data must be empty",
+                    field=f"gradients[{i}].raw_data",
+                )
+            dtype, dims = tensor_spec(t, f"gradient {i + 1}")
+            if dtype.kind != "f":
+                raise InvalidArgument(
+                    f"gradient {i + 1} is {dtype}: gradients in shared memory travel "
+                    "in the group's dtype (float32 or float64), not encoded",
+                    field=f"gradients[{i}].dtype",
+                )
+            specs.append((dtype, dims))
+        names = _names("gradient", len(specs), ticket.names)
+        with self._shm.read(req.gradients_region, specs, names) as grads:
+            return self._push(req, ticket, grads, context, pb.PushResponse)
+
+    @_unary
+    def SharedMemoryHello(
+        self, request: pb.SharedMemoryHelloRequest, context: Any
+    ) -> pb.SharedMemoryHelloResponse:
+        return pb.SharedMemoryHelloResponse(nonce=self._shm.hello(request.segment))
 
     @_streaming
     def PushPullStream(
@@ -586,6 +637,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         req, it = _stream_header(
             request_iterator, "header", "a PushPullStream", context
         )
+        if req.HasField("gradients_region") or req.HasField("reply_region"):
+            raise InvalidArgument(
+                "a PushPullStream carries tensors as chunks; tensors in shared memory "
+                "go in a unary Push",
+                field="header.gradients_region",
+            )
         ticket = self._validate_push(req)
         headers = list(req.gradients)
         with self._reply_bytes(context, stream=True) as hold:
@@ -680,8 +737,38 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             reserve=functools.partial(hold.admit, what="this pull's reply carries"),
         )
 
+    def _pull_shared(self, req: pb.PullRequest, context: Any) -> pb.PullResponse | None:
+        """A pull written straight from the group into the client's segment (one
+        copy, under the group's lock); None when it does not fit there."""
+
+        def write(arrays: Sequence[Array], names: tuple[str, ...]) -> pb.PullResponse:
+            region = self._shm.write(req.reply_region, arrays)
+            reply = pb.PullResponse()
+            if region is not None:
+                reply.tensors_region.CopyFrom(region)
+                reply.tensors.extend(map(header_tensor, arrays, names))
+            return reply
+
+        waits = req.HasField("min_version")
+        t, lr, reply = self.store.pull_into(
+            req.group,
+            write,
+            with_state=req.with_state,
+            min_version=req.min_version if waits else None,
+            timeout=_timeout(context),
+            cancellation=_cancellation(context) if waits else None,
+        )
+        if not reply.HasField("tensors_region"):
+            return None
+        reply.update_count, reply.learning_rate = t, lr
+        return reply
+
     @_unary
     def Pull(self, request: pb.PullRequest, context: Any) -> pb.PullResponse:
+        if request.HasField("reply_region"):
+            shared = self._pull_shared(request, context)
+            if shared is not None:
+                return shared
         with self._reply_bytes(context, stream=False) as hold:
             out = self._pull(request, context, hold)
             reply = pb.PullResponse(

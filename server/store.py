@@ -52,7 +52,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from onnxps.client.image import GroupImage, TableDefinition
@@ -194,6 +194,7 @@ class _Wait:
 
 # A wait wakes at least this often, to see a cancellation whose wake-up was missed.
 _WAKE_SECONDS = 0.5
+_W = TypeVar("_W")  # what a pull_into writer returns
 
 
 @dataclass(frozen=True)
@@ -1138,6 +1139,32 @@ class ParameterStore:
                 self._frozen_values(g, with_state),
                 g.array_names(with_state),
             )
+
+    def pull_into(
+        self,
+        name: str,
+        write: Callable[[Sequence[Array], tuple[str, ...]], _W],
+        *,
+        with_state: bool = False,
+        min_version: int | None = None,
+        timeout: float | None = None,
+        cancellation: Cancellation | None = None,
+    ) -> tuple[int, float, _W]:
+        """Like ``pull``, but ``write(arrays, names)`` copies the live arrays out
+        under the group's lock (one copy, straight into the caller's memory, e.g.
+        a client's shared-memory segment); returns (T, R, what ``write`` returned).
+        ``write`` must not keep the arrays."""
+        self._check_open()
+        g = self._group(name)
+        with g.cond:
+            self._check_live(g)
+            if min_version is not None:
+                self._wait_version(g, min_version, _Wait(timeout, cancellation))
+            arrays = g.xs + (g.state_arrays() if with_state else [])
+            n = len(g.shapes)
+            shaped = [a.reshape(g.shapes[i % n]) for i, a in enumerate(arrays)]
+            written = write(shaped, g.array_names(with_state))
+            return g.update_count, g.learning_rate, written
 
     def _frozen_values(self, g: Group, with_state: bool) -> tuple[Array, ...]:
         """Under the group's lock: read-only arrays of its current version.

@@ -50,6 +50,7 @@ def test_stubs_serve_the_package_named_in_the_proto() -> None:
         "PushRows",
         "PullRows",
         "ListRows",
+        "SharedMemoryHello",
     ]
 
 

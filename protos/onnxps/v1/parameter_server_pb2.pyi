@@ -1141,6 +1141,8 @@ class PushRequest(_message.Message):
     BASE_VERSION_FIELD_NUMBER: _builtins.int
     LEARNING_RATE_FIELD_NUMBER: _builtins.int
     RETURN_VALUES_FIELD_NUMBER: _builtins.int
+    GRADIENTS_REGION_FIELD_NUMBER: _builtins.int
+    REPLY_REGION_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """The group's name."""
     client_id: _builtins.str
@@ -1159,6 +1161,19 @@ class PushRequest(_message.Message):
     def gradients(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tensor]:
         """G_1..G_n in ONNX order."""
 
+    @_builtins.property
+    def gradients_region(self) -> Global___SharedMemoryRegion:
+        """Same-host transport (see SharedMemoryHello): when set, the gradients'
+        Tensor messages carry dims and dtype only and their bytes are in this
+        region of a shared-memory segment the client wrote.
+        """
+
+    @_builtins.property
+    def reply_region(self) -> Global___SharedMemoryRegion:
+        """Same-host transport: with return_values, write X_1..X_n into this region
+        (offsets chosen by the server) instead of inline, when they fit.
+        """
+
     def __init__(
         self,
         *,
@@ -1169,10 +1184,12 @@ class PushRequest(_message.Message):
         base_version: _builtins.int | None = ...,
         learning_rate: _builtins.float | None = ...,
         return_values: _builtins.bool = ...,
+        gradients_region: Global___SharedMemoryRegion | None = ...,
+        reply_region: Global___SharedMemoryRegion | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_base_version", b"_base_version", "_learning_rate", b"_learning_rate", "base_version", b"base_version", "learning_rate", b"learning_rate"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_base_version", b"_base_version", "_learning_rate", b"_learning_rate", "base_version", b"base_version", "gradients_region", b"gradients_region", "learning_rate", b"learning_rate", "reply_region", b"reply_region"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_base_version", b"_base_version", "_learning_rate", b"_learning_rate", "base_version", b"base_version", "client_id", b"client_id", "gradients", b"gradients", "group", b"group", "learning_rate", b"learning_rate", "return_values", b"return_values", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_base_version", b"_base_version", "_learning_rate", b"_learning_rate", "base_version", b"base_version", "client_id", b"client_id", "gradients", b"gradients", "gradients_region", b"gradients_region", "group", b"group", "learning_rate", b"learning_rate", "reply_region", b"reply_region", "return_values", b"return_values", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__base_version: _TypeAlias = _typing.Literal["base_version"]  # noqa: Y015
     _WhichOneofArgType__base_version: _TypeAlias = _typing.Literal["_base_version", b"_base_version"]  # noqa: Y015
@@ -1195,6 +1212,7 @@ class PushResponse(_message.Message):
     APPLIED_FIELD_NUMBER: _builtins.int
     DUPLICATE_FIELD_NUMBER: _builtins.int
     VALUES_FIELD_NUMBER: _builtins.int
+    VALUES_REGION_FIELD_NUMBER: _builtins.int
     update_count: _builtins.int
     """T after this push (SYNC: T when it was buffered)."""
     applied: _builtins.bool
@@ -1205,6 +1223,12 @@ class PushResponse(_message.Message):
     def values(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tensor]:
         """X_1..X_n when return_values was set."""
 
+    @_builtins.property
+    def values_region(self) -> Global___SharedMemoryRegion:
+        """Set when the values' bytes were written into the request's reply_region
+        (values then carry dims and dtype only).
+        """
+
     def __init__(
         self,
         *,
@@ -1212,10 +1236,11 @@ class PushResponse(_message.Message):
         applied: _builtins.bool = ...,
         duplicate: _builtins.bool = ...,
         values: _abc.Iterable[Global___Tensor] | None = ...,
+        values_region: Global___SharedMemoryRegion | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["values_region", b"values_region"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "duplicate", b"duplicate", "update_count", b"update_count", "values", b"values"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "duplicate", b"duplicate", "update_count", b"update_count", "values", b"values", "values_region", b"values_region"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1263,6 +1288,7 @@ class PushStreamResponse(_message.Message):
     APPLIED_FIELD_NUMBER: _builtins.int
     DUPLICATE_FIELD_NUMBER: _builtins.int
     VALUES_FIELD_NUMBER: _builtins.int
+    VALUES_REGION_FIELD_NUMBER: _builtins.int
     update_count: _builtins.int
     """T after this push (SYNC: T when it was buffered)."""
     applied: _builtins.bool
@@ -1273,6 +1299,10 @@ class PushStreamResponse(_message.Message):
     def values(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tensor]:
         """X_1..X_n (with raw_data inline) when return_values was set."""
 
+    @_builtins.property
+    def values_region(self) -> Global___SharedMemoryRegion:
+        """Set when the values' bytes were written into the request's reply_region."""
+
     def __init__(
         self,
         *,
@@ -1280,10 +1310,11 @@ class PushStreamResponse(_message.Message):
         applied: _builtins.bool = ...,
         duplicate: _builtins.bool = ...,
         values: _abc.Iterable[Global___Tensor] | None = ...,
+        values_region: Global___SharedMemoryRegion | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["values_region", b"values_region"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "duplicate", b"duplicate", "update_count", b"update_count", "values", b"values"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "duplicate", b"duplicate", "update_count", b"update_count", "values", b"values", "values_region", b"values_region"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1369,6 +1400,7 @@ class PullRequest(_message.Message):
     WITH_STATE_FIELD_NUMBER: _builtins.int
     MIN_VERSION_FIELD_NUMBER: _builtins.int
     ENCODING_FIELD_NUMBER: _builtins.int
+    REPLY_REGION_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """The group's name."""
     with_state: _builtins.bool
@@ -1379,6 +1411,13 @@ class PullRequest(_message.Message):
     """Send X_1..X_n in this encoding (the reply's tensors say theirs); unset:
     native. Refused with with_state: V and H travel native.
     """
+    @_builtins.property
+    def reply_region(self) -> Global___SharedMemoryRegion:
+        """Same-host transport: write the tensors into this region of a segment the
+        client created (offsets chosen by the server) instead of inline, when
+        they fit.
+        """
+
     def __init__(
         self,
         *,
@@ -1386,10 +1425,11 @@ class PullRequest(_message.Message):
         with_state: _builtins.bool = ...,
         min_version: _builtins.int | None = ...,
         encoding: Global___Encoding.ValueType = ...,
+        reply_region: Global___SharedMemoryRegion | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "min_version", b"min_version"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "min_version", b"min_version", "reply_region", b"reply_region"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "encoding", b"encoding", "group", b"group", "min_version", b"min_version", "with_state", b"with_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "encoding", b"encoding", "group", b"group", "min_version", b"min_version", "reply_region", b"reply_region", "with_state", b"with_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__min_version: _TypeAlias = _typing.Literal["min_version"]  # noqa: Y015
     _WhichOneofArgType__min_version: _TypeAlias = _typing.Literal["_min_version", b"_min_version"]  # noqa: Y015
@@ -1406,6 +1446,7 @@ class PullResponse(_message.Message):
     UPDATE_COUNT_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
     LEARNING_RATE_FIELD_NUMBER: _builtins.int
+    TENSORS_REGION_FIELD_NUMBER: _builtins.int
     update_count: _builtins.int
     """T of these values."""
     learning_rate: _builtins.float
@@ -1414,16 +1455,23 @@ class PullResponse(_message.Message):
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tensor]:
         """X_1..X_n, then V_1..V_n, then H_1..H_n."""
 
+    @_builtins.property
+    def tensors_region(self) -> Global___SharedMemoryRegion:
+        """Set when the tensors' bytes were written into the request's reply_region
+        (tensors then carry dims and dtype only).
+        """
+
     def __init__(
         self,
         *,
         update_count: _builtins.int = ...,
         tensors: _abc.Iterable[Global___Tensor] | None = ...,
         learning_rate: _builtins.float = ...,
+        tensors_region: Global___SharedMemoryRegion | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tensors_region", b"tensors_region"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["learning_rate", b"learning_rate", "tensors", b"tensors", "update_count", b"update_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["learning_rate", b"learning_rate", "tensors", b"tensors", "tensors_region", b"tensors_region", "update_count", b"update_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2250,3 +2298,93 @@ class ListRowsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListRowsResponse: _TypeAlias = ListRowsResponse  # noqa: Y015
+
+@_typing.final
+class SharedMemoryRegion(_message.Message):
+    """Where tensor bytes lie in a POSIX shared-memory segment (/dev/shm) on the
+    host client and server share. The segment begins with a 64-byte header: the
+    magic "ONNXPSM1", then the little-endian uint64 generation. Tensors follow in
+    their list order, each at its offset, exactly product(dims) * itemsize bytes.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    OFFSETS_FIELD_NUMBER: _builtins.int
+    segment: _builtins.str
+    """The segment's name: "onnxps-" followed by letters, digits and "-" only
+    (no path); anything else is refused with INVALID_ARGUMENT.
+    """
+    generation: _builtins.int
+    """Must equal the generation in the segment's header: a stale or reused
+    segment is refused.
+    """
+    @_builtins.property
+    def offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The byte offset of each tensor in the segment, in list order."""
+
+    def __init__(
+        self,
+        *,
+        segment: _builtins.str = ...,
+        generation: _builtins.int = ...,
+        offsets: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "offsets", b"offsets", "segment", b"segment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedMemoryRegion: _TypeAlias = SharedMemoryRegion  # noqa: Y015
+
+@_typing.final
+class SharedMemoryHelloRequest(_message.Message):
+    """Prove that client and server share a host, a user and /dev/shm: the client
+    creates segment "onnxps-..." (mode 0600) holding the header magic, then a
+    32-byte random nonce, then the uint64 inode of its pid namespace; the server
+    opens it and answers with the nonce it read.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    segment: _builtins.str
+    """The segment's name."""
+    def __init__(
+        self,
+        *,
+        segment: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedMemoryHelloRequest: _TypeAlias = SharedMemoryHelloRequest  # noqa: Y015
+
+@_typing.final
+class SharedMemoryHelloResponse(_message.Message):
+    """What the server read from the hello segment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NONCE_FIELD_NUMBER: _builtins.int
+    nonce: _builtins.bytes
+    """The nonce the server read; the client enables the same-host transport only
+    when it equals the one it wrote.
+    """
+    def __init__(
+        self,
+        *,
+        nonce: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["nonce", b"nonce"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedMemoryHelloResponse: _TypeAlias = SharedMemoryHelloResponse  # noqa: Y015

@@ -135,6 +135,11 @@ class ParameterServerServiceStub:
                 request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ListRowsRequest.SerializeToString,
                 response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ListRowsResponse.FromString,
                 _registered_method=True)
+        self.SharedMemoryHello = channel.unary_unary(
+                '/onnxps.v1.ParameterServerService/SharedMemoryHello',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.SharedMemoryHelloRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.SharedMemoryHelloResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServiceServicer:
@@ -283,6 +288,15 @@ class ParameterServerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SharedMemoryHello(self, request, context):
+        """Negotiate the same-host shared-memory transport (refused with
+        FAILED_PRECONDITION, PERMISSION_DENIED or INVALID_ARGUMENT where it cannot
+        work: the client then sends bytes over gRPC).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -385,6 +399,11 @@ def add_ParameterServerServiceServicer_to_server(servicer, server):
                     servicer.ListRows,
                     request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ListRowsRequest.FromString,
                     response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ListRowsResponse.SerializeToString,
+            ),
+            'SharedMemoryHello': grpc.unary_unary_rpc_method_handler(
+                    servicer.SharedMemoryHello,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.SharedMemoryHelloRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.SharedMemoryHelloResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -928,6 +947,33 @@ class ParameterServerService:
             '/onnxps.v1.ParameterServerService/ListRows',
             onnxps_dot_v1_dot_parameter__server__pb2.ListRowsRequest.SerializeToString,
             onnxps_dot_v1_dot_parameter__server__pb2.ListRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SharedMemoryHello(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/onnxps.v1.ParameterServerService/SharedMemoryHello',
+            onnxps_dot_v1_dot_parameter__server__pb2.SharedMemoryHelloRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.SharedMemoryHelloResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -97,6 +97,11 @@ class ParameterServerServiceStub:
     """Read rows of tensors: indices as a header and chunks; rows back the same way."""
     ListRows: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.ListRowsRequest, _parameter_server_pb2.ListRowsResponse]
     """A page of an ids table's ids (and rows)."""
+    SharedMemoryHello: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.SharedMemoryHelloRequest, _parameter_server_pb2.SharedMemoryHelloResponse]
+    """Negotiate the same-host shared-memory transport (refused with
+    FAILED_PRECONDITION, PERMISSION_DENIED or INVALID_ARGUMENT where it cannot
+    work: the client then sends bytes over gRPC).
+    """
 
 @_typing.type_check_only
 class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
@@ -147,6 +152,11 @@ class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
     """Read rows of tensors: indices as a header and chunks; rows back the same way."""
     ListRows: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.ListRowsRequest, _parameter_server_pb2.ListRowsResponse]  # type: ignore[assignment]
     """A page of an ids table's ids (and rows)."""
+    SharedMemoryHello: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.SharedMemoryHelloRequest, _parameter_server_pb2.SharedMemoryHelloResponse]  # type: ignore[assignment]
+    """Negotiate the same-host shared-memory transport (refused with
+    FAILED_PRECONDITION, PERMISSION_DENIED or INVALID_ARGUMENT where it cannot
+    work: the client then sends bytes over gRPC).
+    """
 
 class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
     """The parameter server."""
@@ -314,5 +324,16 @@ class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_parameter_server_pb2.ListRowsResponse, _abc.Awaitable[_parameter_server_pb2.ListRowsResponse]]:
         """A page of an ids table's ids (and rows)."""
+
+    @_abc_1.abstractmethod
+    def SharedMemoryHello(
+        self,
+        request: _parameter_server_pb2.SharedMemoryHelloRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.SharedMemoryHelloResponse, _abc.Awaitable[_parameter_server_pb2.SharedMemoryHelloResponse]]:
+        """Negotiate the same-host shared-memory transport (refused with
+        FAILED_PRECONDITION, PERMISSION_DENIED or INVALID_ARGUMENT where it cannot
+        work: the client then sends bytes over gRPC).
+        """
 
 def add_ParameterServerServiceServicer_to_server(servicer: ParameterServerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

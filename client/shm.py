@@ -1,0 +1,294 @@
+"""The same-host transport: tensors in POSIX shared memory, gRPC for control only.
+
+A client and a server on one host (one user, one /dev/shm, one pid namespace) move
+tensor bytes through segments in /dev/shm that the *client* creates, owns and
+unlinks; a call carries only a ``SharedMemoryRegion`` (segment name, generation,
+offsets). The layout (this module is the one place it is written down; the server
+imports it):
+
+- a segment is ``/dev/shm/onnxps-<pid>-<random hex>``, mode 0600, created with
+  O_EXCL by the client whose pid it names;
+- it begins with a 64-byte header: ``MAGIC``, then the little-endian uint64
+  generation, bumped by whoever last wrote tensors into it;
+- tensors follow at 64-byte aligned offsets, raw little-endian C order.
+
+A hello (``SharedMemoryHello``) proves the host is shared before any tensor goes
+this way: the client writes a random nonce and its pid namespace into a fresh
+segment, and the server must answer with the nonce it read. A segment whose owner
+died is an orphan: ``sweep_orphans`` (run by the server every few seconds and by a
+client when it says hello) unlinks segments of dead pids, so a ``kill -9`` of
+either side leaves nothing behind once the survivor notices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import re
+import secrets
+import stat
+import struct
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+from onnxps.v1 import parameter_server_pb2 as pb
+
+from .codec import TensorFormatError, tensor_spec
+
+__all__ = [
+    "HEADER_BYTES",
+    "MAGIC",
+    "NONCE_BYTES",
+    "PREFIX",
+    "SHM_DIR",
+    "Segment",
+    "SegmentPool",
+    "SharedMemoryMode",
+    "hello_segment",
+    "is_onnxps_name",
+    "layout",
+    "no_shared_dir",
+    "owner_problem",
+    "pid_namespace",
+    "sweep_orphans",
+]
+
+log = logging.getLogger("onnxps.shm")
+
+Array = np.ndarray[Any, Any]
+SharedMemoryMode = Literal["auto", "on", "off"]
+
+SHM_DIR = "/dev/shm"
+PREFIX = "onnxps-"
+MAGIC = b"ONNXPSM1"
+HEADER_BYTES = 64
+NONCE_BYTES = 32
+_ALIGN = 64
+_NAME = re.compile(r"onnxps-[A-Za-z0-9-]{1,200}\Z")
+_OWNER = re.compile(r"onnxps-(\d+)-")
+_IDLE_SEGMENTS = 6  # kept by a client for its next calls
+_MIN_SEGMENT = 64 << 10
+
+
+def is_onnxps_name(name: str) -> bool:
+    """A segment name this transport uses: ``onnxps-`` then [A-Za-z0-9-] (no path)."""
+    return bool(_NAME.match(name))
+
+
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 where /proc does not say)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def layout(nbytes: Sequence[int]) -> tuple[list[int], int]:
+    """The offsets of tensors of these sizes in a segment, and the segment's size."""
+    offsets = []
+    at = HEADER_BYTES
+    for n in nbytes:
+        offsets.append(at)
+        at += -(-n // _ALIGN) * _ALIGN
+    return offsets, max(at, HEADER_BYTES)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def sweep_orphans(directory: str = SHM_DIR) -> list[str]:
+    """Unlink this user's onnxps segments whose creator is no longer alive; the
+    names removed."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    uid = os.geteuid()
+    for name in names:
+        owner = _OWNER.match(name)
+        if owner is None or _pid_alive(int(owner.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        with contextlib.suppress(OSError):
+            if os.lstat(path).st_uid != uid:
+                continue
+            os.unlink(path)
+            removed.append(name)
+    if removed:
+        log.info("removed %d orphaned shared-memory segments", len(removed))
+    return removed
+
+
+class Segment:
+    """One segment this process created (and unlinks): mapped read-write."""
+
+    def __init__(self, size: int, directory: str = SHM_DIR) -> None:
+        self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        self.path = os.path.join(directory, self.name)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # Allocated now: a full /dev/shm (a container's is often 64 MiB) is an
+            # OSError here, not a SIGBUS when either side writes.
+            os.posix_fallocate(fd, 0, size)
+            self.map = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            raise
+        os.close(fd)
+        self.size = size
+        self.generation = 0
+        self.map[: len(MAGIC)] = MAGIC
+
+    def write(self, arrays: Sequence[Array]) -> pb.SharedMemoryRegion:
+        """Copy ``arrays`` in (one copy each); the region naming them."""
+        offsets, _ = layout([a.nbytes for a in arrays])
+        for a, at in zip(arrays, offsets, strict=True):
+            dest = np.frombuffer(self.map, a.dtype.newbyteorder("<"), a.size, at)
+            np.copyto(dest.reshape(a.shape), a, casting="no")
+        self.generation += 1
+        struct.pack_into("<Q", self.map, len(MAGIC), self.generation)
+        return pb.SharedMemoryRegion(
+            segment=self.name, generation=self.generation, offsets=offsets
+        )
+
+    def region(self) -> pb.SharedMemoryRegion:
+        """This segment as a region for the server to write a reply into."""
+        (generation,) = struct.unpack_from("<Q", self.map, len(MAGIC))
+        return pb.SharedMemoryRegion(segment=self.name, generation=generation)
+
+    def read(
+        self, region: pb.SharedMemoryRegion, headers: Sequence[pb.Tensor]
+    ) -> list[Array]:
+        """Copies of the tensors the server wrote into this segment."""
+        (generation,) = struct.unpack_from("<Q", self.map, len(MAGIC))
+        if region.segment != self.name or region.generation != generation:
+            raise TensorFormatError(
+                f"the server answered with region {region.segment}@"
+                f"{region.generation}; this call's segment is {self.name}@{generation}"
+            )
+        if len(region.offsets) != len(headers):
+            raise TensorFormatError(
+                f"the reply names {len(headers)} tensors and {len(region.offsets)} "
+                "offsets"
+            )
+        out = []
+        for t, at in zip(headers, region.offsets, strict=True):
+            dtype, dims = tensor_spec(t, t.name or "tensor")
+            count = int(np.prod(dims, dtype=np.int64))
+            if at < HEADER_BYTES or at + count * dtype.itemsize > self.size:
+                raise TensorFormatError(
+                    f"tensor {t.name!r} at offset {at} runs past segment {self.name}"
+                    f" ({self.size} bytes)"
+                )
+            view = np.frombuffer(self.map, dtype, count, at)
+            out.append(view.reshape(dims).copy())
+        return out
+
+    def close(self) -> None:
+        """Unmap and unlink (idempotent)."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        with contextlib.suppress(BufferError, ValueError):
+            self.map.close()
+
+
+def hello_segment(directory: str = SHM_DIR) -> tuple[Segment, bytes]:
+    """A fresh segment holding the header magic, a random nonce and this process's
+    pid namespace (what ``SharedMemoryHello`` sends the server), and the nonce."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    seg = Segment(HEADER_BYTES, directory)
+    seg.map[len(MAGIC) : len(MAGIC) + NONCE_BYTES] = nonce
+    end = len(MAGIC) + NONCE_BYTES
+    struct.pack_into("<Q", seg.map, end, pid_namespace())
+    return seg, nonce
+
+
+@dataclass
+class SegmentPool:
+    """The segments of one client, reused from call to call (a call takes one for
+    itself and gives it back); ``close`` unlinks them all."""
+
+    directory: str = SHM_DIR
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[Segment] = []
+        self._busy: set[Segment] = set()
+        self._closed = False
+
+    def acquire(self, nbytes: Sequence[int]) -> Segment:
+        """A segment that holds tensors of these sizes, for this call alone.
+
+        Sizes are rounded up to a power of two and a call takes a segment of its
+        own size class, so a small call never maps a large segment."""
+        _, need = layout(nbytes)
+        size = max(_MIN_SEGMENT, 1 << (need - 1).bit_length())
+        with self._lock:
+            for seg in self._idle:
+                if seg.size == size:
+                    self._idle.remove(seg)
+                    self._busy.add(seg)
+                    return seg
+        seg = Segment(size, self.directory)
+        with self._lock:
+            self._busy.add(seg)
+        return seg
+
+    def release(self, seg: Segment) -> None:
+        """Give a call's segment back; the oldest idle one beyond the few kept is
+        unlinked (every one, once the pool is closed)."""
+        evicted: Segment | None = seg
+        with self._lock:
+            self._busy.discard(seg)
+            if not self._closed:
+                self._idle.append(seg)
+                evicted = None
+                if len(self._idle) > _IDLE_SEGMENTS:
+                    evicted = self._idle.pop(0)
+        if evicted is not None:
+            evicted.close()
+
+    def close(self) -> None:
+        """Unlink every segment: idle ones now, busy ones when their call ends."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for seg in idle:
+            seg.close()
+
+    def __del__(self) -> None:  # pragma: no cover - a client never closed
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def no_shared_dir(exc: OSError) -> bool:
+    """An error that says this host has no usable /dev/shm."""
+    return exc.errno in (errno.ENOENT, errno.EACCES, errno.EROFS, errno.ENOSPC)
+
+
+def owner_problem(st: os.stat_result) -> str | None:
+    """Why a segment's file may not be used by this process, or None."""
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid():
+        return (
+            f"belongs to uid {st.st_uid}, not to this server's uid {os.geteuid()}; "
+            "shared memory is for a client of the same user"
+        )
+    return None

@@ -1,0 +1,612 @@
+"""The same-host transport: tensors through /dev/shm, gRPC for control only.
+
+Real servers (in-process on 127.0.0.1 port 0, or processes for kill -9), real
+segments. Segment names carry their creator's pid, so each test looks only at the
+segments of the processes it started (other test runs may share /dev/shm).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from _procs import clean_env, start_server, stop
+from onnxps.client import (
+    Adam,
+    AsyncClient,
+    Client,
+    RpcError,
+    SharedMemoryError,
+    Sync,
+    UnauthenticatedError,
+)
+from onnxps.client.codec import header_tensor
+from onnxps.client.shm import MAGIC, SHM_DIR, Segment, hello_segment
+from onnxps.server.app import (
+    MIN_MESSAGE_BYTES,
+    ServerConfig,
+    ServerHandle,
+    create_server,
+)
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir(SHM_DIR), reason="needs /dev/shm (Linux)"
+)
+
+Stub = pb_grpc.ParameterServerServiceStub
+N = 1 << 20  # 4 MiB of float32: above every inline limit these tests set
+RNG = np.random.default_rng(7)
+W0 = RNG.standard_normal(N).astype(np.float32)
+B0 = RNG.standard_normal(33).astype(np.float32)
+G = [RNG.standard_normal(N).astype(np.float32) for _ in range(3)]
+GB = [RNG.standard_normal(33).astype(np.float32) for _ in range(3)]
+
+
+def segments_of(pid: int) -> list[str]:
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"onnxps-{pid}-"))
+
+
+def wait_until(predicate: object, seconds: float = 30.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return bool(predicate())  # type: ignore[operator]
+
+
+@pytest.fixture
+def small_messages() -> Iterator[str]:
+    """A server whose gRPC messages cannot carry a 4 MiB tensor: what passes went
+    through shared memory."""
+    handle = create_server(
+        ServerConfig(
+            address="127.0.0.1:0",
+            durability="none",
+            max_message_bytes=MIN_MESSAGE_BYTES,
+        )
+    ).start()
+    try:
+        yield handle.address
+    finally:
+        handle.stop(grace=0)
+
+
+def _create(c: Client, name: str, **kw: object) -> None:
+    c.create_group(
+        name,
+        Adam(),
+        learning_rate=0.01,
+        tensors={"w": W0, "b": B0},
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_pushes_and_pulls_through_shared_memory_equal_the_grpc_path(
+    small_messages: str, server: ServerHandle
+) -> None:
+    with (
+        Client(small_messages, shared_memory="on", timeout=30) as shm,
+        Client(server.address, shared_memory="off", timeout=30) as wire,
+    ):
+        _create(shm, "shm")
+        _create(wire, "wire")
+        for g, gb in zip(G[:2], GB[:2], strict=True):
+            assert shm.push("shm", g, gb) == wire.push("wire", g, gb)
+        x_shm = shm.push("shm", G[2], GB[2], return_values=True)
+        x_wire = wire.push("wire", G[2], GB[2], return_values=True)
+        assert all(np.array_equal(a, b) for a, b in zip(x_shm, x_wire, strict=True))
+        t_shm, s_shm = shm.pull_versioned("shm", state=True)
+        t_wire, s_wire = wire.pull_versioned("wire", state=True)
+        assert t_shm == t_wire == 3
+        assert len(s_shm) == 6
+        assert all(np.array_equal(a, b) for a, b in zip(s_shm, s_wire, strict=True))
+        assert np.array_equal(shm.pull("shm")[0], s_wire[0])
+        # results are the caller's own arrays, not views of a reused segment
+        first = shm.pull("shm")[0]
+        shm.push("shm", G[0], GB[0])
+        assert np.array_equal(first, s_wire[0])
+        assert segments_of(os.getpid())  # kept for the next calls
+    assert segments_of(os.getpid()) == []  # close() unlinked them
+
+
+def test_the_bytes_path_could_not_have_carried_them(small_messages: str) -> None:
+    with Client(small_messages, shared_memory="off", timeout=30) as wire:
+        _create(wire, "g")
+    with Client(small_messages, transport="unary", timeout=30) as unary:
+        with pytest.raises(RpcError) as err:
+            unary.push("g", G[0], GB[0])
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_async_client_uses_shared_memory_too(small_messages: str) -> None:
+    import asyncio
+
+    async def run() -> tuple[int, list[np.ndarray]]:
+        async with AsyncClient(small_messages, shared_memory="on", timeout=30) as c:
+            await c.create_group(
+                "a", Adam(), learning_rate=0.01, tensors={"w": W0, "b": B0}
+            )
+            t = await c.push("a", G[0], GB[0])
+            return t, await c.pull("a")
+
+    t, (w, b) = asyncio.run(run())
+    with Client(small_messages, shared_memory="off", transport="stream") as c:
+        assert c.pull("a")[0].tobytes() == w.tobytes()
+    assert t == 1
+    assert segments_of(os.getpid()) == []
+
+
+def test_a_server_with_shared_memory_off_is_refused_cleanly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    handle = create_server(
+        ServerConfig(address="127.0.0.1:0", durability="none", shared_memory="off")
+    ).start()
+    try:
+        with Client(handle.address, shared_memory="on", timeout=10) as on:
+            on.create_group("g", Adam(), learning_rate=0.1, tensors={"w": W0})
+            with pytest.raises(SharedMemoryError, match="shared memory turned off"):
+                on.push("g", G[0])
+            assert on.describe_group("g").update_count == 0
+        with caplog.at_level(logging.INFO, "onnxps.client"):
+            with Client(handle.address, timeout=10) as auto:  # "auto": falls back
+                assert auto.push("g", G[0]) == 1
+                assert auto.push("g", G[1]) == 2
+        fallbacks = [r for r in caplog.records if "not possible" in r.getMessage()]
+        assert len(fallbacks) == 1  # one log line, not one per call
+        assert "sending tensor bytes over gRPC" in fallbacks[0].getMessage()
+    finally:
+        handle.stop(grace=0)
+    assert segments_of(os.getpid()) == []
+
+
+def test_shared_memory_argument_is_checked() -> None:
+    with pytest.raises(ValueError, match="shared_memory must be one of auto, on, off"):
+        Client("127.0.0.1:1", shared_memory="yes")  # type: ignore[arg-type]
+
+
+# -- refusals: hand-made requests, server state unchanged ------------------------
+@pytest.fixture
+def raw(
+    small_messages: str,
+) -> Iterator[tuple[Stub, str]]:
+    with Client(small_messages, shared_memory="off") as c:
+        _create(c, "g")
+    with grpc.insecure_channel(small_messages) as ch:
+        yield pb_grpc.ParameterServerServiceStub(ch), small_messages
+
+
+def _state(address: str) -> list[bytes]:
+    with Client(address, shared_memory="off", transport="stream") as c:
+        t, arrays = c.pull_versioned("g", state=True)
+    return [str(t).encode()] + [a.tobytes() for a in arrays]
+
+
+def _push(
+    stub: Stub,
+    region: pb.SharedMemoryRegion,
+    grads: list[np.ndarray] | None = None,
+    **kw: object,
+) -> pb.PushResponse:
+    req = pb.PushRequest(
+        group="g",
+        gradients=[header_tensor(a) for a in grads or [G[0], GB[0]]],
+        gradients_region=region,
+        **kw,  # type: ignore[arg-type]
+    )
+    return stub.Push(req, timeout=10)
+
+
+def _refused(call: object) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        call()  # type: ignore[operator]
+    return err.value
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["../../etc/passwd", "onnxps-../x", "/dev/shm/onnxps-1-a", "other-1-a", "onnxps-"],
+)
+def test_a_segment_name_outside_the_prefix_is_invalid(
+    raw: tuple[Stub, str], name: str
+) -> None:
+    stub, address = raw
+    before = _state(address)
+    region = pb.SharedMemoryRegion(segment=name, generation=1, offsets=[64, 64])
+    err = _refused(lambda: _push(stub, region))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "is not a shared-memory segment of onnxps" in (err.details() or "")
+    hello = _refused(
+        lambda: stub.SharedMemoryHello(
+            pb.SharedMemoryHelloRequest(segment=name), timeout=10
+        )
+    )
+    assert hello.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _state(address) == before
+
+
+def test_truncated_wrong_size_and_stale_segments_are_refused(
+    raw: tuple[Stub, str],
+) -> None:
+    stub, address = raw
+    before = _state(address)
+    good = Segment(64 + G[0].nbytes + 256)
+    try:
+        region = good.write([G[0], GB[0]])
+        # the segment holds fewer bytes than the gradients need
+        short = Segment(64 + G[0].nbytes // 2)
+        short_region = short.write([G[0][: N // 4], GB[0]])
+        short_region.offsets[:] = region.offsets
+        err = _refused(lambda: _push(stub, short_region))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "the segment is truncated" in (err.details() or "")
+        short.close()
+        # truncated after it was written
+        os.truncate(good.path, 4096)
+        err = _refused(lambda: _push(stub, region))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "truncated" in (err.details() or "")
+        os.truncate(good.path, good.size)
+        region = good.write([G[0], GB[0]])
+        # a generation that is not the segment's: stale or rewritten
+        stale = pb.SharedMemoryRegion()
+        stale.CopyFrom(region)
+        stale.generation -= 1
+        err = _refused(lambda: _push(stub, stale))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "generation" in (err.details() or "")
+        # an offset per gradient
+        bad = pb.SharedMemoryRegion(
+            segment=good.name, generation=region.generation, offsets=[64]
+        )
+        err = _refused(lambda: _push(stub, bad))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "1 offsets for 2 tensors" in (err.details() or "")
+        # a segment that does not exist
+        gone = pb.SharedMemoryRegion(segment="onnxps-1-nosuch", offsets=[64, 64])
+        err = _refused(lambda: _push(stub, gone))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "cannot open segment" in (err.details() or "")
+        # validation is unchanged: a NaN gradient in the segment steps nothing
+        nan = G[0].copy()
+        nan[5] = np.nan
+        nan_region = good.write([nan, GB[0]])
+        err = _refused(lambda: _push(stub, nan_region, [nan, GB[0]]))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "NaN or inf" in (err.details() or "")
+        # and a region with bytes inline too is ambiguous
+        both = pb.PushRequest(
+            group="g",
+            gradients=[pb.Tensor(dtype=1, dims=[33], raw_data=GB[0].tobytes())],
+            gradients_region=region,
+        )
+        err = _refused(lambda: stub.Push(both, timeout=10))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert _state(address) == before
+    finally:
+        good.close()
+
+
+def test_exactly_once_holds_through_shared_memory(
+    raw: tuple[Stub, str],
+) -> None:
+    stub, address = raw
+    seg = Segment(64 + G[0].nbytes + 256)
+    try:
+        region = seg.write([G[0], GB[0]])
+        first = _push(stub, region, client_id="w", seq=7)
+        again = _push(stub, region, client_id="w", seq=7)
+        assert (first.update_count, first.duplicate) == (1, False)
+        assert (again.update_count, again.duplicate) == (1, True)
+        assert _state(address)[0] == b"1"
+    finally:
+        seg.close()
+
+
+def test_a_segment_of_another_user_is_permission_denied(
+    raw: tuple[Stub, str],
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to hand a segment to another uid")
+    stub, address = raw
+    before = _state(address)
+    seg = Segment(64 + G[0].nbytes + 256)
+    hello, _ = hello_segment()
+    try:
+        region = seg.write([G[0], GB[0]])
+        os.chown(seg.path, 65534, 65534)
+        os.chown(hello.path, 65534, 65534)
+        err = _refused(lambda: _push(stub, region))
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "belongs to uid 65534" in (err.details() or "")
+        err = _refused(
+            lambda: stub.SharedMemoryHello(
+                pb.SharedMemoryHelloRequest(segment=hello.name), timeout=10
+            )
+        )
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert _state(address) == before
+    finally:
+        seg.close()
+        hello.close()
+
+
+_OTHER_USER = textwrap.dedent(
+    """
+    import os, sys
+    import numpy as np
+    from onnxps.client import Client, SharedMemoryError
+    os.setgid(65534)
+    os.setuid(65534)
+    g = np.ones(1 << 20, np.float32)
+    with Client(sys.argv[1], shared_memory="on", timeout=10) as c:
+        try:
+            c.push("g", g, np.ones(33, np.float32))
+        except SharedMemoryError as exc:
+            print("REFUSED", exc)
+    with Client(sys.argv[1], timeout=10) as c:  # "auto" falls back to bytes
+        print("T", c.push("g", g, np.ones(33, np.float32)))
+    """
+)
+
+
+def test_a_client_of_another_uid_is_refused_and_falls_back(
+    tmp_path: Path,
+) -> None:
+    """A real client process that runs as uid 65534 (nobody): its hello segment
+    is not the server's user's, so the server refuses shared memory."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client as another uid")
+    handle = create_server(
+        ServerConfig(address="127.0.0.1:0", durability="none")
+    ).start()
+    try:
+        with Client(handle.address) as c:
+            _create(c, "g")
+        script = tmp_path / "other.py"
+        script.write_text(_OTHER_USER)
+        out = subprocess.run(
+            [sys.executable, str(script), handle.address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=clean_env(),
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "REFUSED" in out.stdout
+        assert "belongs to uid 65534" in out.stdout
+        assert "T 1" in out.stdout
+    finally:
+        handle.stop(grace=0)
+
+
+def test_tokens_still_apply(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("admin-token-0123456789 admin *\n")
+    handle = create_server(
+        ServerConfig(address="127.0.0.1:0", durability="none", tokens_file=str(tokens))
+    ).start()
+    try:
+        with Client(
+            handle.address, token="admin-token-0123456789", shared_memory="on"
+        ) as c:
+            _create(c, "g")
+            assert c.push("g", G[0], GB[0]) == 1
+        with Client(handle.address, shared_memory="on") as anonymous:
+            with pytest.raises(UnauthenticatedError):
+                anonymous.push("g", G[0], GB[0])
+        with grpc.insecure_channel(handle.address) as ch:
+            stub = pb_grpc.ParameterServerServiceStub(ch)
+            hello, _ = hello_segment()
+            try:
+                err = _refused(
+                    lambda: stub.SharedMemoryHello(
+                        pb.SharedMemoryHelloRequest(segment=hello.name), timeout=10
+                    )
+                )
+            finally:
+                hello.close()
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        handle.stop(grace=0)
+
+
+def test_sync_groups_buffer_a_copy_of_the_segment(small_messages: str) -> None:
+    """A sync push is buffered until the quorum: it must not keep viewing the
+    client's segment, which the next call rewrites."""
+    with (
+        Client(small_messages, shared_memory="on", client_id="a") as a,
+        Client(small_messages, shared_memory="on", client_id="b") as b,
+        Client(small_messages, shared_memory="off", client_id="c") as wire_a,
+        Client(small_messages, shared_memory="off", client_id="d") as wire_b,
+    ):
+        _create(a, "s", consistency=Sync(2))
+        _create(wire_a, "w", consistency=Sync(2))
+        assert a.push_detailed("s", G[0], GB[0]).applied is False
+        # a's pool segment is rewritten by its next push to another group
+        _create(a, "other")
+        a.push("other", G[2], GB[2])
+        assert b.push_detailed("s", G[1], GB[1]).applied is True
+        wire_a.push("w", G[0], GB[0])
+        wire_b.push("w", G[1], GB[1])
+        got = a.pull("s", state=True)
+        want = wire_a.pull("w", state=True)
+        assert all(np.array_equal(x, y) for x, y in zip(got, want, strict=True))
+
+
+# -- kill -9: no segment left behind ---------------------------------------------
+_PUSHER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from onnxps.client import Client
+    g = np.ones(1 << 20, np.float32)
+    with Client(sys.argv[1], shared_memory="on", timeout=5) as c:
+        c.push("g", g, np.ones(33, np.float32), return_values=True)
+        print("PUSHED", flush=True)
+        while True:
+            c.push("g", g, np.ones(33, np.float32), return_values=True)
+    """
+)
+
+
+def _start_pusher(tmp_path: Path, address: str) -> subprocess.Popen[str]:
+    script = tmp_path / "pusher.py"
+    script.write_text(_PUSHER)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip() == "PUSHED", proc.stderr.read() if proc.stderr else ""
+    return proc
+
+
+def test_a_killed_client_leaves_no_segment_once_the_server_sweeps(
+    tmp_path: Path,
+) -> None:
+    server, address = start_server(tmp_path / "server.log")
+    try:
+        with Client(address, shared_memory="off") as c:
+            _create(c, "g")
+        client = _start_pusher(tmp_path, address)
+        assert segments_of(client.pid)  # its segments exist while it runs
+        client.kill()
+        client.communicate()  # reaps it and closes its pipes
+        assert wait_until(lambda: segments_of(client.pid) == [])
+        assert server.poll() is None
+        with Client(address, shared_memory="off") as c:
+            assert c.describe_group("g").update_count >= 1
+    finally:
+        stop(server)
+
+
+def test_a_killed_server_leaves_no_segment_once_the_client_notices(
+    tmp_path: Path,
+) -> None:
+    server, address = start_server(tmp_path / "server.log")
+    try:
+        with Client(address, shared_memory="on", timeout=3) as c:
+            _create(c, "g")
+            assert c.push("g", G[0], GB[0]) == 1
+            assert segments_of(os.getpid())
+            server.kill()
+            server.wait()
+            with pytest.raises(Exception, match="unavailable|within 3 s"):
+                c.push("g", G[1], GB[1])
+            # the client noticed: it unlinked its segments at once
+            assert segments_of(os.getpid()) == []
+    finally:
+        stop(server)
+
+
+def test_a_server_sweeps_orphans_at_start(tmp_path: Path) -> None:
+    done = subprocess.Popen(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pid = int(done.communicate()[0])  # it has exited: its pid is dead
+    orphan = Path(SHM_DIR) / f"onnxps-{pid}-deadbeef"
+    orphan.write_bytes(MAGIC + struct.pack("<Q", 1))
+    handle = create_server(
+        ServerConfig(address="127.0.0.1:0", durability="none")
+    ).start()
+    try:
+        assert not orphan.exists()
+    finally:
+        handle.stop(grace=0)
+        orphan.unlink(missing_ok=True)
+
+
+def test_a_reply_region_too_small_gets_the_tensors_inline(
+    server: ServerHandle,
+) -> None:
+    w0 = np.arange(100, dtype=np.float32)
+    with Client(server.address, shared_memory="off") as c:
+        c.create_group("g", Adam(), learning_rate=0.1, tensors={"w": w0})
+    small, large = Segment(128), Segment(4096)
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.ParameterServerServiceStub(ch)
+            inline = stub.Pull(
+                pb.PullRequest(group="g", reply_region=small.region()), timeout=10
+            )
+            shared = stub.Pull(
+                pb.PullRequest(group="g", reply_region=large.region()), timeout=10
+            )
+        assert not inline.HasField("tensors_region")
+        assert np.frombuffer(inline.tensors[0].raw_data, np.float32).tolist() == (
+            w0.tolist()
+        )
+        assert shared.HasField("tensors_region")
+        assert shared.tensors[0].raw_data == b""
+        (w,) = large.read(shared.tensors_region, shared.tensors)
+        assert w.tolist() == w0.tolist()
+        assert shared.tensors_region.generation == 1
+    finally:
+        small.close()
+        large.close()
+
+
+_NO_ROOM = textwrap.dedent(
+    """
+    import logging, resource, signal, sys
+    import numpy as np
+    from onnxps.client import Client, SharedMemoryError
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+    # files of at most 1 MiB: a segment for 4 MiB finds no room, as in a full
+    # /dev/shm (a container's is often 64 MiB)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    g = np.ones(1 << 20, np.float32)
+    with Client(sys.argv[1], shared_memory="on", timeout=10) as c:
+        try:
+            c.push("g", g, np.ones(33, np.float32))
+        except SharedMemoryError as exc:
+            print("REFUSED", exc)
+    with Client(sys.argv[1], timeout=10) as c:
+        print("T", c.push("g", g, np.ones(33, np.float32)))
+        print("PULLED", c.pull("g")[0].shape)
+    """
+)
+
+
+def test_no_room_in_dev_shm_falls_back_to_grpc_bytes(
+    server: ServerHandle, tmp_path: Path
+) -> None:
+    with Client(server.address, shared_memory="off") as c:
+        _create(c, "g")
+    script = tmp_path / "no_room.py"
+    script.write_text(_NO_ROOM)
+    out = subprocess.run(
+        [sys.executable, str(script), server.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "REFUSED no room in /dev/shm for 4194436 bytes" in out.stdout
+    assert "this call sends its tensors over gRPC" in out.stdout
+    assert "T 1" in out.stdout
+    assert "PULLED (1048576,)" in out.stdout
