@@ -1,0 +1,44 @@
+"""The order of a change: validated, logged, durable, then applied.
+
+Every change to a group is validated, then logged to the store's ``Journal`` (its
+records are numbered by ``lsn``), and applied only once its record is durable, all
+under the group's lock; so the change applied is exactly the one logged, and an
+acknowledged change is durable. When the log cannot be written the call is refused
+with ``Unavailable`` and nothing changes. A replayed change is not logged again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ._group import Journal
+
+__all__ = ["JournalEntry"]
+
+Array = np.ndarray[Any, Any]
+
+
+class JournalEntry:
+    """Logs a store call's records; ``wait`` blocks until one is durable.
+
+    Called under the group's lock, before the change is applied: ``wait`` raises
+    ``Unavailable`` when the log could not be written, and the caller then leaves the
+    group as it was. Without a journal (memory only, or replay) both do nothing.
+    """
+
+    def __init__(self, journal: Journal | None) -> None:
+        self._journal = journal
+
+    def log(self, record: dict[str, Any], arrays: Sequence[Array] = ()) -> int | None:
+        return None if self._journal is None else self._journal.log(record, arrays)
+
+    def wait(self, lsn: int | None) -> None:
+        if self._journal is not None and lsn is not None:
+            self._journal.wait(lsn)
+
+    def durable(self, record: dict[str, Any], arrays: Sequence[Array] = ()) -> None:
+        """Log ``record`` and wait until it is durable."""
+        self.wait(self.log(record, arrays))
