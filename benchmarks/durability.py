@@ -9,12 +9,23 @@ latency, and each mode's throughput relative to memory-only.
 
 Part 2 snapshots and restores about 1 GiB of state (four Adam groups, X+V+H) with the
 server's own code, beside a plain ``np.save`` + fsync / ``np.load`` of the same arrays.
+
+A/B of one cell against another checkout, in alternating rounds (the spread is the
+lowest and highest round)::
+
+    python benchmarks/durability.py --modes wal --cases small --skip-restore \
+        --baseline /path/to/old --rounds 5
+
+``--baseline`` is a directory holding an ``onnxps`` package (``onnxps/__init__.py``
+and ``onnxps/{server,client,v1}`` linked to the old checkout's folders); the server
+processes of the A rounds import it first.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,7 +54,8 @@ done.wait()
 handle.stop(grace=1)
 """
 
-CASES = [("1,000 elements", 1000, 8), ("16 MiB", 4 << 20, 4)]  # (label, n, clients)
+# key -> (label, n, clients)
+CASES = {"small": ("1,000 elements", 1000, 8), "large": ("16 MiB", 4 << 20, 4)}
 
 
 def _load(address: str, n: int, clients: int, seconds: float) -> tuple[float, list]:
@@ -78,35 +90,77 @@ def _load(address: str, n: int, clients: int, seconds: float) -> tuple[float, li
     return len(flat) / elapsed, flat
 
 
-def part1(seconds: float) -> None:
+def _cell(
+    mode: str, n: int, clients: int, seconds: float, src: str | None = None
+) -> tuple[float, list]:
+    """One server process in ``mode`` (importing onnxps from ``src`` first, if
+    given) under push load: (pushes/s, sorted latencies)."""
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    with tempfile.TemporaryDirectory() as data:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER, mode, os.path.join(data, "d")],
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        assert proc.stdout is not None
+        address = f"127.0.0.1:{int(proc.stdout.readline())}"
+        try:
+            return _load(address, n, clients, seconds)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+            proc.stdout.close()
+
+
+def part1(seconds: float, modes: list[str], cases: list[str]) -> None:
     print(
         f"Push load, {seconds:.0f} s per cell, Adam float32, server in its own process"
     )
     header = f"{'group':<15} {'mode':<9} {'clients':>7} {'pushes/s':>10} "
     header += f"{'p50 ms':>8} {'p99 ms':>8} {'vs none':>8}"
     print(header)
-    for label, n, clients in CASES:
+    for key, (label, n, clients) in CASES.items():
+        if key not in cases:
+            continue
         base = None
-        for mode in ("none", "snapshot", "wal"):
-            with tempfile.TemporaryDirectory() as data:
-                proc = subprocess.Popen(
-                    [sys.executable, "-c", SERVER, mode, os.path.join(data, "d")],
-                    stdout=subprocess.PIPE,
-                )
-                assert proc.stdout is not None
-                address = f"127.0.0.1:{int(proc.stdout.readline())}"
-                try:
-                    rate, lat = _load(address, n, clients, seconds)
-                finally:
-                    proc.terminate()
-                    proc.wait(timeout=60)
-                    proc.stdout.close()
+        for mode in modes:
+            rate, lat = _cell(mode, n, clients, seconds)
             base = base or rate
             p50 = lat[len(lat) // 2] * 1e3
             p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3
             print(
                 f"{label:<15} {mode:<9} {clients:>7} {rate:>10.1f} {p50:>8.2f} "
                 f"{p99:>8.2f} {rate / base:>7.2f}x"
+            )
+
+
+def ab(
+    seconds: float, modes: list[str], cases: list[str], baseline: str, rounds: int
+) -> None:
+    """Each cell with the ``baseline`` checkout (A) and this one (B), alternating."""
+    print(f"A/B, {rounds} alternating rounds of {seconds:.0f} s; A = {baseline}")
+    for key, (label, n, clients) in CASES.items():
+        if key not in cases:
+            continue
+        for mode in modes:
+            rates: dict[str, list[float]] = {"A": [], "B": []}
+            for r in range(rounds):
+                order = ("A", "B") if r % 2 == 0 else ("B", "A")
+                for side in order:
+                    src = baseline if side == "A" else None
+                    rates[side].append(_cell(mode, n, clients, seconds, src)[0])
+                print(
+                    f"  round {r + 1}: A {rates['A'][-1]:8.1f}  B {rates['B'][-1]:8.1f}"
+                    " pushes/s"
+                )
+            a, b = statistics.median(rates["A"]), statistics.median(rates["B"])
+            print(
+                f"{label} {mode} {clients} clients: A median {a:.1f} "
+                f"[{min(rates['A']):.1f}, {max(rates['A']):.1f}], B median {b:.1f} "
+                f"[{min(rates['B']):.1f}, {max(rates['B']):.1f}] pushes/s; "
+                f"B/A {b / a:.2f}x"
             )
 
 
@@ -172,12 +226,24 @@ def part2(gib: float) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--modes", default="none,snapshot,wal", help="part 1's modes")
+    p.add_argument("--cases", default="small,large", help="part 1's groups")
+    p.add_argument("--skip-restore", action="store_true", help="skip part 2")
+    p.add_argument("--baseline", help="A/B part 1 against this onnxps directory")
+    p.add_argument("--rounds", type=int, default=5, help="A/B rounds")
     args = p.parse_args()
-    part1(args.seconds)
-    part2(args.gib)
+    modes, cases = args.modes.split(","), args.cases.split(",")
+    if args.baseline:
+        ab(args.seconds, modes, cases, args.baseline, args.rounds)
+    else:
+        part1(args.seconds, modes, cases)
+    if not args.skip_restore:
+        part2(args.gib)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from onnxps.client.image import (
 )
 
 from ._ids import IdsTable
+from ._order import PushOrder
 from ._sparse import RowGradient, combine_rows, is_row_push, split_row_push, step_rows
 from .errors import InvalidArgument
 from .kernels import OptimizerAttrs, Stepper
@@ -302,6 +303,7 @@ class Group:
         self.allow_non_finite = allow_non_finite
         self.lease_seconds = lease_seconds
         self.cond = threading.Condition(threading.Lock())
+        self.order = PushOrder()  # pushes logged and not yet applied (``_order``)
         # client id -> window, least recently pushed first
         self.dedup: OrderedDict[str, ClientWindow] = OrderedDict()
         self.workers: dict[str, float] = {}  # worker id -> lease expiry (monotonic)

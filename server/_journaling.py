@@ -1,10 +1,12 @@
 """The order of a change: validated, logged, durable, then applied.
 
 Every change to a group is validated, then logged to the store's ``Journal`` (its
-records are numbered by ``lsn``), and applied only once its record is durable, all
-under the group's lock; so the change applied is exactly the one logged, and an
-acknowledged change is durable. When the log cannot be written the call is refused
-with ``Unavailable`` and nothing changes. A replayed change is not logged again.
+records are numbered by ``lsn``), and applied only once its record is durable; so
+the change applied is exactly the one logged, and an acknowledged change is durable.
+When the log cannot be written the call is refused with ``Unavailable`` and nothing
+changes. A replayed change is not logged again. Most changes hold the group's lock
+from their check to their step; an async push lets it go while its record is
+written, and steps in its record's turn (``_order``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ class JournalEntry:
 
     def __init__(self, journal: Journal | None) -> None:
         self._journal = journal
+
+    @property
+    def logging(self) -> bool:
+        """Whether records are logged (False: memory only, or replay)."""
+        return self._journal is not None
 
     def log(self, record: dict[str, Any], arrays: Sequence[Array] = ()) -> int | None:
         return None if self._journal is None else self._journal.log(record, arrays)

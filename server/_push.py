@@ -26,6 +26,7 @@ from ._checks import MAX_UPDATE_COUNT, check_learning_rate
 from ._group import DEDUP_WINDOW, Group, PushOutcome, StoreLimits, all_finite
 from ._ids import empty_part
 from ._journaling import JournalEntry
+from ._order import PushKey, alone
 from ._quorum import logged_step_due, maybe_sync_step, quorum_reached
 from ._shared import SharedCopies
 from ._sparse import INDEX_DTYPE, flatten, is_row_push
@@ -225,7 +226,9 @@ class PushPipeline:
         replay: bool = False,
         emit: Emission | None = None,
     ) -> PushOutcome:
-        with g.cond:
+        if journal.logging and g.consistency.mode == "async" and not g.tables:
+            return self._run_in_order(g, grads, request, journal, return_values, emit)
+        with g.cond, alone(g.cond, g.order):
             self._check_live(g)
             cached = self._dedup_lookup(g, request.client_id, request.seq)
             if cached is not None:
@@ -240,13 +243,75 @@ class PushPipeline:
                     self._waiting.wait_version(
                         g, outcome.update_count + 1, wait or Wait()
                     )
-                if emit is not None:
-                    if not emit.begun:
-                        emit.all_of(outcome, g.xs)
-                    return outcome
-                values = self._shared.values(g, False)
-                outcome = dataclasses.replace(outcome, values=values)
+            return self._answer(g, outcome, return_values, emit)
+
+    def _run_in_order(
+        self,
+        g: Group,
+        grads: Sequence[Array],
+        request: PushRequest,
+        journal: JournalEntry,
+        return_values: bool,
+        emit: Emission | None,
+    ) -> PushOutcome:
+        """An async push with a log (``_order``): its record is appended in a slot
+        under the lock, made durable without it (so the group's next pushes share
+        the fsync), and applied in its slot's turn."""
+        key = (request.client_id, request.seq) if request.client_id else None
+        with g.cond:
+            self._admit(g, key)
+            cached = self._dedup_lookup(g, request.client_id, request.seq)
+            if cached is not None:
+                duplicate = PushOutcome(cached[0], cached[1], duplicate=True)
+                return self._answer(g, duplicate, return_values, emit)
+            t = g.update_count + g.order.in_flight  # the T it steps at, in turn
+            self._check_step(g, request, t)
+            slot = g.order.take(key)
+            try:
+                lsn = journal.log(request.record(g.name, t), grads)
+            except BaseException:
+                g.order.give_back(slot, key)
+                raise
+        failure: BaseException | None = None
+        try:
+            journal.wait(lsn)
+        except BaseException as exc:  # refused in its turn: later slots wait for it
+            failure = exc
+        with g.cond:
+            try:
+                while g.order.done != slot:
+                    g.cond.wait()
+                if failure is not None:
+                    raise failure
+                outcome = self._step_async(g, grads, request, emit)
+                return self._answer(g, outcome, return_values, emit)
+            finally:
+                g.order.finish(slot, key)
+                g.cond.notify_all()
+
+    def _admit(self, g: Group, key: PushKey | None) -> None:
+        """Under the lock: wait until the push may take a slot (``_order``)."""
+        while True:
+            self._check_live(g)
+            if g.order.admits(key):
+                return
+            g.cond.wait()
+
+    def _answer(
+        self,
+        g: Group,
+        outcome: PushOutcome,
+        return_values: bool,
+        emit: Emission | None,
+    ) -> PushOutcome:
+        """Under the lock: the outcome, with X now when the push asked for it."""
+        if not return_values:
             return outcome
+        if emit is not None:
+            if not emit.begun:
+                emit.all_of(outcome, g.xs)
+            return outcome
+        return dataclasses.replace(outcome, values=self._shared.values(g, False))
 
     def _step_or_buffer(
         self,
@@ -257,26 +322,44 @@ class PushPipeline:
         due: Callable[[Group], bool],
         emit: Emission | None = None,
     ) -> PushOutcome:
-        _check_base_version(g, request.base_version)
         if g.tables and due is not logged_step_due:  # replay: it fitted when logged
             self._check_table_room(g, grads)
-        if g.update_count >= MAX_UPDATE_COUNT:
-            raise FailedPrecondition(
-                f"group {g.name!r} is at T={g.update_count}, the most steps a group "
-                f"takes (2**62 = {MAX_UPDATE_COUNT}); export it and create it again "
-                "with a smaller update_count"
-            )
+        self._check_step(g, request, g.update_count)
         record = request.record(g.name, g.update_count)
         if g.consistency.mode == "async":
             journal.durable(record, grads)  # Unavailable: refused, nothing changed
-            if emit is None:
-                g.step(grads, request.learning_rate)
-            else:
-                emit.begin(PushOutcome(g.update_count + 1, True), g.xs)
-                g.step(grads, request.learning_rate, emit.sink.block)
-            outcome = PushOutcome(g.update_count, True)
+            return self._step_async(g, grads, request, emit)
+        outcome = self._buffer(g, grads, request.client_id, record, journal, due)
+        if request.client_id:
+            self._dedup_store(g, request.client_id, request.seq, outcome)
+        g.cond.notify_all()
+        return outcome
+
+    @staticmethod
+    def _check_step(g: Group, request: PushRequest, t: int) -> None:
+        """The push may step at T=``t``: its base version, and T's limit."""
+        _check_base_version(g, request.base_version, t)
+        if t >= MAX_UPDATE_COUNT:
+            raise FailedPrecondition(
+                f"group {g.name!r} is at T={t}, the most steps a group "
+                f"takes (2**62 = {MAX_UPDATE_COUNT}); export it and create it again "
+                "with a smaller update_count"
+            )
+
+    def _step_async(
+        self,
+        g: Group,
+        grads: Sequence[Array],
+        request: PushRequest,
+        emit: Emission | None,
+    ) -> PushOutcome:
+        """Under the lock, once the push's record is durable: step, remember it."""
+        if emit is None:
+            g.step(grads, request.learning_rate)
         else:
-            outcome = self._buffer(g, grads, request.client_id, record, journal, due)
+            emit.begin(PushOutcome(g.update_count + 1, True), g.xs)
+            g.step(grads, request.learning_rate, emit.sink.block)
+        outcome = PushOutcome(g.update_count, True)
         if request.client_id:
             self._dedup_store(g, request.client_id, request.seq, outcome)
         g.cond.notify_all()
@@ -359,18 +442,18 @@ class PushPipeline:
         g.forget_clients(now, limits.dedup_seconds, limits.dedup_clients)
 
 
-def _check_base_version(g: Group, base_version: int | None) -> None:
-    """A push's T must be one the worker pulled, and fresh enough for the group."""
+def _check_base_version(g: Group, base_version: int | None, t: int) -> None:
+    """A push's T must be one the worker pulled, and fresh enough for the group
+    when it steps at T=``t`` (beyond ``g.update_count`` with pushes in flight)."""
     if base_version is None:
         return
-    t = g.update_count
-    if base_version > t:
+    if base_version > g.update_count:
         raise InvalidArgument(
             f"push computed against T={base_version}, but group {g.name!r} is "
-            f"only at T={t}: base_version must be a T the worker pulled",
+            f"only at T={g.update_count}: base_version must be a T the worker pulled",
             reason="BASE_VERSION_AHEAD",
             field="base_version",
-            metadata={"group": g.name, "update_count": t},
+            metadata={"group": g.name, "update_count": g.update_count},
         )
     s = g.consistency.max_staleness
     if g.consistency.mode == "async" and s is not None and base_version < t - s:

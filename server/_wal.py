@@ -484,6 +484,7 @@ class LogReader:
         self.after = after
         self.truncate_corrupt = truncate_corrupt
         self.torn: _Damage | None = None
+        self.voided = 0  # refused records declared by the void frames read so far
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], list[Array]]]:
         self._expected: int | None = None
@@ -527,6 +528,7 @@ class LogReader:
 
     def _skip_void(self, first: int, last: int) -> None:
         """Records refused when written (the disk failed): no gap in the log."""
+        self.voided += last - first + 1
         if self._expected is not None and self._expected >= first:
             self._expected = max(self._expected, last + 1)
 

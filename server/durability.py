@@ -182,7 +182,7 @@ class Durability:
             if covered.get(header["group"], -1) >= lsn:
                 continue
             try:
-                self._apply(header, arrays)
+                self._apply(header, arrays, reader.voided)
                 count += 1
             except DomainError as exc:
                 log.warning(
@@ -201,11 +201,14 @@ class Durability:
         reader.cut_torn_tail()  # the log goes on after its last intact record
         return last, count
 
-    def _apply(self, h: dict[str, Any], arrays: list[np.ndarray[Any, Any]]) -> None:
-        """Redo one logged change through the store's replay methods."""
+    def _apply(
+        self, h: dict[str, Any], arrays: list[np.ndarray[Any, Any]], voided: int = 0
+    ) -> None:
+        """Redo one logged change through the store's replay methods; ``voided``:
+        how many records read so far were refused when written."""
         op, name, store = h["op"], h["group"], self.store
         if op == "push":
-            self._check_t(h)
+            self._check_t(h, voided)
             store.replay_push(
                 name,
                 arrays,
@@ -215,7 +218,7 @@ class Durability:
                 learning_rate=h["lr"],
             )
         elif op == "push_rows":
-            self._check_t(h)
+            self._check_t(h, voided)
             store.replay_push_rows(
                 name,
                 arrays,
@@ -235,13 +238,18 @@ class Durability:
         else:
             log.warning("write-ahead log record of unknown op %r skipped", op)
 
-    def _check_t(self, h: dict[str, Any]) -> None:
-        """A push record names the T it was applied at; say so if replay differs."""
+    def _check_t(self, h: dict[str, Any], voided: int) -> None:
+        """A push record names the T it was to step at; say so if replay differs.
+
+        A push logged while earlier pushes of its group waited for their fsync
+        counted them in its T; each of them that was refused (``voided``) steps it
+        one T earlier, so that is no missing record.
+        """
         t = h.get("t")  # absent in records written before it was logged
         if t is None:
             return
         now = self.store.describe(h["group"]).update_count
-        if now != t:
+        if not now <= t <= now + voided:
             log.warning(
                 "write-ahead log record %d (push on %r) was applied at T=%d, replay "
                 "is at T=%d: records before it are missing; replaying it at T=%d",

@@ -14,12 +14,15 @@ groups step concurrently. Only the store touches a group: callers get frozen rec
 - ``_rows``: row pushes and row reads (``_sparse``, ids tables ``_ids``);
 - ``_waits``: calls waiting for a version, cancellation, the waiting-call bound;
 - ``_shared``: the read-only copies of a version shared by its readers;
-- ``_journaling``: the order of a change (logged, durable, then applied).
+- ``_journaling``: the order of a change (logged, durable, then applied);
+- ``_order``: an async group's pushes in flight between their record and their step.
 
 Durability: the ``Journal`` given to ``set_journal`` logs every change before it is
-applied, under the group's lock; the journal batches the records of different groups
-into one fsync (group commit). The ``replay_*`` methods redo logged changes without
-logging them again.
+applied; the journal batches records into one fsync (group commit). An async push
+appends its record under its group's lock and waits for the fsync without it, then
+steps in its record's turn, so the pushes to one group share fsyncs too (``_order``);
+every other change is logged and applied under the group's lock. The ``replay_*``
+methods redo logged changes without logging them again.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from ._group import (
 )
 from ._ids import RowsPage
 from ._journaling import JournalEntry
+from ._order import alone
 from ._push import (
     PushPipeline,
     PushRequest,
@@ -341,7 +345,7 @@ class ParameterStore:
             raise NotFound(f"no group named {name!r}", metadata={"group": name})
         # The group's lock first: a push holding it is logged before the delete, and
         # the name is free (for a create, logged after) only once the delete is.
-        with self._journaled(replay) as journal, g.cond:
+        with self._journaled(replay) as journal, g.cond, alone(g.cond, g.order):
             if g.deleted:
                 raise NotFound(f"no group named {name!r}", metadata={"group": name})
             journal.durable({"op": "delete", "group": name})
@@ -362,7 +366,7 @@ class ParameterStore:
     ) -> GroupView:
         g = self._group(name)
         check_learning_rate(learning_rate, g.dtype)
-        with self._journaled(replay) as journal, g.cond:
+        with self._journaled(replay) as journal, g.cond, alone(g.cond, g.order):
             self._check_live(g)
             journal.durable({"op": "set_lr", "group": name, "lr": float(learning_rate)})
             g.learning_rate = float(learning_rate)
@@ -637,7 +641,7 @@ class ParameterStore:
         the group up to that lsn is in the copy, and none after it.
         """
         for g in self._live():
-            with g.cond:
+            with g.cond, alone(g.cond, g.order):
                 if g.deleted:
                     continue
                 captured = GroupCapture(g.image(scratch), g.runtime(current_lsn()))
