@@ -416,7 +416,8 @@ def parallel(ops: Sequence[Op[R]]) -> Op[list[R]]:
 
 def on_shard(shard: int, op: Op[R]) -> Op[R]:
     """``op`` with its calls sent to ``shard`` of a cluster (calls that name a
-    shard already keep theirs)."""
+    shard already keep theirs; the operations of a ``Parallel`` it yields name
+    their own)."""
     reply: Any = None
     error: Exception | None = None
     while True:
