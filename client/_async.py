@@ -123,11 +123,15 @@ class AsyncClient(RoutingCore):
     async def _run(self, op: Op[R]) -> R:
         """Perform an operation's effects as coroutines; return its result."""
         run = OpRun(op)
-        while (effect := run.next_effect()) is not None:
-            try:
-                run.reply(await self._perform(effect))
-            except Exception as exc:  # raised in the operation, which may handle it
-                run.fail(exc)
+        try:
+            while (effect := run.next_effect()) is not None:
+                try:
+                    run.reply(await self._perform(effect))
+                except Exception as exc:  # raised in the operation, to handle
+                    run.fail(exc)
+        except BaseException:  # asyncio.CancelledError: the operation is closed
+            run.abandon()
+            raise
         result: R = run.result
         return result
 

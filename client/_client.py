@@ -179,11 +179,15 @@ class Client(RoutingCore):
     def _run(self, op: Op[R]) -> R:
         """Perform an operation's effects with blocking calls; return its result."""
         run = OpRun(op)
-        while (effect := run.next_effect()) is not None:
-            try:
-                run.reply(self._perform(effect))
-            except Exception as exc:  # raised in the operation, which may handle it
-                run.fail(exc)
+        try:
+            while (effect := run.next_effect()) is not None:
+                try:
+                    run.reply(self._perform(effect))
+                except Exception as exc:  # raised in the operation, to handle
+                    run.fail(exc)
+        except BaseException:
+            run.abandon()
+            raise
         result: R = run.result
         return result
 

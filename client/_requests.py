@@ -465,6 +465,11 @@ class OpRun:
         """The effect failed: ``error`` is raised in the operation."""
         self._error = error
 
+    def abandon(self) -> None:
+        """The runner stops before the end (a cancelled task): the operation is
+        closed now, so it can note what it leaves undone (``_sharded.land``)."""
+        self._op.close()
+
 
 Int_co = TypeVar("Int_co", covariant=True)
 Values_co = TypeVar("Values_co", covariant=True)

@@ -465,7 +465,13 @@ def land(
     def send(part: PartPush) -> Op[Any]:
         return until_landed(lambda: _push_one(client, part, deadline), deadline)
 
-    results = yield from parallel([attempt(send(p)) for p in parts])
+    try:
+        results = yield from parallel([attempt(send(p)) for p in parts])
+    except GeneratorExit:
+        # Cancelled (an AsyncClient task) while the parts travel: each may or may
+        # not have taken the push, so the next push sends them all first.
+        client._unfinished[group] = (list(parts), list(after))
+        raise
     failed = [
         (p, r) for p, r in zip(parts, results, strict=True) if isinstance(r, Exception)
     ]

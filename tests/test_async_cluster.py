@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 import time
 import urllib.request
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _procs import start_server, stop
 from onnxps.client import (
     Adam,
     AlreadyExistsError,
@@ -221,6 +223,73 @@ def test_a_cancelled_pull_frees_the_wait_on_every_shard(tmp_path: Path) -> None:
             assert found, log
             urls.append(found.group(1))
         asyncio.run(run(addresses, urls))
+
+
+def test_a_push_cancelled_while_a_part_hangs_is_completed_by_the_next(
+    tmp_path: Path,
+) -> None:
+    """A shard stops answering (SIGSTOP) while a push travels: the task is
+    cancelled after the other parts took it. The shard is killed and restarted
+    from its WAL (without the push); the next push sends the cancelled one's parts
+    first (same seq: the parts that took it answer a duplicate), so every part
+    ends at T=2 with the values of one server that took both pushes."""
+    wal = ("--durability", "wal", "--data-dir", f"{tmp_path / 'data'}{{i}}")
+    rng = np.random.default_rng(21)
+    x0 = [
+        (f"x{i}", rng.standard_normal(s).astype(np.float32))
+        for i, s in enumerate(SHAPES)
+    ]
+    grads = [
+        [rng.standard_normal(s).astype(np.float32) for s in SHAPES] for _ in range(2)
+    ]
+
+    async def run(addresses: list[str], procs: list[Any]) -> list[np.ndarray]:
+        async with AsyncClient(addresses, timeout=30, split_bytes=SPLIT) as ps:
+            info = await ps.create_group("c", Adam(), learning_rate=0.05, tensors=x0)
+            stuck = info.parts[1].shard
+            live = [Client(addresses[p.shard]) for p in info.parts if p.shard != stuck]
+
+            def taken() -> bool:
+                return all(c.list_groups("c#")[0].update_count == 1 for c in live)
+
+            procs[stuck].send_signal(signal.SIGSTOP)
+            try:
+                pushing = asyncio.create_task(ps.push("c", *grads[0]))
+                await _until(taken)
+                pushing.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await pushing
+            finally:
+                stop(procs[stuck])  # SIGKILL: it never read the push
+            procs[stuck], _ = start_server(
+                tmp_path / "again.log",
+                "--shard",
+                f"{stuck}/3",
+                "--address",
+                addresses[stuck],
+                *(a.replace("{i}", str(stuck)) for a in wal),
+            )
+            for c in live:
+                c.close()
+            assert await ps.push("c", *grads[1]) == 2
+            parts = (await ps.describe_group("c")).parts
+            assert [p.update_count for p in parts] == [2, 2, 2]
+            pulled: list[np.ndarray] = await ps.pull("c", state=True)
+            return pulled
+
+    with shards(tmp_path, 3, *wal) as (addresses, procs):
+        got = asyncio.run(run(addresses, procs))
+    one, one_address = start_server(tmp_path / "ref.log")
+    try:
+        with Client(one_address) as ref:
+            ref.create_group("c", Adam(), learning_rate=0.05, tensors=x0)
+            for g in grads:
+                ref.push("c", *g)
+            want = ref.pull("c", state=True)
+    finally:
+        stop(one)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w, strict=True)
 
 
 def test_a_wrong_shard_count_is_refused_as_client_refuses_it(tmp_path: Path) -> None:
