@@ -274,6 +274,12 @@ def test_a_push_cancelled_while_a_part_hangs_is_completed_by_the_next(
             assert await ps.push("c", *grads[1]) == 2
             parts = (await ps.describe_group("c")).parts
             assert [p.update_count for p in parts] == [2, 2, 2]
+            saved = await ps.save()  # every shard writes a snapshot
+            paths = saved.path.split(", ")
+            assert len(paths) == 3 and saved.groups == 3
+            assert all(
+                p.startswith(f"{tmp_path / 'data'}{i}") for i, p in enumerate(paths)
+            )
             pulled: list[np.ndarray] = await ps.pull("c", state=True)
             return pulled
 
