@@ -1,9 +1,12 @@
 """``AsyncClient``: the onnxps client for asyncio, on ``grpc.aio``.
 
-The same calls, arguments, results, exceptions and deadlines as ``Client``: both
-perform the operations of ``_requests.ClientCore``; only the way an RPC is made
-differs. Cancelling the task of a call cancels its RPC, and the server lets go of
-it at once (a waiting ``pull(min_version=...)`` or sync push frees its wait).
+The same calls, arguments, results, exceptions and deadlines as ``Client``, on one
+server or a cluster of shards: both perform the operations of
+``_requests.ClientCore``, routed by ``_routing.RoutingCore``; only the way an RPC is
+made differs (and the calls of a cluster's parts run as tasks, not threads).
+Cancelling the task of a call cancels its RPCs (every shard's), and the servers let
+go of them at once (a waiting ``pull(min_version=...)`` or sync push frees its
+wait).
 """
 
 from __future__ import annotations
@@ -15,24 +18,24 @@ from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 import grpc
 import grpc.aio
 import numpy as np
-from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
-from ._errors import ClientClosedError, RpcError
+from ._errors import ClientClosedError
 from ._records import LeaseInfo
 from ._requests import (
-    Call,
     ClientCore,
+    Effect,
     Op,
     OpRun,
+    Parallel,
     Pause,
     PushCall,
     State,
     as_method,
     channel_credentials,
     channel_options,
-    log,
     multicallable,
 )
+from ._routing import RoutingCore
 
 __all__ = ["AsyncClient"]
 
@@ -45,33 +48,33 @@ _Awaited = Coroutine[Any, Any, R]
 def _awaiting(
     op: Callable[Concatenate[ClientCore, P], Op[R]],
 ) -> Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, R]]:
-    """An AsyncClient method that runs the shared operation ``op`` to its result."""
+    """An AsyncClient method that runs the shared operation ``op`` to its result
+    (the client's own ``op``, by name: on a cluster it routes the call)."""
+    name = op.__name__
 
     async def method(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        return await self._run(op(self, *args, **kwargs))
+        built: Op[R] = getattr(self, name)(*args, **kwargs)
+        return await self._run(built)
 
     as_method(method, op, "AsyncClient")
     return method
 
 
-class AsyncClient(ClientCore):
-    """A connection to one onnxps server, for asyncio: every call is a coroutine.
+class AsyncClient(RoutingCore):
+    """A connection to one onnxps server, or to a cluster of shards, for asyncio:
+    every call is a coroutine.
 
     Takes the arguments of ``Client`` and behaves the same (one deadline per call,
     exactly-once resends of a push, TLS and tokens, unary or chunked streams by
-    size). Use it as ``async with AsyncClient(address) as ps:``; the channel opens
-    on the first call, in the running event loop.
+    size, a list of shard addresses routed as ``Client`` routes it). Use it as
+    ``async with AsyncClient(address) as ps:``; the channels open on first use, in
+    the running event loop.
     """
 
     def _setup(self) -> None:
-        if self.shards is not None:
-            raise ValueError(
-                "AsyncClient talks to one server; a cluster needs Client for now "
-                f"(got {self.shards} shard addresses)"
-            )
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.ParameterServerServiceStub | None = None
-        self._callables: dict[str, Any] = {}
+        super()._setup()
+        self._channels: dict[int, grpc.aio.Channel] = {}
+        self._callables: dict[tuple[int, str], Any] = {}
         self._heartbeats: dict[str, asyncio.Task[None]] = {}
 
     # -- lifecycle -----------------------------------------------------------------
@@ -92,45 +95,70 @@ class AsyncClient(ClientCore):
         for task in beats:
             task.cancel()
         await asyncio.gather(*beats, return_exceptions=True)
-        if self._channel is not None:
-            await self._channel.close(None)
+        channels = list(self._channels.values())
+        self._channels.clear()
+        for channel in channels:
+            await channel.close(None)
         self._close_shared_memory()
 
-    def _method(self, name: str) -> Any:
+    def _method(self, name: str, shard: int = 0) -> Any:
         self._check_open()
-        if self._stub is None:
+        channel = self._channels.get(shard)
+        if channel is None:
+            address = self.addresses[shard]
             options = channel_options(self._server_name_override)
             creds = channel_credentials(self._tls)
             if creds is not None:
-                self._channel = grpc.aio.secure_channel(self.address, creds, options)
+                channel = grpc.aio.secure_channel(address, creds, options)
             else:
-                self._channel = grpc.aio.insecure_channel(self.address, options)
-            self._stub = pb_grpc.ParameterServerServiceStub(self._channel)
+                channel = grpc.aio.insecure_channel(address, options)
+            self._channels[shard] = channel
             self._state = State.OPEN
-        fn = self._callables.get(name)
+        key = (shard, name)
+        fn = self._callables.get(key)
         if fn is None:
-            fn = self._callables[name] = multicallable(self._channel, name)
+            fn = self._callables[key] = multicallable(channel, name)
         return fn
 
     async def _run(self, op: Op[R]) -> R:
         """Perform an operation's effects as coroutines; return its result."""
         run = OpRun(op)
-        while (effect := run.next_effect()) is not None:
-            try:
-                run.reply(await self._perform(effect))
-            except RpcError as exc:
-                run.fail(exc)
+        try:
+            while (effect := run.next_effect()) is not None:
+                try:
+                    run.reply(await self._perform(effect))
+                except Exception as exc:  # raised in the operation, to handle
+                    run.fail(exc)
+        except BaseException:  # asyncio.CancelledError: the operation is closed
+            run.abandon()
+            raise
         result: R = run.result
         return result
 
-    async def _perform(self, effect: Call | Pause) -> Any:
+    async def _parallel(self, ops: tuple[Op[Any], ...]) -> list[Any]:
+        """Run ``ops`` as tasks; their results, or the first failure in order once
+        every one ended. Cancelled, it cancels them all (and so their RPCs)."""
+        if len(ops) == 1:
+            return [await self._run(ops[0])]
+        results = await asyncio.gather(
+            *(self._run(op) for op in ops), return_exceptions=True
+        )
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    async def _perform(self, effect: Effect) -> Any:
         if isinstance(effect, Pause):
             await asyncio.sleep(effect.seconds)
             return None
-        fn = self._method(effect.method)
+        if isinstance(effect, Parallel):
+            return await self._parallel(effect.ops)
+        shard = effect.shard or 0
+        fn = self._method(effect.method, shard)
         timeout = effect.deadline.remaining()
         try:
-            call = fn(effect.request(), timeout=timeout, metadata=self._metadata())
+            call = fn(effect.request(), timeout=timeout, metadata=self._metadata(shard))
             if effect.reader is None:
                 return await call
             reader = effect.reader()
@@ -169,20 +197,19 @@ class AsyncClient(ClientCore):
     async def join(
         self, group: str, *, worker_id: str | None = None, timeout: float | None = None
     ) -> LeaseInfo:
-        """Join a group as a worker; a task of the event loop keeps the lease."""
+        """Join a group as a worker (on a cluster: every part of it); a task of the
+        event loop keeps the lease."""
         wid = worker_id or self.client_id
-        lease = await self._run(self._join_op(group, wid, timeout))
+        targets, lease = await self._run(self._join_parts(group, wid, timeout))
         interval = self._heartbeat_interval(lease)
 
         async def beat() -> None:
             while True:
                 await asyncio.sleep(interval)
                 try:
-                    await self._run(self._heartbeat_op(group, wid, interval))
+                    await self._run(self._heartbeats_op(targets, wid, interval))
                 except ClientClosedError:
                     return
-                except RpcError as exc:
-                    log.warning("heartbeat for %s in %s failed: %s", wid, group, exc)
 
         old = self._heartbeats.pop(group, None)
         if old is not None:
@@ -199,4 +226,4 @@ class AsyncClient(ClientCore):
             beat.cancel()
             await asyncio.gather(beat, return_exceptions=True)
         wid = worker_id or self.client_id
-        return await self._run(self._leave_op(group, wid, timeout))
+        return await self._run(self._leave_parts(group, wid, timeout))

@@ -2,8 +2,9 @@
 
 Everything here is a pure function of the group's name, its tensors and the shard
 count (the README's "Placement" section gives it precisely, for clients in other
-languages), plus ``fan_out``, which runs "call one shard" callables in parallel. A
-second client class (an asyncio one) reuses these as they are.
+languages), plus ``fan_out``, which runs callables in parallel on a thread pool (how
+``Client`` performs a ``Parallel`` effect of the routing's operations, ``_sharded``;
+``AsyncClient`` runs them as tasks).
 
 - ``shard_ranking(group, n)``: rendezvous hashing. Shard ``i`` scores
   ``uint64_be(SHA-256(utf8(group) || uint32_be(i))[0:8])``; shards in decreasing score

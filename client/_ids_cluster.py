@@ -17,20 +17,24 @@ of their own).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 
 from . import _sharded
-from ._client import Array, Client, GroupInfo, _Deadline, until_landed
-from ._cluster import Layout, Part, fan_out, part_name, shard_ranking
+from ._cluster import Layout, Part, part_name, shard_ranking
 from ._encoding import Encoding, encode
-from ._errors import AlreadyExistsError, InvalidArgumentError
-from ._records import RowsPage
+from ._errors import InvalidArgumentError
+from ._records import GroupInfo, RowsPage
+from ._requests import Deadline, Op, on_shard, parallel
 from .initializers import splitmix64
+
+if TYPE_CHECKING:
+    from ._routing import RoutingCore
+
+Array = np.ndarray[Any, Any]
 
 __all__ = [
     "create_group",
@@ -63,12 +67,12 @@ def _plan(group: str, shards: int) -> Layout:
 
 
 def create_group(
-    client: Client,
+    client: RoutingCore,
     req: pb.CreateGroupRequest,
     names: Sequence[str],
     table_arrays: Sequence[Sequence[Array]],
-    deadline: _Deadline,
-) -> GroupInfo:
+    deadline: Deadline,
+) -> Op[GroupInfo]:
     """Create the N parts (all, or none), each with the rows it owns."""
     group = req.group
     if names:
@@ -77,40 +81,20 @@ def create_group(
             f"tables only (its tensors {', '.join(names)} go in a group of their own)"
         )
     shards = client.shards or 1
-    if _sharded._layout_of(group, _sharded._listing(client, group, deadline)):
-        raise AlreadyExistsError(
-            f"group {group!r} exists already in the cluster",
-            reason="GROUP_EXISTS",
-            metadata={"group": group},
-        )
+    yield from _sharded.check_new(client, group, deadline)
     planned = _plan(group, shards)
     own = [owners(t[0], shards) for t in table_arrays]
 
-    def create(k: int) -> pb.GroupInfo:
+    def create(k: int) -> Op[pb.GroupInfo]:
         part = planned.parts[k]
         template = pb.CreateGroupRequest()
         template.CopyFrom(req)
         template.group = part.name
         mine = [[a[o == k] for a in t] for t, o in zip(table_arrays, own, strict=True)]
         op = client._create_op(template, [], [], [], deadline, table_arrays=mine)
-        reply: pb.GroupInfo = client._run(op, part.shard)
-        return reply
+        return on_shard(part.shard, op)
 
-    first = create(0)  # the lock between two clients creating the group at once
-    rest = [
-        functools.partial(_sharded._attempt, functools.partial(create, k))
-        for k in range(1, shards)
-    ]
-    results: list[pb.GroupInfo | BaseException] = [first, *fan_out(rest)]
-    failed = [r for r in results if isinstance(r, BaseException)]
-    if failed:
-        for part, r in zip(planned.parts, results, strict=True):
-            if not isinstance(r, BaseException):
-                _sharded._delete_quietly(client, part.shard, part.name, deadline)
-        raise failed[0]
-    infos = [r for r in results if isinstance(r, pb.GroupInfo)]
-    _sharded._remember(client, planned, infos)
-    return _sharded._merged(client, planned, infos)
+    return (yield from _sharded.create_parts(client, planned, create, deadline))
 
 
 def _split(
@@ -130,12 +114,12 @@ def _split(
 
 
 def split_push(
-    client: Client,
+    client: RoutingCore,
     found: Layout,
     gradients: Mapping[str, Any],
-    deadline: _Deadline,
+    deadline: Deadline,
     encoding: Encoding = "native",
-) -> list[list[tuple[str, Array | None, Array]]]:
+) -> Op[list[list[tuple[str, Array | None, Array]]]]:
     """Each part's row gradients: per table, the ids it owns and their rows (in
     the order they came, so repeats sum as on one server; none when it owns no
     id of the push), the rows in ``encoding``. What a part would refuse for its
@@ -164,7 +148,7 @@ def split_push(
         for k in range(count):
             mask = own == k
             per_part[k].append((name, ids[mask], rows[mask]))
-    check_finite(client, found, finite, deadline)
+    yield from check_finite(client, found, finite, deadline)
     return per_part
 
 
@@ -178,32 +162,27 @@ def _ids(name: str, raw: Any) -> Array:
 
 
 def pull_rows(
-    client: Client,
+    client: RoutingCore,
     found: Layout,
     selections: Mapping[str, Any],
     state: bool,
     min_version: int | None,
-    deadline: _Deadline,
-) -> dict[str, Array]:
+    deadline: Deadline,
+) -> Op[dict[str, Array]]:
     """Rows from the parts owning the ids, in the caller's order."""
+    from ._rowsplit import pull_part
+
     per_part, routing = _split(selections, len(found.parts))
     targets = [k for k, s in enumerate(per_part) if s]
     if not targets:  # no ids: ask part 0 for empty rows (their shapes)
         targets, per_part[0] = [0], {n: ids for n, (_, ids) in routing.items()}
-
-    def pull(k: int) -> dict[str, Array]:
-        part = found.parts[k]
-        op = client._rows_pull_op(
-            found.group, part.name, per_part[k], state, min_version, deadline
-        )
-        rows: dict[str, Array] = client._run(op, part.shard)
-        return rows
-
-    calls = [
-        functools.partial(until_landed, functools.partial(pull, k), deadline)
-        for k in targets
-    ]
-    replies = dict(zip(targets, fan_out(calls), strict=True))
+    pulled = yield from parallel(
+        [
+            pull_part(client, found, k, per_part[k], state, min_version, deadline)
+            for k in targets
+        ]
+    )
+    replies = dict(zip(targets, pulled, strict=True))
     any_reply = next(iter(replies.values()))
     out: dict[str, Array] = {}
     for key, sample in any_reply.items():
@@ -218,27 +197,26 @@ def pull_rows(
 
 
 def list_rows(
-    client: Client,
+    client: RoutingCore,
     found: Layout,
     table: str,
     page_token: str,
     page_size: int,
     values: bool,
     state: bool,
-    deadline: _Deadline,
-) -> RowsPage:
+    deadline: Deadline,
+) -> Op[RowsPage]:
     """A page of ids ascending across every part: each part's page after the
     token, merged, cut at ``page_size``."""
     size = page_size or 1000
 
-    def page(part: Part) -> RowsPage:
+    def page(part: Part) -> Op[RowsPage]:
         op = client._list_rows_op(
             part.name, table, page_token, size, values, state, deadline
         )
-        result: RowsPage = client._run(op, part.shard)
-        return result
+        return on_shard(part.shard, op)
 
-    pages = fan_out([functools.partial(page, p) for p in found.parts])
+    pages = yield from parallel([page(p) for p in found.parts])
     ids = np.concatenate([p.ids for p in pages])
     order = np.argsort(ids, kind="stable")[:size]
     more = ids.size > size or any(p.next_page_token for p in pages)

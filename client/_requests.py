@@ -1,15 +1,17 @@
 """What both clients do, written once: requests, replies, transports, deadlines, errors.
 
 Every call is an *operation*: a generator that builds its requests, yields the
-effects it needs (``Call``: one RPC; ``Pause``: wait before a resend) and returns
-the decoded reply. ``Client`` performs the effects with blocking grpc calls and
-``AsyncClient`` with ``grpc.aio`` coroutines; neither knows anything about a
-request or a reply. Operations compose with ``yield from``.
+effects it needs (``Call``: one RPC; ``Pause``: wait before a resend; ``Parallel``:
+run several operations at once, e.g. one per shard of a cluster) and returns the
+decoded reply. ``Client`` performs the effects with blocking grpc calls (and a
+thread pool) and ``AsyncClient`` with ``grpc.aio`` coroutines (and tasks); neither
+knows anything about a request or a reply. Operations compose with ``yield from``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import functools
 import itertools
@@ -78,8 +80,10 @@ __all__ = [
     "Call",
     "ClientCore",
     "Deadline",
+    "Effect",
     "Op",
     "OpRun",
+    "Parallel",
     "Pause",
     "PushCall",
     "State",
@@ -88,6 +92,8 @@ __all__ = [
     "channel_credentials",
     "channel_options",
     "multicallable",
+    "on_shard",
+    "parallel",
     "row_gradients",
 ]
 
@@ -354,13 +360,16 @@ class _TensorStreamReader:
 @dataclass(frozen=True)
 class Call:
     """One RPC: ``request()`` gives the message (or a fresh iterator of stream
-    messages, for each send); ``reader`` is set when the reply is a stream."""
+    messages, for each send); ``reader`` is set when the reply is a stream;
+    ``shard`` is the server of a cluster it goes to (None: the first, or the one
+    server; ``on_shard`` sets it)."""
 
     method: str
     request: Callable[[], Any]
     deadline: Deadline
     what: str
     reader: Callable[[], StreamReader] | None = None
+    shard: int | None = None
 
     def error(self, exc: grpc.RpcError) -> RpcError:
         """The one place a failed RPC becomes the client's exception."""
@@ -384,8 +393,49 @@ class Pause:
     seconds: float
 
 
-Effect = Call | Pause
+@dataclass(frozen=True)
+class Parallel:
+    """Run every operation at once; the reply is their results in order. Each one
+    runs to its end; then the first failure (in order) is raised in the operation
+    that asked. Cancelling the caller (an asyncio task) cancels every one."""
+
+    ops: tuple[Generator[Any, Any, Any], ...]
+
+
+Effect = Call | Pause | Parallel
 Op = Generator[Effect, Any, R]
+
+
+def parallel(ops: Sequence[Op[R]]) -> Op[list[R]]:
+    """The results of ``ops``, run at once (``Parallel``)."""
+    if not ops:
+        return []
+    results: list[R] = yield Parallel(tuple(ops))
+    return results
+
+
+def on_shard(shard: int, op: Op[R]) -> Op[R]:
+    """``op`` with its calls sent to ``shard`` of a cluster (calls that name a
+    shard already keep theirs; the operations of a ``Parallel`` it yields name
+    their own)."""
+    reply: Any = None
+    error: Exception | None = None
+    while True:
+        try:
+            effect = op.send(reply) if error is None else op.throw(error)
+        except StopIteration as stop:
+            result: R = stop.value
+            return result
+        if isinstance(effect, Call) and effect.shard is None:
+            effect = dataclasses.replace(effect, shard=shard)
+        reply, error = None, None
+        try:
+            reply = yield effect
+        except GeneratorExit:
+            op.close()
+            raise
+        except Exception as exc:  # the effect's failure, for ``op`` to handle
+            error = exc
 
 
 class OpRun:
@@ -411,8 +461,14 @@ class OpRun:
     def reply(self, value: Any) -> None:
         self._reply = value
 
-    def fail(self, error: RpcError) -> None:
+    def fail(self, error: Exception) -> None:
+        """The effect failed: ``error`` is raised in the operation."""
         self._error = error
+
+    def abandon(self) -> None:
+        """The runner stops before the end (a cancelled task): the operation is
+        closed now, so it can note what it leaves undone (``_sharded.land``)."""
+        self._op.close()
 
 
 Int_co = TypeVar("Int_co", covariant=True)

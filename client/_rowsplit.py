@@ -14,21 +14,32 @@ the same way: ``_ids_cluster.split_push`` says what each part gets.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 
-from ._client import Array, Client, PushResult, _Deadline, until_landed
-from ._client import _PartPush as PartPush
-from ._cluster import Layout, Part, Slot, fan_out
+from . import _ids_cluster
+from ._cluster import Layout, Part, Slot
 from ._encoding import Encoding, encode
 from ._errors import FailedPreconditionError, InvalidArgumentError
-from ._requests import _indices, row_gradients
-from ._sharded import _finish_earlier, _land, _rerouted, describe_group
+from ._records import PushResult
+from ._requests import Deadline, Op, _indices, on_shard, parallel, row_gradients
+from ._sharded import (
+    PartPush,
+    describe_group,
+    finish_earlier,
+    rerouted,
+    until_landed,
+)
+from ._sharded import land as land_parts
+
+if TYPE_CHECKING:
+    from ._routing import RoutingCore
+
+Array = np.ndarray[Any, Any]
 
 __all__ = ["check_finite", "land", "pull_rows", "push_rows"]
 
@@ -140,7 +151,7 @@ def _owners(pieces: Sequence[_Piece], idx: Array) -> list[Array]:
     return np.split(order, np.cumsum(counts)[:-1])
 
 
-def _dtype(client: Client, found: Layout) -> np.dtype[Any] | None:
+def _dtype(client: RoutingCore, found: Layout) -> np.dtype[Any] | None:
     """The group's dtype, from the sizes the listing gave (None: not known)."""
     p = found.parts[0]
     size = client._sizes.get(p.name)
@@ -154,12 +165,12 @@ _Entries = list[list[tuple[str, Array | None, Array]]]
 
 
 def _split_push(
-    client: Client,
+    client: RoutingCore,
     found: Layout,
     gradients: Mapping[str, Any],
-    deadline: _Deadline,
+    deadline: Deadline,
     encoding: Encoding = "native",
-) -> _Entries:
+) -> Op[_Entries]:
     """Each part's row gradients (name on its shard, indices or None, values in
     ``encoding``: encoded whole, once checked, then cut per part)."""
     dtype = _dtype(client, found)
@@ -207,19 +218,18 @@ def _split_push(
             else:
                 local, rows = idx[mine] - pc.a, values[mine]
             per_part[pc.part].append((pc.name, local, rows))
-    check_finite(client, found, finite, deadline)
+    yield from check_finite(client, found, finite, deadline)
     return per_part
 
 
 def check_finite(
-    client: Client, found: Layout, finite: bool, deadline: _Deadline
-) -> None:
+    client: RoutingCore, found: Layout, finite: bool, deadline: Deadline
+) -> Op[None]:
     """Refuse a push holding NaN or inf unless the group allows them (asked only
     then), here: a part would refuse only the rows it owns."""
-    if (
-        not finite
-        and not describe_group(client, found.group, deadline).allow_non_finite
-    ):
+    if finite:
+        return
+    if not (yield from describe_group(client, found.group, deadline)).allow_non_finite:
         raise _invalid(
             found,
             f"a row gradient holds NaN or inf, which would poison group "
@@ -230,24 +240,22 @@ def check_finite(
 
 
 def push_rows(
-    client: Client,
+    client: RoutingCore,
     group: str,
     gradients: Mapping[str, Any],
     base_version: int | None,
     learning_rate: float | None,
-    deadline: _Deadline,
+    deadline: Deadline,
     encoding: Encoding = "native",
-) -> PushResult:
+) -> Op[PushResult]:
     """A row push to a group of a cluster: its parts' pushes, one seq for all,
     every part sent one (with no rows when it owns none of the push's)."""
-    from . import _ids_cluster
-
-    _finish_earlier(client, group, deadline)
+    yield from finish_earlier(client, group, deadline)
     seq = next(client._seq)
 
-    def push_all(found: Layout) -> PushResult:
+    def push_all(found: Layout) -> Op[PushResult]:
         if _ids_cluster.is_ids_layout(found):
-            per_part = _ids_cluster.split_push(
+            per_part = yield from _ids_cluster.split_push(
                 client, found, gradients, deadline, encoding
             )
         elif not found.split:  # the group's one shard checks it all
@@ -261,26 +269,32 @@ def push_rows(
                 deadline,
                 encoding,
             )
-            return client._run(op, p.shard)
+            return (yield from on_shard(p.shard, op))
         else:
-            per_part = _split_push(client, found, gradients, deadline, encoding)
-        return land(client, found, per_part, seq, base_version, learning_rate, deadline)
+            per_part = yield from _split_push(
+                client, found, gradients, deadline, encoding
+            )
+        return (
+            yield from land(
+                client, found, per_part, seq, base_version, learning_rate, deadline
+            )
+        )
 
-    return _rerouted(client, group, deadline, push_all)
+    return (yield from rerouted(client, group, deadline, push_all))
 
 
 def land(
-    client: Client,
+    client: RoutingCore,
     found: Layout,
     per_part: _Entries,
     seq: int,
     base_version: int | None,
     learning_rate: float | None,
-    deadline: _Deadline,
-) -> PushResult:
+    deadline: Deadline,
+) -> Op[PushResult]:
     """Send every part its row gradients with one (client_id, seq); parts that did
     not answer are resent with that seq until the deadline, and a part still
-    missing is sent first by the next push to the group (``_sharded._land``), so
+    missing is sent first by the next push to the group (``_sharded.land``), so
     every part takes the push exactly once and all keep the same T."""
 
     def part(k: int, with_base: bool) -> PartPush:
@@ -296,11 +310,12 @@ def land(
     if base_version is not None:
         # Part 0 alone decides whether the push is too stale (as dense pushes).
         rest = [part(k, False) for k in range(1, count)]
-        replies = _land(client, found.group, [part(0, True)], rest, deadline)
-    else:
-        replies = _land(
-            client, found.group, [part(k, True) for k in range(count)], (), deadline
+        replies = yield from land_parts(
+            client, found.group, [part(0, True)], rest, deadline
         )
+    else:
+        every = [part(k, True) for k in range(count)]
+        replies = yield from land_parts(client, found.group, every, (), deadline)
     return PushResult(
         max(int(m.update_count) for m in replies),
         all(m.applied for m in replies),
@@ -309,23 +324,45 @@ def land(
     )
 
 
+def pull_part(
+    client: RoutingCore,
+    found: Layout,
+    k: int,
+    selection: Mapping[str, Array],
+    state: bool,
+    min_version: int | None,
+    deadline: Deadline,
+) -> Op[dict[str, Array]]:
+    """Rows of part ``k`` (``selection``: its names and local indices), asked
+    again while its shard is unavailable."""
+    part = found.parts[k]
+
+    def send() -> Op[dict[str, Array]]:
+        op = client._rows_pull_op(
+            found.group, part.name, selection, state, min_version, deadline
+        )
+        return on_shard(part.shard, op)
+
+    return until_landed(send, deadline)
+
+
 def pull_rows(
-    client: Client,
+    client: RoutingCore,
     group: str,
     selections: Mapping[str, Any],
     state: bool,
     min_version: int | None,
-    deadline: _Deadline,
-) -> dict[str, Array]:
+    deadline: Deadline,
+) -> Op[dict[str, Array]]:
     """Rows of a group of a cluster, from the parts that own them (a selection
     with no rows asks the part holding the tensor's first rows)."""
 
-    from . import _ids_cluster
-
-    def pull_all(found: Layout) -> dict[str, Array]:
+    def pull_all(found: Layout) -> Op[dict[str, Array]]:
         if _ids_cluster.is_ids_layout(found):
-            return _ids_cluster.pull_rows(
-                client, found, selections, state, min_version, deadline
+            return (
+                yield from _ids_cluster.pull_rows(
+                    client, found, selections, state, min_version, deadline
+                )
             )
         asks: list[dict[str, Array]] = [{} for _ in found.parts]
         # per selection: its tensor, and (part, piece name, positions) it reads
@@ -343,17 +380,9 @@ def pull_rows(
                 reads.append((pc.part, pc.name, mine))
             plan.append((name, idx.size, reads))
         asked = [k for k, a in enumerate(asks) if a]
-
-        def ask(k: int) -> dict[str, Array]:
-            part = found.parts[k]
-            op = client._rows_pull_op(
-                group, part.name, asks[k], state, min_version, deadline
-            )
-            return client._run(op, part.shard)
-
-        replies = fan_out(
+        replies = yield from parallel(
             [
-                functools.partial(until_landed, functools.partial(ask, k), deadline)
+                pull_part(client, found, k, asks[k], state, min_version, deadline)
                 for k in asked
             ]
         )
@@ -374,4 +403,4 @@ def pull_rows(
                 out[prefix + name] = whole
         return out
 
-    return _rerouted(client, group, deadline, pull_all)
+    return (yield from rerouted(client, group, deadline, pull_all))

@@ -1,38 +1,28 @@
-"""The ``Client``'s calls on a cluster: each one routed to the parts of its group.
+"""A cluster's calls, written once for both clients: each routed to the parts of
+its group.
 
 Placement and layouts are ``_cluster``'s pure functions; this module turns one call
-into calls of one shard each (``Client._call`` and the ``_*_one`` primitives with a
-``shard``), runs them with ``fan_out`` and merges the replies.
+into operations of one shard each (``on_shard``), runs them at once (``parallel``)
+and merges the replies. Every function here is an operation (``_requests.Op``):
+``Client`` runs it with blocking calls on a thread pool, ``AsyncClient`` with
+asyncio tasks, and ``_routing.RoutingCore`` is what sends a cluster's calls here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 
-from ._client import (
-    Array,
-    Client,
-    GroupInfo,
-    PartInfo,
-    PushResult,
-    _Deadline,
-    _group_info,
-    until_landed,
-)
-from ._client import (
-    _PartPush as PartPush,
-)
 from ._cluster import (
     Layout,
     LayoutError,
+    Part,
     base_name,
-    fan_out,
     join_arrays,
     layout_from_listing,
     part_arrays,
@@ -47,47 +37,70 @@ from ._errors import (
     NotFoundError,
     UnavailableError,
 )
+from ._records import GroupInfo, PartInfo, PushResult, group_info
+from ._requests import Call, Deadline, Op, Pause, on_shard, parallel, what
 from .codec import PROTO_TO_DTYPE
 
+if TYPE_CHECKING:
+    from ._routing import RoutingCore
+
 __all__ = [
+    "PartPush",
     "create_group",
     "delete_group",
     "describe_group",
+    "layout",
     "list_groups",
     "part_targets",
     "pull",
     "push",
     "set_learning_rate",
+    "until_landed",
 ]
 
 log = logging.getLogger("onnxps.client")
 R = TypeVar("R")
+Array = np.ndarray[Any, Any]
 Listing = list[tuple[int, pb.GroupInfo]]
+# shard, request (a dense push's, or a row push's header), gradients
+PartPush = tuple[int, pb.PushRequest | pb.PushRowsHeader, list[Array]]
 
 
-def _shards(client: Client) -> int:
+def _shards(client: RoutingCore) -> int:
     assert client.shards is not None
     return client.shards
 
 
+def until_landed(send: Callable[[], Op[R]], deadline: Deadline) -> Op[R]:
+    """``send()``, sent again while its server is unavailable, until the deadline
+    (a cluster's calls: a shard pod restarting must not fail the worker). A push
+    carries the same (client_id, seq) each time, so it lands exactly once."""
+    backoff = 0.1
+    while True:
+        try:
+            return (yield from send())
+        except UnavailableError:
+            pause = min(backoff, deadline.remaining())
+            if pause <= 0:
+                raise
+        yield Pause(pause)
+        backoff = min(1.0, backoff * 2)
+
+
 def _call(
-    client: Client, method: str, req: Any, deadline: _Deadline, what: None, shard: int
-) -> Any:
+    client: RoutingCore, method: str, req: Any, deadline: Deadline, shard: int
+) -> Op[Any]:
     """One call to one shard, resent while the shard is unavailable (a restarting
     pod), until the deadline: the calls routed here are idempotent."""
-    return until_landed(
-        functools.partial(client._call, method, req, deadline, what, shard), deadline
-    )
+    call = Call(method, lambda: req, deadline, what(method))
+    return until_landed(lambda: on_shard(shard, client._call_op(call)), deadline)
 
 
-def _listing(client: Client, prefix: str, deadline: _Deadline) -> Listing:
+def _listing(client: RoutingCore, prefix: str, deadline: Deadline) -> Op[Listing]:
     """Every shard's groups whose names start with ``prefix``, with their shard."""
     req = pb.ListGroupsRequest(prefix=prefix)
-    replies = fan_out(
-        [
-            functools.partial(_call, client, "ListGroups", req, deadline, None, i)
-            for i in range(_shards(client))
-        ]
+    replies = yield from parallel(
+        [_call(client, "ListGroups", req, deadline, i) for i in range(_shards(client))]
     )
     return [(i, g) for i, msg in enumerate(replies) for g in msg.groups]
 
@@ -113,13 +126,13 @@ def _not_found(group: str, shards: int) -> NotFoundError:
 
 
 def layout(
-    client: Client, group: str, deadline: _Deadline, refresh: bool = False
-) -> Layout:
+    client: RoutingCore, group: str, deadline: Deadline, refresh: bool = False
+) -> Op[Layout]:
     """The group's layout: remembered, or found by listing every shard."""
     found = None if refresh else client._layouts.get(group)
     if found is not None:
         return found
-    listing = _listing(client, group, deadline)
+    listing = yield from _listing(client, group, deadline)
     found = _layout_of(group, listing)
     if found is None:
         client._layouts.pop(group, None)
@@ -128,37 +141,45 @@ def layout(
     return found
 
 
-def _remember(client: Client, found: Layout, infos: Sequence[pb.GroupInfo]) -> None:
+def _remember(
+    client: RoutingCore, found: Layout, infos: Sequence[pb.GroupInfo]
+) -> None:
     client._layouts[found.group] = found
     for g in infos:
         itemsize = PROTO_TO_DTYPE[g.dtype].itemsize
         client._sizes[g.name] = g.element_count * itemsize
 
 
-def _rerouted(
-    client: Client, group: str, deadline: _Deadline, call: Callable[[Layout], R]
-) -> R:
+def rerouted(
+    client: RoutingCore,
+    group: str,
+    deadline: Deadline,
+    call: Callable[[Layout], Op[R]],
+) -> Op[R]:
     """``call(layout)``; once more with a fresh layout when a remembered one is
     stale (the group was deleted, or recreated with another layout)."""
     cached = group in client._layouts
     try:
-        return call(layout(client, group, deadline))
+        return (yield from call((yield from layout(client, group, deadline))))
     except NotFoundError:
         if not cached:
             raise
-    return call(layout(client, group, deadline, refresh=True))
+    return (yield from call((yield from layout(client, group, deadline, True))))
 
 
 def part_targets(
-    client: Client, group: str, deadline: _Deadline
-) -> list[tuple[int, str]]:
+    client: RoutingCore, group: str, deadline: Deadline
+) -> Op[list[tuple[int, str]]]:
     """``(shard, name)`` of every part of ``group``."""
-    return [(p.shard, p.name) for p in layout(client, group, deadline).parts]
+    found = yield from layout(client, group, deadline)
+    return [(p.shard, p.name) for p in found.parts]
 
 
-def _merged(client: Client, found: Layout, infos: Sequence[pb.GroupInfo]) -> GroupInfo:
+def merged(
+    client: RoutingCore, found: Layout, infos: Sequence[pb.GroupInfo]
+) -> GroupInfo:
     """One GroupInfo for the whole group from its parts' (in part order)."""
-    first = _group_info(infos[0])
+    first = group_info(infos[0])
     parts = tuple(
         PartInfo(
             p.name,
@@ -179,7 +200,7 @@ def _merged(client: Client, found: Layout, infos: Sequence[pb.GroupInfo]) -> Gro
         parts=parts,
         tables={  # an ids table split by id (``_ids_cluster``): its rows summed
             name: dataclasses.replace(
-                t, row_count=sum(_group_info(g).tables[name].row_count for g in infos)
+                t, row_count=sum(group_info(g).tables[name].row_count for g in infos)
             )
             for name, t in first.tables.items()
         },
@@ -187,24 +208,53 @@ def _merged(client: Client, found: Layout, infos: Sequence[pb.GroupInfo]) -> Gro
 
 
 # -- groups ---------------------------------------------------------------------------
-def create_group(
-    client: Client,
-    req: pb.CreateGroupRequest,
-    names: Sequence[str],
-    arrays: Sequence[Array],
-    state_arrays: Sequence[Array],
-    deadline: _Deadline,
-) -> GroupInfo:
-    """Create the group's parts on their shards (all, or none: a part that could
-    not be created makes the others be deleted again). The check that the group
-    is new is a courtesy; part 0's creation is what decides between two clients."""
-    group = req.group
-    if _layout_of(group, _listing(client, group, deadline)) is not None:
+def check_new(client: RoutingCore, group: str, deadline: Deadline) -> Op[None]:
+    """ALREADY_EXISTS when the cluster holds ``group`` (or parts of it). A
+    courtesy: part 0's creation is what decides between two clients."""
+    if _layout_of(group, (yield from _listing(client, group, deadline))) is not None:
         raise AlreadyExistsError(
             f"group {group!r} exists already in the cluster",
             reason="GROUP_EXISTS",
             metadata={"group": group},
         )
+
+
+def create_parts(
+    client: RoutingCore,
+    planned: Layout,
+    create: Callable[[int], Op[pb.GroupInfo]],
+    deadline: Deadline,
+) -> Op[GroupInfo]:
+    """Create the planned parts (``create(k)``: part k's creation on its shard):
+    all, or none (a part that could not be created makes the others be deleted
+    again)."""
+    # Part 0 first: it is the lock between clients creating the same group at
+    # once (the loser gets ALREADY_EXISTS there and leaves the winner's parts alone).
+    first = yield from create(0)
+    rest = [attempt(create(k)) for k in range(1, len(planned.parts))]
+    results: list[pb.GroupInfo | Exception] = [first, *(yield from parallel(rest))]
+    failed = [r for r in results if isinstance(r, Exception)]
+    if failed:
+        for part, r in zip(planned.parts, results, strict=True):
+            if not isinstance(r, Exception):
+                yield from _delete_quietly(client, part.shard, part.name, deadline)
+        raise failed[0]
+    infos = [r for r in results if isinstance(r, pb.GroupInfo)]
+    _remember(client, planned, infos)
+    return merged(client, planned, infos)
+
+
+def create_group(
+    client: RoutingCore,
+    req: pb.CreateGroupRequest,
+    names: Sequence[str],
+    arrays: Sequence[Array],
+    state_arrays: Sequence[Array],
+    deadline: Deadline,
+) -> Op[GroupInfo]:
+    """Create the group's parts on their shards (all, or none)."""
+    group = req.group
+    yield from check_new(client, group, deadline)
     dtype = arrays[0].dtype if arrays else None
     itemsize = dtype.itemsize if dtype is not None else 4
     shapes = [a.shape for a in arrays]
@@ -212,85 +262,82 @@ def create_group(
         group, names, shapes, itemsize, _shards(client), client.split_bytes
     )
 
-    def create(k: int) -> pb.GroupInfo:
+    def create(k: int) -> Op[pb.GroupInfo]:
         part = planned.parts[k]
         template = pb.CreateGroupRequest()
         template.CopyFrom(req)
         template.group = part.name
-        return client._create_request(
-            part.shard,
+        op = client._create_op(
             template,
             planned.slot_names(part),
             part_arrays(planned, part, arrays),
             part_arrays(planned, part, state_arrays),
             deadline,
         )
+        return on_shard(part.shard, op)
 
-    # Part 0 first: it is the lock between clients creating the same group at
-    # once (the loser gets ALREADY_EXISTS there and leaves the winner's parts alone).
-    first = create(0)
-    rest = [
-        functools.partial(_attempt, functools.partial(create, k))
-        for k in range(1, len(planned.parts))
-    ]
-    results: list[pb.GroupInfo | BaseException] = [first, *fan_out(rest)]
-    failed = [r for r in results if isinstance(r, BaseException)]
-    if failed:
-        for part, r in zip(planned.parts, results, strict=True):
-            if not isinstance(r, BaseException):
-                _delete_quietly(client, part.shard, part.name, deadline)
-        raise failed[0]
-    infos = [r for r in results if isinstance(r, pb.GroupInfo)]
-    _remember(client, planned, infos)
-    return _merged(client, planned, infos)
+    return (yield from create_parts(client, planned, create, deadline))
 
 
-def _attempt(call: Callable[[], R]) -> R | BaseException:
+def attempt(op: Op[R]) -> Op[R | Exception]:
+    """``op``'s result, or the exception it raised (reported by the caller, after
+    every part answered)."""
     try:
-        return call()
-    except Exception as exc:  # reported by the caller, after every part answered
+        return (yield from op)
+    except Exception as exc:
         return exc
 
 
-def _delete_quietly(client: Client, shard: int, name: str, deadline: _Deadline) -> None:
+def _delete_quietly(
+    client: RoutingCore, shard: int, name: str, deadline: Deadline
+) -> Op[None]:
+    req = pb.DeleteGroupRequest(group=name)
+    call = Call("DeleteGroup", lambda: req, deadline, what("DeleteGroup"))
     try:
-        client._call(
-            "DeleteGroup", pb.DeleteGroupRequest(group=name), deadline, None, shard
-        )
+        yield from on_shard(shard, client._call_op(call))
     except Exception as exc:  # the error that made us undo is the one to report
         log.warning("could not delete part %s on shard %d again: %s", name, shard, exc)
 
 
-def _describe_parts(
-    client: Client, found: Layout, deadline: _Deadline
-) -> list[pb.GroupInfo]:
-    replies = fan_out(
-        [
-            functools.partial(
-                _call,
-                client,
-                "DescribeGroup",
-                pb.DescribeGroupRequest(group=p.name),
-                deadline,
-                None,
-                p.shard,
-            )
-            for p in found.parts
-        ]
+def _each_part(
+    client: RoutingCore,
+    found: Layout,
+    method: str,
+    request: Callable[[str], Any],
+    deadline: Deadline,
+) -> Op[list[Any]]:
+    """``method`` with ``request(part name)`` on every part at once: the replies."""
+    return (
+        yield from parallel(
+            [
+                _call(client, method, request(p.name), deadline, p.shard)
+                for p in found.parts
+            ]
+        )
     )
-    return [m.group for m in replies]
 
 
-def describe_group(client: Client, group: str, deadline: _Deadline) -> GroupInfo:
-    def describe(found: Layout) -> GroupInfo:
-        return _merged(client, found, _describe_parts(client, found, deadline))
+def describe_group(
+    client: RoutingCore, group: str, deadline: Deadline
+) -> Op[GroupInfo]:
+    def describe(found: Layout) -> Op[GroupInfo]:
+        replies = yield from _each_part(
+            client,
+            found,
+            "DescribeGroup",
+            lambda name: pb.DescribeGroupRequest(group=name),
+            deadline,
+        )
+        return merged(client, found, [m.group for m in replies])
 
-    return _rerouted(client, group, deadline, describe)
+    return (yield from rerouted(client, group, deadline, describe))
 
 
-def list_groups(client: Client, prefix: str, deadline: _Deadline) -> list[GroupInfo]:
+def list_groups(
+    client: RoutingCore, prefix: str, deadline: Deadline
+) -> Op[list[GroupInfo]]:
     """The groups of every shard, a split group once (its parts merged), by name."""
-    listing = _listing(client, prefix, deadline)
+    listing = yield from _listing(client, prefix, deadline)
     bases = sorted({base_name(g.name)[0] for _, g in listing})
     out = []
     for group in bases:
@@ -302,29 +349,22 @@ def list_groups(client: Client, prefix: str, deadline: _Deadline) -> list[GroupI
         by_name = {g.name: g for _, g in mine}
         infos = [by_name[p.name] for p in found.parts]
         _remember(client, found, infos)
-        out.append(_merged(client, found, infos))
+        out.append(merged(client, found, infos))
     return out
 
 
-def delete_group(client: Client, group: str, deadline: _Deadline) -> bool:
+def delete_group(client: RoutingCore, group: str, deadline: Deadline) -> Op[bool]:
     try:
-        found = layout(client, group, deadline, refresh=True)
+        found = yield from layout(client, group, deadline, refresh=True)
     except NotFoundError:
         return False
     client._layouts.pop(group, None)
-    replies = fan_out(
-        [
-            functools.partial(
-                _call,
-                client,
-                "DeleteGroup",
-                pb.DeleteGroupRequest(group=p.name),
-                deadline,
-                None,
-                p.shard,
-            )
-            for p in found.parts
-        ]
+    replies = yield from _each_part(
+        client,
+        found,
+        "DeleteGroup",
+        lambda name: pb.DeleteGroupRequest(group=name),
+        deadline,
     )
     for p in found.parts:
         client._sizes.pop(p.name, None)
@@ -332,28 +372,51 @@ def delete_group(client: Client, group: str, deadline: _Deadline) -> bool:
 
 
 def set_learning_rate(
-    client: Client, group: str, learning_rate: float, deadline: _Deadline
-) -> GroupInfo:
-    def set_all(found: Layout) -> GroupInfo:
-        replies = fan_out(
+    client: RoutingCore, group: str, learning_rate: float, deadline: Deadline
+) -> Op[GroupInfo]:
+    def set_all(found: Layout) -> Op[GroupInfo]:
+        replies = yield from _each_part(
+            client,
+            found,
+            "SetLearningRate",
+            lambda name: pb.SetLearningRateRequest(
+                group=name, learning_rate=learning_rate
+            ),
+            deadline,
+        )
+        return merged(client, found, [m.group for m in replies])
+
+    return (yield from rerouted(client, group, deadline, set_all))
+
+
+def save(client: RoutingCore, deadline: Deadline) -> Op[list[Any]]:
+    """Every shard's Save reply, in shard order."""
+    return (
+        yield from parallel(
             [
-                functools.partial(
-                    _call,
-                    client,
-                    "SetLearningRate",
-                    pb.SetLearningRateRequest(
-                        group=p.name, learning_rate=learning_rate
-                    ),
-                    deadline,
-                    None,
-                    p.shard,
-                )
-                for p in found.parts
+                _call(client, "Save", pb.SaveRequest(), deadline, i)
+                for i in range(_shards(client))
             ]
         )
-        return _merged(client, found, [m.group for m in replies])
+    )
 
-    return _rerouted(client, group, deadline, set_all)
+
+def leases(
+    client: RoutingCore,
+    method: str,
+    targets: Sequence[tuple[int, str]],
+    worker_id: str,
+    deadline: Deadline,
+) -> Op[Any]:
+    """Join or leave every part; the reply of the first part."""
+    request = pb.JoinGroupRequest if method == "JoinGroup" else pb.LeaveGroupRequest
+    replies = yield from parallel(
+        [
+            _call(client, method, request(group=name, worker_id=worker_id), deadline, s)
+            for s, name in targets
+        ]
+    )
+    return replies[0]
 
 
 # -- push and pull --------------------------------------------------------------------
@@ -376,32 +439,41 @@ def _check_gradients(found: Layout, arrays: Sequence[Array]) -> None:
             )
 
 
-def _land(
-    client: Client,
+def _push_one(client: RoutingCore, part: PartPush, deadline: Deadline) -> Op[Any]:
+    """One part's push to its shard (resent while unanswered): the reply."""
+    shard, template, arrays = part
+    if isinstance(template, pb.PushRowsHeader):
+        op = client._rows_send_op(template.group, template, list(arrays), deadline)
+    else:
+        op = client._push_op(template, arrays, deadline)
+    return (yield from on_shard(shard, op))
+
+
+def land(
+    client: RoutingCore,
     group: str,
     parts: Sequence[PartPush],
     after: Sequence[PartPush],
-    deadline: _Deadline,
-) -> list[Any]:
+    deadline: Deadline,
+) -> Op[list[Any]]:
     """Send ``parts`` in parallel, then (when they all landed) ``after``; replies in
     that order. A part that did not land for want of a shard or of time may or may
     not have been applied: it is remembered, with what comes after it, and the next
     push to ``group`` sends it first with the same seq (exactly once), so parts
     never stay a push apart."""
 
-    def send(part: PartPush) -> Any:
-        shard, req, grads = part
-        return until_landed(
-            functools.partial(client._push_one, shard, req, grads, deadline), deadline
-        )
+    def send(part: PartPush) -> Op[Any]:
+        return until_landed(lambda: _push_one(client, part, deadline), deadline)
 
-    results = fan_out(
-        [functools.partial(_attempt, functools.partial(send, p)) for p in parts]
-    )
+    try:
+        results = yield from parallel([attempt(send(p)) for p in parts])
+    except GeneratorExit:
+        # Cancelled (an AsyncClient task) while the parts travel: each may or may
+        # not have taken the push, so the next push sends them all first.
+        client._unfinished[group] = (list(parts), list(after))
+        raise
     failed = [
-        (p, r)
-        for p, r in zip(parts, results, strict=True)
-        if isinstance(r, BaseException)
+        (p, r) for p, r in zip(parts, results, strict=True) if isinstance(r, Exception)
     ]
     if failed:
         unsure = [
@@ -414,26 +486,29 @@ def _land(
         raise failed[0][1]
     if not after:
         return results
-    return [*results, *_land(client, group, after, (), deadline)]
+    return [*results, *(yield from land(client, group, after, (), deadline))]
 
 
-def _finish_earlier(client: Client, group: str, deadline: _Deadline) -> None:
+def finish_earlier(client: RoutingCore, group: str, deadline: Deadline) -> Op[None]:
     """Send what an earlier push to ``group`` left unsent (same seqs)."""
     unfinished = client._unfinished.pop(group, None)
     if unfinished is not None:
         log.info("push to %s: sending the parts an earlier push left first", group)
         try:
-            _land(client, group, unfinished[0], unfinished[1], deadline)
+            yield from land(client, group, unfinished[0], unfinished[1], deadline)
         except FailedPreconditionError:
             pass  # part 0 refused it (stale): no part applied it, nothing is left
 
 
 def push(
-    client: Client, req: pb.PushRequest, arrays: Sequence[Array], deadline: _Deadline
-) -> PushResult:
-    _finish_earlier(client, req.group, deadline)
+    client: RoutingCore,
+    req: pb.PushRequest,
+    arrays: Sequence[Array],
+    deadline: Deadline,
+) -> Op[PushResult]:
+    yield from finish_earlier(client, req.group, deadline)
 
-    def push_all(found: Layout) -> list[Any]:
+    def push_all(found: Layout) -> Op[tuple[Layout, list[Any]]]:
         if found.split:
             _check_gradients(found, arrays)
 
@@ -451,12 +526,13 @@ def push(
             # Part 0 alone decides whether the push is too stale; the others then
             # take it unconditionally, so no part refuses what another applied.
             rest = [part(k, False) for k in range(1, count)]
-            return _land(client, req.group, [part(0, True)], rest, deadline)
-        parts = [part(k, True) for k in range(count)]
-        return _land(client, req.group, parts, (), deadline)
+            landed = yield from land(client, req.group, [part(0, True)], rest, deadline)
+        else:
+            parts = [part(k, True) for k in range(count)]
+            landed = yield from land(client, req.group, parts, (), deadline)
+        return found, landed
 
-    replies = _rerouted(client, req.group, deadline, push_all)
-    found = client._layouts[req.group]
+    found, replies = yield from rerouted(client, req.group, deadline, push_all)
     counts = {int(m.update_count) for m in replies}
     if len(counts) > 1:
         log.debug("push to %s: parts answered T=%s", req.group, sorted(counts))
@@ -472,34 +548,24 @@ def push(
 
 
 def pull(
-    client: Client,
+    client: RoutingCore,
     group: str,
     state: bool,
     min_version: int | None,
-    deadline: _Deadline,
+    deadline: Deadline,
     encoding: Encoding = "native",
-) -> tuple[int, list[Array]]:
-    def pull_all(found: Layout) -> list[tuple[int, list[Array]]]:
-        return fan_out(
-            [
-                functools.partial(
-                    until_landed,
-                    functools.partial(
-                        client._pull_one,
-                        p.shard,
-                        p.name,
-                        state,
-                        min_version,
-                        deadline,
-                        encoding,
-                    ),
-                    deadline,
-                )
-                for p in found.parts
-            ]
-        )
+) -> Op[tuple[int, list[Array]]]:
+    def pull_all(found: Layout) -> Op[tuple[Layout, list[tuple[int, list[Array]]]]]:
+        def pull_part(p: Part) -> Op[tuple[int, list[Array]]]:
+            def send() -> Op[tuple[int, list[Array]]]:
+                op = client._pull_op(p.name, state, min_version, deadline, encoding)
+                return on_shard(p.shard, op)
 
-    replies = _rerouted(client, group, deadline, pull_all)
-    found = client._layouts[group]
+            return until_landed(send, deadline)
+
+        replies = yield from parallel([pull_part(p) for p in found.parts])
+        return found, replies
+
+    found, replies = yield from rerouted(client, group, deadline, pull_all)
     t = min(r[0] for r in replies)
     return t, join_arrays(found, [r[1] for r in replies])

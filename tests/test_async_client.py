@@ -406,13 +406,3 @@ def test_an_async_push_resends_until_its_deadline_to_a_stopped_server(
     message = str(error)
     assert f"the server at {address} stayed unavailable for 2 s" in message
     assert "may not have been applied" in message
-
-
-def test_async_client_refuses_a_cluster_at_construction() -> None:
-    with pytest.raises(
-        ValueError,
-        match="AsyncClient talks to one server; a cluster needs Client for now",
-    ):
-        AsyncClient(["127.0.0.1:1", "127.0.0.1:2"])
-    ac = AsyncClient("127.0.0.1:1")  # one server: nothing is opened yet
-    assert ac.shards is None and ac.addresses == ["127.0.0.1:1"]

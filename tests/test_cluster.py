@@ -100,10 +100,17 @@ def _create(ps: Client, name: str, opt: OptimizerSpec, dtype: Any, sync: bool) -
 
 
 def _workers(
-    target: str, groups: Sequence[str], steps: int, *, turns: bool = False
+    target: str,
+    groups: Sequence[str],
+    steps: int,
+    *,
+    turns: bool = False,
+    use_async: bool = False,
 ) -> list[subprocess.Popen[str]]:
+    """4 worker processes (``Client``s, or ``AsyncClient``s with ``use_async``)."""
     cmd = [sys.executable, str(WORKER), target, ",".join(groups)]
     extra = ["--steps", str(steps), "--seed", "5", *(["--turns"] if turns else [])]
+    extra += ["--async"] if use_async else []
     return [
         subprocess.Popen(
             [*cmd, str(w), "4", *extra],
@@ -347,9 +354,13 @@ def _part_counts(ps: Client, group: str) -> list[int]:
     return [p.update_count for p in ps.describe_group(group).parts]
 
 
-def test_kill_9_of_a_shard_under_load_workers_ride_through(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", ["Client", "AsyncClient"])
+def test_kill_9_of_a_shard_under_load_workers_ride_through(
+    tmp_path: Path, workers: str
+) -> None:
     """WAL mode; shard 1 is killed with SIGKILL while 4 workers push, and restarted
-    on the same port and data dir: every push lands exactly once on every part."""
+    on the same port and data dir: every push lands exactly once on every part
+    (workers of either client: the routing and its resends are the same code)."""
     data = tmp_path / "data"
     # two split groups (a part on every shard), and small ones on shard 1 and not
     small = [f"k-small-{i}" for i in range(20)]
@@ -364,7 +375,9 @@ def test_kill_9_of_a_shard_under_load_workers_ride_through(tmp_path: Path) -> No
                 _create(ps, g, Adam(), np.float32, False)  # split in 3
             for g in groups[2:]:
                 ps.create_group(g, Adam(), learning_rate=0.1, tensors={"w": np.ones(8)})
-            runs = _workers(",".join(addresses), groups, steps)
+            runs = _workers(
+                ",".join(addresses), groups, steps, use_async=workers == "AsyncClient"
+            )
             # kill when the workers are well into their pushes
             deadline = 60.0
             import time
