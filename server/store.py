@@ -619,8 +619,12 @@ class ParameterStore:
         timeout: float | None = None,
         cancellation: Cancellation | None = None,
         sink: ValuesSink | None = None,
+        known_finite: bool = False,
     ) -> PushOutcome:
         """Push gradients G_1..G_n; ``group`` is a name or a ticket for these grads.
+
+        ``known_finite``: the caller has checked every element of ``grads`` finite
+        (a stream checks its chunks as they arrive), so the store does not again.
 
         ``(client_id, seq)`` identifies the push for exactly-once delivery. With
         ``return_values`` a sync push waits for its step (see ``pull``); when every
@@ -638,7 +642,7 @@ class ParameterStore:
                 "clients, so every push needs a client_id (the Client sets one); "
                 "set client_id"
             )
-        self._check_values(ticket, grads, learning_rate)
+        self._check_values(ticket, grads, learning_rate, known_finite)
         request = _PushRequest(client_id, seq, base_version, learning_rate)
         g = ticket._group
         may_wait = return_values and g.consistency.mode == "sync"
@@ -654,13 +658,17 @@ class ParameterStore:
         return self.validate_push(group, [(a.dtype, a.shape) for a in grads])
 
     def _check_values(
-        self, ticket: PushTicket, grads: Sequence[Array], learning_rate: float | None
+        self,
+        ticket: PushTicket,
+        grads: Sequence[Array],
+        learning_rate: float | None,
+        known_finite: bool = False,
     ) -> None:
         if learning_rate is not None:
             check_learning_rate(
                 learning_rate, ticket._group.dtype, "the push's learning_rate"
             )
-        if ticket._group.allow_non_finite:
+        if ticket._group.allow_non_finite or known_finite:
             return
         for i, a in enumerate(grads):
             if not all_finite(a):

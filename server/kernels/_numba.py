@@ -280,7 +280,7 @@ _PY_FUNCS: dict[str, Any] = {
 }
 
 
-def load() -> dict[str, Callable[..., None]]:
+def load() -> dict[str, Callable[..., Any]]:
     """The compiled kernels by operator (and ``"{op}_rows"``, a row push's);
     raises ImportError without numba.
 
@@ -290,7 +290,7 @@ def load() -> dict[str, Callable[..., None]]:
     """
     import numba
 
-    kernels: dict[str, Callable[..., None]] = {}
+    kernels: dict[str, Callable[..., Any]] = {}
     for op, fn in _PY_FUNCS.items():
         options: dict[str, Any] = {"nogil": True, "error_model": "numpy"}
         # The row kernels compile on their first call (a group's first row push),
