@@ -24,7 +24,7 @@ import numpy as np
 from onnxps.client.codec import TensorAssembler
 
 from .errors import InvalidArgument
-from .kernels._finite import all_finite
+from .kernels._finite import finite_checker
 
 __all__ = ["POOL_BYTES", "GradientPool", "Lease", "Received", "receive"]
 
@@ -155,6 +155,7 @@ def receive(
     elements for NaN and inf as it lands; ``asm.finish()``'s errors propagate."""
     checked = [0] * len(asm.arrays)
     flats = [a.reshape(-1) for a in asm.arrays]
+    all_finite = finite_checker()
     finite = True
     for msg in chunks:
         if msg.WhichOneof("part") != "chunk":

@@ -18,13 +18,14 @@ position of a block); only which is faster differs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ._select import fused_kernels, kernel_path
 
-__all__ = ["FUSED_MIN_ELEMENTS", "all_finite"]
+__all__ = ["FUSED_MIN_ELEMENTS", "all_finite", "finite_checker"]
 
 Array = np.ndarray[Any, Any]
 
@@ -40,14 +41,23 @@ _KERNELS = {
 
 def all_finite(a: Array) -> bool:
     """True when the float array ``a`` (any layout) holds no NaN and no inf."""
-    if a.size < FUSED_MIN_ELEMENTS:
-        return a.size == 0 or bool(np.isfinite(a).all())
-    kernel = _KERNELS.get(a.dtype.str)
-    if kernel is not None and a.flags.c_contiguous and kernel_path() == "numba":
-        kernels = fused_kernels()
-        if kernels is not None:
+    return finite_checker()(a)
+
+
+def finite_checker() -> Callable[[Array], bool]:
+    """``all_finite`` with the kernel path chosen now, for many calls in a row
+    (the chunks of one stream)."""
+    kernels = fused_kernels() if kernel_path() == "numba" else None
+
+    def check(a: Array) -> bool:
+        if a.size < FUSED_MIN_ELEMENTS:
+            return a.size == 0 or bool(np.isfinite(a).all())
+        kernel = _KERNELS.get(a.dtype.str)
+        if kernels is not None and kernel is not None and a.flags.c_contiguous:
             return bool(kernels[kernel](a.reshape(-1)))
-    return _numpy_all_finite(a)
+        return _numpy_all_finite(a)
+
+    return check
 
 
 def _numpy_all_finite(a: Array) -> bool:
