@@ -570,6 +570,10 @@ def serve(config: ServerConfig | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    stop.wait()
+    # The kernel may hand the signal to any thread (gRPC's, numba's), and Python runs
+    # its handler only when the main thread next runs Python code: an untimed wait
+    # would sleep through it. A timed wait wakes to run a pending handler.
+    while not stop.wait(0.25):
+        pass
     handle.stop(grace=10.0)
     return 0

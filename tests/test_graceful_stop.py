@@ -4,6 +4,8 @@ across stops and restarts of the server."""
 
 from __future__ import annotations
 
+import ctypes
+import platform
 import sys
 import threading
 import time
@@ -206,3 +208,32 @@ def test_demo_worker_exits_3_with_one_line_when_the_server_stops(
     assert len(lines) == 1, err
     assert "unreachable or gone" in lines[0]
     assert "Traceback" not in err
+
+
+_TGKILL = {"x86_64": 234, "aarch64": 131}
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or platform.machine() not in _TGKILL,
+    reason="sends a signal to one thread with Linux's tgkill",
+)
+def test_a_sigterm_delivered_to_any_thread_stops_the_server(tmp_path: Path) -> None:
+    """The kernel hands a process's SIGTERM to any of its threads (gRPC's, numba's);
+    Python runs the handler only in the main thread, so the main thread must not
+    sleep in an untimed wait that only a signal to itself would interrupt. Sent to
+    every thread but the main one in turn, the stop happens each time."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    log = tmp_path / "s.log"
+    proc, address = start_server(log)
+    try:
+        with Client(address, timeout=10) as c:  # the server's threads are all up
+            x = {"x": np.zeros(4)}
+            c.create_group("g", Adagrad(), learning_rate=0.1, tensors=x)
+        tids = [int(t.name) for t in Path(f"/proc/{proc.pid}/task").iterdir()]
+        others = [t for t in tids if t != proc.pid]
+        assert others, "the server runs threads besides its main thread"
+        assert libc.syscall(_TGKILL[platform.machine()], proc.pid, others[-1], 15) == 0
+        assert proc.wait(15) == 0
+        assert "received SIGTERM: draining in-flight calls" in log.read_text()
+    finally:
+        stop(proc)
