@@ -9,6 +9,10 @@ them all alike), servers in their own processes:
 - ``unix``: the same on a Unix socket (``--address unix:PATH``);
 - ``shm``: the Unix-socket server, tensors through /dev/shm (``shared_memory="on"``:
   every call, the 1,000-element ones too; with "auto" those go inline);
+- ``shm-bufs``: the same, with ``Client.tensor_buffers``: the worker writes G
+  straight into its shared buffers (the copy of G counted in the push, as a worker
+  that computes into them would not make it) and pulls X into shared buffers
+  (``pull(out=)``): no tensor byte is copied in the client;
 - ``torch-shm``: torch.distributed.rpc with TensorPipe ``_transports=["shm"]`` (and
   its default channels), a server-side ``torch.optim.Adam(fused=True)`` (when torch
   is installed).
@@ -146,6 +150,31 @@ class Onnxps(Variant):
         self.client.pull(f"{self.name}-small")
 
 
+class OnnxpsBuffers(Onnxps):
+    """Gradients written into ``tensor_buffers`` and X pulled into them."""
+
+    def __init__(self, name: str, address: str, **kw: Any) -> None:
+        super().__init__(name, address, **kw)
+        self.grads = self.client.tensor_buffers(f"{name}-big")
+        self.values = self.client.tensor_buffers(f"{name}-big")
+        self.small_grads = self.client.tensor_buffers(f"{name}-small")
+        self.small_values = self.client.tensor_buffers(f"{name}-small")
+        assert self.grads.shared and self.values.shared
+
+    def push(self, g: np.ndarray) -> None:
+        # A worker computes G into the buffers; the copy stands for that write.
+        np.copyto(self.grads[0], g)
+        self.client.push(f"{self.name}-big", *self.grads)
+
+    def pull(self) -> np.ndarray:
+        return self.client.pull(f"{self.name}-big", out=self.values)[0]
+
+    def small(self, g: np.ndarray) -> None:
+        np.copyto(self.small_grads[0], g)
+        self.client.push(f"{self.name}-small", *self.small_grads)
+        self.client.pull(f"{self.name}-small", out=self.small_values)
+
+
 class Torch(Variant):
     def __init__(self, rpc: TorchRpc) -> None:
         self.name = "torch-shm"
@@ -211,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         Onnxps("tcp", tcp, transport="stream", shared_memory="off"),
         Onnxps("unix", unix, transport="stream", shared_memory="off"),
         Onnxps("shm", unix, shared_memory="on"),
+        OnnxpsBuffers("shm-bufs", unix, shared_memory="on"),
     ]
     rpc = None
     if not args.no_torch:
@@ -279,7 +309,7 @@ def _report(
             )
     tcp = med.get("tcp")
     if tcp:
-        for n in ("unix", "shm"):
+        for n in ("unix", "shm", "shm-bufs"):
             if n in med:
                 print(
                     f"tcp / {n}: step {tcp['step ms'] / med[n]['step ms']:.2f}x, small "

@@ -44,6 +44,7 @@ from ._records import RowsPage, TableInfo
 from ._transfer import ExportFileError
 from .codec import TensorFormatError
 from .initializers import IdsTable, Normal, Uniform, Zeros
+from .shm import TensorBuffers
 
 __all__ = [
     "Adagrad",
@@ -79,6 +80,7 @@ __all__ = [
     "SharedMemoryError",
     "Sync",
     "TableInfo",
+    "TensorBuffers",
     "TensorFormatError",
     "UnauthenticatedError",
     "UnavailableError",

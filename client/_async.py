@@ -187,6 +187,7 @@ class AsyncClient(RoutingCore):
     save = _awaiting(ClientCore._save)
     export = _awaiting(ClientCore._export)  # writes the file from the event loop
     import_ = _awaiting(ClientCore._import_)
+    tensor_buffers = _awaiting(ClientCore._tensor_buffers)
 
     # the runner's type has self; the annotation is the type callers see
     push: PushCall[Coroutine[Any, Any, int], Coroutine[Any, Any, list[Array]]] = cast(

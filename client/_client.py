@@ -249,6 +249,7 @@ class Client(RoutingCore):
     save = _blocking(ClientCore._save)
     export = _blocking(ClientCore._export)
     import_ = _blocking(ClientCore._import_)
+    tensor_buffers = _blocking(ClientCore._tensor_buffers)
 
     # the runner's type has self; the annotation is the type callers see
     push: PushCall[int, list[Array]] = cast(Any, _blocking(ClientCore._push))

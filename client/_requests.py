@@ -20,6 +20,7 @@ import logging
 import os
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn, Protocol, TypeVar, overload
@@ -69,6 +70,7 @@ from .shm import (
     Segment,
     SegmentPool,
     SharedMemoryMode,
+    TensorBuffers,
     hello_segment,
     layout,
     sweep_orphans,
@@ -592,6 +594,9 @@ class ClientCore:
         self.shared_memory: SharedMemoryMode = shared_memory
         self._shm_pool: SegmentPool | None = None
         self._shm_refused: str | None = None
+        # TensorBuffers this client made (closed with it); a push or pull of them
+        # moves no tensor bytes through the client.
+        self._buffers_made: weakref.WeakSet[TensorBuffers] = weakref.WeakSet()
         self._state = State.UNOPENED
         self._setup()
 
@@ -841,6 +846,9 @@ class ClientCore:
                 sum(a.nbytes for a in arrays), deadline
             )
         sizes = [a.nbytes for a in arrays]
+        bufs = self._buffers_of(arrays) if pool is not None else None
+        if pool is not None and bufs is not None:
+            return (yield from self._push_buffers_op(pool, bufs, req, deadline))
         segs = self._segments(pool, sizes, 2 if req.return_values else 1)
         if pool is not None and segs is not None:
             return (yield from self._push_shared_op(pool, segs, req, arrays, deadline))
@@ -906,6 +914,106 @@ class ClientCore:
             elif req.return_values:
                 values = [tensor_to_array(t, t.name).copy() for t in msg.values]
         return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
+
+    def _push_buffers_op(
+        self,
+        pool: SegmentPool,
+        bufs: TensorBuffers,
+        template: pb.PushRequest,
+        deadline: Deadline,
+    ) -> Op[PushResult]:
+        """A push of ``bufs`` (gradients written in place in their segment): the
+        unary Push names their region; X, when asked for, comes back through a
+        segment of ``pool``. Resent like any push."""
+        req = pb.PushRequest()
+        req.CopyFrom(template)
+        req.gradients.extend(header_tensor(a) for a in bufs)
+        with bufs.claimed() as segment:
+            segs = self._segments(pool, [bufs.nbytes], 1) if req.return_values else []
+            if segs is None:  # no room for the reply: X comes back inline
+                segs = []
+            with _released(pool, segs):
+                req.gradients_region.CopyFrom(bufs.publish(segment))
+                if segs:
+                    req.reply_region.CopyFrom(segs[0].region())
+                what = f"the push to group {req.group} (seq {req.seq}) was not answered"
+                call = Call("Push", _unary(req), deadline, what)
+                msg = yield from self._shared_call(
+                    self._resending(call, req.group, req.seq)
+                )
+                values = None
+                if req.return_values and msg.HasField("values_region") and segs:
+                    values = segs[0].read(msg.values_region, msg.values)
+                elif req.return_values:
+                    values = [tensor_to_array(t, t.name).copy() for t in msg.values]
+        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
+
+    def _tensor_buffers(
+        self, group: str, *, timeout: float | None = None
+    ) -> Op[TensorBuffers]:
+        """Arrays shaped like group ``group``'s tensors X_1..X_n, in shared memory
+        when this client shares it with the server (see ``TensorBuffers``): write
+        gradients into them and ``push(group, *buffers)`` sends no tensor bytes;
+        ``pull(group, out=buffers)`` has the server write X straight into them.
+        Close them (or use ``with``) when done; the client's ``close()`` does too.
+        """
+        deadline = self._deadline(timeout)
+        info = yield from self._describe_group(group, timeout=deadline.remaining())
+        shapes = [dims for _, dims in info.tensors]
+        sizes = [info.dtype.itemsize * int(np.prod(d, dtype=np.int64)) for d in shapes]
+        pool = yield from self._shared_memory(sum(sizes), deadline)
+        segment = None
+        if pool is not None:
+            try:
+                segment = Segment(layout(sizes)[1], pool.directory)
+            except OSError as exc:
+                why = f"no room in /dev/shm for {sum(sizes)} bytes ({exc.strerror})"
+                if self.shared_memory == "on":
+                    raise SharedMemoryError(why) from None
+                log.info("%s: these tensor buffers are not shared", why)
+        bufs = TensorBuffers(group, info.dtype, shapes, segment)
+        self._buffers_made.add(bufs)
+        return bufs
+
+    def _buffers_of(self, arrays: Sequence[Array]) -> TensorBuffers | None:
+        """The shared TensorBuffers of this client that ``arrays`` are, if any."""
+        if not arrays:
+            return None
+        for bufs in list(self._buffers_made):
+            if bufs.shared and bufs.is_these(arrays):
+                return bufs
+        return None
+
+    def _pull_into_op(
+        self,
+        group: str,
+        min_version: int | None,
+        deadline: Deadline,
+        bufs: TensorBuffers,
+    ) -> Op[tuple[int, list[Array]] | None]:
+        """A pull of X written by the server straight into ``bufs`` (their arrays
+        are the result); None when shared memory is not used for it."""
+        pool = yield from self._shared_memory(bufs.nbytes, deadline)
+        if pool is None:
+            return None
+        if min_version is not None:
+            waited = f"group {group} did not reach T={min_version}"
+        else:
+            waited = f"the pull of group {group} was not answered"
+        req = pb.PullRequest(group=group, min_version=min_version)
+        with bufs.claimed() as segment:
+            req.reply_region.CopyFrom(segment.region())
+            call = Call("Pull", _unary(req), deadline, waited)
+            msg = yield from self._shared_call(self._call_op(call))
+            if msg.HasField("tensors_region") and bufs.holds(
+                msg.tensors_region, msg.tensors
+            ):
+                return msg.update_count, list(bufs)
+            if msg.HasField("tensors_region"):  # another layout: the group changed
+                return msg.update_count, segment.read(msg.tensors_region, msg.tensors)
+        return msg.update_count, [
+            tensor_to_array(t, t.name).copy() for t in msg.tensors
+        ]
 
     # -- the same-host transport ---------------------------------------------------
     def _shared_memory(self, nbytes: int, deadline: Deadline) -> Op[SegmentPool | None]:
@@ -1001,6 +1109,9 @@ class ClientCore:
         pool, self._shm_pool = self._shm_pool, None
         if pool is not None:
             pool.close()
+        if self._state is State.CLOSED:  # the client's close(): its buffers too
+            for bufs in list(self._buffers_made):
+                bufs.close()
 
     def _push(self, *args: Any, **kwargs: Any) -> Op[int | list[Array]]:
         """Push G_1..G_n (ONNX order). Returns the new T, or X_1..X_n with
@@ -1020,6 +1131,7 @@ class ClientCore:
         min_version: int | None = None,
         encoding: Encoding | None = None,
         timeout: float | None = None,
+        out: Sequence[Array] | None = None,
     ) -> Op[list[Array]]:
         """X_1..X_n, or with ``state=True`` X..., V..., H... (ONNX output order).
 
@@ -1028,6 +1140,11 @@ class ClientCore:
         ``pull_encoding``) has X sent in 2 bytes per element and widened here to
         the group's dtype (X rounded to nearest even); pulls with ``state`` are
         native (the client's ``pull_encoding`` does not apply to them).
+        ``out``: arrays to write the result into (the same count, shapes and
+        dtype; ValueError otherwise), returned as the result. Shared
+        ``tensor_buffers(group)`` as ``out`` have the server write X straight
+        into them (no copy in this process); they hold this pull's X until the
+        next call that writes them.
         """
         pulled = self._pull_versioned(
             group,
@@ -1035,6 +1152,7 @@ class ClientCore:
             min_version=min_version,
             encoding=encoding,
             timeout=timeout,
+            out=out,
         )
         return (yield from pulled)[1]
 
@@ -1046,14 +1164,28 @@ class ClientCore:
         min_version: int | None = None,
         encoding: Encoding | None = None,
         timeout: float | None = None,
+        out: Sequence[Array] | None = None,
     ) -> Op[tuple[int, list[Array]]]:
         """(T, arrays): the tensors and the update count they belong to.
 
         On a cluster, T is the lowest of the parts' (with pushes in flight, parts
-        can be a push apart); ``min_version`` waits for every part."""
+        can be a push apart); ``min_version`` waits for every part. ``out`` as
+        for ``pull``."""
         deadline = self._deadline(timeout)
         enc = self._pull_encoding(encoding, state)
-        return (yield from self._pull_parts(group, state, min_version, deadline, enc))
+        if out is None:
+            return (
+                yield from self._pull_parts(group, state, min_version, deadline, enc)
+            )
+        bufs = self._buffers_of(list(out))
+        if bufs is not None and not state and enc == "native":
+            into = yield from self._pull_into_op(group, min_version, deadline, bufs)
+            if into is not None:
+                t, arrays = into
+                return t, _written_into(out, arrays)
+        pulled = self._pull_parts(group, state, min_version, deadline, enc)
+        t, arrays = yield from pulled
+        return t, _written_into(out, arrays)
 
     def _pull_encoding(self, encoding: Any, state: bool) -> Encoding:
         if not state:
@@ -1462,6 +1594,24 @@ class ClientCore:
         is (``"skip"``, not in the result) or is replaced by the file's.
         """
         return (yield from import_op(self, path, existing=existing)).imported
+
+
+def _written_into(out: Sequence[Array], arrays: Sequence[Array]) -> list[Array]:
+    """``out``, holding ``arrays`` (the very arrays when they already are)."""
+    out = list(out)
+    if len(out) != len(arrays):
+        raise ValueError(
+            f"out holds {len(out)} arrays; the pull returned {len(arrays)}"
+        )
+    for i, (o, a) in enumerate(zip(out, arrays, strict=True)):
+        if not isinstance(o, np.ndarray) or o.shape != a.shape or o.dtype != a.dtype:
+            got = f"{o.dtype} {o.shape}" if isinstance(o, np.ndarray) else type(o)
+            raise ValueError(
+                f"out[{i}] must be a {a.dtype} array of shape {a.shape}, got {got}"
+            )
+        if o is not a:
+            np.copyto(o, a)
+    return out
 
 
 @contextlib.contextmanager

@@ -296,6 +296,9 @@ class TensorAssembler:
 
     With ``encoded``, a tensor may arrive encoded (its header says how): each chunk
     is widened into its array as it arrives, so its chunks must hold whole elements.
+    ``out`` gives arrays to fill instead of fresh ones (e.g. buffers reused from
+    call to call): each is used where it is C-contiguous, writable and of its
+    header's dtype and dims, and a fresh array is made otherwise.
     """
 
     def __init__(
@@ -304,13 +307,17 @@ class TensorAssembler:
         names: Sequence[str],
         *,
         encoded: bool = False,
+        out: Sequence[Array] | None = None,
     ) -> None:
         self.names = list(names)
         self.arrays: list[Array] = []
         self._encodings: list[int] = []
-        for t, what in zip(headers, self.names, strict=True):
+        for k, (t, what) in enumerate(zip(headers, self.names, strict=True)):
             dtype, dims = tensor_spec(t, what, encoded=encoded)
             self._encodings.append(t.encoding)
+            if out is not None and k < len(out) and _fits(out[k], dtype, dims):
+                self.arrays.append(out[k])
+                continue
             try:
                 self.arrays.append(np.empty(dims, dtype=dtype))
             except ValueError as exc:  # dims whose product overflows, next to a 0
@@ -360,6 +367,11 @@ class TensorAssembler:
             self._views[i][chunk.offset : end] = data
         self._filled[i] = end
 
+    def ready(self, i: int) -> int:
+        """How many whole elements of tensor ``i`` have arrived (in order)."""
+        per = 2 if self._encodings[i] else self.arrays[i].itemsize
+        return self._filled[i] // per
+
     def _as(self, i: int) -> str:
         enc = self._encodings[i]
         return f" encoded as {ENCODING_NAMES[enc]}" if enc else ""
@@ -372,6 +384,15 @@ class TensorAssembler:
                     f"of {size} bytes{self._as(i)} received"
                 )
         return self.arrays
+
+
+def _fits(a: Array, dtype: np.dtype[Any], dims: Sequence[int]) -> bool:
+    return (
+        a.dtype == dtype
+        and a.shape == tuple(dims)
+        and a.flags.c_contiguous
+        and a.flags.writeable
+    )
 
 
 # -- the chunk frames: a stream message whose ``chunk`` is set, by hand ----------------

@@ -32,9 +32,9 @@ import secrets
 import stat
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
@@ -50,6 +50,7 @@ __all__ = [
     "Segment",
     "SegmentPool",
     "SharedMemoryMode",
+    "TensorBuffers",
     "hello_segment",
     "is_onnxps_name",
     "layout",
@@ -167,6 +168,15 @@ class Segment:
             segment=self.name, generation=self.generation, offsets=offsets
         )
 
+    def publish(self, offsets: Sequence[int]) -> pb.SharedMemoryRegion:
+        """The region of tensors already written in place at ``offsets`` (a new
+        generation, no copy)."""
+        self.generation += 1
+        struct.pack_into("<Q", self.map, len(MAGIC), self.generation)
+        return pb.SharedMemoryRegion(
+            segment=self.name, generation=self.generation, offsets=offsets
+        )
+
     def region(self) -> pb.SharedMemoryRegion:
         """This segment as a region for the server to write a reply into."""
         (generation,) = struct.unpack_from("<Q", self.map, len(MAGIC))
@@ -206,6 +216,154 @@ class Segment:
             os.unlink(self.path)
         with contextlib.suppress(BufferError, ValueError):
             self.map.close()
+
+
+class TensorBuffers(Sequence[Array]):
+    """Arrays shaped like a group's tensors X_1..X_n (its dtype, C order), for a
+    worker to write gradients into and to pull X into, without copies when they
+    live in shared memory (``Client.tensor_buffers``; README "Writing gradients
+    straight into shared memory").
+
+    ``shared`` says where they live: in a segment of this client's, which the
+    server reads a push's gradients from and writes a pull's X into in place; or
+    (no shared memory with this server) in ordinary memory, which calls copy as
+    usual. Either way the code that uses them is the same.
+
+    Lifetime and rules, all enforced: the arrays are the buffers' for as long as
+    the buffers are open; ``close()`` (or the end of a ``with`` block, or the
+    client's ``close()``) unlinks the segment, after which the arrays stay valid
+    memory holding their last values but are no longer shared (a push of them
+    copies, as for any array). One call at a time uses the buffers: a second call
+    while one is running raises ``ValueError``. The caller must not write into
+    them while a push of them is in flight (e.g. until ``push_background``'s future
+    is done), as for any gradient being streamed.
+    """
+
+    def __init__(
+        self,
+        group: str,
+        dtype: np.dtype[Any],
+        shapes: Sequence[tuple[int, ...]],
+        segment: Segment | None,
+    ) -> None:
+        self.group = group
+        self.dtype = np.dtype(dtype)
+        self.shapes = [tuple(s) for s in shapes]
+        sizes = [self.dtype.itemsize * int(np.prod(s, dtype=np.int64)) for s in shapes]
+        self.offsets, _ = layout(sizes)
+        self._segment = segment
+        self._lock = threading.Lock()
+        self._busy = False
+        if segment is None:
+            self._arrays = [np.zeros(s, self.dtype) for s in self.shapes]
+        else:
+            self._arrays = [
+                np.frombuffer(
+                    segment.map, self.dtype, int(np.prod(s, dtype=np.int64)), at
+                ).reshape(s)
+                for s, at in zip(self.shapes, self.offsets, strict=True)
+            ]
+
+    @property
+    def shared(self) -> bool:
+        """True while the arrays live in a shared-memory segment."""
+        return self._segment is not None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+    @overload
+    def __getitem__(self, index: int) -> Array: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Array]: ...
+    def __getitem__(self, index: int | slice) -> Array | list[Array]:
+        return self._arrays[index]
+
+    def __iter__(self) -> Iterator[Array]:
+        return iter(self._arrays)
+
+    def __repr__(self) -> str:
+        where = f"segment {self._segment.name}" if self._segment else "not shared"
+        return f"TensorBuffers({self.group!r}, {self.dtype}, {self.shapes}, {where})"
+
+    def is_these(self, arrays: Sequence[Array]) -> bool:
+        """``arrays`` are exactly these buffers, in order (the same memory)."""
+        if len(arrays) != len(self._arrays):
+            return False
+        return all(
+            isinstance(a, np.ndarray)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.flags.c_contiguous
+            and _address(a) == _address(b)
+            for a, b in zip(arrays, self._arrays, strict=True)
+        )
+
+    @contextlib.contextmanager
+    def claimed(self) -> Iterator[Segment]:
+        """The segment, for one call alone (ValueError while another uses it)."""
+        with self._lock:
+            if self._segment is None:
+                raise ValueError(f"{self!r} is closed or not shared")
+            if self._busy:
+                raise ValueError(
+                    f"the tensor buffers of group {self.group!r} are in use by "
+                    "another call: one call at a time uses a TensorBuffers"
+                )
+            self._busy = True
+            segment = self._segment
+        try:
+            yield segment
+        finally:
+            with self._lock:
+                self._busy = False
+
+    def publish(self, segment: Segment) -> pb.SharedMemoryRegion:
+        """The region naming these buffers as they are now (a claimed segment)."""
+        return segment.publish(self.offsets)
+
+    def holds(
+        self, region: pb.SharedMemoryRegion, headers: Sequence[pb.Tensor]
+    ) -> bool:
+        """A reply wrote tensors of exactly these buffers' dtype and shapes at
+        their offsets, into their segment at its current generation."""
+        seg = self._segment
+        if seg is None or region.segment != seg.name:
+            return False
+        (generation,) = struct.unpack_from("<Q", seg.map, len(MAGIC))
+        if region.generation != generation or list(region.offsets) != self.offsets:
+            return False
+        if len(headers) != len(self.shapes):
+            return False
+        for t, shape in zip(headers, self.shapes, strict=True):
+            try:
+                dtype, dims = tensor_spec(t, t.name or "tensor")
+            except TensorFormatError:
+                return False
+            if dtype != self.dtype or tuple(dims) != shape:
+                return False
+        return True
+
+    def close(self) -> None:
+        """Unlink the segment (idempotent); the arrays stay, no longer shared."""
+        with self._lock:
+            segment, self._segment = self._segment, None
+        if segment is not None:
+            segment.close()
+
+    def __enter__(self) -> TensorBuffers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _address(a: Array) -> int:
+    return int(a.__array_interface__["data"][0])
 
 
 def hello_segment(directory: str = SHM_DIR) -> tuple[Segment, bytes]:

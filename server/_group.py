@@ -29,6 +29,7 @@ from ._order import PushOrder
 from ._sparse import RowGradient, combine_rows, is_row_push, split_row_push, step_rows
 from .errors import InvalidArgument
 from .kernels import OptimizerAttrs, Stepper
+from .kernels._finite import all_finite as _all_finite
 
 __all__ = [
     "DEDUP_CLIENTS",
@@ -568,5 +569,5 @@ def check_name(name: str, what: str = "group name") -> None:
 
 
 def all_finite(a: Array) -> bool:
-    # min/max propagate NaN and expose inf, without a temporary the size of ``a``.
-    return a.size == 0 or bool(np.isfinite(a.min()) and np.isfinite(a.max()))
+    # one pass over ``a`` (kernels._finite), without a temporary the size of ``a``
+    return _all_finite(a)

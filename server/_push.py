@@ -149,14 +149,18 @@ def check_gradient_specs(g: Group, specs: Iterable[Spec]) -> PushTicket:
 
 
 def check_gradient_values(
-    ticket: PushTicket, grads: Sequence[Array], learning_rate: float | None
+    ticket: PushTicket,
+    grads: Sequence[Array],
+    learning_rate: float | None,
+    known_finite: bool = False,
 ) -> None:
-    """The push's learning rate, and finite gradients unless the group allows not."""
+    """The push's learning rate, and finite gradients unless the group allows not
+    (or the caller has checked them already: ``known_finite``)."""
     if learning_rate is not None:
         check_learning_rate(
             learning_rate, ticket._group.dtype, "the push's learning_rate"
         )
-    if ticket._group.allow_non_finite:
+    if ticket._group.allow_non_finite or known_finite:
         return
     for i, a in enumerate(grads):
         if not all_finite(a):

@@ -52,6 +52,7 @@ from ._convert import (
     group_info,
     table_from_proto,
 )
+from ._receive import GradientPool, Lease, Received, receive
 from ._shm import SharedMemory
 from ._status import rich_status, status_of
 from .durability import SaveResult
@@ -80,6 +81,7 @@ _ANSWER_EARLY_SECONDS = 0.05
 _CUT_OFF_SECONDS = 0.2
 # The stream and unary RPCs answer with messages of the same fields.
 R = TypeVar("R", pb.PushResponse, pb.PushStreamResponse)
+T = TypeVar("T")
 L = TypeVar("L", pb.JoinGroupResponse, pb.HeartbeatResponse, pb.LeaveGroupResponse)
 
 
@@ -278,6 +280,14 @@ class _Failed:
         self.error = error
 
 
+def _leased(lease: Lease, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, then the gradient buffers of ``lease`` given back."""
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        lease.release()
+
+
 class _FrameSink:
     """Takes X from the store as a push steps it (a ``ValuesSink``) and hands it,
     as encoded PushPullStream frames, to the thread that sends the reply.
@@ -389,6 +399,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         self._save = save
         # Pull replies are counted in the same budget as requests (see limits).
         self._inflight = inflight or InflightBytes()
+        # Streamed pushes receive their gradients into buffers reused per group.
+        self.gradient_pool = GradientPool()
 
     # -- groups --------------------------------------------------------------------
     def _create(
@@ -518,7 +530,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     def DeleteGroup(
         self, request: pb.DeleteGroupRequest, context: Any
     ) -> pb.DeleteGroupResponse:
-        return pb.DeleteGroupResponse(deleted=self.store.delete_group(request.group))
+        deleted = self.store.delete_group(request.group)
+        self.gradient_pool.drop(request.group)
+        return pb.DeleteGroupResponse(deleted=deleted)
 
     @_unary
     def SetLearningRate(
@@ -535,10 +549,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         grads: list[Array],
         context: Any,
         reply_type: type[R],
+        known_finite: bool = False,
     ) -> R:
         out = self.store.push(
             ticket,
             grads,
+            known_finite=known_finite,
             client_id=req.client_id,
             seq=req.seq,
             base_version=req.base_version if req.HasField("base_version") else None,
@@ -596,8 +612,36 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         ticket = self._validate_push(req)
         headers = list(req.gradients)
         names = _names("gradient", len(headers), ticket.names)
-        grads = self._assemble(it, headers, names, context, encoded=True)
-        return self._push(req, ticket, grads, context, pb.PushStreamResponse)
+        with self._gradient_buffers(ticket, headers) as lease:
+            got = self._receive(it, headers, names, context, lease.arrays)
+            return self._push(
+                req, ticket, got.arrays, context, pb.PushStreamResponse, got.finite
+            )
+
+    def _gradient_buffers(
+        self, ticket: PushTicket, headers: Sequence[pb.Tensor]
+    ) -> Lease:
+        try:
+            specs = [tensor_spec(t, t.name, encoded=True) for t in headers]
+            return self.gradient_pool.lease(ticket.group, specs)
+        except (ValueError, OverflowError, MemoryError):
+            return Lease([], None)  # the assembler says what is wrong with them
+
+    def _receive(
+        self,
+        it: Iterator[Any],
+        headers: Sequence[pb.Tensor],
+        names: Sequence[str],
+        context: Any,
+        out: Sequence[Array],
+    ) -> Received:
+        """A push's gradients, into ``out`` where they fit; encoded ones widened."""
+        asm = TensorAssembler(headers, names, encoded=True, out=out)
+        try:
+            return receive(it, asm)
+        except TensorFormatError:
+            _raise_if_cut_off(context)
+            raise
 
     def _push_shared(
         self, req: pb.PushRequest, ticket: PushTicket, context: Any
@@ -650,18 +694,27 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
                 sum(declared_nbytes(t) for t in headers),
                 what="this push's reply carries",
             )
-            grads = self._assemble(
-                it, headers, _names("gradient", len(headers), ticket.names), context
-            )
+            lease = self._gradient_buffers(ticket, headers)
+            try:
+                got = self._receive(
+                    it, headers, _names("gradient", len(headers), ticket.names),
+                    context, lease.arrays,
+                )  # fmt: skip
+            except BaseException:
+                lease.release()
+                raise
             values = [
                 pb.Tensor(name=n, dtype=t.dtype, dims=t.dims)
                 for n, t in zip(ticket.names, headers, strict=True)
             ]
             sink = _FrameSink(values, self.chunk_bytes)
             push = functools.partial(
+                _leased,
+                lease,
                 self.store.push,
                 ticket,
-                grads,
+                got.arrays,
+                known_finite=got.finite,
                 client_id=req.client_id,
                 seq=req.seq,
                 base_version=req.base_version if req.HasField("base_version") else None,
@@ -673,11 +726,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
                 cancellation=_cancellation(context),
                 sink=sink,
             )
-            del grads
+            del got
             worker = threading.Thread(
                 target=sink.run, args=(push,), name="onnxps-push", daemon=True
             )
-            worker.start()
+            try:
+                worker.start()
+            except BaseException:
+                lease.release()
+                raise
             try:
                 yield from sink.frames()
             finally:

@@ -394,8 +394,12 @@ class ParameterStore:
         timeout: float | None = None,
         cancellation: Cancellation | None = None,
         sink: ValuesSink | None = None,
+        known_finite: bool = False,
     ) -> PushOutcome:
         """Push gradients G_1..G_n; ``group`` is a name or a ticket for these grads.
+
+        ``known_finite``: the caller has checked every element of ``grads`` finite
+        (a stream checks its chunks as they arrive), so the store does not again.
 
         ``(client_id, seq)`` identifies the push for exactly-once delivery. With
         ``return_values`` a sync push waits for its step (see ``pull``); when every
@@ -413,7 +417,7 @@ class ParameterStore:
                 "clients, so every push needs a client_id (the Client sets one); "
                 "set client_id"
             )
-        check_gradient_values(ticket, grads, learning_rate)
+        check_gradient_values(ticket, grads, learning_rate, known_finite)
         request = PushRequest(client_id, seq, base_version, learning_rate)
         return self._pushes.push(
             ticket,

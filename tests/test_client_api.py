@@ -71,6 +71,7 @@ CALLS: dict[str, Callable[..., Any]] = {
     "join": lambda c, **kw: c.join("g", **kw),
     "leave": lambda c, **kw: c.leave("g", **kw),
     "save": lambda c, **kw: c.save(**kw),
+    "tensor_buffers": lambda c, **kw: c.tensor_buffers("g", **kw),
 }
 
 

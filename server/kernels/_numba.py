@@ -21,6 +21,8 @@ read-only (a gradient decoded from the wire is a read-only buffer). ``load()``
 compiles them, or loads them from numba's on-disk cache, once per process. The row
 kernels (``"{op}_rows"``: a row push's rows of X, V and H stepped in place in one
 pass, the same operations per element) compile on their first call instead.
+``"all_finite_32"``/``"all_finite_64"`` check a gradient for NaN and inf in one
+pass (``_finite``).
 """
 
 from __future__ import annotations
@@ -200,6 +202,47 @@ def _adam_rows(
             xr[i] = xi * post if has_post else xi
 
 
+# The finiteness check (``_finite``): NaN and inf are the bit patterns whose exponent
+# is all ones, i.e. ``bits & ~sign >= bits of +inf``. A max over each block (an
+# unsigned reduction, which LLVM vectorizes, unlike an early exit per element), then
+# one test per block.
+_FINITE_BLOCK = 1 << 14
+
+
+def _all_finite_32(x: Array) -> bool:
+    u = x.view(np.uint32)
+    for s in range(0, u.size, _FINITE_BLOCK):
+        block = u[s : s + _FINITE_BLOCK]
+        m = np.uint32(0)
+        for i in range(block.size):
+            m = max(m, block[i] & np.uint32(0x7FFFFFFF))
+        if m >= np.uint32(0x7F800000):
+            return False
+    return True
+
+
+def _all_finite_64(x: Array) -> bool:
+    u = x.view(np.uint64)
+    for s in range(0, u.size, _FINITE_BLOCK):
+        block = u[s : s + _FINITE_BLOCK]
+        m = np.uint64(0)
+        for i in range(block.size):
+            m = max(m, block[i] & np.uint64(0x7FFFFFFFFFFFFFFF))
+        if m >= np.uint64(0x7FF0000000000000):
+            return False
+    return True
+
+
+def _finite_signatures(bits: int) -> list[Any]:
+    from numba import types
+
+    scalar = types.float32 if bits == 32 else types.float64
+    return [
+        types.boolean(types.Array(scalar, 1, "C", readonly=readonly))
+        for readonly in (False, True)
+    ]
+
+
 # Each kernel's arguments in order: a, a state or X array; g, the gradient (writable or
 # read-only); i, an element index; f, a scalar of the state dtype; b, a flag.
 _LAYOUTS = {
@@ -237,7 +280,7 @@ _PY_FUNCS: dict[str, Any] = {
 }
 
 
-def load() -> dict[str, Callable[..., None]]:
+def load() -> dict[str, Callable[..., Any]]:
     """The compiled kernels by operator (and ``"{op}_rows"``, a row push's);
     raises ImportError without numba.
 
@@ -247,7 +290,7 @@ def load() -> dict[str, Callable[..., None]]:
     """
     import numba
 
-    kernels: dict[str, Callable[..., None]] = {}
+    kernels: dict[str, Callable[..., Any]] = {}
     for op, fn in _PY_FUNCS.items():
         options: dict[str, Any] = {"nogil": True, "error_model": "numpy"}
         # The row kernels compile on their first call (a group's first row push),
@@ -257,6 +300,12 @@ def load() -> dict[str, Callable[..., None]]:
             kernels[op] = numba.njit(sigs, cache=True, **options)(fn)
         except RuntimeError:  # "cannot cache function ...: no locator available"
             kernels[op] = numba.njit(sigs, **options)(fn)
+    for bits, fn in ((32, _all_finite_32), (64, _all_finite_64)):
+        sigs = _finite_signatures(bits)
+        try:
+            kernels[f"all_finite_{bits}"] = numba.njit(sigs, cache=True, nogil=True)(fn)
+        except RuntimeError:
+            kernels[f"all_finite_{bits}"] = numba.njit(sigs, nogil=True)(fn)
     return kernels
 
 

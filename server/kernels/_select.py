@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["ENV", "KERNEL_PATHS", "fused_kernels", "kernel_path"]
 
@@ -25,12 +26,12 @@ log = logging.getLogger("onnxps.kernels")
 
 _lock = threading.Lock()
 _loaded = False
-_kernels: dict[str, Callable[..., None]] | None = None
+_kernels: dict[str, Callable[..., Any]] | None = None
 _failure = ""
 _logged: set[str] = set()
 
 
-def fused_kernels() -> dict[str, Callable[..., None]] | None:
+def fused_kernels() -> dict[str, Callable[..., Any]] | None:
     """numba's compiled kernels by operator, or None when numba cannot give them."""
     global _loaded, _kernels, _failure
     with _lock:

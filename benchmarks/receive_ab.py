@@ -1,0 +1,140 @@
+"""A/B of a streamed push's server side, in one process, alternating rounds.
+
+    python benchmarks/receive_ab.py [--rounds 9] [--pushes 5] [--mib 64]
+
+The gRPC transport is left out (on a shared 2-core VM its wall time swings by 2x
+between rounds and hides a few milliseconds): each variant gets the same 1 MiB
+chunks gRPC would hand the servicer (views of ``bytes``), receives them into the
+gradient and pushes it to a ``ParameterStore`` (64 MiB float32 Adam group):
+
+- ``before``: chunks copied into a freshly allocated gradient (``TensorAssembler``),
+  then ``store.push``, which checks the whole gradient for NaN and inf with
+  ``min`` and ``max`` (the check as it was: two passes) and steps;
+- ``after``: chunks copied into a gradient buffer reused per group
+  (``GradientPool``), each checked for NaN and inf as it lands (``receive``), then
+  ``store.push(known_finite=True)``, which steps (what the server does);
+- ``unpooled``: ``after`` with a freshly allocated gradient (the pool's share).
+
+Per push: ``receive ms`` (all chunks in: on a real stream this overlaps waiting for
+the network), ``tail ms`` (from the last chunk to the push's return: what the
+client waits for after sending its last byte) and ``total ms``. Medians over rounds
+of each round's median, and the min-max of the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+from onnxps.client.codec import RawChunk, TensorAssembler, header_tensor
+from onnxps.server import store as store_module
+from onnxps.server._receive import GradientPool, receive
+from onnxps.server.kernels import make_attrs
+from onnxps.server.store import ParameterStore
+
+MIB = 1 << 20
+FIGURES = ("receive ms", "tail ms", "total ms")
+
+
+def _min_max_finite(a: Any) -> bool:
+    return a.size == 0 or bool(np.isfinite(a.min()) and np.isfinite(a.max()))
+
+
+class _Chunk:
+    def __init__(self, raw: RawChunk) -> None:
+        self.chunk = raw
+
+    def WhichOneof(self, name: str) -> str:  # noqa: N802 - the protobuf spelling
+        return "chunk"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--pushes", type=int, default=5)
+    p.add_argument("--mib", type=int, default=64)
+    args = p.parse_args()
+    n = args.mib * MIB // 4
+    store = ParameterStore()
+    attrs = make_attrs("Adam", {})
+    store.create_group(
+        "g", attrs, 1e-3, [("x", np.linspace(-1, 1, n, dtype=np.float32))]
+    )
+    g = np.full(n, 1e-3, np.float32)
+    raw = memoryview(g).cast("B")
+    chunks = [
+        RawChunk(0, s, memoryview(bytes(raw[s : s + MIB])))
+        for s in range(0, len(raw), MIB)
+    ]
+    headers = [header_tensor(g, "x")]
+    kept = store_module.all_finite
+
+    def before() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        asm = TensorAssembler(headers, ["x"], encoded=True)
+        for c in chunks:
+            asm.add(c)
+        t1 = time.perf_counter()
+        store_module.all_finite = _min_max_finite
+        try:
+            store.push("g", asm.finish())
+        finally:
+            store_module.all_finite = kept
+        return t1 - t0, time.perf_counter() - t1
+
+    pool = GradientPool()
+
+    def after() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        with pool.lease("g", [(np.dtype(np.float32), (n,))]) as lease:
+            asm = TensorAssembler(headers, ["x"], encoded=True, out=lease.arrays)
+            got = receive(iter(_Chunk(c) for c in chunks), asm)
+            t1 = time.perf_counter()
+            store.push("g", got.arrays, known_finite=got.finite)
+            return t1 - t0, time.perf_counter() - t1
+
+    def unpooled() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        asm = TensorAssembler(headers, ["x"], encoded=True)
+        got = receive(iter(_Chunk(c) for c in chunks), asm)
+        t1 = time.perf_counter()
+        store.push("g", got.arrays, known_finite=got.finite)
+        return t1 - t0, time.perf_counter() - t1
+
+    variants = {"before": before, "after": after, "unpooled": unpooled}
+    for fn in variants.values():  # warm: kernels compiled, the pool filled
+        fn()
+    results: dict[str, list[dict[str, float]]] = {k: [] for k in variants}
+    for r in range(args.rounds):
+        names = list(variants)
+        order = names[r % 3 :] + names[: r % 3]
+        for name in order:
+            times = [variants[name]() for _ in range(args.pushes)]
+            res = {
+                "receive ms": 1e3 * statistics.median(t[0] for t in times),
+                "tail ms": 1e3 * statistics.median(t[1] for t in times),
+                "total ms": 1e3 * statistics.median(t[0] + t[1] for t in times),
+            }
+            results[name].append(res)
+            figs = "  ".join(f"{k} {v:6.1f}" for k, v in res.items())
+            print(f"round {r + 1} {name:6s}: {figs}", flush=True)
+    print(
+        f"\n{args.mib} MiB float32 Adam push, server side; median (min-max of rounds)"
+    )
+    print(f"{'figure':11s}" + "".join(f"{k:>20s}" for k in variants) + "  after/before")
+    for f in FIGURES:
+        cells, med = [], {}
+        for k in variants:
+            vals = [x[f] for x in results[k]]
+            med[k] = statistics.median(vals)
+            cells.append(f"{med[k]:.1f} ({min(vals):.1f}-{max(vals):.1f})")
+        ratio = med["after"] / med["before"]
+        print(f"{f:11s}" + "".join(f"{c:>20s}" for c in cells) + f"  {ratio:12.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

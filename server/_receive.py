@@ -1,0 +1,171 @@
+"""Receiving a streamed push: chunks land in reused buffers and are checked for NaN
+and inf as they arrive.
+
+A 64 MiB push used to assemble its gradient into freshly allocated memory (the
+kernel zero-fills every page on first touch) and then read the whole gradient
+twice more for NaN and inf once the last chunk was in, while the client waited.
+Here each group keeps a few gradient buffers from push to push (``GradientPool``),
+and every chunk is checked right after it is copied in, while it is still in
+cache and while the stream waits for the next chunk anyway. The store still makes
+the decision: a push whose chunks were all seen finite says so
+(``push(..., known_finite=True)``); any other push is checked by the store as
+before, so a NaN is refused with the same status, reason and message, and nothing
+changes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from onnxps.client.codec import TensorAssembler
+
+from .errors import InvalidArgument
+from .kernels._finite import finite_checker
+
+__all__ = ["POOL_BYTES", "GradientPool", "Lease", "Received", "receive"]
+
+Array = np.ndarray[Any, Any]
+Spec = tuple[np.dtype[Any], tuple[int, ...]]
+
+# Idle gradient buffers the server keeps in all (least recently used dropped first),
+# and per group and shape; smaller pushes allocate as before.
+POOL_BYTES = 1 << 30
+IDLE_PER_KEY = 2
+MIN_POOLED_BYTES = 1 << 20
+
+
+class GradientPool:
+    """Gradient buffers reused from push to push, per group and shape.
+
+    A push leases one buffer per gradient (``lease``) and gives them back when it is
+    done with them; at most ``IDLE_PER_KEY`` sets per group and shape, and
+    ``max_bytes`` in all, wait idle for the next push (the least recently used set
+    goes first). ``drop(group)`` frees a deleted group's buffers, and sets leased
+    before it are freed when they come back instead of being kept.
+    """
+
+    def __init__(self, max_bytes: int = POOL_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._idle: OrderedDict[tuple[str, tuple[Spec, ...]], list[list[Array]]]
+        self._idle = OrderedDict()
+        self._idle_bytes = 0
+        self._epochs: dict[str, int] = {}
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes of buffers waiting for a push now."""
+        with self._lock:
+            return self._idle_bytes
+
+    def lease(self, group: str, specs: Sequence[Spec]) -> Lease:
+        """Buffers for one push's gradients; ``release()`` gives them back (the push
+        must be done with them by then)."""
+        key = (group, tuple((np.dtype(d), tuple(s)) for d, s in specs))
+        nbytes = sum(
+            np.dtype(d).itemsize * int(np.prod(s, dtype=np.int64)) for d, s in specs
+        )
+        if nbytes < MIN_POOLED_BYTES or nbytes > self.max_bytes:
+            return Lease([np.empty(s, d) for d, s in specs], None)
+        with self._lock:
+            epoch = self._epochs.get(group, 0)
+            sets = self._idle.get(key)
+            arrays = sets.pop() if sets else None
+            if arrays is not None:
+                self._idle_bytes -= nbytes
+                if not sets:
+                    del self._idle[key]
+        if arrays is None:
+            arrays = [np.empty(s, d) for d, s in specs]
+        return Lease(arrays, lambda: self._give_back(key, epoch, nbytes, arrays))
+
+    def _give_back(
+        self,
+        key: tuple[str, tuple[Spec, ...]],
+        epoch: int,
+        nbytes: int,
+        arrays: list[Array],
+    ) -> None:
+        with self._lock:
+            if self._epochs.get(key[0], 0) != epoch:
+                return  # the group was deleted while this push had them
+            sets = self._idle.setdefault(key, [])
+            self._idle.move_to_end(key)
+            if len(sets) >= IDLE_PER_KEY:
+                return
+            sets.append(arrays)
+            self._idle_bytes += nbytes
+            while self._idle_bytes > self.max_bytes:
+                old_key, old_sets = next(iter(self._idle.items()))
+                size = sum(a.nbytes for a in old_sets.pop())
+                self._idle_bytes -= size
+                if not old_sets:
+                    del self._idle[old_key]
+
+    def drop(self, group: str) -> None:
+        """Free a group's buffers (it was deleted or replaced)."""
+        with self._lock:
+            self._epochs[group] = self._epochs.get(group, 0) + 1
+            for key in [k for k in self._idle if k[0] == group]:
+                for arrays in self._idle.pop(key):
+                    self._idle_bytes -= sum(a.nbytes for a in arrays)
+
+
+class Lease:
+    """One push's gradient buffers (``arrays``), given back by ``release()``, once,
+    or at the end of a ``with`` block."""
+
+    def __init__(self, arrays: list[Array], give_back: Callable[[], None] | None):
+        self.arrays = arrays
+        self._give_back = give_back
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            give_back, self._give_back = self._give_back, None
+        if give_back is not None:
+            give_back()
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Received:
+    """A streamed push's gradients, and whether every element was seen finite."""
+
+    __slots__ = ("arrays", "finite")
+
+    def __init__(self, arrays: list[Array], finite: bool) -> None:
+        self.arrays = arrays
+        self.finite = finite
+
+
+def receive(
+    chunks: Iterator[Any],
+    asm: TensorAssembler,
+) -> Received:
+    """Fill ``asm`` from a stream's chunk messages, checking each run of whole
+    elements for NaN and inf as it lands; ``asm.finish()``'s errors propagate."""
+    checked = [0] * len(asm.arrays)
+    flats = [a.reshape(-1) for a in asm.arrays]
+    all_finite = finite_checker()
+    finite = True
+    for msg in chunks:
+        if msg.WhichOneof("part") != "chunk":
+            raise InvalidArgument("after the header a stream carries only chunks")
+        chunk = msg.chunk
+        asm.add(chunk)
+        if finite:
+            i = chunk.index
+            ready = asm.ready(i)
+            if ready > checked[i]:
+                finite = all_finite(flats[i][checked[i] : ready])
+                checked[i] = ready
+    return Received(asm.finish(), finite)
