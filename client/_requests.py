@@ -901,19 +901,8 @@ class ClientCore:
         req.gradients.extend(header_tensor(a) for a in arrays)
         with _released(pool, segs):
             req.gradients_region.CopyFrom(segs[0].write(arrays))
-            if req.return_values:
-                req.reply_region.CopyFrom(segs[1].region())
-            what = f"the push to group {req.group} (seq {req.seq}) was not answered"
-            call = Call("Push", _unary(req), deadline, what)
-            msg = yield from self._shared_call(
-                self._resending(call, req.group, req.seq)
-            )
-            values = None
-            if req.return_values and msg.HasField("values_region"):
-                values = segs[1].read(msg.values_region, msg.values)
-            elif req.return_values:
-                values = [tensor_to_array(t, t.name).copy() for t in msg.values]
-        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
+            reply = segs[1] if req.return_values else None
+            return (yield from self._region_push_op(req, reply, deadline))
 
     def _push_buffers_op(
         self,
@@ -934,18 +923,25 @@ class ClientCore:
                 segs = []
             with _released(pool, segs):
                 req.gradients_region.CopyFrom(bufs.publish(segment))
-                if segs:
-                    req.reply_region.CopyFrom(segs[0].region())
-                what = f"the push to group {req.group} (seq {req.seq}) was not answered"
-                call = Call("Push", _unary(req), deadline, what)
-                msg = yield from self._shared_call(
-                    self._resending(call, req.group, req.seq)
-                )
-                values = None
-                if req.return_values and msg.HasField("values_region") and segs:
-                    values = segs[0].read(msg.values_region, msg.values)
-                elif req.return_values:
-                    values = [tensor_to_array(t, t.name).copy() for t in msg.values]
+                reply = segs[0] if segs else None
+                return (yield from self._region_push_op(req, reply, deadline))
+
+    def _region_push_op(
+        self, req: pb.PushRequest, reply: Segment | None, deadline: Deadline
+    ) -> Op[PushResult]:
+        """The unary Push of a request whose gradients are named by region, resent
+        like any push; X, when asked for, comes back through ``reply`` (or inline,
+        without one or when the server answers inline)."""
+        if reply is not None:
+            req.reply_region.CopyFrom(reply.region())
+        what = f"the push to group {req.group} (seq {req.seq}) was not answered"
+        call = Call("Push", _unary(req), deadline, what)
+        msg = yield from self._shared_call(self._resending(call, req.group, req.seq))
+        values = None
+        if req.return_values and reply is not None and msg.HasField("values_region"):
+            values = reply.read(msg.values_region, msg.values)
+        elif req.return_values:
+            values = [tensor_to_array(t, t.name).copy() for t in msg.values]
         return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
 
     def _tensor_buffers(
