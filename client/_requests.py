@@ -340,16 +340,20 @@ class _TensorStreamReader:
         header: Callable[[Any], tuple[Any, list[pb.Tensor], list[str]]],
         *,
         encoded: bool = False,
+        out: Sequence[Array] | None = None,
     ) -> None:
         self._header = header
         self._encoded = encoded
+        self._out = out
         self._asm: TensorAssembler | None = None
         self._extra: Any = None
 
     def add(self, msg: Any) -> None:
         if self._asm is None:
             self._extra, tensors, names = self._header(msg)
-            self._asm = TensorAssembler(tensors, names, encoded=self._encoded)
+            self._asm = TensorAssembler(
+                tensors, names, encoded=self._encoded, out=self._out
+            )
         else:
             self._asm.add(msg.chunk)
 
@@ -504,6 +508,7 @@ class PushCall(Protocol[Int_co, Values_co]):
         return_values: Literal[True],
         encoding: Encoding | None = ...,
         timeout: float | None = ...,
+        out: Sequence[Any] | None = ...,
     ) -> Values_co: ...
 
 
@@ -812,17 +817,28 @@ class ClientCore:
         return_values: bool = False,
         encoding: Encoding | None = None,
         timeout: float | None = None,
+        out: Sequence[Any] | None = None,
     ) -> Op[PushResult]:
         """Like ``push``, with everything the server said about it.
 
         ``encoding`` ("bfloat16", "float16", "native"; None: the client's
         ``gradient_encoding``) sends the gradients in 2 bytes per element, rounded
         to nearest even here; the server widens them exactly to the group's dtype.
-        A finite gradient the encoding cannot hold raises ``EncodingRangeError``."""
+        A finite gradient the encoding cannot hold raises ``EncodingRangeError``.
+
+        ``out`` (with ``return_values=True``): arrays to receive X_1..X_n, one per
+        gradient, of its shape and dtype, writable (ValueError otherwise, before
+        anything is sent); they are the result's values. A streamed reply is
+        assembled straight into them (no copy when they are C-contiguous), a
+        shared-memory or inline one is copied into them once. If the push raises,
+        their contents are unspecified (some chunks of X may have landed): pull
+        to have the server's X again."""
         # Built now, not when first stepped: its deadline and seq start with the
         # call, and a unary push has copied the gradients before it returns.
         deadline = self._deadline(timeout)
         enc = self._encoding(encoding, self.gradient_encoding, "encoding")
+        if out is not None:
+            out = _reply_arrays(out, gradients, return_values)
         arrays = [encode(g, enc, f"gradient {i + 1}") for i, g in enumerate(gradients)]
         req = pb.PushRequest(
             group=group,
@@ -834,12 +850,20 @@ class ClientCore:
             req.base_version = base_version
         if learning_rate is not None:
             req.learning_rate = learning_rate
-        return (yield from self._push_parts(req, arrays, deadline))
+        result = yield from self._push_parts(req, arrays, deadline, out)
+        if out is None or result.values is None:
+            return result
+        return dataclasses.replace(result, values=_written_into(out, result.values))
 
     def _push_parts(
-        self, req: pb.PushRequest, arrays: list[Array], deadline: Deadline
+        self,
+        req: pb.PushRequest,
+        arrays: list[Array],
+        deadline: Deadline,
+        out: Sequence[Array] | None = None,
     ) -> Op[PushResult]:
-        """Send the push (a cluster client: its parts, to their shards)."""
+        """Send the push (a cluster client: its parts, to their shards). ``out``:
+        arrays X may be written straight into (the caller checked them)."""
         pool = None
         if all(a.dtype.kind == "f" for a in arrays):  # not an encoded push
             pool = yield from self._shared_memory(
@@ -848,19 +872,25 @@ class ClientCore:
         sizes = [a.nbytes for a in arrays]
         bufs = self._buffers_of(arrays) if pool is not None else None
         if pool is not None and bufs is not None:
-            return (yield from self._push_buffers_op(pool, bufs, req, deadline))
+            return (yield from self._push_buffers_op(pool, bufs, req, deadline, out))
         segs = self._segments(pool, sizes, 2 if req.return_values else 1)
         if pool is not None and segs is not None:
-            return (yield from self._push_shared_op(pool, segs, req, arrays, deadline))
-        return (yield from self._push_op(req, arrays, deadline))
+            return (
+                yield from self._push_shared_op(pool, segs, req, arrays, deadline, out)
+            )
+        return (yield from self._push_op(req, arrays, deadline, out))
 
     def _push_op(
-        self, template: pb.PushRequest, arrays: Sequence[Array], deadline: Deadline
+        self,
+        template: pb.PushRequest,
+        arrays: Sequence[Array],
+        deadline: Deadline,
+        out: Sequence[Array] | None = None,
     ) -> Op[PushResult]:
         """One push of ``template`` with these gradients, resent while unanswered.
 
         On the stream transport a push that returns X is a PushPullStream: X comes
-        back in chunks, sent while the server steps."""
+        back in chunks, sent while the server steps (into ``out`` where given)."""
         req = pb.PushRequest()
         req.CopyFrom(template)
         group = req.group
@@ -870,7 +900,8 @@ class ClientCore:
             req.gradients.extend(header_tensor(a) for a in arrays)
             if req.return_values:
                 chunks = self._chunks(pb.PushPullStreamRequest, req, arrays)
-                call = Call("PushPullStream", chunks, deadline, what, _push_reader)
+                reader = functools.partial(_push_reader, out)
+                call = Call("PushPullStream", chunks, deadline, what, reader)
                 msg, values = yield from self._resending(call, group, req.seq)
                 return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
             chunks = self._chunks(pb.PushStreamRequest, req, arrays)
@@ -882,7 +913,7 @@ class ClientCore:
         msg = yield from self._resending(call, group, req.seq)
         values = None
         if req.return_values:
-            values = [tensor_to_array(t, t.name).copy() for t in msg.values]
+            values = _inline_values(msg.values, out)
         return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
 
     def _push_shared_op(
@@ -892,6 +923,7 @@ class ClientCore:
         template: pb.PushRequest,
         arrays: list[Array],
         deadline: Deadline,
+        out: Sequence[Array] | None = None,
     ) -> Op[PushResult]:
         """A push whose gradients (and returned X) travel in shared memory (in
         ``segs``, given back to ``pool`` at the end); the unary Push carries only
@@ -902,7 +934,7 @@ class ClientCore:
         with _released(pool, segs):
             req.gradients_region.CopyFrom(segs[0].write(arrays))
             reply = segs[1] if req.return_values else None
-            return (yield from self._region_push_op(req, reply, deadline))
+            return (yield from self._region_push_op(req, reply, deadline, out))
 
     def _push_buffers_op(
         self,
@@ -910,6 +942,7 @@ class ClientCore:
         bufs: TensorBuffers,
         template: pb.PushRequest,
         deadline: Deadline,
+        out: Sequence[Array] | None = None,
     ) -> Op[PushResult]:
         """A push of ``bufs`` (gradients written in place in their segment): the
         unary Push names their region; X, when asked for, comes back through a
@@ -924,10 +957,14 @@ class ClientCore:
             with _released(pool, segs):
                 req.gradients_region.CopyFrom(bufs.publish(segment))
                 reply = segs[0] if segs else None
-                return (yield from self._region_push_op(req, reply, deadline))
+                return (yield from self._region_push_op(req, reply, deadline, out))
 
     def _region_push_op(
-        self, req: pb.PushRequest, reply: Segment | None, deadline: Deadline
+        self,
+        req: pb.PushRequest,
+        reply: Segment | None,
+        deadline: Deadline,
+        out: Sequence[Array] | None = None,
     ) -> Op[PushResult]:
         """The unary Push of a request whose gradients are named by region, resent
         like any push; X, when asked for, comes back through ``reply`` (or inline,
@@ -939,9 +976,9 @@ class ClientCore:
         msg = yield from self._shared_call(self._resending(call, req.group, req.seq))
         values = None
         if req.return_values and reply is not None and msg.HasField("values_region"):
-            values = reply.read(msg.values_region, msg.values)
+            values = reply.read(msg.values_region, msg.values, out=out)
         elif req.return_values:
-            values = [tensor_to_array(t, t.name).copy() for t in msg.values]
+            values = _inline_values(msg.values, out)
         return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
 
     def _tensor_buffers(
@@ -1610,6 +1647,62 @@ def _written_into(out: Sequence[Array], arrays: Sequence[Array]) -> list[Array]:
     return out
 
 
+def _reply_arrays(
+    out: Any, gradients: Sequence[Any], return_values: bool
+) -> list[Array]:
+    """A push's ``out``, checked before anything is sent: one writable array per
+    gradient, of its shape and dtype (X has the gradient's shape and the group's
+    dtype, which a pushed gradient has too)."""
+    if not return_values:
+        raise ValueError("out= receives X: it needs return_values=True")
+    if isinstance(out, np.ndarray):
+        raise TypeError("out is a sequence of arrays (one per gradient), not an array")
+    arrays = list(out)
+    if len(arrays) != len(gradients):
+        raise ValueError(
+            f"out holds {len(arrays)} arrays for {len(gradients)} gradients: X "
+            "comes back as one array per gradient"
+        )
+    for i, (o, g) in enumerate(zip(arrays, gradients, strict=True)):
+        want = np.asarray(g)
+        if (
+            not isinstance(o, np.ndarray)
+            or o.shape != want.shape
+            or o.dtype != want.dtype
+            or not o.flags.writeable
+        ):
+            got = (
+                f"{'' if o.flags.writeable else 'read-only '}{o.dtype} {o.shape}"
+                if isinstance(o, np.ndarray)
+                else type(o).__name__
+            )
+            raise ValueError(
+                f"out[{i}] must be a writable {want.dtype} array of shape "
+                f"{want.shape} (gradient {i + 1}'s), got {got}"
+            )
+        if any(np.may_share_memory(o, g) for g in gradients):
+            # A resend reads the gradients again, after X may have landed in out.
+            raise ValueError(
+                f"out[{i}] shares memory with a gradient: X needs arrays of its own"
+            )
+    return arrays
+
+
+def _inline_values(
+    tensors: Sequence[pb.Tensor], out: Sequence[Array] | None
+) -> list[Array]:
+    """X carried inline in a reply: copied once, into ``out`` where it fits."""
+    views = [tensor_to_array(t, t.name) for t in tensors]
+    if out is not None and len(out) == len(views):
+        fits = all(
+            o.shape == v.shape and o.dtype == v.dtype
+            for o, v in zip(out, views, strict=True)
+        )
+        if fits:
+            return _written_into(out, views)
+    return [v.copy() for v in views]
+
+
 @contextlib.contextmanager
 def _released(pool: SegmentPool, segs: list[Segment]) -> Iterator[None]:
     """Give a call's segments back to ``pool`` when it ends, however it ends."""
@@ -1671,14 +1764,14 @@ def _pull_reader() -> StreamReader:
     return _TensorStreamReader(header, encoded=True)
 
 
-def _push_reader() -> StreamReader:
+def _push_reader(out: Sequence[Array] | None = None) -> StreamReader:
     def header(
         m: pb.PushPullStreamResponse,
     ) -> tuple[pb.PushResponse, list[pb.Tensor], list[str]]:
         values = list(m.header.values)
         return m.header, values, [t.name for t in values]
 
-    return _TensorStreamReader(header)
+    return _TensorStreamReader(header, out=out)
 
 
 def _rows_reader() -> StreamReader:

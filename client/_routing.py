@@ -87,10 +87,16 @@ class RoutingCore(ClientCore):
 
     # -- push and pull -------------------------------------------------------------
     def _push_parts(
-        self, req: pb.PushRequest, arrays: list[Array], deadline: Deadline
+        self,
+        req: pb.PushRequest,
+        arrays: list[Array],
+        deadline: Deadline,
+        out: Sequence[Array] | None = None,
     ) -> Op[PushResult]:
         if self.shards is None:
-            return super()._push_parts(req, arrays, deadline)
+            return super()._push_parts(req, arrays, deadline, out)
+        # The parts' X is joined from their replies (push_detailed then copies it
+        # into ``out``).
         return _sharded.push(self, req, arrays, deadline)
 
     def _pull_parts(

@@ -183,9 +183,14 @@ class Segment:
         return pb.SharedMemoryRegion(segment=self.name, generation=generation)
 
     def read(
-        self, region: pb.SharedMemoryRegion, headers: Sequence[pb.Tensor]
+        self,
+        region: pb.SharedMemoryRegion,
+        headers: Sequence[pb.Tensor],
+        *,
+        out: Sequence[Array] | None = None,
     ) -> list[Array]:
-        """Copies of the tensors the server wrote into this segment."""
+        """Copies of the tensors the server wrote into this segment: into
+        ``out[k]`` where it has tensor k's dtype and shape, else fresh arrays."""
         (generation,) = struct.unpack_from("<Q", self.map, len(MAGIC))
         if region.segment != self.name or region.generation != generation:
             raise TensorFormatError(
@@ -197,7 +202,7 @@ class Segment:
                 f"the reply names {len(headers)} tensors and {len(region.offsets)} "
                 "offsets"
             )
-        out = []
+        copies: list[Array] = []
         for t, at in zip(headers, region.offsets, strict=True):
             dtype, dims = tensor_spec(t, t.name or "tensor")
             count = int(np.prod(dims, dtype=np.int64))
@@ -206,9 +211,15 @@ class Segment:
                     f"tensor {t.name!r} at offset {at} runs past segment {self.name}"
                     f" ({self.size} bytes)"
                 )
-            view = np.frombuffer(self.map, dtype, count, at)
-            out.append(view.reshape(dims).copy())
-        return out
+            view = np.frombuffer(self.map, dtype, count, at).reshape(dims)
+            k = len(copies)
+            dest = out[k] if out is not None and k < len(out) else None
+            if dest is not None and dest.dtype == dtype and dest.shape == view.shape:
+                np.copyto(dest, view)
+                copies.append(dest)
+            else:
+                copies.append(view.copy())
+        return copies
 
     def close(self) -> None:
         """Unmap and unlink (idempotent)."""

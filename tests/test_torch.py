@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import subprocess
@@ -56,6 +57,15 @@ def assert_same(a: list[Array], b: list[Array]) -> None:
     for x, y in zip(a, b, strict=True):
         assert x.dtype == y.dtype and x.shape == y.shape
         assert x.tobytes() == y.tobytes()
+
+
+@contextlib.contextmanager
+def _stopped(proc: subprocess.Popen[bytes]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def backward(model: Any, step: int, rank: int = 0) -> None:
@@ -366,3 +376,38 @@ def test_example_digits_reaches_095_with_four_workers() -> None:
     found = re.search(r"held-out accuracy (\d\.\d+)", proc.stdout)
     assert found, proc.stdout
     assert float(found.group(1)) >= 0.95
+
+
+@pytest.mark.parametrize("shared_memory", ["off", "auto"])
+def test_step_writes_x_straight_into_the_parameters(
+    tmp_path: Path, shared_memory: str
+) -> None:
+    """X lands in the parameters' own storage: over gRPC the reply's chunks are
+    assembled in them, through shared memory it is copied in once; either way no
+    array of X's size is made in this process (tracemalloc sees NumPy's arrays,
+    not torch's tensors; the server runs in a process of its own), and the
+    parameters stay the same tensors."""
+    import tracemalloc
+
+    from onnxps.cli.process import start_server_process
+
+    model = torch.nn.Linear(2048, 2048)  # 16 MiB of X: a streamed push
+    proc, address = start_server_process(log=tmp_path / "server.log")
+    with (
+        Client(address, timeout=30.0, shared_memory=shared_memory) as c,  # type: ignore[arg-type]
+        _stopped(proc),
+    ):
+        opt = RemoteOptimizer(model.parameters(), c, group="big", lr=0.01)
+        ptrs = [p.data_ptr() for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.25)
+        opt.step()  # warm up
+        tracemalloc.start()
+        try:
+            opt.step()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert [p.data_ptr() for p in model.parameters()] == ptrs
+        assert_same(params_np(model), c.pull("big"))
+    assert peak < 8 << 20  # half of X: a fresh X would exceed it

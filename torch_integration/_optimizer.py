@@ -3,8 +3,9 @@
 The parameters are the tensors X_1..X_n of one onnxps group, in parameter order. A
 step is one push of every gradient with ``return_values=True``: the server applies
 its ONNX operator and answers with the new X, which is written back into the
-parameters (in place: CPU parameters through NumPy views of their storage, others
-through one host copy each way).
+parameters in place: CPU parameters through NumPy views of their storage, into
+which the client assembles the reply's chunks as they arrive (no copy of X);
+parameters on another device through one host copy each way.
 """
 
 from __future__ import annotations
@@ -250,8 +251,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grads = self.gradients()
+        out = self._in_place()
         try:
-            result = self._push(grads, float(self.param_groups[0]["lr"]))
+            result = self._push(grads, float(self.param_groups[0]["lr"]), out)
         except FailedPreconditionError as exc:
             if self.on_stale == "raise" or exc.reason != "STALE_PUSH":
                 raise
@@ -259,9 +261,18 @@ class RemoteOptimizer(torch.optim.Optimizer):
             self.pull()
             return loss
         assert result.values is not None
-        self._write_all(result.values)
+        if out is None:
+            self._write_all(result.values)
         self._version = result.update_count + (0 if result.applied else 1)
         return loss
+
+    def _in_place(self) -> list[Array] | None:
+        """The parameters as NumPy views X can be written straight into (the
+        client assembles the reply in them): when every one is a CPU tensor."""
+        ps = self._params()
+        if any(p.device.type != "cpu" for p in ps):
+            return None
+        return [p.detach().numpy() for p in ps]
 
     def gradients(self) -> list[Array]:
         """G_1..G_n as pushed: host arrays (views of CPU grads), zeros for none."""
@@ -297,7 +308,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
                     "tensors keep their shapes; create a new group for a new shape"
                 )
 
-    def _push(self, grads: Sequence[Array], lr: float) -> PushResult:
+    def _push(
+        self, grads: Sequence[Array], lr: float, out: list[Array] | None = None
+    ) -> PushResult:
         push_lr: float | None = lr
         if isinstance(self._info.consistency, Sync):
             # A sync step uses the group's R, not the pushes': set it when it changed
@@ -313,6 +326,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             learning_rate=push_lr,
             return_values=True,
             timeout=self.timeout,
+            out=out,
         )
 
     def _write_all(self, values: Sequence[Array]) -> None:
