@@ -1216,7 +1216,7 @@ class ClientCore:
             if into is not None:
                 t, arrays = into
                 return t, _written_into(out, arrays)
-        pulled = self._pull_parts(group, state, min_version, deadline, enc)
+        pulled = self._pull_parts(group, state, min_version, deadline, enc, out)
         t, arrays = yield from pulled
         return t, _written_into(out, arrays)
 
@@ -1237,9 +1237,12 @@ class ClientCore:
         min_version: int | None,
         deadline: Deadline,
         encoding: Encoding = "native",
+        out: Sequence[Array] | None = None,
     ) -> Op[tuple[int, list[Array]]]:
-        """Pull the group (a cluster client: its parts, from their shards)."""
-        return (yield from self._pull_op(group, state, min_version, deadline, encoding))
+        """Pull the group (a cluster client: its parts, from their shards); into
+        ``out`` where its arrays fit (the caller copies into them otherwise)."""
+        pulled = self._pull_op(group, state, min_version, deadline, encoding, out)
+        return (yield from pulled)
 
     def _pull_op(
         self,
@@ -1248,8 +1251,10 @@ class ClientCore:
         min_version: int | None,
         deadline: Deadline,
         encoding: Encoding = "native",
+        out: Sequence[Array] | None = None,
     ) -> Op[tuple[int, list[Array]]]:
-        """One pull of one group (or part) from one server."""
+        """One pull of one group (or part) from one server; a streamed or shared
+        reply lands in ``out`` where its arrays fit."""
         if min_version is not None:
             waited = f"group {group} did not reach T={min_version}"
         else:
@@ -1269,7 +1274,8 @@ class ClientCore:
             shared = pb.PullRequest(
                 group=group, with_state=state, min_version=min_version
             )
-            return (yield from self._pull_shared_op(pool, segs[0], shared, deadline))
+            pulled = self._pull_shared_op(pool, segs[0], shared, deadline, out)
+            return (yield from pulled)
         if self._use_stream(size or 0):
             req = pb.PullStreamRequest(
                 group=group,
@@ -1277,9 +1283,8 @@ class ClientCore:
                 min_version=min_version,
                 encoding=ENCODING_TO_PROTO[encoding],
             )
-            t, arrays = yield Call(
-                "PullStream", _unary(req), deadline, waited, _pull_reader
-            )
+            reader = functools.partial(_pull_reader, out)
+            t, arrays = yield Call("PullStream", _unary(req), deadline, waited, reader)
             return int(t), arrays
         unary = pb.PullRequest(
             group=group,
@@ -1291,7 +1296,12 @@ class ClientCore:
         return msg.update_count, [_pulled(t) for t in msg.tensors]
 
     def _pull_shared_op(
-        self, pool: SegmentPool, seg: Segment, req: pb.PullRequest, deadline: Deadline
+        self,
+        pool: SegmentPool,
+        seg: Segment,
+        req: pb.PullRequest,
+        deadline: Deadline,
+        out: Sequence[Array] | None = None,
     ) -> Op[tuple[int, list[Array]]]:
         """A pull whose tensors come back in shared memory (inline when they no
         longer fit the segment, e.g. the group was replaced)."""
@@ -1304,7 +1314,8 @@ class ClientCore:
             call = Call("Pull", _unary(req), deadline, waited)
             msg = yield from self._shared_call(self._call_op(call))
             if msg.HasField("tensors_region"):
-                return msg.update_count, seg.read(msg.tensors_region, msg.tensors)
+                arrays = seg.read(msg.tensors_region, msg.tensors, out=out)
+                return msg.update_count, arrays
         return msg.update_count, [
             tensor_to_array(t, t.name).copy() for t in msg.tensors
         ]
@@ -1756,12 +1767,12 @@ def _pulled(t: pb.Tensor) -> Array:
     return a.copy() if t.encoding == pb.ENCODING_UNSPECIFIED else a
 
 
-def _pull_reader() -> StreamReader:
+def _pull_reader(out: Sequence[Array] | None = None) -> StreamReader:
     def header(m: pb.PullStreamResponse) -> tuple[int, list[pb.Tensor], list[str]]:
         tensors = list(m.header.tensors)
         return m.header.update_count, tensors, [t.name for t in tensors]
 
-    return _TensorStreamReader(header, encoded=True)
+    return _TensorStreamReader(header, encoded=True, out=out)
 
 
 def _push_reader(out: Sequence[Array] | None = None) -> StreamReader:

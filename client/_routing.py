@@ -106,9 +106,13 @@ class RoutingCore(ClientCore):
         min_version: int | None,
         deadline: Deadline,
         encoding: Encoding = "native",
+        out: Sequence[Array] | None = None,
     ) -> Op[tuple[int, list[Array]]]:
         if self.shards is None:
-            return super()._pull_parts(group, state, min_version, deadline, encoding)
+            return super()._pull_parts(
+                group, state, min_version, deadline, encoding, out
+            )
+        # The parts' X is joined (pull then copies it into ``out``).
         return _sharded.pull(self, group, state, min_version, deadline, encoding)
 
     def _save(self, *, timeout: float | None = None) -> Op[SaveInfo]:

@@ -230,3 +230,23 @@ def test_a_streamed_reply_is_assembled_into_out_without_a_copy(
         np.testing.assert_array_equal(out[0], ps.pull("big")[0], strict=True)
     assert peak_without >= x.nbytes  # a fresh X was made
     assert peak_with < x.nbytes // 2  # the chunks landed in out
+
+
+def test_a_streamed_pull_is_assembled_into_out_without_a_copy(
+    server_process: str,
+) -> None:
+    x = np.arange(8 << 20, dtype=np.float32)  # 32 MiB: a PullStream
+    out = [np.empty_like(x)]
+    with Client(server_process, timeout=60.0, shared_memory="off") as ps:
+        ps.create_group("big", Adam(), learning_rate=0.01, tensors={"w": x})
+        ps.pull("big", out=out)  # warm up
+        peak_without = _peak_bytes(lambda: ps.pull("big"))
+        peak_with = _peak_bytes(lambda: ps.pull("big", out=out))
+        encoded = [np.empty_like(x)]
+        got = ps.pull("big", out=encoded, encoding="bfloat16")
+    assert got[0] is encoded[0]
+    np.testing.assert_array_equal(out[0], x, strict=True)
+    assert peak_without >= x.nbytes
+    assert peak_with < x.nbytes // 2
+    # bfloat16 keeps 8 significant bits: integers up to 256 exactly
+    np.testing.assert_array_equal(encoded[0][:257], x[:257], strict=True)

@@ -233,8 +233,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     def pull(self) -> int:
         """Copy the server's X into the parameters; returns its T."""
-        t, values = self.client.pull_versioned(self.group, timeout=self.timeout)
-        self._write_all(values)
+        self._check_shapes(self._params())
+        out = self._in_place()
+        t, values = self.client.pull_versioned(
+            self.group, timeout=self.timeout, out=out
+        )
+        if out is None:
+            self._write_all(values)
         self._version = t
         return t
 
