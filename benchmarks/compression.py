@@ -12,7 +12,13 @@ machine load; the table gives the median over the rounds and the spread (min-max
 - GB/s: logical data (the float32 tensor, 4 bytes per element) per second.
 
 Then the codec alone, in this process: encode (float32 -> 2 bytes, round to nearest
-even, overflow check) and widen (2 bytes -> float32) in ns per element.
+even, overflow check) and widen (2 bytes -> float32) in ns per element, on both codec
+paths alternating (``numpy``: block passes; ``numba``: the compiled loops, when numba
+is installed), the NumPy path being the baseline.
+
+``--paths numpy,numba`` runs the wire table once per codec path, alternating within
+each round: two servers (``ONNXPS_KERNELS=numpy`` and the default), the client
+switching its own path with them.
 
 The machine may be shared: read the ratios, not the absolute figures.
 """
@@ -20,6 +26,7 @@ The machine may be shared: read the ratios, not the absolute figures.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -30,6 +37,7 @@ from typing import Any
 import numpy as np
 from onnxps.cli.process import start_server_process, stop_processes
 from onnxps.client import Adam, Client
+from onnxps.client._encoding import compiled_codec
 from onnxps.client.codec import decode, encode
 
 MIB = 1 << 20
@@ -47,51 +55,86 @@ def _spread(values: list[float], scale: float, fmt: str) -> str:
     return f"{mid * scale:{fmt}} ({lo * scale:{fmt}}-{hi * scale:{fmt}})"
 
 
-def wire(address: str, elements: int, rounds: int) -> list[list[str]]:
+def _use_path(path: str) -> None:
+    os.environ["ONNXPS_KERNELS"] = path
+
+
+def wire(addresses: dict[str, str], elements: int, rounds: int) -> list[list[str]]:
+    """Push and pull in every encoding, through each codec path's server."""
     rng = np.random.default_rng(0)
     x0 = rng.standard_normal(elements, dtype=np.float32)
     grad = rng.standard_normal(elements, dtype=np.float32) * np.float32(1e-3)
-    times: dict[tuple[str, str], list[float]] = {}
-    with Client(address, timeout=600, transport="stream") as c:
-        c.create_group("big", Adam(), learning_rate=1e-3, tensors={"w": x0})
+    times: dict[tuple[str, str, str], list[float]] = {}
+    clients = {
+        path: Client(address, timeout=600, transport="stream")
+        for path, address in addresses.items()
+    }
+    try:
+        for c in clients.values():
+            c.create_group("big", Adam(), learning_rate=1e-3, tensors={"w": x0})
         for r in range(rounds + 1):  # the first round warms up
-            for enc in ENCODINGS:
-                push = _timed(lambda e=enc: c.push("big", grad, encoding=e))
-                pull = _timed(lambda e=enc: c.pull("big", encoding=e))
-                if r:
-                    times.setdefault(("push", enc), []).append(push)
-                    times.setdefault(("pull", enc), []).append(pull)
+            for path, c in clients.items():
+                _use_path(path)
+                for enc in ENCODINGS:
+                    push = _timed(lambda e=enc, c=c: c.push("big", grad, encoding=e))
+                    pull = _timed(lambda e=enc, c=c: c.pull("big", encoding=e))
+                    if r:
+                        times.setdefault(("push", enc, path), []).append(push)
+                        times.setdefault(("pull", enc, path), []).append(pull)
+    finally:
+        for c in clients.values():
+            c.close()
     logical = elements * 4
     rows = []
     for what in ("push", "pull"):
-        base = statistics.median(times[(what, "native")])
-        for enc in ENCODINGS:
-            t = times[(what, enc)]
-            nbytes = logical if enc == "native" else elements * 2
-            rows.append(
-                [
-                    what,
-                    enc,
-                    f"{nbytes:,}",
-                    _spread(t, 1e3, ".1f"),
-                    f"{logical / statistics.median(t) / 1e9:.2f}",
-                    f"{statistics.median(t) / base:.2f}x",
-                ]
-            )
+        for path in addresses:
+            base = statistics.median(times[(what, "native", path)])
+            for enc in ENCODINGS:
+                t = times[(what, enc, path)]
+                nbytes = logical if enc == "native" else elements * 2
+                rows.append(
+                    [
+                        what,
+                        enc,
+                        path,
+                        f"{nbytes:,}",
+                        _spread(t, 1e3, ".1f"),
+                        f"{logical / statistics.median(t) / 1e9:.2f}",
+                        f"{statistics.median(t) / base:.2f}x",
+                    ]
+                )
     return rows
 
 
-def codec(elements: int, rounds: int) -> list[list[str]]:
+def codec(elements: int, rounds: int, paths: list[str]) -> list[list[str]]:
     g = np.random.default_rng(1).standard_normal(elements, dtype=np.float32)
+    times: dict[tuple[str, str, str], list[float]] = {}
+    for _ in range(rounds + 1):  # the first round warms up (and compiles)
+        for path in paths:
+            _use_path(path)
+            for enc in ("bfloat16", "float16"):
+                encoded = encode(g, enc)
+                e_t = _timed(lambda e=enc: encode(g, e))
+                d_t = _timed(lambda e=encoded: decode(e))
+                times.setdefault(("encode", enc, path), []).append(e_t)
+                times.setdefault(("widen", enc, path), []).append(d_t)
     rows = []
-    for enc in ("bfloat16", "float16"):
-        encoded = encode(g, enc)
-        enc_t = [_timed(lambda e=enc: encode(g, e)) for _ in range(rounds)]
-        dec_t = [_timed(lambda e=encoded: decode(e)) for _ in range(rounds)]
-        for what, t in (("encode", enc_t), ("widen", dec_t)):
-            rows.append([what, enc, _spread(t, 1e9 / elements, ".2f")])
+    for (what, enc, path), t in times.items():
+        t = t[1:]
+        base = statistics.median(times[(what, enc, "numpy")][1:])
+        rows.append(
+            [
+                what,
+                enc,
+                path,
+                _spread(t, 1e9 / elements, ".2f"),
+                f"{statistics.median(t) / base:.2f}x",
+            ]
+        )
     copy_t = [_timed(g.copy) for _ in range(rounds)]
-    rows.append(["copy (baseline)", "float32", _spread(copy_t, 1e9 / elements, ".2f")])
+    rows.append(
+        ["copy (for scale)", "float32", "-", _spread(copy_t, 1e9 / elements, ".2f"), ""]
+    )
     return rows
 
 
@@ -105,22 +148,44 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--mib", type=int, default=64, help="size of X (float32)")
+    p.add_argument(
+        "--paths",
+        default="auto",
+        help="codec paths of the wire table, comma-separated: auto (the default: "
+        "numba when installed), numpy, numba",
+    )
     args = p.parse_args()
     elements = args.mib * MIB // 4
-    with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
-        proc, address = start_server_process(log=Path(log.name))
+    wire_paths = [s.strip() for s in args.paths.split(",") if s.strip()]
+    codec_paths = ["numpy"] + (["numba"] if compiled_codec() is not None else [])
+    procs = []
+    with tempfile.TemporaryDirectory() as tmp:
         try:
-            rows = wire(address, elements, args.rounds)
+            addresses = {}
+            for path in wire_paths:
+                proc, addresses[path] = start_server_process(
+                    log=Path(tmp) / f"{path}.log",
+                    env={**os.environ, "ONNXPS_KERNELS": path},
+                )
+                procs.append(proc)
+            rows = wire(addresses, elements, args.rounds)
         finally:
-            stop_processes([proc], timeout=15)
+            stop_processes(procs, timeout=15)
     print(
         f"{args.mib} MiB float32 Adam group, server in its own process, loopback, "
         f"{args.rounds} alternating rounds: median (min-max)\n"
     )
-    header = ["call", "encoding", "tensor bytes", "ms", "GB/s logical", "vs native"]
+    header = [
+        "call", "encoding", "codec path", "tensor bytes", "ms", "GB/s logical",
+        "vs native",
+    ]  # fmt: skip
     print(_table(header, rows))
-    print(f"\ncodec in this process, {elements:,} float32 elements: ns/element\n")
-    print(_table(["", "encoding", "ns/element"], codec(elements, args.rounds)))
+    print(
+        f"\ncodec in this process, {elements:,} float32 elements, {args.rounds} "
+        "alternating rounds: ns/element, median (min-max); vs the NumPy path\n"
+    )
+    rows = codec(elements, args.rounds, codec_paths)
+    print(_table(["", "encoding", "path", "ns/element", "vs numpy"], rows))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,10 @@ The one rounding happens at the sender, to nearest with ties to even:
 - float16: IEEE 754 binary16 (float64 values also through float32 rounded to odd).
 
 Both run as integer operations on the float32 bits, block by block, both ways
-(NumPy's float16 casts are scalar loops, several times slower).
+(NumPy's float16 casts are scalar loops, several times slower); with numba installed
+(``pip install 'onnxps[fast]'``) the float32 encodings and the float16 widening run
+as one compiled loop instead (``_codec_numba``, the same bits), unless
+``ONNXPS_KERNELS=numpy``.
 
 A finite value whose encoding would be infinite (beyond bfloat16's 3.39e38 or
 float16's 65504) is refused with ``EncodingRangeError``, never sent as inf; values
@@ -25,6 +28,10 @@ and the encoding off it when it writes the tensor message.
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -72,8 +79,42 @@ ENCODED: dict[np.dtype[Any], tuple[np.dtype[Any], pb.Encoding.ValueType]] = {
 _ENCODED_BY = {(code, dtype): enc for enc, (dtype, code) in ENCODED.items()}
 
 
+log = logging.getLogger("onnxps.encoding")
+
+
 class EncodingRangeError(OnnxpsError, ValueError):
     """A finite value that the asked encoding cannot hold (it would become inf)."""
+
+
+_codec_lock = threading.Lock()
+_codec_loaded: dict[str, dict[str, Callable[..., Any]] | None] = {}
+
+
+def compiled_codec() -> dict[str, Callable[..., Any]] | None:
+    """numba's loops (``_codec_numba``), or None for the NumPy path: as
+    ``ONNXPS_KERNELS`` says (``auto``, the default: numba when it imports and
+    compiles; ``numpy``: never; ``numba``: numba or RuntimeError)."""
+    choice = os.environ.get("ONNXPS_KERNELS", "").strip().lower() or "auto"
+    if choice == "numpy":
+        return None
+    with _codec_lock:
+        if "loops" not in _codec_loaded:
+            try:
+                from . import _codec_numba
+
+                _codec_loaded["loops"] = _codec_numba.load()
+            except ImportError:
+                _codec_loaded["loops"] = None
+            except Exception as exc:  # noqa: BLE001 - a compile failure: say it
+                log.warning("numba failed to compile the encoding loops: %r", exc)
+                _codec_loaded["loops"] = None
+        loops = _codec_loaded["loops"]
+    if loops is None and choice == "numba":
+        raise RuntimeError(
+            "ONNXPS_KERNELS=numba but numba's encoding loops are not available "
+            "(pip install 'onnxps[fast]')"
+        )
+    return loops
 
 
 def check_encoding(value: Any, what: str = "encoding") -> Encoding:
@@ -109,6 +150,10 @@ def encode(a: Any, encoding: str, what: str = "tensor") -> Array:
     out = np.empty(arr.shape, encoded_dtype(encoding, arr.dtype))
     src = arr.reshape(-1)
     dst = out.reshape(-1).view(np.uint16)
+    loops = compiled_codec()
+    if loops is not None:
+        _encode_compiled(loops[encoding], src, dst, encoding, what)
+        return out
     block = min(_BLOCK, src.size)
     scratch = [np.empty(block, np.uint32) for _ in range(3)]
     mask = np.empty(block, np.bool_)
@@ -130,6 +175,36 @@ def encode(a: Any, encoding: str, what: str = "tensor") -> Array:
         if overflow.any():
             _refuse_overflow(x, overflow, start, encoding, what)
     return out
+
+
+def _encode_compiled(
+    loop: Callable[[Array, Array], bool],
+    src: Array,
+    dst: Array,
+    encoding: str,
+    what: str,
+) -> None:
+    """Encode ``src`` into ``dst`` with numba's loop (float64 first rounded to
+    float32 to odd, block by block); refuse the first finite overflow."""
+    if src.dtype.itemsize == 4:
+        if loop(src.view(np.uint32), dst):
+            _refuse_first_overflow(src, dst, 0, encoding, what)
+        return
+    rounded = np.empty(min(_BLOCK, src.size), np.float32)
+    for start in range(0, src.size, _BLOCK):
+        x = src[start : start + _BLOCK]
+        x32 = rounded[: x.size]
+        _to_float32_odd(x, x32)
+        o = dst[start : start + _BLOCK]
+        if loop(x32.view(np.uint32), o):
+            _refuse_first_overflow(x, o, start, encoding, what)
+
+
+def _refuse_first_overflow(
+    x: Array, encoded: Array, start: int, encoding: str, what: str
+) -> None:
+    inf = 0x7F80 if encoding == "bfloat16" else 0x7C00
+    _refuse_overflow(x, (encoded & 0x7FFF) == inf, start, encoding, what)
 
 
 def _to_float32_odd(x: Array, out: Array) -> None:
@@ -197,12 +272,16 @@ def _refuse_overflow(
     finite = np.flatnonzero(overflow & np.isfinite(x))
     if finite.size:
         i = int(finite[0])
-        raise EncodingRangeError(
-            f"{what} holds {float(x[i])!r} (element {start + i}), beyond {encoding}'s "
-            f"largest finite value {_LARGEST[encoding]}: it would arrive as inf. "
-            "Send it native (encoding='native')"
-            + (" or as bfloat16 (float32's range)" if encoding == "float16" else "")
-        )
+        _refuse_value(float(x[i]), start + i, encoding, what)
+
+
+def _refuse_value(value: float, index: int, encoding: str, what: str) -> None:
+    raise EncodingRangeError(
+        f"{what} holds {value!r} (element {index}), beyond {encoding}'s "
+        f"largest finite value {_LARGEST[encoding]}: it would arrive as inf. "
+        "Send it native (encoding='native')"
+        + (" or as bfloat16 (float32's range)" if encoding == "float16" else "")
+    )
 
 
 def widen_into(out: Array, data: Any, code: int) -> None:
@@ -211,6 +290,19 @@ def widen_into(out: Array, data: Any, code: int) -> None:
     u = np.frombuffer(data, dtype="<u2")
     if code == pb.ENCODING_BFLOAT16 and out.dtype.itemsize == 4:
         np.left_shift(u, 16, out=out.view(np.uint32), dtype=np.uint32)
+        return
+    loops = compiled_codec() if code == pb.ENCODING_FLOAT16 else None
+    if loops is not None and out.dtype.itemsize == 4:
+        loops["widen_float16"](u, out.view(np.uint32))
+        return
+    if loops is not None:
+        bits32 = np.empty(min(_BLOCK, u.size), np.uint32)
+        for start in range(0, u.size, _BLOCK):
+            src = u[start : start + _BLOCK]
+            bits = bits32[: src.size]
+            loops["widen_float16"](src, bits)
+            with np.errstate(invalid="ignore"):  # a signalling NaN stays NaN
+                np.copyto(out[start : start + _BLOCK], bits.view(np.float32))
         return
     to_float32 = _float16_bits if code == pb.ENCODING_FLOAT16 else _bfloat16_bits
     block = min(_BLOCK, u.size)

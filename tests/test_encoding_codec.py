@@ -1,6 +1,10 @@
 """The bfloat16 and float16 wire encodings: rounding, special values, refusals, and
 the exact widening, checked against ml_dtypes (bfloat16 of float32), NumPy's float16
-and an exact rational oracle (bfloat16 of float64)."""
+and an exact rational oracle (bfloat16 of float64).
+
+Every test runs on both codec paths (``kernels``: NumPy's block passes and numba's
+compiled loops), and the two are compared on every float16 value and on random
+float32 bit patterns."""
 
 from __future__ import annotations
 
@@ -10,7 +14,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-from onnxps.client import EncodingRangeError
+from kernel_paths import HAVE_NUMBA, NO_NUMBA, each_kernel_path  # noqa: F401
+from onnxps.client import EncodingRangeError, _codec_numba, _encoding
+from onnxps.client._encoding import compiled_codec
 from onnxps.client.codec import (
     ENCODED,
     TensorAssembler,
@@ -28,6 +34,48 @@ from onnxps.v1 import parameter_server_pb2 as pb
 
 Array = np.ndarray[Any, Any]
 BF16 = ml_dtypes.bfloat16
+
+
+def test_the_codec_path_is_the_one_asked_for(kernels: str) -> None:
+    loops = compiled_codec()
+    assert (loops is not None) == (kernels == "numba")
+    if loops is not None:
+        assert sorted(loops) == ["bfloat16", "float16", "widen_float16"]
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason=NO_NUMBA)
+def test_the_compiled_loops_give_the_numpy_paths_bits() -> None:
+    loops = _codec_numba.load()
+    rng = np.random.default_rng(17)
+    bits = rng.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    specials = [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00001, 0xFFBFFFFF,
+                0x7F7FFFFF, 0x477FEFFF, 0x477FF000, 0x33000000, 0x33000001,
+                0x387FFFFF, 0x38800000, 0x00000001, 0x7F7F8000, 0x7F7F7FFF]  # fmt: skip
+    bits = np.concatenate([np.array(specials, np.uint32), bits])
+    x = bits.view(np.float32)
+    n = bits.size
+    scratch = [np.empty(n, np.uint32) for _ in range(3)]
+    mask = np.empty(n, np.bool_)
+    for name, numpy_path, inf in (
+        ("bfloat16", _encoding._bfloat16, 0x7F80),
+        ("float16", _encoding._float16, 0x7C00),
+    ):
+        want = np.empty(n, np.uint16)
+        numpy_path(x, want, scratch, mask)
+        got = np.empty(n, np.uint16)
+        assert loops[name](bits, got)  # the specials hold finite overflows
+        np.testing.assert_array_equal(got, want)
+        finite = ((want & 0x7FFF) != inf) | ~np.isfinite(x)
+        assert not loops[name](bits[finite], got[: int(finite.sum())])
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    want32 = np.empty(1 << 16, np.uint32)
+    _encoding._float16_bits(
+        every, want32, [np.empty(1 << 16, np.uint32) for _ in range(3)],
+        np.empty(1 << 16, np.bool_),
+    )  # fmt: skip
+    got32 = np.empty(1 << 16, np.uint32)
+    loops["widen_float16"](every, got32)
+    np.testing.assert_array_equal(got32, want32)
 
 
 def bits16(encoded: Array) -> Array:
