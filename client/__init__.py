@@ -26,6 +26,7 @@ from ._encoding import Encoding, EncodingRangeError
 from ._errors import (
     AlreadyExistsError,
     ClientClosedError,
+    DataChannelError,
     DeadlineExceededError,
     FailedPreconditionError,
     InternalError,
@@ -54,6 +55,7 @@ __all__ = [
     "AsyncClient",
     "Client",
     "ClientClosedError",
+    "DataChannelError",
     "DeadlineExceededError",
     "Encoding",
     "EncodingRangeError",

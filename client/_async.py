@@ -30,6 +30,7 @@ from ._requests import (
     Pause,
     PushCall,
     State,
+    Transfer,
     as_method,
     channel_credentials,
     channel_options,
@@ -154,6 +155,8 @@ class AsyncClient(RoutingCore):
             return None
         if isinstance(effect, Parallel):
             return await self._parallel(effect.ops)
+        if isinstance(effect, Transfer):  # TRANSFERS is False: never asked for
+            raise TypeError("an AsyncClient opens no data channel")
         shard = effect.shard or 0
         fn = self._method(effect.method, shard)
         timeout = effect.deadline.remaining()

@@ -14,6 +14,7 @@ import numpy as np
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from ._cluster import fan_out
+from ._datachannel import ChannelBroken
 from ._errors import ClientClosedError
 from ._records import (
     GroupInfo,
@@ -34,6 +35,7 @@ from ._requests import (
     Pause,
     PushCall,
     State,
+    Transfer,
     as_method,
     channel_credentials,
     channel_options,
@@ -114,6 +116,8 @@ class Client(RoutingCore):
     ``ClientClosedError``. ``AsyncClient`` is the same client for asyncio.
     """
 
+    TRANSFERS = True
+
     def _setup(self) -> None:
         super()._setup()
         self._lock = threading.Lock()
@@ -149,6 +153,7 @@ class Client(RoutingCore):
             thread.join(timeout=5)
         for channel in self._channels.values():
             channel.close()
+        self._data_pool.close()
         self._close_shared_memory()
 
     def _get_stub(self, shard: int = 0) -> pb_grpc.ParameterServerServiceStub:
@@ -195,6 +200,8 @@ class Client(RoutingCore):
         if isinstance(effect, Pause):
             time.sleep(effect.seconds)
             return None
+        if isinstance(effect, Transfer):
+            return self._transfer(effect)
         if isinstance(effect, Parallel):
             return fan_out([functools.partial(self._run, op) for op in effect.ops])
         shard = effect.shard or 0
@@ -212,6 +219,38 @@ class Client(RoutingCore):
             return reader.finish()
         except grpc.RpcError as exc:
             raise effect.error(exc) from None
+
+    def _transfer(self, t: Transfer) -> tuple[Any, Any]:
+        """A unary call in flight while its frames cross the data channel."""
+        call, ch = t.call, t.channel
+        fn = self._method(call.method, call.shard or 0)
+        future = fn.future(
+            call.request(),
+            timeout=call.deadline.remaining(),
+            metadata=self._metadata(call.shard or 0),
+        )
+        frame = None
+        try:
+            if t.send is not None:
+                ch.send_frame(t.transfer_id, t.send, call.deadline.remaining())
+            if t.receive:
+                frame = ch.recv_frame(t.transfer_id, call.deadline.remaining(), t.into)
+        except (OSError, ChannelBroken) as exc:
+            ch.close()
+            try:  # the server's word on it, when it refused the call
+                future.result(timeout=max(call.deadline.remaining(), 0.001))
+            except grpc.RpcError as rpc:
+                raise call.error(rpc) from None
+            except grpc.FutureTimeoutError:
+                future.cancel()
+                expired = call.deadline.expired(call.what, "the data channel stalled")
+                raise expired from None
+            raise ChannelBroken(f"the data channel failed mid-call ({exc})") from None
+        try:
+            return future.result(), frame
+        except grpc.RpcError as rpc:
+            ch.close()
+            raise call.error(rpc) from None
 
     def _call(
         self,

@@ -11,6 +11,7 @@ from grpc_status import rpc_status
 __all__ = [
     "AlreadyExistsError",
     "ClientClosedError",
+    "DataChannelError",
     "DeadlineExceededError",
     "FailedPreconditionError",
     "InternalError",
@@ -38,6 +39,11 @@ class ClientClosedError(OnnxpsError):
 class SharedMemoryError(OnnxpsError):
     """``shared_memory="on"`` where client and server cannot share memory (another
     host, another user, no shared /dev/shm, or the server turned it off)."""
+
+
+class DataChannelError(OnnxpsError):
+    """``data_channel="on"`` where the server gives no data channel (it serves
+    none, its port cannot be reached, or it refused the connection)."""
 
 
 class RpcError(OnnxpsError):

@@ -29,10 +29,20 @@ import grpc
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 
+from ._datachannel import (
+    ChannelBroken,
+    ChannelPool,
+    ChannelRefused,
+    DataChannel,
+    connect,
+    split_frame,
+)
 from ._encoding import ENCODING_TO_PROTO, Encoding, check_encoding, encode
 from ._errors import (
     ClientClosedError,
+    DataChannelError,
     DeadlineExceededError,
+    FailedPreconditionError,
     RpcError,
     SharedMemoryError,
     UnavailableError,
@@ -62,6 +72,7 @@ from .codec import (
     header_tensor,
     rpc_messages,
     serializer,
+    tensor_spec,
     tensor_to_array,
     write_tensor,
 )
@@ -110,6 +121,22 @@ STREAM_THRESHOLD_BYTES = 1 << 20
 # memory (below it, inline bytes cost less than mapping a segment on the server).
 SHARED_MEMORY_THRESHOLD_BYTES = 64 << 10
 _SHM_MODES = ("auto", "on", "off")
+DataChannelMode = Literal["auto", "on", "off"]
+# With data_channel="auto", calls with at least this many tensor bytes use it.
+DATA_CHANNEL_THRESHOLD_BYTES = 1 << 20
+# Refusals of a data channel's hello that mean "not this server": use gRPC.
+_DATA_HELLO_REFUSALS = (
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+)
+_CHANNEL_FALLBACK_REASONS = frozenset(
+    {
+        "DATA_CHANNEL_UNKNOWN",
+        "DATA_CHANNEL_BUSY",
+        "DATA_CHANNEL_OFF",
+        "DATA_TRANSFER_STALE",
+    }
+)
 # Refusals of a hello that mean "not here": the client falls back to bytes.
 _HELLO_REFUSALS = (
     grpc.StatusCode.UNIMPLEMENTED,
@@ -408,7 +435,24 @@ class Parallel:
     ops: tuple[Generator[Any, Any, Any], ...]
 
 
-Effect = Call | Pause | Parallel
+@dataclass(frozen=True)
+class Transfer:
+    """A unary ``call`` whose tensor bytes travel on data ``channel``: while the
+    call is in flight, the frame of ``send`` goes out, then (``receive``) the
+    reply's frame comes in, into ``into`` where it fits. The reply is
+    ``(message, frame)``. Any failure closes the channel; a failure the call does
+    not explain raises ``ChannelBroken``. Only the blocking ``Client`` performs it
+    (an ``AsyncClient`` never opens a channel)."""
+
+    call: Call
+    channel: DataChannel
+    transfer_id: int
+    send: Sequence[Array] | None
+    receive: bool
+    into: Sequence[Array] | None = None
+
+
+Effect = Call | Pause | Parallel | Transfer
 Op = Generator[Effect, Any, R]
 
 
@@ -535,6 +579,9 @@ class State(enum.Enum):
 class ClientCore:
     """Settings and per-client state both clients share, and every operation."""
 
+    # Whether this client performs ``Transfer`` (data channel) effects.
+    TRANSFERS = False
+
     def __init__(
         self,
         address: str | Sequence[str] = "",  # required: a default only to say so
@@ -553,6 +600,7 @@ class ClientCore:
         shared_memory: SharedMemoryMode = "auto",
         gradient_encoding: Encoding | None = None,
         pull_encoding: Encoding | None = None,
+        data_channel: DataChannelMode = "auto",
         **unexpected: NoReturn,
     ) -> None:
         _check_client_arguments(
@@ -602,6 +650,19 @@ class ClientCore:
         # TensorBuffers this client made (closed with it); a push or pull of them
         # moves no tensor bytes through the client.
         self._buffers_made: weakref.WeakSet[TensorBuffers] = weakref.WeakSet()
+        # The data channel (README "The data channel"): "auto" (with
+        # transport="auto") carries the bytes of native calls of at least
+        # DATA_CHANNEL_THRESHOLD_BYTES on sockets beside gRPC when the server
+        # offers them, "on" every push and pull (DataChannelError where it cannot),
+        # "off" never. Shared memory, where it works, goes first.
+        if data_channel not in _SHM_MODES:
+            raise ValueError(
+                f"data_channel must be one of {', '.join(_SHM_MODES)}, got "
+                f"{data_channel!r}"
+            )
+        self.data_channel: DataChannelMode = data_channel
+        self._data_pool = ChannelPool()
+        self._data_refused: str | None = None
         self._state = State.UNOPENED
         self._setup()
 
@@ -878,7 +939,114 @@ class ClientCore:
             return (
                 yield from self._push_shared_op(pool, segs, req, arrays, deadline, out)
             )
+        if all(a.dtype.kind == "f" for a in arrays):
+            ch = yield from self._data_channel_for(sum(sizes), deadline)
+            if ch is not None:
+                pushed = self._push_channel_op(ch, req, arrays, deadline, out)
+                return (yield from pushed)
         return (yield from self._push_op(req, arrays, deadline, out))
+
+    def _push_channel_op(
+        self,
+        ch: DataChannel,
+        template: pb.PushRequest,
+        arrays: Sequence[Array],
+        deadline: Deadline,
+        out: Sequence[Array] | None,
+    ) -> Op[PushResult]:
+        """A push whose gradients (and X) travel on data channel ``ch``. Where the
+        channel fails without the server saying why, the push is resent over gRPC
+        (the same seq: applied once)."""
+        req = pb.PushRequest()
+        req.CopyFrom(template)
+        req.gradients.extend(header_tensor(a) for a in arrays)
+        tid = ch.next_transfer()
+        req.transfer.channel = ch.id
+        req.transfer.transfer_id = tid
+        into: list[Array] | None = None
+        if req.return_values:
+            into = [
+                out[i] if out is not None and out[i].flags.c_contiguous else
+                np.empty(a.shape, a.dtype)
+                for i, a in enumerate(arrays)
+            ]  # fmt: skip
+        what = f"the push to group {req.group} (seq {req.seq}) was not answered"
+        call = Call("Push", _unary(req), deadline, what)
+        try:
+            msg, frame = yield Transfer(call, ch, tid, arrays, req.return_values, into)
+        except (ChannelBroken, UnavailableError, FailedPreconditionError) as exc:
+            if isinstance(exc, FailedPreconditionError) and (
+                exc.reason not in _CHANNEL_FALLBACK_REASONS
+            ):
+                raise
+            log.info("data channel: %s; the push goes over gRPC", exc)
+            return (yield from self._push_op(template, arrays, deadline, out))
+        self._data_pool.give_back(ch)
+        values = None
+        if req.return_values and msg.values_on_channel:
+            values = (
+                frame
+                if isinstance(frame, list)
+                else split_frame(frame, [tensor_spec(t, t.name) for t in msg.values])
+            )
+        elif req.return_values:
+            values = _inline_values(msg.values, out)
+        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
+
+    def _data_channel_for(
+        self, nbytes: int, deadline: Deadline
+    ) -> Op[DataChannel | None]:
+        """A data channel for a call of ``nbytes`` tensor bytes, or None (bytes
+        over gRPC): an idle one, else a new one (hello, connect)."""
+        if self.data_channel == "off" or not self.TRANSFERS or self.shards is not None:
+            return None
+        if self.data_channel == "auto" and (
+            self.transport != "auto" or nbytes < DATA_CHANNEL_THRESHOLD_BYTES
+        ):
+            return None
+        host = _tcp_host(self.addresses[0])
+        if host is None:
+            return self._refuse_data_channel("the address is not host:port")
+        if self._data_refused is not None:
+            return self._refuse_data_channel(self._data_refused)
+        ch = self._data_pool.take()
+        if ch is not None:
+            return ch
+        try:
+            call = Call(
+                "DataChannelHello",
+                _unary(pb.DataChannelHelloRequest()),
+                deadline,
+                what("the data channel hello"),
+            )
+            msg = yield call
+        except RpcError as exc:
+            if exc.code not in _DATA_HELLO_REFUSALS:
+                raise
+            return self._refuse_data_channel(f"{exc.code.name}: {exc.details}")
+        try:
+            return connect(host, msg.port, msg.ticket, min(deadline.remaining(), 10))
+        except (OSError, ChannelRefused, ChannelBroken) as exc:
+            why = f"cannot connect to its port {host}:{msg.port} ({exc})"
+            return self._refuse_data_channel(why)
+
+    def _refuse_data_channel(self, why: str) -> DataChannel | None:
+        """Remember why there is no data channel: "on" raises, "auto" falls back
+        to gRPC (logged once); None."""
+        first = self._data_refused is None
+        self._data_refused = why
+        if self.data_channel == "on":
+            raise DataChannelError(
+                f"data_channel='on' but the server at {self.address} gives this "
+                f"client no data channel: {why}"
+            )
+        if first:
+            log.info(
+                "no data channel with %s (%s); tensor bytes go over gRPC",
+                self.address,
+                why,
+            )
+        return None
 
     def _push_op(
         self,
@@ -1276,6 +1444,14 @@ class ClientCore:
             )
             pulled = self._pull_shared_op(pool, segs[0], shared, deadline, out)
             return (yield from pulled)
+        if encoding == "native":
+            ch = yield from self._data_channel_for(size or 0, deadline)
+            if ch is not None:
+                got = yield from self._pull_channel_op(
+                    ch, group, state, min_version, deadline, out
+                )
+                if got is not None:
+                    return got
         if self._use_stream(size or 0):
             req = pb.PullStreamRequest(
                 group=group,
@@ -1294,6 +1470,52 @@ class ClientCore:
         )
         msg = yield Call("Pull", _unary(unary), deadline, waited)
         return msg.update_count, [_pulled(t) for t in msg.tensors]
+
+    def _pull_channel_op(
+        self,
+        ch: DataChannel,
+        group: str,
+        state: bool,
+        min_version: int | None,
+        deadline: Deadline,
+        out: Sequence[Array] | None,
+    ) -> Op[tuple[int, list[Array]] | None]:
+        """A pull whose tensors come back on data channel ``ch``; None where the
+        channel failed without the server saying why (pull over gRPC then)."""
+        if min_version is not None:
+            waited = f"group {group} did not reach T={min_version}"
+        else:
+            waited = f"the pull of group {group} was not answered"
+        tid = ch.next_transfer()
+        req = pb.PullRequest(group=group, with_state=state, min_version=min_version)
+        req.transfer.channel = ch.id
+        req.transfer.transfer_id = tid
+        into = None
+        if out is not None and all(
+            isinstance(o, np.ndarray) and o.flags.c_contiguous and o.flags.writeable
+            for o in out
+        ):
+            into = list(out)
+        call = Call("Pull", _unary(req), deadline, waited)
+        try:
+            msg, frame = yield Transfer(call, ch, tid, None, True, into)
+        except (ChannelBroken, UnavailableError, FailedPreconditionError) as exc:
+            if isinstance(exc, FailedPreconditionError) and (
+                exc.reason not in _CHANNEL_FALLBACK_REASONS
+            ):
+                raise
+            log.info("data channel: %s; the pull goes over gRPC", exc)
+            return None
+        self._data_pool.give_back(ch)
+        specs = [tensor_spec(t, t.name) for t in msg.tensors]
+        if isinstance(frame, list):
+            shapes = [(a.dtype, a.shape) for a in frame]
+            if shapes != [(d, tuple(dims)) for d, dims in specs]:
+                raise TensorFormatError(
+                    f"the pull of {group} answered tensors {specs}; out holds {shapes}"
+                )
+            return msg.update_count, frame
+        return msg.update_count, split_frame(frame, specs)
 
     def _pull_shared_op(
         self,
@@ -1755,6 +1977,16 @@ def _table_specs(
             f"table_rows has {len(rows)} entries for {len(specs)} ids tables"
         )
     return specs, rows
+
+
+def _tcp_host(address: str) -> str | None:
+    """The host of a ``host:port`` address (None for unix: and other schemes)."""
+    if "/" in address or address.startswith(("unix:", "unix-abstract:")):
+        return None
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 def what(method: str) -> str:

@@ -58,6 +58,7 @@ _READ = frozenset(
         "Apply",
         "ApplyStream",
         "SharedMemoryHello",
+        "DataChannelHello",
     }
 )
 # Workers join, heartbeat and leave the groups they push to: that is writing.
@@ -75,7 +76,14 @@ _ADMIN = _WRITE | {"CreateGroup", "CreateGroupStream", "DeleteGroup", "Save"}
 ROLES: dict[str, frozenset[str]] = {"read": _READ, "write": _WRITE, "admin": _ADMIN}
 # Methods that name no group: any prefix may call them (if the role allows).
 _GROUPLESS = frozenset(
-    {"ListGroups", "Apply", "ApplyStream", "Save", "SharedMemoryHello"}
+    {
+        "ListGroups",
+        "Apply",
+        "ApplyStream",
+        "Save",
+        "SharedMemoryHello",
+        "DataChannelHello",
+    }
 )
 
 

@@ -52,12 +52,14 @@ from ._convert import (
     group_info,
     table_from_proto,
 )
+from ._datachannel import DataChannel, DataChannels, principal_of
 from ._receive import GradientPool, Lease, Received, receive
 from ._shm import SharedMemory
 from ._status import rich_status, status_of
 from .durability import SaveResult
 from .errors import FailedPrecondition, InvalidArgument
 from .kernels import apply_onnx
+from .kernels._finite import finite_checker
 from .limits import InflightBytes, InflightHold
 from .store import (
     CallCancelled,
@@ -391,10 +393,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         save: Callable[[], SaveResult] | None = None,
         inflight: InflightBytes | None = None,
         shared_memory: SharedMemory | None = None,
+        data_channels: DataChannels | None = None,
     ) -> None:
         self.store = store
         # The same-host transport (off when not given).
         self._shm = shared_memory or SharedMemory(enabled=False)
+        # Tensor bytes on sockets beside gRPC (none when not given).
+        self._data = data_channels
         self.chunk_bytes = chunk_bytes
         self._save = save
         # Pull replies are counted in the same budget as requests (see limits).
@@ -551,18 +556,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         reply_type: type[R],
         known_finite: bool = False,
     ) -> R:
-        out = self.store.push(
-            ticket,
-            grads,
-            known_finite=known_finite,
-            client_id=req.client_id,
-            seq=req.seq,
-            base_version=req.base_version if req.HasField("base_version") else None,
-            learning_rate=req.learning_rate if req.HasField("learning_rate") else None,
-            return_values=req.return_values,
-            timeout=_timeout(context),
-            cancellation=_cancellation(context) if req.return_values else None,
-        )
+        out = self._store_push(req, ticket, grads, context, known_finite)
         reply = reply_type(
             update_count=out.update_count, applied=out.applied, duplicate=out.duplicate
         )
@@ -579,6 +573,27 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             write_tensor(reply.values.add(), v, n)
         return reply
 
+    def _store_push(
+        self,
+        req: pb.PushRequest,
+        ticket: PushTicket,
+        grads: list[Array],
+        context: Any,
+        known_finite: bool,
+    ) -> PushOutcome:
+        return self.store.push(
+            ticket,
+            grads,
+            known_finite=known_finite,
+            client_id=req.client_id,
+            seq=req.seq,
+            base_version=req.base_version if req.HasField("base_version") else None,
+            learning_rate=req.learning_rate if req.HasField("learning_rate") else None,
+            return_values=req.return_values,
+            timeout=_timeout(context),
+            cancellation=_cancellation(context) if req.return_values else None,
+        )
+
     def _validate_push(self, req: pb.PushRequest) -> PushTicket:
         """Check the gradients' header against the group before reading any bytes."""
         specs = (
@@ -589,6 +604,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
 
     @_unary
     def Push(self, request: pb.PushRequest, context: Any) -> pb.PushResponse:
+        if request.HasField("transfer"):
+            return self._push_on_channel(request, context)
         ticket = self._validate_push(request)
         if request.HasField("gradients_region"):
             return self._push_shared(request, ticket, context)
@@ -667,6 +684,100 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         names = _names("gradient", len(specs), ticket.names)
         with self._shm.read(req.gradients_region, specs, names) as grads:
             return self._push(req, ticket, grads, context, pb.PushResponse)
+
+    # -- the data channel ----------------------------------------------------------
+    @contextmanager
+    def _channel(
+        self, transfer: pb.DataTransfer, context: Any
+    ) -> Iterator[tuple[DataChannel, float | None]]:
+        """The call's data channel (closed if the call fails) and its deadline."""
+        if self._data is None:
+            raise FailedPrecondition(
+                "this server serves no data channel (start it with --data-port)",
+                reason="DATA_CHANNEL_OFF",
+            )
+        timeout = _timeout(context)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        principal = principal_of(context.invocation_metadata())
+        with self._data.use(transfer.channel, principal, transfer.transfer_id) as ch:
+            yield ch, deadline
+
+    def _push_on_channel(self, req: pb.PushRequest, context: Any) -> pb.PushResponse:
+        """A push whose gradients arrive as one frame on the data channel, each
+        block checked for NaN and inf as it lands; X, when asked for, goes back as
+        one frame."""
+        with self._channel(req.transfer, context) as (ch, deadline):
+            ticket = self._validate_push(req)
+            specs = self._bare_specs(req, "on the data channel")
+            expected = sum(
+                d.itemsize * int(np.prod(dims, dtype=np.int64)) for d, dims in specs
+            )
+            with self._reply_bytes(context, stream=False) as hold:
+                hold.admit(
+                    expected * (2 if req.return_values else 1),
+                    what="this push's gradients (and X) carry",
+                )
+                tid = req.transfer.transfer_id
+                nbytes = ch.read_header(tid, context.is_active, deadline)
+                if nbytes != expected:
+                    raise InvalidArgument(
+                        f"the data channel frame carries {nbytes} bytes; the "
+                        f"gradients' headers declare {expected}",
+                        reason="DATA_FRAME_SIZE",
+                    )
+                with self._gradient_buffers(ticket, list(req.gradients)) as lease:
+                    grads = lease.arrays or [np.empty(d, t) for t, d in specs]
+                    finite = _read_checked(ch, grads, context, deadline)
+                    out = self._store_push(req, ticket, grads, context, finite)
+                reply = pb.PushResponse(
+                    update_count=out.update_count,
+                    applied=out.applied,
+                    duplicate=out.duplicate,
+                )
+                if out.values is not None:
+                    ch.send(tid, out.values, deadline)
+                    reply.values.extend(map(header_tensor, out.values, ticket.names))
+                    reply.values_on_channel = True
+                return reply
+
+    def _bare_specs(
+        self, req: pb.PushRequest, where: str
+    ) -> list[tuple[np.dtype[Any], tuple[int, ...]]]:
+        """The gradients' (dtype, dims) when their bytes travel apart from the
+        message: no inline bytes, native float only."""
+        specs = []
+        for i, t in enumerate(req.gradients):
+            if t.raw_data:
+                raise InvalidArgument(
+                    f"gradient {i + 1} carries bytes inline and {where}: with a "
+                    "region or a transfer, raw_data must be empty",
+                    field=f"gradients[{i}].raw_data",
+                )
+            dtype, dims = tensor_spec(t, f"gradient {i + 1}")
+            if dtype.kind != "f":
+                raise InvalidArgument(
+                    f"gradient {i + 1} is {dtype}: gradients {where} travel in the "
+                    "group's dtype (float32 or float64), not encoded",
+                    field=f"gradients[{i}].dtype",
+                )
+            specs.append((dtype, tuple(dims)))
+        return specs
+
+    @_unary
+    def DataChannelHello(
+        self, request: pb.DataChannelHelloRequest, context: Any
+    ) -> pb.DataChannelHelloResponse:
+        if self._data is None:
+            raise FailedPrecondition(
+                "this server serves no data channel (start it with --data-port)",
+                reason="DATA_CHANNEL_OFF",
+            )
+        port, ticket, seconds = self._data.hello(
+            principal_of(context.invocation_metadata())
+        )
+        return pb.DataChannelHelloResponse(
+            port=port, ticket=ticket, ticket_seconds=seconds
+        )
 
     @_unary
     def SharedMemoryHello(
@@ -822,6 +933,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
 
     @_unary
     def Pull(self, request: pb.PullRequest, context: Any) -> pb.PullResponse:
+        if request.HasField("transfer"):
+            return self._pull_on_channel(request, context)
         if request.HasField("reply_region"):
             shared = self._pull_shared(request, context)
             if shared is not None:
@@ -835,6 +948,28 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             for a, n in zip(arrays, out.names, strict=True):
                 write_tensor(reply.tensors.add(), a, n)
             return reply
+
+    def _pull_on_channel(self, req: pb.PullRequest, context: Any) -> pb.PullResponse:
+        """A pull whose tensors go back as one frame on the data channel."""
+        with self._channel(req.transfer, context) as (ch, deadline):
+            if req.encoding != pb.ENCODING_UNSPECIFIED:
+                raise InvalidArgument(
+                    "tensors on the data channel travel native: pull encoded X "
+                    "without a transfer",
+                    field="encoding",
+                )
+            with self._reply_bytes(context, stream=False) as hold:
+                out = self._pull(req, context, hold)
+                ch.send(req.transfer.transfer_id, out.arrays, deadline)
+                return pb.PullResponse(
+                    update_count=out.update_count,
+                    learning_rate=out.learning_rate,
+                    tensors=[
+                        header_tensor(a, n)
+                        for a, n in zip(out.arrays, out.names, strict=True)
+                    ],
+                    tensors_on_channel=True,
+                )
 
     @_streaming
     def PullStream(self, request: pb.PullStreamRequest, context: Any) -> Iterator[Any]:
@@ -1050,3 +1185,23 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             )
         saved = self._save()
         return pb.SaveResponse(path=saved.path, groups=saved.groups, bytes=saved.bytes)
+
+
+def _read_checked(
+    ch: DataChannel, grads: list[Array], context: Any, deadline: float | None
+) -> bool:
+    """Receive a push's gradients from its frame into ``grads``, checking each
+    block for NaN and inf as it lands; whether every element was finite."""
+    flats = [g.reshape(-1) for g in grads]
+    checked = [0] * len(grads)
+    all_finite = finite_checker()
+    finite = True
+
+    def landed(i: int, elements: int) -> None:
+        nonlocal finite
+        if finite and elements > checked[i]:
+            finite = all_finite(flats[i][checked[i] : elements])
+            checked[i] = elements
+
+    ch.read_into(grads, context.is_active, deadline, landed)
+    return finite

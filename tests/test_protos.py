@@ -51,6 +51,7 @@ def test_stubs_serve_the_package_named_in_the_proto() -> None:
         "PullRows",
         "ListRows",
         "SharedMemoryHello",
+        "DataChannelHello",
     ]
 
 

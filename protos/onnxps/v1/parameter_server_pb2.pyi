@@ -1143,6 +1143,7 @@ class PushRequest(_message.Message):
     RETURN_VALUES_FIELD_NUMBER: _builtins.int
     GRADIENTS_REGION_FIELD_NUMBER: _builtins.int
     REPLY_REGION_FIELD_NUMBER: _builtins.int
+    TRANSFER_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """The group's name."""
     client_id: _builtins.str
@@ -1174,6 +1175,13 @@ class PushRequest(_message.Message):
         (offsets chosen by the server) instead of inline, when they fit.
         """
 
+    @_builtins.property
+    def transfer(self) -> Global___DataTransfer:
+        """Data channel (see DataChannelHello): the gradients' Tensor messages carry
+        dims and dtype only and their bytes arrive on this channel as one frame;
+        with return_values, X_1..X_n go back on it as one frame.
+        """
+
     def __init__(
         self,
         *,
@@ -1186,10 +1194,11 @@ class PushRequest(_message.Message):
         return_values: _builtins.bool = ...,
         gradients_region: Global___SharedMemoryRegion | None = ...,
         reply_region: Global___SharedMemoryRegion | None = ...,
+        transfer: Global___DataTransfer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_base_version", b"_base_version", "_learning_rate", b"_learning_rate", "base_version", b"base_version", "gradients_region", b"gradients_region", "learning_rate", b"learning_rate", "reply_region", b"reply_region"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_base_version", b"_base_version", "_learning_rate", b"_learning_rate", "base_version", b"base_version", "gradients_region", b"gradients_region", "learning_rate", b"learning_rate", "reply_region", b"reply_region", "transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_base_version", b"_base_version", "_learning_rate", b"_learning_rate", "base_version", b"base_version", "client_id", b"client_id", "gradients", b"gradients", "gradients_region", b"gradients_region", "group", b"group", "learning_rate", b"learning_rate", "reply_region", b"reply_region", "return_values", b"return_values", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_base_version", b"_base_version", "_learning_rate", b"_learning_rate", "base_version", b"base_version", "client_id", b"client_id", "gradients", b"gradients", "gradients_region", b"gradients_region", "group", b"group", "learning_rate", b"learning_rate", "reply_region", b"reply_region", "return_values", b"return_values", "seq", b"seq", "transfer", b"transfer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__base_version: _TypeAlias = _typing.Literal["base_version"]  # noqa: Y015
     _WhichOneofArgType__base_version: _TypeAlias = _typing.Literal["_base_version", b"_base_version"]  # noqa: Y015
@@ -1213,12 +1222,17 @@ class PushResponse(_message.Message):
     DUPLICATE_FIELD_NUMBER: _builtins.int
     VALUES_FIELD_NUMBER: _builtins.int
     VALUES_REGION_FIELD_NUMBER: _builtins.int
+    VALUES_ON_CHANNEL_FIELD_NUMBER: _builtins.int
     update_count: _builtins.int
     """T after this push (SYNC: T when it was buffered)."""
     applied: _builtins.bool
     """False: buffered, waiting for the SYNC quorum."""
     duplicate: _builtins.bool
     """A retry of a push that was already taken."""
+    values_on_channel: _builtins.bool
+    """Set when the values' bytes were sent on the request's data channel
+    (values then carry dims and dtype only).
+    """
     @_builtins.property
     def values(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tensor]:
         """X_1..X_n when return_values was set."""
@@ -1237,10 +1251,11 @@ class PushResponse(_message.Message):
         duplicate: _builtins.bool = ...,
         values: _abc.Iterable[Global___Tensor] | None = ...,
         values_region: Global___SharedMemoryRegion | None = ...,
+        values_on_channel: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["values_region", b"values_region"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "duplicate", b"duplicate", "update_count", b"update_count", "values", b"values", "values_region", b"values_region"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "duplicate", b"duplicate", "update_count", b"update_count", "values", b"values", "values_on_channel", b"values_on_channel", "values_region", b"values_region"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1401,6 +1416,7 @@ class PullRequest(_message.Message):
     MIN_VERSION_FIELD_NUMBER: _builtins.int
     ENCODING_FIELD_NUMBER: _builtins.int
     REPLY_REGION_FIELD_NUMBER: _builtins.int
+    TRANSFER_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """The group's name."""
     with_state: _builtins.bool
@@ -1418,6 +1434,12 @@ class PullRequest(_message.Message):
         they fit.
         """
 
+    @_builtins.property
+    def transfer(self) -> Global___DataTransfer:
+        """Data channel (see DataChannelHello): send the tensors' bytes on this
+        channel as one frame (native encoding only).
+        """
+
     def __init__(
         self,
         *,
@@ -1426,10 +1448,11 @@ class PullRequest(_message.Message):
         min_version: _builtins.int | None = ...,
         encoding: Global___Encoding.ValueType = ...,
         reply_region: Global___SharedMemoryRegion | None = ...,
+        transfer: Global___DataTransfer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "min_version", b"min_version", "reply_region", b"reply_region"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "min_version", b"min_version", "reply_region", b"reply_region", "transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "encoding", b"encoding", "group", b"group", "min_version", b"min_version", "reply_region", b"reply_region", "with_state", b"with_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "encoding", b"encoding", "group", b"group", "min_version", b"min_version", "reply_region", b"reply_region", "transfer", b"transfer", "with_state", b"with_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__min_version: _TypeAlias = _typing.Literal["min_version"]  # noqa: Y015
     _WhichOneofArgType__min_version: _TypeAlias = _typing.Literal["_min_version", b"_min_version"]  # noqa: Y015
@@ -1447,10 +1470,15 @@ class PullResponse(_message.Message):
     TENSORS_FIELD_NUMBER: _builtins.int
     LEARNING_RATE_FIELD_NUMBER: _builtins.int
     TENSORS_REGION_FIELD_NUMBER: _builtins.int
+    TENSORS_ON_CHANNEL_FIELD_NUMBER: _builtins.int
     update_count: _builtins.int
     """T of these values."""
     learning_rate: _builtins.float
     """R."""
+    tensors_on_channel: _builtins.bool
+    """Set when the tensors' bytes were sent on the request's data channel
+    (tensors then carry dims and dtype only).
+    """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tensor]:
         """X_1..X_n, then V_1..V_n, then H_1..H_n."""
@@ -1468,10 +1496,11 @@ class PullResponse(_message.Message):
         tensors: _abc.Iterable[Global___Tensor] | None = ...,
         learning_rate: _builtins.float = ...,
         tensors_region: Global___SharedMemoryRegion | None = ...,
+        tensors_on_channel: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["tensors_region", b"tensors_region"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["learning_rate", b"learning_rate", "tensors", b"tensors", "tensors_region", b"tensors_region", "update_count", b"update_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["learning_rate", b"learning_rate", "tensors", b"tensors", "tensors_on_channel", b"tensors_on_channel", "tensors_region", b"tensors_region", "update_count", b"update_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2388,3 +2417,86 @@ class SharedMemoryHelloResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SharedMemoryHelloResponse: _TypeAlias = SharedMemoryHelloResponse  # noqa: Y015
+
+@_typing.final
+class DataChannelHelloRequest(_message.Message):
+    """Ask for a data channel: a plain TCP connection beside gRPC that carries
+    tensor bytes while gRPC carries the calls. The client connects to the
+    server's host at `port` and writes the 8-byte magic "ONNXPSD1" and the
+    ticket; the server answers one status byte: 0, then the 16-byte channel id;
+    or 1, then a little-endian uint16 length and a UTF-8 reason, and closes.
+    A ticket is good for one connection within `ticket_seconds`, and a channel
+    only for calls made with the same token as the hello. On a channel, every
+    transfer is one frame: the little-endian uint64 transfer_id of its call,
+    the uint64 byte count, then the tensors' bytes back to back in list order
+    (little-endian, C order). A call that fails closes its channel.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DataChannelHelloRequest: _TypeAlias = DataChannelHelloRequest  # noqa: Y015
+
+@_typing.final
+class DataChannelHelloResponse(_message.Message):
+    """Where and how to open a data channel."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PORT_FIELD_NUMBER: _builtins.int
+    TICKET_FIELD_NUMBER: _builtins.int
+    TICKET_SECONDS_FIELD_NUMBER: _builtins.int
+    port: _builtins.int
+    """The TCP port of the data channel listener, on the server's host."""
+    ticket: _builtins.bytes
+    """Single-use ticket to present on connect."""
+    ticket_seconds: _builtins.float
+    """How long the ticket stays good."""
+    def __init__(
+        self,
+        *,
+        port: _builtins.int = ...,
+        ticket: _builtins.bytes = ...,
+        ticket_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["port", b"port", "ticket", b"ticket", "ticket_seconds", b"ticket_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DataChannelHelloResponse: _TypeAlias = DataChannelHelloResponse  # noqa: Y015
+
+@_typing.final
+class DataTransfer(_message.Message):
+    """A call's tensor bytes on a data channel."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHANNEL_FIELD_NUMBER: _builtins.int
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    channel: _builtins.bytes
+    """The channel's id, as the server answered on connect."""
+    transfer_id: _builtins.int
+    """Names this call's frames (the frames carry it too)."""
+    def __init__(
+        self,
+        *,
+        channel: _builtins.bytes = ...,
+        transfer_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["channel", b"channel", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DataTransfer: _TypeAlias = DataTransfer  # noqa: Y015

@@ -140,6 +140,11 @@ class ParameterServerServiceStub:
                 request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.SharedMemoryHelloRequest.SerializeToString,
                 response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.SharedMemoryHelloResponse.FromString,
                 _registered_method=True)
+        self.DataChannelHello = channel.unary_unary(
+                '/onnxps.v1.ParameterServerService/DataChannelHello',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.DataChannelHelloRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.DataChannelHelloResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServiceServicer:
@@ -297,6 +302,14 @@ class ParameterServerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DataChannelHello(self, request, context):
+        """Ask for a data channel for tensor bytes (refused with FAILED_PRECONDITION
+        when the server has none: the client then sends bytes over gRPC).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -404,6 +417,11 @@ def add_ParameterServerServiceServicer_to_server(servicer, server):
                     servicer.SharedMemoryHello,
                     request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.SharedMemoryHelloRequest.FromString,
                     response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.SharedMemoryHelloResponse.SerializeToString,
+            ),
+            'DataChannelHello': grpc.unary_unary_rpc_method_handler(
+                    servicer.DataChannelHello,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.DataChannelHelloRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.DataChannelHelloResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -974,6 +992,33 @@ class ParameterServerService:
             '/onnxps.v1.ParameterServerService/SharedMemoryHello',
             onnxps_dot_v1_dot_parameter__server__pb2.SharedMemoryHelloRequest.SerializeToString,
             onnxps_dot_v1_dot_parameter__server__pb2.SharedMemoryHelloResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DataChannelHello(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/onnxps.v1.ParameterServerService/DataChannelHello',
+            onnxps_dot_v1_dot_parameter__server__pb2.DataChannelHelloRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.DataChannelHelloResponse.FromString,
             options,
             channel_credentials,
             insecure,

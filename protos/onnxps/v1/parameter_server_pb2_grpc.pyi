@@ -102,6 +102,10 @@ class ParameterServerServiceStub:
     FAILED_PRECONDITION, PERMISSION_DENIED or INVALID_ARGUMENT where it cannot
     work: the client then sends bytes over gRPC).
     """
+    DataChannelHello: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.DataChannelHelloRequest, _parameter_server_pb2.DataChannelHelloResponse]
+    """Ask for a data channel for tensor bytes (refused with FAILED_PRECONDITION
+    when the server has none: the client then sends bytes over gRPC).
+    """
 
 @_typing.type_check_only
 class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
@@ -156,6 +160,10 @@ class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
     """Negotiate the same-host shared-memory transport (refused with
     FAILED_PRECONDITION, PERMISSION_DENIED or INVALID_ARGUMENT where it cannot
     work: the client then sends bytes over gRPC).
+    """
+    DataChannelHello: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.DataChannelHelloRequest, _parameter_server_pb2.DataChannelHelloResponse]  # type: ignore[assignment]
+    """Ask for a data channel for tensor bytes (refused with FAILED_PRECONDITION
+    when the server has none: the client then sends bytes over gRPC).
     """
 
 class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -334,6 +342,16 @@ class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Negotiate the same-host shared-memory transport (refused with
         FAILED_PRECONDITION, PERMISSION_DENIED or INVALID_ARGUMENT where it cannot
         work: the client then sends bytes over gRPC).
+        """
+
+    @_abc_1.abstractmethod
+    def DataChannelHello(
+        self,
+        request: _parameter_server_pb2.DataChannelHelloRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.DataChannelHelloResponse, _abc.Awaitable[_parameter_server_pb2.DataChannelHelloResponse]]:
+        """Ask for a data channel for tensor bytes (refused with FAILED_PRECONDITION
+        when the server has none: the client then sends bytes over gRPC).
         """
 
 def add_ParameterServerServiceServicer_to_server(servicer: ParameterServerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,192 @@
+"""The client's side of the data channel: tensor bytes on a socket beside gRPC.
+
+A server started with ``--data-port`` hands out single-use tickets
+(``DataChannelHello``); the client connects to that port on the server's host,
+presents the ticket and gets a channel id. A push or pull then names the channel
+and a transfer id in its gRPC request, and the tensors' bytes travel as one frame
+on the socket: the little-endian uint64 transfer id, the uint64 byte count, then
+the tensors back to back. The wire format is in the proto, beside
+``DataChannelHelloRequest``; the server's side is ``onnxps.server._datachannel``.
+
+A channel carries one call at a time; the client keeps idle ones for the next
+calls and closes a channel whenever a call on it fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import socket
+import struct
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .codec import TensorFormatError
+
+__all__ = [
+    "ChannelBroken",
+    "ChannelPool",
+    "ChannelRefused",
+    "DataChannel",
+    "connect",
+    "split_frame",
+]
+
+Array = np.ndarray[Any, Any]
+
+MAGIC = b"ONNXPSD1"
+FRAME = struct.Struct("<QQ")
+CHANNEL_ID_BYTES = 16
+IDLE_CHANNELS = 4
+
+
+class ChannelRefused(Exception):
+    """The server refused the connection (its one-line reason)."""
+
+
+class ChannelBroken(Exception):
+    """A data channel failed in a call without the call saying why (the server
+    went away, or the socket broke): the operation falls back to gRPC."""
+
+
+class DataChannel:
+    """One connection: frames out and in, for one call at a time."""
+
+    def __init__(self, sock: socket.socket, channel_id: bytes) -> None:
+        self.sock = sock
+        self.id = channel_id
+        self._transfers = itertools.count(1)
+        self.closed = False
+
+    def next_transfer(self) -> int:
+        return next(self._transfers)
+
+    def close(self) -> None:
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def send_frame(
+        self, transfer_id: int, arrays: Sequence[Array], timeout: float | None
+    ) -> None:
+        self.sock.settimeout(timeout)
+        self.sock.sendall(FRAME.pack(transfer_id, sum(a.nbytes for a in arrays)))
+        for a in arrays:
+            if a.nbytes:
+                flat = np.ascontiguousarray(a).reshape(-1)
+                self.sock.sendall(memoryview(flat).cast("B"))  # type: ignore[arg-type]
+
+    def recv_frame(
+        self, transfer_id: int, timeout: float | None, into: Sequence[Array] | None
+    ) -> Array | list[Array]:
+        """The frame of ``transfer_id``: into ``into`` (C-contiguous arrays whose
+        sizes add up to the frame's) and returned, else one uint8 buffer."""
+        self.sock.settimeout(timeout)
+        header = bytearray(FRAME.size)
+        self._fill(memoryview(header))
+        got_id, nbytes = FRAME.unpack(header)
+        if got_id != transfer_id:
+            raise ChannelBroken(
+                f"the data channel sent the frame of transfer {got_id}, this call is "
+                f"transfer {transfer_id}"
+            )
+        if into is not None and sum(a.nbytes for a in into) == nbytes:
+            for a in into:
+                self._fill(memoryview(a.reshape(-1)).cast("B"))  # type: ignore[arg-type]
+            return list(into)
+        buf = np.empty(nbytes, np.uint8)
+        self._fill(memoryview(buf))  # type: ignore[arg-type]
+        return buf
+
+    def _fill(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            n = self.sock.recv_into(view[got:], len(view) - got)
+            if n == 0:
+                raise ChannelBroken(
+                    f"the server closed the data channel after {got} of {len(view)} "
+                    "bytes"
+                )
+            got += n
+
+
+def connect(host: str, port: int, ticket: bytes, timeout: float) -> DataChannel:
+    """Open a channel: connect, present ``ticket``, read the channel id."""
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(MAGIC + ticket)
+        status = _recv_exact(sock, 1)
+        if status == b"\x00":
+            return DataChannel(sock, _recv_exact(sock, CHANNEL_ID_BYTES))
+        (length,) = struct.unpack("<H", _recv_exact(sock, 2))
+        reason = _recv_exact(sock, length).decode(errors="replace")
+        raise ChannelRefused(reason)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            raise ChannelBroken("the server closed the data channel while connecting")
+        buf += part
+    return bytes(buf)
+
+
+def split_frame(
+    buf: Array, specs: Sequence[tuple[np.dtype[Any], Sequence[int]]]
+) -> list[Array]:
+    """The arrays of a frame received whole: views of ``buf`` in order."""
+    arrays = []
+    at = 0
+    for dtype, dims in specs:
+        count = int(np.prod(dims, dtype=np.int64))
+        end = at + count * dtype.itemsize
+        if end > buf.size:
+            raise TensorFormatError(
+                f"the data channel frame holds {buf.size} bytes; the reply's tensors "
+                f"need {end} or more"
+            )
+        arrays.append(buf[at:end].view(dtype).reshape(tuple(dims)))
+        at = end
+    if at != buf.size:
+        raise TensorFormatError(
+            f"the data channel frame holds {buf.size} bytes; the reply's tensors {at}"
+        )
+    return arrays
+
+
+class ChannelPool:
+    """A client's idle channels to one server."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[DataChannel] = []
+
+    def take(self) -> DataChannel | None:
+        with self._lock:
+            return self._idle.pop() if self._idle else None
+
+    def give_back(self, ch: DataChannel) -> None:
+        if ch.closed:
+            return
+        with self._lock:
+            if len(self._idle) < IDLE_CHANNELS:
+                self._idle.append(ch)
+                return
+        ch.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for ch in idle:
+            ch.close()

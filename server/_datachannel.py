@@ -1,0 +1,379 @@
+"""The data channel: tensor bytes on a plain TCP connection beside gRPC.
+
+gRPC Python moves about 1 GB/s of stream chunks on this machine; a socket moves a
+NumPy buffer with ``sendall``/``recv_into`` at about three times that. So a client
+may ask (``DataChannelHello``, an ordinary authenticated RPC) for a single-use
+ticket, connect to ``--data-port`` and present it; after that a Push or Pull names
+the channel (``DataTransfer``) and its tensors' bytes travel on the socket as one
+frame, while the gRPC call carries everything else (validation, statuses, exactly
+once, the WAL: all unchanged). The wire format is in the proto, beside
+``DataChannelHelloRequest``.
+
+Rules that keep it simple:
+
+- A channel serves one call at a time (another gets FAILED_PRECONDITION
+  ``DATA_CHANNEL_BUSY``) and only calls made with the hello's token
+  (``DATA_CHANNEL_UNKNOWN`` otherwise, as for an id that does not exist).
+- Transfer ids grow on a channel: a call whose id is not above the last one
+  (a transparent gRPC retry of a call that already ran) is refused with
+  ``DATA_TRANSFER_STALE`` before anything is read, and the client resends the
+  push over gRPC with the same seq (exactly once).
+- Any failure in a call that uses a channel (a refusal, a short frame, a
+  deadline, a cancelled call) closes the channel: where its byte stream stands
+  is then unknown. The client opens another.
+- Handshakes run on short-lived threads with a 5 s limit, tickets expire, and a
+  reaper closes idle channels whose client went away (and the oldest idle ones
+  beyond ``MAX_CHANNELS``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import FailedPrecondition, InvalidArgument
+
+__all__ = ["MAGIC", "DataChannel", "DataChannels", "principal_of"]
+
+log = logging.getLogger("onnxps.datachannel")
+
+Array = np.ndarray[Any, Any]
+
+MAGIC = b"ONNXPSD1"
+TICKET_BYTES = 32
+CHANNEL_ID_BYTES = 16
+FRAME = struct.Struct("<QQ")  # transfer id, byte count
+TICKET_SECONDS = 10.0
+HANDSHAKE_SECONDS = 5.0
+MAX_PENDING_HANDSHAKES = 64
+MAX_CHANNELS = 1024
+_POLL = 0.25  # seconds between checks of a call's deadline and cancellation
+_BLOCK = 4 << 20  # bytes received before the landed elements are checked
+
+
+def principal_of(metadata: Any) -> str:
+    """Who made a call, for binding channels to it: a digest of its bearer token
+    ("" without one)."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            text = value.decode() if isinstance(value, bytes) else str(value)
+            return hashlib.sha256(text.encode()).hexdigest()
+    return ""
+
+
+class DataChannel:
+    """One client's connection: frames in and out, one call at a time."""
+
+    def __init__(self, sock: socket.socket, principal: str, peer: str) -> None:
+        self.sock = sock
+        self.principal = principal
+        self.peer = peer
+        self.last_transfer = 0
+        self.busy = False
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    # -- frames --------------------------------------------------------------------
+    def _recv_exact(
+        self, view: memoryview, alive: Callable[[], bool], deadline: float | None
+    ) -> Iterator[int]:
+        """Fill ``view``; yields the bytes landed so far after each block."""
+        got = 0
+        since = 0
+        while got < len(view):
+            self._wait(alive, deadline)
+            try:
+                n = self.sock.recv_into(view[got:], len(view) - got)
+            except TimeoutError:
+                continue
+            if n == 0:
+                raise InvalidArgument(
+                    f"the data channel closed after {got} of {len(view)} bytes of "
+                    "this call's frame: the gradients are incomplete",
+                    reason="DATA_FRAME_TRUNCATED",
+                )
+            got += n
+            since += n
+            if since >= _BLOCK or got == len(view):
+                since = 0
+                yield got
+
+    def _wait(self, alive: Callable[[], bool], deadline: float | None) -> None:
+        if not alive():
+            raise FailedPrecondition(
+                "the call was cancelled while its frame was arriving",
+                reason="DATA_CHANNEL_CANCELLED",
+            )
+        left = _POLL if deadline is None else deadline - time.monotonic()
+        if left <= 0:
+            raise FailedPrecondition(
+                "the call's deadline passed while its frame was arriving",
+                reason="DATA_CHANNEL_DEADLINE",
+            )
+        self.sock.settimeout(min(left, _POLL))
+
+    def read_header(
+        self, transfer_id: int, alive: Callable[[], bool], deadline: float | None
+    ) -> int:
+        """The byte count of the frame of ``transfer_id`` (its header read)."""
+        header = bytearray(FRAME.size)
+        for _ in self._recv_exact(memoryview(header), alive, deadline):
+            pass
+        got_id, nbytes = FRAME.unpack(header)
+        if got_id != transfer_id:
+            raise InvalidArgument(
+                f"the data channel's next frame is of transfer {got_id}, this call "
+                f"names transfer {transfer_id}",
+                reason="DATA_FRAME_MISMATCH",
+            )
+        return int(nbytes)
+
+    def read_into(
+        self,
+        arrays: Sequence[Array],
+        alive: Callable[[], bool],
+        deadline: float | None,
+        landed: Callable[[int, int], None],
+    ) -> None:
+        """Fill ``arrays`` (C-contiguous) in order from the frame's bytes;
+        ``landed(i, elements)`` after each block of tensor i."""
+        for i, a in enumerate(arrays):
+            view = memoryview(a.reshape(-1)).cast("B")  # type: ignore[arg-type]
+            for got in self._recv_exact(view, alive, deadline):
+                landed(i, got // a.itemsize)
+
+    def send(
+        self, transfer_id: int, arrays: Sequence[Array], deadline: float | None
+    ) -> None:
+        """One frame: the header, then every array's bytes."""
+        nbytes = sum(a.nbytes for a in arrays)
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.01)
+        self.sock.settimeout(timeout)
+        self.sock.sendall(FRAME.pack(transfer_id, nbytes))
+        for a in arrays:
+            if a.nbytes:
+                a = np.ascontiguousarray(a)
+                self.sock.sendall(memoryview(a.reshape(-1)).cast("B"))  # type: ignore[arg-type]
+
+
+class DataChannels:
+    """The listener, the tickets and the open channels of one server."""
+
+    def __init__(self, host: str, port: int) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._listener.bind((host, port))
+        except OSError as exc:
+            self._listener.close()
+            raise OSError(
+                exc.errno,
+                f"cannot serve the data channel on {host}:{port}: "
+                f"{exc.strerror or exc} (--data-port)",
+            ) from None
+        self._listener.listen(128)
+        self.port: int = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._tickets: dict[bytes, tuple[str, float]] = {}
+        self._channels: dict[bytes, DataChannel] = {}
+        self._handshakes = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        self._stopped = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> DataChannels:
+        for target, name in (
+            (self._accept_loop, "onnxps-data-accept"),
+            (self._reap_loop, "onnxps-data-reap"),
+        ):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        log.info("data channel listening on port %d", self.port)
+        return self
+
+    def close(self) -> None:
+        self._stopped.set()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            channels = list(self._channels.values())
+            self._channels.clear()
+            self._tickets.clear()
+        for ch in channels:
+            ch.close()
+        for t in self._threads:
+            t.join(timeout=2)
+
+    @property
+    def open_channels(self) -> int:
+        with self._lock:
+            return len(self._channels)
+
+    # -- tickets and handshakes ----------------------------------------------------
+    def hello(self, principal: str) -> tuple[int, bytes, float]:
+        """A ticket for one connection of ``principal``: (port, ticket, seconds)."""
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        now = time.monotonic()
+        with self._lock:
+            for t in [t for t, (_, exp) in self._tickets.items() if exp < now]:
+                del self._tickets[t]
+            self._tickets[ticket] = (principal, now + TICKET_SECONDS)
+        return self.port, ticket, TICKET_SECONDS
+
+    def _accept_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                return  # closed
+            if not self._handshakes.acquire(blocking=False):
+                _refuse(sock, "too many connections are shaking hands: retry")
+                continue
+            t = threading.Thread(
+                target=self._handshake,
+                args=(sock, f"{addr[0]}:{addr[1]}"),
+                name="onnxps-data-hello",
+                daemon=True,
+            )
+            t.start()
+
+    def _handshake(self, sock: socket.socket, peer: str) -> None:
+        try:
+            sock.settimeout(HANDSHAKE_SECONDS)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            preamble = _recv_all(sock, len(MAGIC) + TICKET_BYTES)
+            if preamble is None or preamble[: len(MAGIC)] != MAGIC:
+                _refuse(sock, "not an onnxps data channel preamble (magic ONNXPSD1)")
+                return
+            ticket = preamble[len(MAGIC) :]
+            with self._lock:
+                grant = self._tickets.pop(ticket, None)
+                if grant is None or grant[1] < time.monotonic():
+                    why = "unknown, used or expired ticket: ask DataChannelHello again"
+                else:
+                    why = ""
+                    channel_id = secrets.token_bytes(CHANNEL_ID_BYTES)
+                    ch = DataChannel(sock, grant[0], peer)
+                    self._channels[channel_id] = ch
+                    excess = len(self._channels) - MAX_CHANNELS
+            if why:
+                _refuse(sock, why)
+                return
+            sock.sendall(b"\x00" + channel_id)
+            log.debug("data channel opened for %s", peer)
+            if excess > 0:
+                self._close_idle(excess)
+        except OSError:
+            sock.close()
+        finally:
+            self._handshakes.release()
+
+    # -- calls ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def use(
+        self, channel_id: bytes, principal: str, transfer_id: int
+    ) -> Iterator[DataChannel]:
+        """The channel for one call; closed if the call fails."""
+        with self._lock:
+            ch = self._channels.get(channel_id)
+            if ch is None or ch.principal != principal:
+                raise FailedPrecondition(
+                    "this data channel is not open on the server (closed after a "
+                    "failed call, or of another token): open another "
+                    "(DataChannelHello)",
+                    reason="DATA_CHANNEL_UNKNOWN",
+                )
+            if ch.busy:
+                raise FailedPrecondition(
+                    "this data channel is carrying another call: a channel serves "
+                    "one call at a time",
+                    reason="DATA_CHANNEL_BUSY",
+                )
+            if transfer_id <= ch.last_transfer:
+                self._channels.pop(channel_id, None)
+                stale = True
+            else:
+                stale = False
+                ch.busy = True
+                ch.last_transfer = transfer_id
+        if stale:
+            ch.close()
+            raise FailedPrecondition(
+                f"transfer {transfer_id} is not above this channel's last "
+                f"({ch.last_transfer}): a repeated call; nothing was read",
+                reason="DATA_TRANSFER_STALE",
+            )
+        try:
+            yield ch
+        except BaseException:
+            with self._lock:
+                self._channels.pop(channel_id, None)
+            ch.close()
+            raise
+        with self._lock:
+            ch.busy = False
+
+    # -- housekeeping --------------------------------------------------------------
+    def _reap_loop(self) -> None:
+        """Close idle channels whose client hung up (readable at EOF)."""
+        while not self._stopped.wait(1.0):
+            with self._lock:
+                idle = {
+                    ch.sock: key for key, ch in self._channels.items() if not ch.busy
+                }
+            if not idle:
+                continue
+            try:
+                readable, _, _ = select.select(list(idle), [], [], 0)
+            except (OSError, ValueError):
+                continue
+            for sock in readable:  # EOF, or bytes no call asked for: close it
+                with self._lock:
+                    ch = self._channels.get(idle[sock])
+                    if ch is None or ch.busy or ch.sock is not sock:
+                        continue
+                    del self._channels[idle[sock]]
+                ch.close()
+
+    def _close_idle(self, count: int) -> None:
+        with self._lock:
+            idle = [k for k, ch in self._channels.items() if not ch.busy][:count]
+            closing = [self._channels.pop(k) for k in idle]
+        for ch in closing:
+            ch.close()
+
+
+def _recv_all(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            return None
+        buf += part
+    return bytes(buf)
+
+
+def _refuse(sock: socket.socket, why: str) -> None:
+    data = why.encode()[:1000]
+    with contextlib.suppress(OSError):
+        sock.sendall(b"\x01" + struct.pack("<H", len(data)) + data)
+    with contextlib.suppress(OSError):
+        sock.close()
