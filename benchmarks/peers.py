@@ -10,6 +10,9 @@ Systems (each a server process and a client process, on this host):
   group through unary calls (``transport="auto"``). ``--onnxps-address`` adds a
   system per address of a server already running (e.g. ``unix:///tmp/ps.sock``, or a
   same-host shared-memory transport): they are measured the same way.
+- ``onnxps data``: ``onnxps serve --data-port 0``; the client moves the 64 MiB
+  group's bytes on the data channel (``data_channel="on"``, shared memory off, as
+  between hosts); small calls as for ``onnxps tcp``.
 - ``torch rpc uv`` / ``torch rpc shm``: a ``torch.distributed.rpc`` parameter server
   (TensorPipe, ``_transports=["uv"]`` (TCP) or ``["shm"]``, channel ``basic``) whose
   functions step a server-side ``torch.optim.Adam(fused=True)`` (foreach when fused is
@@ -93,7 +96,7 @@ def _figures(
 
 
 # -- onnxps ----------------------------------------------------------------------------
-def onnxps_client(address: str, mib: int) -> None:
+def onnxps_client(address: str, mib: int, data_channel: bool = False) -> None:
     from onnxps.client import Adam, Client
 
     n = mib * MIB // 4
@@ -101,8 +104,12 @@ def onnxps_client(address: str, mib: int) -> None:
     g = np.full(n, 1e-3, np.float32)
     gs = np.full(SMALL, 1e-3, np.float32)
     tag = f"peers-{os.getpid()}"
+    if data_channel:
+        options: dict[str, Any] = {"data_channel": "on", "shared_memory": "off"}
+    else:
+        options = {"transport": "stream"}
     with (
-        Client(address, timeout=300, transport="stream") as big,
+        Client(address, timeout=300, **options) as big,
         Client(address, timeout=60) as small,
     ):
         big.create_group(f"{tag}-big", Adam(), learning_rate=1e-3, tensors={"x": x0})
@@ -398,6 +405,12 @@ def _start_systems(args: argparse.Namespace) -> tuple[list[System], list[Any]]:
     proc, address = start_server_process(log=Path(log.name))
     owned.append(proc)
     systems.append(System("onnxps tcp", ["--onnxps-client", address, *mib], []))
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log")  # noqa: SIM115
+    owned.append(log)
+    proc, address = start_server_process("--data-port", "0", log=Path(log.name))
+    owned.append(proc)
+    data = ["--onnxps-client", address, "--data-channel", *mib]
+    systems.append(System("onnxps data", data, []))
     for extra in args.onnxps_address:
         systems.append(System(f"onnxps {extra}", ["--onnxps-client", extra, *mib], []))
     if args.torch and _torch_available():
@@ -492,6 +505,14 @@ def _report(systems: list[System], mib: int) -> None:
          _sum(shm["push"], shm["pull"]), 1 / 3)  # fmt: skip
     print("(the same-host aim needs an onnxps shared-memory transport: pass its "
           "server with --onnxps-address)")  # fmt: skip
+    dc = {f: med("onnxps data", f) for f in FIGURES}
+    dc_step = _sum(dc["push"], dc["pull"])
+    _aim("onnxps data channel step / torch rpc uv step (aim < 1)", dc_step,
+         _sum(uv["push"], uv["pull"]), 1.0)  # fmt: skip
+    _aim("onnxps data channel step / raw gRPC step (aim <= 1.1)", dc_step,
+         raw_step, 1.1)  # fmt: skip
+    _aim("onnxps data channel push returning X / (push + pull) (aim <= 1)",
+         dc["push_values"], dc_step, 1.0)  # fmt: skip
 
 
 def _sum(a: float | None, b: float | None) -> float | None:
@@ -521,13 +542,14 @@ def main() -> int:
     )
     p.add_argument("--no-torch", dest="torch", action="store_false")
     p.add_argument("--onnxps-client", help=argparse.SUPPRESS)
+    p.add_argument("--data-channel", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--torch-server", help=argparse.SUPPRESS)
     p.add_argument("--torch-client", help=argparse.SUPPRESS)
     p.add_argument("--raw-server", help=argparse.SUPPRESS)
     p.add_argument("--raw-client", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.onnxps_client:
-        onnxps_client(args.onnxps_client, args.mib)
+        onnxps_client(args.onnxps_client, args.mib, args.data_channel)
         return 0
     if args.torch_server:
         torch_server(args.torch_server)
