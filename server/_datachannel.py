@@ -42,7 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FailedPrecondition, InvalidArgument
+from ._waits import CallCancelled
+from .errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 
 __all__ = ["MAGIC", "DataChannel", "DataChannels", "principal_of"]
 
@@ -117,15 +118,12 @@ class DataChannel:
 
     def _wait(self, alive: Callable[[], bool], deadline: float | None) -> None:
         if not alive():
-            raise FailedPrecondition(
-                "the call was cancelled while its frame was arriving",
-                reason="DATA_CHANNEL_CANCELLED",
-            )
+            raise CallCancelled("the call was cancelled while its frame was arriving")
         left = _POLL if deadline is None else deadline - time.monotonic()
         if left <= 0:
-            raise FailedPrecondition(
+            raise DeadlineExceeded(
                 "the call's deadline passed while its frame was arriving",
-                reason="DATA_CHANNEL_DEADLINE",
+                reason="DATA_FRAME_DEADLINE",
             )
         self.sock.settimeout(min(left, _POLL))
 
@@ -197,6 +195,7 @@ class DataChannels:
         self._handshakes = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
+        self.calls = 0  # calls served on a channel (tests, logs)
 
     def start(self) -> DataChannels:
         for target, name in (
@@ -211,6 +210,8 @@ class DataChannels:
 
     def close(self) -> None:
         self._stopped.set()
+        with contextlib.suppress(OSError):  # wakes the thread blocked in accept()
+            self._listener.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._listener.close()
         with self._lock:
@@ -330,6 +331,7 @@ class DataChannels:
             raise
         with self._lock:
             ch.busy = False
+            self.calls += 1
 
     # -- housekeeping --------------------------------------------------------------
     def _reap_loop(self) -> None:

@@ -1,0 +1,447 @@
+"""The data channel: tensor bytes on a TCP socket beside gRPC (``--data-port``).
+
+Every result equals the gRPC path's, bit for bit; every refusal is the status the
+gRPC path gives (or a data channel reason), the stored state unchanged and the
+server serving on; a broken channel is closed and a push falls back to gRPC with
+its seq. Real servers on 127.0.0.1 port 0 (in-process, and a killed client
+process), raw sockets for what a well-behaved client never sends.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from onnxps.client import (
+    Adagrad,
+    Adam,
+    Client,
+    DataChannelError,
+    InvalidArgumentError,
+    Momentum,
+    Nesterov,
+)
+from onnxps.client._requests import multicallable
+from onnxps.client.codec import header_tensor
+from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.v1 import parameter_server_pb2 as pb
+
+RNG = np.random.default_rng(23)
+OPTIMIZERS = [Adam(), Momentum(0.9, 1.0), Nesterov(0.9, 0.9), Adagrad()]
+
+
+@pytest.fixture
+def server() -> Iterator[ServerHandle]:
+    handle = create_server(
+        ServerConfig(address="127.0.0.1:0", durability="none", data_port=0)
+    ).start()
+    try:
+        yield handle
+    finally:
+        handle.stop(grace=0)
+
+
+def _calls(handle: ServerHandle) -> int:
+    assert handle.data_channels is not None
+    return handle.data_channels.calls
+
+
+def _open(handle: ServerHandle) -> int:
+    assert handle.data_channels is not None
+    return handle.data_channels.open_channels
+
+
+def _until(check: Any, seconds: float = 10.0) -> None:
+    end = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+def _same(a: list[np.ndarray], b: list[np.ndarray]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x, y, strict=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: type(o).__name__)
+def test_every_call_on_the_channel_equals_the_grpc_path(
+    server: ServerHandle, optimizer: Any, dtype: Any
+) -> None:
+    x0 = [RNG.standard_normal(s).astype(dtype) for s in [(300, 500), (7,), (2, 3)]]
+    grads = [[RNG.standard_normal(x.shape).astype(dtype) for x in x0] for _ in range(3)]
+    with (
+        Client(server.address, data_channel="on", shared_memory="off") as dc,
+        Client(server.address, data_channel="off", shared_memory="off") as ref,
+    ):
+        for c, name in ((dc, "dc"), (ref, "ref")):
+            c.create_group(
+                name, optimizer, learning_rate=0.05,
+                tensors=[(f"x{i}", x) for i, x in enumerate(x0)],
+            )  # fmt: skip
+        before = _calls(server)
+        for k, g in enumerate(grads):
+            if k == 1:
+                _same(
+                    dc.push("dc", *g, return_values=True),
+                    ref.push("ref", *g, return_values=True),
+                )
+            else:
+                assert dc.push("dc", *g, base_version=k) == ref.push("ref", *g) == k + 1
+            _same(dc.pull("dc"), ref.pull("ref"))
+        _same(dc.pull("dc", state=True), ref.pull("ref", state=True))
+        out = [np.empty_like(x) for x in x0]
+        got = dc.pull("dc", out=out)
+        assert all(a is b for a, b in zip(got, out, strict=True))
+        _same(out, ref.pull("ref"))
+        assert _calls(server) - before == 8  # every push and pull of dc
+        assert _open(server) == 1  # one channel, reused call after call
+
+
+def test_auto_uses_the_channel_for_large_calls_only(server: ServerHandle) -> None:
+    with Client(server.address, shared_memory="off") as c:
+        c.create_group(
+            "big", Adam(), learning_rate=0.01, tensors={"w": np.zeros(1 << 19)}
+        )
+        c.create_group("small", Adam(), learning_rate=0.01, tensors={"w": np.zeros(9)})
+        c.push("small", np.ones(9))
+        assert _calls(server) == 0
+        c.push("big", np.ones(1 << 19))  # 4 MiB of float64
+        c.pull("big")
+        assert _calls(server) == 2
+
+
+def test_a_server_without_a_data_port_falls_back_or_refuses(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    handle = create_server(ServerConfig(address="127.0.0.1:0", durability="none"))
+    handle.start()
+    try:
+        x = np.zeros(1 << 19, np.float32)
+        with Client(handle.address, shared_memory="off") as c:
+            c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
+            with caplog.at_level(logging.INFO, logger="onnxps.client"):
+                assert c.push("g", np.ones_like(x)) == 1
+                assert c.push("g", np.ones_like(x)) == 2
+            said = [
+                r.getMessage() for r in caplog.records if "data channel" in r.message
+            ]
+            assert len(said) == 1  # said once
+            assert "DATA_CHANNEL_OFF" in said[0] or "--data-port" in said[0]
+        with (
+            Client(handle.address, shared_memory="off", data_channel="on") as c,
+            pytest.raises(DataChannelError, match="serves no data channel"),
+        ):
+            c.push("g", np.ones_like(x))
+        with Client(handle.address) as c:
+            assert c.describe_group("g").update_count == 2
+    finally:
+        handle.stop(grace=0)
+
+
+def test_an_unreachable_data_port_falls_back_to_grpc(server: ServerHandle) -> None:
+    assert server.data_channels is not None
+    server.data_channels._listener.close()  # the port now refuses connections
+    x = np.zeros(1 << 19, np.float32)
+    with Client(server.address, shared_memory="off") as c:
+        c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
+        assert c.push("g", np.ones_like(x)) == 1
+        assert c.pull("g")[0].shape == x.shape
+    with (
+        Client(server.address, shared_memory="off", data_channel="on") as c,
+        pytest.raises(DataChannelError, match="cannot connect to its port"),
+    ):
+        c.push("g", np.ones_like(x))
+
+
+# -- refusals: the gRPC path's statuses, the state unchanged --------------------------
+def test_bad_gradients_get_the_grpc_paths_status_and_change_nothing(
+    server: ServerHandle,
+) -> None:
+    x = RNG.standard_normal((512, 512)).astype(np.float32)
+    with Client(server.address, data_channel="on", shared_memory="off") as c:
+        c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
+        g = np.ones_like(x)
+        g[300, 7] = np.nan
+        with pytest.raises(InvalidArgumentError) as nan:
+            c.push("g", g)
+        assert nan.value.reason == "NON_FINITE_GRADIENT"
+        with pytest.raises(InvalidArgumentError, match="shape"):
+            c.push("g", np.ones((512, 511), np.float32))
+        with pytest.raises(InvalidArgumentError, match="dtype"):
+            c.push("g", np.ones((512, 512), np.float64))
+        with pytest.raises(InvalidArgumentError, match="1 tensor"):
+            c.push("g", np.ones_like(x), np.ones_like(x))
+        assert c.describe_group("g").update_count == 0
+        np.testing.assert_array_equal(c.pull("g")[0], x)
+        assert c.push("g", np.ones_like(x)) == 1  # a new channel: serving on
+
+
+def _raw_channel(
+    handle: ServerHandle, token: str | None = None
+) -> tuple[socket.socket, bytes]:
+    """A channel opened by hand: hello over gRPC, connect, present the ticket."""
+    with grpc.insecure_channel(handle.address) as ch:
+        md = [("authorization", f"Bearer {token}")] if token else None
+        hello = multicallable(ch, "DataChannelHello")(
+            pb.DataChannelHelloRequest(), timeout=10, metadata=md
+        )
+    sock = socket.create_connection(("127.0.0.1", hello.port), timeout=10)
+    sock.sendall(b"ONNXPSD1" + hello.ticket)
+    assert sock.recv(1) == b"\x00"
+    channel_id = b""
+    while len(channel_id) < 16:
+        channel_id += sock.recv(16 - len(channel_id))
+    return sock, channel_id
+
+
+def _refusal(handle: ServerHandle, preamble: bytes) -> str:
+    assert handle.data_port is not None
+    with socket.create_connection(("127.0.0.1", handle.data_port), timeout=10) as s:
+        s.sendall(preamble)
+        assert s.recv(1) == b"\x01"
+        (n,) = struct.unpack("<H", s.recv(2))
+        return s.recv(n).decode()
+
+
+def test_connections_without_a_good_ticket_are_refused(server: ServerHandle) -> None:
+    assert _refusal(server, b"ONNXPSD1" + secrets.token_bytes(32)) == (
+        "unknown, used or expired ticket: ask DataChannelHello again"
+    )
+    assert _refusal(server, b"GET / HTTP/1.1\r\n" + b"x" * 24) == (
+        "not an onnxps data channel preamble (magic ONNXPSD1)"
+    )
+    with grpc.insecure_channel(server.address) as ch:
+        hello = multicallable(ch, "DataChannelHello")(
+            pb.DataChannelHelloRequest(), timeout=10
+        )
+    assert hello.ticket_seconds == 10.0
+    with socket.create_connection(("127.0.0.1", hello.port), timeout=10) as s:
+        s.sendall(b"ONNXPSD1" + hello.ticket)
+        assert s.recv(1) == b"\x00"
+        assert _refusal(server, b"ONNXPSD1" + hello.ticket).startswith(
+            "unknown, used or expired ticket"
+        )  # single use
+
+
+def _push_request(
+    channel_id: bytes, transfer_id: int, x: np.ndarray, seq: int = 1
+) -> pb.PushRequest:
+    req = pb.PushRequest(group="g", client_id="raw", seq=seq)
+    req.gradients.append(header_tensor(x))
+    req.transfer.channel = channel_id
+    req.transfer.transfer_id = transfer_id
+    return req
+
+
+def _frame(transfer_id: int, data: bytes, declared: int | None = None) -> bytes:
+    size = len(data) if declared is None else declared
+    return struct.pack("<QQ", transfer_id, size) + data
+
+
+def _grpc_error(fn: Any, *args: Any, **kwargs: Any) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+def test_a_truncated_frame_is_refused_and_nothing_changes(server: ServerHandle) -> None:
+    x = np.zeros(1 << 18, np.float32)
+    with Client(server.address) as c:
+        c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
+    sock, cid = _raw_channel(server)
+    with grpc.insecure_channel(server.address) as ch:
+        push = multicallable(ch, "Push")
+        future = push.future(_push_request(cid, 1, x), timeout=20)
+        sock.sendall(_frame(1, np.ones(1000, np.float32).tobytes(), declared=x.nbytes))
+        sock.close()  # the rest never comes
+        err = _grpc_error(future.result)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "the data channel closed after 4000 of" in err.details()
+        # a frame of the wrong size, and a transfer id that is not new
+        sock, cid = _raw_channel(server)
+        future = push.future(_push_request(cid, 5, x), timeout=20)
+        sock.sendall(_frame(5, b"", declared=x.nbytes - 4))
+        err = _grpc_error(future.result)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.details() == (
+            f"the data channel frame carries {x.nbytes - 4} bytes; the gradients' "
+            f"headers declare {x.nbytes}"
+        )
+        sock.close()
+        sock, cid = _raw_channel(server)
+        future = push.future(_push_request(cid, 3, x), timeout=20)
+        sock.sendall(_frame(3, np.ones_like(x).tobytes()))
+        assert future.result().update_count == 1
+        err = _grpc_error(push, _push_request(cid, 3, x, seq=2), timeout=20)
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "transfer 3 is not above this channel's last (3)" in err.details()
+        sock.close()
+    with Client(server.address) as c:
+        assert c.describe_group("g").update_count == 1
+    _until(lambda: _open(server) == 0)
+
+
+def test_a_call_that_never_sends_its_frame_ends_at_its_deadline(
+    server: ServerHandle,
+) -> None:
+    x = np.zeros(1 << 18, np.float32)
+    with Client(server.address) as c:
+        c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
+    sock, cid = _raw_channel(server)
+    with grpc.insecure_channel(server.address) as ch:
+        start = time.monotonic()
+        err = _grpc_error(
+            multicallable(ch, "Push"), _push_request(cid, 1, x), timeout=1
+        )
+        assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - start < 5
+    _until(lambda: _open(server) == 0)  # closed by the server
+    assert sock.recv(1) == b""
+    sock.close()
+    with Client(server.address, data_channel="on", shared_memory="off") as c:
+        assert c.push("g", np.ones_like(x)) == 1
+
+
+def test_a_channel_serves_only_its_token(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("tok-a write *\ntok-b write *\ntok-admin admin *\n")
+    handle = create_server(
+        ServerConfig(
+            address="127.0.0.1:0",
+            durability="none",
+            data_port=0,
+            tokens_file=str(tokens),
+        )
+    ).start()
+    try:
+        x = np.zeros(1 << 18, np.float32)
+        with Client(handle.address, token="tok-admin") as c:
+            c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
+        sock, cid = _raw_channel(handle, token="tok-a")
+        with grpc.insecure_channel(handle.address) as ch:
+            err = _grpc_error(
+                multicallable(ch, "Push"),
+                _push_request(cid, 1, x),
+                timeout=10,
+                metadata=[("authorization", "Bearer tok-b")],
+            )
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "not open on the server" in err.details()
+        sock.close()
+        with Client(
+            handle.address, token="tok-a", data_channel="on", shared_memory="off"
+        ) as c:
+            assert c.push("g", np.ones_like(x)) == 1
+            assert _calls(handle) == 1
+    finally:
+        handle.stop(grace=0)
+
+
+def test_a_client_killed_mid_frame_leaves_the_server_serving(
+    server: ServerHandle, tmp_path: Path
+) -> None:
+    x = np.zeros(4 << 20, np.float32)  # 16 MiB
+    with Client(server.address) as c:
+        c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
+    script = textwrap.dedent(
+        f"""
+        import os, signal, socket, struct, grpc, numpy as np
+        from onnxps.client._requests import multicallable
+        from onnxps.client.codec import header_tensor
+        from onnxps.v1 import parameter_server_pb2 as pb
+        ch = grpc.insecure_channel({server.address!r})
+        hello = multicallable(ch, "DataChannelHello")(pb.DataChannelHelloRequest())
+        s = socket.create_connection(("127.0.0.1", hello.port))
+        s.sendall(b"ONNXPSD1" + hello.ticket)
+        assert s.recv(1) == b"\\x00"
+        cid = s.recv(16)
+        x = np.ones({x.size}, np.float32)
+        req = pb.PushRequest(group="g", client_id="k", seq=1)
+        req.gradients.append(header_tensor(x))
+        req.transfer.channel = cid
+        req.transfer.transfer_id = 1
+        f = multicallable(ch, "Push").future(req, timeout=60)
+        s.sendall(struct.pack("<QQ", 1, x.nbytes) + x.tobytes()[: x.nbytes // 2])
+        print("half", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert proc.stdout == "half\n"
+    _until(lambda: _open(server) == 0)
+    with Client(server.address, data_channel="on", shared_memory="off") as c:
+        assert c.describe_group("g").update_count == 0
+        assert c.push("g", np.ones_like(x)) == 1
+
+
+def test_idle_channels_of_a_closed_client_are_closed(server: ServerHandle) -> None:
+    x = np.zeros(1 << 18, np.float32)
+    with Client(server.address, data_channel="on", shared_memory="off") as c:
+        c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
+        c.push("g", np.ones_like(x))
+        assert _open(server) == 1
+    _until(lambda: _open(server) == 0, seconds=5)
+
+
+def test_data_port_is_checked_with_the_rest_of_the_config() -> None:
+    from onnxps.server.security import ConfigError
+
+    with pytest.raises(ConfigError, match="data_port must be 1..65535"):
+        ServerConfig(data_port=70000)
+    with pytest.raises(ConfigError, match="on a unix: address use shared memory"):
+        ServerConfig(address="unix:/tmp/x.sock", data_port=0)
+    with pytest.raises(ConfigError, match="plaintext: it cannot be used with TLS"):
+        ServerConfig(tls_cert="c", tls_key="k", data_port=0)
+
+
+def test_the_push_falls_back_to_grpc_when_the_server_forgot_the_channel(
+    server: ServerHandle,
+) -> None:
+    """A server restarted (or one that closed the channel) answers
+    DATA_CHANNEL_UNKNOWN: the push is resent over gRPC with its seq, once."""
+    x = np.zeros(1 << 18, np.float32)
+    with Client(server.address, data_channel="on", shared_memory="off") as c:
+        c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
+        assert c.push("g", np.ones_like(x)) == 1
+        assert server.data_channels is not None
+        server.data_channels._close_idle(10)  # the server forgets it
+        assert c.push("g", np.ones_like(x)) == 2
+        assert c.push("g", np.ones_like(x)) == 3  # a new channel
+        assert c.describe_group("g").update_count == 3
+
+
+def test_a_duplicate_on_the_channel_is_answered_without_a_step(
+    server: ServerHandle,
+) -> None:
+    x = np.zeros(1 << 18, np.float32)
+    with Client(server.address) as c:
+        c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
+    sock, cid = _raw_channel(server)
+    with grpc.insecure_channel(server.address) as ch:
+        push = multicallable(ch, "Push")
+        for tid in (1, 2):  # the same (client_id, seq) twice
+            future = push.future(_push_request(cid, tid, x, seq=7), timeout=20)
+            sock.sendall(_frame(tid, np.ones_like(x).tobytes()))
+            reply = future.result()
+            assert (reply.update_count, reply.duplicate) == (1, tid == 2)
+    sock.close()
+    with Client(server.address) as c:
+        assert c.describe_group("g").update_count == 1
