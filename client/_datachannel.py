@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import socket
+import ssl
 import struct
+import tempfile
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +36,7 @@ __all__ = [
     "DataChannel",
     "connect",
     "split_frame",
+    "tls_context",
 ]
 
 Array = np.ndarray[Any, Any]
@@ -115,11 +119,46 @@ class DataChannel:
             got += n
 
 
-def connect(host: str, port: int, ticket: bytes, timeout: float) -> DataChannel:
-    """Open a channel: connect, present ``ticket``, read the channel id."""
+def tls_context(
+    root_certificates: bytes | None,
+    private_key: bytes | None,
+    certificate_chain: bytes | None,
+) -> ssl.SSLContext:
+    """TLS for a channel, as the client's gRPC channel has it: the server checked
+    against ``root_certificates`` (else the system's), this client's certificate
+    presented when it has one (mutual TLS)."""
+    ctx = ssl.create_default_context(
+        cadata=root_certificates.decode() if root_certificates else None
+    )
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if private_key and certificate_chain:
+        # ssl reads a certificate and key from files only: a private directory
+        # holds them for the moment it takes.
+        with tempfile.TemporaryDirectory(prefix="onnxps-tls-") as d:
+            cert, key = os.path.join(d, "cert.pem"), os.path.join(d, "key.pem")
+            for path, data in ((cert, certificate_chain), (key, private_key)):
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+            ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+def connect(
+    host: str,
+    port: int,
+    ticket: bytes,
+    timeout: float,
+    tls: ssl.SSLContext | None = None,
+    server_name: str | None = None,
+) -> DataChannel:
+    """Open a channel: connect (TLS with ``tls``, the server's certificate checked
+    for ``server_name`` or ``host``), present ``ticket``, read the channel id."""
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            sock = tls.wrap_socket(sock, server_hostname=server_name or host)
         sock.sendall(MAGIC + ticket)
         status = _recv_exact(sock, 1)
         if status == b"\x00":

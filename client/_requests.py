@@ -18,6 +18,7 @@ import itertools
 import json
 import logging
 import os
+import ssl
 import time
 import uuid
 import weakref
@@ -36,6 +37,7 @@ from ._datachannel import (
     DataChannel,
     connect,
     split_frame,
+    tls_context,
 )
 from ._encoding import ENCODING_TO_PROTO, Encoding, check_encoding, encode
 from ._errors import (
@@ -663,6 +665,7 @@ class ClientCore:
         self.data_channel: DataChannelMode = data_channel
         self._data_pool = ChannelPool()
         self._data_refused: str | None = None
+        self._data_tls: ssl.SSLContext | None = None
         self._state = State.UNOPENED
         self._setup()
 
@@ -1025,7 +1028,14 @@ class ClientCore:
                 raise
             return self._refuse_data_channel(f"{exc.code.name}: {exc.details}")
         try:
-            return connect(host, msg.port, msg.ticket, min(deadline.remaining(), 10))
+            tls = None
+            if self._tls[0] is not None or self._tls[2] is not None:
+                tls = self._data_tls
+                if tls is None:
+                    tls = self._data_tls = tls_context(*self._tls)
+            timeout = min(deadline.remaining(), 10)
+            override = self._server_name_override
+            return connect(host, msg.port, msg.ticket, timeout, tls, override)
         except (OSError, ChannelRefused, ChannelBroken) as exc:
             why = f"cannot connect to its port {host}:{msg.port} ({exc})"
             return self._refuse_data_channel(why)

@@ -21,6 +21,8 @@ Rules that keep it simple:
 - Any failure in a call that uses a channel (a refusal, a short frame, a
   deadline, a cancelled call) closes the channel: where its byte stream stands
   is then unknown. The client opens another.
+- With TLS (``--tls-cert``), every channel is TLS with the server's certificate,
+  and with ``--tls-client-ca`` the client's certificate is required, as for gRPC.
 - Handshakes run on short-lived threads with a 5 s limit, tickets expire, and a
   reaper closes idle channels whose client went away (and the oldest idle ones
   beyond ``MAX_CHANNELS``).
@@ -34,6 +36,7 @@ import logging
 import secrets
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -45,7 +48,7 @@ import numpy as np
 from ._waits import CallCancelled
 from .errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 
-__all__ = ["MAGIC", "DataChannel", "DataChannels", "principal_of"]
+__all__ = ["MAGIC", "DataChannel", "DataChannels", "principal_of", "tls_context"]
 
 log = logging.getLogger("onnxps.datachannel")
 
@@ -61,6 +64,17 @@ MAX_PENDING_HANDSHAKES = 64
 MAX_CHANNELS = 1024
 _POLL = 0.25  # seconds between checks of a call's deadline and cancellation
 _BLOCK = 4 << 20  # bytes received before the landed elements are checked
+
+
+def tls_context(cert: str, key: str, client_ca: str | None) -> ssl.SSLContext:
+    """The data channel's TLS: the gRPC server's certificate and client CA."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert, key)
+    if client_ca:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(client_ca)
+    return ctx
 
 
 def principal_of(metadata: Any) -> str:
@@ -174,7 +188,8 @@ class DataChannel:
 class DataChannels:
     """The listener, the tickets and the open channels of one server."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
+        self._tls = tls
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -260,6 +275,8 @@ class DataChannels:
         try:
             sock.settimeout(HANDSHAKE_SECONDS)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:  # the same certificate (and client CA) as gRPC
+                sock = self._tls.wrap_socket(sock, server_side=True)
             preamble = _recv_all(sock, len(MAGIC) + TICKET_BYTES)
             if preamble is None or preamble[: len(MAGIC)] != MAGIC:
                 _refuse(sock, "not an onnxps data channel preamble (magic ONNXPSD1)")
@@ -282,7 +299,7 @@ class DataChannels:
             log.debug("data channel opened for %s", peer)
             if excess > 0:
                 self._close_idle(excess)
-        except OSError:
+        except OSError:  # ssl.SSLError too: a client without the right certificate
             sock.close()
         finally:
             self._handshakes.release()

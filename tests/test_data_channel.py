@@ -408,8 +408,6 @@ def test_data_port_is_checked_with_the_rest_of_the_config() -> None:
         ServerConfig(data_port=70000)
     with pytest.raises(ConfigError, match="on a unix: address use shared memory"):
         ServerConfig(address="unix:/tmp/x.sock", data_port=0)
-    with pytest.raises(ConfigError, match="plaintext: it cannot be used with TLS"):
-        ServerConfig(tls_cert="c", tls_key="k", data_port=0)
 
 
 def test_the_push_falls_back_to_grpc_when_the_server_forgot_the_channel(
@@ -445,3 +443,58 @@ def test_a_duplicate_on_the_channel_is_answered_without_a_step(
     sock.close()
     with Client(server.address) as c:
         assert c.describe_group("g").update_count == 1
+
+
+# -- TLS -------------------------------------------------------------------------------
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
+def test_a_tls_server_serves_tls_channels(tmp_path: Path, mutual: bool) -> None:
+    from test_security import _cert, _key, _pem, _pem_key
+
+    ca_key, server_key, client_key = _key(), _key(), _key()
+    ca = _cert("onnxps test CA", ca_key, "onnxps test CA", ca_key, ca=True)
+    server_cert = _cert("localhost", server_key, "onnxps test CA", ca_key, server=True)
+    client_cert = _cert("worker-1", client_key, "onnxps test CA", ca_key)
+    (tmp_path / "ca.pem").write_bytes(_pem(ca))
+    (tmp_path / "server.pem").write_bytes(_pem(server_cert))
+    (tmp_path / "server.key").write_bytes(_pem_key(server_key))
+    handle = create_server(
+        ServerConfig(
+            address="127.0.0.1:0",
+            durability="none",
+            data_port=0,
+            tls_cert=str(tmp_path / "server.pem"),
+            tls_key=str(tmp_path / "server.key"),
+            tls_client_ca=str(tmp_path / "ca.pem") if mutual else None,
+        )
+    ).start()
+    creds: dict[str, Any] = {"root_certificates": _pem(ca), "shared_memory": "off"}
+    if mutual:
+        creds.update(
+            private_key=_pem_key(client_key), certificate_chain=_pem(client_cert)
+        )
+    try:
+        x = RNG.standard_normal(1 << 18).astype(np.float32)
+        g = RNG.standard_normal(1 << 18).astype(np.float32)
+        with (
+            Client(handle.address, data_channel="on", **creds) as dc,
+            Client(handle.address, data_channel="off", **creds) as ref,
+        ):
+            dc.create_group("dc", Adam(), learning_rate=0.01, tensors={"w": x})
+            ref.create_group("ref", Adam(), learning_rate=0.01, tensors={"w": x})
+            _same(
+                dc.push("dc", g, return_values=True),
+                ref.push("ref", g, return_values=True),
+            )
+            _same(dc.pull("dc", state=True), ref.pull("ref", state=True))
+            assert _calls(handle) == 2
+        # a plaintext preamble gets no channel: the TLS handshake fails, closed
+        assert handle.data_port is not None
+        with socket.create_connection(("127.0.0.1", handle.data_port), 10) as s:
+            s.sendall(b"ONNXPSD1" + secrets.token_bytes(32))
+            try:
+                answer = s.recv(1)
+            except ConnectionResetError:
+                answer = b""
+            assert answer in (b"", b"\x15")  # closed, or a TLS alert record
+    finally:
+        handle.stop(grace=0)
