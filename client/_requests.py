@@ -131,6 +131,7 @@ _DATA_HELLO_REFUSALS = (
     grpc.StatusCode.UNIMPLEMENTED,
     grpc.StatusCode.FAILED_PRECONDITION,
 )
+_HELLO_SECONDS = 3.0
 _CHANNEL_FALLBACK_REASONS = frozenset(
     {
         "DATA_CHANNEL_UNKNOWN",
@@ -1019,14 +1020,18 @@ class ClientCore:
             call = Call(
                 "DataChannelHello",
                 _unary(pb.DataChannelHelloRequest()),
-                deadline,
+                # A hello never costs the call more than a few seconds of its own
+                Deadline(min(deadline.remaining(), _HELLO_SECONDS)),
                 what("the data channel hello"),
             )
             msg = yield call
         except RpcError as exc:
-            if exc.code not in _DATA_HELLO_REFUSALS:
-                raise
-            return self._refuse_data_channel(f"{exc.code.name}: {exc.details}")
+            if exc.code in _DATA_HELLO_REFUSALS:
+                return self._refuse_data_channel(f"{exc.code.name}: {exc.details}")
+            # The server is away, draining or stopped: this call goes over gRPC
+            # (and rides through that, or times out, as before); the next call
+            # asks again.
+            return None
         try:
             tls = None
             if self._tls[0] is not None or self._tls[2] is not None:
