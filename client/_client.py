@@ -153,7 +153,8 @@ class Client(RoutingCore):
             thread.join(timeout=5)
         for channel in self._channels.values():
             channel.close()
-        self._data_pool.close()
+        for pool in list(self._data_pools.values()):
+            pool.close()
         self._close_shared_memory()
 
     def _get_stub(self, shard: int = 0) -> pb_grpc.ParameterServerServiceStub:

@@ -481,6 +481,9 @@ def on_shard(shard: int, op: Op[R]) -> Op[R]:
             return result
         if isinstance(effect, Call) and effect.shard is None:
             effect = dataclasses.replace(effect, shard=shard)
+        elif isinstance(effect, Transfer) and effect.call.shard is None:
+            call = dataclasses.replace(effect.call, shard=shard)
+            effect = dataclasses.replace(effect, call=call)
         reply, error = None, None
         try:
             reply = yield effect
@@ -664,8 +667,8 @@ class ClientCore:
                 f"{data_channel!r}"
             )
         self.data_channel: DataChannelMode = data_channel
-        self._data_pool = ChannelPool()
-        self._data_refused: str | None = None
+        self._data_pools: dict[int, ChannelPool] = {}  # per shard (0: one server)
+        self._data_refused: dict[int, str] = {}
         self._data_tls: ssl.SSLContext | None = None
         self._state = State.UNOPENED
         self._setup()
@@ -957,10 +960,11 @@ class ClientCore:
         arrays: Sequence[Array],
         deadline: Deadline,
         out: Sequence[Array] | None,
+        shard: int = 0,
     ) -> Op[PushResult]:
-        """A push whose gradients (and X) travel on data channel ``ch``. Where the
-        channel fails without the server saying why, the push is resent over gRPC
-        (the same seq: applied once)."""
+        """A push whose gradients (and X) travel on data channel ``ch`` (to
+        ``shard``). Where the channel fails without the server saying why, the
+        push is resent over gRPC (the same seq: applied once)."""
         req = pb.PushRequest()
         req.CopyFrom(template)
         req.gradients.extend(header_tensor(a) for a in arrays)
@@ -985,7 +989,7 @@ class ClientCore:
                 raise
             log.info("data channel: %s; the push goes over gRPC", exc)
             return (yield from self._push_op(template, arrays, deadline, out))
-        self._data_pool.give_back(ch)
+        self._data_pool(shard).give_back(ch)
         values = None
         if req.return_values and msg.values_on_channel:
             values = (
@@ -997,23 +1001,47 @@ class ClientCore:
             values = _inline_values(msg.values, out)
         return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
 
+    def _push_part_op(
+        self,
+        template: pb.PushRequest,
+        arrays: Sequence[Array],
+        deadline: Deadline,
+        shard: int,
+    ) -> Op[PushResult]:
+        """One part's push to ``shard`` of a cluster (the caller routes it there
+        with ``on_shard``): on the shard's data channel when it has one."""
+        if all(a.dtype.kind == "f" for a in arrays):
+            nbytes = sum(a.nbytes for a in arrays)
+            ch = yield from self._data_channel_for(nbytes, deadline, shard)
+            if ch is not None:
+                op = self._push_channel_op(ch, template, arrays, deadline, None, shard)
+                return (yield from op)
+        return (yield from self._push_op(template, arrays, deadline))
+
+    def _data_pool(self, shard: int) -> ChannelPool:
+        pool = self._data_pools.get(shard)
+        if pool is None:
+            pool = self._data_pools.setdefault(shard, ChannelPool())
+        return pool
+
     def _data_channel_for(
-        self, nbytes: int, deadline: Deadline
+        self, nbytes: int, deadline: Deadline, shard: int = 0
     ) -> Op[DataChannel | None]:
-        """A data channel for a call of ``nbytes`` tensor bytes, or None (bytes
-        over gRPC): an idle one, else a new one (hello, connect)."""
-        if self.data_channel == "off" or not self.TRANSFERS or self.shards is not None:
+        """A data channel to ``shard`` (0: the one server) for a call of
+        ``nbytes`` tensor bytes, or None (bytes over gRPC): an idle one, else a
+        new one (hello, connect)."""
+        if self.data_channel == "off" or not self.TRANSFERS:
             return None
         if self.data_channel == "auto" and (
             self.transport != "auto" or nbytes < DATA_CHANNEL_THRESHOLD_BYTES
         ):
             return None
-        host = _tcp_host(self.addresses[0])
+        host = _tcp_host(self.addresses[shard])
         if host is None:
-            return self._refuse_data_channel("the address is not host:port")
-        if self._data_refused is not None:
-            return self._refuse_data_channel(self._data_refused)
-        ch = self._data_pool.take()
+            return self._refuse_data_channel("the address is not host:port", shard)
+        if shard in self._data_refused:
+            return self._refuse_data_channel(self._data_refused[shard], shard)
+        ch = self._data_pool(shard).take()
         if ch is not None:
             return ch
         try:
@@ -1027,7 +1055,8 @@ class ClientCore:
             msg = yield call
         except RpcError as exc:
             if exc.code in _DATA_HELLO_REFUSALS:
-                return self._refuse_data_channel(f"{exc.code.name}: {exc.details}")
+                why = f"{exc.code.name}: {exc.details}"
+                return self._refuse_data_channel(why, shard)
             # The server is away, draining or stopped: this call goes over gRPC
             # (and rides through that, or times out, as before); the next call
             # asks again.
@@ -1043,22 +1072,23 @@ class ClientCore:
             return connect(host, msg.port, msg.ticket, timeout, tls, override)
         except (OSError, ChannelRefused, ChannelBroken) as exc:
             why = f"cannot connect to its port {host}:{msg.port} ({exc})"
-            return self._refuse_data_channel(why)
+            return self._refuse_data_channel(why, shard)
 
-    def _refuse_data_channel(self, why: str) -> DataChannel | None:
-        """Remember why there is no data channel: "on" raises, "auto" falls back
-        to gRPC (logged once); None."""
-        first = self._data_refused is None
-        self._data_refused = why
+    def _refuse_data_channel(self, why: str, shard: int = 0) -> DataChannel | None:
+        """Remember why ``shard`` gives no data channel: "on" raises, "auto" falls
+        back to gRPC (logged once); None."""
+        first = shard not in self._data_refused
+        self._data_refused[shard] = why
+        address = self.addresses[shard]
         if self.data_channel == "on":
             raise DataChannelError(
-                f"data_channel='on' but the server at {self.address} gives this "
+                f"data_channel='on' but the server at {address} gives this "
                 f"client no data channel: {why}"
             )
         if first:
             log.info(
                 "no data channel with %s (%s); tensor bytes go over gRPC",
-                self.address,
+                address,
                 why,
             )
         return None
@@ -1435,6 +1465,7 @@ class ClientCore:
         deadline: Deadline,
         encoding: Encoding = "native",
         out: Sequence[Array] | None = None,
+        shard: int = 0,
     ) -> Op[tuple[int, list[Array]]]:
         """One pull of one group (or part) from one server; a streamed or shared
         reply lands in ``out`` where its arrays fit."""
@@ -1460,10 +1491,10 @@ class ClientCore:
             pulled = self._pull_shared_op(pool, segs[0], shared, deadline, out)
             return (yield from pulled)
         if encoding == "native":
-            ch = yield from self._data_channel_for(size or 0, deadline)
+            ch = yield from self._data_channel_for(size or 0, deadline, shard)
             if ch is not None:
                 got = yield from self._pull_channel_op(
-                    ch, group, state, min_version, deadline, out
+                    ch, group, state, min_version, deadline, out, shard
                 )
                 if got is not None:
                     return got
@@ -1494,9 +1525,11 @@ class ClientCore:
         min_version: int | None,
         deadline: Deadline,
         out: Sequence[Array] | None,
+        shard: int = 0,
     ) -> Op[tuple[int, list[Array]] | None]:
-        """A pull whose tensors come back on data channel ``ch``; None where the
-        channel failed without the server saying why (pull over gRPC then)."""
+        """A pull whose tensors come back on data channel ``ch`` (from ``shard``);
+        None where the channel failed without the server saying why (pull over
+        gRPC then)."""
         if min_version is not None:
             waited = f"group {group} did not reach T={min_version}"
         else:
@@ -1521,7 +1554,7 @@ class ClientCore:
                 raise
             log.info("data channel: %s; the pull goes over gRPC", exc)
             return None
-        self._data_pool.give_back(ch)
+        self._data_pool(shard).give_back(ch)
         specs = [tensor_spec(t, t.name) for t in msg.tensors]
         if isinstance(frame, list):
             shapes = [(a.dtype, a.shape) for a in frame]

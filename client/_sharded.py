@@ -445,7 +445,7 @@ def _push_one(client: RoutingCore, part: PartPush, deadline: Deadline) -> Op[Any
     if isinstance(template, pb.PushRowsHeader):
         op = client._rows_send_op(template.group, template, list(arrays), deadline)
     else:
-        op = client._push_op(template, arrays, deadline)
+        op = client._push_part_op(template, arrays, deadline, shard)
     return (yield from on_shard(shard, op))
 
 
@@ -558,7 +558,9 @@ def pull(
     def pull_all(found: Layout) -> Op[tuple[Layout, list[tuple[int, list[Array]]]]]:
         def pull_part(p: Part) -> Op[tuple[int, list[Array]]]:
             def send() -> Op[tuple[int, list[Array]]]:
-                op = client._pull_op(p.name, state, min_version, deadline, encoding)
+                op = client._pull_op(
+                    p.name, state, min_version, deadline, encoding, shard=p.shard
+                )
                 return on_shard(p.shard, op)
 
             return until_landed(send, deadline)

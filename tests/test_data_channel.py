@@ -498,3 +498,40 @@ def test_a_tls_server_serves_tls_channels(tmp_path: Path, mutual: bool) -> None:
             assert answer in (b"", b"\x15")  # closed, or a TLS alert record
     finally:
         handle.stop(grace=0)
+
+
+def test_a_cluster_client_uses_each_shards_data_channel() -> None:
+    handles = [
+        create_server(
+            ServerConfig(
+                address="127.0.0.1:0", durability="none", shard=f"{i}/2", data_port=0
+            )
+        ).start()
+        for i in range(2)
+    ]
+    addresses = [h.address for h in handles]
+    try:
+        x0 = [RNG.standard_normal(s).astype(np.float32) for s in [(700, 800), (33,)]]
+        grads = [[RNG.standard_normal(x.shape).astype(np.float32) for x in x0]]
+        grads.append([g * 2 for g in grads[0]])
+        with (
+            Client(addresses, split_bytes=1 << 20, data_channel="on") as dc,
+            Client(addresses, split_bytes=1 << 20, data_channel="off") as ref,
+        ):
+            for c, name in ((dc, "dc"), (ref, "ref")):
+                c.create_group(
+                    name, Adam(), learning_rate=0.01,
+                    tensors=[(f"x{i}", x) for i, x in enumerate(x0)],
+                )  # fmt: skip
+            assert len(dc.describe_group("dc").parts) == 2
+            assert dc.push("dc", *grads[0]) == ref.push("ref", *grads[0]) == 1
+            _same(
+                dc.push("dc", *grads[1], return_values=True),
+                ref.push("ref", *grads[1], return_values=True),
+            )
+            _same(dc.pull("dc"), ref.pull("ref"))
+            _same(dc.pull("dc", state=True), ref.pull("ref", state=True))
+        assert [_calls(h) for h in handles] == [4, 4]  # every part, both shards
+    finally:
+        for h in handles:
+            h.stop(grace=0)

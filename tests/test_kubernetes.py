@@ -135,7 +135,15 @@ def test_manifests_declare_what_a_shard_needs() -> None:
     job = _one(docs, "Job")
     labels = job["spec"]["template"]["metadata"]["labels"]
     assert worker_label["matchLabels"].items() <= labels.items()
-    assert policy["spec"]["ingress"][0]["ports"] == [{"port": 50051, "protocol": "TCP"}]
+    assert policy["spec"]["ingress"][0]["ports"] == [
+        {"port": 50051, "protocol": "TCP"},
+        {"port": int(env["ONNXPS_DATA_PORT"]), "protocol": "TCP"},
+    ]
+    data = {"name": "data", "containerPort": int(env["ONNXPS_DATA_PORT"])}
+    assert data in c["ports"]
+    assert {"name": "data", "port": 50053, "targetPort": "data"} in service["spec"][
+        "ports"
+    ]
     _check_shard_count_agrees(docs)
 
 
@@ -214,6 +222,7 @@ def test_statefulset_and_demo_job_run_as_local_processes(tmp_path: Path) -> None
                 "0.0.0.0:50051", "127.0.0.1:0"
             )
             env["ONNXPS_HEALTH_PORT"] = "0"
+            env["ONNXPS_DATA_PORT"] = "0"
             env["ONNXPS_DATA_DIR"] = str(tmp_path / f"data-{i}")
             for k, v in env.items():
                 for old, new in mounts.items():
