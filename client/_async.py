@@ -19,9 +19,11 @@ import grpc
 import grpc.aio
 import numpy as np
 
+from ._datachannel import ChannelBroken
 from ._errors import ClientClosedError
 from ._records import LeaseInfo
 from ._requests import (
+    Blocking,
     ClientCore,
     Effect,
     Op,
@@ -100,6 +102,8 @@ class AsyncClient(RoutingCore):
         self._channels.clear()
         for channel in channels:
             await channel.close(None)
+        for pool in list(self._data_pools.values()):
+            pool.close()
         self._close_shared_memory()
 
     def _method(self, name: str, shard: int = 0) -> Any:
@@ -155,8 +159,10 @@ class AsyncClient(RoutingCore):
             return None
         if isinstance(effect, Parallel):
             return await self._parallel(effect.ops)
-        if isinstance(effect, Transfer):  # TRANSFERS is False: never asked for
-            raise TypeError("an AsyncClient opens no data channel")
+        if isinstance(effect, Transfer):
+            return await self._transfer(effect)
+        if isinstance(effect, Blocking):
+            return await asyncio.to_thread(effect.fn)
         shard = effect.shard or 0
         fn = self._method(effect.method, shard)
         timeout = effect.deadline.remaining()
@@ -170,6 +176,52 @@ class AsyncClient(RoutingCore):
             return reader.finish()
         except grpc.RpcError as exc:
             raise effect.error(exc) from None
+
+    async def _transfer(self, t: Transfer) -> tuple[Any, Any]:
+        """A unary call in flight while a worker thread moves its frames across
+        the data channel (closed if the task is cancelled, which ends the IO)."""
+        call, ch = t.call, t.channel
+        shard = call.shard or 0
+        fn = self._method(call.method, shard)
+        rpc = fn(
+            call.request(),
+            timeout=call.deadline.remaining(),
+            metadata=self._metadata(shard),
+        )
+
+        def frames() -> Any:
+            if t.send is not None:
+                ch.send_frame(t.transfer_id, t.send, call.deadline.remaining())
+            if t.receive:
+                return ch.recv_frame(t.transfer_id, call.deadline.remaining(), t.into)
+            return None
+
+        try:
+            frame = await asyncio.to_thread(frames)
+        except (OSError, ChannelBroken) as exc:
+            ch.close()
+            try:  # the server's word on it, when it refused the call
+                left = max(call.deadline.remaining(), 0.001)
+                await asyncio.wait_for(rpc, left)
+            except grpc.RpcError as err:
+                raise call.error(err) from None
+            except TimeoutError:
+                rpc.cancel()
+                expired = call.deadline.expired(call.what, "the data channel stalled")
+                raise expired from None
+            raise ChannelBroken(f"the data channel failed mid-call ({exc})") from None
+        except asyncio.CancelledError:
+            ch.close()
+            rpc.cancel()
+            raise
+        try:
+            return await rpc, frame
+        except grpc.RpcError as err:
+            ch.close()
+            raise call.error(err) from None
+        except asyncio.CancelledError:
+            ch.close()
+            raise
 
     # -- calls ---------------------------------------------------------------------
     # Each is the shared operation of ClientCore, run with grpc.aio calls.

@@ -25,6 +25,7 @@ from ._records import (
     WorkerInfo,
 )
 from ._requests import (
+    Blocking,
     Call,
     ClientCore,
     Deadline,
@@ -116,8 +117,6 @@ class Client(RoutingCore):
     ``ClientClosedError``. ``AsyncClient`` is the same client for asyncio.
     """
 
-    TRANSFERS = True
-
     def _setup(self) -> None:
         super()._setup()
         self._lock = threading.Lock()
@@ -203,6 +202,8 @@ class Client(RoutingCore):
             return None
         if isinstance(effect, Transfer):
             return self._transfer(effect)
+        if isinstance(effect, Blocking):
+            return effect.fn()
         if isinstance(effect, Parallel):
             return fan_out([functools.partial(self._run, op) for op in effect.ops])
         shard = effect.shard or 0

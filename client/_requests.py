@@ -444,8 +444,8 @@ class Transfer:
     call is in flight, the frame of ``send`` goes out, then (``receive``) the
     reply's frame comes in, into ``into`` where it fits. The reply is
     ``(message, frame)``. Any failure closes the channel; a failure the call does
-    not explain raises ``ChannelBroken``. Only the blocking ``Client`` performs it
-    (an ``AsyncClient`` never opens a channel)."""
+    not explain raises ``ChannelBroken``. ``Client`` does the socket's part in the
+    calling thread, ``AsyncClient`` in a worker thread."""
 
     call: Call
     channel: DataChannel
@@ -455,7 +455,16 @@ class Transfer:
     into: Sequence[Array] | None = None
 
 
-Effect = Call | Pause | Parallel | Transfer
+@dataclass(frozen=True)
+class Blocking:
+    """A blocking step that is not an RPC (connecting a data channel's socket):
+    the blocking ``Client`` runs ``fn`` in place, the ``AsyncClient`` in a worker
+    thread, so the event loop never waits on it."""
+
+    fn: Callable[[], Any]
+
+
+Effect = Call | Pause | Parallel | Transfer | Blocking
 Op = Generator[Effect, Any, R]
 
 
@@ -586,7 +595,7 @@ class ClientCore:
     """Settings and per-client state both clients share, and every operation."""
 
     # Whether this client performs ``Transfer`` (data channel) effects.
-    TRANSFERS = False
+    TRANSFERS = True
 
     def __init__(
         self,
@@ -1069,7 +1078,11 @@ class ClientCore:
                     tls = self._data_tls = tls_context(*self._tls)
             timeout = min(deadline.remaining(), 10)
             override = self._server_name_override
-            return connect(host, msg.port, msg.ticket, timeout, tls, override)
+            opening = functools.partial(
+                connect, host, msg.port, msg.ticket, timeout, tls, override
+            )
+            opened: DataChannel = yield Blocking(opening)
+            return opened
         except (OSError, ChannelRefused, ChannelBroken) as exc:
             why = f"cannot connect to its port {host}:{msg.port} ({exc})"
             return self._refuse_data_channel(why, shard)

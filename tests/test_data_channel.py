@@ -535,3 +535,47 @@ def test_a_cluster_client_uses_each_shards_data_channel() -> None:
     finally:
         for h in handles:
             h.stop(grace=0)
+
+
+def test_the_async_client_uses_the_channel_like_the_client(
+    server: ServerHandle,
+) -> None:
+    import asyncio
+
+    from onnxps.client import AsyncClient
+
+    x0 = [RNG.standard_normal(s).astype(np.float32) for s in [(400, 700), (5,)]]
+    grads = [[RNG.standard_normal(x.shape).astype(np.float32) for x in x0]]
+    grads.append([g * 3 for g in grads[0]])
+
+    async def run() -> list[list[np.ndarray]]:
+        opts: dict[str, Any] = {"data_channel": "on", "shared_memory": "off"}
+        async with AsyncClient(server.address, **opts) as ps:
+            await ps.create_group(
+                "async", Adam(), learning_rate=0.01,
+                tensors=[(f"x{i}", x) for i, x in enumerate(x0)],
+            )  # fmt: skip
+            assert await ps.push("async", *grads[0]) == 1
+            got = [await ps.push("async", *grads[1], return_values=True)]
+            got.append(await ps.pull("async", state=True))
+            # a cancelled pull closes its channel; the next call opens another
+            task = asyncio.ensure_future(ps.pull("async", min_version=99))
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            got.append(await ps.pull("async"))
+            return got
+
+    got = asyncio.run(run())
+    with Client(server.address, data_channel="off", shared_memory="off") as ref:
+        ref.create_group(
+            "sync", Adam(), learning_rate=0.01,
+            tensors=[(f"x{i}", x) for i, x in enumerate(x0)],
+        )  # fmt: skip
+        ref.push("sync", *grads[0])
+        _same(got[0], ref.push("sync", *grads[1], return_values=True))
+        _same(got[1], ref.pull("sync", state=True))
+        _same(got[2], ref.pull("sync"))
+    assert _calls(server) == 4  # the cancelled pull did not finish
+    _until(lambda: _open(server) == 0)
