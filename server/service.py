@@ -665,22 +665,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     ) -> pb.PushResponse:
         """A push whose gradients lie in the client's shared-memory segment: the
         store reads them in place."""
-        specs = []
-        for i, t in enumerate(req.gradients):
-            if t.raw_data:
-                raise InvalidArgument(
-                    f"gradient {i + 1} carries bytes inline and in gradients_region: "
-                    "with a region, raw_data must be empty",
-                    field=f"gradients[{i}].raw_data",
-                )
-            dtype, dims = tensor_spec(t, f"gradient {i + 1}")
-            if dtype.kind != "f":
-                raise InvalidArgument(
-                    f"gradient {i + 1} is {dtype}: gradients in shared memory travel "
-                    "in the group's dtype (float32 or float64), not encoded",
-                    field=f"gradients[{i}].dtype",
-                )
-            specs.append((dtype, dims))
+        specs = self._bare_specs(req, "in gradients_region")
         names = _names("gradient", len(specs), ticket.names)
         with self._shm.read(req.gradients_region, specs, names) as grads:
             return self._push(req, ticket, grads, context, pb.PushResponse)

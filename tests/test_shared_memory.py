@@ -290,11 +290,18 @@ def test_truncated_wrong_size_and_stale_segments_are_refused(
         # and a region with bytes inline too is ambiguous
         both = pb.PushRequest(
             group="g",
-            gradients=[pb.Tensor(dtype=1, dims=[33], raw_data=GB[0].tobytes())],
+            gradients=[
+                pb.Tensor(dtype=1, dims=[N], raw_data=G[0][:33].tobytes()),
+                pb.Tensor(dtype=1, dims=list(GB[0].shape)),
+            ],
             gradients_region=region,
         )
         err = _refused(lambda: stub.Push(both, timeout=10))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (err.details() or "").startswith(
+            "gradient 1 carries bytes inline and in gradients_region: with a region "
+            "or a transfer, raw_data must be empty"
+        )
         assert _state(address) == before
     finally:
         good.close()
