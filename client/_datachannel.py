@@ -82,8 +82,9 @@ class DataChannel:
         self.sock.sendall(FRAME.pack(transfer_id, sum(a.nbytes for a in arrays)))
         for a in arrays:
             if a.nbytes:
-                flat = np.ascontiguousarray(a).reshape(-1)
-                self.sock.sendall(memoryview(flat).cast("B"))  # type: ignore[arg-type]
+                # as bytes: an ENCODED (2-byte structured) dtype has no buffer format
+                flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+                self.sock.sendall(memoryview(flat))  # type: ignore[arg-type]
 
     def recv_frame(
         self, transfer_id: int, timeout: float | None, into: Sequence[Array] | None

@@ -39,7 +39,7 @@ from ._datachannel import (
     split_frame,
     tls_context,
 )
-from ._encoding import ENCODING_TO_PROTO, Encoding, check_encoding, encode
+from ._encoding import ENCODED, ENCODING_TO_PROTO, Encoding, check_encoding, encode
 from ._errors import (
     ClientClosedError,
     DataChannelError,
@@ -955,11 +955,10 @@ class ClientCore:
             return (
                 yield from self._push_shared_op(pool, segs, req, arrays, deadline, out)
             )
-        if all(a.dtype.kind == "f" for a in arrays):
-            ch = yield from self._data_channel_for(sum(sizes), deadline)
-            if ch is not None:
-                pushed = self._push_channel_op(ch, req, arrays, deadline, out)
-                return (yield from pushed)
+        ch = yield from self._data_channel_for(sum(sizes), deadline)
+        if ch is not None:  # native or encoded: the server widens as blocks land
+            pushed = self._push_channel_op(ch, req, arrays, deadline, out)
+            return (yield from pushed)
         return (yield from self._push_op(req, arrays, deadline, out))
 
     def _push_channel_op(
@@ -984,7 +983,7 @@ class ClientCore:
         if req.return_values:
             into = [
                 out[i] if out is not None and out[i].flags.c_contiguous else
-                np.empty(a.shape, a.dtype)
+                np.empty(a.shape, ENCODED.get(a.dtype, (a.dtype,))[0])
                 for i, a in enumerate(arrays)
             ]  # fmt: skip
         what = f"the push to group {req.group} (seq {req.seq}) was not answered"
@@ -1019,12 +1018,11 @@ class ClientCore:
     ) -> Op[PushResult]:
         """One part's push to ``shard`` of a cluster (the caller routes it there
         with ``on_shard``): on the shard's data channel when it has one."""
-        if all(a.dtype.kind == "f" for a in arrays):
-            nbytes = sum(a.nbytes for a in arrays)
-            ch = yield from self._data_channel_for(nbytes, deadline, shard)
-            if ch is not None:
-                op = self._push_channel_op(ch, template, arrays, deadline, None, shard)
-                return (yield from op)
+        nbytes = sum(a.nbytes for a in arrays)
+        ch = yield from self._data_channel_for(nbytes, deadline, shard)
+        if ch is not None:
+            op = self._push_channel_op(ch, template, arrays, deadline, None, shard)
+            return (yield from op)
         return (yield from self._push_op(template, arrays, deadline))
 
     def _data_pool(self, shard: int) -> ChannelPool:

@@ -63,6 +63,7 @@ __all__ = [
     "serializer",
     "tensor_spec",
     "tensor_to_array",
+    "widen_into",
     "write_tensor",
 ]
 

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
+from onnxps.client.codec import widen_into
 
 from ._waits import CallCancelled
 from .errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
@@ -107,9 +108,15 @@ class DataChannel:
 
     # -- frames --------------------------------------------------------------------
     def _recv_exact(
-        self, view: memoryview, alive: Callable[[], bool], deadline: float | None
+        self,
+        view: memoryview,
+        alive: Callable[[], bool],
+        deadline: float | None,
+        frame: tuple[int, int] | None = None,
     ) -> Iterator[int]:
-        """Fill ``view``; yields the bytes landed so far after each block."""
+        """Fill ``view``; yields the bytes landed so far after each block.
+        ``frame``: where ``view`` starts in the frame and the frame's size (for
+        the message when the frame is cut short)."""
         got = 0
         since = 0
         while got < len(view):
@@ -119,8 +126,9 @@ class DataChannel:
             except TimeoutError:
                 continue
             if n == 0:
+                at, total = frame or (0, len(view))
                 raise InvalidArgument(
-                    f"the data channel closed after {got} of {len(view)} bytes of "
+                    f"the data channel closed after {at + got} of {total} bytes of "
                     "this call's frame: the gradients are incomplete",
                     reason="DATA_FRAME_TRUNCATED",
                 )
@@ -163,13 +171,37 @@ class DataChannel:
         alive: Callable[[], bool],
         deadline: float | None,
         landed: Callable[[int, int], None],
+        encodings: Sequence[int] = (),
     ) -> None:
         """Fill ``arrays`` (C-contiguous) in order from the frame's bytes;
-        ``landed(i, elements)`` after each block of tensor i."""
+        ``landed(i, elements)`` after each block of tensor i. Tensor i with a
+        nonzero ``encodings[i]`` arrives as 2-byte values, widened into it block
+        by block as they land."""
+        total = sum(
+            a.size * 2 if i < len(encodings) and encodings[i] else a.nbytes
+            for i, a in enumerate(arrays)
+        )
+        at = 0
+        stage: Array | None = None
         for i, a in enumerate(arrays):
-            view = memoryview(a.reshape(-1)).cast("B")  # type: ignore[arg-type]
-            for got in self._recv_exact(view, alive, deadline):
-                landed(i, got // a.itemsize)
+            flat = a.reshape(-1)
+            code = encodings[i] if i < len(encodings) else 0
+            if not code:
+                view = memoryview(flat.view(np.uint8))  # type: ignore[arg-type]
+                for got in self._recv_exact(view, alive, deadline, (at, total)):
+                    landed(i, got // a.itemsize)
+                at += a.nbytes
+                continue
+            if stage is None:
+                stage = np.empty(_BLOCK // 2, np.uint16)
+            for start in range(0, flat.size, stage.size):
+                part = stage[: min(stage.size, flat.size - start)]
+                view = memoryview(part.view(np.uint8))  # type: ignore[arg-type]
+                for _ in self._recv_exact(view, alive, deadline, (at, total)):
+                    pass
+                widen_into(flat[start : start + part.size], part, code)
+                at += part.nbytes
+                landed(i, start + part.size)
 
     def send(
         self, transfer_id: int, arrays: Sequence[Array], deadline: float | None

@@ -693,13 +693,20 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         one frame."""
         with self._channel(req.transfer, context) as (ch, deadline):
             ticket = self._validate_push(req)
-            specs = self._bare_specs(req, "on the data channel")
+            specs = self._bare_specs(req, "on the data channel", encoded=True)
+            codes = [t.encoding for t in req.gradients]
+            counts = [int(np.prod(dims, dtype=np.int64)) for _, dims in specs]
+            native = sum(
+                n * d.itemsize for n, (d, _) in zip(counts, specs, strict=True)
+            )
+            # an encoded gradient travels in 2 bytes per element
             expected = sum(
-                d.itemsize * int(np.prod(dims, dtype=np.int64)) for d, dims in specs
+                n * (2 if c else d.itemsize)
+                for n, c, (d, _) in zip(counts, codes, specs, strict=True)
             )
             with self._reply_bytes(context, stream=False) as hold:
                 hold.admit(
-                    expected * (2 if req.return_values else 1),
+                    expected + (native if req.return_values else 0),
                     what="this push's gradients (and X) carry",
                 )
                 tid = req.transfer.transfer_id
@@ -712,7 +719,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
                     )
                 with self._gradient_buffers(ticket, list(req.gradients)) as lease:
                     grads = lease.arrays or [np.empty(d, t) for t, d in specs]
-                    finite = _read_checked(ch, grads, context, deadline)
+                    finite = _read_checked(ch, grads, codes, context, deadline)
                     out = self._store_push(req, ticket, grads, context, finite)
                 reply = pb.PushResponse(
                     update_count=out.update_count,
@@ -726,10 +733,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
                 return reply
 
     def _bare_specs(
-        self, req: pb.PushRequest, where: str
+        self, req: pb.PushRequest, where: str, *, encoded: bool = False
     ) -> list[tuple[np.dtype[Any], tuple[int, ...]]]:
         """The gradients' (dtype, dims) when their bytes travel apart from the
-        message: no inline bytes, native float only."""
+        message: no inline bytes, float only, and native unless ``encoded``."""
         specs = []
         for i, t in enumerate(req.gradients):
             if t.raw_data:
@@ -738,11 +745,18 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
                     "region or a transfer, raw_data must be empty",
                     field=f"gradients[{i}].raw_data",
                 )
-            dtype, dims = tensor_spec(t, f"gradient {i + 1}")
+            if t.encoding and not encoded:
+                raise InvalidArgument(
+                    f"gradient {i + 1} is encoded: gradients {where} travel in the "
+                    "group's dtype (float32 or float64); encoded gradients go on the "
+                    "data channel or over gRPC",
+                    field=f"gradients[{i}].encoding",
+                )
+            dtype, dims = tensor_spec(t, f"gradient {i + 1}", encoded=encoded)
             if dtype.kind != "f":
                 raise InvalidArgument(
                     f"gradient {i + 1} is {dtype}: gradients {where} travel in the "
-                    "group's dtype (float32 or float64), not encoded",
+                    "group's dtype (float32 or float64)",
                     field=f"gradients[{i}].dtype",
                 )
             specs.append((dtype, tuple(dims)))
@@ -1173,10 +1187,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
 
 
 def _read_checked(
-    ch: DataChannel, grads: list[Array], context: Any, deadline: float | None
+    ch: DataChannel,
+    grads: list[Array],
+    encodings: Sequence[int],
+    context: Any,
+    deadline: float | None,
 ) -> bool:
-    """Receive a push's gradients from its frame into ``grads``, checking each
-    block for NaN and inf as it lands; whether every element was finite."""
+    """Receive a push's gradients from its frame into ``grads`` (widening the
+    encoded ones), checking each block for NaN and inf as it lands; whether
+    every element was finite."""
     flats = [g.reshape(-1) for g in grads]
     checked = [0] * len(grads)
     all_finite = finite_checker()
@@ -1188,5 +1207,5 @@ def _read_checked(
             finite = all_finite(flats[i][checked[i] : elements])
             checked[i] = elements
 
-    ch.read_into(grads, context.is_active, deadline, landed)
+    ch.read_into(grads, context.is_active, deadline, landed, encodings)
     return finite

@@ -191,6 +191,110 @@ def test_bad_gradients_get_the_grpc_paths_status_and_change_nothing(
         assert c.push("g", np.ones_like(x)) == 1  # a new channel: serving on
 
 
+@pytest.mark.parametrize("encoding", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_encoded_pushes_on_the_channel_equal_the_grpc_path(
+    server: ServerHandle, encoding: str, dtype: Any
+) -> None:
+    # 1.5M elements: the widening runs over several 2M-element staging blocks
+    # only for the first tensor; the rest are smaller than one
+    x0 = [RNG.standard_normal(s).astype(dtype) for s in [(1500, 1000), (7,), ()]]
+    grads = [[RNG.standard_normal(x.shape).astype(dtype) for x in x0] for _ in range(3)]
+    with (
+        Client(server.address, data_channel="on", shared_memory="off") as dc,
+        Client(server.address, data_channel="off", shared_memory="off") as ref,
+    ):
+        for c, name in ((dc, "dc"), (ref, "ref")):
+            c.create_group(
+                name, Adam(), learning_rate=0.05,
+                tensors=[(f"x{i}", x) for i, x in enumerate(x0)],
+            )  # fmt: skip
+        before = _calls(server)
+        for k, g in enumerate(grads):
+            if k == 1:
+                _same(
+                    dc.push("dc", *g, return_values=True, encoding=encoding),
+                    ref.push("ref", *g, return_values=True, encoding=encoding),
+                )
+            else:
+                assert dc.push("dc", *g, encoding=encoding) == k + 1
+                assert ref.push("ref", *g, encoding=encoding) == k + 1
+        _same(dc.pull("dc", state=True), ref.pull("ref", state=True))
+        assert _calls(server) - before == 4  # the 3 pushes and the pull of dc
+    if dtype is np.float64:
+        return  # float64 rounds through float32 by round-to-odd: test_encoding_codec
+    # and the widened gradient is exactly what a native push of it steps
+    with Client(server.address, data_channel="off", shared_memory="off") as c:
+        c.create_group(
+            "native", Adam(), learning_rate=0.05,
+            tensors=[(f"x{i}", x) for i, x in enumerate(x0)],
+        )  # fmt: skip
+        for g in grads:
+            c.push("native", *[_rounded(a, encoding) for a in g])
+        _same(c.pull("native", state=True), c.pull("dc", state=True))
+
+
+def _rounded(a: np.ndarray, encoding: str) -> np.ndarray:
+    """float32 ``a`` rounded to ``encoding`` and widened back (ml_dtypes,
+    independent of onnxps's codec)."""
+    import ml_dtypes
+
+    narrow = ml_dtypes.bfloat16 if encoding == "bfloat16" else np.float16
+    return np.asarray(a.astype(narrow).astype(np.float32))
+
+
+def test_an_encoded_nan_on_the_channel_is_refused_and_changes_nothing(
+    server: ServerHandle,
+) -> None:
+    x = RNG.standard_normal((1024, 1024)).astype(np.float32)
+    with Client(server.address, data_channel="on", shared_memory="off") as c:
+        c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
+        g = np.ones_like(x)
+        g[1000, 3] = np.nan  # in the last staging block
+        with pytest.raises(InvalidArgumentError) as nan:
+            c.push("g", g, encoding="bfloat16")
+        assert nan.value.reason == "NON_FINITE_GRADIENT"
+        assert c.describe_group("g").update_count == 0
+        np.testing.assert_array_equal(c.pull("g")[0], x)
+        assert c.push("g", np.ones_like(x), encoding="float16") == 1
+
+
+def test_a_truncated_encoded_frame_is_refused(server: ServerHandle) -> None:
+    x = np.zeros(1 << 18, np.float32)
+    with Client(server.address) as c:
+        c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
+    sock, cid = _raw_channel(server)
+    req = _push_request(cid, 1, x)
+    req.gradients[0].encoding = pb.ENCODING_BFLOAT16
+    with grpc.insecure_channel(server.address) as ch:
+        push = multicallable(ch, "Push")
+        # a native-sized frame for an encoded header: refused by its size
+        future = push.future(req, timeout=20)
+        sock.sendall(_frame(1, b"", declared=x.nbytes))
+        err = _grpc_error(future.result)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.details() == (
+            f"the data channel frame carries {x.nbytes} bytes; the gradients' "
+            f"headers declare {x.size * 2}"
+        )
+        sock.close()
+        sock, cid = _raw_channel(server)
+        req = _push_request(cid, 1, x)
+        req.gradients[0].encoding = pb.ENCODING_FLOAT16
+        future = push.future(req, timeout=20)
+        sock.sendall(_frame(1, b"\0" * 1000, declared=x.size * 2))
+        sock.close()
+        err = _grpc_error(future.result)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.details() == (
+            f"the data channel closed after 1000 of {x.size * 2} bytes of this "
+            "call's frame: the gradients are incomplete"
+        )
+    with Client(server.address) as c:
+        assert c.describe_group("g").update_count == 0
+        np.testing.assert_array_equal(c.pull("g")[0], x)
+
+
 def _raw_channel(
     handle: ServerHandle, token: str | None = None
 ) -> tuple[socket.socket, bytes]:
@@ -529,9 +633,11 @@ def test_a_cluster_client_uses_each_shards_data_channel() -> None:
                 dc.push("dc", *grads[1], return_values=True),
                 ref.push("ref", *grads[1], return_values=True),
             )
+            enc = {"encoding": "bfloat16"}
+            assert dc.push("dc", *grads[0], **enc) == ref.push("ref", *grads[0], **enc)
             _same(dc.pull("dc"), ref.pull("ref"))
             _same(dc.pull("dc", state=True), ref.pull("ref", state=True))
-        assert [_calls(h) for h in handles] == [4, 4]  # every part, both shards
+        assert [_calls(h) for h in handles] == [5, 5]  # every part, both shards
     finally:
         for h in handles:
             h.stop(grace=0)
@@ -557,6 +663,7 @@ def test_the_async_client_uses_the_channel_like_the_client(
             )  # fmt: skip
             assert await ps.push("async", *grads[0]) == 1
             got = [await ps.push("async", *grads[1], return_values=True)]
+            assert await ps.push("async", *grads[0], encoding="float16") == 3
             got.append(await ps.pull("async", state=True))
             # a cancelled pull closes its channel; the next call opens another
             task = asyncio.ensure_future(ps.pull("async", min_version=99))
@@ -575,7 +682,8 @@ def test_the_async_client_uses_the_channel_like_the_client(
         )  # fmt: skip
         ref.push("sync", *grads[0])
         _same(got[0], ref.push("sync", *grads[1], return_values=True))
+        ref.push("sync", *grads[0], encoding="float16")
         _same(got[1], ref.pull("sync", state=True))
         _same(got[2], ref.pull("sync"))
-    assert _calls(server) == 4  # the cancelled pull did not finish
+    assert _calls(server) == 5  # the cancelled pull did not finish
     _until(lambda: _open(server) == 0)
