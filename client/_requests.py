@@ -17,6 +17,7 @@ import functools
 import itertools
 import json
 import logging
+import math
 import os
 import ssl
 import time
@@ -39,7 +40,14 @@ from ._datachannel import (
     split_frame,
     tls_context,
 )
-from ._encoding import ENCODED, ENCODING_TO_PROTO, Encoding, check_encoding, encode
+from ._encoding import (
+    ENCODED,
+    ENCODING_TO_PROTO,
+    Encoding,
+    check_encoding,
+    encode,
+    widen_into,
+)
 from ._errors import (
     ClientClosedError,
     DataChannelError,
@@ -1501,14 +1509,16 @@ class ClientCore:
             )
             pulled = self._pull_shared_op(pool, segs[0], shared, deadline, out)
             return (yield from pulled)
-        if encoding == "native":
-            ch = yield from self._data_channel_for(size or 0, deadline, shard)
-            if ch is not None:
-                got = yield from self._pull_channel_op(
-                    ch, group, state, min_version, deadline, out, shard
-                )
-                if got is not None:
-                    return got
+        wire = size or 0
+        if encoding != "native":  # 2 bytes an element of X
+            wire = wire // 2 if wire else 0
+        ch = yield from self._data_channel_for(wire, deadline, shard)
+        if ch is not None:
+            got = yield from self._pull_channel_op(
+                ch, group, state, min_version, deadline, out, shard, encoding
+            )
+            if got is not None:
+                return got
         if self._use_stream(size or 0):
             req = pb.PullStreamRequest(
                 group=group,
@@ -1537,22 +1547,32 @@ class ClientCore:
         deadline: Deadline,
         out: Sequence[Array] | None,
         shard: int = 0,
+        encoding: Encoding = "native",
     ) -> Op[tuple[int, list[Array]] | None]:
         """A pull whose tensors come back on data channel ``ch`` (from ``shard``);
         None where the channel failed without the server saying why (pull over
-        gRPC then)."""
+        gRPC then). An encoded X is widened here, into ``out`` where it fits."""
         if min_version is not None:
             waited = f"group {group} did not reach T={min_version}"
         else:
             waited = f"the pull of group {group} was not answered"
         tid = ch.next_transfer()
-        req = pb.PullRequest(group=group, with_state=state, min_version=min_version)
+        req = pb.PullRequest(
+            group=group,
+            with_state=state,
+            min_version=min_version,
+            encoding=ENCODING_TO_PROTO[encoding],
+        )
         req.transfer.channel = ch.id
         req.transfer.transfer_id = tid
         into = None
-        if out is not None and all(
-            isinstance(o, np.ndarray) and o.flags.c_contiguous and o.flags.writeable
-            for o in out
+        if (
+            encoding == "native"
+            and out is not None
+            and all(
+                isinstance(o, np.ndarray) and o.flags.c_contiguous and o.flags.writeable
+                for o in out
+            )
         ):
             into = list(out)
         call = Call("Pull", _unary(req), deadline, waited)
@@ -1566,6 +1586,9 @@ class ClientCore:
             log.info("data channel: %s; the pull goes over gRPC", exc)
             return None
         self._data_pool(shard).give_back(ch)
+        if any(t.encoding for t in msg.tensors):
+            assert not isinstance(frame, list)  # no ``into`` for an encoded pull
+            return msg.update_count, _widened_frame(frame, msg.tensors, out)
         specs = [tensor_spec(t, t.name) for t in msg.tensors]
         if isinstance(frame, list):
             shapes = [(a.dtype, a.shape) for a in frame]
@@ -1919,6 +1942,44 @@ class ClientCore:
         is (``"skip"``, not in the result) or is replaced by the file's.
         """
         return (yield from import_op(self, path, existing=existing)).imported
+
+
+def _widened_frame(
+    frame: Array, tensors: Sequence[pb.Tensor], out: Sequence[Array] | None
+) -> list[Array]:
+    """The tensors of a data channel frame, the encoded ones widened (into the
+    matching ``out`` array where it is C-contiguous and writable)."""
+    arrays: list[Array] = []
+    at = 0
+    for i, t in enumerate(tensors):
+        dtype, dims = tensor_spec(t, t.name, encoded=True)
+        count = math.prod(dims)
+        end = at + count * (2 if t.encoding else dtype.itemsize)
+        if end > frame.size:
+            raise TensorFormatError(
+                f"the data channel frame holds {frame.size} bytes; the reply's "
+                f"tensors need {end} or more"
+            )
+        o = out[i] if out is not None and i < len(out) else None
+        fits = (
+            isinstance(o, np.ndarray)
+            and (o.dtype, o.shape) == (dtype, tuple(dims))
+            and o.flags.c_contiguous
+            and o.flags.writeable
+        )
+        dst = o if fits and o is not None else np.empty(dims, dtype)
+        if t.encoding:
+            widen_into(dst.reshape(-1), frame[at:end], t.encoding)
+        else:
+            dst.reshape(-1).view(np.uint8)[:] = frame[at:end]
+        arrays.append(dst)
+        at = end
+    if at != frame.size:
+        raise TensorFormatError(
+            f"the data channel frame holds {frame.size} bytes; the reply's tensors "
+            f"declare {at}"
+        )
+    return arrays
 
 
 def _written_into(out: Sequence[Array], arrays: Sequence[Array]) -> list[Array]:

@@ -213,8 +213,9 @@ class DataChannel:
         self.sock.sendall(FRAME.pack(transfer_id, nbytes))
         for a in arrays:
             if a.nbytes:
-                a = np.ascontiguousarray(a)
-                self.sock.sendall(memoryview(a.reshape(-1)).cast("B"))  # type: ignore[arg-type]
+                # as bytes: an ENCODED (2-byte structured) dtype has no buffer format
+                flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+                self.sock.sendall(memoryview(flat))  # type: ignore[arg-type]
 
 
 class DataChannels:

@@ -949,23 +949,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             return reply
 
     def _pull_on_channel(self, req: pb.PullRequest, context: Any) -> pb.PullResponse:
-        """A pull whose tensors go back as one frame on the data channel."""
+        """A pull whose tensors go back as one frame on the data channel (X in
+        the pull's encoding, when it asks for one)."""
         with self._channel(req.transfer, context) as (ch, deadline):
-            if req.encoding != pb.ENCODING_UNSPECIFIED:
-                raise InvalidArgument(
-                    "tensors on the data channel travel native: pull encoded X "
-                    "without a transfer",
-                    field="encoding",
-                )
             with self._reply_bytes(context, stream=False) as hold:
                 out = self._pull(req, context, hold)
-                ch.send(req.transfer.transfer_id, out.arrays, deadline)
+                arrays = _encoded_values(out.arrays, out.names, req.encoding)
+                ch.send(req.transfer.transfer_id, arrays, deadline)
                 return pb.PullResponse(
                     update_count=out.update_count,
                     learning_rate=out.learning_rate,
                     tensors=[
                         header_tensor(a, n)
-                        for a, n in zip(out.arrays, out.names, strict=True)
+                        for a, n in zip(arrays, out.names, strict=True)
                     ],
                     tensors_on_channel=True,
                 )

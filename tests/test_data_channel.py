@@ -30,6 +30,7 @@ from onnxps.client import (
     Adam,
     Client,
     DataChannelError,
+    FailedPreconditionError,
     InvalidArgumentError,
     Momentum,
     Nesterov,
@@ -220,7 +221,15 @@ def test_encoded_pushes_on_the_channel_equal_the_grpc_path(
                 assert dc.push("dc", *g, encoding=encoding) == k + 1
                 assert ref.push("ref", *g, encoding=encoding) == k + 1
         _same(dc.pull("dc", state=True), ref.pull("ref", state=True))
-        assert _calls(server) - before == 4  # the 3 pushes and the pull of dc
+        _same(dc.pull("dc", encoding=encoding), ref.pull("ref", encoding=encoding))
+        out = [np.full_like(x, np.nan) for x in x0]
+        got = dc.pull("dc", encoding=encoding, out=out)
+        assert all(a is b for a, b in zip(got, out, strict=True))
+        _same(out, ref.pull("ref", encoding=encoding))
+        # the channel's encoded X is X rounded to the encoding (ml_dtypes)
+        if dtype is np.float32:
+            _same(out, [_rounded(a, encoding) for a in ref.pull("ref")])
+        assert _calls(server) - before == 6  # the 3 pushes and 3 pulls of dc
     if dtype is np.float64:
         return  # float64 rounds through float32 by round-to-odd: test_encoding_codec
     # and the widened gradient is exactly what a native push of it steps
@@ -257,6 +266,25 @@ def test_an_encoded_nan_on_the_channel_is_refused_and_changes_nothing(
         assert c.describe_group("g").update_count == 0
         np.testing.assert_array_equal(c.pull("g")[0], x)
         assert c.push("g", np.ones_like(x), encoding="float16") == 1
+
+
+def test_an_encoded_pull_out_of_range_on_the_channel_is_refused(
+    server: ServerHandle,
+) -> None:
+    x = np.zeros(1 << 19, np.float64)
+    x[12345] = 1e300  # far beyond float16 and bfloat16
+    with Client(server.address, data_channel="on", shared_memory="off") as c:
+        c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
+        before = _calls(server)
+        for encoding in ("float16", "bfloat16"):
+            with pytest.raises(FailedPreconditionError) as info:
+                c.pull("g", encoding=encoding)
+            assert info.value.reason == "OUT_OF_ENCODING_RANGE"
+            assert f"cannot pull as {encoding}" in str(info.value)
+        with pytest.raises(ValueError, match="travels native"):
+            c.pull("g", state=True, encoding="float16")  # refused before sending
+        np.testing.assert_array_equal(c.pull("g")[0], x)  # the channel serves on
+        assert _calls(server) - before == 1
 
 
 def test_a_truncated_encoded_frame_is_refused(server: ServerHandle) -> None:
