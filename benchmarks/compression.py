@@ -18,7 +18,8 @@ is installed), the NumPy path being the baseline.
 
 ``--paths numpy,numba`` runs the wire table once per codec path, alternating within
 each round: two servers (``ONNXPS_KERNELS=numpy`` and the default), the client
-switching its own path with them.
+switching its own path with them. ``--transports stream,data`` (the default) runs it
+over gRPC streams and over the data channel (``--data-port``), alternating too.
 
 The machine may be shared: read the ratios, not the absolute figures.
 """
@@ -59,25 +60,34 @@ def _use_path(path: str) -> None:
     os.environ["ONNXPS_KERNELS"] = path
 
 
-def wire(addresses: dict[str, str], elements: int, rounds: int) -> list[list[str]]:
-    """Push and pull in every encoding, through each codec path's server."""
+def wire(
+    addresses: dict[str, str], elements: int, rounds: int, transports: list[str]
+) -> list[list[str]]:
+    """Push and pull in every encoding, through each codec path's server, on each
+    transport (gRPC streams; the data channel)."""
     rng = np.random.default_rng(0)
     x0 = rng.standard_normal(elements, dtype=np.float32)
     grad = rng.standard_normal(elements, dtype=np.float32) * np.float32(1e-3)
     times: dict[tuple[str, str, str], list[float]] = {}
-    clients = {
-        path: Client(address, timeout=600, transport="stream")
-        for path, address in addresses.items()
-    }
+    clients = {}
+    for path, address in addresses.items():
+        for transport in transports:
+            opts: dict[str, Any] = {
+                "data_channel": "on" if transport == "data" else "off",
+                "shared_memory": "off",
+            }
+            clients[f"{path}/{transport}"] = Client(address, timeout=600, **opts)
     try:
-        for c in clients.values():
-            c.create_group("big", Adam(), learning_rate=1e-3, tensors={"w": x0})
+        for name, c in clients.items():
+            c.create_group(name, Adam(), learning_rate=1e-3, tensors={"w": x0})
         for r in range(rounds + 1):  # the first round warms up
             for path, c in clients.items():
-                _use_path(path)
+                _use_path(path.split("/")[0])
                 for enc in ENCODINGS:
-                    push = _timed(lambda e=enc, c=c: c.push("big", grad, encoding=e))
-                    pull = _timed(lambda e=enc, c=c: c.pull("big", encoding=e))
+                    push = _timed(
+                        lambda e=enc, c=c, n=path: c.push(n, grad, encoding=e)
+                    )
+                    pull = _timed(lambda e=enc, c=c, n=path: c.pull(n, encoding=e))
                     if r:
                         times.setdefault(("push", enc, path), []).append(push)
                         times.setdefault(("pull", enc, path), []).append(pull)
@@ -87,7 +97,7 @@ def wire(addresses: dict[str, str], elements: int, rounds: int) -> list[list[str
     logical = elements * 4
     rows = []
     for what in ("push", "pull"):
-        for path in addresses:
+        for path in clients:
             base = statistics.median(times[(what, "native", path)])
             for enc in ENCODINGS:
                 t = times[(what, enc, path)]
@@ -154,7 +164,13 @@ def main() -> None:
         help="codec paths of the wire table, comma-separated: auto (the default: "
         "numba when installed), numpy, numba",
     )
+    p.add_argument(
+        "--transports",
+        default="stream,data",
+        help="comma-separated: stream (gRPC streams), data (the data channel)",
+    )
     args = p.parse_args()
+    transports = [s.strip() for s in args.transports.split(",") if s.strip()]
     elements = args.mib * MIB // 4
     wire_paths = [s.strip() for s in args.paths.split(",") if s.strip()]
     codec_paths = ["numpy"] + (["numba"] if compiled_codec() is not None else [])
@@ -164,11 +180,13 @@ def main() -> None:
             addresses = {}
             for path in wire_paths:
                 proc, addresses[path] = start_server_process(
+                    "--data-port",
+                    "0",
                     log=Path(tmp) / f"{path}.log",
                     env={**os.environ, "ONNXPS_KERNELS": path},
                 )
                 procs.append(proc)
-            rows = wire(addresses, elements, args.rounds)
+            rows = wire(addresses, elements, args.rounds, transports)
         finally:
             stop_processes(procs, timeout=15)
     print(
@@ -176,7 +194,8 @@ def main() -> None:
         f"{args.rounds} alternating rounds: median (min-max)\n"
     )
     header = [
-        "call", "encoding", "codec path", "tensor bytes", "ms", "GB/s logical",
+        "call", "encoding", "codec path/transport", "tensor bytes", "ms",
+        "GB/s logical",
         "vs native",
     ]  # fmt: skip
     print(_table(header, rows))
