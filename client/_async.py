@@ -20,6 +20,7 @@ import grpc.aio
 import numpy as np
 
 from ._datachannel import ChannelBroken
+from ._encoding import EncodingRangeError
 from ._errors import ClientClosedError
 from ._records import LeaseInfo
 from ._requests import (
@@ -198,6 +199,10 @@ class AsyncClient(RoutingCore):
 
         try:
             frame = await asyncio.to_thread(frames)
+        except EncodingRangeError:  # met mid-frame: the server steps nothing
+            ch.close()
+            rpc.cancel()
+            raise
         except (OSError, ChannelBroken) as exc:
             ch.close()
             try:  # the server's word on it, when it refused the call

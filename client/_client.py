@@ -15,6 +15,7 @@ from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from ._cluster import fan_out
 from ._datachannel import ChannelBroken
+from ._encoding import EncodingRangeError
 from ._errors import ClientClosedError
 from ._records import (
     GroupInfo,
@@ -237,6 +238,10 @@ class Client(RoutingCore):
                 ch.send_frame(t.transfer_id, t.send, call.deadline.remaining())
             if t.receive:
                 frame = ch.recv_frame(t.transfer_id, call.deadline.remaining(), t.into)
+        except EncodingRangeError:  # met mid-frame: the server steps nothing
+            ch.close()
+            future.cancel()
+            raise
         except (OSError, ChannelBroken) as exc:
             ch.close()
             try:  # the server's word on it, when it refused the call

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ._encoding import DeferredEncoding
 from .codec import TensorFormatError
 
 __all__ = [
@@ -45,6 +46,8 @@ MAGIC = b"ONNXPSD1"
 FRAME = struct.Struct("<QQ")
 CHANNEL_ID_BYTES = 16
 IDLE_CHANNELS = 4
+# Elements encoded at a time when a push's encoding overlaps its sending.
+ENCODE_BLOCK_ELEMENTS = 1 << 19
 
 
 class ChannelRefused(Exception):
@@ -81,7 +84,10 @@ class DataChannel:
         self.sock.settimeout(timeout)
         self.sock.sendall(FRAME.pack(transfer_id, sum(a.nbytes for a in arrays)))
         for a in arrays:
-            if a.nbytes:
+            if isinstance(a, DeferredEncoding):  # encoded as it goes out
+                for block in a.blocks(ENCODE_BLOCK_ELEMENTS):
+                    self.sock.sendall(memoryview(block.view(np.uint8)))  # type: ignore[arg-type]
+            elif a.nbytes:
                 # as bytes: an ENCODED (2-byte structured) dtype has no buffer format
                 flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
                 self.sock.sendall(memoryview(flat))  # type: ignore[arg-type]

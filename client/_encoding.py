@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import numpy as np
@@ -141,23 +141,69 @@ def encode(a: Any, encoding: str, what: str = "tensor") -> Array:
     arr = np.asarray(a)
     if encoding == "native":
         return arr
+    arr = _encodable(arr, encoding, what)
+    out = np.empty(arr.shape, encoded_dtype(encoding, arr.dtype))
+    _encode_flat(arr.reshape(-1), out.reshape(-1).view(np.uint16), encoding, what)
+    return out
+
+
+def _encodable(arr: Array, encoding: str, what: str) -> Array:
     if arr.dtype.kind != "f" or arr.dtype.itemsize not in (4, 8):
         raise TypeError(
             f"{what} is {arr.dtype}: the {encoding} encoding applies to float32 and "
             "float64 tensors (the group's dtype)"
         )
-    arr = np.asarray(arr, dtype=arr.dtype.newbyteorder("="), order="C")  # keeps 0-d
-    out = np.empty(arr.shape, encoded_dtype(encoding, arr.dtype))
-    src = arr.reshape(-1)
-    dst = out.reshape(-1).view(np.uint16)
+    return np.asarray(arr, dtype=arr.dtype.newbyteorder("="), order="C")  # keeps 0-d
+
+
+class DeferredEncoding:
+    """A gradient to send in ``encoding``, encoded block by block as it is sent
+    (the data channel), so that encoding overlaps the sending; ``encoded()`` the
+    whole of it at once (any other path). It stands in for the encoded array:
+    ``shape``, ``dtype`` (the ENCODED one) and ``nbytes`` are the encoded
+    array's. A finite value the encoding cannot hold raises ``EncodingRangeError``
+    when its block is reached."""
+
+    def __init__(self, a: Any, encoding: str, what: str = "tensor") -> None:
+        self.native = _encodable(np.asarray(a), encoding, what)
+        self.encoding = encoding
+        self.what = what
+        self.shape: tuple[int, ...] = self.native.shape
+        self.dtype: np.dtype[Any] = encoded_dtype(encoding, self.native.dtype)
+        self.size = self.native.size
+        self.nbytes = self.size * 2
+
+    def encoded(self) -> Array:
+        out = np.empty(self.shape, self.dtype)
+        flat = out.reshape(-1).view(np.uint16)
+        _encode_flat(self.native.reshape(-1), flat, self.encoding, self.what)
+        return out
+
+    def blocks(self, elements: int) -> Iterator[Array]:
+        """The encoded 2-byte values, ``elements`` at a time (one buffer, reused:
+        each block is valid until the next is asked for)."""
+        src = self.native.reshape(-1)
+        buf = np.empty(min(elements, src.size), np.uint16)
+        for start in range(0, src.size, elements):
+            x = src[start : start + elements]
+            dst = buf[: x.size]
+            _encode_flat(x, dst, self.encoding, self.what, start)
+            yield dst
+
+
+def _encode_flat(
+    src: Array, dst: Array, encoding: str, what: str, offset: int = 0
+) -> None:
+    """Encode 1-D ``src`` into uint16 ``dst``; an overflow names element
+    ``offset`` + its index."""
     loops = compiled_codec()
     if loops is not None:
-        _encode_compiled(loops[encoding], src, dst, encoding, what)
-        return out
+        _encode_compiled(loops[encoding], src, dst, encoding, what, offset)
+        return
     block = min(_BLOCK, src.size)
     scratch = [np.empty(block, np.uint32) for _ in range(3)]
     mask = np.empty(block, np.bool_)
-    rounded = np.empty(block, np.float32) if arr.itemsize == 8 else None
+    rounded = np.empty(block, np.float32) if src.itemsize == 8 else None
     to_bits, inf = (_bfloat16, 0x7F80) if encoding == "bfloat16" else (_float16, 0x7C00)
     for start in range(0, src.size, _BLOCK):
         x = src[start : start + _BLOCK]
@@ -173,8 +219,7 @@ def encode(a: Any, encoding: str, what: str = "tensor") -> Array:
         np.bitwise_and(o, 0x7FFF, out=magnitude)
         overflow = np.equal(magnitude, inf, out=mask[:k])
         if overflow.any():
-            _refuse_overflow(x, overflow, start, encoding, what)
-    return out
+            _refuse_overflow(x, overflow, offset + start, encoding, what)
 
 
 def _encode_compiled(
@@ -183,12 +228,13 @@ def _encode_compiled(
     dst: Array,
     encoding: str,
     what: str,
+    offset: int = 0,
 ) -> None:
     """Encode ``src`` into ``dst`` with numba's loop (float64 first rounded to
     float32 to odd, block by block); refuse the first finite overflow."""
     if src.dtype.itemsize == 4:
         if loop(src.view(np.uint32), dst):
-            _refuse_first_overflow(src, dst, 0, encoding, what)
+            _refuse_first_overflow(src, dst, offset, encoding, what)
         return
     rounded = np.empty(min(_BLOCK, src.size), np.float32)
     for start in range(0, src.size, _BLOCK):
@@ -197,7 +243,7 @@ def _encode_compiled(
         _to_float32_odd(x, x32)
         o = dst[start : start + _BLOCK]
         if loop(x32.view(np.uint32), o):
-            _refuse_first_overflow(x, o, start, encoding, what)
+            _refuse_first_overflow(x, o, offset + start, encoding, what)
 
 
 def _refuse_first_overflow(

@@ -43,6 +43,7 @@ from ._datachannel import (
 from ._encoding import (
     ENCODED,
     ENCODING_TO_PROTO,
+    DeferredEncoding,
     Encoding,
     check_encoding,
     encode,
@@ -924,7 +925,17 @@ class ClientCore:
         enc = self._encoding(encoding, self.gradient_encoding, "encoding")
         if out is not None:
             out = _reply_arrays(out, gradients, return_values)
-        arrays = [encode(g, enc, f"gradient {i + 1}") for i, g in enumerate(gradients)]
+        if enc != "native" and self._defers_encoding():
+            # encoded block by block as the data channel sends it, or all at once
+            # (``_push_op``) if the push goes another way
+            arrays: list[Any] = [
+                DeferredEncoding(g, enc, f"gradient {i + 1}")
+                for i, g in enumerate(gradients)
+            ]
+        else:
+            arrays = [
+                encode(g, enc, f"gradient {i + 1}") for i, g in enumerate(gradients)
+            ]
         req = pb.PushRequest(
             group=group,
             client_id=self.client_id,
@@ -939,6 +950,11 @@ class ClientCore:
         if out is None or result.values is None:
             return result
         return dataclasses.replace(result, values=_written_into(out, result.values))
+
+    def _defers_encoding(self) -> bool:
+        """Whether an encoded push may leave its encoding to the data channel's
+        sending (a single server that may give a channel)."""
+        return self.TRANSFERS and self.data_channel != "off" and self.shards is None
 
     def _push_parts(
         self,
@@ -1127,7 +1143,7 @@ class ClientCore:
         req.CopyFrom(template)
         group = req.group
         what = f"the push to group {group} (seq {req.seq}) was not answered"
-        arrays = list(arrays)
+        arrays = [a.encoded() if isinstance(a, DeferredEncoding) else a for a in arrays]
         if self._use_stream(sum(a.nbytes for a in arrays)):
             req.gradients.extend(header_tensor(a) for a in arrays)
             if req.return_values:

@@ -28,6 +28,7 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from ._encoding import (
     ENCODED,
     ENCODING_NAMES,
+    DeferredEncoding,
     EncodingRangeError,
     decode,
     encode,
@@ -208,8 +209,9 @@ def array_to_tensor(a: Any, name: str = "") -> pb.Tensor:
 
 
 def header_tensor(a: Any, name: str = "") -> pb.Tensor:
-    """A tensor message without bytes: the header of a stream."""
-    arr = np.asarray(a)
+    """A tensor message without bytes: the header of a stream (of an array, or
+    of anything with an array's ``dtype`` and ``shape``)."""
+    arr = a if isinstance(a, DeferredEncoding) else np.asarray(a)
     code, encoding = _wire_type(arr.dtype)
     return pb.Tensor(name=name, dtype=code, dims=arr.shape, encoding=encoding)
 

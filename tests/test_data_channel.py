@@ -287,6 +287,36 @@ def test_an_encoded_pull_out_of_range_on_the_channel_is_refused(
         assert _calls(server) - before == 1
 
 
+def test_a_gradient_beyond_the_encoding_met_mid_frame_steps_nothing(
+    server: ServerHandle,
+) -> None:
+    import asyncio
+
+    from onnxps.client import AsyncClient, EncodingRangeError
+
+    x = RNG.standard_normal(3 << 20).astype(np.float32)  # 6 blocks of encoding
+    g = np.ones_like(x)
+    g[(5 << 19) + 7] = 1e6  # float16 holds at most 65504: found in the 6th block
+    opts: dict[str, Any] = {"data_channel": "on", "shared_memory": "off"}
+    with Client(server.address, **opts) as c:
+        c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
+        before = _calls(server)
+        with pytest.raises(EncodingRangeError, match=r"\(element 2621447\)"):
+            c.push("g", g, encoding="float16")
+
+        async def pushed() -> None:
+            async with AsyncClient(server.address, **opts) as ps:
+                with pytest.raises(EncodingRangeError, match="element 2621447"):
+                    await ps.push("g", g, encoding="float16")
+
+        asyncio.run(pushed())
+        _until(lambda: _open(server) == 0)  # both channels closed, both calls ended
+        assert c.describe_group("g").update_count == 0
+        np.testing.assert_array_equal(c.pull("g", encoding="native")[0], x)
+        assert c.push("g", g, encoding="bfloat16") == 1  # bfloat16 holds it
+        assert _calls(server) - before == 2  # the pull and the last push
+
+
 def test_a_truncated_encoded_frame_is_refused(server: ServerHandle) -> None:
     x = np.zeros(1 << 18, np.float32)
     with Client(server.address) as c:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from kernel_paths import HAVE_NUMBA, NO_NUMBA, each_kernel_path  # noqa: F401
 from onnxps.client import EncodingRangeError, _codec_numba, _encoding
-from onnxps.client._encoding import compiled_codec
+from onnxps.client._encoding import DeferredEncoding, compiled_codec
 from onnxps.client.codec import (
     ENCODED,
     TensorAssembler,
@@ -433,3 +433,39 @@ def test_signalling_nans_of_float64_stay_nan_without_a_warning(encoding: str) ->
     x = np.array(bits, np.uint64).view(np.float64)
     got = decode(encode(x, encoding))
     assert np.isnan(got).all() and np.signbit(got).tolist() == [False, True, False]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("encoding", ["bfloat16", "float16"])
+def test_deferred_encoding_block_by_block_equals_encode(
+    kernels: str, encoding: str, dtype: type
+) -> None:
+    x = np.random.default_rng(9).standard_normal(200_003).astype(dtype)
+    deferred = DeferredEncoding(x, encoding, "gradient 3")
+    whole = encode(x, encoding, "gradient 3")
+    assert (deferred.shape, deferred.dtype, deferred.nbytes) == (
+        whole.shape, whole.dtype, whole.nbytes,
+    )  # fmt: skip
+    np.testing.assert_array_equal(
+        deferred.encoded().view(np.uint16), whole.view(np.uint16)
+    )
+    sizes = []
+    parts = []
+    for block in deferred.blocks(65_536):
+        sizes.append(block.size)
+        parts.append(block.copy())  # the buffer is reused for the next block
+    assert sizes == [65_536, 65_536, 65_536, 3_395]
+    np.testing.assert_array_equal(np.concatenate(parts), whole.view(np.uint16))
+    # an overflow in a later block names its element in the whole tensor
+    x[150_001] = 1e300 if dtype is np.float64 else 3.4e38
+    if encoding == "float16":
+        x[150_001] = 70_000.0
+    blocks = DeferredEncoding(x, encoding, "gradient 3").blocks(65_536)
+    next(blocks)
+    next(blocks)  # elements 0..131071 are fine
+    with pytest.raises(
+        EncodingRangeError, match=r"gradient 3 holds .* \(element 150001\)"
+    ):
+        next(blocks)
+    with pytest.raises(TypeError, match="float32 and float64"):
+        DeferredEncoding(np.arange(5), encoding)
