@@ -1,36 +1,80 @@
-"""A/B: an encoded push on the data channel, encoded block by block as it is sent
+"""A/B: encoded calls on the data channel, encoded block by block as they are sent
 (the default) against encoded whole before sending (the baseline, as before).
 
     python benchmarks/encode_overlap_ab.py [--rounds 9] [--mib 64]
 
-One server process (``onnxps serve --data-port 0``), one float32 Adam group of
-``--mib`` MiB per client; each round pushes the same gradient through both clients,
-alternating which goes first. Prints the median and spread (min-max) of each, their
-ratio, and in how many rounds the overlapped push was the faster. A native push on
-the data channel is timed in the same rounds for scale. The machine may be shared:
-read the ratios.
+- push: the client encodes G. Two clients of one server (``--data-port 0``); the
+  baseline client encodes each gradient whole first.
+- pull: the server encodes X. Two server processes, each with a data port; the
+  baseline one encodes X whole first (its ``_deferred_values`` replaced by the
+  whole-array ``_encoded_values``, the code before the change).
+
+Each round makes every call through both variants, alternating which goes first,
+and a native call on the data channel for scale. Prints the median and spread
+(min-max), the ratio, and in how many rounds the overlapped call was the faster. The
+machine may be shared: read the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from onnxps.cli.process import start_server_process, stop_processes
+from onnxps.cli.process import start_server_process, stop_processes, wait_for_listening
 from onnxps.client import Adam, Client
 
 MIB = 1 << 20
+_WHOLE_FIRST_SERVER = (
+    "import sys; import onnxps.server.service as s; "
+    "s._deferred_values = s._encoded_values; "
+    "from onnxps.cli import main; sys.exit(main(sys.argv[1:]))"
+)
 
 
 class WholeFirst(Client):
-    """The baseline: every encoded gradient is encoded whole before sending."""
+    """The baseline client: every encoded gradient is encoded whole before
+    sending."""
 
     def _defers_encoding(self) -> bool:
         return False
+
+
+def _rounds(
+    calls: dict[str, Callable[[], Any]], scale: Callable[[], Any], rounds: int
+) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    times["native (scale)"] = []
+    for r in range(rounds + 1):  # round 0 warms up
+        order = list(calls.items())
+        if r % 2:
+            order.reverse()
+        for name, fn in [*order, ("native (scale)", scale)]:
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _report(title: str, times: dict[str, list[float]]) -> None:
+    print(f"\n{title} (ms, median (min-max))")
+    for name, t in times.items():
+        ms = [v * 1e3 for v in t]
+        print(
+            f"  {name:22s} {statistics.median(ms):7.1f} ({min(ms):.1f}-{max(ms):.1f})"
+        )
+    a, b = times["overlapped"], times["encoded whole first"]
+    wins = sum(x < y for x, y in zip(a, b, strict=True))
+    ratio = statistics.median(a) / statistics.median(b)
+    print(f"  overlapped / whole first: {ratio:.2f}x, faster in {wins} of {len(a)}")
 
 
 def main() -> None:
@@ -42,51 +86,49 @@ def main() -> None:
     rng = np.random.default_rng(0)
     x0 = rng.standard_normal(n, dtype=np.float32)
     grad = rng.standard_normal(n, dtype=np.float32) * np.float32(1e-3)
-    opts = {"data_channel": "on", "shared_memory": "off", "timeout": 600}
+    opts: dict[str, Any] = {"data_channel": "on", "shared_memory": "off"}
+    opts["timeout"] = 600
+    procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        proc, address = start_server_process(
-            "--data-port", "0", log=Path(tmp) / "server.log"
-        )
         try:
-            with Client(address, **opts) as over, WholeFirst(address, **opts) as whole:
-                variants = {"overlapped": over, "encoded whole first": whole}
-                for name, c in variants.items():
+            proc, address = start_server_process(
+                "--data-port", "0", log=Path(tmp) / "server.log"
+            )
+            procs.append(proc)
+            log = Path(tmp) / "whole-first.log"
+            cmd = [sys.executable, "-c", _WHOLE_FIRST_SERVER, "serve", "--data-port"]
+            cmd += ["0", "--address", "127.0.0.1:0", "--durability", "none"]
+            with open(log, "wb") as out:
+                base = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+            procs.append(base)
+            base_address = wait_for_listening(base, log)
+            with (
+                Client(address, **opts) as over,
+                WholeFirst(address, **opts) as whole,
+                Client(base_address, **opts) as whole_server,
+            ):
+                for name, c in (("over", over), ("whole", whole), ("w", whole_server)):
                     c.create_group(name, Adam(), learning_rate=1e-3, tensors={"w": x0})
                 for enc in ("bfloat16", "float16"):
-                    times: dict[str, list[float]] = {k: [] for k in variants}
-                    times["native (scale)"] = []
-                    for r in range(args.rounds + 1):  # round 0 warms up
-                        order = list(variants.items())
-                        if r % 2:
-                            order.reverse()
-                        for name, c in order:
-                            t0 = time.perf_counter()
-                            c.push(name, grad, encoding=enc)
-                            if r:
-                                times[name].append(time.perf_counter() - t0)
-                        t0 = time.perf_counter()
-                        over.push("overlapped", grad, encoding="native")
-                        if r:
-                            times["native (scale)"].append(time.perf_counter() - t0)
-                    print(
-                        f"\n{args.mib} MiB float32, {enc} push on the data channel, "
-                        f"{args.rounds} alternating rounds (ms, median (min-max))"
-                    )
-                    for name, t in times.items():
-                        ms = [v * 1e3 for v in t]
-                        print(
-                            f"  {name:22s} {statistics.median(ms):7.1f} "
-                            f"({min(ms):.1f}-{max(ms):.1f})"
-                        )
-                    a, b = times["overlapped"], times["encoded whole first"]
-                    wins = sum(x < y for x, y in zip(a, b, strict=True))
-                    print(
-                        f"  overlapped / whole first: "
-                        f"{statistics.median(a) / statistics.median(b):.2f}x, "
-                        f"faster in {wins} of {len(a)} rounds"
-                    )
+                    pushes = {
+                        "overlapped": lambda e=enc: over.push("over", grad, encoding=e),
+                        "encoded whole first": lambda e=enc: whole.push(
+                            "whole", grad, encoding=e
+                        ),
+                    }
+                    native = lambda: over.push("over", grad)  # noqa: E731
+                    times = _rounds(pushes, native, args.rounds)
+                    _report(f"{args.mib} MiB float32, {enc} push", times)
+                    pulls = {
+                        "overlapped": lambda e=enc: over.pull("over", encoding=e),
+                        "encoded whole first": lambda e=enc: whole_server.pull(
+                            "w", encoding=e
+                        ),
+                    }
+                    times = _rounds(pulls, lambda: over.pull("over"), args.rounds)
+                    _report(f"{args.mib} MiB float32, {enc} pull", times)
         finally:
-            stop_processes([proc], timeout=15)
+            stop_processes(procs, timeout=15)
 
 
 if __name__ == "__main__":

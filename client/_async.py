@@ -194,7 +194,9 @@ class AsyncClient(RoutingCore):
             if t.send is not None:
                 ch.send_frame(t.transfer_id, t.send, call.deadline.remaining())
             if t.receive:
-                return ch.recv_frame(t.transfer_id, call.deadline.remaining(), t.into)
+                return ch.recv_frame(
+                    t.transfer_id, call.deadline.remaining(), t.into, t.widen
+                )
             return None
 
         try:

@@ -237,7 +237,9 @@ class Client(RoutingCore):
             if t.send is not None:
                 ch.send_frame(t.transfer_id, t.send, call.deadline.remaining())
             if t.receive:
-                frame = ch.recv_frame(t.transfer_id, call.deadline.remaining(), t.into)
+                frame = ch.recv_frame(
+                    t.transfer_id, call.deadline.remaining(), t.into, t.widen
+                )
         except EncodingRangeError:  # met mid-frame: the server steps nothing
             ch.close()
             future.cancel()

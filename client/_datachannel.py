@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ._encoding import DeferredEncoding
+from ._encoding import DeferredEncoding, widen_into
 from .codec import TensorFormatError
 
 __all__ = [
@@ -93,10 +93,16 @@ class DataChannel:
                 self.sock.sendall(memoryview(flat))  # type: ignore[arg-type]
 
     def recv_frame(
-        self, transfer_id: int, timeout: float | None, into: Sequence[Array] | None
+        self,
+        transfer_id: int,
+        timeout: float | None,
+        into: Sequence[Array] | None,
+        widen: int = 0,
     ) -> Array | list[Array]:
         """The frame of ``transfer_id``: into ``into`` (C-contiguous arrays whose
-        sizes add up to the frame's) and returned, else one uint8 buffer."""
+        sizes add up to the frame's) and returned, else one uint8 buffer. With
+        ``widen`` (an encoding), the frame holds 2-byte values, widened into
+        ``into`` block by block as they land."""
         self.sock.settimeout(timeout)
         header = bytearray(FRAME.size)
         self._fill(memoryview(header))
@@ -106,13 +112,25 @@ class DataChannel:
                 f"the data channel sent the frame of transfer {got_id}, this call is "
                 f"transfer {transfer_id}"
             )
-        if into is not None and sum(a.nbytes for a in into) == nbytes:
+        if widen and into is not None and sum(a.size * 2 for a in into) == nbytes:
+            self._widen_into(into, widen)
+            return list(into)
+        if not widen and into is not None and sum(a.nbytes for a in into) == nbytes:
             for a in into:
                 self._fill(memoryview(a.reshape(-1)).cast("B"))  # type: ignore[arg-type]
             return list(into)
         buf = np.empty(nbytes, np.uint8)
         self._fill(memoryview(buf))  # type: ignore[arg-type]
         return buf
+
+    def _widen_into(self, into: Sequence[Array], code: int) -> None:
+        stage = np.empty(min(ENCODE_BLOCK_ELEMENTS, max(a.size for a in into)), "<u2")
+        for a in into:
+            flat = a.reshape(-1)
+            for start in range(0, flat.size, stage.size):
+                part = stage[: min(stage.size, flat.size - start)]
+                self._fill(memoryview(part.view(np.uint8)))  # type: ignore[arg-type]
+                widen_into(flat[start : start + part.size], part, code)
 
     def _fill(self, view: memoryview) -> None:
         got = 0

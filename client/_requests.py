@@ -462,6 +462,7 @@ class Transfer:
     send: Sequence[Array] | None
     receive: bool
     into: Sequence[Array] | None = None
+    widen: int = 0  # the reply's frame holds X in this encoding: widen into ``into``
 
 
 @dataclass(frozen=True)
@@ -1582,18 +1583,15 @@ class ClientCore:
         req.transfer.channel = ch.id
         req.transfer.transfer_id = tid
         into = None
-        if (
-            encoding == "native"
-            and out is not None
-            and all(
-                isinstance(o, np.ndarray) and o.flags.c_contiguous and o.flags.writeable
-                for o in out
-            )
+        if out is not None and all(
+            isinstance(o, np.ndarray) and o.flags.c_contiguous and o.flags.writeable
+            for o in out
         ):
             into = list(out)
         call = Call("Pull", _unary(req), deadline, waited)
+        widen = ENCODING_TO_PROTO[encoding] if into is not None else 0
         try:
-            msg, frame = yield Transfer(call, ch, tid, None, True, into)
+            msg, frame = yield Transfer(call, ch, tid, None, True, into, widen)
         except (ChannelBroken, UnavailableError, FailedPreconditionError) as exc:
             if isinstance(exc, FailedPreconditionError) and (
                 exc.reason not in _CHANNEL_FALLBACK_REASONS
@@ -1602,16 +1600,20 @@ class ClientCore:
             log.info("data channel: %s; the pull goes over gRPC", exc)
             return None
         self._data_pool(shard).give_back(ch)
-        if any(t.encoding for t in msg.tensors):
-            assert not isinstance(frame, list)  # no ``into`` for an encoded pull
+        if not isinstance(frame, list) and any(t.encoding for t in msg.tensors):
             return msg.update_count, _widened_frame(frame, msg.tensors, out)
-        specs = [tensor_spec(t, t.name) for t in msg.tensors]
+        specs = [tensor_spec(t, t.name, encoded=True) for t in msg.tensors]
         if isinstance(frame, list):
-            shapes = [(a.dtype, a.shape) for a in frame]
-            if shapes != [(d, tuple(dims)) for d, dims in specs]:
-                raise TensorFormatError(
-                    f"the pull of {group} answered tensors {specs}; out holds {shapes}"
+            if len(frame) != len(specs):
+                raise ValueError(
+                    f"out holds {len(frame)} arrays; the pull returned {len(specs)}"
                 )
+            for i, (a, (d, dims)) in enumerate(zip(frame, specs, strict=True)):
+                if (a.dtype, a.shape) != (d, tuple(dims)):  # as pull(out=) says it
+                    raise ValueError(
+                        f"out[{i}] must be a {d} array of shape {tuple(dims)}, got "
+                        f"{a.dtype} {a.shape}"
+                    )
             return msg.update_count, frame
         return msg.update_count, split_frame(frame, specs)
 

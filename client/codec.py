@@ -39,6 +39,7 @@ from ._errors import OnnxpsError
 __all__ = [
     "CHUNK_BYTES",
     "DTYPE_TO_PROTO",
+    "DeferredEncoding",
     "ENCODED",
     "ENCODING_NAMES",
     "EncodingRangeError",

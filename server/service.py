@@ -28,6 +28,7 @@ from onnxps.client.codec import (
     CHUNK_BYTES,
     ENCODING_NAMES,
     PROTO_TO_DTYPE,
+    DeferredEncoding,
     EncodingRangeError,
     TensorAssembler,
     TensorFormatError,
@@ -264,11 +265,30 @@ def _encoded_values(
             for a, n in zip(arrays, names, strict=True)
         ]
     except EncodingRangeError as exc:
-        raise FailedPrecondition(
-            f"cannot pull as {name}: {exc}",
-            reason="OUT_OF_ENCODING_RANGE",
-            metadata={"encoding": name},
-        ) from None
+        raise _out_of_range(exc, encoding) from None
+
+
+def _deferred_values(
+    arrays: Sequence[Array], names: Sequence[str], encoding: int
+) -> Sequence[Array | DeferredEncoding]:
+    """X in the pull's encoding, encoded block by block as the data channel
+    sends it."""
+    if not encoding:
+        return arrays
+    name = ENCODING_NAMES[encoding]
+    return [
+        DeferredEncoding(a, name, f"X {n!r}")
+        for a, n in zip(arrays, names, strict=True)
+    ]
+
+
+def _out_of_range(exc: EncodingRangeError, encoding: int) -> FailedPrecondition:
+    name = ENCODING_NAMES[encoding]
+    return FailedPrecondition(
+        f"cannot pull as {name}: {exc}",
+        reason="OUT_OF_ENCODING_RANGE",
+        metadata={"encoding": name},
+    )
 
 
 _END = object()
@@ -954,8 +974,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         with self._channel(req.transfer, context) as (ch, deadline):
             with self._reply_bytes(context, stream=False) as hold:
                 out = self._pull(req, context, hold)
-                arrays = _encoded_values(out.arrays, out.names, req.encoding)
-                ch.send(req.transfer.transfer_id, arrays, deadline)
+                arrays = _deferred_values(out.arrays, out.names, req.encoding)
+                try:
+                    ch.send(req.transfer.transfer_id, arrays, deadline)
+                except EncodingRangeError as exc:  # mid-frame: the channel closes
+                    raise _out_of_range(exc, req.encoding) from None
                 return pb.PullResponse(
                     update_count=out.update_count,
                     learning_rate=out.learning_rate,

@@ -271,8 +271,10 @@ def test_an_encoded_nan_on_the_channel_is_refused_and_changes_nothing(
 def test_an_encoded_pull_out_of_range_on_the_channel_is_refused(
     server: ServerHandle,
 ) -> None:
-    x = np.zeros(1 << 19, np.float64)
-    x[12345] = 1e300  # far beyond float16 and bfloat16
+    x = np.zeros(3 << 19, np.float64)
+    # far beyond float16 and bfloat16, in the third block the server encodes: met
+    # once the frame is under way
+    x[(2 << 19) + 5] = 1e300
     with Client(server.address, data_channel="on", shared_memory="off") as c:
         c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
         before = _calls(server)
@@ -280,7 +282,10 @@ def test_an_encoded_pull_out_of_range_on_the_channel_is_refused(
             with pytest.raises(FailedPreconditionError) as info:
                 c.pull("g", encoding=encoding)
             assert info.value.reason == "OUT_OF_ENCODING_RANGE"
-            assert f"cannot pull as {encoding}" in str(info.value)
+            assert f"cannot pull as {encoding}: X 'w' holds 1e+300 (element " in str(
+                info.value
+            )
+            assert "(element 1048581)" in str(info.value)
         with pytest.raises(ValueError, match="travels native"):
             c.pull("g", state=True, encoding="float16")  # refused before sending
         np.testing.assert_array_equal(c.pull("g")[0], x)  # the channel serves on
@@ -745,3 +750,33 @@ def test_the_async_client_uses_the_channel_like_the_client(
         _same(got[2], ref.pull("sync"))
     assert _calls(server) == 5  # the cancelled pull did not finish
     _until(lambda: _open(server) == 0)
+
+
+@pytest.mark.parametrize("encoding", ["native", "bfloat16"])
+def test_a_wrong_out_is_the_error_the_grpc_path_gives(
+    server: ServerHandle, encoding: str
+) -> None:
+    x = np.ones(1 << 19, np.float32)
+    wrong = {
+        # as many bytes (native) or elements (encoded) as X: the frame fits it
+        "native": np.empty(1 << 18, np.float64),
+        "bfloat16": np.empty(1 << 19, np.float64),
+    }[encoding]
+    said = []
+    for mode in ("on", "off"):
+        with Client(server.address, data_channel=mode, shared_memory="off") as c:
+            c.create_group(mode, Adam(), learning_rate=0.1, tensors={"w": x})
+            with pytest.raises(ValueError) as info:
+                c.pull(mode, encoding=encoding, out=[wrong])
+            said.append(str(info.value))
+            right = np.empty_like(x)
+            assert c.pull(mode, encoding=encoding, out=[right])[0] is right
+            np.testing.assert_array_equal(right, x)
+    assert (
+        said[0]
+        == said[1]
+        == (
+            f"out[0] must be a float32 array of shape (524288,), got {wrong.dtype} "
+            f"{wrong.shape}"
+        )
+    )
