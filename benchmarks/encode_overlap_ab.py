@@ -5,9 +5,13 @@
 
 - push: the client encodes G. Two clients of one server (``--data-port 0``); the
   baseline client encodes each gradient whole first.
-- pull: the server encodes X. Two server processes, each with a data port; the
-  baseline one encodes X whole first (its ``_deferred_values`` replaced by the
-  whole-array ``_encoded_values``, the code before the change).
+- pull: the server encodes X, the client widens it. Two server processes, each
+  with a data port; the baseline one encodes X whole first (its
+  ``_deferred_values`` replaced by the whole-array ``_encoded_values``, the code
+  before the change), and its client widens the whole frame after it has landed
+  (a pull without ``out=``). "server overlap only": the new server, a pull without
+  ``out=``; "overlapped": the new server and ``pull(out=)``, each block widened
+  into ``out`` as it lands.
 
 Each round makes every call through both variants, alternating which goes first,
 and a native call on the data channel for scale. Prints the median and spread
@@ -86,6 +90,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     x0 = rng.standard_normal(n, dtype=np.float32)
     grad = rng.standard_normal(n, dtype=np.float32) * np.float32(1e-3)
+    into = np.empty_like(x0)
     opts: dict[str, Any] = {"data_channel": "on", "shared_memory": "off"}
     opts["timeout"] = 600
     procs: list[subprocess.Popen[bytes]] = []
@@ -120,12 +125,18 @@ def main() -> None:
                     times = _rounds(pushes, native, args.rounds)
                     _report(f"{args.mib} MiB float32, {enc} push", times)
                     pulls = {
-                        "overlapped": lambda e=enc: over.pull("over", encoding=e),
+                        "overlapped": lambda e=enc: over.pull(
+                            "over", encoding=e, out=[into]
+                        ),
+                        "server overlap only": lambda e=enc: over.pull(
+                            "over", encoding=e
+                        ),
                         "encoded whole first": lambda e=enc: whole_server.pull(
                             "w", encoding=e
                         ),
                     }
-                    times = _rounds(pulls, lambda: over.pull("over"), args.rounds)
+                    native = lambda: over.pull("over", out=[into])  # noqa: E731
+                    times = _rounds(pulls, native, args.rounds)
                     _report(f"{args.mib} MiB float32, {enc} pull", times)
         finally:
             stop_processes(procs, timeout=15)

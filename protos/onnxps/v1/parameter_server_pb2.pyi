@@ -1178,8 +1178,9 @@ class PushRequest(_message.Message):
     @_builtins.property
     def transfer(self) -> Global___DataTransfer:
         """Data channel (see DataChannelHello): the gradients' Tensor messages carry
-        dims and dtype only and their bytes arrive on this channel as one frame;
-        with return_values, X_1..X_n go back on it as one frame.
+        dims, dtype and encoding only and their bytes arrive on this channel as
+        one frame (an encoded gradient in 2 bytes per element); with
+        return_values, X_1..X_n go back on it as one frame, native.
         """
 
     def __init__(
@@ -1437,7 +1438,7 @@ class PullRequest(_message.Message):
     @_builtins.property
     def transfer(self) -> Global___DataTransfer:
         """Data channel (see DataChannelHello): send the tensors' bytes on this
-        channel as one frame (native encoding only).
+        channel as one frame (X in `encoding`: 2 bytes per element).
         """
 
     def __init__(
@@ -2429,7 +2430,8 @@ class DataChannelHelloRequest(_message.Message):
     only for calls made with the same token as the hello. On a channel, every
     transfer is one frame: the little-endian uint64 transfer_id of its call,
     the uint64 byte count, then the tensors' bytes back to back in list order
-    (little-endian, C order). A call that fails closes its channel.
+    (little-endian, C order; an encoded tensor's 2-byte values). A call that
+    fails closes its channel.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
