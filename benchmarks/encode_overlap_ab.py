@@ -8,10 +8,9 @@
 - pull: the server encodes X, the client widens it. Two server processes, each
   with a data port; the baseline one encodes X whole first (its
   ``_deferred_values`` replaced by the whole-array ``_encoded_values``, the code
-  before the change), and its client widens the whole frame after it has landed
-  (a pull without ``out=``). "server overlap only": the new server, a pull without
-  ``out=``; "overlapped": the new server and ``pull(out=)``, each block widened
-  into ``out`` as it lands.
+  before the change), and its client widens the frame once it has all landed.
+  "overlapped": the new server, the client widening each block as it lands (into a
+  new array; with ``out=``: into ``out``).
 
 Each round makes every call through both variants, alternating which goes first,
 and a native call on the data channel for scale. Prints the median and spread
@@ -45,7 +44,9 @@ _WHOLE_FIRST_SERVER = (
 
 class WholeFirst(Client):
     """The baseline client: every encoded gradient is encoded whole before
-    sending."""
+    sending, and a pulled X widened once its whole frame has landed."""
+
+    _WIDENS_AS_IT_LANDS = False
 
     def _defers_encoding(self) -> bool:
         return False
@@ -110,7 +111,7 @@ def main() -> None:
             with (
                 Client(address, **opts) as over,
                 WholeFirst(address, **opts) as whole,
-                Client(base_address, **opts) as whole_server,
+                WholeFirst(base_address, **opts) as whole_server,
             ):
                 for name, c in (("over", over), ("whole", whole), ("w", whole_server)):
                     c.create_group(name, Adam(), learning_rate=1e-3, tensors={"w": x0})
@@ -125,11 +126,9 @@ def main() -> None:
                     times = _rounds(pushes, native, args.rounds)
                     _report(f"{args.mib} MiB float32, {enc} push", times)
                     pulls = {
-                        "overlapped": lambda e=enc: over.pull(
+                        "overlapped": lambda e=enc: over.pull("over", encoding=e),
+                        "overlapped, out=": lambda e=enc: over.pull(
                             "over", encoding=e, out=[into]
-                        ),
-                        "server overlap only": lambda e=enc: over.pull(
-                            "over", encoding=e
                         ),
                         "encoded whole first": lambda e=enc: whole_server.pull(
                             "w", encoding=e

@@ -195,7 +195,11 @@ class AsyncClient(RoutingCore):
                 ch.send_frame(t.transfer_id, t.send, call.deadline.remaining())
             if t.receive:
                 return ch.recv_frame(
-                    t.transfer_id, call.deadline.remaining(), t.into, t.widen
+                    t.transfer_id,
+                    call.deadline.remaining(),
+                    t.into,
+                    t.widen,
+                    t.widen_dtype,
                 )
             return None
 

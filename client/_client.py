@@ -238,7 +238,11 @@ class Client(RoutingCore):
                 ch.send_frame(t.transfer_id, t.send, call.deadline.remaining())
             if t.receive:
                 frame = ch.recv_frame(
-                    t.transfer_id, call.deadline.remaining(), t.into, t.widen
+                    t.transfer_id,
+                    call.deadline.remaining(),
+                    t.into,
+                    t.widen,
+                    t.widen_dtype,
                 )
         except EncodingRangeError:  # met mid-frame: the server steps nothing
             ch.close()

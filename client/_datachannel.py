@@ -98,11 +98,13 @@ class DataChannel:
         timeout: float | None,
         into: Sequence[Array] | None,
         widen: int = 0,
+        widen_dtype: np.dtype[Any] | None = None,
     ) -> Array | list[Array]:
         """The frame of ``transfer_id``: into ``into`` (C-contiguous arrays whose
         sizes add up to the frame's) and returned, else one uint8 buffer. With
         ``widen`` (an encoding), the frame holds 2-byte values, widened into
-        ``into`` block by block as they land."""
+        ``into`` (else, with ``widen_dtype``, into one new 1-D array of that
+        dtype, returned alone in a list) block by block as they land."""
         self.sock.settimeout(timeout)
         header = bytearray(FRAME.size)
         self._fill(memoryview(header))
@@ -115,6 +117,10 @@ class DataChannel:
         if widen and into is not None and sum(a.size * 2 for a in into) == nbytes:
             self._widen_into(into, widen)
             return list(into)
+        if widen and into is None and widen_dtype is not None and nbytes % 2 == 0:
+            flat = np.empty(nbytes // 2, widen_dtype)
+            self._widen_into([flat], widen)
+            return [flat]
         if not widen and into is not None and sum(a.nbytes for a in into) == nbytes:
             for a in into:
                 self._fill(memoryview(a.reshape(-1)).cast("B"))  # type: ignore[arg-type]
@@ -124,7 +130,9 @@ class DataChannel:
         return buf
 
     def _widen_into(self, into: Sequence[Array], code: int) -> None:
-        stage = np.empty(min(ENCODE_BLOCK_ELEMENTS, max(a.size for a in into)), "<u2")
+        stage = np.empty(
+            min(ENCODE_BLOCK_ELEMENTS, max(a.size for a in into) or 1), "<u2"
+        )
         for a in into:
             flat = a.reshape(-1)
             for start in range(0, flat.size, stage.size):

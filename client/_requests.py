@@ -133,6 +133,7 @@ STREAM_THRESHOLD_BYTES = 1 << 20
 SHARED_MEMORY_THRESHOLD_BYTES = 64 << 10
 _SHM_MODES = ("auto", "on", "off")
 DataChannelMode = Literal["auto", "on", "off"]
+_F32 = np.dtype(np.float32)
 # With data_channel="auto", calls with at least this many tensor bytes use it.
 DATA_CHANNEL_THRESHOLD_BYTES = 1 << 20
 # Refusals of a data channel's hello that mean "not this server": use gRPC.
@@ -463,6 +464,8 @@ class Transfer:
     receive: bool
     into: Sequence[Array] | None = None
     widen: int = 0  # the reply's frame holds X in this encoding: widen into ``into``
+    # ... or, without ``into``, into one new buffer of this dtype
+    widen_dtype: np.dtype[Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -606,6 +609,10 @@ class ClientCore:
 
     # Whether this client performs ``Transfer`` (data channel) effects.
     TRANSFERS = True
+    # Whether an encoded pull on the data channel is widened block by block as it
+    # lands (else the whole frame first: benchmarks/encode_overlap_ab.py's
+    # baseline).
+    _WIDENS_AS_IT_LANDS = True
 
     def __init__(
         self,
@@ -663,6 +670,7 @@ class ClientCore:
         # pushes would be answered as duplicates and silently dropped.
         self._seq = itertools.count(time.time_ns() // 1000)
         self._sizes: dict[str, int] = {}
+        self._dtypes: dict[str, np.dtype[Any]] = {}  # each group's, as last seen
         # group -> segment bytes its pull needs without and with state
         self._pull_segments: dict[str, tuple[int, int]] = {}
         # The same-host transport: "auto" (with transport="auto") tries it for
@@ -856,6 +864,7 @@ class ClientCore:
 
     def _remember(self, info: GroupInfo) -> GroupInfo:
         self._sizes[info.name] = info.nbytes
+        self._dtypes[info.name] = info.dtype
         sizes = [
             int(np.prod(dims, dtype=np.int64)) * info.dtype.itemsize
             for _, dims in info.tensors
@@ -1589,9 +1598,16 @@ class ClientCore:
         ):
             into = list(out)
         call = Call("Pull", _unary(req), deadline, waited)
-        widen = ENCODING_TO_PROTO[encoding] if into is not None else 0
+        widen = int(ENCODING_TO_PROTO[encoding])
+        if widen and not self._WIDENS_AS_IT_LANDS:  # the A/B baseline
+            into = None
+            widen = 0
+        # without a fitting ``out``, an encoded X is widened as it lands into one
+        # buffer of the group's dtype as last seen (float32 if never: any other
+        # is converted after, exactly), then cut per the reply
+        guess = self._dtypes.get(group, _F32) if into is None and widen else None
         try:
-            msg, frame = yield Transfer(call, ch, tid, None, True, into, widen)
+            msg, frame = yield Transfer(call, ch, tid, None, True, into, widen, guess)
         except (ChannelBroken, UnavailableError, FailedPreconditionError) as exc:
             if isinstance(exc, FailedPreconditionError) and (
                 exc.reason not in _CHANNEL_FALLBACK_REASONS
@@ -1603,6 +1619,10 @@ class ClientCore:
         if not isinstance(frame, list) and any(t.encoding for t in msg.tensors):
             return msg.update_count, _widened_frame(frame, msg.tensors, out)
         specs = [tensor_spec(t, t.name, encoded=True) for t in msg.tensors]
+        if specs and not state:
+            self._dtypes[group] = specs[0][0]
+        if isinstance(frame, list) and guess is not None:  # widened into one buffer
+            return msg.update_count, _cut(frame[0], specs)
         if isinstance(frame, list):
             if len(frame) != len(specs):
                 raise ValueError(
@@ -1960,6 +1980,26 @@ class ClientCore:
         is (``"skip"``, not in the result) or is replaced by the file's.
         """
         return (yield from import_op(self, path, existing=existing)).imported
+
+
+def _cut(
+    flat: Array, specs: Sequence[tuple[np.dtype[Any], Sequence[int]]]
+) -> list[Array]:
+    """Views of the widened values in ``flat`` per ``specs`` (converted, exactly,
+    where the group's dtype is not ``flat``'s)."""
+    arrays = []
+    at = 0
+    for dtype, dims in specs:
+        count = math.prod(dims)
+        piece = flat[at : at + count].reshape(tuple(dims))
+        arrays.append(piece if piece.dtype == dtype else piece.astype(dtype))
+        at += count
+    if at != flat.size:
+        raise TensorFormatError(
+            f"the data channel frame holds {flat.size} elements; the reply's "
+            f"tensors declare {at}"
+        )
+    return arrays
 
 
 def _widened_frame(

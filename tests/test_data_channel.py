@@ -780,3 +780,34 @@ def test_a_wrong_out_is_the_error_the_grpc_path_gives(
             f"{wrong.shape}"
         )
     )
+
+
+def test_an_encoded_pull_of_a_group_replaced_since_is_still_exact(
+    server: ServerHandle,
+) -> None:
+    # The client widens an encoded X as it lands, into one buffer of the group's
+    # dtype as it last saw it; here the group was replaced by another client in
+    # the meantime (float64, other shapes, the same element count).
+    first = [RNG.standard_normal(s).astype(np.float32) for s in [(512, 1024), (8,)]]
+    then = [RNG.standard_normal(s).astype(np.float64) for s in [(8,), (1024, 512)]]
+    with (
+        Client(server.address, data_channel="on", shared_memory="off") as dc,
+        Client(server.address, data_channel="off", shared_memory="off") as other,
+    ):
+        other.create_group(
+            "g", Adam(), learning_rate=0.1, tensors={"a": first[0], "b": first[1]}
+        )
+        got = dc.pull("g", encoding="bfloat16")
+        _same(got, [_rounded(a, "bfloat16") for a in first])
+        other.delete_group("g")
+        other.create_group(
+            "g", Adam(), learning_rate=0.1, tensors={"c": then[0], "d": then[1]}
+        )
+        before = _calls(server)
+        got = dc.pull("g", encoding="bfloat16")
+        assert _calls(server) - before == 1
+        _same(got, other.pull("g", encoding="bfloat16"))
+        assert [(a.dtype, a.shape) for a in got] == [
+            (np.dtype(np.float64), (8,)), (np.dtype(np.float64), (1024, 512)),
+        ]  # fmt: skip
+        _same(dc.pull("g", encoding="float16"), other.pull("g", encoding="float16"))
