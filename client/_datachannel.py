@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from ._encoding import DeferredEncoding, widen_into
-from .codec import TensorFormatError
+from ._encoding import widen_into
+from .codec import TensorFormatError, frame_bytes
 
 __all__ = [
     "ChannelBroken",
@@ -46,8 +46,8 @@ MAGIC = b"ONNXPSD1"
 FRAME = struct.Struct("<QQ")
 CHANNEL_ID_BYTES = 16
 IDLE_CHANNELS = 4
-# Elements encoded at a time when a push's encoding overlaps its sending.
-ENCODE_BLOCK_ELEMENTS = 1 << 19
+# Elements widened at a time as an encoded frame lands.
+WIDEN_BLOCK_ELEMENTS = 1 << 19
 
 
 class ChannelRefused(Exception):
@@ -83,14 +83,8 @@ class DataChannel:
     ) -> None:
         self.sock.settimeout(timeout)
         self.sock.sendall(FRAME.pack(transfer_id, sum(a.nbytes for a in arrays)))
-        for a in arrays:
-            if isinstance(a, DeferredEncoding):  # encoded as it goes out
-                for block in a.blocks(ENCODE_BLOCK_ELEMENTS):
-                    self.sock.sendall(memoryview(block.view(np.uint8)))  # type: ignore[arg-type]
-            elif a.nbytes:
-                # as bytes: an ENCODED (2-byte structured) dtype has no buffer format
-                flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-                self.sock.sendall(memoryview(flat))  # type: ignore[arg-type]
+        for part in frame_bytes(arrays):  # a deferred encoding: as it goes out
+            self.sock.sendall(part)
 
     def recv_frame(
         self,
@@ -131,7 +125,7 @@ class DataChannel:
 
     def _widen_into(self, into: Sequence[Array], code: int) -> None:
         stage = np.empty(
-            min(ENCODE_BLOCK_ELEMENTS, max(a.size for a in into) or 1), "<u2"
+            min(WIDEN_BLOCK_ELEMENTS, max(a.size for a in into) or 1), "<u2"
         )
         for a in into:
             flat = a.reshape(-1)

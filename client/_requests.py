@@ -1599,15 +1599,15 @@ class ClientCore:
             into = list(out)
         call = Call("Pull", _unary(req), deadline, waited)
         widen = int(ENCODING_TO_PROTO[encoding])
-        if widen and not self._WIDENS_AS_IT_LANDS:  # the A/B baseline
+        landing = widen if self._WIDENS_AS_IT_LANDS else 0  # 0: the A/B baseline
+        if widen and not landing:
             into = None
-            widen = 0
         # without a fitting ``out``, an encoded X is widened as it lands into one
         # buffer of the group's dtype as last seen (float32 if never: any other
         # is converted after, exactly), then cut per the reply
-        guess = self._dtypes.get(group, _F32) if into is None and widen else None
+        guess = self._dtypes.get(group, _F32) if into is None and landing else None
         try:
-            msg, frame = yield Transfer(call, ch, tid, None, True, into, widen, guess)
+            msg, frame = yield Transfer(call, ch, tid, None, True, into, landing, guess)
         except (ChannelBroken, UnavailableError, FailedPreconditionError) as exc:
             if isinstance(exc, FailedPreconditionError) and (
                 exc.reason not in _CHANNEL_FALLBACK_REASONS
@@ -1616,11 +1616,19 @@ class ClientCore:
             log.info("data channel: %s; the pull goes over gRPC", exc)
             return None
         self._data_pool(shard).give_back(ch)
-        if not isinstance(frame, list) and any(t.encoding for t in msg.tensors):
-            return msg.update_count, _widened_frame(frame, msg.tensors, out)
         specs = [tensor_spec(t, t.name, encoded=True) for t in msg.tensors]
         if specs and not state:
             self._dtypes[group] = specs[0][0]
+        if not isinstance(frame, list) and widen:
+            # landed whole (an out= of other sizes, or the A/B baseline): widen now
+            if frame.size % 2 or any(t.encoding != widen for t in msg.tensors):
+                raise TensorFormatError(
+                    f"the data channel frame of {frame.size} bytes does not hold "
+                    f"the reply's X in encoding {widen}"
+                )
+            flat = np.empty(frame.size // 2, specs[0][0] if specs else _F32)
+            widen_into(flat, frame, widen)
+            return msg.update_count, _cut(flat, specs)
         if isinstance(frame, list) and guess is not None:  # widened into one buffer
             return msg.update_count, _cut(frame[0], specs)
         if isinstance(frame, list):
@@ -1998,44 +2006,6 @@ def _cut(
         raise TensorFormatError(
             f"the data channel frame holds {flat.size} elements; the reply's "
             f"tensors declare {at}"
-        )
-    return arrays
-
-
-def _widened_frame(
-    frame: Array, tensors: Sequence[pb.Tensor], out: Sequence[Array] | None
-) -> list[Array]:
-    """The tensors of a data channel frame, the encoded ones widened (into the
-    matching ``out`` array where it is C-contiguous and writable)."""
-    arrays: list[Array] = []
-    at = 0
-    for i, t in enumerate(tensors):
-        dtype, dims = tensor_spec(t, t.name, encoded=True)
-        count = math.prod(dims)
-        end = at + count * (2 if t.encoding else dtype.itemsize)
-        if end > frame.size:
-            raise TensorFormatError(
-                f"the data channel frame holds {frame.size} bytes; the reply's "
-                f"tensors need {end} or more"
-            )
-        o = out[i] if out is not None and i < len(out) else None
-        fits = (
-            isinstance(o, np.ndarray)
-            and (o.dtype, o.shape) == (dtype, tuple(dims))
-            and o.flags.c_contiguous
-            and o.flags.writeable
-        )
-        dst = o if fits and o is not None else np.empty(dims, dtype)
-        if t.encoding:
-            widen_into(dst.reshape(-1), frame[at:end], t.encoding)
-        else:
-            dst.reshape(-1).view(np.uint8)[:] = frame[at:end]
-        arrays.append(dst)
-        at = end
-    if at != frame.size:
-        raise TensorFormatError(
-            f"the data channel frame holds {frame.size} bytes; the reply's tensors "
-            f"declare {at}"
         )
     return arrays
 

@@ -59,6 +59,7 @@ __all__ = [
     "deserializer",
     "encode",
     "encode_chunk",
+    "frame_bytes",
     "header_tensor",
     "iter_chunks",
     "rpc_messages",
@@ -202,6 +203,22 @@ def _wire_type(
     if encoded is not None:
         return DTYPE_TO_PROTO[encoded[0]], encoded[1]
     return _wire_dtype(dtype), pb.ENCODING_UNSPECIFIED
+
+
+def frame_bytes(
+    arrays: Iterable[Any], block_elements: int = 1 << 19
+) -> Iterator[memoryview]:
+    """The bytes of a data channel frame's tensors, in order: each array's (an
+    ENCODED dtype's too: viewed as bytes, having no buffer format of its own),
+    and a ``DeferredEncoding``'s encoded ``block_elements`` at a time as they are
+    asked for, so that encoding overlaps sending."""
+    for a in arrays:
+        if isinstance(a, DeferredEncoding):
+            for block in a.blocks(block_elements):
+                yield memoryview(block.view(np.uint8))  # type: ignore[arg-type]
+        elif a.nbytes:
+            flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            yield memoryview(flat)  # type: ignore[arg-type]
 
 
 def array_to_tensor(a: Any, name: str = "") -> pb.Tensor:

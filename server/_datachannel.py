@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-from onnxps.client.codec import DeferredEncoding, widen_into
+from onnxps.client.codec import DeferredEncoding, frame_bytes, widen_into
 
 from ._waits import CallCancelled
 from .errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
@@ -65,7 +65,6 @@ MAX_PENDING_HANDSHAKES = 64
 MAX_CHANNELS = 1024
 _POLL = 0.25  # seconds between checks of a call's deadline and cancellation
 _BLOCK = 4 << 20  # bytes received before the landed elements are checked
-_ENCODE_BLOCK = 1 << 19  # elements encoded at a time as a pull's X is sent
 
 
 def tls_context(cert: str, key: str, client_ca: str | None) -> ssl.SSLContext:
@@ -216,14 +215,8 @@ class DataChannel:
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.01)
         self.sock.settimeout(timeout)
         self.sock.sendall(FRAME.pack(transfer_id, nbytes))
-        for a in arrays:
-            if isinstance(a, DeferredEncoding):  # encoded as it goes out
-                for block in a.blocks(_ENCODE_BLOCK):
-                    self.sock.sendall(memoryview(block.view(np.uint8)))  # type: ignore[arg-type]
-            elif a.nbytes:
-                # as bytes: an ENCODED (2-byte structured) dtype has no buffer format
-                flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-                self.sock.sendall(memoryview(flat))  # type: ignore[arg-type]
+        for part in frame_bytes(arrays):  # a deferred encoding: as it goes out
+            self.sock.sendall(part)
 
 
 class DataChannels:
