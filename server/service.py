@@ -43,7 +43,6 @@ from onnxps.client.codec import (
     tensor_to_array,
     write_tensor,
 )
-from onnxps.client.codec import encode as encode_tensor
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
@@ -255,14 +254,12 @@ def _check_pull_encoding(req: pb.PullRequest | pb.PullStreamRequest) -> None:
 def _encoded_values(
     arrays: Sequence[Array], names: Sequence[str], encoding: int
 ) -> Sequence[Array]:
-    """X in the pull's encoding (checked by ``_check_pull_encoding``)."""
-    if not encoding:
-        return arrays
-    name = ENCODING_NAMES[encoding]
+    """X in the pull's encoding (checked by ``_check_pull_encoding``), encoded
+    whole now."""
     try:
         return [
-            encode_tensor(a, name, f"X {n!r}")
-            for a, n in zip(arrays, names, strict=True)
+            a.encoded() if isinstance(a, DeferredEncoding) else a
+            for a in _deferred_values(arrays, names, encoding)
         ]
     except EncodingRangeError as exc:
         raise _out_of_range(exc, encoding) from None
