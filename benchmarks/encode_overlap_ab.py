@@ -7,7 +7,7 @@
   baseline client encodes each gradient whole first.
 - pull: the server encodes X, the client widens it. Two server processes, each
   with a data port; the baseline one encodes X whole first (its
-  ``_deferred_values`` replaced by the whole-array ``_encoded_values``, the code
+  ``_deferred_values`` wrapped to encode every tensor before the frame is sent, as
   before the change), and its client widens the frame once it has all landed.
   "overlapped": the new server, the client widening each block as it lands (into a
   new array; with ``out=``: into ``out``).
@@ -37,7 +37,9 @@ from onnxps.client import Adam, Client
 MIB = 1 << 20
 _WHOLE_FIRST_SERVER = (
     "import sys; import onnxps.server.service as s; "
-    "s._deferred_values = s._encoded_values; "
+    "lazy = s._deferred_values; "
+    "s._deferred_values = lambda *a: [x.encoded() if isinstance(x, s.DeferredEncoding)"
+    " else x for x in lazy(*a)]; "
     "from onnxps.cli import main; sys.exit(main(sys.argv[1:]))"
 )
 
