@@ -16,6 +16,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY protos ./protos
 COPY client ./client
+COPY wire ./wire
 COPY server ./server
 COPY cli ./cli
 COPY examples ./examples

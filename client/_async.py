@@ -18,9 +18,9 @@ from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 import grpc
 import grpc.aio
 import numpy as np
+from onnxps.wire.encoding import EncodingRangeError
 
 from ._datachannel import ChannelBroken
-from ._encoding import EncodingRangeError
 from ._errors import ClientClosedError
 from ._records import LeaseInfo
 from ._requests import (

@@ -12,10 +12,10 @@ from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 import grpc
 import numpy as np
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+from onnxps.wire.encoding import EncodingRangeError
 
 from ._cluster import fan_out
 from ._datachannel import ChannelBroken
-from ._encoding import EncodingRangeError
 from ._errors import ClientClosedError
 from ._records import (
     GroupInfo,

@@ -32,8 +32,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
-
-from .codec import SHARD_METADATA_KEY
+from onnxps.wire.codec import SHARD_METADATA_KEY
 
 __all__ = [
     "SHARD_METADATA_KEY",

@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.encoding import Encoding, encode
+from onnxps.wire.initializers import splitmix64
 
 from . import _sharded
 from ._cluster import Layout, Part, part_name, shard_ranking
-from ._encoding import Encoding, encode
 from ._errors import InvalidArgumentError
 from ._records import GroupInfo, RowsPage
 from ._requests import Deadline, Op, on_shard, parallel
-from .initializers import splitmix64
 
 if TYPE_CHECKING:
     from ._routing import RoutingCore

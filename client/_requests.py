@@ -30,6 +30,33 @@ from typing import Any, Literal, NoReturn, Protocol, TypeVar, overload
 import grpc
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.codec import (
+    CHUNK_BYTES,
+    DTYPE_TO_PROTO,
+    SERVICE,
+    SHARD_METADATA_KEY,
+    TensorAssembler,
+    TensorFormatError,
+    chunk_frames,
+    deserializer,
+    header_tensor,
+    rpc_messages,
+    serializer,
+    tensor_spec,
+    tensor_to_array,
+    write_tensor,
+)
+from onnxps.wire.encoding import (
+    ENCODED,
+    ENCODING_TO_PROTO,
+    DeferredEncoding,
+    Encoding,
+    check_encoding,
+    encode,
+    widen_into,
+)
+from onnxps.wire.initializers import IdsTable
+from onnxps.wire.shm import layout, sweep_orphans
 
 from ._datachannel import (
     ChannelBroken,
@@ -39,15 +66,6 @@ from ._datachannel import (
     connect,
     split_frame,
     tls_context,
-)
-from ._encoding import (
-    ENCODED,
-    ENCODING_TO_PROTO,
-    DeferredEncoding,
-    Encoding,
-    check_encoding,
-    encode,
-    widen_into,
 )
 from ._errors import (
     ClientClosedError,
@@ -71,31 +89,12 @@ from ._records import (
     lease_info,
 )
 from ._transfer import export_op, import_op
-from .codec import (
-    CHUNK_BYTES,
-    DTYPE_TO_PROTO,
-    SERVICE,
-    SHARD_METADATA_KEY,
-    TensorAssembler,
-    TensorFormatError,
-    chunk_frames,
-    deserializer,
-    header_tensor,
-    rpc_messages,
-    serializer,
-    tensor_spec,
-    tensor_to_array,
-    write_tensor,
-)
-from .initializers import IdsTable
 from .shm import (
     Segment,
     SegmentPool,
     SharedMemoryMode,
     TensorBuffers,
     hello_segment,
-    layout,
-    sweep_orphans,
 )
 
 __all__ = [

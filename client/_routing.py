@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.encoding import Encoding
 
 from . import _ids_cluster, _rowsplit, _sharded
 from ._cluster import Layout
-from ._encoding import Encoding
 from ._errors import InvalidArgumentError, RpcError
 from ._records import GroupInfo, LeaseInfo, PushResult, RowsPage, SaveInfo, lease_info
 from ._requests import ClientCore, Deadline, Op, log, on_shard

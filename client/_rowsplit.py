@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.encoding import Encoding, encode
 
 from . import _ids_cluster
 from ._cluster import Layout, Part, Slot
-from ._encoding import Encoding, encode
 from ._errors import FailedPreconditionError, InvalidArgumentError
 from ._records import PushResult
 from ._requests import Deadline, Op, _indices, on_shard, parallel, row_gradients

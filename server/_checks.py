@@ -11,13 +11,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from onnxps.client.image import (
+from onnxps.wire.image import (
     GroupDefinition,
     GroupImage,
     ImageFormatError,
     TableDefinition,
 )
-from onnxps.client.initializers import initializer_from_json
+from onnxps.wire.initializers import initializer_from_json
 
 from ._group import all_finite, check_name
 from .errors import InvalidArgument

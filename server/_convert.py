@@ -6,9 +6,9 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
-from onnxps.client.codec import DTYPE_TO_PROTO
-from onnxps.client.image import TableDefinition
 from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.codec import DTYPE_TO_PROTO
+from onnxps.wire.image import TableDefinition
 
 from .errors import InvalidArgument
 from .kernels import OptimizerAttrs, make_attrs
@@ -134,7 +134,7 @@ def group_info(view: GroupView) -> pb.GroupInfo:
 
 
 def initializer_from_proto(msg: pb.RowInitializer) -> dict[str, Any]:
-    """An ids table's initializer as its JSON (``onnxps.client.initializers``)."""
+    """An ids table's initializer as its JSON (``onnxps.wire.initializers``)."""
     kind = _INIT_KINDS.get(msg.kind)
     if kind is None:
         raise InvalidArgument(

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-from onnxps.client.codec import DeferredEncoding, frame_bytes, widen_into
+from onnxps.wire.codec import DeferredEncoding, frame_bytes, widen_into
 
 from ._waits import CallCancelled
 from .errors import DeadlineExceeded, FailedPrecondition, InvalidArgument

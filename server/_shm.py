@@ -1,4 +1,4 @@
-"""The server's side of the same-host transport (layout: ``onnxps.client.shm``).
+"""The server's side of the same-host transport (layout: ``onnxps.wire.shm``).
 
 The server never creates a segment: it opens the client's by name, checks it (an
 ``onnxps-`` name with no path, a regular file of this server's uid, large enough,
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from onnxps.client.shm import (
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.shm import (
     HEADER_BYTES,
     MAGIC,
     NONCE_BYTES,
@@ -40,7 +41,6 @@ from onnxps.client.shm import (
     pid_namespace,
     sweep_orphans,
 )
-from onnxps.v1 import parameter_server_pb2 as pb
 
 from .errors import FailedPrecondition, InvalidArgument, PermissionDenied
 

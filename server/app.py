@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from onnxps.client.codec import CHUNK_BYTES
+from onnxps.wire.codec import CHUNK_BYTES
 
 from . import security
 from ._datachannel import DataChannels, tls_context

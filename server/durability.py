@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from onnxps.client.image import GroupImage
+from onnxps.wire.image import GroupImage
 
 from ._snapshot import (
     SaveResult,

@@ -20,8 +20,8 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import Message
-from onnxps.client.codec import TensorFormatError, declared_nbytes
 from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.codec import TensorFormatError, declared_nbytes
 
 from ._handlers import CallHooks, Interceptor, Malformed, method_of, wrap
 from ._status import refuse

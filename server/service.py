@@ -24,7 +24,9 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
-from onnxps.client.codec import (
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+from onnxps.wire.codec import (
     CHUNK_BYTES,
     ENCODING_NAMES,
     PROTO_TO_DTYPE,
@@ -43,8 +45,6 @@ from onnxps.client.codec import (
     tensor_to_array,
     write_tensor,
 )
-from onnxps.v1 import parameter_server_pb2 as pb
-from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from ._convert import (
     attrs_from_proto,

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import numpy as np
-from onnxps.client.image import GroupImage, TableDefinition
+from onnxps.wire.image import GroupImage, TableDefinition
 
 from . import _quorum, _rows
 from ._checks import (
