@@ -608,10 +608,6 @@ class ClientCore:
 
     # Whether this client performs ``Transfer`` (data channel) effects.
     TRANSFERS = True
-    # Whether an encoded pull on the data channel is widened block by block as it
-    # lands (else the whole frame first: benchmarks/encode_overlap_ab.py's
-    # baseline).
-    _WIDENS_AS_IT_LANDS = True
 
     def __init__(
         self,
@@ -1597,10 +1593,7 @@ class ClientCore:
         ):
             into = list(out)
         call = Call("Pull", _unary(req), deadline, waited)
-        widen = int(ENCODING_TO_PROTO[encoding])
-        landing = widen if self._WIDENS_AS_IT_LANDS else 0  # 0: the A/B baseline
-        if widen and not landing:
-            into = None
+        widen = landing = int(ENCODING_TO_PROTO[encoding])
         # without a fitting ``out``, an encoded X is widened as it lands into one
         # buffer of the group's dtype as last seen (float32 if never: any other
         # is converted after, exactly), then cut per the reply
