@@ -22,24 +22,21 @@ from onnxps.wire.encoding import EncodingRangeError
 
 from ._datachannel import ChannelBroken
 from ._errors import ClientClosedError
-from ._records import LeaseInfo
-from ._requests import (
+from ._ops import (
     Blocking,
-    ClientCore,
     Effect,
     Op,
     OpRun,
     Parallel,
     Pause,
     PushCall,
-    State,
     Transfer,
     as_method,
-    channel_credentials,
-    channel_options,
-    multicallable,
 )
+from ._records import LeaseInfo
+from ._requests import ClientCore, State
 from ._routing import RoutingCore
+from ._settings import channel_credentials, channel_options, multicallable
 
 __all__ = ["AsyncClient"]
 

@@ -17,6 +17,19 @@ from onnxps.wire.encoding import EncodingRangeError
 from ._cluster import fan_out
 from ._datachannel import ChannelBroken
 from ._errors import ClientClosedError
+from ._ops import (
+    Blocking,
+    Call,
+    Deadline,
+    Effect,
+    Op,
+    OpRun,
+    Parallel,
+    Pause,
+    PushCall,
+    Transfer,
+    as_method,
+)
 from ._records import (
     GroupInfo,
     LeaseInfo,
@@ -25,25 +38,9 @@ from ._records import (
     SaveInfo,
     WorkerInfo,
 )
-from ._requests import (
-    Blocking,
-    Call,
-    ClientCore,
-    Deadline,
-    Effect,
-    Op,
-    OpRun,
-    Parallel,
-    Pause,
-    PushCall,
-    State,
-    Transfer,
-    as_method,
-    channel_credentials,
-    channel_options,
-    multicallable,
-)
+from ._requests import ClientCore, State
 from ._routing import RoutingCore
+from ._settings import channel_credentials, channel_options, multicallable
 
 __all__ = [
     "Client",

@@ -28,8 +28,8 @@ from onnxps.wire.initializers import splitmix64
 from . import _sharded
 from ._cluster import Layout, Part, part_name, shard_ranking
 from ._errors import InvalidArgumentError
+from ._ops import Deadline, Op, on_shard, parallel
 from ._records import GroupInfo, RowsPage
-from ._requests import Deadline, Op, on_shard, parallel
 
 if TYPE_CHECKING:
     from ._routing import RoutingCore

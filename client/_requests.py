@@ -10,22 +10,18 @@ knows anything about a request or a reply. Operations compose with ``yield from`
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import functools
 import itertools
-import json
 import logging
-import math
 import os
 import ssl
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, NoReturn, Protocol, TypeVar, overload
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal, NoReturn, TypeVar
 
 import grpc
 import numpy as np
@@ -33,15 +29,10 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import (
     CHUNK_BYTES,
     DTYPE_TO_PROTO,
-    SERVICE,
     SHARD_METADATA_KEY,
-    TensorAssembler,
     TensorFormatError,
     chunk_frames,
-    deserializer,
     header_tensor,
-    rpc_messages,
-    serializer,
     tensor_spec,
     tensor_to_array,
     write_tensor,
@@ -75,7 +66,23 @@ from ._errors import (
     RpcError,
     SharedMemoryError,
     UnavailableError,
-    translate,
+)
+from ._ops import (
+    Blocking,
+    Call,
+    Deadline,
+    Effect,
+    Op,
+    OpRun,
+    Parallel,
+    Pause,
+    PushCall,
+    Transfer,
+    as_method,
+    on_shard,
+    parallel,
+    unary_request,
+    what,
 )
 from ._optimizers import Async, OptimizerSpec, Sync
 from ._records import (
@@ -85,8 +92,32 @@ from ._records import (
     RowsPage,
     SaveInfo,
     group_info,
-    initializer_to_proto,
     lease_info,
+)
+from ._replies import (
+    apply_reader,
+    as_indices,
+    cut_flat,
+    inline_values,
+    pull_reader,
+    pulled_array,
+    push_reader,
+    released,
+    reply_arrays,
+    row_gradients,
+    rows_reader,
+    table_specs,
+    tcp_host,
+    written_into,
+)
+from ._settings import (
+    SWITCH_MODES,
+    channel_credentials,
+    channel_options,
+    check_client_arguments,
+    multicallable,
+    named_tensors,
+    spec,
 )
 from ._transfer import export_op, import_op
 from .shm import (
@@ -130,7 +161,6 @@ STREAM_THRESHOLD_BYTES = 1 << 20
 # With shared_memory="auto", tensors of a call at least this large go through shared
 # memory (below it, inline bytes cost less than mapping a segment on the server).
 SHARED_MEMORY_THRESHOLD_BYTES = 64 << 10
-_SHM_MODES = ("auto", "on", "off")
 DataChannelMode = Literal["auto", "on", "off"]
 _F32 = np.dtype(np.float32)
 # With data_channel="auto", calls with at least this many tensor bytes use it.
@@ -159,442 +189,6 @@ _HELLO_REFUSALS = (
 SPLIT_BYTES = 64 << 20  # a cluster splits a group whose X is larger
 _RESEND_BACKOFF_MAX = 2.0  # seconds between a push's resends, at most
 _RESEND_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-
-# The one retry mechanism for every call: the channel retries UNAVAILABLE (the server
-# is down or draining), within the call's deadline. A push is also resent, with the
-# same (client_id, seq), while UNAVAILABLE reaches the client after the channel gave
-# up (e.g. a stream the channel cannot replay), until its deadline: the server applies
-# it exactly once. The calls that are safe to repeat (reads, and pushes, which the
-# server deduplicates) are also retried on CANCELLED: a server that stops cancels the
-# calls it had received but not yet started, and none of them ran.
-_SAFE_TO_REPEAT = (
-    "Push",
-    "PushStream",
-    "PushPullStream",
-    "Pull",
-    "SharedMemoryHello",
-    "PullStream",
-    "DescribeGroup",
-    "ListGroups",
-    "Heartbeat",
-    "Apply",
-    "ApplyStream",
-)
-
-
-def _retry_policy(*codes: str) -> dict[str, Any]:
-    return {
-        "maxAttempts": 5,
-        "initialBackoff": "0.1s",
-        "maxBackoff": "2s",
-        "backoffMultiplier": 2,
-        "retryableStatusCodes": list(codes),
-    }
-
-
-_SERVICE_CONFIG = {
-    "methodConfig": [
-        {
-            "name": [{"service": SERVICE, "method": m} for m in _SAFE_TO_REPEAT],
-            "retryPolicy": _retry_policy("UNAVAILABLE", "CANCELLED"),
-        },
-        {
-            "name": [{"service": SERVICE}],
-            "retryPolicy": _retry_policy("UNAVAILABLE"),
-        },
-    ]
-}
-# A restarted server is found within about two seconds (gRPC's default reconnect
-# backoff grows to two minutes, longer than any push waits).
-_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
-    ("grpc.max_receive_message_length", -1),
-    ("grpc.max_send_message_length", -1),
-    ("grpc.enable_retries", 1),
-    ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
-
-
-def channel_options(server_name_override: str | None) -> list[tuple[str, Any]]:
-    """The options of every channel either client opens."""
-    options = list(_CHANNEL_OPTIONS)
-    if server_name_override:
-        options.append(("grpc.ssl_target_name_override", server_name_override))
-    return options
-
-
-_TRANSPORTS = ("auto", "unary", "stream")
-
-
-def _check_client_arguments(
-    client: str,
-    address: Any,
-    timeout: Any,
-    transport: Any,
-    chunk_bytes: Any,
-    root_certificates: Any,
-    unexpected: Mapping[str, Any],
-    shared_memory: Any = "off",
-) -> None:
-    """TypeError/ValueError that say what ``Client(...)`` (or ``AsyncClient``)
-    takes."""
-    if unexpected:
-        names = ", ".join(sorted(unexpected))
-        raise TypeError(
-            f"{client}() got unexpected argument(s) {names}: it takes the server "
-            "address ('host:port') and connection options (timeout=, token=, TLS, "
-            "transport=); tensors are given to create_group(), gradients to push()"
-        )
-    if isinstance(address, list | tuple) and address:  # a cluster's shards
-        bad = [a for a in address if not (isinstance(a, str) and a.strip())]
-        if bad:
-            raise TypeError(
-                f"{client}(address): the server's 'host:port' as a string, or a "
-                "cluster's shards as a list of them in shard order; the list holds "
-                f"{type(bad[0]).__name__}"
-            )
-    elif not isinstance(address, str) or not address.strip():
-        raise TypeError(
-            f"{client}(address): the server's 'host:port' as a string, e.g. "
-            f"{client}('127.0.0.1:50051'), or a cluster's shards as a list of them, "
-            f"got {type(address).__name__}"
-        )
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout is seconds (a number), got {timeout!r}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-    if transport not in _TRANSPORTS:
-        raise ValueError(
-            f"transport must be one of {', '.join(_TRANSPORTS)}, got {transport!r}"
-        )
-    if shared_memory not in _SHM_MODES:
-        raise ValueError(
-            f"shared_memory must be one of {', '.join(_SHM_MODES)}, got "
-            f"{shared_memory!r}"
-        )
-    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be an integer >= 1, got {chunk_bytes!r}")
-    if root_certificates is not None and not isinstance(root_certificates, bytes):
-        raise TypeError(
-            "root_certificates is the PEM bytes of the CA, not a path: pass "
-            "open(path, 'rb').read()"
-        )
-
-
-def _spec(value: Any, what: str, kind: Any = (Async, Sync)) -> Any:
-    """``value`` when it is an instance of ``kind`` (or has its ``to_proto``); else
-    a TypeError that says so (the class itself, ``Adam`` for ``Adam()``, is the usual
-    slip)."""
-    if isinstance(value, type):
-        raise TypeError(
-            f"{what} must be an instance, e.g. {value.__name__}(), not the class "
-            f"{value.__name__}"
-        )
-    if not isinstance(value, kind) and not callable(getattr(value, "to_proto", None)):
-        names = (
-            "Adagrad(), Momentum(), Nesterov() or Adam()"
-            if kind is OptimizerSpec
-            else "Async() or Sync(workers)"
-        )
-        raise TypeError(f"{what} must be one of {names}, got {value!r}")
-    return value
-
-
-def _named_tensors(tensors: Any) -> list[tuple[str, Any]]:
-    """``{name: array}`` or ``[(name, array), ...]`` as a list of pairs."""
-    if isinstance(tensors, Mapping):
-        items = list(tensors.items())
-    elif isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence):
-        items = None
-    else:
-        items = list(tensors)
-    if items is None or not all(
-        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in items
-    ):
-        raise TypeError(
-            "tensors must name each tensor, in the ONNX order: {'w': w0, 'b': b0} "
-            "or [('w', w0), ('b', b0)]"
-        )
-    return items
-
-
-def channel_credentials(
-    tls: tuple[bytes | None, bytes | None, bytes | None],
-) -> grpc.ChannelCredentials | None:
-    """TLS credentials from (root certificates, private key, chain); None: plaintext."""
-    roots, key, chain = tls
-    if roots is None and chain is None:
-        return None
-    return grpc.ssl_channel_credentials(roots, key, chain)
-
-
-def multicallable(channel: Any, method: str) -> Any:
-    """``channel``'s callable for one RPC (blocking or ``grpc.aio``), whose stream
-    messages may be encoded chunk frames (``codec.chunk_frames``) and whose received
-    chunks are read as views (``codec.RawChunk``)."""
-    request, reply, req_s, resp_s = rpc_messages(method)
-    kind = ("unary" if not req_s else "stream") + (
-        "_unary" if not resp_s else "_stream"
-    )
-    return getattr(channel, kind)(
-        f"/{SERVICE}/{method}",
-        request_serializer=serializer(request),
-        response_deserializer=deserializer(reply),
-        _registered_method=True,
-    )
-
-
-class Deadline:
-    """One absolute deadline for a whole call, whatever it sends and resends."""
-
-    __slots__ = ("at", "seconds")
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.at = time.monotonic() + seconds
-
-    def remaining(self) -> float:
-        return max(0.0, self.at - time.monotonic())
-
-    def expired(self, what: str, details: str) -> DeadlineExceededError:
-        why = f"{what} within {self.seconds:g} s"
-        if details and details.lower() != "deadline exceeded":
-            why += f" ({details})"
-        return DeadlineExceededError(why)
-
-
-class StreamReader(Protocol):
-    def add(self, msg: Any) -> None: ...
-
-    def finish(self) -> Any: ...
-
-
-class _TensorStreamReader:
-    """A server stream: one header message naming the tensors, then their chunks."""
-
-    def __init__(
-        self,
-        header: Callable[[Any], tuple[Any, list[pb.Tensor], list[str]]],
-        *,
-        encoded: bool = False,
-        out: Sequence[Array] | None = None,
-    ) -> None:
-        self._header = header
-        self._encoded = encoded
-        self._out = out
-        self._asm: TensorAssembler | None = None
-        self._extra: Any = None
-
-    def add(self, msg: Any) -> None:
-        if self._asm is None:
-            self._extra, tensors, names = self._header(msg)
-            self._asm = TensorAssembler(
-                tensors, names, encoded=self._encoded, out=self._out
-            )
-        else:
-            self._asm.add(msg.chunk)
-
-    def finish(self) -> tuple[Any, list[Array]]:
-        if self._asm is None:
-            raise TensorFormatError("the reply stream ended before its header")
-        return self._extra, self._asm.finish()
-
-
-@dataclass(frozen=True)
-class Call:
-    """One RPC: ``request()`` gives the message (or a fresh iterator of stream
-    messages, for each send); ``reader`` is set when the reply is a stream;
-    ``shard`` is the server of a cluster it goes to (None: the first, or the one
-    server; ``on_shard`` sets it)."""
-
-    method: str
-    request: Callable[[], Any]
-    deadline: Deadline
-    what: str
-    reader: Callable[[], StreamReader] | None = None
-    shard: int | None = None
-
-    def error(self, exc: grpc.RpcError) -> RpcError:
-        """The one place a failed RPC becomes the client's exception."""
-        error = translate(exc)
-        if isinstance(error, DeadlineExceededError):
-            return self.deadline.expired(self.what, error.details)
-        if error.code == grpc.StatusCode.CANCELLED:
-            # This client never cancels a call it waits on (a cancelled task raises
-            # asyncio.CancelledError): the server did, because it is stopping (a
-            # graceful stop cancels what it had not yet started).
-            return UnavailableError(
-                f"{self.what}: the server cancelled the call (it is stopping), so it "
-                f"may or may not have taken effect ({error.details})",
-                grpc.StatusCode.CANCELLED,
-            )
-        return error
-
-
-@dataclass(frozen=True)
-class Pause:
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Parallel:
-    """Run every operation at once; the reply is their results in order. Each one
-    runs to its end; then the first failure (in order) is raised in the operation
-    that asked. Cancelling the caller (an asyncio task) cancels every one."""
-
-    ops: tuple[Generator[Any, Any, Any], ...]
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """A unary ``call`` whose tensor bytes travel on data ``channel``: while the
-    call is in flight, the frame of ``send`` goes out, then (``receive``) the
-    reply's frame comes in, into ``into`` where it fits. The reply is
-    ``(message, frame)``. Any failure closes the channel; a failure the call does
-    not explain raises ``ChannelBroken``. ``Client`` does the socket's part in the
-    calling thread, ``AsyncClient`` in a worker thread."""
-
-    call: Call
-    channel: DataChannel
-    transfer_id: int
-    send: Sequence[Array] | None
-    receive: bool
-    into: Sequence[Array] | None = None
-    widen: int = 0  # the reply's frame holds X in this encoding: widen into ``into``
-    # ... or, without ``into``, into one new buffer of this dtype
-    widen_dtype: np.dtype[Any] | None = None
-
-
-@dataclass(frozen=True)
-class Blocking:
-    """A blocking step that is not an RPC (connecting a data channel's socket):
-    the blocking ``Client`` runs ``fn`` in place, the ``AsyncClient`` in a worker
-    thread, so the event loop never waits on it."""
-
-    fn: Callable[[], Any]
-
-
-Effect = Call | Pause | Parallel | Transfer | Blocking
-Op = Generator[Effect, Any, R]
-
-
-def parallel(ops: Sequence[Op[R]]) -> Op[list[R]]:
-    """The results of ``ops``, run at once (``Parallel``)."""
-    if not ops:
-        return []
-    results: list[R] = yield Parallel(tuple(ops))
-    return results
-
-
-def on_shard(shard: int, op: Op[R]) -> Op[R]:
-    """``op`` with its calls sent to ``shard`` of a cluster (calls that name a
-    shard already keep theirs; the operations of a ``Parallel`` it yields name
-    their own)."""
-    reply: Any = None
-    error: Exception | None = None
-    while True:
-        try:
-            effect = op.send(reply) if error is None else op.throw(error)
-        except StopIteration as stop:
-            result: R = stop.value
-            return result
-        if isinstance(effect, Call) and effect.shard is None:
-            effect = dataclasses.replace(effect, shard=shard)
-        elif isinstance(effect, Transfer) and effect.call.shard is None:
-            call = dataclasses.replace(effect.call, shard=shard)
-            effect = dataclasses.replace(effect, call=call)
-        reply, error = None, None
-        try:
-            reply = yield effect
-        except GeneratorExit:
-            op.close()
-            raise
-        except Exception as exc:  # the effect's failure, for ``op`` to handle
-            error = exc
-
-
-class OpRun:
-    """Steps an operation: hands out its effects, feeds back their outcomes."""
-
-    def __init__(self, op: Op[Any]) -> None:
-        self._op = op
-        self._reply: Any = None
-        self._error: BaseException | None = None
-        self.result: Any = None
-
-    def next_effect(self) -> Effect | None:
-        """The next effect to perform; None when the operation returned ``result``."""
-        try:
-            if self._error is not None:
-                error, self._error = self._error, None
-                return self._op.throw(error)
-            return self._op.send(self._reply)
-        except StopIteration as stop:
-            self.result = stop.value
-            return None
-
-    def reply(self, value: Any) -> None:
-        self._reply = value
-
-    def fail(self, error: Exception) -> None:
-        """The effect failed: ``error`` is raised in the operation."""
-        self._error = error
-
-    def abandon(self) -> None:
-        """The runner stops before the end (a cancelled task): the operation is
-        closed now, so it can note what it leaves undone (``_sharded.land``)."""
-        self._op.close()
-
-
-Int_co = TypeVar("Int_co", covariant=True)
-Values_co = TypeVar("Values_co", covariant=True)
-
-
-class PushCall(Protocol[Int_co, Values_co]):
-    """The type of ``push`` on either client: T, or X_1..X_n with ``return_values``
-    (``Client``: the values; ``AsyncClient``: coroutines of them). Written once
-    here because overloads do not pass through the ParamSpec of the runners."""
-
-    @overload
-    def __call__(
-        self,
-        group: str,
-        *gradients: Any,
-        base_version: int | None = ...,
-        learning_rate: float | None = ...,
-        return_values: Literal[False] = ...,
-        encoding: Encoding | None = ...,
-        timeout: float | None = ...,
-    ) -> Int_co: ...
-
-    @overload
-    def __call__(
-        self,
-        group: str,
-        *gradients: Any,
-        base_version: int | None = ...,
-        learning_rate: float | None = ...,
-        return_values: Literal[True],
-        encoding: Encoding | None = ...,
-        timeout: float | None = ...,
-        out: Sequence[Any] | None = ...,
-    ) -> Values_co: ...
-
-
-def as_method(
-    method: Callable[..., Any], op: Callable[..., Any], owner: str, name: str = ""
-) -> None:
-    """Name ``method``, which runs the operation ``op``, as ``owner``'s public call
-    (``inspect.signature`` and ``help`` show the operation's)."""
-    functools.update_wrapper(method, op)
-    method.__name__ = name or op.__name__.removeprefix("_")
-    method.__qualname__ = f"{owner}.{method.__name__}"
-
-
-def _unary(msg: Any) -> Callable[[], Any]:
-    return lambda: msg
 
 
 class State(enum.Enum):
@@ -630,7 +224,7 @@ class ClientCore:
         data_channel: DataChannelMode = "auto",
         **unexpected: NoReturn,
     ) -> None:
-        _check_client_arguments(
+        check_client_arguments(
             type(self).__name__,
             address,
             timeout,
@@ -683,9 +277,9 @@ class ClientCore:
         # DATA_CHANNEL_THRESHOLD_BYTES on sockets beside gRPC when the server
         # offers them, "on" every push and pull (DataChannelError where it cannot),
         # "off" never. Shared memory, where it works, goes first.
-        if data_channel not in _SHM_MODES:
+        if data_channel not in SWITCH_MODES:
             raise ValueError(
-                f"data_channel must be one of {', '.join(_SHM_MODES)}, got "
+                f"data_channel must be one of {', '.join(SWITCH_MODES)}, got "
                 f"{data_channel!r}"
             )
         self.data_channel: DataChannelMode = data_channel
@@ -724,7 +318,9 @@ class ClientCore:
 
     def _unary_op(self, method: str, request: Any, timeout: float | None) -> Op[Any]:
         return (
-            yield Call(method, _unary(request), self._deadline(timeout), what(method))
+            yield Call(
+                method, unary_request(request), self._deadline(timeout), what(method)
+            )
         )
 
     @staticmethod
@@ -756,15 +352,15 @@ class ClientCore:
         on first push); ``table_rows`` resumes them: per table its ids (ascending),
         X rows, then V rows, H rows as the operator has them.
         """
-        items = _named_tensors(tensors or {})
+        items = named_tensors(tensors or {})
         arrays = [np.asarray(a) for _, a in items]
         state_arrays = [np.asarray(a) for a in state or ()]
-        specs, table_arrays = _table_specs(tables or {}, table_rows, arrays)
+        specs, table_arrays = table_specs(tables or {}, table_rows, arrays)
         req = pb.CreateGroupRequest(
             group=name,
-            optimizer=_spec(optimizer, "optimizer", OptimizerSpec).to_proto(),
+            optimizer=spec(optimizer, "optimizer", OptimizerSpec).to_proto(),
             learning_rate=learning_rate,
-            consistency=_spec(consistency or Async(), "consistency").to_proto(),
+            consistency=spec(consistency or Async(), "consistency").to_proto(),
             allow_non_finite=allow_non_finite,
             update_count=update_count,
             lease_seconds=lease_seconds or 0.0,
@@ -840,7 +436,9 @@ class ClientCore:
                 write_tensor(spec.rows, x)
                 for a in st:
                     write_tensor(spec.state.add(), a)
-            call = Call("CreateGroup", _unary(req), deadline, what("CreateGroup"))
+            call = Call(
+                "CreateGroup", unary_request(req), deadline, what("CreateGroup")
+            )
         msg = yield call
         group: pb.GroupInfo = msg.group
         return group
@@ -875,7 +473,9 @@ class ClientCore:
 
     def _describe(self, name: str, deadline: Deadline) -> Op[GroupInfo]:
         req = pb.DescribeGroupRequest(group=name)
-        msg = yield Call("DescribeGroup", _unary(req), deadline, what("DescribeGroup"))
+        msg = yield Call(
+            "DescribeGroup", unary_request(req), deadline, what("DescribeGroup")
+        )
         return self._remember(group_info(msg.group))
 
     def _list_groups(
@@ -929,7 +529,7 @@ class ClientCore:
         deadline = self._deadline(timeout)
         enc = self._encoding(encoding, self.gradient_encoding, "encoding")
         if out is not None:
-            out = _reply_arrays(out, gradients, return_values)
+            out = reply_arrays(out, gradients, return_values)
         if enc != "native" and self._defers_encoding():
             # encoded block by block as the data channel sends it, or all at once
             # (``_push_op``) if the push goes another way
@@ -954,7 +554,7 @@ class ClientCore:
         result = yield from self._push_parts(req, arrays, deadline, out)
         if out is None or result.values is None:
             return result
-        return dataclasses.replace(result, values=_written_into(out, result.values))
+        return dataclasses.replace(result, values=written_into(out, result.values))
 
     def _defers_encoding(self) -> bool:
         """Whether an encoded push may leave its encoding to the data channel's
@@ -1016,7 +616,7 @@ class ClientCore:
                 for i, a in enumerate(arrays)
             ]  # fmt: skip
         what = f"the push to group {req.group} (seq {req.seq}) was not answered"
-        call = Call("Push", _unary(req), deadline, what)
+        call = Call("Push", unary_request(req), deadline, what)
         try:
             msg, frame = yield Transfer(call, ch, tid, arrays, req.return_values, into)
         except (ChannelBroken, UnavailableError, FailedPreconditionError) as exc:
@@ -1035,7 +635,7 @@ class ClientCore:
                 else split_frame(frame, [tensor_spec(t, t.name) for t in msg.values])
             )
         elif req.return_values:
-            values = _inline_values(msg.values, out)
+            values = inline_values(msg.values, out)
         return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
 
     def _push_part_op(
@@ -1072,7 +672,7 @@ class ClientCore:
             self.transport != "auto" or nbytes < DATA_CHANNEL_THRESHOLD_BYTES
         ):
             return None
-        host = _tcp_host(self.addresses[shard])
+        host = tcp_host(self.addresses[shard])
         if host is None:
             return self._refuse_data_channel("the address is not host:port", shard)
         if shard in self._data_refused:
@@ -1083,7 +683,7 @@ class ClientCore:
         try:
             call = Call(
                 "DataChannelHello",
-                _unary(pb.DataChannelHelloRequest()),
+                unary_request(pb.DataChannelHelloRequest()),
                 # A hello never costs the call more than a few seconds of its own
                 Deadline(min(deadline.remaining(), _HELLO_SECONDS)),
                 what("the data channel hello"),
@@ -1153,7 +753,7 @@ class ClientCore:
             req.gradients.extend(header_tensor(a) for a in arrays)
             if req.return_values:
                 chunks = self._chunks(pb.PushPullStreamRequest, req, arrays)
-                reader = functools.partial(_push_reader, out)
+                reader = functools.partial(push_reader, out)
                 call = Call("PushPullStream", chunks, deadline, what, reader)
                 msg, values = yield from self._resending(call, group, req.seq)
                 return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
@@ -1162,11 +762,11 @@ class ClientCore:
         else:
             for a in arrays:
                 write_tensor(req.gradients.add(), a)
-            call = Call("Push", _unary(req), deadline, what)
+            call = Call("Push", unary_request(req), deadline, what)
         msg = yield from self._resending(call, group, req.seq)
         values = None
         if req.return_values:
-            values = _inline_values(msg.values, out)
+            values = inline_values(msg.values, out)
         return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
 
     def _push_shared_op(
@@ -1184,7 +784,7 @@ class ClientCore:
         req = pb.PushRequest()
         req.CopyFrom(template)
         req.gradients.extend(header_tensor(a) for a in arrays)
-        with _released(pool, segs):
+        with released(pool, segs):
             req.gradients_region.CopyFrom(segs[0].write(arrays))
             reply = segs[1] if req.return_values else None
             return (yield from self._region_push_op(req, reply, deadline, out))
@@ -1207,7 +807,7 @@ class ClientCore:
             segs = self._segments(pool, [bufs.nbytes], 1) if req.return_values else []
             if segs is None:  # no room for the reply: X comes back inline
                 segs = []
-            with _released(pool, segs):
+            with released(pool, segs):
                 req.gradients_region.CopyFrom(bufs.publish(segment))
                 reply = segs[0] if segs else None
                 return (yield from self._region_push_op(req, reply, deadline, out))
@@ -1225,13 +825,13 @@ class ClientCore:
         if reply is not None:
             req.reply_region.CopyFrom(reply.region())
         what = f"the push to group {req.group} (seq {req.seq}) was not answered"
-        call = Call("Push", _unary(req), deadline, what)
+        call = Call("Push", unary_request(req), deadline, what)
         msg = yield from self._shared_call(self._resending(call, req.group, req.seq))
         values = None
         if req.return_values and reply is not None and msg.HasField("values_region"):
             values = reply.read(msg.values_region, msg.values, out=out)
         elif req.return_values:
-            values = _inline_values(msg.values, out)
+            values = inline_values(msg.values, out)
         return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
 
     def _tensor_buffers(
@@ -1289,7 +889,7 @@ class ClientCore:
         req = pb.PullRequest(group=group, min_version=min_version)
         with bufs.claimed() as segment:
             req.reply_region.CopyFrom(segment.region())
-            call = Call("Pull", _unary(req), deadline, waited)
+            call = Call("Pull", unary_request(req), deadline, waited)
             msg = yield from self._shared_call(self._call_op(call))
             if msg.HasField("tensors_region") and bufs.holds(
                 msg.tensors_region, msg.tensors
@@ -1325,7 +925,9 @@ class ClientCore:
         try:
             sweep_orphans()
             req = pb.SharedMemoryHelloRequest(segment=seg.name)
-            call = Call("SharedMemoryHello", _unary(req), deadline, what("the hello"))
+            call = Call(
+                "SharedMemoryHello", unary_request(req), deadline, what("the hello")
+            )
             msg = yield call
         except RpcError as exc:
             if exc.code not in _HELLO_REFUSALS:
@@ -1468,10 +1070,10 @@ class ClientCore:
             into = yield from self._pull_into_op(group, min_version, deadline, bufs)
             if into is not None:
                 t, arrays = into
-                return t, _written_into(out, arrays)
+                return t, written_into(out, arrays)
         pulled = self._pull_parts(group, state, min_version, deadline, enc, out)
         t, arrays = yield from pulled
-        return t, _written_into(out, arrays)
+        return t, written_into(out, arrays)
 
     def _pull_encoding(self, encoding: Any, state: bool) -> Encoding:
         if not state:
@@ -1547,8 +1149,10 @@ class ClientCore:
                 min_version=min_version,
                 encoding=ENCODING_TO_PROTO[encoding],
             )
-            reader = functools.partial(_pull_reader, out)
-            t, arrays = yield Call("PullStream", _unary(req), deadline, waited, reader)
+            reader = functools.partial(pull_reader, out)
+            t, arrays = yield Call(
+                "PullStream", unary_request(req), deadline, waited, reader
+            )
             return int(t), arrays
         unary = pb.PullRequest(
             group=group,
@@ -1556,8 +1160,8 @@ class ClientCore:
             min_version=min_version,
             encoding=ENCODING_TO_PROTO[encoding],
         )
-        msg = yield Call("Pull", _unary(unary), deadline, waited)
-        return msg.update_count, [_pulled(t) for t in msg.tensors]
+        msg = yield Call("Pull", unary_request(unary), deadline, waited)
+        return msg.update_count, [pulled_array(t) for t in msg.tensors]
 
     def _pull_channel_op(
         self,
@@ -1592,7 +1196,7 @@ class ClientCore:
             for o in out
         ):
             into = list(out)
-        call = Call("Pull", _unary(req), deadline, waited)
+        call = Call("Pull", unary_request(req), deadline, waited)
         widen = landing = int(ENCODING_TO_PROTO[encoding])
         # without a fitting ``out``, an encoded X is widened as it lands into one
         # buffer of the group's dtype as last seen (float32 if never: any other
@@ -1620,9 +1224,9 @@ class ClientCore:
                 )
             flat = np.empty(frame.size // 2, specs[0][0] if specs else _F32)
             widen_into(flat, frame, widen)
-            return msg.update_count, _cut(flat, specs)
+            return msg.update_count, cut_flat(flat, specs)
         if isinstance(frame, list) and guess is not None:  # widened into one buffer
-            return msg.update_count, _cut(frame[0], specs)
+            return msg.update_count, cut_flat(frame[0], specs)
         if isinstance(frame, list):
             if len(frame) != len(specs):
                 raise ValueError(
@@ -1651,9 +1255,9 @@ class ClientCore:
             waited = f"group {req.group} did not reach T={req.min_version}"
         else:
             waited = f"the pull of group {req.group} was not answered"
-        with _released(pool, [seg]):
+        with released(pool, [seg]):
             req.reply_region.CopyFrom(seg.region())
-            call = Call("Pull", _unary(req), deadline, waited)
+            call = Call("Pull", unary_request(req), deadline, waited)
             msg = yield from self._shared_call(self._call_op(call))
             if msg.HasField("tensors_region"):
                 arrays = seg.read(msg.tensors_region, msg.tensors, out=out)
@@ -1712,7 +1316,7 @@ class ClientCore:
         for name, g in gradients.items():
             if isinstance(g, tuple):
                 rows = encode(g[1], encoding, f"rows of {name!r}")
-                entries.append((name, _indices(g[0]), rows))
+                entries.append((name, as_indices(g[0]), rows))
             else:
                 entries.append(
                     (name, None, encode(g, encoding, f"gradient of {name!r}"))
@@ -1768,12 +1372,12 @@ class ClientCore:
             header.min_version = min_version
         arrays = []
         for name, idx in selections.items():
-            indices = _indices(idx)
+            indices = as_indices(idx)
             header.tensors.add(name=name, indices=header_tensor(indices))
             arrays.append(indices)
         chunks = self._chunks(pb.PullRowsRequest, header, arrays)
         what = f"the row pull of group {group} was not answered"
-        names, rows = yield Call("PullRows", chunks, deadline, what, _rows_reader)
+        names, rows = yield Call("PullRows", chunks, deadline, what, rows_reader)
         return dict(zip(names, rows, strict=True))
 
     def _list_rows(
@@ -1816,7 +1420,7 @@ class ClientCore:
             with_values=values,
             with_state=state,
         )
-        msg = yield Call("ListRows", _unary(req), deadline, what("ListRows"))
+        msg = yield Call("ListRows", unary_request(req), deadline, what("ListRows"))
         return RowsPage(
             tensor_to_array(msg.ids, "ids").copy(),
             {t.name: tensor_to_array(t, t.name).copy() for t in msg.rows},
@@ -1919,19 +1523,19 @@ class ClientCore:
         if len(arrays) >= 2 and arrays[1].dtype.kind in "iu":
             arrays[1] = arrays[1].astype(np.int64)
         deadline = self._deadline(timeout)
-        optimizer = _spec(optimizer, "optimizer", OptimizerSpec)
+        optimizer = spec(optimizer, "optimizer", OptimizerSpec)
         req = pb.ApplyRequest(optimizer=optimizer.to_proto())
         if self._use_stream(sum(a.nbytes for a in arrays)):
             req.inputs.extend(header_tensor(a) for a in arrays)
             chunks = self._chunks(pb.ApplyStreamRequest, req, arrays)
             waited = what("ApplyStream")
             _, outputs = yield Call(
-                "ApplyStream", chunks, deadline, waited, _apply_reader
+                "ApplyStream", chunks, deadline, waited, apply_reader
             )
             return list(outputs)
         for a in arrays:
             write_tensor(req.inputs.add(), a)
-        msg = yield Call("Apply", _unary(req), deadline, what("Apply"))
+        msg = yield Call("Apply", unary_request(req), deadline, what("Apply"))
         return [
             tensor_to_array(t, f"output {i}").copy() for i, t in enumerate(msg.outputs)
         ]
@@ -1980,219 +1584,3 @@ class ClientCore:
         is (``"skip"``, not in the result) or is replaced by the file's.
         """
         return (yield from import_op(self, path, existing=existing)).imported
-
-
-def _cut(
-    flat: Array, specs: Sequence[tuple[np.dtype[Any], Sequence[int]]]
-) -> list[Array]:
-    """Views of the widened values in ``flat`` per ``specs`` (converted, exactly,
-    where the group's dtype is not ``flat``'s)."""
-    arrays = []
-    at = 0
-    for dtype, dims in specs:
-        count = math.prod(dims)
-        piece = flat[at : at + count].reshape(tuple(dims))
-        arrays.append(piece if piece.dtype == dtype else piece.astype(dtype))
-        at += count
-    if at != flat.size:
-        raise TensorFormatError(
-            f"the data channel frame holds {flat.size} elements; the reply's "
-            f"tensors declare {at}"
-        )
-    return arrays
-
-
-def _written_into(out: Sequence[Array], arrays: Sequence[Array]) -> list[Array]:
-    """``out``, holding ``arrays`` (the very arrays when they already are)."""
-    out = list(out)
-    if len(out) != len(arrays):
-        raise ValueError(
-            f"out holds {len(out)} arrays; the pull returned {len(arrays)}"
-        )
-    for i, (o, a) in enumerate(zip(out, arrays, strict=True)):
-        if not isinstance(o, np.ndarray) or o.shape != a.shape or o.dtype != a.dtype:
-            got = f"{o.dtype} {o.shape}" if isinstance(o, np.ndarray) else type(o)
-            raise ValueError(
-                f"out[{i}] must be a {a.dtype} array of shape {a.shape}, got {got}"
-            )
-        if o is not a:
-            np.copyto(o, a)
-    return out
-
-
-def _reply_arrays(
-    out: Any, gradients: Sequence[Any], return_values: bool
-) -> list[Array]:
-    """A push's ``out``, checked before anything is sent: one writable array per
-    gradient, of its shape and dtype (X has the gradient's shape and the group's
-    dtype, which a pushed gradient has too)."""
-    if not return_values:
-        raise ValueError("out= receives X: it needs return_values=True")
-    if isinstance(out, np.ndarray):
-        raise TypeError("out is a sequence of arrays (one per gradient), not an array")
-    arrays = list(out)
-    if len(arrays) != len(gradients):
-        raise ValueError(
-            f"out holds {len(arrays)} arrays for {len(gradients)} gradients: X "
-            "comes back as one array per gradient"
-        )
-    for i, (o, g) in enumerate(zip(arrays, gradients, strict=True)):
-        want = np.asarray(g)
-        if (
-            not isinstance(o, np.ndarray)
-            or o.shape != want.shape
-            or o.dtype != want.dtype
-            or not o.flags.writeable
-        ):
-            got = (
-                f"{'' if o.flags.writeable else 'read-only '}{o.dtype} {o.shape}"
-                if isinstance(o, np.ndarray)
-                else type(o).__name__
-            )
-            raise ValueError(
-                f"out[{i}] must be a writable {want.dtype} array of shape "
-                f"{want.shape} (gradient {i + 1}'s), got {got}"
-            )
-        if any(np.may_share_memory(o, g) for g in gradients):
-            # A resend reads the gradients again, after X may have landed in out.
-            raise ValueError(
-                f"out[{i}] shares memory with a gradient: X needs arrays of its own"
-            )
-    return arrays
-
-
-def _inline_values(
-    tensors: Sequence[pb.Tensor], out: Sequence[Array] | None
-) -> list[Array]:
-    """X carried inline in a reply: copied once, into ``out`` where it fits."""
-    views = [tensor_to_array(t, t.name) for t in tensors]
-    if out is not None and len(out) == len(views):
-        fits = all(
-            o.shape == v.shape and o.dtype == v.dtype
-            for o, v in zip(out, views, strict=True)
-        )
-        if fits:
-            return _written_into(out, views)
-    return [v.copy() for v in views]
-
-
-@contextlib.contextmanager
-def _released(pool: SegmentPool, segs: list[Segment]) -> Iterator[None]:
-    """Give a call's segments back to ``pool`` when it ends, however it ends."""
-    try:
-        yield
-    finally:
-        for seg in segs:
-            pool.release(seg)
-
-
-def _table_specs(
-    tables: Mapping[str, IdsTable],
-    table_rows: Sequence[Sequence[Any]] | None,
-    arrays: Sequence[Array],
-) -> tuple[list[pb.IdsTableSpec], list[list[Array]]]:
-    """The IdsTableSpec messages of ``tables`` and their rows (for import)."""
-    specs = []
-    for name, t in tables.items():
-        if not isinstance(t, IdsTable):
-            raise TypeError(
-                f"tables[{name!r}] must be an IdsTable(dim, ...), got {t!r}"
-            )
-        if t.dtype is not None and arrays and np.dtype(t.dtype) != arrays[0].dtype:
-            raise ValueError(
-                f"ids table {name!r} is {np.dtype(t.dtype)}, the group's tensors "
-                f"{arrays[0].dtype}: a group has one dtype"
-            )
-        specs.append(
-            pb.IdsTableSpec(
-                name=name,
-                dim=t.dim,
-                initializer=initializer_to_proto(t.initializer),
-                max_rows=t.max_rows,
-            )
-        )
-    rows = [[np.asarray(a) for a in r] for r in table_rows or ()]
-    if rows and len(rows) != len(specs):
-        raise ValueError(
-            f"table_rows has {len(rows)} entries for {len(specs)} ids tables"
-        )
-    return specs, rows
-
-
-def _tcp_host(address: str) -> str | None:
-    """The host of a ``host:port`` address (None for unix: and other schemes)."""
-    if "/" in address or address.startswith(("unix:", "unix-abstract:")):
-        return None
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        return None
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
-def what(method: str) -> str:
-    return f"{method} was not answered"
-
-
-def _pulled(t: pb.Tensor) -> Array:
-    """A pulled tensor as an array of its own (an encoded one is widened already)."""
-    a = tensor_to_array(t, t.name, encoded=True)
-    return a.copy() if t.encoding == pb.ENCODING_UNSPECIFIED else a
-
-
-def _pull_reader(out: Sequence[Array] | None = None) -> StreamReader:
-    def header(m: pb.PullStreamResponse) -> tuple[int, list[pb.Tensor], list[str]]:
-        tensors = list(m.header.tensors)
-        return m.header.update_count, tensors, [t.name for t in tensors]
-
-    return _TensorStreamReader(header, encoded=True, out=out)
-
-
-def _push_reader(out: Sequence[Array] | None = None) -> StreamReader:
-    def header(
-        m: pb.PushPullStreamResponse,
-    ) -> tuple[pb.PushResponse, list[pb.Tensor], list[str]]:
-        values = list(m.header.values)
-        return m.header, values, [t.name for t in values]
-
-    return _TensorStreamReader(header, out=out)
-
-
-def _rows_reader() -> StreamReader:
-    def header(m: pb.PullRowsResponse) -> tuple[list[str], list[pb.Tensor], list[str]]:
-        rows = list(m.header.rows)
-        names = [t.name for t in rows]
-        return names, rows, names
-
-    return _TensorStreamReader(header)
-
-
-def row_gradients(
-    header: pb.PushRowsHeader, entries: Sequence[tuple[str, Array | None, Array]]
-) -> list[Array]:
-    """Declare ``(name, indices or None for a dense gradient, values)`` in a row
-    push's header; the arrays whose bytes follow it, in order."""
-    arrays: list[Array] = []
-    for name, indices, values in entries:
-        gr = header.gradients.add(name=name)
-        if indices is not None:
-            gr.indices.CopyFrom(header_tensor(indices))
-            arrays.append(indices)
-        gr.values.CopyFrom(header_tensor(values))
-        arrays.append(values)
-    return arrays
-
-
-def _indices(idx: Any) -> Array:
-    """Row indices as given, integers widened to int64 (the wire's)."""
-    indices = np.asarray(idx)
-    if indices.dtype.kind in "iu":
-        indices = indices.astype(np.int64, copy=False)
-    return indices
-
-
-def _apply_reader() -> StreamReader:
-    def header(m: pb.ApplyStreamResponse) -> tuple[None, list[pb.Tensor], list[str]]:
-        outputs = list(m.response.outputs)
-        return None, outputs, [f"output {i}" for i in range(len(outputs))]
-
-    return _TensorStreamReader(header)

@@ -38,8 +38,8 @@ from ._errors import (
     NotFoundError,
     UnavailableError,
 )
+from ._ops import Call, Deadline, Op, Pause, on_shard, parallel, what
 from ._records import GroupInfo, PartInfo, PushResult, group_info
-from ._requests import Call, Deadline, Op, Pause, on_shard, parallel, what
 
 if TYPE_CHECKING:
     from ._routing import RoutingCore

@@ -31,8 +31,9 @@ from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
 
 if TYPE_CHECKING:
     from ._client import Client
+    from ._ops import Op
     from ._records import GroupInfo
-    from ._requests import ClientCore, Op
+    from ._requests import ClientCore
 
 __all__ = [
     "EXPORT_FORMAT_VERSION",

@@ -1,0 +1,236 @@
+"""Replies as arrays: stream readers, X written into ``out=``, and the small
+conversions every transport shares."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.codec import (
+    TensorFormatError,
+    header_tensor,
+    tensor_to_array,
+)
+from onnxps.wire.initializers import IdsTable
+
+from ._ops import StreamReader, TensorStreamReader
+from ._records import initializer_to_proto
+from .shm import Segment, SegmentPool
+
+Array = np.ndarray[Any, Any]
+
+
+def cut_flat(
+    flat: Array, specs: Sequence[tuple[np.dtype[Any], Sequence[int]]]
+) -> list[Array]:
+    """Views of the widened values in ``flat`` per ``specs`` (converted, exactly,
+    where the group's dtype is not ``flat``'s)."""
+    arrays = []
+    at = 0
+    for dtype, dims in specs:
+        count = math.prod(dims)
+        piece = flat[at : at + count].reshape(tuple(dims))
+        arrays.append(piece if piece.dtype == dtype else piece.astype(dtype))
+        at += count
+    if at != flat.size:
+        raise TensorFormatError(
+            f"the data channel frame holds {flat.size} elements; the reply's "
+            f"tensors declare {at}"
+        )
+    return arrays
+
+
+def written_into(out: Sequence[Array], arrays: Sequence[Array]) -> list[Array]:
+    """``out``, holding ``arrays`` (the very arrays when they already are)."""
+    out = list(out)
+    if len(out) != len(arrays):
+        raise ValueError(
+            f"out holds {len(out)} arrays; the pull returned {len(arrays)}"
+        )
+    for i, (o, a) in enumerate(zip(out, arrays, strict=True)):
+        if not isinstance(o, np.ndarray) or o.shape != a.shape or o.dtype != a.dtype:
+            got = f"{o.dtype} {o.shape}" if isinstance(o, np.ndarray) else type(o)
+            raise ValueError(
+                f"out[{i}] must be a {a.dtype} array of shape {a.shape}, got {got}"
+            )
+        if o is not a:
+            np.copyto(o, a)
+    return out
+
+
+def reply_arrays(
+    out: Any, gradients: Sequence[Any], return_values: bool
+) -> list[Array]:
+    """A push's ``out``, checked before anything is sent: one writable array per
+    gradient, of its shape and dtype (X has the gradient's shape and the group's
+    dtype, which a pushed gradient has too)."""
+    if not return_values:
+        raise ValueError("out= receives X: it needs return_values=True")
+    if isinstance(out, np.ndarray):
+        raise TypeError("out is a sequence of arrays (one per gradient), not an array")
+    arrays = list(out)
+    if len(arrays) != len(gradients):
+        raise ValueError(
+            f"out holds {len(arrays)} arrays for {len(gradients)} gradients: X "
+            "comes back as one array per gradient"
+        )
+    for i, (o, g) in enumerate(zip(arrays, gradients, strict=True)):
+        want = np.asarray(g)
+        if (
+            not isinstance(o, np.ndarray)
+            or o.shape != want.shape
+            or o.dtype != want.dtype
+            or not o.flags.writeable
+        ):
+            got = (
+                f"{'' if o.flags.writeable else 'read-only '}{o.dtype} {o.shape}"
+                if isinstance(o, np.ndarray)
+                else type(o).__name__
+            )
+            raise ValueError(
+                f"out[{i}] must be a writable {want.dtype} array of shape "
+                f"{want.shape} (gradient {i + 1}'s), got {got}"
+            )
+        if any(np.may_share_memory(o, g) for g in gradients):
+            # A resend reads the gradients again, after X may have landed in out.
+            raise ValueError(
+                f"out[{i}] shares memory with a gradient: X needs arrays of its own"
+            )
+    return arrays
+
+
+def inline_values(
+    tensors: Sequence[pb.Tensor], out: Sequence[Array] | None
+) -> list[Array]:
+    """X carried inline in a reply: copied once, into ``out`` where it fits."""
+    views = [tensor_to_array(t, t.name) for t in tensors]
+    if out is not None and len(out) == len(views):
+        fits = all(
+            o.shape == v.shape and o.dtype == v.dtype
+            for o, v in zip(out, views, strict=True)
+        )
+        if fits:
+            return written_into(out, views)
+    return [v.copy() for v in views]
+
+
+@contextlib.contextmanager
+def released(pool: SegmentPool, segs: list[Segment]) -> Iterator[None]:
+    """Give a call's segments back to ``pool`` when it ends, however it ends."""
+    try:
+        yield
+    finally:
+        for seg in segs:
+            pool.release(seg)
+
+
+def table_specs(
+    tables: Mapping[str, IdsTable],
+    table_rows: Sequence[Sequence[Any]] | None,
+    arrays: Sequence[Array],
+) -> tuple[list[pb.IdsTableSpec], list[list[Array]]]:
+    """The IdsTableSpec messages of ``tables`` and their rows (for import)."""
+    specs = []
+    for name, t in tables.items():
+        if not isinstance(t, IdsTable):
+            raise TypeError(
+                f"tables[{name!r}] must be an IdsTable(dim, ...), got {t!r}"
+            )
+        if t.dtype is not None and arrays and np.dtype(t.dtype) != arrays[0].dtype:
+            raise ValueError(
+                f"ids table {name!r} is {np.dtype(t.dtype)}, the group's tensors "
+                f"{arrays[0].dtype}: a group has one dtype"
+            )
+        specs.append(
+            pb.IdsTableSpec(
+                name=name,
+                dim=t.dim,
+                initializer=initializer_to_proto(t.initializer),
+                max_rows=t.max_rows,
+            )
+        )
+    rows = [[np.asarray(a) for a in r] for r in table_rows or ()]
+    if rows and len(rows) != len(specs):
+        raise ValueError(
+            f"table_rows has {len(rows)} entries for {len(specs)} ids tables"
+        )
+    return specs, rows
+
+
+def tcp_host(address: str) -> str | None:
+    """The host of a ``host:port`` address (None for unix: and other schemes)."""
+    if "/" in address or address.startswith(("unix:", "unix-abstract:")):
+        return None
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def pulled_array(t: pb.Tensor) -> Array:
+    """A pulled tensor as an array of its own (an encoded one is widened already)."""
+    a = tensor_to_array(t, t.name, encoded=True)
+    return a.copy() if t.encoding == pb.ENCODING_UNSPECIFIED else a
+
+
+def pull_reader(out: Sequence[Array] | None = None) -> StreamReader:
+    def header(m: pb.PullStreamResponse) -> tuple[int, list[pb.Tensor], list[str]]:
+        tensors = list(m.header.tensors)
+        return m.header.update_count, tensors, [t.name for t in tensors]
+
+    return TensorStreamReader(header, encoded=True, out=out)
+
+
+def push_reader(out: Sequence[Array] | None = None) -> StreamReader:
+    def header(
+        m: pb.PushPullStreamResponse,
+    ) -> tuple[pb.PushResponse, list[pb.Tensor], list[str]]:
+        values = list(m.header.values)
+        return m.header, values, [t.name for t in values]
+
+    return TensorStreamReader(header, out=out)
+
+
+def rows_reader() -> StreamReader:
+    def header(m: pb.PullRowsResponse) -> tuple[list[str], list[pb.Tensor], list[str]]:
+        rows = list(m.header.rows)
+        names = [t.name for t in rows]
+        return names, rows, names
+
+    return TensorStreamReader(header)
+
+
+def row_gradients(
+    header: pb.PushRowsHeader, entries: Sequence[tuple[str, Array | None, Array]]
+) -> list[Array]:
+    """Declare ``(name, indices or None for a dense gradient, values)`` in a row
+    push's header; the arrays whose bytes follow it, in order."""
+    arrays: list[Array] = []
+    for name, indices, values in entries:
+        gr = header.gradients.add(name=name)
+        if indices is not None:
+            gr.indices.CopyFrom(header_tensor(indices))
+            arrays.append(indices)
+        gr.values.CopyFrom(header_tensor(values))
+        arrays.append(values)
+    return arrays
+
+
+def as_indices(idx: Any) -> Array:
+    """Row indices as given, integers widened to int64 (the wire's)."""
+    indices = np.asarray(idx)
+    if indices.dtype.kind in "iu":
+        indices = indices.astype(np.int64, copy=False)
+    return indices
+
+
+def apply_reader() -> StreamReader:
+    def header(m: pb.ApplyStreamResponse) -> tuple[None, list[pb.Tensor], list[str]]:
+        outputs = list(m.response.outputs)
+        return None, outputs, [f"output {i}" for i in range(len(outputs))]
+
+    return TensorStreamReader(header)
