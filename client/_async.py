@@ -100,9 +100,7 @@ class AsyncClient(RoutingCore):
         self._channels.clear()
         for channel in channels:
             await channel.close(None)
-        for pool in list(self._data_pools.values()):
-            pool.close()
-        self._close_shared_memory()
+        self._close_transports()
 
     def _method(self, name: str, shard: int = 0) -> Any:
         self._check_open()

@@ -150,9 +150,7 @@ class Client(RoutingCore):
             thread.join(timeout=5)
         for channel in self._channels.values():
             channel.close()
-        for pool in list(self._data_pools.values()):
-            pool.close()
-        self._close_shared_memory()
+        self._close_transports()
 
     def _get_stub(self, shard: int = 0) -> pb_grpc.ParameterServerServiceStub:
         with self._lock:

@@ -4,14 +4,12 @@ conversions every transport shares."""
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import (
-    TensorFormatError,
     header_tensor,
     tensor_to_array,
 )
@@ -22,26 +20,6 @@ from ._records import initializer_to_proto
 from .shm import Segment, SegmentPool
 
 Array = np.ndarray[Any, Any]
-
-
-def cut_flat(
-    flat: Array, specs: Sequence[tuple[np.dtype[Any], Sequence[int]]]
-) -> list[Array]:
-    """Views of the widened values in ``flat`` per ``specs`` (converted, exactly,
-    where the group's dtype is not ``flat``'s)."""
-    arrays = []
-    at = 0
-    for dtype, dims in specs:
-        count = math.prod(dims)
-        piece = flat[at : at + count].reshape(tuple(dims))
-        arrays.append(piece if piece.dtype == dtype else piece.astype(dtype))
-        at += count
-    if at != flat.size:
-        raise TensorFormatError(
-            f"the data channel frame holds {flat.size} elements; the reply's "
-            f"tensors declare {at}"
-        )
-    return arrays
 
 
 def written_into(out: Sequence[Array], arrays: Sequence[Array]) -> list[Array]:

@@ -12,63 +12,46 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import itertools
 import logging
 import os
-import ssl
 import time
 import uuid
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NoReturn, TypeVar
 
-import grpc
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import (
     CHUNK_BYTES,
     DTYPE_TO_PROTO,
     SHARD_METADATA_KEY,
-    TensorFormatError,
-    chunk_frames,
     header_tensor,
-    tensor_spec,
     tensor_to_array,
     write_tensor,
 )
 from onnxps.wire.encoding import (
-    ENCODED,
     ENCODING_TO_PROTO,
     DeferredEncoding,
     Encoding,
     check_encoding,
     encode,
-    widen_into,
 )
 from onnxps.wire.initializers import IdsTable
-from onnxps.wire.shm import layout, sweep_orphans
+from onnxps.wire.shm import layout
 
-from ._datachannel import (
-    ChannelBroken,
-    ChannelPool,
-    ChannelRefused,
-    DataChannel,
-    connect,
-    split_frame,
-    tls_context,
-)
+from ._channel_transport import DataChannelLink, DataChannelMode
 from ._errors import (
     ClientClosedError,
-    DataChannelError,
-    DeadlineExceededError,
-    FailedPreconditionError,
-    RpcError,
-    SharedMemoryError,
-    UnavailableError,
+)
+from ._grpc_transport import (
+    Transport,
+    chunk_stream,
+    grpc_transport,
+    resending,
+    use_stream,
 )
 from ._ops import (
-    Blocking,
     Call,
     Deadline,
     Effect,
@@ -77,7 +60,6 @@ from ._ops import (
     Parallel,
     Pause,
     PushCall,
-    Transfer,
     as_method,
     on_shard,
     parallel,
@@ -97,17 +79,10 @@ from ._records import (
 from ._replies import (
     apply_reader,
     as_indices,
-    cut_flat,
-    inline_values,
-    pull_reader,
-    pulled_array,
-    push_reader,
-    released,
     reply_arrays,
     row_gradients,
     rows_reader,
     table_specs,
-    tcp_host,
     written_into,
 )
 from ._settings import (
@@ -119,13 +94,12 @@ from ._settings import (
     named_tensors,
     spec,
 )
+from ._shm_transport import SharedMemoryLink
 from ._transfer import export_op, import_op
+from ._transport import choose_pull, choose_push
 from .shm import (
-    Segment,
-    SegmentPool,
     SharedMemoryMode,
     TensorBuffers,
-    hello_segment,
 )
 
 __all__ = [
@@ -154,41 +128,10 @@ __all__ = [
 log = logging.getLogger("onnxps.client")
 
 Array = np.ndarray[Any, Any]
-Transport = Literal["auto", "unary", "stream"]
 R = TypeVar("R")
 
 STREAM_THRESHOLD_BYTES = 1 << 20
-# With shared_memory="auto", tensors of a call at least this large go through shared
-# memory (below it, inline bytes cost less than mapping a segment on the server).
-SHARED_MEMORY_THRESHOLD_BYTES = 64 << 10
-DataChannelMode = Literal["auto", "on", "off"]
-_F32 = np.dtype(np.float32)
-# With data_channel="auto", calls with at least this many tensor bytes use it.
-DATA_CHANNEL_THRESHOLD_BYTES = 1 << 20
-# Refusals of a data channel's hello that mean "not this server": use gRPC.
-_DATA_HELLO_REFUSALS = (
-    grpc.StatusCode.UNIMPLEMENTED,
-    grpc.StatusCode.FAILED_PRECONDITION,
-)
-_HELLO_SECONDS = 3.0
-_CHANNEL_FALLBACK_REASONS = frozenset(
-    {
-        "DATA_CHANNEL_UNKNOWN",
-        "DATA_CHANNEL_BUSY",
-        "DATA_CHANNEL_OFF",
-        "DATA_TRANSFER_STALE",
-    }
-)
-# Refusals of a hello that mean "not here": the client falls back to bytes.
-_HELLO_REFUSALS = (
-    grpc.StatusCode.UNIMPLEMENTED,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.INVALID_ARGUMENT,
-)
 SPLIT_BYTES = 64 << 20  # a cluster splits a group whose X is larger
-_RESEND_BACKOFF_MAX = 2.0  # seconds between a push's resends, at most
-_RESEND_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 class State(enum.Enum):
@@ -267,11 +210,6 @@ class ClientCore:
         # where the hello is refused; "on" uses it for every push and pull and
         # raises SharedMemoryError where it cannot work; "off" never uses it.
         self.shared_memory: SharedMemoryMode = shared_memory
-        self._shm_pool: SegmentPool | None = None
-        self._shm_refused: str | None = None
-        # TensorBuffers this client made (closed with it); a push or pull of them
-        # moves no tensor bytes through the client.
-        self._buffers_made: weakref.WeakSet[TensorBuffers] = weakref.WeakSet()
         # The data channel (README "The data channel"): "auto" (with
         # transport="auto") carries the bytes of native calls of at least
         # DATA_CHANNEL_THRESHOLD_BYTES on sockets beside gRPC when the server
@@ -283,9 +221,11 @@ class ClientCore:
                 f"{data_channel!r}"
             )
         self.data_channel: DataChannelMode = data_channel
-        self._data_pools: dict[int, ChannelPool] = {}  # per shard (0: one server)
-        self._data_refused: dict[int, str] = {}
-        self._data_tls: ssl.SSLContext | None = None
+        # The links of the transports that keep state (see ``_transport``)
+        self._shm_link = SharedMemoryLink(self)
+        self._data_link = DataChannelLink(
+            self, self._tls, server_name_override, self._dtypes
+        )
         self._state = State.UNOPENED
         self._setup()
 
@@ -312,9 +252,7 @@ class ClientCore:
         return Deadline(self.timeout if timeout is None else timeout)
 
     def _use_stream(self, nbytes: int) -> bool:
-        if self.transport == "auto":
-            return nbytes > self.stream_threshold_bytes
-        return self.transport == "stream"
+        return use_stream(self, nbytes)
 
     def _unary_op(self, method: str, request: Any, timeout: float | None) -> Op[Any]:
         return (
@@ -447,13 +385,7 @@ class ClientCore:
         self, message: Any, header: Any, arrays: list[Array]
     ) -> Callable[[], Iterator[Any]]:
         """A client stream: the header, then every array in chunks."""
-        field = "request" if message is pb.ApplyStreamRequest else "header"
-
-        def chunks() -> Iterator[Any]:
-            yield message(**{field: header})
-            yield from chunk_frames(message, arrays, self.chunk_bytes)
-
-        return chunks
+        return chunk_stream(message, header, arrays, self.chunk_bytes)
 
     def _remember(self, info: GroupInfo) -> GroupInfo:
         self._sizes[info.name] = info.nbytes
@@ -570,73 +502,10 @@ class ClientCore:
     ) -> Op[PushResult]:
         """Send the push (a cluster client: its parts, to their shards). ``out``:
         arrays X may be written straight into (the caller checked them)."""
-        pool = None
-        if all(a.dtype.kind == "f" for a in arrays):  # not an encoded push
-            pool = yield from self._shared_memory(
-                sum(a.nbytes for a in arrays), deadline
-            )
-        sizes = [a.nbytes for a in arrays]
-        bufs = self._buffers_of(arrays) if pool is not None else None
-        if pool is not None and bufs is not None:
-            return (yield from self._push_buffers_op(pool, bufs, req, deadline, out))
-        segs = self._segments(pool, sizes, 2 if req.return_values else 1)
-        if pool is not None and segs is not None:
-            return (
-                yield from self._push_shared_op(pool, segs, req, arrays, deadline, out)
-            )
-        ch = yield from self._data_channel_for(sum(sizes), deadline)
-        if ch is not None:  # native or encoded: the server widens as blocks land
-            pushed = self._push_channel_op(ch, req, arrays, deadline, out)
-            return (yield from pushed)
-        return (yield from self._push_op(req, arrays, deadline, out))
-
-    def _push_channel_op(
-        self,
-        ch: DataChannel,
-        template: pb.PushRequest,
-        arrays: Sequence[Array],
-        deadline: Deadline,
-        out: Sequence[Array] | None,
-        shard: int = 0,
-    ) -> Op[PushResult]:
-        """A push whose gradients (and X) travel on data channel ``ch`` (to
-        ``shard``). Where the channel fails without the server saying why, the
-        push is resent over gRPC (the same seq: applied once)."""
-        req = pb.PushRequest()
-        req.CopyFrom(template)
-        req.gradients.extend(header_tensor(a) for a in arrays)
-        tid = ch.next_transfer()
-        req.transfer.channel = ch.id
-        req.transfer.transfer_id = tid
-        into: list[Array] | None = None
-        if req.return_values:
-            into = [
-                out[i] if out is not None and out[i].flags.c_contiguous else
-                np.empty(a.shape, ENCODED.get(a.dtype, (a.dtype,))[0])
-                for i, a in enumerate(arrays)
-            ]  # fmt: skip
-        what = f"the push to group {req.group} (seq {req.seq}) was not answered"
-        call = Call("Push", unary_request(req), deadline, what)
-        try:
-            msg, frame = yield Transfer(call, ch, tid, arrays, req.return_values, into)
-        except (ChannelBroken, UnavailableError, FailedPreconditionError) as exc:
-            if isinstance(exc, FailedPreconditionError) and (
-                exc.reason not in _CHANNEL_FALLBACK_REASONS
-            ):
-                raise
-            log.info("data channel: %s; the push goes over gRPC", exc)
-            return (yield from self._push_op(template, arrays, deadline, out))
-        self._data_pool(shard).give_back(ch)
-        values = None
-        if req.return_values and msg.values_on_channel:
-            values = (
-                frame
-                if isinstance(frame, list)
-                else split_frame(frame, [tensor_spec(t, t.name) for t in msg.values])
-            )
-        elif req.return_values:
-            values = inline_values(msg.values, out)
-        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
+        way = yield from choose_push(
+            self, self._shm_link, self._data_link, arrays, req.return_values, deadline
+        )
+        return (yield from way.push(req, arrays, deadline, out))
 
     def _push_part_op(
         self,
@@ -646,193 +515,17 @@ class ClientCore:
         shard: int,
     ) -> Op[PushResult]:
         """One part's push to ``shard`` of a cluster (the caller routes it there
-        with ``on_shard``): on the shard's data channel when it has one."""
-        nbytes = sum(a.nbytes for a in arrays)
-        ch = yield from self._data_channel_for(nbytes, deadline, shard)
-        if ch is not None:
-            op = self._push_channel_op(ch, template, arrays, deadline, None, shard)
-            return (yield from op)
-        return (yield from self._push_op(template, arrays, deadline))
-
-    def _data_pool(self, shard: int) -> ChannelPool:
-        pool = self._data_pools.get(shard)
-        if pool is None:
-            pool = self._data_pools.setdefault(shard, ChannelPool())
-        return pool
-
-    def _data_channel_for(
-        self, nbytes: int, deadline: Deadline, shard: int = 0
-    ) -> Op[DataChannel | None]:
-        """A data channel to ``shard`` (0: the one server) for a call of
-        ``nbytes`` tensor bytes, or None (bytes over gRPC): an idle one, else a
-        new one (hello, connect)."""
-        if self.data_channel == "off" or not self.TRANSFERS:
-            return None
-        if self.data_channel == "auto" and (
-            self.transport != "auto" or nbytes < DATA_CHANNEL_THRESHOLD_BYTES
-        ):
-            return None
-        host = tcp_host(self.addresses[shard])
-        if host is None:
-            return self._refuse_data_channel("the address is not host:port", shard)
-        if shard in self._data_refused:
-            return self._refuse_data_channel(self._data_refused[shard], shard)
-        ch = self._data_pool(shard).take()
-        if ch is not None:
-            return ch
-        try:
-            call = Call(
-                "DataChannelHello",
-                unary_request(pb.DataChannelHelloRequest()),
-                # A hello never costs the call more than a few seconds of its own
-                Deadline(min(deadline.remaining(), _HELLO_SECONDS)),
-                what("the data channel hello"),
-            )
-            msg = yield call
-        except RpcError as exc:
-            if exc.code in _DATA_HELLO_REFUSALS:
-                why = f"{exc.code.name}: {exc.details}"
-                return self._refuse_data_channel(why, shard)
-            # The server is away, draining or stopped: this call goes over gRPC
-            # (and rides through that, or times out, as before); the next call
-            # asks again.
-            return None
-        try:
-            tls = None
-            if self._tls[0] is not None or self._tls[2] is not None:
-                tls = self._data_tls
-                if tls is None:
-                    tls = self._data_tls = tls_context(*self._tls)
-            timeout = min(deadline.remaining(), 10)
-            override = self._server_name_override
-            opening = functools.partial(
-                connect, host, msg.port, msg.ticket, timeout, tls, override
-            )
-            opened: DataChannel = yield Blocking(opening)
-            return opened
-        except (OSError, ChannelRefused, ChannelBroken) as exc:
-            why = f"cannot connect to its port {host}:{msg.port} ({exc})"
-            return self._refuse_data_channel(why, shard)
-
-    def _refuse_data_channel(self, why: str, shard: int = 0) -> DataChannel | None:
-        """Remember why ``shard`` gives no data channel: "on" raises, "auto" falls
-        back to gRPC (logged once); None."""
-        first = shard not in self._data_refused
-        self._data_refused[shard] = why
-        address = self.addresses[shard]
-        if self.data_channel == "on":
-            raise DataChannelError(
-                f"data_channel='on' but the server at {address} gives this "
-                f"client no data channel: {why}"
-            )
-        if first:
-            log.info(
-                "no data channel with %s (%s); tensor bytes go over gRPC",
-                address,
-                why,
-            )
-        return None
-
-    def _push_op(
-        self,
-        template: pb.PushRequest,
-        arrays: Sequence[Array],
-        deadline: Deadline,
-        out: Sequence[Array] | None = None,
-    ) -> Op[PushResult]:
-        """One push of ``template`` with these gradients, resent while unanswered.
-
-        On the stream transport a push that returns X is a PushPullStream: X comes
-        back in chunks, sent while the server steps (into ``out`` where given)."""
-        req = pb.PushRequest()
-        req.CopyFrom(template)
-        group = req.group
-        what = f"the push to group {group} (seq {req.seq}) was not answered"
-        arrays = [a.encoded() if isinstance(a, DeferredEncoding) else a for a in arrays]
-        if self._use_stream(sum(a.nbytes for a in arrays)):
-            req.gradients.extend(header_tensor(a) for a in arrays)
-            if req.return_values:
-                chunks = self._chunks(pb.PushPullStreamRequest, req, arrays)
-                reader = functools.partial(push_reader, out)
-                call = Call("PushPullStream", chunks, deadline, what, reader)
-                msg, values = yield from self._resending(call, group, req.seq)
-                return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
-            chunks = self._chunks(pb.PushStreamRequest, req, arrays)
-            call = Call("PushStream", chunks, deadline, what)
-        else:
-            for a in arrays:
-                write_tensor(req.gradients.add(), a)
-            call = Call("Push", unary_request(req), deadline, what)
-        msg = yield from self._resending(call, group, req.seq)
-        values = None
-        if req.return_values:
-            values = inline_values(msg.values, out)
-        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
-
-    def _push_shared_op(
-        self,
-        pool: SegmentPool,
-        segs: list[Segment],
-        template: pb.PushRequest,
-        arrays: list[Array],
-        deadline: Deadline,
-        out: Sequence[Array] | None = None,
-    ) -> Op[PushResult]:
-        """A push whose gradients (and returned X) travel in shared memory (in
-        ``segs``, given back to ``pool`` at the end); the unary Push carries only
-        their region. Resent like any push."""
-        req = pb.PushRequest()
-        req.CopyFrom(template)
-        req.gradients.extend(header_tensor(a) for a in arrays)
-        with released(pool, segs):
-            req.gradients_region.CopyFrom(segs[0].write(arrays))
-            reply = segs[1] if req.return_values else None
-            return (yield from self._region_push_op(req, reply, deadline, out))
-
-    def _push_buffers_op(
-        self,
-        pool: SegmentPool,
-        bufs: TensorBuffers,
-        template: pb.PushRequest,
-        deadline: Deadline,
-        out: Sequence[Array] | None = None,
-    ) -> Op[PushResult]:
-        """A push of ``bufs`` (gradients written in place in their segment): the
-        unary Push names their region; X, when asked for, comes back through a
-        segment of ``pool``. Resent like any push."""
-        req = pb.PushRequest()
-        req.CopyFrom(template)
-        req.gradients.extend(header_tensor(a) for a in bufs)
-        with bufs.claimed() as segment:
-            segs = self._segments(pool, [bufs.nbytes], 1) if req.return_values else []
-            if segs is None:  # no room for the reply: X comes back inline
-                segs = []
-            with released(pool, segs):
-                req.gradients_region.CopyFrom(bufs.publish(segment))
-                reply = segs[0] if segs else None
-                return (yield from self._region_push_op(req, reply, deadline, out))
-
-    def _region_push_op(
-        self,
-        req: pb.PushRequest,
-        reply: Segment | None,
-        deadline: Deadline,
-        out: Sequence[Array] | None = None,
-    ) -> Op[PushResult]:
-        """The unary Push of a request whose gradients are named by region, resent
-        like any push; X, when asked for, comes back through ``reply`` (or inline,
-        without one or when the server answers inline)."""
-        if reply is not None:
-            req.reply_region.CopyFrom(reply.region())
-        what = f"the push to group {req.group} (seq {req.seq}) was not answered"
-        call = Call("Push", unary_request(req), deadline, what)
-        msg = yield from self._shared_call(self._resending(call, req.group, req.seq))
-        values = None
-        if req.return_values and reply is not None and msg.HasField("values_region"):
-            values = reply.read(msg.values_region, msg.values, out=out)
-        elif req.return_values:
-            values = inline_values(msg.values, out)
-        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
+        with ``on_shard``), on the transport chosen for it."""
+        way = yield from choose_push(
+            self,
+            self._shm_link,
+            self._data_link,
+            arrays,
+            template.return_values,
+            deadline,
+            shard,
+        )
+        return (yield from way.push(template, arrays, deadline, None))
 
     def _tensor_buffers(
         self, group: str, *, timeout: float | None = None
@@ -845,161 +538,15 @@ class ClientCore:
         """
         deadline = self._deadline(timeout)
         info = yield from self._describe_group(group, timeout=deadline.remaining())
-        shapes = [dims for _, dims in info.tensors]
-        sizes = [info.dtype.itemsize * int(np.prod(d, dtype=np.int64)) for d in shapes]
-        pool = yield from self._shared_memory(sum(sizes), deadline)
-        segment = None
-        if pool is not None:
-            try:
-                segment = Segment(layout(sizes)[1], pool.directory)
-            except OSError as exc:
-                why = f"no room in /dev/shm for {sum(sizes)} bytes ({exc.strerror})"
-                if self.shared_memory == "on":
-                    raise SharedMemoryError(why) from None
-                log.info("%s: these tensor buffers are not shared", why)
-        bufs = TensorBuffers(group, info.dtype, shapes, segment)
-        self._buffers_made.add(bufs)
-        return bufs
+        shapes = [tuple(dims) for _, dims in info.tensors]
+        made = self._shm_link.make_buffers(group, info.dtype, shapes, deadline)
+        return (yield from made)
 
-    def _buffers_of(self, arrays: Sequence[Array]) -> TensorBuffers | None:
-        """The shared TensorBuffers of this client that ``arrays`` are, if any."""
-        if not arrays:
-            return None
-        for bufs in list(self._buffers_made):
-            if bufs.shared and bufs.is_these(arrays):
-                return bufs
-        return None
-
-    def _pull_into_op(
-        self,
-        group: str,
-        min_version: int | None,
-        deadline: Deadline,
-        bufs: TensorBuffers,
-    ) -> Op[tuple[int, list[Array]] | None]:
-        """A pull of X written by the server straight into ``bufs`` (their arrays
-        are the result); None when shared memory is not used for it."""
-        pool = yield from self._shared_memory(bufs.nbytes, deadline)
-        if pool is None:
-            return None
-        if min_version is not None:
-            waited = f"group {group} did not reach T={min_version}"
-        else:
-            waited = f"the pull of group {group} was not answered"
-        req = pb.PullRequest(group=group, min_version=min_version)
-        with bufs.claimed() as segment:
-            req.reply_region.CopyFrom(segment.region())
-            call = Call("Pull", unary_request(req), deadline, waited)
-            msg = yield from self._shared_call(self._call_op(call))
-            if msg.HasField("tensors_region") and bufs.holds(
-                msg.tensors_region, msg.tensors
-            ):
-                return msg.update_count, list(bufs)
-            if msg.HasField("tensors_region"):  # another layout: the group changed
-                return msg.update_count, segment.read(msg.tensors_region, msg.tensors)
-        return msg.update_count, [
-            tensor_to_array(t, t.name).copy() for t in msg.tensors
-        ]
-
-    # -- the same-host transport ---------------------------------------------------
-    def _shared_memory(self, nbytes: int, deadline: Deadline) -> Op[SegmentPool | None]:
-        """The segments of the same-host transport when a call of ``nbytes`` should
-        use it (a hello on first use), else None (bytes over gRPC)."""
-        if self.shared_memory == "off" or self.shards is not None:
-            return None
-        if self.shared_memory == "auto" and (
-            self.transport != "auto" or nbytes < SHARED_MEMORY_THRESHOLD_BYTES
-        ):
-            return None  # small, or a gRPC transport was asked for by name
-        if self._shm_pool is not None:
-            return self._shm_pool
-        if self._shm_refused is not None:
-            self._refuse_shared_memory(self._shm_refused)
-            return None
-        try:
-            seg, nonce = hello_segment()
-        except OSError as exc:
-            why = f"cannot create a segment in /dev/shm ({exc.strerror})"
-            self._refuse_shared_memory(why)
-            return None
-        try:
-            sweep_orphans()
-            req = pb.SharedMemoryHelloRequest(segment=seg.name)
-            call = Call(
-                "SharedMemoryHello", unary_request(req), deadline, what("the hello")
-            )
-            msg = yield call
-        except RpcError as exc:
-            if exc.code not in _HELLO_REFUSALS:
-                raise
-            self._refuse_shared_memory(f"{exc.code.name}: {exc.details}")
-            return None
-        finally:
-            seg.close()
-        if msg.nonce != nonce:
-            why = "the server read another nonce: it does not share this /dev/shm"
-            self._refuse_shared_memory(why)
-            return None
-        log.info("shared memory with %s: tensors move through /dev/shm", self.address)
-        self._shm_pool = SegmentPool()
-        return self._shm_pool
-
-    def _segments(
-        self, pool: SegmentPool | None, sizes: list[int], n: int
-    ) -> list[Segment] | None:
-        """``n`` segments of ``pool`` for one call's tensors; None (bytes over gRPC
-        for this call, or SharedMemoryError with "on") when /dev/shm has no room."""
-        if pool is None:
-            return None
-        segs: list[Segment] = []
-        try:
-            for _ in range(n):
-                segs.append(pool.acquire(sizes))
-        except OSError as exc:
-            for seg in segs:
-                pool.release(seg)
-            why = f"no room in /dev/shm for {sum(sizes)} bytes ({exc.strerror})"
-            if self.shared_memory == "on":
-                raise SharedMemoryError(why) from None
-            log.info("%s: this call sends its tensors over gRPC", why)
-            return None
-        return segs
-
-    def _refuse_shared_memory(self, why: str) -> None:
-        """Remember that the hello failed: "on" raises, "auto" falls back (once
-        logged)."""
-        first = self._shm_refused is None
-        self._shm_refused = why
-        if self.shared_memory == "on":
-            raise SharedMemoryError(
-                f"shared_memory='on' but the server at {self.address} cannot share "
-                f"memory with this client: {why}"
-            )
-        if first:
-            log.info(
-                "shared memory with %s is not possible (%s); sending tensor bytes "
-                "over gRPC",
-                self.address,
-                why,
-            )
-        return None
-
-    def _shared_call(self, op: Op[R]) -> Op[R]:
-        """``op``; when it fails because the server went away, the segments are
-        unlinked (and the next call says hello again, to whatever answers then)."""
-        try:
-            return (yield from op)
-        except (UnavailableError, DeadlineExceededError):
-            self._close_shared_memory()
-            raise
-
-    def _close_shared_memory(self) -> None:
-        pool, self._shm_pool = self._shm_pool, None
-        if pool is not None:
-            pool.close()
-        if self._state is State.CLOSED:  # the client's close(): its buffers too
-            for bufs in list(self._buffers_made):
-                bufs.close()
+    def _close_transports(self) -> None:
+        """Close the data channels and unlink the segments (the client's close():
+        its tensor buffers too)."""
+        self._data_link.close()
+        self._shm_link.close(closing_client=self._state is State.CLOSED)
 
     def _push(self, *args: Any, **kwargs: Any) -> Op[int | list[Array]]:
         """Push G_1..G_n (ONNX order). Returns the new T, or X_1..X_n with
@@ -1065,9 +612,10 @@ class ClientCore:
             return (
                 yield from self._pull_parts(group, state, min_version, deadline, enc)
             )
-        bufs = self._buffers_of(list(out))
+        bufs = self._shm_link.buffers_of(list(out))
         if bufs is not None and not state and enc == "native":
-            into = yield from self._pull_into_op(group, min_version, deadline, bufs)
+            req = pb.PullRequest(group=group, min_version=min_version)
+            into = yield from self._shm_link.pull_into(req, deadline, bufs)
             if into is not None:
                 t, arrays = into
                 return t, written_into(out, arrays)
@@ -1111,10 +659,6 @@ class ClientCore:
     ) -> Op[tuple[int, list[Array]]]:
         """One pull of one group (or part) from one server; a streamed or shared
         reply lands in ``out`` where its arrays fit."""
-        if min_version is not None:
-            waited = f"group {group} did not reach T={min_version}"
-        else:
-            waited = f"the pull of group {group} was not answered"
         size = self._sizes.get(group)
         unknown = group not in self._pull_segments
         if (size is None and self.transport == "auto") or (
@@ -1122,149 +666,20 @@ class ClientCore:
         ):
             size = (yield from self._describe(group, deadline)).nbytes
         segment = self._pull_segments.get(group, (0, 0))[state]
-        pool = None
-        if encoding == "native":  # an encoded pull is asked for by name
-            pool = yield from self._shared_memory(size or 0, deadline)
-        segs = self._segments(pool, [segment], 1) if segment else None
-        if pool is not None and segs is not None:
-            shared = pb.PullRequest(
-                group=group, with_state=state, min_version=min_version
-            )
-            pulled = self._pull_shared_op(pool, segs[0], shared, deadline, out)
-            return (yield from pulled)
-        wire = size or 0
-        if encoding != "native":  # 2 bytes an element of X
-            wire = wire // 2 if wire else 0
-        ch = yield from self._data_channel_for(wire, deadline, shard)
-        if ch is not None:
-            got = yield from self._pull_channel_op(
-                ch, group, state, min_version, deadline, out, shard, encoding
-            )
-            if got is not None:
-                return got
-        if self._use_stream(size or 0):
-            req = pb.PullStreamRequest(
-                group=group,
-                with_state=state,
-                min_version=min_version,
-                encoding=ENCODING_TO_PROTO[encoding],
-            )
-            reader = functools.partial(pull_reader, out)
-            t, arrays = yield Call(
-                "PullStream", unary_request(req), deadline, waited, reader
-            )
-            return int(t), arrays
-        unary = pb.PullRequest(
-            group=group,
-            with_state=state,
-            min_version=min_version,
-            encoding=ENCODING_TO_PROTO[encoding],
-        )
-        msg = yield Call("Pull", unary_request(unary), deadline, waited)
-        return msg.update_count, [pulled_array(t) for t in msg.tensors]
-
-    def _pull_channel_op(
-        self,
-        ch: DataChannel,
-        group: str,
-        state: bool,
-        min_version: int | None,
-        deadline: Deadline,
-        out: Sequence[Array] | None,
-        shard: int = 0,
-        encoding: Encoding = "native",
-    ) -> Op[tuple[int, list[Array]] | None]:
-        """A pull whose tensors come back on data channel ``ch`` (from ``shard``);
-        None where the channel failed without the server saying why (pull over
-        gRPC then). An encoded X is widened here, into ``out`` where it fits."""
-        if min_version is not None:
-            waited = f"group {group} did not reach T={min_version}"
-        else:
-            waited = f"the pull of group {group} was not answered"
-        tid = ch.next_transfer()
         req = pb.PullRequest(
             group=group,
             with_state=state,
             min_version=min_version,
             encoding=ENCODING_TO_PROTO[encoding],
         )
-        req.transfer.channel = ch.id
-        req.transfer.transfer_id = tid
-        into = None
-        if out is not None and all(
-            isinstance(o, np.ndarray) and o.flags.c_contiguous and o.flags.writeable
-            for o in out
-        ):
-            into = list(out)
-        call = Call("Pull", unary_request(req), deadline, waited)
-        widen = landing = int(ENCODING_TO_PROTO[encoding])
-        # without a fitting ``out``, an encoded X is widened as it lands into one
-        # buffer of the group's dtype as last seen (float32 if never: any other
-        # is converted after, exactly), then cut per the reply
-        guess = self._dtypes.get(group, _F32) if into is None and landing else None
-        try:
-            msg, frame = yield Transfer(call, ch, tid, None, True, into, landing, guess)
-        except (ChannelBroken, UnavailableError, FailedPreconditionError) as exc:
-            if isinstance(exc, FailedPreconditionError) and (
-                exc.reason not in _CHANNEL_FALLBACK_REASONS
-            ):
-                raise
-            log.info("data channel: %s; the pull goes over gRPC", exc)
-            return None
-        self._data_pool(shard).give_back(ch)
-        specs = [tensor_spec(t, t.name, encoded=True) for t in msg.tensors]
-        if specs and not state:
-            self._dtypes[group] = specs[0][0]
-        if not isinstance(frame, list) and widen:
-            # landed whole (an out= of other sizes, or the A/B baseline): widen now
-            if frame.size % 2 or any(t.encoding != widen for t in msg.tensors):
-                raise TensorFormatError(
-                    f"the data channel frame of {frame.size} bytes does not hold "
-                    f"the reply's X in encoding {widen}"
-                )
-            flat = np.empty(frame.size // 2, specs[0][0] if specs else _F32)
-            widen_into(flat, frame, widen)
-            return msg.update_count, cut_flat(flat, specs)
-        if isinstance(frame, list) and guess is not None:  # widened into one buffer
-            return msg.update_count, cut_flat(frame[0], specs)
-        if isinstance(frame, list):
-            if len(frame) != len(specs):
-                raise ValueError(
-                    f"out holds {len(frame)} arrays; the pull returned {len(specs)}"
-                )
-            for i, (a, (d, dims)) in enumerate(zip(frame, specs, strict=True)):
-                if (a.dtype, a.shape) != (d, tuple(dims)):  # as pull(out=) says it
-                    raise ValueError(
-                        f"out[{i}] must be a {d} array of shape {tuple(dims)}, got "
-                        f"{a.dtype} {a.shape}"
-                    )
-            return msg.update_count, frame
-        return msg.update_count, split_frame(frame, specs)
-
-    def _pull_shared_op(
-        self,
-        pool: SegmentPool,
-        seg: Segment,
-        req: pb.PullRequest,
-        deadline: Deadline,
-        out: Sequence[Array] | None = None,
-    ) -> Op[tuple[int, list[Array]]]:
-        """A pull whose tensors come back in shared memory (inline when they no
-        longer fit the segment, e.g. the group was replaced)."""
-        if req.HasField("min_version"):
-            waited = f"group {req.group} did not reach T={req.min_version}"
-        else:
-            waited = f"the pull of group {req.group} was not answered"
-        with released(pool, [seg]):
-            req.reply_region.CopyFrom(seg.region())
-            call = Call("Pull", unary_request(req), deadline, waited)
-            msg = yield from self._shared_call(self._call_op(call))
-            if msg.HasField("tensors_region"):
-                arrays = seg.read(msg.tensors_region, msg.tensors, out=out)
-                return msg.update_count, arrays
-        return msg.update_count, [
-            tensor_to_array(t, t.name).copy() for t in msg.tensors
-        ]
+        links = (self._shm_link, self._data_link)
+        way = yield from choose_pull(
+            self, *links, segment, size or 0, encoding, deadline, shard
+        )
+        pulled = yield from way.pull(req, deadline, out)
+        if pulled is None:  # the data channel failed: over gRPC
+            pulled = yield from grpc_transport(self, size or 0).pull(req, deadline, out)
+        return pulled
 
     # -- rows ----------------------------------------------------------------------
     def _push_rows(
@@ -1337,7 +752,7 @@ class ClientCore:
         what = f"the row push to group {group} (seq {header.seq}) was not answered"
         chunks = self._chunks(pb.PushRowsRequest, header, arrays)
         call = Call("PushRows", chunks, deadline, what)
-        return (yield from self._resending(call, group, header.seq))
+        return (yield from resending(call, group, header.seq, self.address))
 
     def _pull_rows(
         self,
@@ -1471,47 +886,6 @@ class ClientCore:
         ids = np.concatenate([p.ids for p in pages])
         rows = {k: np.concatenate([p.rows[k] for p in pages]) for k in pages[0].rows}
         return ids, rows
-
-    def _resending(self, call: Call, group: str, seq: int) -> Op[Any]:
-        """Send a push, and resend it (same seq) while the server is unavailable,
-        until the deadline: the server answers a repeat with its first result."""
-        backoff = 0.1
-        unavailable: RpcError | None = None
-        while True:
-            try:
-                return (yield call)
-            except DeadlineExceededError:
-                if unavailable is None:
-                    raise
-                raise self._gone(group, seq, call.deadline, unavailable) from None
-            except RpcError as exc:
-                if exc.code not in _RESEND_CODES:
-                    raise
-                unavailable = exc
-            pause = min(backoff, call.deadline.remaining())
-            if pause <= 0:
-                raise self._gone(group, seq, call.deadline, unavailable)
-            log.info(
-                "push to %s seq %d: %s; resending in %.1f s",
-                group,
-                seq,
-                unavailable.code.name,
-                pause,
-            )
-            yield Pause(pause)
-            backoff = min(_RESEND_BACKOFF_MAX, backoff * 2)
-
-    def _gone(
-        self, group: str, seq: int, deadline: Deadline, last: RpcError
-    ) -> UnavailableError:
-        return UnavailableError(
-            f"the server at {self.address} stayed unavailable for "
-            f"{deadline.seconds:g} s ({last.details}); the push to group "
-            f"{group} (seq {seq}) may not have been applied",
-            reason=last.reason,  # the last refusal's details (e.g. WAL_WRITE_FAILED)
-            metadata=last.metadata,
-            violations=last.violations,
-        )
 
     # -- apply ---------------------------------------------------------------------
     def _apply(
