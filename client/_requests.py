@@ -95,6 +95,7 @@ from .shm import (
     TensorBuffers,
     hello_segment,
     layout,
+    new_key,
     sweep_orphans,
 )
 
@@ -1256,7 +1257,7 @@ class ClientCore:
         segment = None
         if pool is not None:
             try:
-                segment = Segment(layout(sizes)[1], pool.directory)
+                segment = Segment(layout(sizes)[1], pool.directory, pool.key)
             except OSError as exc:
                 why = f"no room in /dev/shm for {sum(sizes)} bytes ({exc.strerror})"
                 if self.shared_memory == "on":
@@ -1321,15 +1322,16 @@ class ClientCore:
         if self._shm_refused is not None:
             self._refuse_shared_memory(self._shm_refused)
             return None
+        key = new_key()  # the hello binds it to this client's token and uid
         try:
-            seg, nonce = hello_segment()
+            seg, nonce = hello_segment(key=key)
         except OSError as exc:
             why = f"cannot create a segment in /dev/shm ({exc.strerror})"
             self._refuse_shared_memory(why)
             return None
         try:
             sweep_orphans()
-            req = pb.SharedMemoryHelloRequest(segment=seg.name)
+            req = pb.SharedMemoryHelloRequest(segment=seg.name, key=key)
             call = Call("SharedMemoryHello", _unary(req), deadline, what("the hello"))
             msg = yield call
         except RpcError as exc:
@@ -1344,7 +1346,7 @@ class ClientCore:
             self._refuse_shared_memory(why)
             return None
         log.info("shared memory with %s: tensors move through /dev/shm", self.address)
-        self._shm_pool = SegmentPool()
+        self._shm_pool = SegmentPool(key=key)
         return self._shm_pool
 
     def _segments(
