@@ -283,6 +283,9 @@ class SharedMemory:
                     f"this call comes from uid {_uid_text(uid)}, and segment "
                     f"{name!r} is bound to a client of uid {_uid_text(bound.uid)}",
                 )
+            with self._lock:  # the client reconnected: look its uid up once
+                if key in self._bindings:
+                    self._bindings[key] = _Binding(bound.principal, caller.peer, uid)
 
     # -- calls ---------------------------------------------------------------------
     def hello(self, name: str, key: bytes, caller: Caller) -> bytes:
