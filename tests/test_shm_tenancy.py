@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -30,6 +31,7 @@ from onnxps.client import Client, Momentum
 from onnxps.client._errors import translate
 from onnxps.client.codec import header_tensor
 from onnxps.client.shm import KEY_AT, KEY_BYTES, SHM_DIR, Segment
+from onnxps.server.app import ServerConfig, create_server
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
@@ -233,6 +235,9 @@ def test_a_tenant_of_another_uid_cannot_read_or_write_anothers_segments(
             assert victim.pull("b/secret", out=xs)[0] is xs[0]
             np.copyto(grads[0], G)  # computed, not pushed yet
             x_seg, g_seg = _segment(xs), _segment(grads)
+            for seg in (x_seg, g_seg):  # root's, 0600: nobody cannot read the key
+                st = os.stat(seg.path)
+                assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o600)
             gens = [x_seg.generation, g_seg.generation]
             steps: list[dict[str, Any]] = [
                 # a wrong generation first: its message used to tell the right one
@@ -392,3 +397,42 @@ def test_a_stale_region_is_refused_without_the_segments_generation(
     finally:
         seg.close()
     assert _x(server, "b/secret")[0] == 0
+
+
+def test_over_a_unix_socket_the_key_and_the_token_are_checked(
+    tmp_path: Path,
+) -> None:
+    """A Unix socket tells gRPC no uid: the socket file's mode decides who
+    connects, and a segment still serves only its key and its token."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{ADMIN} admin *\n{VICTIM} write b/\n{ATTACKER} write a/\n")
+    address = f"unix://{tmp_path}/ps.sock"
+    config = ServerConfig(address=address, durability="none", tokens_file=str(tokens))
+    handle = create_server(config).start()
+    try:
+        with Client(address, token=ADMIN, shared_memory="off") as admin:
+            admin.create_group("b/secret", SGD, learning_rate=1.0, tensors={"w": X0})
+            admin.create_group("a/x", SGD, learning_rate=1.0, tensors={"w": X0})
+        with Client(address, token=VICTIM, shared_memory="on", timeout=30) as victim:
+            with victim.tensor_buffers("b/secret") as grads:
+                np.copyto(grads[0], G)
+                assert victim.push("b/secret", *grads) == 1
+                seg = _segment(grads)
+                region = seg.publish(grads.offsets)
+                keyless = pb.SharedMemoryRegion()
+                keyless.CopyFrom(region)
+                keyless.ClearField("key")
+                with grpc.insecure_channel(address) as ch:
+                    stub = pb_grpc.ParameterServerServiceStub(ch)
+                    for token, group, named in (
+                        (VICTIM, "b/secret", keyless),
+                        (ATTACKER, "a/x", region),
+                    ):
+                        err = _push_refused(stub, token, group, named)
+                        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+                        assert translate(err).reason == "SEGMENT_NOT_YOURS"
+                assert victim.push("b/secret", *grads) == 2
+        with Client(address, token=ADMIN, shared_memory="off") as admin:
+            assert admin.describe_group("a/x").update_count == 0
+    finally:
+        handle.stop(grace=0)
