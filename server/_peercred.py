@@ -3,7 +3,8 @@
 gRPC Python gives a servicer the peer's address (``context.peer()``), not its
 socket. For a TCP connection from this host (loopback), Linux lists the caller's
 end of the connection in ``/proc/net/tcp`` (``tcp6``) with the uid that owns it,
-as ``identd`` reads it: the line whose local address is the peer's address. A
+as ``identd`` reads it: the line whose local address is the peer's address (a
+read of the table takes milliseconds, so callers look a peer up once). A
 Unix-socket peer (whose socket file mode is its access control), a remote peer
 or a host without ``/proc`` gives None.
 """
@@ -49,10 +50,11 @@ def peer_uid(peer: str) -> int | None:
     if isinstance(ip, ipaddress.IPv4Address):  # or from an IPv6 socket, v4-mapped
         mapped = ipaddress.IPv6Address(f"::ffff:{ip}")
         wanted.append((_TABLES[6], _proc_hex(mapped, port)))
-    uids: list[int] = []
-    for path, local in wanted:
-        uids += _owners(path, local)
-    return uids[0] if len(set(uids)) == 1 else None
+    for path, local in wanted:  # reading a table costs milliseconds: stop early
+        uids = set(_owners(path, local))
+        if uids:
+            return uids.pop() if len(uids) == 1 else None
+    return None
 
 
 def _owners(path: str, local: str) -> list[int]:

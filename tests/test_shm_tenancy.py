@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from onnxps.client import Client, Momentum
 from onnxps.client._errors import translate
 from onnxps.client.codec import header_tensor
 from onnxps.client.shm import KEY_AT, KEY_BYTES, SHM_DIR, Segment
+from onnxps.server._peercred import peer_uid
 from onnxps.server.app import ServerConfig, create_server
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -436,3 +438,40 @@ def test_over_a_unix_socket_the_key_and_the_token_are_checked(
             assert admin.describe_group("a/x").update_count == 0
     finally:
         handle.stop(grace=0)
+
+
+@pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6])
+def test_the_uid_of_a_loopback_peer_is_the_one_linux_lists(family: int) -> None:
+    """``peer_uid`` finds the caller's end of a real loopback connection (made by
+    a process of uid 65534, so the answer is not just this process's uid)."""
+    host = "127.0.0.1" if family == socket.AF_INET else "::1"
+    with socket.socket(family) as listener:
+        try:
+            listener.bind((host, 0))
+        except OSError:
+            pytest.skip(f"no {host} on this host")
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import os, socket, sys; os.setgid(65534); os.setuid(65534); "
+                f"s = socket.socket({int(family)}); s.connect(({host!r}, {port})); "
+                "sys.stdin.read()",
+            ],
+            stdin=subprocess.PIPE,
+        )
+        try:
+            listener.settimeout(30)
+            conn, addr = listener.accept()
+            with conn:
+                kind = "ipv4" if family == socket.AF_INET else "ipv6"
+                at = addr[0] if family == socket.AF_INET else f"[{addr[0]}]"
+                assert peer_uid(f"{kind}:{at}:{addr[1]}") == NOBODY
+        finally:
+            assert client.stdin is not None
+            client.stdin.close()
+            client.wait(timeout=30)
+    assert peer_uid("unix:/run/onnxps.sock") is None
+    assert peer_uid("ipv4:192.0.2.1:5") is None  # not a connection of this host
