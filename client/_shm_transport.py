@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import header_tensor, tensor_to_array
-from onnxps.wire.shm import layout, sweep_orphans
+from onnxps.wire.shm import layout, new_key, sweep_orphans
 
 from ._errors import (
     DeadlineExceededError,
@@ -104,14 +104,15 @@ class SharedMemoryLink:
         return (yield from self._hello(deadline))
 
     def _hello(self, deadline: Deadline) -> Op[SegmentPool | None]:
+        key = new_key()  # the hello binds it to this client's token and uid
         try:
-            seg, nonce = hello_segment()
+            seg, nonce = hello_segment(key=key)
         except OSError as exc:
             self.refuse(f"cannot create a segment in /dev/shm ({exc.strerror})")
             return None
         try:
             sweep_orphans()
-            req = pb.SharedMemoryHelloRequest(segment=seg.name)
+            req = pb.SharedMemoryHelloRequest(segment=seg.name, key=key)
             hello = unary_request(req)
             msg = yield Call("SharedMemoryHello", hello, deadline, what("the hello"))
         except RpcError as exc:
@@ -129,7 +130,7 @@ class SharedMemoryLink:
         log.info(
             "shared memory with %s: tensors move through /dev/shm", self.host.address
         )
-        self.pool = SegmentPool()
+        self.pool = SegmentPool(key=key)
         return self.pool
 
     def refuse(self, why: str) -> None:
@@ -235,7 +236,7 @@ class SharedMemoryLink:
         segment = None
         if pool is not None:
             try:
-                segment = Segment(layout(sizes)[1], pool.directory)
+                segment = Segment(layout(sizes)[1], pool.directory, pool.key)
             except OSError as exc:
                 why = f"no room in /dev/shm for {sum(sizes)} bytes ({exc.strerror})"
                 if self.host.shared_memory == "on":

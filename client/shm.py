@@ -9,7 +9,8 @@ imports it):
 - a segment is ``/dev/shm/onnxps-<pid>-<random hex>``, mode 0600, created with
   O_EXCL by the client whose pid it names;
 - it begins with a 64-byte header: ``MAGIC``, then the little-endian uint64
-  generation, bumped by whoever last wrote tensors into it;
+  generation, bumped by whoever last wrote tensors into it, and at ``KEY_AT`` the
+  segment's random key (``KEY_BYTES``);
 - tensors follow at 64-byte aligned offsets, raw little-endian C order.
 
 A hello (``SharedMemoryHello``) proves the host is shared before any tensor goes
@@ -30,7 +31,7 @@ import secrets
 import struct
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
 import numpy as np
@@ -38,11 +39,14 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import TensorFormatError, tensor_spec
 from onnxps.wire.shm import (
     HEADER_BYTES,
+    KEY_AT,
+    KEY_BYTES,
     MAGIC,
     NONCE_BYTES,
     PREFIX,
     SHM_DIR,
     layout,
+    new_key,
     pid_namespace,
 )
 
@@ -64,9 +68,12 @@ _MIN_SEGMENT = 64 << 10
 
 
 class Segment:
-    """One segment this process created (and unlinks): mapped read-write."""
+    """One segment this process created (and unlinks): mapped read-write, holding
+    ``key`` (a fresh one by default) in its header."""
 
-    def __init__(self, size: int, directory: str = SHM_DIR) -> None:
+    def __init__(
+        self, size: int, directory: str = SHM_DIR, key: bytes | None = None
+    ) -> None:
         self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         self.path = os.path.join(directory, self.name)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -83,7 +90,9 @@ class Segment:
         os.close(fd)
         self.size = size
         self.generation = 0
+        self.key = new_key() if key is None else key
         self.map[: len(MAGIC)] = MAGIC
+        self.map[KEY_AT : KEY_AT + KEY_BYTES] = self.key
 
     def write(self, arrays: Sequence[Array]) -> pb.SharedMemoryRegion:
         """Copy ``arrays`` in (one copy each); the region naming them."""
@@ -94,7 +103,7 @@ class Segment:
         self.generation += 1
         struct.pack_into("<Q", self.map, len(MAGIC), self.generation)
         return pb.SharedMemoryRegion(
-            segment=self.name, generation=self.generation, offsets=offsets
+            segment=self.name, generation=self.generation, offsets=offsets, key=self.key
         )
 
     def publish(self, offsets: Sequence[int]) -> pb.SharedMemoryRegion:
@@ -103,13 +112,15 @@ class Segment:
         self.generation += 1
         struct.pack_into("<Q", self.map, len(MAGIC), self.generation)
         return pb.SharedMemoryRegion(
-            segment=self.name, generation=self.generation, offsets=offsets
+            segment=self.name, generation=self.generation, offsets=offsets, key=self.key
         )
 
     def region(self) -> pb.SharedMemoryRegion:
         """This segment as a region for the server to write a reply into."""
         (generation,) = struct.unpack_from("<Q", self.map, len(MAGIC))
-        return pb.SharedMemoryRegion(segment=self.name, generation=generation)
+        return pb.SharedMemoryRegion(
+            segment=self.name, generation=generation, key=self.key
+        )
 
     def read(
         self,
@@ -306,11 +317,14 @@ def _address(a: Array) -> int:
     return int(a.__array_interface__["data"][0])
 
 
-def hello_segment(directory: str = SHM_DIR) -> tuple[Segment, bytes]:
-    """A fresh segment holding the header magic, a random nonce and this process's
-    pid namespace (what ``SharedMemoryHello`` sends the server), and the nonce."""
+def hello_segment(
+    directory: str = SHM_DIR, key: bytes | None = None
+) -> tuple[Segment, bytes]:
+    """A fresh segment holding the header magic, a random nonce, this process's
+    pid namespace and ``key`` (what ``SharedMemoryHello`` sends the server), and
+    the nonce."""
     nonce = secrets.token_bytes(NONCE_BYTES)
-    seg = Segment(HEADER_BYTES, directory)
+    seg = Segment(HEADER_BYTES, directory, key)
     seg.map[len(MAGIC) : len(MAGIC) + NONCE_BYTES] = nonce
     end = len(MAGIC) + NONCE_BYTES
     struct.pack_into("<Q", seg.map, end, pid_namespace())
@@ -320,9 +334,11 @@ def hello_segment(directory: str = SHM_DIR) -> tuple[Segment, bytes]:
 @dataclass
 class SegmentPool:
     """The segments of one client, reused from call to call (a call takes one for
-    itself and gives it back); ``close`` unlinks them all."""
+    itself and gives it back); ``close`` unlinks them all. They all hold ``key``,
+    the one the client's hello bound to it."""
 
     directory: str = SHM_DIR
+    key: bytes = field(default_factory=new_key)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -343,7 +359,7 @@ class SegmentPool:
                     self._idle.remove(seg)
                     self._busy.add(seg)
                     return seg
-        seg = Segment(size, self.directory)
+        seg = Segment(size, self.directory, self.key)
         with self._lock:
             self._busy.add(seg)
         return seg

@@ -54,7 +54,7 @@ from ._convert import (
 )
 from ._datachannel import DataChannel, DataChannels, principal_of
 from ._receive import GradientPool, Lease, Received, receive
-from ._shm import SharedMemory
+from ._shm import Caller, SharedMemory
 from ._status import rich_status, status_of
 from .durability import SaveResult
 from .errors import FailedPrecondition, InvalidArgument
@@ -172,6 +172,11 @@ def _timeout(context: grpc.ServicerContext) -> float | None:
     if left is None:  # grpc's stubs say float; it is None without a deadline
         return None
     return max(0.0, left - min(_ANSWER_EARLY_SECONDS, left / 10))
+
+
+def _caller(context: grpc.ServicerContext) -> Caller:
+    """Who makes the call, as shared-memory segments are bound to it."""
+    return Caller(principal_of(context.invocation_metadata()), context.peer())
 
 
 def _raise_if_cut_off(context: grpc.ServicerContext) -> None:
@@ -573,6 +578,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         reply_type: type[R],
         known_finite: bool = False,
     ) -> R:
+        if req.HasField("reply_region"):  # refused before the step, not after
+            self._shm.check(req.reply_region, _caller(context), "reply_region")
         out = self._store_push(req, ticket, grads, context, known_finite)
         reply = reply_type(
             update_count=out.update_count, applied=out.applied, duplicate=out.duplicate
@@ -581,7 +588,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             return reply
         region = None
         if req.HasField("reply_region"):
-            region = self._shm.write(req.reply_region, out.values)
+            region = self._shm.write(req.reply_region, out.values, _caller(context))
         if region is not None:
             reply.values_region.CopyFrom(region)
             reply.values.extend(map(header_tensor, out.values, ticket.names))
@@ -684,7 +691,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         store reads them in place."""
         specs = self._bare_specs(req, "in gradients_region")
         names = _names("gradient", len(specs), ticket.names)
-        with self._shm.read(req.gradients_region, specs, names) as grads:
+        caller = _caller(context)
+        with self._shm.read(req.gradients_region, specs, names, caller) as grads:
             return self._push(req, ticket, grads, context, pb.PushResponse)
 
     # -- the data channel ----------------------------------------------------------
@@ -799,7 +807,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
     def SharedMemoryHello(
         self, request: pb.SharedMemoryHelloRequest, context: Any
     ) -> pb.SharedMemoryHelloResponse:
-        return pb.SharedMemoryHelloResponse(nonce=self._shm.hello(request.segment))
+        nonce = self._shm.hello(request.segment, request.key, _caller(context))
+        return pb.SharedMemoryHelloResponse(nonce=nonce)
 
     @_streaming
     def PushPullStream(
@@ -925,8 +934,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         """A pull written straight from the group into the client's segment (one
         copy, under the group's lock); None when it does not fit there."""
 
+        caller = _caller(context)
+        self._shm.check(req.reply_region, caller, "reply_region")  # before the lock
+
         def write(arrays: Sequence[Array], names: tuple[str, ...]) -> pb.PullResponse:
-            region = self._shm.write(req.reply_region, arrays)
+            region = self._shm.write(req.reply_region, arrays, caller)
             reply = pb.PullResponse()
             if region is not None:
                 reply.tensors_region.CopyFrom(region)

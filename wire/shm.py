@@ -6,7 +6,11 @@ read this module, the one place the layout is written down:
 - a segment is ``/dev/shm/onnxps-<pid>-<random hex>``, mode 0600, created with
   O_EXCL by the client whose pid it names;
 - it begins with a 64-byte header: ``MAGIC``, then the little-endian uint64
-  generation, bumped by whoever last wrote tensors into it;
+  generation, bumped by whoever last wrote tensors into it, and at ``KEY_AT`` the
+  segment's random key (``KEY_BYTES``), which every call naming the segment
+  carries: only a process that can read the segment knows it, and the server
+  serves a segment only to the token (and uid) of the first call that named it
+  with its key;
 - tensors follow at 64-byte aligned offsets, raw little-endian C order.
 
 A segment whose owner died is an orphan: ``sweep_orphans`` unlinks segments of dead
@@ -20,17 +24,21 @@ import errno
 import logging
 import os
 import re
+import secrets
 import stat
 from collections.abc import Sequence
 
 __all__ = [
     "HEADER_BYTES",
+    "KEY_AT",
+    "KEY_BYTES",
     "MAGIC",
     "NONCE_BYTES",
     "PREFIX",
     "SHM_DIR",
     "is_onnxps_name",
     "layout",
+    "new_key",
     "no_shared_dir",
     "owner_problem",
     "pid_namespace",
@@ -44,6 +52,8 @@ PREFIX = "onnxps-"
 MAGIC = b"ONNXPSM1"
 HEADER_BYTES = 64
 NONCE_BYTES = 32
+KEY_AT = 48  # after a hello's magic, nonce and pid namespace
+KEY_BYTES = 16
 _ALIGN = 64
 _NAME = re.compile(r"onnxps-[A-Za-z0-9-]{1,200}\Z")
 _OWNER = re.compile(r"onnxps-(\d+)-")
@@ -52,6 +62,11 @@ _OWNER = re.compile(r"onnxps-(\d+)-")
 def is_onnxps_name(name: str) -> bool:
     """A segment name this transport uses: ``onnxps-`` then [A-Za-z0-9-] (no path)."""
     return bool(_NAME.match(name))
+
+
+def new_key() -> bytes:
+    """A random segment key (see ``KEY_AT``)."""
+    return secrets.token_bytes(KEY_BYTES)
 
 
 def pid_namespace() -> int:
