@@ -144,7 +144,11 @@ class Worker:
     def _answer(self) -> Any:
         line = self._pipe(self._proc.stdout).readline()
         if not line:
-            self._proc.wait(timeout=30)
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # its stdout closed, yet it runs
+                self._proc.kill()
+                self._proc.wait()
             tail = self._log.read_text(errors="replace")[-3000:]
             raise RuntimeError(
                 f"the {self.label} worker ended (exit {self._proc.returncode}):\n{tail}"
