@@ -33,7 +33,7 @@ from ._snapshot import (
     write_snapshot,
 )
 from ._wal import LogReader, WriteAheadLog, segment_paths
-from .errors import DomainError, FailedPrecondition
+from .errors import DomainError, FailedPrecondition, NotFound
 from .store import ParameterStore
 
 __all__ = ["MODES", "Durability", "SaveResult"]
@@ -176,22 +176,28 @@ class Durability:
         last, count = wal_lsn, 0
         started = time.perf_counter()
         reader = LogReader(self.wal_dir, wal_lsn, self._truncate_corrupt)
+        # Records on a group the store does not hold, by group: warned about at the
+        # end unless a later record deletes that group (a snapshot taken while the
+        # group was being deleted holds neither it nor its last records).
+        orphans: dict[str, list[tuple[int, str, DomainError]]] = {}
         for header, arrays in reader:
-            lsn = int(header["lsn"])
+            lsn, op, group = int(header["lsn"]), header["op"], header["group"]
             last = max(last, lsn)
-            if covered.get(header["group"], -1) >= lsn:
+            if covered.get(group, -1) >= lsn:
                 continue
             try:
                 self._apply(header, arrays, reader.voided)
                 count += 1
+            except NotFound as exc:
+                if op != "delete":
+                    orphans.setdefault(group, []).append((lsn, op, exc))
             except DomainError as exc:
-                log.warning(
-                    "write-ahead log record %d (%s on %r) not replayed: %s",
-                    lsn,
-                    header["op"],
-                    header["group"],
-                    exc,
-                )
+                _not_replayed(lsn, op, group, exc)
+            if op == "delete" and orphans.pop(group, None):
+                log.debug("records on %r before its deletion skipped", group)
+        for group, records in orphans.items():
+            for lsn, op, exc in records:
+                _not_replayed(lsn, op, group, exc)
         if count:
             log.info(
                 "replayed %d write-ahead log records in %.3f s",
@@ -399,6 +405,12 @@ class Durability:
     def _serving(self, serving: bool) -> None:
         if self._set_serving is not None:
             self._set_serving(serving)
+
+
+def _not_replayed(lsn: int, op: str, group: str, exc: DomainError) -> None:
+    log.warning(
+        "write-ahead log record %d (%s on %r) not replayed: %s", lsn, op, group, exc
+    )
 
 
 class _Scratch:
