@@ -196,8 +196,8 @@ class Durability:
             if op == "delete" and orphans.pop(group, None):
                 log.debug("records on %r before its deletion skipped", group)
         for group, records in orphans.items():
-            for lsn, op, exc in records:
-                _not_replayed(lsn, op, group, exc)
+            for orphan_lsn, orphan_op, error in records:
+                _not_replayed(orphan_lsn, orphan_op, group, error)
         if count:
             log.info(
                 "replayed %d write-ahead log records in %.3f s",
@@ -392,6 +392,18 @@ class Durability:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+    def alarms(self) -> set[str]:
+        """Why this data directory does not keep changes now: ``DISK_FULL``,
+        ``WAL_UNLINKED`` or ``WAL_WRITE_FAILED`` (the log refuses every change),
+        ``SNAPSHOT_FAILED`` (the last snapshot could not be written)."""
+        out = set()
+        wal = self.journal.alarm() if self.journal is not None else None
+        if wal is not None:
+            out.add(wal)
+        if self._snapshot_failed:
+            out.add("SNAPSHOT_FAILED")
+        return out
 
     def _on_wal_error(self, exc: OSError) -> None:
         self._wal_failed = True

@@ -3,14 +3,28 @@ items 11-13), with real server processes and real data directories."""
 
 from __future__ import annotations
 
+import errno
+import os
+import re
+import shutil
+import subprocess
 import threading
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import grpc
 import numpy as np
+import pytest
 from _procs import clean_env, start_server, stop
-from onnxps.client import Adam, Client
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from onnxps.client import (
+    Adam,
+    Client,
+    FailedPreconditionError,
+    ResourceExhaustedError,
+)
 from onnxps.server._snapshot import list_snapshots, load_snapshot
 from onnxps.server._wal import WriteAheadLog, read_segments, segment_paths
 
@@ -123,3 +137,158 @@ def test_a_record_on_a_group_nothing_creates_still_warns(tmp_path: Path) -> None
     assert len(warned) == 1, warned
     assert "WARNING" in warned[0]
     assert "(push on 'ghost') not replayed: no group named 'ghost'" in warned[0]
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=10
+        )
+    return int(reply.status)
+
+
+def _alarms(log: Path) -> dict[str, float]:
+    """``onnxps_durability_alarm`` by reason, scraped from the server's metrics."""
+    found = re.search(r"metrics on (http://\S+/metrics)", log.read_text())
+    assert found, log.read_text()
+    with urllib.request.urlopen(found.group(1), timeout=10) as page:
+        text = page.read().decode()
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r'onnxps_durability_alarm\{reason="(\w+)"\} (\S+)', text)
+    }
+
+
+REASONS = ("DISK_FULL", "WAL_UNLINKED", "WAL_WRITE_FAILED", "SNAPSHOT_FAILED")
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.mark.parametrize("how", ["removed", "moved"])
+def test_a_log_no_longer_on_disk_refuses_every_change_at_once(
+    tmp_path: Path, how: str
+) -> None:
+    data, log = tmp_path / "data", tmp_path / "server.log"
+    moved = tmp_path / "moved"
+    x = np.zeros(64, F32)
+    with _server(log, data, "--metrics-port", "0") as address:
+        with Client(address, timeout=60, client_id="w") as c:
+            c.create_group("g", Adam(), learning_rate=0.1, tensors={"w": x})
+            for k in range(3):
+                c.push("g", np.full(64, k + 1, F32))
+            t, before = c.pull_versioned("g", state=True)
+            assert _alarms(log)["WAL_UNLINKED"] == 0
+            if how == "removed":
+                shutil.rmtree(data)  # rm -rf under the running server
+            else:
+                os.rename(data, moved)
+            for _ in range(20):
+                with pytest.raises(FailedPreconditionError) as err:
+                    c.push("g", np.ones(64, F32))
+                assert err.value.reason == "WAL_UNLINKED", err.value
+                assert "no longer on disk" in err.value.details
+                assert "onnxps export" in err.value.details
+            with pytest.raises(FailedPreconditionError, match="not applied"):
+                c.set_learning_rate("g", 0.5)
+            with pytest.raises(FailedPreconditionError) as err:
+                c.create_group("h", Adam(), learning_rate=0.1, tensors={"w": x})
+            assert err.value.reason == "WAL_UNLINKED"
+            # nothing was applied, and the state can still be read (to export it)
+            t_now, now = c.pull_versioned("g", state=True)
+            assert t_now == t == 3
+            assert [a.tobytes() for a in now] == [a.tobytes() for a in before]
+            assert [g.name for g in c.list_groups()] == ["g"]
+            assert _health(address) == NOT_SERVING
+            alarms = _alarms(log)
+            assert alarms["WAL_UNLINKED"] == 1 and alarms["DISK_FULL"] == 0
+    assert "reason WAL_UNLINKED" in log.read_text()
+    if how == "moved":
+        # what was acknowledged is in the moved directory, and nothing more
+        with _server(tmp_path / "restart.log", moved) as address:
+            with Client(address, timeout=60) as c:
+                t_restored, restored = c.pull_versioned("g", state=True)
+                assert t_restored == 3
+                assert [a.tobytes() for a in restored] == [a.tobytes() for a in before]
+                assert c.describe_group("g").learning_rate == pytest.approx(0.1)
+
+
+@contextmanager
+def _tmpfs(path: Path, size: str) -> Iterator[Path]:
+    path.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (root needed): {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _fill(path: Path) -> int:
+    """Fill the filesystem of ``path`` with a file; the bytes written."""
+    written = 0
+    with open(path, "wb", buffering=0) as f:
+        for _ in range(1 << 20):  # bounded: a 4 GiB disk at most
+            try:
+                written += f.write(b"\0" * 4096)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+                return written
+    raise AssertionError("the disk never filled")
+
+
+def test_a_full_disk_refuses_pushes_at_once_and_resumes_when_space_returns(
+    tmp_path: Path,
+) -> None:
+    disk = tmp_path / "disk"
+    log = tmp_path / "server.log"
+    n = 4096  # a push record is 16 KiB
+    with _tmpfs(disk, "2m"):
+        data = disk / "data"
+        with _server(log, data, "--metrics-port", "0") as address:
+            with Client(address, timeout=60, client_id="w") as c:
+                c.create_group(
+                    "g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(n, F32)}
+                )
+                acked = 0
+                for k in range(3):
+                    assert c.push("g", np.full(n, k + 1, F32)) == acked + 1
+                    acked += 1
+                t, before = c.pull_versioned("g", state=True)
+                filler = disk / "filler"
+                assert _fill(filler) > 0
+                for _ in range(5):
+                    with pytest.raises(ResourceExhaustedError) as err:
+                        c.push("g", np.ones(n, F32))
+                    assert err.value.reason == "DISK_FULL", err.value
+                    assert "is full" in err.value.details
+                    assert "not applied" in err.value.details
+                    assert err.value.metadata["errno"] == str(errno.ENOSPC)
+                # refused, not retried until the deadline: the state is unchanged
+                t_now, now = c.pull_versioned("g", state=True)
+                assert t_now == t == acked
+                assert [a.tobytes() for a in now] == [a.tobytes() for a in before]
+                assert _health(address) == NOT_SERVING
+                assert _alarms(log)["DISK_FULL"] == 1
+                filler.unlink()  # room again: no restart
+                for k in range(2):
+                    assert c.push("g", np.full(n, 10 + k, F32)) == acked + 1
+                    acked += 1
+                assert _health(address) == SERVING
+                assert _alarms(log) == dict.fromkeys(REASONS, 0.0)
+                t, before = c.pull_versioned("g", state=True)
+        text = log.read_text()
+        assert "reason DISK_FULL" in text
+        assert "is written again" in text
+        # kill -9, restart: exactly the acknowledged pushes
+        with _server(tmp_path / "restart.log", data) as address:
+            with Client(address, timeout=60) as c:
+                t_restored, restored = c.pull_versioned("g", state=True)
+                assert t_restored == t == acked == 5
+                assert [a.tobytes() for a in restored] == [a.tobytes() for a in before]
+        assert "records are missing" not in (tmp_path / "restart.log").read_text()
