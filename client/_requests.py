@@ -54,6 +54,7 @@ from ._errors import (
     DataChannelError,
     DeadlineExceededError,
     FailedPreconditionError,
+    InvalidArgumentError,
     RpcError,
     SharedMemoryError,
     UnavailableError,
@@ -1720,7 +1721,7 @@ class ClientCore:
         for name, g in gradients.items():
             if isinstance(g, tuple):
                 rows = encode(g[1], encoding, f"rows of {name!r}")
-                entries.append((name, _indices(g[0]), rows))
+                entries.append((name, _indices(g[0], name), rows))
             else:
                 entries.append(
                     (name, None, encode(g, encoding, f"gradient of {name!r}"))
@@ -1776,7 +1777,7 @@ class ClientCore:
             header.min_version = min_version
         arrays = []
         for name, idx in selections.items():
-            indices = _indices(idx)
+            indices = _indices(idx, name)
             header.tensors.add(name=name, indices=header_tensor(indices))
             arrays.append(indices)
         chunks = self._chunks(pb.PullRowsRequest, header, arrays)
@@ -2190,12 +2191,33 @@ def row_gradients(
     return arrays
 
 
-def _indices(idx: Any) -> Array:
-    """Row indices as given, integers widened to int64 (the wire's)."""
+_INT64_MAX = (1 << 63) - 1
+
+
+def _indices(idx: Any, name: str = "") -> Array:
+    """Row indices or ids as int64, the wire's: any integer dtype, converted exactly
+    (a uint64 value above 2**63-1 is refused, not wrapped); InvalidArgumentError (a
+    ValueError, reason ROW_INDICES) for any other dtype."""
     indices = np.asarray(idx)
-    if indices.dtype.kind in "iu":
-        indices = indices.astype(np.int64, copy=False)
-    return indices
+    kind = indices.dtype.kind
+    if kind not in "iu":
+        raise InvalidArgumentError(
+            f"row indices (ids) of {name!r} must be integers (int8 to int64, or "
+            f"unsigned up to 2**63-1), sent as int64; got {indices.dtype}",
+            reason="ROW_INDICES",
+            metadata={"tensor": name, "received": indices.dtype},
+        )
+    if kind == "u" and indices.dtype.itemsize == 8 and indices.size:
+        top = int(indices.max())
+        if top > _INT64_MAX:
+            raise InvalidArgumentError(
+                f"row index (id) {top} of {name!r} does not fit in int64 (at most "
+                "2**63-1), the type indices and ids travel as; map it into int64 "
+                "first (e.g. ids.view(np.int64), which keeps every id distinct)",
+                reason="ROW_INDICES",
+                metadata={"tensor": name, "index": top},
+            )
+    return indices.astype(np.int64, copy=False)
 
 
 def _apply_reader() -> StreamReader:
