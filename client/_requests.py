@@ -2205,7 +2205,7 @@ def _indices(idx: Any, name: str = "") -> Array:
             f"row indices (ids) of {name!r} must be integers (int8 to int64, or "
             f"unsigned up to 2**63-1), sent as int64; got {indices.dtype}",
             reason="ROW_INDICES",
-            metadata={"tensor": name, "received": indices.dtype},
+            metadata={"tensor": name, "received": str(indices.dtype)},
         )
     if kind == "u" and indices.dtype.itemsize == 8 and indices.size:
         top = int(indices.max())
@@ -2215,7 +2215,7 @@ def _indices(idx: Any, name: str = "") -> Array:
                 "2**63-1), the type indices and ids travel as; map it into int64 "
                 "first (e.g. ids.view(np.int64), which keeps every id distinct)",
                 reason="ROW_INDICES",
-                metadata={"tensor": name, "index": top},
+                metadata={"tensor": name, "index": str(top)},
             )
     return indices.astype(np.int64, copy=False)
 
