@@ -43,6 +43,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ SEGMENT_MAGIC = b"ONNXPSWL"
 SEGMENT_HEADER = struct.Struct("<8sI")
 WAL_FORMAT_VERSION = 2
 MAX_HEADER = 1 << 20
+IDLE_CHECK_SECONDS = 1.0  # how often an idle log checks its segment is on disk
 
 
 class WalFormatError(Exception):
@@ -325,16 +327,45 @@ class WriteAheadLog:
         return fd
 
     def _run(self) -> None:
-        """Flush what no caller waits for (rotations), and drain the queue at close."""
+        """Flush what no caller waits for (rotations), drain the queue at close, and
+        check the segment is still on disk while nobody writes (so health says so
+        with no change in flight)."""
+        check_at = time.monotonic() + IDLE_CHECK_SECONDS
         while True:
             with self._cv:
                 batch = self._take_batch()
                 while batch is None:
                     if self._closing and not self._queue and not self._writing:
                         return
+                    if not self._writing and time.monotonic() >= check_at:
+                        self._writing = True  # the writer's role, for the check
+                        break
                     self._cv.wait(timeout=0.05)
                     batch = self._take_batch()
+            if batch is None:
+                self._idle_check()
+                check_at = time.monotonic() + IDLE_CHECK_SECONDS
+                continue
             self._flush(batch)
+
+    def _idle_check(self) -> None:
+        """``_check_on_disk`` as the writer, with nothing written: the log stops
+        (and says so) when its segment is gone."""
+        try:
+            if self._broken is None and self._fd >= 0:
+                try:
+                    self._check_on_disk(os.fstat(self._fd))
+                except _Unlinked as exc:
+                    self._broken = exc
+                    news = self._account(exc, [])
+                    if news is not None:
+                        news()
+                except OSError:
+                    pass  # anything else is for the next write to find
+        finally:
+            with self._cv:
+                self._writing = False
+                self._cv.notify_all()
 
     def _take_batch(self) -> list[_Item] | None:
         """Under the lock: the queue, to write, unless another thread is writing."""

@@ -180,8 +180,14 @@ def test_a_log_no_longer_on_disk_refuses_every_change_at_once(
             assert _alarms(log)["WAL_UNLINKED"] == 0
             if how == "removed":
                 shutil.rmtree(data)  # rm -rf under the running server
+                # noticed with no change in flight: health says so by itself
+                for _ in range(200):  # bounded: the idle check runs every second
+                    if _health(address) == NOT_SERVING:
+                        break
+                    threading.Event().wait(0.05)
+                assert _health(address) == NOT_SERVING
             else:
-                os.rename(data, moved)
+                os.rename(data, moved)  # the next push finds it
             for _ in range(20):
                 with pytest.raises(FailedPreconditionError) as err:
                     c.push("g", np.ones(64, F32))
