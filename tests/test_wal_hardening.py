@@ -207,7 +207,15 @@ def test_a_log_no_longer_on_disk_refuses_every_change_at_once(
             assert _health(address) == NOT_SERVING
             alarms = _alarms(log)
             assert alarms["WAL_UNLINKED"] == 1 and alarms["DISK_FULL"] == 0
+            assert c.export(tmp_path / "saved.npz") == ["g"]  # what the error says
     assert "reason WAL_UNLINKED" in log.read_text()
+    # ... restart on a data directory and import them
+    with _server(tmp_path / "fresh.log", tmp_path / "fresh") as address:
+        with Client(address, timeout=60) as c:
+            c.import_(tmp_path / "saved.npz")
+            t_imported, imported = c.pull_versioned("g", state=True)
+            assert t_imported == 3
+            assert [a.tobytes() for a in imported] == [a.tobytes() for a in before]
     if how == "moved":
         # what was acknowledged is in the moved directory, and nothing more
         with _server(tmp_path / "restart.log", moved) as address:
