@@ -283,6 +283,12 @@ def test_a_full_disk_refuses_pushes_at_once_and_resumes_when_space_returns(
                     assert "is full" in err.value.details
                     assert "not applied" in err.value.details
                     assert err.value.metadata["errno"] == str(errno.ENOSPC)
+                with pytest.raises(ResourceExhaustedError) as err:
+                    c.create_group(
+                        "h", Adam(), learning_rate=0.1, tensors={"w": np.zeros(n, F32)}
+                    )
+                assert err.value.reason == "DISK_FULL"
+                assert [g.name for g in c.list_groups()] == ["g"]
                 # refused, not retried until the deadline: the state is unchanged
                 t_now, now = c.pull_versioned("g", state=True)
                 assert t_now == t == acked
