@@ -79,7 +79,7 @@ class RowsOps(_Core):
         for name, g in gradients.items():
             if isinstance(g, tuple):
                 rows = encode(g[1], encoding, f"rows of {name!r}")
-                entries.append((name, as_indices(g[0]), rows))
+                entries.append((name, as_indices(g[0], name), rows))
             else:
                 entries.append(
                     (name, None, encode(g, encoding, f"gradient of {name!r}"))
@@ -135,7 +135,7 @@ class RowsOps(_Core):
             header.min_version = min_version
         arrays = []
         for name, idx in selections.items():
-            indices = as_indices(idx)
+            indices = as_indices(idx, name)
             header.tensors.add(name=name, indices=header_tensor(indices))
             arrays.append(indices)
         chunks = self._chunks(pb.PullRowsRequest, header, arrays)

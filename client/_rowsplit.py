@@ -116,7 +116,7 @@ def _tensor(found: Layout, name: str) -> int:
 def _checked_indices(found: Layout, i: int, raw: Any) -> Array:
     """int64 (k,) indices in [0, rows): refused here as the server would."""
     name, rows = found.names[i], found.shapes[i][0]
-    idx = as_indices(raw)
+    idx = as_indices(raw, name)
     if idx.dtype != _INDEX or idx.ndim != 1:
         raise _invalid(
             found,

@@ -27,7 +27,13 @@ from ._unix import UnixSocket, socket_mode
 from .durability import MODES as DURABILITY_MODES
 from .durability import Durability
 from .limits import InflightBytes, LimitsInterceptor
-from .metrics import LoadCollector, MetricsEndpoint, ObserveInterceptor, Recorder
+from .metrics import (
+    DurabilityCollector,
+    LoadCollector,
+    MetricsEndpoint,
+    ObserveInterceptor,
+    Recorder,
+)
 from .security import ConfigError
 from .service import ParameterServerServicer, add_servicer
 from .shard import ShardInterceptor, parse_shard
@@ -460,6 +466,8 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         interceptors=interceptors,
     )
     durability = _durability(config, store, health_servicer)
+    if durability is not None and recorder.registry is not None:
+        recorder.registry.register(DurabilityCollector(durability.alarms))
     # A crash between a sync step's last push record and the step's own record leaves
     # a full quorum pending after replay: take such steps before serving anything.
     store.reap_leases()

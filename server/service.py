@@ -50,6 +50,7 @@ from ._convert import (
     attrs_from_proto,
     consistency_from_proto,
     group_info,
+    index_spec,
     table_from_proto,
 )
 from ._datachannel import DataChannel, DataChannels, principal_of
@@ -1032,7 +1033,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             (
                 (
                     gr.name,
-                    tensor_spec(gr.indices, f"gradients[{j}].indices")
+                    index_spec(gr.indices, f"gradients[{j}].indices", req.group)
                     if gr.HasField("indices")
                     else None,
                     tensor_spec(gr.values, f"gradients[{j}].values", encoded=True),
@@ -1067,11 +1068,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         headers = [sel.indices for sel in req.tensors]
         names = [f"tensors[{j}].indices" for j in range(len(headers))]
         for h, what in zip(headers, names, strict=True):
-            dtype, dims = tensor_spec(h, what)
-            if dtype != np.int64 or len(dims) != 1:
-                raise InvalidArgument(
-                    f"{what} must be int64 of shape (k,), got {dtype} {list(dims)}"
-                )
+            index_spec(h, what, req.group)
         indices = self._assemble(it, headers, names, context)
         selections = {
             sel.name: idx for sel, idx in zip(req.tensors, indices, strict=True)
