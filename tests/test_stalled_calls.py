@@ -29,6 +29,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.client import Adagrad, Client
 from onnxps.client._requests import multicallable
 from onnxps.client.codec import header_tensor
+from onnxps.server.app import ServerConfig, thread_limits
+from onnxps.server.security import ConfigError
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
@@ -122,6 +124,24 @@ def _open_stalled(
         else:  # a stream-stream call is its own future
             calls.append(stub.PullRows(gen, metadata=_md(role)))
     return calls
+
+
+def test_the_defaults_keep_threads_for_short_calls() -> None:
+    """Item 5: streams (data-channel calls too) and waiting calls hold at most
+    96 of the default 128 threads; settings that would take them all are refused."""
+    config = ServerConfig()
+    assert (config.threads, config.stall_seconds) == (128, 30.0)
+    assert thread_limits(config) == (64, 32)
+    assert thread_limits(ServerConfig(threads=8)) == (4, 2)
+    with pytest.raises(ConfigError) as info:
+        thread_limits(ServerConfig(threads=64, max_concurrent_streams=64))
+    assert str(info.value) == (
+        "max_concurrent_streams (64) + max_waiting_calls (16) must be below "
+        "--threads (64), so that streams and waiting calls leave threads for short "
+        "calls and health checks"
+    )
+    with pytest.raises(ConfigError, match="stall_seconds must be a finite number"):
+        ServerConfig(stall_seconds=0)
 
 
 @pytest.mark.parametrize("kind", list(STREAMS))
