@@ -135,7 +135,7 @@ class DataChannel:
         since = 0
         last = time.monotonic()  # when the last byte came
         while got < len(view):
-            self._wait(alive, deadline, last, frame and frame[0] + got, frame)
+            self._wait(alive, deadline, last, got, frame)
             try:
                 n = self.sock.recv_into(view[got:], len(view) - got)
             except TimeoutError:
@@ -159,9 +159,12 @@ class DataChannel:
         alive: Callable[[], bool],
         deadline: float | None,
         last: float,
-        at: int | None,
+        got: int,
         frame: tuple[int, int] | None,
     ) -> None:
+        """Raise if the call is over (cancelled, its deadline, or no byte since
+        ``last`` for ``stall_seconds``: ``got`` bytes into ``frame``); else set
+        the socket's timeout for the next receive."""
         if not alive():
             raise CallCancelled("the call was cancelled while its frame was arriving")
         now = time.monotonic()
@@ -172,7 +175,11 @@ class DataChannel:
                 reason="DATA_FRAME_DEADLINE",
             )
         if now - last >= self.stall_seconds:
-            where = "its header" if frame is None else f"byte {at} of {frame[1]}"
+            where = (
+                "its header"
+                if frame is None
+                else f"byte {frame[0] + got} of {frame[1]}"
+            )
             raise DeadlineExceeded(
                 f"the data channel carried no byte of this call's frame for "
                 f"{self.stall_seconds:g} s (at {where}; --stall-seconds): the call "
