@@ -209,6 +209,11 @@ def _checks(c: ServerConfig) -> list[tuple[bool, str]]:
             f"max_concurrent_rpcs must be >= 1, got {c.max_concurrent_rpcs}",
         ),
         (
+            c.max_concurrent_streams is None or c.max_concurrent_streams >= 0,
+            f"max_concurrent_streams must be >= 0 (0: no limit), got "
+            f"{c.max_concurrent_streams}",
+        ),
+        (
             c.stall_seconds > 0 and math.isfinite(c.stall_seconds),
             f"stall_seconds must be a finite number > 0, got {c.stall_seconds}",
         ),
@@ -267,6 +272,7 @@ def validate_config(config: ServerConfig) -> None:
             raise ConfigError(message)
     if config.shard:
         parse_shard(config.shard)
+    thread_limits(config)
 
 
 @dataclass
@@ -436,10 +442,6 @@ def thread_limits(config: ServerConfig) -> tuple[int, int]:
             f"max_waiting_calls must be at least 1 and below --threads "
             f"({threads}), so waiting calls leave threads for the others; "
             f"got {waiting}"
-        )
-    if streams < 0:
-        raise ConfigError(
-            f"max_concurrent_streams must be >= 0 (0: no limit), got {streams}"
         )
     if streams and streams + waiting >= threads:
         raise ConfigError(
