@@ -27,12 +27,12 @@ import pytest
 from _procs import clean_env, start_server, stop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.client import Adagrad, Client
-from onnxps.client._requests import multicallable
-from onnxps.client.codec import header_tensor
+from onnxps.client._settings import multicallable
 from onnxps.server.app import ServerConfig, thread_limits
 from onnxps.server.security import ConfigError
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+from onnxps.wire.codec import header_tensor
 
 TOKENS = {"admin": "tok-admin", "write": "tok-write", "read": "tok-read"}
 STALLED = 72  # more than the 64 streams the defaults admit
