@@ -499,3 +499,33 @@ def test_a_push_whose_values_cannot_be_sent_says_it_was_applied(
             assert (reply.update_count, reply.duplicate) == (1, True)
     finally:
         stop(proc)
+
+
+def test_at_the_stream_limit_a_channel_push_goes_over_grpc(tmp_path: Path) -> None:
+    """A call on the data channel counts as a stream: when the stalled streams
+    hold every slot, the client's channel push is refused with STREAM_LIMIT before
+    anything is read, and the client sends it as a unary gRPC push instead."""
+    proc, address = _serve(
+        tmp_path, "--data-port", "0", "--max-concurrent-streams", "1"
+    )
+    release = threading.Event()
+    big = np.zeros((1 << 16, 4), np.float32)  # 1 MiB
+    try:
+        _create(address)
+        with Client(address, token=TOKENS["admin"], timeout=30) as c:
+            c.create_group("big", Adagrad(), learning_rate=0.5, tensors={"w": big})
+        with grpc.insecure_channel(address) as ch:
+            held = _open_stalled([ch], "PushStream", 2, release)
+            _until(lambda: any(_code(f) == EXHAUSTED for f in held), 30, "refused")
+            with Client(
+                address,
+                token=TOKENS["write"],
+                timeout=30,
+                data_channel="on",
+                shared_memory="off",
+            ) as c:
+                assert c.push("big", np.ones_like(big)) == 1
+            assert sum(_code(f) is None for f in held) == 1  # still held
+    finally:
+        release.set()
+        stop(proc)
