@@ -58,7 +58,7 @@ from ._receive import GradientPool, Lease, Received, receive
 from ._shm import Caller, SharedMemory
 from ._status import rich_status, status_of
 from .durability import SaveResult
-from .errors import FailedPrecondition, InvalidArgument
+from .errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from .kernels import apply_onnx
 from .kernels._finite import finite_checker
 from .limits import InflightBytes, InflightHold
@@ -80,6 +80,8 @@ Array = np.ndarray[Any, Any]
 F = TypeVar("F", bound=Callable[..., Any])
 # A wait ends this much before its call's deadline (at most a tenth of the time left).
 _ANSWER_EARLY_SECONDS = 0.05
+# A deadline further than this (about 30 years) is no deadline.
+_NO_DEADLINE = 1e9
 # How long a request stream that ended early is watched for its client's cancellation.
 _CUT_OFF_SECONDS = 0.2
 # The stream and unary RPCs answer with messages of the same fields.
@@ -170,7 +172,9 @@ def _timeout(context: grpc.ServicerContext) -> float | None:
     server's answer (what it waited for, the group's T) reaches the client before
     the client's own deadline fires with a bare DEADLINE_EXCEEDED."""
     left: float | None = context.time_remaining()
-    if left is None:  # grpc's stubs say float; it is None without a deadline
+    if left is None or left > _NO_DEADLINE:
+        # grpc's stubs say float; without a deadline it is None, or (grpcio 1.6x
+        # and later) ~9.2e18 s, which no clock or socket timeout can hold
         return None
     return max(0.0, left - min(_ANSWER_EARLY_SECONDS, left / 10))
 
@@ -747,15 +751,16 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
                     grads = lease.arrays or [np.empty(d, t) for t, d in specs]
                     finite = _read_checked(ch, grads, codes, context, deadline)
                     out = self._store_push(req, ticket, grads, context, finite)
+                # Applied: from here only the transport may fail, and says so.
                 reply = pb.PushResponse(
                     update_count=out.update_count,
                     applied=out.applied,
                     duplicate=out.duplicate,
                 )
                 if out.values is not None:
-                    ch.send(tid, out.values, deadline)
                     reply.values.extend(map(header_tensor, out.values, ticket.names))
                     reply.values_on_channel = True
+                    _send_values(ch, tid, out.values, deadline, req, out)
                 return reply
 
     def _bare_specs(
@@ -989,6 +994,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
                     ch.send(req.transfer.transfer_id, arrays, deadline)
                 except EncodingRangeError as exc:  # mid-frame: the channel closes
                     raise _out_of_range(exc, req.encoding) from None
+                except OSError as exc:
+                    raise Unavailable(
+                        f"the pull's tensors could not be sent on the data channel "
+                        f"({exc}); pull again",
+                        reason="DATA_CHANNEL_BROKEN",
+                    ) from None
                 return pb.PullResponse(
                     update_count=out.update_count,
                     learning_rate=out.learning_rate,
@@ -1209,6 +1220,29 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
             )
         saved = self._save()
         return pb.SaveResponse(path=saved.path, groups=saved.groups, bytes=saved.bytes)
+
+
+def _send_values(
+    ch: DataChannel,
+    tid: int,
+    values: Sequence[Array],
+    deadline: float | None,
+    req: pb.PushRequest,
+    out: PushOutcome,
+) -> None:
+    """X of a push already applied, on its channel. A failure to send it is the
+    transport's (UNAVAILABLE, retried): the message says the push was applied, and
+    a resend with the same seq is answered by exactly-once without a second step."""
+    try:
+        ch.send(tid, values, deadline)
+    except (OSError, DeadlineExceeded) as exc:
+        raise Unavailable(
+            f"push seq {req.seq} to group {req.group!r} was applied (T="
+            f"{out.update_count}) but its values could not be sent on the data "
+            f"channel ({exc}); resend it with the same client_id and seq for them",
+            reason="DATA_CHANNEL_BROKEN",
+            metadata={"group": req.group, "update_count": out.update_count},
+        ) from None
 
 
 def _read_checked(
