@@ -78,12 +78,16 @@ class Engine:
         self.env.pop("ONNXPS_PORT", None)
 
     def run(
-        self, *args: str, timeout: float = 60, check: bool = True
+        self,
+        *args: str,
+        timeout: float = 60,
+        check: bool = True,
+        env: dict[str, str] | None = None,
     ) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(
             args,
             cwd=ROOT,
-            env=self.env,
+            env={**self.env, **(env or {})},
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -109,18 +113,20 @@ class Engine:
         env: dict[str, str] | None = None,
         check: bool = True,
     ) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "podman_compose", "-p", project]
-        saved = self.env
-        self.env = {**saved, **(env or {})}
-        try:
-            return self.run(
-                *cmd, "--in-pod", "false", *args, timeout=timeout, check=check
-            )
-        finally:
-            self.env = saved
+        cmd = [
+            sys.executable,
+            "-m",
+            "podman_compose",
+            "-p",
+            project,
+            "--in-pod",
+            "false",
+        ]
+        return self.run(*cmd, *args, timeout=timeout, check=check, env=env)
 
     def build_args(self) -> list[str]:
-        """podman build flags: the proxy's CA for pip, never baked into the image."""
+        """podman build flags: the proxy's CA for pip, mounted for the build only (the
+        image keeps PIP_CERT in its environment, naming its own CA bundle)."""
         cert = os.environ.get("PIP_CERT")
         if not cert or not Path(cert).is_file():
             return []
@@ -136,6 +142,7 @@ def engine() -> Engine:
     info = eng.podman("info", "--format", "{{.Host.OCIRuntime.Name}}", check=False)
     if info.returncode != 0:
         _unavailable(f"`podman info` failed ({info.stderr.strip()[-300:]})")
+    _remove_stale_projects(eng)
     if eng.podman("image", "exists", BASE_IMAGE, check=False).returncode != 0:
         if shutil.which("debootstrap") is None:
             _unavailable(f"no base image {BASE_IMAGE} and no debootstrap to build it")
@@ -157,6 +164,18 @@ def engine() -> Engine:
     return eng
 
 
+def _remove_stale_projects(engine: Engine) -> None:
+    """Projects left by a test run that was killed before its fixtures cleaned up
+    (their pytest process is gone): containers, volumes, networks."""
+    fmt = '{{index .Labels "io.podman.compose.project"}}'
+    listed = engine.podman("ps", "-a", "--format", fmt)
+    vols = engine.podman("volume", "ls", "--format", fmt)
+    for project in set(listed.stdout.split()) | set(vols.stdout.split()):
+        m = re.fullmatch(r"onnxpsct(\d+)x\d+", project)
+        if m and not Path(f"/proc/{m.group(1)}").exists():
+            Stack(engine, project=project).cleanup()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -167,9 +186,11 @@ def _free_port() -> int:
 class Stack:
     """One compose project (its own containers, network and volumes)."""
 
-    def __init__(self, engine: Engine, profile: str | None = None) -> None:
+    def __init__(
+        self, engine: Engine, profile: str | None = None, project: str | None = None
+    ) -> None:
         self.engine = engine
-        self.project = f"onnxpsct{os.getpid()}x{next(_projects)}"
+        self.project = project or f"onnxpsct{os.getpid()}x{next(_projects)}"
         self.profile = ["--profile", profile] if profile else []
         self.port = _free_port()
 
