@@ -265,14 +265,23 @@ class Stack:
         return rows
 
     def cleanup(self) -> None:
-        """Everything the project made, even after a failure half-way."""
-        self.compose("down", "-v", "-t", "5", timeout=180, check=False)
+        """Everything the project made, even after a failure half-way: its containers
+        with their anonymous volumes (`down` would leave those), then what `down -v`
+        removes (named volumes, the network), then whatever is still labelled."""
         label = f"label=io.podman.compose.project={self.project}"
         left = self.engine.podman("ps", "-a", "-q", "--filter", label, check=False)
         if left.stdout.split():
             self.engine.podman(
-                "rm", "-f", "-v", "-t", "0", *left.stdout.split(), check=False
+                "rm",
+                "-f",
+                "-v",
+                "-t",
+                "2",
+                *left.stdout.split(),
+                timeout=120,
+                check=False,
             )
+        self.compose("down", "-v", "-t", "2", timeout=180, check=False)
         vols = self.engine.podman("volume", "ls", "-q", "--filter", label, check=False)
         if vols.stdout.split():
             self.engine.podman("volume", "rm", "-f", *vols.stdout.split(), check=False)
