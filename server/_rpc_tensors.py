@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -18,19 +17,15 @@ from onnxps.wire.codec import (
     ENCODING_NAMES,
     DeferredEncoding,
     EncodingRangeError,
-    TensorAssembler,
-    TensorFormatError,
     chunk_frames,
     declared_nbytes,
-    encode_chunk,
     header_tensor,
     tensor_spec,
-    tensor_to_array,
     write_tensor,
 )
 
 from ._datachannel import DataChannel, principal_of
-from ._receive import Lease, Received, receive
+from ._receive import Lease
 from ._rpc import (
     RpcFamily,
     caller_of,
@@ -42,8 +37,22 @@ from ._rpc import (
     timeout_of,
     unary,
 )
-from .errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from .kernels._finite import finite_checker
+from ._transports import (
+    ChannelGradients,
+    ChannelValues,
+    FrameSink,
+    GradientSource,
+    InlineGradients,
+    InlineValues,
+    RegionGradients,
+    RegionValues,
+    StreamGradients,
+    ValuesSink,
+    bare_specs,
+    channel_frame_bytes,
+    pooled,
+)
+from .errors import FailedPrecondition, InvalidArgument, Unavailable
 from .limits import InflightHold
 from .store import (
     PullResult,
@@ -120,19 +129,6 @@ def _out_of_range(exc: EncodingRangeError, encoding: int) -> FailedPrecondition:
     )
 
 
-_END = object()
-
-
-_REPLY_CHUNK_FIELD = pb.PushPullStreamResponse.DESCRIPTOR.fields_by_name["chunk"].number
-
-
-class _Failed:
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
 def _leased(lease: Lease, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)``, then the gradient buffers of ``lease`` given back."""
     try:
@@ -141,146 +137,9 @@ def _leased(lease: Lease, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         lease.release()
 
 
-class _FrameSink:
-    """Takes X from the store as a push steps it (a ``ValuesSink``) and hands it,
-    as encoded PushPullStream frames, to the thread that sends the reply.
-
-    The push runs on a thread of its own (``run``), so each block is copied into
-    its frames under the group's lock and sent while the next block steps. After
-    ``close`` (the caller went away) frames are dropped; the push still finishes.
-    """
-
-    def __init__(self, headers: Sequence[pb.Tensor], chunk_bytes: int) -> None:
-        self._headers = headers
-        self._chunk_bytes = chunk_bytes
-        self._frames: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._views: list[memoryview] = []
-        self._itemsizes: list[int] = []
-        self._closed = False
-
-    def begin(self, outcome: PushOutcome, xs: Sequence[Array]) -> None:
-        self._views = [memoryview(x).cast("B") for x in xs]  # type: ignore[arg-type]
-        self._itemsizes = [x.itemsize for x in xs]
-        header = pb.PushResponse(
-            update_count=outcome.update_count,
-            applied=outcome.applied,
-            duplicate=outcome.duplicate,
-            values=self._headers,
-        )
-        self._put(pb.PushPullStreamResponse(header=header))
-
-    def block(self, index: int, start: int, stop: int) -> None:
-        size = self._itemsizes[index]
-        view = self._views[index]
-        step = self._chunk_bytes
-        for a in range(start * size, stop * size, step):
-            b = min(a + step, stop * size)
-            self._put(encode_chunk(_REPLY_CHUNK_FIELD, index, a, view[a:b]))
-
-    def _put(self, item: Any) -> None:
-        if not self._closed:
-            self._frames.put(item)
-
-    def run(self, push: Callable[[], Any]) -> None:
-        try:
-            push()
-        except BaseException as exc:  # noqa: BLE001 - raised on the sending thread
-            self._frames.put(_Failed(exc))
-        else:
-            self._frames.put(_END)
-        finally:
-            self._views = []
-
-    def frames(self) -> Iterator[Any]:
-        while (item := self._frames.get()) is not _END:
-            if isinstance(item, _Failed):
-                error, item.error = item.error, None  # type: ignore[assignment]
-                raise error
-            yield item
-
-    def close(self) -> None:
-        self._closed = True
-
-
-def _send_values(
-    ch: DataChannel,
-    tid: int,
-    values: Sequence[Array],
-    deadline: float | None,
-    req: pb.PushRequest,
-    out: PushOutcome,
-) -> None:
-    """X of a push already applied, on its channel. A failure to send it is the
-    transport's (UNAVAILABLE, retried): the message says the push was applied, and
-    a resend with the same seq is answered by exactly-once without a second step."""
-    try:
-        ch.send(tid, values, deadline)
-    except (OSError, DeadlineExceeded) as exc:
-        raise Unavailable(
-            f"push seq {req.seq} to group {req.group!r} was applied (T="
-            f"{out.update_count}) but its values could not be sent on the data "
-            f"channel ({exc}); resend it with the same client_id and seq for them",
-            reason="DATA_CHANNEL_BROKEN",
-            metadata={"group": req.group, "update_count": out.update_count},
-        ) from None
-
-
-def _read_checked(
-    ch: DataChannel,
-    grads: list[Array],
-    encodings: Sequence[int],
-    context: Any,
-    deadline: float | None,
-) -> bool:
-    """Receive a push's gradients from its frame into ``grads`` (widening the
-    encoded ones), checking each block for NaN and inf as it lands; whether
-    every element was finite."""
-    flats = [g.reshape(-1) for g in grads]
-    checked = [0] * len(grads)
-    all_finite = finite_checker()
-    finite = True
-
-    def landed(i: int, elements: int) -> None:
-        nonlocal finite
-        if finite and elements > checked[i]:
-            finite = all_finite(flats[i][checked[i] : elements])
-            checked[i] = elements
-
-    ch.read_into(grads, context.is_active, deadline, landed, encodings)
-    return finite
-
-
 class TensorRpcs(RpcFamily):
     """Push, PushStream, PushPullStream, Pull, PullStream, SharedMemoryHello,
     DataChannelHello."""
-
-    def _push(
-        self,
-        req: pb.PushRequest,
-        ticket: PushTicket,
-        grads: list[Array],
-        context: Any,
-        reply_type: type[R],
-        known_finite: bool = False,
-    ) -> R:
-        if req.HasField("reply_region"):  # refused before the step, not after
-            self._shm.check(req.reply_region, caller_of(context), "reply_region")
-        out = self._store_push(req, ticket, grads, context, known_finite)
-        reply = reply_type(
-            update_count=out.update_count, applied=out.applied, duplicate=out.duplicate
-        )
-        if out.values is None:
-            return reply
-        region = None
-        if req.HasField("reply_region"):
-            region = self._shm.write(req.reply_region, out.values, caller_of(context))
-        if region is not None:
-            reply.values_region.CopyFrom(region)
-            reply.values.extend(map(header_tensor, out.values, ticket.names))
-            return reply
-        for v, n in zip(out.values, ticket.names, strict=True):
-            write_tensor(reply.values.add(), v, n)
-        return reply
 
     def _store_push(
         self,
@@ -311,18 +170,47 @@ class TensorRpcs(RpcFamily):
         )
         return self.store.validate_push(req.group, specs)
 
+    def _step(
+        self,
+        req: pb.PushRequest,
+        ticket: PushTicket,
+        source: GradientSource,
+        sink: ValuesSink,
+        context: Any,
+        reply_type: type[R],
+    ) -> R:
+        """One push over its transports: the gradients from ``source``, the step,
+        X to ``sink`` (checked before the step: a reply it cannot send refuses the
+        push before it applies)."""
+        with source.gradients() as (grads, finite):
+            sink.check()
+            out = self._store_push(req, ticket, grads, context, finite)
+        # Applied: from here only the transport may fail, and says so.
+        reply = reply_type(
+            update_count=out.update_count, applied=out.applied, duplicate=out.duplicate
+        )
+        if out.values is not None:
+            sink.send(reply, out.values, ticket.names)
+        return reply
+
+    def _values_sink(self, req: pb.PushRequest, context: Any) -> ValuesSink:
+        """Where a push's X goes: the client's reply segment, or the reply."""
+        if req.HasField("reply_region"):
+            return RegionValues(self._shm, req.reply_region, caller_of(context))
+        return InlineValues()
+
     @unary
     def Push(self, request: pb.PushRequest, context: Any) -> pb.PushResponse:
         if request.HasField("transfer"):
             return self._push_on_channel(request, context)
         ticket = self._validate_push(request)
+        source: GradientSource = InlineGradients(request, ticket)
         if request.HasField("gradients_region"):
-            return self._push_shared(request, ticket, context)
-        grads = [
-            tensor_to_array(t, f"gradient {i + 1} ({ticket.names[i]!r})", encoded=True)
-            for i, t in enumerate(request.gradients)
-        ]
-        return self._push(request, ticket, grads, context, pb.PushResponse)
+            names = names_of("gradient", len(request.gradients), ticket.names)
+            caller = caller_of(context)
+            source = RegionGradients(self._shm, request, ticket, caller, names)
+        sink = self._values_sink(request, context)
+        return self._step(request, ticket, source, sink, context, pb.PushResponse)
 
     @unary
     def PushStream(
@@ -336,49 +224,40 @@ class TensorRpcs(RpcFamily):
                 field="header.gradients_region",
             )
         ticket = self._validate_push(req)
+        source = self._stream_gradients(req, ticket, it, context)
+        sink = self._values_sink(req, context)
+        return self._step(req, ticket, source, sink, context, pb.PushStreamResponse)
+
+    def _stream_gradients(
+        self, req: pb.PushRequest, ticket: PushTicket, it: Iterator[Any], context: Any
+    ) -> StreamGradients:
         headers = list(req.gradients)
         names = names_of("gradient", len(headers), ticket.names)
-        with self._gradient_buffers(ticket, headers) as lease:
-            got = self._receive(it, headers, names, context, lease.arrays)
-            return self._push(
-                req, ticket, got.arrays, context, pb.PushStreamResponse, got.finite
-            )
+        lease = pooled(self.gradient_pool, ticket.group, headers)
+        return StreamGradients(
+            it, headers, names, lease, lambda: raise_if_cut_off(context)
+        )
 
-    def _gradient_buffers(
-        self, ticket: PushTicket, headers: Sequence[pb.Tensor]
-    ) -> Lease:
-        try:
-            specs = [tensor_spec(t, t.name, encoded=True) for t in headers]
-            return self.gradient_pool.lease(ticket.group, specs)
-        except (ValueError, OverflowError, MemoryError):
-            return Lease([], None)  # the assembler says what is wrong with them
-
-    def _receive(
-        self,
-        it: Iterator[Any],
-        headers: Sequence[pb.Tensor],
-        names: Sequence[str],
-        context: Any,
-        out: Sequence[Array],
-    ) -> Received:
-        """A push's gradients, into ``out`` where they fit; encoded ones widened."""
-        asm = TensorAssembler(headers, names, encoded=True, out=out)
-        try:
-            return receive(it, asm)
-        except TensorFormatError:
-            raise_if_cut_off(context)
-            raise
-
-    def _push_shared(
-        self, req: pb.PushRequest, ticket: PushTicket, context: Any
-    ) -> pb.PushResponse:
-        """A push whose gradients lie in the client's shared-memory segment: the
-        store reads them in place."""
-        specs = self._bare_specs(req, "in gradients_region")
-        names = names_of("gradient", len(specs), ticket.names)
-        caller = caller_of(context)
-        with self._shm.read(req.gradients_region, specs, names, caller) as grads:
-            return self._push(req, ticket, grads, context, pb.PushResponse)
+    def _push_on_channel(self, req: pb.PushRequest, context: Any) -> pb.PushResponse:
+        """A push whose gradients arrive as one frame on the data channel, each
+        block checked for NaN and inf as it lands; X, when asked for, goes back as
+        one frame."""
+        with self._channel(req.transfer, context) as (ch, deadline):
+            ticket = self._validate_push(req)
+            specs = bare_specs(req, "on the data channel", encoded=True)
+            codes = [t.encoding for t in req.gradients]
+            framed, native = channel_frame_bytes(specs, codes)
+            with self._reply_bytes(context, stream=False) as hold:
+                hold.admit(
+                    framed + (native if req.return_values else 0),
+                    what="this push's gradients (and X) carry",
+                )
+                lease = pooled(self.gradient_pool, ticket.group, list(req.gradients))
+                source = ChannelGradients(
+                    ch, req, specs, lease, context.is_active, deadline
+                )
+                sink = ChannelValues(ch, req, deadline)
+                return self._step(req, ticket, source, sink, context, pb.PushResponse)
 
     @contextmanager
     def _channel(
@@ -395,82 +274,6 @@ class TensorRpcs(RpcFamily):
         principal = principal_of(context.invocation_metadata())
         with self._data.use(transfer.channel, principal, transfer.transfer_id) as ch:
             yield ch, deadline
-
-    def _push_on_channel(self, req: pb.PushRequest, context: Any) -> pb.PushResponse:
-        """A push whose gradients arrive as one frame on the data channel, each
-        block checked for NaN and inf as it lands; X, when asked for, goes back as
-        one frame."""
-        with self._channel(req.transfer, context) as (ch, deadline):
-            ticket = self._validate_push(req)
-            specs = self._bare_specs(req, "on the data channel", encoded=True)
-            codes = [t.encoding for t in req.gradients]
-            counts = [int(np.prod(dims, dtype=np.int64)) for _, dims in specs]
-            native = sum(
-                n * d.itemsize for n, (d, _) in zip(counts, specs, strict=True)
-            )
-            # an encoded gradient travels in 2 bytes per element
-            expected = sum(
-                n * (2 if c else d.itemsize)
-                for n, c, (d, _) in zip(counts, codes, specs, strict=True)
-            )
-            with self._reply_bytes(context, stream=False) as hold:
-                hold.admit(
-                    expected + (native if req.return_values else 0),
-                    what="this push's gradients (and X) carry",
-                )
-                tid = req.transfer.transfer_id
-                nbytes = ch.read_header(tid, context.is_active, deadline)
-                if nbytes != expected:
-                    raise InvalidArgument(
-                        f"the data channel frame carries {nbytes} bytes; the "
-                        f"gradients' headers declare {expected}",
-                        reason="DATA_FRAME_SIZE",
-                    )
-                with self._gradient_buffers(ticket, list(req.gradients)) as lease:
-                    grads = lease.arrays or [np.empty(d, t) for t, d in specs]
-                    finite = _read_checked(ch, grads, codes, context, deadline)
-                    out = self._store_push(req, ticket, grads, context, finite)
-                # Applied: from here only the transport may fail, and says so.
-                reply = pb.PushResponse(
-                    update_count=out.update_count,
-                    applied=out.applied,
-                    duplicate=out.duplicate,
-                )
-                if out.values is not None:
-                    reply.values.extend(map(header_tensor, out.values, ticket.names))
-                    reply.values_on_channel = True
-                    _send_values(ch, tid, out.values, deadline, req, out)
-                return reply
-
-    def _bare_specs(
-        self, req: pb.PushRequest, where: str, *, encoded: bool = False
-    ) -> list[tuple[np.dtype[Any], tuple[int, ...]]]:
-        """The gradients' (dtype, dims) when their bytes travel apart from the
-        message: no inline bytes, float only, and native unless ``encoded``."""
-        specs = []
-        for i, t in enumerate(req.gradients):
-            if t.raw_data:
-                raise InvalidArgument(
-                    f"gradient {i + 1} carries bytes inline and {where}: with a "
-                    "region or a transfer, raw_data must be empty",
-                    field=f"gradients[{i}].raw_data",
-                )
-            if t.encoding and not encoded:
-                raise InvalidArgument(
-                    f"gradient {i + 1} is encoded: gradients {where} travel in the "
-                    "group's dtype (float32 or float64); encoded gradients go on the "
-                    "data channel or over gRPC",
-                    field=f"gradients[{i}].encoding",
-                )
-            dtype, dims = tensor_spec(t, f"gradient {i + 1}", encoded=encoded)
-            if dtype.kind != "f":
-                raise InvalidArgument(
-                    f"gradient {i + 1} is {dtype}: gradients {where} travel in the "
-                    "group's dtype (float32 or float64)",
-                    field=f"gradients[{i}].dtype",
-                )
-            specs.append((dtype, tuple(dims)))
-        return specs
 
     @unary
     def DataChannelHello(
@@ -513,12 +316,10 @@ class TensorRpcs(RpcFamily):
                 sum(declared_nbytes(t) for t in headers),
                 what="this push's reply carries",
             )
-            lease = self._gradient_buffers(ticket, headers)
+            source = self._stream_gradients(req, ticket, it, context)
+            lease = source.lease
             try:
-                got = self._receive(
-                    it, headers, names_of("gradient", len(headers), ticket.names),
-                    context, lease.arrays,
-                )  # fmt: skip
+                grads, finite = source.receive()
             except BaseException:
                 lease.release()
                 raise
@@ -526,14 +327,14 @@ class TensorRpcs(RpcFamily):
                 pb.Tensor(name=n, dtype=t.dtype, dims=t.dims)
                 for n, t in zip(ticket.names, headers, strict=True)
             ]
-            sink = _FrameSink(values, self.chunk_bytes)
+            sink = FrameSink(values, self.chunk_bytes)
             push = functools.partial(
                 _leased,
                 lease,
                 self.store.push,
                 ticket,
-                got.arrays,
-                known_finite=got.finite,
+                grads,
+                known_finite=finite,
                 client_id=req.client_id,
                 seq=req.seq,
                 base_version=req.base_version if req.HasField("base_version") else None,
@@ -545,7 +346,7 @@ class TensorRpcs(RpcFamily):
                 cancellation=cancellation_of(context),
                 sink=sink,
             )
-            del got
+            del grads
             worker = threading.Thread(
                 target=sink.run, args=(push,), name="onnxps-push", daemon=True
             )
