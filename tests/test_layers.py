@@ -98,3 +98,29 @@ def test_the_core_loads_neither_grpc_nor_the_client(module: str) -> None:
         timeout=60,
     ).stdout
     assert json.loads(out) == []
+
+
+PRODUCTION = ("client", "server", "wire", "cli", "torch_integration")
+
+
+def _production_files() -> list[Path]:
+    return sorted(p for folder in PRODUCTION for p in (ROOT / folder).rglob("*.py"))
+
+
+def test_no_production_module_is_over_900_lines() -> None:
+    sizes = {
+        str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+        for p in _production_files()
+    }
+    assert {p: n for p, n in sizes.items() if n > 900} == {}
+    assert max(sizes.values()) > 100  # it did read the modules
+
+
+def test_no_function_is_above_complexity_20() -> None:
+    radon = pytest.importorskip("radon.complexity")
+    over = {}
+    for p in _production_files():
+        for block in radon.cc_visit(p.read_text()):
+            if block.complexity > 20:
+                over[f"{p.relative_to(ROOT)}:{block.fullname}"] = block.complexity
+    assert over == {}
