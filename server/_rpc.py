@@ -254,6 +254,7 @@ class RpcFamily:
         chunk_bytes: int = CHUNK_BYTES,
         save: Callable[[], SaveResult] | None = None,
         inflight: InflightBytes | None = None,
+        gradient_pool: GradientPool | None = None,
         shared_memory: SharedMemory | None = None,
         data_channels: DataChannels | None = None,
     ) -> None:
@@ -267,7 +268,7 @@ class RpcFamily:
         # Pull replies are counted in the same budget as requests (see limits).
         self._inflight = inflight or InflightBytes()
         # Streamed pushes receive their gradients into buffers reused per group.
-        self.gradient_pool = GradientPool()
+        self.gradient_pool = gradient_pool or GradientPool()
 
     def _assemble(
         self,

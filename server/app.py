@@ -17,10 +17,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from onnxps.wire.codec import CHUNK_BYTES
 
-from . import security
+from . import _malloc, security
 from ._datachannel import DataChannels, tls_context
 from ._gate import DrainGate
 from ._handlers import SERVICE, Interceptor
+from ._receive import GradientPool
 from ._reflection import enable_reflection
 from ._shm import SharedMemory
 from ._stall import StallWatch
@@ -105,6 +106,12 @@ class ServerConfig:
         "a call whose client stops sending (a request stream between messages, a "
         "data-channel frame) or stops reading its data-channel frame for this long "
         "ends with DEADLINE_EXCEEDED, deadline or not",
+    )
+    gradient_pool_bytes: int = _option(
+        128 << 20,
+        "idle gradient buffers kept for the next streamed or data-channel push, all "
+        "groups together (reused to skip page faults; given back when the host runs "
+        "low on memory), 0 for none",
     )
     max_group_bytes: int = _option(0, "largest group (X with V/H), 0 for no limit")
     max_total_bytes: int = _option(0, "state the server holds in all, 0 for no limit")
@@ -218,6 +225,10 @@ def _checks(c: ServerConfig) -> list[tuple[bool, str]]:
             c.max_concurrent_streams is None or c.max_concurrent_streams >= 0,
             f"max_concurrent_streams must be >= 0 (0: no limit), got "
             f"{c.max_concurrent_streams}",
+        ),
+        (
+            c.gradient_pool_bytes >= 0,
+            f"gradient_pool_bytes must be >= 0 (0: none), got {c.gradient_pool_bytes}",
         ),
         (
             c.stall_seconds > 0 and math.isfinite(c.stall_seconds),
@@ -479,6 +490,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         )
     )
     inflight = InflightBytes(config.max_inflight_bytes)
+    gradient_pool = GradientPool(config.gradient_pool_bytes)
     stall = StallWatch(config.stall_seconds)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     recorder = Recorder(store, enabled=config.metrics_port is not None)
@@ -490,6 +502,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
                 lambda: gate.running,
                 lambda: inflight.held,
                 lambda: store.waiting_calls,
+                lambda: gradient_pool.idle_bytes,
             )
         )
     interceptors: list[Interceptor] = [ObserveInterceptor(recorder), gate]
@@ -533,6 +546,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             chunk_bytes=config.chunk_bytes,
             save=None if durability is None else durability.save,
             inflight=inflight,
+            gradient_pool=gradient_pool,
             shared_memory=shared_memory,
             data_channels=data_channels,
         )
@@ -653,6 +667,7 @@ def _health_host(address: str) -> str:
 
 def serve(config: ServerConfig | None = None) -> int:
     """Start a server and run until SIGTERM/SIGINT; then drain and exit 0."""
+    _malloc.tune()  # this process owns its allocator (see ``_malloc``)
     handle = create_server(config).start()
     stop = threading.Event()
 

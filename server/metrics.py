@@ -232,8 +232,10 @@ class LoadCollector(Collector):
         calls: Callable[[], int],
         inflight_bytes: Callable[[], int],
         waiting: Callable[[], int],
+        pooled: Callable[[], int] = lambda: 0,
     ) -> None:
         self.calls, self.inflight_bytes, self.waiting = calls, inflight_bytes, waiting
+        self.pooled = pooled
 
     def collect(self) -> Iterable[Any]:
         yield GaugeMetricFamily(
@@ -251,6 +253,12 @@ class LoadCollector(Collector):
             "Calls waiting for a version (pull min_version, sync push), "
             "bounded by --max-waiting-calls",
             value=self.waiting(),
+        )
+        yield GaugeMetricFamily(
+            "onnxps_gradient_pool_bytes",
+            "Idle gradient buffers kept for the next push, bounded by "
+            "--gradient-pool-bytes",
+            value=self.pooled(),
         )
 
     def describe(self) -> Iterable[Any]:
