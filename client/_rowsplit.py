@@ -31,6 +31,7 @@ from ._sharded import (
     PartPush,
     describe_group,
     finish_earlier,
+    group_dtype,
     rerouted,
     until_landed,
 )
@@ -151,16 +152,6 @@ def _owners(pieces: Sequence[_Piece], idx: Array) -> list[Array]:
     return np.split(order, np.cumsum(counts)[:-1])
 
 
-def _dtype(client: RoutingCore, found: Layout) -> np.dtype[Any] | None:
-    """The group's dtype, from the sizes the listing gave (None: not known)."""
-    p = found.parts[0]
-    size = client._sizes.get(p.name)
-    count = p.element_count
-    if size is None or count == 0:
-        return None
-    return np.dtype(np.float32 if size // count == 4 else np.float64)
-
-
 _Entries = list[list[tuple[str, Array | None, Array]]]
 
 
@@ -173,7 +164,7 @@ def _split_push(
 ) -> Op[_Entries]:
     """Each part's row gradients (name on its shard, indices or None, values in
     ``encoding``: encoded whole, once checked, then cut per part)."""
-    dtype = _dtype(client, found)
+    dtype = group_dtype(client, found)
     per_part: _Entries = [[] for _ in found.parts]
     finite = True
     for name, g in gradients.items():
