@@ -436,6 +436,12 @@ def group_dtype(client: RoutingCore, found: Layout) -> np.dtype[Any] | None:
     return np.dtype(np.float32 if size // count == 4 else np.float64)
 
 
+def _all_finite(a: Array) -> bool:
+    """No NaN or inf in ``a``: a float64 sum is finite only then (no temporary the
+    size of ``a``); a float64 sum that overflows is checked element by element."""
+    return bool(np.isfinite(np.sum(a, dtype=np.float64)) or np.isfinite(a).all())
+
+
 def _check_gradients(
     client: RoutingCore, found: Layout, arrays: Sequence[Array], deadline: Deadline
 ) -> Op[None]:
@@ -467,7 +473,7 @@ def _check_gradients(
                 reason="DTYPE_MISMATCH",
                 metadata={"group": found.group, "tensor": name},
             )
-        finite = finite and bool(np.isfinite(a).all())
+        finite = finite and _all_finite(a)
     if not finite:
         info = yield from describe_group(client, found.group, deadline)
         if not info.allow_non_finite:
