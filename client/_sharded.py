@@ -31,6 +31,7 @@ from ._cluster import (
 from ._encoding import Encoding
 from ._errors import (
     AlreadyExistsError,
+    DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
@@ -678,9 +679,6 @@ def push(
     )
 
 
-APART_WAIT = 2.0  # seconds a pull waits for parts behind before PartsDivergedError
-
-
 def pull(
     client: RoutingCore,
     group: str,
@@ -691,10 +689,10 @@ def pull(
     allow_apart: bool = False,
 ) -> Op[tuple[int, list[Array]]]:
     """The group's arrays joined from its parts, and T, the lowest part's. Parts at
-    different T are pulled again once the ones behind reach the highest (pushes in
-    flight land within moments); parts still apart after ``APART_WAIT`` s raise
-    ``PartsDivergedError`` (unless ``allow_apart``). This client's own pending
-    pushes to the group are sent first."""
+    different T are pulled again once the ones behind reach the highest (a push in
+    flight lands), within the call's deadline; parts still behind when it passes
+    raise ``PartsDivergedError`` (unless ``allow_apart``). This client's own
+    pending pushes to the group are sent first."""
     yield from finish_earlier(client, group, deadline)
 
     def pull_part(
@@ -716,14 +714,15 @@ def pull(
         if len(set(counts)) == 1 or allow_apart:
             return found, replies
         top = max(counts)
-        wait = Deadline(max(0.0, min(APART_WAIT, deadline.remaining())))
         behind = [k for k, t in enumerate(counts) if t < top]
         again = yield from parallel(
-            [attempt(pull_part(found.parts[k], top, wait)) for k in behind]
+            [attempt(pull_part(found.parts[k], top, deadline)) for k in behind]
         )
         for k, r in zip(behind, again, strict=True):
+            if isinstance(r, DeadlineExceededError):
+                raise _apart(found, counts, deadline.seconds, r)
             if isinstance(r, Exception):
-                raise _apart(found, counts, wait.seconds, r)
+                raise r
             replies[k] = r
         return found, replies
 
@@ -741,7 +740,8 @@ def _apart(
     )
     return PartsDivergedError(
         f"the parts of split group {found.group!r} disagree: {parts}; the parts "
-        f"behind did not reach T={max(counts)} within {waited:g} s ({why}). A part "
+        f"behind did not reach T={max(counts)} within the pull's {waited:g} s "
+        f"({why}). A part "
         "lost pushes the others applied (restored from an older data dir, or a "
         "client died mid-push); see the README's 'When the parts of a split group "
         "disagree' to repair it",

@@ -10,6 +10,7 @@ pushes. A part restored from an older data dir is reported by the client
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import signal
 import subprocess
@@ -24,9 +25,11 @@ import pytest
 from _procs import start_server, stop
 from onnxps.client import (
     Adam,
+    AsyncClient,
     Client,
     DeadlineExceededError,
     FailedPreconditionError,
+    InvalidArgumentError,
     PartsDivergedError,
     ResourceExhaustedError,
     UnavailableError,
@@ -92,16 +95,15 @@ class Shards:
             stop(p)
 
 
+def _tensors() -> list[tuple[str, np.ndarray]]:
+    return [
+        (f"x{i}", np.linspace(-1, 1, int(np.prod(s)), dtype=np.float32).reshape(s))
+        for i, s in enumerate(SHAPES)
+    ]
+
+
 def _create(ps: Client, name: str) -> None:
-    ps.create_group(
-        name,
-        Adam(),
-        learning_rate=0.05,
-        tensors=[
-            (f"x{i}", np.linspace(-1, 1, int(np.prod(s)), dtype=np.float32).reshape(s))
-            for i, s in enumerate(SHAPES)
-        ],
-    )
+    ps.create_group(name, Adam(), learning_rate=0.05, tensors=_tensors())
 
 
 def _counts(ps: Client, group: str) -> list[int]:
@@ -161,6 +163,61 @@ def test_four_threads_sharing_a_client_while_a_shard_is_down(tmp_path: Path) -> 
             t, got = ps.pull_versioned("g", state=True)
             assert t == 6
     _assert_like_one_server(tmp_path, got, 6)
+
+
+def test_four_async_tasks_while_a_shard_is_down(tmp_path: Path) -> None:
+    """``AsyncClient`` runs the same routing: 4 pushes gathered while a shard is
+    down each keep their part, and all land once it is back."""
+
+    async def scenario(addresses: list[str], shards: Shards) -> list[np.ndarray]:
+        async with AsyncClient(addresses, timeout=30, split_bytes=SPLIT) as ps:
+            await ps.create_group("g", Adam(), learning_rate=0.05, tensors=_tensors())
+            assert await ps.push("g", *GRADS) == 1
+            down = (await ps.describe_group("g")).parts[0].shard
+            shards.kill(down)
+            results = await asyncio.gather(
+                *(ps.push("g", *GRADS, timeout=1.0) for _ in range(4)),
+                return_exceptions=True,
+            )
+            assert all(
+                isinstance(r, UnavailableError | DeadlineExceededError) for r in results
+            ), results
+            shards.start(down)
+            assert await ps.push("g", *GRADS) == 6
+            assert [p.update_count for p in (await ps.describe_group("g")).parts] == [
+                6,
+                6,
+                6,
+            ]
+            return await ps.pull("g", state=True)
+
+    with cluster(tmp_path) as (addresses, _, shards):
+        got = asyncio.run(scenario(addresses, shards))
+    _assert_like_one_server(tmp_path, got, 6)
+
+
+def test_a_refusal_that_can_never_pass_is_found_before_any_part(
+    tmp_path: Path,
+) -> None:
+    """A NaN in the slice of one part only: the client refuses the push before
+    sending any part (that part alone would refuse it while the others applied);
+    a group that allows NaN takes it on every part."""
+    with cluster(tmp_path) as (addresses, _, _shards):
+        with Client(addresses, timeout=30, split_bytes=SPLIT) as ps:
+            _create(ps, "g")
+            bad = [g.copy() for g in GRADS]
+            bad[2][1] = np.nan  # the last tensor: the last part's alone
+            with pytest.raises(InvalidArgumentError) as err:
+                ps.push("g", *bad)
+            assert err.value.reason == "NON_FINITE_GRADIENT"
+            assert _counts(ps, "g") == [0, 0, 0]
+            ps.create_group(
+                "nan-ok", Adam(), learning_rate=0.05, tensors=_tensors(),
+                allow_non_finite=True,
+            )  # fmt: skip
+            assert ps.push("nan-ok", *bad) == 1
+            assert _counts(ps, "nan-ok") == [1, 1, 1]
+            assert ps.pull_versioned("g")[0] == 0
 
 
 def test_push_background_pushes_all_land_after_a_shard_returns(
