@@ -499,14 +499,26 @@ def _push_one(client: RoutingCore, part: PartPush, deadline: Deadline) -> Op[Any
 
 def _send_part(client: RoutingCore, part: PartPush, deadline: Deadline) -> Op[Any]:
     """One part's push, sent again (same seq) while its shard is unavailable or
-    busy (``RESOURCE_EXHAUSTED``: retry later), until the deadline."""
+    busy (``RESOURCE_EXHAUSTED``: retry later), until the deadline. A deadline
+    that passes after the shard refused says so (the refusal's reason)."""
     backoff = 0.1
+    refused: RpcError | None = None
     while True:
         try:
             return (yield from _push_one(client, part, deadline))
+        except DeadlineExceededError as exc:
+            if refused is None:
+                raise
+            raise DeadlineExceededError(
+                f"{exc.details}; before that, shard {part[0]} refused it: {refused}",
+                reason=refused.reason,
+                metadata=refused.metadata,
+            ) from None
         except RpcError as exc:
             if not resend_now(exc):
                 raise
+            if not isinstance(exc, UnavailableError):
+                refused = exc
             pause = min(backoff, deadline.remaining())
             if pause <= 0:
                 raise

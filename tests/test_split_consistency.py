@@ -304,7 +304,8 @@ def test_a_part_refused_with_resource_exhausted_is_resent(tmp_path: Path) -> Non
             release = threading.Event()
             stalled = _stalled_stream(addresses[busy], release)
             next(stalled)
-            with pytest.raises(ResourceExhaustedError) as err:
+            # refused until the deadline; the last resend may be cut by it
+            with pytest.raises((ResourceExhaustedError, DeadlineExceededError)) as err:
                 ps.push("g", *GRADS, timeout=1.0)
             assert err.value.reason == "INFLIGHT_BYTES"
             assert _counts(ps, "g") == [2, 1, 2]
