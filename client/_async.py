@@ -96,6 +96,7 @@ class AsyncClient(RoutingCore):
         self._state = State.CLOSED
         beats = list(self._heartbeats.values())
         self._heartbeats.clear()
+        self._drop_pending()
         for task in beats:
             task.cancel()
         await asyncio.gather(*beats, return_exceptions=True)

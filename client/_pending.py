@@ -150,6 +150,11 @@ class PendingPushes:
             if not queue:
                 self._by_group.pop(old.group, None)
 
+    def every(self) -> list[PendingPush]:
+        """Every group's entries."""
+        with self._lock:
+            return [e for queue in self._by_group.values() for e in queue]
+
     def forget(self, group: str) -> list[PendingPush]:
         """Drop the group's entries (it was deleted); what was dropped."""
         with self._lock:

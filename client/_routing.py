@@ -38,6 +38,21 @@ class RoutingCore(ClientCore):
         # group's next push or pull)
         self._pending = PendingPushes()
 
+    def _drop_pending(self) -> None:
+        """The client closes: the pushes whose parts did not all land stay apart on
+        the parts that missed them (README, "When the parts of a split group
+        disagree"); said once per push."""
+        for entry in self._pending.every():
+            log.warning(
+                "closing the client with push seq %d to %s not landed on %s (%s): "
+                "the other parts took it (or may have), and stay a push ahead",
+                entry.seq,
+                entry.group,
+                ", ".join(str(p[1].group) for p in entry.parts),
+                entry.why,
+            )
+            self._pending.replace(entry, None)
+
     # -- groups --------------------------------------------------------------------
     def _create_parts(
         self,

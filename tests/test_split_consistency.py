@@ -342,6 +342,36 @@ def test_a_shard_restarted_with_the_wrong_index_then_fixed(tmp_path: Path) -> No
     _assert_like_one_server(tmp_path, got, 3)
 
 
+def test_a_client_closed_with_a_push_pending_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that ends with a push not landed on every part (as one that dies)
+    leaves the parts apart; closing says which push and which parts, and a pull by
+    another client raises PartsDivergedError once the shard is back."""
+    with cluster(tmp_path) as (addresses, _, shards):
+        with Client(addresses, timeout=30, split_bytes=SPLIT) as ps:
+            _create(ps, "g")
+            part = ps.describe_group("g").parts[1]
+            shards.kill(part.shard)
+            with pytest.raises((UnavailableError, DeadlineExceededError)) as err:
+                ps.push("g", *GRADS, timeout=0.5)
+            seq = ps._pending.of("g")[0].seq
+            caplog.clear()
+        closing = [r.getMessage() for r in caplog.records if "closing" in r.msg]
+        assert len(closing) == 1
+        assert closing[0].startswith(
+            f"closing the client with push seq {seq} to g not landed on g#p1of3 "
+            f"(shard {part.shard}: {err.value}): the other parts took it (or may "
+            "have), and stay a push ahead"
+        )
+        shards.start(part.shard)
+        with Client(addresses, timeout=3, split_bytes=SPLIT) as other:
+            assert _counts(other, "g") == [1, 0, 1]
+            with pytest.raises(PartsDivergedError) as apart:
+                other.pull("g")
+            assert apart.value.update_counts == [1, 0, 1]
+
+
 def test_a_part_restored_from_an_older_data_dir_is_reported(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
