@@ -108,10 +108,6 @@ class PendingPush:
     def seq(self) -> int:
         return _seq(self.parts or self.after)
 
-    @property
-    def shards(self) -> list[int]:
-        return [p[0] for p in self.parts]
-
 
 class PendingPushes:
     """Per group, the pushes whose parts did not all land, oldest first. Safe for
