@@ -346,7 +346,9 @@ def pull_rows(
     deadline: Deadline,
 ) -> Op[dict[str, Array]]:
     """Rows of a group of a cluster, from the parts that own them (a selection
-    with no rows asks the part holding the tensor's first rows)."""
+    with no rows asks the part holding the tensor's first rows); this client's
+    pending pushes to the group are sent first."""
+    yield from finish_earlier(client, group, deadline)
 
     def pull_all(found: Layout) -> Op[dict[str, Array]]:
         if _ids_cluster.is_ids_layout(found):
