@@ -110,14 +110,27 @@ def _counts(ps: Client, group: str) -> list[int]:
     return [p.update_count for p in ps.describe_group(group).parts]
 
 
-def _assert_like_one_server(tmp: Path, got: list[np.ndarray], pushes: int) -> None:
+# rows 0, 20 and 40 of x0: one in each part's rows
+ROWS = {"x0": (np.array([0, 20, 40]), np.full((3, 40), 0.25, np.float32))}
+
+
+def _push(ps: Client, kind: str = "push", timeout: float | None = None) -> int:
+    """One push of GRADS (``kind`` "push"), or of ROWS ("push_rows"): the new T."""
+    if kind == "push_rows":
+        return ps.push_rows("g", ROWS, timeout=timeout).update_count
+    return ps.push("g", *GRADS, timeout=timeout)
+
+
+def _assert_like_one_server(
+    tmp: Path, got: list[np.ndarray], pushes: int, kind: str = "push"
+) -> None:
     """``got`` (X, V, H of the cluster's group) is one server's after ``pushes``."""
     proc, address = start_server(tmp / "ref.log")
     try:
         with Client(address) as ref:
             _create(ref, "g")
             for _ in range(pushes):
-                ref.push("g", *GRADS)
+                _push(ref, kind)
             want = ref.pull("g", state=True)
     finally:
         stop(proc)
@@ -125,14 +138,18 @@ def _assert_like_one_server(tmp: Path, got: list[np.ndarray], pushes: int) -> No
         np.testing.assert_array_equal(g, w, strict=True)
 
 
-def test_four_threads_sharing_a_client_while_a_shard_is_down(tmp_path: Path) -> None:
-    """Each of 4 concurrent pushes reaches parts 0 and 2 and misses the part on the
-    stopped shard: each keeps its own pending part (one slot per group kept only
-    the last), and the pushes after the restart finish all four first."""
+@pytest.mark.parametrize("kind", ["push", "push_rows"])
+def test_four_threads_sharing_a_client_while_a_shard_is_down(
+    tmp_path: Path, kind: str
+) -> None:
+    """Each of 4 concurrent pushes (or row pushes) reaches parts 0 and 2 and misses
+    the part on the stopped shard: each keeps its own pending part (one slot per
+    group kept only the last), and the push after the restart finishes all four
+    first."""
     with cluster(tmp_path) as (addresses, _, shards):
         with Client(addresses, timeout=30, split_bytes=SPLIT) as ps:
             _create(ps, "g")
-            assert ps.push("g", *GRADS) == 1
+            assert _push(ps, kind) == 1
             down = ps.describe_group("g").parts[1].shard
             up = [p.shard for p in ps.describe_group("g").parts if p.shard != down]
             shards.kill(down)
@@ -142,7 +159,7 @@ def test_four_threads_sharing_a_client_while_a_shard_is_down(tmp_path: Path) -> 
             def push_once() -> None:
                 start.wait(10)
                 try:
-                    ps.push("g", *GRADS, timeout=1.0)
+                    _push(ps, kind, timeout=1.0)
                 except (UnavailableError, DeadlineExceededError) as exc:
                     errors.append(exc)
 
@@ -156,13 +173,13 @@ def test_four_threads_sharing_a_client_while_a_shard_is_down(tmp_path: Path) -> 
                 with Client(addresses[i]) as one:
                     assert [g.update_count for g in one.list_groups("g#")] == [5]
             with pytest.raises((UnavailableError, DeadlineExceededError)):
-                ps.push("g", *GRADS, timeout=0.5)  # pending first: nothing sent
+                _push(ps, kind, timeout=0.5)  # pending first: nothing sent
             shards.start(down)
-            assert ps.push("g", *GRADS) == 6
+            assert _push(ps, kind) == 6
             assert _counts(ps, "g") == [6, 6, 6]
             t, got = ps.pull_versioned("g", state=True)
             assert t == 6
-    _assert_like_one_server(tmp_path, got, 6)
+    _assert_like_one_server(tmp_path, got, 6, kind)
 
 
 def test_four_async_tasks_while_a_shard_is_down(tmp_path: Path) -> None:
