@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 from onnxps.cli.process import start_server_process, stop_processes
 from onnxps.client import Adam, Client
-from onnxps.client._encoding import compiled_codec
-from onnxps.client.codec import decode, encode
+from onnxps.wire.codec import decode, encode
+from onnxps.wire.encoding import compiled_codec
 
 MIB = 1 << 20
 ENCODINGS = ("native", "bfloat16", "float16")

@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 from onnxps.cli.process import start_server_process, stop_processes
 from onnxps.client import Adam, Client, IdsTable, Uniform
-from onnxps.client.image import TableDefinition
 from onnxps.server.kernels import make_attrs
 from onnxps.server.store import ParameterStore
+from onnxps.wire.image import TableDefinition
 
 
 def _times(fn: Callable[[], Any], n: int) -> list[float]:

@@ -40,11 +40,11 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.cli.process import start_server_process, stop_processes
 from onnxps.client import Adagrad, Client
-from onnxps.client.codec import header_tensor, iter_chunks
 from onnxps.server.kernels import make_attrs
 from onnxps.server.store import ParameterStore
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+from onnxps.wire.codec import header_tensor, iter_chunks
 
 MIB = 1 << 20
 FOREVER = 2**62

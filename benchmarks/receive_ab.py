@@ -29,11 +29,11 @@ import time
 from typing import Any
 
 import numpy as np
-from onnxps.client.codec import RawChunk, TensorAssembler, header_tensor
 from onnxps.server import store as store_module
 from onnxps.server._receive import GradientPool, receive
 from onnxps.server.kernels import make_attrs
 from onnxps.server.store import ParameterStore
+from onnxps.wire.codec import RawChunk, TensorAssembler, header_tensor
 
 MIB = 1 << 20
 FIGURES = ("receive ms", "tail ms", "total ms")

@@ -36,8 +36,8 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.cli.process import start_server_process, stop_processes
 from onnxps.client import Adagrad, Adam, Client
-from onnxps.client.codec import CHUNK_BYTES
 from onnxps.server.kernels import Stepper, make_attrs
+from onnxps.wire.codec import CHUNK_BYTES
 
 MIB = 1 << 20
 SMALL = 1000

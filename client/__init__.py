@@ -11,6 +11,10 @@ A cluster of shards: ``Client(["ps-0:50051", "ps-1:50051", "ps-2:50051"])``.
 on one server; ``Client.push_background`` starts a push and returns a future at once.
 """
 
+from onnxps.wire.codec import TensorFormatError
+from onnxps.wire.encoding import Encoding, EncodingRangeError
+from onnxps.wire.initializers import IdsTable, Normal, Uniform, Zeros
+
 from ._async import AsyncClient
 from ._client import (
     Client,
@@ -22,7 +26,6 @@ from ._client import (
     WorkerInfo,
 )
 from ._cluster import placement, shard_addresses, shard_ranking
-from ._encoding import Encoding, EncodingRangeError
 from ._errors import (
     AlreadyExistsError,
     ClientClosedError,
@@ -44,8 +47,6 @@ from ._errors import (
 from ._optimizers import Adagrad, Adam, Async, Momentum, Nesterov, OptimizerSpec, Sync
 from ._records import RowsPage, TableInfo
 from ._transfer import ExportFileError
-from .codec import TensorFormatError
-from .initializers import IdsTable, Normal, Uniform, Zeros
 from .shm import TensorBuffers
 
 __all__ = [

@@ -18,28 +18,25 @@ from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 import grpc
 import grpc.aio
 import numpy as np
+from onnxps.wire.encoding import EncodingRangeError
 
 from ._datachannel import ChannelBroken
-from ._encoding import EncodingRangeError
 from ._errors import ClientClosedError
-from ._records import LeaseInfo
-from ._requests import (
+from ._ops import (
     Blocking,
-    ClientCore,
     Effect,
     Op,
     OpRun,
     Parallel,
     Pause,
     PushCall,
-    State,
     Transfer,
     as_method,
-    channel_credentials,
-    channel_options,
-    multicallable,
 )
+from ._records import LeaseInfo
+from ._requests import ClientCore, State
 from ._routing import RoutingCore
+from ._settings import channel_credentials, channel_options, multicallable
 
 __all__ = ["AsyncClient"]
 
@@ -104,9 +101,7 @@ class AsyncClient(RoutingCore):
         self._channels.clear()
         for channel in channels:
             await channel.close(None)
-        for pool in list(self._data_pools.values()):
-            pool.close()
-        self._close_shared_memory()
+        self._close_transports()
 
     def _method(self, name: str, shard: int = 0) -> Any:
         self._check_open()

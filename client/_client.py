@@ -12,11 +12,24 @@ from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 import grpc
 import numpy as np
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+from onnxps.wire.encoding import EncodingRangeError
 
 from ._cluster import fan_out
 from ._datachannel import ChannelBroken
-from ._encoding import EncodingRangeError
 from ._errors import ClientClosedError
+from ._ops import (
+    Blocking,
+    Call,
+    Deadline,
+    Effect,
+    Op,
+    OpRun,
+    Parallel,
+    Pause,
+    PushCall,
+    Transfer,
+    as_method,
+)
 from ._records import (
     GroupInfo,
     LeaseInfo,
@@ -25,25 +38,9 @@ from ._records import (
     SaveInfo,
     WorkerInfo,
 )
-from ._requests import (
-    Blocking,
-    Call,
-    ClientCore,
-    Deadline,
-    Effect,
-    Op,
-    OpRun,
-    Parallel,
-    Pause,
-    PushCall,
-    State,
-    Transfer,
-    as_method,
-    channel_credentials,
-    channel_options,
-    multicallable,
-)
+from ._requests import ClientCore, State
 from ._routing import RoutingCore
+from ._settings import channel_credentials, channel_options, multicallable
 
 __all__ = [
     "Client",
@@ -154,9 +151,7 @@ class Client(RoutingCore):
             thread.join(timeout=5)
         for channel in self._channels.values():
             channel.close()
-        for pool in list(self._data_pools.values()):
-            pool.close()
-        self._close_shared_memory()
+        self._close_transports()
 
     def _get_stub(self, shard: int = 0) -> pb_grpc.ParameterServerServiceStub:
         with self._lock:

@@ -26,9 +26,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-
-from ._encoding import widen_into
-from .codec import TensorFormatError, frame_bytes
+from onnxps.wire.codec import TensorFormatError, frame_bytes
+from onnxps.wire.encoding import widen_into
 
 __all__ = [
     "ChannelBroken",

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from onnxps.wire.errors import OnnxpsError
 
 __all__ = [
     "AlreadyExistsError",
@@ -27,10 +28,6 @@ __all__ = [
     "UnavailableError",
     "translate",
 ]
-
-
-class OnnxpsError(Exception):
-    """Base of every error the onnxps client raises."""
 
 
 class ClientClosedError(OnnxpsError):

@@ -22,14 +22,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.encoding import Encoding, encode
+from onnxps.wire.initializers import splitmix64
 
 from . import _sharded
 from ._cluster import Layout, Part, part_name, shard_ranking
-from ._encoding import Encoding, encode
 from ._errors import InvalidArgumentError
+from ._ops import Deadline, Op, on_shard, parallel
 from ._records import GroupInfo, RowsPage
-from ._requests import Deadline, Op, on_shard, parallel
-from .initializers import splitmix64
+from ._replies import as_indices
 
 if TYPE_CHECKING:
     from ._routing import RoutingCore
@@ -153,11 +154,13 @@ def split_push(
 
 
 def _ids(name: str, raw: Any) -> Array:
-    ids = np.asarray(raw)
-    if ids.dtype.kind in "iu":
-        ids = ids.astype(np.int64, copy=False)
-    if ids.dtype != np.int64 or ids.ndim != 1:
-        raise TypeError(f"ids of {name!r} must be int64 of shape (k,)")
+    ids = as_indices(raw, name)  # integers, exactly as int64
+    if ids.ndim != 1:
+        raise InvalidArgumentError(
+            f"ids of {name!r} must be of shape (k,), got {ids.shape}",
+            reason="ROW_INDICES",
+            metadata={"tensor": name},
+        )
     return ids
 
 

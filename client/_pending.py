@@ -69,10 +69,15 @@ def _over_the_limit(exc: ResourceExhaustedError) -> bool:
         return False
 
 
+# RESOURCE_EXHAUSTED reasons of a busy server ("retry later"; None: gRPC's own
+# limit of calls); others (DISK_FULL, a table's max_rows) are reported at once
+_BUSY_REASONS = frozenset({"INFLIGHT_BYTES", "STREAM_LIMIT", None})
+
+
 def resend_now(exc: BaseException) -> bool:
     """Sent again within the call's deadline: the shard is busy or restarting."""
     if isinstance(exc, ResourceExhaustedError):
-        return not _over_the_limit(exc)
+        return exc.reason in _BUSY_REASONS and not _over_the_limit(exc)
     return isinstance(exc, UnavailableError)
 
 

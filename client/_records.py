@@ -7,10 +7,10 @@ from typing import Any, Literal
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.codec import PROTO_TO_DTYPE
+from onnxps.wire.initializers import Initializer, Normal, Uniform, Zeros
 
 from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
-from .codec import PROTO_TO_DTYPE
-from .initializers import Initializer, Normal, Uniform, Zeros
 
 __all__ = [
     "GroupInfo",

@@ -13,14 +13,15 @@ from typing import Any
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.encoding import Encoding
 
 from . import _ids_cluster, _rowsplit, _sharded
 from ._cluster import Layout
-from ._encoding import Encoding
 from ._errors import InvalidArgumentError, RpcError
+from ._ops import Deadline, Op, on_shard
 from ._pending import PendingPushes
 from ._records import GroupInfo, LeaseInfo, PushResult, RowsPage, SaveInfo, lease_info
-from ._requests import ClientCore, Deadline, Op, log, on_shard
+from ._requests import ClientCore, log
 
 __all__ = ["RoutingCore", "Targets"]
 

@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.encoding import Encoding, encode
 
 from . import _ids_cluster
 from ._cluster import Layout, Part, Slot
-from ._encoding import Encoding, encode
 from ._errors import FailedPreconditionError, InvalidArgumentError
+from ._ops import Deadline, Op, on_shard, parallel
 from ._records import PushResult
-from ._requests import Deadline, Op, _indices, on_shard, parallel, row_gradients
+from ._replies import as_indices, row_gradients
 from ._sharded import (
     PartPush,
     describe_group,
@@ -116,7 +117,7 @@ def _tensor(found: Layout, name: str) -> int:
 def _checked_indices(found: Layout, i: int, raw: Any) -> Array:
     """int64 (k,) indices in [0, rows): refused here as the server would."""
     name, rows = found.names[i], found.shapes[i][0]
-    idx = _indices(raw)
+    idx = as_indices(raw, name)
     if idx.dtype != _INDEX or idx.ndim != 1:
         raise _invalid(
             found,

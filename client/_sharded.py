@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.codec import PROTO_TO_DTYPE
+from onnxps.wire.encoding import Encoding
 
 from ._cluster import (
     Layout,
@@ -28,7 +30,6 @@ from ._cluster import (
     part_arrays,
     plan_layout,
 )
-from ._encoding import Encoding
 from ._errors import (
     AlreadyExistsError,
     DeadlineExceededError,
@@ -39,6 +40,7 @@ from ._errors import (
     RpcError,
     UnavailableError,
 )
+from ._ops import Call, Deadline, Op, Pause, on_shard, parallel, what
 from ._pending import (
     PartPush,
     PendingPush,
@@ -47,8 +49,6 @@ from ._pending import (
     resend_now,
 )
 from ._records import GroupInfo, PartInfo, PushResult, group_info
-from ._requests import Call, Deadline, Op, Pause, on_shard, parallel, what
-from .codec import PROTO_TO_DTYPE
 
 if TYPE_CHECKING:
     from ._routing import RoutingCore

@@ -2,7 +2,7 @@
 
 The file is a NumPy ``.npz`` archive (``np.savez``, no pickle): a ``metadata`` entry
 holding UTF-8 JSON (uint8 array) with one ``GroupImage`` JSON per group
-(``onnxps.client.image``), and per group ``i`` its arrays ``g<i>/<k>`` in ONNX output
+(``onnxps.wire.image``), and per group ``i`` its arrays ``g<i>/<k>`` in ONNX output
 order: X_1..X_n, then V_1..V_n, then H_1..H_n, then per ids table its ids, X rows,
 V rows, H rows (``GroupImage``). See docs/FORMAT.md.
 """
@@ -18,21 +18,22 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-
-from ._errors import OnnxpsError
-from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
-from .image import (
+from onnxps.wire.image import (
     ConsistencyDefinition,
     GroupDefinition,
     GroupImage,
     TableDefinition,
 )
-from .initializers import IdsTable, initializer_from_json
+from onnxps.wire.initializers import IdsTable, initializer_from_json
+
+from ._errors import OnnxpsError
+from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
 
 if TYPE_CHECKING:
     from ._client import Client
+    from ._ops import Op
     from ._records import GroupInfo
-    from ._requests import ClientCore, Op
+    from ._requests import ClientCore
 
 __all__ = [
     "EXPORT_FORMAT_VERSION",

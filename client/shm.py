@@ -9,7 +9,8 @@ imports it):
 - a segment is ``/dev/shm/onnxps-<pid>-<random hex>``, mode 0600, created with
   O_EXCL by the client whose pid it names;
 - it begins with a 64-byte header: ``MAGIC``, then the little-endian uint64
-  generation, bumped by whoever last wrote tensors into it;
+  generation, bumped by whoever last wrote tensors into it, and at ``KEY_AT`` the
+  segment's random key (``KEY_BYTES``);
 - tensors follow at 64-byte aligned offsets, raw little-endian C order.
 
 A hello (``SharedMemoryHello``) proves the host is shared before any tensor goes
@@ -23,41 +24,38 @@ either side leaves nothing behind once the survivor notices.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import mmap
 import os
-import re
 import secrets
-import stat
 import struct
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
-
-from .codec import TensorFormatError, tensor_spec
+from onnxps.wire.codec import TensorFormatError, tensor_spec
+from onnxps.wire.shm import (
+    HEADER_BYTES,
+    KEY_AT,
+    KEY_BYTES,
+    MAGIC,
+    NONCE_BYTES,
+    PREFIX,
+    SHM_DIR,
+    layout,
+    new_key,
+    pid_namespace,
+)
 
 __all__ = [
-    "HEADER_BYTES",
-    "MAGIC",
-    "NONCE_BYTES",
-    "PREFIX",
-    "SHM_DIR",
     "Segment",
     "SegmentPool",
     "SharedMemoryMode",
     "TensorBuffers",
     "hello_segment",
-    "is_onnxps_name",
-    "layout",
-    "no_shared_dir",
-    "owner_problem",
-    "pid_namespace",
-    "sweep_orphans",
 ]
 
 log = logging.getLogger("onnxps.shm")
@@ -65,79 +63,17 @@ log = logging.getLogger("onnxps.shm")
 Array = np.ndarray[Any, Any]
 SharedMemoryMode = Literal["auto", "on", "off"]
 
-SHM_DIR = "/dev/shm"
-PREFIX = "onnxps-"
-MAGIC = b"ONNXPSM1"
-HEADER_BYTES = 64
-NONCE_BYTES = 32
-_ALIGN = 64
-_NAME = re.compile(r"onnxps-[A-Za-z0-9-]{1,200}\Z")
-_OWNER = re.compile(r"onnxps-(\d+)-")
 _IDLE_SEGMENTS = 6  # kept by a client for its next calls
 _MIN_SEGMENT = 64 << 10
 
 
-def is_onnxps_name(name: str) -> bool:
-    """A segment name this transport uses: ``onnxps-`` then [A-Za-z0-9-] (no path)."""
-    return bool(_NAME.match(name))
-
-
-def pid_namespace() -> int:
-    """The inode of this process's pid namespace (0 where /proc does not say)."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def layout(nbytes: Sequence[int]) -> tuple[list[int], int]:
-    """The offsets of tensors of these sizes in a segment, and the segment's size."""
-    offsets = []
-    at = HEADER_BYTES
-    for n in nbytes:
-        offsets.append(at)
-        at += -(-n // _ALIGN) * _ALIGN
-    return offsets, max(at, HEADER_BYTES)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
-
-
-def sweep_orphans(directory: str = SHM_DIR) -> list[str]:
-    """Unlink this user's onnxps segments whose creator is no longer alive; the
-    names removed."""
-    removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    uid = os.geteuid()
-    for name in names:
-        owner = _OWNER.match(name)
-        if owner is None or _pid_alive(int(owner.group(1))):
-            continue
-        path = os.path.join(directory, name)
-        with contextlib.suppress(OSError):
-            if os.lstat(path).st_uid != uid:
-                continue
-            os.unlink(path)
-            removed.append(name)
-    if removed:
-        log.info("removed %d orphaned shared-memory segments", len(removed))
-    return removed
-
-
 class Segment:
-    """One segment this process created (and unlinks): mapped read-write."""
+    """One segment this process created (and unlinks): mapped read-write, holding
+    ``key`` (a fresh one by default) in its header."""
 
-    def __init__(self, size: int, directory: str = SHM_DIR) -> None:
+    def __init__(
+        self, size: int, directory: str = SHM_DIR, key: bytes | None = None
+    ) -> None:
         self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         self.path = os.path.join(directory, self.name)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -154,7 +90,9 @@ class Segment:
         os.close(fd)
         self.size = size
         self.generation = 0
+        self.key = new_key() if key is None else key
         self.map[: len(MAGIC)] = MAGIC
+        self.map[KEY_AT : KEY_AT + KEY_BYTES] = self.key
 
     def write(self, arrays: Sequence[Array]) -> pb.SharedMemoryRegion:
         """Copy ``arrays`` in (one copy each); the region naming them."""
@@ -165,7 +103,7 @@ class Segment:
         self.generation += 1
         struct.pack_into("<Q", self.map, len(MAGIC), self.generation)
         return pb.SharedMemoryRegion(
-            segment=self.name, generation=self.generation, offsets=offsets
+            segment=self.name, generation=self.generation, offsets=offsets, key=self.key
         )
 
     def publish(self, offsets: Sequence[int]) -> pb.SharedMemoryRegion:
@@ -174,13 +112,15 @@ class Segment:
         self.generation += 1
         struct.pack_into("<Q", self.map, len(MAGIC), self.generation)
         return pb.SharedMemoryRegion(
-            segment=self.name, generation=self.generation, offsets=offsets
+            segment=self.name, generation=self.generation, offsets=offsets, key=self.key
         )
 
     def region(self) -> pb.SharedMemoryRegion:
         """This segment as a region for the server to write a reply into."""
         (generation,) = struct.unpack_from("<Q", self.map, len(MAGIC))
-        return pb.SharedMemoryRegion(segment=self.name, generation=generation)
+        return pb.SharedMemoryRegion(
+            segment=self.name, generation=generation, key=self.key
+        )
 
     def read(
         self,
@@ -377,11 +317,14 @@ def _address(a: Array) -> int:
     return int(a.__array_interface__["data"][0])
 
 
-def hello_segment(directory: str = SHM_DIR) -> tuple[Segment, bytes]:
-    """A fresh segment holding the header magic, a random nonce and this process's
-    pid namespace (what ``SharedMemoryHello`` sends the server), and the nonce."""
+def hello_segment(
+    directory: str = SHM_DIR, key: bytes | None = None
+) -> tuple[Segment, bytes]:
+    """A fresh segment holding the header magic, a random nonce, this process's
+    pid namespace and ``key`` (what ``SharedMemoryHello`` sends the server), and
+    the nonce."""
     nonce = secrets.token_bytes(NONCE_BYTES)
-    seg = Segment(HEADER_BYTES, directory)
+    seg = Segment(HEADER_BYTES, directory, key)
     seg.map[len(MAGIC) : len(MAGIC) + NONCE_BYTES] = nonce
     end = len(MAGIC) + NONCE_BYTES
     struct.pack_into("<Q", seg.map, end, pid_namespace())
@@ -391,9 +334,11 @@ def hello_segment(directory: str = SHM_DIR) -> tuple[Segment, bytes]:
 @dataclass
 class SegmentPool:
     """The segments of one client, reused from call to call (a call takes one for
-    itself and gives it back); ``close`` unlinks them all."""
+    itself and gives it back); ``close`` unlinks them all. They all hold ``key``,
+    the one the client's hello bound to it."""
 
     directory: str = SHM_DIR
+    key: bytes = field(default_factory=new_key)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -414,7 +359,7 @@ class SegmentPool:
                     self._idle.remove(seg)
                     self._busy.add(seg)
                     return seg
-        seg = Segment(size, self.directory)
+        seg = Segment(size, self.directory, self.key)
         with self._lock:
             self._busy.add(seg)
         return seg
@@ -444,20 +389,3 @@ class SegmentPool:
     def __del__(self) -> None:  # pragma: no cover - a client never closed
         with contextlib.suppress(Exception):
             self.close()
-
-
-def no_shared_dir(exc: OSError) -> bool:
-    """An error that says this host has no usable /dev/shm."""
-    return exc.errno in (errno.ENOENT, errno.EACCES, errno.EROFS, errno.ENOSPC)
-
-
-def owner_problem(st: os.stat_result) -> str | None:
-    """Why a segment's file may not be used by this process, or None."""
-    if not stat.S_ISREG(st.st_mode):
-        return "is not a regular file"
-    if st.st_uid != os.geteuid():
-        return (
-            f"belongs to uid {st.st_uid}, not to this server's uid {os.geteuid()}; "
-            "shared memory is for a client of the same user"
-        )
-    return None

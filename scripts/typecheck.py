@@ -20,17 +20,20 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def package_dirs() -> dict[str, Path]:
-    with open(ROOT / "pyproject.toml", "rb") as f:
+def package_dirs(root: Path = ROOT) -> dict[str, Path]:
+    """The package-dir mapping of the checkout at ``root`` (its pyproject.toml)."""
+    with open(root / "pyproject.toml", "rb") as f:
         config = tomllib.load(f)
     mapping = config["tool"]["setuptools"]["package-dir"]
-    return {name: ROOT / path for name, path in mapping.items()}
+    return {name: root / path for name, path in mapping.items()}
 
 
-def build_tree(dest: Path) -> list[str]:
-    """Symlink each top-level mapped package into ``dest``; returns their names."""
+def build_tree(dest: Path, root: Path = ROOT) -> list[str]:
+    """Symlink each top-level mapped package of the checkout at ``root`` into
+    ``dest``; returns their names. ``dest`` on ``PYTHONPATH`` imports that
+    checkout (benchmarks/_baseline.py runs an older commit so)."""
     tops = []
-    dirs = package_dirs()
+    dirs = package_dirs(root)
     # A namespace portion (no __init__.py, e.g. onnxps's __main__): its modules only.
     spaces = {
         name for name, path in dirs.items() if not (path / "__init__.py").exists()

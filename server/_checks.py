@@ -11,13 +11,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from onnxps.client.image import (
+from onnxps.wire.image import (
     GroupDefinition,
     GroupImage,
     ImageFormatError,
     TableDefinition,
 )
-from onnxps.client.initializers import initializer_from_json
+from onnxps.wire.initializers import initializer_from_json
 
 from ._group import all_finite, check_name
 from .errors import InvalidArgument
@@ -157,6 +157,18 @@ def check_tables(
     the bytes their rows hold."""
     if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise InvalidArgument(f"a group's dtype is float32 or float64, got {dtype}")
+    _check_table_definitions(group, tensor_names, tables)
+    if not table_arrays:
+        return 0
+    _check_table_image(group, attrs, dtype, tables, table_arrays)
+    return _check_table_rows(tables, table_arrays, allow_non_finite)
+
+
+def _check_table_definitions(
+    group: str, tensor_names: Sequence[str], tables: Sequence[TableDefinition]
+) -> None:
+    """Each table's name (unique among the group's tensors and tables), dim,
+    max_rows and initializer."""
     seen = set(tensor_names)
     for t in tables:
         check_name(t.name, "ids table name")
@@ -177,8 +189,17 @@ def check_tables(
             raise InvalidArgument(
                 f"ids table {t.name!r}: bad initializer {dict(t.initializer)}: {exc}"
             ) from None
-    if not table_arrays:
-        return 0
+
+
+def _check_table_image(
+    group: str,
+    attrs: OptimizerAttrs,
+    dtype: np.dtype[Any],
+    tables: Sequence[TableDefinition],
+    table_arrays: Sequence[Sequence[Array]],
+) -> None:
+    """The rows' arrays: per table ids, X rows and a row array per state, of the
+    dtypes and shapes a group image holds."""
     per = 2 + len(attrs.state_names)
     if len(table_arrays) != len(tables) or any(len(a) != per for a in table_arrays):
         raise InvalidArgument(
@@ -192,6 +213,15 @@ def check_tables(
         GroupImage(definition, [a for arrays in table_arrays for a in arrays])
     except ImageFormatError as exc:
         raise InvalidArgument(str(exc)) from None
+
+
+def _check_table_rows(
+    tables: Sequence[TableDefinition],
+    table_arrays: Sequence[Sequence[Array]],
+    allow_non_finite: bool,
+) -> int:
+    """Each table's row count (at most max_rows) and values (finite unless
+    allowed); returns the bytes the rows hold."""
     nbytes = 0
     for t, (ids, *rows) in zip(tables, table_arrays, strict=True):
         if t.max_rows and ids.size > t.max_rows:

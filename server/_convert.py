@@ -6,9 +6,9 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
-from onnxps.client.codec import DTYPE_TO_PROTO
-from onnxps.client.image import TableDefinition
 from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.codec import DTYPE_TO_PROTO, tensor_spec
+from onnxps.wire.image import TableDefinition
 
 from .errors import InvalidArgument
 from .kernels import OptimizerAttrs, make_attrs
@@ -20,6 +20,7 @@ __all__ = [
     "consistency_from_proto",
     "consistency_to_proto",
     "group_info",
+    "index_spec",
     "initializer_from_proto",
     "table_from_proto",
 ]
@@ -134,7 +135,7 @@ def group_info(view: GroupView) -> pb.GroupInfo:
 
 
 def initializer_from_proto(msg: pb.RowInitializer) -> dict[str, Any]:
-    """An ids table's initializer as its JSON (``onnxps.client.initializers``)."""
+    """An ids table's initializer as its JSON (``onnxps.wire.initializers``)."""
     kind = _INIT_KINDS.get(msg.kind)
     if kind is None:
         raise InvalidArgument(
@@ -181,3 +182,24 @@ def table_from_proto(spec: pb.IdsTableSpec) -> TableDefinition:
         initializer=initializer_from_proto(spec.initializer),
         max_rows=int(spec.max_rows),
     )
+
+
+def index_spec(t: pb.Tensor, what: str, group: str) -> tuple[Any, tuple[int, ...]]:
+    """The dtype and dims of row indices or ids: ``DATA_TYPE_INT64`` of dims [k]
+    with no encoding, else INVALID_ARGUMENT (``ROW_INDICES``), whatever another
+    language sends."""
+    if t.dtype != pb.DATA_TYPE_INT64 or len(t.dims) != 1 or t.encoding:
+        try:
+            name = pb.DataType.Name(t.dtype)
+        except ValueError:
+            name = "not a DataType"
+        encoded = f" encoded as {t.encoding}" if t.encoding else ""
+        raise InvalidArgument(
+            f"{what} must be DATA_TYPE_INT64 (7) with dims [k] and no encoding: "
+            "row indices and ids travel as int64; got data type "
+            f"{t.dtype} ({name}) with dims {list(t.dims)}{encoded}",
+            reason="ROW_INDICES",
+            field=what,
+            metadata={"group": group, "received": t.dtype},
+        )
+    return tensor_spec(t, what)

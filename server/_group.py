@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
-from onnxps.client.image import (
+from onnxps.wire.image import (
     ConsistencyDefinition,
     GroupDefinition,
     GroupImage,

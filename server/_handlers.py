@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import Message
-from onnxps.client.codec import SERVICE as _SERVICE
+from onnxps.wire.codec import SERVICE as _SERVICE
 
 __all__ = [
     "SERVICE",

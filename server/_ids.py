@@ -10,7 +10,7 @@ holds more than an eighth of the rows, so a new row costs amortised O(log n). Th
 same sorted order serves listing and saving. Cost per row: dim elements of X (and of
 V, H) plus 24 bytes of index (id, sorted id, slot).
 
-A new row's X is ``initial_rows`` of its id (``onnxps.client.initializers``); its V
+A new row's X is ``initial_rows`` of its id (``onnxps.wire.initializers``); its V
 and H are zeros, the operator's initial state. A row push steps a table's rows as
 ``_sparse`` steps a fixed table's: gathered by slot, stepped, scattered back.
 """
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from onnxps.client.image import TableDefinition
-from onnxps.client.initializers import (
+from onnxps.wire.image import TableDefinition
+from onnxps.wire.initializers import (
     Initializer,
     initial_rows,
     initializer_from_json,

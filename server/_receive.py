@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-from onnxps.client.codec import TensorAssembler
+from onnxps.wire.codec import TensorAssembler
 
 from .errors import InvalidArgument
 from .kernels._finite import finite_checker

@@ -1,4 +1,4 @@
-"""The server's side of the same-host transport (layout: ``onnxps.client.shm``).
+"""The server's side of the same-host transport (layout: ``onnxps.wire.shm``).
 
 The server never creates a segment: it opens the client's by name, checks it (an
 ``onnxps-`` name with no path, a regular file of this server's uid, large enough,
@@ -6,6 +6,16 @@ the generation the call names), maps it and reads the gradients in place with
 ``np.frombuffer`` (no copy), or writes the reply's tensors into it. A client of the
 same uid could signal this process anyway, so a segment is trusted as much as the
 user: it is not copied before it is validated and stepped.
+
+A name is no capability (anyone may list /dev/shm): every call that names a
+segment carries the key in its header, which only a process that can read the
+segment knows, and the first call (or hello) that names a key binds it to its
+caller: the digest of its token, its gRPC peer and, where the OS tells
+(``peer_uid``), its uid, which must be this server's (the segment's owner).
+Every later use must come from the same token and the same uid (a new
+connection of the same uid is the same client reconnecting); anything else is
+PERMISSION_DENIED ``SEGMENT_NOT_YOURS``, before anything is read, written or
+stepped. Messages name segments and uids, never a key or a generation.
 
 Mappings are cached by segment name and inode (a client reuses its segments call
 after call, and mapping 64 MiB costs milliseconds): every call still opens and
@@ -18,6 +28,7 @@ within a sweep.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import mmap
 import os
@@ -29,8 +40,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from onnxps.client.shm import (
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.shm import (
     HEADER_BYTES,
+    KEY_AT,
+    KEY_BYTES,
     MAGIC,
     NONCE_BYTES,
     SHM_DIR,
@@ -40,17 +54,37 @@ from onnxps.client.shm import (
     pid_namespace,
     sweep_orphans,
 )
-from onnxps.v1 import parameter_server_pb2 as pb
 
+from ._peercred import peer_uid
 from .errors import FailedPrecondition, InvalidArgument, PermissionDenied
 
-__all__ = ["SharedMemory"]
+__all__ = ["Caller", "SharedMemory"]
 
 log = logging.getLogger("onnxps.shm")
 
 Array = np.ndarray[Any, Any]
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _CACHED_MAPS = 32
+_BINDINGS = 4096  # keys remembered; the oldest is forgotten (its key still guards)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who names a segment: the digest of the call's token ("" without one) and
+    its gRPC peer (``context.peer()``)."""
+
+    principal: str
+    peer: str
+
+
+@dataclass(frozen=True)
+class _Binding:
+    """The caller a segment key was first named by, and its uid (None where the
+    OS does not tell)."""
+
+    principal: str
+    peer: str
+    uid: int | None
 
 
 @dataclass(frozen=True)
@@ -83,6 +117,7 @@ class SharedMemory:
         self._sweeper: threading.Thread | None = None
         self._lock = threading.Lock()
         self._maps: OrderedDict[str, _Mapping] = OrderedDict()
+        self._bindings: OrderedDict[bytes, _Binding] = OrderedDict()
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
@@ -158,9 +193,10 @@ class SharedMemory:
                 reason="SHARED_MEMORY_OFF",
             )
 
-    def _mapped(self, name: str, what: str) -> mmap.mmap:
+    def _mapped(self, name: str, key: bytes, caller: Caller, what: str) -> mmap.mmap:
         """The checked segment ``name``, mapped (read and write: the checks are the
-        owner's uid and mode 0600, so this user may write it)."""
+        owner's uid and mode 0600, so this user may write it), once ``key`` is its
+        key and ``caller`` the one it is bound to."""
         self._check_on()
         if not is_onnxps_name(name):
             raise InvalidArgument(
@@ -200,12 +236,62 @@ class SharedMemory:
                 f"{what}: segment {name!r} does not begin with the onnxps header",
                 reason="BAD_SEGMENT",
             )
+        held = bytes(mapped[KEY_AT : KEY_AT + KEY_BYTES])
+        if len(key) != KEY_BYTES or not hmac.compare_digest(held, key):
+            raise PermissionDenied(
+                f"{what}: the call does not carry the key of segment {name!r} "
+                f"({KEY_BYTES} bytes, written in its header by the client that "
+                "created it): a segment serves only that client",
+                reason="SEGMENT_NOT_YOURS",
+            )
+        self._check_bound(key, caller, name, what)
         return mapped
 
+    def _check_bound(self, key: bytes, caller: Caller, name: str, what: str) -> None:
+        """Bind ``key`` to ``caller`` when it is new; refuse any other caller."""
+        with self._lock:
+            bound = self._bindings.get(key)
+            if bound is not None:
+                self._bindings.move_to_end(key)
+        if bound is None:
+            uid = peer_uid(caller.peer)
+            if uid is not None and uid != os.geteuid():
+                raise _not_yours(
+                    what,
+                    f"this call comes from uid {uid} and segment {name!r} belongs to "
+                    f"uid {os.geteuid()}: a segment serves only a client of its "
+                    "owner's uid",
+                )
+            with self._lock:
+                bound = self._bindings.setdefault(
+                    key, _Binding(caller.principal, caller.peer, uid)
+                )
+                while len(self._bindings) > _BINDINGS:
+                    self._bindings.popitem(last=False)
+        if not hmac.compare_digest(bound.principal, caller.principal):
+            raise _not_yours(
+                what,
+                f"segment {name!r} is bound to the token of the client that first "
+                "named it, and this call has another (or none): a segment serves "
+                "only the token that registered it",
+            )
+        if caller.peer != bound.peer:  # another connection: the same uid?
+            uid = peer_uid(caller.peer)
+            if uid != bound.uid:
+                raise _not_yours(
+                    what,
+                    f"this call comes from uid {_uid_text(uid)}, and segment "
+                    f"{name!r} is bound to a client of uid {_uid_text(bound.uid)}",
+                )
+            with self._lock:  # the client reconnected: look its uid up once
+                if key in self._bindings:
+                    self._bindings[key] = _Binding(bound.principal, caller.peer, uid)
+
     # -- calls ---------------------------------------------------------------------
-    def hello(self, name: str) -> bytes:
-        """The nonce a client's hello segment holds, once its pid namespace is ours."""
-        m = self._mapped(name, "hello")
+    def hello(self, name: str, key: bytes, caller: Caller) -> bytes:
+        """The nonce a client's hello segment holds, once its pid namespace is ours
+        (and ``key``, the segment's, is bound to ``caller``)."""
+        m = self._mapped(name, key, caller, "hello")
         end = len(MAGIC) + NONCE_BYTES
         nonce = bytes(m[len(MAGIC) : end])
         (their_ns,) = struct.unpack_from("<Q", m, end)
@@ -218,12 +304,18 @@ class SharedMemory:
             )
         return nonce
 
+    def check(self, region: pb.SharedMemoryRegion, caller: Caller, what: str) -> None:
+        """Refuse ``region`` now (before a call changes anything) unless its
+        segment is usable and ``caller``'s."""
+        self._mapped(region.segment, region.key, caller, what)
+
     @contextlib.contextmanager
     def read(
         self,
         region: pb.SharedMemoryRegion,
         specs: Sequence[tuple[np.dtype[Any], tuple[int, ...]]],
         names: Sequence[str],
+        caller: Caller,
     ) -> Iterator[list[Array]]:
         """Read-only arrays viewing the tensors of ``region`` (no copy), valid for
         the block."""
@@ -233,7 +325,7 @@ class SharedMemory:
                 f"{what} has {len(region.offsets)} offsets for {len(specs)} tensors",
                 field=f"{what}.offsets",
             )
-        m = self._mapped(region.segment, what)
+        m = self._mapped(region.segment, region.key, caller, what)
         _check_generation(m, region, what)
         arrays = []
         for (dtype, dims), at, name in zip(specs, region.offsets, names, strict=True):
@@ -248,7 +340,7 @@ class SharedMemory:
             arrays.clear()
 
     def write(
-        self, region: pb.SharedMemoryRegion, arrays: Sequence[Array]
+        self, region: pb.SharedMemoryRegion, arrays: Sequence[Array], caller: Caller
     ) -> pb.SharedMemoryRegion | None:
         """Write ``arrays`` into the client's segment ``region`` names, then its
         header's generation as ``region.generation + 1`` (what the client checks);
@@ -256,7 +348,7 @@ class SharedMemory:
         carries them inline). A resent call writes them again."""
         what = "reply_region"
         offsets, size = layout([a.nbytes for a in arrays])
-        m = self._mapped(region.segment, what)
+        m = self._mapped(region.segment, region.key, caller, what)
         if size > len(m):
             return None
         for a, at in zip(arrays, offsets, strict=True):
@@ -273,12 +365,22 @@ class SharedMemory:
 def _check_generation(m: mmap.mmap, region: pb.SharedMemoryRegion, what: str) -> None:
     (generation,) = struct.unpack_from("<Q", m, len(MAGIC))
     if generation != region.generation:
+        # The segment's generation stays out of the message: the caller has it.
         raise InvalidArgument(
-            f"{what}: segment {region.segment!r} is at generation {generation}, the "
-            f"call names {region.generation} (rewritten or stale)",
+            f"{what}: segment {region.segment!r} is not at the generation the call "
+            "names (rewritten since, or a stale region): send the region of the "
+            "segment as it is now",
             reason="STALE_SEGMENT",
             field=f"{what}.generation",
         )
+
+
+def _not_yours(what: str, why: str) -> PermissionDenied:
+    return PermissionDenied(f"{what}: {why}", reason="SEGMENT_NOT_YOURS")
+
+
+def _uid_text(uid: int | None) -> str:
+    return "unknown" if uid is None else str(uid)
 
 
 def _check_span(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from onnxps.client.image import GroupImage, ImageFormatError
+from onnxps.wire.image import GroupImage, ImageFormatError
 
 from ._group import GroupCapture, GroupRuntime
 from ._wal import _write_all, c_order, fsync_dir

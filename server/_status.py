@@ -17,7 +17,7 @@ import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
-from onnxps.client.codec import TensorFormatError
+from onnxps.wire.codec import TensorFormatError
 
 from . import errors
 

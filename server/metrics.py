@@ -38,7 +38,13 @@ from .limits import message_bytes
 from .security import is_loopback
 from .store import ParameterStore
 
-__all__ = ["MetricsEndpoint", "ObserveInterceptor", "Recorder", "StoreCollector"]
+__all__ = [
+    "DurabilityCollector",
+    "MetricsEndpoint",
+    "ObserveInterceptor",
+    "Recorder",
+    "StoreCollector",
+]
 
 log = logging.getLogger("onnxps.rpc")
 
@@ -246,6 +252,32 @@ class LoadCollector(Collector):
             "bounded by --max-waiting-calls",
             value=self.waiting(),
         )
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+
+class DurabilityCollector(Collector):
+    """A gauge per reason the data directory does not keep changes now (1: it is
+    so; health is NOT_SERVING meanwhile)."""
+
+    REASONS = ("DISK_FULL", "WAL_UNLINKED", "WAL_WRITE_FAILED", "SNAPSHOT_FAILED")
+
+    def __init__(self, alarms: Callable[[], set[str]]) -> None:
+        self.alarms = alarms
+
+    def collect(self) -> Iterable[Any]:
+        now = self.alarms()
+        alarm = GaugeMetricFamily(
+            "onnxps_durability_alarm",
+            "1 while the data directory cannot keep changes for this reason "
+            "(DISK_FULL, WAL_UNLINKED, WAL_WRITE_FAILED: changes are refused; "
+            "SNAPSHOT_FAILED: serving from memory)",
+            labels=["reason"],
+        )
+        for reason in self.REASONS:
+            alarm.add_metric([reason], 1 if reason in now else 0)
+        yield alarm
 
     def describe(self) -> Iterable[Any]:
         return []

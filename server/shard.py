@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from onnxps.client.codec import SHARD_METADATA_KEY
+from onnxps.wire.codec import SHARD_METADATA_KEY
 
 from ._handlers import SERVICE, CallHooks, Interceptor, method_of, wrap
 from ._status import rich_status

@@ -20,13 +20,13 @@ import pytest
 from _procs import start_server, stop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.client import Adagrad, Client, Sync
-from onnxps.client.codec import header_tensor, iter_chunks
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from onnxps.server.kernels import make_attrs
 from onnxps.server.security import ConfigError
 from onnxps.server.store import CallCancelled, Cancellation, ParameterStore
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+from onnxps.wire.codec import header_tensor, iter_chunks
 
 MIB = 1 << 20
 FOREVER = 2**62
@@ -74,7 +74,7 @@ def test_waiting_is_bounded_below_the_thread_pool() -> None:
         create_server(
             ServerConfig(address="127.0.0.1:0", threads=8, max_waiting_calls=8)
         )
-    handle = _serve()  # the defaults: 64 threads, half of them may wait
+    handle = _serve()  # the defaults: 128 threads, a quarter of them may wait
     channels = [grpc.insecure_channel(handle.address) for _ in range(8)]
     try:
         with Client(handle.address, timeout=10) as c:
@@ -109,8 +109,10 @@ def test_waiting_is_bounded_below_the_thread_pool() -> None:
 
 
 def test_waiting_pulls_end_when_their_callers_leave() -> None:
-    threads = 8
-    handle = _serve(threads=threads, max_waiting_calls=threads - 1)
+    threads = 8  # every thread but one may wait (no stream limit, no reserve)
+    handle = _serve(
+        threads=threads, max_waiting_calls=threads - 1, max_concurrent_streams=0
+    )
     try:
         with Client(handle.address, timeout=10) as c:
             c.create_group(
@@ -168,8 +170,10 @@ def test_a_pull_waits_until_its_own_deadline() -> None:
 
 
 def test_sync_pushes_waiting_for_their_step_end_when_their_callers_leave() -> None:
-    threads = 8
-    handle = _serve(threads=threads, max_waiting_calls=threads - 1)
+    threads = 8  # every thread but one may wait (no stream limit, no reserve)
+    handle = _serve(
+        threads=threads, max_waiting_calls=threads - 1, max_concurrent_streams=0
+    )
     try:
         with Client(handle.address, timeout=10) as c:
             c.create_group(

@@ -22,11 +22,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from onnxps import cli
 from onnxps.client import Adagrad, Adam, Client, Nesterov, Sync, UnavailableError
-from onnxps.client.codec import header_tensor, iter_chunks
 from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.server.cli import add_serve_arguments, config_flags, config_from_args
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+from onnxps.wire.codec import header_tensor, iter_chunks
 
 
 def _slow_push(

@@ -35,7 +35,9 @@ from onnxps.client import (
     UnavailableError,
 )
 from onnxps.client._errors import translate
-from onnxps.client.codec import (
+from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.codec import (
     TensorAssembler,
     array_to_tensor,
     chunk_messages,
@@ -43,8 +45,6 @@ from onnxps.client.codec import (
     iter_chunks,
     tensor_to_array,
 )
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
-from onnxps.v1 import parameter_server_pb2 as pb
 
 X = np.zeros(3, np.float32)
 

@@ -30,9 +30,9 @@ from onnxps.client import (
     Client,
     FailedPreconditionError,
     Momentum,
+    ResourceExhaustedError,
     RpcError,
     Sync,
-    UnavailableError,
 )
 from onnxps.server._snapshot import list_snapshots, load_snapshot
 from onnxps.server._wal import FRAME, SEGMENT_HEADER, read_segments, segment_paths
@@ -371,7 +371,7 @@ def _pusher(address: str, i: int, acked: list[int], refused: list[str]) -> None:
             try:
                 c.push("g", _grad("g", i, 512, np.float64))
                 acked[i] += 1
-            except UnavailableError as exc:
+            except ResourceExhaustedError as exc:  # at once: not resent
                 refused.append(str(exc))
                 return
 
@@ -406,9 +406,9 @@ def test_a_full_disk_in_wal_mode_refuses_pushes_and_loses_no_acknowledged_one(
             # a refused push leaves T and X as they were
             t, before = c.pull_versioned("g", state=True)
             assert t == sum(acked)
-            with pytest.raises(UnavailableError, match="not applied") as err:
+            with pytest.raises(ResourceExhaustedError, match="not applied") as err:
                 c.push("g", np.ones(512))
-            assert err.value.reason == "WAL_WRITE_FAILED"
+            assert err.value.reason == "DISK_FULL"
             assert err.value.metadata["errno"] == str(errno.EFBIG)
             t_after, after = c.pull_versioned("g", state=True)
             assert t_after == t

@@ -35,10 +35,10 @@ from onnxps.client import (
     Momentum,
     Nesterov,
 )
-from onnxps.client._requests import multicallable
-from onnxps.client.codec import header_tensor
+from onnxps.client._settings import multicallable
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.codec import header_tensor
 
 RNG = np.random.default_rng(23)
 OPTIMIZERS = [Adam(), Momentum(0.9, 1.0), Nesterov(0.9, 0.9), Adagrad()]
@@ -528,8 +528,8 @@ def test_a_client_killed_mid_frame_leaves_the_server_serving(
     script = textwrap.dedent(
         f"""
         import os, signal, socket, struct, grpc, numpy as np
-        from onnxps.client._requests import multicallable
-        from onnxps.client.codec import header_tensor
+        from onnxps.client._settings import multicallable
+        from onnxps.wire.codec import header_tensor
         from onnxps.v1 import parameter_server_pb2 as pb
         ch = grpc.insecure_channel({server.address!r})
         hello = multicallable(ch, "DataChannelHello")(pb.DataChannelHelloRequest())

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from onnxps import cli
 from onnxps.client import Adagrad, Adam, Client, Momentum, Sync
-from onnxps.client.image import GroupDefinition, GroupImage, ImageFormatError
 from onnxps.server._wal import WAL_FORMAT_VERSION, WalFormatError
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.wire.image import GroupDefinition, GroupImage, ImageFormatError
 
 F32 = np.float32
 

@@ -15,9 +15,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 from kernel_paths import HAVE_NUMBA, NO_NUMBA, each_kernel_path  # noqa: F401
-from onnxps.client import EncodingRangeError, _codec_numba, _encoding
-from onnxps.client._encoding import DeferredEncoding, compiled_codec
-from onnxps.client.codec import (
+from onnxps.client import EncodingRangeError
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire import _codec_numba
+from onnxps.wire import encoding as _encoding
+from onnxps.wire.codec import (
     ENCODED,
     TensorAssembler,
     TensorFormatError,
@@ -30,7 +32,7 @@ from onnxps.client.codec import (
     tensor_spec,
     tensor_to_array,
 )
-from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.encoding import DeferredEncoding, compiled_codec
 
 Array = np.ndarray[Any, Any]
 BF16 = ml_dtypes.bfloat16

@@ -25,11 +25,11 @@ from onnxps.client import (
     InvalidArgumentError,
     Momentum,
 )
-from onnxps.client.codec import array_to_tensor, decode, encode, header_tensor
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from onnxps.server.limits import declared_bytes, message_bytes
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+from onnxps.wire.codec import array_to_tensor, decode, encode, header_tensor
 from test_durability import _crash
 from test_exactly_once import ReplyDropProxy
 from test_service_roundtrip import OPTIMIZERS, LocalGroup, assert_bit_identical

@@ -23,10 +23,10 @@ from onnxps.client import (
     InvalidArgumentError,
     NotFoundError,
 )
-from onnxps.client.codec import array_to_tensor, chunk_messages, header_tensor
 from onnxps.server.app import ServerHandle
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+from onnxps.wire.codec import array_to_tensor, chunk_messages, header_tensor
 
 W = np.zeros(3, np.float32)
 

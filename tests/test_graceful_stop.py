@@ -119,8 +119,8 @@ def test_stop_finishes_admitted_calls_and_refuses_new_ones_with_unavailable() ->
     outcome: dict[str, object] = {}
 
     def slow_chunks():  # type: ignore[no-untyped-def]
-        from onnxps.client.codec import header_tensor, iter_chunks
         from onnxps.v1 import parameter_server_pb2 as pb
+        from onnxps.wire.codec import header_tensor, iter_chunks
 
         header = pb.PushRequest(group="big", client_id="slow", seq=1)
         header.gradients.append(header_tensor(x))

@@ -35,10 +35,10 @@ from onnxps.client import (
     Uniform,
     Zeros,
 )
-from onnxps.client.initializers import initial_rows
 from onnxps.server.app import ServerConfig, create_server
 from onnxps.server.kernels import make_attrs
 from onnxps.server.store import ParameterStore, StoreLimits
+from onnxps.wire.initializers import initial_rows
 
 Array = np.ndarray[Any, Any]
 ATTRS: dict[str, dict[str, Any]] = {
@@ -137,7 +137,7 @@ def _reference(
 
 
 def _ids_store(op: str, dim: int, dtype: Any, **kw: Any) -> ParameterStore:
-    from onnxps.client.image import TableDefinition
+    from onnxps.wire.image import TableDefinition
 
     s = ParameterStore(kw.pop("limits", None))
     t = TableDefinition("emb", dim, kw.pop("init", INIT).to_json(), **kw)
@@ -232,7 +232,7 @@ def test_server_byte_limit_refuses_new_rows_with_state_unchanged() -> None:
 
 
 def test_mixing_dense_fixed_rows_and_ids_in_one_push() -> None:
-    from onnxps.client.image import TableDefinition
+    from onnxps.wire.image import TableDefinition
 
     dtype = np.float32
     s = ParameterStore()
@@ -267,8 +267,8 @@ def test_mixing_dense_fixed_rows_and_ids_in_one_push() -> None:
 
 
 def test_sync_rows_are_combined_across_the_quorum() -> None:
-    from onnxps.client.image import TableDefinition
     from onnxps.server.store import Consistency
+    from onnxps.wire.image import TableDefinition
 
     s = ParameterStore()
     s.create_group(
@@ -821,8 +821,8 @@ def test_an_ids_part_that_missed_pushes_is_sent_them_once(tmp_path: Path) -> Non
 
 
 def test_the_index_finds_every_row_across_rebuilds() -> None:
-    from onnxps.client.image import TableDefinition
     from onnxps.server._ids import IdsTable as Storage
+    from onnxps.wire.image import TableDefinition
 
     t = Storage(TableDefinition("emb", 2, Zeros().to_json()), np.dtype(np.float32), ())
     rng = np.random.default_rng(9)

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from onnxps.cli.process import start_server_process
 from onnxps.client import Adam, AsyncClient, Client, Momentum
-from onnxps.client.shm import SHM_DIR
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.wire.shm import SHM_DIR
 
 RNG = np.random.default_rng(5)
 SHAPES = [(300, 70), (70,), (3, 4, 5)]

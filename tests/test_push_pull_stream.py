@@ -25,15 +25,15 @@ from onnxps.client import (
     Nesterov,
     Sync,
 )
-from onnxps.client.codec import (
-    TensorAssembler,
-    chunk_messages,
-    header_tensor,
-)
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from onnxps.server.kernels import Stepper, make_attrs
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+from onnxps.wire.codec import (
+    TensorAssembler,
+    chunk_messages,
+    header_tensor,
+)
 
 OPTIMIZERS = {
     "adagrad": Adagrad(epsilon=1e-7, decay_factor=0.01),

@@ -30,7 +30,6 @@ from onnxps.client import (
     PermissionDeniedError,
     UnauthenticatedError,
 )
-from onnxps.client.codec import SERVICE
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from onnxps.server.security import (
     ConfigError,
@@ -40,6 +39,7 @@ from onnxps.server.security import (
 )
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+from onnxps.wire.codec import SERVICE
 
 W0 = np.array([1.0, 2.0, 3.0], np.float32)
 G = np.array([0.5, -0.5, 0.25], np.float32)

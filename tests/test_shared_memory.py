@@ -30,8 +30,7 @@ from onnxps.client import (
     Sync,
     UnauthenticatedError,
 )
-from onnxps.client.codec import header_tensor
-from onnxps.client.shm import MAGIC, SHM_DIR, Segment, hello_segment
+from onnxps.client.shm import Segment, hello_segment
 from onnxps.server.app import (
     MIN_MESSAGE_BYTES,
     ServerConfig,
@@ -40,6 +39,8 @@ from onnxps.server.app import (
 )
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+from onnxps.wire.codec import header_tensor
+from onnxps.wire.shm import MAGIC, SHM_DIR
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir(SHM_DIR), reason="needs /dev/shm (Linux)"

@@ -23,13 +23,13 @@ from onnxps.client import (
     InvalidArgumentError,
     TensorBuffers,
 )
-from onnxps.client.shm import SHM_DIR
 from onnxps.server.app import (
     MIN_MESSAGE_BYTES,
     ServerConfig,
     ServerHandle,
     create_server,
 )
+from onnxps.wire.shm import SHM_DIR
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir(SHM_DIR), reason="needs /dev/shm (Linux)"

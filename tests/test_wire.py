@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 import numpy as np
-import onnxps.client.codec as codec
+import onnxps.wire.codec as codec
 import pytest
 from onnxps.client import OnnxpsError, TensorFormatError
 from onnxps.v1 import parameter_server_pb2 as pb

@@ -29,7 +29,7 @@ from onnxps.client import (
     PushResult,
     Sync,
 )
-from onnxps.client.image import STATE_NAMES
+from onnxps.wire.image import STATE_NAMES
 
 __all__ = ["STATE_DICT_FORMAT_VERSION", "RemoteOptimizer"]
 

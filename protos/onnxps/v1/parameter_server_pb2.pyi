@@ -2333,8 +2333,9 @@ Global___ListRowsResponse: _TypeAlias = ListRowsResponse  # noqa: Y015
 class SharedMemoryRegion(_message.Message):
     """Where tensor bytes lie in a POSIX shared-memory segment (/dev/shm) on the
     host client and server share. The segment begins with a 64-byte header: the
-    magic "ONNXPSM1", then the little-endian uint64 generation. Tensors follow in
-    their list order, each at its offset, exactly product(dims) * itemsize bytes.
+    magic "ONNXPSM1", then the little-endian uint64 generation, then (at byte 48)
+    the segment's 16-byte random key. Tensors follow in their list order, each at
+    its offset, exactly product(dims) * itemsize bytes.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -2342,6 +2343,7 @@ class SharedMemoryRegion(_message.Message):
     SEGMENT_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     OFFSETS_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
     segment: _builtins.str
     """The segment's name: "onnxps-" followed by letters, digits and "-" only
     (no path); anything else is refused with INVALID_ARGUMENT.
@@ -2349,6 +2351,13 @@ class SharedMemoryRegion(_message.Message):
     generation: _builtins.int
     """Must equal the generation in the segment's header: a stale or reused
     segment is refused.
+    """
+    key: _builtins.bytes
+    """In a request: the key in the segment's header, which only a process that
+    can read the segment knows. A segment is bound to the token (and, where
+    the server can tell, the uid) of the first call that names it with its
+    key; a wrong key or another caller is refused with PERMISSION_DENIED
+    (SEGMENT_NOT_YOURS). Replies leave it empty.
     """
     @_builtins.property
     def offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -2360,10 +2369,11 @@ class SharedMemoryRegion(_message.Message):
         segment: _builtins.str = ...,
         generation: _builtins.int = ...,
         offsets: _abc.Iterable[_builtins.int] | None = ...,
+        key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "offsets", b"offsets", "segment", b"segment"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "key", b"key", "offsets", b"offsets", "segment", b"segment"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2373,23 +2383,28 @@ Global___SharedMemoryRegion: _TypeAlias = SharedMemoryRegion  # noqa: Y015
 class SharedMemoryHelloRequest(_message.Message):
     """Prove that client and server share a host, a user and /dev/shm: the client
     creates segment "onnxps-..." (mode 0600) holding the header magic, then a
-    32-byte random nonce, then the uint64 inode of its pid namespace; the server
-    opens it and answers with the nonce it read.
+    32-byte random nonce, then the uint64 inode of its pid namespace, then (at
+    byte 48) its 16-byte key; the server opens it, checks the key, binds the key
+    to the caller (as a region's key) and answers with the nonce it read.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     SEGMENT_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
     segment: _builtins.str
     """The segment's name."""
+    key: _builtins.bytes
+    """The key in the segment's header (see SharedMemoryRegion.key)."""
     def __init__(
         self,
         *,
         segment: _builtins.str = ...,
+        key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "segment", b"segment"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

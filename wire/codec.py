@@ -10,7 +10,7 @@ each tensor's chunks in offset order (``chunk_messages`` writes them,
 ``TensorAssembler`` reads them back and checks every offset).
 
 A FLOAT or DOUBLE tensor may travel encoded in 2 bytes per element (``Tensor.encoding``:
-bfloat16 or float16, see ``_encoding``) where the reader allows it (``encoded=True``:
+bfloat16 or float16, see ``encoding``) where the reader allows it (``encoded=True``:
 gradients, pulled X); the reader widens it to its dtype as it arrives.
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 from google.protobuf.message import Message
 from onnxps.v1 import parameter_server_pb2 as pb
 
-from ._encoding import (
+from .encoding import (
     ENCODED,
     ENCODING_NAMES,
     DeferredEncoding,
@@ -34,7 +34,7 @@ from ._encoding import (
     encode,
     widen_into,
 )
-from ._errors import OnnxpsError
+from .errors import OnnxpsError
 
 __all__ = [
     "CHUNK_BYTES",

@@ -1,6 +1,6 @@
 """The 2-byte encodings in one compiled pass per block: numba's loops.
 
-The NumPy path of ``_encoding`` makes a pass over the block per integer operation
+The NumPy path of ``encoding`` makes a pass over the block per integer operation
 (five for bfloat16, about twelve for float16). These loops do the same integer
 operations per element in registers, branch-free (selects, so LLVM vectorizes
 them: 0.17 ns/element for bfloat16, 0.38 for float16, against 0.80 and 1.43), so

@@ -37,7 +37,7 @@ from typing import Any, Literal
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 
-from ._errors import OnnxpsError
+from .errors import OnnxpsError
 
 __all__ = [
     "ENCODED",

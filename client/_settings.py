@@ -1,0 +1,218 @@
+"""What every channel and every client constructor is given and checks: channel
+options (the one retry policy), credentials, and the arguments' checks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grpc
+from onnxps.wire.codec import (
+    SERVICE,
+    deserializer,
+    rpc_messages,
+    serializer,
+)
+
+from ._optimizers import Async, OptimizerSpec, Sync
+
+__all__ = [
+    "SWITCH_MODES",
+    "channel_credentials",
+    "channel_options",
+    "check_client_arguments",
+    "multicallable",
+    "named_tensors",
+    "spec",
+]
+
+
+# The one retry mechanism for every call: the channel retries UNAVAILABLE (the server
+# is down or draining), within the call's deadline. A push is also resent, with the
+# same (client_id, seq), while UNAVAILABLE reaches the client after the channel gave
+# up (e.g. a stream the channel cannot replay), until its deadline: the server applies
+# it exactly once. The calls that are safe to repeat (reads, and pushes, which the
+# server deduplicates) are also retried on CANCELLED: a server that stops cancels the
+# calls it had received but not yet started, and none of them ran.
+# The values of shared_memory= and data_channel=.
+SWITCH_MODES = ("auto", "on", "off")
+
+_SAFE_TO_REPEAT = (
+    "Push",
+    "PushStream",
+    "PushPullStream",
+    "Pull",
+    "SharedMemoryHello",
+    "PullStream",
+    "DescribeGroup",
+    "ListGroups",
+    "Heartbeat",
+    "Apply",
+    "ApplyStream",
+)
+
+
+def _retry_policy(*codes: str) -> dict[str, Any]:
+    return {
+        "maxAttempts": 5,
+        "initialBackoff": "0.1s",
+        "maxBackoff": "2s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": list(codes),
+    }
+
+
+_SERVICE_CONFIG = {
+    "methodConfig": [
+        {
+            "name": [{"service": SERVICE, "method": m} for m in _SAFE_TO_REPEAT],
+            "retryPolicy": _retry_policy("UNAVAILABLE", "CANCELLED"),
+        },
+        {
+            "name": [{"service": SERVICE}],
+            "retryPolicy": _retry_policy("UNAVAILABLE"),
+        },
+    ]
+}
+
+
+# A restarted server is found within about two seconds (gRPC's default reconnect
+# backoff grows to two minutes, longer than any push waits).
+_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+def channel_options(server_name_override: str | None) -> list[tuple[str, Any]]:
+    """The options of every channel either client opens."""
+    options = list(_CHANNEL_OPTIONS)
+    if server_name_override:
+        options.append(("grpc.ssl_target_name_override", server_name_override))
+    return options
+
+
+_TRANSPORTS = ("auto", "unary", "stream")
+
+
+def check_client_arguments(
+    client: str,
+    address: Any,
+    timeout: Any,
+    transport: Any,
+    chunk_bytes: Any,
+    root_certificates: Any,
+    unexpected: Mapping[str, Any],
+    shared_memory: Any = "off",
+) -> None:
+    """TypeError/ValueError that say what ``Client(...)`` (or ``AsyncClient``)
+    takes."""
+    if unexpected:
+        names = ", ".join(sorted(unexpected))
+        raise TypeError(
+            f"{client}() got unexpected argument(s) {names}: it takes the server "
+            "address ('host:port') and connection options (timeout=, token=, TLS, "
+            "transport=); tensors are given to create_group(), gradients to push()"
+        )
+    if isinstance(address, list | tuple) and address:  # a cluster's shards
+        bad = [a for a in address if not (isinstance(a, str) and a.strip())]
+        if bad:
+            raise TypeError(
+                f"{client}(address): the server's 'host:port' as a string, or a "
+                "cluster's shards as a list of them in shard order; the list holds "
+                f"{type(bad[0]).__name__}"
+            )
+    elif not isinstance(address, str) or not address.strip():
+        raise TypeError(
+            f"{client}(address): the server's 'host:port' as a string, e.g. "
+            f"{client}('127.0.0.1:50051'), or a cluster's shards as a list of them, "
+            f"got {type(address).__name__}"
+        )
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout is seconds (a number), got {timeout!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if transport not in _TRANSPORTS:
+        raise ValueError(
+            f"transport must be one of {', '.join(_TRANSPORTS)}, got {transport!r}"
+        )
+    if shared_memory not in SWITCH_MODES:
+        raise ValueError(
+            f"shared_memory must be one of {', '.join(SWITCH_MODES)}, got "
+            f"{shared_memory!r}"
+        )
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be an integer >= 1, got {chunk_bytes!r}")
+    if root_certificates is not None and not isinstance(root_certificates, bytes):
+        raise TypeError(
+            "root_certificates is the PEM bytes of the CA, not a path: pass "
+            "open(path, 'rb').read()"
+        )
+
+
+def spec(value: Any, what: str, kind: Any = (Async, Sync)) -> Any:
+    """``value`` when it is an instance of ``kind`` (or has its ``to_proto``); else
+    a TypeError that says so (the class itself, ``Adam`` for ``Adam()``, is the usual
+    slip)."""
+    if isinstance(value, type):
+        raise TypeError(
+            f"{what} must be an instance, e.g. {value.__name__}(), not the class "
+            f"{value.__name__}"
+        )
+    if not isinstance(value, kind) and not callable(getattr(value, "to_proto", None)):
+        names = (
+            "Adagrad(), Momentum(), Nesterov() or Adam()"
+            if kind is OptimizerSpec
+            else "Async() or Sync(workers)"
+        )
+        raise TypeError(f"{what} must be one of {names}, got {value!r}")
+    return value
+
+
+def named_tensors(tensors: Any) -> list[tuple[str, Any]]:
+    """``{name: array}`` or ``[(name, array), ...]`` as a list of pairs."""
+    if isinstance(tensors, Mapping):
+        items = list(tensors.items())
+    elif isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence):
+        items = None
+    else:
+        items = list(tensors)
+    if items is None or not all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in items
+    ):
+        raise TypeError(
+            "tensors must name each tensor, in the ONNX order: {'w': w0, 'b': b0} "
+            "or [('w', w0), ('b', b0)]"
+        )
+    return items
+
+
+def channel_credentials(
+    tls: tuple[bytes | None, bytes | None, bytes | None],
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials from (root certificates, private key, chain); None: plaintext."""
+    roots, key, chain = tls
+    if roots is None and chain is None:
+        return None
+    return grpc.ssl_channel_credentials(roots, key, chain)
+
+
+def multicallable(channel: Any, method: str) -> Any:
+    """``channel``'s callable for one RPC (blocking or ``grpc.aio``), whose stream
+    messages may be encoded chunk frames (``codec.chunk_frames``) and whose received
+    chunks are read as views (``codec.RawChunk``)."""
+    request, reply, req_s, resp_s = rpc_messages(method)
+    sends = "stream" if req_s else "unary"
+    kind = f"{sends}_{'stream' if resp_s else 'unary'}"
+    return getattr(channel, kind)(
+        f"/{SERVICE}/{method}",
+        request_serializer=serializer(request),
+        response_deserializer=deserializer(reply),
+        _registered_method=True,
+    )
