@@ -93,6 +93,7 @@ class AsyncClient(RoutingCore):
         self._state = State.CLOSED
         beats = list(self._heartbeats.values())
         self._heartbeats.clear()
+        self._drop_pending()
         for task in beats:
             task.cancel()
         await asyncio.gather(*beats, return_exceptions=True)
@@ -141,13 +142,20 @@ class AsyncClient(RoutingCore):
         every one ended. Cancelled, it cancels them all (and so their RPCs)."""
         if len(ops) == 1:
             return [await self._run(ops[0])]
-        results = await asyncio.gather(
-            *(self._run(op) for op in ops), return_exceptions=True
-        )
-        for r in results:
-            if isinstance(r, BaseException):
+
+        async def outcome(op: Op[Any]) -> tuple[bool, Any]:
+            # an op may return an exception as its value (``_sharded.attempt``):
+            # only what it raised is a failure
+            try:
+                return True, await self._run(op)
+            except Exception as exc:
+                return False, exc
+
+        results = await asyncio.gather(*(outcome(op) for op in ops))
+        for ok, r in results:
+            if not ok:
                 raise r
-        return results
+        return [r for _, r in results]
 
     async def _perform(self, effect: Effect) -> Any:
         if isinstance(effect, Pause):

@@ -145,6 +145,7 @@ class Client(RoutingCore):
             self._state = State.CLOSED
             beats = list(self._heartbeats.values())
             self._heartbeats.clear()
+        self._drop_pending()
         for stop, thread in beats:
             stop.set()
             thread.join(timeout=5)

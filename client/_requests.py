@@ -597,18 +597,23 @@ class ClientCore(RowsOps):
         encoding: Encoding | None = None,
         timeout: float | None = None,
         out: Sequence[Array] | None = None,
+        allow_parts_apart: bool = False,
     ) -> Op[tuple[int, list[Array]]]:
         """(T, arrays): the tensors and the update count they belong to.
 
         On a cluster, T is the lowest of the parts' (with pushes in flight, parts
-        can be a push apart); ``min_version`` waits for every part. ``out`` as
-        for ``pull``."""
+        can be a push apart: then the parts behind are waited for, a short while,
+        and every part is at T or later); parts still at different T after that
+        raise ``PartsDivergedError`` unless ``allow_parts_apart`` (X joined as the
+        parts hold it, T the lowest: what ``export`` writes). ``min_version``
+        waits for every part. ``out`` as for ``pull``."""
         deadline = self._deadline(timeout)
         enc = self._pull_encoding(encoding, state)
         if out is None:
-            return (
-                yield from self._pull_parts(group, state, min_version, deadline, enc)
+            pulled = self._pull_parts(
+                group, state, min_version, deadline, enc, allow_apart=allow_parts_apart
             )
+            return (yield from pulled)
         bufs = self._shm_link.buffers_of(list(out))
         if bufs is not None and not state and enc == "native":
             req = pb.PullRequest(group=group, min_version=min_version)
@@ -616,7 +621,9 @@ class ClientCore(RowsOps):
             if into is not None:
                 t, arrays = into
                 return t, written_into(out, arrays)
-        pulled = self._pull_parts(group, state, min_version, deadline, enc, out)
+        pulled = self._pull_parts(
+            group, state, min_version, deadline, enc, out, allow_apart=allow_parts_apart
+        )
         t, arrays = yield from pulled
         return t, written_into(out, arrays)
 
@@ -638,9 +645,11 @@ class ClientCore(RowsOps):
         deadline: Deadline,
         encoding: Encoding = "native",
         out: Sequence[Array] | None = None,
+        allow_apart: bool = False,
     ) -> Op[tuple[int, list[Array]]]:
         """Pull the group (a cluster client: its parts, from their shards); into
-        ``out`` where its arrays fit (the caller copies into them otherwise)."""
+        ``out`` where its arrays fit (the caller copies into them otherwise).
+        ``allow_apart``: a cluster's parts may be at different T."""
         pulled = self._pull_op(group, state, min_version, deadline, encoding, out)
         return (yield from pulled)
 

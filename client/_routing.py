@@ -19,6 +19,7 @@ from . import _ids_cluster, _rowsplit, _sharded
 from ._cluster import Layout
 from ._errors import InvalidArgumentError, RpcError
 from ._ops import Deadline, Op, on_shard
+from ._pending import PendingPushes
 from ._records import GroupInfo, LeaseInfo, PushResult, RowsPage, SaveInfo, lease_info
 from ._requests import ClientCore, log
 
@@ -34,10 +35,24 @@ class RoutingCore(ClientCore):
 
     def _setup(self) -> None:
         self._layouts: dict[str, Layout] = {}
-        # group -> the parts of a push that did not land (sent first by the next)
-        self._unfinished: dict[
-            str, tuple[list[_sharded.PartPush], list[_sharded.PartPush]]
-        ] = {}
+        # per group, the pushes whose parts did not all land (sent first by the
+        # group's next push or pull)
+        self._pending = PendingPushes()
+
+    def _drop_pending(self) -> None:
+        """The client closes: the pushes whose parts did not all land stay apart on
+        the parts that missed them (README, "When the parts of a split group
+        disagree"); said once per push."""
+        for entry in self._pending.every():
+            log.warning(
+                "closing the client with push seq %d to %s not landed on %s (%s): "
+                "the other parts took it (or may have), and stay a push ahead",
+                entry.seq,
+                entry.group,
+                ", ".join(str(p[1].group) for p in entry.parts),
+                entry.why,
+            )
+            self._pending.replace(entry, None)
 
     # -- groups --------------------------------------------------------------------
     def _create_parts(
@@ -76,6 +91,7 @@ class RoutingCore(ClientCore):
         if self.shards is None:
             return super()._delete_group(name, timeout=timeout)
         self._sizes.pop(name, None)
+        self._pending.forget(name)  # its parts are deleted: nothing to finish
         return _sharded.delete_group(self, name, self._deadline(timeout))
 
     def _set_learning_rate(
@@ -108,13 +124,16 @@ class RoutingCore(ClientCore):
         deadline: Deadline,
         encoding: Encoding = "native",
         out: Sequence[Array] | None = None,
+        allow_apart: bool = False,
     ) -> Op[tuple[int, list[Array]]]:
         if self.shards is None:
             return super()._pull_parts(
                 group, state, min_version, deadline, encoding, out
             )
         # The parts' X is joined (pull then copies it into ``out``).
-        return _sharded.pull(self, group, state, min_version, deadline, encoding)
+        return _sharded.pull(
+            self, group, state, min_version, deadline, encoding, allow_apart
+        )
 
     def _save(self, *, timeout: float | None = None) -> Op[SaveInfo]:
         """Ask the server (every shard of a cluster) to write a snapshot now; a

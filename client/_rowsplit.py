@@ -32,6 +32,7 @@ from ._sharded import (
     PartPush,
     describe_group,
     finish_earlier,
+    group_dtype,
     rerouted,
     until_landed,
 )
@@ -152,16 +153,6 @@ def _owners(pieces: Sequence[_Piece], idx: Array) -> list[Array]:
     return np.split(order, np.cumsum(counts)[:-1])
 
 
-def _dtype(client: RoutingCore, found: Layout) -> np.dtype[Any] | None:
-    """The group's dtype, from the sizes the listing gave (None: not known)."""
-    p = found.parts[0]
-    size = client._sizes.get(p.name)
-    count = p.element_count
-    if size is None or count == 0:
-        return None
-    return np.dtype(np.float32 if size // count == 4 else np.float64)
-
-
 _Entries = list[list[tuple[str, Array | None, Array]]]
 
 
@@ -174,7 +165,7 @@ def _split_push(
 ) -> Op[_Entries]:
     """Each part's row gradients (name on its shard, indices or None, values in
     ``encoding``: encoded whole, once checked, then cut per part)."""
-    dtype = _dtype(client, found)
+    dtype = group_dtype(client, found)
     per_part: _Entries = [[] for _ in found.parts]
     finite = True
     for name, g in gradients.items():
@@ -356,7 +347,9 @@ def pull_rows(
     deadline: Deadline,
 ) -> Op[dict[str, Array]]:
     """Rows of a group of a cluster, from the parts that own them (a selection
-    with no rows asks the part holding the tensor's first rows)."""
+    with no rows asks the part holding the tensor's first rows); this client's
+    pending pushes to the group are sent first."""
+    yield from finish_earlier(client, group, deadline)
 
     def pull_all(found: Layout) -> Op[dict[str, Array]]:
         if _ids_cluster.is_ids_layout(found):
