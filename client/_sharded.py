@@ -569,9 +569,31 @@ def land(
     stay a push apart. ``elsewhere``: another part applied it already."""
     if elsewhere is None:
         elsewhere = entry is not None and entry.applied_elsewhere
+    sent = _send_parts(client, group, parts, after, deadline, entry, elsewhere)
+    results = yield from sent
+    failed = [
+        (p, r) for p, r in zip(parts, results, strict=True) if isinstance(r, Exception)
+    ]
+    if failed:
+        raise _refused(client, group, parts, after, failed, entry, elsewhere)
+    return (yield from _land_after(client, group, results, after, deadline, entry))
+
+
+def _send_parts(
+    client: RoutingCore,
+    group: str,
+    parts: Sequence[PartPush],
+    after: Sequence[PartPush],
+    deadline: Deadline,
+    entry: PendingPush | None,
+    elsewhere: bool,
+) -> Op[list[Any]]:
+    """Each part's reply or error, sent in parallel."""
     try:
-        results = yield from parallel(
-            [attempt(_send_part(client, p, deadline)) for p in parts]
+        return (
+            yield from parallel(
+                [attempt(_send_part(client, p, deadline)) for p in parts]
+            )
         )
     except GeneratorExit:
         # Cancelled (an AsyncClient task) while the parts travel: each may or may
@@ -582,36 +604,64 @@ def land(
             PendingPush(group, tuple(parts), tuple(after), elsewhere, "cancelled"),
         )
         raise
-    failed = [
-        (p, r) for p, r in zip(parts, results, strict=True) if isinstance(r, Exception)
-    ]
-    if not failed:
-        if not after:
-            if entry is not None:
-                client._pending.replace(entry, None)
-            return results
-        rest = None
+
+
+def _land_after(
+    client: RoutingCore,
+    group: str,
+    results: list[Any],
+    after: Sequence[PartPush],
+    deadline: Deadline,
+    entry: PendingPush | None,
+) -> Op[list[Any]]:
+    """Every part landed: now ``after`` (what waited for part 0), if anything."""
+    if not after:
         if entry is not None:
-            rest = PendingPush(group, tuple(after), (), True, entry.why)
-            client._pending.replace(entry, rest)
-        more = yield from land(client, group, after, (), deadline, rest, True)
-        return [*results, *more]
-    took = (
+            client._pending.replace(entry, None)
+        return results
+    rest = None
+    if entry is not None:
+        rest = PendingPush(group, tuple(after), (), True, entry.why)
+        client._pending.replace(entry, rest)
+    more = yield from land(client, group, after, (), deadline, rest, True)
+    return [*results, *more]
+
+
+def _may_have_taken(
+    parts: Sequence[PartPush],
+    failed: list[tuple[PartPush, Exception]],
+    entry: PendingPush | None,
+    elsewhere: bool,
+) -> bool:
+    """Whether any part may have applied the push."""
+    return (
         elsewhere
         or len(failed) < len(parts)
         or any(maybe_applied(r) for _, r in failed)
         # a resent part refused before its window was read may have applied
         or (entry is not None and any(resend_later(r) for _, r in failed))
     )
+
+
+def _refused(
+    client: RoutingCore,
+    group: str,
+    parts: Sequence[PartPush],
+    after: Sequence[PartPush],
+    failed: list[tuple[PartPush, Exception]],
+    entry: PendingPush | None,
+    elsewhere: bool,
+) -> Exception:
+    """The error of a fan-out where some parts failed, once what must be resent
+    is kept (or what needs no resend is forgotten)."""
+    took = _may_have_taken(parts, failed, entry, elsewhere)
     later = [(p, r) for p, r in failed if resend_later(r)]
     never = [(p, r) for p, r in failed if not resend_later(r)]
     seq = int((parts[0] if parts else after[0])[1].seq)
     if not took or not later:
         if entry is not None:
             client._pending.replace(entry, None)
-        if took and never:
-            raise _diverged(group, seq, never)
-        raise failed[0][1]
+        return _diverged(group, seq, never) if took and never else failed[0][1]
     applied = elsewhere or len(failed) < len(parts)
     why = f"shard {later[0][0][0]}: {later[0][1]}"
     kept = PendingPush(group, tuple(p for p, _ in later), tuple(after), applied, why)
@@ -624,9 +674,7 @@ def land(
         ", ".join(str(p[1].group) for p, _ in later),
         why,
     )
-    if never:
-        raise _diverged(group, seq, never)
-    raise later[0][1]
+    return _diverged(group, seq, never) if never else later[0][1]
 
 
 def finish_earlier(client: RoutingCore, group: str, deadline: Deadline) -> Op[None]:
