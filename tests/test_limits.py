@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import numpy as np
 import pytest
+from deadlines import waited_for
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from onnxps.client import (
@@ -90,7 +91,6 @@ def test_in_flight_bytes_are_bounded_and_released() -> None:
             assert c.push("big", grad) == 1
 
             # One call larger than the whole budget is refused at once, unallocated.
-            start = time.monotonic()
             huge = pb.ApplyStreamRequest(
                 request=pb.ApplyRequest(
                     optimizer=Adagrad().to_proto(),
@@ -104,7 +104,6 @@ def test_in_flight_bytes_are_bounded_and_released() -> None:
                 f"this call carries {4 * 2**40 + 256} bytes, over the "
                 f"server's limit of {limit} bytes in flight; send smaller pieces"
             )
-            assert time.monotonic() - start < 2.0
 
             # A stream that sent its header holds its declared bytes until it ends.
             header = pb.PushStreamRequest(
@@ -274,10 +273,9 @@ def test_a_client_deadline_ends_a_waiting_pull() -> None:
         with Client(handle.address, timeout=10) as c:
             w = np.zeros(4, np.float32)
             c.create_group("g", Adagrad(), learning_rate=1.0, tensors={"w": w})
-            start = time.monotonic()
-            with pytest.raises(DeadlineExceededError):
+            with pytest.raises(DeadlineExceededError) as info:
                 c.pull("g", min_version=5, timeout=0.3)
-            assert time.monotonic() - start < 3.0
+            assert waited_for(info.value.details) == 0.3  # not the client's 10 s
     finally:
         handle.stop(grace=0)
 
