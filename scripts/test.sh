@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Install onnxps with its test extras into ./.venv and run the whole test suite.
+# Install onnxps with its test extras into ./.venv and run the test suite.
+# Arguments go to pytest: none runs every test (both tiers, as CI does);
+# `bash scripts/test.sh -m "not slow"` is the fast tier, `-m slow` the slow one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

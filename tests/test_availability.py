@@ -350,6 +350,7 @@ def _cut_off_push(stub: pb_grpc.ParameterServerServiceStub, g: np.ndarray) -> No
         stall.set()
 
 
+@pytest.mark.slow
 def test_cut_off_pushes_are_released_at_once_and_not_logged_as_bugs(
     tmp_path: Path,
 ) -> None:

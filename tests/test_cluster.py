@@ -247,6 +247,7 @@ def test_two_client_processes_agree_on_placement_and_layout(tmp_path: Path) -> N
     assert json.loads(runs[0])[:-1] == mine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
 def test_split_group_steps_bit_for_bit_like_one_server(
     tmp_path: Path, sync: bool
@@ -354,6 +355,7 @@ def _part_counts(ps: Client, group: str) -> list[int]:
     return [p.update_count for p in ps.describe_group(group).parts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", ["Client", "AsyncClient"])
 def test_kill_9_of_a_shard_under_load_workers_ride_through(
     tmp_path: Path, workers: str
@@ -409,6 +411,7 @@ def test_kill_9_of_a_shard_under_load_workers_ride_through(
         assert "onnxps listening" in log
 
 
+@pytest.mark.slow
 def test_export_from_3_shards_import_into_2_and_continue_bit_exact(
     tmp_path: Path,
 ) -> None:
@@ -467,6 +470,7 @@ def test_shard_env_auto_takes_the_ordinal_of_hostname(tmp_path: Path) -> None:
     assert os.environ.get("ONNXPS_SHARD") is None
 
 
+@pytest.mark.slow
 def test_status_export_import_commands_take_a_shard_list(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -506,6 +510,7 @@ def test_status_export_import_commands_take_a_shard_list(
             assert ps.describe_group("big").update_count == 1
 
 
+@pytest.mark.slow
 def test_a_push_that_missed_a_shard_is_completed_by_the_next(tmp_path: Path) -> None:
     """Shard down longer than a push's deadline: the push fails, having reached the
     other parts; the client's next push to the group sends the missing part first
@@ -563,6 +568,7 @@ def test_client_takes_a_list_of_shard_addresses_only() -> None:
         assert one.shards is None
 
 
+@pytest.mark.slow
 def test_row_pushes_go_to_the_shard_holding_the_group(tmp_path: Path) -> None:
     table = np.zeros((100, 4), np.float32)
     rows = np.ones((2, 4), np.float32)

@@ -138,6 +138,7 @@ def test_a_table_is_cut_on_row_boundaries_and_old_layouts_still_read() -> None:
         np.testing.assert_array_equal(got, want, strict=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_row_and_dense_pushes_on_a_split_table_equal_one_server(
     tmp_path: Path, dtype: Any
@@ -178,6 +179,7 @@ def test_row_and_dense_pushes_on_a_split_table_equal_one_server(
             stop(one)
 
 
+@pytest.mark.slow
 def test_encoded_row_pushes_on_a_split_table_equal_one_server(tmp_path: Path) -> None:
     """``encoding=`` on a split table: each part gets its rows in the encoding (the
     rounding of the whole push, cut per part), as one server gets them; a value the
@@ -225,6 +227,7 @@ def test_encoded_row_pushes_on_a_split_table_equal_one_server(tmp_path: Path) ->
             stop(one)
 
 
+@pytest.mark.slow
 def test_refusals_leave_every_part_unchanged(tmp_path: Path) -> None:
     with shards(tmp_path, 3) as (addresses, _):
         with Client(addresses, timeout=30, split_bytes=SPLIT) as ps:
@@ -255,6 +258,7 @@ def test_refusals_leave_every_part_unchanged(tmp_path: Path) -> None:
                 np.testing.assert_array_equal(got, want, strict=True)
 
 
+@pytest.mark.slow
 def test_a_part_that_missed_a_row_push_is_sent_it_again(tmp_path: Path) -> None:
     """The shard of part 1 is down through a row push's deadline: the push fails
     having reached the other parts; the next row push sends the missing part first
@@ -299,6 +303,7 @@ def test_a_part_that_missed_a_row_push_is_sent_it_again(tmp_path: Path) -> None:
         np.testing.assert_array_equal(g, w, strict=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_sync_row_pushes_on_a_split_table_equal_one_server(
     tmp_path: Path, reduction: str
@@ -348,6 +353,7 @@ def test_sync_row_pushes_on_a_split_table_equal_one_server(
         np.testing.assert_array_equal(g, w, strict=True)
 
 
+@pytest.mark.slow
 def test_rows_of_a_table_split_by_element_ranges_are_refused(tmp_path: Path) -> None:
     """A layout an older client made (1-D pieces of a 2-D table): dense pushes and
     pulls work; row calls are refused, naming the way out."""

@@ -21,6 +21,8 @@ import yaml
 from _procs import clean_env, stop
 from onnxps.cli.process import wait_for_listening
 
+pytestmark = pytest.mark.slow  # docker-compose services run as local processes
+
 ROOT = Path(__file__).resolve().parent.parent
 ACCURACY = re.compile(r"^worker (\d)/4 done: 300 steps, held-out accuracy (\d\.\d+)$")
 

@@ -39,6 +39,8 @@ from onnxps.server._wal import FRAME, SEGMENT_HEADER, read_segments, segment_pat
 from onnxps.server.kernels import apply_onnx
 from onnxps.server.store import combine_contributions
 
+pytestmark = pytest.mark.slow  # kill -9 loops of real server processes, under load
+
 SERVER = r"""
 import logging, resource, signal, sys, threading
 from onnxps.server.app import ServerConfig, create_server

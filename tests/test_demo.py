@@ -17,6 +17,8 @@ from onnxps.cli import _demo_worker as worker
 from onnxps.cli.demo import Progress
 from onnxps.server.app import ServerHandle
 
+pytestmark = pytest.mark.slow  # the examples and demo, as processes
+
 ACCURACY = re.compile(r"^held-out accuracy: (\d\.\d+) on 359 test images", re.M)
 
 

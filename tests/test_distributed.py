@@ -53,6 +53,7 @@ def _reference_sync(seed: int, workers: int, steps: int) -> list[np.ndarray]:
     return xs + vs + hs
 
 
+@pytest.mark.slow
 def test_six_sync_workers_match_one_process_bit_for_bit() -> None:
     workers, steps, seed = 6, 8, 11
     with server_process() as address, Client(address, timeout=30) as ps:
@@ -91,6 +92,7 @@ def _read_until(proc, prefix: str, timeout: float) -> str:  # type: ignore[no-un
     raise AssertionError(f"worker never printed {prefix!r}")
 
 
+@pytest.mark.slow
 def test_sigkilled_sync_worker_shrinks_the_quorum_and_training_finishes() -> None:
     workers, steps, lease = 4, 12, 1.0
     with server_process(lease_seconds=lease) as address, Client(address) as ps:
@@ -123,6 +125,7 @@ def test_sigkilled_sync_worker_shrinks_the_quorum_and_training_finishes() -> Non
     assert dead == {client_id(w) for w in range(workers)}
 
 
+@pytest.mark.slow
 def test_eight_async_workers_500_pushes_each_make_t_4000() -> None:
     workers, pushes = 8, 500
     with server_process() as address, Client(address) as ps:

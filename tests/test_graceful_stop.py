@@ -86,6 +86,7 @@ def test_push_loops_survive_sigterm_and_restarts_exactly_once(tmp_path: Path) ->
         stop(proc)
 
 
+@pytest.mark.slow
 def test_push_raises_unavailable_when_the_server_never_returns(
     tmp_path: Path,
 ) -> None:
@@ -170,6 +171,7 @@ def test_stop_finishes_admitted_calls_and_refuses_new_ones_with_unavailable() ->
     assert outcome["reply"].update_count == 1  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 def test_demo_worker_exits_3_with_one_line_when_the_server_stops(
     tmp_path: Path,
 ) -> None:
@@ -212,6 +214,7 @@ def test_demo_worker_exits_3_with_one_line_when_the_server_stops(
 _TGKILL = {"x86_64": 234, "aarch64": 131}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     sys.platform != "linux" or platform.machine() not in _TGKILL,
     reason="sends a signal to one thread with Linux's tgkill",

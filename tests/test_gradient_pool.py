@@ -52,6 +52,7 @@ def _traced() -> int:
     return tracemalloc.get_traced_memory()[0]
 
 
+@pytest.mark.slow
 def test_repeated_pushes_reuse_one_buffer_and_memory_stays_flat(
     server: ServerHandle,
 ) -> None:
@@ -79,6 +80,7 @@ def test_repeated_pushes_reuse_one_buffer_and_memory_stays_flat(
         tracemalloc.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["first", "middle", "chunk edge", "last"])
 @pytest.mark.parametrize("encoding", ["native", "bfloat16"])
 def test_a_nan_anywhere_in_the_stream_is_refused_as_before(

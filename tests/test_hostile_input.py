@@ -227,6 +227,7 @@ GROUP_NAMES = st.sampled_from(sorted(GROUPS)) | ODD_NAMES
 
 
 # -- unary push ------------------------------------------------------------------------
+@pytest.mark.slow
 def test_malformed_unary_pushes(ps: Hostile) -> None:
     @cases(250)
     @given(
@@ -325,6 +326,7 @@ def _stream_push_is_valid(
     return _push_is_valid(group, grads)
 
 
+@pytest.mark.slow
 def test_malformed_push_streams(ps: Hostile) -> None:
     @cases(200)
     @given(

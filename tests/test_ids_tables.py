@@ -519,6 +519,7 @@ def _stop(proc: subprocess.Popen[bytes], kill: bool) -> None:
     proc.stdout.close()
 
 
+@pytest.mark.slow
 def test_kill_9_in_wal_mode_keeps_every_acknowledged_ids_push(tmp_path: Path) -> None:
     local = _ids_store("Adam", 8, np.float32)
     rng = np.random.default_rng(11)
@@ -569,6 +570,7 @@ with Client(address, timeout=120.0) as c:
 UNIVERSE, DIM, WORKERS, PUSHES, PUSH_IDS = 50_000, 16, 4, 8, 1024
 
 
+@pytest.mark.slow
 def test_four_worker_processes_equal_a_serial_replay_in_server_order(
     server: Any,
 ) -> None:
@@ -651,6 +653,7 @@ def _parts_t(c: Client, name: str = "g") -> list[int]:
     return [p.update_count for p in c.describe_group(name).parts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_cluster_splits_an_ids_table_by_id_hash(
     cluster: list[str], tmp_path: Path, dtype: Any
@@ -742,6 +745,7 @@ def test_cluster_splits_an_ids_table_by_id_hash(
         one.stop(grace=0)
 
 
+@pytest.mark.slow
 def test_an_ids_part_that_missed_pushes_is_sent_them_once(tmp_path: Path) -> None:
     """A shard killed and restarted (WAL) while a worker pushes to an ids table:
     a push that timed out on the missing part is sent to it first by the next push

@@ -137,6 +137,7 @@ def assert_same_bits_but_nan_payloads(got: list[Array], expected: list[Array]) -
 N = 1 << 20
 
 
+@pytest.mark.slow
 @needs_numba
 @pytest.mark.parametrize("t", [0, 7])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])

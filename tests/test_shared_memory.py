@@ -487,6 +487,7 @@ def _start_pusher(tmp_path: Path, address: str) -> subprocess.Popen[str]:
     return proc
 
 
+@pytest.mark.slow
 def test_a_killed_client_leaves_no_segment_once_the_server_sweeps(
     tmp_path: Path,
 ) -> None:
@@ -506,6 +507,7 @@ def test_a_killed_client_leaves_no_segment_once_the_server_sweeps(
         stop(server)
 
 
+@pytest.mark.slow
 def test_a_killed_server_leaves_no_segment_once_the_client_notices(
     tmp_path: Path,
 ) -> None:

@@ -341,6 +341,7 @@ def _start(data: Path) -> tuple[subprocess.Popen[bytes], str]:
     return proc, f"127.0.0.1:{int(line)}"
 
 
+@pytest.mark.slow
 def test_kill_9_in_wal_mode_keeps_every_acknowledged_row_push(tmp_path: Path) -> None:
     proc, address = _start(tmp_path / "data")
     x = np.random.default_rng(10).standard_normal((1000, 8)).astype(np.float32)
@@ -428,6 +429,7 @@ with Client(address, timeout=120.0) as c:
 TABLE_ROWS, TABLE_DIM, WORKERS, PUSHES, PUSH_ROWS = 1_000_000, 64, 4, 12, 4096
 
 
+@pytest.mark.slow
 def test_four_worker_processes_equal_a_serial_replay_in_server_order(
     server: Any,
 ) -> None:

@@ -248,6 +248,7 @@ def test_an_lr_scheduler_sets_the_r_of_the_step(
             assert not np.array_equal(params_np(model)[0], unscheduled[0])
 
 
+@pytest.mark.slow
 def test_two_sync_workers_equal_one_process_with_averaged_gradients(
     server: ServerHandle, client: Client, one_thread: None
 ) -> None:
@@ -365,6 +366,7 @@ def test_shard_gives_each_rank_every_nth_item() -> None:
         shard([1, 2], 3, 3)
 
 
+@pytest.mark.slow
 def test_example_digits_reaches_095_with_four_workers() -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "torch_digits.py")],
