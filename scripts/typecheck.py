@@ -4,12 +4,14 @@ The source folders are mapped onto one import root by setuptools' ``package-dir`
 (``server`` -> ``onnxps.server`` ...), which mypy cannot follow from an editable
 install: every cross-package import would be ``Any``. This script lays the mapping out
 as a tree of symlinks in a temporary directory and checks that tree, so mypy sees the
-packages exactly as Python imports them. ``python scripts/typecheck.py [mypy args]``;
-exit status is mypy's.
+packages exactly as Python imports them. The tests are checked in the same run, each
+file under ``tests/`` as the module pytest imports (``test_wire``, ``workers.common``).
+``python scripts/typecheck.py [mypy args]``; exit status is mypy's.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -53,23 +55,34 @@ def build_tree(dest: Path) -> list[str]:
     return tops
 
 
+def mypy(tree: Path, targets: list[str], argv: list[str]) -> int:
+    cmd = [
+        sys.executable,
+        "-m",
+        "mypy",
+        "--config-file",
+        str(ROOT / "pyproject.toml"),
+        "--cache-dir",
+        str(ROOT / ".mypy_cache"),
+        *targets,
+        *argv,
+    ]
+    # tests/ on the search path: a test file's module is its path under tests/, as
+    # pytest imports it (test_wire, workers.common); onnxps from the tree.
+    env = {**os.environ, "MYPYPATH": os.pathsep.join([str(tree), str(ROOT / "tests")])}
+    return subprocess.run(cmd, cwd=tree, env=env).returncode
+
+
 def main(argv: list[str]) -> int:
+    """The package, then the tests (mypy takes packages or files in one run, not both;
+    the second run reads the package from the first one's cache)."""
     with tempfile.TemporaryDirectory(prefix="onnxps-mypy-") as tmp:
         tree = Path(tmp)
         packages = build_tree(tree)
         checked = [p for p in packages if not p.endswith(".v1")]
-        cmd = [
-            sys.executable,
-            "-m",
-            "mypy",
-            "--config-file",
-            str(ROOT / "pyproject.toml"),
-            "--cache-dir",
-            str(ROOT / ".mypy_cache"),
-            *[arg for p in checked for arg in ("-p", p)],
-            *argv,
-        ]
-        return subprocess.run(cmd, cwd=tree).returncode
+        status = mypy(tree, [arg for p in checked for arg in ("-p", p)], argv)
+        tests = sorted(str(path) for path in (ROOT / "tests").rglob("*.py"))
+        return mypy(tree, ["--explicit-package-bases", *tests], argv) or status
 
 
 if __name__ == "__main__":

@@ -97,7 +97,8 @@ class _Arithmetic:
     dtype: np.dtype[Any]
 
     def scalar(self, value: float) -> np.floating[Any]:
-        return self.dtype.type(value)
+        scalar: np.floating[Any] = self.dtype.type(value)
+        return scalar
 
     def tensor(self, value: Any) -> Array:
         return np.asarray(value, dtype=self.dtype)

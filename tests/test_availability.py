@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -57,13 +58,14 @@ def _answers_while_held(handle: ServerHandle, c: Client, group: str) -> None:
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _code(f: grpc.Future) -> grpc.StatusCode | None:
+def _code(f: grpc.Future[Any]) -> grpc.StatusCode | None:
     try:
         f.result(timeout=0)
     except grpc.FutureTimeoutError:
         return None
     except grpc.RpcError as exc:
-        return exc.code()  # type: ignore[no-any-return]
+        code: grpc.StatusCode = exc.code()
+        return code
     return grpc.StatusCode.OK
 
 
@@ -98,7 +100,7 @@ def test_waiting_is_bounded_below_the_thread_pool() -> None:
             )
             _answers_while_held(handle, c, "f")
             for f in calls:
-                f.cancel()
+                f.cancel()  # type: ignore[no-untyped-call]
             _until(lambda: handle.store.waiting_calls == 0)
     finally:
         for ch in channels:
@@ -125,7 +127,7 @@ def test_waiting_pulls_end_when_their_callers_leave() -> None:
                 _until(lambda: sum(_code(f) is not None for f in calls) == 57)
                 _answers_while_held(handle, c, "f")
                 for f in calls:
-                    f.cancel()
+                    f.cancel()  # type: ignore[no-untyped-call]
             # The channel is closed: every wait ends within about a second.
             _until(lambda: handle.store.waiting_calls == 0)
 
@@ -208,7 +210,7 @@ def test_sync_pushes_waiting_for_their_step_end_when_their_callers_leave() -> No
                 assert c.describe_group("s").pending_contributions == threads - 1
                 _answers_while_held(handle, c, "f")
                 for f in calls:
-                    f.cancel()
+                    f.cancel()  # type: ignore[no-untyped-call]
             _until(lambda: handle.store.waiting_calls == 0)
             _answers_while_held(handle, c, "f")
     finally:
@@ -218,14 +220,14 @@ def test_sync_pushes_waiting_for_their_step_end_when_their_callers_leave() -> No
 # -- slow pullers -------------------------------------------------------------------
 def _header_only(
     stub: pb_grpc.ParameterServerServiceStub, group: str
-) -> Iterator[pb.PullChunk]:
+) -> Iterator[pb.PullStreamResponse]:
     it = stub.PullStream(pb.PullStreamRequest(group=group, with_state=True), timeout=30)
-    first = next(it)
+    first = next(it)  # type: ignore[call-overload]
     assert first.WhichOneof("part") == "header"
-    return it  # type: ignore[no-any-return]
+    return it  # type: ignore[return-value]
 
 
-def _rest(it: Iterator[pb.PullChunk], n: int) -> np.ndarray:
+def _rest(it: Iterator[pb.PullStreamResponse], n: int) -> np.ndarray:
     data = b"".join(m.chunk.data for m in it if m.chunk.index == 0)
     return np.frombuffer(data, np.float32)[:n]
 
@@ -249,7 +251,7 @@ def test_pull_replies_count_against_the_in_flight_bytes() -> None:
             assert re.fullmatch(
                 rf"this pull's reply carries {reply} bytes and only \d+ of the "
                 rf"server's {3 * reply + 4096} in-flight bytes are free; retry later",
-                err.value.details(),
+                err.value.details() or "",
             )
             readers.pop().cancel()  # type: ignore[attr-defined]
             # Released when the stream is cancelled; then a whole pull goes through.
@@ -446,7 +448,7 @@ def test_at_the_waiting_limit_only_a_sync_push_that_would_wait_is_refused() -> N
             with grpc.insecure_channel(handle.address) as ch:
                 stub = pb_grpc.ParameterServerServiceStub(ch)
 
-                def push(worker: str, return_values: bool) -> grpc.Future:
+                def push(worker: str, return_values: bool) -> grpc.Future[Any]:
                     return stub.Push.future(
                         pb.PushRequest(
                             group="s",

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -31,10 +32,10 @@ from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 def _slow_push(
     address: str, grad: np.ndarray, in_flight: threading.Event, go: threading.Event
-) -> pb.PushResponse:
+) -> pb.PushStreamResponse:
     """A streamed push that stalls after its first chunk until ``go`` is set."""
 
-    def chunks():  # type: ignore[no-untyped-def]
+    def chunks() -> Iterator[pb.PushStreamRequest]:
         header = pb.PushRequest(group="big", client_id="slow", seq=1)
         header.gradients.append(header_tensor(grad))
         yield pb.PushStreamRequest(header=header)

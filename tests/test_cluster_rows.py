@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -17,6 +17,7 @@ from onnxps.client import (
     Adam,
     Client,
     DeadlineExceededError,
+    Encoding,
     EncodingRangeError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -199,7 +200,7 @@ def test_encoded_row_pushes_on_a_split_table_equal_one_server(tmp_path: Path) ->
                     _create(ref, name, Adam(), dtype)
                     assert len(ps.describe_group(name).parts) == 3
                     for k, grads in enumerate(_row_pushes(dtype)):
-                        enc = ("bfloat16", "float16")[k % 2]
+                        enc: Encoding = ("bfloat16", "float16")[k % 2]
                         got = ps.push_rows(name, grads, encoding=enc)
                         want = ref.push_rows(name, grads, encoding=enc)
                         assert got.update_count == want.update_count == k + 1
@@ -290,7 +291,7 @@ def test_a_part_that_missed_a_row_push_is_sent_it_again(tmp_path: Path) -> None:
             assert ps.push_rows("late", pushes[4]).update_count == 3
             assert [p.update_count for p in ps.describe_group("late").parts] == [3] * 3
             got = ps.pull("late", state=True)
-    one, one_address = start_server(tmp_path / "ref.log")
+    ref_server, one_address = start_server(tmp_path / "ref.log")
     try:
         with Client(one_address) as ref:
             _create(ref, "late", Adam(), np.float32)
@@ -298,15 +299,15 @@ def test_a_part_that_missed_a_row_push_is_sent_it_again(tmp_path: Path) -> None:
                 ref.push_rows("late", grads)
             want = ref.pull("late", state=True)
     finally:
-        stop(one)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(g, w, strict=True)
+        stop(ref_server)
+    for got_a, want_a in zip(got, want, strict=True):
+        np.testing.assert_array_equal(got_a, want_a, strict=True)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_sync_row_pushes_on_a_split_table_equal_one_server(
-    tmp_path: Path, reduction: str
+    tmp_path: Path, reduction: Literal["mean", "sum"]
 ) -> None:
     """Two workers per step (client ids a, b), rows on different parts and shared."""
     rng = np.random.default_rng(5)
@@ -349,8 +350,8 @@ def test_sync_row_pushes_on_a_split_table_equal_one_server(
             stop(one)
     (t, got), (t1, want) = results
     assert t == t1 == 3
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(g, w, strict=True)
+    for got_a, want_a in zip(got, want, strict=True):
+        np.testing.assert_array_equal(got_a, want_a, strict=True)
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ The server runs as ``onnxps serve`` in its own process and each worker is
 from __future__ import annotations
 
 import signal
+import subprocess
 import threading
 import time
 
@@ -81,12 +82,13 @@ def test_six_sync_workers_match_one_process_bit_for_bit() -> None:
         np.testing.assert_array_equal(g, w, strict=True)
 
 
-def _read_until(proc, prefix: str, timeout: float) -> str:  # type: ignore[no-untyped-def]
+def _read_until(proc: subprocess.Popen[str], prefix: str, timeout: float) -> str:
+    assert proc.stdout is not None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if line.startswith(prefix):
-            return line.strip()
+            return str(line.strip())
         if not line:
             break
     raise AssertionError(f"worker never printed {prefix!r}")
@@ -105,6 +107,7 @@ def test_sigkilled_sync_worker_shrinks_the_quorum_and_training_finishes() -> Non
         _read_until(victim, "step 2 ", timeout=30)
         victim.send_signal(signal.SIGKILL)
         assert victim.wait(timeout=10) == -signal.SIGKILL
+        assert victim.stdout is not None and victim.stderr is not None
         victim.stdout.close()
         victim.stderr.close()
         results = [finish(p) for p in procs[:-1]]

@@ -9,7 +9,9 @@ import platform
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -118,7 +120,7 @@ def test_stop_finishes_admitted_calls_and_refuses_new_ones_with_unavailable() ->
     release = threading.Event()
     outcome: dict[str, object] = {}
 
-    def slow_chunks():  # type: ignore[no-untyped-def]
+    def slow_chunks() -> Iterator[Any]:
         from onnxps.client.codec import header_tensor, iter_chunks
         from onnxps.v1 import parameter_server_pb2 as pb
 

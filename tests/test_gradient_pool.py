@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from onnxps.client import Adam, Client, InvalidArgumentError
+from onnxps.client import Adam, Client, Encoding, InvalidArgumentError
 from onnxps.server._receive import IDLE_PER_KEY, MIN_POOLED_BYTES, GradientPool
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from onnxps.server.kernels import make_attrs
@@ -84,7 +84,7 @@ def test_repeated_pushes_reuse_one_buffer_and_memory_stays_flat(
 @pytest.mark.parametrize("where", ["first", "middle", "chunk edge", "last"])
 @pytest.mark.parametrize("encoding", ["native", "bfloat16"])
 def test_a_nan_anywhere_in_the_stream_is_refused_as_before(
-    server: ServerHandle, where: str, encoding: str
+    server: ServerHandle, where: str, encoding: Encoding
 ) -> None:
     x0 = np.linspace(-1, 1, N, dtype=np.float32)
     with _client(server) as ps:

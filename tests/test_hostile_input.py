@@ -30,13 +30,16 @@ EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 MAX_INFLIGHT = 64 << 20
 MAX_GROUP = 16 << 20
 ITEMSIZE = {pb.DATA_TYPE_FLOAT: 4, pb.DATA_TYPE_DOUBLE: 8, pb.DATA_TYPE_INT64: 8}
-NP_DTYPE = {pb.DATA_TYPE_FLOAT: np.float32, pb.DATA_TYPE_DOUBLE: np.float64}
+NP_DTYPE: dict[int, Any] = {
+    pb.DATA_TYPE_FLOAT: np.float32,
+    pb.DATA_TYPE_DOUBLE: np.float64,
+}
 STATES = {"adagrad": 1, "momentum": 1, "adam": 2, None: 0}
 
 
 @dataclass(frozen=True)
 class GroupSpec:
-    dtype: int
+    dtype: pb.DataType.ValueType
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
 
@@ -112,15 +115,23 @@ class Hostile:
         try:
             if kind == UNARY:
                 (msg,) = messages
-                self.channel.unary_unary(path)(msg, timeout=10)
+                self.channel.unary_unary(path)(  # type: ignore[call-arg]
+                    msg, timeout=10
+                )
             elif kind == SERVER_STREAM:
                 (msg,) = messages
-                for _ in self.channel.unary_stream(path)(msg, timeout=10):
+                for _ in self.channel.unary_stream(path)(  # type: ignore[call-arg]
+                    msg, timeout=10
+                ):
                     pass
             elif kind == CLIENT_STREAM:
-                self.channel.stream_unary(path)(iter(messages), timeout=10)
+                self.channel.stream_unary(path)(  # type: ignore[call-arg]
+                    iter(messages), timeout=10
+                )
             else:
-                for _ in self.channel.stream_stream(path)(iter(messages), timeout=10):
+                for _ in self.channel.stream_stream(path)(  # type: ignore[call-arg]
+                    iter(messages), timeout=10
+                ):
                     pass
         except grpc.RpcError as exc:
             return exc.code()
@@ -190,7 +201,8 @@ def _exact_len(t: pb.Tensor) -> int | None:
 
 @st.composite
 def tensors(draw: st.DrawFn, with_data: bool = True) -> pb.Tensor:
-    t = pb.Tensor(name=draw(st.text(max_size=4)), dtype=draw(DTYPES))
+    dtype = pb.DataType.ValueType(draw(DTYPES))
+    t = pb.Tensor(name=draw(st.text(max_size=4)), dtype=dtype)
     t.dims.extend(draw(DIMS))
     if with_data:
         exact = _exact_len(t)

@@ -320,7 +320,7 @@ def test_a_read_token_reads_but_cannot_push_or_create(
         assert c.describe_group("b/x").update_count == before[0]
         assert [a.tobytes() for a in c.pull("b/x")] == before[1][:1]
         for transport in ("unary", "stream"):
-            c.transport = transport  # type: ignore[assignment]
+            c.transport = transport
             with pytest.raises(PermissionDeniedError) as err:
                 c.push("b/x", G)
             method = "Push" if transport == "unary" else "PushStream"
@@ -348,7 +348,7 @@ def test_a_prefix_token_touches_only_its_prefixes(auth_server: ServerHandle) -> 
         t = c.push("a/x", G)
         assert t == c.describe_group("a/x").update_count
         for transport in ("unary", "stream"):
-            c.transport = transport  # type: ignore[assignment]
+            c.transport = transport
             with pytest.raises(PermissionDeniedError) as err:
                 c.push("b/x", G)
             assert err.value.details == (
@@ -419,7 +419,7 @@ def test_silent_streams_without_a_token_are_refused_at_once(
                 stub.PushStream.future(_silent(stop), timeout=20) for _ in range(64)
             ]
             for call in calls:
-                exc = call.exception(timeout=10)
+                exc = call.exception(timeout=10)  # type: ignore[call-arg]
                 assert isinstance(exc, grpc.RpcError)
                 assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
             reply = health_pb2_grpc.HealthStub(ch).Check(

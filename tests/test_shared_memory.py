@@ -291,8 +291,10 @@ def test_truncated_wrong_size_and_stale_segments_are_refused(
         both = pb.PushRequest(
             group="g",
             gradients=[
-                pb.Tensor(dtype=1, dims=[N], raw_data=G[0][:33].tobytes()),
-                pb.Tensor(dtype=1, dims=list(GB[0].shape)),
+                pb.Tensor(
+                    dtype=pb.DATA_TYPE_FLOAT, dims=[N], raw_data=G[0][:33].tobytes()
+                ),
+                pb.Tensor(dtype=pb.DATA_TYPE_FLOAT, dims=list(GB[0].shape)),
             ],
             gradients_region=region,
         )

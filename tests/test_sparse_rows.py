@@ -84,7 +84,7 @@ def test_rows_covering_every_row_once_are_a_dense_push(name: str, dtype: Any) ->
     dense, sparse, x = _pair(op, attrs, dtype)
     rng = np.random.default_rng(2)
     for _ in range(4):
-        g = rng.standard_normal(x.shape).astype(dtype)
+        g = rng.standard_normal(tuple(x.shape)).astype(dtype)
         gb = rng.standard_normal(3).astype(dtype)
         dense.push("g", [g, gb])
         perm = rng.permutation(x.shape[0])
@@ -251,13 +251,13 @@ def test_server_row_push_congruent_with_dense_push(
 ) -> None:
     _, _, spec = OPTIMIZERS[name]
     x = np.random.default_rng(7).standard_normal((64, 5)).astype(dtype)
-    for g in ("dense", "rows"):
+    for group in ("dense", "rows"):
         client.create_group(
-            g, spec, learning_rate=0.05, tensors={"emb": x, "b": np.zeros(2, dtype)}
+            group, spec, learning_rate=0.05, tensors={"emb": x, "b": np.zeros(2, dtype)}
         )
     rng = np.random.default_rng(8)
     for _ in range(3):
-        g = rng.standard_normal(x.shape).astype(dtype)
+        g = rng.standard_normal(tuple(x.shape)).astype(dtype)
         gb = rng.standard_normal(2).astype(dtype)
         client.push("dense", g, gb)
         perm = rng.permutation(64)

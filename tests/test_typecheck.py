@@ -1,4 +1,5 @@
-"""mypy --strict over the whole package, imports resolved across the mapped folders."""
+"""mypy --strict over the whole package and the tests, imports resolved across the
+mapped folders."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_mypy_strict_is_clean_on_client_server_and_cli() -> None:
+def test_mypy_strict_is_clean_on_the_package_and_the_tests() -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "typecheck.py")],
         capture_output=True,
@@ -17,4 +18,8 @@ def test_mypy_strict_is_clean_on_client_server_and_cli() -> None:
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.startswith("Success: no issues found"), proc.stdout
+    package, tests = proc.stdout.splitlines()
+    assert package.startswith("Success: no issues found"), proc.stdout
+    # then every file under tests/
+    n = len(list((ROOT / "tests").rglob("*.py")))
+    assert tests == f"Success: no issues found in {n} source files", proc.stdout

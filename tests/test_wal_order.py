@@ -194,7 +194,7 @@ def test_a_full_disk_amid_concurrent_pushes_keeps_the_replay_of_the_acked_ones(
                 try:
                     by_t[c.push("g", _grad(i, k))] = (i, k)
                 except UnavailableError as exc:
-                    refused.append(exc.reason)
+                    refused.append(str(exc.reason))
                     return
 
     try:
