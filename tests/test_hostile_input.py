@@ -149,12 +149,19 @@ class Hostile:
 
 
 @pytest.fixture(scope="module")
-def ps() -> Iterator[Hostile]:
+def ps(request: pytest.FixtureRequest) -> Iterator[Hostile]:
     h = Hostile()
     try:
         yield h
-        # the whole suite sends well over 1,000 generated requests
-        assert h.calls >= 1000, h.calls
+        # the whole module sends well over 1,000 generated requests (one tier of it,
+        # -m slow or -m "not slow", sends a part)
+        ran = {
+            item.originalname  # type: ignore[attr-defined]
+            for item in request.session.items
+            if item.module is request.module  # type: ignore[attr-defined]
+        }
+        if ran == {name for name in vars(request.module) if name.startswith("test_")}:
+            assert h.calls >= 1000, h.calls
     finally:
         h.close()
 
