@@ -247,6 +247,7 @@ def test_two_client_processes_agree_on_placement_and_layout(tmp_path: Path) -> N
     assert json.loads(runs[0])[:-1] == mine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
 def test_split_group_steps_bit_for_bit_like_one_server(
     tmp_path: Path, sync: bool
@@ -354,6 +355,7 @@ def _part_counts(ps: Client, group: str) -> list[int]:
     return [p.update_count for p in ps.describe_group(group).parts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", ["Client", "AsyncClient"])
 def test_kill_9_of_a_shard_under_load_workers_ride_through(
     tmp_path: Path, workers: str
@@ -409,10 +411,14 @@ def test_kill_9_of_a_shard_under_load_workers_ride_through(
         assert "onnxps listening" in log
 
 
+@pytest.mark.slow
 def test_export_from_3_shards_import_into_2_and_continue_bit_exact(
     tmp_path: Path,
 ) -> None:
-    names = {"e-adam": Adam(), "e-mom": Momentum(alpha=0.9, beta=0.5)}
+    names: dict[str, OptimizerSpec] = {
+        "e-adam": Adam(),
+        "e-mom": Momentum(alpha=0.9, beta=0.5),
+    }
     export = tmp_path / "cluster.npz"
 
     def push_some(ps: Client, seed: int) -> None:
@@ -430,7 +436,7 @@ def test_export_from_3_shards_import_into_2_and_continue_bit_exact(
             )
             push_some(ps, 1)
             assert sorted(ps.export(export)) == ["e-adam", "e-mom", "e-small"]
-    one, one_address = start_server(tmp_path / "ref.log")
+    ref_server, one_address = start_server(tmp_path / "ref.log")
     try:
         with Client(one_address, timeout=30) as ref:
             for n, spec in names.items():
@@ -439,7 +445,7 @@ def test_export_from_3_shards_import_into_2_and_continue_bit_exact(
             push_some(ref, 2)
             want = {n: ref.pull_versioned(n, state=True) for n in names}
     finally:
-        stop(one)
+        stop(ref_server)
     with shards(tmp_path, 2, tag="b") as (two, _):
         with Client(two, timeout=30, split_bytes=SPLIT * 2) as ps:
             assert sorted(ps.import_(export)) == ["e-adam", "e-mom", "e-small"]
@@ -467,6 +473,7 @@ def test_shard_env_auto_takes_the_ordinal_of_hostname(tmp_path: Path) -> None:
     assert os.environ.get("ONNXPS_SHARD") is None
 
 
+@pytest.mark.slow
 def test_status_export_import_commands_take_a_shard_list(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -497,8 +504,8 @@ def test_status_export_import_commands_take_a_shard_list(
         assert cli.main(["export", target, str(export)]) == 0
         stop(procs[2])
         assert cli.main(["status", target, "--timeout", "1"]) == 1
-        out = capsys.readouterr().out
-        assert re.search(rf"^2 +{three[2]} +unreachable +-$", out, re.M)
+        status = capsys.readouterr().out
+        assert re.search(rf"^2 +{three[2]} +unreachable +-$", status, re.M)
     with shards(tmp_path, 2, tag="d") as (two, _):
         assert cli.main(["import", ",".join(two), str(export)]) == 0
         with Client(two, timeout=30) as ps:
@@ -506,6 +513,7 @@ def test_status_export_import_commands_take_a_shard_list(
             assert ps.describe_group("big").update_count == 1
 
 
+@pytest.mark.slow
 def test_a_push_that_missed_a_shard_is_completed_by_the_next(tmp_path: Path) -> None:
     """Shard down longer than a push's deadline: the push fails, having reached the
     other parts; the client's next push to the group sends the missing part first
@@ -541,7 +549,7 @@ def test_a_push_that_missed_a_shard_is_completed_by_the_next(tmp_path: Path) -> 
             assert ps.push("late", *grads[2]) == 3
             assert _part_counts(ps, "late") == [3, 3, 3]
             got = ps.pull("late", state=True)
-    one, one_address = start_server(tmp_path / "ref.log")
+    ref_server, one_address = start_server(tmp_path / "ref.log")
     try:
         with Client(one_address) as ref:
             _create(ref, "late", Adam(), np.float32, False)
@@ -549,9 +557,9 @@ def test_a_push_that_missed_a_shard_is_completed_by_the_next(tmp_path: Path) -> 
                 ref.push("late", *g)
             want = ref.pull("late", state=True)
     finally:
-        stop(one)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(g, w, strict=True)
+        stop(ref_server)
+    for got_a, want_a in zip(got, want, strict=True):
+        np.testing.assert_array_equal(got_a, want_a, strict=True)
 
 
 def test_client_takes_a_list_of_shard_addresses_only() -> None:
@@ -563,6 +571,7 @@ def test_client_takes_a_list_of_shard_addresses_only() -> None:
         assert one.shards is None
 
 
+@pytest.mark.slow
 def test_row_pushes_go_to_the_shard_holding_the_group(tmp_path: Path) -> None:
     table = np.zeros((100, 4), np.float32)
     rows = np.ones((2, 4), np.float32)

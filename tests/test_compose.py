@@ -22,13 +22,16 @@ import yaml
 from _procs import clean_env, stop
 from onnxps.cli.process import wait_for_listening
 
+pytestmark = pytest.mark.slow  # docker-compose services run as local processes
+
 ROOT = Path(__file__).resolve().parent.parent
 ACCURACY = re.compile(r"^worker (\d)/4 done: 300 steps, held-out accuracy (\d\.\d+)$")
 
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    compose: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return compose
 
 
 def _local(cmd: list[str], replace: dict[str, str]) -> list[str]:

@@ -39,6 +39,8 @@ from onnxps.server._wal import FRAME, SEGMENT_HEADER, read_segments, segment_pat
 from onnxps.server.kernels import apply_onnx
 from onnxps.server.store import combine_contributions
 
+pytestmark = pytest.mark.slow  # kill -9 loops of real server processes, under load
+
 SERVER = r"""
 import logging, resource, signal, sys, threading
 from onnxps.server.app import ServerConfig, create_server
@@ -159,7 +161,9 @@ def _create(address: str) -> None:
         )  # fmt: skip
 
 
-def _async_writer(address: str, g: str, stop: threading.Event, acked: dict) -> None:
+def _async_writer(
+    address: str, g: str, stop: threading.Event, acked: dict[str, int]
+) -> None:
     _, _, _, dtype, n = ASYNC[g]
     with Client(address, client_id=f"w-{g}", timeout=3) as c:
         try:
@@ -172,7 +176,9 @@ def _async_writer(address: str, g: str, stop: threading.Event, acked: dict) -> N
             return
 
 
-def _sync_worker(address: str, w: str, stop: threading.Event, acked: dict) -> None:
+def _sync_worker(
+    address: str, w: str, stop: threading.Event, acked: dict[str, int]
+) -> None:
     with Client(address, client_id=w, timeout=3) as c:
         try:
             while not stop.is_set():
@@ -205,7 +211,9 @@ def _read_settled(c: Client, g: str) -> tuple[int, list[np.ndarray], int]:
     raise AssertionError(f"{g}: T still moves after the restart (T={t})")
 
 
-def _check(address: str, model: Model, acked: dict, wal: bool) -> dict[str, int]:
+def _check(
+    address: str, model: Model, acked: dict[str, int], wal: bool
+) -> dict[str, int]:
     seen = {}
     with Client(address, timeout=10) as c:
         for g in [*ASYNC, "sync"]:
@@ -226,7 +234,9 @@ def _check(address: str, model: Model, acked: dict, wal: bool) -> dict[str, int]
     return seen
 
 
-def _kill_cycles(tmp_path: Path, mode: str, cycles: int, interval: float) -> dict:
+def _kill_cycles(
+    tmp_path: Path, mode: str, cycles: int, interval: float
+) -> dict[str, Any]:
     data = tmp_path / "data"
     model = Model()
     acked = {"adam": 0, "mom": 0, "s0": 0, "s1": 0}

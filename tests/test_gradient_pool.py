@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from onnxps.client import Adam, Client, InvalidArgumentError
+from onnxps.client import Adam, Client, Encoding, InvalidArgumentError
 from onnxps.server._receive import IDLE_PER_KEY, MIN_POOLED_BYTES, GradientPool
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from onnxps.server.kernels import make_attrs
@@ -52,6 +52,7 @@ def _traced() -> int:
     return tracemalloc.get_traced_memory()[0]
 
 
+@pytest.mark.slow
 def test_repeated_pushes_reuse_one_buffer_and_memory_stays_flat(
     server: ServerHandle,
 ) -> None:
@@ -79,10 +80,11 @@ def test_repeated_pushes_reuse_one_buffer_and_memory_stays_flat(
         tracemalloc.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["first", "middle", "chunk edge", "last"])
 @pytest.mark.parametrize("encoding", ["native", "bfloat16"])
 def test_a_nan_anywhere_in_the_stream_is_refused_as_before(
-    server: ServerHandle, where: str, encoding: str
+    server: ServerHandle, where: str, encoding: Encoding
 ) -> None:
     x0 = np.linspace(-1, 1, N, dtype=np.float32)
     with _client(server) as ps:
@@ -245,7 +247,7 @@ def _metric(handle: ServerHandle, name: str) -> float:
 
 @pytest.mark.parametrize(("budget", "kept"), [(None, 8 << 20), (0, 0), (4 << 20, 0)])
 def test_the_pool_size_is_a_setting_and_a_metric(budget: int | None, kept: int) -> None:
-    extra = {} if budget is None else {"gradient_pool_bytes": budget}
+    extra: dict[str, Any] = {} if budget is None else {"gradient_pool_bytes": budget}
     handle = create_server(
         ServerConfig(address="127.0.0.1:0", durability="none", metrics_port=0, **extra)
     ).start()

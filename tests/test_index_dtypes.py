@@ -227,7 +227,7 @@ def _refusal(call: Callable[[], Any]) -> tuple[grpc.StatusCode, str, list[str], 
             bad = error_details_pb2.BadRequest()
             detail.Unpack(bad)
             fields += [v.field for v in bad.field_violations]
-    return err.value.code(), info.reason, fields, err.value.details()
+    return err.value.code(), info.reason, fields, err.value.details() or ""
 
 
 WIRE = [
@@ -254,7 +254,9 @@ def test_bad_indices_on_the_wire_are_invalid_argument_row_indices(
     rows = np.ones((1, DIM), F32)
     push = pb.PushRowsHeader(group="wire")
     push.gradients.add(
-        name=tensor, indices=indices, values=pb.Tensor(dtype=1, dims=[1, DIM])
+        name=tensor,
+        indices=indices,
+        values=pb.Tensor(dtype=pb.DATA_TYPE_FLOAT, dims=[1, DIM]),
     )
     pull = pb.PullRowsHeader(group="wire")
     pull.tensors.add(name=tensor, indices=indices)

@@ -177,8 +177,8 @@ def test_four_threads_sharing_a_client_while_a_shard_is_down(
             shards.start(down)
             assert _push(ps, kind) == 6
             assert _counts(ps, "g") == [6, 6, 6]
-            t, got = ps.pull_versioned("g", state=True)
-            assert t == 6
+            version, got = ps.pull_versioned("g", state=True)
+            assert version == 6
     _assert_like_one_server(tmp_path, got, 6, kind)
 
 

@@ -5,6 +5,7 @@ these tests held before the split and hold after it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,8 @@ from onnxps.server.errors import InvalidArgument
 from onnxps.server.kernels import make_attrs
 from onnxps.wire.image import TableDefinition
 from onnxps.wire.initializers import Zeros
+
+Listing = list[tuple[int, str, Sequence[tuple[str, Sequence[int]]]]]
 
 ADAGRAD = make_attrs("Adagrad", {"decay_factor": 0.1, "norm_coefficient": 0.01})
 F32 = np.dtype(np.float32)
@@ -157,7 +160,10 @@ def test_layout_of_a_group_not_listed_is_none() -> None:
 
 
 def test_layout_of_a_whole_group_is_its_shard_and_tensors() -> None:
-    listing = [(0, "h", [("x", (1,))]), (2, "g", [("a", (4,)), ("b", [2, 3])])]
+    listing: Listing = [
+        (0, "h", [("x", (1,))]),
+        (2, "g", [("a", (4,)), ("b", [2, 3])]),
+    ]
     assert layout_from_listing("g", listing) == Layout(
         "g",
         ("a", "b"),
@@ -167,7 +173,7 @@ def test_layout_of_a_whole_group_is_its_shard_and_tensors() -> None:
 
 
 def test_layout_of_a_split_group_joins_its_pieces() -> None:
-    listing = [
+    listing: Listing = [
         (1, "g#p1of2", [("t@5-8@8", (3,)), ("m@r0-2@2,3", (2, 3))]),
         (2, "g#p0of2", [("t@0-5@8", (5,))]),
         (0, "g#p0of2", [("t@0-5@8", (5,))]),  # a later listing of a part wins

@@ -176,6 +176,7 @@ def test_concurrent_pushes_to_one_group_are_a_serial_replay_in_t_order(
     assert [a.tobytes() for a in values] == [a.tobytes() for a in expected]
 
 
+@pytest.mark.slow
 def test_a_full_disk_amid_concurrent_pushes_keeps_the_replay_of_the_acked_ones(
     tmp_path: Path,
 ) -> None:
@@ -193,7 +194,7 @@ def test_a_full_disk_amid_concurrent_pushes_keeps_the_replay_of_the_acked_ones(
                 try:
                     by_t[c.push("g", _grad(i, k))] = (i, k)
                 except ResourceExhaustedError as exc:
-                    refused.append(exc.reason)
+                    refused.append(str(exc.reason))
                     return
 
     try:
