@@ -1,19 +1,30 @@
-"""What the operations written apart from the client core (rows, routing, transfer)
-need of it: ``CoreHost``, implemented by ``ClientCore``. They are typed against this
-protocol, not the core's class, so no module imports back up into the core."""
+"""What the operations written apart from the client core (rows, cluster routing,
+export and import) need of it: ``CoreHost`` and ``ClusterHost``, implemented by
+``ClientCore`` and ``RoutingCore``. Those modules are typed against these protocols,
+not the core's classes, so none of them imports back up into the core: the client's
+modules import each other in one direction only (tests/test_layers.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
+from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.encoding import Encoding
+from onnxps.wire.initializers import IdsTable
 
-from ._ops import Deadline, Op
-from ._records import GroupInfo
+from ._cluster import Layout
+from ._ops import Call, Deadline, Op
+from ._optimizers import Async, OptimizerSpec, Sync
+from ._pending import PendingPushes
+from ._records import GroupInfo, PushResult, RowsPage
 
-__all__ = ["CoreHost"]
+__all__ = ["ClusterHost", "CoreHost", "RunningHost"]
+
+Array = np.ndarray[Any, Any]
+R = TypeVar("R")
 
 
 class CoreHost(Protocol):
@@ -24,7 +35,8 @@ class CoreHost(Protocol):
     timeout: float
     gradient_encoding: Encoding
     pull_encoding: Encoding
-    _seq: Iterator[int]
+
+    _seq: itertools.count[int]
     _sizes: dict[str, int]
     _dtypes: dict[str, np.dtype[Any]]
 
@@ -39,3 +51,136 @@ class CoreHost(Protocol):
     def _describe_group(
         self, name: str, *, timeout: float | None = None
     ) -> Op[GroupInfo]: ...
+
+    def _list_groups(
+        self, prefix: str = "", *, timeout: float | None = None
+    ) -> Op[list[GroupInfo]]: ...
+
+    def _delete_group(self, name: str, *, timeout: float | None = None) -> Op[bool]: ...
+
+    def _create_group(
+        self,
+        name: str,
+        optimizer: OptimizerSpec,
+        *,
+        learning_rate: float,
+        tensors: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None,
+        consistency: Async | Sync | None = None,
+        allow_non_finite: bool = False,
+        state: Sequence[Any] | None = None,
+        update_count: int = 0,
+        lease_seconds: float | None = None,
+        tables: Mapping[str, IdsTable] | None = None,
+        table_rows: Sequence[Sequence[Any]] | None = None,
+        timeout: float | None = None,
+    ) -> Op[GroupInfo]: ...
+
+    def _pull_versioned(
+        self,
+        group: str,
+        *,
+        state: bool = False,
+        min_version: int | None = None,
+        encoding: Encoding | None = None,
+        timeout: float | None = None,
+        out: Sequence[Array] | None = None,
+        allow_parts_apart: bool = False,
+    ) -> Op[tuple[int, list[Array]]]: ...
+
+    def _export_rows(
+        self,
+        group: str,
+        table: str,
+        *,
+        state: bool = False,
+        page_size: int = 0,
+        timeout: float | None = None,
+    ) -> Op[tuple[Array, dict[str, Array]]]: ...
+
+
+class ClusterHost(CoreHost, Protocol):
+    """A client of a cluster: what the routing operations (``_sharded``,
+    ``_rowsplit``, ``_ids_cluster``) use to send each part to its shard."""
+
+    split_bytes: int
+    _layouts: dict[str, Layout]
+    _pending: PendingPushes
+
+    @staticmethod
+    def _call_op(call: Call) -> Op[Any]: ...
+
+    def _create_op(
+        self,
+        template: pb.CreateGroupRequest,
+        names: Sequence[str],
+        arrays: Sequence[Array],
+        state_arrays: Sequence[Array],
+        deadline: Deadline,
+        *,
+        table_arrays: Sequence[Sequence[Array]] = (),
+    ) -> Op[pb.GroupInfo]: ...
+
+    def _push_part_op(
+        self,
+        template: pb.PushRequest,
+        arrays: Sequence[Array],
+        deadline: Deadline,
+        shard: int,
+    ) -> Op[PushResult]: ...
+
+    def _pull_op(
+        self,
+        group: str,
+        state: bool,
+        min_version: int | None,
+        deadline: Deadline,
+        encoding: Encoding = "native",
+        out: Sequence[Array] | None = None,
+        shard: int = 0,
+    ) -> Op[tuple[int, list[Array]]]: ...
+
+    def _rows_push_op(
+        self,
+        group: str,
+        part: str,
+        gradients: Mapping[str, Any],
+        base_version: int | None,
+        learning_rate: float | None,
+        deadline: Deadline,
+        encoding: Encoding = "native",
+    ) -> Op[PushResult]: ...
+
+    def _rows_send_op(
+        self,
+        group: str,
+        header: pb.PushRowsHeader,
+        arrays: list[Array],
+        deadline: Deadline,
+    ) -> Op[Any]: ...
+
+    def _rows_pull_op(
+        self,
+        group: str,
+        part: str,
+        selections: Mapping[str, Any],
+        state: bool,
+        min_version: int | None,
+        deadline: Deadline,
+    ) -> Op[dict[str, Array]]: ...
+
+    def _list_rows_op(
+        self,
+        group: str,
+        table: str,
+        page_token: str,
+        page_size: int,
+        values: bool,
+        state: bool,
+        deadline: Deadline,
+    ) -> Op[RowsPage]: ...
+
+
+class RunningHost(CoreHost, Protocol):
+    """A blocking client: it runs an operation to its result (``Client._run``)."""
+
+    def _run(self, op: Op[R]) -> R: ...

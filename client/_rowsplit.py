@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
@@ -25,25 +25,23 @@ from onnxps.wire.encoding import Encoding, encode
 from . import _ids_cluster
 from ._cluster import Layout, Part, Slot
 from ._errors import FailedPreconditionError, InvalidArgumentError
+from ._host import ClusterHost
 from ._ops import Deadline, Op, on_shard, parallel
 from ._records import PushResult
 from ._replies import as_indices, row_gradients
 from ._sharded import (
     PartPush,
-    describe_group,
+    check_finite,
     finish_earlier,
     group_dtype,
+    pull_rows_part,
     rerouted,
-    until_landed,
 )
 from ._sharded import land as land_parts
 
-if TYPE_CHECKING:
-    from ._routing import RoutingCore
-
 Array = np.ndarray[Any, Any]
 
-__all__ = ["check_finite", "land", "pull_rows", "push_rows"]
+__all__ = ["land", "pull_rows", "push_rows"]
 
 _INDEX = np.dtype(np.int64)
 
@@ -157,7 +155,7 @@ _Entries = list[list[tuple[str, Array | None, Array]]]
 
 
 def _split_push(
-    client: RoutingCore,
+    client: ClusterHost,
     found: Layout,
     gradients: Mapping[str, Any],
     deadline: Deadline,
@@ -214,25 +212,8 @@ def _split_push(
     return per_part
 
 
-def check_finite(
-    client: RoutingCore, found: Layout, finite: bool, deadline: Deadline
-) -> Op[None]:
-    """Refuse a push holding NaN or inf unless the group allows them (asked only
-    then), here: a part would refuse only the rows it owns."""
-    if finite:
-        return
-    if not (yield from describe_group(client, found.group, deadline)).allow_non_finite:
-        raise _invalid(
-            found,
-            f"a row gradient holds NaN or inf, which would poison group "
-            f"{found.group!r} for good; fix the worker, or create the group with "
-            "allow_non_finite=True",
-            "NON_FINITE_GRADIENT",
-        )
-
-
 def push_rows(
-    client: RoutingCore,
+    client: ClusterHost,
     group: str,
     gradients: Mapping[str, Any],
     base_version: int | None,
@@ -276,7 +257,7 @@ def push_rows(
 
 
 def land(
-    client: RoutingCore,
+    client: ClusterHost,
     found: Layout,
     per_part: _Entries,
     seq: int,
@@ -316,30 +297,8 @@ def land(
     )
 
 
-def pull_part(
-    client: RoutingCore,
-    found: Layout,
-    k: int,
-    selection: Mapping[str, Array],
-    state: bool,
-    min_version: int | None,
-    deadline: Deadline,
-) -> Op[dict[str, Array]]:
-    """Rows of part ``k`` (``selection``: its names and local indices), asked
-    again while its shard is unavailable."""
-    part = found.parts[k]
-
-    def send() -> Op[dict[str, Array]]:
-        op = client._rows_pull_op(
-            found.group, part.name, selection, state, min_version, deadline
-        )
-        return on_shard(part.shard, op)
-
-    return until_landed(send, deadline)
-
-
 def pull_rows(
-    client: RoutingCore,
+    client: ClusterHost,
     group: str,
     selections: Mapping[str, Any],
     state: bool,
@@ -376,7 +335,7 @@ def pull_rows(
         asked = [k for k, a in enumerate(asks) if a]
         replies = yield from parallel(
             [
-                pull_part(client, found, k, asks[k], state, min_version, deadline)
+                pull_rows_part(client, found, k, asks[k], state, min_version, deadline)
                 for k in asked
             ]
         )

@@ -5,15 +5,15 @@ Placement and layouts are ``_cluster``'s pure functions; this module turns one c
 into operations of one shard each (``on_shard``), runs them at once (``parallel``)
 and merges the replies. Every function here is an operation (``_requests.Op``):
 ``Client`` runs it with blocking calls on a thread pool, ``AsyncClient`` with
-asyncio tasks, and ``_routing.RoutingCore`` is what sends a cluster's calls here.
+asyncio tasks, and ``_routing.ClusterHost`` is what sends a cluster's calls here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
@@ -40,6 +40,7 @@ from ._errors import (
     RpcError,
     UnavailableError,
 )
+from ._host import ClusterHost
 from ._ops import Call, Deadline, Op, Pause, on_shard, parallel, what
 from ._pending import (
     PartPush,
@@ -50,10 +51,9 @@ from ._pending import (
 )
 from ._records import GroupInfo, PartInfo, PushResult, group_info
 
-if TYPE_CHECKING:
-    from ._routing import RoutingCore
-
 __all__ = [
+    "check_finite",
+    "pull_rows_part",
     "PartPush",
     "create_group",
     "delete_group",
@@ -73,7 +73,7 @@ Array = np.ndarray[Any, Any]
 Listing = list[tuple[int, pb.GroupInfo]]
 
 
-def _shards(client: RoutingCore) -> int:
+def _shards(client: ClusterHost) -> int:
     assert client.shards is not None
     return client.shards
 
@@ -95,7 +95,7 @@ def until_landed(send: Callable[[], Op[R]], deadline: Deadline) -> Op[R]:
 
 
 def _call(
-    client: RoutingCore, method: str, req: Any, deadline: Deadline, shard: int
+    client: ClusterHost, method: str, req: Any, deadline: Deadline, shard: int
 ) -> Op[Any]:
     """One call to one shard, resent while the shard is unavailable (a restarting
     pod), until the deadline: the calls routed here are idempotent."""
@@ -103,7 +103,7 @@ def _call(
     return until_landed(lambda: on_shard(shard, client._call_op(call)), deadline)
 
 
-def _listing(client: RoutingCore, prefix: str, deadline: Deadline) -> Op[Listing]:
+def _listing(client: ClusterHost, prefix: str, deadline: Deadline) -> Op[Listing]:
     """Every shard's groups whose names start with ``prefix``, with their shard."""
     req = pb.ListGroupsRequest(prefix=prefix)
     replies = yield from parallel(
@@ -133,7 +133,7 @@ def _not_found(group: str, shards: int) -> NotFoundError:
 
 
 def layout(
-    client: RoutingCore, group: str, deadline: Deadline, refresh: bool = False
+    client: ClusterHost, group: str, deadline: Deadline, refresh: bool = False
 ) -> Op[Layout]:
     """The group's layout: remembered, or found by listing every shard."""
     found = None if refresh else client._layouts.get(group)
@@ -149,7 +149,7 @@ def layout(
 
 
 def _remember(
-    client: RoutingCore, found: Layout, infos: Sequence[pb.GroupInfo]
+    client: ClusterHost, found: Layout, infos: Sequence[pb.GroupInfo]
 ) -> None:
     client._layouts[found.group] = found
     for g in infos:
@@ -158,7 +158,7 @@ def _remember(
 
 
 def rerouted(
-    client: RoutingCore,
+    client: ClusterHost,
     group: str,
     deadline: Deadline,
     call: Callable[[Layout], Op[R]],
@@ -175,7 +175,7 @@ def rerouted(
 
 
 def part_targets(
-    client: RoutingCore, group: str, deadline: Deadline
+    client: ClusterHost, group: str, deadline: Deadline
 ) -> Op[list[tuple[int, str]]]:
     """``(shard, name)`` of every part of ``group``."""
     found = yield from layout(client, group, deadline)
@@ -183,7 +183,7 @@ def part_targets(
 
 
 def merged(
-    client: RoutingCore, found: Layout, infos: Sequence[pb.GroupInfo]
+    client: ClusterHost, found: Layout, infos: Sequence[pb.GroupInfo]
 ) -> GroupInfo:
     """One GroupInfo for the whole group from its parts' (in part order)."""
     first = group_info(infos[0])
@@ -215,7 +215,7 @@ def merged(
 
 
 # -- groups ---------------------------------------------------------------------------
-def check_new(client: RoutingCore, group: str, deadline: Deadline) -> Op[None]:
+def check_new(client: ClusterHost, group: str, deadline: Deadline) -> Op[None]:
     """ALREADY_EXISTS when the cluster holds ``group`` (or parts of it). A
     courtesy: part 0's creation is what decides between two clients."""
     if _layout_of(group, (yield from _listing(client, group, deadline))) is not None:
@@ -227,7 +227,7 @@ def check_new(client: RoutingCore, group: str, deadline: Deadline) -> Op[None]:
 
 
 def create_parts(
-    client: RoutingCore,
+    client: ClusterHost,
     planned: Layout,
     create: Callable[[int], Op[pb.GroupInfo]],
     deadline: Deadline,
@@ -252,7 +252,7 @@ def create_parts(
 
 
 def create_group(
-    client: RoutingCore,
+    client: ClusterHost,
     req: pb.CreateGroupRequest,
     names: Sequence[str],
     arrays: Sequence[Array],
@@ -296,7 +296,7 @@ def attempt(op: Op[R]) -> Op[R | Exception]:
 
 
 def _delete_quietly(
-    client: RoutingCore, shard: int, name: str, deadline: Deadline
+    client: ClusterHost, shard: int, name: str, deadline: Deadline
 ) -> Op[None]:
     req = pb.DeleteGroupRequest(group=name)
     call = Call("DeleteGroup", lambda: req, deadline, what("DeleteGroup"))
@@ -307,7 +307,7 @@ def _delete_quietly(
 
 
 def _each_part(
-    client: RoutingCore,
+    client: ClusterHost,
     found: Layout,
     method: str,
     request: Callable[[str], Any],
@@ -325,7 +325,7 @@ def _each_part(
 
 
 def describe_group(
-    client: RoutingCore, group: str, deadline: Deadline
+    client: ClusterHost, group: str, deadline: Deadline
 ) -> Op[GroupInfo]:
     def describe(found: Layout) -> Op[GroupInfo]:
         replies = yield from _each_part(
@@ -341,7 +341,7 @@ def describe_group(
 
 
 def list_groups(
-    client: RoutingCore, prefix: str, deadline: Deadline
+    client: ClusterHost, prefix: str, deadline: Deadline
 ) -> Op[list[GroupInfo]]:
     """The groups of every shard, a split group once (its parts merged), by name."""
     listing = yield from _listing(client, prefix, deadline)
@@ -360,7 +360,7 @@ def list_groups(
     return out
 
 
-def delete_group(client: RoutingCore, group: str, deadline: Deadline) -> Op[bool]:
+def delete_group(client: ClusterHost, group: str, deadline: Deadline) -> Op[bool]:
     try:
         found = yield from layout(client, group, deadline, refresh=True)
     except NotFoundError:
@@ -379,7 +379,7 @@ def delete_group(client: RoutingCore, group: str, deadline: Deadline) -> Op[bool
 
 
 def set_learning_rate(
-    client: RoutingCore, group: str, learning_rate: float, deadline: Deadline
+    client: ClusterHost, group: str, learning_rate: float, deadline: Deadline
 ) -> Op[GroupInfo]:
     def set_all(found: Layout) -> Op[GroupInfo]:
         replies = yield from _each_part(
@@ -396,7 +396,7 @@ def set_learning_rate(
     return (yield from rerouted(client, group, deadline, set_all))
 
 
-def save(client: RoutingCore, deadline: Deadline) -> Op[list[Any]]:
+def save(client: ClusterHost, deadline: Deadline) -> Op[list[Any]]:
     """Every shard's Save reply, in shard order."""
     return (
         yield from parallel(
@@ -409,7 +409,7 @@ def save(client: RoutingCore, deadline: Deadline) -> Op[list[Any]]:
 
 
 def leases(
-    client: RoutingCore,
+    client: ClusterHost,
     method: str,
     targets: Sequence[tuple[int, str]],
     worker_id: str,
@@ -427,7 +427,7 @@ def leases(
 
 
 # -- push and pull --------------------------------------------------------------------
-def group_dtype(client: RoutingCore, found: Layout) -> np.dtype[Any] | None:
+def group_dtype(client: ClusterHost, found: Layout) -> np.dtype[Any] | None:
     """The group's dtype, from the sizes the listing gave (None: not known)."""
     p = found.parts[0]
     size = client._sizes.get(p.name)
@@ -450,7 +450,7 @@ def _all_finite(a: Array) -> bool:
 
 
 def _check_gradients(
-    client: RoutingCore, found: Layout, arrays: Sequence[Array], deadline: Deadline
+    client: ClusterHost, found: Layout, arrays: Sequence[Array], deadline: Deadline
 ) -> Op[None]:
     """Refused here, before any part is sent, so parts never disagree about it:
     a refusal that can never pass must not reach a part after another applied."""
@@ -493,7 +493,7 @@ def _check_gradients(
             )
 
 
-def _push_one(client: RoutingCore, part: PartPush, deadline: Deadline) -> Op[Any]:
+def _push_one(client: ClusterHost, part: PartPush, deadline: Deadline) -> Op[Any]:
     """One part's push to its shard: the reply."""
     shard, template, arrays = part
     if isinstance(template, pb.PushRowsHeader):
@@ -503,7 +503,7 @@ def _push_one(client: RoutingCore, part: PartPush, deadline: Deadline) -> Op[Any
     return (yield from on_shard(shard, op))
 
 
-def _send_part(client: RoutingCore, part: PartPush, deadline: Deadline) -> Op[Any]:
+def _send_part(client: ClusterHost, part: PartPush, deadline: Deadline) -> Op[Any]:
     """One part's push, sent again (same seq) while its shard is unavailable or
     busy (``RESOURCE_EXHAUSTED``: retry later), until the deadline. A deadline
     that passes after the shard refused says so (the refusal's reason)."""
@@ -532,7 +532,7 @@ def _send_part(client: RoutingCore, part: PartPush, deadline: Deadline) -> Op[An
         backoff = min(1.0, backoff * 2)
 
 
-def _keep(client: RoutingCore, entry: PendingPush | None, new: PendingPush) -> None:
+def _keep(client: ClusterHost, entry: PendingPush | None, new: PendingPush) -> None:
     if entry is None:
         client._pending.add(new)
     else:
@@ -552,7 +552,7 @@ def _diverged(group: str, seq: int, refused: Sequence[tuple[PartPush, Any]]) -> 
 
 
 def land(
-    client: RoutingCore,
+    client: ClusterHost,
     group: str,
     parts: Sequence[PartPush],
     after: Sequence[PartPush],
@@ -580,7 +580,7 @@ def land(
 
 
 def _send_parts(
-    client: RoutingCore,
+    client: ClusterHost,
     group: str,
     parts: Sequence[PartPush],
     after: Sequence[PartPush],
@@ -607,7 +607,7 @@ def _send_parts(
 
 
 def _land_after(
-    client: RoutingCore,
+    client: ClusterHost,
     group: str,
     results: list[Any],
     after: Sequence[PartPush],
@@ -644,7 +644,7 @@ def _may_have_taken(
 
 
 def _refused(
-    client: RoutingCore,
+    client: ClusterHost,
     group: str,
     parts: Sequence[PartPush],
     after: Sequence[PartPush],
@@ -677,7 +677,7 @@ def _refused(
     return _diverged(group, seq, never) if never else later[0][1]
 
 
-def finish_earlier(client: RoutingCore, group: str, deadline: Deadline) -> Op[None]:
+def finish_earlier(client: ClusterHost, group: str, deadline: Deadline) -> Op[None]:
     """Send what earlier pushes to ``group`` left unsent (their seqs), oldest
     first; raises (and keeps them) when they still cannot land."""
     # bounded: each turn finishes the first entry or raises (a concurrent caller
@@ -698,7 +698,7 @@ def finish_earlier(client: RoutingCore, group: str, deadline: Deadline) -> Op[No
 
 
 def push(
-    client: RoutingCore,
+    client: ClusterHost,
     req: pb.PushRequest,
     arrays: Sequence[Array],
     deadline: Deadline,
@@ -746,7 +746,7 @@ def push(
 
 
 def pull(
-    client: RoutingCore,
+    client: ClusterHost,
     group: str,
     state: bool,
     min_version: int | None,
@@ -814,3 +814,42 @@ def _apart(
         group=found.group,
         update_counts=counts,
     )
+
+
+def check_finite(
+    client: ClusterHost, found: Layout, finite: bool, deadline: Deadline
+) -> Op[None]:
+    """Refuse a push holding NaN or inf unless the group allows them (asked only
+    then), here: a part would refuse only the rows it owns."""
+    if finite:
+        return
+    if not (yield from describe_group(client, found.group, deadline)).allow_non_finite:
+        raise InvalidArgumentError(
+            f"a row gradient holds NaN or inf, which would poison group "
+            f"{found.group!r} for good; fix the worker, or create the group with "
+            "allow_non_finite=True",
+            reason="NON_FINITE_GRADIENT",
+            metadata={"group": found.group},
+        )
+
+
+def pull_rows_part(
+    client: ClusterHost,
+    found: Layout,
+    k: int,
+    selection: Mapping[str, Array],
+    state: bool,
+    min_version: int | None,
+    deadline: Deadline,
+) -> Op[dict[str, Array]]:
+    """Rows of part ``k`` (``selection``: its names and local indices), asked
+    again while its shard is unavailable."""
+    part = found.parts[k]
+
+    def send() -> Op[dict[str, Array]]:
+        op = client._rows_pull_op(
+            found.group, part.name, selection, state, min_version, deadline
+        )
+        return on_shard(part.shard, op)
+
+    return until_landed(send, deadline)
