@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -338,6 +339,63 @@ def test_every_refusal_carries_its_error_details(stub: Stub, refusal: Refusal) -
         assert violations == []
 
 
+@pytest.fixture(scope="module")
+def strict_stub() -> Iterator[Stub]:
+    """A server without shared memory whose streams stall after 0.3 s."""
+    handle = create_server(
+        ServerConfig(
+            address="127.0.0.1:0",
+            durability="none",
+            shared_memory="off",
+            stall_seconds=0.3,
+        )
+    )
+    handle.start()
+    try:
+        with grpc.insecure_channel(handle.address) as channel:
+            s = Stub(channel)
+            s.CreateGroup(adagrad("g", [0, 0, 0]), timeout=10)
+            yield s
+    finally:
+        handle.stop(grace=0)
+
+
+def test_a_region_on_a_server_without_shared_memory_says_so(strict_stub: Stub) -> None:
+    region = pb.SharedMemoryRegion(segment="onnxps-1-abc", offsets=[0])
+    push = _push("g", header_tensor(np.ones(3, np.float32)), gradients_region=region)
+    code, info, violations = details(lambda: push(strict_stub))
+    assert (code, info.reason) == (FP, "SHARED_MEMORY_OFF")
+    assert (dict(info.metadata), violations) == ({"group": "g"}, [])
+
+
+def test_a_stream_that_stops_sending_ends_stalled_without_details(
+    strict_stub: Stub,
+) -> None:
+    """The one refusal without details, as docs/protocol.md says: the server ends
+    a stalled stream from outside its handler (gRPC Python can only cancel the call
+    with a code and a message there)."""
+    released = threading.Event()
+
+    def messages() -> Iterator[pb.PushStreamRequest]:
+        g = np.ones(3, np.float32)
+        yield pb.PushStreamRequest(
+            header=pb.PushRequest(group="g", gradients=[header_tensor(g)])
+        )
+        released.wait(30)  # sends nothing more until the call has ended
+
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            strict_stub.PushStream(messages(), timeout=20)
+    finally:
+        released.set()
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert err.value.details() == (
+        "the PushStream stream sent nothing for 0.3 s (--stall-seconds): "
+        "the server ended it"
+    )
+    assert rpc_status.from_call(err.value) is None  # type: ignore[arg-type]
+
+
 # Reasons whose refusal needs a set-up of its own (tokens, a full disk, a draining
 # server, shared memory, a cluster): the test file that makes each.
 ELSEWHERE = {
@@ -368,7 +426,6 @@ NOT_YET_CHECKED = {
     "SEQ_TOO_OLD",
     "SEGMENT_NOT_OWNED",
     "SEGMENT_UNAVAILABLE",
-    "SHARED_MEMORY_OFF",
     "OTHER_PID_NAMESPACE",
     "DATA_CHANNEL_BUSY",
     "DATA_CHANNEL_BROKEN",
@@ -378,7 +435,6 @@ NOT_YET_CHECKED = {
     "DATA_FRAME_SIZE",
     "DATA_FRAME_MISMATCH",
     "DATA_FRAME_TRUNCATED",
-    "STREAM_STALLED",
 }
 
 _REASON_IN_CODE = re.compile(
@@ -419,7 +475,7 @@ def test_every_reason_the_server_gives_is_documented_and_tested() -> None:
     in_code = reasons_in_code()
     assert {"INVALID_TENSOR", "DATA_CHANNEL_BUSY", "TOKEN_UNKNOWN"} <= in_code
     assert sorted(in_code - documented_reasons()) == []
-    made_here = {r.reason for r in REFUSALS}
+    made_here = {r.reason for r in REFUSALS} | {"SHARED_MEMORY_OFF", "STREAM_STALLED"}
     for reason in sorted(in_code - made_here - NOT_YET_CHECKED):
         assert reason in ELSEWHERE, f"{reason}: no test makes this refusal"
         where = ROOT / "tests" / ELSEWHERE[reason]
