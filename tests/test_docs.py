@@ -144,3 +144,26 @@ def test_the_metrics_table_names_every_metric_a_server_exports(
     assert {"onnxps_rpcs_total", "onnxps_waiting_calls"} <= exported
     assert sorted(exported - documented) == []
     assert sorted(documented - exported) == []
+
+
+def test_the_readme_is_a_front_door_to_the_docs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    for command in ("bash scripts/demo.sh", "bash scripts/test.sh"):
+        assert command in readme
+    links = re.findall(r"\]\((docs/[^)#]+)", readme)
+    pages = {"index.md", "protocol.md", "troubleshooting.md", "reference.md"}
+    assert pages <= {Path(link).name for link in links}
+    for link in links:
+        assert (ROOT / link).is_file(), link
+
+
+def test_the_home_page_quickstart_is_the_readmes() -> None:
+    """tests/test_cli.py runs the README's; the site's home page shows the same."""
+
+    def quickstart(path: Path) -> str:
+        found = re.search(r"```python\n(.*?)```", path.read_text(), re.S)
+        assert found is not None, path
+        return found.group(1)
+
+    assert quickstart(ROOT / "docs" / "index.md") == quickstart(ROOT / "README.md")
