@@ -153,8 +153,8 @@ def apart_lines(groups: Sequence[GroupInfo], apart: set[str]) -> list[str]:
     return [
         f"parts apart: {g.name}: T "
         + ", ".join(str(p.update_count) for p in g.parts)
-        + " (a part lost pushes the others applied; see the README's 'When the "
-        "parts of a split group disagree')"
+        + " (a part lost pushes the others applied; see docs/cluster.md, 'When "
+        "the parts of a split group disagree')"
         for g in groups
         if g.name in apart
     ]

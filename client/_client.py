@@ -96,17 +96,17 @@ class Client(RoutingCore):
     """A connection to one onnxps server, or to a cluster of shards.
 
     ``address`` is ``"host:port"`` (one server) or a list of the shards' addresses
-    in shard order (a cluster; README "A cluster of shards"): each call is routed
-    to the shards holding its group, and a group whose X is larger than
-    ``split_bytes`` is split across them.
+    in shard order (a cluster; docs/cluster.md): each call is routed to the shards
+    holding its group, and a group whose X is larger than ``split_bytes`` is split
+    across them.
 
     ``address`` may also be ``"unix:///path/to.sock"`` (or ``"unix:relative"``): a
     server listening on a Unix socket. ``shared_memory`` chooses the same-host
-    transport (README "Same host: Unix sockets and shared memory"): ``"auto"`` (the
-    default) moves the tensors of large pushes and pulls through /dev/shm when a
-    hello proves client and server share host and user, and sends bytes over gRPC
-    otherwise (logged once); ``"on"`` raises ``SharedMemoryError`` where it cannot
-    work; ``"off"`` never uses it.
+    transport (docs/transports.md): ``"auto"`` (the default) moves the tensors of
+    large pushes and pulls through /dev/shm when a hello proves client and server
+    share host and user, and sends bytes over gRPC otherwise (logged once);
+    ``"on"`` raises ``SharedMemoryError`` where it cannot work; ``"off"`` never
+    uses it.
 
     Every call takes ``timeout=`` (seconds) and falls back to the client's default.
     It is one deadline for the whole call: every retry of the channel and every

@@ -1,7 +1,7 @@
 """A cluster of shards: placement, split layouts and fan-out, with no grpc.
 
 Everything here is a pure function of the group's name, its tensors and the shard
-count (the README's "Placement" section gives it precisely, for clients in other
+count (docs/cluster.md, "Placement", gives it precisely, for clients in other
 languages), plus ``fan_out``, which runs callables in parallel on a thread pool (how
 ``Client`` performs a ``Parallel`` effect of the routing's operations, ``_sharded``;
 ``AsyncClient`` runs them as tasks).

@@ -98,8 +98,9 @@ class PartsDivergedError(FailedPreconditionError):
     """The parts of a split group disagree: they are at different T after waiting
     for the pushes in flight (``reason`` ``"PARTS_APART"``), or a part refused for
     good a push the others applied (``"PART_REFUSED"``). ``group`` names the group;
-    ``update_counts`` is each part's T in part order (empty when not known). The
-    README's "When the parts of a split group disagree" says how to repair it."""
+    ``update_counts`` is each part's T in part order (empty when not known).
+    docs/cluster.md, "When the parts of a split group disagree", says how to repair
+    it."""
 
     def __init__(
         self,

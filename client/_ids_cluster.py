@@ -9,7 +9,7 @@ group holding every ids table of the group, with the ids part k owns:
 A row push is split by owner (``split_push``) and lands as a split fixed table's
 does (``_rowsplit.land``): every part is sent the push, with no rows when it owns
 none of its ids, all with one (client_id, seq), so every part steps T once per push
-and the cluster is bit-identical to one server (README, "Ids tables on a cluster").
+and the cluster is bit-identical to one server (docs/embeddings.md).
 A row pull asks only the parts that own some of its ids and puts their rows back in
 the caller's order. Such a group holds ids tables only (put dense tensors in a group
 of their own).

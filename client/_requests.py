@@ -174,8 +174,8 @@ class ClientCore(RowsOps):
             unexpected,
             shared_memory,
         )
-        # A list of addresses is a cluster: shard i at addresses[i] (README, "A
-        # cluster of shards").
+        # A list of addresses is a cluster: shard i at addresses[i] (docs/cluster.md,
+        # "A cluster of shards").
         self.addresses = [address] if isinstance(address, str) else list(address)
         self.address = ",".join(self.addresses)
         self.shards: int | None = (
@@ -187,8 +187,8 @@ class ClientCore(RowsOps):
         self.transport: Transport = transport
         self.stream_threshold_bytes = stream_threshold_bytes
         self.chunk_bytes = chunk_bytes
-        # How gradients and pulled X travel unless a call says (README, "Compressed
-        # gradients on the wire"): None is native.
+        # How gradients and pulled X travel unless a call says (docs/transports.md,
+        # "Compressed gradients on the wire"): None is native.
         self.gradient_encoding = check_encoding(gradient_encoding, "gradient_encoding")
         self.pull_encoding = check_encoding(pull_encoding, "pull_encoding")
         self._token = token
@@ -207,7 +207,7 @@ class ClientCore(RowsOps):
         # where the hello is refused; "on" uses it for every push and pull and
         # raises SharedMemoryError where it cannot work; "off" never uses it.
         self.shared_memory: SharedMemoryMode = shared_memory
-        # The data channel (README "The data channel"): "auto" (with
+        # The data channel (docs/transports.md, "The data channel"): "auto" (with
         # transport="auto") carries the bytes of native calls of at least
         # DATA_CHANNEL_THRESHOLD_BYTES on sockets beside gRPC when the server
         # offers them, "on" every push and pull (DataChannelError where it cannot),

@@ -41,8 +41,8 @@ class RoutingCore(ClientCore):
 
     def _drop_pending(self) -> None:
         """The client closes: the pushes whose parts did not all land stay apart on
-        the parts that missed them (README, "When the parts of a split group
-        disagree"); said once per push."""
+        the parts that missed them (docs/cluster.md, "When the parts of a split
+        group disagree"); said once per push."""
         for entry in self._pending.every():
             log.warning(
                 "closing the client with push seq %d to %s not landed on %s (%s): "

@@ -6,7 +6,7 @@ element ranges are rows of one element. A row push is checked whole here (names,
 indices, shapes, dtype, finiteness), before any part is sent, so parts never
 disagree about a refusal; then each owner gets its rows (indices made part-local,
 in the order they came, so repeats sum as on one server) and every other part the
-same push with no rows, so that every part steps T (README, "Row pushes on a
+same push with no rows, so that every part steps T (docs/embeddings.md, "Row pushes on a
 split group"). A row pull asks only the owners and puts the rows back in request
 order. A group of ids tables split by id (``_ids_cluster``) lands its row pushes
 the same way: ``_ids_cluster.split_push`` says what each part gets.

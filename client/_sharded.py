@@ -544,7 +544,7 @@ def _diverged(group: str, seq: int, refused: Sequence[tuple[PartPush, Any]]) -> 
     return PartsDivergedError(
         f"part {req.group} on shard {shard} refused push seq {seq} for good "
         f"({exc}) while other parts of {group!r} applied it: the parts are a push "
-        "apart; see the README's 'When the parts of a split group disagree'",
+        "apart; see docs/cluster.md, 'When the parts of a split group disagree'",
         group=group,
         reason="PART_REFUSED",
         metadata={"part": req.group, "shard": str(shard), "seq": str(seq)},
@@ -809,8 +809,8 @@ def _apart(
         f"behind did not reach T={max(counts)} within the pull's {waited:g} s "
         f"({why}). A part "
         "lost pushes the others applied (restored from an older data dir, or a "
-        "client died mid-push); see the README's 'When the parts of a split group "
-        "disagree' to repair it",
+        "client died mid-push); see docs/cluster.md, 'When the parts of a split "
+        "group disagree', to repair it",
         group=found.group,
         update_counts=counts,
     )

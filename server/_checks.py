@@ -87,22 +87,32 @@ def check_tensors(
     first, dtype = tensors[0][0], np.dtype(tensors[0][1].dtype)
     if dtype not in STATE_DTYPES:
         raise InvalidArgument(
-            f"group tensors must be float32 or float64, got {dtype} for {first!r}"
+            f"group tensors must be float32 or float64, got {dtype} for {first!r}",
+            reason="DTYPE_MISMATCH",
+            metadata={"expected": "float32 or float64", "received": dtype},
+            field="tensors[0].dtype",
         )
     seen: set[str] = set()
-    for tname, arr in tensors:
+    for i, (tname, arr) in enumerate(tensors):
         check_name(tname, "tensor name")
         if tname in seen:
-            raise InvalidArgument(f"tensor name {tname!r} appears twice")
+            raise InvalidArgument(
+                f"tensor name {tname!r} appears twice", field=f"tensors[{i}].name"
+            )
         seen.add(tname)
         if arr.dtype != dtype:
             raise InvalidArgument(
-                f"a group has one dtype: {first!r} is {dtype}, {tname!r} is {arr.dtype}"
+                f"a group has one dtype: {first!r} is {dtype}, "
+                f"{tname!r} is {arr.dtype}",
+                reason="DTYPE_MISMATCH",
+                metadata={"expected": dtype, "received": arr.dtype},
+                field=f"tensors[{i}].dtype",
             )
         if not allow_non_finite and not all_finite(arr):
             raise InvalidArgument(
                 f"initial value of {tname!r} holds NaN or inf; pass "
-                "allow_non_finite=True to keep it"
+                "allow_non_finite=True to keep it",
+                field=f"tensors[{i}]",
             )
     return dtype
 

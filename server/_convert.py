@@ -6,8 +6,14 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
+import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
-from onnxps.wire.codec import DTYPE_TO_PROTO, tensor_spec
+from onnxps.wire.codec import (
+    DTYPE_TO_PROTO,
+    TensorFormatError,
+    tensor_spec,
+    tensor_to_array,
+)
 from onnxps.wire.image import TableDefinition
 
 from .errors import InvalidArgument
@@ -19,6 +25,7 @@ __all__ = [
     "attrs_to_proto",
     "consistency_from_proto",
     "consistency_to_proto",
+    "decoded",
     "group_info",
     "index_spec",
     "initializer_from_proto",
@@ -203,3 +210,14 @@ def index_spec(t: pb.Tensor, what: str, group: str) -> tuple[Any, tuple[int, ...
             metadata={"group": group, "received": t.dtype},
         )
     return tensor_spec(t, what)
+
+
+def decoded(
+    t: pb.Tensor, what: str, field: str, *, encoded: bool = False
+) -> np.ndarray[Any, Any]:
+    """``tensor_to_array``, refusing a malformed tensor as INVALID_TENSOR that names
+    the request ``field`` at fault (the BadRequest a client in any language reads)."""
+    try:
+        return tensor_to_array(t, what, encoded=encoded)
+    except TensorFormatError as exc:
+        raise InvalidArgument(str(exc), reason="INVALID_TENSOR", field=field) from None

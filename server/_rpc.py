@@ -34,6 +34,7 @@ from onnxps.wire.codec import (
 )
 
 from ._datachannel import DataChannels, principal_of
+from ._handlers import group_of, on_first
 from ._receive import GradientPool
 from ._shm import Caller, SharedMemory
 from ._status import rich_status, status_of
@@ -80,9 +81,13 @@ _CUT_OFF_SECONDS = 0.2
 
 
 def failure(
-    exc: BaseException, context: grpc.ServicerContext, method: str
+    exc: BaseException,
+    context: grpc.ServicerContext,
+    method: str,
+    group: str | None = None,
 ) -> grpc.Status:
-    """The status an exception ends a call with (logged when it is a bug)."""
+    """The status an exception ends a call with (logged when it is a bug); a
+    refusal of a call that names ``group`` says so in its ErrorInfo metadata."""
     kept = tuple(context.trailing_metadata() or ())  # e.g. the request id echo
     if isinstance(exc, (grpc.RpcError, CallCancelled)) or not context.is_active():
         _drop_frames(exc)
@@ -90,7 +95,7 @@ def failure(
         code = grpc.StatusCode.CANCELLED
         gone = "the client cancelled the call"
         return rich_status(code, gone, code.name, trailers=kept)
-    status = status_of(exc, kept)
+    status = status_of(exc, kept, group)
     if status is not None:
         return status
     log.exception("%s failed with an unexpected error", method)
@@ -116,15 +121,32 @@ def _already_aborted(context: grpc.ServicerContext) -> bool:
     return callable(code) and code() not in (None, grpc.StatusCode.OK)
 
 
+class _Named:
+    """The group a call names: its request's, or its request stream's first
+    message's once read (the stream is handed on unchanged)."""
+
+    def __init__(self, request: Any) -> None:
+        self.group: str | None = None
+        if isinstance(request, Iterator):
+            self.request: Any = on_first(request, self._see)
+        else:
+            self.request = request
+            self._see(request)
+
+    def _see(self, msg: Any) -> None:
+        self.group = group_of(msg) or None
+
+
 def unary(method: F) -> F:
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        named = _Named(request)
         try:
-            return method(self, request, context)
+            return method(self, named.request, context)
         except Exception as exc:  # noqa: BLE001 - every error becomes a status
             if _already_aborted(context):
                 raise
-            status = failure(exc, context, method.__name__)
+            status = failure(exc, context, method.__name__, named.group)
         # Outside the except block, so the abort does not chain the error's frames.
         context.abort_with_status(status)
 
@@ -136,13 +158,14 @@ def streaming(method: F) -> F:
     def wrapper(
         self: Any, request: Any, context: grpc.ServicerContext
     ) -> Iterator[Any]:
+        named = _Named(request)
         try:
-            yield from method(self, request, context)
+            yield from method(self, named.request, context)
             return
         except Exception as exc:  # noqa: BLE001
             if _already_aborted(context):
                 raise
-            status = failure(exc, context, method.__name__)
+            status = failure(exc, context, method.__name__, named.group)
         context.abort_with_status(status)
 
     return wrapper  # type: ignore[return-value]

@@ -22,6 +22,7 @@ from onnxps.wire.codec import (
 from ._convert import (
     attrs_from_proto,
     consistency_from_proto,
+    decoded,
     group_info,
     table_from_proto,
 )
@@ -135,9 +136,13 @@ class GroupRpcs(RpcFamily):
         self, request: pb.CreateGroupRequest, context: Any
     ) -> pb.CreateGroupResponse:
         self._check_create_size(request)
-        tensors = [tensor_to_array(t, f"tensor {t.name!r}") for t in request.tensors]
+        tensors = [
+            decoded(t, f"tensor {t.name!r}", f"tensors[{i}]")
+            for i, t in enumerate(request.tensors)
+        ]
         state = [
-            tensor_to_array(t, f"state {i + 1}") for i, t in enumerate(request.state)
+            decoded(t, f"state {i + 1}", f"state[{i}]")
+            for i, t in enumerate(request.state)
         ]
         table_arrays = [
             [tensor_to_array(h, w) for h, w in zip(*_table_tensors(t), strict=True)]

@@ -30,10 +30,10 @@ from onnxps.wire.codec import (
     encode_chunk,
     header_tensor,
     tensor_spec,
-    tensor_to_array,
     write_tensor,
 )
 
+from ._convert import decoded
 from ._datachannel import DataChannel
 from ._receive import GradientPool, Lease, receive
 from ._shm import Caller, SharedMemory
@@ -130,7 +130,12 @@ class InlineGradients:
         names = self.ticket.names
         yield (
             [
-                tensor_to_array(t, f"gradient {i + 1} ({names[i]!r})", encoded=True)
+                decoded(
+                    t,
+                    f"gradient {i + 1} ({names[i]!r})",
+                    f"gradients[{i}].raw_data",
+                    encoded=True,
+                )
                 for i, t in enumerate(self.req.gradients)
             ],
             False,

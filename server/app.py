@@ -58,7 +58,8 @@ def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None) 
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything a server is started with. ``onnxps serve`` is generated from these
-    fields (flags, ``ONNXPS_*`` variables, defaults); the README table too."""
+    fields (flags, ``ONNXPS_*`` variables, defaults); so is the table of
+    docs/configuration.md."""
 
     address: str = _option(
         "127.0.0.1:50051", "host:port to listen on, or unix:PATH (a Unix socket)"

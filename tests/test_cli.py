@@ -241,7 +241,7 @@ def test_serve_flags_take_onnxps_variables_then_flags() -> None:
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_readme_serve_flags_table_matches_the_parser() -> None:
+def test_configuration_page_serve_flags_table_matches_the_parser() -> None:
     run = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "config_table.py"), "--check"],
         capture_output=True,

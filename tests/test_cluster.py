@@ -131,7 +131,7 @@ def _finish(procs: Sequence[subprocess.Popen[str]], timeout: float = 240) -> Non
 
 
 def test_placement_is_rendezvous_on_sha256_as_documented() -> None:
-    # The README's worked example, for clients in other languages.
+    # docs/cluster.md's worked example, for clients in other languages.
     scores = [shard_score("mlp", i) for i in range(3)]
     assert scores == [0xB333C256EE92B296, 0x489042A378D6A666, 0x7F90AC20EEEDF5C4]
     assert shard_ranking("mlp", 3) == [0, 2, 1]

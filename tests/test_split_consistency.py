@@ -429,7 +429,7 @@ def test_a_part_restored_from_an_older_data_dir_is_reported(
             out = capsys.readouterr().out
             assert (
                 "parts apart: g: T 7, 7, 6 (a part lost pushes the others applied; "
-                "see the README's 'When the parts of a split group disagree')"
+                "see docs/cluster.md, 'When the parts of a split group disagree')"
             ) in out.splitlines()
             rows = [
                 cells
