@@ -2,7 +2,7 @@
 
 The same calls, arguments, results, exceptions and deadlines as ``Client``, on one
 server or a cluster of shards: both perform the operations of
-``_requests.ClientCore``, routed by ``_routing.RoutingCore``; only the way an RPC is
+``_requests.ClientCore``, routed by ``_routes``; only the way an RPC is
 made differs (and the calls of a cluster's parts run as tasks, not threads).
 Cancelling the task of a call cancels its RPCs (every shard's), and the servers let
 go of them at once (a waiting ``pull(min_version=...)`` or sync push frees its
@@ -35,7 +35,6 @@ from ._ops import (
 )
 from ._records import LeaseInfo
 from ._requests import ClientCore, State
-from ._routing import RoutingCore
 from ._settings import channel_credentials, channel_options, multicallable
 
 __all__ = ["AsyncClient"]
@@ -61,7 +60,7 @@ def _awaiting(
     return method
 
 
-class AsyncClient(RoutingCore):
+class AsyncClient(ClientCore):
     """A connection to one onnxps server, or to a cluster of shards, for asyncio:
     every call is a coroutine.
 

@@ -39,7 +39,6 @@ from ._records import (
     WorkerInfo,
 )
 from ._requests import ClientCore, State
-from ._routing import RoutingCore
 from ._settings import channel_credentials, channel_options, multicallable
 
 __all__ = [
@@ -92,7 +91,7 @@ def _in_background(
     return method
 
 
-class Client(RoutingCore):
+class Client(ClientCore):
     """A connection to one onnxps server, or to a cluster of shards.
 
     ``address`` is ``"host:port"`` (one server) or a list of the shards' addresses
@@ -279,7 +278,7 @@ class Client(RoutingCore):
 
     # -- calls ---------------------------------------------------------------------
     # Each is the shared operation of ClientCore, run with blocking grpc calls (on a
-    # cluster, RoutingCore routes it to the shards of its group).
+    # cluster, its route sends it to the shards of its group).
     create_group = _blocking(ClientCore._create_group)
     describe_group = _blocking(ClientCore._describe_group)
     list_groups = _blocking(ClientCore._list_groups)

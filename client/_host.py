@@ -1,6 +1,6 @@
 """What the operations written apart from the client core (rows, cluster routing,
 export and import) need of it: ``CoreHost`` and ``ClusterHost``, implemented by
-``ClientCore`` and ``RoutingCore``. Those modules are typed against these protocols,
+``ClientCore``. Those modules are typed against these protocols,
 not the core's classes, so none of them imports back up into the core: the client's
 modules import each other in one direction only (tests/test_layers.py)."""
 
@@ -15,19 +15,108 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.encoding import Encoding
 from onnxps.wire.initializers import IdsTable
 
+from ._channel_transport import DataChannelLink
 from ._cluster import Layout
+from ._grpc_transport import Transport
 from ._ops import Call, Deadline, Op
 from ._optimizers import Async, OptimizerSpec, Sync
 from ._pending import PendingPushes
-from ._records import GroupInfo, PushResult, RowsPage
+from ._records import GroupInfo, LeaseInfo, PushResult, RowsPage, SaveInfo
+from ._shm_transport import SharedMemoryLink
 
-__all__ = ["ClusterHost", "CoreHost", "RunningHost"]
+__all__ = ["ClusterHost", "CoreHost", "Route", "RunningHost", "Targets"]
 
 Array = np.ndarray[Any, Any]
+# (shard, name on it) of each part of a group
+Targets = list[tuple[int, str]]
 R = TypeVar("R")
 
 
+class Route(Protocol):
+    """The operations whose requests depend on where a group lives."""
+
+    def create(
+        self,
+        req: pb.CreateGroupRequest,
+        names: list[str],
+        arrays: list[Array],
+        state_arrays: list[Array],
+        deadline: Deadline,
+        table_arrays: Sequence[Sequence[Array]],
+    ) -> Op[GroupInfo]: ...
+
+    def describe(self, name: str, deadline: Deadline) -> Op[GroupInfo]: ...
+
+    def list_groups(self, prefix: str, deadline: Deadline) -> Op[list[GroupInfo]]: ...
+
+    def delete(self, name: str, deadline: Deadline) -> Op[bool]: ...
+
+    def set_learning_rate(
+        self, name: str, learning_rate: float, deadline: Deadline
+    ) -> Op[GroupInfo]: ...
+
+    def push(
+        self,
+        req: pb.PushRequest,
+        arrays: list[Array],
+        deadline: Deadline,
+        out: Sequence[Array] | None,
+    ) -> Op[PushResult]: ...
+
+    def pull(
+        self,
+        group: str,
+        state: bool,
+        min_version: int | None,
+        deadline: Deadline,
+        encoding: Encoding,
+        out: Sequence[Array] | None,
+        allow_apart: bool,
+    ) -> Op[tuple[int, list[Array]]]: ...
+
+    def save(self, deadline: Deadline) -> Op[SaveInfo]: ...
+
+    def push_rows(
+        self,
+        group: str,
+        gradients: Mapping[str, Any],
+        base_version: int | None,
+        learning_rate: float | None,
+        deadline: Deadline,
+        encoding: Encoding,
+    ) -> Op[PushResult]: ...
+
+    def pull_rows(
+        self,
+        group: str,
+        selections: Mapping[str, Any],
+        state: bool,
+        min_version: int | None,
+        deadline: Deadline,
+    ) -> Op[dict[str, Array]]: ...
+
+    def list_rows(
+        self,
+        group: str,
+        table: str,
+        page_token: str,
+        page_size: int,
+        values: bool,
+        state: bool,
+        deadline: Deadline,
+    ) -> Op[RowsPage]: ...
+
+    def join(
+        self, group: str, worker_id: str, deadline: Deadline
+    ) -> Op[tuple[Targets, LeaseInfo]]: ...
+
+    def leave(
+        self, group: str, worker_id: str, deadline: Deadline
+    ) -> Op[LeaseInfo]: ...
+
+
 class CoreHost(Protocol):
+    _route: Route
     address: str
     addresses: list[str]
     client_id: str
@@ -105,6 +194,15 @@ class ClusterHost(CoreHost, Protocol):
     split_bytes: int
     _layouts: dict[str, Layout]
     _pending: PendingPushes
+    _shm_link: SharedMemoryLink
+    _data_link: DataChannelLink
+    transport: Transport
+    stream_threshold_bytes: int
+    chunk_bytes: int
+
+    def _remember(self, info: GroupInfo) -> GroupInfo: ...
+
+    def _describe(self, name: str, deadline: Deadline) -> Op[GroupInfo]: ...
 
     @staticmethod
     def _call_op(call: Call) -> Op[Any]: ...

@@ -41,15 +41,15 @@ from onnxps.wire.initializers import IdsTable
 from onnxps.wire.shm import layout
 
 from ._channel_transport import DataChannelLink, DataChannelMode
-from ._errors import (
-    ClientClosedError,
-)
+from ._cluster import Layout
+from ._errors import ClientClosedError, RpcError
 from ._grpc_transport import (
     Transport,
     chunk_stream,
     grpc_transport,
     use_stream,
 )
+from ._host import Route, Targets
 from ._ops import (
     Call,
     Deadline,
@@ -66,6 +66,7 @@ from ._ops import (
     what,
 )
 from ._optimizers import Async, OptimizerSpec, Sync
+from ._pending import PendingPushes
 from ._records import (
     GroupInfo,
     LeaseInfo,
@@ -81,6 +82,7 @@ from ._replies import (
     table_specs,
     written_into,
 )
+from ._routes import route_of
 from ._rows import RowsOps
 from ._settings import (
     SWITCH_MODES,
@@ -224,6 +226,12 @@ class ClientCore(RowsOps):
             self, self._tls, server_name_override, self._dtypes
         )
         self._state = State.UNOPENED
+        # A cluster client's layouts of its groups' parts, and per group the pushes
+        # whose parts did not all land (sent first by the group's next push or pull)
+        self._layouts: dict[str, Layout] = {}
+        self._pending = PendingPushes()
+        # Where each call goes: the one server, or its group's parts (``_routes``)
+        self._route: Route = route_of(self)
         self._setup()
 
     def _setup(self) -> None:
@@ -326,10 +334,9 @@ class ClientCore(RowsOps):
         table_arrays: Sequence[Sequence[Array]] = (),
     ) -> Op[GroupInfo]:
         """Create the group (a cluster client: its parts, on their shards)."""
-        msg = yield from self._create_op(
-            req, names, arrays, state_arrays, deadline, table_arrays=table_arrays
+        return self._route.create(
+            req, names, arrays, state_arrays, deadline, table_arrays
         )
-        return self._remember(group_info(msg))
 
     def _create_op(
         self,
@@ -398,7 +405,7 @@ class ClientCore(RowsOps):
     def _describe_group(
         self, name: str, *, timeout: float | None = None
     ) -> Op[GroupInfo]:
-        return self._describe(name, self._deadline(timeout))
+        return self._route.describe(name, self._deadline(timeout))
 
     def _describe(self, name: str, deadline: Deadline) -> Op[GroupInfo]:
         req = pb.DescribeGroupRequest(group=name)
@@ -410,22 +417,17 @@ class ClientCore(RowsOps):
     def _list_groups(
         self, prefix: str = "", *, timeout: float | None = None
     ) -> Op[list[GroupInfo]]:
-        req = pb.ListGroupsRequest(prefix=prefix)
-        msg = yield from self._unary_op("ListGroups", req, timeout)
-        return [group_info(g) for g in msg.groups]
+        return self._route.list_groups(prefix, self._deadline(timeout))
 
     def _delete_group(self, name: str, *, timeout: float | None = None) -> Op[bool]:
         self._sizes.pop(name, None)
-        req = pb.DeleteGroupRequest(group=name)
-        msg = yield from self._unary_op("DeleteGroup", req, timeout)
-        return bool(msg.deleted)
+        return self._route.delete(name, self._deadline(timeout))
 
     def _set_learning_rate(
         self, name: str, learning_rate: float, *, timeout: float | None = None
     ) -> Op[GroupInfo]:
-        req = pb.SetLearningRateRequest(group=name, learning_rate=learning_rate)
-        msg = yield from self._unary_op("SetLearningRate", req, timeout)
-        return group_info(msg.group)
+        deadline = self._deadline(timeout)
+        return self._route.set_learning_rate(name, learning_rate, deadline)
 
     # -- push ----------------------------------------------------------------------
     def _push_detailed(
@@ -499,10 +501,7 @@ class ClientCore(RowsOps):
     ) -> Op[PushResult]:
         """Send the push (a cluster client: its parts, to their shards). ``out``:
         arrays X may be written straight into (the caller checked them)."""
-        way = yield from choose_push(
-            self, self._shm_link, self._data_link, arrays, req.return_values, deadline
-        )
-        return (yield from way.push(req, arrays, deadline, out))
+        return self._route.push(req, arrays, deadline, out)
 
     def _push_part_op(
         self,
@@ -650,8 +649,9 @@ class ClientCore(RowsOps):
         """Pull the group (a cluster client: its parts, from their shards); into
         ``out`` where its arrays fit (the caller copies into them otherwise).
         ``allow_apart``: a cluster's parts may be at different T."""
-        pulled = self._pull_op(group, state, min_version, deadline, encoding, out)
-        return (yield from pulled)
+        return self._route.pull(
+            group, state, min_version, deadline, encoding, out, allow_apart
+        )
 
     def _pull_op(
         self,
@@ -736,9 +736,49 @@ class ClientCore(RowsOps):
         return lease_info((yield from self._unary_op("LeaveGroup", req, timeout)))
 
     def _save(self, *, timeout: float | None = None) -> Op[SaveInfo]:
-        """Ask the server to write a snapshot of every group now."""
-        msg = yield from self._unary_op("Save", pb.SaveRequest(), timeout)
-        return SaveInfo(msg.path, msg.groups, msg.bytes)
+        """Ask the server (every shard of a cluster) to write a snapshot of every
+        group now; a cluster's paths are joined with ", " in shard order."""
+        return self._route.save(self._deadline(timeout))
+
+    def _join_parts(
+        self, group: str, worker_id: str, timeout: float | None
+    ) -> Op[tuple[Targets, LeaseInfo]]:
+        """Join every part of a group: its parts, and the lease as the first part
+        answered it."""
+        return self._route.join(group, worker_id, self._deadline(timeout))
+
+    def _leave_parts(
+        self, group: str, worker_id: str, timeout: float | None
+    ) -> Op[LeaseInfo]:
+        """Leave every part of a group; the lease as the first part answered."""
+        return self._route.leave(group, worker_id, self._deadline(timeout))
+
+    def _heartbeats_op(
+        self, targets: Targets, worker_id: str, interval: float
+    ) -> Op[None]:
+        """One heartbeat to each part, in turn; a failed one is logged (the next
+        beat tries again). Raises ClientClosedError once the client is closed."""
+        for shard, name in targets:
+            beat = self._heartbeat_op(name, worker_id, interval)
+            try:
+                yield from on_shard(shard, beat)
+            except RpcError as exc:
+                log.warning("heartbeat for %s in %s failed: %s", worker_id, name, exc)
+
+    def _drop_pending(self) -> None:
+        """The client closes: the pushes whose parts did not all land stay apart on
+        the parts that missed them (docs/cluster.md, "When the parts of a split
+        group disagree"); said once per push."""
+        for entry in self._pending.every():
+            log.warning(
+                "closing the client with push seq %d to %s not landed on %s (%s): "
+                "the other parts took it (or may have), and stay a push ahead",
+                entry.seq,
+                entry.group,
+                ", ".join(str(p[1].group) for p in entry.parts),
+                entry.why,
+            )
+            self._pending.replace(entry, None)
 
     def _export(self, path: str | os.PathLike[str], prefix: str = "") -> Op[list[str]]:
         """Write every group whose name starts with ``prefix`` (tensors, optimizer

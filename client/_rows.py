@@ -51,10 +51,8 @@ class RowsOps(_Core):
         does; indices travel as they are."""
         deadline = self._deadline(timeout)
         enc = self._encoding(encoding, self.gradient_encoding, "encoding")
-        return (
-            yield from self._rows_push_op(
-                group, group, gradients, base_version, learning_rate, deadline, enc
-            )
+        return self._route.push_rows(
+            group, gradients, base_version, learning_rate, deadline, enc
         )
 
     def _rows_push_op(
@@ -114,11 +112,7 @@ class RowsOps(_Core):
         """Rows of tensors: ``{name: indices}`` in, ``{name: rows}`` out (with
         ``state``, also ``"V:name"`` and ``"H:name"`` as the operator has them)."""
         deadline = self._deadline(timeout)
-        return (
-            yield from self._rows_pull_op(
-                group, group, selections, state, min_version, deadline
-            )
-        )
+        return self._route.pull_rows(group, selections, state, min_version, deadline)
 
     def _rows_pull_op(
         self,
@@ -159,10 +153,8 @@ class RowsOps(_Core):
         ``page_size`` ids (0: 1000; the server may return fewer), with their X rows
         (``values``) and V, H rows (``state``)."""
         deadline = self._deadline(timeout)
-        return (
-            yield from self._list_rows_op(
-                group, table, page_token, page_size, values, state, deadline
-            )
+        return self._route.list_rows(
+            group, table, page_token, page_size, values, state, deadline
         )
 
     def _list_rows_op(

@@ -5,7 +5,7 @@ Placement and layouts are ``_cluster``'s pure functions; this module turns one c
 into operations of one shard each (``on_shard``), runs them at once (``parallel``)
 and merges the replies. Every function here is an operation (``_requests.Op``):
 ``Client`` runs it with blocking calls on a thread pool, ``AsyncClient`` with
-asyncio tasks, and ``_routing.ClusterHost`` is what sends a cluster's calls here.
+asyncio tasks, and ``_routes.Cluster`` is what sends a cluster's calls here.
 """
 
 from __future__ import annotations

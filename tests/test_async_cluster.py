@@ -1,6 +1,6 @@
 """AsyncClient on a cluster of shard processes: the routing of Client, run as tasks.
 
-Both clients run one implementation of the routing (``_routing.RoutingCore`` and
+Both clients run one implementation of the routing (``_routes.Cluster`` and
 its operations), so the same calls through either end bit-identical; cancelling a
 task cancels the RPC of every shard it waits on. (An AsyncClient worker riding
 through a shard's kill -9: ``test_cluster.test_kill_9_...[AsyncClient]``.)
