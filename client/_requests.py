@@ -221,7 +221,9 @@ class ClientCore(RowsOps):
             )
         self.data_channel: DataChannelMode = data_channel
         # The links of the transports that keep state (see ``_transport``)
-        self._shm_link = SharedMemoryLink(self)
+        # per server (a cluster: per shard, each with its own hello and segments)
+        self._shm_links: dict[int, SharedMemoryLink] = {}
+        self._shm_link = self._shm_link_of(0)
         self._data_link = DataChannelLink(
             self, self._tls, server_name_override, self._dtypes
         )
@@ -233,6 +235,13 @@ class ClientCore(RowsOps):
         # Where each call goes: the one server, or its group's parts (``_routes``)
         self._route: Route = route_of(self)
         self._setup()
+
+    def _shm_link_of(self, shard: int) -> SharedMemoryLink:
+        """The shared-memory link with ``shard`` (0: the one server)."""
+        link = self._shm_links.get(shard)
+        if link is None:
+            link = self._shm_links.setdefault(shard, SharedMemoryLink(self, shard))
+        return link
 
     def _setup(self) -> None:
         """The connection state of the concrete client."""
@@ -514,7 +523,7 @@ class ClientCore(RowsOps):
         with ``on_shard``), on the transport chosen for it."""
         way = yield from choose_push(
             self,
-            self._shm_link,
+            self._shm_link_of(shard),
             self._data_link,
             arrays,
             template.return_values,
@@ -542,7 +551,9 @@ class ClientCore(RowsOps):
         """Close the data channels and unlink the segments (the client's close():
         its tensor buffers too)."""
         self._data_link.close()
-        self._shm_link.close(closing_client=self._state is State.CLOSED)
+        closing = self._state is State.CLOSED
+        for link in self._shm_links.values():
+            link.close(closing_client=closing)
 
     def _push(self, *args: Any, **kwargs: Any) -> Op[int | list[Array]]:
         """Push G_1..G_n (ONNX order). Returns the new T, or X_1..X_n with
@@ -678,7 +689,7 @@ class ClientCore(RowsOps):
             min_version=min_version,
             encoding=ENCODING_TO_PROTO[encoding],
         )
-        links = (self._shm_link, self._data_link)
+        links = (self._shm_link_of(shard), self._data_link)
         way = yield from choose_pull(
             self, *links, segment, size or 0, encoding, deadline, shard
         )

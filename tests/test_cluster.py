@@ -35,6 +35,7 @@ from onnxps.client import (
     Nesterov,
     NotFoundError,
     OptimizerSpec,
+    SharedMemoryError,
     Sync,
     UnavailableError,
     placement,
@@ -599,3 +600,36 @@ def test_row_pushes_go_to_the_shard_holding_the_group(tmp_path: Path) -> None:
             got = split.pull_rows("big", {"e": np.array([99, 50, 0])})["e"]
             np.testing.assert_array_equal(got, split.pull("big")[0][[99, 50, 0]])
             assert got[0][0] < 0 and got[1].tolist() == [0.0] * 4 and got[2][0] < 0
+
+
+def test_cluster_parts_travel_through_each_shards_shared_memory(
+    tmp_path: Path,
+) -> None:
+    """A cluster client on the shards' host moves each part's bytes through shared
+    memory with that shard (its own hello and segments): the same T and X as over
+    gRPC, and with ``shared_memory="on"`` a shard that cannot share memory is an
+    error naming it."""
+    rng = np.random.default_rng(7)
+    x0 = rng.standard_normal(3000).astype(np.float32)
+    grads = [rng.standard_normal(3000).astype(np.float32) for _ in range(3)]
+    with shards(tmp_path, 3) as (addresses, _):
+        with (
+            Client(addresses, split_bytes=SPLIT, shared_memory="on") as shm,
+            Client(addresses, split_bytes=SPLIT, shared_memory="off") as plain,
+        ):
+            for c, name in ((shm, "via-shm"), (plain, "via-grpc")):
+                c.create_group(name, Adam(), learning_rate=0.01, tensors={"x": x0})
+                assert len(c.describe_group(name).parts) == 3
+                for g in grads:
+                    c.push(name, g)
+            t, got = shm.pull_versioned("via-shm", state=True)
+            t1, want = plain.pull_versioned("via-grpc", state=True)
+            assert t == t1 == 3
+            for a, b in zip(got, want, strict=True):
+                np.testing.assert_array_equal(a, b, strict=True)
+            assert sorted(shm._shm_links) == [0, 1, 2]  # one link (hello) a shard
+    with shards(tmp_path, 2, "--shared-memory", "off", tag="off") as (addresses, _):
+        with Client(addresses, split_bytes=SPLIT, shared_memory="on") as shm:
+            with pytest.raises(SharedMemoryError, match=re.escape(addresses[0])):
+                shm.create_group("g", Adam(), learning_rate=0.01, tensors={"x": x0})
+                shm.push("g", grads[0])
