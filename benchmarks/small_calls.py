@@ -2,13 +2,16 @@
 
     python benchmarks/small_calls.py [--rounds 5] [--seconds 3] [--workers 4]
                                      [--sections cpu,tensors,memory] [--mib 256]
+                                     [--baseline REV]
 
 - ``cpu``: ``--workers`` client processes push a 1,000-element float32 Adam gradient
   as fast as they can for ``--seconds``, first to ``onnxps serve --durability none``
   (no auth), then to the floor: a raw grpcio unary server (bytes in, 8 bytes out, no
   protobuf) taking the same NumPy Adam step under a lock. The figure is the server
   process's CPU time (user + system, from /proc) per call, and calls per second.
-  Rounds alternate which server goes first.
+  Rounds alternate which server goes first. ``--baseline REV`` adds the server of
+  an older commit (``benchmarks/_baseline.py``: its own checkout and process),
+  measured in the same rounds: an A/B of a change.
 - ``tensors``: one client pushes and pulls a group of 200 tensors of 1,000 elements
   and a group of one 200,000-element tensor (float32 Adam), alternating; the figure
   is the median push+pull time of each and their ratio.
@@ -22,6 +25,7 @@ Prints medians and min-max spreads; the machine may be shared: read the ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import statistics
@@ -147,37 +151,65 @@ def cpu_section(args: argparse.Namespace, tmp: Path) -> None:
     while not port_file.exists() or not port_file.read_text():
         time.sleep(0.05)
     port = int(port_file.read_text())
-    proc, address = start_server_process(log=tmp / "cpu.log")
-    try:
+    servers = [("onnxps", *start_server_process(log=tmp / "cpu.log"))]
+    with contextlib.ExitStack() as stack:
+        try:
+            if args.baseline:
+                from _baseline import checkout, tree_env
+
+                old = stack.enter_context(checkout(args.baseline))
+                env = tree_env(old.tree)
+                started = start_server_process(log=tmp / "old.log", env=env)
+                servers.append((f"onnxps {old.label}", *started))
+            _cpu_rounds(args, servers, raw.pid or 0, port)
+        finally:
+            stop_processes([p for _, p, _ in servers])
+            raw.kill()
+
+
+def _cpu_rounds(
+    args: argparse.Namespace,
+    servers: list[tuple[str, Any, str]],
+    raw_pid: int,
+    port: int,
+) -> None:
+    for _, _, address in servers:
         with Client(address) as c:
             x0 = np.linspace(-1, 1, SMALL, dtype=np.float32)
             c.create_group("small", Adam(), learning_rate=1e-3, tensors={"w": x0})
-        figures: dict[str, list[tuple[float, float]]] = {"onnxps": [], "raw gRPC": []}
-        for r in range(args.rounds + 1):  # round 0 warms up
-            order = [
-                ("onnxps", _onnxps_worker, address, proc.pid),
-                ("raw gRPC", _raw_worker, port, raw.pid),
-            ]
-            if r % 2:
-                order.reverse()
-            for name, worker, target, pid in order:
-                got = _load(worker, target, pid or 0, args.workers, args.seconds)
-                if r:
-                    figures[name].append(got)
-        print(f"\nserver CPU per 1,000-element Adam push, {args.workers} clients")
-        print(f"  {'server':10s} {'us CPU/call':>24s} {'calls/s':>20s}")
-        for name, runs in figures.items():
-            us = [u for u, _ in runs]
-            rate = [c for _, c in runs]
-            print(f"  {name:10s} {_cell(us, 0):>24s} {_cell(rate, 0):>20s}")
-        ratios = [
-            a[0] / b[0]
-            for a, b in zip(figures["onnxps"], figures["raw gRPC"], strict=True)
+    figures: dict[str, list[tuple[float, float]]] = {n: [] for n, _, _ in servers}
+    figures["raw gRPC"] = []
+    for r in range(args.rounds + 1):  # round 0 warms up
+        order: list[tuple[str, Callable[..., None], Any, int]] = [
+            (name, _onnxps_worker, address, proc.pid) for name, proc, address in servers
         ]
-        print(f"  onnxps / floor (CPU per call): {_cell(ratios, 2)}")
-    finally:
-        stop_processes([proc])
-        raw.kill()
+        order.append(("raw gRPC", _raw_worker, port, raw_pid))
+        if r % 2:
+            order.reverse()
+        for name, worker, target, pid in order:
+            got = _load(worker, target, pid, args.workers, args.seconds)
+            if r:
+                figures[name].append(got)
+    print(f"\nserver CPU per 1,000-element Adam push, {args.workers} clients")
+    print(f"  {'server':18s} {'us CPU/call':>20s} {'calls/s':>20s}")
+    for name, runs in figures.items():
+        us = [u for u, _ in runs]
+        rate = [c for _, c in runs]
+        print(f"  {name:18s} {_cell(us, 0):>20s} {_cell(rate, 0):>20s}")
+    for name, _, _ in servers:
+        ratios = _ratios(figures[name], figures["raw gRPC"])
+        print(f"  {name} / floor (CPU per call): {_cell(ratios, 2)}")
+    if len(servers) == 2:
+        new, old = figures[servers[0][0]], figures[servers[1][0]]
+        wins = sum(a[0] < b[0] for a, b in zip(new, old, strict=True))
+        print(
+            f"  this tree / {servers[1][0]} (CPU per call): "
+            f"{_cell(_ratios(new, old), 2)}, less CPU in {wins} of {len(new)} rounds"
+        )
+
+
+def _ratios(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[float]:
+    return [x[0] / y[0] for x, y in zip(a, b, strict=True)]
 
 
 def tensors_section(args: argparse.Namespace, tmp: Path) -> None:
@@ -261,6 +293,7 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--sections", default="cpu,tensors,memory")
+    p.add_argument("--baseline", help="also measure this commit's server (cpu)")
     args = p.parse_args()
     sections = {
         "cpu": cpu_section,

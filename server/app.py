@@ -20,7 +20,7 @@ from onnxps.wire.codec import CHUNK_BYTES
 from . import _malloc, security
 from ._datachannel import DataChannels, tls_context
 from ._gate import DrainGate
-from ._handlers import SERVICE, Interceptor
+from ._handlers import SERVICE, HookChain, HookInterceptor
 from ._receive import GradientPool
 from ._reflection import enable_reflection
 from ._shm import SharedMemory
@@ -506,7 +506,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
                 lambda: gradient_pool.idle_bytes,
             )
         )
-    interceptors: list[Interceptor] = [ObserveInterceptor(recorder), gate]
+    interceptors: list[HookInterceptor] = [ObserveInterceptor(recorder), gate]
     if grants is not None:
         interceptors.append(security.TokenAuthInterceptor(grants))
     interceptors.append(ShardInterceptor(shard))
@@ -521,7 +521,8 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         ),
         options=_options(config),
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-        interceptors=interceptors,
+        # one interceptor: every call wrapped once (``_handlers.HookChain``)
+        interceptors=[HookChain(interceptors)],
     )
     durability = _durability(config, store, health_servicer)
     if durability is not None and recorder.registry is not None:

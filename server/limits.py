@@ -25,7 +25,14 @@ from google.protobuf.message import Message
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import TensorFormatError, declared_nbytes
 
-from ._handlers import CallHooks, Interceptor, Malformed, method_of, wrap
+from ._handlers import (
+    CallHooks,
+    Deserializer,
+    Handler,
+    HookInterceptor,
+    Malformed,
+    method_of,
+)
 from ._stall import StallWatch
 from ._status import refuse
 from .errors import InvalidArgument, ResourceExhausted
@@ -159,7 +166,7 @@ class InflightHold:
             self._budget.release(nbytes)
 
 
-class LimitsInterceptor(Interceptor):
+class LimitsInterceptor(HookInterceptor):
     """Counts in-flight bytes and open streams for one server."""
 
     def __init__(
@@ -184,24 +191,21 @@ class LimitsInterceptor(Interceptor):
     def inflight_bytes(self) -> int:
         return self.inflight.held
 
-    def intercept_service(
+    def call_hooks(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler: Handler,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
+        deserializer: Deserializer | None,
+    ) -> tuple[CallHooks | None, Deserializer | None]:
         _, method = method_of(handler_call_details)
         call = _Admission(
             self,
             method,
             bool(handler.request_streaming),
             bool(handler.response_streaming),
-            handler.request_deserializer,
+            deserializer,
         )
-        parse = call.parse if handler.request_deserializer is not None else None
-        return wrap(handler, call, request_deserializer=parse)
+        return call, call.parse if deserializer is not None else None
 
     # -- admission -------------------------------------------------------------------
     def admit_stream(self, context: grpc.ServicerContext) -> None:

@@ -28,11 +28,12 @@ from prometheus_client.registry import Collector
 from ._handlers import (
     SERVICE,
     CallHooks,
-    Interceptor,
+    Deserializer,
+    Handler,
+    HookInterceptor,
     group_of,
     method_of,
     on_first,
-    wrap,
 )
 from .limits import message_bytes
 from .security import is_loopback
@@ -301,7 +302,7 @@ def request_id(metadata: Iterable[tuple[str, Any]] | None) -> str:
     return uuid.uuid4().hex[:16]
 
 
-class ObserveInterceptor(Interceptor):
+class ObserveInterceptor(HookInterceptor):
     """The outermost interceptor: sees every call, refused ones too. It reads
     nothing from a call itself, so a caller that never sends is refused further in
     (authentication, stream limit) without waiting here."""
@@ -309,24 +310,21 @@ class ObserveInterceptor(Interceptor):
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
 
-    def intercept_service(
+    def call_hooks(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler: Handler,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
+        deserializer: Deserializer | None,
+    ) -> tuple[CallHooks | None, Deserializer | None]:
         service, method = method_of(handler_call_details)
         call = _Observed(
             self.recorder,
             method if service == SERVICE else f"{service}/{method}",
             request_id(handler_call_details.invocation_metadata),
             bool(handler.request_streaming),
-            handler.request_deserializer,
+            deserializer,
         )
-        parse = call.parse if handler.request_deserializer is not None else None
-        return wrap(handler, call, request_deserializer=parse)
+        return call, call.parse if deserializer is not None else None
 
 
 class _Observed(CallHooks):
