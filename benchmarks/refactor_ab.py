@@ -2,7 +2,7 @@
 version, on every transport, in one run: did a refactor lose speed?
 
     python benchmarks/refactor_ab.py [--rounds 5] [--baseline REV] [--mib 64]
-                                     [--reps 3] [--small 1000] [--calls 200]
+                                     [--reps 5] [--small 1000] [--calls 300]
 
 The baseline (default c55d2bd) is the tree before the wire layer (``onnxps.wire``),
 the client's tensor transports (client/_transport.py), the servicer's split into
@@ -25,12 +25,17 @@ Every measurement is made on both sides back to back, the side that goes first
 alternating each round; round 0 warms up and is not counted. Prints, per
 measurement, the median over rounds and the spread (min-max) of each side, the
 ratio new/old (below 1: this tree is faster) and in how many rounds this tree was
-the faster. The machine may be shared: read the ratios, and the spreads.
+the faster: wall time, then CPU time a call of the server process (all its
+threads: ``clock_getcpuclockid``) and of the worker (its client), which another
+process's load disturbs less than wall time. The machine may be shared: read the
+ratios, and the spreads.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import statistics
 import subprocess
 import tempfile
@@ -60,7 +65,7 @@ def _worker(address: str, mib: int, small: int) -> None:
     """The worker: clients of ``address`` (one per transport, and a plain one for
     the small group); answers ``["small", kind, calls]`` with each call's seconds
     and ``[path, kind, reps, encoding]`` with the median seconds of ``reps``
-    calls."""
+    calls ("wall"), and either with this process's CPU seconds a call ("cpu")."""
     import numpy as np
     from onnxps.client import Adam, Client
 
@@ -97,10 +102,13 @@ def _worker(address: str, mib: int, small: int) -> None:
             return time.perf_counter() - t0
 
         def call(path: str, kind: str, reps: int, encoding: str = "native") -> Any:
+            cpu = time.process_time()  # this process, all its threads
             if path == SMALL:
-                return small_calls(kind, reps)
-            got = [big_call(clients[path], kind, encoding) for _ in range(reps)]
-            return statistics.median(got)
+                wall: Any = small_calls(kind, reps)
+            else:
+                got = [big_call(clients[path], kind, encoding) for _ in range(reps)]
+                wall = statistics.median(got)
+            return {"wall": wall, "cpu": (time.process_time() - cpu) / reps}
 
         serve_requests(call, "ready")
     finally:
@@ -113,8 +121,16 @@ def _percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-# A round's figures from one answer: (row name, value)
-Rows = list[tuple[str, float]]
+def _cpu_clock(pid: int) -> int:
+    """The CPU-time clock of process ``pid`` (all its threads, exited ones too, in
+    ns: ``clock_getcpuclockid``), for ``time.clock_gettime``."""
+    clock = ctypes.c_int()
+    err = ctypes.CDLL(None, use_errno=True).clock_getcpuclockid(
+        pid, ctypes.byref(clock)
+    )
+    if err:
+        raise OSError(err, f"clock_getcpuclockid({pid}): {os.strerror(err)}")
+    return clock.value
 
 
 def _measurements(args: argparse.Namespace) -> list[tuple[str, list[Any]]]:
@@ -129,31 +145,48 @@ def _measurements(args: argparse.Namespace) -> list[tuple[str, list[Any]]]:
     return out
 
 
-def _figures(name: str, answer: Any) -> Rows:
-    if isinstance(answer, list):  # the small calls' seconds: p50 and p90 in µs
-        us = [v * 1e6 for v in answer]
-        return [
-            (f"{name} p50 µs", statistics.median(us)),
-            (f"{name} p90 µs", _percentile(us, 0.9)),
-        ]
-    return [(f"{name} ms", answer * 1e3)]
+# section -> figure -> [this tree's per-round values, the baseline's]
+Table = dict[str, dict[str, list[list[float]]]]
+WALL = "wall time"
+CPU = "CPU time a call (server; client)"
+
+
+def _add(table: Table, section: str, fig: str, side: int, value: float) -> None:
+    table.setdefault(section, {}).setdefault(fig, [[], []])[side].append(value)
+
+
+def _record(table: Table, side: int, name: str, answer: Any, server_cpu: float) -> None:
+    """One answer's figures: wall (the small calls' p50 and p90 in µs, a big
+    call's median in ms) and the server's and client's CPU a call."""
+    small = isinstance(answer["wall"], list)
+    scale, unit = (1e6, "µs") if small else (1e3, "ms")
+    if small:
+        us = [v * 1e6 for v in answer["wall"]]
+        _add(table, WALL, f"{name} p50 µs", side, statistics.median(us))
+        _add(table, WALL, f"{name} p90 µs", side, _percentile(us, 0.9))
+    else:
+        _add(table, WALL, f"{name} ms", side, answer["wall"] * 1e3)
+    _add(table, CPU, f"{name}, server {unit}", side, server_cpu * scale)
+    _add(table, CPU, f"{name}, client {unit}", side, answer["cpu"] * scale)
 
 
 def _run(
-    workers: list[Worker], measurements: list[tuple[str, list[Any]]], rounds: int
-) -> dict[str, list[list[float]]]:
-    """figure name -> [this tree's per-round values, the baseline's]"""
-    table: dict[str, list[list[float]]] = {}
+    workers: list[Worker],
+    servers: list[int],
+    measurements: list[tuple[str, list[Any]]],
+    rounds: int,
+) -> Table:
+    table: Table = {}
     for r in range(rounds + 1):  # round 0 warms up
         order = (0, 1) if r % 2 else (1, 0)
         t0 = time.monotonic()
         for name, request in measurements:
             for side in order:
+                cpu = time.clock_gettime(servers[side])
                 answer = workers[side].call(*request)
-                if not r:
-                    continue
-                for fig, value in _figures(name, answer):
-                    table.setdefault(fig, [[], []])[side].append(value)
+                server_cpu = (time.clock_gettime(servers[side]) - cpu) / request[2]
+                if r:
+                    _record(table, side, name, answer, server_cpu)
         first = "new" if order[0] == 0 else "old"
         label = "warm-up" if not r else f"round {r}"
         print(f"{label}: {first} first, {time.monotonic() - t0:.0f} s", flush=True)
@@ -166,26 +199,29 @@ def _cell(values: list[float]) -> str:
     return f"{med:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
-def _report(table: dict[str, list[list[float]]], labels: tuple[str, str]) -> None:
-    width = max(len(k) for k in table)
+def _report(table: Table, labels: tuple[str, str]) -> None:
+    width = max(len(k) for rows in table.values() for k in rows)
     head = f"{'':{width}s}  {'new ' + labels[0]:>24s}  {'old ' + labels[1]:>24s}"
-    print(f"\nmedian (min-max) over rounds\n{head}  new/old  new faster")
-    for fig, (new, old) in table.items():
-        ratio = statistics.median(new) / statistics.median(old)
-        wins = sum(a < b for a, b in zip(new, old, strict=True))
-        print(
-            f"{fig:{width}s}  {_cell(new):>24s}  {_cell(old):>24s}  {ratio:7.2f}"
-            f"  {wins} of {len(new)}"
-        )
+    for section, rows in table.items():
+        print(f"\n{section}: median (min-max) over rounds")
+        print(f"{head}  new/old  new faster")
+        for fig, (new, old) in rows.items():
+            below = statistics.median(old)
+            ratio = statistics.median(new) / below if below else float("nan")
+            wins = sum(a < b for a, b in zip(new, old, strict=True))
+            print(
+                f"{fig:{width}s}  {_cell(new):>24s}  {_cell(old):>24s}  "
+                f"{ratio:7.2f}  {wins} of {len(new)}"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5, help="counted rounds (5)")
     p.add_argument("--mib", type=int, default=64, help="the big group's MiB (64)")
-    p.add_argument("--reps", type=int, default=3, help="big calls a round (3)")
+    p.add_argument("--reps", type=int, default=5, help="big calls a round (5)")
     p.add_argument("--small", type=int, default=1000, help="small elements (1000)")
-    p.add_argument("--calls", type=int, default=200, help="small calls a round")
+    p.add_argument("--calls", type=int, default=300, help="small calls a round")
     p.add_argument(
         "--baseline",
         default=BASELINE,
@@ -220,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
                 script = [__file__, "--worker", address, "--mib", str(args.mib)]
                 script += ["--small", str(args.small)]
                 workers.append(Worker(found, script, Path(tmp) / f"worker-{side}.log"))
-            table = _run(workers, _measurements(args), args.rounds)
+            clocks = [_cpu_clock(proc.pid) for proc in procs]
+            table = _run(workers, clocks, _measurements(args), args.rounds)
             _report(table, (current.label, baseline.label))
         finally:
             for w in workers:
