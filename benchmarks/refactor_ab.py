@@ -3,6 +3,8 @@ version, on every transport, in one run: did a refactor lose speed?
 
     python benchmarks/refactor_ab.py [--rounds 5] [--baseline REV] [--mib 64]
                                      [--reps 5] [--small 1000] [--calls 300]
+                                     [--new REV] [--only TEXT]
+                                     [--new-server-env NAME=VALUE]
 
 The baseline (default c55d2bd) is the tree before the wire layer (``onnxps.wire``),
 the client's tensor transports (client/_transport.py), the servicer's split into
@@ -142,7 +144,7 @@ def _measurements(args: argparse.Namespace) -> list[tuple[str, list[Any]]]:
             out.append((f"{args.mib} MiB {kind}, {path}", [path, kind, args.reps]))
     bf16 = ["data channel", "push", args.reps, "bfloat16"]
     out.append((f"{args.mib} MiB bfloat16 push, data channel", bf16))
-    return out
+    return [m for m in out if any(w in m[0] for w in args.only or [""])]
 
 
 # section -> figure -> [this tree's per-round values, the baseline's]
@@ -228,6 +230,26 @@ def main(argv: list[str] | None = None) -> None:
         metavar="REV",
         help=f"the commit to compare against (default {BASELINE})",
     )
+    p.add_argument(
+        "--new",
+        metavar="REV",
+        help="a commit to measure instead of this working tree (to bisect)",
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        metavar="TEXT",
+        help="only the measurements whose name holds TEXT (e.g. 'grpc stream'); "
+        "repeatable",
+    )
+    p.add_argument(
+        "--new-server-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set NAME in the environment of this tree's server only (to try a "
+        "cause: e.g. MALLOC_MMAP_THRESHOLD_); repeatable",
+    )
     p.add_argument("--worker", metavar="ADDRESS", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -235,7 +257,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.rounds < 1 or args.reps < 1 or args.calls < 1:
         p.error("--rounds, --reps and --calls must be >= 1")
-    print(f"new: {describe(None)}\nold: {describe(args.baseline)}", flush=True)
+    extra = dict(kv.partition("=")[::2] for kv in args.new_server_env)
+    if any(not name for name in extra):
+        p.error("--new-server-env takes NAME=VALUE")
+    print(f"new: {describe(args.new)}\nold: {describe(args.baseline)}", flush=True)
+    if not _measurements(args):
+        p.error(f"--only {args.only}: no measurement's name holds that")
+    if extra:
+        print(f"new server's environment adds {extra}", flush=True)
     from onnxps.cli.process import start_server_process, stop_processes
 
     started = time.monotonic()
@@ -243,14 +272,15 @@ def main(argv: list[str] | None = None) -> None:
     workers: list[Worker] = []
     with (
         tempfile.TemporaryDirectory() as tmp,
-        checkout(None) as current,
+        checkout(args.new) as current,
         checkout(args.baseline) as baseline,
     ):
         try:
             for side, found in enumerate((current, baseline)):
                 log = Path(tmp) / f"server-{side}.log"
+                env = tree_env(found.tree) | (extra if side == 0 else {})
                 proc, address = start_server_process(
-                    "--data-port", "0", log=log, env=tree_env(found.tree)
+                    "--data-port", "0", log=log, env=env
                 )
                 procs.append(proc)
                 script = [__file__, "--worker", address, "--mib", str(args.mib)]
