@@ -44,3 +44,17 @@ def test_a_new_groups_optimizer_state_takes_no_memory_until_it_steps() -> None:
     got = json.loads(out)
     # X is copied in (64 MiB); V and H (another 128 MiB) are not touched yet
     assert got["x"] <= got["created"] < 1.5 * got["x"]
+
+
+def test_the_trimmer_hands_memory_back_only_when_the_process_grew() -> None:
+    import pytest
+    from onnxps.server import _malloc
+
+    libc = _malloc._libc()
+    if libc is None:
+        pytest.skip("glibc is not this process's allocator")
+    grown = _malloc.Trimmer(libc, growth=1 << 40)  # never grows that much
+    assert grown.check() is False and grown.trims == 0
+    always = _malloc.Trimmer(libc, growth=-(1 << 40))  # any RSS counts as grown
+    assert always.check() is True and always.trims == 1
+    assert _malloc.rss_bytes() > 0
