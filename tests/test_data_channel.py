@@ -683,7 +683,10 @@ def test_a_cluster_client_uses_each_shards_data_channel() -> None:
         grads = [[RNG.standard_normal(x.shape).astype(np.float32) for x in x0]]
         grads.append([g * 2 for g in grads[0]])
         with (
-            Client(addresses, split_bytes=1 << 20, data_channel="on") as dc,
+            # shared memory off: on one host it would go first, for each shard
+            Client(
+                addresses, split_bytes=1 << 20, data_channel="on", shared_memory="off"
+            ) as dc,
             Client(addresses, split_bytes=1 << 20, data_channel="off") as ref,
         ):
             for c, name in ((dc, "dc"), (ref, "ref")):
