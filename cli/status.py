@@ -47,8 +47,8 @@ COLUMNS = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "address",
-        help="host:port of the server, or of every shard of a cluster in shard "
-        "order, comma-separated",
+        help="host:port of the server (port 50051 when omitted), or of every "
+        "shard of a cluster in shard order, comma-separated",
     )
     p.add_argument("--prefix", default="", help="only groups whose name starts so")
     add_connection_arguments(p, timeout=3.0)

@@ -16,8 +16,9 @@ from ._args import EXIT_FAILURE, add_connection_arguments, fail, read_tls_ca
 __all__ = ["add_export_arguments", "add_import_arguments", "plural", "run"]
 
 _ADDRESS = (
-    "host:port of the server, or of every shard of a cluster in shard order, "
-    "comma-separated (a cluster exports to one file and imports into any shard count)"
+    "host:port of the server (port 50051 when omitted), or of every shard of a "
+    "cluster in shard order, comma-separated (a cluster exports to one file and "
+    "imports into any shard count)"
 )
 
 

@@ -97,7 +97,8 @@ class Client(ClientCore):
     ``address`` is ``"host:port"`` (one server) or a list of the shards' addresses
     in shard order (a cluster; docs/cluster.md): each call is routed to the shards
     holding its group, and a group whose X is larger than ``split_bytes`` is split
-    across them.
+    across them. A host without a port (``"localhost"``) means port 50051, the one
+    ``onnxps serve`` listens on.
 
     ``address`` may also be ``"unix:///path/to.sock"`` (or ``"unix:relative"``): a
     server listening on a Unix socket. ``shared_memory`` chooses the same-host

@@ -92,6 +92,7 @@ from ._settings import (
     multicallable,
     named_tensors,
     spec,
+    with_default_port,
 )
 from ._shm_transport import SharedMemoryLink
 from ._transfer import export_op, import_op
@@ -178,7 +179,9 @@ class ClientCore(RowsOps):
         )
         # A list of addresses is a cluster: shard i at addresses[i] (docs/cluster.md,
         # "A cluster of shards").
-        self.addresses = [address] if isinstance(address, str) else list(address)
+        # "host" alone means port 50051, the one ``onnxps serve`` listens on.
+        given = [address] if isinstance(address, str) else list(address)
+        self.addresses = [with_default_port(a) for a in given]
         self.address = ",".join(self.addresses)
         self.shards: int | None = (
             None if isinstance(address, str) else len(self.addresses)

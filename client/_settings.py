@@ -18,6 +18,7 @@ from onnxps.wire.codec import (
 from ._optimizers import Async, OptimizerSpec, Sync
 
 __all__ = [
+    "DEFAULT_PORT",
     "SWITCH_MODES",
     "channel_credentials",
     "channel_options",
@@ -25,7 +26,12 @@ __all__ = [
     "multicallable",
     "named_tensors",
     "spec",
+    "with_default_port",
 ]
+
+# The port ``onnxps serve`` listens on unless told otherwise; an address without a
+# port means it (gRPC's own default would be 443, the HTTPS port).
+DEFAULT_PORT = 50051
 
 
 # The one retry mechanism for every call: the channel retries UNAVAILABLE (the server
@@ -99,6 +105,32 @@ def channel_options(server_name_override: str | None) -> list[tuple[str, Any]]:
 
 
 _TRANSPORTS = ("auto", "unary", "stream")
+
+
+def with_default_port(address: str) -> str:
+    """``address`` with ``:50051`` added when it names a host but no port:
+    ``"localhost"``, ``"10.0.0.7"``, ``"[::1]"``, ``"::1"`` and ``"dns:///ps"``;
+    other schemes (``unix:``) and addresses with a port are kept as they are."""
+    text = address.strip()
+    scheme = ""
+    for prefix in ("dns:///", "dns:"):
+        if text.startswith(prefix):
+            scheme, text = prefix, text[len(prefix) :]
+            break
+    if not text or text.startswith(("unix:", "unix-abstract:", "vsock:", "ipv4:")):
+        return address
+    if text.startswith("ipv6:") or "/" in text:
+        return address
+    if text.startswith("["):
+        if "]:" in text or not text.endswith("]"):
+            return address
+        return f"{scheme}{text}:{DEFAULT_PORT}"
+    colons = text.count(":")
+    if colons == 1:
+        return address
+    if colons == 0:
+        return f"{scheme}{text}:{DEFAULT_PORT}"
+    return f"{scheme}[{text}]:{DEFAULT_PORT}"  # a bare IPv6 address
 
 
 def check_client_arguments(

@@ -1,0 +1,68 @@
+"""The first hour with onnxps (issue 25): what a newcomer types first works, or
+says in one line what to do instead."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from onnxps import cli
+from onnxps.client import Adam, AsyncClient, Client
+from onnxps.server.app import ServerConfig, ServerHandle, create_server
+
+
+def _loopback_with_free_default_port() -> str:
+    """A 127.x.y.z address (all of 127/8 is loopback on Linux) whose port 50051 is
+    free, so a server can listen on the default port without taking 127.0.0.1's."""
+    rng = random.Random()
+    for _ in range(50):
+        host = (
+            f"127.{rng.randrange(1, 255)}.{rng.randrange(255)}.{rng.randrange(1, 255)}"
+        )
+        with socket.socket() as s:
+            try:
+                s.bind((host, 50051))
+            except OSError:
+                continue
+        return host
+    raise RuntimeError("no 127/8 address with port 50051 free")
+
+
+@pytest.fixture
+def default_port_server() -> Iterator[tuple[str, ServerHandle]]:
+    host = _loopback_with_free_default_port()
+    handle = create_server(ServerConfig(address=f"{host}:50051", durability="none"))
+    handle.start()
+    try:
+        yield host, handle
+    finally:
+        handle.stop(grace=0)
+
+
+def test_an_address_without_a_port_means_50051(
+    default_port_server: tuple[str, ServerHandle],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    host, server = default_port_server
+    assert server.port == 50051
+    with Client(host, timeout=10) as ps:
+        assert ps.addresses == [f"{host}:50051"]
+        ps.create_group(
+            "g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(3, np.float32)}
+        )
+        assert [g.name for g in ps.list_groups()] == ["g"]
+    with Client([host], timeout=10) as ps:  # a cluster (of one) given as a list
+        assert ps.describe_group("g").update_count == 0
+
+    async def listed() -> list[str]:
+        async with AsyncClient(host, timeout=10) as aps:
+            return [g.name for g in await aps.list_groups()]
+
+    assert asyncio.run(listed()) == ["g"]
+    assert cli.main(["status", host]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].split()[:3] == ["g", "adam", "float32"]
