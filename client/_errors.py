@@ -185,10 +185,28 @@ def _status_details(
     return reason, metadata, violations
 
 
+# What a plaintext client meets at a TLS port: the server closes the connection on
+# the first bytes, which are not a TLS handshake.
+_PLAINTEXT_AT_TLS = "Socket closed"
+_TLS_HINT = (
+    " (if the server uses TLS, this client spoke plaintext to it: pass the CA that "
+    "signed its certificate, Client(address, root_certificates=ca_pem) with the PEM "
+    "bytes, or --tls-ca ca.pem on the command line)"
+)
+
+
+def _hinted(code: grpc.StatusCode, details: str) -> str:
+    """``details``, with what to do where gRPC's words do not say it."""
+    if code == grpc.StatusCode.UNAVAILABLE and _PLAINTEXT_AT_TLS in details:
+        return details + _TLS_HINT
+    return details
+
+
 def translate(error: grpc.RpcError) -> RpcError:
     """The library's exception for a grpc error (a grpc.Call carries code/details)."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
+    details = _hinted(code, details or "")
     reason, metadata, violations = _status_details(error)
     cls = _BY_CODE.get(code, RpcError)
     return cls(

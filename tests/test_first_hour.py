@@ -7,12 +7,14 @@ import asyncio
 import random
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 from onnxps import cli
-from onnxps.client import Adam, AsyncClient, Client
+from onnxps.client import Adam, AsyncClient, Client, UnavailableError
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from test_security import _cert, _key, _pem, _pem_key
 
 
 def _loopback_with_free_default_port() -> str:
@@ -66,3 +68,40 @@ def test_an_address_without_a_port_means_50051(
     assert cli.main(["status", host]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[1].split()[:3] == ["g", "adam", "float32"]
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Iterator[ServerHandle]:
+    ca_key, key = _key(), _key()
+    cert = _cert("localhost", key, "onnxps test CA", ca_key, server=True)
+    (tmp_path / "server.pem").write_bytes(_pem(cert))
+    (tmp_path / "server.key").write_bytes(_pem_key(key))
+    handle = create_server(
+        ServerConfig(
+            address="127.0.0.1:0",
+            durability="none",
+            tls_cert=str(tmp_path / "server.pem"),
+            tls_key=str(tmp_path / "server.key"),
+        )
+    ).start()
+    try:
+        yield handle
+    finally:
+        handle.stop(grace=0)
+
+
+def test_a_plaintext_client_at_a_tls_server_is_told_about_tls(
+    tls_server: ServerHandle, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with Client(tls_server.address, timeout=5) as ps:
+        with pytest.raises(UnavailableError) as err:
+            ps.list_groups()
+    assert "Socket closed" in err.value.details
+    assert "root_certificates=ca_pem" in err.value.details
+    assert "--tls-ca" in err.value.details
+    assert cli.main(["status", tls_server.address]) == 1
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(
+        f"onnxps status: cannot list the groups on {tls_server.address}"
+    )
+    assert line.endswith("or --tls-ca ca.pem on the command line)")
