@@ -4,6 +4,7 @@ says in one line what to do instead."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import socket
 from collections.abc import Iterator
@@ -105,3 +106,32 @@ def test_a_plaintext_client_at_a_tls_server_is_told_about_tls(
         f"onnxps status: cannot list the groups on {tls_server.address}"
     )
     assert line.endswith("or --tls-ca ca.pem on the command line)")
+
+
+def _dead_address() -> str:
+    """A loopback port nobody listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_push_to_a_server_that_is_down_warns_that_it_retries(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    address = _dead_address()
+    caplog.set_level(logging.INFO, logger="onnxps.client")
+    with Client(address, timeout=3) as ps:
+        with pytest.raises(UnavailableError) as err:
+            ps.push("g", np.ones(3, np.float32))
+    assert f"the server at {address} stayed unavailable for 3 s" in str(err.value)
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "onnxps.client" and r.levelno == logging.WARNING
+    ]
+    assert len(warnings) == 1, warnings  # once, then at most every 5 s
+    assert warnings[0].startswith(
+        f"push to group g: the server at {address} is unavailable (UNAVAILABLE: "
+    )
+    assert "Connection refused" in warnings[0]
+    assert "(timeout=3; pass a smaller timeout= to the client" in warnings[0]
