@@ -27,7 +27,7 @@ from onnxps.client import (
 from onnxps.client._cluster import base_name, parse_target
 from onnxps.v1 import parameter_server_pb2 as pb
 
-from ._args import add_connection_arguments, fail, read_tls_ca
+from ._args import add_connection_arguments, fail, read_tls_ca, unreachable
 
 __all__ = ["add_arguments", "format_table", "run"]
 
@@ -200,10 +200,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             groups = ps.list_groups(args.prefix)
             apart = still_apart(ps, groups) if ps.shards is not None else set()
     except RpcError as exc:
-        fail(
-            "onnxps status",
-            f"cannot list the groups on {args.address}: {exc.code.name}: {exc.details}",
-        )
+        why = f"{exc.code.name}: {exc.details}"
+        if exc.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+            why = unreachable(target, args.timeout) or why
+        fail("onnxps status", f"cannot list the groups on {args.address}: {why}")
     except OnnxpsError as exc:
         fail("onnxps status", f"{args.address}: {exc}")
     if not groups:

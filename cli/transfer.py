@@ -7,11 +7,17 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from onnxps.client import Client, OnnxpsError
+from onnxps.client import Client, OnnxpsError, RpcError
 from onnxps.client._cluster import parse_target
 from onnxps.client._transfer import ExportFileError, import_groups
 
-from ._args import EXIT_FAILURE, add_connection_arguments, fail, read_tls_ca
+from ._args import (
+    EXIT_FAILURE,
+    add_connection_arguments,
+    fail,
+    read_tls_ca,
+    unreachable,
+)
 
 __all__ = ["add_export_arguments", "add_import_arguments", "plural", "run"]
 
@@ -94,6 +100,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             (_export if args.command == "export" else _import)(client, args, out)
     except ExportFileError as exc:
         fail(prog, str(exc))
+    except RpcError as exc:
+        why: str | None = None
+        if exc.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+            why = unreachable(parse_target(args.address), args.timeout)
+        fail(prog, f"{args.address}: {why or exc}")
     except OnnxpsError as exc:
         fail(prog, f"{args.address}: {exc}")
     except OSError as exc:  # export: the file cannot be written

@@ -135,3 +135,18 @@ def test_a_push_to_a_server_that_is_down_warns_that_it_retries(
     )
     assert "Connection refused" in warnings[0]
     assert "(timeout=3; pass a smaller timeout= to the client" in warnings[0]
+
+
+@pytest.mark.parametrize("command", [["status"], ["export", "--prefix", "x"]])
+def test_a_dead_port_is_one_message_whatever_the_timeout(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    address = _dead_address()
+    extra = [str(tmp_path / "out.npz")] if command[0] == "export" else []
+    lines = []
+    for timeout in ([], ["--timeout", "1"], ["--timeout", "0.2"]):
+        assert cli.main([command[0], address, *extra, *command[1:], *timeout]) == 1
+        lines.append(capsys.readouterr().err.strip())
+    what = f"cannot list the groups on {address}" if command[0] == "status" else address
+    expected = f"onnxps {command[0]}: {what}: cannot connect to {address}: "
+    assert lines == [expected + "Connection refused"] * 3
