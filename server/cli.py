@@ -119,11 +119,11 @@ def _typed(flag: Flag, environ: Mapping[str, str]) -> Any:
     def parse(text: str) -> Any:
         try:
             return flag.parse(text)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
             what = f"{text!r} is not a valid {flag.kind.__name__}"
             if isinstance(exc, argparse.ArgumentTypeError):
                 what = str(exc)
-            if environ.get(flag.env) == text:
+            if environ.get(flag.env) == text:  # argparse names the flag
                 what += f" (from {flag.env})"
             raise argparse.ArgumentTypeError(what) from None
 

@@ -7,11 +7,14 @@ import asyncio
 import logging
 import random
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _procs import clean_env
 from onnxps import cli
 from onnxps.client import Adam, AsyncClient, Client, UnavailableError
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
@@ -150,3 +153,18 @@ def test_a_dead_port_is_one_message_whatever_the_timeout(
     what = f"cannot list the groups on {address}" if command[0] == "status" else address
     expected = f"onnxps {command[0]}: {what}: cannot connect to {address}: "
     assert lines == [expected + "Connection refused"] * 3
+
+
+def test_a_bad_choice_from_a_variable_names_the_variable() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "onnxps.cli", "serve"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(ONNXPS_DURABILITY="bogus"),
+    )
+    assert run.returncode == 2
+    assert run.stderr == (
+        "onnxps serve: argument --durability: 'bogus' is not one of none, snapshot, "
+        "wal (from ONNXPS_DURABILITY) (see onnxps serve --help)\n"
+    )
