@@ -115,8 +115,8 @@ def report(exc: CommandFailed, stream: Any = None) -> int:
 
 def unreachable(address: str | Sequence[str], timeout: float) -> str | None:
     """Why the first server of ``address`` that cannot be connected to cannot be
-    (``"cannot connect to 127.0.0.1:1: Connection refused"``); None when every
-    one accepts a TCP connection (or is not host:port).
+    (``"UNAVAILABLE: cannot connect to 127.0.0.1:1: Connection refused"``); None
+    when every one accepts a TCP connection (or is not host:port).
 
     A call that fails to connect ends in UNAVAILABLE, or in DEADLINE_EXCEEDED when
     its deadline comes before the channel gives up: one cause, so the commands
@@ -130,5 +130,5 @@ def unreachable(address: str | Sequence[str], timeout: float) -> str | None:
         try:
             socket.create_connection((host, port), timeout=min(timeout, 2.0)).close()
         except OSError as exc:
-            return f"cannot connect to {a}: {exc.strerror or exc}"
+            return f"UNAVAILABLE: cannot connect to {a}: {exc.strerror or exc}"
     return None

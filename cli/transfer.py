@@ -85,6 +85,14 @@ def _import(client: Client, args: argparse.Namespace, out: TextIO) -> None:
     print(line + (f" ({'; '.join(parts)})" if parts else ""), file=out)
 
 
+def _clash(file: str, existing: Sequence[str]) -> str:
+    return (
+        f"the server already has {plural(len(existing), 'group')} of {file}: "
+        f"{_names(existing)}; nothing was imported (--skip-existing keeps the "
+        "server's, --replace deletes them and imports the file's)"
+    )
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Export or import; a failure is one line on stderr (see ``onnxps._args``)."""
     out = out or sys.stdout
@@ -99,6 +107,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         ) as client:
             (_export if args.command == "export" else _import)(client, args, out)
     except ExportFileError as exc:
+        if exc.existing:  # the library's words name its arguments; these, the flags
+            fail(prog, _clash(args.file, exc.existing))
         fail(prog, str(exc))
     except RpcError as exc:
         why: str | None = None

@@ -151,7 +151,7 @@ def test_a_dead_port_is_one_message_whatever_the_timeout(
         assert cli.main([command[0], address, *extra, *command[1:], *timeout]) == 1
         lines.append(capsys.readouterr().err.strip())
     what = f"cannot list the groups on {address}" if command[0] == "status" else address
-    expected = f"onnxps {command[0]}: {what}: cannot connect to {address}: "
+    expected = f"onnxps {command[0]}: {what}: UNAVAILABLE: cannot connect to {address}: "
     assert lines == [expected + "Connection refused"] * 3
 
 
