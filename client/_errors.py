@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 
 import grpc
@@ -216,3 +217,28 @@ def translate(error: grpc.RpcError) -> RpcError:
         metadata=metadata,
         violations=violations,
     )
+
+
+_REFUSED_CALLERS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+def surfaced(error: RpcError, call: str) -> RpcError:
+    """``error`` as the public method ``call`` raises it.
+
+    It says which of the client's calls a refused token or role stopped when the
+    RPC the server names is another (``pull`` asks ``DescribeGroup`` first). And
+    it drops the client's own frames from the traceback (the generator machinery
+    of the operations, some 30 of them), which say nothing the status does not:
+    the traceback ends at the user's call. ``ONNXPS_DEBUG=1`` keeps them."""
+    rpc = error.metadata.get("method", "").lower()
+    own = call.replace("_", "").lower()  # push_detailed: Push, PushStream
+    if (
+        error.code in _REFUSED_CALLERS
+        and rpc
+        and not (rpc.startswith(own) or own.startswith(rpc))
+        and not error.details.startswith(f"{call}()")
+    ):
+        error.details = f"{call}() was refused: {error.details}"
+    if os.environ.get("ONNXPS_DEBUG"):
+        return error
+    return error.with_traceback(None)

@@ -108,6 +108,13 @@ def resending(call: Call, group: str, seq: int, address: str) -> Op[Any]:
         if pause <= 0:
             raise _gone(address, group, seq, call.deadline, unavailable)
         warned_at = _warn_resending(call, group, address, unavailable, warned_at)
+        log.info(
+            "push to %s seq %d: %s; resending in %.1f s",
+            group,
+            seq,
+            unavailable.code.name,
+            pause,
+        )
         yield Pause(pause)
         backoff = min(_RESEND_BACKOFF_MAX, backoff * 2)
 

@@ -89,6 +89,7 @@ from ._settings import (
     channel_credentials,
     channel_options,
     check_client_arguments,
+    gradient_arrays,
     multicallable,
     named_tensors,
     spec,
@@ -461,6 +462,7 @@ class ClientCore(RowsOps):
         # Built now, not when first stepped: its deadline and seq start with the
         # call, and a unary push has copied the gradients before it returns.
         deadline = self._deadline(timeout)
+        gradients = gradient_arrays(gradients, self._dtypes.get(group))
         enc = self._encoding(encoding, self.gradient_encoding, "encoding")
         if out is not None:
             out = reply_arrays(out, gradients, return_values)

@@ -9,14 +9,25 @@ import random
 import socket
 import subprocess
 import sys
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import onnxps.client
 import pytest
 from _procs import clean_env
 from onnxps import cli
-from onnxps.client import Adam, AsyncClient, Client, UnavailableError
+from onnxps.client import (
+    Adam,
+    AlreadyExistsError,
+    AsyncClient,
+    Client,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from test_security import _cert, _key, _pem, _pem_key
 
@@ -151,7 +162,9 @@ def test_a_dead_port_is_one_message_whatever_the_timeout(
         assert cli.main([command[0], address, *extra, *command[1:], *timeout]) == 1
         lines.append(capsys.readouterr().err.strip())
     what = f"cannot list the groups on {address}" if command[0] == "status" else address
-    expected = f"onnxps {command[0]}: {what}: UNAVAILABLE: cannot connect to {address}: "
+    expected = (
+        f"onnxps {command[0]}: {what}: UNAVAILABLE: cannot connect to {address}: "
+    )
     assert lines == [expected + "Connection refused"] * 3
 
 
@@ -168,3 +181,110 @@ def test_a_bad_choice_from_a_variable_names_the_variable() -> None:
         "onnxps serve: argument --durability: 'bogus' is not one of none, snapshot, "
         "wal (from ONNXPS_DURABILITY) (see onnxps serve --help)\n"
     )
+
+
+def test_exceptions_print_under_the_module_they_are_imported_from(
+    client: Client,
+) -> None:
+    client.create_group(
+        "g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(3, np.float32)}
+    )
+    with pytest.raises(AlreadyExistsError) as err:
+        client.create_group(
+            "g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(3, np.float32)}
+        )
+    last = traceback.format_exception_only(err.value)[-1]
+    assert last.startswith("onnxps.client.AlreadyExistsError: ALREADY_EXISTS: ")
+    for name in onnxps.client.__all__:
+        value = getattr(onnxps.client, name)
+        if isinstance(value, type) and issubclass(value, Exception):
+            assert not value.__module__.startswith("onnxps.client._"), name
+
+
+def test_python_lists_are_gradients_of_the_groups_dtype(client: Client) -> None:
+    client.create_group(
+        "g",
+        Adam(),
+        learning_rate=0.1,
+        tensors={"w": np.zeros(3, np.float32), "b": np.zeros((), np.float32)},
+    )
+    assert client.push("g", [1.0, 2.0, 3.0], 0.5) == 1
+    assert client.push("g", (1, 2, 3), 1) == 2
+    with pytest.raises(InvalidArgumentError) as err:  # an array keeps its dtype
+        client.push("g", np.ones(3), np.float32(1))
+    assert err.value.details == (
+        "gradient 1 ('w') must be float32, the group's dtype; got float64"
+    )
+    with Client(client.address, timeout=10) as fresh:  # learns it from a pull
+        fresh.pull("g")
+        assert fresh.push("g", [0.0, 0.0, 0.0], 0.0) == 3
+
+
+def test_a_refused_token_names_the_call_the_user_made(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("admin-token-0123456789 admin *\n")
+    handle = create_server(
+        ServerConfig(address="127.0.0.1:0", durability="none", tokens_file=str(tokens))
+    ).start()
+    try:
+        with Client(handle.address, token="admin-token-0123456789") as admin:
+            admin.create_group(
+                "g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(3, np.float32)}
+            )
+        with Client(handle.address, token="not-a-token-0123456789") as ps:
+            with pytest.raises(UnauthenticatedError) as err:
+                ps.pull("g")
+        assert err.value.details == (
+            "pull() was refused: DescribeGroup: the token is not known to this server"
+        )
+        assert err.value.metadata["method"] == "DescribeGroup"
+
+        async def pushed() -> None:
+            async with AsyncClient(handle.address, token="not-a-token-01234") as aps:
+                await aps.push("g", np.ones(3, np.float32))
+
+        with pytest.raises(UnauthenticatedError) as err:
+            asyncio.run(pushed())
+        assert err.value.details == "Push: the token is not known to this server"
+
+        async def pulled() -> None:
+            async with AsyncClient(handle.address, token="not-a-token-01234") as aps:
+                await aps.pull("g")
+
+        with pytest.raises(UnauthenticatedError) as err:
+            asyncio.run(pulled())
+        assert err.value.details.startswith("pull() was refused: DescribeGroup: ")
+    finally:
+        handle.stop(grace=0)
+
+
+def test_a_wrong_shard_order_is_one_line_not_thirty_frames(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("ONNXPS_DEBUG", raising=False)
+    shards = [
+        create_server(
+            ServerConfig(address="127.0.0.1:0", durability="none", shard=f"{i}/2")
+        ).start()
+        for i in range(2)
+    ]
+    try:
+        backwards = [shards[1].address, shards[0].address]
+        with Client(backwards, timeout=10) as ps:
+            with pytest.raises(FailedPreconditionError) as err:
+                ps.list_groups()
+        frames = traceback.extract_tb(err.value.__traceback__)
+        # this test's call, and the client's public method that raised
+        assert [f.name for f in frames] == [
+            "test_a_wrong_shard_order_is_one_line_not_thirty_frames",
+            "method",
+        ]
+        assert err.value.reason == "SHARD_LAYOUT_MISMATCH"
+        assert "its address list is in another order" in err.value.details
+        assert cli.main(["status", ",".join(backwards)]) == 1
+        errors = capsys.readouterr().err.splitlines()
+        assert len(errors) == 1
+        assert errors[0].endswith("(its address list is in another order)")
+    finally:
+        for s in shards:
+            s.stop(grace=0)
