@@ -4,6 +4,7 @@ says in one line what to do instead."""
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import random
 import socket
@@ -18,6 +19,8 @@ import onnxps.client
 import pytest
 from _procs import clean_env
 from onnxps import cli
+from onnxps.cli._demo_worker import loss_text
+from onnxps.cli.demo import STEP_LINE, Progress
 from onnxps.client import (
     Adam,
     AlreadyExistsError,
@@ -288,3 +291,25 @@ def test_a_wrong_shard_order_is_one_line_not_thirty_frames(
     finally:
         for s in shards:
             s.stop(grace=0)
+
+
+def test_the_demos_progress_lines_say_what_they_know() -> None:
+    out = io.StringIO()
+    bar = Progress(400, out, tty=False, every=0.0)
+    bar.update(0, None)
+    bar.update(100, 1.5)  # the first count: no rate yet
+    bar.update(400, 2.5e-5)  # the workers are done...
+    bar.update(400, 2.5e-5, force=True)  # ...and the demo's last, forced, update
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3, lines
+    assert " 100/400 pushes  loss 1.5000  - pushes/s  " in lines[1]
+    assert lines[2].startswith("progress 100%  400/400 pushes  loss 2.50e-05  ")
+    assert " 0 pushes/s" not in lines[2]
+
+
+def test_a_long_demo_runs_loss_is_not_zero() -> None:
+    line = f"worker 0/4 step 3000/3000 loss {loss_text(2.5e-5)}"
+    assert line == "worker 0/4 step 3000/3000 loss 2.50e-05"
+    m = STEP_LINE.match(line)
+    assert m is not None and float(m.group(3)) == 2.5e-5
+    assert loss_text(0.4321) == "0.4321"
