@@ -3,6 +3,7 @@ says in one line what to do instead."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import io
 import logging
@@ -32,6 +33,12 @@ from onnxps.client import (
     UnavailableError,
 )
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.cli import (
+    add_serve_arguments,
+    config_flags,
+    config_from_args,
+    parse_bytes,
+)
 from test_security import _cert, _key, _pem, _pem_key
 
 
@@ -313,3 +320,46 @@ def test_a_long_demo_runs_loss_is_not_zero() -> None:
     m = STEP_LINE.match(line)
     assert m is not None and float(m.group(3)) == 2.5e-5
     assert loss_text(0.4321) == "0.4321"
+
+
+def test_serve_help_is_grouped_with_units_and_every_default() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "onnxps.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+    )
+    assert run.returncode == 0, run.stderr
+    sections = [line[:-1] for line in run.stdout.splitlines() if line.endswith(":")]
+    assert sections == [
+        "options",
+        "network",
+        "security",
+        "durability",
+        "limits",
+        "memory",
+        "training",
+        "cluster",
+        "observability",
+    ]
+    text = " ".join(run.stdout.split())
+    assert "default None" not in text and "268435456" not in text
+    assert "(ONNXPS_MAX_MESSAGE_BYTES; default 256 MiB)" in text
+    assert "(ONNXPS_MAX_INFLIGHT_BYTES; default 4 GiB)" in text
+    assert "(ONNXPS_STALL_SECONDS; default 30 s)" in text
+    assert "(ONNXPS_METRICS_PORT; default no metrics endpoint)" in text
+    assert "(ONNXPS_MAX_CONCURRENT_STREAMS; default half of --threads)" in text
+    for flag in config_flags():  # every flag says its variable and its default
+        assert f"({flag.env}; default " in text, flag.flag
+
+
+def test_sizes_take_units() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser, environ={"ONNXPS_MAX_INFLIGHT_BYTES": "8G"})
+    config = config_from_args(parser.parse_args(["--max-message-bytes", "512MiB"]))
+    assert config.max_message_bytes == 512 << 20
+    assert config.max_inflight_bytes == 8 << 30
+    assert parse_bytes("1048576") == 1 << 20
+    with pytest.raises(ValueError, match="'12 parsecs' is not a byte count"):
+        parse_bytes("12 parsecs")
