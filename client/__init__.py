@@ -110,6 +110,9 @@ def _public_module() -> None:
             and value.__module__.startswith(f"{__name__}._")
         ):
             value.__module__ = __name__
+            for member in vars(value).values():  # its methods too (griffe, pickle)
+                if callable(member) and hasattr(member, "__module__"):
+                    member.__module__ = __name__
 
 
 _public_module()

@@ -586,7 +586,13 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     )
     durability = _durability(config, store, health_servicer)
     if durability is not None and recorder.registry is not None:
-        recorder.registry.register(DurabilityCollector(durability.alarms))
+        journal = durability.journal
+        recorder.registry.register(
+            DurabilityCollector(
+                durability.alarms,
+                lambda: None if journal is None else journal.fsync_times,
+            )
+        )
     # A crash between a sync step's last push record and the step's own record leaves
     # a full quorum pending after replay: take such steps before serving anything.
     store.reap_leases()
