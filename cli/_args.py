@@ -6,9 +6,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
+
+from onnxps.client._replies import tcp_host
+from onnxps.client._settings import with_default_port
 
 __all__ = [
     "EXIT_FAILURE",
@@ -19,6 +23,7 @@ __all__ = [
     "fail",
     "positive_float",
     "read_tls_ca",
+    "unreachable",
 ]
 
 EXIT_FAILURE = 1  # the command ran and failed (server down, group exists, ...)
@@ -106,3 +111,24 @@ def fail(prog: str, message: str, status: int = EXIT_FAILURE) -> NoReturn:
 def report(exc: CommandFailed, stream: Any = None) -> int:
     print(str(exc), file=stream or sys.stderr)
     return exc.status
+
+
+def unreachable(address: str | Sequence[str], timeout: float) -> str | None:
+    """Why the first server of ``address`` that cannot be connected to cannot be
+    (``"UNAVAILABLE: cannot connect to 127.0.0.1:1: Connection refused"``); None
+    when every one accepts a TCP connection (or is not host:port).
+
+    A call that fails to connect ends in UNAVAILABLE, or in DEADLINE_EXCEEDED when
+    its deadline comes before the channel gives up: one cause, so the commands
+    ask the socket and say the same thing for both."""
+    addresses = [address] if isinstance(address, str) else list(address)
+    for a in (with_default_port(a) for a in addresses):
+        host = tcp_host(a)
+        if host is None:
+            continue
+        port = int(a.rpartition(":")[2])
+        try:
+            socket.create_connection((host, port), timeout=min(timeout, 2.0)).close()
+        except OSError as exc:
+            return f"UNAVAILABLE: cannot connect to {a}: {exc.strerror or exc}"
+    return None

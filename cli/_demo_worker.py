@@ -52,6 +52,7 @@ __all__ = [
     "init_params",
     "load_dataset",
     "loss_and_grads",
+    "loss_text",
     "main",
     "optimizer_spec",
 ]
@@ -64,6 +65,14 @@ OPTIMIZERS = ("adam", "adagrad", "momentum", "nesterov")
 # Tuned so that 4 async workers reach > 0.9 held-out accuracy in a few hundred steps.
 LEARNING_RATES = {"adam": 0.003, "adagrad": 0.05, "momentum": 0.02, "nesterov": 0.03}
 EXIT_SERVER_GONE = 3
+
+
+def loss_text(loss: float) -> str:
+    """A loss to read: four decimals, or two significant digits below 0.001 (a
+    long run's loss is not ``0.0000``)."""
+    if loss == 0 or abs(loss) >= 0.001 or not np.isfinite(loss):
+        return f"{loss:.4f}"
+    return f"{loss:.2e}"
 
 
 def optimizer_spec(name: str) -> OptimizerSpec:
@@ -236,7 +245,8 @@ def _train(args: argparse.Namespace, tag: str) -> None:
             # step this push took part in).
             params = ps.push(args.group, *grads, return_values=True)
             if step % args.log_every == 0 or step == args.steps:
-                print(f"{tag} step {step}/{args.steps} loss {smoothed:.4f}", flush=True)
+                line = f"{tag} step {step}/{args.steps} loss {loss_text(smoothed)}"
+                print(line, flush=True)
         if args.mode == "sync":
             ps.leave(args.group)
         acc = accuracy(ps.pull(args.group), data.x_test, data.y_test)

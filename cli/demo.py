@@ -92,6 +92,7 @@ class Progress:
         self.start = time.monotonic()
         self._last = -1e9
         self._shown = False
+        self._shown_done: int | None = None
         self._window: collections.deque[tuple[float, int]] = collections.deque()
 
     def line(self, done: int, loss: float | None) -> str:
@@ -101,10 +102,11 @@ class Progress:
         if done == 0 and loss is None:
             stats = f"0/{self.total} pushes  {STARTING}  {elapsed:.1f}s"
         else:
-            loss_text = "   -  " if loss is None else f"{loss:.4f}"
+            shown = "   -  " if loss is None else worker.loss_text(loss)
+            rate = self.rate(now, done)
             stats = (
-                f"{done}/{self.total} pushes  loss {loss_text}  "
-                f"{self.rate(now, done):.0f} pushes/s  {elapsed:.1f}s"
+                f"{done}/{self.total} pushes  loss {shown}  "
+                f"{'-' if rate is None else f'{rate:.0f}'} pushes/s  {elapsed:.1f}s"
             )
         if not self.tty:
             if done == 0 and loss is None:
@@ -123,21 +125,27 @@ class Progress:
         filled = int(width * frac)
         return f"[{'#' * filled}{'.' * (width - filled)}] {text}"[:room]
 
-    def rate(self, now: float, done: int) -> float:
-        """Pushes per second over the last few seconds (not worker start-up)."""
+    def rate(self, now: float, done: int) -> float | None:
+        """Pushes per second over the last few seconds (not worker start-up); None
+        until two counts of pushes were seen (the first line has one)."""
         window = self._window
         if not window or window[-1][1] != done:
             window.append((now, done))
         while len(window) > 2 and now - window[1][0] > 3.0:
             window.popleft()
         t0, d0 = window[0]
-        return (done - d0) / (now - t0) if now > t0 else 0.0
+        if len(window) < 2 or now <= t0:
+            return None
+        return (done - d0) / (now - t0)
 
     def update(self, done: int, loss: float | None, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last < self.every:
             return
+        if not self.tty and done >= self.total and self._shown_done == done:
+            return  # the last plain line said 100% already
         self._last = now
+        self._shown_done = done
         if self.tty:
             self.out.write("\r\x1b[K" + self.line(done, loss))
         else:

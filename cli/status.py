@@ -27,7 +27,7 @@ from onnxps.client import (
 from onnxps.client._cluster import base_name, parse_target
 from onnxps.v1 import parameter_server_pb2 as pb
 
-from ._args import add_connection_arguments, fail, read_tls_ca
+from ._args import add_connection_arguments, fail, read_tls_ca, unreachable
 
 __all__ = ["add_arguments", "format_table", "run"]
 
@@ -47,8 +47,8 @@ COLUMNS = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "address",
-        help="host:port of the server, or of every shard of a cluster in shard "
-        "order, comma-separated",
+        help="host:port of the server (port 50051 when omitted), or of every "
+        "shard of a cluster in shard order, comma-separated",
     )
     p.add_argument("--prefix", default="", help="only groups whose name starts so")
     add_connection_arguments(p, timeout=3.0)
@@ -200,10 +200,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             groups = ps.list_groups(args.prefix)
             apart = still_apart(ps, groups) if ps.shards is not None else set()
     except RpcError as exc:
-        fail(
-            "onnxps status",
-            f"cannot list the groups on {args.address}: {exc.code.name}: {exc.details}",
-        )
+        why = f"{exc.code.name}: {exc.details}"
+        if exc.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+            why = unreachable(target, args.timeout) or why
+        fail("onnxps status", f"cannot list the groups on {args.address}: {why}")
     except OnnxpsError as exc:
         fail("onnxps status", f"{args.address}: {exc}")
     if not groups:

@@ -7,17 +7,24 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from onnxps.client import Client, OnnxpsError
+from onnxps.client import Client, OnnxpsError, RpcError
 from onnxps.client._cluster import parse_target
 from onnxps.client._transfer import ExportFileError, import_groups
 
-from ._args import EXIT_FAILURE, add_connection_arguments, fail, read_tls_ca
+from ._args import (
+    EXIT_FAILURE,
+    add_connection_arguments,
+    fail,
+    read_tls_ca,
+    unreachable,
+)
 
 __all__ = ["add_export_arguments", "add_import_arguments", "plural", "run"]
 
 _ADDRESS = (
-    "host:port of the server, or of every shard of a cluster in shard order, "
-    "comma-separated (a cluster exports to one file and imports into any shard count)"
+    "host:port of the server (port 50051 when omitted), or of every shard of a "
+    "cluster in shard order, comma-separated (a cluster exports to one file and "
+    "imports into any shard count)"
 )
 
 
@@ -78,6 +85,14 @@ def _import(client: Client, args: argparse.Namespace, out: TextIO) -> None:
     print(line + (f" ({'; '.join(parts)})" if parts else ""), file=out)
 
 
+def _clash(file: str, existing: Sequence[str]) -> str:
+    return (
+        f"the server already has {plural(len(existing), 'group')} of {file}: "
+        f"{_names(existing)}; nothing was imported (--skip-existing keeps the "
+        "server's, --replace deletes them and imports the file's)"
+    )
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Export or import; a failure is one line on stderr (see ``onnxps._args``)."""
     out = out or sys.stdout
@@ -92,7 +107,14 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         ) as client:
             (_export if args.command == "export" else _import)(client, args, out)
     except ExportFileError as exc:
+        if exc.existing:  # the library's words name its arguments; these, the flags
+            fail(prog, _clash(args.file, exc.existing))
         fail(prog, str(exc))
+    except RpcError as exc:
+        why: str | None = None
+        if exc.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+            why = unreachable(parse_target(args.address), args.timeout)
+        fail(prog, f"{args.address}: {why or exc}")
     except OnnxpsError as exc:
         fail(prog, f"{args.address}: {exc}")
     except OSError as exc:  # export: the file cannot be written

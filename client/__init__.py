@@ -96,3 +96,23 @@ __all__ = [
     "shard_addresses",
     "shard_ranking",
 ]
+
+
+def _public_module() -> None:
+    """The exceptions print as ``onnxps.client.NotFoundError`` (the name to import
+    and catch), not as the private module that defines them (those of
+    ``onnxps.wire``, shared with the server, keep theirs)."""
+    for name in __all__:
+        value = globals()[name]
+        if (
+            isinstance(value, type)
+            and issubclass(value, Exception)
+            and value.__module__.startswith(f"{__name__}._")
+        ):
+            value.__module__ = __name__
+            for member in vars(value).values():  # its methods too (griffe, pickle)
+                if callable(member) and hasattr(member, "__module__"):
+                    member.__module__ = __name__
+
+
+_public_module()

@@ -21,7 +21,7 @@ import numpy as np
 from onnxps.wire.encoding import EncodingRangeError
 
 from ._datachannel import ChannelBroken
-from ._errors import ClientClosedError
+from ._errors import ClientClosedError, RpcError, surfaced
 from ._ops import (
     Blocking,
     Effect,
@@ -54,7 +54,10 @@ def _awaiting(
 
     async def method(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> R:
         built: Op[R] = getattr(self, name)(*args, **kwargs)
-        return await self._run(built)
+        try:
+            return await self._run(built)
+        except RpcError as exc:
+            raise surfaced(exc, method.__name__)  # noqa: B904 (the same error)
 
     as_method(method, op, "AsyncClient")
     return method

@@ -16,7 +16,7 @@ from onnxps.wire.encoding import EncodingRangeError
 
 from ._cluster import fan_out
 from ._datachannel import ChannelBroken
-from ._errors import ClientClosedError
+from ._errors import ClientClosedError, RpcError, surfaced
 from ._ops import (
     Blocking,
     Call,
@@ -67,7 +67,10 @@ def _blocking(
 
     def method(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> R:
         built: Op[R] = getattr(self, name)(*args, **kwargs)
-        return self._run(built)
+        try:
+            return self._run(built)
+        except RpcError as exc:
+            raise surfaced(exc, method.__name__)  # noqa: B904 (the same error)
 
     as_method(method, op, "Client")
     return method
@@ -97,7 +100,8 @@ class Client(ClientCore):
     ``address`` is ``"host:port"`` (one server) or a list of the shards' addresses
     in shard order (a cluster; docs/cluster.md): each call is routed to the shards
     holding its group, and a group whose X is larger than ``split_bytes`` is split
-    across them.
+    across them. A host without a port (``"localhost"``) means port 50051, the one
+    ``onnxps serve`` listens on.
 
     ``address`` may also be ``"unix:///path/to.sock"`` (or ``"unix:relative"``): a
     server listening on a Unix socket. ``shared_memory`` chooses the same-host

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 
 import grpc
@@ -185,10 +186,28 @@ def _status_details(
     return reason, metadata, violations
 
 
+# What a plaintext client meets at a TLS port: the server closes the connection on
+# the first bytes, which are not a TLS handshake.
+_PLAINTEXT_AT_TLS = "Socket closed"
+_TLS_HINT = (
+    " (if the server uses TLS, this client spoke plaintext to it: pass the CA that "
+    "signed its certificate, Client(address, root_certificates=ca_pem) with the PEM "
+    "bytes, or --tls-ca ca.pem on the command line)"
+)
+
+
+def _hinted(code: grpc.StatusCode, details: str) -> str:
+    """``details``, with what to do where gRPC's words do not say it."""
+    if code == grpc.StatusCode.UNAVAILABLE and _PLAINTEXT_AT_TLS in details:
+        return details + _TLS_HINT
+    return details
+
+
 def translate(error: grpc.RpcError) -> RpcError:
     """The library's exception for a grpc error (a grpc.Call carries code/details)."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
+    details = _hinted(code, details or "")
     reason, metadata, violations = _status_details(error)
     cls = _BY_CODE.get(code, RpcError)
     return cls(
@@ -198,3 +217,28 @@ def translate(error: grpc.RpcError) -> RpcError:
         metadata=metadata,
         violations=violations,
     )
+
+
+_REFUSED_CALLERS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+def surfaced(error: RpcError, call: str) -> RpcError:
+    """``error`` as the public method ``call`` raises it.
+
+    It says which of the client's calls a refused token or role stopped when the
+    RPC the server names is another (``pull`` asks ``DescribeGroup`` first). And
+    it drops the client's own frames from the traceback (the generator machinery
+    of the operations, some 30 of them), which say nothing the status does not:
+    the traceback ends at the user's call. ``ONNXPS_DEBUG=1`` keeps them."""
+    rpc = error.metadata.get("method", "").lower()
+    own = call.replace("_", "").lower()  # push_detailed: Push, PushStream
+    if (
+        error.code in _REFUSED_CALLERS
+        and rpc
+        and not (rpc.startswith(own) or own.startswith(rpc))
+        and not error.details.startswith(f"{call}()")
+    ):
+        error.details = f"{call}() was refused: {error.details}"
+    if os.environ.get("ONNXPS_DEBUG"):
+        return error
+    return error.with_traceback(None)

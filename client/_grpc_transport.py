@@ -82,11 +82,17 @@ def pushed_what(request: pb.PushRequest) -> str:
     return f"the push to group {request.group} (seq {request.seq}) was not answered"
 
 
+_RESEND_LOG_EVERY = 5.0  # seconds between the warnings of one push's resends
+
+
 def resending(call: Call, group: str, seq: int, address: str) -> Op[Any]:
     """Send a push, and resend it (same seq) while the server is unavailable,
-    until the deadline: the server answers a repeat with its first result."""
+    until the deadline: the server answers a repeat with its first result. The
+    first resend is a WARNING that says why and how to wait less; the next ones
+    warn again at most every ``_RESEND_LOG_EVERY`` seconds."""
     backoff = 0.1
     unavailable: RpcError | None = None
+    warned_at: float | None = None
     while True:
         try:
             return (yield call)
@@ -101,6 +107,7 @@ def resending(call: Call, group: str, seq: int, address: str) -> Op[Any]:
         pause = min(backoff, call.deadline.remaining())
         if pause <= 0:
             raise _gone(address, group, seq, call.deadline, unavailable)
+        warned_at = _warn_resending(call, group, address, unavailable, warned_at)
         log.info(
             "push to %s seq %d: %s; resending in %.1f s",
             group,
@@ -110,6 +117,29 @@ def resending(call: Call, group: str, seq: int, address: str) -> Op[Any]:
         )
         yield Pause(pause)
         backoff = min(_RESEND_BACKOFF_MAX, backoff * 2)
+
+
+def _warn_resending(
+    call: Call, group: str, address: str, last: RpcError, warned_at: float | None
+) -> float | None:
+    """Log that a push is being resent (at most every ``_RESEND_LOG_EVERY`` s);
+    the time of the last warning."""
+    deadline = call.deadline
+    now = deadline.seconds - deadline.remaining()  # seconds since the call began
+    if warned_at is not None and now - warned_at < _RESEND_LOG_EVERY:
+        return warned_at
+    log.warning(
+        "push to group %s: the server at %s is unavailable (%s: %s); resending "
+        "until the call's deadline, %.0f s from now (timeout=%g; pass a smaller "
+        "timeout= to the client or the push to give up sooner)",
+        group,
+        address,
+        last.code.name,
+        last.details,
+        deadline.remaining(),
+        deadline.seconds,
+    )
+    return now
 
 
 def _gone(

@@ -89,9 +89,11 @@ from ._settings import (
     channel_credentials,
     channel_options,
     check_client_arguments,
+    gradient_arrays,
     multicallable,
     named_tensors,
     spec,
+    with_default_port,
 )
 from ._shm_transport import SharedMemoryLink
 from ._transfer import export_op, import_op
@@ -178,7 +180,9 @@ class ClientCore(RowsOps):
         )
         # A list of addresses is a cluster: shard i at addresses[i] (docs/cluster.md,
         # "A cluster of shards").
-        self.addresses = [address] if isinstance(address, str) else list(address)
+        # "host" alone means port 50051, the one ``onnxps serve`` listens on.
+        given = [address] if isinstance(address, str) else list(address)
+        self.addresses = [with_default_port(a) for a in given]
         self.address = ",".join(self.addresses)
         self.shards: int | None = (
             None if isinstance(address, str) else len(self.addresses)
@@ -467,6 +471,7 @@ class ClientCore(RowsOps):
         # Built now, not when first stepped: its deadline and seq start with the
         # call, and a unary push has copied the gradients before it returns.
         deadline = self._deadline(timeout)
+        gradients = gradient_arrays(gradients, self._dtypes.get(group))
         enc = self._encoding(encoding, self.gradient_encoding, "encoding")
         if out is not None:
             out = reply_arrays(out, gradients, return_values)

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
+import numpy as np
 from onnxps.wire.codec import (
     SERVICE,
     deserializer,
@@ -18,14 +19,21 @@ from onnxps.wire.codec import (
 from ._optimizers import Async, OptimizerSpec, Sync
 
 __all__ = [
+    "DEFAULT_PORT",
     "SWITCH_MODES",
     "channel_credentials",
     "channel_options",
     "check_client_arguments",
+    "gradient_arrays",
     "multicallable",
     "named_tensors",
     "spec",
+    "with_default_port",
 ]
+
+# The port ``onnxps serve`` listens on unless told otherwise; an address without a
+# port means it (gRPC's own default would be 443, the HTTPS port).
+DEFAULT_PORT = 50051
 
 
 # The one retry mechanism for every call: the channel retries UNAVAILABLE (the server
@@ -101,6 +109,32 @@ def channel_options(server_name_override: str | None) -> list[tuple[str, Any]]:
 _TRANSPORTS = ("auto", "unary", "stream")
 
 
+def with_default_port(address: str) -> str:
+    """``address`` with ``:50051`` added when it names a host but no port:
+    ``"localhost"``, ``"10.0.0.7"``, ``"[::1]"``, ``"::1"`` and ``"dns:///ps"``;
+    other schemes (``unix:``) and addresses with a port are kept as they are."""
+    text = address.strip()
+    scheme = ""
+    for prefix in ("dns:///", "dns:"):
+        if text.startswith(prefix):
+            scheme, text = prefix, text[len(prefix) :]
+            break
+    if not text or text.startswith(("unix:", "unix-abstract:", "vsock:", "ipv4:")):
+        return address
+    if text.startswith("ipv6:") or "/" in text:
+        return address
+    if text.startswith("["):
+        if "]:" in text or not text.endswith("]"):
+            return address
+        return f"{scheme}{text}:{DEFAULT_PORT}"
+    colons = text.count(":")
+    if colons == 1:
+        return address
+    if colons == 0:
+        return f"{scheme}{text}:{DEFAULT_PORT}"
+    return f"{scheme}[{text}]:{DEFAULT_PORT}"  # a bare IPv6 address
+
+
 def check_client_arguments(
     client: str,
     address: Any,
@@ -154,6 +188,21 @@ def check_client_arguments(
             "root_certificates is the PEM bytes of the CA, not a path: pass "
             "open(path, 'rb').read()"
         )
+
+
+def gradient_arrays(gradients: Sequence[Any], dtype: np.dtype[Any] | None) -> Any:
+    """The gradients of a push, with Python lists, tuples and numbers made arrays
+    of the group's ``dtype`` when it is known (NumPy would make them float64,
+    which a float32 group refuses). Arrays are kept as they are: one of the wrong
+    dtype is the caller's to convert, and the server says so."""
+    if dtype is None:
+        return gradients
+    return tuple(
+        np.asarray(g, dtype)
+        if isinstance(g, list | tuple | int | float) and not isinstance(g, bool)
+        else g
+        for g in gradients
+    )
 
 
 def spec(value: Any, what: str, kind: Any = (Async, Sync)) -> Any:

@@ -50,7 +50,12 @@ Existing = Literal["fail", "skip", "replace"]
 
 class ExportFileError(OnnxpsError, ValueError):
     """An export file that cannot be read, or whose groups cannot be imported as
-    asked; nothing was created."""
+    asked; nothing was created. ``existing`` names the file's groups the server
+    has already, when that is why (``existing="fail"``)."""
+
+    def __init__(self, message: str, existing: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.existing = list(existing)
 
 
 @dataclass(frozen=True)
@@ -218,7 +223,9 @@ def import_op(
     if clashes and existing == "fail":
         raise ExportFileError(
             f"the server already has {_count(clashes, 'group')} of {os.fspath(path)}: "
-            f"{', '.join(clashes)}; nothing was imported (skip or replace them)"
+            f'{", ".join(clashes)}; nothing was imported (existing="skip" keeps '
+            "the server's, existing=\"replace\" deletes them and imports the file's)",
+            clashes,
         )
     imported: list[str] = []
     created: list[str] = []

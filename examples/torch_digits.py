@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import torch
-from onnxps.client import Adam, Async, Client, Sync
+from onnxps.client import Adam, Async, Client, GroupInfo, NotFoundError, Sync
 from onnxps.torch import RemoteOptimizer, run_workers, shard
 from sklearn.datasets import load_digits
 from torch import nn
@@ -89,6 +89,15 @@ def evaluate(address: str) -> float:
     return float((model(x_test).argmax(1) == y_test).float().mean())
 
 
+def existing(address: str) -> GroupInfo | None:
+    """The group as it is before this run (None: the first worker creates it)."""
+    with Client(address) as ps:
+        try:
+            return ps.describe_group(GROUP)
+        except NotFoundError:
+            return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--address", help="a running server (default: start one here)")
@@ -107,6 +116,7 @@ def main() -> None:
         server = create_server(config).start()
         address = server.address
     try:
+        before = existing(address)
         start = time.perf_counter()
         run_workers(
             worker,
@@ -118,13 +128,21 @@ def main() -> None:
         )
         took = time.perf_counter() - start
         with Client(address) as ps:
-            steps = ps.describe_group(GROUP).update_count
+            info = ps.describe_group(GROUP)
         accuracy = evaluate(address)
-        mode = "sync" if args.sync else "async"
+        # The group's own mode and this run's steps: a group that existed is used
+        # as it is, whatever --async says, and its T counts earlier runs too.
+        mode = "sync" if isinstance(info.consistency, Sync) else "async"
+        steps = info.update_count - (0 if before is None else before.update_count)
         print(
             f"{args.workers} workers ({mode}), {steps} server steps in {took:.1f} s; "
             f"held-out accuracy {accuracy:.4f}"
         )
+        if before is not None:
+            print(
+                f"(group {GROUP} existed at T={before.update_count}: trained on from "
+                f"there, in its {mode} mode; now T={info.update_count})"
+            )
     finally:
         if server is not None:
             server.stop(grace=0)

@@ -17,13 +17,28 @@ BEGIN, END = "<!-- serve-flags -->", "<!-- /serve-flags -->"
 
 
 def table() -> str:
-    from onnxps.server.cli import config_flags
+    """One table per section of ``onnxps serve --help``, in its order; defaults in
+    units (256 MiB, 30 s) and None as what it means."""
+    from onnxps.server.cli import GROUPS, config_flags
 
-    rows = ["| flag | environment | default | meaning |", "| --- | --- | --- | --- |"]
-    for f in config_flags():
-        default = "(none)" if f.default is None else f"`{f.default}`"
-        rows.append(f"| `{f.flag}` | `{f.env}` | {default} | {f.meaning} |")
-    return "\n".join(rows)
+    flags = config_flags()
+    parts = []
+    for group, about in GROUPS.items():
+        mine = [f for f in flags if f.group == group]
+        if not mine:
+            continue
+        rows = [
+            f"**{group}**: {about}",
+            "",
+            "| flag | environment | default | meaning |",
+            "| --- | --- | --- | --- |",
+        ]
+        for f in mine:
+            shown = f.shown(f.default)
+            default = shown if f.default is None else f"`{shown}`"
+            rows.append(f"| `{f.flag}` | `{f.env}` | {default} | {f.meaning} |")
+        parts.append("\n".join(rows))
+    return "\n\n".join(parts)
 
 
 def main() -> int:

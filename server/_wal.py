@@ -36,7 +36,9 @@ unless the operator asked to truncate the log there.
 
 from __future__ import annotations
 
+import bisect
 import errno
+import itertools
 import json
 import logging
 import mmap
@@ -55,6 +57,7 @@ from .errors import FailedPrecondition, NotLogged, ResourceExhausted, Unavailabl
 
 __all__ = [
     "WAL_FORMAT_VERSION",
+    "FsyncTimes",
     "LogReader",
     "WalCorruptError",
     "WalDiskFullError",
@@ -78,6 +81,32 @@ SEGMENT_HEADER = struct.Struct("<8sI")
 WAL_FORMAT_VERSION = 2
 MAX_HEADER = 1 << 20
 IDLE_CHECK_SECONDS = 1.0  # how often an idle log checks its segment is on disk
+
+
+class FsyncTimes:
+    """How long the log's fsyncs took: a histogram kept by the one thread that
+    writes batches, read (a copy) by the metrics when scraped."""
+
+    BOUNDS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = [0] * (len(self.BOUNDS) + 1)
+        self._sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        i = bisect.bisect_left(self.BOUNDS, seconds)
+        with self._lock:
+            self._counts[i] += 1
+            self._sum += seconds
+
+    def buckets(self) -> tuple[list[tuple[float, int]], float]:
+        """(upper bound, cumulative count) per bucket, +Inf last; and the sum."""
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative = list(itertools.accumulate(counts))
+        bounds = [*self.BOUNDS, float("inf")]
+        return list(zip(bounds, cumulative, strict=True)), total
 
 
 class WalFormatError(Exception):
@@ -197,6 +226,7 @@ class WriteAheadLog:
         self._last_error: OSError | None = None
         self._on_error = on_error
         self._on_recover = on_recover
+        self.fsync_times = FsyncTimes()  # read by the metrics at scrape time
         # A segment already named after next_lsn holds no intact record (else replay
         # would have moved next_lsn past it): only a torn write, which is dropped.
         self._fd = self._open_segment(next_lsn, truncate=True)
@@ -439,11 +469,13 @@ class WriteAheadLog:
                 _write_all(self._fd, a.reshape(-1).data.cast("B"))
 
     def _sync(self) -> None:
+        start = time.perf_counter()
         try:
             os.fsync(self._fd)
         except OSError:
             self._fsync_failed = True
             raise
+        self.fsync_times.observe(time.perf_counter() - start)
         st = os.fstat(self._fd)
         self._check_on_disk(st)
         self._synced = st.st_size

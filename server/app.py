@@ -49,10 +49,19 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
+def _option(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[str, ...] | None = None,
+    group: str = "other",
+    none: str | None = None,
+) -> Any:
     """A config field with its ``onnxps serve`` flag help (the flag is ``--field-name``
-    and its environment variable ``ONNXPS_FIELD_NAME``)."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+    and its environment variable ``ONNXPS_FIELD_NAME``): ``group`` is its section
+    of ``--help`` and of docs/configuration.md, ``none`` what a None default means."""
+    metadata = {"help": help, "choices": choices, "group": group, "none": none}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -62,103 +71,155 @@ class ServerConfig:
     docs/configuration.md."""
 
     address: str = _option(
-        "127.0.0.1:50051", "host:port to listen on, or unix:PATH (a Unix socket)"
+        "127.0.0.1:50051",
+        "host:port to listen on, or unix:PATH (a Unix socket)",
+        group="network",
     )
     unix_socket_mode: str = _option(
         "0600",
         "permissions (octal) of the unix:PATH socket the server creates: 0600 lets "
         "its user connect, 0660 its group too",
+        group="network",
     )
     shared_memory: str = _option(
         "on",
         "same-host clients of this server's user may move tensors through /dev/shm",
         choices=("on", "off"),
+        group="network",
     )
     threads: int = _option(
         128,
         "RPC worker threads; streams and waiting calls may hold at most "
         "--max-concurrent-streams + --max-waiting-calls of them, the rest serve "
         "short calls and health",
+        group="limits",
     )
     log_level: str = _option(
-        "INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR")
+        "INFO",
+        "log level",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        group="observability",
     )
-    max_message_bytes: int = _option(256 << 20, "largest unary message")
-    chunk_bytes: int = _option(CHUNK_BYTES, "stream chunk size")
-    max_concurrent_rpcs: int = _option(256, "calls in flight before RESOURCE_EXHAUSTED")
+    max_message_bytes: int = _option(256 << 20, "largest unary message", group="limits")
+    chunk_bytes: int = _option(CHUNK_BYTES, "stream chunk size", group="limits")
+    max_concurrent_rpcs: int = _option(
+        256, "calls in flight before RESOURCE_EXHAUSTED", group="limits"
+    )
     max_inflight_bytes: int = _option(
         4 << 30,
         "request bytes handled at once before RESOURCE_EXHAUSTED, 0 for no limit",
+        group="limits",
     )
     max_concurrent_streams: int | None = _option(
         None,
-        "streaming calls and data-channel calls at once before RESOURCE_EXHAUSTED; "
-        "default half of --threads, 0 for no limit (and no threads kept for short "
-        "calls)",
+        "streaming calls and data-channel calls at once before RESOURCE_EXHAUSTED, "
+        "0 for no limit (and no threads kept for short calls)",
+        group="limits",
+        none="half of --threads",
     )
     max_waiting_calls: int | None = _option(
         None,
         "calls waiting for a version at once (pull min_version, sync push with "
-        "return_values) before RESOURCE_EXHAUSTED; default a quarter of --threads; "
-        "with --max-concurrent-streams below --threads",
+        "return_values) before RESOURCE_EXHAUSTED; with --max-concurrent-streams "
+        "below --threads",
+        group="limits",
+        none="a quarter of --threads",
     )
     stall_seconds: float = _option(
         30.0,
         "a call whose client stops sending (a request stream between messages, a "
         "data-channel frame) or stops reading its data-channel frame for this long "
         "ends with DEADLINE_EXCEEDED, deadline or not",
+        group="limits",
     )
     gradient_pool_bytes: int = _option(
         128 << 20,
         "idle gradient buffers kept for the next streamed or data-channel push, all "
         "groups together (reused to skip page faults; given back when the host runs "
         "low on memory), 0 for none",
+        group="memory",
     )
-    max_group_bytes: int = _option(0, "largest group (X with V/H), 0 for no limit")
-    max_total_bytes: int = _option(0, "state the server holds in all, 0 for no limit")
-    max_groups: int = _option(0, "number of groups, 0 for no limit")
+    max_group_bytes: int = _option(
+        0, "largest group (X with V/H), 0 for no limit", group="memory"
+    )
+    max_total_bytes: int = _option(
+        0, "state the server holds in all, 0 for no limit", group="memory"
+    )
+    max_groups: int = _option(0, "number of groups, 0 for no limit", group="memory")
     lease_seconds: float = _option(
-        10.0, "worker lease (sync quorum) when a group sets none"
+        10.0, "worker lease (sync quorum) when a group sets none", group="training"
     )
-    data_dir: str | None = _option("onnxps-data", "directory for snapshots and WAL")
+    data_dir: str | None = _option(
+        "onnxps-data",
+        "directory for snapshots and WAL",
+        group="durability",
+        none="no data directory",
+    )
     durability: str = _option(
-        "snapshot", "how state outlives the process", choices=DURABILITY_MODES
+        "snapshot",
+        "how state outlives the process",
+        choices=DURABILITY_MODES,
+        group="durability",
     )
     wal_truncate_corrupt: bool = _option(
         False,
         "start even when the write-ahead log is corrupt in its middle: cut it there "
         "and drop the records after it (logged as an ERROR)",
+        group="durability",
     )
-    snapshot_interval: float = _option(300.0, "seconds between snapshots, 0 for none")
-    keep_snapshots: int = _option(3, "snapshots kept")
-    tls_cert: str | None = _option(None, "server certificate (PEM)")
-    tls_key: str | None = _option(None, "server private key (PEM)")
+    snapshot_interval: float = _option(
+        300.0, "seconds between snapshots, 0 for none", group="durability"
+    )
+    keep_snapshots: int = _option(3, "snapshots kept", group="durability")
+    tls_cert: str | None = _option(
+        None, "server certificate (PEM)", group="security", none="plaintext, no TLS"
+    )
+    tls_key: str | None = _option(
+        None, "server private key (PEM)", group="security", none="plaintext, no TLS"
+    )
     tls_client_ca: str | None = _option(
-        None, "CA that client certificates must chain to (mutual TLS)"
+        None,
+        "CA that client certificates must chain to (mutual TLS)",
+        group="security",
+        none="no client certificates asked for",
     )
     tokens_file: str | None = _option(
-        None, "token file: roles and group prefixes per token"
+        None,
+        "token file: roles and group prefixes per token",
+        group="security",
+        none="no tokens: every caller may make every call",
     )
     insecure: bool = _option(
-        False, "allow a non-loopback address without TLS and tokens"
+        False, "allow a non-loopback address without TLS and tokens", group="security"
     )
-    metrics_port: int | None = _option(None, "serve Prometheus metrics on this port")
+    metrics_port: int | None = _option(
+        None,
+        "serve Prometheus metrics on this port",
+        group="observability",
+        none="no metrics endpoint",
+    )
     health_port: int | None = _option(
         None,
         "also serve grpc.health.v1 alone, in plaintext, on this port (Kubernetes' "
         "native gRPC probes cannot speak TLS); 0 picks a free port",
+        group="observability",
+        none="health on the main port only",
     )
     data_port: int | None = _option(
         None,
         "also serve a data channel on this TCP port of the address's host: clients "
         "that ask move tensor bytes on a socket beside gRPC (about 2x faster), "
         "TLS with the server's certificate when it serves TLS; 0 picks a free port",
+        group="network",
+        none="no data channel",
     )
     shard: str | None = _option(
         None,
         "this server is shard INDEX/COUNT of a cluster (from 0), or auto/COUNT to "
         "take INDEX from the host name's -<ordinal> (a StatefulSet pod); calls "
         "routed for another layout are refused",
+        group="cluster",
+        none="a single server, not a shard",
     )
 
     def __post_init__(self) -> None:
@@ -526,7 +587,13 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     )
     durability = _durability(config, store, health_servicer)
     if durability is not None and recorder.registry is not None:
-        recorder.registry.register(DurabilityCollector(durability.alarms))
+        journal = durability.journal
+        recorder.registry.register(
+            DurabilityCollector(
+                durability.alarms,
+                lambda: None if journal is None else journal.fsync_times,
+            )
+        )
     # A crash between a sync step's last push record and the step's own record leaves
     # a full quorum pending after replay: take such steps before serving anything.
     store.reap_leases()

@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
+from google.rpc import error_details_pb2, status_pb2
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from ._handlers import (
@@ -35,6 +36,7 @@ from ._handlers import (
     method_of,
     on_first,
 )
+from ._wal import FsyncTimes
 from .limits import message_bytes
 from .security import is_loopback
 from .store import ParameterStore
@@ -144,6 +146,20 @@ class Recorder:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.errors = Counter(
+            "onnxps_errors",
+            "Calls that ended with an error, by method, status code and the "
+            "ErrorInfo reason (ERROR when the status carries none)",
+            ["method", "code", "reason"],
+            registry=r,
+        )
+        self.group_push_seconds = Histogram(
+            "onnxps_group_push_duration_seconds",
+            "Push latency by group (unary, stream and rows)",
+            ["group"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.staleness = Histogram(
             "onnxps_push_staleness",
             "T minus base_version of accepted pushes that carried a base_version",
@@ -160,7 +176,9 @@ class Recorder:
             return "-"
         return group
 
-    def record(self, call: _Observed, code: str, seconds: float) -> None:
+    def record(
+        self, call: _Observed, code: str, seconds: float, reason: str | None = None
+    ) -> None:
         if self.registry is None:
             return
         m = call.method
@@ -168,9 +186,13 @@ class Recorder:
         self.rpc_seconds.labels(m).observe(seconds)
         self.bytes_in.labels(m).inc(call.bytes_in)
         self.bytes_out.labels(m).inc(call.bytes_out)
+        if code != "OK":
+            self.errors.labels(m, code, reason or "ERROR").inc()
         if m in _PUSH:
-            self.pushes.labels(self.group_label(call.group), code).inc()
+            group = self.group_label(call.group)
+            self.pushes.labels(group, code).inc()
             self.push_seconds.observe(seconds)
+            self.group_push_seconds.labels(group).observe(seconds)
             if code != "OK":
                 self.rejected.labels(code).inc()
             else:
@@ -272,10 +294,27 @@ class DurabilityCollector(Collector):
 
     REASONS = ("DISK_FULL", "WAL_UNLINKED", "WAL_WRITE_FAILED", "SNAPSHOT_FAILED")
 
-    def __init__(self, alarms: Callable[[], set[str]]) -> None:
+    def __init__(
+        self,
+        alarms: Callable[[], set[str]],
+        fsyncs: Callable[[], FsyncTimes | None] = lambda: None,
+    ) -> None:
         self.alarms = alarms
+        self.fsyncs = fsyncs
 
     def collect(self) -> Iterable[Any]:
+        times = self.fsyncs()
+        if times is not None:
+            buckets, total = times.buckets()
+            yield HistogramMetricFamily(
+                "onnxps_wal_fsync_duration_seconds",
+                "How long each fsync of the write-ahead log took (one per batch of "
+                "records: group commit)",
+                buckets=[
+                    (repr(le) if le != float("inf") else "+Inf", n) for le, n in buckets
+                ],
+                sum_value=total,
+            )
         now = self.alarms()
         alarm = GaugeMetricFamily(
             "onnxps_durability_alarm",
@@ -404,9 +443,29 @@ class _Observed(CallHooks):
                 },
             )
         try:
-            self.recorder.record(self, name, seconds)
+            reason = None if name == "OK" else reason_of(context)
+            self.recorder.record(self, name, seconds, reason)
         except Exception:  # noqa: BLE001 - metrics must never fail a call
             log.exception("recording metrics for %s failed", self.method)
+
+
+_STATUS_DETAILS = "grpc-status-details-bin"
+_REASON = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
+
+
+def reason_of(context: grpc.ServicerContext) -> str | None:
+    """The ErrorInfo reason of the status a call ended with (None: it has none).
+    The server writes the reasons, so they are a fixed set of label values."""
+    for key, value in context.trailing_metadata() or ():
+        if key != _STATUS_DETAILS:
+            continue
+        status = status_pb2.Status.FromString(value)
+        for detail in status.details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                return info.reason if _REASON.fullmatch(info.reason) else None
+    return None
 
 
 def _metrics_host(address: str) -> str:

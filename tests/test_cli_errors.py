@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from _procs import clean_env
 from onnxps import cli
-from onnxps.client import Adagrad, Adam, Client
+from onnxps.client import Adagrad, Adam, Client, ExportFileError
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from onnxps.server.security import ConfigError
 
@@ -91,7 +91,15 @@ def test_import_refuses_existing_groups_before_creating_any(
     line = _one_line(capsys, ["import", server.address, str(exported)], 1)
     assert line == (
         f"onnxps import: the server already has 1 group of {exported}: a2; nothing "
-        "was imported (skip or replace them)"
+        "was imported (--skip-existing keeps the server's, --replace deletes them "
+        "and imports the file's)"
+    )
+    with pytest.raises(ExportFileError) as err:
+        client.import_(exported)
+    assert err.value.existing == ["a2"]
+    assert str(err.value).endswith(
+        'nothing was imported (existing="skip" keeps the server\'s, '
+        'existing="replace" deletes them and imports the file\'s)'
     )
     assert _groups(client) == {"a2": 1}  # a1 and a3 were not created
 

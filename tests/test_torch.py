@@ -381,6 +381,36 @@ def test_example_digits_reaches_095_with_four_workers() -> None:
     assert float(found.group(1)) >= 0.95
 
 
+def test_example_digits_reused_reports_the_groups_mode_and_its_own_steps(
+    tmp_path: Path,
+) -> None:
+    """Run twice against one server: the second run (sync by default) trains the
+    async group the first made, and says so, with its own steps, not the whole T.
+    2 workers, 1 epoch: 22 full batches of 32 each, one async step per push."""
+    from _procs import start_server, stop
+
+    proc, address = start_server(tmp_path / "server.log")
+    example = [sys.executable, str(ROOT / "examples" / "torch_digits.py")]
+    small = ["--address", address, "--workers", "2", "--epochs", "1"]
+    try:
+        outs = []
+        for flags in (["--async"], []):
+            run = subprocess.run(
+                [*example, *small, *flags], capture_output=True, text=True, timeout=240
+            )
+            assert run.returncode == 0, run.stdout + run.stderr
+            outs.append(run.stdout.splitlines())
+    finally:
+        stop(proc)
+    assert outs[0][0].startswith("2 workers (async), 44 server steps in ")
+    assert len(outs[0]) == 1
+    assert outs[1][0].startswith("2 workers (async), 44 server steps in ")
+    assert outs[1][1] == (
+        "(group digits-cnn existed at T=44: trained on from there, in its async "
+        "mode; now T=88)"
+    )
+
+
 @pytest.mark.parametrize("shared_memory", ["off", "auto"])
 def test_step_writes_x_straight_into_the_parameters(
     tmp_path: Path, shared_memory: str
