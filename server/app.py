@@ -130,6 +130,27 @@ class ServerConfig:
         "take INDEX from the host name's -<ordinal> (a StatefulSet pod); calls "
         "routed for another layout are refused",
     )
+    coordinator: str | None = _option(
+        None,
+        "replicate this shard: etcd://HOST:PORT[,HOST:PORT]/PREFIX; the servers of "
+        "one prefix and --shard index elect a primary and ship it the write-ahead "
+        "log (needs --durability wal and --shard; pip install 'onnxps[replication]')",
+    )
+    sync_replicas: int = _option(
+        1,
+        "with --coordinator: standbys that must hold a change before the primary "
+        "acknowledges it (fewer following: changes are refused)",
+    )
+    lease_ttl: int = _option(
+        3,
+        "with --coordinator: seconds of the primary's etcd lease (a failover takes "
+        "about this long)",
+    )
+    member_id: str | None = _option(
+        None,
+        "with --coordinator: this server's name in its replica set, stable across "
+        "restarts (default: host name and port)",
+    )
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -267,6 +288,7 @@ class ServerHandle:
     shared_memory: SharedMemory | None = None
     unix_socket: UnixSocket | None = None
     data_channels: DataChannels | None = None
+    replication: Any = None  # onnxps.server.replication.Replication
     _stopped: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -299,6 +321,8 @@ class ServerHandle:
             self.data_channels.start()
         if self.durability is not None:
             self.durability.start_periodic(self.config.snapshot_interval)
+        if self.replication is not None:
+            self.replication.start(self.address)
         _set_health(self.health, _SERVING)
         log.info("onnxps listening on %s", self.address)
         return self
@@ -315,6 +339,8 @@ class ServerHandle:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self.replication is not None:
+            self.replication.stop()  # a primary resigns: a standby takes over now
         end = None if grace is None else time.monotonic() + grace
         self.health.enter_graceful_shutdown()
         self.gate.close()
@@ -463,6 +489,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     # A crash between a sync step's last push record and the step's own record leaves
     # a full quorum pending after replay: take such steps before serving anything.
     store.reap_leases()
+    replication = _replication(config, shard, store, durability)
     metrics = None
     shared_memory = SharedMemory(enabled=config.shared_memory == "on")
     unix_socket = None
@@ -481,6 +508,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             inflight=inflight,
             shared_memory=shared_memory,
             data_channels=data_channels,
+            replicate=None if replication is None else replication.replicate,
         )
         add_servicer(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -514,6 +542,34 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         shared_memory=shared_memory,
         unix_socket=unix_socket,
         data_channels=data_channels,
+        replication=replication,
+    )
+
+
+def _replication(
+    config: ServerConfig,
+    shard: Any,
+    store: ParameterStore,
+    durability: Durability | None,
+) -> Any:
+    """The replica set part (None without --coordinator); imported only then."""
+    if not config.coordinator:
+        return None
+    from .replication import Replication, ReplicationConfig, parse_coordinator
+
+    if shard is None:
+        raise ConfigError("--coordinator needs --shard INDEX/COUNT (e.g. 0/1)")
+    return Replication(
+        ReplicationConfig(
+            parse_coordinator(config.coordinator),
+            shard,
+            sync_replicas=config.sync_replicas,
+            lease_ttl=config.lease_ttl,
+            member_id=config.member_id,
+            max_message_bytes=config.max_message_bytes,
+        ),
+        store,
+        durability,
     )
 
 

@@ -260,6 +260,38 @@ class Durability:
                 now,
             )
 
+    # -- replication (onnxps.server.replication) -------------------------------------
+    def apply(self, header: dict[str, Any], arrays: list[np.ndarray[Any, Any]]) -> None:
+        """Apply one record shipped by a replicated shard's primary (as replay)."""
+        self._apply(header, arrays)
+
+    def adopt_snapshot(self, received: str) -> tuple[int, dict[str, int]]:
+        """Make the snapshot directory ``received`` this server's whole state (a
+        standby catching up): every group is dropped, the snapshots and the log are
+        replaced, the snapshot is restored, and the log starts again after it.
+        Returns the snapshot's wal lsn and covered lsn per group."""
+        with self._lock:
+            if self.journal is not None:
+                self.journal.close()
+                self.journal = None
+            for view in self.store.groups():
+                self.store.replay_delete(view.name)
+            shutil.rmtree(self.snap_dir, ignore_errors=True)
+            shutil.rmtree(self.wal_dir, ignore_errors=True)
+            os.makedirs(self.wal_dir)
+            os.makedirs(self.snap_dir)
+            os.rename(received, os.path.join(self.snap_dir, os.path.basename(received)))
+            wal_lsn, covered = self._restore()
+            next_lsn = max([wal_lsn, *covered.values()]) + 1
+            if self.mode == "wal":
+                self.journal = WriteAheadLog(
+                    self.wal_dir, next_lsn, self._on_wal_error, self._on_wal_recover
+                )
+            else:
+                self._base_lsn = next_lsn - 1
+            self._signature = self._current_signature()
+            return wal_lsn, covered
+
     # -- snapshots ------------------------------------------------------------------
     def snapshot(self, force: bool = True) -> SaveResult | None:
         """Write a snapshot now (unless nothing changed and not ``force``)."""

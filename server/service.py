@@ -77,6 +77,10 @@ log = logging.getLogger("onnxps.service")
 
 Array = np.ndarray[Any, Any]
 F = TypeVar("F", bound=Callable[..., Any])
+# The Replicate stream's handler (onnxps.server.replication): requests in, replies out.
+Replicate = Callable[
+    [Iterable[pb.ReplicateRequest], Any], Iterator[pb.ReplicateResponse]
+]
 # A wait ends this much before its call's deadline (at most a tenth of the time left).
 _ANSWER_EARLY_SECONDS = 0.05
 # How long a request stream that ended early is watched for its client's cancellation.
@@ -416,8 +420,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         inflight: InflightBytes | None = None,
         shared_memory: SharedMemory | None = None,
         data_channels: DataChannels | None = None,
+        replicate: Replicate | None = None,
     ) -> None:
         self.store = store
+        # A replicated shard's log shipping (none without --coordinator).
+        self._replicate = replicate
         # The same-host transport (off when not given).
         self._shm = shared_memory or SharedMemory(enabled=False)
         # Tensor bytes on sockets beside gRPC (none when not given).
@@ -802,6 +809,18 @@ class ParameterServerServicer(pb_grpc.ParameterServerServiceServicer):
         return pb.DataChannelHelloResponse(
             port=port, ticket=ticket, ticket_seconds=seconds
         )
+
+    @_streaming
+    def Replicate(
+        self, request_iterator: Iterable[pb.ReplicateRequest], context: Any
+    ) -> Iterator[pb.ReplicateResponse]:
+        if self._replicate is None:
+            raise FailedPrecondition(
+                "this server is not part of a replicated shard (it was started "
+                "without --coordinator)",
+                reason="NOT_REPLICATED",
+            )
+        yield from self._replicate(request_iterator, context)
 
     @_unary
     def SharedMemoryHello(
