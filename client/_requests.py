@@ -41,6 +41,7 @@ from onnxps.wire.initializers import IdsTable
 from onnxps.wire.shm import layout
 
 from ._channel_transport import DataChannelLink, DataChannelMode
+from ._discovery import Discovery, is_coordinator
 from ._errors import (
     ClientClosedError,
 )
@@ -167,6 +168,11 @@ class ClientCore:
         data_channel: DataChannelMode = "auto",
         **unexpected: NoReturn,
     ) -> None:
+        # A replicated cluster (README "Replicated shards"): its primaries from etcd.
+        self._discovery = None
+        if isinstance(address, str) and is_coordinator(address):
+            self._discovery = Discovery(address)
+            address = self._discovery.addresses(timeout)
         check_client_arguments(
             type(self).__name__,
             address,

@@ -1,0 +1,343 @@
+"""Replicated shards (issue 23): real etcd, real `onnxps serve` processes.
+
+A shard's servers elect a primary in etcd; the primary ships its write-ahead log to
+the standbys and acknowledges a push once the synchronous standby holds it; a killed
+primary is replaced by the standby that holds every acknowledged push, and clients
+of ``Client("etcd://...")`` follow it with the same seq (exactly once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
+from _procs import clean_env, start_server, stop
+from onnxps.client import Adagrad, Client, FailedPreconditionError
+from onnxps.server.app import ServerConfig, create_server
+
+WORKER = Path(__file__).parent / "workers" / "replica_pusher.py"
+SIZE = 64
+TTL = 2
+
+
+def _etcd_get(etcd: EtcdProcess, key: str) -> bytes | None:
+    import etcd3gw
+
+    client = etcd3gw.Etcd3Client(
+        host="127.0.0.1", port=etcd.client_port, api_path="/v3/", timeout=5
+    )
+    got = client.get(key)
+    return got[0] if got else None
+
+
+class ReplicaSet:
+    """``n`` servers of shard 0/1 under one etcd prefix, each with its data dir."""
+
+    def __init__(self, tmp: Path, etcd: EtcdProcess, n: int, prefix: str = "ps"):
+        self.tmp, self.etcd, self.prefix = tmp, etcd, prefix
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.addresses: dict[int, str] = {}
+        self.starts = dict.fromkeys(range(n), 0)
+        for i in range(n):
+            self.start(i)
+
+    @property
+    def url(self) -> str:
+        return self.etcd.url(self.prefix)
+
+    def start(self, i: int) -> None:
+        self.starts[i] += 1
+        log = self.tmp / f"server{i}-{self.starts[i]}.log"
+        proc, address = start_server(
+            log,
+            "--durability", "wal",
+            "--data-dir", str(self.tmp / f"data{i}"),
+            "--coordinator", self.url,
+            "--shard", "0/1",
+            "--member-id", f"m{i}",
+            "--lease-ttl", str(TTL),
+            "--snapshot-interval", "0",
+            env=clean_env(),
+        )  # fmt: skip
+        self.procs[i], self.addresses[i] = proc, address
+
+    def key(self, name: str) -> object:
+        raw = _etcd_get(self.etcd, f"/{self.prefix}/shards/0/{name}")
+        return None if raw is None else json.loads(raw)
+
+    def primary(self, timeout: float = 30.0, not_: int | None = None) -> int:
+        """The index of the primary (waits for one, other than ``not_``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.key("primary")
+            if isinstance(info, dict):
+                i = int(str(info["member"])[1:])
+                if i != not_ and self.procs[i].poll() is None:
+                    return i
+            time.sleep(0.05)
+        raise AssertionError(f"no primary (other than {not_}) within {timeout} s")
+
+    def wait_sync(self, timeout: float = 60.0) -> list[str]:
+        """Wait until the primary names a synchronous standby; returns them."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.key("sync")
+            primary = self.key("primary")
+            if (
+                isinstance(info, dict)
+                and isinstance(primary, dict)
+                and info["standbys"]
+                and info["term"] == primary["term"]
+            ):
+                return list(info["standbys"])
+            time.sleep(0.05)
+        raise AssertionError(f"no synchronous standby within {timeout} s")
+
+    def state(self, i: int, group: str) -> tuple[int, np.ndarray]:
+        with Client(self.addresses[i], timeout=30) as c:
+            return c.describe_group(group).update_count, c.pull(group)[0]
+
+    def wait_t(self, i: int, group: str, t: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        seen = -1
+        while time.monotonic() < deadline:
+            seen = self.state(i, group)[0]
+            if seen == t:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"replica {i} of {group} is at T={seen}, not {t}")
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+            stop(p)
+
+
+@pytest.fixture
+def replicas(
+    tmp_path: Path,
+    etcd_server: EtcdProcess,  # noqa: F811
+) -> Iterator[ReplicaSet]:
+    sets: list[ReplicaSet] = []
+
+    def make(n: int) -> ReplicaSet:
+        sets.append(ReplicaSet(tmp_path, etcd_server, n))
+        return sets[-1]
+
+    try:
+        yield make  # type: ignore[misc]
+    finally:
+        for s in sets:
+            s.close()
+
+
+def _create(url: str, group: str = "g") -> None:
+    with Client(url, timeout=60) as c:
+        c.create_group(
+            group,
+            Adagrad(),
+            learning_rate=0.1,
+            tensors={"x": np.zeros(SIZE, np.float32)},
+        )
+
+
+def _replay(records: list[dict[str, int]]) -> np.ndarray:
+    """X after the pushes in T order, on a fresh in-process server."""
+    sys.path.insert(0, str(WORKER.parent))
+    from replica_pusher import gradient
+
+    handle = create_server(ServerConfig(address="127.0.0.1:0", durability="none"))
+    handle.start()
+    try:
+        with Client(handle.address, timeout=30) as c:
+            c.create_group(
+                "g", Adagrad(), learning_rate=0.1,
+                tensors={"x": np.zeros(SIZE, np.float32)},
+            )  # fmt: skip
+            for r in sorted(records, key=lambda r: r["t"]):
+                c.push("g", gradient(r["w"], r["k"], SIZE))
+            return c.pull("g")[0]
+    finally:
+        handle.stop(grace=0)
+
+
+def test_a_standby_holds_every_acknowledged_push_and_refuses_writes(
+    replicas: object,
+) -> None:
+    rs: ReplicaSet = replicas(2)  # type: ignore[operator]
+    p = rs.primary()
+    rs.wait_sync()
+    s = 1 - p
+    _create(rs.url)
+    with Client(rs.url, timeout=30) as c:
+        assert c.address == rs.addresses[p]
+        ts = [c.push("g", np.full(SIZE, 0.5, np.float32)) for _ in range(5)]
+    assert ts == [1, 2, 3, 4, 5]
+    rs.wait_t(s, "g", 5)
+    t_p, x_p = rs.state(p, "g")
+    t_s, x_s = rs.state(s, "g")
+    assert (t_p, t_s) == (5, 5)
+    np.testing.assert_array_equal(x_s, x_p)
+    with Client(rs.addresses[s], timeout=10) as c:
+        with pytest.raises(FailedPreconditionError) as err:
+            c.push("g", np.ones(SIZE, np.float32))
+    assert err.value.reason == "NOT_PRIMARY"
+    assert err.value.metadata["primary"] == rs.addresses[p]
+    assert rs.state(s, "g")[0] == 5  # the refused push changed nothing
+
+
+def test_a_killed_primary_is_replaced_and_the_client_follows(replicas: object) -> None:
+    rs: ReplicaSet = replicas(2)  # type: ignore[operator]
+    p = rs.primary()
+    rs.wait_sync()
+    _create(rs.url)
+    with Client(rs.url, timeout=60) as c:
+        assert [c.push("g", np.full(SIZE, 0.5, np.float32)) for _ in range(3)] == [
+            1, 2, 3,
+        ]  # fmt: skip
+        rs.procs[p].kill()
+        rs.procs[p].wait()
+        new = rs.primary(not_=p)
+        assert new == 1 - p
+        rs.start(p)  # rejoins as a standby: pushes need a synchronous standby
+        # The same client, same call: it finds the new primary in etcd.
+        assert c.push("g", np.full(SIZE, 0.5, np.float32)) == 4
+        assert c.address == rs.addresses[new]
+    rs.wait_t(p, "g", 4)
+    np.testing.assert_array_equal(rs.state(p, "g")[1], rs.state(new, "g")[1])
+
+
+def _acked(out: Path) -> list[dict[str, int]]:
+    if not out.exists():
+        return []
+    return [json.loads(line) for line in out.read_text().splitlines() if line]
+
+
+def _wait_acked(out: Path, n: int, procs: list[subprocess.Popen[bytes]]) -> None:
+    deadline = time.monotonic() + 120
+    while len(_acked(out)) < n:
+        assert time.monotonic() < deadline, f"only {len(_acked(out))} of {n} acked"
+        assert all(p.poll() in (None, 0) for p in procs), "a worker failed"
+        time.sleep(0.05)
+
+
+def _workers(url: str, n: int, count: int, out: Path) -> list[subprocess.Popen[bytes]]:
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(WORKER),
+                url,
+                "g",
+                str(w),
+                str(count),
+                str(SIZE),
+                str(out),
+            ],
+            env=clean_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=open(out.with_suffix(f".w{w}.err"), "wb"),  # noqa: SIM115
+        )  # fmt: skip
+        for w in range(n)
+    ]
+
+
+@pytest.mark.slow
+def test_kill_minus_9_of_the_primary_under_load_loses_and_repeats_nothing(
+    replicas: object, tmp_path: Path
+) -> None:
+    rs: ReplicaSet = replicas(3)  # type: ignore[operator]
+    rs.primary()
+    rs.wait_sync()
+    _create(rs.url)
+    out = tmp_path / "acked.jsonl"
+    workers, count = 3, 60
+    procs = _workers(rs.url, workers, count, out)
+    try:
+        for kill in range(3):
+            _wait_acked(out, (kill + 1) * 30, procs)
+            p = rs.primary()
+            rs.procs[p].kill()
+            rs.procs[p].wait()
+            rs.primary(not_=p)
+            rs.start(p)
+        for w in procs:
+            assert w.wait(timeout=180) == 0, out.with_suffix(".w0.err").read_text()
+    finally:
+        for w in procs:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+    records = _acked(out)
+    total = workers * count
+    # Every push was acknowledged once, each at its own T: none applied twice.
+    assert sorted(r["t"] for r in records) == list(range(1, total + 1))
+    for i in rs.procs:
+        rs.wait_t(i, "g", total)
+    xs = [rs.state(i, "g")[1] for i in rs.procs]
+    for x in xs[1:]:
+        np.testing.assert_array_equal(x, xs[0])
+    np.testing.assert_array_equal(xs[0], _replay(records))
+
+
+@pytest.mark.slow
+def test_a_frozen_primary_acknowledges_nothing_after_a_new_one_is_elected(
+    replicas: object,
+) -> None:
+    rs: ReplicaSet = replicas(3)  # type: ignore[operator]
+    p = rs.primary()
+    rs.wait_sync()
+    _create(rs.url)
+    old = Client(rs.addresses[p], timeout=10)
+    assert old.push("g", np.full(SIZE, 0.5, np.float32)) == 1
+    os.kill(rs.procs[p].pid, signal.SIGSTOP)
+    new = rs.primary(not_=p)
+    rs.wait_sync()
+    with Client(rs.url, timeout=60) as c:
+        assert c.push("g", np.full(SIZE, 0.5, np.float32)) == 2
+    os.kill(rs.procs[p].pid, signal.SIGCONT)
+    try:
+        with pytest.raises(Exception) as err:  # noqa: B017 - any refusal
+            old.push("g", np.full(SIZE, 0.25, np.float32), timeout=10)
+    finally:
+        old.close()
+    assert type(err.value).__name__ in (
+        "FailedPreconditionError", "UnavailableError", "DeadlineExceededError",
+    ), err.value  # fmt: skip
+    # The old primary stepped down and exited (status 75: restart me as a standby).
+    assert rs.procs[p].wait(timeout=30) == 75
+    assert rs.state(new, "g")[0] == 2
+    rs.start(p)
+    rs.wait_t(p, "g", 2)
+    np.testing.assert_array_equal(rs.state(p, "g")[1], rs.state(new, "g")[1])
+
+
+@pytest.mark.slow
+def test_a_standby_killed_and_restarted_catches_up(replicas: object) -> None:
+    rs: ReplicaSet = replicas(3)  # type: ignore[operator]
+    p = rs.primary()
+    rs.wait_sync()
+    _create(rs.url)
+    standby = next(i for i in rs.procs if i != p)
+    with Client(rs.url, timeout=60) as c:
+        for _ in range(5):
+            c.push("g", np.full(SIZE, 0.5, np.float32))
+        rs.procs[standby].kill()
+        rs.procs[standby].wait()
+        for _ in range(5):
+            c.push("g", np.full(SIZE, 0.5, np.float32))
+        rs.start(standby)
+        for _ in range(5):
+            c.push("g", np.full(SIZE, 0.5, np.float32))
+    rs.wait_t(standby, "g", 15)
+    np.testing.assert_array_equal(rs.state(standby, "g")[1], rs.state(p, "g")[1])
