@@ -232,24 +232,19 @@ def _wait_acked(out: Path, n: int, procs: list[subprocess.Popen[bytes]]) -> None
 
 
 def _workers(url: str, n: int, count: int, out: Path) -> list[subprocess.Popen[bytes]]:
-    return [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKER),
-                url,
-                "g",
-                str(w),
-                str(count),
-                str(SIZE),
-                str(out),
-            ],
-            env=clean_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=open(out.with_suffix(f".w{w}.err"), "wb"),  # noqa: SIM115
-        )  # fmt: skip
-        for w in range(n)
-    ]
+    procs = []
+    for w in range(n):
+        args = [str(WORKER), url, "g", str(w), str(count), str(SIZE), str(out)]
+        with open(out.with_suffix(f".w{w}.err"), "wb") as err:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, *args],
+                    env=clean_env(),
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                )
+            )
+    return procs
 
 
 @pytest.mark.slow
