@@ -40,8 +40,14 @@ Array = np.ndarray[Any, Any]
 SNAPSHOT_CHUNK = 1 << 20
 
 
-class NotPrimary(FailedPrecondition):
-    """A write sent to a server that is not its shard's primary."""
+class NotPrimary(FailedPrecondition, Unavailable):
+    """A write sent to a server that is not its shard's primary.
+
+    Answered FAILED_PRECONDITION (the status table tries that class first); an
+    ``Unavailable`` too, so that the store's own background changes (the lease
+    reaper's sync steps) on a standby are skipped like a log that cannot be
+    written, not fatal to the reaper thread.
+    """
 
     default_reason = "NOT_PRIMARY"
 
