@@ -282,7 +282,9 @@ class Durability:
             os.makedirs(self.snap_dir)
             os.rename(received, os.path.join(self.snap_dir, os.path.basename(received)))
             wal_lsn, covered = self._restore()
-            next_lsn = max([wal_lsn, *covered.values()]) + 1
+            # Records after wal_lsn follow from the primary (a group's covered ones
+            # too: logged, not applied again), so the log goes on right after it.
+            next_lsn = wal_lsn + 1
             if self.mode == "wal":
                 self.journal = WriteAheadLog(
                     self.wal_dir, next_lsn, self._on_wal_error, self._on_wal_recover

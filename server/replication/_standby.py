@@ -60,6 +60,7 @@ class Follower:
         self.synced = False  # adopted a snapshot of the current primary
         self.idle = threading.Event()
         self.idle.set()
+        self._warned: PrimaryInfo | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(
@@ -100,7 +101,11 @@ class Follower:
                 self._follow(target)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.CANCELLED:
-                    log.warning("following %s: %s", target.address, exc.details())
+                    # once per primary at WARNING: it retries every 0.2 s until
+                    # etcd names another primary
+                    level = logging.DEBUG if target == self._warned else logging.WARNING
+                    self._warned = target
+                    log.log(level, "following %s: %s", target.address, exc.details())
             except Exception:
                 log.exception("following %s failed", target.address)
             finally:
