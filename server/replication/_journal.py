@@ -119,7 +119,12 @@ class ReplicatedJournal:
                     },
                 )
             lsn = int(self.inner.log(record, arrays))
-            self._records[lsn] = _Record(record, list(arrays))
+            entry = self._records[lsn] = _Record(record, ())
+        # Shipped while this server writes it too: the standbys' fsync runs beside
+        # this one's, not after it.
+        frame = encode_frame(record, lsn, arrays)
+        with self._cv:
+            entry.frame = frame
             self._cv.notify_all()
         return lsn
 
@@ -131,15 +136,12 @@ class ReplicatedJournal:
                 entry = self._records.get(lsn)
                 if entry is not None:
                     entry.failed = True
+                shipped = any(not s.gone for s in self._standbys.values())
                 self._cv.notify_all()
+            if shipped:
+                # A standby may hold what this server refuses: step down.
+                self._on_stuck(f"record {lsn} was shipped but not written here")
             raise
-        with self._cv:
-            entry = self._records.get(lsn)
-        if entry is not None and entry.frame is None:
-            frame = encode_frame(entry.record, lsn, entry.arrays)
-            with self._cv:
-                entry.frame, entry.arrays = frame, ()
-                self._cv.notify_all()
         self._await_standbys(lsn)
 
     def _await_standbys(self, lsn: int) -> None:
@@ -271,8 +273,7 @@ class ReplicatedJournal:
                     if self.member.term != term or not self.member.may_acknowledge():
                         return  # a newer term: this stream's standby follows it
                     continue
-            if not entry.failed:
-                assert entry.frame is not None
+            if entry.frame is not None and not entry.failed:
                 yield pb.ReplicateResponse(
                     term=term, record=pb.ReplicaRecord(lsn=nxt, frame=entry.frame)
                 )
