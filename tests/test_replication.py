@@ -336,3 +336,45 @@ def test_a_standby_killed_and_restarted_catches_up(replicas: object) -> None:
             c.push("g", np.full(SIZE, 0.5, np.float32))
     rs.wait_t(standby, "g", 15)
     np.testing.assert_array_equal(rs.state(standby, "g")[1], rs.state(p, "g")[1])
+
+
+def test_a_push_resent_to_the_new_primary_is_answered_not_applied_again(
+    replicas: object,
+) -> None:
+    import grpc
+    from onnxps.v1 import parameter_server_pb2 as pb
+    from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+
+    rs: ReplicaSet = replicas(2)  # type: ignore[operator]
+    p = rs.primary()
+    rs.wait_sync()
+    _create(rs.url)
+    g = np.full(SIZE, 0.5, np.float32)
+    request = pb.PushRequest(
+        group="g",
+        gradients=[
+            pb.Tensor(
+                name="x", dtype=pb.DATA_TYPE_FLOAT, dims=[SIZE], raw_data=g.tobytes()
+            )
+        ],
+        client_id="worker-7",
+        seq=41,
+    )
+
+    def push(address: str) -> pb.PushResponse:
+        with grpc.insecure_channel(address) as ch:
+            reply: pb.PushResponse = pb_grpc.ParameterServerServiceStub(ch).Push(
+                request, timeout=30
+            )
+            return reply
+
+    first = push(rs.addresses[p])
+    assert (first.update_count, first.applied, first.duplicate) == (1, True, False)
+    rs.procs[p].kill()
+    rs.procs[p].wait()
+    new = rs.primary(not_=p)
+    rs.start(p)
+    rs.wait_sync()
+    again = push(rs.addresses[new])  # the reply was lost: the worker resends
+    assert (again.update_count, again.duplicate) == (1, True)
+    assert rs.state(new, "g")[0] == 1
