@@ -152,6 +152,12 @@ class ServerConfig:
         "restarts (default: host name and port)",
     )
 
+    replication_token: str | None = _option(
+        None,
+        "with --coordinator and --tokens-file: the token (role replication or admin) "
+        "a standby presents to its primary; best set as ONNXPS_REPLICATION_TOKEN",
+    )
+
     def __post_init__(self) -> None:
         validate_config(self)
 
@@ -567,6 +573,7 @@ def _replication(
             lease_ttl=config.lease_ttl,
             member_id=config.member_id,
             max_message_bytes=config.max_message_bytes,
+            token=config.replication_token,
         ),
         store,
         durability,

@@ -21,7 +21,12 @@ import numpy as np
 import pytest
 from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
 from _procs import clean_env, start_server, stop
-from onnxps.client import Adagrad, Client, FailedPreconditionError
+from onnxps.client import (
+    Adagrad,
+    Client,
+    FailedPreconditionError,
+    PermissionDeniedError,
+)
 from onnxps.server.app import ServerConfig, create_server
 
 WORKER = Path(__file__).parent / "workers" / "replica_pusher.py"
@@ -42,8 +47,17 @@ def _etcd_get(etcd: EtcdProcess, key: str) -> bytes | None:
 class ReplicaSet:
     """``n`` servers of shard 0/1 under one etcd prefix, each with its data dir."""
 
-    def __init__(self, tmp: Path, etcd: EtcdProcess, n: int, prefix: str = "ps"):
+    def __init__(
+        self,
+        tmp: Path,
+        etcd: EtcdProcess,
+        n: int,
+        prefix: str = "ps",
+        extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ):
         self.tmp, self.etcd, self.prefix = tmp, etcd, prefix
+        self.extra, self.env = extra, env or {}
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.addresses: dict[int, str] = {}
         self.starts = dict.fromkeys(range(n), 0)
@@ -66,7 +80,8 @@ class ReplicaSet:
             "--member-id", f"m{i}",
             "--lease-ttl", str(TTL),
             "--snapshot-interval", "0",
-            env=clean_env(),
+            *self.extra,
+            env=clean_env(**self.env),
         )  # fmt: skip
         self.procs[i], self.addresses[i] = proc, address
 
@@ -130,8 +145,8 @@ def replicas(
 ) -> Iterator[ReplicaSet]:
     sets: list[ReplicaSet] = []
 
-    def make(n: int) -> ReplicaSet:
-        sets.append(ReplicaSet(tmp_path, etcd_server, n))
+    def make(n: int, **kwargs: object) -> ReplicaSet:
+        sets.append(ReplicaSet(tmp_path, etcd_server, n, **kwargs))  # type: ignore[arg-type]
         return sets[-1]
 
     try:
@@ -378,3 +393,32 @@ def test_a_push_resent_to_the_new_primary_is_answered_not_applied_again(
     again = push(rs.addresses[new])  # the reply was lost: the worker resends
     assert (again.update_count, again.duplicate) == (1, True)
     assert rs.state(new, "g")[0] == 1
+
+
+def test_with_tokens_a_standby_follows_with_its_replication_token(
+    replicas: object, tmp_path: Path
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("adm-5c1d9e admin *\nrep-8b2f4a replication *\n")
+    rs: ReplicaSet = replicas(  # type: ignore[operator]
+        2,
+        extra=("--tokens-file", str(tokens)),
+        env={"ONNXPS_REPLICATION_TOKEN": "rep-8b2f4a"},
+    )
+    p = rs.primary()
+    assert rs.wait_sync() == [f"m{1 - p}"]
+    with Client(rs.url, timeout=30, token="adm-5c1d9e") as c:
+        c.create_group(
+            "g", Adagrad(), learning_rate=0.1, tensors={"x": np.zeros(SIZE, np.float32)}
+        )
+        assert c.push("g", np.full(SIZE, 0.5, np.float32)) == 1
+    with Client(rs.addresses[1 - p], timeout=30, token="adm-5c1d9e") as c:
+        deadline = time.monotonic() + 30
+        while c.describe_group("g").update_count != 1:  # applied after its ack
+            assert time.monotonic() < deadline, "the standby did not apply the push"
+            time.sleep(0.05)
+    # The replication token follows the log and does nothing else.
+    with Client(rs.addresses[p], timeout=30, token="rep-8b2f4a") as c:
+        with pytest.raises(PermissionDeniedError) as err:
+            c.push("g", np.full(SIZE, 0.5, np.float32))
+    assert err.value.reason == "ROLE_FORBIDS_METHOD"

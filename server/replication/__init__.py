@@ -62,6 +62,7 @@ class ReplicationConfig:
     lease_ttl: int = 3
     member_id: str | None = None
     max_message_bytes: int = 256 << 20
+    token: str | None = None  # presented to the primary by the standby
 
     @property
     def ack_timeout(self) -> float:
@@ -119,6 +120,7 @@ class Replication:
             address=address,
             term=lambda: 0 if self.member is None else self.member.term,
             max_message_bytes=self.config.max_message_bytes,
+            token=self.config.token,
         )
         member = Member(
             MemberConfig(

@@ -44,12 +44,14 @@ class Follower:
         address: str,
         term: Callable[[], int],
         max_message_bytes: int,
+        token: str | None = None,
     ) -> None:
         self.durability = durability
         self.member_id = member_id
         self.address = address
         self._term = term
         self._max_message = max_message_bytes
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._lock = threading.Lock()
         self._target: PrimaryInfo | None = None
         self._wake = threading.Event()
@@ -136,7 +138,7 @@ class Follower:
         ]
         with grpc.insecure_channel(target.address, options=options) as channel:
             stub = pb_grpc.ParameterServerServiceStub(channel)
-            call: Any = stub.Replicate(requests())
+            call: Any = stub.Replicate(requests(), metadata=self._metadata)
             with self._lock:
                 if self._target != target:
                     call.cancel()
