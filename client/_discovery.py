@@ -66,6 +66,63 @@ class Discovery:
             return base64.b64decode(kvs[0].get("value", "")) if kvs else None
         raise ConnectionError(f"etcd at {self.url} did not answer: {last!r}")
 
+    def _range(self, prefix: str) -> list[tuple[str, bytes]]:
+        end = bytearray(prefix.encode())
+        end[-1] += 1
+        last: Exception | None = None
+        for client in self._clients:
+            try:
+                result = client.post(
+                    client.get_url("/kv/range"),
+                    json={
+                        "key": base64.b64encode(prefix.encode()).decode(),
+                        "range_end": base64.b64encode(bytes(end)).decode(),
+                    },
+                )
+            except Exception as exc:  # noqa: BLE001 - etcd3gw's or requests'
+                last = exc
+                continue
+            return [
+                (
+                    base64.b64decode(kv["key"]).decode(),
+                    base64.b64decode(kv.get("value", "")),
+                )
+                for kv in result.get("kvs") or []
+            ]
+        raise ConnectionError(f"etcd at {self.url} did not answer: {last!r}")
+
+    def replicas(self, timeout: float) -> list[dict[str, Any]]:
+        """Every member of every shard: ``shard``, ``member``, ``address``, ``role``,
+        ``term``, ``lsn`` (as it last registered), ``lag`` (records behind its
+        shard's primary) and ``sync`` (named a synchronous standby)."""
+        count = self.shard_count(time.monotonic() + timeout)
+        out: list[dict[str, Any]] = []
+        for shard in range(count):
+            base = f"{self.prefix}/shards/{shard}/"
+            keys = dict(self._range(base))
+            sync = json.loads(keys.get(base + "sync", b"{}") or b"{}")
+            members = {
+                k[len(base) + len("members/") :]: json.loads(v)
+                for k, v in keys.items()
+                if k.startswith(base + "members/")
+            }
+            top = max((m["lsn"] for m in members.values()
+                       if m.get("role") == "primary"), default=None)  # fmt: skip
+            for name, m in sorted(members.items()):
+                out.append(
+                    {
+                        "shard": shard,
+                        "member": name,
+                        "address": m["address"],
+                        "role": m["role"],
+                        "term": m["term"],
+                        "lsn": m["lsn"],
+                        "lag": None if top is None else max(0, top - m["lsn"]),
+                        "sync": name in sync.get("standbys", []),
+                    }
+                )
+        return out
+
     def shard_count(self, deadline: float) -> int:
         while True:
             raw = self._get(f"{self.prefix}/layout")

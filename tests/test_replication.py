@@ -422,3 +422,36 @@ def test_with_tokens_a_standby_follows_with_its_replication_token(
         with pytest.raises(PermissionDeniedError) as err:
             c.push("g", np.full(SIZE, 0.5, np.float32))
     assert err.value.reason == "ROLE_FORBIDS_METHOD"
+
+
+def test_status_of_a_replicated_cluster_lists_its_members(replicas: object) -> None:
+    rs: ReplicaSet = replicas(2)  # type: ignore[operator]
+    p = rs.primary()
+    rs.wait_sync()
+    _create(rs.url)
+    with Client(rs.url, timeout=30) as c:
+        c.push("g", np.full(SIZE, 0.5, np.float32))
+    deadline = time.monotonic() + 30
+    while True:  # members register their lsn about once a second
+        proc = subprocess.run(
+            [sys.executable, "-m", "onnxps.cli", "status", rs.url],
+            capture_output=True, text=True, env=clean_env(), timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.splitlines()
+        rows = [line.split() for line in lines[lines.index("") + 2 :]]
+        if all(r[5] == "2" for r in rows) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert lines[lines.index("") + 1].split() == [
+        "SHARD", "MEMBER", "ADDRESS", "ROLE", "TERM", "LSN", "LAG", "SYNC",
+    ]  # fmt: skip
+    s = 1 - p
+    # lsn 2: the group's create and the push
+    assert sorted(rows) == sorted(
+        [
+            ["0", f"m{p}", rs.addresses[p], "primary", "1", "2", "0", "-"],
+            ["0", f"m{s}", rs.addresses[s], "standby", "1", "2", "0", "yes"],
+        ]
+    )
+    assert lines[1].split()[0] == "g"  # the groups table first, from the primary
