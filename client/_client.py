@@ -16,6 +16,7 @@ from onnxps.wire.encoding import EncodingRangeError
 
 from ._cluster import fan_out
 from ._datachannel import ChannelBroken
+from ._discovery import follows
 from ._errors import ClientClosedError
 from ._ops import (
     Blocking,
@@ -226,10 +227,7 @@ class Client(RoutingCore):
         its primary in etcd and point the shard's channel there (True: resend)."""
         if self._discovery is None or deadline.remaining() <= 0.05:
             return False
-        code = getattr(error, "code", None)
-        if getattr(error, "reason", None) != "NOT_PRIMARY" and (
-            code is None or code.name != "UNAVAILABLE"
-        ):
+        if not follows(error):
             return False
         time.sleep(min(0.05, deadline.remaining() / 2))
         end = time.monotonic() + max(0.0, deadline.remaining() - 0.05)

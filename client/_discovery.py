@@ -16,11 +16,19 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["Discovery", "is_coordinator"]
+__all__ = ["Discovery", "follows", "is_coordinator"]
 
 
 def is_coordinator(address: object) -> bool:
     return isinstance(address, str) and address.startswith("etcd://")
+
+
+def follows(error: Exception) -> bool:
+    """Whether a call refused so is resent to the shard's primary, read again."""
+    if getattr(error, "reason", None) == "NOT_PRIMARY":
+        return True
+    code = getattr(error, "code", None)
+    return code is not None and getattr(code, "name", "") == "UNAVAILABLE"
 
 
 class Discovery:

@@ -455,3 +455,28 @@ def test_status_of_a_replicated_cluster_lists_its_members(replicas: object) -> N
         ]
     )
     assert lines[1].split()[0] == "g"  # the groups table first, from the primary
+
+
+def test_an_async_client_follows_a_failover(replicas: object) -> None:
+    import asyncio
+
+    from onnxps.client import AsyncClient
+
+    rs: ReplicaSet = replicas(2)  # type: ignore[operator]
+    p = rs.primary()
+    rs.wait_sync()
+    _create(rs.url)
+    g = np.full(SIZE, 0.5, np.float32)
+
+    async def run() -> list[int]:
+        async with AsyncClient(rs.url, timeout=60) as c:
+            ts = [await c.push("g", g)]
+            rs.procs[p].kill()
+            rs.procs[p].wait()
+            assert rs.primary(not_=p) == 1 - p
+            rs.start(p)  # the new primary needs it as its synchronous standby
+            ts.append(await c.push("g", g))
+            assert c.address == rs.addresses[1 - p]
+            return ts
+
+    assert asyncio.run(run()) == [1, 2]
