@@ -496,6 +496,8 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     # a full quorum pending after replay: take such steps before serving anything.
     store.reap_leases()
     replication = _replication(config, shard, store, durability)
+    if replication is not None and recorder.registry is not None:
+        recorder.registry.register(replication.collector())
     metrics = None
     shared_memory = SharedMemory(enabled=config.shared_memory == "on")
     unix_socket = None

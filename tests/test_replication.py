@@ -480,3 +480,36 @@ def test_an_async_client_follows_a_failover(replicas: object) -> None:
             return ts
 
     assert asyncio.run(run()) == [1, 2]
+
+
+def _metrics_text(log: Path) -> str:
+    import re
+    import urllib.request
+
+    found = re.search(r"metrics on (http://\S+/metrics)", log.read_text())
+    assert found, log.read_text()[-2000:]
+    with urllib.request.urlopen(found.group(1), timeout=10) as r:
+        return str(r.read().decode())
+
+
+def test_metrics_export_role_term_lag_and_failovers(
+    replicas: object, tmp_path: Path
+) -> None:
+    rs: ReplicaSet = replicas(2, extra=("--metrics-port", "0"))  # type: ignore[operator]
+    p = rs.primary()
+    rs.wait_sync()
+    _create(rs.url)
+    with Client(rs.url, timeout=30) as c:
+        c.push("g", np.full(SIZE, 0.5, np.float32))
+    s = 1 - p
+    primary = _metrics_text(tmp_path / f"server{p}-1.log")
+    standby = _metrics_text(tmp_path / f"server{s}-1.log")
+    assert 'onnxps_replica_role{role="primary"} 1.0' in primary
+    assert 'onnxps_replica_role{role="standby"} 1.0' in standby
+    assert "onnxps_replica_term 1.0" in primary
+    assert "onnxps_replica_term 1.0" in standby
+    assert "onnxps_replica_failovers_total 1.0" in primary
+    assert "onnxps_replica_failovers_total 0.0" in standby
+    assert "onnxps_replica_lsn 2.0" in primary  # the create and the push
+    assert "onnxps_replica_sync_standbys 1.0" in primary
+    assert f'onnxps_replica_standby_lag_records{{member="m{s}"}} 0.0' in primary

@@ -170,6 +170,32 @@ class Replication:
             raise Unavailable("this server is starting: retry")
         return self.journal.replicate(requests, context)
 
+    def metrics(self) -> dict[str, Any]:
+        """What ``ReplicationCollector`` exports, read now."""
+        member, journal = self.member, self.journal
+        lsn = self._last_lsn()
+        lag: dict[str, int] = {}
+        sync = 0
+        if member is not None and member.role is Role.PRIMARY and journal is not None:
+            status = journal.status()
+            for name, s in status["standbys"].items():
+                if not s["gone"]:
+                    lag[name] = max(0, lsn - int(s["acked"]))
+            sync = len([m for m in status["sync"] if m in lag])
+        return {
+            "role": self.role().value,
+            "term": 0 if member is None else member.term,
+            "lsn": lsn,
+            "failovers": 0 if member is None else member.failovers,
+            "lag": lag,
+            "sync": sync,
+        }
+
+    def collector(self) -> Any:
+        from ._metrics import ReplicationCollector
+
+        return ReplicationCollector(self.metrics)
+
     def role(self) -> Role:
         return Role.STOPPED if self.member is None else self.member.role
 
