@@ -32,7 +32,7 @@ from ._snapshot import (
     read_manifest,
     write_snapshot,
 )
-from ._wal import LogReader, WriteAheadLog, segment_paths
+from ._wal import LogReader, WriteAheadLog, fsync_dir, segment_paths
 from .errors import DomainError, FailedPrecondition
 from .store import ParameterStore
 
@@ -269,8 +269,16 @@ class Durability:
         """Make the snapshot directory ``received`` this server's whole state (a
         standby catching up): every group is dropped, the snapshots and the log are
         replaced, the snapshot is restored, and the log starts again after it.
-        Returns the snapshot's wal lsn and covered lsn per group."""
+        Returns the snapshot's wal lsn and covered lsn per group.
+
+        Until it is done the directory holds ``ADOPTING`` (``adopting`` is True):
+        a server that crashed meanwhile restarts with a partial state and knows it.
+        """
         with self._lock:
+            marker = os.path.join(self.root, "ADOPTING")
+            with open(marker, "wb") as f:
+                os.fsync(f.fileno())
+            fsync_dir(self.root)
             if self.journal is not None:
                 self.journal.close()
                 self.journal = None
@@ -292,7 +300,14 @@ class Durability:
             else:
                 self._base_lsn = next_lsn - 1
             self._signature = self._current_signature()
+            os.unlink(marker)
+            fsync_dir(self.root)
             return wal_lsn, covered
+
+    @property
+    def adopting(self) -> bool:
+        """A snapshot adoption began and has not finished (see ``adopt_snapshot``)."""
+        return os.path.exists(os.path.join(self.root, "ADOPTING"))
 
     # -- snapshots ------------------------------------------------------------------
     def snapshot(self, force: bool = True) -> SaveResult | None:

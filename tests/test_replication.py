@@ -513,3 +513,34 @@ def test_metrics_export_role_term_lag_and_failovers(
     assert "onnxps_replica_lsn 2.0" in primary  # the create and the push
     assert "onnxps_replica_sync_standbys 1.0" in primary
     assert f'onnxps_replica_standby_lag_records{{member="m{s}"}} 0.0' in primary
+
+
+def test_a_standby_that_crashed_while_adopting_a_snapshot_is_not_promoted(
+    replicas: object, tmp_path: Path
+) -> None:
+    rs: ReplicaSet = replicas(2)  # type: ignore[operator]
+    p = rs.primary()
+    s = 1 - p
+    assert rs.wait_sync() == [f"m{s}"]
+    _create(rs.url)
+    with Client(rs.url, timeout=30) as c:
+        assert c.push("g", np.full(SIZE, 0.5, np.float32)) == 1
+    for i in (s, p):
+        rs.procs[i].kill()
+        rs.procs[i].wait()
+    # What a standby killed in the middle of adopt_snapshot leaves behind.
+    (tmp_path / f"data{s}" / "ADOPTING").write_bytes(b"")
+    rs.start(s)
+    deadline = time.monotonic() + 4 * TTL  # the old lease expires, s may campaign
+    while time.monotonic() < deadline:
+        info = rs.key("primary")
+        assert not isinstance(info, dict) or info["member"] != f"m{s}"
+        time.sleep(0.1)
+    rs.start(p)  # the old primary (named in the sync key) takes the lead again
+    assert rs.primary() == p
+    marker = tmp_path / f"data{s}" / "ADOPTING"
+    deadline = time.monotonic() + 60
+    while marker.exists():  # s adopts p's snapshot: complete again
+        assert time.monotonic() < deadline, "the standby did not catch up"
+        time.sleep(0.05)
+    rs.wait_t(s, "g", 1)

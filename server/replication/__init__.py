@@ -135,6 +135,7 @@ class Replication:
             on_promoted=self._promoted,
             on_primary=follower.follow,
             on_deposed=self._on_fatal,
+            eligible=self._eligible,
         )
         journal = ReplicatedJournal(
             durability,
@@ -152,6 +153,11 @@ class Replication:
             member_id, self.config.shard, self.config.coordinator,
             self.config.sync_replicas, self.config.lease_ttl,
         )  # fmt: skip
+
+    def _eligible(self) -> bool:
+        """Not while (or after a crash while) a snapshot replaces this server's
+        state: it may hold less than it acknowledged before."""
+        return self.durability is not None and not self.durability.adopting
 
     def _last_lsn(self) -> int:
         journal = self.durability.journal if self.durability is not None else None
