@@ -227,6 +227,13 @@ class ClientCore:
                 f"{data_channel!r}"
             )
         self.data_channel: DataChannelMode = data_channel
+        if self._discovery is not None:
+            # A segment or a data channel is bound to one server: a call resent to
+            # a new primary goes over gRPC (README "Replicated shards").
+            if self.shared_memory == "auto":
+                self.shared_memory = "off"
+            if self.data_channel == "auto":
+                self.data_channel = "off"
         # The links of the transports that keep state (see ``_transport``)
         self._shm_link = SharedMemoryLink(self)
         self._data_link = DataChannelLink(

@@ -544,3 +544,12 @@ def test_a_standby_that_crashed_while_adopting_a_snapshot_is_not_promoted(
         assert time.monotonic() < deadline, "the standby did not catch up"
         time.sleep(0.05)
     rs.wait_t(s, "g", 1)
+
+
+def test_a_client_of_etcd_sends_bytes_over_grpc_by_default(replicas: object) -> None:
+    rs: ReplicaSet = replicas(2)  # type: ignore[operator]
+    rs.primary()
+    with Client(rs.url, timeout=30) as c:
+        assert (c.shared_memory, c.data_channel) == ("off", "off")
+    with Client(rs.url, timeout=30, shared_memory="on") as c:
+        assert c.shared_memory == "on"
