@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _etcd import EtcdProcess, etcd_binary, free_port  # noqa: E402
+from _etcd import EtcdProcess, etcd_binary, start_etcd  # noqa: E402
 from _procs import clean_env, start_server, stop  # noqa: E402
 from onnxps.client import Adagrad, Client  # noqa: E402
 
@@ -192,9 +192,7 @@ def main() -> int:
         return 1
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        etcd = EtcdProcess(binary, tmp / "etcd", tmp / "etcd.log", free_port(),
-                           free_port())  # fmt: skip
-        etcd.start()
+        etcd = start_etcd(binary, tmp)
         try:
             if not args.skip_failover:
                 print(f"failover (3 replicas, lease TTL {TTL} s, SIGKILL the primary):")

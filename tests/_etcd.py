@@ -108,15 +108,32 @@ class EtcdProcess:
         self.proc = None
 
 
+def start_etcd(binary: str, tmp_path: Path, tries: int = 3) -> EtcdProcess:
+    """An etcd on free ports; ports picked free can be taken before etcd binds
+    them, so a start that finds its port in use is tried again on others."""
+    for attempt in range(tries):
+        data = tmp_path / f"etcd-data-{attempt}"
+        log = tmp_path / "etcd.log"
+        etcd = EtcdProcess(binary, data, log, free_port(), free_port())
+        try:
+            etcd.start()
+            return etcd
+        except RuntimeError:
+            etcd.stop()
+            if attempt == tries - 1 or "address already in use" not in log.read_text(
+                errors="replace"
+            ):
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture
 def etcd_server(tmp_path: Path) -> Iterator[EtcdProcess]:
     """A started etcd on free loopback ports with its data in ``tmp_path``."""
     binary = etcd_binary()
     if binary is None:
         pytest.skip(INSTALL_HINT)
-    data = tmp_path / "etcd-data"
-    etcd = EtcdProcess(binary, data, tmp_path / "etcd.log", free_port(), free_port())
-    etcd.start()
+    etcd = start_etcd(binary, tmp_path)
     try:
         yield etcd
     finally:

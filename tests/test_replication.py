@@ -25,6 +25,7 @@ from onnxps.client import (
     Adagrad,
     Client,
     FailedPreconditionError,
+    NotFoundError,
     PermissionDeniedError,
 )
 from onnxps.server.app import ServerConfig, create_server
@@ -125,7 +126,10 @@ class ReplicaSet:
         deadline = time.monotonic() + timeout
         seen = -1
         while time.monotonic() < deadline:
-            seen = self.state(i, group)[0]
+            try:
+                seen = self.state(i, group)[0]
+            except NotFoundError:  # a standby adopting a snapshot: groups reappear
+                seen = -1
             if seen == t:
                 return
             time.sleep(0.05)

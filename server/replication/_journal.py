@@ -30,7 +30,7 @@ from .._snapshot import read_manifest
 from ..durability import Durability
 from ..errors import FailedPrecondition, Unavailable
 from ._frames import encode_frame
-from ._member import Member
+from ._member import Member, Role
 
 __all__ = ["NotPrimary", "ReplicatedJournal"]
 
@@ -270,8 +270,8 @@ class ReplicatedJournal:
                     continue
                 if entry is None or (entry.frame is None and not entry.failed):
                     self._cv.wait(0.05)
-                    if self.member.term != term or not self.member.may_acknowledge():
-                        return  # a newer term: this stream's standby follows it
+                    if self.member.term != term or self.member.role is not Role.PRIMARY:
+                        return  # deposed, or a newer term: the standby follows it
                     continue
             if entry.frame is not None and not entry.failed:
                 yield pb.ReplicateResponse(
