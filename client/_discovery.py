@@ -146,7 +146,10 @@ class Discovery:
     def primary(self, shard: int, deadline: float) -> str | None:
         """The address of ``shard``'s primary; None when none is elected by then."""
         while True:
-            raw = self._get(f"{self.prefix}/shards/{shard}/primary")
+            try:
+                raw = self._get(f"{self.prefix}/shards/{shard}/primary")
+            except ConnectionError:
+                raw = None  # etcd down: ask again until the deadline
             if raw is not None:
                 info: Any = json.loads(raw)
                 return str(info["address"])

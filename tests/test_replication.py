@@ -557,3 +557,30 @@ def test_a_client_of_etcd_sends_bytes_over_grpc_by_default(replicas: object) -> 
         assert (c.shared_memory, c.data_channel) == ("off", "off")
     with Client(rs.url, timeout=30, shared_memory="on") as c:
         assert c.shared_memory == "on"
+
+
+@pytest.mark.slow
+def test_etcd_stopped_and_restarted_loses_nothing_and_the_shard_goes_on(
+    replicas: object,
+    etcd_server: EtcdProcess,  # noqa: F811
+) -> None:
+    rs: ReplicaSet = replicas(2)  # type: ignore[operator]
+    rs.primary()
+    rs.wait_sync()
+    _create(rs.url)
+    g = np.full(SIZE, 0.5, np.float32)
+    with Client(rs.url, timeout=30) as c:
+        assert [c.push("g", g) for _ in range(3)] == [1, 2, 3]
+        etcd_server.stop()
+        time.sleep(2 * TTL)  # past every lease: nobody can renew one
+        # Without etcd the primary cannot know it still leads: it acknowledges
+        # nothing (it refuses before logging, so it need not step down).
+        with pytest.raises(FailedPreconditionError) as err:
+            c.push("g", g, timeout=3)
+        assert err.value.reason == "NOT_PRIMARY"
+        etcd_server.start()
+        assert c.push("g", g) == 4  # resumes once etcd is back
+    p = rs.primary()
+    rs.wait_t(1 - p, "g", 4)
+    assert rs.state(p, "g")[0] == 4
+    np.testing.assert_array_equal(rs.state(p, "g")[1], rs.state(1 - p, "g")[1])

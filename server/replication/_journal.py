@@ -191,10 +191,14 @@ class ReplicatedJournal:
             if primary is None or primary.member == self.member.config.member_id
             else primary.address
         )
-        where = f"the primary is {address}" if address else "no primary is known yet"
+        where = (
+            f"the primary is {address}; send writes there"
+            if address
+            else "no primary is known (an election, or etcd unreachable); retry"
+        )
         raise NotPrimary(
-            f"this server is not the primary of shard {self.member.config.shard}: "
-            f"{where}; send writes there (a Client('etcd://...') follows it)",
+            f"this server is not the primary of shard {self.member.config.shard} "
+            f"that may acknowledge: {where} (a Client('etcd://...') follows it)",
             metadata={"primary": address, "term": self.member.term},
         )
 
