@@ -141,6 +141,14 @@ class ServerConfig:
         "with --coordinator: standbys that must hold a change before the primary "
         "acknowledges it (fewer following: changes are refused)",
     )
+    sync_policy: str = _option(
+        "refuse",
+        "with --coordinator, when fewer than --sync-replicas standbys follow: refuse "
+        "changes, or lower the count to those following and acknowledge (logged; "
+        "the sync key in etcd names only those, so no acknowledged push is lost "
+        "at a promotion)",
+        choices=("refuse", "lower"),
+    )
     lease_ttl: int = _option(
         3,
         "with --coordinator: seconds of the primary's etcd lease (a failover takes "
@@ -572,6 +580,7 @@ def _replication(
             parse_coordinator(config.coordinator),
             shard,
             sync_replicas=config.sync_replicas,
+            sync_policy=config.sync_policy,
             lease_ttl=config.lease_ttl,
             member_id=config.member_id,
             max_message_bytes=config.max_message_bytes,

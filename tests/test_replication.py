@@ -16,7 +16,9 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
@@ -584,3 +586,68 @@ def test_etcd_stopped_and_restarted_loses_nothing_and_the_shard_goes_on(
     rs.wait_t(1 - p, "g", 4)
     assert rs.state(p, "g")[0] == 4
     np.testing.assert_array_equal(rs.state(p, "g")[1], rs.state(1 - p, "g")[1])
+
+
+def _raw_push(address: str, g: np.ndarray, client_id: str, seq: int) -> Any:
+    """One Push call, no client retries: the server's own answer."""
+    from onnxps.v1 import parameter_server_pb2 as pb
+    from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+
+    tensor = pb.Tensor(
+        name="x", dtype=pb.DATA_TYPE_FLOAT, dims=[g.size], raw_data=g.tobytes()
+    )
+    request = pb.PushRequest(
+        group="g", gradients=[tensor], client_id=client_id, seq=seq
+    )
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.ParameterServerServiceStub(ch).Push(request, timeout=30)
+
+
+def _kill(rs: ReplicaSet, i: int) -> None:
+    rs.procs[i].kill()
+    rs.procs[i].wait()
+
+
+def test_without_a_synchronous_standby_pushes_are_refused_by_default(
+    replicas: object,
+) -> None:
+    rs: ReplicaSet = replicas(2)  # type: ignore[operator]
+    p = rs.primary()
+    rs.wait_sync()
+    _create(rs.url)
+    g = np.full(SIZE, 0.5, np.float32)
+    with Client(rs.url, timeout=30) as c:
+        assert c.push("g", g) == 1
+        _kill(rs, 1 - p)
+        # A client retries UNAVAILABLE until its deadline: ask the server once.
+        with pytest.raises(grpc.RpcError) as err:
+            _raw_push(rs.addresses[p], g, "w", 1)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.value.details().startswith(
+        "0 of the 1 synchronous standbys this shard needs (--sync-replicas) follow"
+    )
+    assert rs.state(p, "g")[0] == 1  # refused before anything was logged
+    rs.start(1 - p)
+    with Client(rs.url, timeout=60) as c:
+        assert c.push("g", g) == 2  # once the standby caught up again
+
+
+def test_sync_policy_lower_acknowledges_with_the_standbys_left(
+    replicas: object,
+) -> None:
+    rs: ReplicaSet = replicas(2, extra=("--sync-policy", "lower"))  # type: ignore[operator]
+    p = rs.primary()
+    s = 1 - p
+    assert rs.wait_sync() == [f"m{s}"]
+    _create(rs.url)
+    g = np.full(SIZE, 0.5, np.float32)
+    with Client(rs.url, timeout=30) as c:
+        assert c.push("g", g) == 1
+        _kill(rs, s)
+        assert c.push("g", g) == 2  # acknowledged by the primary alone
+        sync = rs.key("sync")
+        assert isinstance(sync, dict) and sync["standbys"] == []  # s may lack T=2
+        rs.start(s)
+        assert rs.wait_sync() == [f"m{s}"]
+        assert c.push("g", g) == 3
+    rs.wait_t(s, "g", 3)

@@ -59,6 +59,7 @@ class ReplicationConfig:
     coordinator: CoordinatorAddress
     shard: ShardIdentity
     sync_replicas: int = 1
+    sync_policy: str = "refuse"  # or "lower"
     lease_ttl: int = 3
     member_id: str | None = None
     max_message_bytes: int = 256 << 20
@@ -141,6 +142,7 @@ class Replication:
             durability,
             member,
             sync_replicas=self.config.sync_replicas,
+            lower=self.config.sync_policy == "lower",
             ack_timeout=self.config.ack_timeout,
             on_stuck=self._on_fatal,
         )

@@ -80,12 +80,16 @@ class ReplicatedJournal:
         member: Member,
         *,
         sync_replicas: int,
+        lower: bool = False,
         ack_timeout: float,
         on_stuck: Callable[[str], None],
     ) -> None:
         self.durability = durability
         self.member = member
         self.sync_replicas = sync_replicas
+        # --sync-policy lower: with fewer standbys following, acknowledge with those
+        self.lower = lower
+        self._lowered = False
         self.ack_timeout = ack_timeout
         self._on_stuck = on_stuck
         self._cv = threading.Condition()
@@ -106,7 +110,7 @@ class ReplicatedJournal:
         self._check_primary()
         with self._cv:
             live = [s for s in self._sync if not self._standbys_gone(s)]
-            if len(live) < self.sync_replicas:
+            if len(live) < self.sync_replicas and not self.lower:
                 raise Unavailable(
                     f"{len(live)} of the {self.sync_replicas} synchronous standbys "
                     "this shard needs (--sync-replicas) follow its primary: the change "
@@ -174,7 +178,7 @@ class ReplicatedJournal:
         )
 
     def _held(self, lsn: int) -> bool:
-        if len(self._sync) < self.sync_replicas:
+        if len(self._sync) < self.sync_replicas and not self.lower:
             return False
         return all(self._standbys[s].acked >= lsn for s in self._sync)
 
@@ -327,6 +331,8 @@ class ReplicatedJournal:
         return 0
 
     def _replace_gone(self) -> None:
+        if self.lower:
+            self._drop_gone()
         with self._cv:
             candidates = [
                 s for s in self._standbys.values()
@@ -334,6 +340,25 @@ class ReplicatedJournal:
             ]  # fmt: skip
         for s in candidates:
             self._maybe_sync(s)
+
+    def _drop_gone(self) -> None:
+        """--sync-policy lower: name only the standbys still following (in etcd
+        first: a promotion must not pick one that misses what is acknowledged
+        next), then acknowledge with them."""
+        with self._cv:
+            live = [m for m in self._sync if not self._standbys_gone(m)]
+            if live == self._sync:
+                return
+            if not self.member.set_sync_standbys(live):
+                return  # not the primary any more: nothing is acknowledged
+            self._sync = live
+            log.warning(
+                "%d of the %d synchronous standbys follow: acknowledging with %s "
+                "(--sync-policy lower)",
+                len(live), self.sync_replicas,
+                ", ".join(live) if live else "this server alone",
+            )  # fmt: skip
+            self._cv.notify_all()
 
     def status(self) -> dict[str, Any]:
         with self._cv:
