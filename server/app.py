@@ -336,7 +336,11 @@ class ServerHandle:
         if self.durability is not None:
             self.durability.start_periodic(self.config.snapshot_interval)
         if self.replication is not None:
-            self.replication.start(self.address)
+            try:
+                self.replication.start(self.address)
+            except BaseException:
+                self.stop(grace=0)
+                raise
         _set_health(self.health, _SERVING)
         log.info("onnxps listening on %s", self.address)
         return self

@@ -651,3 +651,19 @@ def test_sync_policy_lower_acknowledges_with_the_standbys_left(
         assert rs.wait_sync() == [f"m{s}"]
         assert c.push("g", g) == 3
     rs.wait_t(s, "g", 3)
+
+
+@pytest.mark.slow
+def test_serve_says_when_it_cannot_reach_etcd(tmp_path: Path) -> None:
+    from _etcd import free_port
+
+    url = f"etcd://127.0.0.1:{free_port()}/ps"  # nothing listens there
+    proc = subprocess.run(
+        [sys.executable, "-m", "onnxps.cli", "serve", "--address", "127.0.0.1:0",
+         "--durability", "wal", "--data-dir", str(tmp_path / "d"),
+         "--coordinator", url, "--shard", "0/1"],
+        capture_output=True, text=True, env=clean_env(), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"onnxps: cannot reach etcd at {url} (waited 15 s)"), last

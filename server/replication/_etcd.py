@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 
-class CoordinatorUnavailable(Exception):
+class CoordinatorUnavailable(ConnectionError):
     """No etcd endpoint answered (or one answered with an error)."""
 
 

@@ -152,8 +152,21 @@ class Member:
         self.failovers = 0
 
     # -- lifecycle ------------------------------------------------------------------
-    def start(self) -> None:
-        self._check_layout()
+    def start(self, wait: float = 15.0) -> None:
+        """Register in etcd (waiting up to ``wait`` seconds for it to answer)."""
+        deadline = self._clock() + wait
+        while True:
+            try:
+                self._check_layout()
+                break
+            except CoordinatorUnavailable as exc:
+                if self._clock() >= deadline:
+                    raise CoordinatorUnavailable(
+                        f"cannot reach etcd at {self.config.coordinator} (waited "
+                        f"{wait:g} s): {exc}"
+                    ) from None
+                log.warning("waiting for etcd: %s", exc)
+                time.sleep(0.5)
         self._new_lease()
         self._register(force=True)
         self._thread = threading.Thread(
