@@ -269,7 +269,7 @@ def _workers(url: str, n: int, count: int, out: Path) -> list[subprocess.Popen[b
 
 
 @pytest.mark.slow
-def test_kill_minus_9_of_the_primary_under_load_loses_and_repeats_nothing(
+def test_kill_minus_9_of_the_primary_5_times_under_4_workers_loses_and_repeats_nothing(
     replicas: object, tmp_path: Path
 ) -> None:
     rs: ReplicaSet = replicas(3)  # type: ignore[operator]
@@ -277,11 +277,11 @@ def test_kill_minus_9_of_the_primary_under_load_loses_and_repeats_nothing(
     rs.wait_sync()
     _create(rs.url)
     out = tmp_path / "acked.jsonl"
-    workers, count = 3, 60
+    workers, count, kills = 4, 60, 5
     procs = _workers(rs.url, workers, count, out)
     try:
-        for kill in range(3):
-            _wait_acked(out, (kill + 1) * 30, procs)
+        for kill in range(kills):
+            _wait_acked(out, (kill + 1) * 40, procs)
             p = rs.primary()
             rs.procs[p].kill()
             rs.procs[p].wait()
