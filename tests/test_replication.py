@@ -667,3 +667,40 @@ def test_serve_says_when_it_cannot_reach_etcd(tmp_path: Path) -> None:
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"onnxps: cannot reach etcd at {url} (waited 15 s)"), last
+
+
+@pytest.mark.slow
+def test_a_standby_restarted_under_load_catches_up_and_is_promoted(
+    replicas: object, tmp_path: Path
+) -> None:
+    rs: ReplicaSet = replicas(2)  # type: ignore[operator]
+    p = rs.primary()
+    s = 1 - p
+    rs.wait_sync()
+    _create(rs.url)
+    out = tmp_path / "acked.jsonl"
+    workers, count = 2, 60
+    procs = _workers(rs.url, workers, count, out)
+    try:
+        _wait_acked(out, 20, procs)
+        _kill(rs, s)  # pushes are refused until it is back and caught up
+        rs.start(s)
+        _wait_acked(out, 50, procs)  # s is synchronous again: pushes go on
+        assert rs.wait_sync() == [f"m{s}"]
+        _kill(rs, p)
+        assert rs.primary(not_=p) == s  # it holds every acknowledged push
+        rs.start(p)
+        for w in procs:
+            assert w.wait(timeout=180) == 0, out.with_suffix(".w0.err").read_text()
+    finally:
+        for w in procs:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+    records = _acked(out)
+    total = workers * count
+    assert sorted(r["t"] for r in records) == list(range(1, total + 1))
+    for i in rs.procs:
+        rs.wait_t(i, "g", total)
+    np.testing.assert_array_equal(rs.state(p, "g")[1], rs.state(s, "g")[1])
+    np.testing.assert_array_equal(rs.state(s, "g")[1], _replay(records))

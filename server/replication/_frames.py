@@ -5,12 +5,21 @@ from __future__ import annotations
 import io
 import json
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from .._wal import FRAME, MAGIC, _read_frame, c_order
+from .._wal import (
+    FRAME,
+    MAGIC,
+    MAX_HEADER,
+    SEGMENT_HEADER,
+    SEGMENT_MAGIC,
+    _read_frame,
+    c_order,
+    segment_paths,
+)
 
 Array = np.ndarray[Any, Any]
 
@@ -35,3 +44,32 @@ def decode_frame(frame: bytes) -> tuple[dict[str, Any], list[Array]]:
     if got is None:
         raise ValueError("empty frame")
     return got
+
+
+def logged_frames(wal_dir: str, after: int) -> Iterator[tuple[int, bytes]]:
+    """(lsn, frame bytes) of the log's intact records after ``after``, read from its
+    segments as they are on disk (the log is being written meanwhile: reading stops
+    quietly at the first frame not (yet) whole; ``void`` frames are skipped)."""
+    for _first, path in segment_paths(wal_dir):
+        with open(path, "rb") as f:
+            head = f.read(SEGMENT_HEADER.size)
+            if len(head) < SEGMENT_HEADER.size:
+                return
+            if SEGMENT_HEADER.unpack(head)[0] != SEGMENT_MAGIC:
+                raise ValueError(f"{path}: not a write-ahead log segment")
+            while True:
+                raw = f.read(FRAME.size)
+                if len(raw) < FRAME.size:
+                    break
+                magic, hlen, blen, crc = FRAME.unpack(raw)
+                if magic != MAGIC or hlen > MAX_HEADER:
+                    return
+                rest = f.read(hlen + blen)
+                if len(rest) < hlen + blen or zlib.crc32(rest) != crc:
+                    return
+                header = json.loads(rest[:hlen])
+                if header.get("op") == "void":
+                    continue
+                lsn = int(header["lsn"])
+                if lsn > after:
+                    yield lsn, raw + rest

@@ -26,10 +26,10 @@ import grpc
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 
-from .._snapshot import read_manifest
+from .._snapshot import SnapshotError, list_snapshots, read_manifest
 from ..durability import Durability
 from ..errors import FailedPrecondition, Unavailable
-from ._frames import encode_frame
+from ._frames import encode_frame, logged_frames
 from ._member import Member, Role
 
 __all__ = ["NotPrimary", "ReplicatedJournal"]
@@ -58,6 +58,7 @@ class _Record:
     arrays: Sequence[Array]
     frame: bytes | None = None
     failed: bool = False
+    durable: bool = False
 
 
 @dataclass
@@ -146,6 +147,10 @@ class ReplicatedJournal:
                 # A standby may hold what this server refuses: step down.
                 self._on_stuck(f"record {lsn} was shipped but not written here")
             raise
+        with self._cv:
+            entry = self._records.get(lsn)
+            if entry is not None:
+                entry.durable = True
         self._await_standbys(lsn)
 
     def _await_standbys(self, lsn: int) -> None:
@@ -233,7 +238,9 @@ class ReplicatedJournal:
             )
         standby = _Standby(hello.member_id, hello.address)
         with self._cv:
-            standby.floor = int(self.inner.last_lsn())
+            # Records up to the floor are durable here: they are read from the log
+            # on disk; those after it are kept in memory for this standby.
+            standby.floor = self._durable_floor()
             old = self._standbys.get(hello.member_id)
             if old is not None:
                 old.gone = True
@@ -243,28 +250,52 @@ class ReplicatedJournal:
             name="onnxps-acks",
         )  # fmt: skip
         try:
-            saved = self.durability.snapshot(force=True)
-            assert saved is not None
-            wal_lsn = read_manifest(saved.path).wal_lsn
+            # The newest snapshot on disk (written already: no store lock, so no
+            # wait on pushes that wait for a standby), then the log after it.
+            path, wal_lsn = self._base_snapshot()
             log.info(
-                "standby %s (%s): sending snapshot %s (wal lsn %d)",
-                hello.member_id, hello.address, saved.path, wal_lsn,
+                "standby %s (%s): sending snapshot %s (wal lsn %d), then the log",
+                hello.member_id, hello.address, path, wal_lsn,
             )  # fmt: skip
-            yield from _snapshot_messages(saved.path, term)
+            yield from _snapshot_messages(path, term)
             yield pb.ReplicateResponse(
                 term=term,
                 snapshot_done=pb.ReplicaSnapshotDone(
                     wal_lsn=wal_lsn,
-                    generation=int(os.path.basename(saved.path).split("-")[1]),
+                    generation=int(os.path.basename(path).split("-")[1]),
                 ),
             )
             acks.start()
-            yield from self._records_after(wal_lsn, standby, context, term)
+            for lsn, frame in logged_frames(self.durability.wal_dir, wal_lsn):
+                if lsn > standby.floor:
+                    break
+                yield pb.ReplicateResponse(
+                    term=term, record=pb.ReplicaRecord(lsn=lsn, frame=frame)
+                )
+            yield from self._records_after(standby.floor, standby, context, term)
         finally:
             with self._cv:
                 standby.gone = True
                 self._cv.notify_all()
             log.info("standby %s stopped following", hello.member_id)
+
+    def _durable_floor(self) -> int:
+        """Under the lock: every record up to this lsn is durable in the log."""
+        pending = [
+            lsn for lsn, e in self._records.items() if not e.durable and not e.failed
+        ]
+        return min(pending) - 1 if pending else int(self.inner.last_lsn())
+
+    def _base_snapshot(self) -> tuple[str, int]:
+        """The newest intact snapshot on disk (one is written when there is none)."""
+        for _, path in list_snapshots(self.durability.snap_dir):
+            try:
+                return path, read_manifest(path).wal_lsn
+            except SnapshotError:
+                continue
+        saved = self.durability.snapshot(force=True)
+        assert saved is not None
+        return saved.path, read_manifest(saved.path).wal_lsn
 
     def _records_after(
         self, lsn: int, standby: _Standby, context: Any, term: int
