@@ -4,7 +4,10 @@
 #   docker build --target demo -t onnxps-demo .  # the same plus scikit-learn, whose
 #                                              # bundled digits the demo workers train on
 # Both run as the unprivileged user "onnxps" (uid 10001), never as root.
-FROM python:3.12-slim AS base
+# BASE: any Debian-like image with python and pip on PATH (tests/test_containers.py
+# builds with a local stand-in made by scripts/container_base.sh: no registry there).
+ARG BASE=python:3.12-slim
+FROM ${BASE} AS base
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -13,18 +16,10 @@ ENV PYTHONUNBUFFERED=1 \
 RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin onnxps \
     && mkdir /data && chown onnxps:onnxps /data
 WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY protos ./protos
-COPY client ./client
-COPY wire ./wire
-COPY server ./server
-COPY cli ./cli
-COPY examples ./examples
+# The whole context less .dockerignore (tests, benchmarks, docs, deploy, .git, .venv):
+# every package directory pyproject.toml maps is in it, whatever is added later.
+COPY . .
 RUN pip install .
-
-# Snapshots (and the WAL with --durability wal) live here; mount a volume on it.
-VOLUME /data
-EXPOSE 50051
 
 
 FROM base AS demo
@@ -34,6 +29,10 @@ CMD ["python", "-m", "onnxps.cli._demo_worker"]
 
 
 FROM base AS server
+# Snapshots (and the WAL with --durability wal) live here; mount a volume on it. (Not
+# in the demo image: a worker keeps nothing, and would leave an anonymous volume.)
+VOLUME /data
+EXPOSE 50051
 USER onnxps
 # 0.0.0.0 without TLS and tokens is refused unless --insecure: give TLS and a token
 # file (--tls-cert, --tls-key, --tokens-file) when the port leaves a private network.

@@ -7,13 +7,14 @@ between rounds and hides a few milliseconds): each variant gets the same 1 MiB
 chunks gRPC would hand the servicer (views of ``bytes``), receives them into the
 gradient and pushes it to a ``ParameterStore`` (64 MiB float32 Adam group):
 
-- ``before``: chunks copied into a freshly allocated gradient (``TensorAssembler``),
-  then ``store.push``, which checks the whole gradient for NaN and inf with
-  ``min`` and ``max`` (the check as it was: two passes) and steps;
-- ``after``: chunks copied into a gradient buffer reused per group
+- ``pooled``: chunks copied into a gradient buffer reused per group
   (``GradientPool``), each checked for NaN and inf as it lands (``receive``), then
   ``store.push(known_finite=True)``, which steps (what the server does);
-- ``unpooled``: ``after`` with a freshly allocated gradient (the pool's share).
+- ``unpooled``: the same with a pool that keeps nothing
+  (``--gradient-pool-bytes 0``, a public setting): a freshly allocated gradient.
+
+(The check before chunks landed, as it was, is the commit before the check as
+they land: its figures are in docs/benchmarks.md.)
 
 Per push: ``receive ms`` (all chunks in: on a real stream this overlaps waiting for
 the network), ``tail ms`` (from the last chunk to the push's return: what the
@@ -26,10 +27,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
-from onnxps.server import store as store_module
 from onnxps.server._receive import GradientPool, receive
 from onnxps.server.kernels import make_attrs
 from onnxps.server.store import ParameterStore
@@ -37,10 +37,6 @@ from onnxps.wire.codec import RawChunk, TensorAssembler, header_tensor
 
 MIB = 1 << 20
 FIGURES = ("receive ms", "tail ms", "total ms")
-
-
-def _min_max_finite(a: Any) -> bool:
-    return a.size == 0 or bool(np.isfinite(a.min()) and np.isfinite(a.max()))
 
 
 class _Chunk:
@@ -70,47 +66,31 @@ def main() -> int:
         for s in range(0, len(raw), MIB)
     ]
     headers = [header_tensor(g, "x")]
-    kept = store_module.all_finite
+    spec = [(np.dtype(np.float32), (n,))]
 
-    def before() -> tuple[float, float]:
-        t0 = time.perf_counter()
-        asm = TensorAssembler(headers, ["x"], encoded=True)
-        for c in chunks:
-            asm.add(c)
-        t1 = time.perf_counter()
-        store_module.all_finite = _min_max_finite
-        try:
-            store.push("g", asm.finish())
-        finally:
-            store_module.all_finite = kept
-        return t1 - t0, time.perf_counter() - t1
+    def pushed(pool: GradientPool) -> Callable[[], tuple[float, float]]:
+        def push() -> tuple[float, float]:
+            t0 = time.perf_counter()
+            with pool.lease("g", spec) as lease:
+                asm = TensorAssembler(headers, ["x"], encoded=True, out=lease.arrays)
+                got = receive(iter(_Chunk(c) for c in chunks), asm)
+                t1 = time.perf_counter()
+                ticket = store.validate_push("g", iter(spec))
+                store.push(ticket, got.arrays, known_finite=got.finite)
+                return t1 - t0, time.perf_counter() - t1
 
-    pool = GradientPool()
+        return push
 
-    def after() -> tuple[float, float]:
-        t0 = time.perf_counter()
-        with pool.lease("g", [(np.dtype(np.float32), (n,))]) as lease:
-            asm = TensorAssembler(headers, ["x"], encoded=True, out=lease.arrays)
-            got = receive(iter(_Chunk(c) for c in chunks), asm)
-            t1 = time.perf_counter()
-            store.push("g", got.arrays, known_finite=got.finite)
-            return t1 - t0, time.perf_counter() - t1
-
-    def unpooled() -> tuple[float, float]:
-        t0 = time.perf_counter()
-        asm = TensorAssembler(headers, ["x"], encoded=True)
-        got = receive(iter(_Chunk(c) for c in chunks), asm)
-        t1 = time.perf_counter()
-        store.push("g", got.arrays, known_finite=got.finite)
-        return t1 - t0, time.perf_counter() - t1
-
-    variants = {"before": before, "after": after, "unpooled": unpooled}
+    variants = {
+        "pooled": pushed(GradientPool()),
+        "unpooled": pushed(GradientPool(max_bytes=0)),
+    }
     for fn in variants.values():  # warm: kernels compiled, the pool filled
         fn()
     results: dict[str, list[dict[str, float]]] = {k: [] for k in variants}
     for r in range(args.rounds):
         names = list(variants)
-        order = names[r % 3 :] + names[: r % 3]
+        order = names if r % 2 == 0 else names[::-1]
         for name in order:
             times = [variants[name]() for _ in range(args.pushes)]
             res = {
@@ -124,14 +104,14 @@ def main() -> int:
     print(
         f"\n{args.mib} MiB float32 Adam push, server side; median (min-max of rounds)"
     )
-    print(f"{'figure':11s}" + "".join(f"{k:>20s}" for k in variants) + "  after/before")
+    print(f"{'figure':11s}" + "".join(f"{k:>20s}" for k in variants) + "  ratio")
     for f in FIGURES:
         cells, med = [], {}
         for k in variants:
             vals = [x[f] for x in results[k]]
             med[k] = statistics.median(vals)
             cells.append(f"{med[k]:.1f} ({min(vals):.1f}-{max(vals):.1f})")
-        ratio = med["after"] / med["before"]
+        ratio = med["pooled"] / med["unpooled"]
         print(f"{f:11s}" + "".join(f"{c:>20s}" for c in cells) + f"  {ratio:12.2f}")
     return 0
 

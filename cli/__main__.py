@@ -4,4 +4,5 @@ import sys
 
 from ._main import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing it (a docs build inspects it) runs nothing
+    sys.exit(main())

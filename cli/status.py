@@ -2,14 +2,17 @@
 
 ``ADDRESS`` may list every shard of a cluster, comma-separated in shard order: then a
 group appears once (its parts merged), and two more tables follow: the parts of the
-split groups (shard, T per part) and the shards (answering or not, parts held).
+split groups (shard, T per part, and whether it agrees with the other parts) and
+the shards (answering or not, parts held). Parts at different T in two looks a
+second apart are flagged (AGREE "NO", and a "parts apart:" line per group).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Collection, Sequence
 from typing import TextIO
 
 from onnxps.client import (
@@ -103,12 +106,23 @@ def format_table(
     return "\n".join(lines)
 
 
-PART_COLUMNS = ("GROUP", "PART", "SHARD", "ADDRESS", "ELEMENTS", "T")
+PART_COLUMNS = ("GROUP", "PART", "SHARD", "ADDRESS", "ELEMENTS", "T", "AGREE")
 SHARD_COLUMNS = ("SHARD", "ADDRESS", "STATE", "PARTS")
+APART_RECHECK = 1.0  # seconds between the two looks at parts at different T
 
 
-def part_rows(groups: Sequence[GroupInfo]) -> list[tuple[str, ...]]:
-    """One row per part of each split group."""
+def _agree(g: GroupInfo, t: int, apart: Collection[str]) -> str:
+    if g.name not in apart:
+        return "yes"
+    top = max(p.update_count for p in g.parts)
+    return f"NO: {top - t} behind" if t < top else "NO"
+
+
+def part_rows(
+    groups: Sequence[GroupInfo], apart: Collection[str] = ()
+) -> list[tuple[str, ...]]:
+    """One row per part of each split group; AGREE says whether its T is the
+    other parts' (``apart``: the groups whose parts disagree)."""
     return [
         (
             g.name,
@@ -117,10 +131,32 @@ def part_rows(groups: Sequence[GroupInfo]) -> list[tuple[str, ...]]:
             p.address,
             str(p.element_count),
             str(p.update_count),
+            _agree(g, p.update_count, apart),
         )
         for g in groups
         if len(g.parts) > 1
         for p in g.parts
+    ]
+
+
+def still_apart(ps: Client, groups: Sequence[GroupInfo]) -> set[str]:
+    """The split groups whose parts are at different T in two looks
+    ``APART_RECHECK`` s apart (one look can catch a push in flight)."""
+    first = [g.name for g in groups if g.parts_apart]
+    if not first:
+        return set()
+    time.sleep(APART_RECHECK)
+    return {name for name in first if ps.describe_group(name).parts_apart}
+
+
+def apart_lines(groups: Sequence[GroupInfo], apart: set[str]) -> list[str]:
+    return [
+        f"parts apart: {g.name}: T "
+        + ", ".join(str(p.update_count) for p in g.parts)
+        + " (a part lost pushes the others applied; see docs/cluster.md, 'When "
+        "the parts of a split group disagree')"
+        for g in groups
+        if g.name in apart
     ]
 
 
@@ -147,7 +183,7 @@ REPLICA_COLUMNS = ("SHARD", "MEMBER", "ADDRESS", "ROLE", "TERM", "LSN", "LAG", "
 
 
 def replica_rows(url: str, timeout: float) -> list[tuple[str, ...]]:
-    """A replicated cluster's members from etcd (README "Replicated shards")."""
+    """A replicated cluster's members from etcd (docs/cluster.md)."""
     from onnxps.client._discovery import Discovery
 
     return [
@@ -185,6 +221,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 if any(r[2] != "serving" for r in shards):
                     print(format_table(shards, SHARD_COLUMNS, frozenset()), file=out)
             groups = ps.list_groups(args.prefix)
+            apart = still_apart(ps, groups) if ps.shards is not None else set()
     except RpcError as exc:
         fail(
             "onnxps status",
@@ -197,10 +234,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     else:
         print(format_table(groups), file=out)
     if shards:
-        parts = part_rows(groups)
+        parts = part_rows(groups, apart)
         if parts:
             print(file=out)
             print(format_table(parts, PART_COLUMNS, frozenset({2, 4, 5})), file=out)
+        for line in apart_lines(groups, apart):
+            print(line, file=out)
         print(file=out)
         print(format_table(shards, SHARD_COLUMNS, frozenset({0})), file=out)
     if replicated:

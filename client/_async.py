@@ -2,7 +2,7 @@
 
 The same calls, arguments, results, exceptions and deadlines as ``Client``, on one
 server or a cluster of shards: both perform the operations of
-``_requests.ClientCore``, routed by ``_routing.RoutingCore``; only the way an RPC is
+``_requests.ClientCore``, routed by ``_routes``; only the way an RPC is
 made differs (and the calls of a cluster's parts run as tasks, not threads).
 Cancelling the task of a call cancels its RPCs (every shard's), and the servers let
 go of them at once (a waiting ``pull(min_version=...)`` or sync push frees its
@@ -37,7 +37,6 @@ from ._ops import (
 )
 from ._records import LeaseInfo
 from ._requests import ClientCore, State
-from ._routing import RoutingCore
 from ._settings import channel_credentials, channel_options, multicallable
 
 __all__ = ["AsyncClient"]
@@ -63,7 +62,7 @@ def _awaiting(
     return method
 
 
-class AsyncClient(RoutingCore):
+class AsyncClient(ClientCore):
     """A connection to one onnxps server, or to a cluster of shards, for asyncio:
     every call is a coroutine.
 
@@ -95,6 +94,7 @@ class AsyncClient(RoutingCore):
         self._state = State.CLOSED
         beats = list(self._heartbeats.values())
         self._heartbeats.clear()
+        self._drop_pending()
         for task in beats:
             task.cancel()
         await asyncio.gather(*beats, return_exceptions=True)
@@ -143,13 +143,20 @@ class AsyncClient(RoutingCore):
         every one ended. Cancelled, it cancels them all (and so their RPCs)."""
         if len(ops) == 1:
             return [await self._run(ops[0])]
-        results = await asyncio.gather(
-            *(self._run(op) for op in ops), return_exceptions=True
-        )
-        for r in results:
-            if isinstance(r, BaseException):
+
+        async def outcome(op: Op[Any]) -> tuple[bool, Any]:
+            # an op may return an exception as its value (``_sharded.attempt``):
+            # only what it raised is a failure
+            try:
+                return True, await self._run(op)
+            except Exception as exc:
+                return False, exc
+
+        results = await asyncio.gather(*(outcome(op) for op in ops))
+        for ok, r in results:
+            if not ok:
                 raise r
-        return results
+        return [r for _, r in results]
 
     async def _perform(self, effect: Effect) -> Any:
         if isinstance(effect, Pause):

@@ -29,6 +29,7 @@ from ._datachannel import (
 from ._errors import (
     DataChannelError,
     FailedPreconditionError,
+    ResourceExhaustedError,
     RpcError,
     UnavailableError,
 )
@@ -72,6 +73,13 @@ _CHANNEL_FALLBACK_REASONS = frozenset(
         "DATA_TRANSFER_STALE",
     }
 )
+# Failures of a call on a channel that may send it over gRPC (``_falls_back``).
+_CHANNEL_FAILURES = (
+    ChannelBroken,
+    UnavailableError,
+    FailedPreconditionError,
+    ResourceExhaustedError,
+)
 _F32 = np.dtype(np.float32)
 
 
@@ -87,9 +95,13 @@ class ChannelHost(GrpcHost, Protocol):
 
 def _falls_back(exc: Exception) -> bool:
     """Whether a failed call on a channel goes over gRPC instead (the channel
-    broke, or the server refused the channel, not the call)."""
+    broke, or the server refused the channel, not the call). A call on a channel
+    counts as a stream on the server: at its stream limit, a unary call may
+    still be served."""
     if isinstance(exc, FailedPreconditionError):
         return exc.reason in _CHANNEL_FALLBACK_REASONS
+    if isinstance(exc, ResourceExhaustedError):
+        return exc.reason == "STREAM_LIMIT"
     return True
 
 
@@ -250,7 +262,7 @@ class ChannelTransport:
         call = Call("Push", unary_request(req), deadline, pushed_what(req))
         try:
             msg, frame = yield Transfer(call, ch, tid, arrays, req.return_values, into)
-        except (ChannelBroken, UnavailableError, FailedPreconditionError) as exc:
+        except _CHANNEL_FAILURES as exc:
             if not _falls_back(exc):
                 raise
             log.info("data channel: %s; the push goes over gRPC", exc)
@@ -294,7 +306,7 @@ class ChannelTransport:
             guess = self.link.dtypes.get(req.group, _F32)
         try:
             msg, frame = yield Transfer(call, ch, tid, None, True, into, widen, guess)
-        except (ChannelBroken, UnavailableError, FailedPreconditionError) as exc:
+        except _CHANNEL_FAILURES as exc:
             if not _falls_back(exc):
                 raise
             log.info("data channel: %s; the pull goes over gRPC", exc)

@@ -40,7 +40,6 @@ from ._records import (
     WorkerInfo,
 )
 from ._requests import ClientCore, State
-from ._routing import RoutingCore
 from ._settings import channel_credentials, channel_options, multicallable
 
 __all__ = [
@@ -93,21 +92,21 @@ def _in_background(
     return method
 
 
-class Client(RoutingCore):
+class Client(ClientCore):
     """A connection to one onnxps server, or to a cluster of shards.
 
     ``address`` is ``"host:port"`` (one server) or a list of the shards' addresses
-    in shard order (a cluster; README "A cluster of shards"): each call is routed
-    to the shards holding its group, and a group whose X is larger than
-    ``split_bytes`` is split across them.
+    in shard order (a cluster; docs/cluster.md): each call is routed to the shards
+    holding its group, and a group whose X is larger than ``split_bytes`` is split
+    across them.
 
     ``address`` may also be ``"unix:///path/to.sock"`` (or ``"unix:relative"``): a
     server listening on a Unix socket. ``shared_memory`` chooses the same-host
-    transport (README "Same host: Unix sockets and shared memory"): ``"auto"`` (the
-    default) moves the tensors of large pushes and pulls through /dev/shm when a
-    hello proves client and server share host and user, and sends bytes over gRPC
-    otherwise (logged once); ``"on"`` raises ``SharedMemoryError`` where it cannot
-    work; ``"off"`` never uses it.
+    transport (docs/transports.md): ``"auto"`` (the default) moves the tensors of
+    large pushes and pulls through /dev/shm when a hello proves client and server
+    share host and user, and sends bytes over gRPC otherwise (logged once);
+    ``"on"`` raises ``SharedMemoryError`` where it cannot work; ``"off"`` never
+    uses it.
 
     Every call takes ``timeout=`` (seconds) and falls back to the client's default.
     It is one deadline for the whole call: every retry of the channel and every
@@ -146,6 +145,7 @@ class Client(RoutingCore):
             self._state = State.CLOSED
             beats = list(self._heartbeats.values())
             self._heartbeats.clear()
+        self._drop_pending()
         for stop, thread in beats:
             stop.set()
             thread.join(timeout=5)
@@ -306,7 +306,7 @@ class Client(RoutingCore):
 
     # -- calls ---------------------------------------------------------------------
     # Each is the shared operation of ClientCore, run with blocking grpc calls (on a
-    # cluster, RoutingCore routes it to the shards of its group).
+    # cluster, its route sends it to the shards of its group).
     create_group = _blocking(ClientCore._create_group)
     describe_group = _blocking(ClientCore._describe_group)
     list_groups = _blocking(ClientCore._list_groups)

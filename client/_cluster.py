@@ -1,7 +1,7 @@
 """A cluster of shards: placement, split layouts and fan-out, with no grpc.
 
 Everything here is a pure function of the group's name, its tensors and the shard
-count (the README's "Placement" section gives it precisely, for clients in other
+count (docs/cluster.md, "Placement", gives it precisely, for clients in other
 languages), plus ``fan_out``, which runs callables in parallel on a thread pool (how
 ``Client`` performs a ``Parallel`` effect of the routing's operations, ``_sharded``;
 ``AsyncClient`` runs them as tasks).
@@ -263,24 +263,15 @@ def _parse_slot(text: str) -> tuple[str, int, int, tuple[int, ...], bool]:
     return name, start, stop, shape, rows
 
 
-def layout_from_listing(
-    group: str,
-    listing: Iterable[tuple[int, str, Sequence[tuple[str, Sequence[int]]]]],
-) -> Layout | None:
+# What a shard lists of one group: ``(shard, name, [(tensor, dims)])``.
+Tensors = Sequence[tuple[str, Sequence[int]]]
+Listed = tuple[int, str, Tensors]
+
+
+def layout_from_listing(group: str, listing: Iterable[Listed]) -> Layout | None:
     """A group's layout from what the shards list: ``(shard, name, [(tensor, dims)])``
     for every group whose name is ``group`` or one of its parts. None: not there."""
-    whole = []
-    parts: dict[int, tuple[int, str, Sequence[tuple[str, Sequence[int]]]]] = {}
-    counts = set()
-    for shard, name, tensors in listing:
-        g, k, count = base_name(name)
-        if g != group:
-            continue
-        if name == group:
-            whole.append((shard, tensors))
-        else:
-            parts[k] = (shard, name, tensors)
-            counts.add(count)
+    whole, parts, counts = _holders(group, listing)
     if not whole and not parts:
         return None
     if whole and parts or len(whole) > 1 or len(counts) > 1:
@@ -297,6 +288,33 @@ def layout_from_listing(
             shard,
         )
     (count,) = counts
+    return _split_layout(group, count, parts)
+
+
+def _holders(
+    group: str, listing: Iterable[Listed]
+) -> tuple[list[tuple[int, Tensors]], dict[int, Listed], set[int]]:
+    """The listed groups that hold ``group``: ``(shard, tensors)`` of each whole
+    copy, each part by its index (a later listing of an index wins), and the part
+    counts their names give."""
+    whole = []
+    parts: dict[int, Listed] = {}
+    counts = set()
+    for shard, name, tensors in listing:
+        g, k, count = base_name(name)
+        if g != group:
+            continue
+        if name == group:
+            whole.append((shard, tensors))
+        else:
+            parts[k] = (shard, name, tensors)
+            counts.add(count)
+    return whole, parts, counts
+
+
+def _split_layout(group: str, count: int, parts: dict[int, Listed]) -> Layout:
+    """The layout of ``group`` split in ``count`` parts, from each part's listing;
+    a tensor's pieces are consecutive slots whose element ranges continue."""
     if sorted(parts) != list(range(count)):
         missing = sorted(set(range(count)) - set(parts))
         raise LayoutError(

@@ -1,4 +1,4 @@
-"""Replicated shards (README "Replicated shards"): find each shard's primary in etcd.
+"""Find each shard's primary in etcd (docs/cluster.md "Replicated shards").
 
 ``Client("etcd://H:P[,H:P]/PREFIX")`` reads the shard count (``PREFIX/layout``) and
 each shard's primary (``PREFIX/shards/I/primary``, written by the servers' election)

@@ -19,6 +19,7 @@ __all__ = [
     "InvalidArgumentError",
     "NotFoundError",
     "OnnxpsError",
+    "PartsDivergedError",
     "PermissionDeniedError",
     "ResourceExhaustedError",
     "RpcError",
@@ -91,6 +92,31 @@ class FailedPreconditionError(RpcError):
     """E.g. a stale push; pull and recompute."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class PartsDivergedError(FailedPreconditionError):
+    """The parts of a split group disagree: they are at different T after waiting
+    for the pushes in flight (``reason`` ``"PARTS_APART"``), or a part refused for
+    good a push the others applied (``"PART_REFUSED"``). ``group`` names the group;
+    ``update_counts`` is each part's T in part order (empty when not known).
+    docs/cluster.md, "When the parts of a split group disagree", says how to repair
+    it."""
+
+    def __init__(
+        self,
+        details: str,
+        *,
+        group: str,
+        update_counts: Sequence[int] = (),
+        reason: str = "PARTS_APART",
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        meta = {"group": group, **(metadata or {})}
+        if update_counts:
+            meta["update_counts"] = ",".join(str(t) for t in update_counts)
+        super().__init__(details, reason=reason, metadata=meta)
+        self.group = group
+        self.update_counts = [int(t) for t in update_counts]
 
 
 class ResourceExhaustedError(RpcError):

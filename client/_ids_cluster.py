@@ -9,7 +9,7 @@ group holding every ids table of the group, with the ids part k owns:
 A row push is split by owner (``split_push``) and lands as a split fixed table's
 does (``_rowsplit.land``): every part is sent the push, with no rows when it owns
 none of its ids, all with one (client_id, seq), so every part steps T once per push
-and the cluster is bit-identical to one server (README, "Ids tables on a cluster").
+and the cluster is bit-identical to one server (docs/embeddings.md).
 A row pull asks only the parts that own some of its ids and puts their rows back in
 the caller's order. Such a group holds ids tables only (put dense tensors in a group
 of their own).
@@ -18,7 +18,7 @@ of their own).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
@@ -28,11 +28,10 @@ from onnxps.wire.initializers import splitmix64
 from . import _sharded
 from ._cluster import Layout, Part, part_name, shard_ranking
 from ._errors import InvalidArgumentError
+from ._host import ClusterHost
 from ._ops import Deadline, Op, on_shard, parallel
 from ._records import GroupInfo, RowsPage
-
-if TYPE_CHECKING:
-    from ._routing import RoutingCore
+from ._replies import as_indices
 
 Array = np.ndarray[Any, Any]
 
@@ -67,7 +66,7 @@ def _plan(group: str, shards: int) -> Layout:
 
 
 def create_group(
-    client: RoutingCore,
+    client: ClusterHost,
     req: pb.CreateGroupRequest,
     names: Sequence[str],
     table_arrays: Sequence[Sequence[Array]],
@@ -114,7 +113,7 @@ def _split(
 
 
 def split_push(
-    client: RoutingCore,
+    client: ClusterHost,
     found: Layout,
     gradients: Mapping[str, Any],
     deadline: Deadline,
@@ -125,7 +124,6 @@ def split_push(
     id of the push), the rows in ``encoding``. What a part would refuse for its
     share alone (rows that do not match the ids, NaN or inf) is refused here,
     before any part is sent; the rest every part refuses alike."""
-    from ._rowsplit import check_finite
 
     count = len(found.parts)
     per_part: list[list[tuple[str, Array | None, Array]]] = [[] for _ in range(count)]
@@ -148,21 +146,23 @@ def split_push(
         for k in range(count):
             mask = own == k
             per_part[k].append((name, ids[mask], rows[mask]))
-    yield from check_finite(client, found, finite, deadline)
+    yield from _sharded.check_finite(client, found, finite, deadline)
     return per_part
 
 
 def _ids(name: str, raw: Any) -> Array:
-    ids = np.asarray(raw)
-    if ids.dtype.kind in "iu":
-        ids = ids.astype(np.int64, copy=False)
-    if ids.dtype != np.int64 or ids.ndim != 1:
-        raise TypeError(f"ids of {name!r} must be int64 of shape (k,)")
+    ids = as_indices(raw, name)  # integers, exactly as int64
+    if ids.ndim != 1:
+        raise InvalidArgumentError(
+            f"ids of {name!r} must be of shape (k,), got {ids.shape}",
+            reason="ROW_INDICES",
+            metadata={"tensor": name},
+        )
     return ids
 
 
 def pull_rows(
-    client: RoutingCore,
+    client: ClusterHost,
     found: Layout,
     selections: Mapping[str, Any],
     state: bool,
@@ -170,7 +170,6 @@ def pull_rows(
     deadline: Deadline,
 ) -> Op[dict[str, Array]]:
     """Rows from the parts owning the ids, in the caller's order."""
-    from ._rowsplit import pull_part
 
     per_part, routing = _split(selections, len(found.parts))
     targets = [k for k, s in enumerate(per_part) if s]
@@ -178,7 +177,9 @@ def pull_rows(
         targets, per_part[0] = [0], {n: ids for n, (_, ids) in routing.items()}
     pulled = yield from parallel(
         [
-            pull_part(client, found, k, per_part[k], state, min_version, deadline)
+            _sharded.pull_rows_part(
+                client, found, k, per_part[k], state, min_version, deadline
+            )
             for k in targets
         ]
     )
@@ -197,7 +198,7 @@ def pull_rows(
 
 
 def list_rows(
-    client: RoutingCore,
+    client: ClusterHost,
     found: Layout,
     table: str,
     page_token: str,

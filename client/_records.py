@@ -94,6 +94,12 @@ class GroupInfo:
         """Bytes of X_1..X_n (one pull without state, one push)."""
         return self.element_count * self.dtype.itemsize
 
+    @property
+    def parts_apart(self) -> bool:
+        """The parts of a split group are at different T (a push in flight, or
+        parts that disagree: ``onnxps status`` and ``pull`` tell which)."""
+        return len({p.update_count for p in self.parts}) > 1
+
 
 @dataclass(frozen=True)
 class PushResult:
@@ -101,6 +107,9 @@ class PushResult:
     applied: bool  # False: buffered until the sync quorum pushes
     duplicate: bool  # a retry the server had already taken
     values: list[Array] | None = None  # X_1..X_n when asked for
+    # on a cluster: the T each part answered, in part order (a split group's
+    # parts differ while pushes of other workers interleave, or when they disagree)
+    part_update_counts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,13 @@ from onnxps.wire.codec import (
 )
 from onnxps.wire.initializers import IdsTable
 
+from ._errors import InvalidArgumentError
 from ._ops import StreamReader, TensorStreamReader
 from ._records import initializer_to_proto
 from .shm import Segment, SegmentPool
 
 Array = np.ndarray[Any, Any]
+_INT64_MAX = (1 << 63) - 1
 
 
 def written_into(out: Sequence[Array], arrays: Sequence[Array]) -> list[Array]:
@@ -198,12 +200,30 @@ def row_gradients(
     return arrays
 
 
-def as_indices(idx: Any) -> Array:
-    """Row indices as given, integers widened to int64 (the wire's)."""
+def as_indices(idx: Any, name: str = "") -> Array:
+    """Row indices or ids as int64, the wire's: any integer dtype, converted exactly
+    (a uint64 value above 2**63-1 is refused, not wrapped); InvalidArgumentError (a
+    ValueError, reason ROW_INDICES) for any other dtype."""
     indices = np.asarray(idx)
-    if indices.dtype.kind in "iu":
-        indices = indices.astype(np.int64, copy=False)
-    return indices
+    kind = indices.dtype.kind
+    if kind not in "iu":
+        raise InvalidArgumentError(
+            f"row indices (ids) of {name!r} must be integers (int8 to int64, or "
+            f"unsigned up to 2**63-1), sent as int64; got {indices.dtype}",
+            reason="ROW_INDICES",
+            metadata={"tensor": name, "received": str(indices.dtype)},
+        )
+    if kind == "u" and indices.dtype.itemsize == 8 and indices.size:
+        top = int(indices.max())
+        if top > _INT64_MAX:
+            raise InvalidArgumentError(
+                f"row index (id) {top} of {name!r} does not fit in int64 (at most "
+                "2**63-1), the type indices and ids travel as; map it into int64 "
+                "first (e.g. ids.view(np.int64), which keeps every id distinct)",
+                reason="ROW_INDICES",
+                metadata={"tensor": name, "index": str(top)},
+            )
+    return indices.astype(np.int64, copy=False)
 
 
 def apply_reader() -> StreamReader:

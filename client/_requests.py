@@ -41,17 +41,16 @@ from onnxps.wire.initializers import IdsTable
 from onnxps.wire.shm import layout
 
 from ._channel_transport import DataChannelLink, DataChannelMode
+from ._cluster import Layout
 from ._discovery import Discovery, is_coordinator
-from ._errors import (
-    ClientClosedError,
-)
+from ._errors import ClientClosedError, RpcError
 from ._grpc_transport import (
     Transport,
     chunk_stream,
     grpc_transport,
-    resending,
     use_stream,
 )
+from ._host import Route, Targets
 from ._ops import (
     Call,
     Deadline,
@@ -68,24 +67,24 @@ from ._ops import (
     what,
 )
 from ._optimizers import Async, OptimizerSpec, Sync
+from ._pending import PendingPushes
 from ._records import (
     GroupInfo,
     LeaseInfo,
     PushResult,
-    RowsPage,
     SaveInfo,
     group_info,
     lease_info,
 )
 from ._replies import (
     apply_reader,
-    as_indices,
     reply_arrays,
     row_gradients,
-    rows_reader,
     table_specs,
     written_into,
 )
+from ._routes import route_of
+from ._rows import RowsOps
 from ._settings import (
     SWITCH_MODES,
     channel_credentials,
@@ -141,7 +140,7 @@ class State(enum.Enum):
     CLOSED = 3
 
 
-class ClientCore:
+class ClientCore(RowsOps):
     """Settings and per-client state both clients share, and every operation."""
 
     # Whether this client performs ``Transfer`` (data channel) effects.
@@ -168,7 +167,7 @@ class ClientCore:
         data_channel: DataChannelMode = "auto",
         **unexpected: NoReturn,
     ) -> None:
-        # A replicated cluster (README "Replicated shards"): its primaries from etcd.
+        # A replicated cluster (docs/cluster.md): its primaries from etcd.
         self._discovery = None
         if isinstance(address, str) and is_coordinator(address):
             self._discovery = Discovery(address)
@@ -183,8 +182,8 @@ class ClientCore:
             unexpected,
             shared_memory,
         )
-        # A list of addresses is a cluster: shard i at addresses[i] (README, "A
-        # cluster of shards").
+        # A list of addresses is a cluster: shard i at addresses[i] (docs/cluster.md,
+        # "A cluster of shards").
         self.addresses = [address] if isinstance(address, str) else list(address)
         self.address = ",".join(self.addresses)
         self.shards: int | None = (
@@ -196,8 +195,8 @@ class ClientCore:
         self.transport: Transport = transport
         self.stream_threshold_bytes = stream_threshold_bytes
         self.chunk_bytes = chunk_bytes
-        # How gradients and pulled X travel unless a call says (README, "Compressed
-        # gradients on the wire"): None is native.
+        # How gradients and pulled X travel unless a call says (docs/transports.md,
+        # "Compressed gradients on the wire"): None is native.
         self.gradient_encoding = check_encoding(gradient_encoding, "gradient_encoding")
         self.pull_encoding = check_encoding(pull_encoding, "pull_encoding")
         self._token = token
@@ -216,7 +215,7 @@ class ClientCore:
         # where the hello is refused; "on" uses it for every push and pull and
         # raises SharedMemoryError where it cannot work; "off" never uses it.
         self.shared_memory: SharedMemoryMode = shared_memory
-        # The data channel (README "The data channel"): "auto" (with
+        # The data channel (docs/transports.md, "The data channel"): "auto" (with
         # transport="auto") carries the bytes of native calls of at least
         # DATA_CHANNEL_THRESHOLD_BYTES on sockets beside gRPC when the server
         # offers them, "on" every push and pull (DataChannelError where it cannot),
@@ -229,18 +228,33 @@ class ClientCore:
         self.data_channel: DataChannelMode = data_channel
         if self._discovery is not None:
             # A segment or a data channel is bound to one server: a call resent to
-            # a new primary goes over gRPC (README "Replicated shards").
+            # a new primary goes over gRPC (docs/cluster.md "Replicated shards").
             if self.shared_memory == "auto":
                 self.shared_memory = "off"
             if self.data_channel == "auto":
                 self.data_channel = "off"
         # The links of the transports that keep state (see ``_transport``)
-        self._shm_link = SharedMemoryLink(self)
+        # per server (a cluster: per shard, each with its own hello and segments)
+        self._shm_links: dict[int, SharedMemoryLink] = {}
+        self._shm_link = self._shm_link_of(0)
         self._data_link = DataChannelLink(
             self, self._tls, server_name_override, self._dtypes
         )
         self._state = State.UNOPENED
+        # A cluster client's layouts of its groups' parts, and per group the pushes
+        # whose parts did not all land (sent first by the group's next push or pull)
+        self._layouts: dict[str, Layout] = {}
+        self._pending = PendingPushes()
+        # Where each call goes: the one server, or its group's parts (``_routes``)
+        self._route: Route = route_of(self)
         self._setup()
+
+    def _shm_link_of(self, shard: int) -> SharedMemoryLink:
+        """The shared-memory link with ``shard`` (0: the one server)."""
+        link = self._shm_links.get(shard)
+        if link is None:
+            link = self._shm_links.setdefault(shard, SharedMemoryLink(self, shard))
+        return link
 
     def _setup(self) -> None:
         """The connection state of the concrete client."""
@@ -342,10 +356,9 @@ class ClientCore:
         table_arrays: Sequence[Sequence[Array]] = (),
     ) -> Op[GroupInfo]:
         """Create the group (a cluster client: its parts, on their shards)."""
-        msg = yield from self._create_op(
-            req, names, arrays, state_arrays, deadline, table_arrays=table_arrays
+        return self._route.create(
+            req, names, arrays, state_arrays, deadline, table_arrays
         )
-        return self._remember(group_info(msg))
 
     def _create_op(
         self,
@@ -414,7 +427,7 @@ class ClientCore:
     def _describe_group(
         self, name: str, *, timeout: float | None = None
     ) -> Op[GroupInfo]:
-        return self._describe(name, self._deadline(timeout))
+        return self._route.describe(name, self._deadline(timeout))
 
     def _describe(self, name: str, deadline: Deadline) -> Op[GroupInfo]:
         req = pb.DescribeGroupRequest(group=name)
@@ -426,22 +439,17 @@ class ClientCore:
     def _list_groups(
         self, prefix: str = "", *, timeout: float | None = None
     ) -> Op[list[GroupInfo]]:
-        req = pb.ListGroupsRequest(prefix=prefix)
-        msg = yield from self._unary_op("ListGroups", req, timeout)
-        return [group_info(g) for g in msg.groups]
+        return self._route.list_groups(prefix, self._deadline(timeout))
 
     def _delete_group(self, name: str, *, timeout: float | None = None) -> Op[bool]:
         self._sizes.pop(name, None)
-        req = pb.DeleteGroupRequest(group=name)
-        msg = yield from self._unary_op("DeleteGroup", req, timeout)
-        return bool(msg.deleted)
+        return self._route.delete(name, self._deadline(timeout))
 
     def _set_learning_rate(
         self, name: str, learning_rate: float, *, timeout: float | None = None
     ) -> Op[GroupInfo]:
-        req = pb.SetLearningRateRequest(group=name, learning_rate=learning_rate)
-        msg = yield from self._unary_op("SetLearningRate", req, timeout)
-        return group_info(msg.group)
+        deadline = self._deadline(timeout)
+        return self._route.set_learning_rate(name, learning_rate, deadline)
 
     # -- push ----------------------------------------------------------------------
     def _push_detailed(
@@ -515,10 +523,7 @@ class ClientCore:
     ) -> Op[PushResult]:
         """Send the push (a cluster client: its parts, to their shards). ``out``:
         arrays X may be written straight into (the caller checked them)."""
-        way = yield from choose_push(
-            self, self._shm_link, self._data_link, arrays, req.return_values, deadline
-        )
-        return (yield from way.push(req, arrays, deadline, out))
+        return self._route.push(req, arrays, deadline, out)
 
     def _push_part_op(
         self,
@@ -531,7 +536,7 @@ class ClientCore:
         with ``on_shard``), on the transport chosen for it."""
         way = yield from choose_push(
             self,
-            self._shm_link,
+            self._shm_link_of(shard),
             self._data_link,
             arrays,
             template.return_values,
@@ -559,7 +564,9 @@ class ClientCore:
         """Close the data channels and unlink the segments (the client's close():
         its tensor buffers too)."""
         self._data_link.close()
-        self._shm_link.close(closing_client=self._state is State.CLOSED)
+        closing = self._state is State.CLOSED
+        for link in self._shm_links.values():
+            link.close(closing_client=closing)
 
     def _push(self, *args: Any, **kwargs: Any) -> Op[int | list[Array]]:
         """Push G_1..G_n (ONNX order). Returns the new T, or X_1..X_n with
@@ -613,18 +620,23 @@ class ClientCore:
         encoding: Encoding | None = None,
         timeout: float | None = None,
         out: Sequence[Array] | None = None,
+        allow_parts_apart: bool = False,
     ) -> Op[tuple[int, list[Array]]]:
         """(T, arrays): the tensors and the update count they belong to.
 
         On a cluster, T is the lowest of the parts' (with pushes in flight, parts
-        can be a push apart); ``min_version`` waits for every part. ``out`` as
-        for ``pull``."""
+        can be a push apart: then the parts behind are waited for, a short while,
+        and every part is at T or later); parts still at different T after that
+        raise ``PartsDivergedError`` unless ``allow_parts_apart`` (X joined as the
+        parts hold it, T the lowest: what ``export`` writes). ``min_version``
+        waits for every part. ``out`` as for ``pull``."""
         deadline = self._deadline(timeout)
         enc = self._pull_encoding(encoding, state)
         if out is None:
-            return (
-                yield from self._pull_parts(group, state, min_version, deadline, enc)
+            pulled = self._pull_parts(
+                group, state, min_version, deadline, enc, allow_apart=allow_parts_apart
             )
+            return (yield from pulled)
         bufs = self._shm_link.buffers_of(list(out))
         if bufs is not None and not state and enc == "native":
             req = pb.PullRequest(group=group, min_version=min_version)
@@ -632,7 +644,9 @@ class ClientCore:
             if into is not None:
                 t, arrays = into
                 return t, written_into(out, arrays)
-        pulled = self._pull_parts(group, state, min_version, deadline, enc, out)
+        pulled = self._pull_parts(
+            group, state, min_version, deadline, enc, out, allow_apart=allow_parts_apart
+        )
         t, arrays = yield from pulled
         return t, written_into(out, arrays)
 
@@ -654,11 +668,14 @@ class ClientCore:
         deadline: Deadline,
         encoding: Encoding = "native",
         out: Sequence[Array] | None = None,
+        allow_apart: bool = False,
     ) -> Op[tuple[int, list[Array]]]:
         """Pull the group (a cluster client: its parts, from their shards); into
-        ``out`` where its arrays fit (the caller copies into them otherwise)."""
-        pulled = self._pull_op(group, state, min_version, deadline, encoding, out)
-        return (yield from pulled)
+        ``out`` where its arrays fit (the caller copies into them otherwise).
+        ``allow_apart``: a cluster's parts may be at different T."""
+        return self._route.pull(
+            group, state, min_version, deadline, encoding, out, allow_apart
+        )
 
     def _pull_op(
         self,
@@ -685,7 +702,7 @@ class ClientCore:
             min_version=min_version,
             encoding=ENCODING_TO_PROTO[encoding],
         )
-        links = (self._shm_link, self._data_link)
+        links = (self._shm_link_of(shard), self._data_link)
         way = yield from choose_pull(
             self, *links, segment, size or 0, encoding, deadline, shard
         )
@@ -693,212 +710,6 @@ class ClientCore:
         if pulled is None:  # the data channel failed: over gRPC
             pulled = yield from grpc_transport(self, size or 0).pull(req, deadline, out)
         return pulled
-
-    # -- rows ----------------------------------------------------------------------
-    def _push_rows(
-        self,
-        group: str,
-        gradients: Mapping[str, Any],
-        *,
-        base_version: int | None = None,
-        learning_rate: float | None = None,
-        encoding: Encoding | None = None,
-        timeout: float | None = None,
-    ) -> Op[PushResult]:
-        """One step in which only the given rows change.
-
-        ``gradients`` maps a tensor name to ``(indices, rows)`` (int64 (k,) and
-        (k, *shape[1:])) or to a dense gradient of the whole tensor; tensors not
-        named keep every row. Repeated indices are summed first. The indices and rows
-        travel in ~1 MiB chunks (no size ceiling); a push the server did not answer
-        (UNAVAILABLE) is resent with the same seq, and answered once. ``encoding``
-        (None: the client's ``gradient_encoding``) encodes the rows as ``push``
-        does; indices travel as they are."""
-        deadline = self._deadline(timeout)
-        enc = self._encoding(encoding, self.gradient_encoding, "encoding")
-        return (
-            yield from self._rows_push_op(
-                group, group, gradients, base_version, learning_rate, deadline, enc
-            )
-        )
-
-    def _rows_push_op(
-        self,
-        group: str,
-        part: str,
-        gradients: Mapping[str, Any],
-        base_version: int | None,
-        learning_rate: float | None,
-        deadline: Deadline,
-        encoding: Encoding = "native",
-    ) -> Op[PushResult]:
-        """A row push to ``part``, the name of ``group`` on the server it goes to."""
-        header = pb.PushRowsHeader(
-            group=part, client_id=self.client_id, seq=next(self._seq)
-        )
-        if base_version is not None:
-            header.base_version = base_version
-        if learning_rate is not None:
-            header.learning_rate = learning_rate
-        entries: list[tuple[str, Array | None, Array]] = []
-        for name, g in gradients.items():
-            if isinstance(g, tuple):
-                rows = encode(g[1], encoding, f"rows of {name!r}")
-                entries.append((name, as_indices(g[0]), rows))
-            else:
-                entries.append(
-                    (name, None, encode(g, encoding, f"gradient of {name!r}"))
-                )
-        arrays = row_gradients(header, entries)
-        msg = yield from self._rows_send_op(group, header, arrays, deadline)
-        return PushResult(msg.update_count, msg.applied, msg.duplicate, None)
-
-    def _rows_send_op(
-        self,
-        group: str,
-        header: pb.PushRowsHeader,
-        arrays: list[Array],
-        deadline: Deadline,
-    ) -> Op[Any]:
-        """Send a row push (``row_gradients`` built it), resent while unanswered:
-        the reply message."""
-        what = f"the row push to group {group} (seq {header.seq}) was not answered"
-        chunks = self._chunks(pb.PushRowsRequest, header, arrays)
-        call = Call("PushRows", chunks, deadline, what)
-        return (yield from resending(call, group, header.seq, self.address))
-
-    def _pull_rows(
-        self,
-        group: str,
-        selections: Mapping[str, Any],
-        *,
-        state: bool = False,
-        min_version: int | None = None,
-        timeout: float | None = None,
-    ) -> Op[dict[str, Array]]:
-        """Rows of tensors: ``{name: indices}`` in, ``{name: rows}`` out (with
-        ``state``, also ``"V:name"`` and ``"H:name"`` as the operator has them)."""
-        deadline = self._deadline(timeout)
-        return (
-            yield from self._rows_pull_op(
-                group, group, selections, state, min_version, deadline
-            )
-        )
-
-    def _rows_pull_op(
-        self,
-        group: str,
-        part: str,
-        selections: Mapping[str, Any],
-        state: bool,
-        min_version: int | None,
-        deadline: Deadline,
-    ) -> Op[dict[str, Array]]:
-        """A row pull from ``part``, the name of ``group`` on the server it asks."""
-        header = pb.PullRowsHeader(group=part, with_state=state)
-        if min_version is not None:
-            header.min_version = min_version
-        arrays = []
-        for name, idx in selections.items():
-            indices = as_indices(idx)
-            header.tensors.add(name=name, indices=header_tensor(indices))
-            arrays.append(indices)
-        chunks = self._chunks(pb.PullRowsRequest, header, arrays)
-        what = f"the row pull of group {group} was not answered"
-        names, rows = yield Call("PullRows", chunks, deadline, what, rows_reader)
-        return dict(zip(names, rows, strict=True))
-
-    def _list_rows(
-        self,
-        group: str,
-        table: str,
-        *,
-        page_token: str = "",
-        page_size: int = 0,
-        values: bool = False,
-        state: bool = False,
-        timeout: float | None = None,
-    ) -> Op[RowsPage]:
-        """A page of an ids table's ids, ascending: from the first (``page_token``
-        "") or after the page whose ``next_page_token`` is given; at most
-        ``page_size`` ids (0: 1000; the server may return fewer), with their X rows
-        (``values``) and V, H rows (``state``)."""
-        deadline = self._deadline(timeout)
-        return (
-            yield from self._list_rows_op(
-                group, table, page_token, page_size, values, state, deadline
-            )
-        )
-
-    def _list_rows_op(
-        self,
-        group: str,
-        table: str,
-        page_token: str,
-        page_size: int,
-        values: bool,
-        state: bool,
-        deadline: Deadline,
-    ) -> Op[RowsPage]:
-        req = pb.ListRowsRequest(
-            group=group,
-            table=table,
-            page_token=page_token,
-            page_size=page_size,
-            with_values=values,
-            with_state=state,
-        )
-        msg = yield Call("ListRows", unary_request(req), deadline, what("ListRows"))
-        return RowsPage(
-            tensor_to_array(msg.ids, "ids").copy(),
-            {t.name: tensor_to_array(t, t.name).copy() for t in msg.rows},
-            msg.next_page_token,
-            int(msg.row_count),
-            int(msg.update_count),
-        )
-
-    def _count_rows(
-        self, group: str, table: str, *, timeout: float | None = None
-    ) -> Op[int]:
-        """Rows an ids table holds."""
-        info = yield from self._describe_group(group, timeout=timeout)
-        if table not in info.tables:
-            held = ", ".join(info.tables) or "none"
-            raise ValueError(
-                f"group {group!r} has no ids table {table!r}; its ids tables: {held}"
-            )
-        return info.tables[table].row_count
-
-    def _export_rows(
-        self,
-        group: str,
-        table: str,
-        *,
-        state: bool = False,
-        page_size: int = 0,
-        timeout: float | None = None,
-    ) -> Op[tuple[Array, dict[str, Array]]]:
-        """Every id of an ids table ascending and its rows (X, and V, H with
-        ``state``), read page by page (each page under ``timeout``)."""
-        pages: list[RowsPage] = []
-        token = ""
-        while True:
-            page = yield from self._list_rows(
-                group,
-                table,
-                page_token=token,
-                page_size=page_size,
-                values=True,
-                state=state,
-                timeout=timeout,
-            )
-            pages.append(page)
-            token = page.next_page_token
-            if not token:
-                break
-        ids = np.concatenate([p.ids for p in pages])
-        rows = {k: np.concatenate([p.rows[k] for p in pages]) for k in pages[0].rows}
-        return ids, rows
 
     # -- apply ---------------------------------------------------------------------
     def _apply(
@@ -949,9 +760,49 @@ class ClientCore:
         return lease_info((yield from self._unary_op("LeaveGroup", req, timeout)))
 
     def _save(self, *, timeout: float | None = None) -> Op[SaveInfo]:
-        """Ask the server to write a snapshot of every group now."""
-        msg = yield from self._unary_op("Save", pb.SaveRequest(), timeout)
-        return SaveInfo(msg.path, msg.groups, msg.bytes)
+        """Ask the server (every shard of a cluster) to write a snapshot of every
+        group now; a cluster's paths are joined with ", " in shard order."""
+        return self._route.save(self._deadline(timeout))
+
+    def _join_parts(
+        self, group: str, worker_id: str, timeout: float | None
+    ) -> Op[tuple[Targets, LeaseInfo]]:
+        """Join every part of a group: its parts, and the lease as the first part
+        answered it."""
+        return self._route.join(group, worker_id, self._deadline(timeout))
+
+    def _leave_parts(
+        self, group: str, worker_id: str, timeout: float | None
+    ) -> Op[LeaseInfo]:
+        """Leave every part of a group; the lease as the first part answered."""
+        return self._route.leave(group, worker_id, self._deadline(timeout))
+
+    def _heartbeats_op(
+        self, targets: Targets, worker_id: str, interval: float
+    ) -> Op[None]:
+        """One heartbeat to each part, in turn; a failed one is logged (the next
+        beat tries again). Raises ClientClosedError once the client is closed."""
+        for shard, name in targets:
+            beat = self._heartbeat_op(name, worker_id, interval)
+            try:
+                yield from on_shard(shard, beat)
+            except RpcError as exc:
+                log.warning("heartbeat for %s in %s failed: %s", worker_id, name, exc)
+
+    def _drop_pending(self) -> None:
+        """The client closes: the pushes whose parts did not all land stay apart on
+        the parts that missed them (docs/cluster.md, "When the parts of a split
+        group disagree"); said once per push."""
+        for entry in self._pending.every():
+            log.warning(
+                "closing the client with push seq %d to %s not landed on %s (%s): "
+                "the other parts took it (or may have), and stay a push ahead",
+                entry.seq,
+                entry.group,
+                ", ".join(str(p[1].group) for p in entry.parts),
+                entry.why,
+            )
+            self._pending.replace(entry, None)
 
     def _export(self, path: str | os.PathLike[str], prefix: str = "") -> Op[list[str]]:
         """Write every group whose name starts with ``prefix`` (tensors, optimizer

@@ -6,7 +6,7 @@ element ranges are rows of one element. A row push is checked whole here (names,
 indices, shapes, dtype, finiteness), before any part is sent, so parts never
 disagree about a refusal; then each owner gets its rows (indices made part-local,
 in the order they came, so repeats sum as on one server) and every other part the
-same push with no rows, so that every part steps T (README, "Row pushes on a
+same push with no rows, so that every part steps T (docs/embeddings.md, "Row pushes on a
 split group"). A row pull asks only the owners and puts the rows back in request
 order. A group of ids tables split by id (``_ids_cluster``) lands its row pushes
 the same way: ``_ids_cluster.split_push`` says what each part gets.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
@@ -25,24 +25,23 @@ from onnxps.wire.encoding import Encoding, encode
 from . import _ids_cluster
 from ._cluster import Layout, Part, Slot
 from ._errors import FailedPreconditionError, InvalidArgumentError
+from ._host import ClusterHost
 from ._ops import Deadline, Op, on_shard, parallel
 from ._records import PushResult
 from ._replies import as_indices, row_gradients
 from ._sharded import (
     PartPush,
-    describe_group,
+    check_finite,
     finish_earlier,
+    group_dtype,
+    pull_rows_part,
     rerouted,
-    until_landed,
 )
 from ._sharded import land as land_parts
 
-if TYPE_CHECKING:
-    from ._routing import RoutingCore
-
 Array = np.ndarray[Any, Any]
 
-__all__ = ["check_finite", "land", "pull_rows", "push_rows"]
+__all__ = ["land", "pull_rows", "push_rows"]
 
 _INDEX = np.dtype(np.int64)
 
@@ -116,7 +115,7 @@ def _tensor(found: Layout, name: str) -> int:
 def _checked_indices(found: Layout, i: int, raw: Any) -> Array:
     """int64 (k,) indices in [0, rows): refused here as the server would."""
     name, rows = found.names[i], found.shapes[i][0]
-    idx = as_indices(raw)
+    idx = as_indices(raw, name)
     if idx.dtype != _INDEX or idx.ndim != 1:
         raise _invalid(
             found,
@@ -152,21 +151,11 @@ def _owners(pieces: Sequence[_Piece], idx: Array) -> list[Array]:
     return np.split(order, np.cumsum(counts)[:-1])
 
 
-def _dtype(client: RoutingCore, found: Layout) -> np.dtype[Any] | None:
-    """The group's dtype, from the sizes the listing gave (None: not known)."""
-    p = found.parts[0]
-    size = client._sizes.get(p.name)
-    count = p.element_count
-    if size is None or count == 0:
-        return None
-    return np.dtype(np.float32 if size // count == 4 else np.float64)
-
-
 _Entries = list[list[tuple[str, Array | None, Array]]]
 
 
 def _split_push(
-    client: RoutingCore,
+    client: ClusterHost,
     found: Layout,
     gradients: Mapping[str, Any],
     deadline: Deadline,
@@ -174,7 +163,7 @@ def _split_push(
 ) -> Op[_Entries]:
     """Each part's row gradients (name on its shard, indices or None, values in
     ``encoding``: encoded whole, once checked, then cut per part)."""
-    dtype = _dtype(client, found)
+    dtype = group_dtype(client, found)
     per_part: _Entries = [[] for _ in found.parts]
     finite = True
     for name, g in gradients.items():
@@ -223,25 +212,8 @@ def _split_push(
     return per_part
 
 
-def check_finite(
-    client: RoutingCore, found: Layout, finite: bool, deadline: Deadline
-) -> Op[None]:
-    """Refuse a push holding NaN or inf unless the group allows them (asked only
-    then), here: a part would refuse only the rows it owns."""
-    if finite:
-        return
-    if not (yield from describe_group(client, found.group, deadline)).allow_non_finite:
-        raise _invalid(
-            found,
-            f"a row gradient holds NaN or inf, which would poison group "
-            f"{found.group!r} for good; fix the worker, or create the group with "
-            "allow_non_finite=True",
-            "NON_FINITE_GRADIENT",
-        )
-
-
 def push_rows(
-    client: RoutingCore,
+    client: ClusterHost,
     group: str,
     gradients: Mapping[str, Any],
     base_version: int | None,
@@ -285,7 +257,7 @@ def push_rows(
 
 
 def land(
-    client: RoutingCore,
+    client: ClusterHost,
     found: Layout,
     per_part: _Entries,
     seq: int,
@@ -325,30 +297,8 @@ def land(
     )
 
 
-def pull_part(
-    client: RoutingCore,
-    found: Layout,
-    k: int,
-    selection: Mapping[str, Array],
-    state: bool,
-    min_version: int | None,
-    deadline: Deadline,
-) -> Op[dict[str, Array]]:
-    """Rows of part ``k`` (``selection``: its names and local indices), asked
-    again while its shard is unavailable."""
-    part = found.parts[k]
-
-    def send() -> Op[dict[str, Array]]:
-        op = client._rows_pull_op(
-            found.group, part.name, selection, state, min_version, deadline
-        )
-        return on_shard(part.shard, op)
-
-    return until_landed(send, deadline)
-
-
 def pull_rows(
-    client: RoutingCore,
+    client: ClusterHost,
     group: str,
     selections: Mapping[str, Any],
     state: bool,
@@ -356,7 +306,9 @@ def pull_rows(
     deadline: Deadline,
 ) -> Op[dict[str, Array]]:
     """Rows of a group of a cluster, from the parts that own them (a selection
-    with no rows asks the part holding the tensor's first rows)."""
+    with no rows asks the part holding the tensor's first rows); this client's
+    pending pushes to the group are sent first."""
+    yield from finish_earlier(client, group, deadline)
 
     def pull_all(found: Layout) -> Op[dict[str, Array]]:
         if _ids_cluster.is_ids_layout(found):
@@ -383,7 +335,7 @@ def pull_rows(
         asked = [k for k, a in enumerate(asks) if a]
         replies = yield from parallel(
             [
-                pull_part(client, found, k, asks[k], state, min_version, deadline)
+                pull_rows_part(client, found, k, asks[k], state, min_version, deadline)
                 for k in asked
             ]
         )

@@ -5,15 +5,15 @@ Placement and layouts are ``_cluster``'s pure functions; this module turns one c
 into operations of one shard each (``on_shard``), runs them at once (``parallel``)
 and merges the replies. Every function here is an operation (``_requests.Op``):
 ``Client`` runs it with blocking calls on a thread pool, ``AsyncClient`` with
-asyncio tasks, and ``_routing.RoutingCore`` is what sends a cluster's calls here.
+asyncio tasks, and ``_routes.Cluster`` is what sends a cluster's calls here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
@@ -36,15 +36,24 @@ from ._errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    PartsDivergedError,
+    RpcError,
     UnavailableError,
 )
+from ._host import ClusterHost
 from ._ops import Call, Deadline, Op, Pause, on_shard, parallel, what
+from ._pending import (
+    PartPush,
+    PendingPush,
+    maybe_applied,
+    resend_later,
+    resend_now,
+)
 from ._records import GroupInfo, PartInfo, PushResult, group_info
 
-if TYPE_CHECKING:
-    from ._routing import RoutingCore
-
 __all__ = [
+    "check_finite",
+    "pull_rows_part",
     "PartPush",
     "create_group",
     "delete_group",
@@ -62,11 +71,9 @@ log = logging.getLogger("onnxps.client")
 R = TypeVar("R")
 Array = np.ndarray[Any, Any]
 Listing = list[tuple[int, pb.GroupInfo]]
-# shard, request (a dense push's, or a row push's header), gradients
-PartPush = tuple[int, pb.PushRequest | pb.PushRowsHeader, list[Array]]
 
 
-def _shards(client: RoutingCore) -> int:
+def _shards(client: ClusterHost) -> int:
     assert client.shards is not None
     return client.shards
 
@@ -88,7 +95,7 @@ def until_landed(send: Callable[[], Op[R]], deadline: Deadline) -> Op[R]:
 
 
 def _call(
-    client: RoutingCore, method: str, req: Any, deadline: Deadline, shard: int
+    client: ClusterHost, method: str, req: Any, deadline: Deadline, shard: int
 ) -> Op[Any]:
     """One call to one shard, resent while the shard is unavailable (a restarting
     pod), until the deadline: the calls routed here are idempotent."""
@@ -96,7 +103,7 @@ def _call(
     return until_landed(lambda: on_shard(shard, client._call_op(call)), deadline)
 
 
-def _listing(client: RoutingCore, prefix: str, deadline: Deadline) -> Op[Listing]:
+def _listing(client: ClusterHost, prefix: str, deadline: Deadline) -> Op[Listing]:
     """Every shard's groups whose names start with ``prefix``, with their shard."""
     req = pb.ListGroupsRequest(prefix=prefix)
     replies = yield from parallel(
@@ -126,7 +133,7 @@ def _not_found(group: str, shards: int) -> NotFoundError:
 
 
 def layout(
-    client: RoutingCore, group: str, deadline: Deadline, refresh: bool = False
+    client: ClusterHost, group: str, deadline: Deadline, refresh: bool = False
 ) -> Op[Layout]:
     """The group's layout: remembered, or found by listing every shard."""
     found = None if refresh else client._layouts.get(group)
@@ -142,7 +149,7 @@ def layout(
 
 
 def _remember(
-    client: RoutingCore, found: Layout, infos: Sequence[pb.GroupInfo]
+    client: ClusterHost, found: Layout, infos: Sequence[pb.GroupInfo]
 ) -> None:
     client._layouts[found.group] = found
     for g in infos:
@@ -151,7 +158,7 @@ def _remember(
 
 
 def rerouted(
-    client: RoutingCore,
+    client: ClusterHost,
     group: str,
     deadline: Deadline,
     call: Callable[[Layout], Op[R]],
@@ -168,7 +175,7 @@ def rerouted(
 
 
 def part_targets(
-    client: RoutingCore, group: str, deadline: Deadline
+    client: ClusterHost, group: str, deadline: Deadline
 ) -> Op[list[tuple[int, str]]]:
     """``(shard, name)`` of every part of ``group``."""
     found = yield from layout(client, group, deadline)
@@ -176,7 +183,7 @@ def part_targets(
 
 
 def merged(
-    client: RoutingCore, found: Layout, infos: Sequence[pb.GroupInfo]
+    client: ClusterHost, found: Layout, infos: Sequence[pb.GroupInfo]
 ) -> GroupInfo:
     """One GroupInfo for the whole group from its parts' (in part order)."""
     first = group_info(infos[0])
@@ -208,7 +215,7 @@ def merged(
 
 
 # -- groups ---------------------------------------------------------------------------
-def check_new(client: RoutingCore, group: str, deadline: Deadline) -> Op[None]:
+def check_new(client: ClusterHost, group: str, deadline: Deadline) -> Op[None]:
     """ALREADY_EXISTS when the cluster holds ``group`` (or parts of it). A
     courtesy: part 0's creation is what decides between two clients."""
     if _layout_of(group, (yield from _listing(client, group, deadline))) is not None:
@@ -220,7 +227,7 @@ def check_new(client: RoutingCore, group: str, deadline: Deadline) -> Op[None]:
 
 
 def create_parts(
-    client: RoutingCore,
+    client: ClusterHost,
     planned: Layout,
     create: Callable[[int], Op[pb.GroupInfo]],
     deadline: Deadline,
@@ -245,7 +252,7 @@ def create_parts(
 
 
 def create_group(
-    client: RoutingCore,
+    client: ClusterHost,
     req: pb.CreateGroupRequest,
     names: Sequence[str],
     arrays: Sequence[Array],
@@ -289,7 +296,7 @@ def attempt(op: Op[R]) -> Op[R | Exception]:
 
 
 def _delete_quietly(
-    client: RoutingCore, shard: int, name: str, deadline: Deadline
+    client: ClusterHost, shard: int, name: str, deadline: Deadline
 ) -> Op[None]:
     req = pb.DeleteGroupRequest(group=name)
     call = Call("DeleteGroup", lambda: req, deadline, what("DeleteGroup"))
@@ -300,7 +307,7 @@ def _delete_quietly(
 
 
 def _each_part(
-    client: RoutingCore,
+    client: ClusterHost,
     found: Layout,
     method: str,
     request: Callable[[str], Any],
@@ -318,7 +325,7 @@ def _each_part(
 
 
 def describe_group(
-    client: RoutingCore, group: str, deadline: Deadline
+    client: ClusterHost, group: str, deadline: Deadline
 ) -> Op[GroupInfo]:
     def describe(found: Layout) -> Op[GroupInfo]:
         replies = yield from _each_part(
@@ -334,7 +341,7 @@ def describe_group(
 
 
 def list_groups(
-    client: RoutingCore, prefix: str, deadline: Deadline
+    client: ClusterHost, prefix: str, deadline: Deadline
 ) -> Op[list[GroupInfo]]:
     """The groups of every shard, a split group once (its parts merged), by name."""
     listing = yield from _listing(client, prefix, deadline)
@@ -353,7 +360,7 @@ def list_groups(
     return out
 
 
-def delete_group(client: RoutingCore, group: str, deadline: Deadline) -> Op[bool]:
+def delete_group(client: ClusterHost, group: str, deadline: Deadline) -> Op[bool]:
     try:
         found = yield from layout(client, group, deadline, refresh=True)
     except NotFoundError:
@@ -372,7 +379,7 @@ def delete_group(client: RoutingCore, group: str, deadline: Deadline) -> Op[bool
 
 
 def set_learning_rate(
-    client: RoutingCore, group: str, learning_rate: float, deadline: Deadline
+    client: ClusterHost, group: str, learning_rate: float, deadline: Deadline
 ) -> Op[GroupInfo]:
     def set_all(found: Layout) -> Op[GroupInfo]:
         replies = yield from _each_part(
@@ -389,7 +396,7 @@ def set_learning_rate(
     return (yield from rerouted(client, group, deadline, set_all))
 
 
-def save(client: RoutingCore, deadline: Deadline) -> Op[list[Any]]:
+def save(client: ClusterHost, deadline: Deadline) -> Op[list[Any]]:
     """Every shard's Save reply, in shard order."""
     return (
         yield from parallel(
@@ -402,7 +409,7 @@ def save(client: RoutingCore, deadline: Deadline) -> Op[list[Any]]:
 
 
 def leases(
-    client: RoutingCore,
+    client: ClusterHost,
     method: str,
     targets: Sequence[tuple[int, str]],
     worker_id: str,
@@ -420,8 +427,33 @@ def leases(
 
 
 # -- push and pull --------------------------------------------------------------------
-def _check_gradients(found: Layout, arrays: Sequence[Array]) -> None:
-    """Refused here, before any part is sent, so parts never disagree about it."""
+def group_dtype(client: ClusterHost, found: Layout) -> np.dtype[Any] | None:
+    """The group's dtype, from the sizes the listing gave (None: not known)."""
+    p = found.parts[0]
+    size = client._sizes.get(p.name)
+    count = p.element_count
+    if size is None or count == 0:
+        return None
+    return np.dtype(np.float32 if size // count == 4 else np.float64)
+
+
+_FINITE_BLOCK = 1 << 20  # elements checked at once (a 1 MiB temporary, not a's size)
+
+
+def _all_finite(a: Array) -> bool:
+    """No NaN or inf in ``a`` (block by block: 64 MiB take about 3 ms)."""
+    flat = a.reshape(-1)
+    return all(
+        bool(np.isfinite(flat[i : i + _FINITE_BLOCK]).all())
+        for i in range(0, flat.size, _FINITE_BLOCK)
+    )
+
+
+def _check_gradients(
+    client: ClusterHost, found: Layout, arrays: Sequence[Array], deadline: Deadline
+) -> Op[None]:
+    """Refused here, before any part is sent, so parts never disagree about it:
+    a refusal that can never pass must not reach a part after another applied."""
     if len(arrays) != len(found.names):
         raise InvalidArgumentError(
             f"group {found.group!r} has {len(found.names)} tensors; the push gave "
@@ -429,6 +461,8 @@ def _check_gradients(found: Layout, arrays: Sequence[Array]) -> None:
             reason="WRONG_TENSOR_COUNT",
             metadata={"group": found.group},
         )
+    dtype = group_dtype(client, found)
+    finite = True
     for name, shape, a in zip(found.names, found.shapes, arrays, strict=True):
         if tuple(a.shape) != shape:
             raise InvalidArgumentError(
@@ -437,10 +471,30 @@ def _check_gradients(found: Layout, arrays: Sequence[Array]) -> None:
                 reason="WRONG_SHAPE",
                 metadata={"group": found.group, "tensor": name},
             )
+        if a.dtype.kind != "f":
+            continue  # an encoded gradient (bfloat16, float16 bits): widened there
+        if dtype is not None and a.dtype != dtype:
+            raise InvalidArgumentError(
+                f"gradient of {name!r} in group {found.group!r} must be {dtype}, "
+                f"the group's dtype; got {a.dtype}",
+                reason="DTYPE_MISMATCH",
+                metadata={"group": found.group, "tensor": name},
+            )
+        finite = finite and _all_finite(a)
+    if not finite:
+        info = yield from describe_group(client, found.group, deadline)
+        if not info.allow_non_finite:
+            raise InvalidArgumentError(
+                f"a gradient holds NaN or inf, which would poison group "
+                f"{found.group!r} for good; fix the worker, or create the group "
+                "with allow_non_finite=True",
+                reason="NON_FINITE_GRADIENT",
+                metadata={"group": found.group},
+            )
 
 
-def _push_one(client: RoutingCore, part: PartPush, deadline: Deadline) -> Op[Any]:
-    """One part's push to its shard (resent while unanswered): the reply."""
+def _push_one(client: ClusterHost, part: PartPush, deadline: Deadline) -> Op[Any]:
+    """One part's push to its shard: the reply."""
     shard, template, arrays = part
     if isinstance(template, pb.PushRowsHeader):
         op = client._rows_send_op(template.group, template, list(arrays), deadline)
@@ -449,59 +503,202 @@ def _push_one(client: RoutingCore, part: PartPush, deadline: Deadline) -> Op[Any
     return (yield from on_shard(shard, op))
 
 
+def _send_part(client: ClusterHost, part: PartPush, deadline: Deadline) -> Op[Any]:
+    """One part's push, sent again (same seq) while its shard is unavailable or
+    busy (``RESOURCE_EXHAUSTED``: retry later), until the deadline. A deadline
+    that passes after the shard refused says so (the refusal's reason)."""
+    backoff = 0.1
+    refused: RpcError | None = None
+    while True:
+        try:
+            return (yield from _push_one(client, part, deadline))
+        except DeadlineExceededError as exc:
+            if refused is None:
+                raise
+            raise DeadlineExceededError(
+                f"{exc.details}; before that, shard {part[0]} refused it: {refused}",
+                reason=refused.reason,
+                metadata=refused.metadata,
+            ) from None
+        except RpcError as exc:
+            if not resend_now(exc):
+                raise
+            if not isinstance(exc, UnavailableError):
+                refused = exc
+            pause = min(backoff, deadline.remaining())
+            if pause <= 0:
+                raise
+        yield Pause(pause)
+        backoff = min(1.0, backoff * 2)
+
+
+def _keep(client: ClusterHost, entry: PendingPush | None, new: PendingPush) -> None:
+    if entry is None:
+        client._pending.add(new)
+    else:
+        client._pending.replace(entry, new)
+
+
+def _diverged(group: str, seq: int, refused: Sequence[tuple[PartPush, Any]]) -> Any:
+    (shard, req, _), exc = refused[0]
+    return PartsDivergedError(
+        f"part {req.group} on shard {shard} refused push seq {seq} for good "
+        f"({exc}) while other parts of {group!r} applied it: the parts are a push "
+        "apart; see docs/cluster.md, 'When the parts of a split group disagree'",
+        group=group,
+        reason="PART_REFUSED",
+        metadata={"part": req.group, "shard": str(shard), "seq": str(seq)},
+    )
+
+
 def land(
-    client: RoutingCore,
+    client: ClusterHost,
     group: str,
     parts: Sequence[PartPush],
     after: Sequence[PartPush],
     deadline: Deadline,
+    entry: PendingPush | None = None,
+    elsewhere: bool | None = None,
 ) -> Op[list[Any]]:
     """Send ``parts`` in parallel, then (when they all landed) ``after``; replies in
-    that order. A part that did not land for want of a shard or of time may or may
-    not have been applied: it is remembered, with what comes after it, and the next
-    push to ``group`` sends it first with the same seq (exactly once), so parts
-    never stay a push apart."""
-
-    def send(part: PartPush) -> Op[Any]:
-        return until_landed(lambda: _push_one(client, part, deadline), deadline)
-
-    try:
-        results = yield from parallel([attempt(send(p)) for p in parts])
-    except GeneratorExit:
-        # Cancelled (an AsyncClient task) while the parts travel: each may or may
-        # not have taken the push, so the next push sends them all first.
-        client._unfinished[group] = (list(parts), list(after))
-        raise
+    that order. What any part applied (or may have: no answer came), every part
+    applies: a part that did not land, or refused for a reason that can pass later
+    (``_pending.resend_later``), is kept with what comes after it in a pending
+    entry of its own (``entry``: the one being resent), and the next push or pull
+    of ``group`` sends it first with the same seq (exactly once), so parts never
+    stay a push apart. ``elsewhere``: another part applied it already."""
+    if elsewhere is None:
+        elsewhere = entry is not None and entry.applied_elsewhere
+    sent = _send_parts(client, group, parts, after, deadline, entry, elsewhere)
+    results = yield from sent
     failed = [
         (p, r) for p, r in zip(parts, results, strict=True) if isinstance(r, Exception)
     ]
     if failed:
-        unsure = [
-            p
-            for p, r in failed
-            if isinstance(r, UnavailableError | DeadlineExceededError)
-        ]
-        if unsure:
-            client._unfinished[group] = (unsure, list(after))
-        raise failed[0][1]
+        raise _refused(client, group, parts, after, failed, entry, elsewhere)
+    return (yield from _land_after(client, group, results, after, deadline, entry))
+
+
+def _send_parts(
+    client: ClusterHost,
+    group: str,
+    parts: Sequence[PartPush],
+    after: Sequence[PartPush],
+    deadline: Deadline,
+    entry: PendingPush | None,
+    elsewhere: bool,
+) -> Op[list[Any]]:
+    """Each part's reply or error, sent in parallel."""
+    try:
+        return (
+            yield from parallel(
+                [attempt(_send_part(client, p, deadline)) for p in parts]
+            )
+        )
+    except GeneratorExit:
+        # Cancelled (an AsyncClient task) while the parts travel: each may or may
+        # not have taken the push, so the next push sends them all first.
+        _keep(
+            client,
+            entry,
+            PendingPush(group, tuple(parts), tuple(after), elsewhere, "cancelled"),
+        )
+        raise
+
+
+def _land_after(
+    client: ClusterHost,
+    group: str,
+    results: list[Any],
+    after: Sequence[PartPush],
+    deadline: Deadline,
+    entry: PendingPush | None,
+) -> Op[list[Any]]:
+    """Every part landed: now ``after`` (what waited for part 0), if anything."""
     if not after:
+        if entry is not None:
+            client._pending.replace(entry, None)
         return results
-    return [*results, *(yield from land(client, group, after, (), deadline))]
+    rest = None
+    if entry is not None:
+        rest = PendingPush(group, tuple(after), (), True, entry.why)
+        client._pending.replace(entry, rest)
+    more = yield from land(client, group, after, (), deadline, rest, True)
+    return [*results, *more]
 
 
-def finish_earlier(client: RoutingCore, group: str, deadline: Deadline) -> Op[None]:
-    """Send what an earlier push to ``group`` left unsent (same seqs)."""
-    unfinished = client._unfinished.pop(group, None)
-    if unfinished is not None:
-        log.info("push to %s: sending the parts an earlier push left first", group)
+def _may_have_taken(
+    parts: Sequence[PartPush],
+    failed: list[tuple[PartPush, Exception]],
+    entry: PendingPush | None,
+    elsewhere: bool,
+) -> bool:
+    """Whether any part may have applied the push."""
+    return (
+        elsewhere
+        or len(failed) < len(parts)
+        or any(maybe_applied(r) for _, r in failed)
+        # a resent part refused before its window was read may have applied
+        or (entry is not None and any(resend_later(r) for _, r in failed))
+    )
+
+
+def _refused(
+    client: ClusterHost,
+    group: str,
+    parts: Sequence[PartPush],
+    after: Sequence[PartPush],
+    failed: list[tuple[PartPush, Exception]],
+    entry: PendingPush | None,
+    elsewhere: bool,
+) -> Exception:
+    """The error of a fan-out where some parts failed, once what must be resent
+    is kept (or what needs no resend is forgotten)."""
+    took = _may_have_taken(parts, failed, entry, elsewhere)
+    later = [(p, r) for p, r in failed if resend_later(r)]
+    never = [(p, r) for p, r in failed if not resend_later(r)]
+    seq = int((parts[0] if parts else after[0])[1].seq)
+    if not took or not later:
+        if entry is not None:
+            client._pending.replace(entry, None)
+        return _diverged(group, seq, never) if took and never else failed[0][1]
+    applied = elsewhere or len(failed) < len(parts)
+    why = f"shard {later[0][0][0]}: {later[0][1]}"
+    kept = PendingPush(group, tuple(p for p, _ in later), tuple(after), applied, why)
+    _keep(client, entry, kept)
+    log.warning(
+        "push to %s seq %d: parts %s did not take it (%s); they are sent again, "
+        "with the same seq, before the next push or pull of the group",
+        group,
+        seq,
+        ", ".join(str(p[1].group) for p, _ in later),
+        why,
+    )
+    return _diverged(group, seq, never) if never else later[0][1]
+
+
+def finish_earlier(client: ClusterHost, group: str, deadline: Deadline) -> Op[None]:
+    """Send what earlier pushes to ``group`` left unsent (their seqs), oldest
+    first; raises (and keeps them) when they still cannot land."""
+    # bounded: each turn finishes the first entry or raises (a concurrent caller
+    # may finish it first: then the next one is first)
+    while (entry := client._pending.first(group)) is not None:
+        log.info(
+            "push to %s: sending seq %d, left by an earlier push", group, entry.seq
+        )
         try:
-            yield from land(client, group, unfinished[0], unfinished[1], deadline)
-        except FailedPreconditionError:
-            pass  # part 0 refused it (stale): no part applied it, nothing is left
+            yield from land(client, group, entry.parts, entry.after, deadline, entry)
+        except PartsDivergedError:
+            raise
+        except RpcError:
+            head = client._pending.first(group)
+            if head is not None and head.seq == entry.seq:
+                raise  # still pending: the group's calls wait for it
+            # no part applied it (part 0 refused it as stale): nothing is left
 
 
 def push(
-    client: RoutingCore,
+    client: ClusterHost,
     req: pb.PushRequest,
     arrays: Sequence[Array],
     deadline: Deadline,
@@ -510,7 +707,7 @@ def push(
 
     def push_all(found: Layout) -> Op[tuple[Layout, list[Any]]]:
         if found.split:
-            _check_gradients(found, arrays)
+            yield from _check_gradients(client, found, arrays, deadline)
 
         def part(k: int, base_version: bool) -> PartPush:
             p = found.parts[k]
@@ -544,30 +741,115 @@ def push(
         all(m.applied for m in replies),
         all(m.duplicate for m in replies),
         values,
+        tuple(int(m.update_count) for m in replies),
     )
 
 
 def pull(
-    client: RoutingCore,
+    client: ClusterHost,
     group: str,
     state: bool,
     min_version: int | None,
     deadline: Deadline,
     encoding: Encoding = "native",
+    allow_apart: bool = False,
 ) -> Op[tuple[int, list[Array]]]:
+    """The group's arrays joined from its parts, and T, the lowest part's. Parts at
+    different T are pulled again once the ones behind reach the highest (a push in
+    flight lands), within the call's deadline; parts still behind when it passes
+    raise ``PartsDivergedError`` (unless ``allow_apart``). This client's own
+    pending pushes to the group are sent first."""
+    yield from finish_earlier(client, group, deadline)
+
+    def pull_part(
+        p: Part, at_least: int | None, limit: Deadline
+    ) -> Op[tuple[int, list[Array]]]:
+        def send() -> Op[tuple[int, list[Array]]]:
+            op = client._pull_op(
+                p.name, state, at_least, limit, encoding, shard=p.shard
+            )
+            return on_shard(p.shard, op)
+
+        return until_landed(send, limit)
+
     def pull_all(found: Layout) -> Op[tuple[Layout, list[tuple[int, list[Array]]]]]:
-        def pull_part(p: Part) -> Op[tuple[int, list[Array]]]:
-            def send() -> Op[tuple[int, list[Array]]]:
-                op = client._pull_op(
-                    p.name, state, min_version, deadline, encoding, shard=p.shard
-                )
-                return on_shard(p.shard, op)
-
-            return until_landed(send, deadline)
-
-        replies = yield from parallel([pull_part(p) for p in found.parts])
+        replies = yield from parallel(
+            [pull_part(p, min_version, deadline) for p in found.parts]
+        )
+        counts = [r[0] for r in replies]
+        if len(set(counts)) == 1 or allow_apart:
+            return found, replies
+        top = max(counts)
+        behind = [k for k, t in enumerate(counts) if t < top]
+        again = yield from parallel(
+            [attempt(pull_part(found.parts[k], top, deadline)) for k in behind]
+        )
+        for k, r in zip(behind, again, strict=True):
+            if isinstance(r, DeadlineExceededError):
+                raise _apart(found, counts, deadline.seconds, r)
+            if isinstance(r, Exception):
+                raise r
+            replies[k] = r
         return found, replies
 
     found, replies = yield from rerouted(client, group, deadline, pull_all)
     t = min(r[0] for r in replies)
     return t, join_arrays(found, [r[1] for r in replies])
+
+
+def _apart(
+    found: Layout, counts: Sequence[int], waited: float, why: Exception
+) -> PartsDivergedError:
+    parts = ", ".join(
+        f"{p.name} on shard {p.shard} at T={t}"
+        for p, t in zip(found.parts, counts, strict=True)
+    )
+    return PartsDivergedError(
+        f"the parts of split group {found.group!r} disagree: {parts}; the parts "
+        f"behind did not reach T={max(counts)} within the pull's {waited:g} s "
+        f"({why}). A part "
+        "lost pushes the others applied (restored from an older data dir, or a "
+        "client died mid-push); see docs/cluster.md, 'When the parts of a split "
+        "group disagree', to repair it",
+        group=found.group,
+        update_counts=counts,
+    )
+
+
+def check_finite(
+    client: ClusterHost, found: Layout, finite: bool, deadline: Deadline
+) -> Op[None]:
+    """Refuse a push holding NaN or inf unless the group allows them (asked only
+    then), here: a part would refuse only the rows it owns."""
+    if finite:
+        return
+    if not (yield from describe_group(client, found.group, deadline)).allow_non_finite:
+        raise InvalidArgumentError(
+            f"a row gradient holds NaN or inf, which would poison group "
+            f"{found.group!r} for good; fix the worker, or create the group with "
+            "allow_non_finite=True",
+            reason="NON_FINITE_GRADIENT",
+            metadata={"group": found.group},
+        )
+
+
+def pull_rows_part(
+    client: ClusterHost,
+    found: Layout,
+    k: int,
+    selection: Mapping[str, Array],
+    state: bool,
+    min_version: int | None,
+    deadline: Deadline,
+) -> Op[dict[str, Array]]:
+    """Rows of part ``k`` (``selection``: its names and local indices), asked
+    again while its shard is unavailable."""
+    part = found.parts[k]
+
+    def send() -> Op[dict[str, Array]]:
+        op = client._rows_pull_op(
+            found.group, part.name, selection, state, min_version, deadline
+        )
+        return on_shard(part.shard, op)
+
+    return until_landed(send, deadline)

@@ -56,6 +56,7 @@ class ShmHost(Protocol):
     """What the link reads from its client, live."""
 
     address: str
+    addresses: list[str]
     transport: Transport
     shared_memory: SharedMemoryMode
     shards: int | None
@@ -77,8 +78,11 @@ class SharedMemoryLink:
     where the hello is refused; "on" uses it for every push and pull and raises
     SharedMemoryError where it cannot work; "off" never uses it."""
 
-    def __init__(self, host: ShmHost) -> None:
+    def __init__(self, host: ShmHost, shard: int = 0) -> None:
         self.host = host
+        # the server this link shares memory with: the client's one server, or
+        # shard ``shard`` of a cluster (whose calls the caller routes there)
+        self.address = host.address if host.shards is None else host.addresses[shard]
         self.pool: SegmentPool | None = None
         self.refused: str | None = None
         # TensorBuffers this client made (closed with it); a push or pull of them
@@ -90,7 +94,7 @@ class SharedMemoryLink:
         """The segments of the same-host transport when a call of ``nbytes`` should
         use it (a hello on first use), else None (bytes over gRPC)."""
         host = self.host
-        if host.shared_memory == "off" or host.shards is not None:
+        if host.shared_memory == "off":
             return None
         if host.shared_memory == "auto" and (
             host.transport != "auto" or nbytes < SHARED_MEMORY_THRESHOLD_BYTES
@@ -127,9 +131,7 @@ class SharedMemoryLink:
                 "the server read another nonce: it does not share this /dev/shm"
             )
             return None
-        log.info(
-            "shared memory with %s: tensors move through /dev/shm", self.host.address
-        )
+        log.info("shared memory with %s: tensors move through /dev/shm", self.address)
         self.pool = SegmentPool(key=key)
         return self.pool
 
@@ -140,14 +142,14 @@ class SharedMemoryLink:
         self.refused = why
         if self.host.shared_memory == "on":
             raise SharedMemoryError(
-                f"shared_memory='on' but the server at {self.host.address} cannot "
+                f"shared_memory='on' but the server at {self.address} cannot "
                 f"share memory with this client: {why}"
             )
         if first:
             log.info(
                 "shared memory with %s is not possible (%s); sending tensor bytes "
                 "over gRPC",
-                self.host.address,
+                self.address,
                 why,
             )
 
@@ -232,7 +234,9 @@ class SharedMemoryLink:
         """Arrays shaped like a group's tensors, in shared memory when this client
         shares it with the server."""
         sizes = [dtype.itemsize * int(np.prod(d, dtype=np.int64)) for d in shapes]
-        pool = yield from self.segment_pool(sum(sizes), deadline)
+        pool = None
+        if self.host.shards is None:  # a cluster's parts are cut from them: copied
+            pool = yield from self.segment_pool(sum(sizes), deadline)
         segment = None
         if pool is not None:
             try:
@@ -297,7 +301,7 @@ def _region_push(
     if reply is not None:
         req.reply_region.CopyFrom(reply.region())
     call = Call("Push", unary_request(req), deadline, pushed_what(req))
-    resent = resending(call, req.group, req.seq, link.host.address)
+    resent = resending(call, req.group, req.seq, link.address)
     msg = yield from link.guarded(resent)
     values = None
     if req.return_values and reply is not None and msg.HasField("values_region"):

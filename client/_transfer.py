@@ -30,10 +30,9 @@ from ._errors import OnnxpsError
 from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
 
 if TYPE_CHECKING:
-    from ._client import Client
+    from ._host import CoreHost, RunningHost
     from ._ops import Op
     from ._records import GroupInfo
-    from ._requests import ClientCore
 
 __all__ = [
     "EXPORT_FORMAT_VERSION",
@@ -100,7 +99,7 @@ def _definition(info: GroupInfo, update_count: int) -> GroupDefinition:
 
 
 def export_op(
-    client: ClientCore, path: str | os.PathLike[str], prefix: str = ""
+    client: CoreHost, path: str | os.PathLike[str], prefix: str = ""
 ) -> Op[list[str]]:
     """Write every group whose name starts with ``prefix``; returns their names.
 
@@ -109,7 +108,12 @@ def export_op(
     images: list[GroupImage] = []
     for info in (yield from client._list_groups(prefix)):
         if info.tensors:
-            t, values = yield from client._pull_versioned(info.name, state=True)
+            # parts that disagree are written as they are (T the lowest): an
+            # export and import is how they are made to agree again
+            pulled = client._pull_versioned(
+                info.name, state=True, allow_parts_apart=True
+            )
+            t, values = yield from pulled
         else:
             t, values = info.update_count, []
         lr = (yield from client._describe_group(info.name)).learning_rate
@@ -195,7 +199,7 @@ def _consistency(c: ConsistencyDefinition) -> Async | Sync:
 
 
 def import_op(
-    client: ClientCore,
+    client: CoreHost,
     path: str | os.PathLike[str],
     *,
     existing: Existing = "fail",
@@ -238,7 +242,7 @@ def _count(items: Sequence[Any], noun: str) -> str:
     return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
 
 
-def _create(client: ClientCore, image: GroupImage) -> Op[GroupInfo]:
+def _create(client: CoreHost, image: GroupImage) -> Op[GroupInfo]:
     d = image.definition
     n = len(d.names)
     return client._create_group(
@@ -262,7 +266,7 @@ def _create(client: ClientCore, image: GroupImage) -> Op[GroupInfo]:
 
 
 def import_groups(
-    client: Client, path: str | os.PathLike[str], *, existing: Existing = "fail"
+    client: RunningHost, path: str | os.PathLike[str], *, existing: Existing = "fail"
 ) -> ImportResult:
     """``import_op`` run by a blocking client (``onnxps import``)."""
     return client._run(import_op(client, path, existing=existing))

@@ -172,8 +172,8 @@ class Segment:
 class TensorBuffers(Sequence[Array]):
     """Arrays shaped like a group's tensors X_1..X_n (its dtype, C order), for a
     worker to write gradients into and to pull X into, without copies when they
-    live in shared memory (``Client.tensor_buffers``; README "Writing gradients
-    straight into shared memory").
+    live in shared memory (``Client.tensor_buffers``; docs/transports.md, "Writing
+    gradients straight into shared memory").
 
     ``shared`` says where they live: in a segment of this client's, which the
     server reads a push's gradients from and writes a pull's X into in place; or

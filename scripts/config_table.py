@@ -1,8 +1,9 @@
-"""The README's table of `onnxps serve` flags, generated from ``ServerConfig``.
+"""The table of `onnxps serve` flags in docs/configuration.md, generated from
+``ServerConfig``.
 
 python scripts/config_table.py            # print the table
-python scripts/config_table.py --write    # replace it in README.md
-python scripts/config_table.py --check    # exit 1 if README.md is out of date
+python scripts/config_table.py --write    # replace it in docs/configuration.md
+python scripts/config_table.py --check    # exit 1 if the page is out of date
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 BEGIN, END = "<!-- serve-flags -->", "<!-- /serve-flags -->"
 
 
@@ -34,19 +35,19 @@ def main() -> int:
     if not (args.write or args.check):
         print(text)
         return 0
-    readme = README.read_text()
-    start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
-    fresh = readme[:start] + "\n" + text + "\n" + readme[end:]
+    page = PAGE.read_text()
+    start, end = page.index(BEGIN) + len(BEGIN), page.index(END)
+    fresh = page[:start] + "\n" + text + "\n" + page[end:]
     if args.check:
-        if fresh != readme:
+        if fresh != page:
             print(
-                "README.md's serve flags are out of date: run "
+                "docs/configuration.md's serve flags are out of date: run "
                 "python scripts/config_table.py --write",
                 file=sys.stderr,
             )
             return 1
         return 0
-    README.write_text(fresh)
+    PAGE.write_text(fresh)
     return 0
 
 

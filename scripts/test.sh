@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Install onnxps with its test extras into ./.venv and run the whole test suite.
+# Install onnxps with its test extras into ./.venv and run the test suite.
+# Arguments go to pytest: none runs every test (both tiers, as CI does);
+# `bash scripts/test.sh -m "not slow"` is the fast tier, `-m slow` the slow one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,6 +26,9 @@ elif ls $WHEELS/torch-*+cpu-*.whl >/dev/null 2>&1; then
 else
   echo "== no CPU torch wheel in $WHEELS: the onnxps.torch" \
     "tests will be SKIPPED (pip install '$TORCH_SPEC' to run them)"
+fi
+if [ "${ONNXPS_LINT_FIRST:-0}" = 1 ]; then
+  bash scripts/lint.sh  # CI: lint first, so the test summary is the last line
 fi
 echo "== running the tests"
 exec .venv/bin/python -m pytest -q "$@"

@@ -4,12 +4,15 @@ The source folders are mapped onto one import root by setuptools' ``package-dir`
 (``server`` -> ``onnxps.server`` ...), which mypy cannot follow from an editable
 install: every cross-package import would be ``Any``. This script lays the mapping out
 as a tree of symlinks in a temporary directory and checks that tree, so mypy sees the
-packages exactly as Python imports them. ``python scripts/typecheck.py [mypy args]``;
-exit status is mypy's.
+packages exactly as Python imports them. The tests are checked in the same run, each
+file under ``tests/`` as the module pytest imports (``test_wire``, ``workers.common``).
+``python scripts/typecheck.py [mypy args]``; exit status is mypy's.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import subprocess
 import sys
 import tempfile
@@ -20,17 +23,20 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def package_dirs() -> dict[str, Path]:
-    with open(ROOT / "pyproject.toml", "rb") as f:
+def package_dirs(root: Path = ROOT) -> dict[str, Path]:
+    """The package-dir mapping of the checkout at ``root`` (its pyproject.toml)."""
+    with open(root / "pyproject.toml", "rb") as f:
         config = tomllib.load(f)
     mapping = config["tool"]["setuptools"]["package-dir"]
-    return {name: ROOT / path for name, path in mapping.items()}
+    return {name: root / path for name, path in mapping.items()}
 
 
-def build_tree(dest: Path) -> list[str]:
-    """Symlink each top-level mapped package into ``dest``; returns their names."""
+def build_tree(dest: Path, root: Path = ROOT) -> list[str]:
+    """Symlink each top-level mapped package of the checkout at ``root`` into
+    ``dest``; returns their names. ``dest`` on ``PYTHONPATH`` imports that
+    checkout (benchmarks/_baseline.py runs an older commit so)."""
     tops = []
-    dirs = package_dirs()
+    dirs = package_dirs(root)
     # A namespace portion (no __init__.py, e.g. onnxps's __main__): its modules only.
     spaces = {
         name for name, path in dirs.items() if not (path / "__init__.py").exists()
@@ -53,23 +59,45 @@ def build_tree(dest: Path) -> list[str]:
     return tops
 
 
+# Test modules that import torch (tests/test_torch.py skips itself without it).
+TORCH_TESTS = {"test_torch.py", "torch_workers.py"}
+
+
+def mypy(tree: Path, targets: list[str], argv: list[str]) -> int:
+    cmd = [
+        sys.executable,
+        "-m",
+        "mypy",
+        "--config-file",
+        str(ROOT / "pyproject.toml"),
+        "--cache-dir",
+        str(ROOT / ".mypy_cache"),
+        *targets,
+        *argv,
+    ]
+    # tests/ on the search path: a test file's module is its path under tests/, as
+    # pytest imports it (test_wire, workers.common); onnxps from the tree.
+    env = {**os.environ, "MYPYPATH": os.pathsep.join([str(tree), str(ROOT / "tests")])}
+    return subprocess.run(cmd, cwd=tree, env=env).returncode
+
+
 def main(argv: list[str]) -> int:
+    """The package, then the tests (mypy takes packages or files in one run, not both;
+    the second run reads the package from the first one's cache)."""
     with tempfile.TemporaryDirectory(prefix="onnxps-mypy-") as tmp:
         tree = Path(tmp)
         packages = build_tree(tree)
         checked = [p for p in packages if not p.endswith(".v1")]
-        cmd = [
-            sys.executable,
-            "-m",
-            "mypy",
-            "--config-file",
-            str(ROOT / "pyproject.toml"),
-            "--cache-dir",
-            str(ROOT / ".mypy_cache"),
-            *[arg for p in checked for arg in ("-p", p)],
-            *argv,
-        ]
-        return subprocess.run(cmd, cwd=tree).returncode
+        tests = sorted((ROOT / "tests").rglob("*.py"))
+        if importlib.util.find_spec("torch") is None:
+            # onnxps.torch is checked against torch's annotations: without torch,
+            # leave it and the tests that import it out, and say so.
+            print("typecheck: PyTorch is not installed: onnxps.torch not checked")
+            checked.remove("onnxps.torch")
+            tests = [t for t in tests if t.name not in TORCH_TESTS]
+        status = mypy(tree, [arg for p in checked for arg in ("-p", p)], argv)
+        files = [str(t) for t in tests]
+        return mypy(tree, ["--explicit-package-bases", *files], argv) or status
 
 
 if __name__ == "__main__":

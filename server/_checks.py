@@ -87,22 +87,32 @@ def check_tensors(
     first, dtype = tensors[0][0], np.dtype(tensors[0][1].dtype)
     if dtype not in STATE_DTYPES:
         raise InvalidArgument(
-            f"group tensors must be float32 or float64, got {dtype} for {first!r}"
+            f"group tensors must be float32 or float64, got {dtype} for {first!r}",
+            reason="DTYPE_MISMATCH",
+            metadata={"expected": "float32 or float64", "received": dtype},
+            field="tensors[0].dtype",
         )
     seen: set[str] = set()
-    for tname, arr in tensors:
+    for i, (tname, arr) in enumerate(tensors):
         check_name(tname, "tensor name")
         if tname in seen:
-            raise InvalidArgument(f"tensor name {tname!r} appears twice")
+            raise InvalidArgument(
+                f"tensor name {tname!r} appears twice", field=f"tensors[{i}].name"
+            )
         seen.add(tname)
         if arr.dtype != dtype:
             raise InvalidArgument(
-                f"a group has one dtype: {first!r} is {dtype}, {tname!r} is {arr.dtype}"
+                f"a group has one dtype: {first!r} is {dtype}, "
+                f"{tname!r} is {arr.dtype}",
+                reason="DTYPE_MISMATCH",
+                metadata={"expected": dtype, "received": arr.dtype},
+                field=f"tensors[{i}].dtype",
             )
         if not allow_non_finite and not all_finite(arr):
             raise InvalidArgument(
                 f"initial value of {tname!r} holds NaN or inf; pass "
-                "allow_non_finite=True to keep it"
+                "allow_non_finite=True to keep it",
+                field=f"tensors[{i}]",
             )
     return dtype
 
@@ -157,6 +167,18 @@ def check_tables(
     the bytes their rows hold."""
     if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise InvalidArgument(f"a group's dtype is float32 or float64, got {dtype}")
+    _check_table_definitions(group, tensor_names, tables)
+    if not table_arrays:
+        return 0
+    _check_table_image(group, attrs, dtype, tables, table_arrays)
+    return _check_table_rows(tables, table_arrays, allow_non_finite)
+
+
+def _check_table_definitions(
+    group: str, tensor_names: Sequence[str], tables: Sequence[TableDefinition]
+) -> None:
+    """Each table's name (unique among the group's tensors and tables), dim,
+    max_rows and initializer."""
     seen = set(tensor_names)
     for t in tables:
         check_name(t.name, "ids table name")
@@ -177,8 +199,17 @@ def check_tables(
             raise InvalidArgument(
                 f"ids table {t.name!r}: bad initializer {dict(t.initializer)}: {exc}"
             ) from None
-    if not table_arrays:
-        return 0
+
+
+def _check_table_image(
+    group: str,
+    attrs: OptimizerAttrs,
+    dtype: np.dtype[Any],
+    tables: Sequence[TableDefinition],
+    table_arrays: Sequence[Sequence[Array]],
+) -> None:
+    """The rows' arrays: per table ids, X rows and a row array per state, of the
+    dtypes and shapes a group image holds."""
     per = 2 + len(attrs.state_names)
     if len(table_arrays) != len(tables) or any(len(a) != per for a in table_arrays):
         raise InvalidArgument(
@@ -192,6 +223,15 @@ def check_tables(
         GroupImage(definition, [a for arrays in table_arrays for a in arrays])
     except ImageFormatError as exc:
         raise InvalidArgument(str(exc)) from None
+
+
+def _check_table_rows(
+    tables: Sequence[TableDefinition],
+    table_arrays: Sequence[Sequence[Array]],
+    allow_non_finite: bool,
+) -> int:
+    """Each table's row count (at most max_rows) and values (finite unless
+    allowed); returns the bytes the rows hold."""
     nbytes = 0
     for t, (ids, *rows) in zip(tables, table_arrays, strict=True):
         if t.max_rows and ids.size > t.max_rows:

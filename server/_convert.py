@@ -6,8 +6,14 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
+import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
-from onnxps.wire.codec import DTYPE_TO_PROTO
+from onnxps.wire.codec import (
+    DTYPE_TO_PROTO,
+    TensorFormatError,
+    tensor_spec,
+    tensor_to_array,
+)
 from onnxps.wire.image import TableDefinition
 
 from .errors import InvalidArgument
@@ -19,7 +25,9 @@ __all__ = [
     "attrs_to_proto",
     "consistency_from_proto",
     "consistency_to_proto",
+    "decoded",
     "group_info",
+    "index_spec",
     "initializer_from_proto",
     "table_from_proto",
 ]
@@ -181,3 +189,35 @@ def table_from_proto(spec: pb.IdsTableSpec) -> TableDefinition:
         initializer=initializer_from_proto(spec.initializer),
         max_rows=int(spec.max_rows),
     )
+
+
+def index_spec(t: pb.Tensor, what: str, group: str) -> tuple[Any, tuple[int, ...]]:
+    """The dtype and dims of row indices or ids: ``DATA_TYPE_INT64`` of dims [k]
+    with no encoding, else INVALID_ARGUMENT (``ROW_INDICES``), whatever another
+    language sends."""
+    if t.dtype != pb.DATA_TYPE_INT64 or len(t.dims) != 1 or t.encoding:
+        try:
+            name = pb.DataType.Name(t.dtype)
+        except ValueError:
+            name = "not a DataType"
+        encoded = f" encoded as {t.encoding}" if t.encoding else ""
+        raise InvalidArgument(
+            f"{what} must be DATA_TYPE_INT64 (7) with dims [k] and no encoding: "
+            "row indices and ids travel as int64; got data type "
+            f"{t.dtype} ({name}) with dims {list(t.dims)}{encoded}",
+            reason="ROW_INDICES",
+            field=what,
+            metadata={"group": group, "received": t.dtype},
+        )
+    return tensor_spec(t, what)
+
+
+def decoded(
+    t: pb.Tensor, what: str, field: str, *, encoded: bool = False
+) -> np.ndarray[Any, Any]:
+    """``tensor_to_array``, refusing a malformed tensor as INVALID_TENSOR that names
+    the request ``field`` at fault (the BadRequest a client in any language reads)."""
+    try:
+        return tensor_to_array(t, what, encoded=encoded)
+    except TensorFormatError as exc:
+        raise InvalidArgument(str(exc), reason="INVALID_TENSOR", field=field) from None

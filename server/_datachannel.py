@@ -23,9 +23,14 @@ Rules that keep it simple:
   is then unknown. The client opens another.
 - With TLS (``--tls-cert``), every channel is TLS with the server's certificate,
   and with ``--tls-client-ca`` the client's certificate is required, as for gRPC.
-- Handshakes run on short-lived threads with a 5 s limit, tickets expire, and a
-  reaper closes idle channels whose client went away (and the oldest idle ones
-  beyond ``MAX_CHANNELS``).
+- Handshakes run on short-lived threads, at most ``MAX_PENDING_HANDSHAKES`` at
+  once, each with ``HANDSHAKE_SECONDS`` in all (TLS and preamble: a client that
+  drips a byte at a time is cut off all the same); tickets expire, and a reaper
+  closes idle channels whose client went away (and the oldest idle ones beyond
+  ``MAX_CHANNELS``), however many file descriptors the process has.
+- A frame that carries no byte for ``stall_seconds`` (either way: a client that
+  stops sending, or stops reading) ends its call with DEADLINE_EXCEEDED, whether
+  the call has a deadline or not.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import contextlib
 import hashlib
 import logging
 import secrets
-import select
+import selectors
 import socket
 import ssl
 import struct
@@ -65,6 +70,8 @@ MAX_PENDING_HANDSHAKES = 64
 MAX_CHANNELS = 1024
 _POLL = 0.25  # seconds between checks of a call's deadline and cancellation
 _BLOCK = 4 << 20  # bytes received before the landed elements are checked
+STALL_SECONDS = 30.0  # no byte of a frame for this long ends its call
+REAP_SECONDS = 1.0  # between rounds of the reaper
 
 
 def tls_context(cert: str, key: str, client_ca: str | None) -> ssl.SSLContext:
@@ -91,10 +98,17 @@ def principal_of(metadata: Any) -> str:
 class DataChannel:
     """One client's connection: frames in and out, one call at a time."""
 
-    def __init__(self, sock: socket.socket, principal: str, peer: str) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        principal: str,
+        peer: str,
+        stall_seconds: float = STALL_SECONDS,
+    ) -> None:
         self.sock = sock
         self.principal = principal
         self.peer = peer
+        self.stall_seconds = stall_seconds
         self.last_transfer = 0
         self.busy = False
         self.closed = False
@@ -119,8 +133,9 @@ class DataChannel:
         the message when the frame is cut short)."""
         got = 0
         since = 0
+        last = time.monotonic()  # when the last byte came
         while got < len(view):
-            self._wait(alive, deadline)
+            self._wait(alive, deadline, last, got, frame)
             try:
                 n = self.sock.recv_into(view[got:], len(view) - got)
             except TimeoutError:
@@ -134,18 +149,42 @@ class DataChannel:
                 )
             got += n
             since += n
+            last = time.monotonic()
             if since >= _BLOCK or got == len(view):
                 since = 0
                 yield got
 
-    def _wait(self, alive: Callable[[], bool], deadline: float | None) -> None:
+    def _wait(
+        self,
+        alive: Callable[[], bool],
+        deadline: float | None,
+        last: float,
+        got: int,
+        frame: tuple[int, int] | None,
+    ) -> None:
+        """Raise if the call is over (cancelled, its deadline, or no byte since
+        ``last`` for ``stall_seconds``: ``got`` bytes into ``frame``); else set
+        the socket's timeout for the next receive."""
         if not alive():
             raise CallCancelled("the call was cancelled while its frame was arriving")
-        left = _POLL if deadline is None else deadline - time.monotonic()
+        now = time.monotonic()
+        left = _POLL if deadline is None else deadline - now
         if left <= 0:
             raise DeadlineExceeded(
                 "the call's deadline passed while its frame was arriving",
                 reason="DATA_FRAME_DEADLINE",
+            )
+        if now - last >= self.stall_seconds:
+            where = (
+                "its header"
+                if frame is None
+                else f"byte {frame[0] + got} of {frame[1]}"
+            )
+            raise DeadlineExceeded(
+                f"the data channel carried no byte of this call's frame for "
+                f"{self.stall_seconds:g} s (at {where}; --stall-seconds): the call "
+                "ended",
+                reason="DATA_FRAME_STALLED",
             )
         self.sock.settimeout(min(left, _POLL))
 
@@ -212,18 +251,47 @@ class DataChannel:
         """One frame: the header, then every array's bytes (a deferred encoding
         encoded block by block as it goes out)."""
         nbytes = sum(a.nbytes for a in arrays)
-        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.01)
-        self.sock.settimeout(timeout)
-        self.sock.sendall(FRAME.pack(transfer_id, nbytes))
+        self._send_all(memoryview(FRAME.pack(transfer_id, nbytes)), deadline)
         for part in frame_bytes(arrays):  # a deferred encoding: as it goes out
-            self.sock.sendall(part)
+            self._send_all(part, deadline)
+
+    def _send_all(self, data: memoryview, deadline: float | None) -> None:
+        """Send ``data`` a block at a time: each block within the call's deadline
+        and within ``stall_seconds`` (a client that stopped reading)."""
+        for start in range(0, len(data), _BLOCK):
+            left = self.stall_seconds
+            if deadline is not None:
+                left = min(left, deadline - time.monotonic())
+            if left <= 0:
+                raise DeadlineExceeded(
+                    "the call's deadline passed while its frame was leaving",
+                    reason="DATA_FRAME_DEADLINE",
+                )
+            self.sock.settimeout(left)
+            try:
+                self.sock.sendall(data[start : start + _BLOCK])
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    "the client stopped reading this call's frame on the data "
+                    f"channel (a block of it was not taken within {left:g} s: the "
+                    "call's deadline or --stall-seconds): the call ended",
+                    reason="DATA_FRAME_STALLED",
+                ) from None
 
 
 class DataChannels:
     """The listener, the tickets and the open channels of one server."""
 
-    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        tls: ssl.SSLContext | None = None,
+        *,
+        stall_seconds: float = STALL_SECONDS,
+    ) -> None:
         self._tls = tls
+        self._stall_seconds = stall_seconds
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -306,13 +374,22 @@ class DataChannels:
             t.start()
 
     def _handshake(self, sock: socket.socket, peer: str) -> None:
+        deadline = time.monotonic() + HANDSHAKE_SECONDS  # for all of it
         try:
             sock.settimeout(HANDSHAKE_SECONDS)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:  # the same certificate (and client CA) as gRPC
+                # ssl's handshake takes the socket's timeout for all of it
                 sock = self._tls.wrap_socket(sock, server_side=True)
-            preamble = _recv_all(sock, len(MAGIC) + TICKET_BYTES)
-            if preamble is None or preamble[: len(MAGIC)] != MAGIC:
+            preamble = _recv_all(sock, len(MAGIC) + TICKET_BYTES, deadline)
+            if preamble is None:
+                _refuse(
+                    sock,
+                    f"no complete preamble within {HANDSHAKE_SECONDS:g} s: a "
+                    "handshake has that long in all",
+                )
+                return
+            if preamble[: len(MAGIC)] != MAGIC:
                 _refuse(sock, "not an onnxps data channel preamble (magic ONNXPSD1)")
                 return
             ticket = preamble[len(MAGIC) :]
@@ -323,7 +400,7 @@ class DataChannels:
                 else:
                     why = ""
                     channel_id = secrets.token_bytes(CHANNEL_ID_BYTES)
-                    ch = DataChannel(sock, grant[0], peer)
+                    ch = DataChannel(sock, grant[0], peer, self._stall_seconds)
                     self._channels[channel_id] = ch
                     excess = len(self._channels) - MAX_CHANNELS
             if why:
@@ -387,24 +464,30 @@ class DataChannels:
     # -- housekeeping --------------------------------------------------------------
     def _reap_loop(self) -> None:
         """Close idle channels whose client hung up (readable at EOF)."""
-        while not self._stopped.wait(1.0):
-            with self._lock:
-                idle = {
-                    ch.sock: key for key, ch in self._channels.items() if not ch.busy
-                }
-            if not idle:
-                continue
+        while not self._stopped.wait(REAP_SECONDS):
             try:
-                readable, _, _ = select.select(list(idle), [], [], 0)
-            except (OSError, ValueError):
-                continue
-            for sock in readable:  # EOF, or bytes no call asked for: close it
-                with self._lock:
-                    ch = self._channels.get(idle[sock])
-                    if ch is None or ch.busy or ch.sock is not sock:
-                        continue
-                    del self._channels[idle[sock]]
-                ch.close()
+                self._reap()
+            except Exception:  # noqa: BLE001 - logged; the next round tries again
+                log.exception("the data channel reaper failed; retrying")
+
+    def _reap(self) -> None:
+        with self._lock:
+            idle = {ch.sock: key for key, ch in self._channels.items() if not ch.busy}
+        if not idle:
+            return
+        # poll/epoll: select() cannot watch a descriptor above 1023
+        with selectors.DefaultSelector() as sel:
+            for sock in idle:
+                with contextlib.suppress(ValueError, OSError):  # closed meanwhile
+                    sel.register(sock, selectors.EVENT_READ, sock)
+            readable: list[socket.socket] = [key.data for key, _ in sel.select(0)]
+        for sock in readable:  # EOF, or bytes no call asked for: close it
+            with self._lock:
+                ch = self._channels.get(idle[sock])
+                if ch is None or ch.busy or ch.sock is not sock:
+                    continue
+                del self._channels[idle[sock]]
+            ch.close()
 
     def _close_idle(self, count: int) -> None:
         with self._lock:
@@ -414,12 +497,21 @@ class DataChannels:
             ch.close()
 
 
-def _recv_all(sock: socket.socket, n: int) -> bytes | None:
+def _recv_all(sock: socket.socket, n: int, deadline: float) -> bytes | None:
+    """``n`` bytes, all of them by ``deadline`` (None: not in time). A peer that
+    closes first is an ``OSError``."""
     buf = bytearray()
     while len(buf) < n:
-        part = sock.recv(n - len(buf))
-        if not part:
+        left = deadline - time.monotonic()
+        if left <= 0:
             return None
+        sock.settimeout(left)
+        try:
+            part = sock.recv(n - len(buf))
+        except TimeoutError:
+            return None
+        if not part:
+            raise ConnectionError("the peer closed the connection mid-handshake")
         buf += part
     return bytes(buf)
 

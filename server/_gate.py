@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import grpc
 
-from ._handlers import SERVICE, CallHooks, Interceptor, method_of, wrap
+from ._handlers import (
+    SERVICE,
+    CallHooks,
+    Deserializer,
+    Handler,
+    HookInterceptor,
+    method_of,
+)
 from ._status import refuse
 
 __all__ = ["DrainGate"]
@@ -26,7 +32,7 @@ __all__ = ["DrainGate"]
 REFUSAL = "the server is shutting down; retry (after it restarts or on another server)"
 
 
-class DrainGate(Interceptor):
+class DrainGate(HookInterceptor):
     """Counts the service's calls in flight; after ``close()`` refuses new ones."""
 
     def __init__(self) -> None:
@@ -55,15 +61,15 @@ class DrainGate(Interceptor):
                 self._cond.wait(left)
             return True
 
-    def intercept_service(
+    def call_hooks(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler: Handler,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler = continuation(handler_call_details)
-        if handler is None or method_of(handler_call_details)[0] != SERVICE:
-            return handler  # health and reflection: answered until the end
-        return wrap(handler, _Admitted(self))
+        deserializer: Deserializer | None,
+    ) -> tuple[CallHooks | None, Deserializer | None]:
+        if method_of(handler_call_details)[0] != SERVICE:
+            return None, None  # health and reflection: answered until the end
+        return _Admitted(self), None
 
     def _enter(self) -> bool:
         with self._cond:

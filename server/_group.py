@@ -290,7 +290,9 @@ class Group:
                 part = state[k * n : (k + 1) * n]
                 self.states[sname] = [own(a) for a in part]
             else:
-                self.states[sname] = [np.zeros_like(x) for x in self.xs]
+                # np.zeros, not zeros_like: calloc'd pages cost no memory until
+                # the first step writes them
+                self.states[sname] = [np.zeros(x.shape, x.dtype) for x in self.xs]
         self.stepper = Stepper(attrs, self.dtype, [x.size for x in self.xs])
         # ids tables (``_ids``), after the tensors in a row push's parts
         self.tables: dict[str, IdsTable] = {}

@@ -19,6 +19,8 @@ from onnxps.wire.codec import SERVICE as _SERVICE
 __all__ = [
     "SERVICE",
     "CallHooks",
+    "HookChain",
+    "HookInterceptor",
     "Malformed",
     "group_of",
     "method_of",
@@ -174,3 +176,98 @@ def on_first(iterator: Iterator[Any], see: Callable[[Any], None]) -> Iterator[An
         yield first
         break
     yield from it
+
+
+class HookInterceptor(Interceptor):
+    """An interceptor that adds hooks around a call (``call_hooks``) and may read
+    its request with a deserializer of its own, wrapping the one it is given. Alone
+    it intercepts as any interceptor; several run as one ``HookChain``."""
+
+    def call_hooks(
+        self,
+        handler: Handler,
+        handler_call_details: grpc.HandlerCallDetails,
+        deserializer: Deserializer | None,
+    ) -> tuple[CallHooks | None, Deserializer | None]:
+        """This call's hooks (None: none), and the deserializer to read its
+        request with (None: ``deserializer`` as it is)."""
+        raise NotImplementedError
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        hooks, parse = self.call_hooks(
+            handler, handler_call_details, handler.request_deserializer
+        )
+        if hooks is None and parse is None:
+            return handler
+        return wrap(handler, hooks, request_deserializer=parse)
+
+
+class HookChain(Interceptor):
+    """Hook interceptors (outermost first) as one interceptor: each call is
+    wrapped once, with one hooks object that runs theirs in the order the nested
+    interceptors would (``before`` outermost first; ``reply`` and ``finish``
+    innermost first; ``finish`` only for the hooks whose ``before`` ran), instead of
+    one pipeline step, one handler and one closure per interceptor."""
+
+    def __init__(self, parts: list[HookInterceptor]) -> None:
+        self.parts = list(parts)
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        original = deserializer = handler.request_deserializer
+        hooks: list[CallHooks] = []
+        for part in reversed(self.parts):  # innermost first: its reader is inner
+            got, parse = part.call_hooks(handler, handler_call_details, deserializer)
+            if parse is not None:
+                deserializer = parse
+            if got is not None:
+                hooks.append(got)
+        if not hooks and deserializer is original:
+            return handler
+        hooks.reverse()
+        chained = hooks[0] if len(hooks) == 1 else _Chained(hooks) if hooks else None
+        return wrap(handler, chained, request_deserializer=deserializer)
+
+
+class _Chained(CallHooks):
+    """Several interceptors' hooks of one call, as their nesting would run them."""
+
+    __slots__ = ("entered", "hooks")
+
+    def __init__(self, hooks: list[CallHooks]) -> None:
+        self.hooks = hooks
+        self.entered = 0
+
+    def before(self, request: Any, context: grpc.ServicerContext) -> Any:
+        for hooks in self.hooks:
+            self.entered += 1
+            request = hooks.before(request, context)
+        return request
+
+    def reply(self, msg: Any) -> Any:
+        for hooks in reversed(self.hooks):
+            msg = hooks.reply(msg)
+        return msg
+
+    def finish(self, context: grpc.ServicerContext, failed: bool) -> None:
+        error: BaseException | None = None
+        for hooks in reversed(self.hooks[: self.entered]):
+            try:
+                hooks.finish(context, failed)
+            except BaseException as exc:  # noqa: BLE001 - the others finish too
+                error = error or exc
+        if error is not None:
+            raise error

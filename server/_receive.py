@@ -31,11 +31,32 @@ __all__ = ["POOL_BYTES", "GradientPool", "Lease", "Received", "receive"]
 Array = np.ndarray[Any, Any]
 Spec = tuple[np.dtype[Any], tuple[int, ...]]
 
-# Idle gradient buffers the server keeps in all (least recently used dropped first),
-# and per group and shape; smaller pushes allocate as before.
-POOL_BYTES = 1 << 30
-IDLE_PER_KEY = 2
+# Idle gradient buffers the server keeps in all by default (--gradient-pool-bytes;
+# least recently used dropped first), and per group and shape; smaller pushes
+# allocate as before.
+POOL_BYTES = 128 << 20
+IDLE_PER_KEY = 1
 MIN_POOLED_BYTES = 1 << 20
+# The pool keeps nothing while the host has less memory available than this share
+# of its total (the buffers are a speed-up, never worth the host's memory).
+LOW_MEMORY_SHARE = 0.10
+
+
+def memory_low(share: float = LOW_MEMORY_SHARE) -> bool:
+    """Whether MemAvailable is under ``share`` of MemTotal (False where
+    /proc/meminfo does not say)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            head = f.read(512)
+    except OSError:
+        return False
+    fields = {}
+    for line in head.split(b"\n"):
+        key, _, value = line.partition(b":")
+        if key in (b"MemTotal", b"MemAvailable") and value.split():
+            fields[key] = int(value.split()[0])
+    total, available = fields.get(b"MemTotal"), fields.get(b"MemAvailable")
+    return bool(total and available is not None and available < share * total)
 
 
 class GradientPool:
@@ -45,11 +66,17 @@ class GradientPool:
     done with them; at most ``IDLE_PER_KEY`` sets per group and shape, and
     ``max_bytes`` in all, wait idle for the next push (the least recently used set
     goes first). ``drop(group)`` frees a deleted group's buffers, and sets leased
-    before it are freed when they come back instead of being kept.
+    before it are freed when they come back instead of being kept. While the host
+    is low on memory (``low_memory()``) nothing is kept and what was idle is freed.
     """
 
-    def __init__(self, max_bytes: int = POOL_BYTES) -> None:
+    def __init__(
+        self,
+        max_bytes: int = POOL_BYTES,
+        low_memory: Callable[[], bool] = memory_low,
+    ) -> None:
         self.max_bytes = max_bytes
+        self.low_memory = low_memory
         self._lock = threading.Lock()
         self._idle: OrderedDict[tuple[str, tuple[Spec, ...]], list[list[Array]]]
         self._idle = OrderedDict()
@@ -90,6 +117,9 @@ class GradientPool:
         nbytes: int,
         arrays: list[Array],
     ) -> None:
+        if self.low_memory():
+            self.clear()
+            return
         with self._lock:
             if self._epochs.get(key[0], 0) != epoch:
                 return  # the group was deleted while this push had them
@@ -105,6 +135,12 @@ class GradientPool:
                 self._idle_bytes -= size
                 if not old_sets:
                     del self._idle[old_key]
+
+    def clear(self) -> None:
+        """Free every idle buffer."""
+        with self._lock:
+            self._idle.clear()
+            self._idle_bytes = 0
 
     def drop(self, group: str) -> None:
         """Free a group's buffers (it was deleted or replaced)."""

@@ -127,12 +127,17 @@ def rich_status(
     return _Status(plain.code, plain.details, (*trailers, *plain.trailing_metadata))
 
 
-def status_of(exc: BaseException, trailers: Trailers = ()) -> grpc.Status | None:
-    """The rich status of a domain error; None for anything unexpected."""
+def status_of(
+    exc: BaseException, trailers: Trailers = (), group: str | None = None
+) -> grpc.Status | None:
+    """The rich status of a domain error; None for anything unexpected. The
+    ``group`` the call names goes in the metadata when the error left it out."""
     code = status_for(exc)
     if code is None:
         return None
     reason, metadata, field = details_of(exc)
+    if group is not None:
+        metadata.setdefault("group", group)
     return rich_status(code, str(exc), reason, metadata, field, trailers)
 
 

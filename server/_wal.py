@@ -11,12 +11,19 @@ docs/FORMAT.md)::
 and fsyncs once for the whole batch (group commit: records of other groups queued
 meanwhile go in the same or the next batch), then wakes the other callers (a
 background thread flushes what nobody waits for, such as a segment rotation).
-``wait`` raises ``WalWriteError`` (UNAVAILABLE) for a record that could not be
-written: the caller then applies nothing. A failed write is cut
-off again (``ftruncate`` to the last fsynced size), so the log never holds a torn
-frame in its middle, and the next batch tries again; the refused lsns are declared
-by a ``void`` frame. A failed fsync stops the log for good (the kernel may have
-dropped the pages): every later record is refused until a restart.
+``wait`` raises for a record that could not be written, and the caller then applies
+nothing: ``WalDiskFullError`` (RESOURCE_EXHAUSTED, ``DISK_FULL``) when the disk or
+the file size limit is full, at once and not worth a resend (as etcd's NOSPACE
+alarm, but lifted by itself: every later batch tries again, so writes resume once
+there is room), ``WalWriteError`` (UNAVAILABLE) for any other failure. A failed
+write is cut off again (``ftruncate`` to the last fsynced size), so the log never
+holds a torn frame in its middle, and the next batch tries again; the refused lsns
+are declared by a ``void`` frame. A failed fsync stops the log for good (the kernel
+may have dropped the pages): every later record is refused until a restart. So
+does a segment no longer on disk at its path (the data directory removed or moved
+under the running server: checked after every fsync, before any record of the
+batch is acknowledged): ``WalUnlinkedError`` (FAILED_PRECONDITION,
+``WAL_UNLINKED``), as none of those changes would survive a restart.
 
 Records are numbered by their lsn (log sequence number, consecutive across segments
 and restarts); the log is cut into segments named by the lsn of their first record,
@@ -29,12 +36,14 @@ unless the operator asked to truncate the log there.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import mmap
 import os
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
@@ -42,13 +51,15 @@ from typing import Any
 
 import numpy as np
 
-from .errors import Unavailable
+from .errors import FailedPrecondition, NotLogged, ResourceExhausted, Unavailable
 
 __all__ = [
     "WAL_FORMAT_VERSION",
     "LogReader",
     "WalCorruptError",
+    "WalDiskFullError",
     "WalFormatError",
+    "WalUnlinkedError",
     "WalWriteError",
     "WriteAheadLog",
     "c_order",
@@ -66,6 +77,7 @@ SEGMENT_MAGIC = b"ONNXPSWL"
 SEGMENT_HEADER = struct.Struct("<8sI")
 WAL_FORMAT_VERSION = 2
 MAX_HEADER = 1 << 20
+IDLE_CHECK_SECONDS = 1.0  # how often an idle log checks its segment is on disk
 
 
 class WalFormatError(Exception):
@@ -76,10 +88,32 @@ class WalCorruptError(WalFormatError):
     """Damage in the middle of the log; the message names the segment and offset."""
 
 
-class WalWriteError(Unavailable):
+class WalWriteError(Unavailable, NotLogged):
     """A record could not be written: the change it carries was not applied."""
 
     default_reason = "WAL_WRITE_FAILED"
+
+
+class WalDiskFullError(ResourceExhausted, NotLogged):
+    """No room for a record (disk, quota or file size limit full): the change was
+    not applied, and a resend fails alike until there is room."""
+
+    default_reason = "DISK_FULL"
+
+
+class WalUnlinkedError(FailedPrecondition, NotLogged):
+    """The log's segment is no longer on disk at its path: the change was not
+    applied, and none is until the server is restarted on a data directory."""
+
+    default_reason = "WAL_UNLINKED"
+
+
+# Errors that mean "no room": the write may pass once space is freed.
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+class _Unlinked(OSError):
+    """The segment being written is not the file at its path any more."""
 
 
 def segment_name(first_lsn: int) -> str:
@@ -158,6 +192,9 @@ class WriteAheadLog:
         self._stop_reported = False
         self._voids: list[tuple[int, int]] = []  # refused lsns to declare (<= 1)
         self._synced = 0  # bytes of the current segment known to be durable
+        self._path = ""  # the current segment's path, and its (st_dev, st_ino)
+        self._ident = (0, 0)
+        self._last_error: OSError | None = None
         self._on_error = on_error
         self._on_recover = on_recover
         # A segment already named after next_lsn holds no intact record (else replay
@@ -215,19 +252,48 @@ class WriteAheadLog:
         if exc is not None:
             raise self._refusal(exc)
 
-    def _refusal(self, exc: OSError) -> WalWriteError:
+    def _refusal(
+        self, exc: OSError
+    ) -> Unavailable | ResourceExhausted | FailedPrecondition:
+        metadata = {"wal_dir": self.wal_dir, "errno": exc.errno or 0}
+        if isinstance(exc, _Unlinked):
+            return WalUnlinkedError(
+                f"{exc.strerror}, so this change was not applied (it would not "
+                "survive a restart), nor will any other be: the groups in memory "
+                "are intact and can still be read; save them (onnxps export), "
+                "restart the server on a data directory and import them",
+                metadata=metadata,
+            )
+        if exc.errno in NO_SPACE and self._broken is None:
+            return WalDiskFullError(
+                f"the disk of the write-ahead log in {self.wal_dir} is full "
+                f"({exc.strerror or exc}), so this change was not applied and the "
+                "group is as it was; changes are refused at once until there is "
+                "room again, then accepted with no restart: free space on that "
+                "disk (or raise the limit), then retry",
+                metadata=metadata,
+            )
         then = (
             "the log stopped after a failed fsync: restart the server once the disk "
             "is fixed"
             if self._broken is not None
-            else "free space on that disk (or fix it) and retry"
+            else "fix that disk and retry"
         )
         return WalWriteError(
             f"the write-ahead log in {self.wal_dir} could not be written "
             f"({exc.strerror or exc}), so this change was not applied and the group "
             f"is as it was; {then}",
-            metadata={"wal_dir": self.wal_dir, "errno": exc.errno or 0},
+            metadata=metadata,
         )
+
+    def alarm(self) -> str | None:
+        """Why the log refuses changes now (the refusal's reason), or None."""
+        with self._cv:
+            exc = self._broken or (self._last_error if self._failing else None)
+            if exc is None:
+                return None
+            reason: str = self._refusal(exc).reason
+            return reason
 
     # -- control --------------------------------------------------------------------
     def last_lsn(self) -> int:
@@ -261,23 +327,53 @@ class WriteAheadLog:
                 _write_all(fd, SEGMENT_HEADER.pack(SEGMENT_MAGIC, WAL_FORMAT_VERSION))
                 os.fsync(fd)
             fsync_dir(self.wal_dir)
-            self._synced = os.fstat(fd).st_size
+            st = os.fstat(fd)
         except BaseException:
             os.close(fd)
             raise
+        self._synced, self._path, self._ident = st.st_size, path, (st.st_dev, st.st_ino)
         return fd
 
     def _run(self) -> None:
-        """Flush what no caller waits for (rotations), and drain the queue at close."""
+        """Flush what no caller waits for (rotations), drain the queue at close, and
+        check the segment is still on disk while nobody writes (so health says so
+        with no change in flight)."""
+        check_at = time.monotonic() + IDLE_CHECK_SECONDS
         while True:
             with self._cv:
                 batch = self._take_batch()
                 while batch is None:
                     if self._closing and not self._queue and not self._writing:
                         return
+                    if not self._writing and time.monotonic() >= check_at:
+                        self._writing = True  # the writer's role, for the check
+                        break
                     self._cv.wait(timeout=0.05)
                     batch = self._take_batch()
+            if batch is None:
+                self._idle_check()
+                check_at = time.monotonic() + IDLE_CHECK_SECONDS
+                continue
             self._flush(batch)
+
+    def _idle_check(self) -> None:
+        """``_check_on_disk`` as the writer, with nothing written: the log stops
+        (and says so) when its segment is gone."""
+        try:
+            if self._broken is None and self._fd >= 0:
+                try:
+                    self._check_on_disk(os.fstat(self._fd))
+                except _Unlinked as exc:
+                    self._broken = exc
+                    news = self._account(exc, [])
+                    if news is not None:
+                        news()
+                except OSError:
+                    pass  # anything else is for the next write to find
+        finally:
+            with self._cv:
+                self._writing = False
+                self._cv.notify_all()
 
     def _take_batch(self) -> list[_Item] | None:
         """Under the lock: the queue, to write, unless another thread is writing."""
@@ -323,7 +419,14 @@ class WriteAheadLog:
                 durable = i
                 os.close(self._fd)
                 self._fd = -1
-                self._fd = self._open_segment(item.rotate_to)
+                try:
+                    self._fd = self._open_segment(item.rotate_to)
+                except FileNotFoundError as exc:
+                    raise _Unlinked(
+                        errno.ENOENT,
+                        f"the write-ahead log directory {self.wal_dir} is gone (the "
+                        "data directory was removed under the running server)",
+                    ) from exc
                 durable = i + 1
             self._sync()
             return len(batch), None
@@ -349,8 +452,27 @@ class WriteAheadLog:
         except OSError:
             self._fsync_failed = True
             raise
-        self._synced = os.fstat(self._fd).st_size
+        st = os.fstat(self._fd)
+        self._check_on_disk(st)
+        self._synced = st.st_size
         self._voids = []  # written first in the batch: durable now
+
+    def _check_on_disk(self, st: os.stat_result) -> None:
+        """The segment just fsynced is still the file at its path: else what it
+        holds is gone at the next restart (``rm -rf`` of the data directory, or the
+        directory moved), and nothing written to it may be acknowledged."""
+        try:
+            now = os.stat(self._path)
+            here = (now.st_dev, now.st_ino) == self._ident
+        except FileNotFoundError:
+            here = False
+        if st.st_nlink == 0 or not here:
+            raise _Unlinked(
+                errno.ENOENT,
+                f"the write-ahead log segment {self._path} is no longer on disk at "
+                "that path (the data directory was removed or moved under the "
+                "running server)",
+            )
 
     def _discard_unsynced(self, exc: OSError) -> None:
         """Cut the segment back to its fsynced size: no torn frame stays in the middle
@@ -359,10 +481,13 @@ class WriteAheadLog:
             self._broken = exc
             return
         try:
+            # A segment moved away keeps its file: it must not hold a refused record.
             os.ftruncate(self._fd, self._synced)
             os.fsync(self._fd)
         except OSError as again:
             self._broken = again
+        if isinstance(exc, _Unlinked):
+            self._broken = exc
 
     def _account(
         self, exc: OSError | None, failed: list[int]
@@ -374,6 +499,7 @@ class WriteAheadLog:
                 return None
             self._failing = False
             return self._announce_recovery
+        self._last_error = exc
         if failed and self._broken is None:
             # No batch succeeded since the pending voids: every lsn between them
             # was refused, so one range declares them all.
@@ -385,16 +511,25 @@ class WriteAheadLog:
         self._failing = True
         stopped_now = self._broken is not None
 
+        refusal = self._refusal(exc)
+        if stopped_now and refusal.reason == "WAL_UNLINKED":
+            then = "and the log stopped: export the groups, restart on a data directory"
+        elif stopped_now:
+            then = "and the log stopped: restart the server once the disk is fixed"
+        elif refusal.reason == "DISK_FULL":
+            then = "until there is room on that disk (writes resume by themselves)"
+        else:
+            then = "until it can write again"
+
         def announce() -> None:
             if first_failure:
                 log.error(
                     "write-ahead log in %s failed: %s; the changes it could not log "
-                    "are refused (UNAVAILABLE) and not applied, %s",
+                    "are refused (reason %s) and not applied, %s",
                     self.wal_dir,
                     exc,
-                    "and the log stopped: restart the server once the disk is fixed"
-                    if stopped_now
-                    else "until it can write again: free space on that disk",
+                    refusal.reason,
+                    then,
                 )
             if self._on_error is not None:
                 assert exc is not None

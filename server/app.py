@@ -17,17 +17,25 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from onnxps.wire.codec import CHUNK_BYTES
 
-from . import security
+from . import _malloc, security
 from ._datachannel import DataChannels, tls_context
 from ._gate import DrainGate
-from ._handlers import SERVICE, Interceptor
+from ._handlers import SERVICE, HookChain, HookInterceptor
+from ._receive import GradientPool
 from ._reflection import enable_reflection
 from ._shm import SharedMemory
+from ._stall import StallWatch
 from ._unix import UnixSocket, socket_mode
 from .durability import MODES as DURABILITY_MODES
 from .durability import Durability
 from .limits import InflightBytes, LimitsInterceptor
-from .metrics import LoadCollector, MetricsEndpoint, ObserveInterceptor, Recorder
+from .metrics import (
+    DurabilityCollector,
+    LoadCollector,
+    MetricsEndpoint,
+    ObserveInterceptor,
+    Recorder,
+)
 from .security import ConfigError
 from .service import ParameterServerServicer, add_servicer
 from .shard import ShardInterceptor, parse_shard
@@ -50,7 +58,8 @@ def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None) 
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything a server is started with. ``onnxps serve`` is generated from these
-    fields (flags, ``ONNXPS_*`` variables, defaults); the README table too."""
+    fields (flags, ``ONNXPS_*`` variables, defaults); so is the table of
+    docs/configuration.md."""
 
     address: str = _option(
         "127.0.0.1:50051", "host:port to listen on, or unix:PATH (a Unix socket)"
@@ -65,7 +74,12 @@ class ServerConfig:
         "same-host clients of this server's user may move tensors through /dev/shm",
         choices=("on", "off"),
     )
-    threads: int = _option(64, "RPC worker threads")
+    threads: int = _option(
+        128,
+        "RPC worker threads; streams and waiting calls may hold at most "
+        "--max-concurrent-streams + --max-waiting-calls of them, the rest serve "
+        "short calls and health",
+    )
     log_level: str = _option(
         "INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR")
     )
@@ -76,13 +90,29 @@ class ServerConfig:
         4 << 30,
         "request bytes handled at once before RESOURCE_EXHAUSTED, 0 for no limit",
     )
-    max_concurrent_streams: int = _option(
-        64, "streaming calls at once before RESOURCE_EXHAUSTED, 0 for no limit"
+    max_concurrent_streams: int | None = _option(
+        None,
+        "streaming calls and data-channel calls at once before RESOURCE_EXHAUSTED; "
+        "default half of --threads, 0 for no limit (and no threads kept for short "
+        "calls)",
     )
     max_waiting_calls: int | None = _option(
         None,
         "calls waiting for a version at once (pull min_version, sync push with "
-        "return_values) before RESOURCE_EXHAUSTED; below --threads, default half",
+        "return_values) before RESOURCE_EXHAUSTED; default a quarter of --threads; "
+        "with --max-concurrent-streams below --threads",
+    )
+    stall_seconds: float = _option(
+        30.0,
+        "a call whose client stops sending (a request stream between messages, a "
+        "data-channel frame) or stops reading its data-channel frame for this long "
+        "ends with DEADLINE_EXCEEDED, deadline or not",
+    )
+    gradient_pool_bytes: int = _option(
+        128 << 20,
+        "idle gradient buffers kept for the next streamed or data-channel push, all "
+        "groups together (reused to skip page faults; given back when the host runs "
+        "low on memory), 0 for none",
     )
     max_group_bytes: int = _option(0, "largest group (X with V/H), 0 for no limit")
     max_total_bytes: int = _option(0, "state the server holds in all, 0 for no limit")
@@ -228,6 +258,19 @@ def _checks(c: ServerConfig) -> list[tuple[bool, str]]:
             f"max_concurrent_rpcs must be >= 1, got {c.max_concurrent_rpcs}",
         ),
         (
+            c.max_concurrent_streams is None or c.max_concurrent_streams >= 0,
+            f"max_concurrent_streams must be >= 0 (0: no limit), got "
+            f"{c.max_concurrent_streams}",
+        ),
+        (
+            c.gradient_pool_bytes >= 0,
+            f"gradient_pool_bytes must be >= 0 (0: none), got {c.gradient_pool_bytes}",
+        ),
+        (
+            c.stall_seconds > 0 and math.isfinite(c.stall_seconds),
+            f"stall_seconds must be a finite number > 0, got {c.stall_seconds}",
+        ),
+        (
             c.lease_seconds > 0 and math.isfinite(c.lease_seconds),
             f"lease_seconds must be a finite number > 0, got {c.lease_seconds}",
         ),
@@ -266,7 +309,6 @@ def _checks(c: ServerConfig) -> list[tuple[bool, str]]:
         )
         for name in (
             "max_inflight_bytes",
-            "max_concurrent_streams",
             "max_group_bytes",
             "max_total_bytes",
             "max_groups",
@@ -283,6 +325,7 @@ def validate_config(config: ServerConfig) -> None:
             raise ConfigError(message)
     if config.shard:
         parse_shard(config.shard)
+    thread_limits(config)
 
 
 @dataclass
@@ -302,6 +345,7 @@ class ServerHandle:
     shared_memory: SharedMemory | None = None
     unix_socket: UnixSocket | None = None
     data_channels: DataChannels | None = None
+    stall: StallWatch | None = None
     replication: Any = None  # onnxps.server.replication.Replication
     _stopped: threading.Event = field(default_factory=threading.Event)
 
@@ -323,6 +367,8 @@ class ServerHandle:
         return None if self.metrics is None else self.metrics.port
 
     def start(self) -> ServerHandle:
+        if self.stall is not None:
+            self.stall.start()
         self.server.start()
         if self.health_server is not None:
             self.health_server.start()
@@ -377,6 +423,8 @@ class ServerHandle:
             self.shared_memory.stop()
         if self.data_channels is not None:
             self.data_channels.close()
+        if self.stall is not None:
+            self.stall.stop()
         if self.health_server is not None:
             self.health_server.stop(0).wait()
         if self.metrics is not None:
@@ -440,18 +488,30 @@ def _durability(
     return d
 
 
-def _max_waiting_calls(config: ServerConfig) -> int:
-    """Waits hold a worker thread each: they may never hold them all."""
-    n = config.max_waiting_calls
-    if n is None:
-        n = config.threads // 2
-    if not 1 <= n < config.threads:
+def thread_limits(config: ServerConfig) -> tuple[int, int]:
+    """(streams, waiting calls) at once: each holds a worker thread for as long as
+    its client (or the version it waits for) takes, so together they stay below
+    ``threads`` and the rest serve short calls and health checks."""
+    threads = config.threads
+    waiting = config.max_waiting_calls
+    if waiting is None:
+        waiting = max(1, threads // 4)
+    streams = config.max_concurrent_streams
+    if streams is None:
+        streams = max(1, min(threads // 2, threads - waiting - 1))
+    if not 1 <= waiting < threads:
         raise ConfigError(
             f"max_waiting_calls must be at least 1 and below --threads "
-            f"({config.threads}), so waiting calls leave threads for the others; "
-            f"got {n}"
+            f"({threads}), so waiting calls leave threads for the others; "
+            f"got {waiting}"
         )
-    return n
+    if streams and streams + waiting >= threads:
+        raise ConfigError(
+            f"max_concurrent_streams ({streams}) + max_waiting_calls ({waiting}) "
+            f"must be below --threads ({threads}), so that streams and waiting "
+            "calls leave threads for short calls and health checks"
+        )
+    return streams, waiting
 
 
 def create_server(config: ServerConfig | None = None) -> ServerHandle:
@@ -464,16 +524,19 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     shard = parse_shard(config.shard) if config.shard else None
     if shard is not None:
         log.info("this server is shard %d of %d", shard.index, shard.count)
+    max_streams, max_waiting = thread_limits(config)
     store = ParameterStore(
         StoreLimits(
             max_group_bytes=config.max_group_bytes,
             max_total_bytes=config.max_total_bytes,
             max_groups=config.max_groups,
             default_lease_seconds=config.lease_seconds,
-            max_waiting_calls=_max_waiting_calls(config),
+            max_waiting_calls=max_waiting,
         )
     )
     inflight = InflightBytes(config.max_inflight_bytes)
+    gradient_pool = GradientPool(config.gradient_pool_bytes)
+    stall = StallWatch(config.stall_seconds)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     recorder = Recorder(store, enabled=config.metrics_port is not None)
     # outermost first: observe every call (auth refusals too), then auth, limits
@@ -484,15 +547,16 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
                 lambda: gate.running,
                 lambda: inflight.held,
                 lambda: store.waiting_calls,
+                lambda: gradient_pool.idle_bytes,
             )
         )
-    interceptors: list[Interceptor] = [ObserveInterceptor(recorder), gate]
+    interceptors: list[HookInterceptor] = [ObserveInterceptor(recorder), gate]
     if grants is not None:
         interceptors.append(security.TokenAuthInterceptor(grants))
     interceptors.append(ShardInterceptor(shard))
     interceptors.append(
         LimitsInterceptor(
-            max_concurrent_streams=config.max_concurrent_streams, inflight=inflight
+            max_concurrent_streams=max_streams, inflight=inflight, stall=stall
         )
     )
     server = grpc.server(
@@ -501,15 +565,16 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         ),
         options=_options(config),
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-        interceptors=interceptors,
+        # one interceptor: every call wrapped once (``_handlers.HookChain``)
+        interceptors=[HookChain(interceptors)],
     )
     durability = _durability(config, store, health_servicer)
+    if durability is not None and recorder.registry is not None:
+        recorder.registry.register(DurabilityCollector(durability.alarms))
     # A crash between a sync step's last push record and the step's own record leaves
     # a full quorum pending after replay: take such steps before serving anything.
     store.reap_leases()
-    replication = _replication(config, shard, store, durability)
-    if replication is not None and recorder.registry is not None:
-        recorder.registry.register(replication.collector())
+    replication = _replication(config, shard, store, durability, recorder.registry)
     metrics = None
     shared_memory = SharedMemory(enabled=config.shared_memory == "on")
     unix_socket = None
@@ -520,15 +585,18 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             tls = None
             if config.tls_cert and config.tls_key:
                 tls = tls_context(config.tls_cert, config.tls_key, config.tls_client_ca)
-            data_channels = DataChannels(host, config.data_port, tls)
+            data_channels = DataChannels(
+                host, config.data_port, tls, stall_seconds=config.stall_seconds
+            )
         servicer = ParameterServerServicer(
             store,
             chunk_bytes=config.chunk_bytes,
             save=None if durability is None else durability.save,
             inflight=inflight,
+            gradient_pool=gradient_pool,
             shared_memory=shared_memory,
             data_channels=data_channels,
-            replicate=None if replication is None else replication.replicate,
+            replicate=_replicate_of(replication),
         )
         add_servicer(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -562,6 +630,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         shared_memory=shared_memory,
         unix_socket=unix_socket,
         data_channels=data_channels,
+        stall=stall,
         replication=replication,
     )
 
@@ -571,15 +640,17 @@ def _replication(
     shard: Any,
     store: ParameterStore,
     durability: Durability | None,
+    registry: Any,
 ) -> Any:
-    """The replica set part (None without --coordinator); imported only then."""
+    """The replica set part (None without --coordinator; imported only then), its
+    metrics registered in ``registry`` (when serving metrics)."""
     if not config.coordinator:
         return None
     from .replication import Replication, ReplicationConfig, parse_coordinator
 
     if shard is None:
         raise ConfigError("--coordinator needs --shard INDEX/COUNT (e.g. 0/1)")
-    return Replication(
+    replication = Replication(
         ReplicationConfig(
             parse_coordinator(config.coordinator),
             shard,
@@ -593,6 +664,14 @@ def _replication(
         store,
         durability,
     )
+    if registry is not None:
+        registry.register(replication.collector())
+    return replication
+
+
+def _replicate_of(replication: Any) -> Any:
+    """The Replicate stream's handler (None: the server answers NOT_REPLICATED)."""
+    return None if replication is None else replication.replicate
 
 
 def _bind(
@@ -676,6 +755,7 @@ def _health_host(address: str) -> str:
 
 def serve(config: ServerConfig | None = None) -> int:
     """Start a server and run until SIGTERM/SIGINT; then drain and exit 0."""
+    _malloc.tune()  # this process owns its allocator (see ``_malloc``)
     handle = create_server(config).start()
     stop = threading.Event()
 

@@ -33,7 +33,7 @@ from ._snapshot import (
     write_snapshot,
 )
 from ._wal import LogReader, WriteAheadLog, fsync_dir, segment_paths
-from .errors import DomainError, FailedPrecondition
+from .errors import DomainError, FailedPrecondition, NotFound
 from .store import ParameterStore
 
 __all__ = ["MODES", "Durability", "SaveResult"]
@@ -176,22 +176,28 @@ class Durability:
         last, count = wal_lsn, 0
         started = time.perf_counter()
         reader = LogReader(self.wal_dir, wal_lsn, self._truncate_corrupt)
+        # Records on a group the store does not hold, by group: warned about at the
+        # end unless a later record deletes that group (a snapshot taken while the
+        # group was being deleted holds neither it nor its last records).
+        orphans: dict[str, list[tuple[int, str, DomainError]]] = {}
         for header, arrays in reader:
-            lsn = int(header["lsn"])
+            lsn, op, group = int(header["lsn"]), header["op"], header["group"]
             last = max(last, lsn)
-            if covered.get(header["group"], -1) >= lsn:
+            if covered.get(group, -1) >= lsn:
                 continue
             try:
                 self._apply(header, arrays, reader.voided)
                 count += 1
+            except NotFound as exc:
+                if op != "delete":
+                    orphans.setdefault(group, []).append((lsn, op, exc))
             except DomainError as exc:
-                log.warning(
-                    "write-ahead log record %d (%s on %r) not replayed: %s",
-                    lsn,
-                    header["op"],
-                    header["group"],
-                    exc,
-                )
+                _not_replayed(lsn, op, group, exc)
+            if op == "delete" and orphans.pop(group, None):
+                log.debug("records on %r before its deletion skipped", group)
+        for group, records in orphans.items():
+            for orphan_lsn, orphan_op, error in records:
+                _not_replayed(orphan_lsn, orphan_op, group, error)
         if count:
             log.info(
                 "replayed %d write-ahead log records in %.3f s",
@@ -436,6 +442,18 @@ class Durability:
             os.close(self._lock_fd)
             self._lock_fd = -1
 
+    def alarms(self) -> set[str]:
+        """Why this data directory does not keep changes now: ``DISK_FULL``,
+        ``WAL_UNLINKED`` or ``WAL_WRITE_FAILED`` (the log refuses every change),
+        ``SNAPSHOT_FAILED`` (the last snapshot could not be written)."""
+        out = set()
+        wal = self.journal.alarm() if self.journal is not None else None
+        if wal is not None:
+            out.add(wal)
+        if self._snapshot_failed:
+            out.add("SNAPSHOT_FAILED")
+        return out
+
     def _on_wal_error(self, exc: OSError) -> None:
         self._wal_failed = True
         self._serving(False)
@@ -448,6 +466,12 @@ class Durability:
     def _serving(self, serving: bool) -> None:
         if self._set_serving is not None:
             self._set_serving(serving)
+
+
+def _not_replayed(lsn: int, op: str, group: str, exc: DomainError) -> None:
+    log.warning(
+        "write-ahead log record %d (%s on %r) not replayed: %s", lsn, op, group, exc
+    )
 
 
 class _Scratch:

@@ -18,6 +18,7 @@ __all__ = [
     "FailedPrecondition",
     "InvalidArgument",
     "NotFound",
+    "NotLogged",
     "PermissionDenied",
     "ResourceExhausted",
     "Unauthenticated",
@@ -101,3 +102,11 @@ class DeadlineExceeded(DomainError):
     """A wait (pull with min_version, push waiting for its sync step) timed out."""
 
     default_reason = "VERSION_NOT_REACHED"
+
+
+class NotLogged(DomainError):
+    """The journal could not keep a change, which was therefore not applied (a
+    write-ahead log write that failed, a full disk, a log no longer on disk); the
+    concrete class also derives from the status class that says so."""
+
+    default_reason = "WAL_WRITE_FAILED"

@@ -2,7 +2,9 @@
 
 The interceptor refuses work it cannot hold instead of queueing it: a call whose bytes
 would take the server over ``max_inflight_bytes``, or a stream beyond
-``max_concurrent_streams``, fails at once with RESOURCE_EXHAUSTED. The bytes of a call
+``max_concurrent_streams``, fails at once with RESOURCE_EXHAUSTED. A call on the data
+channel counts as a stream: its thread, too, waits for the client's bytes. A request
+stream whose client stops sending is ended by the ``StallWatch``. The bytes of a call
 are the size of a unary request, or for a request stream the size of its header plus
 the tensor bytes the header declares (what the server will preallocate), counted before
 anything is allocated. A request whose bytes do not parse gets INVALID_ARGUMENT.
@@ -23,7 +25,15 @@ from google.protobuf.message import Message
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import TensorFormatError, declared_nbytes
 
-from ._handlers import CallHooks, Interceptor, Malformed, method_of, wrap
+from ._handlers import (
+    CallHooks,
+    Deserializer,
+    Handler,
+    HookInterceptor,
+    Malformed,
+    method_of,
+)
+from ._stall import StallWatch
 from ._status import refuse
 from .errors import InvalidArgument, ResourceExhausted
 
@@ -156,7 +166,7 @@ class InflightHold:
             self._budget.release(nbytes)
 
 
-class LimitsInterceptor(Interceptor):
+class LimitsInterceptor(HookInterceptor):
     """Counts in-flight bytes and open streams for one server."""
 
     def __init__(
@@ -165,9 +175,11 @@ class LimitsInterceptor(Interceptor):
         max_concurrent_streams: int = 0,
         *,
         inflight: InflightBytes | None = None,
+        stall: StallWatch | None = None,
     ):
         self.inflight = inflight or InflightBytes(max_inflight_bytes)
         self.max_concurrent_streams = max_concurrent_streams
+        self.stall = stall
         self._lock = threading.Lock()
         self.streams = 0
 
@@ -179,24 +191,21 @@ class LimitsInterceptor(Interceptor):
     def inflight_bytes(self) -> int:
         return self.inflight.held
 
-    def intercept_service(
+    def call_hooks(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler: Handler,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
+        deserializer: Deserializer | None,
+    ) -> tuple[CallHooks | None, Deserializer | None]:
         _, method = method_of(handler_call_details)
         call = _Admission(
             self,
             method,
             bool(handler.request_streaming),
             bool(handler.response_streaming),
-            handler.request_deserializer,
+            deserializer,
         )
-        parse = call.parse if handler.request_deserializer is not None else None
-        return wrap(handler, call, request_deserializer=parse)
+        return call, call.parse if deserializer is not None else None
 
     # -- admission -------------------------------------------------------------------
     def admit_stream(self, context: grpc.ServicerContext) -> None:
@@ -230,6 +239,13 @@ class LimitsInterceptor(Interceptor):
         if stream:
             with self._lock:
                 self.streams -= 1
+
+
+def _on_data_channel(request: Any) -> bool:
+    """A unary Push or Pull whose tensors travel on the data channel."""
+    return isinstance(request, (pb.PushRequest, pb.PullRequest)) and request.HasField(
+        "transfer"
+    )
 
 
 class _Admission(CallHooks):
@@ -268,10 +284,12 @@ class _Admission(CallHooks):
             return Malformed(len(raw), f"{self.method}: {exc}")
 
     def before(self, request: Any, context: grpc.ServicerContext) -> Any:
-        if self.stream:
+        if self.stream or _on_data_channel(request):
             self.limits.admit_stream(context)
             self.held_stream = True
         if self.req_s:
+            if self.limits.stall is not None:
+                request = self.limits.stall.reading(request, context, self.method)
             it = iter(request)
             first = next(it, None)
             if isinstance(first, Malformed):

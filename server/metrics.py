@@ -28,17 +28,24 @@ from prometheus_client.registry import Collector
 from ._handlers import (
     SERVICE,
     CallHooks,
-    Interceptor,
+    Deserializer,
+    Handler,
+    HookInterceptor,
     group_of,
     method_of,
     on_first,
-    wrap,
 )
 from .limits import message_bytes
 from .security import is_loopback
 from .store import ParameterStore
 
-__all__ = ["MetricsEndpoint", "ObserveInterceptor", "Recorder", "StoreCollector"]
+__all__ = [
+    "DurabilityCollector",
+    "MetricsEndpoint",
+    "ObserveInterceptor",
+    "Recorder",
+    "StoreCollector",
+]
 
 log = logging.getLogger("onnxps.rpc")
 
@@ -226,8 +233,10 @@ class LoadCollector(Collector):
         calls: Callable[[], int],
         inflight_bytes: Callable[[], int],
         waiting: Callable[[], int],
+        pooled: Callable[[], int] = lambda: 0,
     ) -> None:
         self.calls, self.inflight_bytes, self.waiting = calls, inflight_bytes, waiting
+        self.pooled = pooled
 
     def collect(self) -> Iterable[Any]:
         yield GaugeMetricFamily(
@@ -246,6 +255,38 @@ class LoadCollector(Collector):
             "bounded by --max-waiting-calls",
             value=self.waiting(),
         )
+        yield GaugeMetricFamily(
+            "onnxps_gradient_pool_bytes",
+            "Idle gradient buffers kept for the next push, bounded by "
+            "--gradient-pool-bytes",
+            value=self.pooled(),
+        )
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+
+class DurabilityCollector(Collector):
+    """A gauge per reason the data directory does not keep changes now (1: it is
+    so; health is NOT_SERVING meanwhile)."""
+
+    REASONS = ("DISK_FULL", "WAL_UNLINKED", "WAL_WRITE_FAILED", "SNAPSHOT_FAILED")
+
+    def __init__(self, alarms: Callable[[], set[str]]) -> None:
+        self.alarms = alarms
+
+    def collect(self) -> Iterable[Any]:
+        now = self.alarms()
+        alarm = GaugeMetricFamily(
+            "onnxps_durability_alarm",
+            "1 while the data directory cannot keep changes for this reason "
+            "(DISK_FULL, WAL_UNLINKED, WAL_WRITE_FAILED: changes are refused; "
+            "SNAPSHOT_FAILED: serving from memory)",
+            labels=["reason"],
+        )
+        for reason in self.REASONS:
+            alarm.add_metric([reason], 1 if reason in now else 0)
+        yield alarm
 
     def describe(self) -> Iterable[Any]:
         return []
@@ -261,7 +302,7 @@ def request_id(metadata: Iterable[tuple[str, Any]] | None) -> str:
     return uuid.uuid4().hex[:16]
 
 
-class ObserveInterceptor(Interceptor):
+class ObserveInterceptor(HookInterceptor):
     """The outermost interceptor: sees every call, refused ones too. It reads
     nothing from a call itself, so a caller that never sends is refused further in
     (authentication, stream limit) without waiting here."""
@@ -269,24 +310,21 @@ class ObserveInterceptor(Interceptor):
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
 
-    def intercept_service(
+    def call_hooks(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler: Handler,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
+        deserializer: Deserializer | None,
+    ) -> tuple[CallHooks | None, Deserializer | None]:
         service, method = method_of(handler_call_details)
         call = _Observed(
             self.recorder,
             method if service == SERVICE else f"{service}/{method}",
             request_id(handler_call_details.invocation_metadata),
             bool(handler.request_streaming),
-            handler.request_deserializer,
+            deserializer,
         )
-        parse = call.parse if handler.request_deserializer is not None else None
-        return wrap(handler, call, request_deserializer=parse)
+        return call, call.parse if deserializer is not None else None
 
 
 class _Observed(CallHooks):

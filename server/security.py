@@ -15,7 +15,7 @@ import hmac
 import ipaddress
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,11 +26,12 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from ._handlers import (
     SERVICE,
     CallHooks,
-    Interceptor,
+    Deserializer,
+    Handler,
+    HookInterceptor,
     group_of,
     method_of,
     on_first,
-    wrap,
 )
 from ._status import refuse
 
@@ -313,7 +314,7 @@ class _ListFiltered(CallHooks):
         )
 
 
-class TokenAuthInterceptor(Interceptor):
+class TokenAuthInterceptor(HookInterceptor):
     """Bearer tokens -> role and group prefixes. Health and reflection stay open."""
 
     def __init__(self, grants: list[TokenGrant]) -> None:
@@ -327,21 +328,20 @@ class TokenAuthInterceptor(Interceptor):
                 found = grant
         return found
 
-    def intercept_service(
+    def call_hooks(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler: Handler,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler = continuation(handler_call_details)
+        deserializer: Deserializer | None,
+    ) -> tuple[CallHooks | None, Deserializer | None]:
         service, method = method_of(handler_call_details)
-        if handler is None or service != SERVICE:
-            return handler
+        if service != SERVICE:
+            return None, None
         token = _bearer(handler_call_details.invocation_metadata)
         grant = self._lookup(token) if token is not None else None
         # Decided from the metadata alone: nothing is read from the call first.
         if grant is None:
-            return wrap(
-                handler,
+            return (
                 _Refused(
                     grpc.StatusCode.UNAUTHENTICATED,
                     f"{method} needs a known token: send 'authorization: Bearer "
@@ -351,22 +351,23 @@ class TokenAuthInterceptor(Interceptor):
                     "TOKEN_MISSING" if token is None else "TOKEN_UNKNOWN",
                     {"method": method},
                 ),
+                None,
             )
         if method not in ROLES[grant.role]:
-            return wrap(
-                handler,
+            return (
                 _Refused(
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"a {grant.role} token may not call {method}",
                     "ROLE_FORBIDS_METHOD",
                     {"method": method, "role": grant.role},
                 ),
+                None,
             )
         if method == "ListGroups":
-            return wrap(handler, _ListFiltered(grant))
+            return _ListFiltered(grant), None
         if method in _GROUPLESS:
-            return handler
-        return wrap(handler, _GroupChecked(grant, bool(handler.request_streaming)))
+            return None, None
+        return _GroupChecked(grant, bool(handler.request_streaming)), None
 
 
 def _deny(context: grpc.ServicerContext, grant: TokenGrant, group: str) -> None:

@@ -16,14 +16,20 @@ from __future__ import annotations
 import os
 import re
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from onnxps.wire.codec import SHARD_METADATA_KEY
 
-from ._handlers import SERVICE, CallHooks, Interceptor, method_of, wrap
+from ._handlers import (
+    SERVICE,
+    CallHooks,
+    Deserializer,
+    Handler,
+    HookInterceptor,
+    method_of,
+)
 from ._status import rich_status
 from .security import ConfigError
 
@@ -114,27 +120,27 @@ class _Refused(CallHooks):
         context.abort_with_status(self.status)
 
 
-class ShardInterceptor(Interceptor):
+class ShardInterceptor(HookInterceptor):
     """Refuses calls routed for another shard layout (decided from the metadata)."""
 
     def __init__(self, shard: ShardIdentity | None) -> None:
         self.shard = shard
 
-    def intercept_service(
+    def call_hooks(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler: Handler,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler = continuation(handler_call_details)
+        deserializer: Deserializer | None,
+    ) -> tuple[CallHooks | None, Deserializer | None]:
         service, _ = method_of(handler_call_details)
         routed = _routed(handler_call_details.invocation_metadata)
-        if handler is None or service != SERVICE or routed is None:
-            return handler
+        if service != SERVICE or routed is None:
+            return None, None
         why = mismatch(self.shard, routed)
         if why is None:
-            return handler
+            return None, None
         metadata = {"routed": routed}
         if self.shard is not None:
             metadata["shard"] = str(self.shard)
         status = rich_status(grpc.StatusCode.FAILED_PRECONDITION, why, REASON, metadata)
-        return wrap(handler, _Refused(status))
+        return _Refused(status), None

@@ -81,6 +81,7 @@ from .errors import (
     AlreadyExists,
     InvalidArgument,
     NotFound,
+    NotLogged,
     ResourceExhausted,
     Unavailable,
 )
@@ -286,18 +287,23 @@ class ParameterStore:
         journal = JournalEntry(self._journal)
         # Held until the create record is durable: no call uses the group before.
         with group.cond:
-            with self._lock:
-                self._check_room(name, group_bytes)
-                self._groups[name] = group
-                lsn = None
-                if self._journal is not None:
-                    # The full definition and initial arrays, so replay recreates it.
-                    image = group.image()
-                    record = {"op": "create", "group": name, "image": image.to_json()}
-                    lsn = journal.log(record, image.arrays)
-            try:
+            try:  # a log that refuses records at once raises in ``log``
+                with self._lock:
+                    self._check_room(name, group_bytes)
+                    self._groups[name] = group
+                    lsn = None
+                    if self._journal is not None:
+                        # The full definition and initial arrays, so replay
+                        # recreates it.
+                        image = group.image()
+                        record = {
+                            "op": "create",
+                            "group": name,
+                            "image": image.to_json(),
+                        }
+                        lsn = journal.log(record, image.arrays)
                 journal.wait(lsn)
-            except Unavailable:
+            except (Unavailable, NotLogged):
                 with self._lock:
                     if self._groups.get(name) is group:
                         del self._groups[name]

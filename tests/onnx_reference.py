@@ -27,7 +27,6 @@ differs for Adam only.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,7 +97,8 @@ class _Arithmetic:
     dtype: np.dtype[Any]
 
     def scalar(self, value: float) -> np.floating[Any]:
-        return self.dtype.type(value)
+        scalar: np.floating[Any] = self.dtype.type(value)
+        return scalar
 
     def tensor(self, value: Any) -> Array:
         return np.asarray(value, dtype=self.dtype)
@@ -276,13 +276,8 @@ class NodeTest:
 
 
 def node_tests_dir() -> Path:
-    """``onnx-node-tests`` in the shared directory beside the checkout.
-
-    ``ONNXPS_SHARED`` names another shared directory.
-    """
-    shared = os.environ.get("ONNXPS_SHARED")
-    base = Path(shared) if shared else Path(__file__).resolve().parents[2] / "shared"
-    return base / "onnx-node-tests"
+    """``tests/data/onnx-node-tests``: the official tests, with their license."""
+    return Path(__file__).resolve().parent / "data" / "onnx-node-tests"
 
 
 def _load_tensors(directory: Path, prefix: str) -> list[Array]:
@@ -305,8 +300,8 @@ def load_node_test(name: str, root: Path | None = None) -> NodeTest:
     directory = (root or node_tests_dir()) / name
     if not directory.is_dir():
         raise FileNotFoundError(
-            f"official ONNX node test {name!r} not found at {directory}: the checkout "
-            "needs shared/ beside it (../shared), or set ONNXPS_SHARED to its path"
+            f"official ONNX node test {name!r} not found at {directory}: expected one "
+            f"of {', '.join(NODE_TESTS)} under tests/data/onnx-node-tests"
         )
     model = onnx.load(str(directory / "model.onnx"))
     (node,) = model.graph.node

@@ -1,6 +1,6 @@
 """AsyncClient on a cluster of shard processes: the routing of Client, run as tasks.
 
-Both clients run one implementation of the routing (``_routing.RoutingCore`` and
+Both clients run one implementation of the routing (``_routes.Cluster`` and
 its operations), so the same calls through either end bit-identical; cancelling a
 task cancels the RPC of every shard it waits on. (An AsyncClient worker riding
 through a shard's kill -9: ``test_cluster.test_kill_9_...[AsyncClient]``.)
@@ -46,7 +46,7 @@ GROUPS: dict[str, tuple[OptimizerSpec, str, bool]] = {  # optimizer, dtype, spli
 }
 
 
-def _error(exc: RpcError) -> tuple[str, str, str, dict[str, str]]:
+def _error(exc: RpcError) -> tuple[str, str | None, str, dict[str, str]]:
     return type(exc).__name__, exc.reason, str(exc), dict(exc.metadata)
 
 
@@ -285,7 +285,7 @@ def test_a_push_cancelled_while_a_part_hangs_is_completed_by_the_next(
 
     with shards(tmp_path, 3, *wal) as (addresses, procs):
         got = asyncio.run(run(addresses, procs))
-    one, one_address = start_server(tmp_path / "ref.log")
+    ref_server, one_address = start_server(tmp_path / "ref.log")
     try:
         with Client(one_address) as ref:
             ref.create_group("c", Adam(), learning_rate=0.05, tensors=x0)
@@ -293,9 +293,9 @@ def test_a_push_cancelled_while_a_part_hangs_is_completed_by_the_next(
                 ref.push("c", *g)
             want = ref.pull("c", state=True)
     finally:
-        stop(one)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(g, w, strict=True)
+        stop(ref_server)
+    for got_a, want_a in zip(got, want, strict=True):
+        np.testing.assert_array_equal(got_a, want_a, strict=True)
 
 
 def test_a_wrong_shard_count_is_refused_as_client_refuses_it(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 protos/onnxps_v1.binpb is the committed image of the contract as released; `buf
 breaking` compares the .proto against it, so a renamed field, a changed number or a
 removed RPC fails here instead of in someone else's client. Update the image only on
-purpose (see the README), with `buf build -o protos/onnxps_v1.binpb`.
+purpose (see docs/protocol.md), with `buf build -o protos/onnxps_v1.binpb`.
 """
 
 from __future__ import annotations

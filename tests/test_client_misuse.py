@@ -21,13 +21,13 @@ B = np.zeros(3, np.float32)
 
 def test_client_with_tensors_instead_of_an_address() -> None:
     with pytest.raises(TypeError, match=r"unexpected argument\(s\) tensors: it takes"):
-        Client(tensors=[W, B])  # type: ignore[misc]
+        Client(tensors=[W, B])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="the server's 'host:port' as a string"):
         Client()
     with pytest.raises(TypeError, match=r"tensors are given to create_group\(\)"):
-        Client("127.0.0.1:1", tensors=[W, B])  # type: ignore[misc]
+        Client("127.0.0.1:1", tensors=[W, B])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="the server's 'host:port' as a string"):
-        Client([W, B])  # type: ignore[arg-type]
+        Client([W, B])  # type: ignore[list-item]
 
 
 @pytest.mark.parametrize(
@@ -67,7 +67,7 @@ def test_create_group_with_the_optimizer_class(client: Client) -> None:
 
 def test_create_group_with_unnamed_tensors(client: Client) -> None:
     with pytest.raises(TypeError, match=r"tensors must name each tensor"):
-        client.create_group("g", Adam(), learning_rate=0.1, tensors=[W, B])
+        client.create_group("g", Adam(), learning_rate=0.1, tensors=[W, B])  # type: ignore[list-item]
 
 
 def test_tensor_format_error_is_an_onnxps_error() -> None:

@@ -35,6 +35,7 @@ from onnxps.client import (
     Nesterov,
     NotFoundError,
     OptimizerSpec,
+    SharedMemoryError,
     Sync,
     UnavailableError,
     placement,
@@ -131,7 +132,7 @@ def _finish(procs: Sequence[subprocess.Popen[str]], timeout: float = 240) -> Non
 
 
 def test_placement_is_rendezvous_on_sha256_as_documented() -> None:
-    # The README's worked example, for clients in other languages.
+    # docs/cluster.md's worked example, for clients in other languages.
     scores = [shard_score("mlp", i) for i in range(3)]
     assert scores == [0xB333C256EE92B296, 0x489042A378D6A666, 0x7F90AC20EEEDF5C4]
     assert shard_ranking("mlp", 3) == [0, 2, 1]
@@ -247,6 +248,7 @@ def test_two_client_processes_agree_on_placement_and_layout(tmp_path: Path) -> N
     assert json.loads(runs[0])[:-1] == mine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
 def test_split_group_steps_bit_for_bit_like_one_server(
     tmp_path: Path, sync: bool
@@ -354,6 +356,7 @@ def _part_counts(ps: Client, group: str) -> list[int]:
     return [p.update_count for p in ps.describe_group(group).parts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", ["Client", "AsyncClient"])
 def test_kill_9_of_a_shard_under_load_workers_ride_through(
     tmp_path: Path, workers: str
@@ -409,10 +412,14 @@ def test_kill_9_of_a_shard_under_load_workers_ride_through(
         assert "onnxps listening" in log
 
 
+@pytest.mark.slow
 def test_export_from_3_shards_import_into_2_and_continue_bit_exact(
     tmp_path: Path,
 ) -> None:
-    names = {"e-adam": Adam(), "e-mom": Momentum(alpha=0.9, beta=0.5)}
+    names: dict[str, OptimizerSpec] = {
+        "e-adam": Adam(),
+        "e-mom": Momentum(alpha=0.9, beta=0.5),
+    }
     export = tmp_path / "cluster.npz"
 
     def push_some(ps: Client, seed: int) -> None:
@@ -430,7 +437,7 @@ def test_export_from_3_shards_import_into_2_and_continue_bit_exact(
             )
             push_some(ps, 1)
             assert sorted(ps.export(export)) == ["e-adam", "e-mom", "e-small"]
-    one, one_address = start_server(tmp_path / "ref.log")
+    ref_server, one_address = start_server(tmp_path / "ref.log")
     try:
         with Client(one_address, timeout=30) as ref:
             for n, spec in names.items():
@@ -439,7 +446,7 @@ def test_export_from_3_shards_import_into_2_and_continue_bit_exact(
             push_some(ref, 2)
             want = {n: ref.pull_versioned(n, state=True) for n in names}
     finally:
-        stop(one)
+        stop(ref_server)
     with shards(tmp_path, 2, tag="b") as (two, _):
         with Client(two, timeout=30, split_bytes=SPLIT * 2) as ps:
             assert sorted(ps.import_(export)) == ["e-adam", "e-mom", "e-small"]
@@ -467,6 +474,7 @@ def test_shard_env_auto_takes_the_ordinal_of_hostname(tmp_path: Path) -> None:
     assert os.environ.get("ONNXPS_SHARD") is None
 
 
+@pytest.mark.slow
 def test_status_export_import_commands_take_a_shard_list(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -497,8 +505,8 @@ def test_status_export_import_commands_take_a_shard_list(
         assert cli.main(["export", target, str(export)]) == 0
         stop(procs[2])
         assert cli.main(["status", target, "--timeout", "1"]) == 1
-        out = capsys.readouterr().out
-        assert re.search(rf"^2 +{three[2]} +unreachable +-$", out, re.M)
+        status = capsys.readouterr().out
+        assert re.search(rf"^2 +{three[2]} +unreachable +-$", status, re.M)
     with shards(tmp_path, 2, tag="d") as (two, _):
         assert cli.main(["import", ",".join(two), str(export)]) == 0
         with Client(two, timeout=30) as ps:
@@ -506,6 +514,7 @@ def test_status_export_import_commands_take_a_shard_list(
             assert ps.describe_group("big").update_count == 1
 
 
+@pytest.mark.slow
 def test_a_push_that_missed_a_shard_is_completed_by_the_next(tmp_path: Path) -> None:
     """Shard down longer than a push's deadline: the push fails, having reached the
     other parts; the client's next push to the group sends the missing part first
@@ -541,7 +550,7 @@ def test_a_push_that_missed_a_shard_is_completed_by_the_next(tmp_path: Path) -> 
             assert ps.push("late", *grads[2]) == 3
             assert _part_counts(ps, "late") == [3, 3, 3]
             got = ps.pull("late", state=True)
-    one, one_address = start_server(tmp_path / "ref.log")
+    ref_server, one_address = start_server(tmp_path / "ref.log")
     try:
         with Client(one_address) as ref:
             _create(ref, "late", Adam(), np.float32, False)
@@ -549,9 +558,9 @@ def test_a_push_that_missed_a_shard_is_completed_by_the_next(tmp_path: Path) -> 
                 ref.push("late", *g)
             want = ref.pull("late", state=True)
     finally:
-        stop(one)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(g, w, strict=True)
+        stop(ref_server)
+    for got_a, want_a in zip(got, want, strict=True):
+        np.testing.assert_array_equal(got_a, want_a, strict=True)
 
 
 def test_client_takes_a_list_of_shard_addresses_only() -> None:
@@ -563,6 +572,7 @@ def test_client_takes_a_list_of_shard_addresses_only() -> None:
         assert one.shards is None
 
 
+@pytest.mark.slow
 def test_row_pushes_go_to_the_shard_holding_the_group(tmp_path: Path) -> None:
     table = np.zeros((100, 4), np.float32)
     rows = np.ones((2, 4), np.float32)
@@ -590,3 +600,36 @@ def test_row_pushes_go_to_the_shard_holding_the_group(tmp_path: Path) -> None:
             got = split.pull_rows("big", {"e": np.array([99, 50, 0])})["e"]
             np.testing.assert_array_equal(got, split.pull("big")[0][[99, 50, 0]])
             assert got[0][0] < 0 and got[1].tolist() == [0.0] * 4 and got[2][0] < 0
+
+
+def test_cluster_parts_travel_through_each_shards_shared_memory(
+    tmp_path: Path,
+) -> None:
+    """A cluster client on the shards' host moves each part's bytes through shared
+    memory with that shard (its own hello and segments): the same T and X as over
+    gRPC, and with ``shared_memory="on"`` a shard that cannot share memory is an
+    error naming it."""
+    rng = np.random.default_rng(7)
+    x0 = rng.standard_normal(3000).astype(np.float32)
+    grads = [rng.standard_normal(3000).astype(np.float32) for _ in range(3)]
+    with shards(tmp_path, 3) as (addresses, _):
+        with (
+            Client(addresses, split_bytes=SPLIT, shared_memory="on") as shm,
+            Client(addresses, split_bytes=SPLIT, shared_memory="off") as plain,
+        ):
+            for c, name in ((shm, "via-shm"), (plain, "via-grpc")):
+                c.create_group(name, Adam(), learning_rate=0.01, tensors={"x": x0})
+                assert len(c.describe_group(name).parts) == 3
+                for g in grads:
+                    c.push(name, g)
+            t, got = shm.pull_versioned("via-shm", state=True)
+            t1, want = plain.pull_versioned("via-grpc", state=True)
+            assert t == t1 == 3
+            for a, b in zip(got, want, strict=True):
+                np.testing.assert_array_equal(a, b, strict=True)
+            assert sorted(shm._shm_links) == [0, 1, 2]  # one link (hello) a shard
+    with shards(tmp_path, 2, "--shared-memory", "off", tag="off") as (addresses, _):
+        with Client(addresses, split_bytes=SPLIT, shared_memory="on") as shm:
+            with pytest.raises(SharedMemoryError, match=re.escape(addresses[0])):
+                shm.create_group("g", Adam(), learning_rate=0.01, tensors={"x": x0})
+                shm.push("g", grads[0])

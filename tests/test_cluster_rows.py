@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -17,6 +17,7 @@ from onnxps.client import (
     Adam,
     Client,
     DeadlineExceededError,
+    Encoding,
     EncodingRangeError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -138,6 +139,7 @@ def test_a_table_is_cut_on_row_boundaries_and_old_layouts_still_read() -> None:
         np.testing.assert_array_equal(got, want, strict=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_row_and_dense_pushes_on_a_split_table_equal_one_server(
     tmp_path: Path, dtype: Any
@@ -178,6 +180,7 @@ def test_row_and_dense_pushes_on_a_split_table_equal_one_server(
             stop(one)
 
 
+@pytest.mark.slow
 def test_encoded_row_pushes_on_a_split_table_equal_one_server(tmp_path: Path) -> None:
     """``encoding=`` on a split table: each part gets its rows in the encoding (the
     rounding of the whole push, cut per part), as one server gets them; a value the
@@ -197,7 +200,7 @@ def test_encoded_row_pushes_on_a_split_table_equal_one_server(tmp_path: Path) ->
                     _create(ref, name, Adam(), dtype)
                     assert len(ps.describe_group(name).parts) == 3
                     for k, grads in enumerate(_row_pushes(dtype)):
-                        enc = ("bfloat16", "float16")[k % 2]
+                        enc: Encoding = ("bfloat16", "float16")[k % 2]
                         got = ps.push_rows(name, grads, encoding=enc)
                         want = ref.push_rows(name, grads, encoding=enc)
                         assert got.update_count == want.update_count == k + 1
@@ -225,6 +228,7 @@ def test_encoded_row_pushes_on_a_split_table_equal_one_server(tmp_path: Path) ->
             stop(one)
 
 
+@pytest.mark.slow
 def test_refusals_leave_every_part_unchanged(tmp_path: Path) -> None:
     with shards(tmp_path, 3) as (addresses, _):
         with Client(addresses, timeout=30, split_bytes=SPLIT) as ps:
@@ -255,6 +259,7 @@ def test_refusals_leave_every_part_unchanged(tmp_path: Path) -> None:
                 np.testing.assert_array_equal(got, want, strict=True)
 
 
+@pytest.mark.slow
 def test_a_part_that_missed_a_row_push_is_sent_it_again(tmp_path: Path) -> None:
     """The shard of part 1 is down through a row push's deadline: the push fails
     having reached the other parts; the next row push sends the missing part first
@@ -286,7 +291,7 @@ def test_a_part_that_missed_a_row_push_is_sent_it_again(tmp_path: Path) -> None:
             assert ps.push_rows("late", pushes[4]).update_count == 3
             assert [p.update_count for p in ps.describe_group("late").parts] == [3] * 3
             got = ps.pull("late", state=True)
-    one, one_address = start_server(tmp_path / "ref.log")
+    ref_server, one_address = start_server(tmp_path / "ref.log")
     try:
         with Client(one_address) as ref:
             _create(ref, "late", Adam(), np.float32)
@@ -294,14 +299,15 @@ def test_a_part_that_missed_a_row_push_is_sent_it_again(tmp_path: Path) -> None:
                 ref.push_rows("late", grads)
             want = ref.pull("late", state=True)
     finally:
-        stop(one)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(g, w, strict=True)
+        stop(ref_server)
+    for got_a, want_a in zip(got, want, strict=True):
+        np.testing.assert_array_equal(got_a, want_a, strict=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_sync_row_pushes_on_a_split_table_equal_one_server(
-    tmp_path: Path, reduction: str
+    tmp_path: Path, reduction: Literal["mean", "sum"]
 ) -> None:
     """Two workers per step (client ids a, b), rows on different parts and shared."""
     rng = np.random.default_rng(5)
@@ -344,10 +350,11 @@ def test_sync_row_pushes_on_a_split_table_equal_one_server(
             stop(one)
     (t, got), (t1, want) = results
     assert t == t1 == 3
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(g, w, strict=True)
+    for got_a, want_a in zip(got, want, strict=True):
+        np.testing.assert_array_equal(got_a, want_a, strict=True)
 
 
+@pytest.mark.slow
 def test_rows_of_a_table_split_by_element_ranges_are_refused(tmp_path: Path) -> None:
     """A layout an older client made (1-D pieces of a 2-D table): dense pushes and
     pulls work; row calls are refused, naming the way out."""

@@ -1,8 +1,9 @@
 """docker-compose.yml, run without Docker: each service's command as a local process.
 
-The machine has no container engine, so the test reads the compose file and runs the
-server, its health check and the workers with the environment the file gives them; the
-only changes are the ones a container network would make: the server's 0.0.0.0:50051
+(tests/test_containers.py runs the file for real under podman.) This test reads the
+compose file and runs the server, its health check and the workers with the
+environment the file gives them; the only changes are the ones a container network
+would make: the server's 0.0.0.0:50051
 becomes 127.0.0.1 port 0, ``server:50051`` the address it got, /data a temporary
 directory, and ``python``/``onnxps`` this interpreter.
 """
@@ -21,13 +22,16 @@ import yaml
 from _procs import clean_env, stop
 from onnxps.cli.process import wait_for_listening
 
+pytestmark = pytest.mark.slow  # docker-compose services run as local processes
+
 ROOT = Path(__file__).resolve().parent.parent
 ACCURACY = re.compile(r"^worker (\d)/4 done: 300 steps, held-out accuracy (\d\.\d+)$")
 
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    compose: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return compose
 
 
 def _local(cmd: list[str], replace: dict[str, str]) -> list[str]:
@@ -155,6 +159,11 @@ def test_compose_sharded_profile_trains_against_three_shards(
     assert len(names) == 4
     for name in [*shard_names, *names, "sharded-status"]:
         assert services[name]["profiles"] == ["sharded"]
+    for name in names:  # the demo needs scikit-learn: the workers' image
+        assert services[name]["image"] == services["worker-0"]["image"]
+        assert services[name]["build"] == {"context": ".", "target": "demo"}
+    for name in ["server", *shard_names]:  # a crashed server comes back
+        assert services[name]["restart"] == "unless-stopped"
     shards: list[subprocess.Popen[bytes]] = []
     workers: list[subprocess.Popen[str]] = []
     try:

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,8 @@ from _procs import children, clean_env, gone, start_server, stop
 from onnxps.cli import _demo_worker as worker
 from onnxps.cli.demo import Progress
 from onnxps.server.app import ServerHandle
+
+pytestmark = pytest.mark.slow  # the examples and demo, as processes
 
 ACCURACY = re.compile(r"^held-out accuracy: (\d\.\d+) on 359 test images", re.M)
 
@@ -110,9 +111,7 @@ def test_worker_exits_3_with_a_message_when_the_server_dies(tmp_path: Path) -> N
         assert w.stdout.readline().startswith("worker 0/4 step 1/100000 loss ")
         server.kill()
         server.wait()
-        start = time.monotonic()
         assert w.wait(30) == worker.EXIT_SERVER_GONE
-        assert time.monotonic() - start < 30
         # Before it: the client's warnings about its retries.
         last = w.stderr.read().splitlines()[-1]
         assert last.startswith(

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -46,3 +48,34 @@ def test_scikit_learn_only_in_the_demo_image() -> None:
     assert demo == ["RUN pip install '.[demo]'"]
     assert demo[0] in stages["demo"]
     assert "RUN pip install ." in stages["base"]
+
+
+def _copied_top_folders() -> set[str]:
+    """Top-level names of the build context that the Dockerfile's COPYs take."""
+    copied: set[str] = set()
+    for stage in _stages().values():
+        for line in stage:
+            if not line.startswith("COPY "):
+                continue
+            sources = line.split()[1:-1]
+            if sources == ["."]:
+                ignored = {
+                    entry.strip().rstrip("/")
+                    for entry in (ROOT / ".dockerignore").read_text().splitlines()
+                    if entry.strip() and not entry.startswith("#")
+                }
+                copied |= {p.name for p in ROOT.iterdir()} - ignored
+            else:
+                copied |= {src.strip("./").split("/")[0] for src in sources}
+    return copied
+
+
+def test_the_image_gets_every_package_directory_pyproject_maps() -> None:
+    # `pip install .` in the image fails on a mapped folder the context lacks (it
+    # did: torch_integration, for onnxps.torch). tests/test_containers.py builds it.
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        mapping = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    needed = {path.split("/")[0] for path in mapping.values()}
+    needed |= {"pyproject.toml", "README.md"}
+    assert needed - _copied_top_folders() == set()

@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -63,7 +64,7 @@ def _crash(handle: ServerHandle) -> None:
     handle._stopped.set()
 
 
-def _grad(k: int, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+def _grad(k: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     rng = np.random.default_rng(1000 + k)
     return rng.standard_normal(shape).astype(dtype)
 

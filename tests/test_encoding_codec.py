@@ -174,7 +174,8 @@ def test_bfloat16_refuses_a_finite_value_that_would_become_inf(value: float) -> 
 def _bf16_values() -> Array:
     """Every finite non-negative bfloat16 value, as float64, in order."""
     b = np.arange(0x0000, 0x7F80, dtype=np.uint16).view(BF16)
-    return b.astype(np.float64)
+    values: Array = b.astype(np.float64)
+    return values
 
 
 def _nearest_even_bf16(x: float, grid: Array) -> float:
@@ -232,7 +233,7 @@ def test_bfloat16_of_float64_refuses_values_beyond_its_range() -> None:
 
 # -- float16 -------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_float16_rounds_as_ieee_binary16(dtype: type) -> None:
+def test_float16_rounds_as_ieee_binary16(dtype: Any) -> None:
     x = np.array(
         [
             1 + 2**-11,  # a tie: to even, 1
@@ -259,7 +260,9 @@ def test_float16_rounds_as_ieee_binary16(dtype: type) -> None:
 def test_float16_of_random_float32_bit_patterns_equals_numpy() -> None:
     rng = np.random.default_rng(4)
     bits = rng.integers(0, 2**32, 400_000, dtype=np.uint64).astype(np.uint32)
-    bits = np.concatenate([bits, np.arange(0x33000000, 0x33800000, 97, np.uint32)])
+    bits = np.concatenate(
+        [bits, np.arange(0x33000000, 0x33800000, 97, dtype=np.uint32)]
+    )
     x = bits.view(np.float32)
     x = x[~(np.isfinite(x) & (np.abs(x) >= 65520))]  # no finite overflow
     got = bits16(encode(x, "float16"))
@@ -290,7 +293,7 @@ def test_float16_of_random_float64_equals_numpy_direct_rounding() -> None:
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_every_float16_and_bfloat16_value_widens_exactly(dtype: type) -> None:
+def test_every_float16_and_bfloat16_value_widens_exactly(dtype: Any) -> None:
     every = np.arange(1 << 16, dtype=np.uint16)
     with np.errstate(invalid="ignore"):  # signalling NaNs
         bf16 = every.view(BF16).astype(np.float32).astype(dtype)
@@ -322,7 +325,7 @@ def test_float16_of_float64_is_rounded_once() -> None:
 def test_float16_refuses_a_finite_value_that_would_become_inf(
     value: float, dtype: type
 ) -> None:
-    x = np.ones(10, dtype)
+    x: Array = np.ones(10, dtype)
     x[7] = value
     with pytest.raises(EncodingRangeError) as err:
         encode(x, "float16", "gradient 1")
@@ -344,7 +347,7 @@ def test_encoding_needs_a_float32_or_float64_array() -> None:
 def test_encoded_tensor_message_is_two_bytes_per_element_and_widens(
     encoding: str, dtype: type
 ) -> None:
-    x = np.random.default_rng(1).standard_normal((3, 5)).astype(dtype)
+    x: Array = np.random.default_rng(1).standard_normal((3, 5)).astype(dtype)
     e = encode(x, encoding)
     assert e.shape == (3, 5) and e.nbytes == 30 and ENCODED[e.dtype][0] == dtype
     t = array_to_tensor(e, "w")
@@ -442,7 +445,7 @@ def test_signalling_nans_of_float64_stay_nan_without_a_warning(encoding: str) ->
 def test_deferred_encoding_block_by_block_equals_encode(
     kernels: str, encoding: str, dtype: type
 ) -> None:
-    x = np.random.default_rng(9).standard_normal(200_003).astype(dtype)
+    x: Array = np.random.default_rng(9).standard_normal(200_003).astype(dtype)
     deferred = DeferredEncoding(x, encoding, "gradient 3")
     whole = encode(x, encoding, "gradient 3")
     assert (deferred.shape, deferred.dtype, deferred.nbytes) == (

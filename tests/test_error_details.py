@@ -147,7 +147,7 @@ def test_wrong_shape_gradient_names_the_field(
     ]
 
 
-def test_a_malformed_tensor_is_invalid_tensor_without_a_field(
+def test_a_malformed_tensor_is_invalid_tensor_naming_its_field_and_group(
     client: Client, stub: pb_grpc.ParameterServerServiceStub
 ) -> None:
     client.create_group("fmt", Adagrad(), learning_rate=0.1, tensors={"w": W})
@@ -155,7 +155,8 @@ def test_a_malformed_tensor_is_invalid_tensor_without_a_field(
     request = pb.PushRequest(group="fmt", gradients=[bad])
     code, info, violations = raw_details(lambda: stub.Push(request, timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert (info.reason, violations) == ("INVALID_TENSOR", [])
+    assert (info.reason, dict(info.metadata)) == ("INVALID_TENSOR", {"group": "fmt"})
+    assert [v.field for v in violations] == ["gradients[0].raw_data"]
 
 
 def test_details_of_a_huge_group_name_stay_within_the_metadata_limit(

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from onnxps.client import Adam, Client, InvalidArgumentError
+from onnxps.client import Adam, Client, Encoding, InvalidArgumentError
 from onnxps.server._receive import IDLE_PER_KEY, MIN_POOLED_BYTES, GradientPool
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from onnxps.server.kernels import make_attrs
@@ -52,6 +52,7 @@ def _traced() -> int:
     return tracemalloc.get_traced_memory()[0]
 
 
+@pytest.mark.slow
 def test_repeated_pushes_reuse_one_buffer_and_memory_stays_flat(
     server: ServerHandle,
 ) -> None:
@@ -79,10 +80,11 @@ def test_repeated_pushes_reuse_one_buffer_and_memory_stays_flat(
         tracemalloc.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["first", "middle", "chunk edge", "last"])
 @pytest.mark.parametrize("encoding", ["native", "bfloat16"])
 def test_a_nan_anywhere_in_the_stream_is_refused_as_before(
-    server: ServerHandle, where: str, encoding: str
+    server: ServerHandle, where: str, encoding: Encoding
 ) -> None:
     x0 = np.linspace(-1, 1, N, dtype=np.float32)
     with _client(server) as ps:
@@ -180,7 +182,7 @@ def test_a_lease_given_back_is_the_next_lease() -> None:
             assert b.arrays[0] is not first
     with pool.lease("g", SPEC) as c:
         assert c.arrays[0] is first or c.arrays[0] is b.arrays[0]
-    assert pool.idle_bytes == 2 * MIN_POOLED_BYTES
+    assert pool.idle_bytes == IDLE_PER_KEY * MIN_POOLED_BYTES  # one set kept per key
 
 
 def test_idle_sets_are_bounded_per_key_and_in_all() -> None:
@@ -209,3 +211,52 @@ def test_drop_frees_a_group_and_its_leases_in_flight() -> None:
     with pool.lease("h", SPEC) as h:
         assert h.arrays[0].shape == SPEC[0][1]
     assert make_attrs("Adam", {}).op == "Adam"
+
+
+def test_the_pool_keeps_nothing_while_the_host_is_low_on_memory() -> None:
+    low = [False]
+    pool = GradientPool(low_memory=lambda: low[0])
+    pool.lease("g", SPEC).release()
+    assert pool.idle_bytes == MIN_POOLED_BYTES
+    low[0] = True
+    pool.lease("h", SPEC).release()  # given back under pressure: all freed
+    assert pool.idle_bytes == 0
+    pool.lease("g", SPEC).release()
+    assert pool.idle_bytes == 0
+    low[0] = False
+    pool.lease("g", SPEC).release()
+    assert pool.idle_bytes == MIN_POOLED_BYTES
+
+
+def test_memory_low_compares_available_memory_with_a_share_of_the_total() -> None:
+    from onnxps.server._receive import memory_low
+
+    assert memory_low(share=1.01) is True  # available is never above the total
+    assert memory_low(share=0.0) is False
+
+
+def _metric(handle: ServerHandle, name: str) -> float:
+    import urllib.request
+
+    url = f"http://127.0.0.1:{handle.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    (line,) = [x for x in text.splitlines() if x.startswith(name + " ")]
+    return float(line.split()[1])
+
+
+@pytest.mark.parametrize(("budget", "kept"), [(None, 8 << 20), (0, 0), (4 << 20, 0)])
+def test_the_pool_size_is_a_setting_and_a_metric(budget: int | None, kept: int) -> None:
+    extra: dict[str, Any] = {} if budget is None else {"gradient_pool_bytes": budget}
+    handle = create_server(
+        ServerConfig(address="127.0.0.1:0", durability="none", metrics_port=0, **extra)
+    ).start()
+    try:
+        with _client(handle) as c:
+            c.create_group(
+                "g", Adam(), learning_rate=1e-3, tensors={"w": np.zeros(N, F32)}
+            )
+            c.push("g", np.full(N, 1e-3, F32))  # 8 MiB, streamed
+        assert _metric(handle, "onnxps_gradient_pool_bytes") == kept
+    finally:
+        handle.stop(grace=0)

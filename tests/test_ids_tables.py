@@ -200,19 +200,23 @@ def _snapshot(s: ParameterStore) -> list[bytes]:
     ]
 
 
+# Below, the store is given ids as lists: it takes any array-like (ParameterStore's
+# annotation says ndarray), hence the type: ignore[dict-item].
+
+
 def test_max_rows_refuses_a_push_that_would_overflow_with_state_unchanged() -> None:
     s = _ids_store("Adam", 4, np.float32, max_rows=5)
-    s.push_rows("g", {"emb": ([1, 2, 3], np.ones((3, 4), np.float32))})
+    s.push_rows("g", {"emb": ([1, 2, 3], np.ones((3, 4), np.float32))})  # type: ignore[dict-item]
     before = _snapshot(s)
     from onnxps.server.errors import ResourceExhausted
 
     with pytest.raises(
         ResourceExhausted, match=r"create 3 rows .* holds 3 of its max_rows=5"
     ):
-        s.push_rows("g", {"emb": ([3, 4, 5, 6, 4], np.ones((5, 4), np.float32))})
+        s.push_rows("g", {"emb": ([3, 4, 5, 6, 4], np.ones((5, 4), np.float32))})  # type: ignore[dict-item]
     assert _snapshot(s) == before
     # old ids and exactly the room left are fine
-    s.push_rows("g", {"emb": ([1, 4, 5, 4], np.ones((4, 4), np.float32))})
+    s.push_rows("g", {"emb": ([1, 4, 5, 4], np.ones((4, 4), np.float32))})  # type: ignore[dict-item]
     assert s.describe("g").tables[0].row_count == 5
 
 
@@ -223,12 +227,12 @@ def test_server_byte_limit_refuses_new_rows_with_state_unchanged() -> None:
     s = _ids_store(
         "Adam", 4, np.float32, limits=StoreLimits(max_group_bytes=36 + 2 * 48)
     )
-    s.push_rows("g", {"emb": ([10, 11], np.ones((2, 4), np.float32))})
+    s.push_rows("g", {"emb": ([10, 11], np.ones((2, 4), np.float32))})  # type: ignore[dict-item]
     before = _snapshot(s)
     with pytest.raises(ResourceExhausted, match="over the server's limit of 132 bytes"):
-        s.push_rows("g", {"emb": ([12], np.ones((1, 4), np.float32))})
+        s.push_rows("g", {"emb": ([12], np.ones((1, 4), np.float32))})  # type: ignore[dict-item]
     assert _snapshot(s) == before
-    s.push_rows("g", {"emb": ([11, 10], np.ones((2, 4), np.float32))})
+    s.push_rows("g", {"emb": ([11, 10], np.ones((2, 4), np.float32))})  # type: ignore[dict-item]
 
 
 def test_mixing_dense_fixed_rows_and_ids_in_one_push() -> None:
@@ -257,11 +261,11 @@ def test_mixing_dense_fixed_rows_and_ids_in_one_push() -> None:
         ],
     )
     rng = np.random.default_rng(3)
-    gf, gb, ge = (rng.standard_normal(n).astype(dtype) for n in [(2, 4), 3, (3, 4)])
-    s.push_rows("g", {"fixed": ([1, 8], gf), "b": gb, "emb": ([99, -3, 99], ge)})
-    ref.push_rows("g", {"fixed": ([1, 8], gf), "b": gb, "emb": ([1, 0, 1], ge)})
+    gf, gb, ge = (rng.standard_normal(n).astype(dtype) for n in [(2, 4), 3, (3, 4)])  # type: ignore[call-overload]
+    s.push_rows("g", {"fixed": ([1, 8], gf), "b": gb, "emb": ([99, -3, 99], ge)})  # type: ignore[dict-item]
+    ref.push_rows("g", {"fixed": ([1, 8], gf), "b": gb, "emb": ([1, 0, 1], ge)})  # type: ignore[dict-item]
     a = s.pull_rows("g", {"fixed": np.arange(10), "emb": universe}, with_state=True)
-    b = ref.pull_rows("g", {"fixed": np.arange(10), "emb": [0, 1]}, with_state=True)
+    b = ref.pull_rows("g", {"fixed": np.arange(10), "emb": [0, 1]}, with_state=True)  # type: ignore[dict-item]
     assert [x.tobytes() for x in a.arrays] == [x.tobytes() for x in b.arrays]
     assert s.pull("g").arrays[1].tobytes() == ref.pull("g").arrays[1].tobytes()
 
@@ -280,17 +284,19 @@ def test_sync_rows_are_combined_across_the_quorum() -> None:
         tables=[TableDefinition("emb", 2, Zeros().to_json(), max_rows=3)],
     )
     one = np.ones((1, 2), np.float32)
-    assert not s.push_rows("g", {"emb": ([5], one)}, client_id="a").applied
+    assert not s.push_rows("g", {"emb": ([5], one)}, client_id="a").applied  # type: ignore[dict-item]
     from onnxps.server.errors import ResourceExhausted
 
     # the step would hold 5, 6, 7, 8: over max_rows=3 with the pending push
     with pytest.raises(ResourceExhausted, match="max_rows=3"):
         s.push_rows(
-            "g", {"emb": ([6, 7, 8], np.ones((3, 2), np.float32))}, client_id="b"
+            "g",
+            {"emb": ([6, 7, 8], np.ones((3, 2), np.float32))},  # type: ignore[dict-item]
+            client_id="b",
         )
     assert s.push("g", [np.ones(2, np.float32)], client_id="b").applied
     assert s.describe("g").tables[0].row_count == 1
-    row = s.pull_rows("g", {"emb": [5]}).arrays[0]
+    row = s.pull_rows("g", {"emb": [5]}).arrays[0]  # type: ignore[dict-item]
     # mean of 1 and (no row) 0 is 0.5: Adagrad's first step is -lr * sign
     assert row[0, 0] < 0
 
@@ -519,6 +525,7 @@ def _stop(proc: subprocess.Popen[bytes], kill: bool) -> None:
     proc.stdout.close()
 
 
+@pytest.mark.slow
 def test_kill_9_in_wal_mode_keeps_every_acknowledged_ids_push(tmp_path: Path) -> None:
     local = _ids_store("Adam", 8, np.float32)
     rng = np.random.default_rng(11)
@@ -569,6 +576,7 @@ with Client(address, timeout=120.0) as c:
 UNIVERSE, DIM, WORKERS, PUSHES, PUSH_IDS = 50_000, 16, 4, 8, 1024
 
 
+@pytest.mark.slow
 def test_four_worker_processes_equal_a_serial_replay_in_server_order(
     server: Any,
 ) -> None:
@@ -651,6 +659,7 @@ def _parts_t(c: Client, name: str = "g") -> list[int]:
     return [p.update_count for p in c.describe_group(name).parts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_cluster_splits_an_ids_table_by_id_hash(
     cluster: list[str], tmp_path: Path, dtype: Any
@@ -742,6 +751,7 @@ def test_cluster_splits_an_ids_table_by_id_hash(
         one.stop(grace=0)
 
 
+@pytest.mark.slow
 def test_an_ids_part_that_missed_pushes_is_sent_them_once(tmp_path: Path) -> None:
     """A shard killed and restarted (WAL) while a worker pushes to an ids table:
     a push that timed out on the missing part is sent to it first by the next push

@@ -8,7 +8,7 @@ cases; and a step allocates nothing proportional to the group's size.
 from __future__ import annotations
 
 import tracemalloc
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import onnx_reference as ref
@@ -244,7 +244,7 @@ def cases(draw: st.DrawFn) -> tuple[str, dict[str, Any], list[Any]]:
     op = draw(st.sampled_from(["Adagrad", "Momentum", "Adam"]))
     attrs = draw(attr_strategy(op))
     dtype = draw(st.sampled_from([np.float32, np.float64]))
-    width = 32 if dtype == np.float32 else 64
+    width: Literal[32, 64] = 32 if dtype == np.float32 else 64
     shapes = draw(
         st.lists(
             hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=6),

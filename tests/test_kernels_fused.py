@@ -13,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -66,7 +66,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "adam-eps0": ("Adam", {"epsilon": 0.0}),
 }
 STATES = {"Adagrad": ("H",), "Momentum": ("V",), "Adam": ("V", "H")}
-UINT = {4: np.uint32, 8: np.uint64}
+UINT: dict[int, type[np.unsignedinteger[Any]]] = {4: np.uint32, 8: np.uint64}
 
 
 def wild(rng: np.random.Generator, n: int, dtype: Any, finite: bool) -> Array:
@@ -137,6 +137,7 @@ def assert_same_bits_but_nan_payloads(got: list[Array], expected: list[Array]) -
 N = 1 << 20
 
 
+@pytest.mark.slow
 @needs_numba
 @pytest.mark.parametrize("t", [0, 7])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
@@ -195,7 +196,7 @@ def test_fused_equals_numpy_on_any_floats(
 ) -> None:
     op, attrs = CONFIGS[config]
     n = data.draw(st.integers(0, 40))
-    width = 32 if dtype == np.float32 else 64
+    width: Literal[32, 64] = 32 if dtype == np.float32 else 64
     elements = st.floats(allow_nan=True, allow_infinity=True, width=width)
     arrays = [
         data.draw(hnp.arrays(dtype, n, elements=elements))

@@ -10,6 +10,7 @@ import pytest
 from kernel_paths import each_kernel_path  # noqa: F401
 from onnxps.server.errors import InvalidArgument
 from onnxps.server.kernels import (
+    AdagradAttrs,
     AdamAttrs,
     MomentumAttrs,
     Stepper,
@@ -290,7 +291,8 @@ def test_negative_epsilon(op: str, epsilon: float) -> None:
 
 
 def test_zero_epsilon_is_allowed() -> None:
-    assert make_attrs("Adagrad", {"epsilon": 0.0}).epsilon == 0.0
+    attrs = make_attrs("Adagrad", {"epsilon": 0.0})
+    assert isinstance(attrs, AdagradAttrs) and attrs.epsilon == 0.0
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
@@ -330,7 +332,8 @@ def test_attribute_overflowing_float32(value: float, shown: str) -> None:
 
 def test_largest_float32_attribute_is_accepted() -> None:
     largest = float(np.finfo(np.float32).max)
-    assert make_attrs("Adagrad", {"decay_factor": largest}).decay_factor == largest
+    attrs = make_attrs("Adagrad", {"decay_factor": largest})
+    assert isinstance(attrs, AdagradAttrs) and attrs.decay_factor == largest
 
 
 @pytest.mark.parametrize("value", ["0.9", None, True, [0.9], np.array([0.9])])
@@ -346,6 +349,7 @@ def test_attribute_not_a_float(value: Any) -> None:
 
 def test_integer_and_numpy_attributes_are_floats() -> None:
     attrs = make_attrs("Adam", {"alpha": 1, "beta": np.float64(0.5)})
+    assert isinstance(attrs, AdamAttrs)
     assert (attrs.alpha, attrs.beta) == (1.0, 0.5)
 
 
@@ -416,6 +420,7 @@ def test_learning_rate_beyond_float32_is_fine_for_float64_state() -> None:
 def test_adam_bias_correction_overflowing_float32() -> None:
     """R_adjusted = R sqrt(1 - b) / (1 - a) is about 2.6e5 R at T = 1 here."""
     attrs = make_attrs("Adam", {"alpha": 1 - 2**-23})
+    assert isinstance(attrs, AdamAttrs)
     assert attrs.alpha == 1 - 2**-23
     with pytest.raises(
         InvalidArgument,

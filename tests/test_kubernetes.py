@@ -200,6 +200,7 @@ def _serving(address: str) -> bool:
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
+@pytest.mark.slow
 def test_statefulset_and_demo_job_run_as_local_processes(tmp_path: Path) -> None:
     docs = _base()
     sts = _one(docs, "StatefulSet")

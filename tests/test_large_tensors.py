@@ -19,6 +19,8 @@ from onnxps.cli.process import start_server_process, stop_processes
 from onnxps.client import Adagrad, Client
 from onnxps.server.kernels import Stepper, make_attrs
 
+pytestmark = pytest.mark.slow  # 256 MiB tensors
+
 Array = np.ndarray[Any, Any]
 MIB = 1 << 20
 ELEMENTS = 32 * MIB  # per tensor; two tensors: 64M float32 = 256 MiB of X
@@ -63,7 +65,6 @@ def ramp(n: int, period: int, scale: float, shift: float) -> Array:
     return out
 
 
-@pytest.mark.slow
 def test_256_mib_group_round_trips_bit_exactly(server_process: ServerProcess) -> None:
     xs = [ramp(ELEMENTS, 1009, 1e-3, -0.5), ramp(ELEMENTS, 997, -2e-3, 1.0)]
     state_bytes = 2 * sum(x.nbytes for x in xs)  # X and H

@@ -136,7 +136,7 @@ def test_each_rpc_logs_method_group_code_and_its_request_id(
                 with pytest.raises(grpc.RpcError) as err:
                     stub.Pull(
                         pb.PullRequest(group="nope"),
-                        metadata=[("x-request-id", "req-42")],
+                        metadata=(("x-request-id", "req-42"),),
                         timeout=10,
                     )
                 reply, call = stub.ListGroups.with_call(
@@ -144,12 +144,12 @@ def test_each_rpc_logs_method_group_code_and_its_request_id(
                 )
                 bad_id = "x" * 65  # too long: replaced with a fresh id
                 _, call2 = stub.ListGroups.with_call(
-                    pb.ListGroupsRequest(), metadata=[("x-request-id", bad_id)]
+                    pb.ListGroupsRequest(), metadata=(("x-request-id", bad_id),)
                 )
     finally:
         handle.stop(grace=0)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
-    assert ("x-request-id", "req-42") in err.value.trailing_metadata()
+    assert ("x-request-id", "req-42") in err.value.trailing_metadata()  # type: ignore[comparison-overlap]
     generated = dict(call.trailing_metadata())["x-request-id"]
     assert len(generated) == 16 and generated != "req-42"
     assert dict(call2.trailing_metadata())["x-request-id"] != bad_id

@@ -23,6 +23,7 @@ from onnxps.client import (
     InvalidArgumentError,
     Momentum,
     Nesterov,
+    OptimizerSpec,
     Sync,
 )
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
@@ -35,7 +36,7 @@ from onnxps.wire.codec import (
     header_tensor,
 )
 
-OPTIMIZERS = {
+OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adagrad": Adagrad(epsilon=1e-7, decay_factor=0.01),
     "momentum": Momentum(alpha=0.9, beta=0.5),
     "nesterov": Nesterov(alpha=0.8, beta=1.0, norm_coefficient=0.01),
@@ -212,10 +213,10 @@ def test_a_caller_that_leaves_mid_reply_leaves_the_server_serving(
         channel, stub = _stub(small_chunks)
         with channel:
             call = stub.PushPullStream(_messages("g", grads, seq=1), timeout=30)
-            first = next(call)
+            first = next(call)  # type: ignore[call-overload]
             assert first.header.update_count == 1
-            assert next(call).WhichOneof("part") == "chunk"
-            call.cancel()
+            assert next(call).WhichOneof("part") == "chunk"  # type: ignore[call-overload]
+            call.cancel()  # type: ignore[no-untyped-call]
             with pytest.raises(grpc.RpcError) as info:
                 for _ in call:
                     pass
@@ -305,7 +306,7 @@ def test_a_split_group_on_a_cluster_returns_the_joined_x() -> None:
             h.stop(grace=0)
 
 
-KERNEL_ATTRS = {
+KERNEL_ATTRS: dict[str, dict[str, Any]] = {
     "Adagrad": {},
     "Momentum": {
         "alpha": 0.9,

@@ -174,8 +174,7 @@ def _create(url: str, group: str = "g") -> None:
 
 def _replay(records: list[dict[str, int]]) -> np.ndarray:
     """X after the pushes in T order, on a fresh in-process server."""
-    sys.path.insert(0, str(WORKER.parent))
-    from replica_pusher import gradient
+    from workers.replica_pusher import gradient
 
     handle = create_server(ServerConfig(address="127.0.0.1:0", durability="none"))
     handle.start()
@@ -623,7 +622,7 @@ def test_without_a_synchronous_standby_pushes_are_refused_by_default(
         with pytest.raises(grpc.RpcError) as err:
             _raw_push(rs.addresses[p], g, "w", 1)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert err.value.details().startswith(
+    assert str(err.value.details()).startswith(
         "0 of the 1 synchronous standbys this shard needs (--sync-replicas) follow"
     )
     assert rs.state(p, "g")[0] == 1  # refused before anything was logged

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from onnxps.server._sparse import _stable_order, coalesce
@@ -22,7 +24,7 @@ def test_stable_order_is_a_stable_argsort(top: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_coalesce_sums_repeats_left_to_right_in_push_order(dtype: type) -> None:
+def test_coalesce_sums_repeats_left_to_right_in_push_order(dtype: Any) -> None:
     rng = np.random.default_rng(3)
     idx = rng.integers(0, 50, 400)
     values = (

@@ -142,7 +142,9 @@ def test_concurrent_groups_step_independently(server: ServerHandle) -> None:
                 c.push(names[i], *gradients(0, step))
 
         run_threads(worker)
-        serial = {t + 1: (gradients(0, t), None) for t in range(PUSHES)}
+        serial: dict[int, tuple[list[Array], float | None]] = {
+            t + 1: (gradients(0, t), None) for t in range(PUSHES)
+        }
         expected = replay(serial)[PUSHES]
         for name in names:
             t, state = c.pull_versioned(name, state=True)

@@ -278,7 +278,11 @@ def test_malformed_tensor_in_stream_header(
     client: Client, group: str, stub: pb_grpc.ParameterServerServiceStub
 ) -> None:
     header = pb.PushRequest(
-        group="g", gradients=[pb.Tensor(dtype=5, dims=[4, 3]), tensor(GB, raw_data=b"")]
+        group="g",
+        gradients=[
+            pb.Tensor(dtype=pb.DataType.ValueType(5), dims=[4, 3]),
+            tensor(GB, raw_data=b""),
+        ],
     )
     expect_error(
         client,

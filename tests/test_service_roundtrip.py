@@ -74,7 +74,7 @@ def assert_bit_identical(got: list[Array], expected: list[Array]) -> None:
         assert g.tobytes() == e.tobytes(), (i, g, e)
 
 
-def initial_tensors(dtype: type, rng: np.random.Generator) -> dict[str, Array]:
+def initial_tensors(dtype: Any, rng: np.random.Generator) -> dict[str, Array]:
     return {
         "w": rng.standard_normal((4, 3)).astype(dtype),
         "b": rng.standard_normal(3).astype(dtype),
@@ -86,7 +86,7 @@ def initial_tensors(dtype: type, rng: np.random.Generator) -> dict[str, Array]:
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_push_sequence_matches_local_apply_bit_for_bit(
-    server: ServerHandle, name: str, dtype: type, transport: str
+    server: ServerHandle, name: str, dtype: Any, transport: str
 ) -> None:
     op, spec = OPTIMIZERS[name]
     rng = np.random.default_rng(7)
@@ -98,7 +98,9 @@ def test_push_sequence_matches_local_apply_bit_for_bit(
         assert info.dtype == np.dtype(dtype)
         assert info.tensors == [("w", (4, 3)), ("b", (3,)), ("s", ())]
         for step in range(7):
-            grads = [rng.standard_normal(t.shape).astype(dtype) for t in local.xs]
+            grads = [
+                rng.standard_normal(tuple(t.shape)).astype(dtype) for t in local.xs
+            ]
             lr = 0.2 if step in (2, 5) else None  # R for this push only
             if step == 4:
                 assert c.set_learning_rate("g", 0.011).learning_rate == 0.011
@@ -147,7 +149,10 @@ def test_zero_element_tensor_round_trips(client: Client) -> None:
 
 
 def spec_for(op: str, attrs: dict[str, Any]) -> OptimizerSpec:
-    return {"Adagrad": Adagrad, "Momentum": Momentum, "Adam": Adam}[op](**attrs)
+    spec: OptimizerSpec = {"Adagrad": Adagrad, "Momentum": Momentum, "Adam": Adam}[op](
+        **attrs
+    )
+    return spec
 
 
 # Generated from unrounded float64 attributes (see test_kernels_conformance).

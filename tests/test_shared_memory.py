@@ -292,8 +292,10 @@ def test_truncated_wrong_size_and_stale_segments_are_refused(
         both = pb.PushRequest(
             group="g",
             gradients=[
-                pb.Tensor(dtype=1, dims=[N], raw_data=G[0][:33].tobytes()),
-                pb.Tensor(dtype=1, dims=list(GB[0].shape)),
+                pb.Tensor(
+                    dtype=pb.DATA_TYPE_FLOAT, dims=[N], raw_data=G[0][:33].tobytes()
+                ),
+                pb.Tensor(dtype=pb.DATA_TYPE_FLOAT, dims=list(GB[0].shape)),
             ],
             gradients_region=region,
         )
@@ -488,6 +490,7 @@ def _start_pusher(tmp_path: Path, address: str) -> subprocess.Popen[str]:
     return proc
 
 
+@pytest.mark.slow
 def test_a_killed_client_leaves_no_segment_once_the_server_sweeps(
     tmp_path: Path,
 ) -> None:
@@ -507,6 +510,7 @@ def test_a_killed_client_leaves_no_segment_once_the_server_sweeps(
         stop(server)
 
 
+@pytest.mark.slow
 def test_a_killed_server_leaves_no_segment_once_the_client_notices(
     tmp_path: Path,
 ) -> None:

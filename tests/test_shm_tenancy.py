@@ -335,14 +335,14 @@ def test_a_segment_is_bound_to_its_token_and_uid_even_for_key_holders(
                     reply = stub.Push(
                         _push_request("b/secret", region),
                         timeout=10,
-                        metadata=[("authorization", f"Bearer {VICTIM}")],
+                        metadata=(("authorization", f"Bearer {VICTIM}"),),
                     )
                     assert reply.update_count == 2
                     # and the segment nobody could bind is still free for root
                     reply = stub.Push(
                         _push_request("b/secret", fresh_region),
                         timeout=10,
-                        metadata=[("authorization", f"Bearer {VICTIM}")],
+                        metadata=(("authorization", f"Bearer {VICTIM}"),),
                     )
                     assert reply.update_count == 3
             finally:
@@ -370,7 +370,7 @@ def _push_refused(
         stub.Push(
             _push_request(group, region),
             timeout=10,
-            metadata=[("authorization", f"Bearer {token}")],
+            metadata=(("authorization", f"Bearer {token}"),),
         )
     return err.value
 

@@ -84,7 +84,7 @@ def test_rows_covering_every_row_once_are_a_dense_push(name: str, dtype: Any) ->
     dense, sparse, x = _pair(op, attrs, dtype)
     rng = np.random.default_rng(2)
     for _ in range(4):
-        g = rng.standard_normal(x.shape).astype(dtype)
+        g = rng.standard_normal(tuple(x.shape)).astype(dtype)
         gb = rng.standard_normal(3).astype(dtype)
         dense.push("g", [g, gb])
         perm = rng.permutation(x.shape[0])
@@ -251,13 +251,13 @@ def test_server_row_push_congruent_with_dense_push(
 ) -> None:
     _, _, spec = OPTIMIZERS[name]
     x = np.random.default_rng(7).standard_normal((64, 5)).astype(dtype)
-    for g in ("dense", "rows"):
+    for group in ("dense", "rows"):
         client.create_group(
-            g, spec, learning_rate=0.05, tensors={"emb": x, "b": np.zeros(2, dtype)}
+            group, spec, learning_rate=0.05, tensors={"emb": x, "b": np.zeros(2, dtype)}
         )
     rng = np.random.default_rng(8)
     for _ in range(3):
-        g = rng.standard_normal(x.shape).astype(dtype)
+        g = rng.standard_normal(tuple(x.shape)).astype(dtype)
         gb = rng.standard_normal(2).astype(dtype)
         client.push("dense", g, gb)
         perm = rng.permutation(64)
@@ -341,6 +341,7 @@ def _start(data: Path) -> tuple[subprocess.Popen[bytes], str]:
     return proc, f"127.0.0.1:{int(line)}"
 
 
+@pytest.mark.slow
 def test_kill_9_in_wal_mode_keeps_every_acknowledged_row_push(tmp_path: Path) -> None:
     proc, address = _start(tmp_path / "data")
     x = np.random.default_rng(10).standard_normal((1000, 8)).astype(np.float32)
@@ -428,6 +429,7 @@ with Client(address, timeout=120.0) as c:
 TABLE_ROWS, TABLE_DIM, WORKERS, PUSHES, PUSH_ROWS = 1_000_000, 64, 4, 12, 4096
 
 
+@pytest.mark.slow
 def test_four_worker_processes_equal_a_serial_replay_in_server_order(
     server: Any,
 ) -> None:

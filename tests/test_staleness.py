@@ -132,8 +132,8 @@ def test_sync_late_push_is_refused_and_the_step_is_unchanged(
     assert (info.update_count, info.pending_contributions) == (1, 0)
     for got, want in zip(x_after, client.pull("late", state=True), strict=True):
         np.testing.assert_array_equal(got, want, strict=True)
-    want = _adagrad(X0, np.zeros(3), 2 * ONE, 0)  # mean of 1 and 3
-    np.testing.assert_array_equal(x_after[0], want[0], strict=True)
+    expected = _adagrad(X0, np.zeros(3), 2 * ONE, 0)  # mean of 1 and 3
+    np.testing.assert_array_equal(x_after[0], expected[0], strict=True)
 
 
 def test_sync_push_with_return_values_waits_for_the_step(

@@ -70,7 +70,7 @@ def _stopped(proc: subprocess.Popen[bytes]) -> Iterator[None]:
 
 def backward(model: Any, step: int, rank: int = 0) -> None:
     model.zero_grad()
-    tw.loss_of(model, *tw.batch(1, rank, step)).backward()
+    tw.loss_of(model, *tw.batch(1, rank, step)).backward()  # type: ignore[no-untyped-call]
 
 
 def test_import_torch_is_pytorch_not_the_repo_folder() -> None:
@@ -113,7 +113,7 @@ def test_step_runs_the_closure_and_returns_its_loss(client: Client) -> None:
     def closure() -> float:
         opt.zero_grad()
         loss = tw.loss_of(model, x, y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         return float(loss.detach())
 
     expected = float(tw.loss_of(model, x, y).detach())
@@ -248,6 +248,7 @@ def test_an_lr_scheduler_sets_the_r_of_the_step(
             assert not np.array_equal(params_np(model)[0], unscheduled[0])
 
 
+@pytest.mark.slow
 def test_two_sync_workers_equal_one_process_with_averaged_gradients(
     server: ServerHandle, client: Client, one_thread: None
 ) -> None:
@@ -261,8 +262,8 @@ def test_two_sync_workers_equal_one_process_with_averaged_gradients(
         per_rank = []
         for rank in range(2):
             model.zero_grad()
-            tw.loss_of(model, *tw.batch(7, rank, step)).backward()
-            per_rank.append([p.grad.clone() for p in model.parameters()])
+            tw.loss_of(model, *tw.batch(7, rank, step)).backward()  # type: ignore[no-untyped-call]
+            per_rank.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
         for p, g0, g1 in zip(model.parameters(), *per_rank, strict=True):
             p.grad = (g0 + g1) / 2
         opt.step()
@@ -308,8 +309,9 @@ def test_a_parameter_whose_shape_changed_is_a_clear_error(client: Client) -> Non
     model = tw.make_model(seed=1)
     opt = RemoteOptimizer(model.named_parameters(), client, group="g", lr=tw.LR)
     backward(model, 0)
-    model[2].weight.data = torch.zeros(4, 8)  # e.g. a layer rebuilt in place
-    model[2].weight.grad = torch.zeros(4, 8)
+    layer = model[2]  # type: ignore[index]
+    layer.weight.data = torch.zeros(4, 8)  # e.g. a layer rebuilt in place
+    layer.weight.grad = torch.zeros(4, 8)
     message = (
         r"parameter '2.weight' is now torch.float32 \(4, 8\), but group 'g' holds it "
         r"as float32 \(3, 8\): a group's tensors keep their shapes"
@@ -325,7 +327,7 @@ def test_parameters_of_one_float_dtype_in_one_group(client: Client) -> None:
     with pytest.raises(ValueError, match="one dtype, float32 or float64"):
         RemoteOptimizer([a, b], client, group="g", lr=0.1)
     with pytest.raises(ValueError, match="one parameter group"):
-        RemoteOptimizer([{"params": [a]}], client, group="g", lr=0.1)  # type: ignore[list-item]
+        RemoteOptimizer([{"params": [a]}], client, group="g", lr=0.1)  # type: ignore[arg-type]
     opt = RemoteOptimizer([a], client, group="g", lr=0.1)
     with pytest.raises(ValueError, match="fixed when its group is created"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
@@ -365,6 +367,7 @@ def test_shard_gives_each_rank_every_nth_item() -> None:
         shard([1, 2], 3, 3)
 
 
+@pytest.mark.slow
 def test_example_digits_reaches_095_with_four_workers() -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "torch_digits.py")],

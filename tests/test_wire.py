@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxps.wire.codec as codec
@@ -66,7 +67,7 @@ def test_tensor_format_error_is_the_clients_error_and_a_value_error() -> None:
 @pytest.mark.parametrize(
     "message", [pb.PushStreamRequest, pb.PullStreamResponse, pb.ApplyStreamResponse]
 )
-def test_chunk_messages_cover_every_byte_in_order(message: type) -> None:
+def test_chunk_messages_cover_every_byte_in_order(message: Any) -> None:
     a = np.arange(10, dtype=np.float64)
     b = np.float32(2.5)
     msgs = list(codec.chunk_messages(message, [a, b], 24))

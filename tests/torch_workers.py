@@ -46,7 +46,7 @@ def sync_worker(rank: int, nprocs: int, address: str, group: str, steps: int) ->
         )
         for step in range(steps):
             opt.zero_grad()
-            loss_of(model, *batch(7, rank, opt.version)).backward()
+            loss_of(model, *batch(7, rank, opt.version)).backward()  # type: ignore[no-untyped-call]
             opt.step()
             assert opt.version == step + 1
         opt.leave()

@@ -81,7 +81,7 @@ SERVICE: str = _SERVICE_DESCRIPTOR.full_name
 
 # The metadata every call of a cluster client carries: "I/N", the shard index (from
 # 0) it routed the call to and the shard count it routed for; a shard started with
-# another identity refuses the call (README, "A cluster of shards").
+# another identity refuses the call (docs/cluster.md).
 SHARD_METADATA_KEY = "onnxps-shard"
 
 Array = np.ndarray[Any, Any]

@@ -8,4 +8,5 @@ import sys
 
 from onnxps.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing it (a docs build inspects it) runs nothing
+    sys.exit(main())

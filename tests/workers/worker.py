@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import client_id, gradients
+from common import client_id, gradients  # type: ignore[import-not-found]
 from onnxps.client import Client
 
 

@@ -1,0 +1,317 @@
+"""Where a client's calls go: one server, or the parts of each group on the shards
+of a cluster. A client holds one ``Route``, chosen when it is made (``route_of``),
+and every operation that depends on where a group lives asks it: the routing is a
+wrapper around the operations, written once for both clients, not a second copy of
+each of them.
+
+- ``OneServer``: every call to the one address;
+- ``Cluster``: each call to the parts of its group (``_sharded``: dense groups,
+  split or whole; ``_rowsplit``: row calls on split groups; ``_ids_cluster``: groups
+  with ids tables).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.encoding import Encoding
+
+from . import _ids_cluster, _rowsplit, _sharded
+from ._errors import InvalidArgumentError
+from ._host import ClusterHost, Route, Targets
+from ._ops import Call, Deadline, Op, on_shard, unary_request, what
+from ._records import (
+    GroupInfo,
+    LeaseInfo,
+    PushResult,
+    RowsPage,
+    SaveInfo,
+    group_info,
+    lease_info,
+)
+from ._transport import choose_push
+
+__all__ = ["Cluster", "OneServer", "route_of"]
+
+Array = np.ndarray[Any, Any]
+
+
+def route_of(core: ClusterHost) -> Route:
+    """The route of a client: a cluster when it was given a list of addresses."""
+    return OneServer(core) if core.shards is None else Cluster(core)
+
+
+def _unary(method: str, request: Any, deadline: Deadline) -> Op[Any]:
+    return (yield Call(method, unary_request(request), deadline, what(method)))
+
+
+class OneServer:
+    """Every call to the client's one server."""
+
+    def __init__(self, core: ClusterHost) -> None:
+        self.core = core
+
+    def create(
+        self,
+        req: pb.CreateGroupRequest,
+        names: list[str],
+        arrays: list[Array],
+        state_arrays: list[Array],
+        deadline: Deadline,
+        table_arrays: Sequence[Sequence[Array]],
+    ) -> Op[GroupInfo]:
+        msg = yield from self.core._create_op(
+            req, names, arrays, state_arrays, deadline, table_arrays=table_arrays
+        )
+        return self.core._remember(group_info(msg))
+
+    def describe(self, name: str, deadline: Deadline) -> Op[GroupInfo]:
+        return self.core._describe(name, deadline)
+
+    def list_groups(self, prefix: str, deadline: Deadline) -> Op[list[GroupInfo]]:
+        req = pb.ListGroupsRequest(prefix=prefix)
+        msg = yield from _unary("ListGroups", req, deadline)
+        return [group_info(g) for g in msg.groups]
+
+    def delete(self, name: str, deadline: Deadline) -> Op[bool]:
+        req = pb.DeleteGroupRequest(group=name)
+        msg = yield from _unary("DeleteGroup", req, deadline)
+        return bool(msg.deleted)
+
+    def set_learning_rate(
+        self, name: str, learning_rate: float, deadline: Deadline
+    ) -> Op[GroupInfo]:
+        req = pb.SetLearningRateRequest(group=name, learning_rate=learning_rate)
+        msg = yield from _unary("SetLearningRate", req, deadline)
+        return group_info(msg.group)
+
+    def push(
+        self,
+        req: pb.PushRequest,
+        arrays: list[Array],
+        deadline: Deadline,
+        out: Sequence[Array] | None,
+    ) -> Op[PushResult]:
+        core = self.core
+        links = (core._shm_link, core._data_link)
+        way = yield from choose_push(core, *links, arrays, req.return_values, deadline)
+        return (yield from way.push(req, arrays, deadline, out))
+
+    def pull(
+        self,
+        group: str,
+        state: bool,
+        min_version: int | None,
+        deadline: Deadline,
+        encoding: Encoding,
+        out: Sequence[Array] | None,
+        allow_apart: bool,
+    ) -> Op[tuple[int, list[Array]]]:
+        return self.core._pull_op(group, state, min_version, deadline, encoding, out)
+
+    def save(self, deadline: Deadline) -> Op[SaveInfo]:
+        msg = yield from _unary("Save", pb.SaveRequest(), deadline)
+        return SaveInfo(msg.path, msg.groups, msg.bytes)
+
+    def push_rows(
+        self,
+        group: str,
+        gradients: Mapping[str, Any],
+        base_version: int | None,
+        learning_rate: float | None,
+        deadline: Deadline,
+        encoding: Encoding,
+    ) -> Op[PushResult]:
+        return self.core._rows_push_op(
+            group, group, gradients, base_version, learning_rate, deadline, encoding
+        )
+
+    def pull_rows(
+        self,
+        group: str,
+        selections: Mapping[str, Any],
+        state: bool,
+        min_version: int | None,
+        deadline: Deadline,
+    ) -> Op[dict[str, Array]]:
+        return self.core._rows_pull_op(
+            group, group, selections, state, min_version, deadline
+        )
+
+    def list_rows(
+        self,
+        group: str,
+        table: str,
+        page_token: str,
+        page_size: int,
+        values: bool,
+        state: bool,
+        deadline: Deadline,
+    ) -> Op[RowsPage]:
+        return self.core._list_rows_op(
+            group, table, page_token, page_size, values, state, deadline
+        )
+
+    def join(
+        self, group: str, worker_id: str, deadline: Deadline
+    ) -> Op[tuple[Targets, LeaseInfo]]:
+        req = pb.JoinGroupRequest(group=group, worker_id=worker_id)
+        return [(0, group)], lease_info((yield from _unary("JoinGroup", req, deadline)))
+
+    def leave(self, group: str, worker_id: str, deadline: Deadline) -> Op[LeaseInfo]:
+        req = pb.LeaveGroupRequest(group=group, worker_id=worker_id)
+        return lease_info((yield from _unary("LeaveGroup", req, deadline)))
+
+
+class Cluster:
+    """Each call to the parts of its group, on their shards."""
+
+    def __init__(self, core: ClusterHost) -> None:
+        self.core = core
+
+    def create(
+        self,
+        req: pb.CreateGroupRequest,
+        names: list[str],
+        arrays: list[Array],
+        state_arrays: list[Array],
+        deadline: Deadline,
+        table_arrays: Sequence[Sequence[Array]],
+    ) -> Op[GroupInfo]:
+        if req.tables:
+            return _ids_cluster.create_group(
+                self.core, req, names, table_arrays, deadline
+            )
+        return _sharded.create_group(
+            self.core, req, names, arrays, state_arrays, deadline
+        )
+
+    def describe(self, name: str, deadline: Deadline) -> Op[GroupInfo]:
+        return _sharded.describe_group(self.core, name, deadline)
+
+    def list_groups(self, prefix: str, deadline: Deadline) -> Op[list[GroupInfo]]:
+        return _sharded.list_groups(self.core, prefix, deadline)
+
+    def delete(self, name: str, deadline: Deadline) -> Op[bool]:
+        self.core._pending.forget(name)  # its parts are deleted: nothing to finish
+        return _sharded.delete_group(self.core, name, deadline)
+
+    def set_learning_rate(
+        self, name: str, learning_rate: float, deadline: Deadline
+    ) -> Op[GroupInfo]:
+        return _sharded.set_learning_rate(self.core, name, learning_rate, deadline)
+
+    def push(
+        self,
+        req: pb.PushRequest,
+        arrays: list[Array],
+        deadline: Deadline,
+        out: Sequence[Array] | None,
+    ) -> Op[PushResult]:
+        # The parts' X is joined from their replies (push_detailed then copies it
+        # into ``out``).
+        return _sharded.push(self.core, req, arrays, deadline)
+
+    def pull(
+        self,
+        group: str,
+        state: bool,
+        min_version: int | None,
+        deadline: Deadline,
+        encoding: Encoding,
+        out: Sequence[Array] | None,
+        allow_apart: bool,
+    ) -> Op[tuple[int, list[Array]]]:
+        # The parts' X is joined (pull then copies it into ``out``).
+        return _sharded.pull(
+            self.core, group, state, min_version, deadline, encoding, allow_apart
+        )
+
+    def save(self, deadline: Deadline) -> Op[SaveInfo]:
+        """Every shard writes a snapshot; their paths joined with ", " in shard
+        order."""
+        replies = yield from _sharded.save(self.core, deadline)
+        return SaveInfo(
+            ", ".join(m.path for m in replies),
+            sum(m.groups for m in replies),
+            sum(m.bytes for m in replies),
+        )
+
+    def push_rows(
+        self,
+        group: str,
+        gradients: Mapping[str, Any],
+        base_version: int | None,
+        learning_rate: float | None,
+        deadline: Deadline,
+        encoding: Encoding,
+    ) -> Op[PushResult]:
+        return _rowsplit.push_rows(
+            self.core, group, gradients, base_version, learning_rate, deadline, encoding
+        )
+
+    def pull_rows(
+        self,
+        group: str,
+        selections: Mapping[str, Any],
+        state: bool,
+        min_version: int | None,
+        deadline: Deadline,
+    ) -> Op[dict[str, Array]]:
+        return _rowsplit.pull_rows(
+            self.core, group, selections, state, min_version, deadline
+        )
+
+    def list_rows(
+        self,
+        group: str,
+        table: str,
+        page_token: str,
+        page_size: int,
+        values: bool,
+        state: bool,
+        deadline: Deadline,
+    ) -> Op[RowsPage]:
+        core = self.core
+        found = yield from _sharded.layout(core, group, deadline)
+        if _ids_cluster.is_ids_layout(found):
+            return (
+                yield from _ids_cluster.list_rows(
+                    core, found, table, page_token, page_size, values, state, deadline
+                )
+            )
+        if len(found.parts) != 1:
+            raise InvalidArgumentError(
+                f"group {group!r} has no ids tables: it is split into "
+                f"{len(found.parts)} parts of fixed tensors, and list_rows lists the "
+                "ids of an ids table",
+                reason="UNKNOWN_TENSOR",
+                metadata={"group": group},
+            )
+        (part,) = found.parts
+        op = core._list_rows_op(
+            part.name, table, page_token, page_size, values, state, deadline
+        )
+        return (yield from on_shard(part.shard, op))
+
+    def join(
+        self, group: str, worker_id: str, deadline: Deadline
+    ) -> Op[tuple[Targets, LeaseInfo]]:
+        """Join every part of a group: its parts, and the lease as the first part
+        answered it."""
+        targets = yield from _sharded.part_targets(self.core, group, deadline)
+        reply = yield from _sharded.leases(
+            self.core, "JoinGroup", targets, worker_id, deadline
+        )
+        return targets, lease_info(reply)
+
+    def leave(self, group: str, worker_id: str, deadline: Deadline) -> Op[LeaseInfo]:
+        """Leave every part of a group; the lease as the first part answered."""
+        targets = yield from _sharded.part_targets(self.core, group, deadline)
+        reply = yield from _sharded.leases(
+            self.core, "LeaveGroup", targets, worker_id, deadline
+        )
+        return lease_info(reply)
