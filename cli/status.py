@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "address",
         help="host:port of the server (port 50051 when omitted), or of every "
-        "shard of a cluster in shard order, comma-separated",
+        "shard of a cluster in shard order, comma-separated, or "
+        "etcd://HOST:PORT/PREFIX of a replicated cluster",
     )
     p.add_argument("--prefix", default="", help="only groups whose name starts so")
     add_connection_arguments(p, timeout=3.0)
@@ -179,12 +180,35 @@ def shard_rows(ps: Client, prefix: str, timeout: float) -> list[tuple[str, ...]]
     return rows
 
 
+REPLICA_COLUMNS = ("SHARD", "MEMBER", "ADDRESS", "ROLE", "TERM", "LSN", "LAG", "SYNC")
+
+
+def replica_rows(url: str, timeout: float) -> list[tuple[str, ...]]:
+    """A replicated cluster's members from etcd (docs/cluster.md)."""
+    from onnxps.client._discovery import Discovery
+
+    return [
+        (
+            str(m["shard"]),
+            m["member"],
+            m["address"],
+            m["role"],
+            str(m["term"]),
+            str(m["lsn"]),
+            "-" if m["lag"] is None else str(m["lag"]),
+            "yes" if m["sync"] else "-",
+        )
+        for m in Discovery(url).replicas(timeout)
+    ]
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Print the table; 1 with a message on stderr when the server cannot be asked
     (a cluster: when a shard cannot; the shard table says which)."""
     out = out or sys.stdout
     roots = read_tls_ca("onnxps status", args.tls_ca)
-    target = parse_target(args.address)
+    replicated = args.address.startswith("etcd://")
+    target = args.address if replicated else parse_target(args.address)
     shards: list[tuple[str, ...]] = []
     try:
         with Client(
@@ -219,4 +243,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             print(line, file=out)
         print(file=out)
         print(format_table(shards, SHARD_COLUMNS, frozenset({0})), file=out)
+    if replicated:
+        try:
+            replicas = replica_rows(args.address, args.timeout)
+        except (OSError, LookupError) as exc:
+            fail("onnxps status", f"{args.address}: {exc}")
+        print(file=out)
+        print(
+            format_table(replicas, REPLICA_COLUMNS, frozenset({0, 4, 5, 6})), file=out
+        )
     return 0

@@ -12,6 +12,7 @@ wait).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
@@ -21,6 +22,7 @@ import numpy as np
 from onnxps.wire.encoding import EncodingRangeError
 
 from ._datachannel import ChannelBroken
+from ._discovery import follows
 from ._errors import ClientClosedError, RpcError, surfaced
 from ._ops import (
     Blocking,
@@ -170,18 +172,45 @@ class AsyncClient(ClientCore):
         if isinstance(effect, Blocking):
             return await asyncio.to_thread(effect.fn)
         shard = effect.shard or 0
-        fn = self._method(effect.method, shard)
-        timeout = effect.deadline.remaining()
-        try:
-            call = fn(effect.request(), timeout=timeout, metadata=self._metadata(shard))
-            if effect.reader is None:
-                return await call
-            reader = effect.reader()
-            async for msg in call:
-                reader.add(msg)
-            return reader.finish()
-        except grpc.RpcError as exc:
-            raise effect.error(exc) from None
+        while True:
+            fn = self._method(effect.method, shard)
+            timeout = effect.deadline.remaining()
+            try:
+                call = fn(
+                    effect.request(), timeout=timeout, metadata=self._metadata(shard)
+                )
+                if effect.reader is None:
+                    return await call
+                reader = effect.reader()
+                async for msg in call:
+                    reader.add(msg)
+                return reader.finish()
+            except grpc.RpcError as exc:
+                error = effect.error(exc)
+                if not await self._followed(shard, error, effect.deadline):
+                    raise error from None
+
+    async def _followed(self, shard: int, error: Exception, deadline: Any) -> bool:
+        """As ``Client._followed``: a replicated cluster's shard refused with
+        NOT_PRIMARY or UNAVAILABLE; point it at the primary etcd names (True:
+        resend)."""
+        discovery = self._discovery
+        if discovery is None or deadline.remaining() <= 0.05 or not follows(error):
+            return False
+        await asyncio.sleep(min(0.05, deadline.remaining() / 2))
+        end = time.monotonic() + max(0.0, deadline.remaining() - 0.05)
+        address = await asyncio.to_thread(discovery.primary, shard, end)
+        if address is None:
+            return False
+        if self.addresses[shard] != address:
+            self.addresses[shard] = address
+            self.address = ",".join(self.addresses)
+            channel = self._channels.pop(shard, None)
+            for key in [k for k in self._callables if k[0] == shard]:
+                del self._callables[key]
+            if channel is not None:
+                await channel.close(None)
+        return True
 
     async def _transfer(self, t: Transfer) -> tuple[Any, Any]:
         """A unary call in flight while a worker thread moves its frames across

@@ -16,6 +16,7 @@ from onnxps.wire.encoding import EncodingRangeError
 
 from ._cluster import fan_out
 from ._datachannel import ChannelBroken
+from ._discovery import follows
 from ._errors import ClientClosedError, RpcError, surfaced
 from ._ops import (
     Blocking,
@@ -207,20 +208,47 @@ class Client(ClientCore):
         if isinstance(effect, Parallel):
             return fan_out([functools.partial(self._run, op) for op in effect.ops])
         shard = effect.shard or 0
-        fn = self._method(effect.method, shard)
-        timeout = effect.deadline.remaining()
-        try:
-            reply = fn(
-                effect.request(), timeout=timeout, metadata=self._metadata(shard)
-            )
-            if effect.reader is None:
-                return reply
-            reader = effect.reader()
-            for msg in reply:
-                reader.add(msg)
-            return reader.finish()
-        except grpc.RpcError as exc:
-            raise effect.error(exc) from None
+        while True:
+            fn = self._method(effect.method, shard)
+            timeout = effect.deadline.remaining()
+            try:
+                reply = fn(
+                    effect.request(), timeout=timeout, metadata=self._metadata(shard)
+                )
+                if effect.reader is None:
+                    return reply
+                reader = effect.reader()
+                for msg in reply:
+                    reader.add(msg)
+                return reader.finish()
+            except grpc.RpcError as exc:
+                error = effect.error(exc)
+                if not self._followed(shard, error, effect.deadline):
+                    raise error from None
+
+    def _followed(self, shard: int, error: Exception, deadline: Deadline) -> bool:
+        """A replicated cluster's shard answered NOT_PRIMARY or UNAVAILABLE: wait for
+        its primary in etcd and point the shard's channel there (True: resend)."""
+        if self._discovery is None or deadline.remaining() <= 0.05:
+            return False
+        if not follows(error):
+            return False
+        time.sleep(min(0.05, deadline.remaining() / 2))
+        end = time.monotonic() + max(0.0, deadline.remaining() - 0.05)
+        address = self._discovery.primary(shard, end)
+        if address is None:
+            return False
+        with self._lock:
+            if self.addresses[shard] != address:
+                self.addresses[shard] = address
+                self.address = ",".join(self.addresses)
+                channel = self._channels.pop(shard, None)
+                self._stubs.pop(shard, None)
+                for key in [k for k in self._callables if k[0] == shard]:
+                    del self._callables[key]
+                if channel is not None:
+                    channel.close()
+        return True
 
     def _transfer(self, t: Transfer) -> tuple[Any, Any]:
         """A unary call in flight while its frames cross the data channel."""

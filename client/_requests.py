@@ -42,6 +42,7 @@ from onnxps.wire.shm import layout
 
 from ._channel_transport import DataChannelLink, DataChannelMode
 from ._cluster import Layout
+from ._discovery import Discovery, is_coordinator
 from ._errors import ClientClosedError, RpcError
 from ._grpc_transport import (
     Transport,
@@ -168,6 +169,11 @@ class ClientCore(RowsOps):
         data_channel: DataChannelMode = "auto",
         **unexpected: NoReturn,
     ) -> None:
+        # A replicated cluster (docs/cluster.md): its primaries from etcd.
+        self._discovery = None
+        if isinstance(address, str) and is_coordinator(address):
+            self._discovery = Discovery(address)
+            address = self._discovery.addresses(timeout)
         check_client_arguments(
             type(self).__name__,
             address,
@@ -224,6 +230,13 @@ class ClientCore(RowsOps):
                 f"{data_channel!r}"
             )
         self.data_channel: DataChannelMode = data_channel
+        if self._discovery is not None:
+            # A segment or a data channel is bound to one server: a call resent to
+            # a new primary goes over gRPC (docs/cluster.md "Replicated shards").
+            if self.shared_memory == "auto":
+                self.shared_memory = "off"
+            if self.data_channel == "auto":
+                self.data_channel = "off"
         # The links of the transports that keep state (see ``_transport``)
         # per server (a cluster: per shard, each with its own hello and segments)
         self._shm_links: dict[int, SharedMemoryLink] = {}

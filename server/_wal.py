@@ -236,7 +236,11 @@ class WriteAheadLog:
         self._thread.start()
 
     # -- the Journal protocol -------------------------------------------------------
-    def log(self, record: dict[str, Any], arrays: Sequence[Array]) -> int:
+    def log(
+        self, record: dict[str, Any], arrays: Sequence[Array], lsn: int | None = None
+    ) -> int:
+        """Queue ``record``; its lsn is the next one, or ``lsn`` (a standby's copy of
+        its primary's record keeps the primary's number; it must be above the last)."""
         arrays = [c_order(a) for a in arrays]
         with self._cv:
             if self._broken is not None:
@@ -246,7 +250,11 @@ class WriteAheadLog:
                     "the write-ahead log is closed: the server is shutting down; "
                     "retry once it is back"
                 )
-            self._last += 1
+            if lsn is not None and lsn <= self._last:
+                raise ValueError(
+                    f"record {lsn} is not after the last one, {self._last}"
+                )
+            self._last = self._last + 1 if lsn is None else lsn
             lsn = self._last
             header = {
                 **record,

@@ -221,6 +221,49 @@ class ServerConfig:
         group="cluster",
         none="a single server, not a shard",
     )
+    coordinator: str | None = _option(
+        None,
+        "replicate this shard: etcd://HOST:PORT[,HOST:PORT]/PREFIX; the servers of "
+        "one prefix and --shard index elect a primary and ship it the write-ahead "
+        "log (needs --durability wal and --shard; pip install 'onnxps[replication]')",
+        group="replication",
+        none="not replicated",
+    )
+    sync_replicas: int = _option(
+        1,
+        "with --coordinator: standbys that must hold a change before the primary "
+        "acknowledges it (fewer following: changes are refused)",
+        group="replication",
+    )
+    sync_policy: str = _option(
+        "refuse",
+        "with --coordinator, when fewer than --sync-replicas standbys follow: refuse "
+        "changes, or lower the count to those following and acknowledge (logged; "
+        "the sync key in etcd names only those, so no acknowledged push is lost "
+        "at a promotion)",
+        choices=("refuse", "lower"),
+        group="replication",
+    )
+    lease_ttl: int = _option(
+        3,
+        "with --coordinator: seconds of the primary's etcd lease (a failover takes "
+        "about this long)",
+        group="replication",
+    )
+    member_id: str | None = _option(
+        None,
+        "with --coordinator: this server's name in its replica set, stable across "
+        "restarts (default: host name and port)",
+        group="replication",
+        none="host name and port",
+    )
+    replication_token: str | None = _option(
+        None,
+        "with --coordinator and --tokens-file: the token (role replication or admin) "
+        "a standby presents to its primary; best set as ONNXPS_REPLICATION_TOKEN",
+        group="replication",
+        none="no token",
+    )
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -372,6 +415,7 @@ class ServerHandle:
     unix_socket: UnixSocket | None = None
     data_channels: DataChannels | None = None
     stall: StallWatch | None = None
+    replication: Any = None  # onnxps.server.replication.Replication
     _stopped: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -406,6 +450,12 @@ class ServerHandle:
             self.data_channels.start()
         if self.durability is not None:
             self.durability.start_periodic(self.config.snapshot_interval)
+        if self.replication is not None:
+            try:
+                self.replication.start(self.address)
+            except BaseException:
+                self.stop(grace=0)
+                raise
         _set_health(self.health, _SERVING)
         log.info("onnxps listening on %s", self.address)
         return self
@@ -422,6 +472,8 @@ class ServerHandle:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self.replication is not None:
+            self.replication.stop()  # a primary resigns: a standby takes over now
         end = None if grace is None else time.monotonic() + grace
         self.health.enter_graceful_shutdown()
         self.gate.close()
@@ -597,6 +649,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     # A crash between a sync step's last push record and the step's own record leaves
     # a full quorum pending after replay: take such steps before serving anything.
     store.reap_leases()
+    replication = _replication(config, shard, store, durability, recorder.registry)
     metrics = None
     shared_memory = SharedMemory(enabled=config.shared_memory == "on")
     unix_socket = None
@@ -618,6 +671,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             gradient_pool=gradient_pool,
             shared_memory=shared_memory,
             data_channels=data_channels,
+            replicate=_replicate_of(replication),
         )
         add_servicer(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -652,7 +706,47 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         unix_socket=unix_socket,
         data_channels=data_channels,
         stall=stall,
+        replication=replication,
     )
+
+
+def _replication(
+    config: ServerConfig,
+    shard: Any,
+    store: ParameterStore,
+    durability: Durability | None,
+    registry: Any,
+) -> Any:
+    """The replica set part (None without --coordinator; imported only then), its
+    metrics registered in ``registry`` (when serving metrics)."""
+    if not config.coordinator:
+        return None
+    from .replication import Replication, ReplicationConfig, parse_coordinator
+
+    if shard is None:
+        raise ConfigError("--coordinator needs --shard INDEX/COUNT (e.g. 0/1)")
+    replication = Replication(
+        ReplicationConfig(
+            parse_coordinator(config.coordinator),
+            shard,
+            sync_replicas=config.sync_replicas,
+            sync_policy=config.sync_policy,
+            lease_ttl=config.lease_ttl,
+            member_id=config.member_id,
+            max_message_bytes=config.max_message_bytes,
+            token=config.replication_token,
+        ),
+        store,
+        durability,
+    )
+    if registry is not None:
+        registry.register(replication.collector())
+    return replication
+
+
+def _replicate_of(replication: Any) -> Any:
+    """The Replicate stream's handler (None: the server answers NOT_REPLICATED)."""
+    return None if replication is None else replication.replicate
 
 
 def _bind(

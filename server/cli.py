@@ -137,6 +137,7 @@ GROUPS = {
     "memory": "state and buffers the server holds",
     "training": "workers of sync groups",
     "cluster": "sharding (docs/cluster.md)",
+    "replication": "replicated shards on etcd (docs/cluster.md)",
     "observability": "logs, metrics and health (docs/metrics.md)",
     "other": "other settings",
 }

@@ -32,7 +32,7 @@ from ._snapshot import (
     read_manifest,
     write_snapshot,
 )
-from ._wal import LogReader, WriteAheadLog, segment_paths
+from ._wal import LogReader, WriteAheadLog, fsync_dir, segment_paths
 from .errors import DomainError, FailedPrecondition, NotFound
 from .store import ParameterStore
 
@@ -265,6 +265,55 @@ class Durability:
                 now,
                 now,
             )
+
+    # -- replication (onnxps.server.replication) -------------------------------------
+    def apply(self, header: dict[str, Any], arrays: list[np.ndarray[Any, Any]]) -> None:
+        """Apply one record shipped by a replicated shard's primary (as replay)."""
+        self._apply(header, arrays)
+
+    def adopt_snapshot(self, received: str) -> tuple[int, dict[str, int]]:
+        """Make the snapshot directory ``received`` this server's whole state (a
+        standby catching up): every group is dropped, the snapshots and the log are
+        replaced, the snapshot is restored, and the log starts again after it.
+        Returns the snapshot's wal lsn and covered lsn per group.
+
+        Until it is done the directory holds ``ADOPTING`` (``adopting`` is True):
+        a server that crashed meanwhile restarts with a partial state and knows it.
+        """
+        with self._lock:
+            marker = os.path.join(self.root, "ADOPTING")
+            with open(marker, "wb") as f:
+                os.fsync(f.fileno())
+            fsync_dir(self.root)
+            if self.journal is not None:
+                self.journal.close()
+                self.journal = None
+            for view in self.store.groups():
+                self.store.replay_delete(view.name)
+            shutil.rmtree(self.snap_dir, ignore_errors=True)
+            shutil.rmtree(self.wal_dir, ignore_errors=True)
+            os.makedirs(self.wal_dir)
+            os.makedirs(self.snap_dir)
+            os.rename(received, os.path.join(self.snap_dir, os.path.basename(received)))
+            wal_lsn, covered = self._restore()
+            # Records after wal_lsn follow from the primary (a group's covered ones
+            # too: logged, not applied again), so the log goes on right after it.
+            next_lsn = wal_lsn + 1
+            if self.mode == "wal":
+                self.journal = WriteAheadLog(
+                    self.wal_dir, next_lsn, self._on_wal_error, self._on_wal_recover
+                )
+            else:
+                self._base_lsn = next_lsn - 1
+            self._signature = self._current_signature()
+            os.unlink(marker)
+            fsync_dir(self.root)
+            return wal_lsn, covered
+
+    @property
+    def adopting(self) -> bool:
+        """A snapshot adoption began and has not finished (see ``adopt_snapshot``)."""
+        return os.path.exists(os.path.join(self.root, "ADOPTING"))
 
     # -- snapshots ------------------------------------------------------------------
     def snapshot(self, force: bool = True) -> SaveResult | None:

@@ -74,7 +74,15 @@ _WRITE = _READ | {
     "LeaveGroup",
 }
 _ADMIN = _WRITE | {"CreateGroup", "CreateGroupStream", "DeleteGroup", "Save"}
-ROLES: dict[str, frozenset[str]] = {"read": _READ, "write": _WRITE, "admin": _ADMIN}
+# A standby of a replicated shard follows its primary's log: the whole state, so
+# admin, or a token that may do that and nothing else.
+_REPLICATION = frozenset({"Replicate"})
+ROLES: dict[str, frozenset[str]] = {
+    "read": _READ,
+    "write": _WRITE,
+    "admin": _ADMIN | _REPLICATION,
+    "replication": _REPLICATION,
+}
 # Methods that name no group: any prefix may call them (if the role allows).
 _GROUPLESS = frozenset(
     {
@@ -82,6 +90,7 @@ _GROUPLESS = frozenset(
         "Apply",
         "ApplyStream",
         "Save",
+        "Replicate",
         "SharedMemoryHello",
         "DataChannelHello",
     }

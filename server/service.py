@@ -8,17 +8,46 @@ over the parts in ``_rpc.RpcFamily``; the servicer is their union.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
-from ._rpc import add_servicer
+from ._rpc import add_servicer, streaming
 from ._rpc_groups import GroupRpcs
 from ._rpc_rows import RowRpcs
 from ._rpc_tensors import TensorRpcs
+from .errors import FailedPrecondition
 
-__all__ = ["ParameterServerServicer", "add_servicer"]
+__all__ = ["ParameterServerServicer", "Replicate", "add_servicer"]
+
+# The Replicate stream's handler (onnxps.server.replication): requests in, replies out.
+Replicate = Callable[
+    [Iterable[pb.ReplicateRequest], Any], Iterator[pb.ReplicateResponse]
+]
 
 
 class ParameterServerServicer(
     GroupRpcs, TensorRpcs, RowRpcs, pb_grpc.ParameterServerServiceServicer
 ):
     """Every RPC of ``onnxps.v1.ParameterServerService``."""
+
+    def __init__(
+        self, *args: Any, replicate: Replicate | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        # A replicated shard's log shipping (none without --coordinator).
+        self._replicate = replicate
+
+    @streaming
+    def Replicate(
+        self, request_iterator: Iterable[pb.ReplicateRequest], context: Any
+    ) -> Iterator[pb.ReplicateResponse]:
+        if self._replicate is None:
+            raise FailedPrecondition(
+                "this server is not part of a replicated shard (it was started "
+                "without --coordinator)",
+                reason="NOT_REPLICATED",
+            )
+        yield from self._replicate(request_iterator, context)

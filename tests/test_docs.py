@@ -87,9 +87,9 @@ def documented_roles() -> dict[str, set[str]]:
 
 def test_the_role_table_names_every_rpc_as_the_server_enforces_it() -> None:
     rpcs = proto_rpcs()
-    assert {"Push", "PushRows", "DataChannelHello"} <= rpcs and len(rpcs) == 22
+    assert {"Push", "PushRows", "DataChannelHello"} <= rpcs and len(rpcs) == 23
     roles = documented_roles()
-    assert sorted(roles) == ["admin", "read", "write"]
+    assert sorted(roles) == ["admin", "read", "replication", "write"]
     assert roles["admin"] == rpcs  # admin may call everything, so every RPC is named
     for role, calls in roles.items():
         assert calls == set(ROLES[role]), role

@@ -52,6 +52,7 @@ def test_stubs_serve_the_package_named_in_the_proto() -> None:
         "ListRows",
         "SharedMemoryHello",
         "DataChannelHello",
+        "Replicate",
     ]
 
 

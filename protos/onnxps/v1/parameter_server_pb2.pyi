@@ -2517,3 +2517,218 @@ class DataTransfer(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DataTransfer: _TypeAlias = DataTransfer  # noqa: Y015
+
+@_typing.final
+class ReplicateRequest(_message.Message):
+    """A standby of a replicated shard following its primary (Replicate). The
+    first message is a hello; the standby then acknowledges the log records it
+    holds durably.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HELLO_FIELD_NUMBER: _builtins.int
+    ACK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def hello(self) -> Global___ReplicateHello:
+        """The standby's identity, sent first."""
+
+    @_builtins.property
+    def ack(self) -> Global___ReplicateAck:
+        """Every record up to this lsn is durable on the standby."""
+
+    def __init__(
+        self,
+        *,
+        hello: Global___ReplicateHello | None = ...,
+        ack: Global___ReplicateAck | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "hello", b"hello", "part", b"part"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "hello", b"hello", "part", b"part"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["hello", "ack"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___ReplicateRequest: _TypeAlias = ReplicateRequest  # noqa: Y015
+
+@_typing.final
+class ReplicateHello(_message.Message):
+    """Who is following."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMBER_ID_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    member_id: _builtins.str
+    """The standby's member id in the coordinator."""
+    term: _builtins.int
+    """The term (epoch) the standby believes current: a primary of an older term
+    refuses the stream.
+    """
+    address: _builtins.str
+    """The standby's client address, for status and logs."""
+    def __init__(
+        self,
+        *,
+        member_id: _builtins.str = ...,
+        term: _builtins.int = ...,
+        address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "member_id", b"member_id", "term", b"term"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicateHello: _TypeAlias = ReplicateHello  # noqa: Y015
+
+@_typing.final
+class ReplicateAck(_message.Message):
+    """A standby's acknowledgement."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LSN_FIELD_NUMBER: _builtins.int
+    lsn: _builtins.int
+    """Every record with an lsn up to this one is durable on the standby."""
+    def __init__(
+        self,
+        *,
+        lsn: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lsn", b"lsn"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicateAck: _TypeAlias = ReplicateAck  # noqa: Y015
+
+@_typing.final
+class ReplicateResponse(_message.Message):
+    """What a primary sends its standby: a snapshot (files, then its end), then
+    write-ahead log records in lsn order.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TERM_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_CHUNK_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_DONE_FIELD_NUMBER: _builtins.int
+    RECORD_FIELD_NUMBER: _builtins.int
+    term: _builtins.int
+    """The primary's term: a standby refuses messages of an older term."""
+    @_builtins.property
+    def snapshot_chunk(self) -> Global___ReplicaSnapshotChunk:
+        """A piece of a snapshot file (docs/FORMAT.md, "Snapshot")."""
+
+    @_builtins.property
+    def snapshot_done(self) -> Global___ReplicaSnapshotDone:
+        """The snapshot is complete: install it, then apply the records after it."""
+
+    @_builtins.property
+    def record(self) -> Global___ReplicaRecord:
+        """One write-ahead log record as a WAL frame (docs/FORMAT.md)."""
+
+    def __init__(
+        self,
+        *,
+        term: _builtins.int = ...,
+        snapshot_chunk: Global___ReplicaSnapshotChunk | None = ...,
+        snapshot_done: Global___ReplicaSnapshotDone | None = ...,
+        record: Global___ReplicaRecord | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["part", b"part", "record", b"record", "snapshot_chunk", b"snapshot_chunk", "snapshot_done", b"snapshot_done"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["part", b"part", "record", b"record", "snapshot_chunk", b"snapshot_chunk", "snapshot_done", b"snapshot_done", "term", b"term"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["snapshot_chunk", "snapshot_done", "record"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___ReplicateResponse: _TypeAlias = ReplicateResponse  # noqa: Y015
+
+@_typing.final
+class ReplicaSnapshotChunk(_message.Message):
+    """A piece of one snapshot file."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The file's name inside the snapshot directory."""
+    offset: _builtins.int
+    """Where this piece starts in the file."""
+    data: _builtins.bytes
+    """The bytes."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "name", b"name", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaSnapshotChunk: _TypeAlias = ReplicaSnapshotChunk  # noqa: Y015
+
+@_typing.final
+class ReplicaSnapshotDone(_message.Message):
+    """The end of a snapshot."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAL_LSN_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    wal_lsn: _builtins.int
+    """Every record with lsn <= wal_lsn is in the snapshot."""
+    generation: _builtins.int
+    """The snapshot's generation on the primary."""
+    def __init__(
+        self,
+        *,
+        wal_lsn: _builtins.int = ...,
+        generation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "wal_lsn", b"wal_lsn"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaSnapshotDone: _TypeAlias = ReplicaSnapshotDone  # noqa: Y015
+
+@_typing.final
+class ReplicaRecord(_message.Message):
+    """One log record."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LSN_FIELD_NUMBER: _builtins.int
+    FRAME_FIELD_NUMBER: _builtins.int
+    lsn: _builtins.int
+    """Its log sequence number."""
+    frame: _builtins.bytes
+    """The frame: magic, lengths, CRC-32, JSON header, body (docs/FORMAT.md)."""
+    def __init__(
+        self,
+        *,
+        lsn: _builtins.int = ...,
+        frame: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frame", b"frame", "lsn", b"lsn"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaRecord: _TypeAlias = ReplicaRecord  # noqa: Y015

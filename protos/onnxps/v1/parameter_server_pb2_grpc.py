@@ -145,6 +145,11 @@ class ParameterServerServiceStub:
                 request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.DataChannelHelloRequest.SerializeToString,
                 response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.DataChannelHelloResponse.FromString,
                 _registered_method=True)
+        self.Replicate = channel.stream_stream(
+                '/onnxps.v1.ParameterServerService/Replicate',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ReplicateResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServiceServicer:
@@ -310,6 +315,16 @@ class ParameterServerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replicate(self, request_iterator, context):
+        """Replicated shards: a standby follows the primary's write-ahead log (a
+        snapshot, then every record; the standby acknowledges what it holds
+        durably). Admin or replication role. Refused with FAILED_PRECONDITION
+        (NOT_PRIMARY) by a server that is not its shard's primary.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -422,6 +437,11 @@ def add_ParameterServerServiceServicer_to_server(servicer, server):
                     servicer.DataChannelHello,
                     request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.DataChannelHelloRequest.FromString,
                     response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.DataChannelHelloResponse.SerializeToString,
+            ),
+            'Replicate': grpc.stream_stream_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ReplicateRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ReplicateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1019,6 +1039,33 @@ class ParameterServerService:
             '/onnxps.v1.ParameterServerService/DataChannelHello',
             onnxps_dot_v1_dot_parameter__server__pb2.DataChannelHelloRequest.SerializeToString,
             onnxps_dot_v1_dot_parameter__server__pb2.DataChannelHelloResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/onnxps.v1.ParameterServerService/Replicate',
+            onnxps_dot_v1_dot_parameter__server__pb2.ReplicateRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.ReplicateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -106,6 +106,12 @@ class ParameterServerServiceStub:
     """Ask for a data channel for tensor bytes (refused with FAILED_PRECONDITION
     when the server has none: the client then sends bytes over gRPC).
     """
+    Replicate: _grpc.StreamStreamMultiCallable[_parameter_server_pb2.ReplicateRequest, _parameter_server_pb2.ReplicateResponse]
+    """Replicated shards: a standby follows the primary's write-ahead log (a
+    snapshot, then every record; the standby acknowledges what it holds
+    durably). Admin or replication role. Refused with FAILED_PRECONDITION
+    (NOT_PRIMARY) by a server that is not its shard's primary.
+    """
 
 @_typing.type_check_only
 class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
@@ -164,6 +170,12 @@ class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
     DataChannelHello: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.DataChannelHelloRequest, _parameter_server_pb2.DataChannelHelloResponse]  # type: ignore[assignment]
     """Ask for a data channel for tensor bytes (refused with FAILED_PRECONDITION
     when the server has none: the client then sends bytes over gRPC).
+    """
+    Replicate: _aio.StreamStreamMultiCallable[_parameter_server_pb2.ReplicateRequest, _parameter_server_pb2.ReplicateResponse]  # type: ignore[assignment]
+    """Replicated shards: a standby follows the primary's write-ahead log (a
+    snapshot, then every record; the standby acknowledges what it holds
+    durably). Admin or replication role. Refused with FAILED_PRECONDITION
+    (NOT_PRIMARY) by a server that is not its shard's primary.
     """
 
 class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -352,6 +364,18 @@ class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_parameter_server_pb2.DataChannelHelloResponse, _abc.Awaitable[_parameter_server_pb2.DataChannelHelloResponse]]:
         """Ask for a data channel for tensor bytes (refused with FAILED_PRECONDITION
         when the server has none: the client then sends bytes over gRPC).
+        """
+
+    @_abc_1.abstractmethod
+    def Replicate(
+        self,
+        request_iterator: _MaybeAsyncIterator[_parameter_server_pb2.ReplicateRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_parameter_server_pb2.ReplicateResponse], _abc.AsyncIterator[_parameter_server_pb2.ReplicateResponse]]:
+        """Replicated shards: a standby follows the primary's write-ahead log (a
+        snapshot, then every record; the standby acknowledges what it holds
+        durably). Admin or replication role. Refused with FAILED_PRECONDITION
+        (NOT_PRIMARY) by a server that is not its shard's primary.
         """
 
 def add_ParameterServerServiceServicer_to_server(servicer: ParameterServerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

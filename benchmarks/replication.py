@@ -1,0 +1,222 @@
+"""What replication costs and how long a failover takes (issue 23).
+
+    python benchmarks/replication.py [--kills 5] [--rounds 5] [--pushes 200]
+
+Needs etcd (Debian's etcd-server; tests/_etcd.py starts one on free loopback ports).
+
+Part 1, failover: a 3-replica shard (lease TTL 2 s), one client of
+``Client("etcd://...")`` pushing a 1,000-element group in a loop; the primary is
+killed with SIGKILL ``--kills`` times (restarted each time as a standby). Printed: the
+time from the kill to the first push acknowledged by the new primary (median, max).
+
+Part 2, push cost: a 1-replica shard with ``--sync-replicas 0`` and a 2-replica
+shard with ``--sync-replicas 1`` (both ``--durability wal``), one client pushing
+serially, 1,000 elements and 16 MiB float32 Adagrad, in alternating rounds. Printed:
+median push latency per case and the ratio (1 sync standby / 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _etcd import EtcdProcess, etcd_binary, start_etcd  # noqa: E402
+from _procs import clean_env, start_server, stop  # noqa: E402
+from onnxps.client import Adagrad, Client  # noqa: E402
+
+TTL = 2
+
+
+class Shard:
+    def __init__(self, tmp: Path, etcd: EtcdProcess, prefix: str, n: int, k: int):
+        self.tmp, self.etcd, self.prefix, self.k = tmp, etcd, prefix, k
+        self.procs: dict[int, object] = {}
+        self.addresses: dict[int, str] = {}
+        self.starts = 0
+        for i in range(n):
+            self.start(i)
+
+    @property
+    def url(self) -> str:
+        return self.etcd.url(self.prefix)
+
+    def start(self, i: int) -> None:
+        self.starts += 1
+        proc, address = start_server(
+            self.tmp / f"{self.prefix}-{i}-{self.starts}.log",
+            "--durability", "wal",
+            "--data-dir", str(self.tmp / f"{self.prefix}-data{i}"),
+            "--coordinator", self.url,
+            "--shard", "0/1",
+            "--member-id", f"m{i}",
+            "--lease-ttl", str(TTL),
+            "--sync-replicas", str(self.k),
+            "--snapshot-interval", "0",
+            env=clean_env(),
+        )  # fmt: skip
+        self.procs[i], self.addresses[i] = proc, address
+
+    def primary(self, not_: int | None = None, timeout: float = 60) -> int:
+        import etcd3gw
+
+        c = etcd3gw.Etcd3Client(
+            host="127.0.0.1", port=self.etcd.client_port, api_path="/v3/"
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = c.get(f"/{self.prefix}/shards/0/primary")
+            if got:
+                i = int(json.loads(got[0])["member"][1:])
+                if i != not_:
+                    return i
+            time.sleep(0.02)
+        raise RuntimeError("no primary")
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            stop(p)  # type: ignore[arg-type]
+
+
+def _create(url: str, n: int) -> None:
+    with Client(url, timeout=120) as c:
+        c.create_group(
+            "g", Adagrad(), learning_rate=0.1, tensors={"x": np.zeros(n, np.float32)}
+        )
+
+
+def _acked_after(acks: list[tuple[float, str]], t0: float, old: str) -> list[float]:
+    """When pushes were acknowledged after ``t0`` by another server than ``old``."""
+    return [t for t, address in acks if t > t0 and address != old]
+
+
+def failover(tmp: Path, etcd: EtcdProcess, kills: int) -> list[float]:
+    shard = Shard(tmp, etcd, "failover", 3, 1)
+    acks: list[tuple[float, str]] = []  # (when, the server that acknowledged)
+    stop_ = threading.Event()
+    try:
+        shard.primary()
+        _create(shard.url, 1000)
+        g = np.full(1000, 0.01, np.float32)
+
+        def pusher() -> None:
+            with Client(shard.url, timeout=120) as c:
+                while not stop_.is_set():
+                    c.push("g", g)
+                    acks.append((time.monotonic(), c.address))
+
+        t = threading.Thread(target=pusher, daemon=True)
+        t.start()
+        times = []
+        for _ in range(kills):
+            time.sleep(1.0)
+            p = shard.primary()
+            old = shard.addresses[p]
+            n0 = len(acks)
+            shard.procs[p].send_signal(signal.SIGKILL)  # type: ignore[attr-defined]
+            killed = time.monotonic()
+            shard.procs[p].wait()  # type: ignore[attr-defined]
+            shard.primary(not_=p)
+            shard.start(p)
+            deadline = time.monotonic() + 120
+
+            while not (new := _acked_after(acks[n0:], killed, old)):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("no push acknowledged after the kill")
+                time.sleep(0.01)
+            first = min(new)
+            times.append(first - killed)
+            print(f"  kill {len(times)}: {first - killed:.2f} s", flush=True)
+        stop_.set()
+        t.join(timeout=60)
+        return times
+    finally:
+        stop_.set()
+        shard.close()
+
+
+def push_cost(tmp: Path, etcd: EtcdProcess, rounds: int, pushes: int) -> None:
+    shards = {0: Shard(tmp, etcd, "k0", 1, 0), 1: Shard(tmp, etcd, "k1", 2, 1)}
+    try:
+        for s in shards.values():
+            s.primary()
+        sizes = {"1,000 elements": 1000, "16 MiB": 4 << 20}
+        for name, n in sizes.items():
+            group = f"g{n}"
+            grads = np.full(n, 0.01, np.float32)
+            for s in shards.values():
+                with Client(s.url, timeout=120) as c:
+                    c.create_group(
+                        group, Adagrad(), learning_rate=0.1,
+                        tensors={"x": np.zeros(n, np.float32)},
+                    )  # fmt: skip
+            count = pushes if n <= 1000 else max(5, pushes // 20)
+            lat: dict[int, list[float]] = {0: [], 1: []}
+            clients = {k: Client(s.url, timeout=120) for k, s in shards.items()}
+            try:
+                for c in clients.values():
+                    c.push(group, grads)  # warm up
+                for _ in range(rounds):
+                    for k, c in clients.items():
+                        for _ in range(count):
+                            t0 = time.perf_counter()
+                            c.push(group, grads)
+                            lat[k].append(time.perf_counter() - t0)
+            finally:
+                for c in clients.values():
+                    c.close()
+            m0, m1 = statistics.median(lat[0]), statistics.median(lat[1])
+            print(
+                f"  {name}: 0 sync standbys {m0 * 1e3:.2f} ms, 1 sync standby "
+                f"{m1 * 1e3:.2f} ms per push (median of {len(lat[0])}): "
+                f"{m1 / m0:.2f}x",
+                flush=True,
+            )
+    finally:
+        for s in shards.values():
+            s.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kills", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--pushes", type=int, default=200)
+    ap.add_argument("--skip-failover", action="store_true")
+    ap.add_argument("--skip-push-cost", action="store_true")
+    args = ap.parse_args()
+    binary = etcd_binary()
+    if binary is None:
+        print("etcd is not installed: apt-get install -y etcd-server")
+        return 1
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        etcd = start_etcd(binary, tmp)
+        try:
+            if not args.skip_failover:
+                print(f"failover (3 replicas, lease TTL {TTL} s, SIGKILL the primary):")
+                times = failover(tmp, etcd, args.kills)
+                print(
+                    f"  kill -> first acknowledged push on the new primary over "
+                    f"{len(times)} kills: median {statistics.median(times):.2f} s, "
+                    f"max {max(times):.2f} s"
+                )
+            if not args.skip_push_cost:
+                print(f"push cost (serial pushes, {args.rounds} alternating rounds):")
+                push_cost(tmp, etcd, args.rounds, args.pushes)
+        finally:
+            etcd.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Find each shard's primary in etcd (docs/cluster.md "Replicated shards").
+
+``Client("etcd://H:P[,H:P]/PREFIX")`` reads the shard count (``PREFIX/layout``) and
+each shard's primary (``PREFIX/shards/I/primary``, written by the servers' election)
+through etcd's HTTP JSON gateway (``etcd3gw``, the ``replication`` extra). On a
+NOT_PRIMARY or UNAVAILABLE answer the client reads the primary again and resends the
+same request (same seq: the new primary answers a repeat with its first result),
+within the call's deadline.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+__all__ = ["Discovery", "follows", "is_coordinator"]
+
+
+def is_coordinator(address: object) -> bool:
+    return isinstance(address, str) and address.startswith("etcd://")
+
+
+def follows(error: Exception) -> bool:
+    """Whether a call refused so is resent to the shard's primary, read again."""
+    if getattr(error, "reason", None) == "NOT_PRIMARY":
+        return True
+    code = getattr(error, "code", None)
+    return code is not None and getattr(code, "name", "") == "UNAVAILABLE"
+
+
+class Discovery:
+    """The primaries of a replicated cluster, read from etcd."""
+
+    def __init__(self, url: str, timeout: float = 2.0) -> None:
+        parts = urlsplit(url)
+        prefix = "/" + parts.path.strip("/")
+        endpoints = []
+        for hostport in parts.netloc.split(","):
+            host, _, port = hostport.rpartition(":")
+            if not host or not port.isdigit() or prefix == "/":
+                raise ValueError(
+                    f"expected etcd://HOST:PORT[,HOST:PORT]/PREFIX, got {url!r}"
+                )
+            endpoints.append((host.strip("[]"), int(port)))
+        try:
+            import etcd3gw
+        except ImportError as exc:
+            raise ImportError(
+                "Client('etcd://...') needs the etcd client: "
+                "pip install 'onnxps[replication]'"
+            ) from exc
+        self.url = url
+        self.prefix = prefix
+        self._clients = [
+            etcd3gw.Etcd3Client(host=h, port=p, timeout=timeout, api_path="/v3/")
+            for h, p in endpoints
+        ]
+
+    def _get(self, key: str) -> bytes | None:
+        last: Exception | None = None
+        for client in self._clients:
+            try:
+                result = client.post(
+                    client.get_url("/kv/range"),
+                    json={"key": base64.b64encode(key.encode()).decode()},
+                )
+            except Exception as exc:  # noqa: BLE001 - etcd3gw's or requests'
+                last = exc
+                continue
+            kvs = result.get("kvs") or []
+            return base64.b64decode(kvs[0].get("value", "")) if kvs else None
+        raise ConnectionError(f"etcd at {self.url} did not answer: {last!r}")
+
+    def _range(self, prefix: str) -> list[tuple[str, bytes]]:
+        end = bytearray(prefix.encode())
+        end[-1] += 1
+        last: Exception | None = None
+        for client in self._clients:
+            try:
+                result = client.post(
+                    client.get_url("/kv/range"),
+                    json={
+                        "key": base64.b64encode(prefix.encode()).decode(),
+                        "range_end": base64.b64encode(bytes(end)).decode(),
+                    },
+                )
+            except Exception as exc:  # noqa: BLE001 - etcd3gw's or requests'
+                last = exc
+                continue
+            return [
+                (
+                    base64.b64decode(kv["key"]).decode(),
+                    base64.b64decode(kv.get("value", "")),
+                )
+                for kv in result.get("kvs") or []
+            ]
+        raise ConnectionError(f"etcd at {self.url} did not answer: {last!r}")
+
+    def replicas(self, timeout: float) -> list[dict[str, Any]]:
+        """Every member of every shard: ``shard``, ``member``, ``address``, ``role``,
+        ``term``, ``lsn`` (as it last registered), ``lag`` (records behind its
+        shard's primary) and ``sync`` (named a synchronous standby)."""
+        count = self.shard_count(time.monotonic() + timeout)
+        out: list[dict[str, Any]] = []
+        for shard in range(count):
+            base = f"{self.prefix}/shards/{shard}/"
+            keys = dict(self._range(base))
+            sync = json.loads(keys.get(base + "sync", b"{}") or b"{}")
+            members = {
+                k[len(base) + len("members/") :]: json.loads(v)
+                for k, v in keys.items()
+                if k.startswith(base + "members/")
+            }
+            top = max((m["lsn"] for m in members.values()
+                       if m.get("role") == "primary"), default=None)  # fmt: skip
+            for name, m in sorted(members.items()):
+                out.append(
+                    {
+                        "shard": shard,
+                        "member": name,
+                        "address": m["address"],
+                        "role": m["role"],
+                        "term": m["term"],
+                        "lsn": m["lsn"],
+                        "lag": None if top is None else max(0, top - m["lsn"]),
+                        "sync": name in sync.get("standbys", []),
+                    }
+                )
+        return out
+
+    def shard_count(self, deadline: float) -> int:
+        while True:
+            raw = self._get(f"{self.prefix}/layout")
+            if raw is not None:
+                return int(raw)
+            if time.monotonic() >= deadline:
+                raise LookupError(
+                    f"no onnxps cluster under {self.url}: {self.prefix}/layout is "
+                    "missing (no server started with this --coordinator yet)"
+                )
+            time.sleep(0.1)
+
+    def primary(self, shard: int, deadline: float) -> str | None:
+        """The address of ``shard``'s primary; None when none is elected by then."""
+        while True:
+            try:
+                raw = self._get(f"{self.prefix}/shards/{shard}/primary")
+            except ConnectionError:
+                raw = None  # etcd down: ask again until the deadline
+            if raw is not None:
+                info: Any = json.loads(raw)
+                return str(info["address"])
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def addresses(self, timeout: float) -> str | list[str]:
+        """Every shard's primary: one address for one shard, else a list."""
+        deadline = time.monotonic() + timeout
+        count = self.shard_count(deadline)
+        found = []
+        for i in range(count):
+            address = self.primary(i, deadline)
+            if address is None:
+                raise LookupError(
+                    f"shard {i} under {self.url} has no primary (none elected "
+                    f"within {timeout:g} s)"
+                )
+            found.append(address)
+        return found[0] if count == 1 else found

@@ -1,0 +1,220 @@
+"""Replicated shards (issue 23): a shard is a replica set on etcd.
+
+``onnxps serve --durability wal --coordinator etcd://H:P/PREFIX --shard I/N``: the
+servers of one coordinator prefix and shard index elect a primary through etcd
+(``_member``); the primary ships its write-ahead log to the standbys and
+acknowledges a change once ``--sync-replicas`` of them hold it (``_journal``); a
+standby catches up from a snapshot and then applies every record in order
+(``_standby``). Without ``--coordinator`` none of this runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from onnxps.v1 import parameter_server_pb2 as pb
+
+from ..durability import Durability
+from ..errors import Unavailable
+from ..security import ConfigError
+from ..shard import ShardIdentity
+from ..store import ParameterStore
+from ._etcd import CoordinatorAddress, CoordinatorUnavailable, Etcd, parse_coordinator
+from ._journal import NotPrimary, ReplicatedJournal
+from ._member import Keys, Member, MemberConfig, PrimaryInfo, Role
+from ._standby import Follower
+
+__all__ = [
+    "CoordinatorAddress",
+    "CoordinatorUnavailable",
+    "Keys",
+    "NotPrimary",
+    "Replication",
+    "ReplicationConfig",
+    "Role",
+    "exit_process",
+    "parse_coordinator",
+]
+
+log = logging.getLogger("onnxps.replication")
+
+EXIT_DEPOSED = 75  # EX_TEMPFAIL: restart me, I rejoin as a standby
+
+
+def exit_process(why: str) -> None:
+    """What a primary that cannot go on does: exit at once (restarted, it replays its
+    own log and follows the new primary)."""
+    log.critical("exiting (status %d): %s", EXIT_DEPOSED, why)
+    logging.shutdown()
+    os._exit(EXIT_DEPOSED)
+
+
+@dataclass(frozen=True)
+class ReplicationConfig:
+    coordinator: CoordinatorAddress
+    shard: ShardIdentity
+    sync_replicas: int = 1
+    sync_policy: str = "refuse"  # or "lower"
+    lease_ttl: int = 3
+    member_id: str | None = None
+    max_message_bytes: int = 256 << 20
+    token: str | None = None  # presented to the primary by the standby
+
+    @property
+    def ack_timeout(self) -> float:
+        return max(5.0, 3.0 * self.lease_ttl)
+
+
+def member_id_for(address: str) -> str:
+    """The default member id: host name and port (stable across restarts)."""
+    port = address.rsplit(":", 1)[-1]
+    return f"{socket.gethostname()}-{port}"
+
+
+class Replication:
+    """This server's part in its shard's replica set; built by ``create_server``."""
+
+    def __init__(
+        self,
+        config: ReplicationConfig,
+        store: ParameterStore,
+        durability: Durability | None,
+        *,
+        on_fatal: Callable[[str], None] = exit_process,
+    ) -> None:
+        if durability is None or durability.mode != "wal":
+            raise ConfigError(
+                "--coordinator needs --durability wal (a replica set ships its "
+                "write-ahead log) and a --data-dir"
+            )
+        if config.lease_ttl < 2:
+            raise ConfigError(
+                f"--lease-ttl must be at least 2 seconds (etcd's minimum), got "
+                f"{config.lease_ttl}"
+            )
+        if config.sync_replicas < 0:
+            raise ConfigError(
+                f"--sync-replicas must be 0 or more, got {config.sync_replicas}"
+            )
+        self.config = config
+        self.store = store
+        self.durability = durability
+        self._on_fatal = on_fatal
+        self.etcd = Etcd(config.coordinator, timeout=max(0.5, config.lease_ttl / 3))
+        self.member: Member | None = None
+        self.journal: ReplicatedJournal | None = None
+        self.follower: Follower | None = None
+
+    def start(self, address: str) -> None:
+        """Join the replica set, reachable at ``address`` (after the server bound)."""
+        member_id = self.config.member_id or member_id_for(address)
+        durability = self.durability
+        assert durability is not None
+        follower = Follower(
+            durability,
+            member_id=member_id,
+            address=address,
+            term=lambda: 0 if self.member is None else self.member.term,
+            max_message_bytes=self.config.max_message_bytes,
+            token=self.config.token,
+        )
+        member = Member(
+            MemberConfig(
+                self.config.coordinator,
+                self.config.shard,
+                member_id,
+                address,
+                self.config.lease_ttl,
+            ),
+            self.etcd,
+            last_lsn=self._last_lsn,
+            on_promoted=self._promoted,
+            on_primary=follower.follow,
+            on_deposed=self._on_fatal,
+            eligible=self._eligible,
+        )
+        journal = ReplicatedJournal(
+            durability,
+            member,
+            sync_replicas=self.config.sync_replicas,
+            lower=self.config.sync_policy == "lower",
+            ack_timeout=self.config.ack_timeout,
+            on_stuck=self._on_fatal,
+        )
+        self.member, self.follower, self.journal = member, follower, journal
+        self.store.set_journal(journal)
+        follower.start()
+        member.start()
+        log.info(
+            "member %s of shard %s under %s (sync replicas %d, lease %d s)",
+            member_id, self.config.shard, self.config.coordinator,
+            self.config.sync_replicas, self.config.lease_ttl,
+        )  # fmt: skip
+
+    def _eligible(self) -> bool:
+        """Not while (or after a crash while) a snapshot replaces this server's
+        state: it may hold less than it acknowledged before."""
+        return self.durability is not None and not self.durability.adopting
+
+    def _last_lsn(self) -> int:
+        journal = self.durability.journal if self.durability is not None else None
+        return 0 if journal is None else int(journal.last_lsn())
+
+    def _promoted(self, term: int) -> None:
+        """Before acknowledging anything: stop following, finish applying."""
+        assert self.follower is not None
+        self.follower.follow(None)
+        self.follower.idle.wait(30)
+
+    def replicate(
+        self, requests: Iterable[pb.ReplicateRequest], context: Any
+    ) -> Iterator[pb.ReplicateResponse]:
+        if self.journal is None:
+            raise Unavailable("this server is starting: retry")
+        return self.journal.replicate(requests, context)
+
+    def metrics(self) -> dict[str, Any]:
+        """What ``ReplicationCollector`` exports, read now."""
+        member, journal = self.member, self.journal
+        lsn = self._last_lsn()
+        lag: dict[str, int] = {}
+        sync = 0
+        if member is not None and member.role is Role.PRIMARY and journal is not None:
+            status = journal.status()
+            for name, s in status["standbys"].items():
+                if not s["gone"]:
+                    lag[name] = max(0, lsn - int(s["acked"]))
+            sync = len([m for m in status["sync"] if m in lag])
+        return {
+            "role": self.role().value,
+            "term": 0 if member is None else member.term,
+            "lsn": lsn,
+            "failovers": 0 if member is None else member.failovers,
+            "lag": lag,
+            "sync": sync,
+        }
+
+    def collector(self) -> Any:
+        from ._metrics import ReplicationCollector
+
+        return ReplicationCollector(self.metrics)
+
+    def role(self) -> Role:
+        return Role.STOPPED if self.member is None else self.member.role
+
+    def stop(self) -> None:
+        if self.member is not None:
+            self.member.stop(resign=True)
+        if self.follower is not None:
+            self.follower.stop()
+        self.store.set_journal(
+            None if self.durability is None else self.durability.journal
+        )
+
+
+__all__ += ["PrimaryInfo"]

@@ -1,0 +1,420 @@
+"""The primary's side of log shipping: a journal that acknowledges a record only
+once the synchronous standbys hold it, and the ``Replicate`` stream that feeds them.
+
+The store's journal on a replicated shard is a ``ReplicatedJournal`` around the
+write-ahead log. ``log`` refuses a change before anything is written when this
+server is not the primary that may acknowledge (``NOT_PRIMARY``, with the primary's
+address) or when fewer than ``sync_replicas`` synchronous standbys follow it
+(``NOT_ENOUGH_REPLICAS``). ``wait`` returns once the record is durable here and on
+every synchronous standby. A record durable here that cannot be acknowledged (the
+lease was lost, or the standbys did not answer within ``ack_timeout``) leaves this
+server's memory behind its own log: it calls ``on_stuck`` (the server steps down
+and exits; restarted, it replays its log and follows the new primary).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+from onnxps.v1 import parameter_server_pb2 as pb
+
+from .._snapshot import SnapshotError, list_snapshots, read_manifest
+from ..durability import Durability
+from ..errors import FailedPrecondition, Unavailable
+from ._frames import encode_frame, logged_frames
+from ._member import Member, Role
+
+__all__ = ["NotPrimary", "ReplicatedJournal"]
+
+log = logging.getLogger("onnxps.replication")
+
+Array = np.ndarray[Any, Any]
+SNAPSHOT_CHUNK = 1 << 20
+
+
+class NotPrimary(FailedPrecondition, Unavailable):
+    """A write sent to a server that is not its shard's primary.
+
+    Answered FAILED_PRECONDITION (the status table tries that class first); an
+    ``Unavailable`` too, so that the store's own background changes (the lease
+    reaper's sync steps) on a standby are skipped like a log that cannot be
+    written, not fatal to the reaper thread.
+    """
+
+    default_reason = "NOT_PRIMARY"
+
+
+@dataclass
+class _Record:
+    record: dict[str, Any]
+    arrays: Sequence[Array]
+    frame: bytes | None = None
+    failed: bool = False
+    durable: bool = False
+
+
+@dataclass
+class _Standby:
+    member_id: str
+    address: str
+    acked: int = 0
+    syncing: bool = True
+    floor: int = 0  # records after this are kept for it
+    gone: bool = False
+    since: float = field(default_factory=time.monotonic)
+
+
+class ReplicatedJournal:
+    """The store's journal on a replicated shard (see the module's doc)."""
+
+    def __init__(
+        self,
+        durability: Durability,
+        member: Member,
+        *,
+        sync_replicas: int,
+        lower: bool = False,
+        ack_timeout: float,
+        on_stuck: Callable[[str], None],
+    ) -> None:
+        self.durability = durability
+        self.member = member
+        self.sync_replicas = sync_replicas
+        # --sync-policy lower: with fewer standbys following, acknowledge with those
+        self.lower = lower
+        self._lowered = False
+        self.ack_timeout = ack_timeout
+        self._on_stuck = on_stuck
+        self._cv = threading.Condition()
+        self._records: dict[int, _Record] = {}
+        self._standbys: dict[str, _Standby] = {}
+        self._sync: list[str] = []
+        self.acknowledged = 0
+
+    @property
+    def inner(self) -> Any:
+        journal = self.durability.journal
+        if journal is None:
+            raise Unavailable("the write-ahead log is closed (a standby catching up)")
+        return journal
+
+    # -- the Journal protocol -------------------------------------------------------
+    def log(self, record: dict[str, Any], arrays: Sequence[Array]) -> int:
+        self._check_primary()
+        with self._cv:
+            live = [s for s in self._sync if not self._standbys_gone(s)]
+            if len(live) < self.sync_replicas and not self.lower:
+                raise Unavailable(
+                    f"{len(live)} of the {self.sync_replicas} synchronous standbys "
+                    "this shard needs (--sync-replicas) follow its primary: the change "
+                    "is refused and nothing was applied; retry once a standby caught "
+                    "up",
+                    reason="NOT_ENOUGH_REPLICAS",
+                    metadata={
+                        "sync_replicas": self.sync_replicas,
+                        "in_sync": len(live),
+                    },
+                )
+            lsn = int(self.inner.log(record, arrays))
+            entry = self._records[lsn] = _Record(record, ())
+        # Shipped while this server writes it too: the standbys' fsync runs beside
+        # this one's, not after it.
+        frame = encode_frame(record, lsn, arrays)
+        with self._cv:
+            entry.frame = frame
+            self._cv.notify_all()
+        return lsn
+
+    def wait(self, lsn: int) -> None:
+        try:
+            self.inner.wait(lsn)
+        except BaseException:
+            with self._cv:
+                entry = self._records.get(lsn)
+                if entry is not None:
+                    entry.failed = True
+                shipped = any(not s.gone for s in self._standbys.values())
+                self._cv.notify_all()
+            if shipped:
+                # A standby may hold what this server refuses: step down.
+                self._on_stuck(f"record {lsn} was shipped but not written here")
+            raise
+        with self._cv:
+            entry = self._records.get(lsn)
+            if entry is not None:
+                entry.durable = True
+        self._await_standbys(lsn)
+
+    def _await_standbys(self, lsn: int) -> None:
+        deadline = time.monotonic() + self.ack_timeout
+        with self._cv:
+            while True:
+                if not self.member.may_acknowledge():
+                    why = (
+                        "this server lost its primary lease before the standbys held it"
+                    )
+                    break
+                if self._held(lsn):
+                    self.acknowledged = max(self.acknowledged, lsn)
+                    self._trim()
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    why = (
+                        f"the synchronous standbys did not hold it within "
+                        f"{self.ack_timeout:g} s"
+                    )
+                    break
+                self._cv.wait(min(left, 0.05))
+        log.error("record %d is durable here but not acknowledged: %s", lsn, why)
+        self._on_stuck(f"record {lsn} could not be acknowledged: {why}")
+        raise Unavailable(
+            f"the change was not acknowledged: {why}; retry (the shard elects a "
+            "primary holding every acknowledged push)",
+            reason="NOT_REPLICATED",
+        )
+
+    def _held(self, lsn: int) -> bool:
+        if len(self._sync) < self.sync_replicas and not self.lower:
+            return False
+        return all(self._standbys[s].acked >= lsn for s in self._sync)
+
+    def _standbys_gone(self, member_id: str) -> bool:
+        s = self._standbys.get(member_id)
+        return s is None or s.gone
+
+    def _check_primary(self) -> None:
+        if self.member.may_acknowledge():
+            return
+        primary = self.member.primary
+        address = (
+            ""
+            if primary is None or primary.member == self.member.config.member_id
+            else primary.address
+        )
+        where = (
+            f"the primary is {address}; send writes there"
+            if address
+            else "no primary is known (an election, or etcd unreachable); retry"
+        )
+        raise NotPrimary(
+            f"this server is not the primary of shard {self.member.config.shard} "
+            f"that may acknowledge: {where} (a Client('etcd://...') follows it)",
+            metadata={"primary": address, "term": self.member.term},
+        )
+
+    def _trim(self) -> None:
+        """Drop records every follower holds (and no follower being synced needs)."""
+        keep_after = self.acknowledged
+        for s in self._standbys.values():
+            if not s.gone:
+                keep_after = min(keep_after, s.floor if s.syncing else s.acked)
+        for lsn in [k for k in self._records if k <= keep_after]:
+            del self._records[lsn]
+
+    # -- the Replicate stream -------------------------------------------------------
+    def replicate(
+        self, requests: Iterable[pb.ReplicateRequest], context: Any
+    ) -> Iterator[pb.ReplicateResponse]:
+        it = iter(requests)
+        first = next(it, None)
+        if first is None or first.WhichOneof("part") != "hello":
+            raise FailedPrecondition("a Replicate stream starts with a hello")
+        hello = first.hello
+        self._check_primary()
+        term = self.member.term
+        if hello.term > term:
+            raise NotPrimary(
+                f"the standby knows term {hello.term}, this primary's is {term}",
+                metadata={"term": term},
+            )
+        standby = _Standby(hello.member_id, hello.address)
+        with self._cv:
+            # Records up to the floor are durable here: they are read from the log
+            # on disk; those after it are kept in memory for this standby.
+            standby.floor = self._durable_floor()
+            old = self._standbys.get(hello.member_id)
+            if old is not None:
+                old.gone = True
+            self._standbys[hello.member_id] = standby
+        acks = threading.Thread(
+            target=self._read_acks, args=(it, standby), daemon=True,
+            name="onnxps-acks",
+        )  # fmt: skip
+        try:
+            # The newest snapshot on disk (written already: no store lock, so no
+            # wait on pushes that wait for a standby), then the log after it.
+            path, wal_lsn = self._base_snapshot()
+            log.info(
+                "standby %s (%s): sending snapshot %s (wal lsn %d), then the log",
+                hello.member_id, hello.address, path, wal_lsn,
+            )  # fmt: skip
+            yield from _snapshot_messages(path, term)
+            yield pb.ReplicateResponse(
+                term=term,
+                snapshot_done=pb.ReplicaSnapshotDone(
+                    wal_lsn=wal_lsn,
+                    generation=int(os.path.basename(path).split("-")[1]),
+                ),
+            )
+            acks.start()
+            for lsn, frame in logged_frames(self.durability.wal_dir, wal_lsn):
+                if lsn > standby.floor:
+                    break
+                yield pb.ReplicateResponse(
+                    term=term, record=pb.ReplicaRecord(lsn=lsn, frame=frame)
+                )
+            yield from self._records_after(standby.floor, standby, context, term)
+        finally:
+            with self._cv:
+                standby.gone = True
+                self._cv.notify_all()
+            log.info("standby %s stopped following", hello.member_id)
+
+    def _durable_floor(self) -> int:
+        """Under the lock: every record up to this lsn is durable in the log."""
+        pending = [
+            lsn for lsn, e in self._records.items() if not e.durable and not e.failed
+        ]
+        return min(pending) - 1 if pending else int(self.inner.last_lsn())
+
+    def _base_snapshot(self) -> tuple[str, int]:
+        """The newest intact snapshot on disk (one is written when there is none)."""
+        for _, path in list_snapshots(self.durability.snap_dir):
+            try:
+                return path, read_manifest(path).wal_lsn
+            except SnapshotError:
+                continue
+        saved = self.durability.snapshot(force=True)
+        assert saved is not None
+        return saved.path, read_manifest(saved.path).wal_lsn
+
+    def _records_after(
+        self, lsn: int, standby: _Standby, context: Any, term: int
+    ) -> Iterator[pb.ReplicateResponse]:
+        nxt = lsn + 1
+        while context.is_active() and not standby.gone:
+            with self._cv:
+                entry = self._records.get(nxt)
+                if entry is None and nxt <= self._last_known():
+                    nxt += 1  # a record that was not kept: one nobody waits for
+                    continue
+                if entry is None or (entry.frame is None and not entry.failed):
+                    self._cv.wait(0.05)
+                    if self.member.term != term or self.member.role is not Role.PRIMARY:
+                        return  # deposed, or a newer term: the standby follows it
+                    continue
+            if entry.frame is not None and not entry.failed:
+                yield pb.ReplicateResponse(
+                    term=term, record=pb.ReplicaRecord(lsn=nxt, frame=entry.frame)
+                )
+            nxt += 1
+
+    def _last_known(self) -> int:
+        """Below the oldest record kept, every record was trimmed (all hold it)."""
+        return min(self._records) - 1 if self._records else int(self.inner.last_lsn())
+
+    def _read_acks(self, requests: Iterator[pb.ReplicateRequest], s: _Standby) -> None:
+        try:
+            for req in requests:
+                if req.WhichOneof("part") != "ack":
+                    continue
+                with self._cv:
+                    s.acked = max(s.acked, int(req.ack.lsn))
+                    s.syncing = False
+                    self._cv.notify_all()
+                self._maybe_sync(s)
+        except grpc.RpcError:
+            pass
+        finally:
+            with self._cv:
+                s.gone = True
+                self._cv.notify_all()
+            self._replace_gone()
+
+    def _maybe_sync(self, s: _Standby) -> None:
+        """Name a caught-up standby synchronous when a place is free."""
+        with self._cv:
+            if s.member_id in self._sync or s.gone:
+                return
+            self._sync = [m for m in self._sync if not self._standbys_gone(m)]
+            if len(self._sync) >= self.sync_replicas:
+                return
+            if s.acked < max(self.acknowledged, self._pending_floor()):
+                return
+            wanted = [*self._sync, s.member_id]
+            # Named in etcd first: a promotion must find it there.
+            if not self.member.set_sync_standbys(wanted):
+                return
+            self._sync = wanted
+            log.info("synchronous standbys: %s", ", ".join(wanted))
+            self._cv.notify_all()
+
+    def _pending_floor(self) -> int:
+        return 0
+
+    def _replace_gone(self) -> None:
+        if self.lower:
+            self._drop_gone()
+        with self._cv:
+            candidates = [
+                s for s in self._standbys.values()
+                if not s.gone and not s.syncing and s.member_id not in self._sync
+            ]  # fmt: skip
+        for s in candidates:
+            self._maybe_sync(s)
+
+    def _drop_gone(self) -> None:
+        """--sync-policy lower: name only the standbys still following (in etcd
+        first: a promotion must not pick one that misses what is acknowledged
+        next), then acknowledge with them."""
+        with self._cv:
+            live = [m for m in self._sync if not self._standbys_gone(m)]
+            if live == self._sync:
+                return
+            if not self.member.set_sync_standbys(live):
+                return  # not the primary any more: nothing is acknowledged
+            self._sync = live
+            log.warning(
+                "%d of the %d synchronous standbys follow: acknowledging with %s "
+                "(--sync-policy lower)",
+                len(live), self.sync_replicas,
+                ", ".join(live) if live else "this server alone",
+            )  # fmt: skip
+            self._cv.notify_all()
+
+    def status(self) -> dict[str, Any]:
+        with self._cv:
+            return {
+                "sync": list(self._sync),
+                "standbys": {
+                    k: {"acked": s.acked, "gone": s.gone, "syncing": s.syncing}
+                    for k, s in self._standbys.items()
+                },
+                "acknowledged": self.acknowledged,
+            }
+
+
+def _snapshot_messages(path: str, term: int) -> Iterator[pb.ReplicateResponse]:
+    for name in sorted(os.listdir(path)):
+        with open(os.path.join(path, name), "rb") as f:
+            offset = 0
+            while True:
+                data = f.read(SNAPSHOT_CHUNK)
+                yield pb.ReplicateResponse(
+                    term=term,
+                    snapshot_chunk=pb.ReplicaSnapshotChunk(
+                        name=name, offset=offset, data=data
+                    ),
+                )
+                offset += len(data)
+                if len(data) < SNAPSHOT_CHUNK:
+                    break

@@ -1,0 +1,390 @@
+"""A replica set member: its lease, its registration, the election and fencing.
+
+Servers started with the same coordinator prefix and shard index form that shard's
+replica set (Patroni's shape, on etcd v3). Keys, under ``PREFIX/shards/I/``:
+
+- ``primary``: ``{"member", "address", "term"}`` on the primary's lease. Written by a
+  transaction that succeeds only while the key is absent, bumping ``term`` in the same
+  transaction: the term (epoch) fences older primaries.
+- ``term``: the counter, as decimal text.
+- ``sync``: ``{"primary", "term", "standbys"}``: the standbys holding every
+  acknowledged push (only the primary writes it, only while it holds ``primary``).
+  A standby may take the lead only when it is named there, or is the primary named
+  there (Patroni's synchronous-standby rule): so a promotion never loses an
+  acknowledged push.
+- ``members/<id>``: ``{"address", "role", "lsn", "term"}`` on the member's own lease.
+
+``PREFIX/layout`` holds the cluster's shard count (clients read it).
+
+The lease is renewed every TTL/3; a primary whose last successful renewal is older
+than TTL*2/3 stops acknowledging (``may_acknowledge``) before etcd can expire the
+lease and another member can be elected.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..shard import ShardIdentity
+from ._etcd import (
+    CoordinatorAddress,
+    CoordinatorUnavailable,
+    Etcd,
+    absent,
+    mod_revision_is,
+    put_op,
+    value_is,
+)
+
+__all__ = ["Keys", "Member", "MemberConfig", "Role"]
+
+log = logging.getLogger("onnxps.replication")
+
+
+class Role(enum.Enum):
+    STANDBY = "standby"
+    PRIMARY = "primary"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str
+    shard: int
+
+    @property
+    def base(self) -> str:
+        return f"{self.prefix}/shards/{self.shard}"
+
+    @property
+    def primary(self) -> str:
+        return f"{self.base}/primary"
+
+    @property
+    def term(self) -> str:
+        return f"{self.base}/term"
+
+    @property
+    def sync(self) -> str:
+        return f"{self.base}/sync"
+
+    @property
+    def members(self) -> str:
+        return f"{self.base}/members/"
+
+    def member(self, member_id: str) -> str:
+        return f"{self.members}{member_id}"
+
+    @property
+    def layout(self) -> str:
+        return f"{self.prefix}/layout"
+
+
+@dataclass(frozen=True)
+class MemberConfig:
+    coordinator: CoordinatorAddress
+    shard: ShardIdentity
+    member_id: str
+    address: str  # where clients and standbys reach this server
+    lease_ttl: int = 3
+
+
+@dataclass(frozen=True)
+class PrimaryInfo:
+    member: str
+    address: str
+    term: int
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+class Member:
+    """This server in its shard's replica set (one thread).
+
+    ``on_promoted(term)`` runs (on the member's thread) once this server took the
+    lead, before it acknowledges anything; ``on_primary(info)`` whenever the known
+    primary changes (None: none now); ``on_deposed(why)`` when this primary lost its
+    lease or its key: it must acknowledge nothing more.
+    ``eligible()`` says whether this server may take the lead now (besides the
+    ``sync`` rule), e.g. it has applied everything it received.
+    """
+
+    def __init__(
+        self,
+        config: MemberConfig,
+        etcd: Etcd,
+        *,
+        last_lsn: Callable[[], int],
+        on_promoted: Callable[[int], None],
+        on_primary: Callable[[PrimaryInfo | None], None],
+        on_deposed: Callable[[str], None],
+        eligible: Callable[[], bool] = lambda: True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.keys = Keys(config.coordinator.prefix, config.shard.index)
+        self.etcd = etcd
+        self._last_lsn = last_lsn
+        self._on_promoted = on_promoted
+        self._on_primary = on_primary
+        self._on_deposed = on_deposed
+        self._eligible = eligible
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.role = Role.STANDBY
+        self.term = 0
+        self.primary: PrimaryInfo | None = None
+        self._lease = 0
+        self._renewed = -1e18  # when the last successful renewal was sent
+        self._sent = -1e18
+        self._registered = -1e18
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failovers = 0
+
+    # -- lifecycle ------------------------------------------------------------------
+    def start(self, wait: float = 15.0) -> None:
+        """Register in etcd (waiting up to ``wait`` seconds for it to answer)."""
+        deadline = self._clock() + wait
+        while True:
+            try:
+                self._check_layout()
+                break
+            except CoordinatorUnavailable as exc:
+                if self._clock() >= deadline:
+                    raise CoordinatorUnavailable(
+                        f"cannot reach etcd at {self.config.coordinator} (waited "
+                        f"{wait:g} s): {exc}"
+                    ) from None
+                log.warning("waiting for etcd: %s", exc)
+                time.sleep(0.5)
+        self._new_lease()
+        self._register(force=True)
+        self._thread = threading.Thread(
+            target=self._run, name="onnxps-replica", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self, resign: bool = True) -> None:
+        """Stop taking part; a primary gives its key up at once (``resign``)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        with self._lock:
+            was_primary = self.role is Role.PRIMARY
+            self.role = Role.STOPPED
+        if resign and self._lease:
+            try:
+                if was_primary:
+                    self.etcd.txn(
+                        [value_is(self.keys.primary, self._primary_value())],
+                        [{"request_delete_range": {"key": _b64(self.keys.primary)}}],
+                    )
+                self.etcd.revoke(self._lease)
+            except CoordinatorUnavailable:
+                pass
+
+    # -- what the data path asks ----------------------------------------------------
+    @property
+    def ttl(self) -> float:
+        return float(self.config.lease_ttl)
+
+    def may_acknowledge(self) -> bool:
+        """A primary whose lease is certainly still held (renewed within TTL*2/3)."""
+        with self._lock:
+            if self.role is not Role.PRIMARY:
+                return False
+        return self._clock() - self._renewed < self.ttl * 2 / 3
+
+    def set_sync_standbys(self, standbys: list[str]) -> bool:
+        """Name the standbys that hold every acknowledged push (while primary)."""
+        value = _dumps(
+            {
+                "primary": self.config.member_id,
+                "term": self.term,
+                "standbys": sorted(standbys),
+            }
+        )
+        try:
+            return self.etcd.txn(
+                [value_is(self.keys.primary, self._primary_value())],
+                [put_op(self.keys.sync, value)],
+            )
+        except CoordinatorUnavailable:
+            return False
+
+    def members(self) -> dict[str, Any]:
+        out = {}
+        for kv in self.etcd.get_prefix(self.keys.members):
+            out[kv.key.rsplit("/", 1)[1]] = kv.json()
+        return out
+
+    # -- the loop -------------------------------------------------------------------
+    def _run(self) -> None:
+        tick = max(0.05, self.ttl / 10)
+        while not self._stop.wait(tick):
+            try:
+                self._step()
+            except CoordinatorUnavailable as exc:
+                log.warning("etcd unreachable: %s", exc)
+            except Exception:
+                log.exception("replica set member step failed")
+
+    def _step(self) -> None:
+        now = self._clock()
+        if now - self._sent >= self.ttl / 3:
+            self._renew()
+        if self.role is Role.PRIMARY:
+            self._check_still_primary()
+        elif self.role is Role.STANDBY:
+            self._follow_or_campaign()
+        if self._clock() - self._registered >= max(0.5, self.ttl / 3):
+            self._register()
+
+    def _renew(self) -> None:
+        sent = self._clock()
+        self._sent = sent
+        ttl = self.etcd.keepalive(self._lease)
+        if ttl > 0:
+            self._renewed = sent
+            return
+        if self.role is Role.PRIMARY:
+            self._depose("its etcd lease expired")
+            return
+        log.warning("etcd lease %x expired; registering again", self._lease)
+        self._new_lease()
+        self._register(force=True)
+
+    def _check_still_primary(self) -> None:
+        kv = self.etcd.get(self.keys.primary)
+        if kv is None or kv.value != self._primary_value():
+            self._depose("its primary key is gone or another member's")
+        elif not self.may_acknowledge():
+            log.warning("lease not renewed for %.1f s: not acknowledging",
+                        self._clock() - self._renewed)  # fmt: skip
+
+    def _depose(self, why: str) -> None:
+        with self._lock:
+            if self.role is not Role.PRIMARY:
+                return
+            self.role = Role.STOPPED
+        log.error("no longer the primary of shard %s: %s", self.config.shard, why)
+        self._on_deposed(why)
+
+    def _follow_or_campaign(self) -> None:
+        kv = self.etcd.get(self.keys.primary)
+        if kv is not None:
+            info = kv.json()
+            seen = PrimaryInfo(info["member"], info["address"], int(info["term"]))
+            if seen != self.primary:
+                self.primary = seen
+                self.term = max(self.term, seen.term)
+                self._on_primary(seen)
+            return
+        if self.primary is not None:
+            self.primary = None
+            self._on_primary(None)
+        if self._clock() - self._renewed < self.ttl * 2 / 3 and self._eligible():
+            self._campaign()
+
+    def _campaign(self) -> None:
+        sync = self.etcd.get(self.keys.sync)
+        if sync is not None:
+            named = sync.json()
+            me = self.config.member_id
+            if me != named.get("primary") and me not in named.get("standbys", []):
+                return  # may lack acknowledged pushes
+        term_kv = self.etcd.get(self.keys.term)
+        term = int(term_kv.value) if term_kv is not None else 0
+        new_term = term + 1
+        value = self._primary_value(new_term)
+        compare = [
+            absent(self.keys.primary),
+            mod_revision_is(self.keys.sync, 0 if sync is None else sync.mod_revision),
+            mod_revision_is(
+                self.keys.term, 0 if term_kv is None else term_kv.mod_revision
+            ),
+        ]
+        sync_value = _dumps(
+            {"primary": self.config.member_id, "term": new_term, "standbys": []}
+        )
+        won = self.etcd.txn(
+            compare,
+            [
+                put_op(self.keys.primary, value, self._lease),
+                put_op(self.keys.term, str(new_term)),
+                put_op(self.keys.sync, sync_value),
+            ],
+        )
+        if not won:
+            return
+        self.term = new_term
+        self.primary = PrimaryInfo(self.config.member_id, self.config.address, new_term)
+        log.info(
+            "member %s is the primary of shard %s (term %d)",
+            self.config.member_id,
+            self.config.shard,
+            new_term,
+        )
+        self._on_promoted(new_term)
+        with self._lock:
+            self.role = Role.PRIMARY
+        self.failovers += 1
+        self._on_primary(self.primary)
+        self._register(force=True)
+
+    # -- keys -----------------------------------------------------------------------
+    def _primary_value(self, term: int | None = None) -> bytes:
+        return _dumps(
+            {
+                "member": self.config.member_id,
+                "address": self.config.address,
+                "term": self.term if term is None else term,
+            }
+        )
+
+    def _new_lease(self) -> None:
+        sent = self._clock()
+        self._lease = self.etcd.grant(self.config.lease_ttl)
+        self._renewed = self._sent = sent
+
+    def _register(self, force: bool = False) -> None:
+        self._registered = self._clock()
+        value = {
+            "address": self.config.address,
+            "role": self.role.value,
+            "lsn": self._last_lsn(),
+            "term": self.term,
+            "shards": self.config.shard.count,
+        }
+        self.etcd.put(
+            self.keys.member(self.config.member_id), _dumps(value), self._lease
+        )
+
+    def _check_layout(self) -> None:
+        count = str(self.config.shard.count)
+        self.etcd.txn([absent(self.keys.layout)], [put_op(self.keys.layout, count)])
+        kv = self.etcd.get(self.keys.layout)
+        if kv is not None and kv.value.decode() != count:
+            from ..security import ConfigError
+
+            raise ConfigError(
+                f"--shard {self.config.shard}: the cluster under "
+                f"{self.config.coordinator} has {kv.value.decode()} shards "
+                f"({self.keys.layout}); start every server with the same count"
+            )
+
+
+def _b64(key: str) -> str:
+    from ._etcd import b64
+
+    return b64(key)

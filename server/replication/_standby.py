@@ -1,0 +1,228 @@
+"""A standby's side of log shipping: follow the primary's ``Replicate`` stream.
+
+The standby connects to the primary etcd names, receives a snapshot (written into a
+temporary directory beside its own, then adopted as its whole state), then every
+record after it: each is written to its own log with the primary's lsn, fsynced,
+acknowledged, then applied through the store's replay methods, in order. Messages of
+a term older than the newest this standby has seen are refused (the stream ends).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+
+from ..durability import Durability
+from ..errors import DomainError
+from ._frames import decode_frame
+from ._member import PrimaryInfo
+
+__all__ = ["Follower"]
+
+log = logging.getLogger("onnxps.replication")
+
+_END = object()
+
+
+class Follower:
+    """Follows one primary at a time, on its own thread."""
+
+    def __init__(
+        self,
+        durability: Durability,
+        *,
+        member_id: str,
+        address: str,
+        term: Callable[[], int],
+        max_message_bytes: int,
+        token: str | None = None,
+    ) -> None:
+        self.durability = durability
+        self.member_id = member_id
+        self.address = address
+        self._term = term
+        self._max_message = max_message_bytes
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._lock = threading.Lock()
+        self._target: PrimaryInfo | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._call: Any = None
+        self._thread: threading.Thread | None = None
+        self.applied = 0  # the last lsn applied
+        self.synced = False  # adopted a snapshot of the current primary
+        self.idle = threading.Event()
+        self.idle.set()
+        self._warned: PrimaryInfo | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run, name="onnxps-follower", daemon=True
+        )
+        self._thread.start()
+
+    def follow(self, primary: PrimaryInfo | None) -> None:
+        """Follow ``primary`` from now on (None, or this server: follow nobody)."""
+        with self._lock:
+            if primary is not None and primary.member == self.member_id:
+                primary = None
+            if primary == self._target:
+                return
+            self._target = primary
+            call = self._call
+        if call is not None:
+            call.cancel()
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Stop following and return once nothing is being applied."""
+        self._stop.set()
+        self.follow(None)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                target = self._target
+            if target is None:
+                self._wake.wait(0.2)
+                self._wake.clear()
+                continue
+            self.idle.clear()
+            try:
+                self._follow(target)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.CANCELLED:
+                    # once per primary at WARNING: it retries every 0.2 s until
+                    # etcd names another primary
+                    level = logging.DEBUG if target == self._warned else logging.WARNING
+                    self._warned = target
+                    log.log(level, "following %s: %s", target.address, exc.details())
+            except Exception:
+                log.exception("following %s failed", target.address)
+            finally:
+                self.idle.set()
+            self._wake.wait(0.2)
+            self._wake.clear()
+
+    def _follow(self, target: PrimaryInfo) -> None:
+        acks: queue.Queue[Any] = queue.Queue()
+        acks.put(
+            pb.ReplicateRequest(
+                hello=pb.ReplicateHello(
+                    member_id=self.member_id, term=target.term, address=self.address
+                )
+            )
+        )
+
+        def requests() -> Iterator[pb.ReplicateRequest]:
+            while True:
+                item = acks.get()
+                if item is _END:
+                    return
+                yield item
+
+        options = [
+            ("grpc.max_receive_message_length", self._max_message),
+            ("grpc.max_send_message_length", self._max_message),
+        ]
+        with grpc.insecure_channel(target.address, options=options) as channel:
+            stub = pb_grpc.ParameterServerServiceStub(channel)
+            call: Any = stub.Replicate(requests(), metadata=self._metadata)
+            with self._lock:
+                if self._target != target:
+                    call.cancel()
+                    return
+                self._call = call
+            try:
+                self._receive(call, target, acks)
+            finally:
+                acks.put(_END)
+                with self._lock:
+                    self._call = None
+
+    def _receive(self, call: Any, target: PrimaryInfo, acks: queue.Queue[Any]) -> None:
+        tmp: str | None = None
+        covered: dict[str, int] = {}
+        self.synced = False
+        for msg in call:
+            if msg.term < max(target.term, self._term()) or self._stop.is_set():
+                log.warning(
+                    "refusing a message of term %d from %s: term %d is current",
+                    msg.term, target.address, max(target.term, self._term()),
+                )  # fmt: skip
+                call.cancel()
+                return
+            part = msg.WhichOneof("part")
+            if part == "snapshot_chunk":
+                tmp = tmp or self._fresh_dir()
+                self._write_chunk(tmp, msg.snapshot_chunk)
+            elif part == "snapshot_done":
+                gen = msg.snapshot_done.generation
+                final = os.path.join(os.path.dirname(tmp or self._fresh_dir()),
+                                     f"snap-{gen:012d}")  # fmt: skip
+                assert tmp is not None
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)
+                tmp = None
+                wal_lsn, covered = self.durability.adopt_snapshot(final)
+                self.applied = wal_lsn
+                self.synced = True
+                log.info(
+                    "caught up from %s's snapshot (generation %d, wal lsn %d)",
+                    target.address, gen, wal_lsn,
+                )  # fmt: skip
+                acks.put(pb.ReplicateRequest(ack=pb.ReplicateAck(lsn=wal_lsn)))
+            elif part == "record":
+                self._record(msg.record, covered)
+                acks.put(pb.ReplicateRequest(ack=pb.ReplicateAck(lsn=msg.record.lsn)))
+
+    def _record(self, rec: pb.ReplicaRecord, covered: dict[str, int]) -> None:
+        header, arrays = decode_frame(rec.frame)
+        lsn = int(header.pop("lsn"))
+        if lsn != rec.lsn:
+            raise ValueError(f"record {rec.lsn} holds lsn {lsn}")
+        if lsn <= self.applied:
+            return
+        journal = self.durability.journal
+        if journal is not None:
+            journal.wait(journal.log(header, arrays, lsn=lsn))
+        header["lsn"] = lsn
+        if covered.get(header.get("group", ""), -1) < lsn:
+            try:
+                self.durability.apply(header, arrays)
+            except DomainError as exc:
+                log.warning(
+                    "record %d (%s on %r) not applied: %s",
+                    lsn, header["op"], header.get("group"), exc,
+                )  # fmt: skip
+        self.applied = lsn
+
+    def _fresh_dir(self) -> str:
+        path = os.path.join(self.durability.root, "incoming-snapshot.tmp")
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+        return path
+
+    @staticmethod
+    def _write_chunk(directory: str, chunk: pb.ReplicaSnapshotChunk) -> None:
+        name = os.path.basename(chunk.name)
+        if name != chunk.name or name in ("", ".", ".."):
+            raise ValueError(f"snapshot file name {chunk.name!r}")
+        path = os.path.join(directory, name)
+        with open(path, "r+b" if chunk.offset else "wb") as f:
+            f.seek(chunk.offset)
+            f.write(chunk.data)
+            if len(chunk.data) < (1 << 20):
+                f.flush()
+                os.fsync(f.fileno())

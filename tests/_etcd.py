@@ -1,0 +1,140 @@
+"""A real etcd (Debian's ``etcd-server``) for tests: free loopback ports, a temp dir.
+
+``etcd_server`` (a pytest fixture, import it into a test module) starts one etcd per
+test and stops it after; without the binary the test is skipped with how to install it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+INSTALL_HINT = (
+    "etcd is not installed: `apt-get install -y etcd-server` (Debian's etcd 3.4, "
+    "binary /usr/bin/etcd), or put an etcd binary on PATH (ONNXPS_ETCD_BIN)"
+)
+
+
+def etcd_binary() -> str | None:
+    import os
+
+    return os.environ.get("ONNXPS_ETCD_BIN") or shutil.which("etcd")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class EtcdProcess:
+    """One etcd member on loopback; ``endpoint`` is ``127.0.0.1:port``."""
+
+    binary: str
+    data_dir: Path
+    log_path: Path
+    client_port: int
+    peer_port: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def url(self, prefix: str) -> str:
+        """A coordinator address: ``etcd://127.0.0.1:port/prefix``."""
+        return f"etcd://{self.endpoint}/{prefix}"
+
+    def start(self, timeout: float = 30.0) -> None:
+        client = f"http://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        args = [
+            self.binary,
+            "--name=onnxps-test",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=onnxps-test={peer}",
+            "--initial-cluster-state=new",
+            "--logger=zap",
+            "--log-outputs=stderr",
+        ]
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the process keeps it
+        self.proc = subprocess.Popen(args, stdout=log, stderr=log)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"etcd exited with {self.proc.returncode}: "
+                    + self.log_path.read_text(errors="replace")[-2000:]
+                )
+            if self.healthy():
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd on {self.endpoint} not healthy in {timeout}s")
+            time.sleep(0.05)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(
+                f"http://{self.endpoint}/health", timeout=1
+            ) as r:
+                return bool(json.loads(r.read()).get("health") == "true")
+        except (OSError, urllib.error.URLError, ValueError):
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+def start_etcd(binary: str, tmp_path: Path, tries: int = 3) -> EtcdProcess:
+    """An etcd on free ports; ports picked free can be taken before etcd binds
+    them, so a start that finds its port in use is tried again on others."""
+    for attempt in range(tries):
+        data = tmp_path / f"etcd-data-{attempt}"
+        log = tmp_path / "etcd.log"
+        etcd = EtcdProcess(binary, data, log, free_port(), free_port())
+        try:
+            etcd.start()
+            return etcd
+        except RuntimeError:
+            etcd.stop()
+            if attempt == tries - 1 or "address already in use" not in log.read_text(
+                errors="replace"
+            ):
+                raise
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture
+def etcd_server(tmp_path: Path) -> Iterator[EtcdProcess]:
+    """A started etcd on free loopback ports with its data in ``tmp_path``."""
+    binary = etcd_binary()
+    if binary is None:
+        pytest.skip(INSTALL_HINT)
+    etcd = start_etcd(binary, tmp_path)
+    try:
+        yield etcd
+    finally:
+        etcd.stop()
