@@ -20,7 +20,7 @@ metadata such as "group" and "update_count") and, for INVALID_ARGUMENT, a
 google.rpc.BadRequest naming the offending field where one is known.
 
 This contract is checked with `buf lint` (STANDARD) and `buf breaking`
-against protos/onnxps_v1.binpb; see the README before changing it.
+against protos/onnxps_v1.binpb; see docs/protocol.md before changing it.
 """
 
 from collections import abc as _abc
