@@ -30,6 +30,7 @@ from ._ops import (
     PushCall,
     Transfer,
     as_method,
+    one_call,
 )
 from ._records import (
     GroupInfo,
@@ -306,7 +307,7 @@ class Client(ClientCore):
             deadline = self._deadline(deadline)
         what = what or f"{method} was not answered"
         call = Call(method, lambda: request, deadline, what, shard=shard)
-        return self._run(self._call_op(call))
+        return self._run(one_call(call))
 
     # -- calls ---------------------------------------------------------------------
     # Each is the shared operation of ClientCore, run with blocking grpc calls (on a

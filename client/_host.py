@@ -18,7 +18,7 @@ from onnxps.wire.initializers import IdsTable
 from ._channel_transport import DataChannelLink
 from ._cluster import Layout
 from ._grpc_transport import Transport
-from ._ops import Call, Deadline, Op
+from ._ops import Deadline, Op
 from ._optimizers import Async, OptimizerSpec, Sync
 from ._pending import PendingPushes
 from ._records import GroupInfo, LeaseInfo, PushResult, RowsPage, SaveInfo
@@ -203,9 +203,6 @@ class ClusterHost(CoreHost, Protocol):
     def _remember(self, info: GroupInfo) -> GroupInfo: ...
 
     def _describe(self, name: str, deadline: Deadline) -> Op[GroupInfo]: ...
-
-    @staticmethod
-    def _call_op(call: Call) -> Op[Any]: ...
 
     def _create_op(
         self,

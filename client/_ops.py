@@ -47,6 +47,8 @@ __all__ = [
     "as_method",
     "on_shard",
     "parallel",
+    "one_call",
+    "unary_call",
     "unary_request",
     "what",
 ]
@@ -308,6 +310,16 @@ def as_method(
 
 def unary_request(msg: Any) -> Callable[[], Any]:
     return lambda: msg
+
+
+def one_call(call: Call) -> Op[Any]:
+    """An operation of one RPC: its reply."""
+    return (yield call)
+
+
+def unary_call(method: str, request: Any, deadline: Deadline) -> Op[Any]:
+    """An operation of one unary RPC of ``request``: its reply."""
+    return (yield Call(method, unary_request(request), deadline, what(method)))
 
 
 def what(method: str) -> str:

@@ -63,6 +63,7 @@ from ._ops import (
     as_method,
     on_shard,
     parallel,
+    unary_call,
     unary_request,
     what,
 )
@@ -74,7 +75,6 @@ from ._records import (
     PushResult,
     SaveInfo,
     group_info,
-    lease_info,
 )
 from ._replies import (
     apply_reader,
@@ -286,15 +286,7 @@ class ClientCore(RowsOps):
         return use_stream(self, nbytes)
 
     def _unary_op(self, method: str, request: Any, timeout: float | None) -> Op[Any]:
-        return (
-            yield Call(
-                method, unary_request(request), self._deadline(timeout), what(method)
-            )
-        )
-
-    @staticmethod
-    def _call_op(call: Call) -> Op[Any]:
-        return (yield call)
+        return unary_call(method, request, self._deadline(timeout))
 
     # -- groups --------------------------------------------------------------------
     def _create_group(
@@ -744,12 +736,6 @@ class ClientCore(RowsOps):
         ]
 
     # -- workers and durability ----------------------------------------------------
-    def _join_op(
-        self, group: str, worker_id: str, timeout: float | None
-    ) -> Op[LeaseInfo]:
-        req = pb.JoinGroupRequest(group=group, worker_id=worker_id)
-        return lease_info((yield from self._unary_op("JoinGroup", req, timeout)))
-
     def _heartbeat_op(self, group: str, worker_id: str, interval: float) -> Op[Any]:
         req = pb.HeartbeatRequest(group=group, worker_id=worker_id)
         timeout = min(interval * 2, self.timeout)
@@ -757,12 +743,6 @@ class ClientCore(RowsOps):
 
     def _heartbeat_interval(self, lease: LeaseInfo) -> float:
         return max(0.05, lease.lease_seconds / 3)
-
-    def _leave_op(
-        self, group: str, worker_id: str, timeout: float | None
-    ) -> Op[LeaseInfo]:
-        req = pb.LeaveGroupRequest(group=group, worker_id=worker_id)
-        return lease_info((yield from self._unary_op("LeaveGroup", req, timeout)))
 
     def _save(self, *, timeout: float | None = None) -> Op[SaveInfo]:
         """Ask the server (every shard of a cluster) to write a snapshot of every

@@ -22,7 +22,7 @@ from onnxps.wire.encoding import Encoding
 from . import _ids_cluster, _rowsplit, _sharded
 from ._errors import InvalidArgumentError
 from ._host import ClusterHost, Route, Targets
-from ._ops import Call, Deadline, Op, on_shard, unary_request, what
+from ._ops import Deadline, Op, on_shard, unary_call
 from ._records import (
     GroupInfo,
     LeaseInfo,
@@ -42,10 +42,6 @@ Array = np.ndarray[Any, Any]
 def route_of(core: ClusterHost) -> Route:
     """The route of a client: a cluster when it was given a list of addresses."""
     return OneServer(core) if core.shards is None else Cluster(core)
-
-
-def _unary(method: str, request: Any, deadline: Deadline) -> Op[Any]:
-    return (yield Call(method, unary_request(request), deadline, what(method)))
 
 
 class OneServer:
@@ -73,19 +69,19 @@ class OneServer:
 
     def list_groups(self, prefix: str, deadline: Deadline) -> Op[list[GroupInfo]]:
         req = pb.ListGroupsRequest(prefix=prefix)
-        msg = yield from _unary("ListGroups", req, deadline)
+        msg = yield from unary_call("ListGroups", req, deadline)
         return [group_info(g) for g in msg.groups]
 
     def delete(self, name: str, deadline: Deadline) -> Op[bool]:
         req = pb.DeleteGroupRequest(group=name)
-        msg = yield from _unary("DeleteGroup", req, deadline)
+        msg = yield from unary_call("DeleteGroup", req, deadline)
         return bool(msg.deleted)
 
     def set_learning_rate(
         self, name: str, learning_rate: float, deadline: Deadline
     ) -> Op[GroupInfo]:
         req = pb.SetLearningRateRequest(group=name, learning_rate=learning_rate)
-        msg = yield from _unary("SetLearningRate", req, deadline)
+        msg = yield from unary_call("SetLearningRate", req, deadline)
         return group_info(msg.group)
 
     def push(
@@ -113,7 +109,7 @@ class OneServer:
         return self.core._pull_op(group, state, min_version, deadline, encoding, out)
 
     def save(self, deadline: Deadline) -> Op[SaveInfo]:
-        msg = yield from _unary("Save", pb.SaveRequest(), deadline)
+        msg = yield from unary_call("Save", pb.SaveRequest(), deadline)
         return SaveInfo(msg.path, msg.groups, msg.bytes)
 
     def push_rows(
@@ -159,11 +155,13 @@ class OneServer:
         self, group: str, worker_id: str, deadline: Deadline
     ) -> Op[tuple[Targets, LeaseInfo]]:
         req = pb.JoinGroupRequest(group=group, worker_id=worker_id)
-        return [(0, group)], lease_info((yield from _unary("JoinGroup", req, deadline)))
+        return [(0, group)], lease_info(
+            (yield from unary_call("JoinGroup", req, deadline))
+        )
 
     def leave(self, group: str, worker_id: str, deadline: Deadline) -> Op[LeaseInfo]:
         req = pb.LeaveGroupRequest(group=group, worker_id=worker_id)
-        return lease_info((yield from _unary("LeaveGroup", req, deadline)))
+        return lease_info((yield from unary_call("LeaveGroup", req, deadline)))
 
 
 class Cluster:

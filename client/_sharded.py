@@ -41,7 +41,7 @@ from ._errors import (
     UnavailableError,
 )
 from ._host import ClusterHost
-from ._ops import Call, Deadline, Op, Pause, on_shard, parallel, what
+from ._ops import Call, Deadline, Op, Pause, on_shard, one_call, parallel, what
 from ._pending import (
     PartPush,
     PendingPush,
@@ -100,7 +100,7 @@ def _call(
     """One call to one shard, resent while the shard is unavailable (a restarting
     pod), until the deadline: the calls routed here are idempotent."""
     call = Call(method, lambda: req, deadline, what(method))
-    return until_landed(lambda: on_shard(shard, client._call_op(call)), deadline)
+    return until_landed(lambda: on_shard(shard, one_call(call)), deadline)
 
 
 def _listing(client: ClusterHost, prefix: str, deadline: Deadline) -> Op[Listing]:
@@ -301,7 +301,7 @@ def _delete_quietly(
     req = pb.DeleteGroupRequest(group=name)
     call = Call("DeleteGroup", lambda: req, deadline, what("DeleteGroup"))
     try:
-        yield from on_shard(shard, client._call_op(call))
+        yield from on_shard(shard, one_call(call))
     except Exception as exc:  # the error that made us undo is the one to report
         log.warning("could not delete part %s on shard %d again: %s", name, shard, exc)
 

@@ -23,7 +23,7 @@ from ._errors import (
     UnavailableError,
 )
 from ._grpc_transport import Transport, pull_waited, pushed_what, resending
-from ._ops import Call, Deadline, Op, unary_request, what
+from ._ops import Call, Deadline, Op, one_call, unary_request, what
 from ._records import PushResult
 from ._replies import inline_values
 from .shm import Segment, SegmentPool, SharedMemoryMode, TensorBuffers, hello_segment
@@ -267,25 +267,35 @@ class SharedMemoryLink:
         pool = yield from self.segment_pool(bufs.nbytes, deadline)
         if pool is None:
             return None
-        req = pb.PullRequest()
-        req.CopyFrom(request)
         with bufs.claimed() as segment:
-            req.reply_region.CopyFrom(segment.region())
-            call = Call("Pull", unary_request(req), deadline, pull_waited(req))
-            msg = yield from self.guarded(_one(call))
+            msg = yield from _region_pull(self, request, segment, deadline)
             if msg.HasField("tensors_region") and bufs.holds(
                 msg.tensors_region, msg.tensors
             ):
                 return msg.update_count, list(bufs)
             if msg.HasField("tensors_region"):  # another layout: the group changed
                 return msg.update_count, segment.read(msg.tensors_region, msg.tensors)
-        return msg.update_count, [
-            tensor_to_array(t, t.name).copy() for t in msg.tensors
-        ]
+        return msg.update_count, _inline_copies(msg.tensors)
 
 
-def _one(call: Call) -> Op[Any]:
-    return (yield call)
+def _region_pull(
+    link: SharedMemoryLink,
+    request: pb.PullRequest,
+    segment: Segment,
+    deadline: Deadline,
+) -> Op[Any]:
+    """The unary Pull of ``request`` with its reply asked into ``segment``: the
+    reply message (``tensors_region`` set when the server wrote there)."""
+    req = pb.PullRequest()
+    req.CopyFrom(request)
+    req.reply_region.CopyFrom(segment.region())
+    call = Call("Pull", unary_request(req), deadline, pull_waited(req))
+    return (yield from link.guarded(one_call(call)))
+
+
+def _inline_copies(tensors: Sequence[pb.Tensor]) -> list[Array]:
+    """A reply's inline tensors as arrays of their own."""
+    return [tensor_to_array(t, t.name).copy() for t in tensors]
 
 
 def _region_push(
@@ -342,19 +352,13 @@ class SegmentTransport:
     ) -> Op[tuple[int, list[Array]] | None]:
         """A pull whose tensors come back in shared memory (inline when they no
         longer fit the segment, e.g. the group was replaced)."""
-        req = pb.PullRequest()
-        req.CopyFrom(request)
         seg = self.segs[0]
         with released(self.pool, self.segs):
-            req.reply_region.CopyFrom(seg.region())
-            call = Call("Pull", unary_request(req), deadline, pull_waited(req))
-            msg = yield from self.link.guarded(_one(call))
+            msg = yield from _region_pull(self.link, request, seg, deadline)
             if msg.HasField("tensors_region"):
                 arrays = seg.read(msg.tensors_region, msg.tensors, out=out)
                 return msg.update_count, arrays
-        return msg.update_count, [
-            tensor_to_array(t, t.name).copy() for t in msg.tensors
-        ]
+        return msg.update_count, _inline_copies(msg.tensors)
 
 
 class BufferTransport:

@@ -40,13 +40,7 @@ if TYPE_CHECKING:
     from ._channel_transport import DataChannelLink
     from ._shm_transport import SharedMemoryLink
 
-__all__ = [
-    "Pulled",
-    "TensorTransport",
-    "choose_pull",
-    "choose_push",
-    "grpc_transport",
-]
+__all__ = ["Pulled", "TensorTransport", "choose_pull", "choose_push"]
 
 Array = np.ndarray[Any, Any]
 Pulled = tuple[int, list[Array]]
