@@ -178,10 +178,10 @@ def on_first(iterator: Iterator[Any], see: Callable[[Any], None]) -> Iterator[An
     yield from it
 
 
-class HookInterceptor(Interceptor):
-    """An interceptor that adds hooks around a call (``call_hooks``) and may read
-    its request with a deserializer of its own, wrapping the one it is given. Alone
-    it intercepts as any interceptor; several run as one ``HookChain``."""
+class HookInterceptor:
+    """What one concern (observing, draining, tokens, shard, limits) adds around a
+    call: its hooks (``call_hooks``), and maybe a deserializer of its own wrapping the
+    one it is given. They run together as one ``HookChain``."""
 
     def call_hooks(
         self,
@@ -193,28 +193,12 @@ class HookInterceptor(Interceptor):
         request with (None: ``deserializer`` as it is)."""
         raise NotImplementedError
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Any],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        hooks, parse = self.call_hooks(
-            handler, handler_call_details, handler.request_deserializer
-        )
-        if hooks is None and parse is None:
-            return handler
-        return wrap(handler, hooks, request_deserializer=parse)
-
 
 class HookChain(Interceptor):
-    """Hook interceptors (outermost first) as one interceptor: each call is
-    wrapped once, with one hooks object that runs theirs in the order the nested
+    """The hook interceptors (outermost first) as one grpc interceptor: each call
+    is wrapped once, with one hooks object that runs theirs in the order nested
     interceptors would (``before`` outermost first; ``reply`` and ``finish``
-    innermost first; ``finish`` only for the hooks whose ``before`` ran), instead of
-    one pipeline step, one handler and one closure per interceptor."""
+    innermost first; ``finish`` only for the hooks whose ``before`` ran)."""
 
     def __init__(self, parts: list[HookInterceptor]) -> None:
         self.parts = list(parts)
