@@ -16,6 +16,7 @@ changes.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -42,21 +43,35 @@ MIN_POOLED_BYTES = 1 << 20
 LOW_MEMORY_SHARE = 0.10
 
 
+_MEMINFO_SECONDS = 1.0  # /proc/meminfo read at most this often (pushes give back)
+_meminfo: list[float] = [-_MEMINFO_SECONDS, 0.0, 0.0]  # read at, total, available
+
+
 def memory_low(share: float = LOW_MEMORY_SHARE) -> bool:
     """Whether MemAvailable is under ``share`` of MemTotal (False where
-    /proc/meminfo does not say)."""
+    /proc/meminfo does not say), as read at most a second ago."""
+    now = time.monotonic()
+    if now - _meminfo[0] >= _MEMINFO_SECONDS:
+        _meminfo[:] = [now, *_read_meminfo()]
+    _, total, available = _meminfo
+    return bool(total and available < share * total)
+
+
+def _read_meminfo() -> tuple[float, float]:
+    """(MemTotal, MemAvailable) in KiB; (0, 0) where /proc/meminfo does not say."""
     try:
         with open("/proc/meminfo", "rb") as f:
             head = f.read(512)
     except OSError:
-        return False
+        return 0.0, 0.0
     fields = {}
     for line in head.split(b"\n"):
         key, _, value = line.partition(b":")
         if key in (b"MemTotal", b"MemAvailable") and value.split():
-            fields[key] = int(value.split()[0])
-    total, available = fields.get(b"MemTotal"), fields.get(b"MemAvailable")
-    return bool(total and available is not None and available < share * total)
+            fields[key] = float(value.split()[0])
+    if b"MemAvailable" not in fields:
+        return 0.0, 0.0
+    return fields.get(b"MemTotal", 0.0), fields[b"MemAvailable"]
 
 
 class GradientPool:
