@@ -31,7 +31,11 @@ from ._quorum import logged_step_due, maybe_sync_step, quorum_reached
 from ._shared import SharedCopies
 from ._sparse import INDEX_DTYPE, flatten, is_row_push
 from ._waits import Cancellation, Wait, Waiting
-from .errors import FailedPrecondition, InvalidArgument, NotLogged, Unavailable
+from .errors import (
+    JOURNAL_REFUSALS,
+    FailedPrecondition,
+    InvalidArgument,
+)
 
 __all__ = [
     "Emission",
@@ -405,13 +409,13 @@ class PushPipeline:
         ]
         try:
             journal.durable(record, grads)
-        except (Unavailable, NotLogged):
+        except JOURNAL_REFUSALS:
             del g.pending[key]
             raise
         try:
             if maybe_sync_step(g, journal, due):
                 return PushOutcome(g.update_count, True)
-        except (Unavailable, NotLogged):
+        except JOURNAL_REFUSALS:
             pass  # buffered and durable; the reaper takes the step once it is logged
         return PushOutcome(t, False)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from ._group import Group, LeaseView, StoreLimits, combine_contributions
 from ._journaling import JournalEntry
-from .errors import NotLogged, Unavailable
+from .errors import JOURNAL_REFUSALS
 
 __all__ = [
     "join",
@@ -98,6 +98,6 @@ def reap(g: Group, now: float, limits: StoreLimits, journal: JournalEntry) -> No
     if expired or quorum_reached(g):
         try:
             maybe_sync_step(g, journal)
-        except (Unavailable, NotLogged):
+        except JOURNAL_REFUSALS:
             pass  # the journal logged why; the next round tries again
         g.cond.notify_all()

@@ -132,12 +132,13 @@ class GradientPool:
         nbytes: int,
         arrays: list[Array],
     ) -> None:
-        if self.low_memory():
-            self.clear()
-            return
         with self._lock:
             if self._epochs.get(key[0], 0) != epoch:
                 return  # the group was deleted while this push had them
+            if self.low_memory():  # keep nothing, and free what was idle
+                self._idle.clear()
+                self._idle_bytes = 0
+                return
             sets = self._idle.setdefault(key, [])
             self._idle.move_to_end(key)
             if len(sets) >= IDLE_PER_KEY:

@@ -639,11 +639,16 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     )
     durability = _durability(config, store, health_servicer)
     if durability is not None and recorder.registry is not None:
-        journal = durability.journal
+        # the journal is read at each scrape: a standby adopting a snapshot opens
+        # a new one
         recorder.registry.register(
             DurabilityCollector(
                 durability.alarms,
-                lambda: None if journal is None else journal.fsync_times,
+                lambda: (
+                    None
+                    if durability.journal is None
+                    else durability.journal.fsync_times
+                ),
             )
         )
     # A crash between a sync step's last push record and the step's own record leaves

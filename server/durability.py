@@ -306,6 +306,10 @@ class Durability:
             else:
                 self._base_lsn = next_lsn - 1
             self._signature = self._current_signature()
+            # the snapshot's rename and the new log are on disk before the marker
+            # goes: a power loss never leaves an eligible member with neither
+            fsync_dir(self.snap_dir)
+            fsync_dir(self.wal_dir)
             os.unlink(marker)
             fsync_dir(self.root)
             return wal_lsn, covered

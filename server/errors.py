@@ -18,6 +18,7 @@ __all__ = [
     "FailedPrecondition",
     "InvalidArgument",
     "NotFound",
+    "JOURNAL_REFUSALS",
     "NotLogged",
     "PermissionDenied",
     "ResourceExhausted",
@@ -110,3 +111,8 @@ class NotLogged(DomainError):
     concrete class also derives from the status class that says so."""
 
     default_reason = "WAL_WRITE_FAILED"
+
+
+# What a journal (the log, a replicated shard's) refuses a change with: the change
+# was not applied, and what was prepared for it is undone.
+JOURNAL_REFUSALS = (Unavailable, NotLogged)

@@ -78,10 +78,10 @@ from ._shared import SharedCopies
 from ._sparse import RowSpec
 from ._waits import CallCancelled, Cancellation, Wait, Waiting
 from .errors import (
+    JOURNAL_REFUSALS,
     AlreadyExists,
     InvalidArgument,
     NotFound,
-    NotLogged,
     ResourceExhausted,
     Unavailable,
 )
@@ -303,7 +303,7 @@ class ParameterStore:
                         }
                         lsn = journal.log(record, image.arrays)
                 journal.wait(lsn)
-            except (Unavailable, NotLogged):
+            except JOURNAL_REFUSALS:
                 with self._lock:
                     if self._groups.get(name) is group:
                         del self._groups[name]

@@ -147,9 +147,6 @@ class Etcd:
             payload["lease"] = lease
         self._post("/kv/put", payload)
 
-    def delete(self, key: str) -> None:
-        self._post("/kv/deleterange", {"key": b64(key)})
-
     def txn(
         self,
         compare: Sequence[dict[str, Any]],

@@ -20,6 +20,7 @@ from .._wal import (
     c_order,
     segment_paths,
 )
+from ..errors import Unavailable
 
 Array = np.ndarray[Any, Any]
 
@@ -49,7 +50,11 @@ def decode_frame(frame: bytes) -> tuple[dict[str, Any], list[Array]]:
 def logged_frames(wal_dir: str, after: int) -> Iterator[tuple[int, bytes]]:
     """(lsn, frame bytes) of the log's intact records after ``after``, read from its
     segments as they are on disk (the log is being written meanwhile: reading stops
-    quietly at the first frame not (yet) whole; ``void`` frames are skipped)."""
+    quietly at the first frame not (yet) whole; ``void`` frames are skipped, as the
+    refused lsns they declare). Records missing after ``after`` (segments pruned
+    since the snapshot was chosen) end the stream: the standby starts again from a
+    newer snapshot instead of missing them."""
+    expected = after + 1
     for _first, path in segment_paths(wal_dir):
         with open(path, "rb") as f:
             head = f.read(SEGMENT_HEADER.size)
@@ -68,8 +73,19 @@ def logged_frames(wal_dir: str, after: int) -> Iterator[tuple[int, bytes]]:
                 if len(rest) < hlen + blen or zlib.crc32(rest) != crc:
                     return
                 header = json.loads(rest[:hlen])
-                if header.get("op") == "void":
+                if header.get("op") == "void":  # as the log's reader skips them
+                    if int(header["first"]) <= expected:
+                        expected = max(expected, int(header["last"]) + 1)
                     continue
                 lsn = int(header["lsn"])
-                if lsn > after:
-                    yield lsn, raw + rest
+                if lsn <= after:
+                    continue
+                if lsn != expected:
+                    raise Unavailable(
+                        f"records {expected} to {lsn - 1} are no longer in the log "
+                        f"{wal_dir} (pruned after a snapshot): follow again, from the "
+                        "newest snapshot",
+                        reason="NOT_REPLICATED",
+                    )
+                expected = lsn + 1
+                yield lsn, raw + rest

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -54,8 +54,6 @@ class NotPrimary(FailedPrecondition, Unavailable):
 
 @dataclass
 class _Record:
-    record: dict[str, Any]
-    arrays: Sequence[Array]
     frame: bytes | None = None
     failed: bool = False
     durable: bool = False
@@ -69,7 +67,6 @@ class _Standby:
     syncing: bool = True
     floor: int = 0  # records after this are kept for it
     gone: bool = False
-    since: float = field(default_factory=time.monotonic)
 
 
 class ReplicatedJournal:
@@ -90,13 +87,17 @@ class ReplicatedJournal:
         self.sync_replicas = sync_replicas
         # --sync-policy lower: with fewer standbys following, acknowledge with those
         self.lower = lower
-        self._lowered = False
         self.ack_timeout = ack_timeout
         self._on_stuck = on_stuck
         self._cv = threading.Condition()
         self._records: dict[int, _Record] = {}
         self._standbys: dict[str, _Standby] = {}
-        self._sync: list[str] = []
+        self._sync: list[str] = []  # named in etcd, in this order
+        # A standby being named (in etcd, outside the lock every push takes): the
+        # pushes acknowledged meanwhile wait for it too, so it holds all of them.
+        self._joining: str | None = None
+        # Changes of the synchronous standbys, one at a time
+        self._naming = threading.Lock()
         self.acknowledged = 0
 
     @property
@@ -110,7 +111,7 @@ class ReplicatedJournal:
     def log(self, record: dict[str, Any], arrays: Sequence[Array]) -> int:
         self._check_primary()
         with self._cv:
-            live = [s for s in self._sync if not self._standbys_gone(s)]
+            live = self._live_sync()
             if len(live) < self.sync_replicas and not self.lower:
                 raise Unavailable(
                     f"{len(live)} of the {self.sync_replicas} synchronous standbys "
@@ -124,7 +125,7 @@ class ReplicatedJournal:
                     },
                 )
             lsn = int(self.inner.log(record, arrays))
-            entry = self._records[lsn] = _Record(record, ())
+            entry = self._records[lsn] = _Record()
         # Shipped while this server writes it too: the standbys' fsync runs beside
         # this one's, not after it.
         frame = encode_frame(record, lsn, arrays)
@@ -185,7 +186,12 @@ class ReplicatedJournal:
     def _held(self, lsn: int) -> bool:
         if len(self._sync) < self.sync_replicas and not self.lower:
             return False
-        return all(self._standbys[s].acked >= lsn for s in self._sync)
+        holders = [*self._sync, *([self._joining] if self._joining else [])]
+        return all(self._standbys[s].acked >= lsn for s in holders)
+
+    def _live_sync(self) -> list[str]:
+        """Under the lock: the synchronous standbys still following."""
+        return [m for m in self._sync if not self._standbys_gone(m)]
 
     def _standbys_gone(self, member_id: str) -> bool:
         s = self._standbys.get(member_id)
@@ -341,25 +347,29 @@ class ReplicatedJournal:
             self._replace_gone()
 
     def _maybe_sync(self, s: _Standby) -> None:
-        """Name a caught-up standby synchronous when a place is free."""
-        with self._cv:
-            if s.member_id in self._sync or s.gone:
-                return
-            self._sync = [m for m in self._sync if not self._standbys_gone(m)]
-            if len(self._sync) >= self.sync_replicas:
-                return
-            if s.acked < max(self.acknowledged, self._pending_floor()):
-                return
-            wanted = [*self._sync, s.member_id]
-            # Named in etcd first: a promotion must find it there.
-            if not self.member.set_sync_standbys(wanted):
-                return
-            self._sync = wanted
-            log.info("synchronous standbys: %s", ", ".join(wanted))
-            self._cv.notify_all()
-
-    def _pending_floor(self) -> int:
-        return 0
+        """Name a caught-up standby synchronous when a place is free: in etcd
+        first (a promotion must find it there), outside the lock pushes take; the
+        pushes acknowledged meanwhile wait for it too (``_joining``)."""
+        with self._naming:
+            with self._cv:
+                if s.member_id in self._sync or s.gone:
+                    return
+                live = self._live_sync()
+                if len(live) >= self.sync_replicas or s.acked < self.acknowledged:
+                    return
+                wanted = [*live, s.member_id]
+                self._joining = s.member_id
+            named = False
+            try:
+                named = self.member.set_sync_standbys(wanted)
+            finally:
+                with self._cv:
+                    self._joining = None
+                    if named:
+                        self._sync = wanted
+                    self._cv.notify_all()
+            if named:
+                log.info("synchronous standbys: %s", ", ".join(wanted))
 
     def _replace_gone(self) -> None:
         if self.lower:
@@ -375,21 +385,24 @@ class ReplicatedJournal:
     def _drop_gone(self) -> None:
         """--sync-policy lower: name only the standbys still following (in etcd
         first: a promotion must not pick one that misses what is acknowledged
-        next), then acknowledge with them."""
-        with self._cv:
-            live = [m for m in self._sync if not self._standbys_gone(m)]
-            if live == self._sync:
-                return
+        next), then acknowledge with them. Until then the pushes wait for the old
+        set, outside the etcd call."""
+        with self._naming:
+            with self._cv:
+                live = self._live_sync()
+                if live == self._sync:
+                    return
             if not self.member.set_sync_standbys(live):
                 return  # not the primary any more: nothing is acknowledged
-            self._sync = live
+            with self._cv:
+                self._sync = live
+                self._cv.notify_all()
             log.warning(
                 "%d of the %d synchronous standbys follow: acknowledging with %s "
                 "(--sync-policy lower)",
                 len(live), self.sync_replicas,
                 ", ".join(live) if live else "this server alone",
             )  # fmt: skip
-            self._cv.notify_all()
 
     def status(self) -> dict[str, Any]:
         with self._cv:

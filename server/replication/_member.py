@@ -32,12 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..security import ConfigError
 from ..shard import ShardIdentity
 from ._etcd import (
     CoordinatorAddress,
     CoordinatorUnavailable,
     Etcd,
     absent,
+    delete_op,
     mod_revision_is,
     put_op,
     value_is,
@@ -168,7 +170,7 @@ class Member:
                 log.warning("waiting for etcd: %s", exc)
                 time.sleep(0.5)
         self._new_lease()
-        self._register(force=True)
+        self._register()
         self._thread = threading.Thread(
             target=self._run, name="onnxps-replica", daemon=True
         )
@@ -187,7 +189,7 @@ class Member:
                 if was_primary:
                     self.etcd.txn(
                         [value_is(self.keys.primary, self._primary_value())],
-                        [{"request_delete_range": {"key": _b64(self.keys.primary)}}],
+                        [delete_op(self.keys.primary)],
                     )
                 self.etcd.revoke(self._lease)
             except CoordinatorUnavailable:
@@ -221,12 +223,6 @@ class Member:
             )
         except CoordinatorUnavailable:
             return False
-
-    def members(self) -> dict[str, Any]:
-        out = {}
-        for kv in self.etcd.get_prefix(self.keys.members):
-            out[kv.key.rsplit("/", 1)[1]] = kv.json()
-        return out
 
     # -- the loop -------------------------------------------------------------------
     def _run(self) -> None:
@@ -262,7 +258,7 @@ class Member:
             return
         log.warning("etcd lease %x expired; registering again", self._lease)
         self._new_lease()
-        self._register(force=True)
+        self._register()
 
     def _check_still_primary(self) -> None:
         kv = self.etcd.get(self.keys.primary)
@@ -340,7 +336,7 @@ class Member:
             self.role = Role.PRIMARY
         self.failovers += 1
         self._on_primary(self.primary)
-        self._register(force=True)
+        self._register()
 
     # -- keys -----------------------------------------------------------------------
     def _primary_value(self, term: int | None = None) -> bytes:
@@ -357,7 +353,7 @@ class Member:
         self._lease = self.etcd.grant(self.config.lease_ttl)
         self._renewed = self._sent = sent
 
-    def _register(self, force: bool = False) -> None:
+    def _register(self) -> None:
         self._registered = self._clock()
         value = {
             "address": self.config.address,
@@ -375,16 +371,8 @@ class Member:
         self.etcd.txn([absent(self.keys.layout)], [put_op(self.keys.layout, count)])
         kv = self.etcd.get(self.keys.layout)
         if kv is not None and kv.value.decode() != count:
-            from ..security import ConfigError
-
             raise ConfigError(
                 f"--shard {self.config.shard}: the cluster under "
                 f"{self.config.coordinator} has {kv.value.decode()} shards "
                 f"({self.keys.layout}); start every server with the same count"
             )
-
-
-def _b64(key: str) -> str:
-    from ._etcd import b64
-
-    return b64(key)

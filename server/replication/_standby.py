@@ -59,7 +59,6 @@ class Follower:
         self._call: Any = None
         self._thread: threading.Thread | None = None
         self.applied = 0  # the last lsn applied
-        self.synced = False  # adopted a snapshot of the current primary
         self.idle = threading.Event()
         self.idle.set()
         self._warned: PrimaryInfo | None = None
@@ -154,7 +153,6 @@ class Follower:
     def _receive(self, call: Any, target: PrimaryInfo, acks: queue.Queue[Any]) -> None:
         tmp: str | None = None
         covered: dict[str, int] = {}
-        self.synced = False
         for msg in call:
             if msg.term < max(target.term, self._term()) or self._stop.is_set():
                 log.warning(
@@ -169,15 +167,13 @@ class Follower:
                 self._write_chunk(tmp, msg.snapshot_chunk)
             elif part == "snapshot_done":
                 gen = msg.snapshot_done.generation
-                final = os.path.join(os.path.dirname(tmp or self._fresh_dir()),
-                                     f"snap-{gen:012d}")  # fmt: skip
-                assert tmp is not None
+                assert tmp is not None, "a snapshot_done before its chunks"
+                final = os.path.join(os.path.dirname(tmp), f"snap-{gen:012d}")
                 shutil.rmtree(final, ignore_errors=True)
                 os.rename(tmp, final)
                 tmp = None
                 wal_lsn, covered = self.durability.adopt_snapshot(final)
                 self.applied = wal_lsn
-                self.synced = True
                 log.info(
                     "caught up from %s's snapshot (generation %d, wal lsn %d)",
                     target.address, gen, wal_lsn,
