@@ -140,7 +140,7 @@ def split_push(
                 metadata={"group": found.group, "tensor": name},
             )
         if rows.dtype.kind in "fc":
-            finite = finite and bool(np.isfinite(rows).all())
+            finite = finite and _sharded.all_finite(rows)
         rows = encode(rows, encoding, f"rows of {name!r}")
         own = owners(ids, count)
         for k in range(count):

@@ -31,6 +31,7 @@ from ._records import PushResult
 from ._replies import as_indices, row_gradients
 from ._sharded import (
     PartPush,
+    all_finite,
     check_finite,
     finish_earlier,
     group_dtype,
@@ -193,7 +194,7 @@ def _split_push(
                 "DTYPE_MISMATCH",
                 tensor=name,
             )
-        finite = finite and bool(np.isfinite(values).all())
+        finite = finite and all_finite(values)
         values = encode(values, encoding, f"gradient of {name!r}")
         if idx is None:
             flat = np.ascontiguousarray(values).reshape(-1)

@@ -52,6 +52,7 @@ from ._pending import (
 from ._records import GroupInfo, PartInfo, PushResult, group_info
 
 __all__ = [
+    "all_finite",
     "check_finite",
     "pull_rows_part",
     "PartPush",
@@ -78,15 +79,26 @@ def _shards(client: ClusterHost) -> int:
     return client.shards
 
 
-def until_landed(send: Callable[[], Op[R]], deadline: Deadline) -> Op[R]:
-    """``send()``, sent again while its server is unavailable, until the deadline
-    (a cluster's calls: a shard pod restarting must not fail the worker). A push
-    carries the same (client_id, seq) each time, so it lands exactly once."""
+def _unavailable(exc: RpcError) -> bool:
+    return isinstance(exc, UnavailableError)
+
+
+def until_landed(
+    send: Callable[[], Op[R]],
+    deadline: Deadline,
+    resend: Callable[[RpcError], bool] = _unavailable,
+) -> Op[R]:
+    """``send()``, sent again while it fails with an error ``resend`` accepts (by
+    default: its server is unavailable), until the deadline (a cluster's calls: a
+    shard pod restarting must not fail the worker). A push carries the same
+    (client_id, seq) each time, so it lands exactly once."""
     backoff = 0.1
     while True:
         try:
             return (yield from send())
-        except UnavailableError:
+        except RpcError as exc:
+            if not resend(exc):
+                raise
             pause = min(backoff, deadline.remaining())
             if pause <= 0:
                 raise
@@ -153,8 +165,9 @@ def _remember(
 ) -> None:
     client._layouts[found.group] = found
     for g in infos:
-        itemsize = PROTO_TO_DTYPE[g.dtype].itemsize
-        client._sizes[g.name] = g.element_count * itemsize
+        dtype = PROTO_TO_DTYPE[g.dtype]
+        client._sizes[g.name] = g.element_count * dtype.itemsize
+        client._dtypes[g.name] = dtype
 
 
 def rerouted(
@@ -428,19 +441,14 @@ def leases(
 
 # -- push and pull --------------------------------------------------------------------
 def group_dtype(client: ClusterHost, found: Layout) -> np.dtype[Any] | None:
-    """The group's dtype, from the sizes the listing gave (None: not known)."""
-    p = found.parts[0]
-    size = client._sizes.get(p.name)
-    count = p.element_count
-    if size is None or count == 0:
-        return None
-    return np.dtype(np.float32 if size // count == 4 else np.float64)
+    """The group's dtype, as the listing gave it (None: not known)."""
+    return client._dtypes.get(found.parts[0].name)
 
 
 _FINITE_BLOCK = 1 << 20  # elements checked at once (a 1 MiB temporary, not a's size)
 
 
-def _all_finite(a: Array) -> bool:
+def all_finite(a: Array) -> bool:
     """No NaN or inf in ``a`` (block by block: 64 MiB take about 3 ms)."""
     flat = a.reshape(-1)
     return all(
@@ -480,17 +488,8 @@ def _check_gradients(
                 reason="DTYPE_MISMATCH",
                 metadata={"group": found.group, "tensor": name},
             )
-        finite = finite and _all_finite(a)
-    if not finite:
-        info = yield from describe_group(client, found.group, deadline)
-        if not info.allow_non_finite:
-            raise InvalidArgumentError(
-                f"a gradient holds NaN or inf, which would poison group "
-                f"{found.group!r} for good; fix the worker, or create the group "
-                "with allow_non_finite=True",
-                reason="NON_FINITE_GRADIENT",
-                metadata={"group": found.group},
-            )
+        finite = finite and all_finite(a)
+    yield from check_finite(client, found, finite, deadline, "a gradient")
 
 
 def _push_one(client: ClusterHost, part: PartPush, deadline: Deadline) -> Op[Any]:
@@ -507,29 +506,25 @@ def _send_part(client: ClusterHost, part: PartPush, deadline: Deadline) -> Op[An
     """One part's push, sent again (same seq) while its shard is unavailable or
     busy (``RESOURCE_EXHAUSTED``: retry later), until the deadline. A deadline
     that passes after the shard refused says so (the refusal's reason)."""
-    backoff = 0.1
-    refused: RpcError | None = None
-    while True:
-        try:
-            return (yield from _push_one(client, part, deadline))
-        except DeadlineExceededError as exc:
-            if refused is None:
-                raise
-            raise DeadlineExceededError(
-                f"{exc.details}; before that, shard {part[0]} refused it: {refused}",
-                reason=refused.reason,
-                metadata=refused.metadata,
-            ) from None
-        except RpcError as exc:
-            if not resend_now(exc):
-                raise
-            if not isinstance(exc, UnavailableError):
-                refused = exc
-            pause = min(backoff, deadline.remaining())
-            if pause <= 0:
-                raise
-        yield Pause(pause)
-        backoff = min(1.0, backoff * 2)
+    refused: list[RpcError] = []  # the last refusal that was not UNAVAILABLE
+
+    def resend(exc: RpcError) -> bool:
+        if resend_now(exc) and not isinstance(exc, UnavailableError):
+            refused[:] = [exc]
+        return resend_now(exc)
+
+    try:
+        sent = until_landed(lambda: _push_one(client, part, deadline), deadline, resend)
+        return (yield from sent)
+    except DeadlineExceededError as exc:
+        if not refused:
+            raise
+        (last,) = refused
+        raise DeadlineExceededError(
+            f"{exc.details}; before that, shard {part[0]} refused it: {last}",
+            reason=last.reason,
+            metadata=last.metadata,
+        ) from None
 
 
 def _keep(client: ClusterHost, entry: PendingPush | None, new: PendingPush) -> None:
@@ -761,28 +756,24 @@ def pull(
     pending pushes to the group are sent first."""
     yield from finish_earlier(client, group, deadline)
 
-    def pull_part(
-        p: Part, at_least: int | None, limit: Deadline
-    ) -> Op[tuple[int, list[Array]]]:
+    def pull_part(p: Part, at_least: int | None) -> Op[tuple[int, list[Array]]]:
         def send() -> Op[tuple[int, list[Array]]]:
             op = client._pull_op(
-                p.name, state, at_least, limit, encoding, shard=p.shard
+                p.name, state, at_least, deadline, encoding, shard=p.shard
             )
             return on_shard(p.shard, op)
 
-        return until_landed(send, limit)
+        return until_landed(send, deadline)
 
     def pull_all(found: Layout) -> Op[tuple[Layout, list[tuple[int, list[Array]]]]]:
-        replies = yield from parallel(
-            [pull_part(p, min_version, deadline) for p in found.parts]
-        )
+        replies = yield from parallel([pull_part(p, min_version) for p in found.parts])
         counts = [r[0] for r in replies]
         if len(set(counts)) == 1 or allow_apart:
             return found, replies
         top = max(counts)
         behind = [k for k, t in enumerate(counts) if t < top]
         again = yield from parallel(
-            [attempt(pull_part(found.parts[k], top, deadline)) for k in behind]
+            [attempt(pull_part(found.parts[k], top)) for k in behind]
         )
         for k, r in zip(behind, again, strict=True):
             if isinstance(r, DeadlineExceededError):
@@ -817,15 +808,19 @@ def _apart(
 
 
 def check_finite(
-    client: ClusterHost, found: Layout, finite: bool, deadline: Deadline
+    client: ClusterHost,
+    found: Layout,
+    finite: bool,
+    deadline: Deadline,
+    what: str = "a row gradient",
 ) -> Op[None]:
     """Refuse a push holding NaN or inf unless the group allows them (asked only
-    then), here: a part would refuse only the rows it owns."""
+    then), here: a part would refuse only what it owns, after others applied."""
     if finite:
         return
     if not (yield from describe_group(client, found.group, deadline)).allow_non_finite:
         raise InvalidArgumentError(
-            f"a row gradient holds NaN or inf, which would poison group "
+            f"{what} holds NaN or inf, which would poison group "
             f"{found.group!r} for good; fix the worker, or create the group with "
             "allow_non_finite=True",
             reason="NON_FINITE_GRADIENT",
