@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from onnxps.client import RpcError
 from onnxps.client._replies import tcp_host
 from onnxps.client._settings import with_default_port
 
@@ -113,14 +114,19 @@ def report(exc: CommandFailed, stream: Any = None) -> int:
     return exc.status
 
 
-def unreachable(address: str | Sequence[str], timeout: float) -> str | None:
-    """Why the first server of ``address`` that cannot be connected to cannot be
-    (``"UNAVAILABLE: cannot connect to 127.0.0.1:1: Connection refused"``); None
-    when every one accepts a TCP connection (or is not host:port).
+def unreachable(
+    exc: RpcError, address: str | Sequence[str], timeout: float
+) -> str | None:
+    """For a call that failed with ``exc``: why the first server of ``address``
+    that cannot be connected to cannot be (``"UNAVAILABLE: cannot connect to
+    127.0.0.1:1: Connection refused"``); None when ``exc`` is another refusal, or
+    every server accepts a TCP connection (or is not host:port).
 
     A call that fails to connect ends in UNAVAILABLE, or in DEADLINE_EXCEEDED when
     its deadline comes before the channel gives up: one cause, so the commands
     ask the socket and say the same thing for both."""
+    if exc.code.name not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+        return None
     addresses = [address] if isinstance(address, str) else list(address)
     for a in (with_default_port(a) for a in addresses):
         host = tcp_host(a)

@@ -224,9 +224,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             groups = ps.list_groups(args.prefix)
             apart = still_apart(ps, groups) if ps.shards is not None else set()
     except RpcError as exc:
-        why = f"{exc.code.name}: {exc.details}"
-        if exc.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
-            why = unreachable(target, args.timeout) or why
+        why = (
+            unreachable(exc, target, args.timeout) or f"{exc.code.name}: {exc.details}"
+        )
         fail("onnxps status", f"cannot list the groups on {args.address}: {why}")
     except OnnxpsError as exc:
         fail("onnxps status", f"{args.address}: {exc}")

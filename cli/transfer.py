@@ -111,9 +111,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             fail(prog, _clash(args.file, exc.existing))
         fail(prog, str(exc))
     except RpcError as exc:
-        why: str | None = None
-        if exc.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
-            why = unreachable(parse_target(args.address), args.timeout)
+        why = unreachable(exc, parse_target(args.address), args.timeout)
         fail(prog, f"{args.address}: {why or exc}")
     except OnnxpsError as exc:
         fail(prog, f"{args.address}: {exc}")

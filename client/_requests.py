@@ -86,7 +86,6 @@ from ._replies import (
 from ._routes import route_of
 from ._rows import RowsOps
 from ._settings import (
-    SWITCH_MODES,
     channel_credentials,
     channel_options,
     check_client_arguments,
@@ -183,6 +182,7 @@ class ClientCore(RowsOps):
             root_certificates,
             unexpected,
             shared_memory,
+            data_channel,
         )
         # A list of addresses is a cluster: shard i at addresses[i] (docs/cluster.md,
         # "A cluster of shards").
@@ -224,11 +224,6 @@ class ClientCore(RowsOps):
         # DATA_CHANNEL_THRESHOLD_BYTES on sockets beside gRPC when the server
         # offers them, "on" every push and pull (DataChannelError where it cannot),
         # "off" never. Shared memory, where it works, goes first.
-        if data_channel not in SWITCH_MODES:
-            raise ValueError(
-                f"data_channel must be one of {', '.join(SWITCH_MODES)}, got "
-                f"{data_channel!r}"
-            )
         self.data_channel: DataChannelMode = data_channel
         if self._discovery is not None:
             # A segment or a data channel is bound to one server: a call resent to

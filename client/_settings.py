@@ -36,6 +36,9 @@ __all__ = [
 DEFAULT_PORT = 50051
 
 
+# The values of shared_memory= and data_channel=.
+SWITCH_MODES = ("auto", "on", "off")
+
 # The one retry mechanism for every call: the channel retries UNAVAILABLE (the server
 # is down or draining), within the call's deadline. A push is also resent, with the
 # same (client_id, seq), while UNAVAILABLE reaches the client after the channel gave
@@ -43,9 +46,6 @@ DEFAULT_PORT = 50051
 # it exactly once. The calls that are safe to repeat (reads, and pushes, which the
 # server deduplicates) are also retried on CANCELLED: a server that stops cancels the
 # calls it had received but not yet started, and none of them ran.
-# The values of shared_memory= and data_channel=.
-SWITCH_MODES = ("auto", "on", "off")
-
 _SAFE_TO_REPEAT = (
     "Push",
     "PushStream",
@@ -144,6 +144,7 @@ def check_client_arguments(
     root_certificates: Any,
     unexpected: Mapping[str, Any],
     shared_memory: Any = "off",
+    data_channel: Any = "off",
 ) -> None:
     """TypeError/ValueError that say what ``Client(...)`` (or ``AsyncClient``)
     takes."""
@@ -176,11 +177,14 @@ def check_client_arguments(
         raise ValueError(
             f"transport must be one of {', '.join(_TRANSPORTS)}, got {transport!r}"
         )
-    if shared_memory not in SWITCH_MODES:
-        raise ValueError(
-            f"shared_memory must be one of {', '.join(SWITCH_MODES)}, got "
-            f"{shared_memory!r}"
-        )
+    for name, mode in (
+        ("shared_memory", shared_memory),
+        ("data_channel", data_channel),
+    ):
+        if mode not in SWITCH_MODES:
+            raise ValueError(
+                f"{name} must be one of {', '.join(SWITCH_MODES)}, got {mode!r}"
+            )
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be an integer >= 1, got {chunk_bytes!r}")
     if root_certificates is not None and not isinstance(root_certificates, bytes):

@@ -37,6 +37,7 @@ from ._rpc import (
     timeout_of,
     unary,
 )
+from ._shm import Caller
 from ._transports import (
     ChannelGradients,
     ChannelValues,
@@ -193,10 +194,13 @@ class TensorRpcs(RpcFamily):
             sink.send(reply, out.values, ticket.names)
         return reply
 
-    def _values_sink(self, req: pb.PushRequest, context: Any) -> ValuesSink:
+    def _values_sink(
+        self, req: pb.PushRequest, context: Any, caller: Caller | None = None
+    ) -> ValuesSink:
         """Where a push's X goes: the client's reply segment, or the reply."""
         if req.HasField("reply_region"):
-            return RegionValues(self._shm, req.reply_region, caller_of(context))
+            caller = caller or caller_of(context)
+            return RegionValues(self._shm, req.reply_region, caller)
         return InlineValues()
 
     @unary
@@ -205,11 +209,12 @@ class TensorRpcs(RpcFamily):
             return self._push_on_channel(request, context)
         ticket = self._validate_push(request)
         source: GradientSource = InlineGradients(request, ticket)
+        caller = None
         if request.HasField("gradients_region"):
             names = names_of("gradient", len(request.gradients), ticket.names)
             caller = caller_of(context)
             source = RegionGradients(self._shm, request, ticket, caller, names)
-        sink = self._values_sink(request, context)
+        sink = self._values_sink(request, context, caller)
         return self._step(request, ticket, source, sink, context, pb.PushResponse)
 
     @unary

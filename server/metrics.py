@@ -443,8 +443,9 @@ class _Observed(CallHooks):
                 },
             )
         try:
-            reason = None if name == "OK" else reason_of(context)
-            self.recorder.record(self, name, seconds, reason)
+            if self.recorder.registry is not None:  # the reason only when recorded
+                reason = None if name == "OK" else reason_of(context)
+                self.recorder.record(self, name, seconds, reason)
         except Exception:  # noqa: BLE001 - metrics must never fail a call
             log.exception("recording metrics for %s failed", self.method)
 
