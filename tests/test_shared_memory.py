@@ -357,8 +357,12 @@ def test_a_segment_of_another_user_is_permission_denied(
 _OTHER_USER = textwrap.dedent(
     """
     import os, sys
+    import grpc
     import numpy as np
     from onnxps.client import Client, SharedMemoryError
+    # what grpc imports lazily, imported while this process may read the checkout
+    # (a clone in a 0700 directory is not readable by uid 65534)
+    grpc.insecure_channel(sys.argv[1]).close()
     os.setgid(65534)
     os.setuid(65534)
     g = np.ones(1 << 20, np.float32)

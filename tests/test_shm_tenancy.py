@@ -92,6 +92,9 @@ _ATTACKER = textwrap.dedent(
     from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
     spec = json.loads(sys.argv[1])
+    # what grpc imports lazily, imported while this process may read the checkout
+    # (a clone in a 0700 directory is not readable by the uid below)
+    grpc.insecure_channel(spec["address"]).close()
     os.setgid(spec["uid"])
     os.setuid(spec["uid"])
     n = spec["n"]
