@@ -7,7 +7,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -25,7 +25,6 @@ from onnxps.wire.codec import (
 )
 
 from ._datachannel import DataChannel, principal_of
-from ._receive import Lease
 from ._rpc import (
     RpcFamily,
     caller_of,
@@ -69,9 +68,6 @@ Array = np.ndarray[Any, Any]
 
 # The stream and unary RPCs answer with messages of the same fields.
 R = TypeVar("R", pb.PushResponse, pb.PushStreamResponse)
-
-
-T = TypeVar("T")
 
 
 def _check_pull_encoding(req: pb.PullRequest | pb.PullStreamRequest) -> None:
@@ -128,14 +124,6 @@ def _out_of_range(exc: EncodingRangeError, encoding: int) -> FailedPrecondition:
         reason="OUT_OF_ENCODING_RANGE",
         metadata={"encoding": name},
     )
-
-
-def _leased(lease: Lease, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)``, then the gradient buffers of ``lease`` given back."""
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        lease.release()
 
 
 class TensorRpcs(RpcFamily):
@@ -332,10 +320,10 @@ class TensorRpcs(RpcFamily):
                 pb.Tensor(name=n, dtype=t.dtype, dims=t.dims)
                 for n, t in zip(ticket.names, headers, strict=True)
             ]
-            sink = FrameSink(values, self.chunk_bytes)
+            # X is copied into the gradient buffers as their elements are spent
+            # (``FrameSink``), which go back once the reply is sent
+            sink = FrameSink(values, self.chunk_bytes, grads, lease.release)
             push = functools.partial(
-                _leased,
-                lease,
                 self.store.push,
                 ticket,
                 grads,

@@ -18,6 +18,7 @@ region that cannot be used refuses the push before it applies), ``send`` after.
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
@@ -207,22 +208,46 @@ class FrameSink:
     and hands it, as encoded PushPullStream frames, to the thread that sends the
     reply.
 
-    The push runs on a thread of its own (``run``), so each block is copied into
-    its frames under the group's lock and sent while the next block steps. After
-    ``close`` (the caller went away) frames are dropped; the push still finishes.
+    The push runs on a thread of its own (``run``), so each block is copied out
+    under the group's lock and sent while the next block steps. The copy goes into
+    the push's own gradient buffers (``room``) where they match X: the step is
+    element-wise, so a block's gradient is spent once its X is final, and the
+    reply then costs no memory beyond them (X copied into frames as it stepped
+    held a second copy of X when the step outran the network). The frames are
+    encoded from there as the reply is sent, and ``release`` (the buffers' lease)
+    runs once both the push and the sending are done with them. Without room,
+    each block is encoded into its frames at once. After ``close`` (the caller
+    went away) frames are dropped; the push still finishes.
     """
 
-    def __init__(self, headers: Sequence[pb.Tensor], chunk_bytes: int) -> None:
+    def __init__(
+        self,
+        headers: Sequence[pb.Tensor],
+        chunk_bytes: int,
+        room: Sequence[Array] = (),
+        release: Callable[[], None] | None = None,
+    ) -> None:
         self._headers = headers
         self._chunk_bytes = chunk_bytes
         self._frames: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._room = list(room)
         self._views: list[memoryview] = []
+        self._xs: list[Array] = []
         self._itemsizes: list[int] = []
         self._closed = False
+        self._release = release
+        self._users = 2  # the push (``run``) and the sending (``frames``/``close``)
+        self._users_lock = threading.Lock()
 
     def begin(self, outcome: PushOutcome, xs: Sequence[Array]) -> None:
-        self._views = [memoryview(x).cast("B") for x in xs]  # type: ignore[arg-type]
         self._itemsizes = [x.itemsize for x in xs]
+        if _fits_room(self._room, xs):
+            self._xs = list(xs)
+            views = [r.reshape(-1) for r in self._room]
+        else:
+            self._room = []
+            views = list(xs)
+        self._views = [memoryview(v).cast("B") for v in views]  # type: ignore[arg-type]
         header = pb.PushResponse(
             update_count=outcome.update_count,
             applied=outcome.applied,
@@ -232,16 +257,32 @@ class FrameSink:
         self._put(pb.PushPullStreamResponse(header=header))
 
     def block(self, index: int, start: int, stop: int) -> None:
+        if self._closed:
+            return
+        if self._room:
+            flat = self._room[index].reshape(-1)
+            np.copyto(flat[start:stop], self._xs[index][start:stop])
+            self._put((index, start, stop))
+        else:
+            self._put_all(self._encode(index, start, stop))
+
+    def _encode(self, index: int, start: int, stop: int) -> Iterator[bytes]:
+        """The frames of elements ``start:stop`` of X ``index``."""
         size = self._itemsizes[index]
         view = self._views[index]
         step = self._chunk_bytes
         for a in range(start * size, stop * size, step):
             b = min(a + step, stop * size)
-            self._put(encode_chunk(_REPLY_CHUNK_FIELD, index, a, view[a:b]))
+            yield encode_chunk(_REPLY_CHUNK_FIELD, index, a, view[a:b])
 
     def _put(self, item: Any) -> None:
         if not self._closed:
             self._frames.put(item)
+
+    def _put_all(self, items: Iterator[Any]) -> None:
+        if not self._closed:
+            for item in items:
+                self._frames.put(item)
 
     def run(self, push: Callable[[], Any]) -> None:
         try:
@@ -251,17 +292,46 @@ class FrameSink:
         else:
             self._frames.put(_END)
         finally:
-            self._views = []
+            self._xs = []
+            self._done_with_room()
 
     def frames(self) -> Iterator[Any]:
         while (item := self._frames.get()) is not _END:
             if isinstance(item, _Failed):
                 error, item.error = item.error, None  # type: ignore[assignment]
                 raise error
-            yield item
+            if isinstance(item, tuple):
+                yield from self._encode(*item)
+            else:
+                yield item
 
     def close(self) -> None:
-        self._closed = True
+        """The sending is over (the reply sent, or the caller gone)."""
+        if not self._closed:
+            self._closed = True
+            self._done_with_room()
+
+    def _done_with_room(self) -> None:
+        with self._users_lock:
+            self._users -= 1
+            last = self._users == 0
+        if last:
+            self._views = []
+            self._room = []
+            if self._release is not None:
+                self._release()
+
+
+def _fits_room(room: Sequence[Array], xs: Sequence[Array]) -> bool:
+    """Whether X can be copied into ``room``, array for array (same dtype and
+    size, C-contiguous and writable)."""
+    return len(room) == len(xs) and all(
+        r.dtype == x.dtype
+        and r.size == x.size
+        and r.flags.c_contiguous
+        and r.flags.writeable
+        for r, x in zip(room, xs, strict=True)
+    )
 
 
 # -- shared memory --------------------------------------------------------------------
