@@ -1,0 +1,75 @@
+"""What a push returning X costs the server in memory beyond the group's state.
+
+A PushPullStream's X goes back through the push's own gradient buffers: a caller
+that reads its reply slower than the group steps (here: not at all until the push
+has applied) holds no copy of X in the server's memory beyond them. Before, every
+block of X was encoded into frames as it stepped and the frames waited for the
+network: a second copy of X.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+from _procs import start_server, stop
+from onnxps.client import Adam, Client
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+from onnxps.wire.codec import TensorAssembler, chunk_messages, header_tensor
+
+MIB = 1 << 20
+N = 64 * MIB // 4  # a 64 MiB float32 tensor: its gradient fits the default pool
+
+
+def _kib(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {key} in /proc/{pid}/status")
+
+
+def _requests(g: np.ndarray) -> list[pb.PushPullStreamRequest]:
+    header = pb.PushRequest(
+        group="big", client_id="raw", seq=1, gradients=[header_tensor(g, "w")]
+    )
+    return [
+        pb.PushPullStreamRequest(header=header),
+        *chunk_messages(pb.PushPullStreamRequest, [g], MIB),
+    ]
+
+
+def test_a_reply_read_late_holds_no_copy_of_x_in_the_server(tmp_path: Path) -> None:
+    proc, address = start_server(tmp_path / "server.log")
+    try:
+        g = np.full(N, 1e-3, np.float32)
+        with Client(address, timeout=120, shared_memory="off") as ps:
+            ps.create_group("big", Adam(), learning_rate=0.1, tensors={"w": g * 0})
+            # V and H touched, the gradient buffers pooled: the push below needs
+            # no new memory for the state or its gradient
+            ps.push("big", g)
+            requests = _requests(g)
+            options = [("grpc.max_receive_message_length", -1)]
+            with grpc.insecure_channel(address, options) as channel:
+                stub = pb_grpc.ParameterServerServiceStub(channel)
+                Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # VmHWM = VmRSS
+                before = _kib(proc.pid, "VmRSS")
+                call = stub.PushPullStream(iter(requests), timeout=120)
+                for _ in range(1200):  # the push applies while nobody reads X
+                    if ps.describe_group("big").update_count == 2:
+                        break
+                    time.sleep(0.05)
+                assert ps.describe_group("big").update_count == 2
+                grown = (_kib(proc.pid, "VmHWM") - before) / 1024
+                header = next(call).header  # type: ignore[call-overload]
+                asm = TensorAssembler(list(header.values), ["w"])
+                for msg in call:
+                    asm.add(msg.chunk)
+            (x,) = asm.finish()
+            np.testing.assert_array_equal(x, ps.pull("big")[0], strict=True)
+        # Before: the 64 MiB of X waited in frames (less what the network took).
+        assert grown < 32, f"the server grew {grown:.0f} MiB over the push"
+    finally:
+        stop(proc)
