@@ -1,6 +1,7 @@
 """Same-host benchmark: TCP loopback, a Unix socket, shared memory, torch RPC shm.
 
     python benchmarks/samehost.py [--rounds 5] [--steps 3] [--small 200]
+                                  [--baseline REV]
 
 One run, variants alternating round by round (so drift on a shared machine hits
 them all alike), servers in their own processes:
@@ -17,6 +18,9 @@ them all alike), servers in their own processes:
   its default channels), a server-side ``torch.optim.Adam(fused=True)`` (when torch
   is installed).
 
+``--baseline REV`` adds ``tcp@base`` and ``shm@base``: the servers of an older commit
+(``benchmarks/_baseline.py``), the same client: an A/B of a server change.
+
 A 64 MiB float32 group (one tensor, Adam): push ms, pull ms, push+pull step ms and
 GB/s (128 MiB moved per step); a 1,000-element push+pull round trip p50 in us.
 Each figure is the median over rounds, with the spread (min-max of the rounds'
@@ -26,6 +30,7 @@ medians). The machine may be shared: read the ratios, not the absolute figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -228,8 +233,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--small", type=int, default=200)
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument(
+        "--baseline",
+        help="also measure an older commit's servers (tcp@base, shm@base): an A/B",
+    )
     args = p.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        env = None
+        if args.baseline:
+            from _baseline import checkout, tree_env
 
+            env = dict(tree_env(stack.enter_context(checkout(args.baseline)).tree))
+        return _main(args, env)
+
+
+def _main(args: argparse.Namespace, baseline_env: dict[str, str] | None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="onnxps-samehost-"))
     sock = tmp / "ps.sock"
     tcp_proc, tcp = start_server_process(log=tmp / "tcp.log")
@@ -242,6 +260,22 @@ def main(argv: list[str] | None = None) -> int:
         Onnxps("shm", unix, shared_memory="on"),
         OnnxpsBuffers("shm-bufs", unix, shared_memory="on"),
     ]
+    procs = [tcp_proc, unix_proc]
+    if baseline_env is not None:
+        old_tcp_proc, old_tcp = start_server_process(
+            log=tmp / "old-tcp.log", env=baseline_env
+        )
+        old_unix_proc, old_unix = start_server_process(
+            "--address",
+            f"unix://{sock}.old",
+            log=tmp / "old-unix.log",
+            env=baseline_env,
+        )
+        procs += [old_tcp_proc, old_unix_proc]
+        variants += [
+            Onnxps("tcp@base", old_tcp, transport="stream", shared_memory="off"),
+            Onnxps("shm@base", old_unix, shared_memory="on"),
+        ]
     rpc = None
     if not args.no_torch:
         try:
@@ -267,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                 v.client.close()
         if rpc is not None:
             rpc.stop()
-        stop_processes([tcp_proc, unix_proc])
+        stop_processes(procs)
     _report(results, args)
     return 0
 

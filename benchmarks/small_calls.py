@@ -1,8 +1,8 @@
 """Small calls, many tensors and memory: what issue 24 measures, in one run.
 
     python benchmarks/small_calls.py [--rounds 5] [--seconds 3] [--workers 4]
-                                     [--sections cpu,tensors,memory] [--mib 256]
-                                     [--baseline REV]
+                                     [--sections cpu,tensors,memory,rows,cluster,
+                                      samehost] [--mib 256] [--baseline REV]
 
 - ``cpu``: ``--workers`` client processes push a 1,000-element float32 Adam gradient
   as fast as they can for ``--seconds``, first to ``onnxps serve --durability none``
@@ -16,8 +16,26 @@
   and a group of one 200,000-element tensor (float32 Adam), alternating; the figure
   is the median push+pull time of each and their ratio.
 - ``memory``: a ``--mib`` MiB float32 Adam group (X, V and H: 3x that much state) is
-  created, pushed, pulled and pushed returning X; the server's RSS after each step
-  and its peak (VmHWM), as multiples of the state.
+  created, pushed, pulled and pushed returning X (gRPC streams, twice over); the
+  server's RSS after each call and its peak during that call (VmHWM, reset before
+  each call through /proc/PID/clear_refs), as multiples of the state, and the
+  highest peak against the aim (1.3x the state + 150 MiB). The growth of the
+  server's file-backed pages (RssFile: libraries loaded on first use, e.g. numba's
+  LLVM for the fused kernels) is printed apart: it is code, not state.
+- ``rows``: one client pushes ``push_rows`` of 512 random rows of a 100,000 x 64
+  float32 Adam table, then ``pull_rows`` of 512 rows, 200 calls each a round: rows/s
+  and the server's CPU per call.
+- ``cluster``: a 1,000-element group split in 2 parts over 2 shard processes
+  (``split_bytes``), so every push and pull fans out to both, beside the same group
+  whole on one shard: the shards' CPU and the client's CPU per call, and the p50.
+- ``samehost``: the p50 of a 1,000-element push returning X over shared memory
+  (``shared_memory="on"``, a Unix socket) and inline over TCP, against torch RPC's
+  shm transport (``benchmarks/samehost.py``'s server: a fused torch Adam) when torch
+  is installed.
+
+``--baseline REV`` runs an older commit's server beside this tree's in the
+``cpu``, ``rows``, ``cluster`` and ``samehost`` sections (rounds alternate), and
+in ``memory`` (one server after the other).
 
 Prints medians and min-max spreads; the machine may be shared: read the ratios.
 """
@@ -26,13 +44,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import multiprocessing as mp
 import os
 import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,16 +72,6 @@ def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")
     return (int(fields[11]) + int(fields[12])) / ticks
-
-
-def _memory(pid: int) -> tuple[float, float]:
-    """(VmRSS, VmHWM) of ``pid`` in MiB."""
-    got = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            got[key] = int(value.split()[0]) / 1024
-    return got["VmRSS"], got["VmHWM"]
 
 
 # -- the raw gRPC floor ------------------------------------------------------------
@@ -244,41 +253,310 @@ def tensors_section(args: argparse.Namespace, tmp: Path) -> None:
         stop_processes([proc])
 
 
+def _status(pid: int, *keys: str) -> list[float]:
+    """Fields of /proc/PID/status in MiB."""
+    got = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in keys:
+            got[key] = int(value.split()[0]) / 1024
+    return [got[k] for k in keys]
+
+
 def memory_section(args: argparse.Namespace, tmp: Path) -> None:
-    proc, address = start_server_process(log=tmp / "memory.log")
+    with _servers(args, tmp, "memory") as servers:
+        for name, (proc,), (address,), _ in servers:
+            print(f"\nserver memory ({name})", end="")
+            _memory_calls(args, proc.pid, address)
+
+
+def _memory_calls(args: argparse.Namespace, pid: int, address: str) -> None:
     n = args.mib * MIB // 4
     state = 3 * args.mib
-    try:
-        with Client(address, shared_memory="off", timeout=600) as c:
-            base = _memory(proc.pid)[0]
-            print(f"\nserver memory, {args.mib} MiB float32 Adam group ({state} MiB)")
-            print(f"  idle RSS {base:.0f} MiB; figures below are RSS - idle")
+    with Client(address, shared_memory="off", timeout=600) as c:
+        base, base_file = _status(pid, "VmRSS", "RssFile")
+        print(f", {args.mib} MiB float32 Adam group ({state} MiB)")
+        print(f"  idle RSS {base:.0f} MiB; figures below are RSS - idle")
+        peaks: list[float] = []
 
-            def show(step: str) -> None:
-                rss, peak = _memory(proc.pid)
-                print(
-                    f"  {step:28s} RSS {rss - base:7.0f} MiB "
-                    f"({(rss - base) / state:.2f}x)  peak {peak - base:7.0f} MiB "
-                    f"({(peak - base) / state:.2f}x)"
-                )
+        def call(step: str, fn: Callable[[], Any]) -> None:
+            Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM = VmRSS
+            fn()
+            rss, peak = _status(pid, "VmRSS", "VmHWM")
+            peaks.append(peak - base)
+            print(
+                f"  {step:24s} RSS {rss - base:6.0f} MiB "
+                f"({(rss - base) / state:.2f}x)  peak {peak - base:6.0f} MiB "
+                f"({(peak - base) / state:.2f}x)"
+            )
 
-            x0 = np.zeros(n, np.float32)
-            c.create_group("big", Adam(), learning_rate=1e-3, tensors={"w": x0})
-            del x0
-            show("after create")
-            g = np.full(n, 1e-3, np.float32)
+        x0 = np.zeros(n, np.float32)
+        call(
+            "create",
+            lambda x0=x0: c.create_group(
+                "big", Adam(), learning_rate=1e-3, tensors={"w": x0}
+            ),
+        )
+        del x0
+        g = np.full(n, 1e-3, np.float32)
+        for _ in range(2):
+            call("push", lambda: c.push("big", g))
+            call("pull", lambda: c.pull("big"))
+            call("push returning X", lambda: c.push("big", g, return_values=True))
+        for _ in range(3):
             c.push("big", g)
-            show("after push")
             c.pull("big")
-            show("after pull")
-            c.push("big", g, return_values=True)
-            show("after push returning X")
-            for _ in range(3):
-                c.push("big", g)
-                c.pull("big")
-            show("after 3 more pushes + pulls")
-    finally:
-        stop_processes([proc])
+        call("after 3 more push + pull", lambda: None)
+        files = _status(pid, "RssFile")[0] - base_file
+        aim = 1.3 * state + 150
+        top = max(peaks)
+        print(
+            f"  highest peak {top:.0f} MiB ({top / state:.2f}x), aim <= 1.3x + "
+            f"150 MiB = {aim:.0f} MiB ({aim / state:.2f}x): "
+            f"{'met' if top <= aim else 'NOT met'}; of it {files:.0f} MiB of "
+            "libraries loaded since idle (RssFile)"
+        )
+
+
+# -- rows, cluster fan-out, same host -------------------------------------------------
+ROWS, DIM, BATCH, ROW_CALLS = 100_000, 64, 512, 200
+FANOUT_CALLS = 300
+
+
+@contextlib.contextmanager
+def _servers(
+    args: argparse.Namespace, tmp: Path, tag: str, *extra: str
+) -> Iterator[list[tuple[str, list[Any], list[str], dict[str, str] | None]]]:
+    """(name, processes, addresses, environment) of this tree's servers and, with
+    ``--baseline``, of the baseline's: ``extra`` per server, one server per
+    entry of ``extra`` that is a list (shards)."""
+    shard_args: list[tuple[str, ...]] = [t for t in extra if isinstance(t, tuple)]
+    plain = tuple(a for a in extra if isinstance(a, str))
+    sets = shard_args or [plain]
+    trees: list[tuple[str, dict[str, str] | None]] = [("this tree", None)]
+    with contextlib.ExitStack() as stack:
+        if args.baseline:
+            from _baseline import checkout, tree_env
+
+            old = stack.enter_context(checkout(args.baseline))
+            trees.append((f"baseline {old.label}", dict(tree_env(old.tree))))
+        out: list[tuple[str, list[Any], list[str], dict[str, str] | None]] = []
+        try:
+            for k, (name, env) in enumerate(trees):
+                procs, addresses = [], []
+                for i, a in enumerate(sets):
+                    log = tmp / f"{tag}-{k}-{i}.log"
+                    proc, address = start_server_process(*a, log=log, env=env)
+                    procs.append(proc)
+                    addresses.append(address)
+                out.append((name, procs, addresses, env))
+            yield out
+        finally:
+            stop_processes([p for _, procs, _, _ in out for p in procs])
+
+
+def _alternating(rounds: int, items: list[Any]) -> Iterator[tuple[int, Any]]:
+    """(round, item) for ``rounds`` rounds after a warm-up round 0, the items'
+    order reversed every other round."""
+    for r in range(rounds + 1):
+        for item in items if r % 2 == 0 else items[::-1]:
+            yield r, item
+
+
+def _measured(pids: list[int], fn: Callable[[], None]) -> tuple[float, float, float]:
+    """(wall seconds, the servers' CPU seconds, this process's CPU seconds) of fn."""
+    cpu0 = sum(_cpu_seconds(p) for p in pids)
+    own0 = time.process_time()
+    t0 = time.perf_counter()
+    fn()
+    wall = time.perf_counter() - t0
+    own = time.process_time() - own0
+    return wall, sum(_cpu_seconds(p) for p in pids) - cpu0, own
+
+
+def rows_section(args: argparse.Namespace, tmp: Path) -> None:
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    idx = [rng.integers(0, ROWS, BATCH) for _ in range(ROW_CALLS)]
+    g = (rng.standard_normal((BATCH, DIM)) * 1e-3).astype(np.float32)
+    with _servers(args, tmp, "rows") as servers:
+        clients = {}
+        for name, _, (address,), _ in servers:
+            c = clients[name] = Client(address, timeout=120)
+            c.create_group("emb", Adam(), learning_rate=1e-3, tensors={"emb": table})
+        figures: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        calls = {
+            "push_rows": lambda c: [c.push_rows("emb", {"emb": (i, g)}) for i in idx],
+            "pull_rows": lambda c: [c.pull_rows("emb", {"emb": i}) for i in idx],
+        }
+        for r, (name, procs, _, _) in _alternating(args.rounds, servers):
+            for kind, run in calls.items():
+                c = clients[name]
+                pids = [p.pid for p in procs]
+                wall, cpu, _ = _measured(pids, functools.partial(run, c))
+                if r:
+                    n = len(idx)
+                    figures.setdefault((name, kind), []).append(
+                        (n * BATCH / wall, cpu / n * 1e6)
+                    )
+        for c in clients.values():
+            c.close()
+    print(f"\nrows: {BATCH} random rows of a {ROWS:,} x {DIM} float32 Adam table")
+    print(f"  {'server, call':30s} {'rows/s':>22s} {'server us CPU/call':>22s}")
+    for (name, kind), runs in sorted(figures.items(), key=_this_tree_first):
+        rate = [a for a, _ in runs]
+        us = [b for _, b in runs]
+        print(f"  {name + ', ' + kind:30s} {_cell(rate, 0):>22s} {_cell(us, 0):>22s}")
+
+
+def cluster_section(args: argparse.Namespace, tmp: Path) -> None:
+    shards = (("--shard", "0/2"), ("--shard", "1/2"))
+    g = np.full(SMALL, 1e-3, np.float32)
+    w = {"w": np.linspace(-1, 1, SMALL, dtype=np.float32)}
+    with _servers(args, tmp, "cluster", *shards) as servers:
+        clients = {}
+        for name, _, addresses, _ in servers:
+            # a 1,000-element float32 group (4,000 bytes) splits in 2 parts
+            c = clients[name] = Client(addresses, timeout=120, split_bytes=2048)
+            info = c.create_group("split", Adam(), learning_rate=1e-3, tensors=w)
+            assert len(info.parts) == 2, info
+            whole = Client(addresses, timeout=120)
+            whole.create_group("whole", Adam(), learning_rate=1e-3, tensors=w)
+            whole.close()
+        calls = {
+            "push, 2 parts": lambda c: c.push("split", g),
+            "pull, 2 parts": lambda c: c.pull("split"),
+            "push, whole": lambda c: c.push("whole", g),
+        }
+        figures: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+        for r, (name, procs, _, _) in _alternating(args.rounds, servers):
+            pids = [p.pid for p in procs]
+            for kind, call in calls.items():
+                c = clients[name]
+                times: list[float] = []
+
+                def run(
+                    c: Any = c, call: Any = call, times: list[float] = times
+                ) -> None:
+                    for _ in range(FANOUT_CALLS):
+                        t0 = time.perf_counter()
+                        call(c)
+                        times.append(time.perf_counter() - t0)
+
+                _, cpu, own = _measured(pids, run)
+                if r:
+                    figures.setdefault((name, kind), []).append(
+                        (
+                            cpu / FANOUT_CALLS * 1e6,
+                            own / FANOUT_CALLS * 1e6,
+                            statistics.median(times) * 1e6,
+                        )
+                    )
+        for c in clients.values():
+            c.close()
+    print(f"\ncluster fan-out: a {SMALL:,}-element group in 2 parts on 2 shards")
+    print(
+        f"  {'server, call':30s} {'shards us CPU/call':>20s} "
+        f"{'client us CPU/call':>20s} {'p50 us':>20s}"
+    )
+    for (name, kind), runs in sorted(figures.items(), key=_this_tree_first):
+        cols = [_cell([run[k] for run in runs], 0) for k in range(3)]
+        print(
+            f"  {name + ', ' + kind:30s} {cols[0]:>20s} {cols[1]:>20s} {cols[2]:>20s}"
+        )
+
+
+def _this_tree_first(item: tuple[tuple[str, str], Any]) -> tuple[bool, str]:
+    (name, kind), _ = item
+    return name != "this tree", name
+
+
+def _timed_calls(call: Callable[[Any], Any], c: Any, times: list[float]) -> None:
+    """``FANOUT_CALLS`` calls of ``call(c)``, each one's seconds into ``times``."""
+    for _ in range(FANOUT_CALLS):
+        t0 = time.perf_counter()
+        call(c)
+        times.append(time.perf_counter() - t0)
+
+
+def _p50_us(call: Callable[[], Any], n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def samehost_section(args: argparse.Namespace, tmp: Path) -> None:
+    g = np.full(SMALL, 1e-3, np.float32)
+    x0 = np.linspace(-1, 1, SMALL, dtype=np.float32)
+    sock = tmp / "small.sock"
+    with _servers(args, tmp, "samehost") as tcp_servers:
+        ways: list[tuple[str, Callable[[], Any]]] = []
+        clients: list[Client] = []
+        for k, (name, procs, (address,), env) in enumerate(tcp_servers):
+            unix_proc, unix = start_server_process(
+                "--address", f"unix://{sock}.{k}", log=tmp / f"unix{k}.log", env=env
+            )
+            procs.append(unix_proc)  # stopped with the others
+            for way, addr, kw in (
+                ("shm", unix, {"shared_memory": "on"}),
+                ("unix socket inline", unix, {"shared_memory": "off"}),
+                ("tcp inline", address, {"shared_memory": "off"}),
+            ):
+                c = Client(addr, timeout=60, **kw)
+                clients.append(c)
+                group = f"small-{way}"
+                c.create_group(group, Adam(), learning_rate=1e-3, tensors={"w": x0})
+                ways.append(
+                    (
+                        f"{name}, {way}",
+                        lambda c=c, group=group: c.push(group, g, return_values=True),
+                    )
+                )
+        rpc = _torch_rpc()
+        if rpc is not None:
+            import torch
+            from samehost import _torch_create, _torch_push_pull
+
+            rpc.call(_torch_create, "small", SMALL)
+            gt = torch.from_numpy(g)
+            ways.append(
+                ("torch RPC shm", lambda: rpc.call(_torch_push_pull, "small", gt))
+            )
+        p50s: dict[str, list[float]] = {}
+        try:
+            for r, (name, call) in _alternating(args.rounds, ways):
+                p50 = _p50_us(call, 300)
+                if r:
+                    p50s.setdefault(name, []).append(p50)
+        finally:
+            for c in clients:
+                c.close()
+            if rpc is not None:
+                rpc.stop()
+    print(f"\nsame host: {SMALL:,}-element float32 Adam push returning X, p50 us")
+    for name, runs in sorted(p50s.items(), key=lambda kv: kv[0].startswith("b")):
+        print(f"  {name:34s} {_cell(runs, 0):>20s}")
+    if "torch RPC shm" in p50s:
+        torch_p50 = p50s["torch RPC shm"]
+        for name, runs in p50s.items():
+            if name.endswith(", shm"):
+                ratios = [a / b for a, b in zip(runs, torch_p50, strict=True)]
+                print(f"  {name} / torch RPC shm: {_cell(ratios, 2)}")
+
+
+def _torch_rpc() -> Any:
+    """benchmarks/samehost.py's torch RPC shm server, or None without torch."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("torch is not installed: no torch RPC shm row")
+        return None
+    from samehost import TorchRpc
+
+    return TorchRpc()
 
 
 def _cell(values: list[float], digits: int) -> str:
@@ -292,13 +570,16 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--mib", type=int, default=256)
-    p.add_argument("--sections", default="cpu,tensors,memory")
-    p.add_argument("--baseline", help="also measure this commit's server (cpu)")
+    p.add_argument("--sections", default="cpu,tensors,memory,rows,cluster,samehost")
+    p.add_argument("--baseline", help="also measure this commit's server")
     args = p.parse_args()
     sections = {
         "cpu": cpu_section,
         "tensors": tensors_section,
         "memory": memory_section,
+        "rows": rows_section,
+        "cluster": cluster_section,
+        "samehost": samehost_section,
     }
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.sections.split(","):
