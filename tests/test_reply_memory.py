@@ -73,3 +73,37 @@ def test_a_reply_read_late_holds_no_copy_of_x_in_the_server(tmp_path: Path) -> N
         assert grown < 32, f"the server grew {grown:.0f} MiB over the push"
     finally:
         stop(proc)
+
+
+def test_a_reply_read_late_is_the_x_of_its_push_after_later_pushes(
+    tmp_path: Path,
+) -> None:
+    """The gradient buffers holding a late reader's X go back to the pool only once
+    the reply is sent: a push meanwhile leases other buffers."""
+    proc, address = start_server(tmp_path / "server.log")
+    n = 2 * MIB  # 8 MiB: pooled
+    try:
+        g = np.full(n, 1e-3, np.float32)
+        with Client(address, timeout=120, shared_memory="off") as ps:
+            ps.create_group("big", Adam(), learning_rate=0.1, tensors={"w": g * 0})
+            ps.push("big", g)  # T=1, the gradient buffers pooled
+            options = [("grpc.max_receive_message_length", -1)]
+            with grpc.insecure_channel(address, options) as channel:
+                stub = pb_grpc.ParameterServerServiceStub(channel)
+                call = stub.PushPullStream(iter(_requests(g)), timeout=120)
+                for _ in range(1200):
+                    if ps.describe_group("big").update_count == 2:
+                        break
+                    time.sleep(0.05)
+                x2 = ps.pull("big")[0].copy()
+                ps.push("big", g * 2)  # T=3, streamed into pooled buffers
+                header = next(call).header  # type: ignore[call-overload]
+                assert header.update_count == 2
+                asm = TensorAssembler(list(header.values), ["w"])
+                for msg in call:
+                    asm.add(msg.chunk)
+            (x,) = asm.finish()
+            np.testing.assert_array_equal(x, x2, strict=True)
+            assert not np.array_equal(x, ps.pull("big")[0])
+    finally:
+        stop(proc)
