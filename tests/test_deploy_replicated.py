@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -492,3 +493,48 @@ def test_a_command_line_address_keeps_an_etcd_url_with_several_endpoints() -> No
     url = "etcd://etcd-0.etcd:2379,etcd-1.etcd:2379,etcd-2.etcd:2379/onnxps"
     assert parse_target(url) == url
     assert parse_target("a:1,b:2") == ["a:1", "b:2"]
+
+
+def test_a_primary_stopped_with_sigterm_hands_over_before_its_lease_ends(
+    tmp_path: Path,
+    etcd_server: EtcdProcess,  # noqa: F811
+) -> None:
+    """What an eviction (drain, rolling update) does to a primary: the kubelet sends
+    SIGTERM; the primary gives its key up, so a standby takes over without waiting
+    out the lease (30 s here; the takeover is awaited for half of it)."""
+    url = etcd_server.url("term")
+    procs = {}
+    try:
+        for name in ("m0", "m1"):
+            procs[name], _ = start_server(
+                tmp_path / f"{name}.log",
+                "--durability", "wal",
+                "--data-dir", str(tmp_path / name),
+                "--coordinator", url,
+                "--shard", "0/1",
+                "--member-id", name,
+                "--lease-ttl", "30",
+                env=clean_env(),
+            )  # fmt: skip
+        port = etcd_server.client_port
+        first = _wait_key(port, "/term/shards/0/primary")
+        sync = _wait_key(port, "/term/shards/0/sync")
+        deadline = time.monotonic() + 30
+        while not sync["standbys"]:
+            assert time.monotonic() < deadline, "no synchronous standby"
+            time.sleep(0.05)
+            sync = _etcd_get(port, "/term/shards/0/sync")
+        procs[first["member"]].send_signal(signal.SIGTERM)
+        assert procs[first["member"]].wait(timeout=30) == 0
+        deadline = time.monotonic() + 15
+        while True:
+            now = _etcd_get(port, "/term/shards/0/primary")
+            if now is not None and now["member"] != first["member"]:
+                break
+            assert time.monotonic() < deadline, "no takeover within half the lease"
+            time.sleep(0.05)
+        assert now["member"] == sync["standbys"][0]
+        assert now["term"] == first["term"] + 1
+    finally:
+        for p in procs.values():
+            stop(p)
