@@ -96,9 +96,11 @@ def base_name(name: str) -> tuple[str, int, int]:
 
 
 def parse_target(text: str) -> str | list[str]:
-    """A command line's address: ``host:port`` (one server) or a comma-separated
-    list of shard addresses in shard order (a cluster, even of one)."""
-    if "," not in text:
+    """A command line's address: ``host:port`` (one server), a comma-separated
+    list of shard addresses in shard order (a cluster, even of one), or
+    ``etcd://H:P[,H:P]/PREFIX`` (a replicated cluster: its commas list etcd
+    endpoints, kept as they are)."""
+    if "," not in text or text.startswith("etcd://"):
         return text
     return [a.strip() for a in text.split(",") if a.strip()]
 

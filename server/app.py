@@ -264,6 +264,14 @@ class ServerConfig:
         group="replication",
         none="no token",
     )
+    advertise_address: str | None = _option(
+        None,
+        "with --coordinator: host:port where clients and standbys reach this server, "
+        "written to etcd (a pod's DNS name; needed when --address is a wildcard "
+        "such as 0.0.0.0, which no other host can dial)",
+        group="replication",
+        none="the bound --address",
+    )
 
     def __post_init__(self) -> None:
         validate_config(self)
@@ -394,6 +402,7 @@ def validate_config(config: ServerConfig) -> None:
             raise ConfigError(message)
     if config.shard:
         parse_shard(config.shard)
+    security.check_advertise_address(config)
     thread_limits(config)
 
 
@@ -426,6 +435,11 @@ class ServerHandle:
         return f"{host}:{self.port}"
 
     @property
+    def advertised_address(self) -> str:
+        """Where clients and standbys reach this server (what etcd names)."""
+        return self.config.advertise_address or self.address
+
+    @property
     def data_port(self) -> int | None:
         """The bound data channel port, when serving one."""
         return None if self.data_channels is None else self.data_channels.port
@@ -452,7 +466,7 @@ class ServerHandle:
             self.durability.start_periodic(self.config.snapshot_interval)
         if self.replication is not None:
             try:
-                self.replication.start(self.address)
+                self.replication.start(self.advertised_address)
             except BaseException:
                 self.stop(grace=0)
                 raise

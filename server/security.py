@@ -159,6 +159,46 @@ def check_bind_policy(config: Any) -> None:
     )
 
 
+def check_advertise_address(config: Any) -> None:
+    """A replica set member writes where it is reached to etcd (``--coordinator``):
+    a host:port another host can dial, never a wildcard such as 0.0.0.0. Its
+    default is the bound ``--address``."""
+    advertised = config.advertise_address
+    if advertised is None:
+        if config.coordinator and _wildcard(config.address):
+            raise ConfigError(
+                f"--address {config.address} is a wildcard: a replica set member "
+                "writes where it is reached to etcd, and no client or standby can "
+                "dial that; give --advertise-address HOST:PORT (e.g. the pod's DNS "
+                "name)"
+            )
+        return
+    if not config.coordinator:
+        raise ConfigError(
+            "--advertise-address is what a replica set member writes to etcd: it "
+            "needs --coordinator"
+        )
+    host, _, port = advertised.rpartition(":")
+    if (
+        _wildcard(advertised)
+        or not host
+        or not port.isdigit()
+        or not 0 < int(port) < 65536
+        or ":" in host
+        and not host.startswith("[")
+    ):
+        raise ConfigError(
+            "--advertise-address must be HOST:PORT that another host can dial (e.g. "
+            f"onnxps-0.onnxps-headless:50051), got {advertised!r}"
+        )
+
+
+def _wildcard(address: str) -> bool:
+    if address.startswith(("unix:", "unix-abstract:")):
+        return False
+    return _host(address).strip() in ("", "0.0.0.0", "::")
+
+
 # -- TLS -----------------------------------------------------------------------------
 def server_credentials(config: Any) -> grpc.ServerCredentials | None:
     if not config.tls_cert:

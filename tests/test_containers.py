@@ -451,3 +451,94 @@ def test_sharded_profile_trains_and_rides_through_a_sigkilled_shard(
         assert s.inspect(shard, "{{.State.Status}}") == "running"
     others = [x for x in SHARDS if x != victim]
     assert [s.inspect(x, "{{.RestartCount}}") for x in others] == ["0", "0"]
+
+
+REPLICAS = ["replica-0", "replica-1", "replica-2"]
+REPLICATED_WORKERS = [f"replicated-{w}" for w in WORKERS]
+
+
+@pytest.fixture
+def replicated(engine: Engine) -> Iterator[Stack]:
+    # The etcd image (Dockerfile target etcd: Debian's etcd-server on the same base).
+    engine.compose(
+        "onnxps-build",
+        "--profile",
+        "replicated",
+        *engine.build_args(),
+        "build",
+        "--build-arg",
+        f"BASE={BASE_IMAGE}",
+        "etcd",
+        timeout=1800,
+    )
+    s = Stack(engine, profile="replicated")
+    try:
+        yield s
+    finally:
+        s.cleanup()
+
+
+def _members(s: Stack) -> dict[str, list[str]]:
+    """The replicated-status tool's member table: member -> its row (none while
+    the tool cannot answer, e.g. during an election)."""
+    out = s.compose(
+        "run", "--rm", "--no-deps", "replicated-status", timeout=120, check=False
+    )
+    s.status_output = out.stdout
+    rows = [line.split() for line in out.stdout.splitlines()]
+    return {r[1]: r for r in rows if len(r) == 8 and r[1] in REPLICAS}
+
+
+def test_replicated_profile_trains_and_fails_over_from_a_sigkilled_primary(
+    replicated: Stack,
+) -> None:
+    s = replicated
+    s.up("etcd")
+    s.wait_healthy("etcd")
+    s.up(*REPLICAS)
+    for r in REPLICAS:
+        s.wait_healthy(r)
+    s.up(*REPLICATED_WORKERS)
+    s.wait_log(REPLICATED_WORKERS[0], "step 50/300")
+
+    # Workers frozen, the primary's server process (PID 1) killed from the host as
+    # the OOM killer would; compose's restart policy brings it back. The workers
+    # thaw once a standby took over and the restarted one follows it (restarted
+    # within its old lease, it could answer a resend from the log it replayed:
+    # tests/test_replicated_resend_to_standby.py).
+    before = _members(s)
+    (victim,) = [m for m, row in before.items() if row[3] == "primary"]
+    term = int(before[victim][4])
+    s.engine.podman("pause", *[s.container(w) for w in REPLICATED_WORKERS])
+    try:
+        pid = int(s.inspect(victim, "{{.State.Pid}}"))
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(60):
+            now = _members(s)
+            primaries = [m for m, row in now.items() if row[3] == "primary"]
+            if (
+                primaries
+                and primaries[0] != victim
+                and int(now[primaries[0]][4]) > term
+                and now.get(victim, [""] * 8)[3] == "standby"
+                and int(now[victim][4]) > term
+                and now[victim][6] == "0"
+            ):
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"no failover seen:\n{s.status_output}")
+    finally:
+        s.engine.podman("unpause", *[s.container(w) for w in REPLICATED_WORKERS])
+    assert s.inspect(victim, "{{.RestartCount}}") == "1"
+
+    _check_trained(s, REPLICATED_WORKERS)
+    rows = s.status_rows("replicated-status")
+    # T exact across the failover: every push applied once, none lost
+    assert [r[:6] for r in rows] == [
+        ["digits-mlp", "adam", "float32", "4", "4810", "1200"]
+    ]
+    after = _members(s)
+    assert set(after) == set(REPLICAS)
+    assert [m for m, row in after.items() if row[3] == "primary"] == primaries[:1]
+    assert s.logs(victim).count("onnxps listening on 0.0.0.0:50051") == 2

@@ -47,7 +47,8 @@ def test_scikit_learn_only_in_the_demo_image() -> None:
     demo = [line for name, s in stages.items() for line in s if "[demo]" in line]
     assert demo == ["RUN pip install '.[demo]'"]
     assert demo[0] in stages["demo"]
-    assert "RUN pip install ." in stages["base"]
+    # both images serve and reach replicated shards (etcd's client)
+    assert "RUN pip install '.[replication]'" in stages["base"]
 
 
 def _copied_top_folders() -> set[str]:
