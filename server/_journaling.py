@@ -42,6 +42,14 @@ class JournalEntry:
     def log(self, record: dict[str, Any], arrays: Sequence[Array] = ()) -> int | None:
         return None if self._journal is None else self._journal.log(record, arrays)
 
+    def check_writable(self) -> None:
+        """Raise when this server may not accept a change now (a replicated shard's
+        standby: ``NOT_PRIMARY``); asked before a resend is answered from the
+        exactly-once window, so a standby never answers one as done."""
+        check = getattr(self._journal, "check_writable", None)
+        if check is not None:
+            check()
+
     def wait(self, lsn: int | None) -> None:
         if self._journal is not None and lsn is not None:
             self._journal.wait(lsn)

@@ -238,6 +238,7 @@ class PushPipeline:
             return self._run_in_order(g, grads, request, journal, return_values, emit)
         with g.cond, alone(g.cond, g.order):
             self._check_live(g)
+            journal.check_writable()
             cached = self._dedup_lookup(g, request.client_id, request.seq)
             if cached is not None:
                 outcome = PushOutcome(cached[0], cached[1], duplicate=True)
@@ -268,6 +269,7 @@ class PushPipeline:
         key = (request.client_id, request.seq) if request.client_id else None
         with g.cond:
             self._admit(g, key)
+            journal.check_writable()
             cached = self._dedup_lookup(g, request.client_id, request.seq)
             if cached is not None:
                 duplicate = PushOutcome(cached[0], cached[1], duplicate=True)

@@ -200,20 +200,21 @@ def test_replicated_profile_trains_through_a_killed_primary_as_local_processes(
         victim = first["member"]
         procs[victim].send_signal(signal.SIGKILL)
         procs[victim].wait()
-        # compose's restart policy brings it back (it rejoins as a standby). Once a
-        # new term is elected: restarted within its old lease, it can answer a
-        # resend from the log it replayed and lose that push
-        # (tests/test_replicated_resend_to_standby.py, an open defect).
-        new_term = _primary(client_port, after=first["term"])
+        # compose's restart policy brings it back at once, within its old lease
+        # (it rejoins as a standby, and refuses the resends that reach it while
+        # etcd still names its address: tests/test_replicated_resend_to_standby.py)
         start(victim)
+        new_term = _primary(client_port, after=first["term"])
 
         for name, w in zip(WORKERS, workers, strict=True):
             assert w.wait(timeout=300) == 0, (tmp_path / f"{name}.out").read_text()
             last = (tmp_path / f"{name}.out").read_text().strip().splitlines()[-1]
             m = ACCURACY.match(last)
             assert m and m.group(1) == name[-1] and float(m.group(2)) > 0.8, last
-        # the synchronous standby took over (the new term), and is primary still
-        assert new_term["member"] != victim
+        # a new term: the synchronous standby, or the victim itself (back within its
+        # old lease, it is the primary etcd's sync key names, holding every push it
+        # acknowledged), and it is primary still
+        assert new_term["term"] > first["term"]
         second = _primary(client_port)
         assert second == new_term
 

@@ -12,8 +12,8 @@ push into its window, is dialled by clients while etcd still names its address,
 answers their resend "done", and then adopts the new primary's snapshot, which lacks
 it. The profile's demo then ends at T=1199 of 1200 in about half the runs here.
 
-Left to the replication/store owners (the push path is theirs): strict xfail, so the
-fix turns this test into a failure that says to drop the marker.
+Fixed: the push path asks the journal whether this server may accept a change
+(``JournalEntry.check_writable``) before it looks in the window.
 """
 
 from __future__ import annotations
@@ -51,12 +51,6 @@ def _wait(etcd: EtcdProcess, key: str, ok: Any, timeout: float = 30.0) -> Any:
     return value
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a standby answers a resent push from its exactly-once window before "
-    "refusing NOT_PRIMARY (server/_push.py looks the window up before the journal "
-    "checks the role)",
-)
 def test_a_standby_refuses_a_resent_push_it_holds(
     tmp_path: Path,
     etcd_server: EtcdProcess,  # noqa: F811

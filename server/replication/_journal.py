@@ -197,6 +197,11 @@ class ReplicatedJournal:
         s = self._standbys.get(member_id)
         return s is None or s.gone
 
+    def check_writable(self) -> None:
+        """Refuse (NOT_PRIMARY) unless this server is the primary that may
+        acknowledge: asked before a resend is answered from a group's window."""
+        self._check_primary()
+
     def _check_primary(self) -> None:
         if self.member.may_acknowledge():
             return
