@@ -140,8 +140,7 @@ def check_gradient_specs(g: Group, specs: Iterable[Spec]) -> PushTicket:
             metadata={"group": g.name, "expected": n, "received": len(specs)},
         )
     if all(
-        d == g.dtype and s == want
-        for (d, s), want in zip(specs, g.shapes, strict=True)
+        d == g.dtype and s == want for (d, s), want in zip(specs, g.shapes, strict=True)
     ):
         return PushTicket(g.name, g.names, g)
     for i, (dtype, shape) in enumerate(specs):

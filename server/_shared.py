@@ -55,9 +55,7 @@ class SharedCopies:
             with self._lock:
                 self._copies[key] = base
         return tuple(
-            view
-            for flat in _slots(base, arrays)
-            for view in flat_views(flat, g.shapes)
+            view for flat in _slots(base, arrays) for view in flat_views(flat, g.shapes)
         )
 
     def _get(self, key: tuple[int, int, bool]) -> Array | None:

@@ -126,16 +126,17 @@ def tensor_spec(
         )
     if t.encoding:
         _check_encoding(t, dtype, what, encoded)
-    if len(t.dims) > MAX_DIMS:
+    dims = tuple(t.dims)  # ints: protobuf's int64 reads as int
+    if len(dims) > MAX_DIMS:
         raise TensorFormatError(
-            f"{what} has {len(t.dims)} dims: an array has at most {MAX_DIMS}"
+            f"{what} has {len(dims)} dims: an array has at most {MAX_DIMS}"
         )
-    dims = tuple(int(d) for d in t.dims)
-    if any(d < 0 for d in dims):
+    if dims and min(dims) < 0:
         raise TensorFormatError(f"{what} has negative dims {list(dims)}")
     # NumPy must be able to address the array even when it holds no element: the
     # product of the nonzero dims, in bytes, stays below 2**63 (as for np.empty).
-    if math.prod(d for d in dims if d) * dtype.itemsize >= 2**63:
+    size = math.prod(dims) or math.prod(d for d in dims if d)
+    if size * dtype.itemsize >= 2**63:
         raise TensorFormatError(
             f"{what} has dims {list(dims)}: {dtype.name} dims whose nonzero product "
             "reaches 2**63 bytes describe no array"
