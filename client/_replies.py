@@ -151,12 +151,6 @@ def tcp_host(address: str) -> str | None:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
-def pulled_array(t: pb.Tensor) -> Array:
-    """A pulled tensor as an array of its own (an encoded one is widened already)."""
-    a = tensor_to_array(t, t.name, encoded=True)
-    return a.copy() if t.encoding == pb.ENCODING_UNSPECIFIED else a
-
-
 def pull_reader(out: Sequence[Array] | None = None) -> StreamReader:
     def header(m: pb.PullStreamResponse) -> tuple[int, list[pb.Tensor], list[str]]:
         tensors = list(m.header.tensors)
