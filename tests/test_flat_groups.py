@@ -44,13 +44,17 @@ def tensors(
     dtype: str, shapes: list[tuple[int, ...]], seed: int = 0
 ) -> dict[str, Array]:
     rng = np.random.default_rng(seed)
-    return {f"t{i}": rng.standard_normal(s).astype(dtype) for i, s in enumerate(shapes)}
+    return {
+        f"t{i}": np.asarray(rng.standard_normal(s)).astype(dtype)
+        for i, s in enumerate(shapes)
+    }
 
 
 def gradients(values: dict[str, Array], step: int) -> list[Array]:
     rng = np.random.default_rng(100 + step)
     return [
-        (rng.standard_normal(a.shape) * 0.1).astype(a.dtype) for a in values.values()
+        np.asarray(rng.standard_normal(a.shape) * 0.1).astype(a.dtype)
+        for a in values.values()
     ]
 
 
@@ -97,7 +101,7 @@ def test_many_tensors_step_as_each_alone(
     kernels: str,
     dtype: str,
     op: str,
-    transport: str,
+    transport: Any,
 ) -> None:
     monkeypatch.setenv("ONNXPS_KERNELS", kernels)  # read when a group is created
     values = tensors(dtype, SHAPES)
