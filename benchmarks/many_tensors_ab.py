@@ -3,6 +3,7 @@ older commit, client and server of the same version, in one run.
 
     python benchmarks/many_tensors_ab.py [--baseline main] [--rounds 5] [--reps 20]
                                          [--tensors 200] [--elements 1000]
+                                         [--kinds "push + pull,push,pull,step (store)"]
 
 Two float32 Adam groups hold the same number of elements: ``--tensors`` tensors of
 ``--elements`` each ("many") and one tensor of all of them ("one"). Each side is
@@ -102,6 +103,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--tensors", type=int, default=200)
     p.add_argument("--elements", type=int, default=1000)
+    p.add_argument("--kinds", default=",".join(KINDS), help="what to measure")
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -109,6 +111,7 @@ def main() -> int:
         return 0
     from onnxps.cli.process import start_server_process, stop_processes
 
+    kinds = [k for k in KINDS if k in args.kinds.split(",")]
     print(f"new: {describe(None)}\nold: {describe(args.baseline)}")
     # (side, kind, group) -> per-round medians in ms
     got: dict[tuple[str, str, str], list[float]] = {}
@@ -126,7 +129,7 @@ def main() -> int:
                     workers[side] = Worker(tree, argv, Path(tmp) / f"{side}-w.log")
                 for r in range(args.rounds + 1):
                     sides = ["new", "old"] if r % 2 == 0 else ["old", "new"]
-                    for kind in KINDS:
+                    for kind in kinds:
                         for side in sides:
                             for k in ("many", "one"):
                                 ms = workers[side].call(kind, k, args.reps) * 1e3
@@ -141,7 +144,7 @@ def main() -> int:
     print(f"\nms, median of {args.reps} calls a round; median (min-max) of rounds")
     head = f"{'':14s} {'side':4s} {many:>22s} {one:>22s} {'many / one':>20s}"
     print(head)
-    for kind in KINDS:
+    for kind in kinds:
         for side in ("new", "old"):
             a, b = got[(side, kind, "many")], got[(side, kind, "one")]
             ratio = [x / y for x, y in zip(a, b, strict=True)]

@@ -368,8 +368,10 @@ def tensors_to_arrays(
     ``tensor_to_array`` checks it, named by its ``name``): when they share a
     dtype, views of ONE new buffer they are copied into (one allocation however
     many tensors; the buffer lives while any of them does)."""
+    if len(tensors) < 2:
+        return [_own_array(t, encoded) for t in tensors]
     specs = [tensor_spec(t, t.name, encoded=encoded) for t in tensors]
-    if len(specs) < 2 or len({d for d, _ in specs}) != 1:
+    if len({d for d, _ in specs}) != 1:
         return [_own_array(t, encoded) for t in tensors]
     dtype = specs[0][0]
     sizes = [math.prod(dims) for _, dims in specs]
