@@ -12,14 +12,17 @@ none``) and a worker process for its client (gRPC unary: ``shared_memory="off",
 data_channel="off"``). A round measures, on each side, the median of ``--reps``
 calls of: push + pull, push alone, pull alone (wall time in the worker), and a
 step alone at the store level (``ParameterStore.push`` in the worker's own
-process, gradients as a transport hands them over). The side that goes first
-alternates each round; round 0 warms up. Prints medians over rounds with their
-spreads (min-max), the many/one ratios, and new/old.
+process, gradients as a transport hands them over), as wall time and as CPU time
+of the worker and its server process together (less disturbed by a shared
+machine's load). The side that goes first alternates each round; round 0 warms
+up. Prints medians over rounds with their spreads (min-max), the many/one ratios,
+and new/old.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import tempfile
 import time
@@ -75,13 +78,15 @@ def _worker(address: str, tensors: int, elements: int) -> None:
         if kind == "step (store)":
             store.push(k, flat_grads[k])
 
-    def call(kind: str, k: str, reps: int) -> float:
+    def call(kind: str, k: str, reps: int) -> dict[str, float]:
         got = []
+        cpu = time.process_time()  # this process, all its threads
         for _ in range(reps):
             t0 = time.perf_counter()
             one(kind, k)
             got.append(time.perf_counter() - t0)
-        return statistics.median(got)
+        cpu = (time.process_time() - cpu) / reps
+        return {"wall": statistics.median(got), "cpu": cpu}
 
     try:
         serve_requests(call, "ready")
@@ -115,6 +120,7 @@ def main() -> int:
     print(f"new: {describe(None)}\nold: {describe(args.baseline)}")
     # (side, kind, group) -> per-round medians in ms
     got: dict[tuple[str, str, str], list[float]] = {}
+    cpus: dict[tuple[str, str, str], list[float]] = {}  # client + server CPU
     with tempfile.TemporaryDirectory() as tmp:
         with checkout(None) as new, checkout(args.baseline) as old:
             procs, workers = [], {}
@@ -127,21 +133,40 @@ def main() -> int:
                     argv = [__file__, "--worker", address]
                     argv += [str(args.tensors), str(args.elements)]
                     workers[side] = Worker(tree, argv, Path(tmp) / f"{side}-w.log")
+                pids = zip(workers, procs, strict=True)
+                clocks = {side: _cpu_clock(p.pid) for side, p in pids}
                 for r in range(args.rounds + 1):
                     sides = ["new", "old"] if r % 2 == 0 else ["old", "new"]
                     for kind in kinds:
                         for side in sides:
                             for k in ("many", "one"):
-                                ms = workers[side].call(kind, k, args.reps) * 1e3
-                                if r:
-                                    got.setdefault((side, kind, k), []).append(ms)
+                                server = time.clock_gettime(clocks[side])
+                                ans = workers[side].call(kind, k, args.reps)
+                                server = time.clock_gettime(clocks[side]) - server
+                                if not r:
+                                    continue
+                                key = (side, kind, k)
+                                got.setdefault(key, []).append(ans["wall"] * 1e3)
+                                cpu = ans["cpu"] + server / args.reps
+                                cpus.setdefault(key, []).append(cpu * 1e3)
             finally:
                 for w in workers.values():
                     w.close()
                 stop_processes(procs)
+    _report("wall ms", got, kinds, args)
+    _report("CPU ms (client + server processes)", cpus, kinds, args)
+    return 0
+
+
+def _report(
+    title: str,
+    got: dict[tuple[str, str, str], list[float]],
+    kinds: list[str],
+    args: argparse.Namespace,
+) -> None:
     many = f"{args.tensors} x {args.elements:,}"
     one = f"1 x {args.tensors * args.elements:,}"
-    print(f"\nms, median of {args.reps} calls a round; median (min-max) of rounds")
+    print(f"\n{title} a call ({args.reps} a round); median (min-max) of rounds")
     head = f"{'':14s} {'side':4s} {many:>22s} {one:>22s} {'many / one':>20s}"
     print(head)
     for kind in kinds:
@@ -152,11 +177,21 @@ def main() -> int:
                 f"{kind:14s} {side:4s} {_cell(a):>22s} {_cell(b):>22s} "
                 f"{_cell(ratio, 2):>20s}"
             )
-        a, b = got[("new", kind, "many")], got[("old", kind, "many")]
-        wins = sum(x < y for x, y in zip(a, b, strict=True))
-        ab = [x / y for x, y in zip(a, b, strict=True)]
-        print(f"{'':14s} new/old, {many}: {_cell(ab, 2)}; faster in {wins}/{len(a)}")
-    return 0
+        for k, label in (("many", many), ("one", one)):
+            a, b = got[("new", kind, k)], got[("old", kind, k)]
+            wins = sum(x < y for x, y in zip(a, b, strict=True))
+            ab = [x / y for x, y in zip(a, b, strict=True)]
+            print(f"{'':14s} new/old, {label}: {_cell(ab, 2)}; less in {wins}/{len(a)}")
+
+
+def _cpu_clock(pid: int) -> int:
+    """The CPU-time clock of process ``pid`` (all its threads), for
+    ``time.clock_gettime``."""
+    clock = ctypes.c_int()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.clock_getcpuclockid(pid, ctypes.byref(clock)):
+        raise OSError(ctypes.get_errno(), f"clock_getcpuclockid({pid})")
+    return clock.value
 
 
 if __name__ == "__main__":
