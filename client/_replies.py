@@ -12,6 +12,7 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import (
     header_tensor,
     tensor_to_array,
+    tensors_to_arrays,
 )
 from onnxps.wire.initializers import IdsTable
 
@@ -87,6 +88,8 @@ def inline_values(
     tensors: Sequence[pb.Tensor], out: Sequence[Array] | None
 ) -> list[Array]:
     """X carried inline in a reply: copied once, into ``out`` where it fits."""
+    if out is None:
+        return tensors_to_arrays(tensors)  # one buffer for all of them
     views = [tensor_to_array(t, t.name) for t in tensors]
     if out is not None and len(out) == len(views):
         fits = all(
