@@ -2,7 +2,7 @@
 older commit, client and server of the same version, in one run.
 
     python benchmarks/many_tensors_ab.py [--baseline main] [--rounds 5] [--reps 20]
-                                         [--tensors 200] [--elements 1000]
+                                         [--tensors 200] [--elements 1000] [--new REV]
                                          [--kinds "push + pull,push,pull,step (store)"]
 
 Two float32 Adam groups hold the same number of elements: ``--tensors`` tensors of
@@ -108,6 +108,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--tensors", type=int, default=200)
     p.add_argument("--elements", type=int, default=1000)
+    p.add_argument("--new", help="measure this commit instead of the working tree")
     p.add_argument("--kinds", default=",".join(KINDS), help="what to measure")
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -117,12 +118,12 @@ def main() -> int:
     from onnxps.cli.process import start_server_process, stop_processes
 
     kinds = [k for k in KINDS if k in args.kinds.split(",")]
-    print(f"new: {describe(None)}\nold: {describe(args.baseline)}")
+    print(f"new: {describe(args.new)}\nold: {describe(args.baseline)}")
     # (side, kind, group) -> per-round medians in ms
     got: dict[tuple[str, str, str], list[float]] = {}
     cpus: dict[tuple[str, str, str], list[float]] = {}  # client + server CPU
     with tempfile.TemporaryDirectory() as tmp:
-        with checkout(None) as new, checkout(args.baseline) as old:
+        with checkout(args.new) as new, checkout(args.baseline) as old:
             procs, workers = [], {}
             try:
                 for side, tree in (("new", new), ("old", old)):
