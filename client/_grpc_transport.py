@@ -12,13 +12,18 @@ from typing import Any, Literal, Protocol
 import grpc
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
-from onnxps.wire.codec import chunk_frames, header_tensor, write_tensor
+from onnxps.wire.codec import (
+    EncodedMessage,
+    chunk_frames,
+    header_tensor,
+    tensors_to_arrays,
+)
 from onnxps.wire.encoding import DeferredEncoding
 
 from ._errors import DeadlineExceededError, RpcError, UnavailableError
 from ._ops import Call, Deadline, Op, Pause, unary_request
 from ._records import PushResult
-from ._replies import inline_values, pull_reader, pulled_array, push_reader
+from ._replies import inline_values, pull_reader, push_reader
 
 __all__ = [
     "GrpcHost",
@@ -180,19 +185,18 @@ class InlineTransport:
         out: Sequence[Array] | None,
     ) -> Op[PushResult]:
         req = _copy(template)
-        for a in _native(arrays):
-            write_tensor(req.gradients.add(), a)
-        call = Call("Push", unary_request(req), deadline, pushed_what(req))
-        msg = yield from resending(call, req.group, req.seq, self.host.address)
-        values = inline_values(msg.values, out) if req.return_values else None
-        return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
+        msg = EncodedMessage(req, "gradients", _native(arrays))
+        call = Call("Push", unary_request(msg), deadline, pushed_what(req))
+        got = yield from resending(call, req.group, req.seq, self.host.address)
+        values = inline_values(got.values, out) if req.return_values else None
+        return PushResult(got.update_count, got.applied, got.duplicate, values)
 
     def pull(
         self, request: pb.PullRequest, deadline: Deadline, out: Sequence[Array] | None
     ) -> Op[tuple[int, list[Array]]]:
         call = Call("Pull", unary_request(request), deadline, pull_waited(request))
         msg = yield call
-        return msg.update_count, [pulled_array(t) for t in msg.tensors]
+        return msg.update_count, tensors_to_arrays(msg.tensors, encoded=True)
 
 
 class StreamTransport:

@@ -12,6 +12,7 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import (
     header_tensor,
     tensor_to_array,
+    tensors_to_arrays,
 )
 from onnxps.wire.initializers import IdsTable
 
@@ -87,6 +88,8 @@ def inline_values(
     tensors: Sequence[pb.Tensor], out: Sequence[Array] | None
 ) -> list[Array]:
     """X carried inline in a reply: copied once, into ``out`` where it fits."""
+    if out is None:
+        return tensors_to_arrays(tensors)  # one buffer for all of them
     views = [tensor_to_array(t, t.name) for t in tensors]
     if out is not None and len(out) == len(views):
         fits = all(
@@ -149,12 +152,6 @@ def tcp_host(address: str) -> str | None:
     if not sep or not port.isdigit() or not host:
         return None
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
-def pulled_array(t: pb.Tensor) -> Array:
-    """A pulled tensor as an array of its own (an encoded one is widened already)."""
-    a = tensor_to_array(t, t.name, encoded=True)
-    return a.copy() if t.encoding == pb.ENCODING_UNSPECIFIED else a
 
 
 def pull_reader(out: Sequence[Array] | None = None) -> StreamReader:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +25,7 @@ from onnxps.wire.image import (
     TableDefinition,
 )
 
+from ._flat import FlatArrays, FlatLayout, flat_views
 from ._ids import IdsTable
 from ._order import PushOrder
 from ._sparse import RowGradient, combine_rows, is_row_push, split_row_push, step_rows
@@ -275,25 +277,25 @@ class Group:
         self.names = tuple(n for n, _ in tensors)
         self.shapes = tuple(tuple(int(d) for d in a.shape) for _, a in tensors)
 
-        def own(a: Array) -> Array:
-            # adopt: a restore hands over arrays it owns; take them without a copy
-            # (a log record's arrays are read-only views of its frame: copy those)
-            if adopt and a.flags.writeable:
-                return np.ascontiguousarray(a, dtype=self.dtype).reshape(-1)
-            return np.array(a, dtype=self.dtype, order="C").reshape(-1)
-
-        self.xs = [own(a) for _, a in tensors]
-        n = len(self.xs)
+        # X, V and H each in one flat buffer, self.xs and self.states[...] views
+        # of it, tensor by tensor (``_flat``)
+        self.layout = FlatLayout([math.prod(s) for s in self.shapes])
+        n = len(self.shapes)
+        self.flat_x = self._own([a for _, a in tensors], adopt)
+        self.xs = flat_views(self.flat_x, [(k,) for k in self._sizes()])
+        self.flat_states: dict[str, Array] = {}
         self.states: dict[str, list[Array]] = {}
         for k, sname in enumerate(attrs.state_names):
             if state is not None:
-                part = state[k * n : (k + 1) * n]
-                self.states[sname] = [own(a) for a in part]
+                flat = self._own(state[k * n : (k + 1) * n], adopt)
             else:
-                # np.zeros, not zeros_like: calloc'd pages cost no memory until
-                # the first step writes them
-                self.states[sname] = [np.zeros(x.shape, x.dtype) for x in self.xs]
-        self.stepper = Stepper(attrs, self.dtype, [x.size for x in self.xs])
+                # np.zeros: calloc'd pages cost no memory until a step writes them
+                flat = np.zeros(self.layout.total, self.dtype)
+            self.flat_states[sname] = flat
+            self.states[sname] = flat_views(flat, [(k,) for k in self._sizes()])
+        self.stepper = Stepper(attrs, self.dtype, [self.layout.total])
+        # gradients that are not one flat buffer step tensor by tensor (made on use)
+        self._tensor_stepper: Stepper | None = None
         # ids tables (``_ids``), after the tensors in a row push's parts
         self.tables: dict[str, IdsTable] = {}
         for k, t in enumerate(tables):
@@ -314,6 +316,22 @@ class Group:
         self.pending: dict[str, list[Array]] = {}
         self.replay_step: int | None = None  # contributors of a logged sync step
         self.deleted = False
+
+    def _sizes(self) -> list[int]:
+        o = self.layout.offsets
+        return [o[i + 1] - o[i] for i in range(len(o) - 1)]
+
+    def _own(self, arrays: Sequence[Array], adopt: bool) -> Array:
+        """One flat buffer holding ``arrays`` back to back.
+
+        adopt: a restore hands over arrays it owns; a lone one is taken without a
+        copy (a log record's arrays are read-only views of its frame: copied)."""
+        if adopt and len(arrays) == 1 and arrays[0].flags.writeable:
+            return np.ascontiguousarray(arrays[0], dtype=self.dtype).reshape(-1)
+        flat = np.empty(self.layout.total, self.dtype)
+        for view, a in zip(flat_views(flat, self.shapes), arrays, strict=True):
+            np.copyto(view, np.asarray(a).reshape(view.shape), casting="unsafe")
+        return flat
 
     @classmethod
     def from_image(
@@ -343,7 +361,7 @@ class Group:
     # -- read-only facts -----------------------------------------------------------
     @property
     def element_count(self) -> int:
-        return sum(x.size for x in self.xs)
+        return self.layout.total
 
     @property
     def state_bytes(self) -> int:
@@ -487,19 +505,30 @@ class Group:
         if not self.xs:  # a group of ids tables only: a dense push steps nothing
             self.update_count += 1
             return
-        args = (
-            r,
-            self.update_count,
-            self.xs,
-            [g.reshape(-1) for g in grads],
-            self.states.get("V"),
-            self.states.get("H"),
-        )
+        if isinstance(grads, FlatArrays) or len(grads) == 1:
+            flat = grads.flat if isinstance(grads, FlatArrays) else grads[0]
+            stepper = self.stepper
+            xs, gs = [self.flat_x], [flat.reshape(-1)]
+            v, h = self.flat_states.get("V"), self.flat_states.get("H")
+            vs = None if v is None else [v]
+            hs = None if h is None else [h]
+            args = (r, self.update_count, xs, gs, vs, hs)
+            if done is not None:
+                done = self.layout.per_tensor(done)
+        else:  # e.g. read in place from a client's shared memory
+            stepper = self._tensor_stepper or self._new_tensor_stepper()
+            gs = [g.reshape(-1) for g in grads]
+            vl, hl = self.states.get("V"), self.states.get("H")
+            args = (r, self.update_count, self.xs, gs, vl, hl)
         if done is None:
-            self.stepper.step(*args)
+            stepper.step(*args)
         else:
-            self.stepper.step_in_order(*args, done)
+            stepper.step_in_order(*args, done)
         self.update_count += 1
+
+    def _new_tensor_stepper(self) -> Stepper:
+        self._tensor_stepper = Stepper(self.attrs, self.dtype, self._sizes())
+        return self._tensor_stepper
 
     def remember(
         self, client_id: str, seq: int, result: tuple[int, bool], now: float

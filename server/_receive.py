@@ -15,6 +15,7 @@ changes.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 from onnxps.wire.codec import TensorAssembler
 
+from ._flat import FlatArrays, flat_views
 from .errors import InvalidArgument
 from .kernels._finite import finite_checker
 
@@ -112,7 +114,7 @@ class GradientPool:
             np.dtype(d).itemsize * int(np.prod(s, dtype=np.int64)) for d, s in specs
         )
         if nbytes < MIN_POOLED_BYTES or nbytes > self.max_bytes:
-            return Lease([np.empty(s, d) for d, s in specs], None)
+            return Lease(_flat_buffers(specs), None)
         with self._lock:
             epoch = self._epochs.get(group, 0)
             sets = self._idle.get(key)
@@ -122,7 +124,7 @@ class GradientPool:
                 if not sets:
                     del self._idle[key]
         if arrays is None:
-            arrays = [np.empty(s, d) for d, s in specs]
+            arrays = _flat_buffers(specs)
         return Lease(arrays, lambda: self._give_back(key, epoch, nbytes, arrays))
 
     def _give_back(
@@ -165,6 +167,17 @@ class GradientPool:
             for key in [k for k in self._idle if k[0] == group]:
                 for arrays in self._idle.pop(key):
                     self._idle_bytes -= sum(a.nbytes for a in arrays)
+
+
+def _flat_buffers(specs: Sequence[Spec]) -> list[Array]:
+    """Arrays for ``specs``: views of one flat buffer (``FlatArrays``) when they
+    share a dtype, as a push's gradients do (``_flat``)."""
+    dtypes = {np.dtype(d) for d, _ in specs}
+    if len(dtypes) != 1:
+        return [np.empty(s, d) for d, s in specs]
+    shapes = [tuple(s) for _, s in specs]
+    flat = np.empty(sum(math.prod(s) for s in shapes), dtypes.pop())
+    return FlatArrays(flat_views(flat, shapes), flat)
 
 
 class Lease:

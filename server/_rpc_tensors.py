@@ -16,12 +16,12 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import (
     ENCODING_NAMES,
     DeferredEncoding,
+    EncodedMessage,
     EncodingRangeError,
     chunk_frames,
     declared_nbytes,
     header_tensor,
     tensor_spec,
-    write_tensor,
 )
 
 from ._datachannel import DataChannel, principal_of
@@ -413,9 +413,7 @@ class TensorRpcs(RpcFamily):
                 update_count=out.update_count, learning_rate=out.learning_rate
             )
             arrays = _encoded_values(out.arrays, out.names, request.encoding)
-            for a, n in zip(arrays, out.names, strict=True):
-                write_tensor(reply.tensors.add(), a, n)
-            return reply
+            return EncodedMessage(reply, "tensors", arrays, out.names)  # type: ignore[return-value]
 
     def _pull_on_channel(self, req: pb.PullRequest, context: Any) -> pb.PullResponse:
         """A pull whose tensors go back as one frame on the data channel (X in

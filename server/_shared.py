@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ._flat import flat_views
 from ._group import Group
 
 __all__ = ["SharedCopies"]
@@ -38,7 +39,10 @@ class SharedCopies:
         One copy per version serves every reader that asks while another still holds
         it (a copy with state serves readers of X alone too).
         """
-        arrays = g.xs + (g.state_arrays() if with_state else [])
+        # the group's flat buffers (``_flat``): one copy each, whatever the tensors
+        arrays = [g.flat_x]
+        if with_state:
+            arrays += [g.flat_states[s] for s in g.attrs.state_names]
         key = (g.incarnation, g.update_count, with_state)
         base = self._get(key)
         if base is None and not with_state:
@@ -50,9 +54,8 @@ class SharedCopies:
             base.flags.writeable = False
             with self._lock:
                 self._copies[key] = base
-        n = len(g.shapes)
         return tuple(
-            v.reshape(g.shapes[i % n]) for i, v in enumerate(_slots(base, arrays))
+            view for flat in _slots(base, arrays) for view in flat_views(flat, g.shapes)
         )
 
     def _get(self, key: tuple[int, int, bool]) -> Array | None:

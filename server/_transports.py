@@ -17,6 +17,7 @@ region that cannot be used refuses the push before it applies), ``send`` after.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -31,11 +32,13 @@ from onnxps.wire.codec import (
     encode_chunk,
     header_tensor,
     tensor_spec,
+    widen_into,
     write_tensor,
 )
 
 from ._convert import decoded
 from ._datachannel import DataChannel
+from ._flat import FlatArrays, flat_views, kept_flat
 from ._receive import GradientPool, Lease, receive
 from ._shm import Caller, SharedMemory
 from .errors import DeadlineExceeded, InvalidArgument, Unavailable
@@ -128,19 +131,37 @@ class InlineGradients:
 
     @contextmanager
     def gradients(self) -> Iterator[tuple[list[Array], bool]]:
-        names = self.ticket.names
-        yield (
-            [
-                decoded(
-                    t,
-                    f"gradient {i + 1} ({names[i]!r})",
-                    f"gradients[{i}].raw_data",
-                    encoded=True,
-                )
-                for i, t in enumerate(self.req.gradients)
-            ],
-            False,
-        )
+        tensors = self.req.gradients
+        if len(tensors) == 1:  # read in place: no copy
+            yield [self._decoded(0, tensors[0])], False
+        else:
+            yield self._flat(tensors), False
+
+    def _decoded(self, i: int, t: pb.Tensor) -> Array:
+        what = f"gradient {i + 1} ({self.ticket.names[i]!r})"
+        return decoded(t, what, f"gradients[{i}].raw_data", encoded=True)
+
+    def _flat(self, tensors: Sequence[pb.Tensor]) -> list[Array]:
+        """The gradients copied into one flat buffer (``FlatArrays``): the push
+        then steps as one array. The headers were checked (``_validate_push``);
+        a tensor whose bytes do not match its header is refused as ``decoded``
+        refuses it."""
+        dtype, shapes = self.ticket.dtype, self.ticket.shapes
+        flat = np.empty(sum(map(math.prod, shapes)), dtype)
+        out = FlatArrays(flat_views(flat, shapes), flat)
+        raw_bytes = memoryview(flat).cast("B")  # type: ignore[arg-type]
+        pos = 0
+        for i, (t, view) in enumerate(zip(tensors, out, strict=True)):
+            raw, n = t.raw_data, view.size
+            width = 2 if t.encoding else dtype.itemsize
+            if len(raw) != n * width:
+                self._decoded(i, t)  # raises: the bytes do not match the header
+            if t.encoding:
+                widen_into(view.reshape(-1), raw, t.encoding)
+            else:
+                raw_bytes[pos : pos + len(raw)] = raw
+            pos += n * dtype.itemsize
+        return out
 
 
 class InlineValues:
@@ -189,7 +210,7 @@ class StreamGradients:
         except TensorFormatError:
             self.cut_off()
             raise
-        return got.arrays, got.finite
+        return kept_flat(got.arrays, self.lease.arrays), got.finite
 
 
 _END = object()

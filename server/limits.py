@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 from onnxps.v1 import parameter_server_pb2 as pb
-from onnxps.wire.codec import TensorFormatError, declared_nbytes
+from onnxps.wire.codec import EncodedMessage, TensorFormatError, declared_nbytes
 
 from ._handlers import (
     CallHooks,
@@ -87,6 +87,8 @@ def message_bytes(msg: Any) -> int:
         return msg.size
     if isinstance(msg, bytes):  # an encoded chunk frame (codec.chunk_frames)
         return len(msg)
+    if isinstance(msg, EncodedMessage):  # tensors encoded by hand: its size known
+        return msg.ByteSize()
     if not isinstance(msg, Message):
         return 0
     declared = declared_bytes(msg)

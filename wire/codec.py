@@ -42,6 +42,7 @@ __all__ = [
     "DeferredEncoding",
     "ENCODED",
     "ENCODING_NAMES",
+    "EncodedMessage",
     "EncodingRangeError",
     "MAX_DIMS",
     "PROTO_TO_DTYPE",
@@ -66,6 +67,7 @@ __all__ = [
     "serializer",
     "tensor_spec",
     "tensor_to_array",
+    "tensors_to_arrays",
     "widen_into",
     "write_tensor",
 ]
@@ -126,16 +128,17 @@ def tensor_spec(
         )
     if t.encoding:
         _check_encoding(t, dtype, what, encoded)
-    if len(t.dims) > MAX_DIMS:
+    dims = tuple(t.dims)  # ints: protobuf's int64 reads as int
+    if len(dims) > MAX_DIMS:
         raise TensorFormatError(
-            f"{what} has {len(t.dims)} dims: an array has at most {MAX_DIMS}"
+            f"{what} has {len(dims)} dims: an array has at most {MAX_DIMS}"
         )
-    dims = tuple(int(d) for d in t.dims)
-    if any(d < 0 for d in dims):
+    if dims and min(dims) < 0:
         raise TensorFormatError(f"{what} has negative dims {list(dims)}")
     # NumPy must be able to address the array even when it holds no element: the
     # product of the nonzero dims, in bytes, stays below 2**63 (as for np.empty).
-    if math.prod(d for d in dims if d) * dtype.itemsize >= 2**63:
+    size = math.prod(dims) or math.prod(d for d in dims if d)
+    if size * dtype.itemsize >= 2**63:
         raise TensorFormatError(
             f"{what} has dims {list(dims)}: {dtype.name} dims whose nonzero product "
             "reaches 2**63 bytes describe no array"
@@ -205,6 +208,95 @@ def _wire_type(
     return _wire_dtype(dtype), pb.ENCODING_UNSPECIFIED
 
 
+# -- many tensors in one message, encoded by hand ------------------------------------
+# Filling a Tensor message from Python and serializing it costs ~8 us per tensor in
+# upb (each field set, the bytes copied into the arena, then again on
+# serialization), so a message of 200 small tensors spent more time there than in
+# its bytes. A repeated Tensor field is written here instead, in the canonical
+# encoding a protobuf library writes (fields in number order, dims packed, defaults
+# left out), after the rest of the message as protobuf serializes it: parsers read
+# the fields of a message in any order, and the elements of a repeated field in the
+# order they come.
+
+
+class EncodedMessage:
+    """A protobuf message whose repeated Tensor field ``field`` holds ``arrays``,
+    serialized once, here (one copy of the tensor bytes); gRPC's serializer sends
+    ``SerializeToString()``. Reading the message's other fields reads ``message``
+    (which has the tensor field empty)."""
+
+    __slots__ = ("message", "raw")
+
+    def __init__(
+        self,
+        message: Message,
+        field: str,
+        arrays: Sequence[Any],
+        names: Sequence[str] | None = None,
+    ) -> None:
+        number = message.DESCRIPTOR.fields_by_name[field].number
+        parts: list[Any] = [message.SerializeToString()]
+        names = names if names is not None else [""] * len(arrays)
+        for a, name in zip(arrays, names, strict=True):
+            parts += _tensor_parts(number, a, name)
+        self.message = message
+        self.raw = b"".join(parts)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.message, name)
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 - the protobuf spelling
+        return self.raw
+
+    def ByteSize(self) -> int:  # noqa: N802 - the protobuf spelling
+        return len(self.raw)
+
+
+_SMALL_VARINTS = [bytes([v]) for v in range(0x80)]
+_DIMS: dict[tuple[int, ...], bytes] = {}  # shape -> its packed dims field
+
+
+def _packed_dims(shape: tuple[int, ...]) -> bytes:
+    got = _DIMS.get(shape)
+    if got is None:
+        packed = b"".join(_varint(d) for d in shape)
+        got = b"\x1a" + _varint(len(packed)) + packed if shape else b""
+        if len(_DIMS) < 4096:
+            _DIMS[shape] = got
+    return got
+
+
+def _tensor_parts(field: int, a: Any, name: str) -> list[Any]:
+    """The wire bytes of ``Tensor`` element ``a`` of repeated field ``field``:
+    what ``write_tensor`` and protobuf's serializer write, as a head and a view of
+    the array's bytes."""
+    arr = np.asarray(a)
+    code = DTYPE_TO_PROTO.get(arr.dtype)  # little-endian, as bytes travel
+    encoding: int = pb.ENCODING_UNSPECIFIED
+    if code is None or not arr.flags.c_contiguous:
+        code, encoding = _wire_type(arr.dtype)
+        if not encoding:
+            arr = np.asarray(arr, dtype=PROTO_TO_DTYPE[code], order="C")
+    data: Any = b""
+    if arr.size and encoding:  # an ENCODED dtype has no buffer format: as bytes
+        data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    elif arr.size:
+        data = memoryview(arr).cast("B")  # type: ignore[arg-type]
+    head = b""
+    if name:
+        text = name.encode("utf-8")
+        head = b"\x0a" + _varint(len(text)) + text
+    if code:
+        head += b"\x10" + _varint(code)
+    head += _packed_dims(arr.shape)
+    size = len(data) if isinstance(data, bytes) else data.nbytes
+    if size:
+        head += b"\x22" + _varint(size)
+    tail = b"\x28" + _varint(encoding) if encoding else b""
+    inner = len(head) + size + len(tail)
+    return [_varint((field << 3) | 2) + _varint(inner) + head, data, tail]
+
+
 def frame_bytes(
     arrays: Iterable[Any], block_elements: int = 1 << 19
 ) -> Iterator[memoryview]:
@@ -240,7 +332,20 @@ def tensor_to_array(
     """A read-only array over the message's bytes, after checking their length; an
     encoded tensor (allowed with ``encoded``) widened into a new array."""
     dtype, dims = tensor_spec(t, what, encoded=encoded)
-    raw = t.raw_data  # read the field once: each read copies
+    raw = _raw_data(t, dtype, dims, what)
+    if not t.encoding:
+        return np.frombuffer(raw, dtype=dtype).reshape(dims)
+    out = np.empty(dims, dtype)
+    widen_into(out.reshape(-1), raw, t.encoding)
+    return out
+
+
+def _raw_data(
+    t: pb.Tensor, dtype: np.dtype[Any], dims: tuple[int, ...], what: str
+) -> bytes:
+    """The tensor's bytes (the field read once: each read copies), checked
+    against its header."""
+    raw = t.raw_data
     expected = math.prod(dims) * _wire_itemsize(t, dtype)
     if len(raw) != expected:
         encoding = f" encoded as {ENCODING_NAMES[t.encoding]}" if t.encoding else ""
@@ -248,10 +353,40 @@ def tensor_to_array(
             f"{what} declares {dtype.name} dims {list(dims)}{encoding}, which is "
             f"{expected} bytes, but carries {len(raw)} bytes"
         )
-    if not t.encoding:
-        return np.frombuffer(raw, dtype=dtype).reshape(dims)
-    out = np.empty(dims, dtype)
-    widen_into(out.reshape(-1), raw, t.encoding)
+    return raw
+
+
+def _own_array(t: pb.Tensor, encoded: bool) -> Array:
+    a = tensor_to_array(t, t.name, encoded=encoded)
+    return a if t.encoding else a.copy()  # a widened one is new already
+
+
+def tensors_to_arrays(
+    tensors: Sequence[pb.Tensor], *, encoded: bool = False
+) -> list[Array]:
+    """Writable arrays of their own holding the tensors (each checked as
+    ``tensor_to_array`` checks it, named by its ``name``): when they share a
+    dtype, views of ONE new buffer they are copied into (one allocation however
+    many tensors; the buffer lives while any of them does)."""
+    if len(tensors) < 2:
+        return [_own_array(t, encoded) for t in tensors]
+    specs = [tensor_spec(t, t.name, encoded=encoded) for t in tensors]
+    if len({d for d, _ in specs}) != 1:
+        return [_own_array(t, encoded) for t in tensors]
+    dtype = specs[0][0]
+    sizes = [math.prod(dims) for _, dims in specs]
+    flat = np.empty(sum(sizes), dtype)
+    flat_bytes = memoryview(flat).cast("B")  # type: ignore[arg-type]
+    out, pos, item = [], 0, dtype.itemsize
+    for t, (_, dims), n in zip(tensors, specs, sizes, strict=True):
+        raw = _raw_data(t, dtype, dims, t.name)
+        view = flat[pos : pos + n]
+        if t.encoding:
+            widen_into(view, raw, t.encoding)
+        else:
+            flat_bytes[pos * item : (pos + n) * item] = raw
+        out.append(view.reshape(dims))
+        pos += n
     return out
 
 
@@ -446,6 +581,8 @@ class RawChunk:
 
 
 def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return _SMALL_VARINTS[value]
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)

@@ -1,0 +1,90 @@
+"""A group's tensors as one flat buffer: per-tensor views over one allocation.
+
+A group of many small tensors (a model's biases and norms) used to pay every
+per-tensor cost once per tensor and per push: a kernel call per tensor and array,
+a finiteness check per gradient, a copy per tensor for a pull. As torch's
+multi-tensor kernels and FSDP's flat parameters do, a group keeps X, V and H each
+as ONE contiguous buffer and hands out per-tensor views of it (names, shapes and
+the ONNX order unchanged); a push whose gradients arrive in one flat buffer
+(``FlatArrays``) steps the whole group as one array, in cache-sized blocks that
+ignore tensor boundaries. The step is element-wise with per-group scalars, so the
+result is bit for bit the one of stepping each tensor alone.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["FlatArrays", "FlatLayout", "flat_views", "kept_flat"]
+
+Array = np.ndarray[Any, Any]
+
+
+class FlatArrays(list[Array]):
+    """Arrays that are views, in order and back to back, of one C-contiguous 1-D
+    buffer (``flat``): a push's gradients read into one allocation."""
+
+    def __init__(self, arrays: Sequence[Array], flat: Array) -> None:
+        super().__init__(arrays)
+        self.flat = flat
+
+
+def kept_flat(got: list[Array], lent: Sequence[Array]) -> list[Array]:
+    """``lent`` (a ``FlatArrays``) when ``got`` are its very arrays (a reader
+    filled the buffers it was lent), else ``got``."""
+    if isinstance(lent, FlatArrays) and len(got) == len(lent):
+        if all(a is b for a, b in zip(got, lent, strict=True)):
+            return lent
+    return got
+
+
+def flat_views(flat: Array, shapes: Sequence[tuple[int, ...]]) -> list[Array]:
+    """Views of ``flat`` shaped like ``shapes``, one after another."""
+    out, offset = [], 0
+    for shape in shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        out.append(flat[offset : offset + n].reshape(shape))
+        offset += n
+    return out
+
+
+class FlatLayout:
+    """Where each tensor of a group sits in its flat buffers."""
+
+    def __init__(self, sizes: Sequence[int]) -> None:
+        self.offsets = [0]
+        for n in sizes:
+            self.offsets.append(self.offsets[-1] + int(n))
+        self.total = self.offsets[-1]
+
+    def pieces(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """The flat range ``start:stop`` as (tensor, start, stop) pieces, in order
+        (tensors with no element in it, such as empty ones, are left out)."""
+        offsets = self.offsets
+        i = bisect_right(offsets, start) - 1
+        out = []
+        while start < stop:
+            end = min(stop, offsets[i + 1])
+            if end > start:
+                out.append((i, start - offsets[i], end - offsets[i]))
+                start = end
+            i += 1
+        return out
+
+    def per_tensor(
+        self, done: Callable[[int, int, int], None]
+    ) -> Callable[[int, int, int], None]:
+        """``done(i, start, stop)`` of tensors, called from a flat stepper's
+        ``done(0, start, stop)`` of the flat buffer."""
+
+        def flat_done(_: int, start: int, stop: int) -> None:
+            for piece in self.pieces(start, stop):
+                done(*piece)
+
+        return flat_done
