@@ -1,0 +1,243 @@
+"""Replicated shards under partitions and with TLS (issue 23): real etcd, real
+``onnxps serve`` processes, real ``iptables`` rules on loopback.
+
+A partition is a DROP rule in the OUTPUT chain for one port, matched on one
+process's group (``-m owner --gid-owner``: the standby runs as root with group
+65534, so it still reads a checkout in a 0700 directory) or on the one etcd port
+that only the primary uses. Every rule is removed when the test ends, passed or
+failed. Without root or iptables those tests are skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
+from _procs import clean_env
+from onnxps.cli.process import wait_for_listening
+from onnxps.client import Adagrad, Client
+from onnxps.server.app import ServerConfig, create_server
+from test_replication import SIZE, TTL, ReplicaSet
+
+NOGROUP = 65534
+G = np.full(SIZE, 0.5, np.float32)
+
+
+class Replicas(ReplicaSet):
+    """A ``ReplicaSet`` whose members may differ: their own flags, the group their
+    process runs with, the etcd address they use; clients with TLS settings."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        etcd: EtcdProcess,
+        n: int,
+        *,
+        extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        ttl: int = TTL,
+        client: dict[str, Any] | None = None,
+    ) -> None:
+        self.ttl = ttl
+        self.member_extra: dict[int, tuple[str, ...]] = {}
+        self.gids: dict[int, int] = {}
+        self.coordinators: dict[int, str] = {}
+        self.client = client or {}
+        super().__init__(tmp, etcd, n, "ps", extra, env)
+
+    def start(self, i: int) -> None:
+        self.starts[i] = self.starts.get(i, 0) + 1
+        log = self.tmp / f"server{i}-{self.starts[i]}.log"
+        cmd = [
+            sys.executable, "-m", "onnxps.cli", "serve",
+            "--address", "127.0.0.1:0",
+            "--durability", "wal",
+            "--data-dir", str(self.tmp / f"data{i}"),
+            "--coordinator", self.coordinators.get(i, self.url),
+            "--shard", "0/1",
+            "--member-id", f"m{i}",
+            "--lease-ttl", str(self.ttl),
+            "--snapshot-interval", "0",
+            *self.extra,
+            *self.member_extra.get(i, ()),
+        ]  # fmt: skip
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=clean_env(**self.env),
+                group=self.gids.get(i),
+            )
+        self.procs[i] = proc
+        self.addresses[i] = wait_for_listening(proc, log)
+
+    def connect(self, i: int | None = None, **kw: Any) -> Client:
+        target = self.url if i is None else self.addresses[i]
+        return Client(target, **{"timeout": 30, **self.client, **kw})
+
+    def state(self, i: int, group: str) -> tuple[int, np.ndarray]:
+        with self.connect(i) as c:
+            return c.describe_group(group).update_count, c.pull(group)[0]
+
+    def log(self, i: int) -> str:
+        return (self.tmp / f"server{i}-{self.starts[i]}.log").read_text()
+
+    def wait_log(self, i: int, text: str, timeout: float = 60.0) -> str:
+        """The first line of member ``i``'s log holding ``text`` (waits for it)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.log(i).splitlines():
+                if text in line:
+                    return line
+            time.sleep(0.05)
+        raise AssertionError(f"no {text!r} in server {i}'s log:\n{self.log(i)[-3000:]}")
+
+
+@pytest.fixture
+def replica_sets(
+    tmp_path: Path,
+    etcd_server: EtcdProcess,  # noqa: F811
+) -> Iterator[Any]:
+    made: list[Replicas] = []
+
+    def make(n: int, **kwargs: Any) -> Replicas:
+        made.append(Replicas(tmp_path, etcd_server, n, **kwargs))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for s in made:
+            s.close()
+
+
+# -- partitions ------------------------------------------------------------------
+def _iptables_works() -> bool:
+    if shutil.which("iptables") is None:
+        return False
+    probe = subprocess.run(
+        ["iptables", "-w", "5", "-S", "OUTPUT"], capture_output=True, timeout=30
+    )
+    return probe.returncode == 0
+
+
+needs_iptables = pytest.mark.skipif(
+    not _iptables_works(), reason="partitions need iptables and root (CAP_NET_ADMIN)"
+)
+
+
+@contextlib.contextmanager
+def partition(*rule: str) -> Iterator[None]:
+    """``iptables -I OUTPUT RULE -j DROP`` until the block ends (however it ends)."""
+    spec = ["OUTPUT", *rule, "-j", "DROP"]
+    subprocess.run(["iptables", "-w", "5", "-I", *spec], check=True, timeout=30)
+    try:
+        yield
+    finally:
+        subprocess.run(["iptables", "-w", "5", "-D", *spec], check=True, timeout=30)
+
+
+def _port(address: str) -> str:
+    return address.rsplit(":", 1)[1]
+
+
+def _raw_push(
+    address: str, seq: int, timeout: float, g: np.ndarray = G
+) -> tuple[grpc.StatusCode, str, Any]:
+    """One Push call, no client retries: (status, details, reply)."""
+    from onnxps.v1 import parameter_server_pb2 as pb
+    from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+
+    tensor = pb.Tensor(
+        name="x", dtype=pb.DATA_TYPE_FLOAT, dims=[g.size], raw_data=g.tobytes()
+    )
+    request = pb.PushRequest(group="g", gradients=[tensor], client_id="raw", seq=seq)
+    with grpc.insecure_channel(address) as ch:
+        try:
+            reply = pb_grpc.ParameterServerServiceStub(ch).Push(
+                request, timeout=timeout
+            )
+        except grpc.RpcError as exc:
+            return exc.code(), str(exc.details()), None
+    return grpc.StatusCode.OK, "", reply
+
+
+def _create(rs: Replicas) -> None:
+    with rs.connect(timeout=60) as c:
+        c.create_group(
+            "g", Adagrad(), learning_rate=0.1, tensors={"x": np.zeros(SIZE, np.float32)}
+        )
+
+
+def _serial(gradients: list[np.ndarray]) -> np.ndarray:
+    """X after these pushes one after the other, on a fresh in-process server."""
+    handle = create_server(ServerConfig(address="127.0.0.1:0", durability="none"))
+    handle.start()
+    try:
+        with Client(handle.address, timeout=30) as c:
+            c.create_group(
+                "g", Adagrad(), learning_rate=0.1,
+                tensors={"x": np.zeros(SIZE, np.float32)},
+            )  # fmt: skip
+            for g in gradients:
+                c.push("g", g)
+            return c.pull("g")[0]
+    finally:
+        handle.stop(grace=0)
+
+
+@needs_iptables
+def test_a_partition_between_the_primary_and_its_standby_refuses_then_heals(
+    replica_sets: Any,
+) -> None:
+    rs: Replicas = replica_sets(1)
+    assert rs.primary() == 0
+    rs.gids[1] = NOGROUP  # the standby's packets are the ones the rule matches
+    rs.start(1)
+    assert rs.wait_sync() == ["m1"]
+    _create(rs)
+    with rs.connect() as c:
+        assert [c.push("g", G) for _ in range(3)] == [1, 2, 3]
+    rs.wait_t(1, "g", 3)
+    primary = rs.addresses[0]
+    cut = ("-p", "tcp", "-d", "127.0.0.1", "--dport", _port(primary))
+    with partition(*cut, "-m", "owner", "--gid-owner", str(NOGROUP)):
+        # Logged and shipped, but the standby's acknowledgement never arrives: the
+        # push is not acknowledged within its deadline (it waits for the standby).
+        code, _, _ = _raw_push(primary, seq=1, timeout=10)
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        # After --lease-ttl * 3 (at least 5 s) without an acknowledgement the
+        # primary ends the standby's stream; with none left following it refuses
+        # the next change before logging it.
+        rs.wait_log(0, "standby m1 did not acknowledge record")
+        code, details, _ = _raw_push(primary, seq=2, timeout=10)
+        assert code == grpc.StatusCode.UNAVAILABLE
+        assert details.startswith(
+            "0 of the 1 synchronous standbys this shard needs (--sync-replicas) "
+            "follow its primary: the change is refused"
+        ), details
+        assert rs.state(0, "g")[0] == 3  # nothing acknowledged, nothing applied
+        assert rs.procs[0].poll() is None  # still the primary: no failover
+    # Healed: the standby follows again, holds the waiting push, which is then
+    # acknowledged (applied once, at T=4), and pushes are acknowledged again.
+    with rs.connect(timeout=90) as c:
+        assert c.push("g", G * 2) == 5
+    code, _, again = _raw_push(primary, seq=1, timeout=30)  # the resend is answered
+    assert (code, again.update_count, again.duplicate) == (grpc.StatusCode.OK, 4, True)
+    rs.wait_t(1, "g", 5)
+    info = rs.key("primary")
+    assert isinstance(info, dict) and (info["member"], info["term"]) == ("m0", 1)
+    x0, x1 = rs.state(0, "g")[1], rs.state(1, "g")[1]
+    np.testing.assert_array_equal(x0, x1)
+    np.testing.assert_array_equal(x0, _serial([G, G, G, G, G * 2]))
