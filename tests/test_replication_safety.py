@@ -11,11 +11,14 @@ failed. Without root or iptables those tests are skipped.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import ipaddress
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +27,12 @@ import numpy as np
 import pytest
 from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
 from _procs import clean_env
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from onnxps.cli.process import wait_for_listening
-from onnxps.client import Adagrad, Client
+from onnxps.client import Adagrad, Client, UnavailableError
 from onnxps.server.app import ServerConfig, create_server
 from test_replication import SIZE, TTL, ReplicaSet
 
@@ -241,3 +248,163 @@ def test_a_partition_between_the_primary_and_its_standby_refuses_then_heals(
     x0, x1 = rs.state(0, "g")[1], rs.state(1, "g")[1]
     np.testing.assert_array_equal(x0, x1)
     np.testing.assert_array_equal(x0, _serial([G, G, G, G, G * 2]))
+
+
+# -- TLS between standby and primary -----------------------------------------------
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _issue(
+    d: Path, name: str, issuer: tuple[str, Any] | None, *, ca: bool = False
+) -> tuple[Path, Path, Any]:
+    """``name``.pem and ``name``.key in ``d``, signed by ``issuer`` (None: itself);
+    a leaf names 127.0.0.1 and serves and authenticates (a server of a replica set
+    is a client of its primary)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    issuer_name, issuer_key = issuer or (name, key)
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(_name(name))
+        .issuer_name(_name(issuer_name))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if not ca:
+        usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+        b = b.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        ip = x509.IPAddress(ipaddress.ip_address("127.0.0.1"))
+        b = b.add_extension(x509.SubjectAlternativeName([ip]), critical=False)
+    cert = b.sign(issuer_key, hashes.SHA256())
+    pem, pem_key = d / f"{name}.pem", d / f"{name}.key"
+    pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    pem_key.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return pem, pem_key, key
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: Path
+    cert: Path  # a server's, signed by ca
+    key: Path
+    rogue_cert: Path  # signed by another CA
+    rogue_key: Path
+
+    def flags(
+        self, cert: Path | None = None, key: Path | None = None
+    ) -> tuple[str, ...]:
+        """A server with mutual TLS: clients (standbys too) show a certificate."""
+        return (
+            "--tls-cert", str(cert or self.cert), "--tls-key", str(key or self.key),
+            "--tls-client-ca", str(self.ca),
+        )  # fmt: skip
+
+    def client(self) -> dict[str, Any]:
+        return {
+            "root_certificates": self.ca.read_bytes(),
+            "certificate_chain": self.cert.read_bytes(),
+            "private_key": self.key.read_bytes(),
+        }
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    d = tmp_path / "pki"
+    d.mkdir()
+    ca, _, ca_key = _issue(d, "replica-ca", None, ca=True)
+    _, _, rogue_ca_key = _issue(d, "rogue-ca", None, ca=True)
+    cert, key, _ = _issue(d, "server", ("replica-ca", ca_key))
+    rogue_cert, rogue_key, _ = _issue(d, "rogue", ("rogue-ca", rogue_ca_key))
+    return Pki(ca, cert, key, rogue_cert, rogue_key)
+
+
+def test_a_replica_set_with_mutual_tls_replicates_and_fails_over(
+    replica_sets: Any, pki: Pki
+) -> None:
+    rs: Replicas = replica_sets(2, extra=pki.flags(), client=pki.client())
+    p = rs.primary()
+    # Named synchronous once it acknowledged the primary's snapshot: over TLS,
+    # with its own certificate as its client certificate.
+    assert rs.wait_sync() == [f"m{1 - p}"]
+    _create(rs)
+    with rs.connect(timeout=60) as c:
+        assert [c.push("g", G) for _ in range(3)] == [1, 2, 3]
+        rs.procs[p].kill()
+        rs.procs[p].wait()
+        assert rs.primary(not_=p) == 1 - p
+        rs.start(p)  # follows the new primary, over TLS too
+        assert rs.wait_sync() == [f"m{p}"]
+        assert c.push("g", G) == 4
+        assert c.address == rs.addresses[1 - p]
+    rs.wait_t(p, "g", 4)
+    np.testing.assert_array_equal(rs.state(p, "g")[1], rs.state(1 - p, "g")[1])
+    np.testing.assert_array_equal(rs.state(p, "g")[1], _serial([G] * 4))
+
+
+@pytest.mark.parametrize("credentials", ["rogue certificate", "unknown token"])
+def test_a_standby_without_valid_credentials_is_refused_by_its_primary(
+    replica_sets: Any, pki: Pki, tmp_path: Path, credentials: str
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("adm-5c1d9e admin *\nrep-8b2f4a replication *\n")
+    rs: Replicas = replica_sets(
+        1,
+        extra=(*pki.flags(), "--tokens-file", str(tokens)),
+        env={"ONNXPS_REPLICATION_TOKEN": "rep-8b2f4a"},
+        client={**pki.client(), "token": "adm-5c1d9e"},
+    )
+    assert rs.primary() == 0
+    if credentials == "rogue certificate":
+        # Its certificate chains to another CA: the primary ends the handshake.
+        rs.member_extra[1] = pki.flags(pki.rogue_cert, pki.rogue_key)
+        expected = f"following {rs.addresses[0]}: UNAVAILABLE: "
+    else:
+        rs.env = {"ONNXPS_REPLICATION_TOKEN": "rep-forged"}
+        expected = (
+            f"following {rs.addresses[0]}: UNAUTHENTICATED: Replicate: the token is "
+            "not known to this server"
+        )
+    rs.start(1)
+    line = rs.wait_log(1, f"following {rs.addresses[0]}: ")
+    assert expected in line, line
+    if credentials == "rogue certificate":
+        rs.wait_log(0, "CERTIFICATE_VERIFY_FAILED")  # gRPC's log of the handshake
+    sync = rs.key("sync")
+    assert isinstance(sync, dict) and sync["standbys"] == []
+    # No standby follows: changes are refused before anything is logged.
+    with rs.connect(0, timeout=5) as c:
+        with pytest.raises(UnavailableError) as err:
+            c.create_group("g", Adagrad(), learning_rate=0.1, tensors={"x": G})
+    assert err.value.reason == "NOT_ENOUGH_REPLICAS"
+    # The same standby with valid credentials follows.
+    rs.procs[1].kill()
+    rs.procs[1].wait()
+    rs.member_extra[1] = ()
+    rs.env = {"ONNXPS_REPLICATION_TOKEN": "rep-8b2f4a"}
+    rs.start(1)
+    assert rs.wait_sync() == ["m1"]
+
+
+def test_tls_ca_without_tls_on_the_server_is_refused(tmp_path: Path) -> None:
+    from onnxps.server.security import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        create_server(
+            ServerConfig(
+                address="127.0.0.1:0", durability="none", tls_ca=str(tmp_path / "ca")
+            )
+        )
+    assert str(err.value) == (
+        "--tls-ca is the CA a standby checks its primary's certificate against: a "
+        "replica set's servers serve TLS, so pass --tls-cert and --tls-key too"
+    )
