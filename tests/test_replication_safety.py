@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import ipaddress
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -205,6 +206,7 @@ def _serial(gradients: list[np.ndarray]) -> np.ndarray:
 
 
 @needs_iptables
+@pytest.mark.slow
 def test_a_partition_between_the_primary_and_its_standby_refuses_then_heals(
     replica_sets: Any,
 ) -> None:
@@ -248,6 +250,112 @@ def test_a_partition_between_the_primary_and_its_standby_refuses_then_heals(
     x0, x1 = rs.state(0, "g")[1], rs.state(1, "g")[1]
     np.testing.assert_array_equal(x0, x1)
     np.testing.assert_array_equal(x0, _serial([G, G, G, G, G * 2]))
+
+
+@needs_iptables
+@pytest.mark.slow
+def test_a_primary_cut_from_etcd_stops_acknowledging_before_another_is_elected(
+    replica_sets: Any,
+    etcd_server: EtcdProcess,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    from _etcd import free_port
+    from test_replication import _acked, _replay, _wait_acked, _workers
+    from workers.replica_pusher import gradient
+
+    # A second client port that only the first server (the primary) uses: cutting
+    # it cuts the primary from etcd and nothing else.
+    etcd_server.stop()
+    etcd_server.extra_client_ports = (free_port(),)
+    etcd_server.start()
+    own = f"etcd://127.0.0.1:{etcd_server.extra_client_ports[0]}/ps"
+    # TTL 9: renewed every 3 s, no acknowledgement 6 s after the last renewal,
+    # the lease expires after 9 s: 3 s between the fence and an election.
+    rs: Replicas = replica_sets(0, ttl=9)
+    rs.coordinators[0] = own
+    rs.start(0)
+    assert rs.primary() == 0
+    rs.start(1)
+    rs.start(2)
+    rs.wait_sync()
+    _create(rs)
+    out = tmp_path / "acked.jsonl"
+    workers, count = 4, 40
+    procs = _workers(rs.url, workers, count, out)
+    probes: list[dict[str, int]] = []
+    try:
+        _wait_acked(out, 40, procs)
+        for w in procs:  # no push in flight on the old primary when it is cut
+            w.send_signal(signal.SIGSTOP)
+        with partition(
+            "-p",
+            "tcp",
+            "-d",
+            "127.0.0.1",
+            "--dport",
+            str(etcd_server.extra_client_ports[0]),
+        ):
+            # Pushes go on until the primary fences itself off.
+            code, details, reply = grpc.StatusCode.OK, "", None
+            for k in range(600):  # at most about 60 s
+                code, details, reply = _raw_push(
+                    rs.addresses[0], 1 + k, 5, gradient(9, k, SIZE)
+                )
+                if code != grpc.StatusCode.OK:
+                    break
+                probes.append({"w": 9, "k": k, "t": reply.update_count})
+                time.sleep(0.1)
+            # Its key still names it (the lease has not expired): only its own
+            # clock stopped it, before etcd could elect another primary.
+            info = rs.key("primary")
+            assert isinstance(info, dict) and (info["member"], info["term"]) == (
+                "m0", 1,
+            ), info  # fmt: skip
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                assert details.startswith(
+                    "this server is not the primary of shard 0/1 that may "
+                    "acknowledge: no primary is known"
+                ), details
+                unknown = None
+            else:  # a probe in flight at the fence: the primary exits
+                assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
+                assert rs.procs[0].wait(timeout=30) == 75
+                unknown = len(probes)
+            new = rs.primary(not_=0, timeout=60)
+            rs.wait_sync()
+            for w in procs:
+                w.send_signal(signal.SIGCONT)
+            with rs.connect(timeout=60) as c:  # a client of etcd finds it
+                c.describe_group("g")
+                assert c.address == rs.addresses[new]
+            _wait_acked(out, 80, procs)
+        # Healed: the old primary learns its lease expired and exits (status 75),
+        # restarted it follows the new primary.
+        assert rs.procs[0].wait(timeout=60) == 75
+        rs.start(0)
+        for w in procs:
+            assert w.wait(timeout=180) == 0, out.with_suffix(".w0.err").read_text()
+    finally:
+        for w in procs:
+            if w.poll() is None:
+                w.send_signal(signal.SIGCONT)
+                w.kill()
+                w.wait()
+    if unknown is not None:  # its outcome: resent, applied once or answered
+        code, _, reply = _raw_push(
+            rs.addresses[new], 1 + unknown, 30, gradient(9, unknown, SIZE)
+        )
+        assert code == grpc.StatusCode.OK
+        probes.append({"w": 9, "k": unknown, "t": reply.update_count})
+    records = _acked(out) + probes
+    total = workers * count + len(probes)
+    assert sorted(r["t"] for r in records) == list(range(1, total + 1))
+    for i in rs.procs:
+        rs.wait_t(i, "g", total)
+    xs = [rs.state(i, "g")[1] for i in rs.procs]
+    for x in xs[1:]:
+        np.testing.assert_array_equal(x, xs[0])
+    np.testing.assert_array_equal(xs[0], _replay(records))
 
 
 # -- TLS between standby and primary -----------------------------------------------
