@@ -254,6 +254,40 @@ def test_a_partition_between_the_primary_and_its_standby_refuses_then_heals(
 
 @needs_iptables
 @pytest.mark.slow
+def test_a_partitioned_synchronous_standby_is_replaced_by_a_caught_up_one(
+    replica_sets: Any,
+) -> None:
+    rs: Replicas = replica_sets(1)
+    assert rs.primary() == 0
+    rs.gids[1] = NOGROUP
+    rs.start(1)
+    assert rs.wait_sync() == ["m1"]
+    rs.start(2)  # follows too, not synchronous: one place (--sync-replicas 1)
+    _create(rs)
+    with rs.connect() as c:
+        assert [c.push("g", G) for _ in range(3)] == [1, 2, 3]
+    rs.wait_t(2, "g", 3)
+    primary = rs.addresses[0]
+    cut = ("-p", "tcp", "-d", "127.0.0.1", "--dport", _port(primary))
+    with partition(*cut, "-m", "owner", "--gid-owner", str(NOGROUP)):
+        # m1 is silent: its stream ends and m2, which holds every acknowledged push
+        # and this one, is named in its place; the push is acknowledged.
+        code, details, reply = _raw_push(primary, seq=1, timeout=60)
+        assert (code, details) == (grpc.StatusCode.OK, "")
+        assert (reply.update_count, reply.applied) == (4, True)
+        assert rs.key("sync") == {"primary": "m0", "term": 1, "standbys": ["m2"]}
+        with rs.connect() as c:
+            assert c.push("g", G) == 5
+    rs.wait_t(1, "g", 5)  # healed: m1 follows again
+    info = rs.key("primary")
+    assert isinstance(info, dict) and (info["member"], info["term"]) == ("m0", 1)
+    xs = [rs.state(i, "g")[1] for i in range(3)]
+    for x in xs:
+        np.testing.assert_array_equal(x, _serial([G] * 5))
+
+
+@needs_iptables
+@pytest.mark.slow
 def test_a_primary_cut_from_etcd_stops_acknowledging_before_another_is_elected(
     replica_sets: Any,
     etcd_server: EtcdProcess,  # noqa: F811
