@@ -550,3 +550,69 @@ def test_tls_ca_without_tls_on_the_server_is_refused(tmp_path: Path) -> None:
         "--tls-ca is the CA a standby checks its primary's certificate against: a "
         "replica set's servers serve TLS, so pass --tls-cert and --tls-key too"
     )
+
+
+# -- a standby named synchronous holds every acknowledged push --------------------
+def test_a_new_primary_names_a_standby_only_once_it_holds_the_earlier_terms_log(
+    replica_sets: Any,
+) -> None:
+    """A promoted primary holds records that earlier terms acknowledged: a standby
+    that has acknowledged only the snapshot before them must not be named
+    synchronous (it could be promoted next and lose them). The standby here is the
+    test itself, speaking the Replicate protocol."""
+    import queue
+    import threading
+
+    from onnxps.v1 import parameter_server_pb2 as pb
+    from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+
+    rs: Replicas = replica_sets(2)
+    p = rs.primary()
+    assert rs.wait_sync() == [f"m{1 - p}"]
+    _create(rs)
+    with rs.connect() as c:
+        assert [c.push("g", G) for _ in range(3)] == [1, 2, 3]
+    rs.procs[p].kill()
+    rs.procs[p].wait()
+    new = rs.primary(not_=p)  # holds lsn 1..4 (the create, 3 pushes), term 2
+    acks: queue.Queue[pb.ReplicateRequest | None] = queue.Queue()
+    hello = pb.ReplicateHello(member_id="m9", term=2, address="127.0.0.1:9")
+    acks.put(pb.ReplicateRequest(hello=hello))
+
+    def requests() -> Iterator[pb.ReplicateRequest]:
+        while (item := acks.get()) is not None:
+            yield item
+
+    records: list[int] = []
+    done = threading.Event()
+    with grpc.insecure_channel(rs.addresses[new]) as ch:
+        call = pb_grpc.ParameterServerServiceStub(ch).Replicate(requests())
+
+        def read() -> None:
+            with contextlib.suppress(grpc.RpcError):  # cancelled at the end
+                for msg in call:
+                    part = msg.WhichOneof("part")
+                    if part == "snapshot_done":
+                        records.append(msg.snapshot_done.wal_lsn)
+                        done.set()
+                    elif part == "record":
+                        records.append(msg.record.lsn)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            assert done.wait(30)
+            acks.put(pb.ReplicateRequest(ack=pb.ReplicateAck(lsn=0)))
+            deadline = time.monotonic() + 3 * TTL  # it would be named at once
+            while time.monotonic() < deadline:
+                sync = rs.key("sync")
+                assert isinstance(sync, dict) and sync["standbys"] == [], sync
+                time.sleep(0.05)
+            # Holding everything the new primary held: named.
+            acks.put(pb.ReplicateRequest(ack=pb.ReplicateAck(lsn=4)))
+            assert rs.wait_sync(timeout=30) == ["m9"]
+        finally:
+            call.cancel()
+            acks.put(None)
+            reader.join(timeout=10)
+    assert records[:5] == [0, 1, 2, 3, 4]  # the snapshot (wal lsn 0), the log

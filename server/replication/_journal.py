@@ -103,6 +103,13 @@ class ReplicatedJournal:
         self._naming = threading.Lock()
         self.acknowledged = 0
 
+    def promoted(self, last_lsn: int) -> None:
+        """This server took the lead holding records up to ``last_lsn``, any of
+        which an earlier term may have acknowledged: a standby is named synchronous
+        only once it holds all of them (else its promotion could lose them)."""
+        with self._cv:
+            self.acknowledged = max(self.acknowledged, last_lsn)
+
     @property
     def inner(self) -> Any:
         journal = self.durability.journal
