@@ -616,3 +616,21 @@ def test_a_new_primary_names_a_standby_only_once_it_holds_the_earlier_terms_log(
             acks.put(None)
             reader.join(timeout=10)
     assert records[:5] == [0, 1, 2, 3, 4]  # the snapshot (wal lsn 0), the log
+
+
+def test_an_idle_replica_set_keeps_its_standbys_streams(replica_sets: Any) -> None:
+    """No change for longer than --stall-seconds: no acknowledgement comes, and the
+    standby's stream stays (it used to be ended, the standby starting again from a
+    snapshot every --stall-seconds)."""
+    rs: Replicas = replica_sets(2, extra=("--stall-seconds", "1"))
+    p = rs.primary()
+    assert rs.wait_sync() == [f"m{1 - p}"]
+    _create(rs)
+    with rs.connect() as c:
+        assert c.push("g", G) == 1
+    time.sleep(4)  # idle for four times --stall-seconds
+    with rs.connect() as c:
+        assert c.push("g", G) == 2
+    rs.wait_t(1 - p, "g", 2)
+    assert "sent nothing" not in rs.log(1 - p)
+    assert rs.log(p).count(f"standby m{1 - p} (") == 1  # one snapshot sent
