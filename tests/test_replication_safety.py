@@ -586,7 +586,7 @@ def test_a_new_primary_names_a_standby_only_once_it_holds_the_earlier_terms_log(
     records: list[int] = []
     done = threading.Event()
     with grpc.insecure_channel(rs.addresses[new]) as ch:
-        call = pb_grpc.ParameterServerServiceStub(ch).Replicate(requests())
+        call: Any = pb_grpc.ParameterServerServiceStub(ch).Replicate(requests())
 
         def read() -> None:
             with contextlib.suppress(grpc.RpcError):  # cancelled at the end
