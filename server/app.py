@@ -183,6 +183,14 @@ class ServerConfig:
         group="security",
         none="no client certificates asked for",
     )
+    tls_ca: str | None = _option(
+        None,
+        "CA (PEM) that a primary's certificate chains to: with --coordinator and "
+        "--tls-cert, a standby checks its primary against it (and, with "
+        "--tls-client-ca, presents --tls-cert as its client certificate)",
+        group="security",
+        none="--tls-client-ca, else the system's roots",
+    )
     tokens_file: str | None = _option(
         None,
         "token file: roles and group prefixes per token",
@@ -754,6 +762,7 @@ def _replication(
             member_id=config.member_id,
             max_message_bytes=config.max_message_bytes,
             token=config.replication_token,
+            tls=_replication_tls(config),
         ),
         store,
         durability,
@@ -761,6 +770,22 @@ def _replication(
     if registry is not None:
         registry.register(replication.collector())
     return replication
+
+
+def _replication_tls(config: ServerConfig) -> Any:
+    """How a standby reaches its primary: TLS when this server serves TLS (a replica
+    set's servers share their settings), verified against --tls-ca (else the
+    client CA, else the system's roots), with this server's certificate as its
+    client certificate under mutual TLS."""
+    if not config.tls_cert or not config.tls_key:
+        return None
+    from .replication import ReplicationTls
+
+    return ReplicationTls(
+        ca=config.tls_ca or config.tls_client_ca,
+        cert=config.tls_cert if config.tls_client_ca else None,
+        key=config.tls_key if config.tls_client_ca else None,
+    )
 
 
 def _replicate_of(replication: Any) -> Any:

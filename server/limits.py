@@ -290,7 +290,9 @@ class _Admission(CallHooks):
             self.limits.admit_stream(context)
             self.held_stream = True
         if self.req_s:
-            if self.limits.stall is not None:
+            # A standby's acknowledgements stop while its primary has nothing to
+            # ship: an idle Replicate stream is not a stalled one.
+            if self.limits.stall is not None and self.method != "Replicate":
                 request = self.limits.stall.reading(request, context, self.method)
             it = iter(request)
             first = next(it, None)

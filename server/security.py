@@ -131,6 +131,11 @@ def check_bind_policy(config: Any) -> None:
             "mutual TLS (--tls-client-ca) needs server TLS too: pass --tls-cert and "
             "--tls-key"
         )
+    if getattr(config, "tls_ca", None) and not config.tls_cert:
+        raise ConfigError(
+            "--tls-ca is the CA a standby checks its primary's certificate against: "
+            "a replica set's servers serve TLS, so pass --tls-cert and --tls-key too"
+        )
     if is_loopback(config.address):
         return
     missing = [

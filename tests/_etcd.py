@@ -47,6 +47,8 @@ class EtcdProcess:
     client_port: int
     peer_port: int
     proc: subprocess.Popen[bytes] | None = None
+    # more client ports beside client_port (a partition can cut one of them)
+    extra_client_ports: tuple[int, ...] = ()
 
     @property
     def endpoint(self) -> str:
@@ -57,14 +59,17 @@ class EtcdProcess:
         return f"etcd://{self.endpoint}/{prefix}"
 
     def start(self, timeout: float = 30.0) -> None:
-        client = f"http://127.0.0.1:{self.client_port}"
+        client = ",".join(
+            f"http://127.0.0.1:{p}"
+            for p in (self.client_port, *self.extra_client_ports)
+        )
         peer = f"http://127.0.0.1:{self.peer_port}"
         args = [
             self.binary,
             "--name=onnxps-test",
             f"--data-dir={self.data_dir}",
             f"--listen-client-urls={client}",
-            f"--advertise-client-urls={client}",
+            f"--advertise-client-urls=http://{self.endpoint}",
             f"--listen-peer-urls={peer}",
             f"--initial-advertise-peer-urls={peer}",
             f"--initial-cluster=onnxps-test={peer}",

@@ -15,8 +15,10 @@ import os
 import socket
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import grpc
 from onnxps.v1 import parameter_server_pb2 as pb
 
 from ..durability import Durability
@@ -36,6 +38,7 @@ __all__ = [
     "NotPrimary",
     "Replication",
     "ReplicationConfig",
+    "ReplicationTls",
     "Role",
     "exit_process",
     "parse_coordinator",
@@ -55,6 +58,27 @@ def exit_process(why: str) -> None:
 
 
 @dataclass(frozen=True)
+class ReplicationTls:
+    """How a standby reaches its primary over TLS (PEM file paths): the CA the
+    primary's certificate chains to (None: the system's roots), and the client
+    certificate and key it presents when the primary asks for one (mutual TLS)."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path: str | None) -> bytes | None:
+            return None if path is None else Path(path).read_bytes()
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(self.ca),
+            private_key=read(self.key),
+            certificate_chain=read(self.cert),
+        )
+
+
+@dataclass(frozen=True)
 class ReplicationConfig:
     coordinator: CoordinatorAddress
     shard: ShardIdentity
@@ -64,6 +88,7 @@ class ReplicationConfig:
     member_id: str | None = None
     max_message_bytes: int = 256 << 20
     token: str | None = None  # presented to the primary by the standby
+    tls: ReplicationTls | None = None  # None: plaintext to the primary
 
     @property
     def ack_timeout(self) -> float:
@@ -122,6 +147,9 @@ class Replication:
             term=lambda: 0 if self.member is None else self.member.term,
             max_message_bytes=self.config.max_message_bytes,
             token=self.config.token,
+            credentials=None
+            if self.config.tls is None
+            else self.config.tls.credentials(),
         )
         member = Member(
             MemberConfig(
@@ -167,9 +195,10 @@ class Replication:
 
     def _promoted(self, term: int) -> None:
         """Before acknowledging anything: stop following, finish applying."""
-        assert self.follower is not None
+        assert self.follower is not None and self.journal is not None
         self.follower.follow(None)
         self.follower.idle.wait(30)
+        self.journal.promoted(self._last_lsn())
 
     def replicate(
         self, requests: Iterable[pb.ReplicateRequest], context: Any

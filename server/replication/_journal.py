@@ -6,10 +6,12 @@ write-ahead log. ``log`` refuses a change before anything is written when this
 server is not the primary that may acknowledge (``NOT_PRIMARY``, with the primary's
 address) or when fewer than ``sync_replicas`` synchronous standbys follow it
 (``NOT_ENOUGH_REPLICAS``). ``wait`` returns once the record is durable here and on
-every synchronous standby. A record durable here that cannot be acknowledged (the
-lease was lost, or the standbys did not answer within ``ack_timeout``) leaves this
-server's memory behind its own log: it calls ``on_stuck`` (the server steps down
-and exits; restarted, it replays its log and follows the new primary).
+every synchronous standby. A synchronous standby that acknowledges nothing for
+``ack_timeout`` (a partition) loses its stream: the changes after it are refused
+while the waiting ones wait for it (or for a caught-up standby named in its place).
+A record durable here that cannot be acknowledged because the lease was lost leaves
+this server's memory behind its own log: it calls ``on_stuck`` (the server steps
+down and exits; restarted, it replays its log and follows the new primary).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class _Standby:
     syncing: bool = True
     floor: int = 0  # records after this are kept for it
     gone: bool = False
+    cancel: Callable[[], Any] | None = None  # ends its stream
 
 
 class ReplicatedJournal:
@@ -99,6 +102,13 @@ class ReplicatedJournal:
         # Changes of the synchronous standbys, one at a time
         self._naming = threading.Lock()
         self.acknowledged = 0
+
+    def promoted(self, last_lsn: int) -> None:
+        """This server took the lead holding records up to ``last_lsn``, any of
+        which an earlier term may have acknowledged: a standby is named synchronous
+        only once it holds all of them (else its promotion could lose them)."""
+        with self._cv:
+            self.acknowledged = max(self.acknowledged, last_lsn)
 
     @property
     def inner(self) -> Any:
@@ -155,26 +165,22 @@ class ReplicatedJournal:
         self._await_standbys(lsn)
 
     def _await_standbys(self, lsn: int) -> None:
+        """Until the synchronous standbys hold ``lsn``, as long as this server may
+        acknowledge. One silent for ``ack_timeout`` (a partition) loses its stream:
+        the next changes are refused (or, another standby caught up, named in its
+        place), and this one waits for it to be back or replaced."""
         deadline = time.monotonic() + self.ack_timeout
         with self._cv:
-            while True:
-                if not self.member.may_acknowledge():
-                    why = (
-                        "this server lost its primary lease before the standbys held it"
-                    )
-                    break
+            while self.member.may_acknowledge():
                 if self._held(lsn):
                     self.acknowledged = max(self.acknowledged, lsn)
                     self._trim()
                     return
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    why = (
-                        f"the synchronous standbys did not hold it within "
-                        f"{self.ack_timeout:g} s"
-                    )
-                    break
-                self._cv.wait(min(left, 0.05))
+                if time.monotonic() >= deadline:
+                    self._end_silent(lsn)
+                    deadline = time.monotonic() + self.ack_timeout
+                self._cv.wait(0.05)
+        why = "this server lost its primary lease before the standbys held it"
         log.error("record %d is durable here but not acknowledged: %s", lsn, why)
         self._on_stuck(f"record {lsn} could not be acknowledged: {why}")
         raise Unavailable(
@@ -182,6 +188,23 @@ class ReplicatedJournal:
             "primary holding every acknowledged push)",
             reason="NOT_REPLICATED",
         )
+
+    def _end_silent(self, lsn: int) -> None:
+        """Under the lock: end the streams of the synchronous standbys that did not
+        acknowledge ``lsn`` within ``ack_timeout`` (they follow again once they can)."""
+        for member_id in self._sync:
+            s = self._standbys.get(member_id)
+            if s is None or s.gone or s.acked >= lsn:
+                continue
+            log.warning(
+                "standby %s did not acknowledge record %d within %g s: ending its "
+                "stream (changes wait for a synchronous standby)",
+                member_id, lsn, self.ack_timeout,
+            )  # fmt: skip
+            s.gone = True
+            if s.cancel is not None:
+                s.cancel()
+        self._cv.notify_all()
 
     def _held(self, lsn: int) -> bool:
         if len(self._sync) < self.sync_replicas and not self.lower:
@@ -247,7 +270,7 @@ class ReplicatedJournal:
                 f"the standby knows term {hello.term}, this primary's is {term}",
                 metadata={"term": term},
             )
-        standby = _Standby(hello.member_id, hello.address)
+        standby = _Standby(hello.member_id, hello.address, cancel=context.cancel)
         with self._cv:
             # Records up to the floor are durable here: they are read from the log
             # on disk; those after it are kept in memory for this standby.

@@ -45,6 +45,7 @@ class Follower:
         term: Callable[[], int],
         max_message_bytes: int,
         token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.durability = durability
         self.member_id = member_id
@@ -52,6 +53,7 @@ class Follower:
         self._term = term
         self._max_message = max_message_bytes
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._credentials = credentials  # None: plaintext
         self._lock = threading.Lock()
         self._target: PrimaryInfo | None = None
         self._wake = threading.Event()
@@ -106,7 +108,10 @@ class Follower:
                     # etcd names another primary
                     level = logging.DEBUG if target == self._warned else logging.WARNING
                     self._warned = target
-                    log.log(level, "following %s: %s", target.address, exc.details())
+                    log.log(
+                        level, "following %s: %s: %s",
+                        target.address, exc.code().name, exc.details(),
+                    )  # fmt: skip
             except Exception:
                 log.exception("following %s failed", target.address)
             finally:
@@ -135,7 +140,7 @@ class Follower:
             ("grpc.max_receive_message_length", self._max_message),
             ("grpc.max_send_message_length", self._max_message),
         ]
-        with grpc.insecure_channel(target.address, options=options) as channel:
+        with self._channel(target.address, options) as channel:
             stub = pb_grpc.ParameterServerServiceStub(channel)
             call: Any = stub.Replicate(requests(), metadata=self._metadata)
             with self._lock:
@@ -149,6 +154,11 @@ class Follower:
                 acks.put(_END)
                 with self._lock:
                     self._call = None
+
+    def _channel(self, address: str, options: list[tuple[str, int]]) -> grpc.Channel:
+        if self._credentials is None:
+            return grpc.insecure_channel(address, options=options)
+        return grpc.secure_channel(address, self._credentials, options=options)
 
     def _receive(self, call: Any, target: PrimaryInfo, acks: queue.Queue[Any]) -> None:
         tmp: str | None = None
