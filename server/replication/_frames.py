@@ -1,14 +1,17 @@
-"""A log record as a WAL frame (docs/FORMAT.md), to ship and to read back."""
+"""A log record as a WAL frame (docs/FORMAT.md): shipped as the log holds it, and
+checked and written as it came by the standby."""
 
 from __future__ import annotations
 
-import io
 import json
 import zlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.codec import _read_varint, _varint
 
 from .._wal import (
     FRAME,
@@ -16,8 +19,6 @@ from .._wal import (
     MAX_HEADER,
     SEGMENT_HEADER,
     SEGMENT_MAGIC,
-    _read_frame,
-    c_order,
     segment_paths,
 )
 from ..errors import Unavailable
@@ -25,26 +26,83 @@ from ..errors import Unavailable
 Array = np.ndarray[Any, Any]
 
 
-def encode_frame(record: dict[str, Any], lsn: int, arrays: Sequence[Array]) -> bytes:
-    """The frame the log holds for ``record`` numbered ``lsn`` (a copy of the bytes)."""
-    arrays = [c_order(a) for a in arrays]
-    header = json.dumps(
-        {**record, "lsn": lsn, "arrays": [[a.dtype.str, list(a.shape)] for a in arrays]}
-    ).encode()
-    body = [a.reshape(-1).data.cast("B") for a in arrays if a.nbytes]
-    crc = zlib.crc32(header)
-    for part in body:
-        crc = zlib.crc32(part, crc)
-    size = sum(len(part) for part in body)
-    return b"".join([FRAME.pack(MAGIC, len(header), size, crc), header, *body])
+@dataclass(frozen=True)
+class ShippedRecord:
+    """A ``ReplicateResponse`` carrying a record, as the standby's stub decodes it:
+    the frame is a view of the received message (no copy)."""
+
+    term: int
+    lsn: int
+    frame: memoryview
 
 
-def decode_frame(frame: bytes) -> tuple[dict[str, Any], list[Array]]:
-    """Header (with ``lsn``) and arrays of a frame; ValueError when it is damaged."""
-    got = _read_frame(io.BytesIO(frame), "")
-    if got is None:
-        raise ValueError("empty frame")
-    return got
+def shipped(term: int, lsn: int, chunks: Sequence[Any]) -> bytes:
+    """The wire bytes of ``ReplicateResponse(term, record=ReplicaRecord(lsn,
+    frame))`` whose frame is ``chunks`` joined: one copy of the frame (the
+    Replicate stream sends bytes as they are, codec.serializer)."""
+    size = sum(len(c) for c in chunks)
+    record = b"\x08" + _varint(lsn) + b"\x12" + _varint(size)
+    head = b"\x22" + _varint(len(record) + size) + record
+    if term:
+        head = b"\x08" + _varint(term) + head
+    return b"".join([head, *chunks])
+
+
+def decode_response(raw: bytes) -> Any:
+    """The standby's deserializer of ``ReplicateResponse``: a record as a
+    ``ShippedRecord`` (its frame a view of ``raw``), anything else parsed."""
+    got = _record_view(memoryview(raw))
+    return pb.ReplicateResponse.FromString(raw) if got is None else got
+
+
+def _record_view(buf: memoryview) -> ShippedRecord | None:
+    """``buf`` as ``shipped`` encodes it (a term, then a record), else None."""
+    end, term, pos = len(buf), 0, 0
+    if end and buf[0] == 0x08:
+        term, pos = _read_varint(buf, 1, end)
+    if pos >= end or buf[pos] != 0x22:
+        return None
+    length, pos = _read_varint(buf, pos + 1, end)
+    if term < 0 or length < 0 or pos + length != end or pos >= end:
+        return None
+    if buf[pos] != 0x08:
+        return None
+    lsn, pos = _read_varint(buf, pos + 1, end)
+    if lsn < 0 or pos >= end or buf[pos] != 0x12:
+        return None
+    size, pos = _read_varint(buf, pos + 1, end)
+    if size < 0 or pos + size != end:
+        return None
+    return ShippedRecord(term, lsn, buf[pos:end])
+
+
+def check_frame(frame: memoryview, lsn: int) -> dict[str, Any]:
+    """The header of a shipped frame once its lengths and CRC are right and it is
+    record ``lsn``; ValueError when it is damaged or another record."""
+    if len(frame) < FRAME.size:
+        raise ValueError(f"record {lsn}: a frame of {len(frame)} bytes")
+    magic, hlen, blen, crc = FRAME.unpack_from(frame)
+    if magic != MAGIC or hlen > MAX_HEADER or FRAME.size + hlen + blen != len(frame):
+        raise ValueError(f"record {lsn}: bad frame magic or lengths")
+    if zlib.crc32(frame[FRAME.size :]) != crc:
+        raise ValueError(f"record {lsn}: checksum mismatch")
+    header: dict[str, Any] = json.loads(bytes(frame[FRAME.size : FRAME.size + hlen]))
+    if int(header.get("lsn", -1)) != lsn:
+        raise ValueError(f"record {lsn} holds lsn {header.get('lsn')}")
+    return header
+
+
+def frame_arrays(header: dict[str, Any], frame: memoryview) -> list[Array]:
+    """The arrays of a checked frame (views of it) as its header declares them."""
+    offset = FRAME.size + FRAME.unpack_from(frame)[1]
+    arrays = []
+    for dtype_str, shape in header["arrays"]:
+        dtype = np.dtype(dtype_str)
+        count = int(np.prod(shape, dtype=np.int64))
+        a = np.frombuffer(frame, dtype=dtype, count=count, offset=offset)
+        arrays.append(a.reshape(shape))
+        offset += count * dtype.itemsize
+    return arrays
 
 
 def logged_frames(wal_dir: str, after: int) -> Iterator[tuple[int, bytes]]:

@@ -29,7 +29,7 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from .._snapshot import SnapshotError, list_snapshots, read_manifest
 from ..durability import Durability
 from ..errors import FailedPrecondition, Unavailable
-from ._frames import encode_frame, logged_frames
+from ._frames import logged_frames, shipped
 from ._member import Member, Role
 
 __all__ = ["NotPrimary", "ReplicatedJournal"]
@@ -54,7 +54,8 @@ class NotPrimary(FailedPrecondition, Unavailable):
 
 @dataclass
 class _Record:
-    frame: bytes | None = None
+    term: int
+    frame: bytes | None = None  # the ReplicateResponse carrying it, encoded
     failed: bool = False
     durable: bool = False
 
@@ -124,13 +125,17 @@ class ReplicatedJournal:
                         "in_sync": len(live),
                     },
                 )
-            lsn = int(self.inner.log(record, arrays))
-            entry = self._records[lsn] = _Record()
+            # The term in each record: a standby resuming from its last record
+            # must hold the one of this log (a deposed primary's may differ).
+            term = self.member.term
+            lsn, frame = self.inner.log_frame({**record, "term": term}, arrays)
+            lsn = int(lsn)
+            entry = self._records[lsn] = _Record(term=term)
         # Shipped while this server writes it too: the standbys' fsync runs beside
-        # this one's, not after it.
-        frame = encode_frame(record, lsn, arrays)
+        # this one's, not after it. The bytes shipped are the frame the log holds.
+        wire = shipped(term, lsn, frame.chunks())
         with self._cv:
-            entry.frame = frame
+            entry.frame = wire
             self._cv.notify_all()
         return lsn
 
@@ -229,7 +234,7 @@ class ReplicatedJournal:
     # -- the Replicate stream -------------------------------------------------------
     def replicate(
         self, requests: Iterable[pb.ReplicateRequest], context: Any
-    ) -> Iterator[pb.ReplicateResponse]:
+    ) -> Iterator[pb.ReplicateResponse | bytes]:
         it = iter(requests)
         first = next(it, None)
         if first is None or first.WhichOneof("part") != "hello":
@@ -275,9 +280,7 @@ class ReplicatedJournal:
             for lsn, frame in logged_frames(self.durability.wal_dir, wal_lsn):
                 if lsn > standby.floor:
                     break
-                yield pb.ReplicateResponse(
-                    term=term, record=pb.ReplicaRecord(lsn=lsn, frame=frame)
-                )
+                yield shipped(term, lsn, [frame])
             yield from self._records_after(standby.floor, standby, context, term)
         finally:
             with self._cv:
@@ -305,7 +308,7 @@ class ReplicatedJournal:
 
     def _records_after(
         self, lsn: int, standby: _Standby, context: Any, term: int
-    ) -> Iterator[pb.ReplicateResponse]:
+    ) -> Iterator[bytes]:
         nxt = lsn + 1
         while context.is_active() and not standby.gone:
             with self._cv:
@@ -319,9 +322,9 @@ class ReplicatedJournal:
                         return  # deposed, or a newer term: the standby follows it
                     continue
             if entry.frame is not None and not entry.failed:
-                yield pb.ReplicateResponse(
-                    term=term, record=pb.ReplicaRecord(lsn=nxt, frame=entry.frame)
-                )
+                if entry.term != term:
+                    return  # logged in a newer term: the standby follows that
+                yield entry.frame
             nxt += 1
 
     def _last_known(self) -> int:
