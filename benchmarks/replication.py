@@ -25,11 +25,13 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _baseline import checkout, describe, tree_env  # noqa: E402
 from _etcd import EtcdProcess, etcd_binary, start_etcd  # noqa: E402
 from _procs import clean_env, start_server, stop  # noqa: E402
 from onnxps.client import Adagrad, Client  # noqa: E402
@@ -38,8 +40,19 @@ TTL = 2
 
 
 class Shard:
-    def __init__(self, tmp: Path, etcd: EtcdProcess, prefix: str, n: int, k: int):
+    def __init__(
+        self,
+        tmp: Path,
+        etcd: EtcdProcess,
+        prefix: str,
+        n: int,
+        k: int,
+        tree: Path | None = None,
+    ):
         self.tmp, self.etcd, self.prefix, self.k = tmp, etcd, prefix, k
+        self.env = clean_env()
+        if tree is not None:  # servers of another checkout (benchmarks/_baseline.py)
+            self.env["PYTHONPATH"] = tree_env(tree)["PYTHONPATH"]
         self.procs: dict[int, object] = {}
         self.addresses: dict[int, str] = {}
         self.starts = 0
@@ -62,7 +75,7 @@ class Shard:
             "--lease-ttl", str(TTL),
             "--sync-replicas", str(self.k),
             "--snapshot-interval", "0",
-            env=clean_env(),
+            env=self.env,
         )  # fmt: skip
         self.procs[i], self.addresses[i] = proc, address
 
@@ -144,43 +157,68 @@ def failover(tmp: Path, etcd: EtcdProcess, kills: int) -> list[float]:
         shard.close()
 
 
-def push_cost(tmp: Path, etcd: EtcdProcess, rounds: int, pushes: int) -> None:
-    shards = {0: Shard(tmp, etcd, "k0", 1, 0), 1: Shard(tmp, etcd, "k1", 2, 1)}
+SIZES = {"1,000 elements": 1000, "16 MiB": 4 << 20, "64 MiB": 16 << 20}
+
+
+def push_cost(
+    tmp: Path,
+    etcd: EtcdProcess,
+    rounds: int,
+    pushes: int,
+    trees: dict[str, Path | None],
+) -> None:
+    """Per tree (this one, and a baseline's when given): a shard with 0 and one
+    with 1 synchronous standby; every (tree, k) pushes ``count`` times a round,
+    in turn, the order rotating each round."""
+    shards = {
+        (label, k): Shard(tmp, etcd, f"k{k}-{i}", 1 + k, k, tree)
+        for i, (label, tree) in enumerate(trees.items())
+        for k in (0, 1)
+    }
     try:
         for s in shards.values():
             s.primary()
-        sizes = {"1,000 elements": 1000, "16 MiB": 4 << 20}
-        for name, n in sizes.items():
+        for name, n in SIZES.items():
             group = f"g{n}"
             grads = np.full(n, 0.01, np.float32)
             for s in shards.values():
-                with Client(s.url, timeout=120) as c:
+                with Client(s.url, timeout=300) as c:
                     c.create_group(
                         group, Adagrad(), learning_rate=0.1,
                         tensors={"x": np.zeros(n, np.float32)},
                     )  # fmt: skip
-            count = pushes if n <= 1000 else max(5, pushes // 20)
-            lat: dict[int, list[float]] = {0: [], 1: []}
-            clients = {k: Client(s.url, timeout=120) for k, s in shards.items()}
+            count = pushes if n <= 1000 else max(3, pushes // (20 * n // (4 << 20)))
+            lat: dict[tuple[str, int], list[float]] = {key: [] for key in shards}
+            per_round: dict[tuple[str, int], list[float]] = {key: [] for key in shards}
+            clients = {key: Client(s.url, timeout=300) for key, s in shards.items()}
             try:
                 for c in clients.values():
                     c.push(group, grads)  # warm up
-                for _ in range(rounds):
-                    for k, c in clients.items():
+                keys = list(clients)
+                for r in range(rounds):
+                    for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+                        got = []
                         for _ in range(count):
                             t0 = time.perf_counter()
-                            c.push(group, grads)
-                            lat[k].append(time.perf_counter() - t0)
+                            clients[key].push(group, grads)
+                            got.append(time.perf_counter() - t0)
+                        lat[key] += got
+                        per_round[key].append(statistics.median(got))
             finally:
                 for c in clients.values():
                     c.close()
-            m0, m1 = statistics.median(lat[0]), statistics.median(lat[1])
-            print(
-                f"  {name}: 0 sync standbys {m0 * 1e3:.2f} ms, 1 sync standby "
-                f"{m1 * 1e3:.2f} ms per push (median of {len(lat[0])}): "
-                f"{m1 / m0:.2f}x",
-                flush=True,
-            )
+            for label in trees:
+                m0 = statistics.median(lat[label, 0])
+                m1 = statistics.median(lat[label, 1])
+                one, none = per_round[label, 1], per_round[label, 0]
+                ratios = [a / b for a, b in zip(one, none, strict=True)]
+                print(
+                    f"  {name} [{label}]: 0 sync standbys {m0 * 1e3:.2f} ms, 1 sync "
+                    f"standby {m1 * 1e3:.2f} ms per push (median of "
+                    f"{len(lat[label, 0])}): {m1 / m0:.2f}x (per round "
+                    f"{min(ratios):.2f}-{max(ratios):.2f})",
+                    flush=True,
+                )
     finally:
         for s in shards.values():
             s.close()
@@ -193,6 +231,12 @@ def main() -> int:
     ap.add_argument("--pushes", type=int, default=200)
     ap.add_argument("--skip-failover", action="store_true")
     ap.add_argument("--skip-push-cost", action="store_true")
+    ap.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="part 2 also runs the servers of this commit (its own checkout, "
+        "benchmarks/_baseline.py), in the same rounds",
+    )
     args = ap.parse_args()
     binary = etcd_binary()
     if binary is None:
@@ -212,7 +256,17 @@ def main() -> int:
                 )
             if not args.skip_push_cost:
                 print(f"push cost (serial pushes, {args.rounds} alternating rounds):")
-                push_cost(tmp, etcd, args.rounds, args.pushes)
+                with ExitStack() as stack:
+                    trees: dict[str, Path | None] = {describe(None): None}
+                    if args.baseline:
+                        old = stack.enter_context(checkout(args.baseline))
+                        trees = {
+                            "new " + describe(None): stack.enter_context(
+                                checkout(None)
+                            ).tree,
+                            "old " + describe(args.baseline): old.tree,
+                        }
+                    push_cost(tmp, etcd, args.rounds, args.pushes, trees)
         finally:
             etcd.stop()
     return 0
