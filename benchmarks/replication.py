@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _baseline import checkout, describe, tree_env  # noqa: E402
 from _etcd import EtcdProcess, etcd_binary, start_etcd  # noqa: E402
 from _procs import clean_env, start_server, stop  # noqa: E402
-from onnxps.client import Adagrad, Client  # noqa: E402
+from onnxps.client import Adagrad, AlreadyExistsError, Client  # noqa: E402
 
 TTL = 2
 
@@ -166,6 +166,7 @@ def push_cost(
     rounds: int,
     pushes: int,
     trees: dict[str, Path | None],
+    sizes: dict[str, int],
 ) -> None:
     """Per tree (this one, and a baseline's when given): a shard with 0 and one
     with 1 synchronous standby; every (tree, k) pushes ``count`` times a round,
@@ -178,11 +179,12 @@ def push_cost(
     try:
         for s in shards.values():
             s.primary()
-        for name, n in SIZES.items():
+        for name, n in sizes.items():
             group = f"g{n}"
             grads = np.full(n, 0.01, np.float32)
             for s in shards.values():
-                with Client(s.url, timeout=300) as c:
+                with Client(s.url, timeout=300) as c, suppress(AlreadyExistsError):
+                    # (a create resent after a lost answer finds its group)
                     c.create_group(
                         group, Adagrad(), learning_rate=0.1,
                         tensors={"x": np.zeros(n, np.float32)},
@@ -232,10 +234,23 @@ def main() -> int:
     ap.add_argument("--skip-failover", action="store_true")
     ap.add_argument("--skip-push-cost", action="store_true")
     ap.add_argument(
+        "--sizes",
+        nargs="+",
+        default=list(SIZES),
+        choices=list(SIZES),
+        help="part 2's push sizes (all three)",
+    )
+    ap.add_argument(
         "--baseline",
         metavar="REV",
         help="part 2 also runs the servers of this commit (its own checkout, "
         "benchmarks/_baseline.py), in the same rounds",
+    )
+    ap.add_argument(
+        "--new",
+        metavar="REV",
+        help="with --baseline: this commit instead of the working tree (whose "
+        "files a run would import while they are being edited)",
     )
     args = ap.parse_args()
     binary = etcd_binary()
@@ -257,16 +272,14 @@ def main() -> int:
             if not args.skip_push_cost:
                 print(f"push cost (serial pushes, {args.rounds} alternating rounds):")
                 with ExitStack() as stack:
-                    trees: dict[str, Path | None] = {describe(None): None}
+                    trees: dict[str, Path | None] = {describe(None).split()[0]: None}
                     if args.baseline:
+                        new = stack.enter_context(checkout(args.new))
                         old = stack.enter_context(checkout(args.baseline))
-                        trees = {
-                            "new " + describe(None): stack.enter_context(
-                                checkout(None)
-                            ).tree,
-                            "old " + describe(args.baseline): old.tree,
-                        }
-                    push_cost(tmp, etcd, args.rounds, args.pushes, trees)
+                        trees = {f"new {new.label}": new.tree}
+                        trees[f"old {old.label}"] = old.tree
+                    sizes = {k: v for k, v in SIZES.items() if k in args.sizes}
+                    push_cost(tmp, etcd, args.rounds, args.pushes, trees, sizes)
         finally:
             etcd.stop()
     return 0
