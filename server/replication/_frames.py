@@ -4,6 +4,7 @@ checked and written as it came by the standby."""
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -103,6 +104,30 @@ def frame_arrays(header: dict[str, Any], frame: memoryview) -> list[Array]:
         arrays.append(a.reshape(shape))
         offset += count * dtype.itemsize
     return arrays
+
+
+def logged_term(wal_dir: str, lsn: int) -> int | None:
+    """The term record ``lsn`` of the log holds (0: none written), or None when
+    the log does not hold that record (pruned, not written, or damaged)."""
+    older = [path for first, path in segment_paths(wal_dir) if first <= lsn]
+    if not older:
+        return None
+    with open(older[-1], "rb") as f:
+        head = f.read(SEGMENT_HEADER.size)
+        if len(head) < SEGMENT_HEADER.size or head[:8] != SEGMENT_MAGIC:
+            return None
+        while len(raw := f.read(FRAME.size)) == FRAME.size:
+            magic, hlen, blen, _crc = FRAME.unpack(raw)
+            if magic != MAGIC or hlen > MAX_HEADER:
+                return None
+            text = f.read(hlen)
+            if len(text) < hlen:
+                return None
+            header = json.loads(text)
+            if header.get("op") != "void" and int(header["lsn"]) >= lsn:
+                return int(header.get("term", 0)) if header["lsn"] == lsn else None
+            f.seek(blen, os.SEEK_CUR)
+    return None
 
 
 def logged_frames(wal_dir: str, after: int) -> Iterator[tuple[int, bytes]]:

@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from .._snapshot import SnapshotError, list_snapshots, read_manifest
 from ..durability import Durability
 from ..errors import FailedPrecondition, Unavailable
-from ._frames import logged_frames, shipped
+from ._frames import logged_frames, logged_term, shipped
 from ._member import Member, Role
 
 __all__ = ["NotPrimary", "ReplicatedJournal"]
@@ -261,23 +261,19 @@ class ReplicatedJournal:
             name="onnxps-acks",
         )  # fmt: skip
         try:
-            # The newest snapshot on disk (written already: no store lock, so no
-            # wait on pushes that wait for a standby), then the log after it.
-            path, wal_lsn = self._base_snapshot()
-            log.info(
-                "standby %s (%s): sending snapshot %s (wal lsn %d), then the log",
-                hello.member_id, hello.address, path, wal_lsn,
-            )  # fmt: skip
-            yield from _snapshot_messages(path, term)
-            yield pb.ReplicateResponse(
-                term=term,
-                snapshot_done=pb.ReplicaSnapshotDone(
-                    wal_lsn=wal_lsn,
-                    generation=int(os.path.basename(path).split("-")[1]),
-                ),
-            )
+            if self._resumable(hello, standby.floor):
+                log.info(
+                    "standby %s (%s) resumes after record %d (term %d): this log "
+                    "holds it in that term, no snapshot",
+                    hello.member_id, hello.address, hello.last_lsn, hello.last_term,
+                )  # fmt: skip
+                after = hello.last_lsn
+                with self._cv:  # the hello vouches for it: the standby's first ack
+                    standby.acked, standby.syncing = after, False
+            else:
+                after = yield from self._snapshot(hello, term)
             acks.start()
-            for lsn, frame in logged_frames(self.durability.wal_dir, wal_lsn):
+            for lsn, frame in logged_frames(self.durability.wal_dir, after):
                 if lsn > standby.floor:
                     break
                 yield shipped(term, lsn, [frame])
@@ -287,6 +283,38 @@ class ReplicatedJournal:
                 standby.gone = True
                 self._cv.notify_all()
             log.info("standby %s stopped following", hello.member_id)
+
+    def _resumable(self, hello: pb.ReplicateHello, floor: int) -> bool:
+        """Whether the standby's log is a prefix of this one: its last record is
+        durable here and was written in the same term (a standby holding records
+        of a deposed primary that this log lacks or holds otherwise must take a
+        snapshot: PostgreSQL's timelines, Kafka's leader epochs)."""
+        if not 0 < hello.last_lsn <= floor or hello.last_term == 0:
+            return False
+        wal_dir = self.durability.wal_dir
+        return logged_term(wal_dir, hello.last_lsn) == hello.last_term
+
+    def _snapshot(
+        self, hello: pb.ReplicateHello, term: int
+    ) -> Generator[pb.ReplicateResponse, None, int]:
+        """Send the newest snapshot on disk (written already: no store lock, so no
+        wait on pushes that wait for a standby); returns its wal lsn."""
+        path, wal_lsn = self._base_snapshot()
+        log.info(
+            "standby %s (%s, last record %d of term %d): sending snapshot %s "
+            "(wal lsn %d), then the log",
+            hello.member_id, hello.address, hello.last_lsn, hello.last_term, path,
+            wal_lsn,
+        )  # fmt: skip
+        yield from _snapshot_messages(path, term)
+        yield pb.ReplicateResponse(
+            term=term,
+            snapshot_done=pb.ReplicaSnapshotDone(
+                wal_lsn=wal_lsn,
+                generation=int(os.path.basename(path).split("-")[1]),
+            ),
+        )
+        return wal_lsn
 
     def _durable_floor(self) -> int:
         """Under the lock: every record up to this lsn is durable in the log."""
@@ -333,6 +361,8 @@ class ReplicatedJournal:
 
     def _read_acks(self, requests: Iterator[pb.ReplicateRequest], s: _Standby) -> None:
         try:
+            if not s.syncing:  # resumed: it may hold every acknowledged push already
+                self._maybe_sync(s)
             for req in requests:
                 if req.WhichOneof("part") != "ack":
                     continue

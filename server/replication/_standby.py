@@ -74,11 +74,13 @@ class _Applier:
                 self._cv.wait()
             self._raise_failed()
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Return once every record queued is applied: False if one failed."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
         self._thread.join()
+        return self._failed is None
 
     def _raise_failed(self) -> None:
         if self._failed is not None:
@@ -129,7 +131,11 @@ class Follower:
         self._stop = threading.Event()
         self._call: Any = None
         self._thread: threading.Thread | None = None
-        self.durable = 0  # the last lsn durable in this server's log
+        # The last record durable in this server's log and its term, sent in the
+        # hello to resume from there ((0, 0): this state needs a snapshot)
+        journal = durability.journal
+        self.durable = 0 if journal is None else int(journal.last_lsn())
+        self.durable_term = 0 if durability.adopting else durability.last_term
         self.applied = 0  # the last lsn applied (durable first: acks do not wait)
         self.idle = threading.Event()
         self.idle.set()
@@ -191,7 +197,11 @@ class Follower:
         acks.put(
             pb.ReplicateRequest(
                 hello=pb.ReplicateHello(
-                    member_id=self.member_id, term=target.term, address=self.address
+                    member_id=self.member_id,
+                    term=target.term,
+                    address=self.address,
+                    last_lsn=self.durable if self.durable_term else 0,
+                    last_term=self.durable_term,
                 )
             )
         )
@@ -234,13 +244,15 @@ class Follower:
         finally:
             # Every record received is applied before following ends: a promotion
             # (which stops following first) serves the whole state.
-            applier.close()
+            if not applier.close():
+                self.durable_term = 0  # what is applied is not the log: a snapshot
 
     def _messages(
         self, call: Any, target: PrimaryInfo, acks: queue.Queue[Any], applier: _Applier
     ) -> None:
         tmp: str | None = None
         covered: dict[str, int] = {}
+        fresh = True  # no snapshot nor record received yet
         for msg in call:
             if msg.term < max(target.term, self._term()) or self._stop.is_set():
                 log.warning(
@@ -250,10 +262,18 @@ class Follower:
                 call.cancel()
                 return
             if isinstance(msg, ShippedRecord):
+                if fresh:
+                    fresh = False
+                    log.info(
+                        "following %s from record %d (after this server's record "
+                        "%d: resumed with no snapshot)",
+                        target.address, msg.lsn, self.durable,
+                    )  # fmt: skip
                 self._record(msg, covered, applier)
                 acks.put(pb.ReplicateRequest(ack=pb.ReplicateAck(lsn=msg.lsn)))
                 continue
             part = msg.WhichOneof("part")
+            fresh = False
             if part == "snapshot_chunk":
                 tmp = tmp or self._fresh_dir()
                 self._write_chunk(tmp, msg.snapshot_chunk)
@@ -265,6 +285,7 @@ class Follower:
                 os.rename(tmp, final)
                 tmp = None
                 applier.drain()
+                self.durable_term = 0  # until a record of the new log is durable
                 wal_lsn, covered = self.durability.adopt_snapshot(final)
                 self.durable = self.applied = wal_lsn
                 log.info(
@@ -286,7 +307,7 @@ class Follower:
         if journal is None:
             raise Unavailable("the write-ahead log is closed: follow again")
         journal.wait(journal.append_frame(rec.frame, rec.lsn))
-        self.durable = rec.lsn
+        self.durable, self.durable_term = rec.lsn, int(header.get("term", 0))
         applier.put(header, rec.frame, covered)
 
     def _apply(
