@@ -112,6 +112,56 @@ def _acked_after(acks: list[tuple[float, str]], t0: float, old: str) -> list[flo
     return [t for t, address in acks if t > t0 and address != old]
 
 
+class Timeline(threading.Thread):
+    """Polls the shard's keys in etcd every 10 ms and notes when, after ``watch``:
+    the primary key went (its lease expired), another member took it, and that
+    primary named a synchronous standby."""
+
+    def __init__(self, shard: Shard) -> None:
+        super().__init__(daemon=True)
+        import etcd3gw
+
+        self.etcd = etcd3gw.Etcd3Client(
+            host="127.0.0.1", port=shard.etcd.client_port, api_path="/v3/"
+        )
+        self.base = f"/{shard.prefix}/shards/0"
+        self.old: str | None = None
+        self.marks: dict[str, float] = {}
+        self.done = threading.Event()
+        self.start()
+
+    def watch(self, old_member: str) -> None:
+        self.marks, self.old = {}, old_member
+
+    def _get(self, key: str) -> dict[str, object] | None:
+        got = self.etcd.get(f"{self.base}/{key}")
+        return json.loads(got[0]) if got else None
+
+    def run(self) -> None:
+        while not self.done.wait(0.01):
+            if self.old is None:
+                continue
+            now, primary = time.monotonic(), self._get("primary")
+            if primary is None or primary["member"] != self.old:
+                self.marks.setdefault("expired", now)
+            if primary is not None and primary["member"] != self.old:
+                self.marks.setdefault("elected", now)
+                sync = self._get("sync")
+                if sync and sync["term"] == primary["term"] and sync["standbys"]:
+                    self.marks.setdefault("sync", time.monotonic())
+
+
+def _phases(killed: float, marks: dict[str, float], first: float) -> str:
+    """The kill-to-first-ack time cut at the timeline's marks."""
+    out, before = [], killed
+    for name in ("expired", "elected", "sync"):
+        if name in marks:
+            out.append(f"{name} +{marks[name] - before:.2f}")
+            before = marks[name]
+    out.append(f"first ack +{first - before:.2f}")
+    return ", ".join(out)
+
+
 def failover(tmp: Path, etcd: EtcdProcess, kills: int) -> list[float]:
     shard = Shard(tmp, etcd, "failover", 3, 1)
     acks: list[tuple[float, str]] = []  # (when, the server that acknowledged)
@@ -129,12 +179,14 @@ def failover(tmp: Path, etcd: EtcdProcess, kills: int) -> list[float]:
 
         t = threading.Thread(target=pusher, daemon=True)
         t.start()
+        timeline = Timeline(shard)
         times = []
         for _ in range(kills):
             time.sleep(1.0)
             p = shard.primary()
             old = shard.addresses[p]
             n0 = len(acks)
+            timeline.watch(f"m{p}")
             shard.procs[p].send_signal(signal.SIGKILL)  # type: ignore[attr-defined]
             killed = time.monotonic()
             shard.procs[p].wait()  # type: ignore[attr-defined]
@@ -148,7 +200,12 @@ def failover(tmp: Path, etcd: EtcdProcess, kills: int) -> list[float]:
                 time.sleep(0.01)
             first = min(new)
             times.append(first - killed)
-            print(f"  kill {len(times)}: {first - killed:.2f} s", flush=True)
+            print(
+                f"  kill {len(times)}: {first - killed:.2f} s "
+                f"({_phases(killed, timeline.marks, first)})",
+                flush=True,
+            )
+        timeline.done.set()
         stop_.set()
         t.join(timeout=60)
         return times
