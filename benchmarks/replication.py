@@ -309,12 +309,22 @@ def main() -> int:
         help="with --baseline: this commit instead of the working tree (whose "
         "files a run would import while they are being edited)",
     )
+    ap.add_argument(
+        "--tmp",
+        help="where the servers' data and logs go (a new "
+        "temporary folder in it, removed at the end)",
+    )
     args = ap.parse_args()
     binary = etcd_binary()
     if binary is None:
         print("etcd is not installed: apt-get install -y etcd-server")
         return 1
-    with tempfile.TemporaryDirectory() as d:
+    with ExitStack() as outer:
+        if args.keep:
+            d = tempfile.mkdtemp(dir=args.keep)
+            print(f"data and logs in {d}", flush=True)
+        else:
+            d = outer.enter_context(tempfile.TemporaryDirectory())
         tmp = Path(d)
         etcd = start_etcd(binary, tmp)
         try:
