@@ -310,9 +310,9 @@ def main() -> int:
         "files a run would import while they are being edited)",
     )
     ap.add_argument(
-        "--tmp",
-        help="where the servers' data and logs go (a new "
-        "temporary folder in it, removed at the end)",
+        "--keep",
+        metavar="DIR",
+        help="keep the servers' data and logs in a new folder in DIR",
     )
     args = ap.parse_args()
     binary = etcd_binary()
