@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from contextlib import ExitStack, suppress
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _baseline import checkout, describe, tree_env  # noqa: E402
 from _etcd import EtcdProcess, etcd_binary, start_etcd  # noqa: E402
 from _procs import clean_env, start_server, stop  # noqa: E402
-from onnxps.client import Adagrad, AlreadyExistsError, Client  # noqa: E402
+from onnxps.client import (  # noqa: E402
+    Adagrad,
+    AlreadyExistsError,
+    Client,
+    NotFoundError,
+)
 
 TTL = 2
 
@@ -283,6 +289,66 @@ def push_cost(
             s.close()
 
 
+def _logged_at(log: Path, text: str, timeout: float = 600) -> float:
+    """The wall-clock time of the first line of ``log`` holding ``text``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in log.read_text(errors="replace").splitlines():
+            if text in line:
+                stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+                return stamp.timestamp()
+        time.sleep(0.05)
+    raise RuntimeError(f"{log}: no line holds {text!r}")
+
+
+def catch_up(tmp: Path, etcd: EtcdProcess, mib: int, records: int) -> None:
+    """A standby joins a primary (``--sync-replicas 0``) holding a ``mib`` MiB group
+    in its newest snapshot and ``records`` 1,000-element pushes in its log after
+    it. Timed from the standby listening: to the snapshot adopted (its log line),
+    then to its T equal to the primary's."""
+    shard = Shard(tmp, etcd, "catchup", 1, 0)
+    try:
+        shard.primary()
+        with Client(shard.url, timeout=600) as c:
+            c.create_group(
+                "big", Adagrad(), learning_rate=0.1,
+                tensors={"x": np.zeros(mib << 18, np.float32)},
+            )  # fmt: skip
+            _create(shard.url, 1000)
+            c.save()
+            g = np.full(1000, 0.01, np.float32)
+            for _ in range(records):
+                c.push("g", g)
+        snaps = tmp / "catchup-data0" / "snapshots"
+        size = sum(f.stat().st_size for f in snaps.rglob("*") if f.is_file())
+        log_bytes = records * (4000 + 200)  # a frame: 4,000 body bytes, ~200 header
+        shard.start(1)
+        started = time.time()
+        adopted = _logged_at(shard.tmp / f"catchup-1-{shard.starts}.log", "caught up")
+        with Client(shard.addresses[1], timeout=60) as c:
+            deadline = time.monotonic() + 600
+            while True:
+                try:
+                    if c.describe_group("g").update_count == records:
+                        break
+                except NotFoundError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the standby did not catch up")
+                time.sleep(0.01)
+        done = time.time()
+        snap_s, log_s = adopted - started, done - adopted
+        print(
+            f"  snapshot of {size / 2**20:.0f} MiB in {snap_s:.2f} s: "
+            f"{size / 2**20 / snap_s:.0f} MiB/s; then {records} records "
+            f"(~{log_bytes / 2**20:.0f} MiB) in {log_s:.2f} s: "
+            f"{records / log_s:.0f} records/s, {log_bytes / 2**20 / log_s:.1f} MiB/s",
+            flush=True,
+        )
+    finally:
+        shard.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kills", type=int, default=5)
@@ -290,6 +356,9 @@ def main() -> int:
     ap.add_argument("--pushes", type=int, default=200)
     ap.add_argument("--skip-failover", action="store_true")
     ap.add_argument("--skip-push-cost", action="store_true")
+    ap.add_argument("--skip-catch-up", action="store_true")
+    ap.add_argument("--catch-up-mib", type=int, default=256)
+    ap.add_argument("--catch-up-records", type=int, default=5000)
     ap.add_argument(
         "--sizes",
         nargs="+",
@@ -347,6 +416,10 @@ def main() -> int:
                         trees[f"old {old.label}"] = old.tree
                     sizes = {k: v for k, v in SIZES.items() if k in args.sizes}
                     push_cost(tmp, etcd, args.rounds, args.pushes, trees, sizes)
+            if not args.skip_catch_up:
+                mib, n = args.catch_up_mib, args.catch_up_records
+                print(f"catch-up (a standby joins: {mib} MiB group, {n} records):")
+                catch_up(tmp, etcd, mib, n)
         finally:
             etcd.stop()
     return 0

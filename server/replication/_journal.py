@@ -27,6 +27,7 @@ import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 
 from .._snapshot import SnapshotError, list_snapshots, read_manifest
+from .._wal import Frame
 from ..durability import Durability
 from ..errors import FailedPrecondition, Unavailable
 from ._frames import logged_frames, logged_term, shipped
@@ -52,10 +53,34 @@ class NotPrimary(FailedPrecondition, Unavailable):
     default_reason = "NOT_PRIMARY"
 
 
+class _Shipped:
+    """A record's ``ReplicateResponse`` as sent: the frame the log holds, encoded
+    once (by the first stream that sends it) for every standby."""
+
+    def __init__(self, term: int, lsn: int, frame: Frame) -> None:
+        self._args: tuple[int, int, Frame] | None = (term, lsn, frame)
+        self._lock = threading.Lock()
+        self._wire: bytes | None = b""
+
+    def wire(self) -> bytes | None:
+        """The encoded message; None once released before any stream encoded it."""
+        with self._lock:
+            if self._args is not None:
+                term, lsn, frame = self._args
+                self._wire, self._args = shipped(term, lsn, frame.chunks()), None
+            return self._wire
+
+    def release(self) -> None:
+        """Let the frame's arrays go (encoded already, or never: see ``wire``)."""
+        with self._lock:
+            if self._args is not None:
+                self._args, self._wire = None, None
+
+
 @dataclass
 class _Record:
     term: int
-    frame: bytes | None = None  # the ReplicateResponse carrying it, encoded
+    frame: _Shipped
     failed: bool = False
     durable: bool = False
 
@@ -130,16 +155,24 @@ class ReplicatedJournal:
             term = self.member.term
             lsn, frame = self.inner.log_frame({**record, "term": term}, arrays)
             lsn = int(lsn)
-            entry = self._records[lsn] = _Record(term=term)
-        # Shipped while this server writes it too: the standbys' fsync runs beside
-        # this one's, not after it. The bytes shipped are the frame the log holds.
-        wire = shipped(term, lsn, frame.chunks())
-        with self._cv:
-            entry.frame = wire
+            # Encoded by the first stream that sends it, while this server writes
+            # it: the standbys' fsync runs beside this one's, not after it.
+            self._records[lsn] = _Record(term, _Shipped(term, lsn, frame))
             self._cv.notify_all()
         return lsn
 
     def wait(self, lsn: int) -> None:
+        try:
+            self._wait(lsn)
+        finally:
+            # The caller gives the record's arrays back (a pooled gradient) once
+            # this returns: a stream that did not encode it yet reads the log.
+            with self._cv:
+                entry = self._records.get(lsn)
+            if entry is not None:
+                entry.frame.release()
+
+    def _wait(self, lsn: int) -> None:
         try:
             self.inner.wait(lsn)
         except BaseException:
@@ -344,16 +377,27 @@ class ReplicatedJournal:
                 if entry is None and nxt <= self._last_known():
                     nxt += 1  # a record that was not kept: one nobody waits for
                     continue
-                if entry is None or (entry.frame is None and not entry.failed):
+                if entry is None:
                     self._cv.wait(0.05)
                     if self.member.term != term or self.member.role is not Role.PRIMARY:
                         return  # deposed, or a newer term: the standby follows it
                     continue
-            if entry.frame is not None and not entry.failed:
+            if not entry.failed:
                 if entry.term != term:
                     return  # logged in a newer term: the standby follows that
-                yield entry.frame
+                yield entry.frame.wire() or self._from_log(nxt, term)
             nxt += 1
+
+    def _from_log(self, lsn: int, term: int) -> bytes:
+        """Record ``lsn`` (durable) as shipped, read from the log on disk."""
+        for got, frame in logged_frames(self.durability.wal_dir, lsn - 1):
+            if got == lsn:
+                return shipped(term, lsn, [frame])
+            break
+        raise Unavailable(
+            f"record {lsn} is not in the log {self.durability.wal_dir}: follow again",
+            reason="NOT_REPLICATED",
+        )
 
     def _last_known(self) -> int:
         """Below the oldest record kept, every record was trimmed (all hold it)."""
