@@ -131,13 +131,16 @@ class Timeline(threading.Thread):
             host="127.0.0.1", port=shard.etcd.client_port, api_path="/v3/"
         )
         self.base = f"/{shard.prefix}/shards/0"
-        self.old: str | None = None
-        self.marks: dict[str, float] = {}
+        # the member killed last, and the marks since (replaced together)
+        self.watching: tuple[str, dict[str, float]] | None = None
         self.done = threading.Event()
         self.start()
 
-    def watch(self, old_member: str) -> None:
-        self.marks, self.old = {}, old_member
+    def watch(self, old_member: str) -> dict[str, float]:
+        """Note the marks after ``old_member`` was killed, from now on."""
+        marks: dict[str, float] = {}
+        self.watching = (old_member, marks)
+        return marks
 
     def _get(self, key: str) -> dict[str, object] | None:
         got = self.etcd.get(f"{self.base}/{key}")
@@ -145,20 +148,23 @@ class Timeline(threading.Thread):
 
     def run(self) -> None:
         while not self.done.wait(0.01):
-            if self.old is None:
+            if self.watching is None:
                 continue
-            now, primary = time.monotonic(), self._get("primary")
-            if primary is None or primary["member"] != self.old:
-                self.marks.setdefault("expired", now)
-            if primary is not None and primary["member"] != self.old:
-                self.marks.setdefault("elected", now)
+            old, marks = self.watching
+            primary = self._get("primary")
+            now = time.monotonic()  # (when the answer came)
+            if primary is None or primary["member"] != old:
+                marks.setdefault("expired", now)
+            if primary is not None and primary["member"] != old:
+                marks.setdefault("elected", now)
                 sync = self._get("sync")
                 if sync and sync["term"] == primary["term"] and sync["standbys"]:
-                    self.marks.setdefault("sync", time.monotonic())
+                    marks.setdefault("sync", time.monotonic())
 
 
 def _phases(killed: float, marks: dict[str, float], first: float) -> str:
-    """The kill-to-first-ack time cut at the timeline's marks."""
+    """The kill-to-first-ack time cut at the timeline's marks (each polled: up
+    to one poll late, so a push may be acknowledged before the last mark)."""
     out, before = [], killed
     for name in ("expired", "elected", "sync"):
         if name in marks:
@@ -192,7 +198,7 @@ def failover(tmp: Path, etcd: EtcdProcess, kills: int) -> list[float]:
             p = shard.primary()
             old = shard.addresses[p]
             n0 = len(acks)
-            timeline.watch(f"m{p}")
+            marks = timeline.watch(f"m{p}")
             shard.procs[p].send_signal(signal.SIGKILL)  # type: ignore[attr-defined]
             killed = time.monotonic()
             shard.procs[p].wait()  # type: ignore[attr-defined]
@@ -208,7 +214,7 @@ def failover(tmp: Path, etcd: EtcdProcess, kills: int) -> list[float]:
             times.append(first - killed)
             print(
                 f"  kill {len(times)}: {first - killed:.2f} s "
-                f"({_phases(killed, timeline.marks, first)})",
+                f"({_phases(killed, marks, first)})",
                 flush=True,
             )
         timeline.done.set()

@@ -8,12 +8,14 @@ primary that the new primary's log lacks or holds in another term.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from pathlib import Path
 
 import numpy as np
 from _etcd import etcd_server  # noqa: F401 - a fixture
-from onnxps.client import Client
+from onnxps.client import Adagrad, Client
 from onnxps.server._wal import WriteAheadLog
 from onnxps.server.replication._frames import logged_frames
 from test_replication import SIZE, ReplicaSet, _create, _kill, replicas  # noqa: F401
@@ -115,3 +117,29 @@ def test_a_standby_holding_a_deposed_primarys_record_takes_a_snapshot(
         _log(tmp_path, s, 1),
     ), _log(tmp_path, s, 1)[-3000:]
     assert "caught up from" in _log(tmp_path, p, 2)
+
+
+def test_a_standby_is_named_synchronous_only_once_it_holds_all_the_last_primary_did(
+    replicas: object,  # noqa: F811 - the fixture
+) -> None:
+    rs: ReplicaSet = replicas(3)  # type: ignore[operator]
+    a = rs.primary()
+    (named,) = rs.wait_sync()
+    b = int(named[1:])
+    c = 3 - a - b
+    n, pushes = 1 << 18, 150  # 1 MiB a push: c takes a while to catch up
+    g = np.full(n, 0.5, np.float32)
+    with Client(rs.url, timeout=60) as cl:
+        cl.create_group(
+            "g", Adagrad(), learning_rate=0.1, tensors={"x": np.zeros(n, np.float32)}
+        )
+        os.kill(rs.procs[c].pid, signal.SIGSTOP)  # c falls behind
+        assert [cl.push("g", g) for _ in range(pushes)][-1] == pushes
+    _kill(rs, a)
+    assert rs.primary(not_=a) == b  # the one that holds every acknowledged push
+    os.kill(rs.procs[c].pid, signal.SIGCONT)
+    # b names c once c holds every record b holds: all a acknowledged too
+    assert rs.wait_sync() == [f"m{c}"]
+    _kill(rs, b)
+    assert rs.primary(not_=b) == c
+    assert rs.state(c, "g")[0] == pushes

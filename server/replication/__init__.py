@@ -167,9 +167,10 @@ class Replication:
 
     def _promoted(self, term: int) -> None:
         """Before acknowledging anything: stop following, finish applying."""
-        assert self.follower is not None
+        assert self.follower is not None and self.journal is not None
         self.follower.follow(None)
         self.follower.idle.wait(30)
+        self.journal.promoted(self._last_lsn())
 
     def replicate(
         self, requests: Iterable[pb.ReplicateRequest], context: Any

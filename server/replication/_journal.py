@@ -126,6 +126,13 @@ class ReplicatedJournal:
         self._naming = threading.Lock()
         self.acknowledged = 0
 
+    def promoted(self, last_lsn: int) -> None:
+        """This server took the lead holding records up to ``last_lsn``: the
+        primary before it may have acknowledged any of them, so a standby is named
+        synchronous (and so may be promoted) only once it holds them all."""
+        with self._cv:
+            self.acknowledged = max(self.acknowledged, last_lsn)
+
     @property
     def inner(self) -> Any:
         journal = self.durability.journal
