@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -143,3 +144,20 @@ def test_a_standby_is_named_synchronous_only_once_it_holds_all_the_last_primary_
     _kill(rs, b)
     assert rs.primary(not_=b) == c
     assert rs.state(c, "g")[0] == pushes
+
+
+def test_an_idle_standby_keeps_its_stream_past_the_stall_limit(
+    replicas: object,  # noqa: F811 - the fixture
+    tmp_path: Path,
+) -> None:
+    rs: ReplicaSet = replicas(2, extra=("--stall-seconds", "6"))  # type: ignore[operator]
+    p = rs.primary()
+    rs.wait_sync()
+    _create(rs.url)
+    with Client(rs.url, timeout=30) as c:
+        assert c.push("g", np.full(SIZE, 0.5, np.float32)) == 1
+        time.sleep(15)  # idle: the standby sends its last ack again every 5 s
+        assert c.push("g", np.full(SIZE, 0.5, np.float32)) == 2
+    log = _log(tmp_path, p, 1)
+    assert "stopped following" not in log
+    assert "sent nothing for 6 s" not in log

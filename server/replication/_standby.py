@@ -32,6 +32,7 @@ log = logging.getLogger("onnxps.replication")
 
 _END = object()
 REPLICATE = "/onnxps.v1.ParameterServerService/Replicate"
+KEEPALIVE_SECONDS = 5.0  # below any sensible --stall-seconds (30 by default)
 
 
 class _Applier:
@@ -207,10 +208,18 @@ class Follower:
         )
 
         def requests() -> Iterator[pb.ReplicateRequest]:
+            # While nothing comes, the last message again (an ack repeated, or the
+            # hello, which the primary skips): the primary ends a request stream
+            # silent for --stall-seconds.
+            last = None
             while True:
-                item = acks.get()
+                try:
+                    item = acks.get(timeout=KEEPALIVE_SECONDS)
+                except queue.Empty:
+                    item = last
                 if item is _END:
                     return
+                last = item
                 yield item
 
         options = [
