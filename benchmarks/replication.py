@@ -1,18 +1,30 @@
-"""What replication costs and how long a failover takes (issue 23).
+"""What replication costs, how long a failover takes and how fast a standby
+catches up (issue 23).
 
-    python benchmarks/replication.py [--kills 5] [--rounds 5] [--pushes 200]
+    python benchmarks/replication.py [--kills 5] [--lease-ttl 2] [--rounds 5]
+        [--pushes 200] [--sizes ...] [--baseline REV [--new REV]]
+        [--catch-up-mib 256] [--catch-up-records 5000] [--skip-...] [--keep DIR]
 
 Needs etcd (Debian's etcd-server; tests/_etcd.py starts one on free loopback ports).
 
 Part 1, failover: a 3-replica shard (lease TTL 2 s), one client of
 ``Client("etcd://...")`` pushing a 1,000-element group in a loop; the primary is
 killed with SIGKILL ``--kills`` times (restarted each time as a standby). Printed: the
-time from the kill to the first push acknowledged by the new primary (median, max).
+time from the kill to the first push acknowledged by the new primary (median, max),
+and per kill its phases as polled in etcd: the lease expired (the primary key went),
+another member took it, it named a synchronous standby, the first ack.
 
 Part 2, push cost: a 1-replica shard with ``--sync-replicas 0`` and a 2-replica
-shard with ``--sync-replicas 1`` (both ``--durability wal``), one client pushing
-serially, 1,000 elements and 16 MiB float32 Adagrad, in alternating rounds. Printed:
-median push latency per case and the ratio (1 sync standby / 0).
+shard with ``--sync-replicas 1`` (both ``--durability wal``, lease TTL 3 s), one
+client pushing serially, 1,000 elements, 16 MiB and 64 MiB float32 Adagrad, in
+rounds that take the shards in turn. Printed: median push latency per case, the ratio
+(1 sync standby / 0) and its spread over rounds. With ``--baseline REV`` the servers
+of that commit (its own checkout, benchmarks/_baseline.py) run in the same rounds
+beside this tree's (or ``--new REV``'s): compare the ratios side by side.
+
+Part 3, catch-up: a standby joins a primary holding a ``--catch-up-mib`` group in its
+newest snapshot and ``--catch-up-records`` 1,000-element pushes in its log after it:
+the snapshot's MiB/s (to its adoption), then records/s.
 """
 
 from __future__ import annotations
@@ -54,8 +66,9 @@ class Shard:
         n: int,
         k: int,
         tree: Path | None = None,
+        ttl: int = TTL,
     ):
-        self.tmp, self.etcd, self.prefix, self.k = tmp, etcd, prefix, k
+        self.tmp, self.etcd, self.prefix, self.k, self.ttl = tmp, etcd, prefix, k, ttl
         self.env = clean_env()
         if tree is not None:  # servers of another checkout (benchmarks/_baseline.py)
             self.env["PYTHONPATH"] = tree_env(tree)["PYTHONPATH"]
@@ -78,7 +91,7 @@ class Shard:
             "--coordinator", self.url,
             "--shard", "0/1",
             "--member-id", f"m{i}",
-            "--lease-ttl", str(TTL),
+            "--lease-ttl", str(self.ttl),
             "--sync-replicas", str(self.k),
             "--snapshot-interval", "0",
             env=self.env,
@@ -174,8 +187,8 @@ def _phases(killed: float, marks: dict[str, float], first: float) -> str:
     return ", ".join(out)
 
 
-def failover(tmp: Path, etcd: EtcdProcess, kills: int) -> list[float]:
-    shard = Shard(tmp, etcd, "failover", 3, 1)
+def failover(tmp: Path, etcd: EtcdProcess, kills: int, ttl: int) -> list[float]:
+    shard = Shard(tmp, etcd, "failover", 3, 1, ttl=ttl)
     acks: list[tuple[float, str]] = []  # (when, the server that acknowledged)
     stop_ = threading.Event()
     try:
@@ -241,7 +254,8 @@ def push_cost(
     with 1 synchronous standby; every (tree, k) pushes ``count`` times a round,
     in turn, the order rotating each round."""
     shards = {
-        (label, k): Shard(tmp, etcd, f"k{k}-{i}", 1 + k, k, tree)
+        # the default lease: a 2 s one may lapse on a loaded host, failing the run
+        (label, k): Shard(tmp, etcd, f"k{k}-{i}", 1 + k, k, tree, ttl=3)
         for i, (label, tree) in enumerate(trees.items())
         for k in (0, 1)
     }
@@ -361,6 +375,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--pushes", type=int, default=200)
     ap.add_argument("--skip-failover", action="store_true")
+    ap.add_argument("--lease-ttl", type=int, default=TTL, help="part 1's (2)")
     ap.add_argument("--skip-push-cost", action="store_true")
     ap.add_argument("--skip-catch-up", action="store_true")
     ap.add_argument("--catch-up-mib", type=int, default=256)
@@ -404,8 +419,9 @@ def main() -> int:
         etcd = start_etcd(binary, tmp)
         try:
             if not args.skip_failover:
-                print(f"failover (3 replicas, lease TTL {TTL} s, SIGKILL the primary):")
-                times = failover(tmp, etcd, args.kills)
+                ttl = args.lease_ttl
+                print(f"failover (3 replicas, lease TTL {ttl} s, SIGKILL the primary):")
+                times = failover(tmp, etcd, args.kills, ttl)
                 print(
                     f"  kill -> first acknowledged push on the new primary over "
                     f"{len(times)} kills: median {statistics.median(times):.2f} s, "

@@ -161,3 +161,50 @@ def test_an_idle_standby_keeps_its_stream_past_the_stall_limit(
     log = _log(tmp_path, p, 1)
     assert "stopped following" not in log
     assert "sent nothing for 6 s" not in log
+
+
+def test_a_standby_acks_before_it_applies_but_stops_following_once_applied(
+    replicas: object,  # noqa: F811 - the fixture
+    tmp_path: Path,
+) -> None:
+    """The promotion path (``follow(None)``, then ``idle``) waits for the records
+    the standby acknowledged to be applied: here its applier is held up by the
+    group's lock, taken by the test, while three pushes are acknowledged."""
+    from onnxps.server.durability import Durability
+    from onnxps.server.replication._member import PrimaryInfo
+    from onnxps.server.replication._standby import Follower
+    from onnxps.server.store import ParameterStore
+
+    rs: ReplicaSet = replicas(1, extra=("--sync-replicas", "0"))  # type: ignore[operator]
+    p = rs.primary()
+    _create(rs.url)
+    store = ParameterStore()
+    durability = Durability(store, str(tmp_path / "follower"), mode="wal")
+    durability.open()
+    follower = Follower(
+        durability, member_id="f", address="127.0.0.1:1", term=lambda: 0,
+        max_message_bytes=64 << 20,
+    )  # fmt: skip
+    follower.start()
+    try:
+        follower.follow(PrimaryInfo(f"m{p}", rs.addresses[p], 1))
+        deadline = time.monotonic() + 60
+        while not [v for v in store.groups() if v.name == "g"]:  # the snapshot
+            assert time.monotonic() < deadline, "the follower did not catch up"
+            time.sleep(0.02)
+        with store._group("g").cond:  # its next step waits for this lock
+            with Client(rs.url, timeout=30) as c:
+                ts = [c.push("g", np.full(SIZE, 0.5, np.float32)) for _ in range(3)]
+            assert ts == [1, 2, 3]
+            while follower.durable < 4:  # the create (1) and 3 pushes: logged here
+                assert time.monotonic() < deadline, "the pushes did not arrive"
+                time.sleep(0.02)
+            follower.follow(None)
+            assert not follower.idle.wait(1.0)  # it is still applying them
+            assert follower.applied < 4
+        assert follower.idle.wait(30)
+        assert follower.applied == 4
+        assert store.describe("g").update_count == 3
+    finally:
+        follower.stop()
+        durability.close()
