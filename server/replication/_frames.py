@@ -138,7 +138,12 @@ def logged_frames(wal_dir: str, after: int) -> Iterator[tuple[int, bytes]]:
     since the snapshot was chosen) end the stream: the standby starts again from a
     newer snapshot instead of missing them."""
     expected = after + 1
-    for _first, path in segment_paths(wal_dir):
+    segments = segment_paths(wal_dir)
+    # a segment whose next one starts at or before ``after + 1`` holds none of them
+    starts = [first for first, _ in segments[1:]] + [None]
+    for (_first, path), nxt in zip(segments, starts, strict=True):
+        if nxt is not None and nxt <= expected:
+            continue
         with open(path, "rb") as f:
             head = f.read(SEGMENT_HEADER.size)
             if len(head) < SEGMENT_HEADER.size:
@@ -152,16 +157,20 @@ def logged_frames(wal_dir: str, after: int) -> Iterator[tuple[int, bytes]]:
                 magic, hlen, blen, crc = FRAME.unpack(raw)
                 if magic != MAGIC or hlen > MAX_HEADER:
                     return
-                rest = f.read(hlen + blen)
-                if len(rest) < hlen + blen or zlib.crc32(rest) != crc:
+                text = f.read(hlen)
+                if len(text) < hlen:
                     return
-                header = json.loads(rest[:hlen])
+                header = json.loads(text)
+                lsn = int(header.get("lsn", 0))
+                if header.get("op") != "void" and lsn <= after:
+                    f.seek(blen, os.SEEK_CUR)  # not sent: neither read nor checked
+                    continue
+                body = f.read(blen)
+                if len(body) < blen or zlib.crc32(body, zlib.crc32(text)) != crc:
+                    return
                 if header.get("op") == "void":  # as the log's reader skips them
                     if int(header["first"]) <= expected:
                         expected = max(expected, int(header["last"]) + 1)
-                    continue
-                lsn = int(header["lsn"])
-                if lsn <= after:
                     continue
                 if lsn != expected:
                     raise Unavailable(
@@ -171,4 +180,4 @@ def logged_frames(wal_dir: str, after: int) -> Iterator[tuple[int, bytes]]:
                         reason="NOT_REPLICATED",
                     )
                 expected = lsn + 1
-                yield lsn, raw + rest
+                yield lsn, b"".join((raw, text, body))
