@@ -1,18 +1,30 @@
-"""What replication costs and how long a failover takes (issue 23).
+"""What replication costs, how long a failover takes and how fast a standby
+catches up (issue 23).
 
-    python benchmarks/replication.py [--kills 5] [--rounds 5] [--pushes 200]
+    python benchmarks/replication.py [--kills 5] [--lease-ttl 2] [--rounds 5]
+        [--pushes 200] [--sizes ...] [--baseline REV [--new REV]]
+        [--catch-up-mib 256] [--catch-up-records 5000] [--skip-...] [--keep DIR]
 
 Needs etcd (Debian's etcd-server; tests/_etcd.py starts one on free loopback ports).
 
 Part 1, failover: a 3-replica shard (lease TTL 2 s), one client of
 ``Client("etcd://...")`` pushing a 1,000-element group in a loop; the primary is
 killed with SIGKILL ``--kills`` times (restarted each time as a standby). Printed: the
-time from the kill to the first push acknowledged by the new primary (median, max).
+time from the kill to the first push acknowledged by the new primary (median, max),
+and per kill its phases as polled in etcd: the lease expired (the primary key went),
+another member took it, it named a synchronous standby, the first ack.
 
 Part 2, push cost: a 1-replica shard with ``--sync-replicas 0`` and a 2-replica
-shard with ``--sync-replicas 1`` (both ``--durability wal``), one client pushing
-serially, 1,000 elements and 16 MiB float32 Adagrad, in alternating rounds. Printed:
-median push latency per case and the ratio (1 sync standby / 0).
+shard with ``--sync-replicas 1`` (both ``--durability wal``, lease TTL 3 s), one
+client pushing serially, 1,000 elements, 16 MiB and 64 MiB float32 Adagrad, in
+rounds that take the shards in turn. Printed: median push latency per case, the ratio
+(1 sync standby / 0) and its spread over rounds. With ``--baseline REV`` the servers
+of that commit (its own checkout, benchmarks/_baseline.py) run in the same rounds
+beside this tree's (or ``--new REV``'s): compare the ratios side by side.
+
+Part 3, catch-up: a standby joins a primary holding a ``--catch-up-mib`` group in its
+newest snapshot and ``--catch-up-records`` 1,000-element pushes in its log after it:
+the snapshot's MiB/s (to its adoption), then records/s.
 """
 
 from __future__ import annotations
@@ -25,21 +37,41 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import ExitStack, suppress
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _baseline import checkout, describe, tree_env  # noqa: E402
 from _etcd import EtcdProcess, etcd_binary, start_etcd  # noqa: E402
 from _procs import clean_env, start_server, stop  # noqa: E402
-from onnxps.client import Adagrad, Client  # noqa: E402
+from onnxps.client import (  # noqa: E402
+    Adagrad,
+    AlreadyExistsError,
+    Client,
+    NotFoundError,
+)
 
 TTL = 2
 
 
 class Shard:
-    def __init__(self, tmp: Path, etcd: EtcdProcess, prefix: str, n: int, k: int):
-        self.tmp, self.etcd, self.prefix, self.k = tmp, etcd, prefix, k
+    def __init__(
+        self,
+        tmp: Path,
+        etcd: EtcdProcess,
+        prefix: str,
+        n: int,
+        k: int,
+        tree: Path | None = None,
+        ttl: int = TTL,
+    ):
+        self.tmp, self.etcd, self.prefix, self.k, self.ttl = tmp, etcd, prefix, k, ttl
+        self.env = clean_env()
+        if tree is not None:  # servers of another checkout (benchmarks/_baseline.py)
+            self.env["PYTHONPATH"] = tree_env(tree)["PYTHONPATH"]
         self.procs: dict[int, object] = {}
         self.addresses: dict[int, str] = {}
         self.starts = 0
@@ -59,10 +91,10 @@ class Shard:
             "--coordinator", self.url,
             "--shard", "0/1",
             "--member-id", f"m{i}",
-            "--lease-ttl", str(TTL),
+            "--lease-ttl", str(self.ttl),
             "--sync-replicas", str(self.k),
             "--snapshot-interval", "0",
-            env=clean_env(),
+            env=self.env,
         )  # fmt: skip
         self.procs[i], self.addresses[i] = proc, address
 
@@ -99,8 +131,64 @@ def _acked_after(acks: list[tuple[float, str]], t0: float, old: str) -> list[flo
     return [t for t, address in acks if t > t0 and address != old]
 
 
-def failover(tmp: Path, etcd: EtcdProcess, kills: int) -> list[float]:
-    shard = Shard(tmp, etcd, "failover", 3, 1)
+class Timeline(threading.Thread):
+    """Polls the shard's keys in etcd every 10 ms and notes when, after ``watch``:
+    the primary key went (its lease expired), another member took it, and that
+    primary named a synchronous standby."""
+
+    def __init__(self, shard: Shard) -> None:
+        super().__init__(daemon=True)
+        import etcd3gw
+
+        self.etcd = etcd3gw.Etcd3Client(
+            host="127.0.0.1", port=shard.etcd.client_port, api_path="/v3/"
+        )
+        self.base = f"/{shard.prefix}/shards/0"
+        # the member killed last, and the marks since (replaced together)
+        self.watching: tuple[str, dict[str, float]] | None = None
+        self.done = threading.Event()
+        self.start()
+
+    def watch(self, old_member: str) -> dict[str, float]:
+        """Note the marks after ``old_member`` was killed, from now on."""
+        marks: dict[str, float] = {}
+        self.watching = (old_member, marks)
+        return marks
+
+    def _get(self, key: str) -> dict[str, object] | None:
+        got = self.etcd.get(f"{self.base}/{key}")
+        return json.loads(got[0]) if got else None
+
+    def run(self) -> None:
+        while not self.done.wait(0.01):
+            if self.watching is None:
+                continue
+            old, marks = self.watching
+            primary = self._get("primary")
+            now = time.monotonic()  # (when the answer came)
+            if primary is None or primary["member"] != old:
+                marks.setdefault("expired", now)
+            if primary is not None and primary["member"] != old:
+                marks.setdefault("elected", now)
+                sync = self._get("sync")
+                if sync and sync["term"] == primary["term"] and sync["standbys"]:
+                    marks.setdefault("sync", time.monotonic())
+
+
+def _phases(killed: float, marks: dict[str, float], first: float) -> str:
+    """The kill-to-first-ack time cut at the timeline's marks (each polled: up
+    to one poll late, so a push may be acknowledged before the last mark)."""
+    out, before = [], killed
+    for name in ("expired", "elected", "sync"):
+        if name in marks:
+            out.append(f"{name} +{marks[name] - before:.2f}")
+            before = marks[name]
+    out.append(f"first ack +{first - before:.2f}")
+    return ", ".join(out)
+
+
+def failover(tmp: Path, etcd: EtcdProcess, kills: int, ttl: int) -> list[float]:
+    shard = Shard(tmp, etcd, "failover", 3, 1, ttl=ttl)
     acks: list[tuple[float, str]] = []  # (when, the server that acknowledged)
     stop_ = threading.Event()
     try:
@@ -116,12 +204,14 @@ def failover(tmp: Path, etcd: EtcdProcess, kills: int) -> list[float]:
 
         t = threading.Thread(target=pusher, daemon=True)
         t.start()
+        timeline = Timeline(shard)
         times = []
         for _ in range(kills):
             time.sleep(1.0)
             p = shard.primary()
             old = shard.addresses[p]
             n0 = len(acks)
+            marks = timeline.watch(f"m{p}")
             shard.procs[p].send_signal(signal.SIGKILL)  # type: ignore[attr-defined]
             killed = time.monotonic()
             shard.procs[p].wait()  # type: ignore[attr-defined]
@@ -135,7 +225,12 @@ def failover(tmp: Path, etcd: EtcdProcess, kills: int) -> list[float]:
                 time.sleep(0.01)
             first = min(new)
             times.append(first - killed)
-            print(f"  kill {len(times)}: {first - killed:.2f} s", flush=True)
+            print(
+                f"  kill {len(times)}: {first - killed:.2f} s "
+                f"({_phases(killed, marks, first)})",
+                flush=True,
+            )
+        timeline.done.set()
         stop_.set()
         t.join(timeout=60)
         return times
@@ -144,46 +239,134 @@ def failover(tmp: Path, etcd: EtcdProcess, kills: int) -> list[float]:
         shard.close()
 
 
-def push_cost(tmp: Path, etcd: EtcdProcess, rounds: int, pushes: int) -> None:
-    shards = {0: Shard(tmp, etcd, "k0", 1, 0), 1: Shard(tmp, etcd, "k1", 2, 1)}
+SIZES = {"1,000 elements": 1000, "16 MiB": 4 << 20, "64 MiB": 16 << 20}
+
+
+def push_cost(
+    tmp: Path,
+    etcd: EtcdProcess,
+    rounds: int,
+    pushes: int,
+    trees: dict[str, Path | None],
+    sizes: dict[str, int],
+) -> None:
+    """Per tree (this one, and a baseline's when given): a shard with 0 and one
+    with 1 synchronous standby; every (tree, k) pushes ``count`` times a round,
+    in turn, the order rotating each round."""
+    shards = {
+        # the default lease: a 2 s one may lapse on a loaded host, failing the run
+        (label, k): Shard(tmp, etcd, f"k{k}-{i}", 1 + k, k, tree, ttl=3)
+        for i, (label, tree) in enumerate(trees.items())
+        for k in (0, 1)
+    }
     try:
         for s in shards.values():
             s.primary()
-        sizes = {"1,000 elements": 1000, "16 MiB": 4 << 20}
         for name, n in sizes.items():
             group = f"g{n}"
             grads = np.full(n, 0.01, np.float32)
             for s in shards.values():
-                with Client(s.url, timeout=120) as c:
+                with Client(s.url, timeout=300) as c, suppress(AlreadyExistsError):
+                    # (a create resent after a lost answer finds its group)
                     c.create_group(
                         group, Adagrad(), learning_rate=0.1,
                         tensors={"x": np.zeros(n, np.float32)},
                     )  # fmt: skip
-            count = pushes if n <= 1000 else max(5, pushes // 20)
-            lat: dict[int, list[float]] = {0: [], 1: []}
-            clients = {k: Client(s.url, timeout=120) for k, s in shards.items()}
+            count = pushes if n <= 1000 else max(3, pushes // (20 * n // (4 << 20)))
+            lat: dict[tuple[str, int], list[float]] = {key: [] for key in shards}
+            per_round: dict[tuple[str, int], list[float]] = {key: [] for key in shards}
+            clients = {key: Client(s.url, timeout=300) for key, s in shards.items()}
             try:
                 for c in clients.values():
                     c.push(group, grads)  # warm up
-                for _ in range(rounds):
-                    for k, c in clients.items():
+                keys = list(clients)
+                for r in range(rounds):
+                    for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+                        got = []
                         for _ in range(count):
                             t0 = time.perf_counter()
-                            c.push(group, grads)
-                            lat[k].append(time.perf_counter() - t0)
+                            clients[key].push(group, grads)
+                            got.append(time.perf_counter() - t0)
+                        lat[key] += got
+                        per_round[key].append(statistics.median(got))
             finally:
                 for c in clients.values():
                     c.close()
-            m0, m1 = statistics.median(lat[0]), statistics.median(lat[1])
-            print(
-                f"  {name}: 0 sync standbys {m0 * 1e3:.2f} ms, 1 sync standby "
-                f"{m1 * 1e3:.2f} ms per push (median of {len(lat[0])}): "
-                f"{m1 / m0:.2f}x",
-                flush=True,
-            )
+            for label in trees:
+                m0 = statistics.median(lat[label, 0])
+                m1 = statistics.median(lat[label, 1])
+                one, none = per_round[label, 1], per_round[label, 0]
+                ratios = [a / b for a, b in zip(one, none, strict=True)]
+                print(
+                    f"  {name} [{label}]: 0 sync standbys {m0 * 1e3:.2f} ms, 1 sync "
+                    f"standby {m1 * 1e3:.2f} ms per push (median of "
+                    f"{len(lat[label, 0])}): {m1 / m0:.2f}x (per round "
+                    f"{min(ratios):.2f}-{max(ratios):.2f})",
+                    flush=True,
+                )
     finally:
         for s in shards.values():
             s.close()
+
+
+def _logged_at(log: Path, text: str, timeout: float = 600) -> float:
+    """The wall-clock time of the first line of ``log`` holding ``text``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in log.read_text(errors="replace").splitlines():
+            if text in line:
+                stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+                return stamp.timestamp()
+        time.sleep(0.05)
+    raise RuntimeError(f"{log}: no line holds {text!r}")
+
+
+def catch_up(tmp: Path, etcd: EtcdProcess, mib: int, records: int) -> None:
+    """A standby joins a primary (``--sync-replicas 0``) holding a ``mib`` MiB group
+    in its newest snapshot and ``records`` 1,000-element pushes in its log after
+    it. Timed from the standby listening: to the snapshot adopted (its log line),
+    then to its T equal to the primary's."""
+    shard = Shard(tmp, etcd, "catchup", 1, 0)
+    try:
+        shard.primary()
+        with Client(shard.url, timeout=600) as c:
+            c.create_group(
+                "big", Adagrad(), learning_rate=0.1,
+                tensors={"x": np.zeros(mib << 18, np.float32)},
+            )  # fmt: skip
+            _create(shard.url, 1000)
+            c.save()
+            g = np.full(1000, 0.01, np.float32)
+            for _ in range(records):
+                c.push("g", g)
+        snaps = tmp / "catchup-data0" / "snapshots"
+        size = sum(f.stat().st_size for f in snaps.rglob("*") if f.is_file())
+        log_bytes = records * (4000 + 200)  # a frame: 4,000 body bytes, ~200 header
+        shard.start(1)
+        started = time.time()
+        adopted = _logged_at(shard.tmp / f"catchup-1-{shard.starts}.log", "caught up")
+        with Client(shard.addresses[1], timeout=60) as c:
+            deadline = time.monotonic() + 600
+            while True:
+                try:
+                    if c.describe_group("g").update_count == records:
+                        break
+                except NotFoundError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the standby did not catch up")
+                time.sleep(0.01)
+        done = time.time()
+        snap_s, log_s = adopted - started, done - adopted
+        print(
+            f"  snapshot of {size / 2**20:.0f} MiB in {snap_s:.2f} s: "
+            f"{size / 2**20 / snap_s:.0f} MiB/s; then {records} records "
+            f"(~{log_bytes / 2**20:.0f} MiB) in {log_s:.2f} s: "
+            f"{records / log_s:.0f} records/s, {log_bytes / 2**20 / log_s:.1f} MiB/s",
+            flush=True,
+        )
+    finally:
+        shard.close()
 
 
 def main() -> int:
@@ -192,19 +375,53 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--pushes", type=int, default=200)
     ap.add_argument("--skip-failover", action="store_true")
+    ap.add_argument("--lease-ttl", type=int, default=TTL, help="part 1's (2)")
     ap.add_argument("--skip-push-cost", action="store_true")
+    ap.add_argument("--skip-catch-up", action="store_true")
+    ap.add_argument("--catch-up-mib", type=int, default=256)
+    ap.add_argument("--catch-up-records", type=int, default=5000)
+    ap.add_argument(
+        "--sizes",
+        nargs="+",
+        default=list(SIZES),
+        choices=list(SIZES),
+        help="part 2's push sizes (all three)",
+    )
+    ap.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="part 2 also runs the servers of this commit (its own checkout, "
+        "benchmarks/_baseline.py), in the same rounds",
+    )
+    ap.add_argument(
+        "--new",
+        metavar="REV",
+        help="with --baseline: this commit instead of the working tree (whose "
+        "files a run would import while they are being edited)",
+    )
+    ap.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="keep the servers' data and logs in a new folder in DIR",
+    )
     args = ap.parse_args()
     binary = etcd_binary()
     if binary is None:
         print("etcd is not installed: apt-get install -y etcd-server")
         return 1
-    with tempfile.TemporaryDirectory() as d:
+    with ExitStack() as outer:
+        if args.keep:
+            d = tempfile.mkdtemp(dir=args.keep)
+            print(f"data and logs in {d}", flush=True)
+        else:
+            d = outer.enter_context(tempfile.TemporaryDirectory())
         tmp = Path(d)
         etcd = start_etcd(binary, tmp)
         try:
             if not args.skip_failover:
-                print(f"failover (3 replicas, lease TTL {TTL} s, SIGKILL the primary):")
-                times = failover(tmp, etcd, args.kills)
+                ttl = args.lease_ttl
+                print(f"failover (3 replicas, lease TTL {ttl} s, SIGKILL the primary):")
+                times = failover(tmp, etcd, args.kills, ttl)
                 print(
                     f"  kill -> first acknowledged push on the new primary over "
                     f"{len(times)} kills: median {statistics.median(times):.2f} s, "
@@ -212,7 +429,19 @@ def main() -> int:
                 )
             if not args.skip_push_cost:
                 print(f"push cost (serial pushes, {args.rounds} alternating rounds):")
-                push_cost(tmp, etcd, args.rounds, args.pushes)
+                with ExitStack() as stack:
+                    trees: dict[str, Path | None] = {describe(None).split()[0]: None}
+                    if args.baseline:
+                        new = stack.enter_context(checkout(args.new))
+                        old = stack.enter_context(checkout(args.baseline))
+                        trees = {f"new {new.label}": new.tree}
+                        trees[f"old {old.label}"] = old.tree
+                    sizes = {k: v for k, v in SIZES.items() if k in args.sizes}
+                    push_cost(tmp, etcd, args.rounds, args.pushes, trees, sizes)
+            if not args.skip_catch_up:
+                mib, n = args.catch_up_mib, args.catch_up_records
+                print(f"catch-up (a standby joins: {mib} MiB group, {n} records):")
+                catch_up(tmp, etcd, mib, n)
         finally:
             etcd.stop()
     return 0

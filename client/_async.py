@@ -112,7 +112,9 @@ class AsyncClient(ClientCore):
         channel = self._channels.get(shard)
         if channel is None:
             address = self.addresses[shard]
-            options = channel_options(self._server_name_override)
+            options = channel_options(
+                self._server_name_override, follows=self._discovery is not None
+            )
             creds = channel_credentials(self._tls)
             if creds is not None:
                 channel = grpc.aio.secure_channel(address, creds, options)

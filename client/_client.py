@@ -164,7 +164,9 @@ class Client(ClientCore):
             stub = self._stubs.get(shard)
             if stub is None:
                 address = self.addresses[shard]
-                options = channel_options(self._server_name_override)
+                options = channel_options(
+                    self._server_name_override, follows=self._discovery is not None
+                )
                 creds = channel_credentials(self._tls)
                 if creds is not None:
                     channel = grpc.secure_channel(address, creds, options)

@@ -98,9 +98,17 @@ _CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
-def channel_options(server_name_override: str | None) -> list[tuple[str, Any]]:
-    """The options of every channel either client opens."""
+def channel_options(
+    server_name_override: str | None, follows: bool = False
+) -> list[tuple[str, Any]]:
+    """The options of every channel either client opens. A client of a replicated
+    cluster (``follows``) resends UNAVAILABLE itself, reading the primary in etcd
+    again every 50 ms: gRPC's retries would back off (up to 1.5 s) against a
+    primary that is gone."""
     options = list(_CHANNEL_OPTIONS)
+    if follows:
+        options.remove(("grpc.enable_retries", 1))
+        options.append(("grpc.enable_retries", 0))
     if server_name_override:
         options.append(("grpc.ssl_target_name_override", server_name_override))
     return options

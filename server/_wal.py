@@ -57,6 +57,7 @@ from .errors import FailedPrecondition, NotLogged, ResourceExhausted, Unavailabl
 
 __all__ = [
     "WAL_FORMAT_VERSION",
+    "Frame",
     "FsyncTimes",
     "LogReader",
     "WalCorruptError",
@@ -185,11 +186,46 @@ def _write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[n:]
 
 
+class Frame:
+    """One record's frame as the log holds it: the bytes ``chunks()`` returns are
+    the bytes written, and the bytes a replicated shard's primary ships (its CRC is
+    computed once, by whichever of the two needs it first)."""
+
+    def __init__(self, header: bytes, arrays: Sequence[Array] = ()) -> None:
+        self.header = header
+        self.bodies = [a.reshape(-1).data.cast("B") for a in arrays if a.nbytes]
+        self.nbytes = FRAME.size + len(header) + sum(len(b) for b in self.bodies)
+        self._lock = threading.Lock()
+        self._prefix: bytes | None = None
+
+    def chunks(self) -> list[Any]:
+        """The frame's bytes in order (its prefix, header and array bodies)."""
+        with self._lock:
+            if self._prefix is None:
+                crc = zlib.crc32(self.header)
+                for body in self.bodies:
+                    crc = zlib.crc32(body, crc)
+                size = self.nbytes - FRAME.size - len(self.header)
+                self._prefix = FRAME.pack(MAGIC, len(self.header), size, crc)
+        return [self._prefix, self.header, *self.bodies]
+
+
+class _Received(Frame):
+    """A frame received whole (a standby's copy of its primary's record), its CRC
+    and lsn checked by the receiver: written as it is."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.nbytes = len(raw)
+
+    def chunks(self) -> list[Any]:
+        return [self.raw]
+
+
 @dataclass
 class _Item:
     lsn: int
-    header: bytes | None = None
-    arrays: Sequence[Array] = ()
+    frame: Frame | None = None
     rotate_to: int | None = None  # start a new segment whose first record is this
 
 
@@ -236,34 +272,51 @@ class WriteAheadLog:
         self._thread.start()
 
     # -- the Journal protocol -------------------------------------------------------
-    def log(
-        self, record: dict[str, Any], arrays: Sequence[Array], lsn: int | None = None
-    ) -> int:
-        """Queue ``record``; its lsn is the next one, or ``lsn`` (a standby's copy of
-        its primary's record keeps the primary's number; it must be above the last)."""
+    def log(self, record: dict[str, Any], arrays: Sequence[Array]) -> int:
+        """Queue ``record``; its lsn is the next one."""
+        return self.log_frame(record, arrays)[0]
+
+    def log_frame(
+        self, record: dict[str, Any], arrays: Sequence[Array]
+    ) -> tuple[int, Frame]:
+        """``log``, returning the frame queued too (the bytes the log will hold)."""
         arrays = [c_order(a) for a in arrays]
         with self._cv:
-            if self._broken is not None:
-                raise self._refusal(self._broken)
-            if self._closing:
-                raise Unavailable(
-                    "the write-ahead log is closed: the server is shutting down; "
-                    "retry once it is back"
-                )
-            if lsn is not None and lsn <= self._last:
-                raise ValueError(
-                    f"record {lsn} is not after the last one, {self._last}"
-                )
-            self._last = self._last + 1 if lsn is None else lsn
+            self._check_open()
+            self._last += 1
             lsn = self._last
             header = {
                 **record,
                 "lsn": lsn,
                 "arrays": [[a.dtype.str, list(a.shape)] for a in arrays],
             }
-            item = _Item(lsn, json.dumps(header).encode(), arrays)
-            self._queue.append(item)  # the caller's wait writes it: no wake-up here
+            frame = Frame(json.dumps(header).encode(), arrays)
+            self._queue.append(_Item(lsn, frame))  # the caller's wait writes it
+        return lsn, frame
+
+    def append_frame(self, raw: Any, lsn: int) -> int:
+        """Queue a whole frame as it is: a standby's copy of its primary's record
+        ``lsn`` (the caller checked its CRC and that its header holds ``lsn``),
+        which keeps the primary's number; it must be above the last."""
+        with self._cv:
+            self._check_open()
+            if lsn <= self._last:
+                raise ValueError(
+                    f"record {lsn} is not after the last one, {self._last}"
+                )
+            self._last = lsn
+            self._queue.append(_Item(lsn, _Received(raw)))
         return lsn
+
+    def _check_open(self) -> None:
+        """Under the lock: refuse a record the log cannot take now."""
+        if self._broken is not None:
+            raise self._refusal(self._broken)
+        if self._closing:
+            raise Unavailable(
+                "the write-ahead log is closed: the server is shutting down; "
+                "retry once it is back"
+            )
 
     def wait(self, lsn: int) -> None:
         """Return once record ``lsn`` is durable; WalWriteError if it is not."""
@@ -419,7 +472,7 @@ class WriteAheadLog:
         try:
             if exc is None:
                 written, exc = self._write_batch(batch)
-            failed = [item.lsn for item in batch[written:] if item.header is not None]
+            failed = [item.lsn for item in batch[written:] if item.frame is not None]
             # Announced while still the only writer, so health changes in order.
             news = self._account(exc, failed)
             if news is not None:
@@ -427,7 +480,7 @@ class WriteAheadLog:
         finally:
             with self._cv:
                 for item in batch[written:]:
-                    if item.header is not None:
+                    if item.frame is not None:
                         self._failures[item.lsn] = exc or OSError("log write failed")
                 self._done = max(self._done, batch[-1].lsn)
                 self._writing = False
@@ -439,11 +492,11 @@ class WriteAheadLog:
         try:
             for first, last in self._voids:
                 void = {"op": "void", "first": first, "last": last, "arrays": []}
-                self._write_frame(json.dumps(void).encode(), ())
+                self._write_frame(Frame(json.dumps(void).encode()))
             for i, item in enumerate(batch):
                 if item.rotate_to is None:
-                    assert item.header is not None
-                    self._write_frame(item.header, item.arrays)
+                    assert item.frame is not None
+                    self._write_frame(item.frame)
                     continue
                 self._sync()
                 durable = i
@@ -464,17 +517,9 @@ class WriteAheadLog:
             self._discard_unsynced(exc)
             return durable, exc
 
-    def _write_frame(self, header: bytes, arrays: Sequence[Array]) -> None:
-        crc = zlib.crc32(header)
-        body_len = 0
-        for a in arrays:
-            crc = zlib.crc32(a.reshape(-1).data.cast("B"), crc)
-            body_len += a.nbytes
-        _write_all(self._fd, FRAME.pack(MAGIC, len(header), body_len, crc))
-        _write_all(self._fd, header)
-        for a in arrays:
-            if a.nbytes:
-                _write_all(self._fd, a.reshape(-1).data.cast("B"))
+    def _write_frame(self, frame: Frame) -> None:
+        for chunk in frame.chunks():
+            _write_all(self._fd, chunk)
 
     def _sync(self) -> None:
         start = time.perf_counter()

@@ -80,6 +80,9 @@ class Durability:
         self._thread: threading.Thread | None = None
         self._lock_fd = -1
         self._scratch = _Scratch()
+        # The term of the log's last record, read at open (a replicated shard's
+        # records carry it; 0: unknown, or the last lsn is a snapshot's)
+        self.last_term = 0
 
     # -- start ----------------------------------------------------------------------
     def open(self) -> None:
@@ -92,6 +95,8 @@ class Durability:
             self._unlock()
             raise
         next_lsn = max([last, wal_lsn, *covered.values()]) + 1
+        if next_lsn - 1 != last or last == wal_lsn:
+            self.last_term = 0  # the last lsn is not a record read from the log
         if self.mode == "wal":
             self.journal = WriteAheadLog(
                 self.wal_dir, next_lsn, self._on_wal_error, self._on_wal_recover
@@ -183,6 +188,7 @@ class Durability:
         for header, arrays in reader:
             lsn, op, group = int(header["lsn"]), header["op"], header["group"]
             last = max(last, lsn)
+            self.last_term = int(header.get("term", 0))
             if covered.get(group, -1) >= lsn:
                 continue
             try:

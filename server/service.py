@@ -22,9 +22,10 @@ from .errors import FailedPrecondition
 
 __all__ = ["ParameterServerServicer", "Replicate", "add_servicer"]
 
-# The Replicate stream's handler (onnxps.server.replication): requests in, replies out.
+# The Replicate stream's handler (onnxps.server.replication): requests in, replies
+# out (a record's reply encoded already: bytes).
 Replicate = Callable[
-    [Iterable[pb.ReplicateRequest], Any], Iterator[pb.ReplicateResponse]
+    [Iterable[pb.ReplicateRequest], Any], Iterator[pb.ReplicateResponse | bytes]
 ]
 
 
@@ -43,7 +44,7 @@ class ParameterServerServicer(
     @streaming
     def Replicate(
         self, request_iterator: Iterable[pb.ReplicateRequest], context: Any
-    ) -> Iterator[pb.ReplicateResponse]:
+    ) -> Iterator[Any]:  # ReplicateResponse, or one encoded already (bytes)
         if self._replicate is None:
             raise FailedPrecondition(
                 "this server is not part of a replicated shard (it was started "

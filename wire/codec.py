@@ -671,19 +671,16 @@ def chunk_frames(
 
 
 def serializer(message: Any) -> Callable[[Any], bytes]:
-    """gRPC's serializer for ``message``: encoded frames (bytes) pass as they are."""
-
-    def serialize(msg: Any) -> bytes:
-        if isinstance(msg, bytes):
-            return msg
-        out: bytes = msg.SerializeToString()
-        return out
-
-    return serialize if _chunk_field(message) is not None else _proto_serializer
+    """gRPC's serializer for ``message``: bytes pass as they are (encoded chunk
+    frames; a replicated shard's records, encoded once for every standby)."""
+    return _serialize
 
 
-def _proto_serializer(msg: Message) -> bytes:
-    return msg.SerializeToString()
+def _serialize(msg: Any) -> bytes:
+    if isinstance(msg, bytes):
+        return msg
+    out: bytes = msg.SerializeToString()
+    return out
 
 
 def deserializer(message: Any) -> Callable[[bytes], Any]:

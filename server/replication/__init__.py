@@ -202,7 +202,7 @@ class Replication:
 
     def replicate(
         self, requests: Iterable[pb.ReplicateRequest], context: Any
-    ) -> Iterator[pb.ReplicateResponse]:
+    ) -> Iterator[pb.ReplicateResponse | bytes]:
         if self.journal is None:
             raise Unavailable("this server is starting: retry")
         return self.journal.replicate(requests, context)

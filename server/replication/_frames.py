@@ -1,14 +1,18 @@
-"""A log record as a WAL frame (docs/FORMAT.md), to ship and to read back."""
+"""A log record as a WAL frame (docs/FORMAT.md): shipped as the log holds it, and
+checked and written as it came by the standby."""
 
 from __future__ import annotations
 
-import io
 import json
+import os
 import zlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.codec import _read_varint, _varint
 
 from .._wal import (
     FRAME,
@@ -16,8 +20,6 @@ from .._wal import (
     MAX_HEADER,
     SEGMENT_HEADER,
     SEGMENT_MAGIC,
-    _read_frame,
-    c_order,
     segment_paths,
 )
 from ..errors import Unavailable
@@ -25,26 +27,107 @@ from ..errors import Unavailable
 Array = np.ndarray[Any, Any]
 
 
-def encode_frame(record: dict[str, Any], lsn: int, arrays: Sequence[Array]) -> bytes:
-    """The frame the log holds for ``record`` numbered ``lsn`` (a copy of the bytes)."""
-    arrays = [c_order(a) for a in arrays]
-    header = json.dumps(
-        {**record, "lsn": lsn, "arrays": [[a.dtype.str, list(a.shape)] for a in arrays]}
-    ).encode()
-    body = [a.reshape(-1).data.cast("B") for a in arrays if a.nbytes]
-    crc = zlib.crc32(header)
-    for part in body:
-        crc = zlib.crc32(part, crc)
-    size = sum(len(part) for part in body)
-    return b"".join([FRAME.pack(MAGIC, len(header), size, crc), header, *body])
+@dataclass(frozen=True)
+class ShippedRecord:
+    """A ``ReplicateResponse`` carrying a record, as the standby's stub decodes it:
+    the frame is a view of the received message (no copy)."""
+
+    term: int
+    lsn: int
+    frame: memoryview
 
 
-def decode_frame(frame: bytes) -> tuple[dict[str, Any], list[Array]]:
-    """Header (with ``lsn``) and arrays of a frame; ValueError when it is damaged."""
-    got = _read_frame(io.BytesIO(frame), "")
-    if got is None:
-        raise ValueError("empty frame")
-    return got
+def shipped(term: int, lsn: int, chunks: Sequence[Any]) -> bytes:
+    """The wire bytes of ``ReplicateResponse(term, record=ReplicaRecord(lsn,
+    frame))`` whose frame is ``chunks`` joined: one copy of the frame (the
+    Replicate stream sends bytes as they are, codec.serializer)."""
+    size = sum(len(c) for c in chunks)
+    record = b"\x08" + _varint(lsn) + b"\x12" + _varint(size)
+    head = b"\x22" + _varint(len(record) + size) + record
+    if term:
+        head = b"\x08" + _varint(term) + head
+    return b"".join([head, *chunks])
+
+
+def decode_response(raw: bytes) -> Any:
+    """The standby's deserializer of ``ReplicateResponse``: a record as a
+    ``ShippedRecord`` (its frame a view of ``raw``), anything else parsed."""
+    got = _record_view(memoryview(raw))
+    return pb.ReplicateResponse.FromString(raw) if got is None else got
+
+
+def _record_view(buf: memoryview) -> ShippedRecord | None:
+    """``buf`` as ``shipped`` encodes it (a term, then a record), else None."""
+    end, term, pos = len(buf), 0, 0
+    if end and buf[0] == 0x08:
+        term, pos = _read_varint(buf, 1, end)
+    if pos >= end or buf[pos] != 0x22:
+        return None
+    length, pos = _read_varint(buf, pos + 1, end)
+    if term < 0 or length < 0 or pos + length != end or pos >= end:
+        return None
+    if buf[pos] != 0x08:
+        return None
+    lsn, pos = _read_varint(buf, pos + 1, end)
+    if lsn < 0 or pos >= end or buf[pos] != 0x12:
+        return None
+    size, pos = _read_varint(buf, pos + 1, end)
+    if size < 0 or pos + size != end:
+        return None
+    return ShippedRecord(term, lsn, buf[pos:end])
+
+
+def check_frame(frame: memoryview, lsn: int) -> dict[str, Any]:
+    """The header of a shipped frame once its lengths and CRC are right and it is
+    record ``lsn``; ValueError when it is damaged or another record."""
+    if len(frame) < FRAME.size:
+        raise ValueError(f"record {lsn}: a frame of {len(frame)} bytes")
+    magic, hlen, blen, crc = FRAME.unpack_from(frame)
+    if magic != MAGIC or hlen > MAX_HEADER or FRAME.size + hlen + blen != len(frame):
+        raise ValueError(f"record {lsn}: bad frame magic or lengths")
+    if zlib.crc32(frame[FRAME.size :]) != crc:
+        raise ValueError(f"record {lsn}: checksum mismatch")
+    header: dict[str, Any] = json.loads(bytes(frame[FRAME.size : FRAME.size + hlen]))
+    if int(header.get("lsn", -1)) != lsn:
+        raise ValueError(f"record {lsn} holds lsn {header.get('lsn')}")
+    return header
+
+
+def frame_arrays(header: dict[str, Any], frame: memoryview) -> list[Array]:
+    """The arrays of a checked frame (views of it) as its header declares them."""
+    offset = FRAME.size + FRAME.unpack_from(frame)[1]
+    arrays = []
+    for dtype_str, shape in header["arrays"]:
+        dtype = np.dtype(dtype_str)
+        count = int(np.prod(shape, dtype=np.int64))
+        a = np.frombuffer(frame, dtype=dtype, count=count, offset=offset)
+        arrays.append(a.reshape(shape))
+        offset += count * dtype.itemsize
+    return arrays
+
+
+def logged_term(wal_dir: str, lsn: int) -> int | None:
+    """The term record ``lsn`` of the log holds (0: none written), or None when
+    the log does not hold that record (pruned, not written, or damaged)."""
+    older = [path for first, path in segment_paths(wal_dir) if first <= lsn]
+    if not older:
+        return None
+    with open(older[-1], "rb") as f:
+        head = f.read(SEGMENT_HEADER.size)
+        if len(head) < SEGMENT_HEADER.size or head[:8] != SEGMENT_MAGIC:
+            return None
+        while len(raw := f.read(FRAME.size)) == FRAME.size:
+            magic, hlen, blen, _crc = FRAME.unpack(raw)
+            if magic != MAGIC or hlen > MAX_HEADER:
+                return None
+            text = f.read(hlen)
+            if len(text) < hlen:
+                return None
+            header = json.loads(text)
+            if header.get("op") != "void" and int(header["lsn"]) >= lsn:
+                return int(header.get("term", 0)) if header["lsn"] == lsn else None
+            f.seek(blen, os.SEEK_CUR)
+    return None
 
 
 def logged_frames(wal_dir: str, after: int) -> Iterator[tuple[int, bytes]]:
@@ -55,7 +138,12 @@ def logged_frames(wal_dir: str, after: int) -> Iterator[tuple[int, bytes]]:
     since the snapshot was chosen) end the stream: the standby starts again from a
     newer snapshot instead of missing them."""
     expected = after + 1
-    for _first, path in segment_paths(wal_dir):
+    segments = segment_paths(wal_dir)
+    # a segment whose next one starts at or before ``after + 1`` holds none of them
+    starts = [first for first, _ in segments[1:]] + [None]
+    for (_first, path), nxt in zip(segments, starts, strict=True):
+        if nxt is not None and nxt <= expected:
+            continue
         with open(path, "rb") as f:
             head = f.read(SEGMENT_HEADER.size)
             if len(head) < SEGMENT_HEADER.size:
@@ -69,16 +157,20 @@ def logged_frames(wal_dir: str, after: int) -> Iterator[tuple[int, bytes]]:
                 magic, hlen, blen, crc = FRAME.unpack(raw)
                 if magic != MAGIC or hlen > MAX_HEADER:
                     return
-                rest = f.read(hlen + blen)
-                if len(rest) < hlen + blen or zlib.crc32(rest) != crc:
+                text = f.read(hlen)
+                if len(text) < hlen:
                     return
-                header = json.loads(rest[:hlen])
+                header = json.loads(text)
+                lsn = int(header.get("lsn", 0))
+                if header.get("op") != "void" and lsn <= after:
+                    f.seek(blen, os.SEEK_CUR)  # not sent: neither read nor checked
+                    continue
+                body = f.read(blen)
+                if len(body) < blen or zlib.crc32(body, zlib.crc32(text)) != crc:
+                    return
                 if header.get("op") == "void":  # as the log's reader skips them
                     if int(header["first"]) <= expected:
                         expected = max(expected, int(header["last"]) + 1)
-                    continue
-                lsn = int(header["lsn"])
-                if lsn <= after:
                     continue
                 if lsn != expected:
                     raise Unavailable(
@@ -88,4 +180,4 @@ def logged_frames(wal_dir: str, after: int) -> Iterator[tuple[int, bytes]]:
                         reason="NOT_REPLICATED",
                     )
                 expected = lsn + 1
-                yield lsn, raw + rest
+                yield lsn, b"".join((raw, text, body))

@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +29,10 @@ import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 
 from .._snapshot import SnapshotError, list_snapshots, read_manifest
+from .._wal import Frame
 from ..durability import Durability
 from ..errors import FailedPrecondition, Unavailable
-from ._frames import encode_frame, logged_frames
+from ._frames import logged_frames, logged_term, shipped
 from ._member import Member, Role
 
 __all__ = ["NotPrimary", "ReplicatedJournal"]
@@ -54,9 +55,34 @@ class NotPrimary(FailedPrecondition, Unavailable):
     default_reason = "NOT_PRIMARY"
 
 
+class _Shipped:
+    """A record's ``ReplicateResponse`` as sent: the frame the log holds, encoded
+    once (by the first stream that sends it) for every standby."""
+
+    def __init__(self, term: int, lsn: int, frame: Frame) -> None:
+        self._args: tuple[int, int, Frame] | None = (term, lsn, frame)
+        self._lock = threading.Lock()
+        self._wire: bytes | None = b""
+
+    def wire(self) -> bytes | None:
+        """The encoded message; None once released before any stream encoded it."""
+        with self._lock:
+            if self._args is not None:
+                term, lsn, frame = self._args
+                self._wire, self._args = shipped(term, lsn, frame.chunks()), None
+            return self._wire
+
+    def release(self) -> None:
+        """Let the frame's arrays go (encoded already, or never: see ``wire``)."""
+        with self._lock:
+            if self._args is not None:
+                self._args, self._wire = None, None
+
+
 @dataclass
 class _Record:
-    frame: bytes | None = None
+    term: int
+    frame: _Shipped
     failed: bool = False
     durable: bool = False
 
@@ -134,17 +160,29 @@ class ReplicatedJournal:
                         "in_sync": len(live),
                     },
                 )
-            lsn = int(self.inner.log(record, arrays))
-            entry = self._records[lsn] = _Record()
-        # Shipped while this server writes it too: the standbys' fsync runs beside
-        # this one's, not after it.
-        frame = encode_frame(record, lsn, arrays)
-        with self._cv:
-            entry.frame = frame
+            # The term in each record: a standby resuming from its last record
+            # must hold the one of this log (a deposed primary's may differ).
+            term = self.member.term
+            lsn, frame = self.inner.log_frame({**record, "term": term}, arrays)
+            lsn = int(lsn)
+            # Encoded by the first stream that sends it, while this server writes
+            # it: the standbys' fsync runs beside this one's, not after it.
+            self._records[lsn] = _Record(term, _Shipped(term, lsn, frame))
             self._cv.notify_all()
         return lsn
 
     def wait(self, lsn: int) -> None:
+        try:
+            self._wait(lsn)
+        finally:
+            # The caller gives the record's arrays back (a pooled gradient) once
+            # this returns: a stream that did not encode it yet reads the log.
+            with self._cv:
+                entry = self._records.get(lsn)
+            if entry is not None:
+                entry.frame.release()
+
+    def _wait(self, lsn: int) -> None:
         try:
             self.inner.wait(lsn)
         except BaseException:
@@ -257,7 +295,7 @@ class ReplicatedJournal:
     # -- the Replicate stream -------------------------------------------------------
     def replicate(
         self, requests: Iterable[pb.ReplicateRequest], context: Any
-    ) -> Iterator[pb.ReplicateResponse]:
+    ) -> Iterator[pb.ReplicateResponse | bytes]:
         it = iter(requests)
         first = next(it, None)
         if first is None or first.WhichOneof("part") != "hello":
@@ -284,34 +322,60 @@ class ReplicatedJournal:
             name="onnxps-acks",
         )  # fmt: skip
         try:
-            # The newest snapshot on disk (written already: no store lock, so no
-            # wait on pushes that wait for a standby), then the log after it.
-            path, wal_lsn = self._base_snapshot()
-            log.info(
-                "standby %s (%s): sending snapshot %s (wal lsn %d), then the log",
-                hello.member_id, hello.address, path, wal_lsn,
-            )  # fmt: skip
-            yield from _snapshot_messages(path, term)
-            yield pb.ReplicateResponse(
-                term=term,
-                snapshot_done=pb.ReplicaSnapshotDone(
-                    wal_lsn=wal_lsn,
-                    generation=int(os.path.basename(path).split("-")[1]),
-                ),
-            )
+            if self._resumable(hello, standby.floor):
+                log.info(
+                    "standby %s (%s) resumes after record %d (term %d): this log "
+                    "holds it in that term, no snapshot",
+                    hello.member_id, hello.address, hello.last_lsn, hello.last_term,
+                )  # fmt: skip
+                after = hello.last_lsn
+                with self._cv:  # the hello vouches for it: the standby's first ack
+                    standby.acked, standby.syncing = after, False
+            else:
+                after = yield from self._snapshot(hello, term)
             acks.start()
-            for lsn, frame in logged_frames(self.durability.wal_dir, wal_lsn):
+            for lsn, frame in logged_frames(self.durability.wal_dir, after):
                 if lsn > standby.floor:
                     break
-                yield pb.ReplicateResponse(
-                    term=term, record=pb.ReplicaRecord(lsn=lsn, frame=frame)
-                )
+                yield shipped(term, lsn, [frame])
             yield from self._records_after(standby.floor, standby, context, term)
         finally:
             with self._cv:
                 standby.gone = True
                 self._cv.notify_all()
             log.info("standby %s stopped following", hello.member_id)
+
+    def _resumable(self, hello: pb.ReplicateHello, floor: int) -> bool:
+        """Whether the standby's log is a prefix of this one: its last record is
+        durable here and was written in the same term (a standby holding records
+        of a deposed primary that this log lacks or holds otherwise must take a
+        snapshot: PostgreSQL's timelines, Kafka's leader epochs)."""
+        if not 0 < hello.last_lsn <= floor or hello.last_term == 0:
+            return False
+        wal_dir = self.durability.wal_dir
+        return logged_term(wal_dir, hello.last_lsn) == hello.last_term
+
+    def _snapshot(
+        self, hello: pb.ReplicateHello, term: int
+    ) -> Generator[pb.ReplicateResponse, None, int]:
+        """Send the newest snapshot on disk (written already: no store lock, so no
+        wait on pushes that wait for a standby); returns its wal lsn."""
+        path, wal_lsn = self._base_snapshot()
+        log.info(
+            "standby %s (%s, last record %d of term %d): sending snapshot %s "
+            "(wal lsn %d), then the log",
+            hello.member_id, hello.address, hello.last_lsn, hello.last_term, path,
+            wal_lsn,
+        )  # fmt: skip
+        yield from _snapshot_messages(path, term)
+        yield pb.ReplicateResponse(
+            term=term,
+            snapshot_done=pb.ReplicaSnapshotDone(
+                wal_lsn=wal_lsn,
+                generation=int(os.path.basename(path).split("-")[1]),
+            ),
+        )
+        return wal_lsn
 
     def _durable_floor(self) -> int:
         """Under the lock: every record up to this lsn is durable in the log."""
@@ -333,7 +397,7 @@ class ReplicatedJournal:
 
     def _records_after(
         self, lsn: int, standby: _Standby, context: Any, term: int
-    ) -> Iterator[pb.ReplicateResponse]:
+    ) -> Iterator[bytes]:
         nxt = lsn + 1
         while context.is_active() and not standby.gone:
             with self._cv:
@@ -341,16 +405,27 @@ class ReplicatedJournal:
                 if entry is None and nxt <= self._last_known():
                     nxt += 1  # a record that was not kept: one nobody waits for
                     continue
-                if entry is None or (entry.frame is None and not entry.failed):
+                if entry is None:
                     self._cv.wait(0.05)
                     if self.member.term != term or self.member.role is not Role.PRIMARY:
                         return  # deposed, or a newer term: the standby follows it
                     continue
-            if entry.frame is not None and not entry.failed:
-                yield pb.ReplicateResponse(
-                    term=term, record=pb.ReplicaRecord(lsn=nxt, frame=entry.frame)
-                )
+            if not entry.failed:
+                if entry.term != term:
+                    return  # logged in a newer term: the standby follows that
+                yield entry.frame.wire() or self._from_log(nxt, term)
             nxt += 1
+
+    def _from_log(self, lsn: int, term: int) -> bytes:
+        """Record ``lsn`` (durable) as shipped, read from the log on disk."""
+        for got, frame in logged_frames(self.durability.wal_dir, lsn - 1):
+            if got == lsn:
+                return shipped(term, lsn, [frame])
+            break
+        raise Unavailable(
+            f"record {lsn} is not in the log {self.durability.wal_dir}: follow again",
+            reason="NOT_REPLICATED",
+        )
 
     def _last_known(self) -> int:
         """Below the oldest record kept, every record was trimmed (all hold it)."""
@@ -358,6 +433,8 @@ class ReplicatedJournal:
 
     def _read_acks(self, requests: Iterator[pb.ReplicateRequest], s: _Standby) -> None:
         try:
+            if not s.syncing:  # resumed: it may hold every acknowledged push already
+                self._maybe_sync(s)
             for req in requests:
                 if req.WhichOneof("part") != "ack":
                     continue

@@ -332,11 +332,34 @@ class Member:
             new_term,
         )
         self._on_promoted(new_term)
+        if not self._renew_after_promotion():
+            return
         with self._lock:
             self.role = Role.PRIMARY
         self.failovers += 1
         self._on_primary(self.primary)
         self._register()
+
+    def _renew_after_promotion(self) -> bool:
+        """Renew the lease once this server finished applying what it received
+        (no renewal ran meanwhile: a long drain would leave it fenced at once);
+        False when the lease lapsed meanwhile (its primary key went with it)."""
+        sent = self._clock()
+        try:
+            ttl = self.etcd.keepalive(self._lease)
+        except CoordinatorUnavailable:
+            return True  # the fence (may_acknowledge) decides, as for any renewal
+        if ttl > 0:
+            self._renewed = self._sent = sent
+            return True
+        log.warning(
+            "etcd lease %x lapsed while taking the lead; following", self._lease
+        )
+        self.primary = None
+        self._on_primary(None)
+        self._new_lease()
+        self._register()
+        return False
 
     # -- keys -----------------------------------------------------------------------
     def _primary_value(self, term: int | None = None) -> bytes:

@@ -9,6 +9,7 @@ a term older than the newest this standby has seen are refused (the stream ends)
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -19,11 +20,10 @@ from typing import Any
 
 import grpc
 from onnxps.v1 import parameter_server_pb2 as pb
-from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 from ..durability import Durability
-from ..errors import DomainError
-from ._frames import decode_frame
+from ..errors import DomainError, Unavailable
+from ._frames import ShippedRecord, check_frame, decode_response, frame_arrays
 from ._member import PrimaryInfo
 
 __all__ = ["Follower"]
@@ -31,6 +31,80 @@ __all__ = ["Follower"]
 log = logging.getLogger("onnxps.replication")
 
 _END = object()
+REPLICATE = "/onnxps.v1.ParameterServerService/Replicate"
+KEEPALIVE_SECONDS = 5.0  # below any sensible --stall-seconds (30 by default)
+
+
+class _Applier:
+    """Applies the records a follower received, in order, on its own thread
+    behind their acks. At most ``limit`` bytes of records wait (the receiver
+    blocks beyond that); ``close`` returns once every record queued is applied."""
+
+    def __init__(
+        self,
+        apply: Callable[[dict[str, Any], memoryview, dict[str, int]], None],
+        limit: int = 256 << 20,
+    ) -> None:
+        self._apply = apply
+        self._limit = limit
+        self._cv = threading.Condition()
+        self._items: collections.deque[Any] = collections.deque()
+        self._bytes = 0
+        self._closed = False
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, name="onnxps-apply", daemon=True
+        )
+        self._thread.start()
+
+    def put(
+        self, header: dict[str, Any], frame: memoryview, covered: dict[str, int]
+    ) -> None:
+        with self._cv:
+            while self._items and self._bytes + len(frame) > self._limit:
+                self._cv.wait()
+            self._raise_failed()
+            self._items.append((header, frame, covered))
+            self._bytes += len(frame)
+            self._cv.notify_all()
+
+    def drain(self) -> None:
+        """Return once every record queued is applied."""
+        with self._cv:
+            while self._items:
+                self._cv.wait()
+            self._raise_failed()
+
+    def close(self) -> bool:
+        """Return once every record queued is applied: False if one failed."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()
+        return self._failed is None
+
+    def _raise_failed(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError("applying a record failed") from self._failed
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._items and not self._closed:
+                    self._cv.wait()
+                if not self._items:
+                    return
+                item = self._items[0]
+            try:
+                if self._failed is None:
+                    self._apply(*item)
+            except BaseException as exc:  # the receiver raises it, and stops
+                log.exception("applying record %s failed", item[0].get("lsn"))
+                self._failed = exc
+            with self._cv:
+                self._items.popleft()
+                self._bytes -= len(item[1])
+                self._cv.notify_all()
 
 
 class Follower:
@@ -60,7 +134,12 @@ class Follower:
         self._stop = threading.Event()
         self._call: Any = None
         self._thread: threading.Thread | None = None
-        self.applied = 0  # the last lsn applied
+        # The last record durable in this server's log and its term, sent in the
+        # hello to resume from there ((0, 0): this state needs a snapshot)
+        journal = durability.journal
+        self.durable = 0 if journal is None else int(journal.last_lsn())
+        self.durable_term = 0 if durability.adopting else durability.last_term
+        self.applied = 0  # the last lsn applied (durable first: acks do not wait)
         self.idle = threading.Event()
         self.idle.set()
         self._warned: PrimaryInfo | None = None
@@ -124,16 +203,28 @@ class Follower:
         acks.put(
             pb.ReplicateRequest(
                 hello=pb.ReplicateHello(
-                    member_id=self.member_id, term=target.term, address=self.address
+                    member_id=self.member_id,
+                    term=target.term,
+                    address=self.address,
+                    last_lsn=self.durable if self.durable_term else 0,
+                    last_term=self.durable_term,
                 )
             )
         )
 
         def requests() -> Iterator[pb.ReplicateRequest]:
+            # While nothing comes, the last message again (an ack repeated, or the
+            # hello, which the primary skips): the primary ends a request stream
+            # silent for --stall-seconds.
+            last = None
             while True:
-                item = acks.get()
+                try:
+                    item = acks.get(timeout=KEEPALIVE_SECONDS)
+                except queue.Empty:
+                    item = last
                 if item is _END:
                     return
+                last = item
                 yield item
 
         options = [
@@ -141,8 +232,13 @@ class Follower:
             ("grpc.max_send_message_length", self._max_message),
         ]
         with self._channel(target.address, options) as channel:
-            stub = pb_grpc.ParameterServerServiceStub(channel)
-            call: Any = stub.Replicate(requests(), metadata=self._metadata)
+            # records arrive as views of the message received (decode_response)
+            replicate = channel.stream_stream(
+                REPLICATE,
+                request_serializer=pb.ReplicateRequest.SerializeToString,
+                response_deserializer=decode_response,
+            )
+            call: Any = replicate(requests(), metadata=self._metadata)
             with self._lock:
                 if self._target != target:
                     call.cancel()
@@ -161,8 +257,21 @@ class Follower:
         return grpc.secure_channel(address, self._credentials, options=options)
 
     def _receive(self, call: Any, target: PrimaryInfo, acks: queue.Queue[Any]) -> None:
+        applier = _Applier(self._apply)
+        try:
+            self._messages(call, target, acks, applier)
+        finally:
+            # Every record received is applied before following ends: a promotion
+            # (which stops following first) serves the whole state.
+            if not applier.close():
+                self.durable_term = 0  # what is applied is not the log: a snapshot
+
+    def _messages(
+        self, call: Any, target: PrimaryInfo, acks: queue.Queue[Any], applier: _Applier
+    ) -> None:
         tmp: str | None = None
         covered: dict[str, int] = {}
+        fresh = True  # no snapshot nor record received yet
         for msg in call:
             if msg.term < max(target.term, self._term()) or self._stop.is_set():
                 log.warning(
@@ -171,7 +280,19 @@ class Follower:
                 )  # fmt: skip
                 call.cancel()
                 return
+            if isinstance(msg, ShippedRecord):
+                if fresh:
+                    fresh = False
+                    log.info(
+                        "following %s from record %d (after this server's record "
+                        "%d: resumed with no snapshot)",
+                        target.address, msg.lsn, self.durable,
+                    )  # fmt: skip
+                self._record(msg, covered, applier)
+                acks.put(pb.ReplicateRequest(ack=pb.ReplicateAck(lsn=msg.lsn)))
+                continue
             part = msg.WhichOneof("part")
+            fresh = False
             if part == "snapshot_chunk":
                 tmp = tmp or self._fresh_dir()
                 self._write_chunk(tmp, msg.snapshot_chunk)
@@ -182,31 +303,39 @@ class Follower:
                 shutil.rmtree(final, ignore_errors=True)
                 os.rename(tmp, final)
                 tmp = None
+                applier.drain()
+                self.durable_term = 0  # until a record of the new log is durable
                 wal_lsn, covered = self.durability.adopt_snapshot(final)
-                self.applied = wal_lsn
+                self.durable = self.applied = wal_lsn
                 log.info(
                     "caught up from %s's snapshot (generation %d, wal lsn %d)",
                     target.address, gen, wal_lsn,
                 )  # fmt: skip
                 acks.put(pb.ReplicateRequest(ack=pb.ReplicateAck(lsn=wal_lsn)))
-            elif part == "record":
-                self._record(msg.record, covered)
-                acks.put(pb.ReplicateRequest(ack=pb.ReplicateAck(lsn=msg.record.lsn)))
 
-    def _record(self, rec: pb.ReplicaRecord, covered: dict[str, int]) -> None:
-        header, arrays = decode_frame(rec.frame)
-        lsn = int(header.pop("lsn"))
-        if lsn != rec.lsn:
-            raise ValueError(f"record {rec.lsn} holds lsn {lsn}")
-        if lsn <= self.applied:
+    def _record(
+        self, rec: ShippedRecord, covered: dict[str, int], applier: _Applier
+    ) -> None:
+        """Write the frame to this server's log as it came (its CRC and lsn
+        checked), wait until it is durable, then hand it to the applier: the ack
+        that follows promises durability, not application."""
+        header = check_frame(rec.frame, rec.lsn)
+        if rec.lsn <= self.durable:
             return
         journal = self.durability.journal
-        if journal is not None:
-            journal.wait(journal.log(header, arrays, lsn=lsn))
-        header["lsn"] = lsn
+        if journal is None:
+            raise Unavailable("the write-ahead log is closed: follow again")
+        journal.wait(journal.append_frame(rec.frame, rec.lsn))
+        self.durable, self.durable_term = rec.lsn, int(header.get("term", 0))
+        applier.put(header, rec.frame, covered)
+
+    def _apply(
+        self, header: dict[str, Any], frame: memoryview, covered: dict[str, int]
+    ) -> None:
+        lsn = int(header["lsn"])
         if covered.get(header.get("group", ""), -1) < lsn:
             try:
-                self.durability.apply(header, arrays)
+                self.durability.apply(header, frame_arrays(header, frame))
             except DomainError as exc:
                 log.warning(
                     "record %d (%s on %r) not applied: %s",

@@ -2562,6 +2562,8 @@ class ReplicateHello(_message.Message):
     MEMBER_ID_FIELD_NUMBER: _builtins.int
     TERM_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
+    LAST_LSN_FIELD_NUMBER: _builtins.int
+    LAST_TERM_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     """The standby's member id in the coordinator."""
     term: _builtins.int
@@ -2570,16 +2572,26 @@ class ReplicateHello(_message.Message):
     """
     address: _builtins.str
     """The standby's client address, for status and logs."""
+    last_lsn: _builtins.int
+    """The last record durable in the standby's log (0: none, or a state it
+    cannot vouch for): the primary streams the records after it, with no
+    snapshot, when its own log holds that record in the same term and every
+    record after it; else it sends a snapshot first.
+    """
+    last_term: _builtins.int
+    """The term in which record last_lsn was written (0: unknown)."""
     def __init__(
         self,
         *,
         member_id: _builtins.str = ...,
         term: _builtins.int = ...,
         address: _builtins.str = ...,
+        last_lsn: _builtins.int = ...,
+        last_term: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "member_id", b"member_id", "term", b"term"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "last_lsn", b"last_lsn", "last_term", b"last_term", "member_id", b"member_id", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

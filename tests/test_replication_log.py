@@ -1,0 +1,210 @@
+"""Replicated shards: what the standbys' logs hold (issue 23).
+
+A standby writes the frames its primary ships as they came, so its log holds the
+primary's bytes; restarted with its data directory it resumes after its own last
+record instead of taking a snapshot, unless its log holds a record of a deposed
+primary that the new primary's log lacks or holds in another term.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+from _etcd import etcd_server  # noqa: F401 - a fixture
+from onnxps.client import Adagrad, Client
+from onnxps.server._wal import WriteAheadLog
+from onnxps.server.replication._frames import logged_frames
+from test_replication import SIZE, ReplicaSet, _create, _kill, replicas  # noqa: F401
+
+LOWER = ("--sync-policy", "lower")
+
+
+def _frames(wal_dir: Path) -> dict[int, bytes]:
+    return dict(logged_frames(str(wal_dir), 0))
+
+
+def _log(tmp_path: Path, i: int, start: int) -> str:
+    return (tmp_path / f"server{i}-{start}.log").read_text()
+
+
+def test_a_standby_logs_the_bytes_its_primary_logged(
+    replicas: object,  # noqa: F811 - the fixture
+    tmp_path: Path,
+) -> None:
+    rs: ReplicaSet = replicas(2)  # type: ignore[operator]
+    p = rs.primary()
+    s = 1 - p
+    rs.wait_sync()
+    _create(rs.url)
+    with Client(rs.url, timeout=30) as c:
+        for k in range(3):
+            c.push("g", np.full(SIZE, 0.5 + k, np.float32))
+    rs.wait_t(s, "g", 3)
+    primary = _frames(tmp_path / f"data{p}" / "wal")
+    standby = _frames(tmp_path / f"data{s}" / "wal")
+    assert sorted(primary) == [1, 2, 3, 4]  # the create, then 3 pushes
+    # The standby's log starts after the snapshot it adopted (which may hold the
+    # create); every record it holds is the primary's frame, byte for byte.
+    assert sorted(standby) in ([1, 2, 3, 4], [2, 3, 4])
+    assert {lsn: primary[lsn] for lsn in standby} == standby
+
+
+def test_a_restarted_standby_resumes_from_its_log_without_a_snapshot(
+    replicas: object,  # noqa: F811 - the fixture
+    tmp_path: Path,
+) -> None:
+    rs: ReplicaSet = replicas(2, extra=LOWER)  # type: ignore[operator]
+    p = rs.primary()
+    s = 1 - p
+    rs.wait_sync()
+    _create(rs.url)
+    g = np.full(SIZE, 0.5, np.float32)
+    with Client(rs.url, timeout=30) as c:
+        assert [c.push("g", g) for _ in range(3)] == [1, 2, 3]
+        rs.wait_t(s, "g", 3)
+        _kill(rs, s)
+        assert [c.push("g", g) for _ in range(2)] == [4, 5]  # the primary alone
+        rs.start(s)
+        assert rs.wait_sync() == [f"m{s}"]
+        assert c.push("g", g) == 6
+    rs.wait_t(s, "g", 6)
+    np.testing.assert_array_equal(rs.state(s, "g")[1], rs.state(p, "g")[1])
+    # lsn 4 is the third push: the last record in the standby's log
+    assert re.search(
+        rf"standby m{s} \(\S+\) resumes after record 4 \(term 1\)",
+        _log(tmp_path, p, 1),
+    ), _log(tmp_path, p, 1)[-3000:]
+    restarted = _log(tmp_path, s, 2)
+    assert "from record 5 (after this server's record 4: resumed" in restarted
+    assert "caught up from" not in restarted  # no snapshot adopted
+
+
+def test_a_standby_holding_a_deposed_primarys_record_takes_a_snapshot(
+    replicas: object,  # noqa: F811 - the fixture
+    tmp_path: Path,
+) -> None:
+    rs: ReplicaSet = replicas(2, extra=LOWER)  # type: ignore[operator]
+    p = rs.primary()
+    s = 1 - p
+    rs.wait_sync()
+    _create(rs.url)
+    with Client(rs.url, timeout=30) as c:
+        assert c.push("g", np.full(SIZE, 0.5, np.float32)) == 1  # lsn 2, term 1
+    rs.wait_t(s, "g", 1)
+    _kill(rs, p)
+    assert rs.primary(not_=p) == s  # term 2
+    # What p would hold had it logged a push (lsn 3, term 1) and died before
+    # shipping it: a record the new primary never had.
+    wal = WriteAheadLog(str(tmp_path / f"data{p}" / "wal"), next_lsn=3)
+    record = {
+        "op": "push", "group": "g", "client_id": "lost", "seq": 1,
+        "base_version": None, "lr": None, "t": 1, "term": 1,
+    }  # fmt: skip
+    wal.wait(wal.log(record, [np.full(SIZE, 9.0, np.float32)]))
+    wal.close()
+    with Client(rs.url, timeout=30) as c:
+        assert c.push("g", np.full(SIZE, 0.25, np.float32)) == 2  # lsn 3, term 2
+    rs.start(p)  # replays its log: T=2, by the lost push
+    assert rs.wait_sync() == [f"m{p}"]  # after it adopted s's snapshot
+    rs.wait_t(p, "g", 2)
+    np.testing.assert_array_equal(rs.state(p, "g")[1], rs.state(s, "g")[1])
+    assert re.search(
+        rf"standby m{p} \(\S+, last record 3 of term 1\): sending snapshot",
+        _log(tmp_path, s, 1),
+    ), _log(tmp_path, s, 1)[-3000:]
+    assert "caught up from" in _log(tmp_path, p, 2)
+
+
+def test_a_standby_is_named_synchronous_only_once_it_holds_all_the_last_primary_did(
+    replicas: object,  # noqa: F811 - the fixture
+) -> None:
+    rs: ReplicaSet = replicas(3)  # type: ignore[operator]
+    a = rs.primary()
+    (named,) = rs.wait_sync()
+    b = int(named[1:])
+    c = 3 - a - b
+    n, pushes = 1 << 18, 150  # 1 MiB a push: c takes a while to catch up
+    g = np.full(n, 0.5, np.float32)
+    with Client(rs.url, timeout=60) as cl:
+        cl.create_group(
+            "g", Adagrad(), learning_rate=0.1, tensors={"x": np.zeros(n, np.float32)}
+        )
+        os.kill(rs.procs[c].pid, signal.SIGSTOP)  # c falls behind
+        assert [cl.push("g", g) for _ in range(pushes)][-1] == pushes
+    _kill(rs, a)
+    assert rs.primary(not_=a) == b  # the one that holds every acknowledged push
+    os.kill(rs.procs[c].pid, signal.SIGCONT)
+    # b names c once c holds every record b holds: all a acknowledged too
+    assert rs.wait_sync() == [f"m{c}"]
+    _kill(rs, b)
+    assert rs.primary(not_=b) == c
+    assert rs.state(c, "g")[0] == pushes
+
+
+def test_an_idle_standby_keeps_its_stream_past_the_stall_limit(
+    replicas: object,  # noqa: F811 - the fixture
+    tmp_path: Path,
+) -> None:
+    rs: ReplicaSet = replicas(2, extra=("--stall-seconds", "6"))  # type: ignore[operator]
+    p = rs.primary()
+    rs.wait_sync()
+    _create(rs.url)
+    with Client(rs.url, timeout=30) as c:
+        assert c.push("g", np.full(SIZE, 0.5, np.float32)) == 1
+        time.sleep(15)  # idle: the standby sends its last ack again every 5 s
+        assert c.push("g", np.full(SIZE, 0.5, np.float32)) == 2
+    log = _log(tmp_path, p, 1)
+    assert "stopped following" not in log
+    assert "sent nothing for 6 s" not in log
+
+
+def test_a_standby_acks_before_it_applies_but_stops_following_once_applied(
+    replicas: object,  # noqa: F811 - the fixture
+    tmp_path: Path,
+) -> None:
+    """The promotion path (``follow(None)``, then ``idle``) waits for the records
+    the standby acknowledged to be applied: here its applier is held up by the
+    group's lock, taken by the test, while three pushes are acknowledged."""
+    from onnxps.server.durability import Durability
+    from onnxps.server.replication._member import PrimaryInfo
+    from onnxps.server.replication._standby import Follower
+    from onnxps.server.store import ParameterStore
+
+    rs: ReplicaSet = replicas(1, extra=("--sync-replicas", "0"))  # type: ignore[operator]
+    p = rs.primary()
+    _create(rs.url)
+    store = ParameterStore()
+    durability = Durability(store, str(tmp_path / "follower"), mode="wal")
+    durability.open()
+    follower = Follower(
+        durability, member_id="f", address="127.0.0.1:1", term=lambda: 0,
+        max_message_bytes=64 << 20,
+    )  # fmt: skip
+    follower.start()
+    try:
+        follower.follow(PrimaryInfo(f"m{p}", rs.addresses[p], 1))
+        deadline = time.monotonic() + 60
+        while not [v for v in store.groups() if v.name == "g"]:  # the snapshot
+            assert time.monotonic() < deadline, "the follower did not catch up"
+            time.sleep(0.02)
+        with store._group("g").cond:  # its next step waits for this lock
+            with Client(rs.url, timeout=30) as c:
+                ts = [c.push("g", np.full(SIZE, 0.5, np.float32)) for _ in range(3)]
+            assert ts == [1, 2, 3]
+            while follower.durable < 4:  # the create (1) and 3 pushes: logged here
+                assert time.monotonic() < deadline, "the pushes did not arrive"
+                time.sleep(0.02)
+            follower.follow(None)
+            assert not follower.idle.wait(1.0)  # it is still applying them
+            assert follower.applied < 4
+        assert follower.idle.wait(30)
+        assert follower.applied == 4
+        assert store.describe("g").update_count == 3
+    finally:
+        follower.stop()
+        durability.close()
