@@ -36,7 +36,9 @@ class DrainGate(HookInterceptor):
     """Counts the service's calls in flight; after ``close()`` refuses new ones."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        # every call takes the lock twice; only wait_idle waits on the condition
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._running = 0
         self._closed = False
 
@@ -72,20 +74,22 @@ class DrainGate(HookInterceptor):
         return _Admitted(self), None
 
     def _enter(self) -> bool:
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return False
             self._running += 1
             return True
 
     def _leave(self) -> None:
-        with self._cond:
+        with self._lock:
             self._running -= 1
             if not self._running:
                 self._cond.notify_all()
 
 
 class _Admitted(CallHooks):
+    __slots__ = ("admitted", "gate")
+
     def __init__(self, gate: DrainGate) -> None:
         self.gate = gate
         self.admitted = False
