@@ -41,6 +41,7 @@ class DrainGate(HookInterceptor):
         self._cond = threading.Condition(self._lock)
         self._running = 0
         self._closed = False
+        self._idle_waiters = 0  # calls of wait_idle waiting now
 
     @property
     def running(self) -> int:
@@ -56,12 +57,16 @@ class DrainGate(HookInterceptor):
         """Wait until no admitted call runs; False when ``timeout`` passed first."""
         end = time.monotonic() + timeout
         with self._cond:
-            while self._running:
-                left = end - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            return True
+            self._idle_waiters += 1
+            try:
+                while self._running:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+                return True
+            finally:
+                self._idle_waiters -= 1
 
     def call_hooks(
         self,
@@ -83,7 +88,7 @@ class DrainGate(HookInterceptor):
     def _leave(self) -> None:
         with self._lock:
             self._running -= 1
-            if not self._running:
+            if not self._running and self._idle_waiters:
                 self._cond.notify_all()
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import Message
@@ -180,18 +180,18 @@ def group_of(msg: Any) -> str | None:
     """The group a request or a stream's first message names (None: none)."""
     if not isinstance(msg, Message):
         return None
-    msg = cast(Any, msg)  # a request type that has these fields
     descriptor = msg.DESCRIPTOR
     path = _GROUP_PATHS.get(descriptor)
     if path is None:
         path = _GROUP_PATHS[descriptor] = _group_path(descriptor)
     if not path:
         return None
+    named: Any = msg  # a request type that has these fields
     if len(path) == 2:
-        if msg.WhichOneof("part") != "header":
+        if named.WhichOneof("part") != "header":
             return None
-        msg = msg.header
-    return str(msg.group)
+        named = named.header
+    return str(named.group)
 
 
 def on_first(iterator: Iterator[Any], see: Callable[[Any], None]) -> Iterator[Any]:
@@ -253,6 +253,9 @@ class HookChain(Interceptor):
         return wrap(handler, chained, request_deserializer=deserializer)
 
 
+_PASS_REPLY = CallHooks.reply
+
+
 class _Chained(CallHooks):
     """Several interceptors' hooks of one call, as their nesting would run them."""
 
@@ -270,7 +273,8 @@ class _Chained(CallHooks):
 
     def reply(self, msg: Any) -> Any:
         for hooks in reversed(self.hooks):
-            msg = hooks.reply(msg)
+            if type(hooks).reply is not _PASS_REPLY:  # most hooks pass it on
+                msg = hooks.reply(msg)
         return msg
 
     def finish(self, context: grpc.ServicerContext, failed: bool) -> None:

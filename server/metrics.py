@@ -369,6 +369,7 @@ class ObserveInterceptor(HookInterceptor):
 
 # grpc.StatusCode's names, read without the enum's descriptor on every call.
 _CODE_NAMES = {code: code.name for code in grpc.StatusCode}
+_OK = grpc.StatusCode.OK
 
 
 class _Observed(CallHooks):
@@ -445,7 +446,8 @@ class _Observed(CallHooks):
                 code = grpc.StatusCode.CANCELLED
             else:
                 code = grpc.StatusCode.UNKNOWN
-        name = _CODE_NAMES.get(code) or code.name
+        # (an enum's hash is a Python call: OK, most calls' code, is looked at first)
+        name = "OK" if code is _OK else _CODE_NAMES.get(code) or code.name
         level = logging.DEBUG if name == "OK" else logging.INFO
         logged = log.isEnabledFor(level)
         if not self.resp_s and self.reply_msg is not None:
