@@ -36,9 +36,12 @@ class DrainGate(HookInterceptor):
     """Counts the service's calls in flight; after ``close()`` refuses new ones."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        # every call takes the lock twice; only wait_idle waits on the condition
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._running = 0
         self._closed = False
+        self._idle_waiters = 0  # calls of wait_idle waiting now
 
     @property
     def running(self) -> int:
@@ -54,12 +57,16 @@ class DrainGate(HookInterceptor):
         """Wait until no admitted call runs; False when ``timeout`` passed first."""
         end = time.monotonic() + timeout
         with self._cond:
-            while self._running:
-                left = end - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            return True
+            self._idle_waiters += 1
+            try:
+                while self._running:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+                return True
+            finally:
+                self._idle_waiters -= 1
 
     def call_hooks(
         self,
@@ -72,20 +79,22 @@ class DrainGate(HookInterceptor):
         return _Admitted(self), None
 
     def _enter(self) -> bool:
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return False
             self._running += 1
             return True
 
     def _leave(self) -> None:
-        with self._cond:
+        with self._lock:
             self._running -= 1
-            if not self._running:
+            if not self._running and self._idle_waiters:
                 self._cond.notify_all()
 
 
 class _Admitted(CallHooks):
+    __slots__ = ("admitted", "gate")
+
     def __init__(self, gate: DrainGate) -> None:
         self.gate = gate
         self.admitted = False

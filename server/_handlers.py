@@ -9,6 +9,7 @@ kept in a process-wide table.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +67,8 @@ class CallHooks:
     runs last, whether the call succeeded (``failed`` False) or not.
     """
 
+    __slots__ = ()
+
     def before(self, request: Any, context: grpc.ServicerContext) -> Any:
         return request
 
@@ -76,12 +79,9 @@ class CallHooks:
         return None
 
 
-_FACTORIES = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
+# The class grpc's handler factories build (a named tuple of the eight fields),
+# built directly: a call is wrapped on every RPC.
+_RpcHandler: Any = type(grpc.unary_unary_rpc_method_handler(lambda r, c: r))
 
 
 def _behavior_of(handler: Handler) -> Behavior:
@@ -134,37 +134,64 @@ def wrap(
     behavior when None), with the (de)serializers given (else the handler's own)."""
     if handler is None:
         return None
-    kind = (bool(handler.request_streaming), bool(handler.response_streaming))
+    req_s = bool(handler.request_streaming)
+    resp_s = bool(handler.response_streaming)
     behavior = _behavior_of(handler)
     if hooks is not None:
-        behavior = _hooked(behavior, hooks, kind[1])
-    return _FACTORIES[kind](
-        behavior,
-        request_deserializer=request_deserializer or handler.request_deserializer,
-        response_serializer=response_serializer or handler.response_serializer,
+        behavior = _hooked(behavior, hooks, resp_s)
+    behaviors: list[Behavior | None] = [None, None, None, None]
+    behaviors[2 * req_s + resp_s] = behavior
+    return _RpcHandler(  # type: ignore[no-any-return]
+        req_s,
+        resp_s,
+        request_deserializer or handler.request_deserializer,
+        response_serializer or handler.response_serializer,
+        *behaviors,
     )
 
 
 def method_of(handler_call_details: grpc.HandlerCallDetails) -> tuple[str, str]:
     """``(service, method)`` from ``/onnxps.v1.ParameterServerService/Push``."""
-    full = handler_call_details.method or ""
+    return _split_method(handler_call_details.method or "")
+
+
+@functools.lru_cache(maxsize=256)
+def _split_method(full: str) -> tuple[str, str]:
     service, _, name = full.lstrip("/").partition("/")
     return service, name
+
+
+# How a message type names its group: ("group",), ("header", "group") through a
+# stream's header part, or () when it names none; one entry per message type.
+_GROUP_PATHS: dict[Any, tuple[str, ...]] = {}
+
+
+def _group_path(descriptor: Any) -> tuple[str, ...]:
+    fields = descriptor.fields_by_name
+    if "header" in fields:
+        header = fields["header"].message_type
+        if header is not None and "group" in header.fields_by_name:
+            return ("header", "group")
+        return ()
+    return ("group",) if "group" in fields else ()
 
 
 def group_of(msg: Any) -> str | None:
     """The group a request or a stream's first message names (None: none)."""
     if not isinstance(msg, Message):
         return None
-    fields = msg.DESCRIPTOR.fields_by_name
-    if "header" in fields:
-        if msg.WhichOneof("part") != "header":
+    descriptor = msg.DESCRIPTOR
+    path = _GROUP_PATHS.get(descriptor)
+    if path is None:
+        path = _GROUP_PATHS[descriptor] = _group_path(descriptor)
+    if not path:
+        return None
+    named: Any = msg  # a request type that has these fields
+    if len(path) == 2:
+        if named.WhichOneof("part") != "header":
             return None
-        msg = getattr(msg, "header")  # noqa: B009 - a field of some request types
-        fields = msg.DESCRIPTOR.fields_by_name
-    if "group" in fields:
-        return str(getattr(msg, "group"))  # noqa: B009
-    return None
+        named = named.header
+    return str(named.group)
 
 
 def on_first(iterator: Iterator[Any], see: Callable[[Any], None]) -> Iterator[Any]:
@@ -226,6 +253,9 @@ class HookChain(Interceptor):
         return wrap(handler, chained, request_deserializer=deserializer)
 
 
+_PASS_REPLY = CallHooks.reply
+
+
 class _Chained(CallHooks):
     """Several interceptors' hooks of one call, as their nesting would run them."""
 
@@ -243,7 +273,8 @@ class _Chained(CallHooks):
 
     def reply(self, msg: Any) -> Any:
         for hooks in reversed(self.hooks):
-            msg = hooks.reply(msg)
+            if type(hooks).reply is not _PASS_REPLY:  # most hooks pass it on
+                msg = hooks.reply(msg)
         return msg
 
     def finish(self, context: grpc.ServicerContext, failed: bool) -> None:

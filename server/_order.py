@@ -15,8 +15,7 @@ the group is in flight, and no new push starts meanwhile.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 
 __all__ = ["PushKey", "PushOrder", "alone"]
 
@@ -63,14 +62,35 @@ class PushOrder:
             self.keys.discard(key)
 
 
-@contextmanager
-def alone(cond: threading.Condition, order: PushOrder) -> Iterator[None]:
-    """Under the group's lock: hold the group with no push in flight."""
-    order.exclusive += 1
-    try:
-        while order.in_flight:
-            cond.wait()
-        yield
-    finally:
-        order.exclusive -= 1
-        cond.notify_all()
+class alone:  # lower case: used as the function it was, ``with g.cond, alone(...)``
+    """Under the group's lock: hold the group with no push in flight.
+
+    A class, not a generator: every push takes it."""
+
+    __slots__ = ("cond", "order")
+
+    def __init__(self, cond: threading.Condition, order: PushOrder) -> None:
+        self.cond = cond
+        self.order = order
+
+    def __enter__(self) -> None:
+        order = self.order
+        order.exclusive += 1
+        try:
+            while order.in_flight:
+                self.cond.wait()
+        except BaseException:
+            self._leave()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._leave()
+
+    def _leave(self) -> None:
+        self.order.exclusive -= 1
+        self.cond.notify_all()

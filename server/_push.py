@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -232,12 +231,15 @@ class PushPipeline:
     ) -> PushOutcome:
         """A live push; one that may wait for its step holds a waiting slot."""
         g = ticket._group
-        may_wait = return_values and g.consistency.mode == "sync"
-        slot = self._waiting.slot(g.name, required=False)
-        with slot if may_wait else nullcontext(False) as held:
+        if not return_values:  # nothing to wait for, nothing to send
+            return self.run(g, grads, request, journal)
+        emit = Emission(sink) if sink is not None else None
+        if g.consistency.mode != "sync":
+            wait = Wait(timeout, cancellation)
+            return self.run(g, grads, request, journal, True, wait, emit=emit)
+        with self._waiting.slot(g.name, required=False) as held:
             wait = Wait(timeout, cancellation, counted=held)
-            emit = Emission(sink) if sink is not None and return_values else None
-            return self.run(g, grads, request, journal, return_values, wait, emit=emit)
+            return self.run(g, grads, request, journal, True, wait, emit=emit)
 
     def run(
         self,
@@ -352,10 +354,11 @@ class PushPipeline:
         if g.tables and due is not logged_step_due:  # replay: it fitted when logged
             self._check_table_room(g, grads)
         self._check_step(g, request, g.update_count)
-        record = request.record(g.name, g.update_count)
         if g.consistency.mode == "async":
-            journal.durable(record, grads)  # Unavailable: refused, nothing changed
+            if journal.logging:  # Unavailable: refused, nothing changed
+                journal.durable(request.record(g.name, g.update_count), grads)
             return self._step_async(g, grads, request, emit)
+        record = request.record(g.name, g.update_count)
         outcome = self._buffer(g, grads, request.client_id, record, journal, due)
         if request.client_id:
             self._dedup_store(g, request.client_id, request.seq, outcome)

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+from google.protobuf.message import Message
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 from onnxps.wire.codec import (
@@ -140,13 +141,15 @@ class _Named:
 def unary(method: F) -> F:
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        named = _Named(request)
+        # A request message names its group at once: looked up only on a failure.
+        named = None if isinstance(request, Message) else _Named(request)
         try:
-            return method(self, named.request, context)
+            return method(self, request if named is None else named.request, context)
         except Exception as exc:  # noqa: BLE001 - every error becomes a status
             if _already_aborted(context):
                 raise
-            status = failure(exc, context, method.__name__, named.group)
+            group = group_of(request) or None if named is None else named.group
+            status = failure(exc, context, method.__name__, group)
         # Outside the except block, so the abort does not chain the error's frames.
         context.abort_with_status(status)
 

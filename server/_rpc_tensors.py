@@ -147,7 +147,8 @@ class TensorRpcs(RpcFamily):
             base_version=req.base_version if req.HasField("base_version") else None,
             learning_rate=req.learning_rate if req.HasField("learning_rate") else None,
             return_values=req.return_values,
-            timeout=timeout_of(context),
+            # only a push returning X may wait (for its sync step)
+            timeout=timeout_of(context) if req.return_values else None,
             cancellation=cancellation_of(context) if req.return_values else None,
         )
 

@@ -14,9 +14,9 @@ exists, so callers cannot grow the label set with made-up names.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -338,7 +338,7 @@ def request_id(metadata: Iterable[tuple[str, Any]] | None) -> str:
             if _REQUEST_ID.fullmatch(text):
                 return text
             break
-    return uuid.uuid4().hex[:16]
+    return os.urandom(8).hex()  # 16 hex digits, as random as a uuid4's first 16
 
 
 class ObserveInterceptor(HookInterceptor):
@@ -361,13 +361,36 @@ class ObserveInterceptor(HookInterceptor):
             method if service == SERVICE else f"{service}/{method}",
             request_id(handler_call_details.invocation_metadata),
             bool(handler.request_streaming),
+            bool(handler.response_streaming),
             deserializer,
         )
         return call, call.parse if deserializer is not None else None
 
 
+# grpc.StatusCode's names, read without the enum's descriptor on every call.
+_CODE_NAMES = {code: code.name for code in grpc.StatusCode}
+_OK = grpc.StatusCode.OK
+
+
 class _Observed(CallHooks):
-    """One call as logged and recorded: its group, sizes, first request, reply."""
+    """One call as logged and recorded: its group, sizes, first request, reply.
+
+    A unary reply's size is taken only when the call is logged or recorded."""
+
+    __slots__ = (
+        "bytes_in",
+        "bytes_out",
+        "deserialize",
+        "first",
+        "group",
+        "method",
+        "recorder",
+        "reply_msg",
+        "req_s",
+        "request_id",
+        "resp_s",
+        "start",
+    )
 
     def __init__(
         self,
@@ -375,12 +398,14 @@ class _Observed(CallHooks):
         method: str,
         rid: str,
         req_s: bool,
+        resp_s: bool,
         deserialize: Callable[[bytes], Any] | None,
     ) -> None:
         self.recorder = recorder
         self.method = method
         self.request_id = rid
         self.req_s = req_s
+        self.resp_s = resp_s
         self.deserialize = deserialize
         self.group: str | None = None
         self.first: Any = None  # the unary request, or a stream's first message
@@ -406,7 +431,8 @@ class _Observed(CallHooks):
         return request
 
     def reply(self, msg: Any) -> Any:
-        self.bytes_out += message_bytes(msg)
+        if self.resp_s:
+            self.bytes_out += message_bytes(msg)
         self.reply_msg = msg
         return msg
 
@@ -420,9 +446,14 @@ class _Observed(CallHooks):
                 code = grpc.StatusCode.CANCELLED
             else:
                 code = grpc.StatusCode.UNKNOWN
-        name = code.name
+        # (an enum's hash is a Python call: OK, most calls' code, is looked at first)
+        name = "OK" if code is _OK else _CODE_NAMES.get(code) or code.name
         level = logging.DEBUG if name == "OK" else logging.INFO
-        if log.isEnabledFor(level):
+        logged = log.isEnabledFor(level)
+        if not self.resp_s and self.reply_msg is not None:
+            if logged or self.recorder.registry is not None:
+                self.bytes_out = message_bytes(self.reply_msg)
+        if logged:
             log.log(
                 level,
                 "rpc %s group=%s code=%s duration_ms=%.2f bytes_in=%d bytes_out=%d "

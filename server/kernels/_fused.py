@@ -144,6 +144,33 @@ def coefficients(
             f"and {attrs}: {exc}"
         ) from exc
     s = dtype.type
+    largest = _LARGEST.get(dtype.char)
+    c: dict[str, Any] = {}
+    for name, value in exact.items():
+        if value is None or isinstance(value, bool):
+            c[name] = value
+        elif largest is not None and -largest <= value <= largest:
+            c[name] = s(value)  # finite, and rounds without overflow: no checks
+        else:
+            return _rounded_checked(attrs, r, t, dtype, exact)
+    return c
+
+
+# The largest finite value per state dtype: a float64 coefficient within it rounds
+# to a finite value of that dtype (NaN and inf are outside it).
+_LARGEST = {np.dtype(d).char: float(np.finfo(d).max) for d in (np.float32, np.float64)}
+
+
+def _rounded_checked(
+    attrs: OptimizerAttrs,
+    r: float,
+    t: int,
+    dtype: np.dtype[Any],
+    exact: dict[str, float | bool | None],
+) -> dict[str, Any]:
+    """``exact`` rounded to ``dtype`` when a value may overflow or is not finite:
+    an overflow rounds to inf silently, and a coefficient not finite raises."""
+    s = dtype.type
     with np.errstate(over="ignore"):
         c = {
             name: value if value is None or isinstance(value, bool) else s(value)
