@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import statistics
 import sys
@@ -55,6 +56,7 @@ from onnxps.client import (  # noqa: E402
 )
 
 TTL = 2
+DATA_ROOT: Path | None = None  # --data: where the servers' data directories go
 
 
 class Shard:
@@ -87,7 +89,7 @@ class Shard:
         proc, address = start_server(
             self.tmp / f"{self.prefix}-{i}-{self.starts}.log",
             "--durability", "wal",
-            "--data-dir", str(self.tmp / f"{self.prefix}-data{i}"),
+            "--data-dir", str((DATA_ROOT or self.tmp) / f"{self.prefix}-data{i}"),
             "--coordinator", self.url,
             "--shard", "0/1",
             "--member-id", f"m{i}",
@@ -400,11 +402,19 @@ def main() -> int:
         "files a run would import while they are being edited)",
     )
     ap.add_argument(
+        "--data",
+        metavar="DIR",
+        help="the servers' data directories in a new folder in DIR (e.g. /dev/shm: "
+        "no disk on either side, so part 2 shows the replication protocol's own "
+        "cost apart from two logs sharing one disk)",
+    )
+    ap.add_argument(
         "--keep",
         metavar="DIR",
         help="keep the servers' data and logs in a new folder in DIR",
     )
     args = ap.parse_args()
+    global DATA_ROOT
     binary = etcd_binary()
     if binary is None:
         print("etcd is not installed: apt-get install -y etcd-server")
@@ -416,6 +426,9 @@ def main() -> int:
         else:
             d = outer.enter_context(tempfile.TemporaryDirectory())
         tmp = Path(d)
+        if args.data:
+            DATA_ROOT = Path(tempfile.mkdtemp(dir=args.data))
+            outer.callback(shutil.rmtree, DATA_ROOT, True)
         etcd = start_etcd(binary, tmp)
         try:
             if not args.skip_failover:
