@@ -156,7 +156,7 @@ def test_an_idle_standby_keeps_its_stream_past_the_stall_limit(
     _create(rs.url)
     with Client(rs.url, timeout=30) as c:
         assert c.push("g", np.full(SIZE, 0.5, np.float32)) == 1
-        time.sleep(15)  # idle: the standby sends its last ack again every 5 s
+        time.sleep(15)  # idle past --stall-seconds: Replicate is not a stalled call
         assert c.push("g", np.full(SIZE, 0.5, np.float32)) == 2
     log = _log(tmp_path, p, 1)
     assert "stopped following" not in log

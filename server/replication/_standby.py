@@ -32,7 +32,6 @@ log = logging.getLogger("onnxps.replication")
 
 _END = object()
 REPLICATE = "/onnxps.v1.ParameterServerService/Replicate"
-KEEPALIVE_SECONDS = 5.0  # below any sensible --stall-seconds (30 by default)
 
 
 class _Applier:
@@ -213,18 +212,12 @@ class Follower:
         )
 
         def requests() -> Iterator[pb.ReplicateRequest]:
-            # While nothing comes, the last message again (an ack repeated, or the
-            # hello, which the primary skips): the primary ends a request stream
-            # silent for --stall-seconds.
-            last = None
+            # (an idle stream is not a stalled one: the server's stall watch
+            # leaves Replicate alone, ``limits._Admission``)
             while True:
-                try:
-                    item = acks.get(timeout=KEEPALIVE_SECONDS)
-                except queue.Empty:
-                    item = last
+                item = acks.get()
                 if item is _END:
                     return
-                last = item
                 yield item
 
         options = [
