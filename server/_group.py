@@ -208,6 +208,12 @@ class Journal(Protocol):
         when it could not be written (the caller then applies nothing)."""
         ...
 
+    def check_writable(self) -> None:
+        """Raise when this server may not accept a change now (a replicated
+        shard's standby refuses ``NOT_PRIMARY``); asked before a resend is answered
+        from a group's exactly-once window."""
+        ...
+
 
 class ClientWindow:
     """One client's remembered pushes in one group (exactly-once)."""

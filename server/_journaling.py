@@ -46,9 +46,8 @@ class JournalEntry:
         """Raise when this server may not accept a change now (a replicated shard's
         standby: ``NOT_PRIMARY``); asked before a resend is answered from the
         exactly-once window, so a standby never answers one as done."""
-        check = getattr(self._journal, "check_writable", None)
-        if check is not None:
-            check()
+        if self._journal is not None:
+            self._journal.check_writable()
 
     def wait(self, lsn: int | None) -> None:
         if self._journal is not None and lsn is not None:

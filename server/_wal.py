@@ -318,6 +318,9 @@ class WriteAheadLog:
                 "retry once it is back"
             )
 
+    def check_writable(self) -> None:
+        """A log alone takes every change (``Journal``: a standby's refuses)."""
+
     def wait(self, lsn: int) -> None:
         """Return once record ``lsn`` is durable; WalWriteError if it is not."""
         with self._cv:

@@ -362,6 +362,9 @@ class HeldJournal:
             self.held = lsn
         return lsn
 
+    def check_writable(self) -> None:
+        self.journal.check_writable()
+
     def wait(self, lsn: int) -> None:
         self.journal.wait(lsn)
         if lsn == self.held:
