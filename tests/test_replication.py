@@ -172,10 +172,8 @@ def _create(url: str, group: str = "g") -> None:
         )
 
 
-def _replay(records: list[dict[str, int]]) -> np.ndarray:
-    """X after the pushes in T order, on a fresh in-process server."""
-    from workers.replica_pusher import gradient
-
+def _serial(gradients: list[np.ndarray]) -> np.ndarray:
+    """X after these pushes one after the other, on a fresh in-process server."""
     handle = create_server(ServerConfig(address="127.0.0.1:0", durability="none"))
     handle.start()
     try:
@@ -184,11 +182,19 @@ def _replay(records: list[dict[str, int]]) -> np.ndarray:
                 "g", Adagrad(), learning_rate=0.1,
                 tensors={"x": np.zeros(SIZE, np.float32)},
             )  # fmt: skip
-            for r in sorted(records, key=lambda r: r["t"]):
-                c.push("g", gradient(r["w"], r["k"], SIZE))
+            for g in gradients:
+                c.push("g", g)
             return c.pull("g")[0]
     finally:
         handle.stop(grace=0)
+
+
+def _replay(records: list[dict[str, int]]) -> np.ndarray:
+    """X after the workers' pushes in T order (``_serial``)."""
+    from workers.replica_pusher import gradient
+
+    ordered = sorted(records, key=lambda r: r["t"])
+    return _serial([gradient(r["w"], r["k"], SIZE) for r in ordered])
 
 
 def test_a_standby_holds_every_acknowledged_push_and_refuses_writes(

@@ -35,7 +35,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from onnxps.cli.process import wait_for_listening
 from onnxps.client import Adagrad, Client, UnavailableError
 from onnxps.server.app import ServerConfig, create_server
-from test_replication import SIZE, TTL, ReplicaSet
+from test_replication import SIZE, TTL, ReplicaSet, _serial
 
 NOGROUP = 65534
 G = np.full(SIZE, 0.5, np.float32)
@@ -186,23 +186,6 @@ def _create(rs: Replicas) -> None:
         c.create_group(
             "g", Adagrad(), learning_rate=0.1, tensors={"x": np.zeros(SIZE, np.float32)}
         )
-
-
-def _serial(gradients: list[np.ndarray]) -> np.ndarray:
-    """X after these pushes one after the other, on a fresh in-process server."""
-    handle = create_server(ServerConfig(address="127.0.0.1:0", durability="none"))
-    handle.start()
-    try:
-        with Client(handle.address, timeout=30) as c:
-            c.create_group(
-                "g", Adagrad(), learning_rate=0.1,
-                tensors={"x": np.zeros(SIZE, np.float32)},
-            )  # fmt: skip
-            for g in gradients:
-                c.push("g", g)
-            return c.pull("g")[0]
-    finally:
-        handle.stop(grace=0)
 
 
 @needs_iptables
