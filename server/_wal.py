@@ -172,10 +172,8 @@ def fsync_dir(path: str) -> None:
 
 def c_order(a: Array) -> Array:
     """``a`` as a C-ordered array of the same shape (no copy when it is one already).
-
     Not ``np.ascontiguousarray``: that returns at least one dimension, so a 0-d
-    tensor would be saved as shape (1,) and no longer match its group.
-    """
+    tensor would be saved as shape (1,) and no longer match its group."""
     return np.asarray(a, order="C")
 
 
@@ -318,8 +316,7 @@ class WriteAheadLog:
                 "retry once it is back"
             )
 
-    def check_writable(self) -> None:
-        """A log alone takes every change (``Journal``: a standby's refuses)."""
+    def check_writable(self) -> None: ...  # (``Journal``) a log alone takes all
 
     def wait(self, lsn: int) -> None:
         """Return once record ``lsn`` is durable; WalWriteError if it is not."""
