@@ -30,9 +30,9 @@ from onnxps.wire.codec import (
     TensorAssembler,
     TensorFormatError,
     encode_chunk,
+    fill_flat,
     header_tensor,
     tensor_spec,
-    widen_into,
     write_tensor,
 )
 
@@ -149,18 +149,15 @@ class InlineGradients:
         dtype, shapes = self.ticket.dtype, self.ticket.shapes
         flat = np.empty(sum(map(math.prod, shapes)), dtype)
         out = FlatArrays(flat_views(flat, shapes), flat)
-        raw_bytes = memoryview(flat).cast("B")  # type: ignore[arg-type]
-        pos = 0
-        for i, (t, view) in enumerate(zip(tensors, out, strict=True)):
-            raw, n = t.raw_data, view.size
-            width = 2 if t.encoding else dtype.itemsize
-            if len(raw) != n * width:
-                self._decoded(i, t)  # raises: the bytes do not match the header
-            if t.encoding:
-                widen_into(view.reshape(-1), raw, t.encoding)
-            else:
-                raw_bytes[pos : pos + len(raw)] = raw
-            pos += n * dtype.itemsize
+
+        def parts() -> Iterator[tuple[bytes, int, int]]:
+            for i, (t, view) in enumerate(zip(tensors, out, strict=True)):
+                raw, n = t.raw_data, view.size
+                if len(raw) != n * (2 if t.encoding else dtype.itemsize):
+                    self._decoded(i, t)  # raises: the bytes do not match the header
+                yield raw, n, t.encoding
+
+        fill_flat(flat, parts())
         return out
 
 

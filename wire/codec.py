@@ -60,6 +60,7 @@ __all__ = [
     "deserializer",
     "encode",
     "encode_chunk",
+    "fill_flat",
     "frame_bytes",
     "header_tensor",
     "iter_chunks",
@@ -376,18 +377,32 @@ def tensors_to_arrays(
     dtype = specs[0][0]
     sizes = [math.prod(dims) for _, dims in specs]
     flat = np.empty(sum(sizes), dtype)
-    flat_bytes = memoryview(flat).cast("B")  # type: ignore[arg-type]
-    out, pos, item = [], 0, dtype.itemsize
-    for t, (_, dims), n in zip(tensors, specs, sizes, strict=True):
-        raw = _raw_data(t, dtype, dims, t.name)
-        view = flat[pos : pos + n]
-        if t.encoding:
-            widen_into(view, raw, t.encoding)
-        else:
-            flat_bytes[pos * item : (pos + n) * item] = raw
-        out.append(view.reshape(dims))
+    fill_flat(
+        flat,
+        (
+            (_raw_data(t, dtype, dims, t.name), n, t.encoding)
+            for t, (_, dims), n in zip(tensors, specs, sizes, strict=True)
+        ),
+    )
+    out, pos = [], 0
+    for (_, dims), n in zip(specs, sizes, strict=True):
+        out.append(flat[pos : pos + n].reshape(dims))
         pos += n
     return out
+
+
+def fill_flat(flat: Array, parts: Iterable[tuple[Any, int, int]]) -> None:
+    """Write tensors' bytes one after the other into the 1-D array ``flat``:
+    ``parts`` gives each one's raw bytes (checked already), element count and
+    2-byte encoding (0: none; the bytes are copied as they are, else widened)."""
+    flat_bytes = memoryview(flat).cast("B")  # type: ignore[arg-type]
+    pos, item = 0, flat.itemsize
+    for raw, n, encoding in parts:
+        if encoding:
+            widen_into(flat[pos : pos + n], raw, encoding)
+        else:
+            flat_bytes[pos * item : (pos + n) * item] = raw
+        pos += n
 
 
 def _byte_views(arrays: Iterable[Any]) -> Iterator[tuple[int, memoryview]]:
