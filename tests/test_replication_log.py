@@ -189,7 +189,11 @@ def test_a_standby_acks_before_it_applies_but_stops_following_once_applied(
     try:
         follower.follow(PrimaryInfo(f"m{p}", rs.addresses[p], 1))
         deadline = time.monotonic() + 60
-        while not [v for v in store.groups() if v.name == "g"]:  # the snapshot
+        # The snapshot adopted: the group shows before its restore is done (which
+        # takes the group's lock too), and ``durable`` is set only once it is.
+        while follower.durable < 1 or not [
+            v for v in store.groups() if v.name == "g"
+        ]:
             assert time.monotonic() < deadline, "the follower did not catch up"
             time.sleep(0.02)
         with store._group("g").cond:  # its next step waits for this lock
