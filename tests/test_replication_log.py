@@ -191,9 +191,7 @@ def test_a_standby_acks_before_it_applies_but_stops_following_once_applied(
         deadline = time.monotonic() + 60
         # The snapshot adopted: the group shows before its restore is done (which
         # takes the group's lock too), and ``durable`` is set only once it is.
-        while follower.durable < 1 or not [
-            v for v in store.groups() if v.name == "g"
-        ]:
+        while follower.durable < 1 or not [v for v in store.groups() if v.name == "g"]:
             assert time.monotonic() < deadline, "the follower did not catch up"
             time.sleep(0.02)
         with store._group("g").cond:  # its next step waits for this lock
