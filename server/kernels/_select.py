@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from onnxps.wire._pageout import page_out
+
 __all__ = ["ENV", "KERNEL_PATHS", "fused_kernels", "kernel_path"]
 
 ENV = "ONNXPS_KERNELS"
@@ -41,6 +43,7 @@ def fused_kernels() -> dict[str, Callable[..., Any]] | None:
                 from . import _numba
 
                 _kernels = _numba.load()
+                page_out()  # LLVM's code, not needed again until a compile
             except ImportError as exc:
                 _failure = f"numba is not installed ({exc})"
             except Exception as exc:  # noqa: BLE001 - any compile failure: say it
