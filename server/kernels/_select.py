@@ -4,7 +4,9 @@
 imports and compiles, ``numpy`` always takes the NumPy path, ``numba`` takes the fused
 path or fails with the reason. Both paths give the same bits. The first use compiles
 the fused kernels (about 2 s) or loads them from numba's on-disk cache (well under a
-second, most of it importing numba) and logs which path is in use, once.
+second, most of it importing numba) and logs which path is in use, once. Once
+loaded, LLVM's pages go back to the kernel (``onnxps.wire._pageout``): the kernels
+run without it.
 """
 
 from __future__ import annotations
