@@ -37,6 +37,7 @@ from typing import Any, Literal
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 
+from ._pageout import page_out
 from .errors import OnnxpsError
 
 __all__ = [
@@ -103,6 +104,7 @@ def compiled_codec() -> dict[str, Callable[..., Any]] | None:
                 from . import _codec_numba
 
                 _codec_loaded["loops"] = _codec_numba.load()
+                page_out()  # LLVM's code, not needed again until a compile
             except ImportError:
                 _codec_loaded["loops"] = None
             except Exception as exc:  # noqa: BLE001 - a compile failure: say it

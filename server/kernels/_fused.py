@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+from onnxps.wire._pageout import page_out
 
 from ..errors import InvalidArgument
 from ._attrs import AdagradAttrs, AdamAttrs, MomentumAttrs, OptimizerAttrs
@@ -318,7 +319,10 @@ class Stepper:
         c = coefficients(self.attrs, float(r), int(t), self.dtype)
         idx = indices.view()
         idx.flags.writeable = False  # one compiled variant, whatever the caller's
+        compiled = len(getattr(kernel, "overloads", ()))
         kernel(*arrays, idx, row, *_fused_scalars(self.attrs.op, c, self.dtype))
+        if len(getattr(kernel, "overloads", ())) != compiled:  # its first call
+            page_out()  # LLVM's code, not needed again until a compile
         return True
 
     def step_in_order(

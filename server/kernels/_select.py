@@ -4,7 +4,9 @@
 imports and compiles, ``numpy`` always takes the NumPy path, ``numba`` takes the fused
 path or fails with the reason. Both paths give the same bits. The first use compiles
 the fused kernels (about 2 s) or loads them from numba's on-disk cache (well under a
-second, most of it importing numba) and logs which path is in use, once.
+second, most of it importing numba) and logs which path is in use, once. Once
+loaded, LLVM's pages go back to the kernel (``onnxps.wire._pageout``): the kernels
+run without it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from onnxps.wire._pageout import page_out
 
 __all__ = ["ENV", "KERNEL_PATHS", "fused_kernels", "kernel_path"]
 
@@ -41,6 +45,7 @@ def fused_kernels() -> dict[str, Callable[..., Any]] | None:
                 from . import _numba
 
                 _kernels = _numba.load()
+                page_out()  # LLVM's code, not needed again until a compile
             except ImportError as exc:
                 _failure = f"numba is not installed ({exc})"
             except Exception as exc:  # noqa: BLE001 - any compile failure: say it
