@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from _etcd import etcd_server  # noqa: F401 - a fixture
@@ -191,9 +193,7 @@ def test_a_standby_acks_before_it_applies_but_stops_following_once_applied(
         deadline = time.monotonic() + 60
         # The snapshot adopted: the group shows before its restore is done (which
         # takes the group's lock too), and ``durable`` is set only once it is.
-        while follower.durable < 1 or not [
-            v for v in store.groups() if v.name == "g"
-        ]:
+        while follower.durable < 1 or not [v for v in store.groups() if v.name == "g"]:
             assert time.monotonic() < deadline, "the follower did not catch up"
             time.sleep(0.02)
         with store._group("g").cond:  # its next step waits for this lock
@@ -212,3 +212,55 @@ def test_a_standby_acks_before_it_applies_but_stops_following_once_applied(
     finally:
         follower.stop()
         durability.close()
+
+
+def _applier(limit: int = 256 << 20) -> tuple[Any, list[int], threading.Event]:
+    """A standby's applier whose records are header-only: what it applied, in
+    order, and an event set by each apply."""
+    from onnxps.server.replication._standby import _Applier
+
+    applied: list[int] = []
+    event = threading.Event()
+
+    def apply(header: dict[str, Any], frame: memoryview, covered: object) -> None:
+        applied.append(int(header["lsn"]))
+        event.set()
+
+    return _Applier(apply, limit=limit), applied, event
+
+
+def test_a_standby_applies_a_record_once_its_ack_is_sent() -> None:
+    """Applying a record waits for its ack to go out (``sent``: the Replicate
+    stream asks for the next message once the ack is sent), so it does not hold
+    the standby's GIL and a core while the ack is on its way; ``close`` applies
+    what is left."""
+    applier, applied, event = _applier()
+    try:
+        applier.put({"lsn": 1}, memoryview(b"a"), {})
+        applier.put({"lsn": 2}, memoryview(b"b"), {})
+        assert not event.wait(0.5)  # no ack sent yet: nothing applied
+        applier.sent(1)
+        assert event.wait(30)
+        assert applied == [1]  # record 2's ack is not sent
+    finally:
+        assert applier.close()
+    assert applied == [1, 2]
+
+
+def test_a_standby_applies_without_waiting_for_acks_once_its_queue_is_full() -> None:
+    """A record that does not fit in the applier's queue (``limit`` bytes) lets
+    the ones queued be applied without waiting for their acks: the receiver is
+    never stuck behind acks it cannot send."""
+    applier, applied, _ = _applier(limit=4)
+    try:
+        applier.put({"lsn": 1}, memoryview(b"abc"), {})
+        second = threading.Thread(
+            target=applier.put, args=({"lsn": 2}, memoryview(b"def"), {})
+        )
+        second.start()
+        second.join(30)
+        assert not second.is_alive()
+        assert applied == [1]
+    finally:
+        assert applier.close()
+    assert applied == [1, 2]

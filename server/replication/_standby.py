@@ -36,8 +36,11 @@ REPLICATE = "/onnxps.v1.ParameterServerService/Replicate"
 
 class _Applier:
     """Applies the records a follower received, in order, on its own thread
-    behind their acks. At most ``limit`` bytes of records wait (the receiver
-    blocks beyond that); ``close`` returns once every record queued is applied."""
+    behind their acks: a record waits until its ack was sent (``sent``), so that
+    applying it does not hold this process's GIL and a core while the ack goes
+    out. At most ``limit`` bytes of records wait (the receiver blocks beyond that,
+    and the records then go on without waiting for their acks); ``close`` returns
+    once every record queued is applied."""
 
     def __init__(
         self,
@@ -49,6 +52,7 @@ class _Applier:
         self._cv = threading.Condition()
         self._items: collections.deque[Any] = collections.deque()
         self._bytes = 0
+        self._sent = 0  # the records up to this lsn may be applied
         self._closed = False
         self._failed: BaseException | None = None
         self._thread = threading.Thread(
@@ -61,15 +65,30 @@ class _Applier:
     ) -> None:
         with self._cv:
             while self._items and self._bytes + len(frame) > self._limit:
+                self._release()  # applied without waiting for their acks
                 self._cv.wait()
             self._raise_failed()
             self._items.append((header, frame, covered))
             self._bytes += len(frame)
             self._cv.notify_all()
 
+    def sent(self, lsn: int) -> None:
+        """The ack of record ``lsn`` was sent: it may be applied."""
+        with self._cv:
+            if lsn > self._sent:
+                self._sent = lsn
+                self._cv.notify_all()
+
+    def _release(self) -> None:
+        """Under the lock: let every record queued be applied."""
+        if self._items:
+            self._sent = max(self._sent, int(self._items[-1][0]["lsn"]))
+            self._cv.notify_all()
+
     def drain(self) -> None:
         """Return once every record queued is applied."""
         with self._cv:
+            self._release()
             while self._items:
                 self._cv.wait()
             self._raise_failed()
@@ -89,7 +108,9 @@ class _Applier:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._items and not self._closed:
+                while not self._closed and (
+                    not self._items or int(self._items[0][0]["lsn"]) > self._sent
+                ):
                     self._cv.wait()
                 if not self._items:
                     return
@@ -219,6 +240,9 @@ class Follower:
                 if item is _END:
                     return
                 yield item
+                # gRPC asks for the next message once this one is sent
+                if item.WhichOneof("part") == "ack":
+                    applier.sent(item.ack.lsn)  # (assigned below, before the call)
 
         options = [
             ("grpc.max_receive_message_length", self._max_message),
@@ -231,14 +255,16 @@ class Follower:
                 request_serializer=pb.ReplicateRequest.SerializeToString,
                 response_deserializer=decode_response,
             )
+            applier = _Applier(self._apply)
             call: Any = replicate(requests(), metadata=self._metadata)
             with self._lock:
                 if self._target != target:
                     call.cancel()
+                    applier.close()
                     return
                 self._call = call
             try:
-                self._receive(call, target, acks)
+                self._receive(call, target, acks, applier)
             finally:
                 acks.put(_END)
                 with self._lock:
@@ -249,8 +275,13 @@ class Follower:
             return grpc.insecure_channel(address, options=options)
         return grpc.secure_channel(address, self._credentials, options=options)
 
-    def _receive(self, call: Any, target: PrimaryInfo, acks: queue.Queue[Any]) -> None:
-        applier = _Applier(self._apply)
+    def _receive(
+        self,
+        call: Any,
+        target: PrimaryInfo,
+        acks: queue.Queue[Any],
+        applier: _Applier,
+    ) -> None:
         try:
             self._messages(call, target, acks, applier)
         finally:
@@ -281,8 +312,10 @@ class Follower:
                         "%d: resumed with no snapshot)",
                         target.address, msg.lsn, self.durable,
                     )  # fmt: skip
-                self._record(msg, covered, applier)
+                header = self._record(msg)
                 acks.put(pb.ReplicateRequest(ack=pb.ReplicateAck(lsn=msg.lsn)))
+                if header is not None:  # applied once its ack is sent
+                    applier.put(header, msg.frame, covered)
                 continue
             part = msg.WhichOneof("part")
             fresh = False
@@ -306,21 +339,20 @@ class Follower:
                 )  # fmt: skip
                 acks.put(pb.ReplicateRequest(ack=pb.ReplicateAck(lsn=wal_lsn)))
 
-    def _record(
-        self, rec: ShippedRecord, covered: dict[str, int], applier: _Applier
-    ) -> None:
+    def _record(self, rec: ShippedRecord) -> dict[str, Any] | None:
         """Write the frame to this server's log as it came (its CRC and lsn
-        checked), wait until it is durable, then hand it to the applier: the ack
-        that follows promises durability, not application."""
+        checked) and wait until it is durable: its header, to apply after the ack
+        (which promises durability, not application); None when this log held
+        it already."""
         header = check_frame(rec.frame, rec.lsn)
         if rec.lsn <= self.durable:
-            return
+            return None
         journal = self.durability.journal
         if journal is None:
             raise Unavailable("the write-ahead log is closed: follow again")
         journal.wait(journal.append_frame(rec.frame, rec.lsn))
         self.durable, self.durable_term = rec.lsn, int(header.get("term", 0))
-        applier.put(header, rec.frame, covered)
+        return header
 
     def _apply(
         self, header: dict[str, Any], frame: memoryview, covered: dict[str, int]
