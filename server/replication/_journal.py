@@ -118,7 +118,11 @@ class ReplicatedJournal:
         self.lower = lower
         self.ack_timeout = ack_timeout
         self._on_stuck = on_stuck
-        self._cv = threading.Condition()
+        # One lock, two conditions: the pushes waiting for acks (``_cv``) and the
+        # streams waiting for records to ship (``_new``) do not wake each other.
+        lock = threading.RLock()
+        self._cv = threading.Condition(lock)
+        self._new = threading.Condition(lock)
         self._records: dict[int, _Record] = {}
         self._standbys: dict[str, _Standby] = {}
         self._sync: list[str] = []  # named in etcd, in this order
@@ -168,7 +172,7 @@ class ReplicatedJournal:
             # Encoded by the first stream that sends it, while this server writes
             # it: the standbys' fsync runs beside this one's, not after it.
             self._records[lsn] = _Record(term, _Shipped(term, lsn, frame))
-            self._cv.notify_all()
+            self._new.notify_all()
         return lsn
 
     def wait(self, lsn: int) -> None:
@@ -191,7 +195,7 @@ class ReplicatedJournal:
                 if entry is not None:
                     entry.failed = True
                 shipped = any(not s.gone for s in self._standbys.values())
-                self._cv.notify_all()
+                self._wake_all()
             if shipped:
                 # A standby may hold what this server refuses: step down.
                 self._on_stuck(f"record {lsn} was shipped but not written here")
@@ -242,7 +246,13 @@ class ReplicatedJournal:
             s.gone = True
             if s.cancel is not None:
                 s.cancel()
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        """Under the lock: wake the pushes waiting and the streams shipping (a
+        standby gone, a record failed)."""
         self._cv.notify_all()
+        self._new.notify_all()
 
     def _held(self, lsn: int) -> bool:
         if len(self._sync) < self.sync_replicas and not self.lower:
@@ -406,7 +416,7 @@ class ReplicatedJournal:
                     nxt += 1  # a record that was not kept: one nobody waits for
                     continue
                 if entry is None:
-                    self._cv.wait(0.05)
+                    self._new.wait(0.05)
                     if self.member.term != term or self.member.role is not Role.PRIMARY:
                         return  # deposed, or a newer term: the standby follows it
                     continue
@@ -448,7 +458,7 @@ class ReplicatedJournal:
         finally:
             with self._cv:
                 s.gone = True
-                self._cv.notify_all()
+                self._wake_all()
             self._replace_gone()
 
     def _maybe_sync(self, s: _Standby) -> None:
