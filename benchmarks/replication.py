@@ -24,7 +24,9 @@ beside this tree's (or ``--new REV``'s): compare the ratios side by side.
 
 Part 3, catch-up: a standby joins a primary holding a ``--catch-up-mib`` group in its
 newest snapshot and ``--catch-up-records`` 1,000-element pushes in its log after it:
-the snapshot's MiB/s (to its adoption), then records/s.
+the snapshot's MiB/s (to its adoption), then records/s, in ``--rounds`` rounds (with
+``--baseline REV``, that commit's servers in the same rounds, in turn); medians and
+min-max spread.
 """
 
 from __future__ import annotations
@@ -323,12 +325,20 @@ def _logged_at(log: Path, text: str, timeout: float = 600) -> float:
     raise RuntimeError(f"{log}: no line holds {text!r}")
 
 
-def catch_up(tmp: Path, etcd: EtcdProcess, mib: int, records: int) -> None:
+def catch_up(
+    tmp: Path,
+    etcd: EtcdProcess,
+    mib: int,
+    records: int,
+    prefix: str = "catchup",
+    tree: Path | None = None,
+) -> tuple[float, float, float]:
     """A standby joins a primary (``--sync-replicas 0``) holding a ``mib`` MiB group
     in its newest snapshot and ``records`` 1,000-element pushes in its log after
     it. Timed from the standby listening: to the snapshot adopted (its log line),
-    then to its T equal to the primary's."""
-    shard = Shard(tmp, etcd, "catchup", 1, 0)
+    then to its T equal to the primary's. Returns the snapshot's MiB/s, then the
+    log's records/s and MiB/s (servers of ``tree``'s checkout when given)."""
+    shard = Shard(tmp, etcd, prefix, 1, 0, tree=tree)
     try:
         shard.primary()
         with Client(shard.url, timeout=600) as c:
@@ -341,12 +351,12 @@ def catch_up(tmp: Path, etcd: EtcdProcess, mib: int, records: int) -> None:
             g = np.full(1000, 0.01, np.float32)
             for _ in range(records):
                 c.push("g", g)
-        snaps = tmp / "catchup-data0" / "snapshots"
+        snaps = (DATA_ROOT or tmp) / f"{prefix}-data0" / "snapshots"
         size = sum(f.stat().st_size for f in snaps.rglob("*") if f.is_file())
         log_bytes = records * (4000 + 200)  # a frame: 4,000 body bytes, ~200 header
         shard.start(1)
         started = time.time()
-        adopted = _logged_at(shard.tmp / f"catchup-1-{shard.starts}.log", "caught up")
+        adopted = _logged_at(shard.tmp / f"{prefix}-1-{shard.starts}.log", "caught up")
         with Client(shard.addresses[1], timeout=60) as c:
             deadline = time.monotonic() + 600
             while True:
@@ -360,15 +370,44 @@ def catch_up(tmp: Path, etcd: EtcdProcess, mib: int, records: int) -> None:
                 time.sleep(0.01)
         done = time.time()
         snap_s, log_s = adopted - started, done - adopted
-        print(
-            f"  snapshot of {size / 2**20:.0f} MiB in {snap_s:.2f} s: "
-            f"{size / 2**20 / snap_s:.0f} MiB/s; then {records} records "
-            f"(~{log_bytes / 2**20:.0f} MiB) in {log_s:.2f} s: "
-            f"{records / log_s:.0f} records/s, {log_bytes / 2**20 / log_s:.1f} MiB/s",
-            flush=True,
-        )
+        return size / 2**20 / snap_s, records / log_s, log_bytes / 2**20 / log_s
     finally:
         shard.close()
+
+
+def catch_up_rounds(
+    tmp: Path,
+    etcd: EtcdProcess,
+    mib: int,
+    records: int,
+    rounds: int,
+    trees: dict[str, Path | None],
+) -> None:
+    """``catch_up`` of each checkout in ``trees``, in alternating rounds; prints
+    per checkout the medians and the min-max spread."""
+    got: dict[str, list[tuple[float, float, float]]] = {k: [] for k in trees}
+    keys = list(trees)
+    for r in range(rounds):
+        for label in keys[r % len(keys) :] + keys[: r % len(keys)]:
+            prefix = f"catchup{r}{keys.index(label)}"
+            got[label].append(catch_up(tmp, etcd, mib, records, prefix, trees[label]))
+            snap, rps, mbs = got[label][-1]
+            print(
+                f"  round {r + 1} {label}: snapshot {snap:.0f} MiB/s, then "
+                f"{rps:.0f} records/s ({mbs:.1f} MiB/s)",
+                flush=True,
+            )
+    for label, runs in got.items():
+        cols = list(zip(*runs, strict=True))
+        text = ", ".join(
+            f"{name} median {statistics.median(v):.{d}f} "
+            f"({min(v):.{d}f}-{max(v):.{d}f})"
+            for name, v, d in zip(
+                ("snapshot MiB/s", "records/s", "log MiB/s"), cols, (0, 0, 1),
+                strict=True,
+            )
+        )  # fmt: skip
+        print(f"  {label}: {text}", flush=True)
 
 
 def main() -> int:
@@ -392,8 +431,8 @@ def main() -> int:
     ap.add_argument(
         "--baseline",
         metavar="REV",
-        help="part 2 also runs the servers of this commit (its own checkout, "
-        "benchmarks/_baseline.py), in the same rounds",
+        help="parts 2 and 3 also run the servers of this commit (its own "
+        "checkout, benchmarks/_baseline.py), in the same rounds",
     )
     ap.add_argument(
         "--new",
@@ -440,21 +479,23 @@ def main() -> int:
                     f"{len(times)} kills: median {statistics.median(times):.2f} s, "
                     f"max {max(times):.2f} s"
                 )
+            trees: dict[str, Path | None] = {describe(None).split()[0]: None}
+            if args.baseline:
+                new = outer.enter_context(checkout(args.new))
+                old = outer.enter_context(checkout(args.baseline))
+                trees = {f"new {new.label}": new.tree}
+                trees[f"old {old.label}"] = old.tree
             if not args.skip_push_cost:
                 print(f"push cost (serial pushes, {args.rounds} alternating rounds):")
-                with ExitStack() as stack:
-                    trees: dict[str, Path | None] = {describe(None).split()[0]: None}
-                    if args.baseline:
-                        new = stack.enter_context(checkout(args.new))
-                        old = stack.enter_context(checkout(args.baseline))
-                        trees = {f"new {new.label}": new.tree}
-                        trees[f"old {old.label}"] = old.tree
-                    sizes = {k: v for k, v in SIZES.items() if k in args.sizes}
-                    push_cost(tmp, etcd, args.rounds, args.pushes, trees, sizes)
+                sizes = {k: v for k, v in SIZES.items() if k in args.sizes}
+                push_cost(tmp, etcd, args.rounds, args.pushes, trees, sizes)
             if not args.skip_catch_up:
                 mib, n = args.catch_up_mib, args.catch_up_records
-                print(f"catch-up (a standby joins: {mib} MiB group, {n} records):")
-                catch_up(tmp, etcd, mib, n)
+                print(
+                    f"catch-up (a standby joins: {mib} MiB group, {n} records; "
+                    f"{args.rounds} alternating rounds):"
+                )
+                catch_up_rounds(tmp, etcd, mib, n, args.rounds, trees)
         finally:
             etcd.stop()
     return 0

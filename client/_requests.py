@@ -321,6 +321,8 @@ class ClientCore(RowsOps):
             update_count=update_count,
             lease_seconds=lease_seconds or 0.0,
             tables=specs,
+            # the same in every resend (and every part): answered exactly once
+            request_id=uuid.uuid4().hex,
         )
         if not arrays and specs:
             dtype = next(

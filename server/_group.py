@@ -186,6 +186,7 @@ class GroupRuntime:
     dedup: Mapping[str, tuple[int, Sequence[tuple[int, int, bool]]]] = field(
         default_factory=dict
     )
+    created_by: str = ""  # the request id of the group's create ("": none)
 
 
 @dataclass(frozen=True)
@@ -322,6 +323,9 @@ class Group:
         self.pending: dict[str, list[Array]] = {}
         self.replay_step: int | None = None  # contributors of a logged sync step
         self.deleted = False
+        # The request id of the create that made the group ("": none given): a
+        # resend of that create is answered with the group (exactly once)
+        self.created_by = ""
 
     def _sizes(self) -> list[int]:
         o = self.layout.offsets
@@ -473,12 +477,14 @@ class Group:
                 cid: (w.floor, [(s, t, a) for s, (t, a) in w.results.items()])
                 for cid, w in self.dedup.items()
             },
+            created_by=self.created_by,
         )
 
     def restore_runtime(self, runtime: GroupRuntime, now: float) -> None:
         self.workers = dict.fromkeys(runtime.workers, now + self.lease_seconds)
         self.dead = set(runtime.dead)
         self.pending = {k: list(v) for k, v in runtime.pending.items()}
+        self.created_by = runtime.created_by
         for cid, (floor, rows) in runtime.dedup.items():
             # restored windows count their age from the restart
             w = self.dedup[cid] = ClientWindow(int(floor), now)

@@ -112,6 +112,7 @@ class GroupRpcs(RpcFamily):
             tables=tables,
             table_arrays=table_arrays,
             dtype=dtype,
+            request_id=req.request_id,
         )
         return group_info(view)
 

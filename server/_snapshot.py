@@ -166,7 +166,7 @@ def _write_group(
             "clients": clients,
             "file": _write_array(directory, f"{prefix}-dedup.npy", table, files),
         },
-    }
+    } | ({"created_by": runtime.created_by} if runtime.created_by else {})
 
 
 def write_snapshot(
@@ -338,5 +338,6 @@ def _read_group(
         dead=tuple(entry["dead"]),
         pending={k: [read(n) for n in names] for k, names in entry["pending"]},
         dedup=dedup,
+        created_by=str(entry.get("created_by", "")),
     )
     return GroupCapture(image, runtime)

@@ -242,7 +242,10 @@ class Durability:
         elif op == "sync_step":
             store.replay_sync_step(name, len(h["contributors"]))
         elif op == "create":
-            store.replay_create(GroupImage.from_json(h["image"], arrays, self.wal_dir))
+            store.replay_create(
+                GroupImage.from_json(h["image"], arrays, self.wal_dir),
+                request_id=h.get("request_id", ""),
+            )
         elif op == "delete":
             store.replay_delete(name)
         elif op == "set_lr":

@@ -243,12 +243,16 @@ class ParameterStore:
         tables: Sequence[TableDefinition] = (),
         table_arrays: Sequence[Sequence[Array]] = (),
         dtype: np.dtype[Any] | None = None,
+        request_id: str = "",
     ) -> GroupView:
         """Create a group of ``tensors`` and ids ``tables`` (``_ids``; their rows
         ``table_arrays``, as an image has them, when resumed; else empty); a group
-        of tables only takes its ``dtype`` (default float32)."""
+        of tables only takes its ``dtype`` (default float32). A create resent with
+        the ``request_id`` of the one that made the group answers that group."""
         self._check_open()
         check_name(name)
+        if request_id and (done := self._created_by(name, request_id)) is not None:
+            return done
         if not tensors and not tables:
             raise InvalidArgument(
                 f"group {name!r} needs at least one tensor or ids table"
@@ -284,6 +288,21 @@ class ParameterStore:
             table_arrays=table_arrays,
             dtype=dtype,
         )
+        group.created_by = request_id
+        try:
+            self._add_group(group, group_bytes)
+        except AlreadyExists:
+            # the create of this request, under way when this resend came in
+            done = self._created_by(name, request_id) if request_id else None
+            if done is not None:
+                return done
+            raise
+        _log_group("created", group)
+        return group.view(self._clock())
+
+    def _add_group(self, group: Group, group_bytes: int) -> None:
+        """Hold ``group`` under its name once its create record is durable."""
+        name = group.name
         journal = JournalEntry(self._journal)
         # Held until the create record is durable: no call uses the group before.
         with group.cond:
@@ -294,13 +313,15 @@ class ParameterStore:
                     lsn = None
                     if self._journal is not None:
                         # The full definition and initial arrays, so replay
-                        # recreates it.
+                        # recreates it; the request id, so a resend is answered.
                         image = group.image()
                         record = {
                             "op": "create",
                             "group": name,
                             "image": image.to_json(),
-                        }
+                        } | (
+                            {"request_id": group.created_by} if group.created_by else {}
+                        )
                         lsn = journal.log(record, image.arrays)
                 journal.wait(lsn)
             except JOURNAL_REFUSALS:
@@ -309,8 +330,19 @@ class ParameterStore:
                         del self._groups[name]
                 group.deleted = True
                 raise
-        _log_group("created", group)
-        return group.view(self._clock())
+
+    def _created_by(self, name: str, request_id: str) -> GroupView | None:
+        """Group ``name`` when the create of ``request_id`` made it (a resend: the
+        first answer was lost, e.g. in a failover), once that create is durable and
+        on a server that may take changes (a standby refuses: NOT_PRIMARY); None
+        when no live group was created by it."""
+        with self._lock:
+            g = self._groups.get(name)
+        if g is None or g.created_by != request_id:
+            return None
+        JournalEntry(self._journal).check_writable()
+        with g.cond:  # the first create holds it until its record is durable
+            return None if g.deleted else g.view(self._clock())
 
     def check_group_size(self, group_bytes: int) -> None:
         limit = self.limits.max_group_bytes
@@ -684,8 +716,8 @@ class ParameterStore:
         _log_group("restored", g)
         return g.view(self._clock())
 
-    def replay_create(self, image: GroupImage) -> None:
-        self.install(image)
+    def replay_create(self, image: GroupImage, request_id: str = "") -> None:
+        self.install(image, GroupRuntime(created_by=request_id) if request_id else None)
 
     def replay_push(
         self,

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from _etcd import etcd_server  # noqa: F401 - a fixture
 from onnxps.client import Adagrad, Client
-from onnxps.server._wal import WriteAheadLog
+from onnxps.server._wal import WriteAheadLog, read_segments
 from onnxps.server.replication._frames import logged_frames
 from test_replication import SIZE, ReplicaSet, _create, _kill, replicas  # noqa: F401
 
@@ -27,7 +27,10 @@ LOWER = ("--sync-policy", "lower")
 
 
 def _frames(wal_dir: Path) -> dict[int, bytes]:
-    return dict(logged_frames(str(wal_dir), 0))
+    last = max((int(h["lsn"]) for h, _ in read_segments(str(wal_dir), 0)), default=0)
+    return {
+        lsn: b"".join(chunks) for lsn, chunks in logged_frames(str(wal_dir), 0, last)
+    }
 
 
 def _log(tmp_path: Path, i: int, start: int) -> str:

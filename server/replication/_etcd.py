@@ -104,11 +104,17 @@ class Etcd:
                 "--coordinator needs the etcd client: pip install 'onnxps[replication]'"
             ) from exc
         self.address = address
+        self.timeout = timeout
         self._clients = [
             etcd3gw.Etcd3Client(host=h, port=p, timeout=timeout, api_path="/v3/")
             for h, p in address.endpoints
         ]
         self._first = 0
+
+    def clone(self) -> Etcd:
+        """Another client of the same endpoints: its own connections, so that a
+        call on one never waits behind a call on the other."""
+        return Etcd(self.address, timeout=self.timeout)
 
     def _post(self, path: str, payload: dict[str, Any]) -> Any:
         import etcd3gw.exceptions

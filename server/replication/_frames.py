@@ -4,7 +4,6 @@ checked and written as it came by the standby."""
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -14,15 +13,14 @@ import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import _read_varint, _varint
 
-from .._wal import (
+from .._walread import (
     FRAME,
     MAGIC,
     MAX_HEADER,
-    SEGMENT_HEADER,
-    SEGMENT_MAGIC,
-    segment_paths,
+    LogReader,
+    WalFormatError,
+    WalGapError,
 )
-from ..errors import Unavailable
 
 Array = np.ndarray[Any, Any]
 
@@ -106,78 +104,27 @@ def frame_arrays(header: dict[str, Any], frame: memoryview) -> list[Array]:
     return arrays
 
 
+# What reading records back from the log may raise: none is skipped, the reader
+# raises (a record pruned, torn or damaged, a segment removed or unreadable).
+UNREADABLE = (WalGapError, WalFormatError, OSError)
+
+
 def logged_term(wal_dir: str, lsn: int) -> int | None:
     """The term record ``lsn`` of the log holds (0: none written), or None when
     the log does not hold that record (pruned, not written, or damaged)."""
-    older = [path for first, path in segment_paths(wal_dir) if first <= lsn]
-    if not older:
+    try:
+        for header, _ in LogReader(wal_dir, lsn - 1).frames(upto=lsn):
+            return int(header.get("term", 0))
+    except UNREADABLE:
         return None
-    with open(older[-1], "rb") as f:
-        head = f.read(SEGMENT_HEADER.size)
-        if len(head) < SEGMENT_HEADER.size or head[:8] != SEGMENT_MAGIC:
-            return None
-        while len(raw := f.read(FRAME.size)) == FRAME.size:
-            magic, hlen, blen, _crc = FRAME.unpack(raw)
-            if magic != MAGIC or hlen > MAX_HEADER:
-                return None
-            text = f.read(hlen)
-            if len(text) < hlen:
-                return None
-            header = json.loads(text)
-            if header.get("op") != "void" and int(header["lsn"]) >= lsn:
-                return int(header.get("term", 0)) if header["lsn"] == lsn else None
-            f.seek(blen, os.SEEK_CUR)
     return None
 
 
-def logged_frames(wal_dir: str, after: int) -> Iterator[tuple[int, bytes]]:
-    """(lsn, frame bytes) of the log's intact records after ``after``, read from its
-    segments as they are on disk (the log is being written meanwhile: reading stops
-    quietly at the first frame not (yet) whole; ``void`` frames are skipped, as the
-    refused lsns they declare). Records missing after ``after`` (segments pruned
-    since the snapshot was chosen) end the stream: the standby starts again from a
-    newer snapshot instead of missing them."""
-    expected = after + 1
-    segments = segment_paths(wal_dir)
-    # a segment whose next one starts at or before ``after + 1`` holds none of them
-    starts = [first for first, _ in segments[1:]] + [None]
-    for (_first, path), nxt in zip(segments, starts, strict=True):
-        if nxt is not None and nxt <= expected:
-            continue
-        with open(path, "rb") as f:
-            head = f.read(SEGMENT_HEADER.size)
-            if len(head) < SEGMENT_HEADER.size:
-                return
-            if SEGMENT_HEADER.unpack(head)[0] != SEGMENT_MAGIC:
-                raise ValueError(f"{path}: not a write-ahead log segment")
-            while True:
-                raw = f.read(FRAME.size)
-                if len(raw) < FRAME.size:
-                    break
-                magic, hlen, blen, crc = FRAME.unpack(raw)
-                if magic != MAGIC or hlen > MAX_HEADER:
-                    return
-                text = f.read(hlen)
-                if len(text) < hlen:
-                    return
-                header = json.loads(text)
-                lsn = int(header.get("lsn", 0))
-                if header.get("op") != "void" and lsn <= after:
-                    f.seek(blen, os.SEEK_CUR)  # not sent: neither read nor checked
-                    continue
-                body = f.read(blen)
-                if len(body) < blen or zlib.crc32(body, zlib.crc32(text)) != crc:
-                    return
-                if header.get("op") == "void":  # as the log's reader skips them
-                    if int(header["first"]) <= expected:
-                        expected = max(expected, int(header["last"]) + 1)
-                    continue
-                if lsn != expected:
-                    raise Unavailable(
-                        f"records {expected} to {lsn - 1} are no longer in the log "
-                        f"{wal_dir} (pruned after a snapshot): follow again, from the "
-                        "newest snapshot",
-                        reason="NOT_REPLICATED",
-                    )
-                expected = lsn + 1
-                yield lsn, b"".join((raw, text, body))
+def logged_frames(
+    wal_dir: str, after: int, upto: int
+) -> Iterator[tuple[int, list[bytes]]]:
+    """(lsn, frame bytes in chunks) of every record after ``after`` up to ``upto``
+    as the log on disk holds them (``LogReader.frames``); one that cannot be read
+    raises (``UNREADABLE``)."""
+    for header, chunks in LogReader(wal_dir, after).frames(upto):
+        yield int(header["lsn"]), chunks

@@ -32,7 +32,7 @@ from .._snapshot import SnapshotError, list_snapshots, read_manifest
 from .._wal import Frame
 from ..durability import Durability
 from ..errors import FailedPrecondition, Unavailable
-from ._frames import logged_frames, logged_term, shipped
+from ._frames import UNREADABLE, logged_frames, logged_term, shipped
 from ._member import Member, Role
 
 __all__ = ["NotPrimary", "ReplicatedJournal"]
@@ -344,10 +344,12 @@ class ReplicatedJournal:
             else:
                 after = yield from self._snapshot(hello, term)
             acks.start()
-            for lsn, frame in logged_frames(self.durability.wal_dir, after):
-                if lsn > standby.floor:
-                    break
-                yield shipped(term, lsn, [frame])
+            try:
+                yield from self._logged(after, standby.floor, term)
+            except UNREADABLE as exc:
+                # never skipped: the standby gets a snapshot that holds the record
+                after = yield from self._snapshot(hello, term, unreadable=exc)
+                yield from self._logged(after, standby.floor, term)
             yield from self._records_after(standby.floor, standby, context, term)
         finally:
             with self._cv:
@@ -365,12 +367,26 @@ class ReplicatedJournal:
         wal_dir = self.durability.wal_dir
         return logged_term(wal_dir, hello.last_lsn) == hello.last_term
 
+    def _logged(self, after: int, upto: int, term: int) -> Iterator[bytes]:
+        """Records ``after``+1 to ``upto`` as shipped, read from the log on disk
+        (durable, maybe no longer kept in memory); one that cannot be read raises
+        (``UNREADABLE``): it is never skipped."""
+        for lsn, chunks in logged_frames(self.durability.wal_dir, after, upto):
+            yield shipped(term, lsn, chunks)
+
     def _snapshot(
-        self, hello: pb.ReplicateHello, term: int
+        self,
+        hello: pb.ReplicateHello,
+        term: int,
+        unreadable: BaseException | None = None,
     ) -> Generator[pb.ReplicateResponse, None, int]:
         """Send the newest snapshot on disk (written already: no store lock, so no
-        wait on pushes that wait for a standby); returns its wal lsn."""
-        path, wal_lsn = self._base_snapshot()
+        wait on pushes that wait for a standby); returns its wal lsn. After a
+        record the log cannot give back (``unreadable``), one written after it."""
+        if unreadable is None:
+            path, wal_lsn = self._base_snapshot()
+        else:
+            path, wal_lsn = self._snapshot_after(hello, unreadable)
         log.info(
             "standby %s (%s, last record %d of term %d): sending snapshot %s "
             "(wal lsn %d), then the log",
@@ -393,6 +409,29 @@ class ReplicatedJournal:
             lsn for lsn, e in self._records.items() if not e.durable and not e.failed
         ]
         return min(pending) - 1 if pending else int(self.inner.last_lsn())
+
+    def _snapshot_after(
+        self, hello: pb.ReplicateHello, unreadable: BaseException
+    ) -> tuple[str, int]:
+        """A snapshot written after every record this log holds now, for a standby
+        that needs one the log cannot give back. Not for a synchronous standby:
+        the pushes waiting for it would hold up the snapshot (its stream ends)."""
+        with self._cv:
+            synchronous = hello.member_id in (*self._sync, self._joining)
+        log.warning(
+            "standby %s (%s): %s; sending a snapshot instead%s",
+            hello.member_id, hello.address, unreadable,
+            "" if not synchronous else " (not to a synchronous standby: it follows "
+            "again)",
+        )  # fmt: skip
+        if synchronous:
+            raise Unavailable(
+                f"the log cannot give back a record this standby needs: {unreadable}",
+                reason="NOT_REPLICATED",
+            )
+        saved = self.durability.snapshot(force=True)
+        assert saved is not None
+        return saved.path, read_manifest(saved.path).wal_lsn
 
     def _base_snapshot(self) -> tuple[str, int]:
         """The newest intact snapshot on disk (one is written when there is none)."""
@@ -428,12 +467,16 @@ class ReplicatedJournal:
 
     def _from_log(self, lsn: int, term: int) -> bytes:
         """Record ``lsn`` (durable) as shipped, read from the log on disk."""
-        for got, frame in logged_frames(self.durability.wal_dir, lsn - 1):
-            if got == lsn:
-                return shipped(term, lsn, [frame])
-            break
+        try:
+            for got, chunks in logged_frames(self.durability.wal_dir, lsn - 1, lsn):
+                return shipped(term, got, chunks)
+        except UNREADABLE as exc:
+            why = str(exc)
+        else:
+            why = "a record voided when written"
         raise Unavailable(
-            f"record {lsn} is not in the log {self.durability.wal_dir}: follow again",
+            f"record {lsn} cannot be read from the log {self.durability.wal_dir} "
+            f"({why}): follow again",
             reason="NOT_REPLICATED",
         )
 

@@ -16,9 +16,12 @@ replica set (Patroni's shape, on etcd v3). Keys, under ``PREFIX/shards/I/``:
 
 ``PREFIX/layout`` holds the cluster's shard count (clients read it).
 
-The lease is renewed every TTL/3; a primary whose last successful renewal is older
-than TTL*2/3 stops acknowledging (``may_acknowledge``) before etcd can expire the
-lease and another member can be elected.
+The lease is renewed every TTL/3 on a thread that does nothing else, with its own
+etcd connections (an etcd read or write of the member's loop that hangs, or a
+promotion draining what it received, does not hold a renewal up); a primary whose
+last successful renewal is older than TTL*2/3 stops acknowledging
+(``may_acknowledge``) before etcd can expire the lease and another member can be
+elected.
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ def _dumps(value: Any) -> bytes:
 
 
 class Member:
-    """This server in its shard's replica set (one thread).
+    """This server in its shard's replica set (a thread, and one renewing its lease).
 
     ``on_promoted(term)`` runs (on the member's thread) once this server took the
     lead, before it acknowledges anything; ``on_primary(info)`` whenever the known
@@ -148,9 +151,12 @@ class Member:
         self._lease = 0
         self._renewed = -1e18  # when the last successful renewal was sent
         self._sent = -1e18
+        self._lapsed = 0  # a lease the renewing thread found expired (a standby's)
         self._registered = -1e18
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._renewer: threading.Thread | None = None
+        self._renewer_etcd = etcd.clone()  # its own connections
         self.failovers = 0
 
     # -- lifecycle ------------------------------------------------------------------
@@ -171,6 +177,10 @@ class Member:
                 time.sleep(0.5)
         self._new_lease()
         self._register()
+        self._renewer = threading.Thread(
+            target=self._renew_loop, name="onnxps-lease", daemon=True
+        )
+        self._renewer.start()
         self._thread = threading.Thread(
             target=self._run, name="onnxps-replica", daemon=True
         )
@@ -179,8 +189,9 @@ class Member:
     def stop(self, resign: bool = True) -> None:
         """Stop taking part; a primary gives its key up at once (``resign``)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        for thread in (self._thread, self._renewer):
+            if thread is not None:
+                thread.join(timeout=10)
         with self._lock:
             was_primary = self.role is Role.PRIMARY
             self.role = Role.STOPPED
@@ -235,10 +246,21 @@ class Member:
             except Exception:
                 log.exception("replica set member step failed")
 
+    def _renew_loop(self) -> None:
+        """Renew the lease every TTL/3 (this thread does nothing else)."""
+        while not self._stop.wait(max(0.0, self._sent + self.ttl / 3 - self._clock())):
+            try:
+                self._renew()
+            except CoordinatorUnavailable as exc:
+                log.warning("etcd unreachable, lease not renewed: %s", exc)
+            except Exception:
+                log.exception("renewing the etcd lease failed")
+
     def _step(self) -> None:
-        now = self._clock()
-        if now - self._sent >= self.ttl / 3:
-            self._renew()
+        if self._lapsed and self._lapsed == self._lease:
+            log.warning("etcd lease %x expired; registering again", self._lease)
+            self._new_lease()
+            self._register()
         if self.role is Role.PRIMARY:
             self._check_still_primary()
         elif self.role is Role.STANDBY:
@@ -247,18 +269,21 @@ class Member:
             self._register()
 
     def _renew(self) -> None:
+        """On the renewing thread: a lease that expired deposes a primary; a
+        standby's is replaced by the member's loop (``_lapsed``)."""
         sent = self._clock()
         self._sent = sent
-        ttl = self.etcd.keepalive(self._lease)
+        lease = self._lease
+        ttl = self._renewer_etcd.keepalive(lease)
         if ttl > 0:
-            self._renewed = sent
+            self._renewed = max(self._renewed, sent)
             return
+        if lease != self._lease:
+            return  # replaced meanwhile
         if self.role is Role.PRIMARY:
             self._depose("its etcd lease expired")
             return
-        log.warning("etcd lease %x expired; registering again", self._lease)
-        self._new_lease()
-        self._register()
+        self._lapsed = lease
 
     def _check_still_primary(self) -> None:
         kv = self.etcd.get(self.keys.primary)
@@ -341,9 +366,9 @@ class Member:
         self._register()
 
     def _renew_after_promotion(self) -> bool:
-        """Renew the lease once this server finished applying what it received
-        (no renewal ran meanwhile: a long drain would leave it fenced at once);
-        False when the lease lapsed meanwhile (its primary key went with it)."""
+        """Renew the lease once this server finished applying what it received,
+        before it acknowledges anything; False when the lease lapsed meanwhile
+        (its primary key went with it)."""
         sent = self._clock()
         try:
             ttl = self.etcd.keepalive(self._lease)

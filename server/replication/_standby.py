@@ -2,8 +2,11 @@
 
 The standby connects to the primary etcd names, receives a snapshot (written into a
 temporary directory beside its own, then adopted as its whole state), then every
-record after it: each is written to its own log with the primary's lsn, fsynced,
-acknowledged, then applied through the store's replay methods, in order. Messages of
+record after it: each is written to its own log with the primary's lsn and, once
+fsynced, acknowledged, then applied through the store's replay methods, in order.
+The records received while one batch is fsynced make the next batch, fsynced once
+and acknowledged by its last lsn (``_Syncer``): a standby catching up does not
+fsync every record on its own. Messages of
 a term older than the newest this standby has seen are refused (the stream ends).
 """
 
@@ -125,6 +128,104 @@ class _Applier:
                 self._items.popleft()
                 self._bytes -= len(item[1])
                 self._cv.notify_all()
+
+
+# a record appended: (the log, its lsn, header, frame, covered lsns per group)
+_Received = tuple[Any, int, dict[str, Any], memoryview, dict[str, int]]
+
+
+class _Syncer:
+    """Makes the records a follower appended to its log durable, in batches, on
+    its own thread: every record appended while a batch is fsynced goes in the
+    next one (the log's group commit). A batch durable, ``durable(lsn, term)`` is
+    told its last record (the follower acknowledges it), then its records go to
+    the applier. At most ``limit`` bytes of records wait (``put`` blocks beyond);
+    ``drain`` returns once every record put is durable and handed on."""
+
+    def __init__(
+        self,
+        durable: Callable[[int, int], None],
+        applier: _Applier,
+        limit: int = 256 << 20,
+    ) -> None:
+        self._durable = durable
+        self._applier = applier
+        self._limit = limit
+        self._cv = threading.Condition()
+        self._items: list[_Received] = []
+        self._bytes = 0
+        self._busy = False
+        self._closed = False
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, name="onnxps-standby-fsync", daemon=True
+        )
+        self._thread.start()
+
+    def put(
+        self,
+        journal: Any,
+        lsn: int,
+        header: dict[str, Any],
+        frame: memoryview,
+        covered: dict[str, int],
+    ) -> None:
+        """Record ``lsn`` was appended to ``journal``: make it durable."""
+        with self._cv:
+            while self._items and self._bytes + len(frame) > self._limit:
+                self._cv.wait()
+            self._raise_failed()
+            self._items.append((journal, lsn, header, frame, covered))
+            self._bytes += len(frame)
+            self._cv.notify_all()
+
+    def drain(self) -> None:
+        with self._cv:
+            while (self._items or self._busy) and self._failed is None:
+                self._cv.wait()
+            self._raise_failed()
+
+    def close(self) -> None:
+        """``drain``, then stop the thread (raises what failed, if anything)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()
+        self._raise_failed()
+
+    def _raise_failed(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError("a record received was not made durable") from (
+                self._failed
+            )
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._items and not self._closed:
+                    self._cv.wait()
+                if not self._items or self._failed is not None:
+                    return
+                batch, self._items, self._busy = self._items, [], True
+            try:
+                self._sync(batch)
+            except BaseException as exc:  # the receiver raises it, and stops
+                log.exception("making records %d to %d durable failed",
+                              batch[0][1], batch[-1][1])  # fmt: skip
+                self._failed = exc
+            with self._cv:
+                self._busy = False
+                self._bytes -= sum(len(item[3]) for item in batch)
+                self._cv.notify_all()
+
+    def _sync(
+        self, batch: list[tuple[Any, int, dict[str, Any], memoryview, Any]]
+    ) -> None:
+        journal, lsn, header = batch[-1][:3]
+        journal.wait(lsn)  # the log writes and fsyncs every record before it too
+        self._durable(lsn, int(header.get("term", 0)))
+        for _, _, h, frame, covered in batch:
+            self._applier.put(h, frame, covered)
 
 
 class Follower:
@@ -282,16 +383,29 @@ class Follower:
         acks: queue.Queue[Any],
         applier: _Applier,
     ) -> None:
+        def durable(lsn: int, term: int) -> None:
+            self.durable, self.durable_term = lsn, term
+            acks.put(pb.ReplicateRequest(ack=pb.ReplicateAck(lsn=lsn)))
+
+        syncer = _Syncer(durable, applier)
         try:
-            self._messages(call, target, acks, applier)
+            self._messages(call, target, acks, syncer, applier)
         finally:
-            # Every record received is applied before following ends: a promotion
-            # (which stops following first) serves the whole state.
-            if not applier.close():
-                self.durable_term = 0  # what is applied is not the log: a snapshot
+            # Every record received is durable and applied before following ends:
+            # a promotion (which stops following first) serves the whole state.
+            try:
+                syncer.close()
+            finally:
+                if not applier.close():
+                    self.durable_term = 0  # what is applied is not the log
 
     def _messages(
-        self, call: Any, target: PrimaryInfo, acks: queue.Queue[Any], applier: _Applier
+        self,
+        call: Any,
+        target: PrimaryInfo,
+        acks: queue.Queue[Any],
+        syncer: _Syncer,
+        applier: _Applier,
     ) -> None:
         tmp: str | None = None
         covered: dict[str, int] = {}
@@ -312,10 +426,7 @@ class Follower:
                         "%d: resumed with no snapshot)",
                         target.address, msg.lsn, self.durable,
                     )  # fmt: skip
-                header = self._record(msg)
-                acks.put(pb.ReplicateRequest(ack=pb.ReplicateAck(lsn=msg.lsn)))
-                if header is not None:  # applied once its ack is sent
-                    applier.put(header, msg.frame, covered)
+                self._record(msg, covered, syncer)
                 continue
             part = msg.WhichOneof("part")
             fresh = False
@@ -329,6 +440,7 @@ class Follower:
                 shutil.rmtree(final, ignore_errors=True)
                 os.rename(tmp, final)
                 tmp = None
+                syncer.drain()
                 applier.drain()
                 self.durable_term = 0  # until a record of the new log is durable
                 wal_lsn, covered = self.durability.adopt_snapshot(final)
@@ -339,20 +451,20 @@ class Follower:
                 )  # fmt: skip
                 acks.put(pb.ReplicateRequest(ack=pb.ReplicateAck(lsn=wal_lsn)))
 
-    def _record(self, rec: ShippedRecord) -> dict[str, Any] | None:
-        """Write the frame to this server's log as it came (its CRC and lsn
-        checked) and wait until it is durable: its header, to apply after the ack
-        (which promises durability, not application); None when this log held
-        it already."""
+    def _record(
+        self, rec: ShippedRecord, covered: dict[str, int], syncer: _Syncer
+    ) -> None:
+        """Append the frame to this server's log as it came (its CRC and lsn
+        checked); the syncer acknowledges it once it is durable, then hands it to
+        the applier: the ack promises durability, not application."""
         header = check_frame(rec.frame, rec.lsn)
         if rec.lsn <= self.durable:
-            return None
+            return
         journal = self.durability.journal
         if journal is None:
             raise Unavailable("the write-ahead log is closed: follow again")
-        journal.wait(journal.append_frame(rec.frame, rec.lsn))
-        self.durable, self.durable_term = rec.lsn, int(header.get("term", 0))
-        return header
+        journal.append_frame(rec.frame, rec.lsn)
+        syncer.put(journal, rec.lsn, header, rec.frame, covered)
 
     def _apply(
         self, header: dict[str, Any], frame: memoryview, covered: dict[str, int]

@@ -801,6 +801,7 @@ class CreateGroupRequest(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _builtins.int
     TABLES_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """The new group's name."""
     learning_rate: _builtins.float
@@ -814,6 +815,11 @@ class CreateGroupRequest(_message.Message):
     dtype: Global___DataType.ValueType
     """The group's dtype when it has no tensors (unset: float32); with tensors, unset
     or theirs.
+    """
+    request_id: _builtins.str
+    """Exactly-once: a create resent with the same request_id (its answer was lost,
+    e.g. in a failover) is answered with the group it created, not ALREADY_EXISTS.
+    Unique per create call (the client sends a random one). Empty: no dedup.
     """
     @_builtins.property
     def optimizer(self) -> Global___OptimizerSpec:
@@ -853,10 +859,11 @@ class CreateGroupRequest(_message.Message):
         lease_seconds: _builtins.float = ...,
         tables: _abc.Iterable[Global___IdsTableSpec] | None = ...,
         dtype: Global___DataType.ValueType = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["consistency", b"consistency", "optimizer", b"optimizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_non_finite", b"allow_non_finite", "consistency", b"consistency", "dtype", b"dtype", "group", b"group", "learning_rate", b"learning_rate", "lease_seconds", b"lease_seconds", "optimizer", b"optimizer", "state", b"state", "tables", b"tables", "tensors", b"tensors", "update_count", b"update_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_non_finite", b"allow_non_finite", "consistency", b"consistency", "dtype", b"dtype", "group", b"group", "learning_rate", b"learning_rate", "lease_seconds", b"lease_seconds", "optimizer", b"optimizer", "request_id", b"request_id", "state", b"state", "tables", b"tables", "tensors", b"tensors", "update_count", b"update_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
