@@ -23,7 +23,13 @@ from onnxps.v1 import parameter_server_pb2 as pb
 
 from ..durability import Durability
 from ..errors import DomainError, Unavailable
-from ._frames import ShippedRecord, check_frame, decode_response, frame_arrays
+from ._frames import (
+    Gather,
+    ShippedRecord,
+    check_frame,
+    decode_response,
+    frame_arrays,
+)
 from ._member import PrimaryInfo
 
 __all__ = ["Follower"]
@@ -295,6 +301,7 @@ class Follower:
     ) -> None:
         tmp: str | None = None
         covered: dict[str, int] = {}
+        gather = Gather()
         fresh = True  # no snapshot nor record received yet
         for msg in call:
             if msg.term < max(target.term, self._term()) or self._stop.is_set():
@@ -305,17 +312,20 @@ class Follower:
                 call.cancel()
                 return
             if isinstance(msg, ShippedRecord):
+                rec = gather.add(msg)  # a record comes in pieces
+                if rec is None:
+                    continue
                 if fresh:
                     fresh = False
                     log.info(
                         "following %s from record %d (after this server's record "
                         "%d: resumed with no snapshot)",
-                        target.address, msg.lsn, self.durable,
+                        target.address, rec.lsn, self.durable,
                     )  # fmt: skip
-                header = self._record(msg)
-                acks.put(pb.ReplicateRequest(ack=pb.ReplicateAck(lsn=msg.lsn)))
+                header = self._record(rec)
+                acks.put(pb.ReplicateRequest(ack=pb.ReplicateAck(lsn=rec.lsn)))
                 if header is not None:  # applied once its ack is sent
-                    applier.put(header, msg.frame, covered)
+                    applier.put(header, rec.frame, covered)
                 continue
             part = msg.WhichOneof("part")
             fresh = False
