@@ -276,7 +276,7 @@ def test_a_standby_applies_without_waiting_for_acks_once_its_queue_is_full() -> 
 
 
 def _gathered(messages: list[bytes]) -> list[Any]:
-    gather = Gather()
+    gather = Gather(64 << 20)
     return [gather.add(decode_response(m)) for m in messages]
 
 
@@ -329,7 +329,7 @@ def test_a_record_cut_short_by_the_next_one_is_refused_not_gathered() -> None:
         b'{"lsn": 3, "op": "push", "arrays": []}', [np.ones(3 * PIECE, np.uint8)]
     )
     small = Frame(b'{"lsn": 4, "op": "push", "arrays": []}')
-    gather = Gather()
+    gather = Gather(64 << 20)
     assert gather.add(decode_response(next(pieces(1, 3, big.chunks())))) is None
     with pytest.raises(ValueError, match="record 3: 1048.* of its 3145.* bytes came"):
         gather.add(decode_response(next(pieces(1, 4, small.chunks()))))
@@ -362,3 +362,17 @@ def test_a_standby_logs_a_record_of_several_pieces_as_its_primary_did(
     t_s, x_s = rs.state(s, "big")
     assert t_p == t_s == 2
     np.testing.assert_array_equal(x_s, x_p)
+
+
+def test_a_first_piece_declaring_a_frame_above_the_message_limit_is_refused() -> None:
+    """The size a first piece declares is bounded by the standby's message limit
+    (a record used to come in one message): no buffer of a damaged length."""
+    frame = Frame(
+        b'{"lsn": 9, "op": "push", "arrays": []}', [np.ones(2 * PIECE, np.uint8)]
+    )
+    first = decode_response(next(pieces(1, 9, frame.chunks())))
+    with pytest.raises(
+        ValueError, match="a frame of 2097.* bytes \\(at most 2000000\\)"
+    ):
+        Gather(2_000_000).add(first)
+    assert Gather(3 * PIECE).add(first) is None

@@ -93,7 +93,8 @@ class Gather:
     copy; nothing is written until it is whole and checked). A record shipped in
     one piece passes as it came."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int) -> None:
+        self._limit = limit  # the most bytes a frame may have (a message's limit)
         self._buf: Array | None = None
         self._lsn = 0
         self._got = 0
@@ -108,8 +109,12 @@ class Gather:
             size = FRAME.size + hlen + blen
             if size <= len(rec.frame):
                 return rec  # whole (check_frame checks its lengths)
-            if len(rec.frame) < FRAME.size + hlen:
-                raise ValueError(f"record {rec.lsn}: its header is not in one piece")
+            if len(rec.frame) < FRAME.size + hlen or size > self._limit:
+                raise ValueError(
+                    f"record {rec.lsn}: a frame of {size} bytes (at most "
+                    f"{self._limit}) whose first piece holds {len(rec.frame)}: not "
+                    "its prefix and header whole, or too long"
+                )
             self._buf, self._lsn, self._got = np.empty(size, np.uint8), rec.lsn, 0
         buf = self._buf
         end = self._got + len(rec.frame)

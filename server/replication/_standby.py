@@ -301,7 +301,7 @@ class Follower:
     ) -> None:
         tmp: str | None = None
         covered: dict[str, int] = {}
-        gather = Gather()
+        gather = Gather(self._max_message)  # (a record came in one message)
         fresh = True  # no snapshot nor record received yet
         for msg in call:
             if msg.term < max(target.term, self._term()) or self._stop.is_set():
