@@ -26,7 +26,13 @@ from onnxps.v1 import parameter_server_pb2 as pb
 
 from ..durability import Durability
 from ..errors import DomainError, Unavailable
-from ._frames import ShippedRecord, check_frame, decode_response, frame_arrays
+from ._frames import (
+    Gather,
+    ShippedRecord,
+    check_frame,
+    decode_response,
+    frame_arrays,
+)
 from ._member import PrimaryInfo
 
 __all__ = ["Follower"]
@@ -409,6 +415,7 @@ class Follower:
     ) -> None:
         tmp: str | None = None
         covered: dict[str, int] = {}
+        gather = Gather(self._max_message)  # (a record came in one message)
         fresh = True  # no snapshot nor record received yet
         for msg in call:
             if msg.term < max(target.term, self._term()) or self._stop.is_set():
@@ -419,14 +426,17 @@ class Follower:
                 call.cancel()
                 return
             if isinstance(msg, ShippedRecord):
+                rec = gather.add(msg)  # a record comes in pieces
+                if rec is None:
+                    continue
                 if fresh:
                     fresh = False
                     log.info(
                         "following %s from record %d (after this server's record "
                         "%d: resumed with no snapshot)",
-                        target.address, msg.lsn, self.durable,
+                        target.address, rec.lsn, self.durable,
                     )  # fmt: skip
-                self._record(msg, covered, syncer)
+                self._record(rec, covered, syncer)
                 continue
             part = msg.WhichOneof("part")
             fresh = False
