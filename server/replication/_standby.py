@@ -176,9 +176,14 @@ class _Syncer:
         frame: memoryview,
         covered: dict[str, int],
     ) -> None:
-        """Record ``lsn`` was appended to ``journal``: make it durable."""
+        """Record ``lsn`` was appended to ``journal``: make it durable (raises
+        once a batch failed: the syncer makes nothing durable after it)."""
         with self._cv:
-            while self._items and self._bytes + len(frame) > self._limit:
+            while (
+                self._items
+                and self._bytes + len(frame) > self._limit
+                and self._failed is None
+            ):
                 self._cv.wait()
             self._raise_failed()
             self._items.append((journal, lsn, header, frame, covered))
