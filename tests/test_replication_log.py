@@ -11,14 +11,25 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 from _etcd import etcd_server  # noqa: F401 - a fixture
 from onnxps.client import Adagrad, Client
-from onnxps.server._wal import WriteAheadLog, read_segments
-from onnxps.server.replication._frames import logged_frames
+from onnxps.server._wal import FRAME, Frame, WriteAheadLog, read_segments
+from onnxps.server.replication._frames import (
+    PIECE,
+    Gather,
+    check_frame,
+    decode_response,
+    frame_arrays,
+    logged_frames,
+    pieces,
+)
 from test_replication import SIZE, ReplicaSet, _create, _kill, replicas  # noqa: F401
 
 LOWER = ("--sync-policy", "lower")
@@ -213,3 +224,158 @@ def test_a_standby_acks_before_it_applies_but_stops_following_once_applied(
     finally:
         follower.stop()
         durability.close()
+
+
+def _applier(limit: int = 256 << 20) -> tuple[Any, list[int], threading.Event]:
+    """A standby's applier whose records are header-only: what it applied, in
+    order, and an event set by each apply."""
+    from onnxps.server.replication._standby import _Applier
+
+    applied: list[int] = []
+    event = threading.Event()
+
+    def apply(header: dict[str, Any], frame: memoryview, covered: object) -> None:
+        applied.append(int(header["lsn"]))
+        event.set()
+
+    return _Applier(apply, limit=limit), applied, event
+
+
+def test_a_standby_applies_a_record_once_its_ack_is_sent() -> None:
+    """Applying a record waits for its ack to go out (``sent``: the Replicate
+    stream asks for the next message once the ack is sent), so it does not hold
+    the standby's GIL and a core while the ack is on its way; ``close`` applies
+    what is left."""
+    applier, applied, event = _applier()
+    try:
+        applier.put({"lsn": 1}, memoryview(b"a"), {})
+        applier.put({"lsn": 2}, memoryview(b"b"), {})
+        assert not event.wait(0.5)  # no ack sent yet: nothing applied
+        applier.sent(1)
+        assert event.wait(30)
+        assert applied == [1]  # record 2's ack is not sent
+    finally:
+        assert applier.close()
+    assert applied == [1, 2]
+
+
+def test_a_standby_applies_without_waiting_for_acks_once_its_queue_is_full() -> None:
+    """A record that does not fit in the applier's queue (``limit`` bytes) lets
+    the ones queued be applied without waiting for their acks: the receiver is
+    never stuck behind acks it cannot send."""
+    applier, applied, _ = _applier(limit=4)
+    try:
+        applier.put({"lsn": 1}, memoryview(b"abc"), {})
+        second = threading.Thread(
+            target=applier.put, args=({"lsn": 2}, memoryview(b"def"), {})
+        )
+        second.start()
+        second.join(30)
+        assert not second.is_alive()
+        assert applied == [1]
+    finally:
+        assert applier.close()
+    assert applied == [1, 2]
+
+
+def _gathered(messages: list[bytes]) -> list[Any]:
+    gather = Gather(64 << 20)
+    return [gather.add(decode_response(m)) for m in messages]
+
+
+def test_a_record_is_shipped_in_pieces_of_1_mib_and_gathered_whole() -> None:
+    """A 3.2 MB record goes as 4 messages of at most 1 MiB of its frame each
+    (copied as they are sent: no 3.2 MB join), and the standby gathers them into
+    the frame as the log holds it; only the last piece yields the record."""
+    x = np.arange(800_000, dtype=np.float32)
+    frame = Frame(b'{"lsn": 7, "op": "push", "arrays": [["<f4", [800000]]]}', [x])
+    whole = b"".join(bytes(c) for c in frame.chunks())
+    messages = list(pieces(3, 7, frame.chunks()))
+    assert len(messages) == 4
+    assert all(len(m) <= PIECE + 16 for m in messages)
+    got = _gathered(messages)
+    assert got[:3] == [None, None, None]
+    rec = got[3]
+    assert (rec.term, rec.lsn, bytes(rec.frame)) == (3, 7, whole)
+    header = check_frame(rec.frame, 7)
+    np.testing.assert_array_equal(frame_arrays(header, rec.frame)[0], x)
+    # from a byte on (the rest of a record read back from the log)
+    rest = list(pieces(3, 7, [whole], 2 * PIECE))
+    assert rest == messages[2:]
+
+
+def test_a_small_record_is_one_message_passed_as_it_came() -> None:
+    frame = Frame(b'{"lsn": 2, "op": "push", "arrays": [["<f4", [4]]]}', [np.ones(4)])
+    (message,) = pieces(1, 2, frame.chunks())
+    (rec,) = _gathered([message])
+    assert bytes(rec.frame) == b"".join(bytes(c) for c in frame.chunks())
+
+
+def test_the_first_piece_holds_the_header_whole_beyond_1_mib() -> None:
+    """A header of nearly MAX_HEADER (1 MiB): the first piece is the prefix and
+    the header, longer than a piece."""
+    head = '{"lsn": 5, "op": "push", "arrays": [], "pad": "'
+    pad = "x" * (PIECE - 8 - len(head) - 2)
+    header = f'{head}{pad}"}}'.encode()
+    assert len(header) == PIECE - 8
+    frame = Frame(header, [np.ones(PIECE, np.uint8)])
+    messages = list(pieces(1, 5, frame.chunks()))
+    first = decode_response(messages[0])
+    assert len(first.frame) == FRAME.size + len(header) > PIECE
+    assert check_frame(_gathered(messages)[-1].frame, 5)["pad"] == pad
+
+
+def test_a_record_cut_short_by_the_next_one_is_refused_not_gathered() -> None:
+    """The stream of a record's pieces broken by another record (a damaged stream)
+    raises: nothing of it is written or acknowledged."""
+    big = Frame(
+        b'{"lsn": 3, "op": "push", "arrays": []}', [np.ones(3 * PIECE, np.uint8)]
+    )
+    small = Frame(b'{"lsn": 4, "op": "push", "arrays": []}')
+    gather = Gather(64 << 20)
+    assert gather.add(decode_response(next(pieces(1, 3, big.chunks())))) is None
+    with pytest.raises(ValueError, match="record 3: 1048.* of its 3145.* bytes came"):
+        gather.add(decode_response(next(pieces(1, 4, small.chunks()))))
+
+
+def test_a_standby_logs_a_record_of_several_pieces_as_its_primary_did(
+    replicas: object,  # noqa: F811 - the fixture
+    tmp_path: Path,
+) -> None:
+    """A 4 MiB push (5 pieces) is in the standby's log byte for byte, and in its
+    state."""
+    rs: ReplicaSet = replicas(2)  # type: ignore[operator]
+    p = rs.primary()
+    s = 1 - p
+    rs.wait_sync()
+    n = 1 << 20
+    with Client(rs.url, timeout=60) as c:
+        c.create_group(
+            "big", Adagrad(), learning_rate=0.1,
+            tensors={"x": np.zeros(n, np.float32)},
+        )  # fmt: skip
+        for k in range(2):
+            c.push("big", np.linspace(-1, 1 + k, n, dtype=np.float32))
+    rs.wait_t(s, "big", 2)
+    primary = _frames(tmp_path / f"data{p}" / "wal")
+    standby = _frames(tmp_path / f"data{s}" / "wal")
+    assert max(len(f) for f in standby.values()) > 4 * PIECE
+    assert {lsn: primary[lsn] for lsn in standby} == standby
+    t_p, x_p = rs.state(p, "big")
+    t_s, x_s = rs.state(s, "big")
+    assert t_p == t_s == 2
+    np.testing.assert_array_equal(x_s, x_p)
+
+
+def test_a_first_piece_declaring_a_frame_above_the_message_limit_is_refused() -> None:
+    """The size a first piece declares is bounded by the standby's message limit
+    (a record used to come in one message): no buffer of a damaged length."""
+    frame = Frame(
+        b'{"lsn": 9, "op": "push", "arrays": []}', [np.ones(2 * PIECE, np.uint8)]
+    )
+    first = decode_response(next(pieces(1, 9, frame.chunks())))
+    with pytest.raises(
+        ValueError, match="a frame of 2097.* bytes \\(at most 2000000\\)"
+    ):
+        Gather(2_000_000).add(first)
+    assert Gather(3 * PIECE).add(first) is None

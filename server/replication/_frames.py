@@ -1,5 +1,6 @@
-"""A log record as a WAL frame (docs/FORMAT.md): shipped as the log holds it, and
-checked and written as it came by the standby."""
+"""A log record as a WAL frame (docs/FORMAT.md): shipped as the log holds it, in
+pieces of at most 1 MiB (``pieces``), gathered (``Gather``), checked and written as
+it came by the standby."""
 
 from __future__ import annotations
 
@@ -35,16 +36,97 @@ class ShippedRecord:
     frame: memoryview
 
 
-def shipped(term: int, lsn: int, chunks: Sequence[Any]) -> bytes:
-    """The wire bytes of ``ReplicateResponse(term, record=ReplicaRecord(lsn,
-    frame))`` whose frame is ``chunks`` joined: one copy of the frame (the
-    Replicate stream sends bytes as they are, codec.serializer)."""
-    size = sum(len(c) for c in chunks)
+PIECE = 1 << 20  # frame bytes per message (the first one holds the header whole)
+
+
+def pieces(
+    term: int, lsn: int, chunks: Sequence[Any], start: int = 0
+) -> Iterator[bytes]:
+    """The messages shipping a frame (``chunks`` joined) from byte ``start``: each
+    the wire bytes of ``ReplicateResponse(term, record=ReplicaRecord(lsn, piece))``,
+    the pieces in order. A piece is copied as its message is sent (a 64 MiB record
+    is never joined whole: fresh 64 MiB buffers cost their page faults, twice on
+    each side); the standby gathers them (``Gather``)."""
+    offset: int | None = start
+    while offset is not None:
+        message, offset = piece(term, lsn, chunks, offset)
+        yield message
+
+
+def piece(
+    term: int, lsn: int, chunks: Sequence[Any], offset: int
+) -> tuple[bytes, int | None]:
+    """The message carrying the frame's piece at ``offset``, and the next piece's
+    offset (None after the last). The first piece holds the frame's prefix and
+    header whole, at least."""
+    views = [memoryview(c).cast("B") for c in chunks]
+    total = sum(len(v) for v in views)
+    end = offset + PIECE
+    if offset == 0:
+        prefix = b"".join(_slices(views, 0, FRAME.size))
+        end = max(end, FRAME.size + FRAME.unpack(prefix)[1])
+    end = min(end, total)
+    parts = _slices(views, offset, end)
+    size = end - offset
     record = b"\x08" + _varint(lsn) + b"\x12" + _varint(size)
     head = b"\x22" + _varint(len(record) + size) + record
     if term:
         head = b"\x08" + _varint(term) + head
-    return b"".join([head, *chunks])
+    return b"".join([head, *parts]), (end if end < total else None)
+
+
+def _slices(views: Sequence[memoryview], start: int, end: int) -> list[memoryview]:
+    """Views of bytes ``start`` to ``end`` of ``views`` joined."""
+    out, base = [], 0
+    for v in views:
+        lo, hi = max(start - base, 0), min(end - base, len(v))
+        if lo < hi:
+            out.append(v[lo:hi])
+        base += len(v)
+    return out
+
+
+class Gather:
+    """A standby's record, its pieces gathered as they arrive into one buffer (one
+    copy; nothing is written until it is whole and checked). A record shipped in
+    one piece passes as it came."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit  # the most bytes a frame may have (a message's limit)
+        self._buf: Array | None = None
+        self._lsn = 0
+        self._got = 0
+
+    def add(self, rec: ShippedRecord) -> ShippedRecord | None:
+        """The record once whole (None while pieces are missing); ValueError when
+        a piece does not fit (another record before this one is whole)."""
+        if self._buf is None:
+            if len(rec.frame) < FRAME.size:
+                raise ValueError(f"record {rec.lsn}: a piece of {len(rec.frame)} bytes")
+            _magic, hlen, blen, _crc = FRAME.unpack_from(rec.frame)
+            size = FRAME.size + hlen + blen
+            if size <= len(rec.frame):
+                return rec  # whole (check_frame checks its lengths)
+            if len(rec.frame) < FRAME.size + hlen or size > self._limit:
+                raise ValueError(
+                    f"record {rec.lsn}: a frame of {size} bytes (at most "
+                    f"{self._limit}) whose first piece holds {len(rec.frame)}: not "
+                    "its prefix and header whole, or too long"
+                )
+            self._buf, self._lsn, self._got = np.empty(size, np.uint8), rec.lsn, 0
+        buf = self._buf
+        end = self._got + len(rec.frame)
+        if rec.lsn != self._lsn or end > len(buf):
+            raise ValueError(
+                f"record {self._lsn}: {self._got} of its {len(buf)} bytes came, "
+                f"then {len(rec.frame)} of record {rec.lsn}"
+            )
+        buf[self._got : end] = np.frombuffer(rec.frame, np.uint8)
+        self._got = end
+        if end < len(buf):
+            return None
+        self._buf = None
+        return ShippedRecord(rec.term, rec.lsn, buf.data)
 
 
 def decode_response(raw: bytes) -> Any:

@@ -32,7 +32,7 @@ from .._snapshot import SnapshotError, list_snapshots, read_manifest
 from .._wal import Frame
 from ..durability import Durability
 from ..errors import FailedPrecondition, Unavailable
-from ._frames import UNREADABLE, logged_frames, logged_term, shipped
+from ._frames import UNREADABLE, logged_frames, logged_term, piece, pieces
 from ._member import Member, Role
 
 __all__ = ["NotPrimary", "ReplicatedJournal"]
@@ -56,27 +56,27 @@ class NotPrimary(FailedPrecondition, Unavailable):
 
 
 class _Shipped:
-    """A record's ``ReplicateResponse`` as sent: the frame the log holds, encoded
-    once (by the first stream that sends it) for every standby."""
+    """A record's frame as the log holds it, shipped in pieces (``piece``) copied
+    as they are sent, by every stream that sends it, until ``release``."""
 
     def __init__(self, term: int, lsn: int, frame: Frame) -> None:
         self._args: tuple[int, int, Frame] | None = (term, lsn, frame)
         self._lock = threading.Lock()
-        self._wire: bytes | None = b""
 
-    def wire(self) -> bytes | None:
-        """The encoded message; None once released before any stream encoded it."""
-        with self._lock:
-            if self._args is not None:
-                term, lsn, frame = self._args
-                self._wire, self._args = shipped(term, lsn, frame.chunks()), None
-            return self._wire
+    def piece(self, offset: int) -> tuple[bytes, int | None] | None:
+        """The message of the piece at ``offset`` and the next one's offset (see
+        ``_frames.piece``); None once released (the frame's arrays are given back:
+        the rest is read from the log)."""
+        with self._lock:  # ``release`` waits for a piece being copied
+            if self._args is None:
+                return None
+            term, lsn, frame = self._args
+            return piece(term, lsn, frame.chunks(), offset)
 
     def release(self) -> None:
-        """Let the frame's arrays go (encoded already, or never: see ``wire``)."""
+        """Let the frame's arrays go: no piece is copied from them after this."""
         with self._lock:
-            if self._args is not None:
-                self._args, self._wire = None, None
+            self._args = None
 
 
 @dataclass
@@ -118,7 +118,11 @@ class ReplicatedJournal:
         self.lower = lower
         self.ack_timeout = ack_timeout
         self._on_stuck = on_stuck
-        self._cv = threading.Condition()
+        # One lock, two conditions: the pushes waiting for acks (``_cv``) and the
+        # streams waiting for records to ship (``_new``) do not wake each other.
+        lock = threading.RLock()
+        self._cv = threading.Condition(lock)
+        self._new = threading.Condition(lock)
         self._records: dict[int, _Record] = {}
         self._standbys: dict[str, _Standby] = {}
         self._sync: list[str] = []  # named in etcd, in this order
@@ -165,10 +169,10 @@ class ReplicatedJournal:
             term = self.member.term
             lsn, frame = self.inner.log_frame({**record, "term": term}, arrays)
             lsn = int(lsn)
-            # Encoded by the first stream that sends it, while this server writes
-            # it: the standbys' fsync runs beside this one's, not after it.
+            # Shipped by the streams while this server writes it: the standbys'
+            # fsync runs beside this one's, not after it.
             self._records[lsn] = _Record(term, _Shipped(term, lsn, frame))
-            self._cv.notify_all()
+            self._new.notify_all()
         return lsn
 
     def wait(self, lsn: int) -> None:
@@ -176,7 +180,8 @@ class ReplicatedJournal:
             self._wait(lsn)
         finally:
             # The caller gives the record's arrays back (a pooled gradient) once
-            # this returns: a stream that did not encode it yet reads the log.
+            # this returns: a stream that did not copy all its pieces yet reads
+            # the rest from the log.
             with self._cv:
                 entry = self._records.get(lsn)
             if entry is not None:
@@ -191,7 +196,7 @@ class ReplicatedJournal:
                 if entry is not None:
                     entry.failed = True
                 shipped = any(not s.gone for s in self._standbys.values())
-                self._cv.notify_all()
+                self._wake_all()
             if shipped:
                 # A standby may hold what this server refuses: step down.
                 self._on_stuck(f"record {lsn} was shipped but not written here")
@@ -242,7 +247,13 @@ class ReplicatedJournal:
             s.gone = True
             if s.cancel is not None:
                 s.cancel()
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        """Under the lock: wake the pushes waiting and the streams shipping (a
+        standby gone, a record failed)."""
         self._cv.notify_all()
+        self._new.notify_all()
 
     def _held(self, lsn: int) -> bool:
         if len(self._sync) < self.sync_replicas and not self.lower:
@@ -362,7 +373,7 @@ class ReplicatedJournal:
         (durable, maybe no longer kept in memory); one that cannot be read raises
         (``UNREADABLE``): it is never skipped."""
         for lsn, chunks in logged_frames(self.durability.wal_dir, after, upto):
-            yield shipped(term, lsn, chunks)
+            yield from pieces(term, lsn, chunks)
 
     def _snapshot(
         self,
@@ -445,21 +456,33 @@ class ReplicatedJournal:
                     nxt += 1  # a record that was not kept: one nobody waits for
                     continue
                 if entry is None:
-                    self._cv.wait(0.05)
+                    self._new.wait(0.05)
                     if self.member.term != term or self.member.role is not Role.PRIMARY:
                         return  # deposed, or a newer term: the standby follows it
                     continue
             if not entry.failed:
                 if entry.term != term:
                     return  # logged in a newer term: the standby follows that
-                yield entry.frame.wire() or self._from_log(nxt, term)
+                yield from self._ship(entry.frame, nxt, term)
             nxt += 1
 
-    def _from_log(self, lsn: int, term: int) -> bytes:
-        """Record ``lsn`` (durable) as shipped, read from the log on disk."""
+    def _ship(self, record: _Shipped, lsn: int, term: int) -> Iterator[bytes]:
+        """Record ``lsn``'s pieces: copied from its arrays while the push that
+        logged it waits, the rest from the log once it was released."""
+        offset: int | None = 0
+        while offset is not None:
+            got = record.piece(offset)
+            if got is None:
+                yield from pieces(term, lsn, self._from_log(lsn), offset)
+                return
+            message, offset = got
+            yield message
+
+    def _from_log(self, lsn: int) -> list[bytes]:
+        """Record ``lsn``'s frame (durable) in chunks, read from the log on disk."""
         try:
-            for got, chunks in logged_frames(self.durability.wal_dir, lsn - 1, lsn):
-                return shipped(term, got, chunks)
+            for _, chunks in logged_frames(self.durability.wal_dir, lsn - 1, lsn):
+                return chunks
         except UNREADABLE as exc:
             why = str(exc)
         else:
@@ -491,7 +514,7 @@ class ReplicatedJournal:
         finally:
             with self._cv:
                 s.gone = True
-                self._cv.notify_all()
+                self._wake_all()
             self._replace_gone()
 
     def _maybe_sync(self, s: _Standby) -> None:

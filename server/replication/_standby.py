@@ -26,7 +26,13 @@ from onnxps.v1 import parameter_server_pb2 as pb
 
 from ..durability import Durability
 from ..errors import DomainError, Unavailable
-from ._frames import ShippedRecord, check_frame, decode_response, frame_arrays
+from ._frames import (
+    Gather,
+    ShippedRecord,
+    check_frame,
+    decode_response,
+    frame_arrays,
+)
 from ._member import PrimaryInfo
 
 __all__ = ["Follower"]
@@ -39,8 +45,11 @@ REPLICATE = "/onnxps.v1.ParameterServerService/Replicate"
 
 class _Applier:
     """Applies the records a follower received, in order, on its own thread
-    behind their acks. At most ``limit`` bytes of records wait (the receiver
-    blocks beyond that); ``close`` returns once every record queued is applied."""
+    behind their acks: a record waits until its ack was sent (``sent``), so that
+    applying it does not hold this process's GIL and a core while the ack goes
+    out. At most ``limit`` bytes of records wait (the receiver blocks beyond that,
+    and the records then go on without waiting for their acks); ``close`` returns
+    once every record queued is applied."""
 
     def __init__(
         self,
@@ -52,6 +61,7 @@ class _Applier:
         self._cv = threading.Condition()
         self._items: collections.deque[Any] = collections.deque()
         self._bytes = 0
+        self._sent = 0  # the records up to this lsn may be applied
         self._closed = False
         self._failed: BaseException | None = None
         self._thread = threading.Thread(
@@ -64,15 +74,30 @@ class _Applier:
     ) -> None:
         with self._cv:
             while self._items and self._bytes + len(frame) > self._limit:
+                self._release()  # applied without waiting for their acks
                 self._cv.wait()
             self._raise_failed()
             self._items.append((header, frame, covered))
             self._bytes += len(frame)
             self._cv.notify_all()
 
+    def sent(self, lsn: int) -> None:
+        """The ack of record ``lsn`` was sent: it may be applied."""
+        with self._cv:
+            if lsn > self._sent:
+                self._sent = lsn
+                self._cv.notify_all()
+
+    def _release(self) -> None:
+        """Under the lock: let every record queued be applied."""
+        if self._items:
+            self._sent = max(self._sent, int(self._items[-1][0]["lsn"]))
+            self._cv.notify_all()
+
     def drain(self) -> None:
         """Return once every record queued is applied."""
         with self._cv:
+            self._release()
             while self._items:
                 self._cv.wait()
             self._raise_failed()
@@ -92,7 +117,9 @@ class _Applier:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._items and not self._closed:
+                while not self._closed and (
+                    not self._items or int(self._items[0][0]["lsn"]) > self._sent
+                ):
                     self._cv.wait()
                 if not self._items:
                     return
@@ -149,9 +176,14 @@ class _Syncer:
         frame: memoryview,
         covered: dict[str, int],
     ) -> None:
-        """Record ``lsn`` was appended to ``journal``: make it durable."""
+        """Record ``lsn`` was appended to ``journal``: make it durable (raises
+        once a batch failed: the syncer makes nothing durable after it)."""
         with self._cv:
-            while self._items and self._bytes + len(frame) > self._limit:
+            while (
+                self._items
+                and self._bytes + len(frame) > self._limit
+                and self._failed is None
+            ):
                 self._cv.wait()
             self._raise_failed()
             self._items.append((journal, lsn, header, frame, covered))
@@ -320,6 +352,9 @@ class Follower:
                 if item is _END:
                     return
                 yield item
+                # gRPC asks for the next message once this one is sent
+                if item.WhichOneof("part") == "ack":
+                    applier.sent(item.ack.lsn)  # (assigned below, before the call)
 
         options = [
             ("grpc.max_receive_message_length", self._max_message),
@@ -332,14 +367,16 @@ class Follower:
                 request_serializer=pb.ReplicateRequest.SerializeToString,
                 response_deserializer=decode_response,
             )
+            applier = _Applier(self._apply)
             call: Any = replicate(requests(), metadata=self._metadata)
             with self._lock:
                 if self._target != target:
                     call.cancel()
+                    applier.close()
                     return
                 self._call = call
             try:
-                self._receive(call, target, acks)
+                self._receive(call, target, acks, applier)
             finally:
                 acks.put(_END)
                 with self._lock:
@@ -350,9 +387,13 @@ class Follower:
             return grpc.insecure_channel(address, options=options)
         return grpc.secure_channel(address, self._credentials, options=options)
 
-    def _receive(self, call: Any, target: PrimaryInfo, acks: queue.Queue[Any]) -> None:
-        applier = _Applier(self._apply)
-
+    def _receive(
+        self,
+        call: Any,
+        target: PrimaryInfo,
+        acks: queue.Queue[Any],
+        applier: _Applier,
+    ) -> None:
         def durable(lsn: int, term: int) -> None:
             self.durable, self.durable_term = lsn, term
             acks.put(pb.ReplicateRequest(ack=pb.ReplicateAck(lsn=lsn)))
@@ -379,6 +420,7 @@ class Follower:
     ) -> None:
         tmp: str | None = None
         covered: dict[str, int] = {}
+        gather = Gather(self._max_message)  # (a record came in one message)
         fresh = True  # no snapshot nor record received yet
         for msg in call:
             if msg.term < max(target.term, self._term()) or self._stop.is_set():
@@ -389,14 +431,17 @@ class Follower:
                 call.cancel()
                 return
             if isinstance(msg, ShippedRecord):
+                rec = gather.add(msg)  # a record comes in pieces
+                if rec is None:
+                    continue
                 if fresh:
                     fresh = False
                     log.info(
                         "following %s from record %d (after this server's record "
                         "%d: resumed with no snapshot)",
-                        target.address, msg.lsn, self.durable,
+                        target.address, rec.lsn, self.durable,
                     )  # fmt: skip
-                self._record(msg, covered, syncer)
+                self._record(rec, covered, syncer)
                 continue
             part = msg.WhichOneof("part")
             fresh = False
