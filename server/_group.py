@@ -322,6 +322,8 @@ class Group:
         self.pending: dict[str, list[Array]] = {}
         self.replay_step: int | None = None  # contributors of a logged sync step
         self.deleted = False
+        # the PushTicket every well-formed push gets (``_push``), made on first use
+        self.push_ticket: Any = None
 
     def _sizes(self) -> list[int]:
         o = self.layout.offsets

@@ -92,5 +92,7 @@ class alone:  # lower case: used as the function it was, ``with g.cond, alone(..
         self._leave()
 
     def _leave(self) -> None:
-        self.order.exclusive -= 1
-        self.cond.notify_all()
+        order = self.order
+        order.exclusive -= 1
+        if not order.exclusive:  # what the pushes waiting to be admitted wait for
+            self.cond.notify_all()

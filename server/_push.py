@@ -141,7 +141,10 @@ def check_gradient_specs(g: Group, specs: Iterable[Spec]) -> PushTicket:
     if all(
         d == g.dtype and s == want for (d, s), want in zip(specs, g.shapes, strict=True)
     ):
-        return PushTicket(g.name, g.names, g)
+        ticket = g.push_ticket  # one per group: every push would make the same
+        if ticket is None:
+            ticket = g.push_ticket = PushTicket(g.name, g.names, g)
+        return ticket  # type: ignore[no-any-return]
     for i, (dtype, shape) in enumerate(specs):
         if np.dtype(dtype) != g.dtype:
             raise InvalidArgument(

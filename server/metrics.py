@@ -14,7 +14,7 @@ exists, so callers cannot grow the label set with made-up names.
 from __future__ import annotations
 
 import logging
-import os
+import random
 import re
 import time
 from collections.abc import Callable, Iterable
@@ -55,6 +55,7 @@ _PUSH = frozenset({"Push", "PushStream", "PushPullStream", "PushRows"})
 _PULL = frozenset({"Pull", "PullStream", "PullRows", "ListRows"})
 _APPLY = frozenset({"Apply", "ApplyStream"})
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,64}")
+_random_bits = random.getrandbits
 _LATENCY_BUCKETS = (
     0.0005,
     0.001,
@@ -338,7 +339,8 @@ def request_id(metadata: Iterable[tuple[str, Any]] | None) -> str:
             if _REQUEST_ID.fullmatch(text):
                 return text
             break
-    return os.urandom(8).hex()  # 16 hex digits, as random as a uuid4's first 16
+    # 16 hex digits (a label for logs, not a secret: no system call for it)
+    return f"{_random_bits(64):016x}"
 
 
 class ObserveInterceptor(HookInterceptor):

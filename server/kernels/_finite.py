@@ -18,6 +18,7 @@ position of a block); only which is faster differs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,7 @@ Array = np.ndarray[Any, Any]
 # Below this, one isfinite call is as fast as anything (and needs no kernel).
 FUSED_MIN_ELEMENTS = 1 << 16
 _NUMPY_BLOCK = 1 << 18
+_DOT_MAX_ELEMENTS = 1 << 13
 # the fused kernel per dtype (native byte order only)
 _KERNELS = {
     np.dtype(np.float32).str: "all_finite_32",
@@ -42,8 +44,17 @@ _KERNELS = {
 def all_finite(a: Array) -> bool:
     """True when the float array ``a`` (any layout) holds no NaN and no inf."""
     if a.size < FUSED_MIN_ELEMENTS:  # whichever the path: no need to choose it
-        return a.size == 0 or bool(np.isfinite(a).all())
+        return a.size == 0 or _small_all_finite(a)
     return finite_checker()(a)
+
+
+def _small_all_finite(a: Array) -> bool:
+    # A sum of squares is NaN or inf when an element is (no temporary array);
+    # only when it is not finite (a NaN, an inf, or an overflow) is each looked at.
+    # (Small arrays only: BLAS may start threads for a long dot.)
+    if a.ndim == 1 and a.size <= _DOT_MAX_ELEMENTS and math.isfinite(a.dot(a)):
+        return True
+    return bool(np.isfinite(a).all())
 
 
 def finite_checker() -> Callable[[Array], bool]:
