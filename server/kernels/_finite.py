@@ -18,7 +18,6 @@ position of a block); only which is faster differs.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +32,7 @@ Array = np.ndarray[Any, Any]
 # Below this, one isfinite call is as fast as anything (and needs no kernel).
 FUSED_MIN_ELEMENTS = 1 << 16
 _NUMPY_BLOCK = 1 << 18
-_DOT_MAX_ELEMENTS = 1 << 13
+_ALL_TRUE = np.logical_and.reduce
 # the fused kernel per dtype (native byte order only)
 _KERNELS = {
     np.dtype(np.float32).str: "all_finite_32",
@@ -49,12 +48,8 @@ def all_finite(a: Array) -> bool:
 
 
 def _small_all_finite(a: Array) -> bool:
-    # A sum of squares is NaN or inf when an element is (no temporary array);
-    # only when it is not finite (a NaN, an inf, or an overflow) is each looked at.
-    # (Small arrays only: BLAS may start threads for a long dot.)
-    if a.ndim == 1 and a.size <= _DOT_MAX_ELEMENTS and math.isfinite(a.dot(a)):
-        return True
-    return bool(np.isfinite(a).all())
+    # the reduction itself, without ``ndarray.all``'s Python wrapper
+    return bool(_ALL_TRUE(np.isfinite(a), axis=None))
 
 
 def finite_checker() -> Callable[[Array], bool]:
