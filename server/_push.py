@@ -138,9 +138,10 @@ def check_gradient_specs(g: Group, specs: Iterable[Spec]) -> PushTicket:
             field="gradients",
             metadata={"group": g.name, "expected": n, "received": len(specs)},
         )
-    if all(
-        d == g.dtype and s == want for (d, s), want in zip(specs, g.shapes, strict=True)
-    ):
+    for (d, s), want in zip(specs, g.shapes, strict=True):
+        if d != g.dtype or s != want:
+            break
+    else:  # every gradient as the group's tensor
         ticket = g.push_ticket  # one per group: every push would make the same
         if ticket is None:
             ticket = g.push_ticket = PushTicket(g.name, g.names, g)
@@ -327,7 +328,11 @@ class PushPipeline:
             self._check_live(g)
             if g.order.admits(key):
                 return
-            g.cond.wait()
+            g.order.admitting += 1
+            try:
+                g.cond.wait()
+            finally:
+                g.order.admitting -= 1
 
     def _answer(
         self,

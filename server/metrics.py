@@ -377,7 +377,8 @@ _OK = grpc.StatusCode.OK
 class _Observed(CallHooks):
     """One call as logged and recorded: its group, sizes, first request, reply.
 
-    A unary reply's size is taken only when the call is logged or recorded."""
+    Its group and a unary reply's size are read only when the call is logged or
+    recorded."""
 
     __slots__ = (
         "bytes_in",
@@ -422,7 +423,7 @@ class _Observed(CallHooks):
         return self.deserialize(raw)
 
     def _see_first(self, msg: Any) -> None:
-        self.first, self.group = msg, group_of(msg)
+        self.first = msg  # its group is read only when the call is logged or recorded
 
     def before(self, request: Any, context: grpc.ServicerContext) -> Any:
         self.start = time.perf_counter()
@@ -452,8 +453,9 @@ class _Observed(CallHooks):
         name = "OK" if code is _OK else _CODE_NAMES.get(code) or code.name
         level = logging.DEBUG if name == "OK" else logging.INFO
         logged = log.isEnabledFor(level)
-        if not self.resp_s and self.reply_msg is not None:
-            if logged or self.recorder.registry is not None:
+        if logged or self.recorder.registry is not None:
+            self.group = group_of(self.first)
+            if not self.resp_s and self.reply_msg is not None:
                 self.bytes_out = message_bytes(self.reply_msg)
         if logged:
             log.log(
