@@ -497,7 +497,8 @@ class Group:
         """One step; ``done(i, start, stop)`` is called as each block of X_i's flat
         elements is final, in order (a dense push only)."""
         r = self.learning_rate if learning_rate is None else learning_rate
-        if is_row_push(grads):
+        # one flat buffer of the group's dtype (``_flat``) is never a row push
+        if not isinstance(grads, FlatArrays) and is_row_push(grads):
             parts = split_row_push(grads)
             n = len(self.xs)
             if n:

@@ -275,7 +275,8 @@ class PushPipeline:
                     self._waiting.wait_version(
                         g, outcome.update_count + 1, wait or Wait()
                     )
-            return self._answer(g, outcome, return_values, emit)
+                return self._answer(g, outcome, return_values, emit)
+            return outcome
 
     def _run_in_order(
         self,
@@ -376,7 +377,8 @@ class PushPipeline:
     @staticmethod
     def _check_step(g: Group, request: PushRequest, t: int) -> None:
         """The push may step at T=``t``: its base version, and T's limit."""
-        _check_base_version(g, request.base_version, t)
+        if request.base_version is not None:
+            _check_base_version(g, request.base_version, t)
         if t >= MAX_UPDATE_COUNT:
             raise FailedPrecondition(
                 f"group {g.name!r} is at T={t}, the most steps a group "
