@@ -326,6 +326,8 @@ class Group:
         # The request id of the create that made the group ("": none given): a
         # resend of that create is answered with the group (exactly once)
         self.created_by = ""
+        # the PushTicket every well-formed push gets (``_push``), made on first use
+        self.push_ticket: Any = None
 
     def _sizes(self) -> list[int]:
         o = self.layout.offsets
@@ -501,7 +503,8 @@ class Group:
         """One step; ``done(i, start, stop)`` is called as each block of X_i's flat
         elements is final, in order (a dense push only)."""
         r = self.learning_rate if learning_rate is None else learning_rate
-        if is_row_push(grads):
+        # one flat buffer of the group's dtype (``_flat``) is never a row push
+        if not isinstance(grads, FlatArrays) and is_row_push(grads):
             parts = split_row_push(grads)
             n = len(self.xs)
             if n:

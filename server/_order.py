@@ -30,6 +30,7 @@ class PushOrder:
         self.done = 0  # slots applied or refused, in slot order
         self.keys: set[PushKey] = set()  # pushes in flight, by (client_id, seq)
         self.exclusive = 0  # callers waiting for, or holding, the group alone
+        self.admitting = 0  # pushes waiting (on the group's condition) for ``admits``
 
     @property
     def in_flight(self) -> int:
@@ -92,5 +93,8 @@ class alone:  # lower case: used as the function it was, ``with g.cond, alone(..
         self._leave()
 
     def _leave(self) -> None:
-        self.order.exclusive -= 1
-        self.cond.notify_all()
+        order = self.order
+        order.exclusive -= 1
+        # only pushes waiting to be admitted wait for this (most pushes wake nobody)
+        if not order.exclusive and order.admitting:
+            self.cond.notify_all()

@@ -138,10 +138,14 @@ def check_gradient_specs(g: Group, specs: Iterable[Spec]) -> PushTicket:
             field="gradients",
             metadata={"group": g.name, "expected": n, "received": len(specs)},
         )
-    if all(
-        d == g.dtype and s == want for (d, s), want in zip(specs, g.shapes, strict=True)
-    ):
-        return PushTicket(g.name, g.names, g)
+    for (d, s), want in zip(specs, g.shapes, strict=True):
+        if d != g.dtype or s != want:
+            break
+    else:  # every gradient as the group's tensor
+        ticket = g.push_ticket  # one per group: every push would make the same
+        if ticket is None:
+            ticket = g.push_ticket = PushTicket(g.name, g.names, g)
+        return ticket  # type: ignore[no-any-return]
     for i, (dtype, shape) in enumerate(specs):
         if np.dtype(dtype) != g.dtype:
             raise InvalidArgument(
@@ -271,7 +275,8 @@ class PushPipeline:
                     self._waiting.wait_version(
                         g, outcome.update_count + 1, wait or Wait()
                     )
-            return self._answer(g, outcome, return_values, emit)
+                return self._answer(g, outcome, return_values, emit)
+            return outcome
 
     def _run_in_order(
         self,
@@ -324,7 +329,11 @@ class PushPipeline:
             self._check_live(g)
             if g.order.admits(key):
                 return
-            g.cond.wait()
+            g.order.admitting += 1
+            try:
+                g.cond.wait()
+            finally:
+                g.order.admitting -= 1
 
     def _answer(
         self,
@@ -368,7 +377,8 @@ class PushPipeline:
     @staticmethod
     def _check_step(g: Group, request: PushRequest, t: int) -> None:
         """The push may step at T=``t``: its base version, and T's limit."""
-        _check_base_version(g, request.base_version, t)
+        if request.base_version is not None:
+            _check_base_version(g, request.base_version, t)
         if t >= MAX_UPDATE_COUNT:
             raise FailedPrecondition(
                 f"group {g.name!r} is at T={t}, the most steps a group "

@@ -59,7 +59,10 @@ Part = Array | RowGradient
 
 def is_row_push(arrays: Sequence[Array]) -> bool:
     """Whether a store-level gradient list is a row push (it holds indices)."""
-    return any(a.dtype == INDEX_DTYPE for a in arrays)
+    for a in arrays:  # a loop, not any(generator): every dense push asks
+        if a.dtype == INDEX_DTYPE:
+            return True
+    return False
 
 
 def split_row_push(arrays: Sequence[Array]) -> list[Part]:

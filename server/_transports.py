@@ -21,12 +21,13 @@ import math
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import (
+    PROTO_TO_DTYPE,
     TensorAssembler,
     TensorFormatError,
     encode_chunk,
@@ -129,13 +130,22 @@ class InlineGradients:
         self.req = req
         self.ticket = ticket
 
-    @contextmanager
-    def gradients(self) -> Iterator[tuple[list[Array], bool]]:
+    def gradients(self) -> AbstractContextManager[tuple[list[Array], bool]]:
         tensors = self.req.gradients
         if len(tensors) == 1:  # read in place: no copy
-            yield [self._decoded(0, tensors[0])], False
-        else:
-            yield self._flat(tensors), False
+            return nullcontext(([self._one(tensors[0])], False))
+        return nullcontext((self._flat(tensors), False))
+
+    def _one(self, t: pb.Tensor) -> Array:
+        """The only gradient, a view of the request's bytes (widened when encoded).
+        Its header was checked (``_validate_push``): bytes of the length it
+        declares are all that is left to see, as ``decoded`` sees them."""
+        raw = t.raw_data  # each read copies: read once
+        shape = self.ticket.shapes[0]
+        dtype = PROTO_TO_DTYPE.get(t.dtype)
+        if dtype is None or t.encoding or len(raw) != math.prod(shape) * dtype.itemsize:
+            return self._decoded(0, t)  # encoded (widened), or refused
+        return np.frombuffer(raw, dtype).reshape(shape)
 
     def _decoded(self, i: int, t: pb.Tensor) -> Array:
         what = f"gradient {i + 1} ({self.ticket.names[i]!r})"

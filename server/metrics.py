@@ -14,7 +14,7 @@ exists, so callers cannot grow the label set with made-up names.
 from __future__ import annotations
 
 import logging
-import os
+import random
 import re
 import time
 from collections.abc import Callable, Iterable
@@ -55,6 +55,7 @@ _PUSH = frozenset({"Push", "PushStream", "PushPullStream", "PushRows"})
 _PULL = frozenset({"Pull", "PullStream", "PullRows", "ListRows"})
 _APPLY = frozenset({"Apply", "ApplyStream"})
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,64}")
+_random_bits = random.getrandbits
 _LATENCY_BUCKETS = (
     0.0005,
     0.001,
@@ -338,7 +339,8 @@ def request_id(metadata: Iterable[tuple[str, Any]] | None) -> str:
             if _REQUEST_ID.fullmatch(text):
                 return text
             break
-    return os.urandom(8).hex()  # 16 hex digits, as random as a uuid4's first 16
+    # 16 hex digits (a label for logs, not a secret: no system call for it)
+    return f"{_random_bits(64):016x}"
 
 
 class ObserveInterceptor(HookInterceptor):
@@ -375,7 +377,8 @@ _OK = grpc.StatusCode.OK
 class _Observed(CallHooks):
     """One call as logged and recorded: its group, sizes, first request, reply.
 
-    A unary reply's size is taken only when the call is logged or recorded."""
+    Its group and a unary reply's size are read only when the call is logged or
+    recorded."""
 
     __slots__ = (
         "bytes_in",
@@ -420,7 +423,7 @@ class _Observed(CallHooks):
         return self.deserialize(raw)
 
     def _see_first(self, msg: Any) -> None:
-        self.first, self.group = msg, group_of(msg)
+        self.first = msg  # its group is read only when the call is logged or recorded
 
     def before(self, request: Any, context: grpc.ServicerContext) -> Any:
         self.start = time.perf_counter()
@@ -450,8 +453,9 @@ class _Observed(CallHooks):
         name = "OK" if code is _OK else _CODE_NAMES.get(code) or code.name
         level = logging.DEBUG if name == "OK" else logging.INFO
         logged = log.isEnabledFor(level)
-        if not self.resp_s and self.reply_msg is not None:
-            if logged or self.recorder.registry is not None:
+        if logged or self.recorder.registry is not None:
+            self.group = group_of(self.first)
+            if not self.resp_s and self.reply_msg is not None:
                 self.bytes_out = message_bytes(self.reply_msg)
         if logged:
             log.log(

@@ -129,6 +129,7 @@ class ParameterStore:
         self._lock = threading.Lock()
         self._clock = clock
         self._journal = journal
+        self._entry = JournalEntry(journal)  # what a push logs through (stateless)
         self._incarnations = itertools.count(1)
         self._closed = False
         self._reaper: threading.Thread | None = None
@@ -148,6 +149,7 @@ class ParameterStore:
     def set_journal(self, journal: Journal | None) -> None:
         """Log every change from now on to ``journal`` (None: stop logging)."""
         self._journal = journal
+        self._entry = JournalEntry(journal)
 
     def start(self, interval: float = 0.1) -> None:
         """Start the lease reaper, which lets a sync step go on without dead workers."""
@@ -461,7 +463,7 @@ class ParameterStore:
             ticket,
             grads,
             request,
-            JournalEntry(self._journal),
+            self._entry,
             return_values=return_values,
             timeout=timeout,
             cancellation=cancellation,

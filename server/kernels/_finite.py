@@ -32,6 +32,7 @@ Array = np.ndarray[Any, Any]
 # Below this, one isfinite call is as fast as anything (and needs no kernel).
 FUSED_MIN_ELEMENTS = 1 << 16
 _NUMPY_BLOCK = 1 << 18
+_ALL_TRUE = np.logical_and.reduce
 # the fused kernel per dtype (native byte order only)
 _KERNELS = {
     np.dtype(np.float32).str: "all_finite_32",
@@ -42,8 +43,13 @@ _KERNELS = {
 def all_finite(a: Array) -> bool:
     """True when the float array ``a`` (any layout) holds no NaN and no inf."""
     if a.size < FUSED_MIN_ELEMENTS:  # whichever the path: no need to choose it
-        return a.size == 0 or bool(np.isfinite(a).all())
+        return a.size == 0 or _small_all_finite(a)
     return finite_checker()(a)
+
+
+def _small_all_finite(a: Array) -> bool:
+    # the reduction itself, without ``ndarray.all``'s Python wrapper
+    return bool(_ALL_TRUE(np.isfinite(a), axis=None))
 
 
 def finite_checker() -> Callable[[Array], bool]:
