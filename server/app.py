@@ -14,13 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from onnxps.wire.codec import CHUNK_BYTES
 
 from . import _malloc, security
 from ._datachannel import DataChannels, tls_context
 from ._gate import DrainGate
 from ._handlers import SERVICE, HookChain, HookInterceptor
+from ._health import Health, health_host
+from ._health import health_server as health_server_of
 from ._receive import GradientPool
 from ._reflection import enable_reflection
 from ._shm import SharedMemory
@@ -44,9 +46,6 @@ from .store import ParameterStore, StoreLimits
 __all__ = ["ServerConfig", "ServerHandle", "create_server", "serve", "validate_config"]
 
 log = logging.getLogger("onnxps.server")
-
-_SERVING = health_pb2.HealthCheckResponse.SERVING
-_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def _option(
@@ -422,7 +421,7 @@ class ServerHandle:
     port: int
     config: ServerConfig
     store: ParameterStore
-    health: health.HealthServicer
+    health: Health
     durability: Durability | None = None
     metrics: MetricsEndpoint | None = None
     gate: DrainGate = field(default_factory=DrainGate)
@@ -463,7 +462,7 @@ class ServerHandle:
         self.server.start()
         if self.health_server is not None:
             self.health_server.start()
-            host = _health_host(self.config.address)
+            host = health_host(self.config.address)
             log.info("onnxps health (plaintext) on %s:%d", host, self.health_port)
         self.store.start()
         if self.shared_memory is not None:
@@ -478,7 +477,7 @@ class ServerHandle:
             except BaseException:
                 self.stop(grace=0)
                 raise
-        _set_health(self.health, _SERVING)
+        self.health.set_serving(True)
         log.info("onnxps listening on %s", self.address)
         return self
 
@@ -535,11 +534,6 @@ class ServerHandle:
         self.stop(grace=1.0)
 
 
-def _set_health(servicer: health.HealthServicer, status: Any) -> None:
-    servicer.set("", status)
-    servicer.set(SERVICE, status)
-
-
 def _options(config: ServerConfig) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -549,7 +543,7 @@ def _options(config: ServerConfig) -> list[tuple[str, Any]]:
 
 
 def _durability(
-    config: ServerConfig, store: ParameterStore, health_servicer: health.HealthServicer
+    config: ServerConfig, store: ParameterStore, status: Health
 ) -> Durability | None:
     """Restore the data directory into ``store``, when the config keeps one."""
     if config.durability not in DURABILITY_MODES:
@@ -565,7 +559,7 @@ def _durability(
         )
 
     def set_serving(serving: bool) -> None:
-        _set_health(health_servicer, _SERVING if serving else _NOT_SERVING)
+        status.set_serving(serving)
 
     d = Durability(
         store,
@@ -659,7 +653,8 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         # one interceptor: every call wrapped once (``_handlers.HookChain``)
         interceptors=[HookChain(interceptors)],
     )
-    durability = _durability(config, store, health_servicer)
+    status = Health(health_servicer, replicated=bool(config.coordinator))
+    durability = _durability(config, store, status)
     if durability is not None and recorder.registry is not None:
         # the journal is read at each scrape: a standby adopting a snapshot opens
         # a new one
@@ -676,7 +671,9 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     # A crash between a sync step's last push record and the step's own record leaves
     # a full quorum pending after replay: take such steps before serving anything.
     store.reap_leases()
-    replication = _replication(config, shard, store, durability, recorder.registry)
+    replication = _replication(
+        config, shard, store, durability, recorder.registry, status.set_caught_up
+    )
     metrics = None
     shared_memory = SharedMemory(enabled=config.shared_memory == "on")
     unix_socket = None
@@ -708,7 +705,9 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             port = unix_socket.bind(lambda: _bind(server, config.address, credentials))
         else:
             port = _bind(server, config.address, credentials)
-        health_server, health_port = _health_server(config, health_servicer)
+        health_server, health_port = health_server_of(
+            config.address, config.health_port, health_servicer, _bind
+        )
         if config.metrics_port is not None and recorder.registry is not None:
             metrics = _metrics_endpoint(recorder.registry, config)
     except BaseException:
@@ -723,7 +722,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         port,
         config,
         store,
-        health_servicer,
+        status,
         durability,
         metrics,
         gate,
@@ -743,9 +742,11 @@ def _replication(
     store: ParameterStore,
     durability: Durability | None,
     registry: Any,
+    set_caught_up: Any,
 ) -> Any:
     """The replica set part (None without --coordinator; imported only then), its
-    metrics registered in ``registry`` (when serving metrics)."""
+    metrics registered in ``registry`` (when serving metrics), telling
+    ``set_caught_up`` whether this replica holds what the shard acknowledged."""
     if not config.coordinator:
         return None
     from .replication import Replication, ReplicationConfig, parse_coordinator
@@ -766,6 +767,7 @@ def _replication(
         ),
         store,
         durability,
+        set_caught_up=set_caught_up,
     )
     if registry is not None:
         registry.register(replication.collector())
@@ -849,27 +851,6 @@ def _metrics_endpoint(registry: Any, config: ServerConfig) -> MetricsEndpoint:
             f"cannot serve metrics on port {config.metrics_port}: "
             f"{exc.strerror or exc} (--metrics-port)",
         ) from exc
-
-
-def _health_server(
-    config: ServerConfig, servicer: health.HealthServicer
-) -> tuple[grpc.Server | None, int | None]:
-    """The plaintext health-only server, when ``health_port`` is set. It shares the
-    main server's health servicer (SERVING, NOT_SERVING, draining) and serves
-    nothing else, so it needs no TLS and no token (health is open anyway)."""
-    if config.health_port is None:
-        return None, None
-    server = grpc.server(futures.ThreadPoolExecutor(2, "onnxps-health"))
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    host = _health_host(config.address)
-    return server, _bind(server, f"{host}:{config.health_port}", None)
-
-
-def _health_host(address: str) -> str:
-    """The host the plaintext health port listens on (loopback beside a socket)."""
-    if address.startswith("unix"):
-        return "127.0.0.1"
-    return address.rsplit(":", 1)[0]
 
 
 def serve(config: ServerConfig | None = None) -> int:

@@ -73,6 +73,8 @@ def test_the_replicated_profile_declares_etcd_three_replicas_and_workers(
             "etcd": {"condition": "service_healthy"}
         }
         assert services[name]["restart"] == "unless-stopped"
+        # healthy = ready: a standby once it holds the primary's log
+        assert "service='onnxps.ready'" in services[name]["healthcheck"]["test"][-1]
     for name in WORKERS:
         env = services[name]["environment"]
         assert env["ONNXPS_ADDRESS"] == "etcd://etcd:2379/onnxps"

@@ -50,6 +50,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.cli.process import wait_for_listening
 from onnxps.client import Adagrad, Client
 from onnxps.client._cluster import parse_target, placement
+from onnxps.server._health import READY
 from onnxps.server.app import ServerConfig
 from onnxps.server.security import ConfigError
 
@@ -143,8 +144,9 @@ def test_every_shard_runs_r_replicas_apart_with_its_own_pdb(path: Path) -> None:
         assert {"name": claim["metadata"]["name"], "mountPath": "/data"} in c[
             "volumeMounts"
         ]
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        for probe in ("startupProbe", "livenessProbe"):
             assert c[probe]["grpc"] == {"port": 8081}
+        assert c["readinessProbe"]["grpc"] == {"port": 8081, "service": READY}
         # pods 0..R-1 of this shard, as the kubelet would give them their env
         for ordinal in range(r):
             p = Pod(docs, sts, ordinal)
@@ -232,12 +234,25 @@ def _etcd_healthy(port: int) -> bool:
         return False
 
 
-def _serving(address: str) -> bool:
+def _serving(address: str, service: str = "") -> bool:
     with grpc.insecure_channel(address) as ch:
         reply = health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(), timeout=5
+            health_pb2.HealthCheckRequest(service=service), timeout=5
         )
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _probe_service(sts: Doc, probe: str) -> str:
+    """The gRPC health service a container's probe asks ("" when it names none)."""
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    return str(c[probe]["grpc"].get("service", ""))
+
+
+def _wait_serving(address: str, service: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not _serving(address, service):
+        assert time.monotonic() < deadline, f"{address}: {service!r} not SERVING"
+        time.sleep(0.1)
 
 
 class Cluster:
@@ -350,8 +365,14 @@ def _run_and_fail_over(cluster: Cluster, docs: list[Doc]) -> None:
     pods = [cluster.start(shards[0], j) for j in range(shards[0]["spec"]["replicas"])]
     others = [cluster.start(sts, 0) for sts in shards[1:]]
     addresses = {p.name: cluster.wait_onnxps(p) for p in pods + others}
-    for p in pods:  # the kubelet's readiness probe: primary and standbys alike
+    # the kubelet's probes: liveness on the server's own status; readiness on
+    # "onnxps.ready", which a standby reaches once it holds the primary's log
+    assert _probe_service(shards[0], "livenessProbe") == ""
+    ready = _probe_service(shards[0], "readinessProbe")
+    assert ready == READY
+    for p in pods:
         assert _serving(cluster.health[p.name]), p.name
+        _wait_serving(cluster.health[p.name], ready)
         assert addresses[p.name].startswith("localhost:")  # what it listens on
 
     token = Pod(docs, shards[0], 0)._secret("onnxps-tokens", "worker-token")

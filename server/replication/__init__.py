@@ -111,6 +111,7 @@ class Replication:
         durability: Durability | None,
         *,
         on_fatal: Callable[[str], None] = exit_process,
+        set_caught_up: Callable[[bool], None] = lambda caught_up: None,
     ) -> None:
         if durability is None or durability.mode != "wal":
             raise ConfigError(
@@ -130,6 +131,9 @@ class Replication:
         self.store = store
         self.durability = durability
         self._on_fatal = on_fatal
+        self._set_caught_up = set_caught_up
+        self._caught_up: bool | None = None  # as last published
+        self._why = ""  # the kind of reason last logged
         self.etcd = Etcd(config.coordinator, timeout=max(0.5, config.lease_ttl / 3))
         self.member: Member | None = None
         self.journal: ReplicatedJournal | None = None
@@ -165,6 +169,7 @@ class Replication:
             on_primary=follower.follow,
             on_deposed=self._on_fatal,
             eligible=self._eligible,
+            on_step=self._publish_caught_up,
         )
         journal = ReplicatedJournal(
             durability,
@@ -183,6 +188,42 @@ class Replication:
             member_id, self.config.shard, self.config.coordinator,
             self.config.sync_replicas, self.config.lease_ttl,
         )  # fmt: skip
+
+    def caught_up(self) -> tuple[bool, str, str]:
+        """Whether this replica holds what its shard acknowledged, why, and the
+        kind of reason: the primary that may acknowledge; a standby holding
+        (durably, not adopting a snapshot) every record the primary had logged when
+        it last published its position in etcd. What ``onnxps.ready`` says."""
+        member, follower = self.member, self.follower
+        if member is None or follower is None or member.role is Role.STOPPED:
+            return False, "not in the replica set", "stopped"
+        if member.role is Role.PRIMARY:
+            if member.may_acknowledge():
+                return True, f"the primary (term {member.term})", "primary"
+            return False, "the primary, its lease not renewed in time", "lease"
+        primary, logged = member.primary, member.primary_lsn
+        if primary is None or logged is None:
+            return False, "no primary known yet", "unknown"
+        if not self._eligible():
+            return False, "adopting a snapshot", "adopting"
+        held = follower.durable
+        if held < logged:
+            why = (
+                f"holds record {held}, the primary {primary.member} had logged {logged}"
+            )
+            return False, why, "behind"
+        why = f"holds record {held}, the primary {primary.member} had logged {logged}"
+        return True, why, "holds"
+
+    def _publish_caught_up(self) -> None:
+        """Tell the health service when readiness changes; log each new reason."""
+        ready, why, kind = self.caught_up()
+        if kind != self._why:
+            self._why = kind
+            log.info("%s: %s", "caught up (ready)" if ready else "not ready", why)
+        if ready != self._caught_up:
+            self._caught_up = ready
+            self._set_caught_up(ready)
 
     def _eligible(self) -> bool:
         """Not while (or after a crash while) a snapshot replaces this server's

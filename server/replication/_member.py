@@ -133,6 +133,7 @@ class Member:
         on_primary: Callable[[PrimaryInfo | None], None],
         on_deposed: Callable[[str], None],
         eligible: Callable[[], bool] = lambda: True,
+        on_step: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -143,11 +144,14 @@ class Member:
         self._on_primary = on_primary
         self._on_deposed = on_deposed
         self._eligible = eligible
+        self._on_step = on_step
         self._clock = clock
         self._lock = threading.Lock()
         self.role = Role.STANDBY
         self.term = 0
         self.primary: PrimaryInfo | None = None
+        # the lsn the primary last published in its member key (None: not read yet)
+        self.primary_lsn: int | None = None
         self._lease = 0
         self._renewed = -1e18  # when the last successful renewal was sent
         self._sent = -1e18
@@ -267,6 +271,28 @@ class Member:
             self._follow_or_campaign()
         if self._clock() - self._registered >= max(0.5, self.ttl / 3):
             self._register()
+            if self.role is Role.STANDBY:
+                self._read_primary_lsn()
+        self._on_step()
+
+    def _read_primary_lsn(self) -> None:
+        """The primary's position, as it published it (``_register``): a standby
+        holding it is caught up (``Replication.caught_up``)."""
+        primary = self.primary
+        if primary is None:
+            self.primary_lsn = None
+            return
+        kv = self.etcd.get(self.keys.member(primary.member))
+        info = None if kv is None else kv.json()
+        if (
+            info is None
+            or primary != self.primary
+            or info.get("role") != Role.PRIMARY.value
+            or int(info.get("term", 0)) != primary.term
+        ):
+            self.primary_lsn = None
+        else:
+            self.primary_lsn = int(info.get("lsn", 0))
 
     def _renew(self) -> None:
         """On the renewing thread: a lease that expired deposes a primary; a
@@ -307,7 +333,7 @@ class Member:
             info = kv.json()
             seen = PrimaryInfo(info["member"], info["address"], int(info["term"]))
             if seen != self.primary:
-                self.primary = seen
+                self.primary, self.primary_lsn = seen, None
                 self.term = max(self.term, seen.term)
                 self._on_primary(seen)
             return
