@@ -23,6 +23,7 @@ from onnxps.client import Adagrad, Client
 from onnxps.server._wal import FRAME, Frame, WriteAheadLog, read_segments
 from onnxps.server.replication._frames import (
     PIECE,
+    WHOLE,
     Gather,
     check_frame,
     decode_response,
@@ -311,6 +312,19 @@ def test_a_small_record_is_one_message_passed_as_it_came() -> None:
     assert bytes(rec.frame) == b"".join(bytes(c) for c in frame.chunks())
 
 
+def test_a_record_shipped_whole_by_an_earlier_primary_is_taken_as_it_came() -> None:
+    """An earlier primary ships a 3.2 MB record in one message (as to a protocol 0
+    standby now): this version's standby takes it whole, with no gathering."""
+    x = np.arange(800_000, dtype=np.float32)
+    frame = Frame(b'{"lsn": 7, "op": "push", "arrays": [["<f4", [800000]]]}', [x])
+    (message,) = pieces(3, 7, frame.chunks(), 0, WHOLE)
+    (rec,) = _gathered([message])
+    assert bytes(rec.frame) == b"".join(bytes(c) for c in frame.chunks())
+    np.testing.assert_array_equal(
+        frame_arrays(check_frame(rec.frame, 7), rec.frame)[0], x
+    )
+
+
 def test_the_first_piece_holds_the_header_whole_beyond_1_mib() -> None:
     """A header of nearly MAX_HEADER (1 MiB): the first piece is the prefix and
     the header, longer than a piece."""
@@ -379,3 +393,74 @@ def test_a_first_piece_declaring_a_frame_above_the_message_limit_is_refused() ->
     ):
         Gather(2_000_000).add(first)
     assert Gather(3 * PIECE).add(first) is None
+
+
+def _shipped(address: str, protocol: int, lsn: int, size: int) -> list[int]:
+    """The sizes of the messages carrying record ``lsn`` (a frame of ``size``
+    bytes) to a standby speaking ``protocol``: the test is the standby."""
+    import queue
+
+    import grpc
+    from onnxps.v1 import parameter_server_pb2 as pb
+    from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+
+    acks: queue.Queue[pb.ReplicateRequest | None] = queue.Queue()
+    hello = pb.ReplicateHello(
+        member_id=f"p{protocol}",
+        term=1,
+        address="127.0.0.1:9",
+        last_lsn=lsn - 1,  # resumes from the log: no snapshot
+        last_term=1,
+        protocol=protocol,
+    )
+    acks.put(pb.ReplicateRequest(hello=hello))
+
+    def requests() -> Any:
+        while (item := acks.get()) is not None:
+            yield item
+
+    sizes: list[int] = []
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    with grpc.insecure_channel(address, options=options) as ch:
+        stub = pb_grpc.ParameterServerServiceStub(ch)
+        call: Any = stub.Replicate(requests(), timeout=60)
+        try:
+            for msg in call:
+                assert msg.WhichOneof("part") == "record", msg  # no snapshot
+                if msg.record.lsn == lsn:
+                    sizes.append(len(msg.record.frame))
+                    if sum(sizes) >= size:
+                        break
+        finally:
+            call.cancel()
+            acks.put(None)
+    return sizes
+
+
+def test_a_standby_of_an_earlier_version_gets_its_records_whole(
+    replicas: object,  # noqa: F811 - the fixture
+    tmp_path: Path,
+) -> None:
+    """A standby that announces no protocol (an earlier onnxps, which takes a record
+    in one message) gets each record whole; one speaking protocol 1 gets a 4 MiB
+    record in pieces of 1 MiB. The primary's log says which standby is behind."""
+    rs: ReplicaSet = replicas(1, extra=("--sync-replicas", "0"))  # type: ignore[operator]
+    p = rs.primary()
+    n = 1 << 20
+    with Client(rs.url, timeout=60) as c:
+        c.create_group(
+            "big", Adagrad(), learning_rate=0.1,
+            tensors={"x": np.zeros(n, np.float32)},
+        )  # fmt: skip
+        assert c.push("big", np.ones(n, np.float32)) == 1
+    frames = _frames(tmp_path / f"data{p}" / "wal")
+    lsn = max(frames)  # the push
+    size = len(frames[lsn])
+    assert size > 4 * PIECE
+    assert _shipped(rs.addresses[p], 0, lsn, size) == [size]
+    pieces_ = _shipped(rs.addresses[p], 1, lsn, size)
+    assert len(pieces_) == 5 and sum(pieces_) == size
+    assert max(pieces_) <= PIECE + FRAME.size + 4096  # the first holds the header
+    log = _log(tmp_path, p, 1)
+    assert "standby p0 (127.0.0.1:9) speaks log shipping protocol 0" in log
+    assert "standby p1 (127.0.0.1:9) speaks" not in log

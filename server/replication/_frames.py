@@ -37,10 +37,14 @@ class ShippedRecord:
 
 
 PIECE = 1 << 20  # frame bytes per message (the first one holds the header whole)
+# The log shipping protocol this version speaks (``ReplicateHello.protocol``): 1,
+# records in pieces of PIECE bytes; a standby speaking 0 takes them whole (WHOLE).
+PROTOCOL = 1
+WHOLE = 1 << 62
 
 
 def pieces(
-    term: int, lsn: int, chunks: Sequence[Any], start: int = 0
+    term: int, lsn: int, chunks: Sequence[Any], start: int = 0, size: int = PIECE
 ) -> Iterator[bytes]:
     """The messages shipping a frame (``chunks`` joined) from byte ``start``: each
     the wire bytes of ``ReplicateResponse(term, record=ReplicaRecord(lsn, piece))``,
@@ -49,19 +53,19 @@ def pieces(
     each side); the standby gathers them (``Gather``)."""
     offset: int | None = start
     while offset is not None:
-        message, offset = piece(term, lsn, chunks, offset)
+        message, offset = piece(term, lsn, chunks, offset, size)
         yield message
 
 
 def piece(
-    term: int, lsn: int, chunks: Sequence[Any], offset: int
+    term: int, lsn: int, chunks: Sequence[Any], offset: int, size: int = PIECE
 ) -> tuple[bytes, int | None]:
-    """The message carrying the frame's piece at ``offset``, and the next piece's
-    offset (None after the last). The first piece holds the frame's prefix and
-    header whole, at least."""
+    """The message carrying the frame's piece at ``offset`` (``size`` bytes at
+    most), and the next piece's offset (None after the last). The first piece
+    holds the frame's prefix and header whole, at least."""
     views = [memoryview(c).cast("B") for c in chunks]
     total = sum(len(v) for v in views)
-    end = offset + PIECE
+    end = offset + size
     if offset == 0:
         prefix = b"".join(_slices(views, 0, FRAME.size))
         end = max(end, FRAME.size + FRAME.unpack(prefix)[1])

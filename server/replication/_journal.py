@@ -32,7 +32,16 @@ from .._snapshot import SnapshotError, list_snapshots, read_manifest
 from .._wal import Frame
 from ..durability import Durability
 from ..errors import FailedPrecondition, Unavailable
-from ._frames import UNREADABLE, logged_frames, logged_term, piece, pieces
+from ._frames import (
+    PIECE,
+    PROTOCOL,
+    UNREADABLE,
+    WHOLE,
+    logged_frames,
+    logged_term,
+    piece,
+    pieces,
+)
 from ._member import Member, Role
 
 __all__ = ["NotPrimary", "ReplicatedJournal"]
@@ -63,7 +72,7 @@ class _Shipped:
         self._args: tuple[int, int, Frame] | None = (term, lsn, frame)
         self._lock = threading.Lock()
 
-    def piece(self, offset: int) -> tuple[bytes, int | None] | None:
+    def piece(self, offset: int, size: int) -> tuple[bytes, int | None] | None:
         """The message of the piece at ``offset`` and the next one's offset (see
         ``_frames.piece``); None once released (the frame's arrays are given back:
         the rest is read from the log)."""
@@ -71,7 +80,7 @@ class _Shipped:
             if self._args is None:
                 return None
             term, lsn, frame = self._args
-            return piece(term, lsn, frame.chunks(), offset)
+            return piece(term, lsn, frame.chunks(), offset, size)
 
     def release(self) -> None:
         """Let the frame's arrays go: no piece is copied from them after this."""
@@ -96,6 +105,7 @@ class _Standby:
     floor: int = 0  # records after this are kept for it
     gone: bool = False
     cancel: Callable[[], Any] | None = None  # ends its stream
+    piece: int = PIECE  # frame bytes per message: WHOLE for a protocol 0 standby
 
 
 class ReplicatedJournal:
@@ -320,6 +330,14 @@ class ReplicatedJournal:
                 metadata={"term": term},
             )
         standby = _Standby(hello.member_id, hello.address, cancel=context.cancel)
+        if min(hello.protocol, PROTOCOL) < 1:
+            standby.piece = WHOLE
+            log.warning(
+                "standby %s (%s) speaks log shipping protocol %d (an earlier onnxps; "
+                "this one speaks %d): its records go whole, one message each; "
+                "upgrade it",
+                hello.member_id, hello.address, hello.protocol, PROTOCOL,
+            )  # fmt: skip
         with self._cv:
             # Records up to the floor are durable here: they are read from the log
             # on disk; those after it are kept in memory for this standby.
@@ -346,11 +364,11 @@ class ReplicatedJournal:
                 after = yield from self._snapshot(hello, term)
             acks.start()
             try:
-                yield from self._logged(after, standby.floor, term)
+                yield from self._logged(after, standby, term)
             except UNREADABLE as exc:
                 # never skipped: the standby gets a snapshot that holds the record
                 after = yield from self._snapshot(hello, term, unreadable=exc)
-                yield from self._logged(after, standby.floor, term)
+                yield from self._logged(after, standby, term)
             yield from self._records_after(standby.floor, standby, context, term)
         finally:
             with self._cv:
@@ -368,12 +386,13 @@ class ReplicatedJournal:
         wal_dir = self.durability.wal_dir
         return logged_term(wal_dir, hello.last_lsn) == hello.last_term
 
-    def _logged(self, after: int, upto: int, term: int) -> Iterator[bytes]:
-        """Records ``after``+1 to ``upto`` as shipped, read from the log on disk
-        (durable, maybe no longer kept in memory); one that cannot be read raises
-        (``UNREADABLE``): it is never skipped."""
-        for lsn, chunks in logged_frames(self.durability.wal_dir, after, upto):
-            yield from pieces(term, lsn, chunks)
+    def _logged(self, after: int, standby: _Standby, term: int) -> Iterator[bytes]:
+        """Records ``after``+1 to the standby's floor as shipped, read from the log
+        on disk (durable, maybe no longer kept in memory); one that cannot be read
+        raises (``UNREADABLE``): it is never skipped."""
+        wal_dir = self.durability.wal_dir
+        for lsn, chunks in logged_frames(wal_dir, after, standby.floor):
+            yield from pieces(term, lsn, chunks, 0, standby.piece)
 
     def _snapshot(
         self,
@@ -463,17 +482,19 @@ class ReplicatedJournal:
             if not entry.failed:
                 if entry.term != term:
                     return  # logged in a newer term: the standby follows that
-                yield from self._ship(entry.frame, nxt, term)
+                yield from self._ship(entry.frame, nxt, term, standby.piece)
             nxt += 1
 
-    def _ship(self, record: _Shipped, lsn: int, term: int) -> Iterator[bytes]:
+    def _ship(
+        self, record: _Shipped, lsn: int, term: int, size: int
+    ) -> Iterator[bytes]:
         """Record ``lsn``'s pieces: copied from its arrays while the push that
         logged it waits, the rest from the log once it was released."""
         offset: int | None = 0
         while offset is not None:
-            got = record.piece(offset)
+            got = record.piece(offset, size)
             if got is None:
-                yield from pieces(term, lsn, self._from_log(lsn), offset)
+                yield from pieces(term, lsn, self._from_log(lsn), offset, size)
                 return
             message, offset = got
             yield message

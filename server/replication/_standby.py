@@ -27,6 +27,7 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from ..durability import Durability
 from ..errors import DomainError, Unavailable
 from ._frames import (
+    PROTOCOL,
     Gather,
     ShippedRecord,
     check_frame,
@@ -340,6 +341,7 @@ class Follower:
                     address=self.address,
                     last_lsn=self.durable if self.durable_term else 0,
                     last_term=self.durable_term,
+                    protocol=PROTOCOL,
                 )
             )
         )

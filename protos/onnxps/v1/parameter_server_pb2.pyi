@@ -2571,6 +2571,7 @@ class ReplicateHello(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     LAST_LSN_FIELD_NUMBER: _builtins.int
     LAST_TERM_FIELD_NUMBER: _builtins.int
+    PROTOCOL_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     """The standby's member id in the coordinator."""
     term: _builtins.int
@@ -2587,6 +2588,12 @@ class ReplicateHello(_message.Message):
     """
     last_term: _builtins.int
     """The term in which record last_lsn was written (0: unknown)."""
+    protocol: _builtins.int
+    """The log shipping protocol the standby speaks: 1 takes a record larger than
+    1 MiB in pieces (ReplicaRecords of one lsn, the frame's bytes in order); 0
+    (a standby of an earlier version, which sends none) takes each record whole in
+    one message.
+    """
     def __init__(
         self,
         *,
@@ -2595,10 +2602,11 @@ class ReplicateHello(_message.Message):
         address: _builtins.str = ...,
         last_lsn: _builtins.int = ...,
         last_term: _builtins.int = ...,
+        protocol: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "last_lsn", b"last_lsn", "last_term", b"last_term", "member_id", b"member_id", "term", b"term"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "last_lsn", b"last_lsn", "last_term", b"last_term", "member_id", b"member_id", "protocol", b"protocol", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
