@@ -12,6 +12,7 @@ and the next push landing on the replica that took over.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import signal
@@ -48,11 +49,17 @@ from _manifests import (
 from _procs import clean_env, start_server, stop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.cli.process import wait_for_listening
-from onnxps.client import Adagrad, Client
+from onnxps.client import (
+    Adagrad,
+    Client,
+    DeadlineExceededError,
+    UnavailableError,
+)
 from onnxps.client._cluster import parse_target, placement
 from onnxps.server._health import READY
 from onnxps.server.app import ServerConfig
 from onnxps.server.security import ConfigError
+from test_kubernetes import _pki
 
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not on PATH")
 
@@ -162,10 +169,19 @@ def test_every_shard_runs_r_replicas_apart_with_its_own_pdb(path: Path) -> None:
             )
             assert env["ONNXPS_ADDRESS"] == "0.0.0.0:50051"
             assert env["ONNXPS_REPLICATION_TOKEN"] == "example-replication-token"
+            # TLS only; a standby checks its primary against the cluster's CA
+            assert "ONNXPS_INSECURE" not in env
+            assert env["ONNXPS_TLS_CERT"] == "/etc/onnxps/tls/tls.crt"
+            assert env["ONNXPS_TLS_CA"] == "/etc/onnxps/tls/ca.crt"
     # the workers find the primaries through the same coordinator
     (job,) = find(docs, "Job")
     (worker,) = job["spec"]["template"]["spec"]["containers"]
     (address,) = [e for e in worker["env"] if e["name"] == "ONNXPS_ADDRESS"]
+    (ca,) = [e for e in worker["env"] if e["name"] == "ONNXPS_TLS_CA"]
+    assert ca["value"] == "/etc/onnxps/tls/ca.crt"
+    assert worker["volumeMounts"] == [
+        {"name": "ca", "mountPath": "/etc/onnxps/tls", "readOnly": True}
+    ]
     assert address["valueFrom"]["configMapKeyRef"] == {
         "name": find(docs, "ConfigMap")[0]["metadata"]["name"],
         "key": "coordinator",
@@ -333,11 +349,30 @@ def test_one_shards_replicas_run_as_local_processes_and_fail_over(
     if binary is None:
         pytest.skip(INSTALL_HINT)
     docs = kustomize(WITH_ETCD)
+    docs.append(_tls_secret(tmp_path / "pki"))  # what the operator creates
     cluster = Cluster(docs, tmp_path, binary)
     try:
         _run_and_fail_over(cluster, docs)
     finally:
         cluster.close()
+
+
+def _tls_secret(pki: Path) -> Doc:
+    """The onnxps-tls Secret (tls.crt, tls.key, ca.crt) the overlay expects, of a
+    test CA; the certificate names 127.0.0.1, where the pods' DNS names lead here."""
+    pki.mkdir()
+    _pki(pki)
+    data = {
+        name: base64.b64encode((pki / name).read_bytes()).decode()
+        for name in ("tls.crt", "tls.key", "ca.crt")
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "kubernetes.io/tls",
+        "metadata": {"name": "onnxps-tls"},
+        "data": data,
+    }
 
 
 def _run_and_fail_over(cluster: Cluster, docs: list[Doc]) -> None:
@@ -376,8 +411,14 @@ def _run_and_fail_over(cluster: Cluster, docs: list[Doc]) -> None:
         assert addresses[p.name].startswith("localhost:")  # what it listens on
 
     token = Pod(docs, shards[0], 0)._secret("onnxps-tokens", "worker-token")
+    ca_path = cluster.tmp / "pki" / "ca.crt"
+    ca = ca_path.read_bytes()
     primary_key = "/onnxps/shards/0/primary"
-    with Client(coordinator, timeout=60, token=token) as ps:
+    # the pods serve TLS only: a plaintext client is not answered
+    with pytest.raises((UnavailableError, DeadlineExceededError)):
+        with Client(coordinator, timeout=3, token=token) as plain:
+            plain.list_groups()
+    with Client(coordinator, timeout=60, token=token, root_certificates=ca) as ps:
         ps.create_group(
             group, Adagrad(), learning_rate=0.1, tensors={"x": np.zeros(8, np.float32)}
         )
@@ -397,11 +438,16 @@ def _run_and_fail_over(cluster: Cluster, docs: list[Doc]) -> None:
         assert second["member"] != first["member"]
         assert second["member"] in sync["standbys"]
         assert second["term"] > first["term"]
-        with Client(second["address"], timeout=30, token=token) as direct:
+        # (acknowledged with a synchronous standby: it followed over TLS, the
+        # only way the pods serve)
+        with Client(
+            second["address"], timeout=30, token=token, root_certificates=ca
+        ) as direct:
             assert direct.describe_group(group).update_count == 2
 
     status = subprocess.run(
-        [sys.executable, "-m", "onnxps.cli", "status", coordinator, "--token", token],
+        [sys.executable, "-m", "onnxps.cli", "status", coordinator, "--token", token]
+        + ["--tls-ca", str(ca_path)],
         capture_output=True,
         text=True,
         timeout=60,
