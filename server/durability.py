@@ -290,38 +290,48 @@ class Durability:
         a server that crashed meanwhile restarts with a partial state and knows it.
         """
         with self._lock:
-            marker = os.path.join(self.root, "ADOPTING")
-            with open(marker, "wb") as f:
-                os.fsync(f.fileno())
-            fsync_dir(self.root)
-            if self.journal is not None:
-                self.journal.close()
-                self.journal = None
-            for view in self.store.groups():
-                self.store.replay_delete(view.name)
-            shutil.rmtree(self.snap_dir, ignore_errors=True)
-            shutil.rmtree(self.wal_dir, ignore_errors=True)
-            os.makedirs(self.wal_dir)
-            os.makedirs(self.snap_dir)
-            os.rename(received, os.path.join(self.snap_dir, os.path.basename(received)))
-            wal_lsn, covered = self._restore()
-            # Records after wal_lsn follow from the primary (a group's covered ones
-            # too: logged, not applied again), so the log goes on right after it.
-            next_lsn = wal_lsn + 1
-            if self.mode == "wal":
-                self.journal = WriteAheadLog(
-                    self.wal_dir, next_lsn, self._on_wal_error, self._on_wal_recover
-                )
-            else:
-                self._base_lsn = next_lsn - 1
-            self._signature = self._current_signature()
-            # the snapshot's rename and the new log are on disk before the marker
-            # goes: a power loss never leaves an eligible member with neither
-            fsync_dir(self.snap_dir)
-            fsync_dir(self.wal_dir)
-            os.unlink(marker)
-            fsync_dir(self.root)
-            return wal_lsn, covered
+            # reads of a group not back yet are UNAVAILABLE (retried), not NOT_FOUND
+            name = os.path.basename(received)
+            self.store.replacing = f"adopting its primary's snapshot ({name})"
+            try:
+                return self._adopt(received)
+            finally:
+                self.store.replacing = None
+
+    def _adopt(self, received: str) -> tuple[int, dict[str, int]]:
+        """Under the lock: ``adopt_snapshot``'s work."""
+        marker = os.path.join(self.root, "ADOPTING")
+        with open(marker, "wb") as f:
+            os.fsync(f.fileno())
+        fsync_dir(self.root)
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
+        for view in self.store.groups():
+            self.store.replay_delete(view.name)
+        shutil.rmtree(self.snap_dir, ignore_errors=True)
+        shutil.rmtree(self.wal_dir, ignore_errors=True)
+        os.makedirs(self.wal_dir)
+        os.makedirs(self.snap_dir)
+        os.rename(received, os.path.join(self.snap_dir, os.path.basename(received)))
+        wal_lsn, covered = self._restore()
+        # Records after wal_lsn follow from the primary (a group's covered ones
+        # too: logged, not applied again), so the log goes on right after it.
+        next_lsn = wal_lsn + 1
+        if self.mode == "wal":
+            self.journal = WriteAheadLog(
+                self.wal_dir, next_lsn, self._on_wal_error, self._on_wal_recover
+            )
+        else:
+            self._base_lsn = next_lsn - 1
+        self._signature = self._current_signature()
+        # the snapshot's rename and the new log are on disk before the marker
+        # goes: a power loss never leaves an eligible member with neither
+        fsync_dir(self.snap_dir)
+        fsync_dir(self.wal_dir)
+        os.unlink(marker)
+        fsync_dir(self.root)
+        return wal_lsn, covered
 
     @property
     def adopting(self) -> bool:

@@ -132,6 +132,10 @@ class ParameterStore:
         self._entry = JournalEntry(journal)  # what a push logs through (stateless)
         self._incarnations = itertools.count(1)
         self._closed = False
+        # Why this server's whole state is being replaced now (a standby adopting
+        # its primary's snapshot), None when it is not: a group missing meanwhile
+        # is back in a moment, so it is UNAVAILABLE (retried), not NOT_FOUND.
+        self.replacing: str | None = None
         self._reaper: threading.Thread | None = None
         self._stop = threading.Event()
         self._waiting = Waiting(self.limits.max_waiting_calls, clock, self._check_live)
@@ -207,6 +211,14 @@ class ParameterStore:
         with self._lock:
             g = self._groups.get(name)
         if g is None:
+            replacing = self.replacing
+            if replacing is not None:
+                raise Unavailable(
+                    f"no group named {name!r} yet: this server is {replacing}; "
+                    "retry (or read from the primary)",
+                    reason="STATE_REPLACING",
+                    metadata={"group": name},
+                )
             raise NotFound(
                 f"no group named {name!r}; create it first", metadata={"group": name}
             )
