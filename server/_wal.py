@@ -38,7 +38,6 @@ import logging
 import os
 import threading
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +55,7 @@ from ._walread import (
     WalCorruptError,
     WalFormatError,
     WalGapError,
+    crc32,
     fsync_dir,
     read_segments,
     segment_name,
@@ -178,9 +178,9 @@ class Frame:
         """The frame's bytes in order (its prefix, header and array bodies)."""
         with self._lock:
             if self._prefix is None:
-                crc = zlib.crc32(self.header)
+                crc = crc32(self.header, 0)
                 for body in self.bodies:
-                    crc = zlib.crc32(body, crc)
+                    crc = crc32(body, crc)
                 size = self.nbytes - FRAME.size - len(self.header)
                 self._prefix = FRAME.pack(MAGIC, len(self.header), size, crc)
         return [self._prefix, self.header, *self.bodies]

@@ -5,7 +5,6 @@ it came by the standby."""
 from __future__ import annotations
 
 import json
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from .._walread import (
     LogReader,
     WalFormatError,
     WalGapError,
+    crc32,
 )
 
 Array = np.ndarray[Any, Any]
@@ -165,7 +165,7 @@ def check_frame(frame: memoryview, lsn: int) -> dict[str, Any]:
     magic, hlen, blen, crc = FRAME.unpack_from(frame)
     if magic != MAGIC or hlen > MAX_HEADER or FRAME.size + hlen + blen != len(frame):
         raise ValueError(f"record {lsn}: bad frame magic or lengths")
-    if zlib.crc32(frame[FRAME.size :]) != crc:
+    if crc32(frame[FRAME.size :], 0) != crc:
         raise ValueError(f"record {lsn}: checksum mismatch")
     header: dict[str, Any] = json.loads(bytes(frame[FRAME.size : FRAME.size + hlen]))
     if int(header.get("lsn", -1)) != lsn:
