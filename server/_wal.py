@@ -187,15 +187,15 @@ class Frame:
 
 
 class _Received(Frame):
-    """A frame received whole (a standby's copy of its primary's record), its CRC
-    and lsn checked by the receiver: written as it is."""
+    """A frame received (a standby's copy of its primary's record: whole, or its
+    pieces in order), its CRC and lsn checked by the receiver: written as it is."""
 
     def __init__(self, raw: Any) -> None:
-        self.raw = raw
-        self.nbytes = len(raw)
+        self.raw = raw if isinstance(raw, list) else [raw]
+        self.nbytes = sum(len(c) for c in self.raw)
 
     def chunks(self) -> list[Any]:
-        return [self.raw]
+        return self.raw
 
 
 @dataclass
@@ -271,8 +271,9 @@ class WriteAheadLog:
         return lsn, frame
 
     def append_frame(self, raw: Any, lsn: int) -> int:
-        """Queue a whole frame as it is: a standby's copy of its primary's record
-        ``lsn`` (the caller checked its CRC and that its header holds ``lsn``),
+        """Queue a whole frame as it is (or its pieces, in a list): a standby's copy
+        of its primary's record ``lsn`` (the caller checked its CRC and that its
+        header holds ``lsn``),
         which keeps the primary's number; it must be above the last."""
         with self._cv:
             self._check_open()
