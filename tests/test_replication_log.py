@@ -8,7 +8,6 @@ primary that the new primary's log lacks or holds in another term.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -398,39 +397,3 @@ def test_a_first_piece_declaring_a_frame_above_the_message_limit_is_refused() ->
     ):
         Gather(2_000_000).add(first)
     assert Gather(3 * PIECE).add(first) is None
-
-
-def test_a_record_after_an_idle_stream_is_made_durable_on_the_receiving_thread(
-    tmp_path: Path,
-) -> None:
-    """A record that came after an idle stream (``inline``), with nothing queued
-    nor being fsynced, is written, fsynced and acknowledged before ``put``
-    returns, on the receiving thread (no hand-over before its ack); otherwise the
-    syncer's thread does it, batching what is queued."""
-    from onnxps.server._wal import WriteAheadLog
-    from onnxps.server.replication._standby import _Syncer
-
-    applier, applied, _ = _applier()
-    acked: list[tuple[int, str]] = []
-
-    def durable(lsn: int, term: int) -> None:
-        acked.append((lsn, threading.current_thread().name))
-
-    wal = WriteAheadLog(str(tmp_path), 1)
-    syncer = _Syncer(durable, applier)
-    try:
-        for lsn, inline in ((1, True), (2, False), (3, True)):
-            raw = Frame(json.dumps({"lsn": lsn, "op": "noop"}).encode()).chunks()
-            rec = decode_response(next(pieces(1, lsn, raw)))
-            wal.append_frame(rec.chunks(), lsn)
-            syncer.put(wal, lsn, {"lsn": lsn}, rec, {}, inline=inline)
-            if lsn == 1:
-                assert acked == [(1, threading.current_thread().name)]
-            syncer.drain()
-    finally:
-        syncer.close()
-        assert applier.close()
-        wal.close()
-    me = threading.current_thread().name
-    assert acked == [(1, me), (2, "onnxps-standby-fsync"), (3, me)]
-    assert applied == [1, 2, 3]

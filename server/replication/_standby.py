@@ -18,7 +18,6 @@ import os
 import queue
 import shutil
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,24 +41,6 @@ log = logging.getLogger("onnxps.replication")
 
 _END = object()
 REPLICATE = "/onnxps.v1.ParameterServerService/Replicate"
-
-
-# A message its receiver waited this long for came after an idle stream (not one
-# of a catch-up's records queued behind each other): made durable at once on the
-# receiving thread when the syncer has nothing to do (``_Syncer.put``).
-IDLE_SECONDS = 0.001
-
-
-def _timed(call: Any) -> Iterator[tuple[Any, bool]]:
-    """The messages of ``call``, each with whether its receiver waited for it at
-    least ``IDLE_SECONDS``."""
-    it = iter(call)
-    while True:
-        began = time.monotonic()
-        msg = next(it, _END)
-        if msg is _END:
-            return
-        yield msg, time.monotonic() - began >= IDLE_SECONDS
 
 
 class _Applier:
@@ -192,34 +173,20 @@ class _Syncer:
         header: dict[str, Any],
         frame: ShippedRecord,
         covered: dict[str, int],
-        *,
-        inline: bool = False,
     ) -> None:
         """Record ``lsn`` was appended to ``journal``: make it durable (raises
-        once a batch failed: the syncer makes nothing durable after it). With
-        ``inline``, when nothing is queued nor being made durable, on the caller's
-        thread (a record that came after an idle stream has none to be batched
-        with: its ack does not wait for a hand-over to the syncer's thread)."""
-        item = (journal, lsn, header, frame, covered)
+        once a batch failed: the syncer makes nothing durable after it)."""
         with self._cv:
-            inline = inline and not self._items and not self._busy
-            if inline and self._failed is None:
-                self._busy = True
-                self._bytes += len(frame)
-            else:
-                while (
-                    self._items
-                    and self._bytes + len(frame) > self._limit
-                    and self._failed is None
-                ):
-                    self._cv.wait()
-                self._raise_failed()
-                self._items.append(item)
-                self._bytes += len(frame)
-                self._cv.notify_all()
-                return
-        self._batch([item])
-        self._raise_failed()
+            while (
+                self._items
+                and self._bytes + len(frame) > self._limit
+                and self._failed is None
+            ):
+                self._cv.wait()
+            self._raise_failed()
+            self._items.append((journal, lsn, header, frame, covered))
+            self._bytes += len(frame)
+            self._cv.notify_all()
 
     def drain(self) -> None:
         with self._cv:
@@ -249,21 +216,16 @@ class _Syncer:
                 if not self._items or self._failed is not None:
                     return
                 batch, self._items, self._busy = self._items, [], True
-            self._batch(batch)
-
-    def _batch(self, batch: list[_Received]) -> None:
-        """Make ``batch`` durable and hand it on, as the one thread doing so
-        (``_busy``)."""
-        try:
-            self._sync(batch)
-        except BaseException as exc:  # the receiver raises it, and stops
-            log.exception("making records %d to %d durable failed",
-                          batch[0][1], batch[-1][1])  # fmt: skip
-            self._failed = exc
-        with self._cv:
-            self._busy = False
-            self._bytes -= sum(len(item[3]) for item in batch)
-            self._cv.notify_all()
+            try:
+                self._sync(batch)
+            except BaseException as exc:  # the receiver raises it, and stops
+                log.exception("making records %d to %d durable failed",
+                              batch[0][1], batch[-1][1])  # fmt: skip
+                self._failed = exc
+            with self._cv:
+                self._busy = False
+                self._bytes -= sum(len(item[3]) for item in batch)
+                self._cv.notify_all()
 
     def _sync(self, batch: list[_Received]) -> None:
         journal, lsn, header = batch[-1][:3]
@@ -456,7 +418,7 @@ class Follower:
         covered: dict[str, int] = {}
         gather = Gather(self._max_message)  # (a record came in one message)
         fresh = True  # no snapshot nor record received yet
-        for msg, idle in _timed(call):
+        for msg in call:
             if msg.term < max(target.term, self._term()) or self._stop.is_set():
                 log.warning(
                     "refusing a message of term %d from %s: term %d is current",
@@ -475,7 +437,7 @@ class Follower:
                         "%d: resumed with no snapshot)",
                         target.address, rec.lsn, self.durable,
                     )  # fmt: skip
-                self._record(rec, covered, syncer, idle)
+                self._record(rec, covered, syncer)
                 continue
             part = msg.WhichOneof("part")
             fresh = False
@@ -501,11 +463,7 @@ class Follower:
                 acks.put(pb.ReplicateRequest(ack=pb.ReplicateAck(lsn=wal_lsn)))
 
     def _record(
-        self,
-        rec: ShippedRecord,
-        covered: dict[str, int],
-        syncer: _Syncer,
-        idle: bool = False,
+        self, rec: ShippedRecord, covered: dict[str, int], syncer: _Syncer
     ) -> None:
         """Append the frame to this server's log as it came (its CRC and lsn
         checked); the syncer acknowledges it once it is durable, then hands it to
@@ -517,7 +475,7 @@ class Follower:
         if journal is None:
             raise Unavailable("the write-ahead log is closed: follow again")
         journal.append_frame(rec.chunks(), rec.lsn)
-        syncer.put(journal, rec.lsn, header, rec, covered, inline=idle)
+        syncer.put(journal, rec.lsn, header, rec, covered)
 
     def _apply(
         self, header: dict[str, Any], rec: ShippedRecord, covered: dict[str, int]
