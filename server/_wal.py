@@ -38,7 +38,6 @@ import logging
 import os
 import threading
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +55,7 @@ from ._walread import (
     WalCorruptError,
     WalFormatError,
     WalGapError,
+    crc32,
     fsync_dir,
     read_segments,
     segment_name,
@@ -178,24 +178,24 @@ class Frame:
         """The frame's bytes in order (its prefix, header and array bodies)."""
         with self._lock:
             if self._prefix is None:
-                crc = zlib.crc32(self.header)
+                crc = crc32(self.header, 0)
                 for body in self.bodies:
-                    crc = zlib.crc32(body, crc)
+                    crc = crc32(body, crc)
                 size = self.nbytes - FRAME.size - len(self.header)
                 self._prefix = FRAME.pack(MAGIC, len(self.header), size, crc)
         return [self._prefix, self.header, *self.bodies]
 
 
 class _Received(Frame):
-    """A frame received whole (a standby's copy of its primary's record), its CRC
-    and lsn checked by the receiver: written as it is."""
+    """A frame received (a standby's copy of its primary's record: whole, or its
+    pieces in order), its CRC and lsn checked by the receiver: written as it is."""
 
     def __init__(self, raw: Any) -> None:
-        self.raw = raw
-        self.nbytes = len(raw)
+        self.raw = raw if isinstance(raw, list) else [raw]
+        self.nbytes = sum(len(c) for c in self.raw)
 
     def chunks(self) -> list[Any]:
-        return [self.raw]
+        return self.raw
 
 
 @dataclass
@@ -271,8 +271,9 @@ class WriteAheadLog:
         return lsn, frame
 
     def append_frame(self, raw: Any, lsn: int) -> int:
-        """Queue a whole frame as it is: a standby's copy of its primary's record
-        ``lsn`` (the caller checked its CRC and that its header holds ``lsn``),
+        """Queue a whole frame as it is (or its pieces, in a list): a standby's copy
+        of its primary's record ``lsn`` (the caller checked its CRC and that its
+        header holds ``lsn``),
         which keeps the primary's number; it must be above the last."""
         with self._cv:
             self._check_open()

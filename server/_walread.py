@@ -24,7 +24,7 @@ import mmap
 import os
 import struct
 import zlib
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ __all__ = [
     "WalCorruptError",
     "WalFormatError",
     "WalGapError",
+    "crc32",
     "fsync_dir",
     "read_segments",
     "segment_name",
@@ -57,6 +58,16 @@ SEGMENT_MAGIC = b"ONNXPSWL"
 SEGMENT_HEADER = struct.Struct("<8sI")
 WAL_FORMAT_VERSION = 2
 MAX_HEADER = 1 << 20
+
+# A frame's checksum is zlib's CRC-32. zlib-ng's (the ``fast`` and ``replication``
+# extras) gives the same value about 9 times faster, with the CPU's carry-less
+# multiply: 3 against 30 ms for a 64 MiB record, which the log, a replicated
+# shard's primary and each standby all compute.
+crc32: Callable[[Any, int], int]
+try:
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # pragma: no cover - without the extras
+    crc32 = zlib.crc32
 
 
 class WalFormatError(Exception):
@@ -121,7 +132,7 @@ def _read_frame(
     body = f.read(blen)
     if len(body) < blen:
         raise ValueError("truncated record")
-    if zlib.crc32(body, zlib.crc32(text)) != crc:
+    if crc32(body, crc32(text, 0)) != crc:
         raise ValueError("checksum mismatch")
     return (header if skip_upto is not None else _parse(text)), [raw, text, body]
 
@@ -415,7 +426,7 @@ def _intact_frame_end(buf: Any, pos: int, size: int) -> int | None:
         return None
     view = memoryview(buf)
     try:
-        if zlib.crc32(view[pos + FRAME.size : end]) != crc:
+        if crc32(view[pos + FRAME.size : end], 0) != crc:
             return None
     finally:
         view.release()

@@ -9,18 +9,25 @@ one of the member's reads is held, its lease keepalives keep coming.
 from __future__ import annotations
 
 import http.client
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import suppress
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
+from onnxps.client import Client
 from onnxps.server.replication import parse_coordinator
 from onnxps.server.replication._etcd import Etcd
 from onnxps.server.replication._member import Member, MemberConfig, Role
 from onnxps.server.shard import ShardIdentity
+from test_replication import SIZE, ReplicaSet, _create
 
 READ = "/v3/kv/range"
 KEEPALIVE = "/v3/lease/keepalive"
@@ -35,6 +42,9 @@ class HoldingProxy:
         self.upstream = upstream
         self.holding = threading.Event()
         self.release = threading.Event()
+        # while set, keepalives wait for ``keepalives_go`` ("keepalive held")
+        self.holding_keepalives = threading.Event()
+        self.keepalives_go = threading.Event()
         self.events: list[tuple[str, int]] = []
         self._cv = threading.Condition()
         self._reads = 0
@@ -73,6 +83,9 @@ class HoldingProxy:
     def before(self, path: str) -> None:
         if path == KEEPALIVE:
             self._record("keepalive", self._reads)
+            if self.holding_keepalives.is_set():
+                self._record("keepalive held", 0)
+                self.keepalives_go.wait(60)
         if path != READ or not self.holding.is_set():
             return
         with self._cv:
@@ -96,6 +109,7 @@ class HoldingProxy:
 
     def close(self) -> None:
         self.release.set()
+        self.keepalives_go.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -157,3 +171,63 @@ def test_the_lease_is_renewed_while_an_etcd_read_of_the_member_hangs(
         assert member.role is Role.PRIMARY
     finally:
         member.stop()
+
+
+def test_a_push_waiting_for_its_standby_outlives_a_late_renewal(
+    proxy: HoldingProxy,
+    etcd_server: EtcdProcess,  # noqa: F811 - the proxy's upstream, for keys
+    tmp_path: Path,
+) -> None:
+    """A renewal late past 2/3 of the TTL (held by the proxy, as a loaded host
+    delays it) stops the primary acknowledging, but the lease may still be held:
+    a push waiting for its standby meanwhile waits for the renewal and is then
+    acknowledged once, and the primary stays up. Before, the primary gave the
+    record up at once and exited (status 75): a loaded benchmark's 64 MiB push
+    then found no primary until its deadline."""
+
+    class Proxied(ReplicaSet):
+        @property
+        def url(self) -> str:
+            return f"etcd://127.0.0.1:{proxy.port}/{self.prefix}"
+
+    # TTL 9 s: the standby, stopped meanwhile, keeps its own lease
+    rs = Proxied(tmp_path, etcd_server, 2, extra=("--lease-ttl", "9"))
+    try:
+        p = rs.primary()
+        s = 1 - p
+        rs.wait_sync()
+        _create(rs.addresses[p])
+        os.kill(rs.procs[s].pid, signal.SIGSTOP)
+        got: list[object] = []
+
+        def push() -> None:
+            with Client(rs.addresses[p], timeout=60) as c:
+                try:
+                    got.append(c.push("g", np.ones(SIZE, np.float32)))
+                except Exception as exc:
+                    got.append(exc)
+
+        pusher = threading.Thread(target=push)
+        pusher.start()
+        proxy.holding_keepalives.set()
+        log = tmp_path / f"server{p}-1.log"
+        _wait(
+            lambda: (
+                "not acknowledging" in log.read_text() or rs.procs[p].poll() is not None
+            ),
+            "a late renewal",
+            60,
+        )
+        proxy.holding_keepalives.clear()
+        proxy.keepalives_go.set()
+        os.kill(rs.procs[s].pid, signal.SIGCONT)
+        pusher.join(60)
+        assert not pusher.is_alive()
+        assert rs.procs[p].poll() is None, log.read_text()[-2000:]
+        assert len(got) == 1 and not isinstance(got[0], Exception), got
+        assert rs.state(p, "g")[0] == 1
+        rs.wait_t(s, "g", 1)
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(rs.procs[1 - p].pid, signal.SIGCONT)
+        rs.close()

@@ -297,12 +297,30 @@ def test_a_record_is_shipped_in_pieces_of_1_mib_and_gathered_whole() -> None:
     got = _gathered(messages)
     assert got[:3] == [None, None, None]
     rec = got[3]
-    assert (rec.term, rec.lsn, bytes(rec.frame)) == (3, 7, whole)
-    header = check_frame(rec.frame, 7)
-    np.testing.assert_array_equal(frame_arrays(header, rec.frame)[0], x)
+    assert (rec.term, rec.lsn, bytes(rec.whole())) == (3, 7, whole)
+    header = check_frame(rec, 7)
+    np.testing.assert_array_equal(frame_arrays(header, rec.whole())[0], x)
     # from a byte on (the rest of a record read back from the log)
     rest = list(pieces(3, 7, [whole], 2 * PIECE))
     assert rest == messages[2:]
+
+
+def test_a_gathered_record_keeps_its_pieces_as_received_checked_by_their_crc() -> None:
+    """The pieces are not copied on the way to the ack: the record's chunks (what
+    the log writes) are views of the messages received, and the CRC computed as
+    they came checks them: one byte changed in a middle piece is refused."""
+    x = np.arange(800_000, dtype=np.float32)
+    frame = Frame(b'{"lsn": 7, "op": "push", "arrays": [["<f4", [800000]]]}', [x])
+    messages = list(pieces(3, 7, frame.chunks()))
+    rec = _gathered(messages)[-1]
+    assert [c.obj for c in rec.chunks()] == messages
+    assert rec.crc == int.from_bytes(bytes(frame.chunks()[0])[-4:], "little")
+    assert check_frame(rec, 7)["lsn"] == 7
+    damaged = bytearray(messages[2])
+    damaged[len(damaged) // 2] ^= 1
+    bad = _gathered([*messages[:2], bytes(damaged), messages[3]])[-1]
+    with pytest.raises(ValueError, match="record 7: checksum mismatch"):
+        check_frame(bad, 7)
 
 
 def test_a_small_record_is_one_message_passed_as_it_came() -> None:
@@ -336,7 +354,7 @@ def test_the_first_piece_holds_the_header_whole_beyond_1_mib() -> None:
     messages = list(pieces(1, 5, frame.chunks()))
     first = decode_response(messages[0])
     assert len(first.frame) == FRAME.size + len(header) > PIECE
-    assert check_frame(_gathered(messages)[-1].frame, 5)["pad"] == pad
+    assert check_frame(_gathered(messages)[-1], 5)["pad"] == pad
 
 
 def test_a_record_cut_short_by_the_next_one_is_refused_not_gathered() -> None:

@@ -5,7 +5,6 @@ it came by the standby."""
 from __future__ import annotations
 
 import json
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from .._walread import (
     LogReader,
     WalFormatError,
     WalGapError,
+    crc32,
 )
 
 Array = np.ndarray[Any, Any]
@@ -29,11 +29,35 @@ Array = np.ndarray[Any, Any]
 @dataclass(frozen=True)
 class ShippedRecord:
     """A ``ReplicateResponse`` carrying a record, as the standby's stub decodes it:
-    the frame is a view of the received message (no copy)."""
+    the frame is a view of the received message (no copy). Gathered from pieces
+    (``Gather``), ``frame`` is the first piece, ``rest`` the others as they came
+    and ``crc`` the CRC of the frame's bytes after its prefix, computed piece by
+    piece as they came (``check_frame`` compares it with the prefix's)."""
 
     term: int
     lsn: int
     frame: memoryview
+    rest: tuple[memoryview, ...] = ()
+    crc: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.frame) + sum(len(p) for p in self.rest)
+
+    def chunks(self) -> list[memoryview]:
+        """The frame's bytes in order, as received (written so to the log)."""
+        return [self.frame, *self.rest]
+
+    def whole(self) -> memoryview:
+        """The frame in one buffer: its pieces copied into a 16-byte-aligned one
+        (by the applier, after the ack: not on the way to it)."""
+        if not self.rest:
+            return self.frame
+        buf = np.empty(len(self), np.uint8)
+        at = 0
+        for p in self.chunks():
+            buf[at : at + len(p)] = np.frombuffer(p, np.uint8)
+            at += len(p)
+        return buf.data
 
 
 PIECE = 1 << 20  # frame bytes per message (the first one holds the header whole)
@@ -91,20 +115,23 @@ def _slices(views: Sequence[memoryview], start: int, end: int) -> list[memoryvie
 
 
 class Gather:
-    """A standby's record, its pieces gathered as they arrive into one buffer (one
-    copy; nothing is written until it is whole and checked). A record shipped in
-    one piece passes as it came."""
+    """A standby's record, its pieces gathered as they arrive (kept as they came,
+    not copied: the log writes them in turn, and the applier joins them after the
+    ack), the CRC computed piece by piece; nothing is written until it is whole and
+    checked. A record shipped in one piece passes as it came."""
 
     def __init__(self, limit: int) -> None:
         self._limit = limit  # the most bytes a frame may have (a message's limit)
-        self._buf: Array | None = None
+        self._pieces: list[memoryview] = []
+        self._size = 0  # the frame's, once its first piece came
         self._lsn = 0
         self._got = 0
+        self._crc = 0
 
     def add(self, rec: ShippedRecord) -> ShippedRecord | None:
         """The record once whole (None while pieces are missing); ValueError when
         a piece does not fit (another record before this one is whole)."""
-        if self._buf is None:
+        if not self._pieces:
             if len(rec.frame) < FRAME.size:
                 raise ValueError(f"record {rec.lsn}: a piece of {len(rec.frame)} bytes")
             _magic, hlen, blen, _crc = FRAME.unpack_from(rec.frame)
@@ -117,20 +144,24 @@ class Gather:
                     f"{self._limit}) whose first piece holds {len(rec.frame)}: not "
                     "its prefix and header whole, or too long"
                 )
-            self._buf, self._lsn, self._got = np.empty(size, np.uint8), rec.lsn, 0
-        buf = self._buf
+            self._size, self._lsn, self._got = size, rec.lsn, len(rec.frame)
+            self._crc = crc32(rec.frame[FRAME.size :], 0)
+            self._pieces = [rec.frame]
+            return None
         end = self._got + len(rec.frame)
-        if rec.lsn != self._lsn or end > len(buf):
+        if rec.lsn != self._lsn or end > self._size:
             raise ValueError(
-                f"record {self._lsn}: {self._got} of its {len(buf)} bytes came, "
+                f"record {self._lsn}: {self._got} of its {self._size} bytes came, "
                 f"then {len(rec.frame)} of record {rec.lsn}"
             )
-        buf[self._got : end] = np.frombuffer(rec.frame, np.uint8)
+        self._crc = crc32(rec.frame, self._crc)
+        self._pieces.append(rec.frame)
         self._got = end
-        if end < len(buf):
+        if end < self._size:
             return None
-        self._buf = None
-        return ShippedRecord(rec.term, rec.lsn, buf.data)
+        first, *rest = self._pieces
+        self._pieces = []
+        return ShippedRecord(rec.term, rec.lsn, first, tuple(rest), self._crc)
 
 
 def decode_response(raw: bytes) -> Any:
@@ -161,17 +192,26 @@ def _record_view(buf: memoryview) -> ShippedRecord | None:
     return ShippedRecord(term, lsn, buf[pos:end])
 
 
-def check_frame(frame: memoryview, lsn: int) -> dict[str, Any]:
-    """The header of a shipped frame once its lengths and CRC are right and it is
-    record ``lsn``; ValueError when it is damaged or another record."""
-    if len(frame) < FRAME.size:
-        raise ValueError(f"record {lsn}: a frame of {len(frame)} bytes")
-    magic, hlen, blen, crc = FRAME.unpack_from(frame)
-    if magic != MAGIC or hlen > MAX_HEADER or FRAME.size + hlen + blen != len(frame):
+def check_frame(frame: memoryview | ShippedRecord, lsn: int) -> dict[str, Any]:
+    """The header of a shipped frame (whole, or a gathered record) once its
+    lengths and CRC are right and it is record ``lsn``; ValueError when it is
+    damaged or another record."""
+    rec = frame if isinstance(frame, ShippedRecord) else ShippedRecord(0, lsn, frame)
+    first = rec.frame
+    if len(first) < FRAME.size:
+        raise ValueError(f"record {lsn}: a frame of {len(first)} bytes")
+    magic, hlen, blen, crc = FRAME.unpack_from(first)
+    if (
+        magic != MAGIC
+        or hlen > MAX_HEADER
+        or FRAME.size + hlen + blen != len(rec)
+        or FRAME.size + hlen > len(first)
+    ):
         raise ValueError(f"record {lsn}: bad frame magic or lengths")
-    if zlib.crc32(frame[FRAME.size :]) != crc:
+    got = crc32(first[FRAME.size :], 0) if rec.crc is None else rec.crc
+    if got != crc:
         raise ValueError(f"record {lsn}: checksum mismatch")
-    header: dict[str, Any] = json.loads(bytes(frame[FRAME.size : FRAME.size + hlen]))
+    header: dict[str, Any] = json.loads(bytes(first[FRAME.size : FRAME.size + hlen]))
     if int(header.get("lsn", -1)) != lsn:
         raise ValueError(f"record {lsn} holds lsn {header.get('lsn')}")
     return header

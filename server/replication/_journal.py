@@ -224,14 +224,17 @@ class ReplicatedJournal:
         place), and this one waits for it to be back or replaced."""
         deadline = time.monotonic() + self.ack_timeout
         with self._cv:
-            while self.member.may_acknowledge():
-                if self._held(lsn):
-                    self.acknowledged = max(self.acknowledged, lsn)
-                    self._trim()
-                    return
-                if time.monotonic() >= deadline:
-                    self._end_silent(lsn)
-                    deadline = time.monotonic() + self.ack_timeout
+            # A renewal late (under load) but the lease maybe still held: nothing
+            # is acknowledged meanwhile, and the push waits for the renewal.
+            while self.member.may_hold_lease():
+                if self.member.may_acknowledge():
+                    if self._held(lsn):
+                        self.acknowledged = max(self.acknowledged, lsn)
+                        self._trim()
+                        return
+                    if time.monotonic() >= deadline:
+                        self._end_silent(lsn)
+                        deadline = time.monotonic() + self.ack_timeout
                 self._cv.wait(0.05)
         why = "this server lost its primary lease before the standbys held it"
         log.error("record %d is durable here but not acknowledged: %s", lsn, why)

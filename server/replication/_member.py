@@ -222,6 +222,15 @@ class Member:
                 return False
         return self._clock() - self._renewed < self.ttl * 2 / 3
 
+    def may_hold_lease(self) -> bool:
+        """A primary whose lease may still be held: its last renewal sent less than
+        a TTL ago (a late renewal, not yet answered, may still keep it; no other
+        member can be elected before then)."""
+        with self._lock:
+            if self.role is not Role.PRIMARY:
+                return False
+        return self._clock() - self._renewed < self.ttl
+
     def set_sync_standbys(self, standbys: list[str]) -> bool:
         """Name the standbys that hold every acknowledged push (while primary)."""
         value = _dumps(

@@ -54,7 +54,7 @@ class _Applier:
 
     def __init__(
         self,
-        apply: Callable[[dict[str, Any], memoryview, dict[str, int]], None],
+        apply: Callable[[dict[str, Any], Any, dict[str, int]], None],
         limit: int = 256 << 20,
     ) -> None:
         self._apply = apply
@@ -70,9 +70,7 @@ class _Applier:
         )
         self._thread.start()
 
-    def put(
-        self, header: dict[str, Any], frame: memoryview, covered: dict[str, int]
-    ) -> None:
+    def put(self, header: dict[str, Any], frame: Any, covered: dict[str, int]) -> None:
         with self._cv:
             while self._items and self._bytes + len(frame) > self._limit:
                 self._release()  # applied without waiting for their acks
@@ -138,7 +136,7 @@ class _Applier:
 
 
 # a record appended: (the log, its lsn, header, frame, covered lsns per group)
-_Received = tuple[Any, int, dict[str, Any], memoryview, dict[str, int]]
+_Received = tuple[Any, int, dict[str, Any], ShippedRecord, dict[str, int]]
 
 
 class _Syncer:
@@ -174,7 +172,7 @@ class _Syncer:
         journal: Any,
         lsn: int,
         header: dict[str, Any],
-        frame: memoryview,
+        frame: ShippedRecord,
         covered: dict[str, int],
     ) -> None:
         """Record ``lsn`` was appended to ``journal``: make it durable (raises
@@ -230,9 +228,7 @@ class _Syncer:
                 self._bytes -= sum(len(item[3]) for item in batch)
                 self._cv.notify_all()
 
-    def _sync(
-        self, batch: list[tuple[Any, int, dict[str, Any], memoryview, Any]]
-    ) -> None:
+    def _sync(self, batch: list[_Received]) -> None:
         journal, lsn, header = batch[-1][:3]
         journal.wait(lsn)  # the log writes and fsyncs every record before it too
         self._durable(lsn, int(header.get("term", 0)))
@@ -474,22 +470,22 @@ class Follower:
         """Append the frame to this server's log as it came (its CRC and lsn
         checked); the syncer acknowledges it once it is durable, then hands it to
         the applier: the ack promises durability, not application."""
-        header = check_frame(rec.frame, rec.lsn)
+        header = check_frame(rec, rec.lsn)
         if rec.lsn <= self.durable:
             return
         journal = self.durability.journal
         if journal is None:
             raise Unavailable("the write-ahead log is closed: follow again")
-        journal.append_frame(rec.frame, rec.lsn)
-        syncer.put(journal, rec.lsn, header, rec.frame, covered)
+        journal.append_frame(rec.chunks(), rec.lsn)
+        syncer.put(journal, rec.lsn, header, rec, covered)
 
     def _apply(
-        self, header: dict[str, Any], frame: memoryview, covered: dict[str, int]
+        self, header: dict[str, Any], rec: ShippedRecord, covered: dict[str, int]
     ) -> None:
         lsn = int(header["lsn"])
         if covered.get(header.get("group", ""), -1) < lsn:
             try:
-                self.durability.apply(header, frame_arrays(header, frame))
+                self.durability.apply(header, frame_arrays(header, rec.whole()))
             except DomainError as exc:
                 log.warning(
                     "record %d (%s on %r) not applied: %s",
