@@ -48,5 +48,6 @@ def test_a_standby_catching_up_fsyncs_its_records_in_batches(
     rs.start(s)  # resumes after the create: RECORDS records to catch up on
     rs.wait_t(s, "g", RECORDS)
     np.testing.assert_array_equal(rs.state(s, "g")[1], rs.state(p, "g")[1])
-    # one fsync per record before; now one per batch received meanwhile
-    assert _fsyncs(tmp_path / f"server{s}-2.log") <= RECORDS // 2
+    # one fsync per record before (RECORDS or more); now one per batch received
+    # meanwhile (about RECORDS / 2 on a loaded 2-core host, far fewer when idle)
+    assert _fsyncs(tmp_path / f"server{s}-2.log") <= RECORDS * 3 // 4
