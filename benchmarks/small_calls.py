@@ -31,7 +31,8 @@
 - ``samehost``: the p50 of a 1,000-element push returning X over shared memory
   (``shared_memory="on"``, a Unix socket) and inline over TCP, against torch RPC's
   shm transport (``benchmarks/samehost.py``'s server: a fused torch Adam) when torch
-  is installed.
+  is installed, and against the floor: the raw grpcio server of ``cpu`` taking the
+  same step and answering X's bytes (no protobuf), over TCP.
 
 ``--baseline REV`` runs an older commit's server beside this tree's in the
 ``cpu``, ``rows``, ``cluster`` and ``samehost`` sections (rounds alternate), and
@@ -94,8 +95,19 @@ def raw_server(port_file: str) -> None:
             t[0] += 1
             return t[0].to_bytes(8, "little")
 
+    def push_x(req: bytes, ctx: Any) -> bytes:  # the same step, X back
+        g = np.frombuffer(req, np.float32)
+        with lock:
+            stepper.step(1e-3, t[0], [x], [g], [v], [h])
+            t[0] += 1
+            return x.tobytes()
+
     handler = grpc.method_handlers_generic_handler(
-        "raw.Raw", {"Push": grpc.unary_unary_rpc_method_handler(push)}
+        "raw.Raw",
+        {
+            "Push": grpc.unary_unary_rpc_method_handler(push),
+            "PushX": grpc.unary_unary_rpc_method_handler(push_x),
+        },
     )
     server = grpc.server(
         futures.ThreadPoolExecutor(16), handlers=[handler], options=_RAW_OPTIONS
@@ -152,14 +164,19 @@ def _load(
     return cpu / max(calls, 1) * 1e6, calls / wall
 
 
-def cpu_section(args: argparse.Namespace, tmp: Path) -> None:
+def _start_raw(tmp: Path, tag: str) -> tuple[Any, int]:
+    """The raw grpcio server process (``raw_server``) and its port."""
     ctx = mp.get_context("spawn")
-    port_file = tmp / "raw.port"
+    port_file = tmp / f"raw-{tag}.port"
     raw = ctx.Process(target=raw_server, args=(str(port_file),), daemon=True)
     raw.start()
     while not port_file.exists() or not port_file.read_text():
         time.sleep(0.05)
-    port = int(port_file.read_text())
+    return raw, int(port_file.read_text())
+
+
+def cpu_section(args: argparse.Namespace, tmp: Path) -> None:
+    raw, port = _start_raw(tmp, "cpu")
     servers = [("onnxps", *start_server_process(log=tmp / "cpu.log"))]
     with contextlib.ExitStack() as stack:
         try:
@@ -515,6 +532,13 @@ def samehost_section(args: argparse.Namespace, tmp: Path) -> None:
                         lambda c=c, group=group: c.push(group, g, return_values=True),
                     )
                 )
+        import grpc
+
+        raw, port = _start_raw(tmp, "samehost")
+        raw_channel = grpc.insecure_channel(f"127.0.0.1:{port}", _RAW_OPTIONS)
+        push_x, g_bytes = raw_channel.unary_unary("/raw.Raw/PushX"), g.tobytes()
+        # the floor: the same step, gradient bytes in and X's bytes out, no protobuf
+        ways.append(("raw grpcio floor, tcp", lambda: push_x(g_bytes, timeout=60)))
         rpc = _torch_rpc()
         if rpc is not None:
             import torch
@@ -534,6 +558,8 @@ def samehost_section(args: argparse.Namespace, tmp: Path) -> None:
         finally:
             for c in clients:
                 c.close()
+            raw_channel.close()
+            raw.kill()
             if rpc is not None:
                 rpc.stop()
     print(f"\nsame host: {SMALL:,}-element float32 Adam push returning X, p50 us")
