@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -35,15 +36,20 @@ print(json.dumps({"created": rss() - before, "x": n * 4}))
 """
 
 
-def test_a_new_groups_optimizer_state_takes_no_memory_until_it_steps() -> None:
+def _run_json(script: str, *args: str) -> Any:
+    """What ``script`` prints as JSON, run in a fresh interpreter."""
     out = subprocess.run(
-        [sys.executable, "-c", _SCRIPT],
+        [sys.executable, "-c", script, *args],
         check=True,
         capture_output=True,
         text=True,
         timeout=300,
     ).stdout
-    got = json.loads(out)
+    return json.loads(out)
+
+
+def test_a_new_groups_optimizer_state_takes_no_memory_until_it_steps() -> None:
+    got = _run_json(_SCRIPT)
     # X is copied in (64 MiB); V and H (another 128 MiB) are not touched yet
     assert got["x"] <= got["created"] < 1.5 * got["x"]
 
@@ -115,13 +121,6 @@ def test_numbas_compiler_is_not_kept_resident_after_onnxps_compiled(
     pytest.importorskip("numba")
     if not sys.platform.startswith("linux"):
         pytest.skip("MADV_PAGEOUT is Linux's")
-    out = subprocess.run(
-        [sys.executable, "-c", _LLVM_SCRIPT, last],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    ).stdout
-    got = json.loads(out)
+    got = _run_json(_LLVM_SCRIPT, last)
     # 90-100 MiB resident before; what stays is the pages written at load time
     assert got["llvm"] < 8 << 20

@@ -43,6 +43,13 @@ def _frames(wal_dir: Path) -> dict[int, bytes]:
     }
 
 
+def _create_big(c: Client, n: int) -> None:
+    """The group "big": one float32 tensor of ``n`` elements (Adagrad)."""
+    c.create_group(
+        "big", Adagrad(), learning_rate=0.1, tensors={"x": np.zeros(n, np.float32)}
+    )
+
+
 def _log(tmp_path: Path, i: int, start: int) -> str:
     return (tmp_path / f"server{i}-{start}.log").read_text()
 
@@ -382,10 +389,7 @@ def test_a_standby_logs_a_record_of_several_pieces_as_its_primary_did(
     rs.wait_sync()
     n = 1 << 20
     with Client(rs.url, timeout=60) as c:
-        c.create_group(
-            "big", Adagrad(), learning_rate=0.1,
-            tensors={"x": np.zeros(n, np.float32)},
-        )  # fmt: skip
+        _create_big(c, n)
         for k in range(2):
             c.push("big", np.linspace(-1, 1 + k, n, dtype=np.float32))
     rs.wait_t(s, "big", 2)
@@ -466,10 +470,7 @@ def test_a_standby_of_an_earlier_version_gets_its_records_whole(
     p = rs.primary()
     n = 1 << 20
     with Client(rs.url, timeout=60) as c:
-        c.create_group(
-            "big", Adagrad(), learning_rate=0.1,
-            tensors={"x": np.zeros(n, np.float32)},
-        )  # fmt: skip
+        _create_big(c, n)
         assert c.push("big", np.ones(n, np.float32)) == 1
     frames = _frames(tmp_path / f"data{p}" / "wal")
     lsn = max(frames)  # the push

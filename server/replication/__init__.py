@@ -207,13 +207,8 @@ class Replication:
         if not self._eligible():
             return False, "adopting a snapshot", "adopting"
         held = follower.durable
-        if held < logged:
-            why = (
-                f"holds record {held}, the primary {primary.member} had logged {logged}"
-            )
-            return False, why, "behind"
         why = f"holds record {held}, the primary {primary.member} had logged {logged}"
-        return True, why, "holds"
+        return (False, why, "behind") if held < logged else (True, why, "holds")
 
     def _publish_caught_up(self) -> None:
         """Tell the health service when readiness changes; log each new reason."""
