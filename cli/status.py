@@ -26,6 +26,7 @@ from onnxps.client import (
 )
 from onnxps.client._cluster import base_name, parse_target
 from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.coordinator import is_coordinator
 
 from ._args import add_connection_arguments, fail, read_tls_ca, unreachable
 
@@ -49,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "address",
         help="host:port of the server (port 50051 when omitted), or of every "
         "shard of a cluster in shard order, comma-separated, or "
-        "etcd://HOST:PORT/PREFIX of a replicated cluster",
+        "etcd://HOST:PORT/PREFIX of a replicated cluster (etcds:// for TLS to "
+        "etcd: ONNXPS_COORDINATOR_CA, _CERT, _KEY name its files)",
     )
     p.add_argument("--prefix", default="", help="only groups whose name starts so")
     add_connection_arguments(p, timeout=3.0)
@@ -207,7 +209,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     (a cluster: when a shard cannot; the shard table says which)."""
     out = out or sys.stdout
     roots = read_tls_ca("onnxps status", args.tls_ca)
-    replicated = args.address.startswith("etcd://")
+    replicated = is_coordinator(args.address)
     target = args.address if replicated else parse_target(args.address)
     shards: list[tuple[str, ...]] = []
     try:

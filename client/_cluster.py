@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 from onnxps.wire.codec import SHARD_METADATA_KEY
+from onnxps.wire.coordinator import is_coordinator
 
 __all__ = [
     "SHARD_METADATA_KEY",
@@ -98,9 +99,9 @@ def base_name(name: str) -> tuple[str, int, int]:
 def parse_target(text: str) -> str | list[str]:
     """A command line's address: ``host:port`` (one server), a comma-separated
     list of shard addresses in shard order (a cluster, even of one), or
-    ``etcd://H:P[,H:P]/PREFIX`` (a replicated cluster: its commas list etcd
+    ``etcd[s]://H:P[,H:P]/PREFIX`` (a replicated cluster: its commas list etcd
     endpoints, kept as they are)."""
-    if "," not in text or text.startswith("etcd://"):
+    if "," not in text or is_coordinator(text):
         return text
     return [a.strip() for a in text.split(",") if a.strip()]
 

@@ -1,6 +1,7 @@
 """Find each shard's primary in etcd (docs/cluster.md "Replicated shards").
 
-``Client("etcd://H:P[,H:P]/PREFIX")`` reads the shard count (``PREFIX/layout``) and
+``Client("etcd://H:P[,H:P]/PREFIX")`` (``etcds://`` for TLS, see
+``onnxps.wire.coordinator``) reads the shard count (``PREFIX/layout``) and
 each shard's primary (``PREFIX/shards/I/primary``, written by the servers' election)
 through etcd's HTTP JSON gateway (``etcd3gw``, the ``replication`` extra). On a
 NOT_PRIMARY or UNAVAILABLE answer the client reads the primary again and resends the
@@ -14,13 +15,16 @@ import base64
 import json
 import time
 from typing import Any
-from urllib.parse import urlsplit
+
+from onnxps.wire.coordinator import (
+    CoordinatorTls,
+    failure,
+    gateway_clients,
+    is_coordinator,
+    parse_coordinator,
+)
 
 __all__ = ["Discovery", "follows", "is_coordinator"]
-
-
-def is_coordinator(address: object) -> bool:
-    return isinstance(address, str) and address.startswith("etcd://")
 
 
 def follows(error: Exception) -> bool:
@@ -34,30 +38,21 @@ def follows(error: Exception) -> bool:
 class Discovery:
     """The primaries of a replicated cluster, read from etcd."""
 
-    def __init__(self, url: str, timeout: float = 2.0) -> None:
-        parts = urlsplit(url)
-        prefix = "/" + parts.path.strip("/")
-        endpoints = []
-        for hostport in parts.netloc.split(","):
-            host, _, port = hostport.rpartition(":")
-            if not host or not port.isdigit() or prefix == "/":
-                raise ValueError(
-                    f"expected etcd://HOST:PORT[,HOST:PORT]/PREFIX, got {url!r}"
-                )
-            endpoints.append((host.strip("[]"), int(port)))
+    def __init__(
+        self, url: str, timeout: float = 2.0, tls: CoordinatorTls | None = None
+    ) -> None:
+        """``tls``: the files of an ``etcds://`` url (None: the environment's,
+        ``ONNXPS_COORDINATOR_CA``, ``_CERT``, ``_KEY``)."""
+        address = parse_coordinator(url, tls)
         try:
-            import etcd3gw
+            self._clients = gateway_clients(address, timeout)
         except ImportError as exc:
             raise ImportError(
                 "Client('etcd://...') needs the etcd client: "
                 "pip install 'onnxps[replication]'"
             ) from exc
         self.url = url
-        self.prefix = prefix
-        self._clients = [
-            etcd3gw.Etcd3Client(host=h, port=p, timeout=timeout, api_path="/v3/")
-            for h, p in endpoints
-        ]
+        self.prefix = address.prefix
 
     def _get(self, key: str) -> bytes | None:
         last: Exception | None = None
@@ -72,7 +67,9 @@ class Discovery:
                 continue
             kvs = result.get("kvs") or []
             return base64.b64decode(kvs[0].get("value", "")) if kvs else None
-        raise ConnectionError(f"etcd at {self.url} did not answer: {last!r}")
+        raise ConnectionError(
+            f"etcd at {self.url} did not answer: {failure(last) if last else None}"
+        )
 
     def _range(self, prefix: str) -> list[tuple[str, bytes]]:
         end = bytearray(prefix.encode())
@@ -97,7 +94,9 @@ class Discovery:
                 )
                 for kv in result.get("kvs") or []
             ]
-        raise ConnectionError(f"etcd at {self.url} did not answer: {last!r}")
+        raise ConnectionError(
+            f"etcd at {self.url} did not answer: {failure(last) if last else None}"
+        )
 
     def replicas(self, timeout: float) -> list[dict[str, Any]]:
         """Every member of every shard: ``shard``, ``member``, ``address``, ``role``,

@@ -230,12 +230,25 @@ class ServerConfig:
     )
     coordinator: str | None = _option(
         None,
-        "replicate this shard: etcd://HOST:PORT[,HOST:PORT]/PREFIX; the servers of "
+        "replicate this shard: etcd://HOST:PORT[,HOST:PORT]/PREFIX (etcds:// for "
+        "TLS to etcd); the servers of "
         "one prefix and --shard index elect a primary and ship it the write-ahead "
         "log (needs --durability wal and --shard; pip install 'onnxps[replication]')",
         group="replication",
         none="not replicated",
     )
+    coordinator_ca: str | None = _option(
+        None, "with etcds://: the CA (PEM) etcd's certificate must chain to",
+        group="replication", none="the system's roots",
+    )  # fmt: skip
+    coordinator_cert: str | None = _option(
+        None, "with etcds://: a client certificate (PEM) to present to etcd, with "
+        "--coordinator-key", group="replication", none="none presented",
+    )  # fmt: skip
+    coordinator_key: str | None = _option(
+        None, "with etcds://: the key of --coordinator-cert", group="replication",
+        none="none presented",
+    )  # fmt: skip
     sync_replicas: int = _option(
         1,
         "with --coordinator: standbys that must hold a change before the primary "
@@ -736,58 +749,14 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     )
 
 
-def _replication(
-    config: ServerConfig,
-    shard: Any,
-    store: ParameterStore,
-    durability: Durability | None,
-    registry: Any,
-    set_caught_up: Any,
-) -> Any:
-    """The replica set part (None without --coordinator; imported only then), its
-    metrics registered in ``registry`` (when serving metrics), telling
-    ``set_caught_up`` whether this replica holds what the shard acknowledged."""
+def _replication(config: ServerConfig, *args: Any) -> Any:
+    """The replica set part (None without --coordinator; imported only then):
+    ``replication.from_server_config``'s arguments after the config."""
     if not config.coordinator:
         return None
-    from .replication import Replication, ReplicationConfig, parse_coordinator
+    from .replication import from_server_config
 
-    if shard is None:
-        raise ConfigError("--coordinator needs --shard INDEX/COUNT (e.g. 0/1)")
-    replication = Replication(
-        ReplicationConfig(
-            parse_coordinator(config.coordinator),
-            shard,
-            sync_replicas=config.sync_replicas,
-            sync_policy=config.sync_policy,
-            lease_ttl=config.lease_ttl,
-            member_id=config.member_id,
-            max_message_bytes=config.max_message_bytes,
-            token=config.replication_token,
-            tls=_replication_tls(config),
-        ),
-        store,
-        durability,
-        set_caught_up=set_caught_up,
-    )
-    if registry is not None:
-        registry.register(replication.collector())
-    return replication
-
-
-def _replication_tls(config: ServerConfig) -> Any:
-    """How a standby reaches its primary: TLS when this server serves TLS (a replica
-    set's servers share their settings), verified against --tls-ca (else the
-    client CA, else the system's roots), with this server's certificate as its
-    client certificate under mutual TLS."""
-    if not config.tls_cert or not config.tls_key:
-        return None
-    from .replication import ReplicationTls
-
-    return ReplicationTls(
-        ca=config.tls_ca or config.tls_client_ca,
-        cert=config.tls_cert if config.tls_client_ca else None,
-        key=config.tls_key if config.tls_client_ca else None,
-    )
+    return from_server_config(config, *args)
 
 
 def _replicate_of(replication: Any) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -16,6 +17,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,18 +51,43 @@ class EtcdProcess:
     proc: subprocess.Popen[bytes] | None = None
     # more client ports beside client_port (a partition can cut one of them)
     extra_client_ports: tuple[int, ...] = ()
+    # serving TLS only: (certificate, key, CA its clients' certificates chain to,
+    # or None for no client certificates asked for)
+    tls: tuple[Path, Path, Path | None] | None = None
+    # what the test's own calls present and check with ``tls``: (CA, cert, key)
+    client_tls: tuple[Path, Path | None, Path | None] | None = None
 
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.client_port}"
 
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
     def url(self, prefix: str) -> str:
-        """A coordinator address: ``etcd://127.0.0.1:port/prefix``."""
-        return f"etcd://{self.endpoint}/{prefix}"
+        """A coordinator address: ``etcd://127.0.0.1:port/prefix`` (``etcds://``
+        when serving TLS)."""
+        return f"{'etcds' if self.tls else 'etcd'}://{self.endpoint}/{prefix}"
+
+    def gateway(self, timeout: float = 5.0) -> Any:
+        """An etcd3gw client of this etcd, with ``client_tls`` when serving TLS."""
+        from onnxps.wire.coordinator import (
+            CoordinatorAddress,
+            CoordinatorTls,
+            gateway_clients,
+        )
+
+        tls = None
+        if self.client_tls is not None:
+            tls = CoordinatorTls(*(None if f is None else str(f)
+                                   for f in self.client_tls))  # fmt: skip
+        address = CoordinatorAddress((("127.0.0.1", self.client_port),), "/", tls)
+        return gateway_clients(address, timeout)[0]
 
     def start(self, timeout: float = 30.0) -> None:
         client = ",".join(
-            f"http://127.0.0.1:{p}"
+            f"{self.scheme}://127.0.0.1:{p}"
             for p in (self.client_port, *self.extra_client_ports)
         )
         peer = f"http://127.0.0.1:{self.peer_port}"
@@ -69,7 +96,7 @@ class EtcdProcess:
             "--name=onnxps-test",
             f"--data-dir={self.data_dir}",
             f"--listen-client-urls={client}",
-            f"--advertise-client-urls=http://{self.endpoint}",
+            f"--advertise-client-urls={self.scheme}://{self.endpoint}",
             f"--listen-peer-urls={peer}",
             f"--initial-advertise-peer-urls={peer}",
             f"--initial-cluster=onnxps-test={peer}",
@@ -77,6 +104,11 @@ class EtcdProcess:
             "--logger=zap",
             "--log-outputs=stderr",
         ]
+        if self.tls is not None:
+            cert, key, client_ca = self.tls
+            args += [f"--cert-file={cert}", f"--key-file={key}"]
+            if client_ca is not None:
+                args += [f"--trusted-ca-file={client_ca}", "--client-cert-auth"]
         log = open(self.log_path, "ab")  # noqa: SIM115 - the process keeps it
         self.proc = subprocess.Popen(args, stdout=log, stderr=log)
         log.close()
@@ -94,9 +126,15 @@ class EtcdProcess:
             time.sleep(0.05)
 
     def healthy(self) -> bool:
+        context = None
+        if self.client_tls is not None:
+            ca, cert, key = self.client_tls
+            context = ssl.create_default_context(cafile=str(ca))
+            if cert is not None:
+                context.load_cert_chain(str(cert), None if key is None else str(key))
         try:
             with urllib.request.urlopen(
-                f"http://{self.endpoint}/health", timeout=1
+                f"{self.scheme}://{self.endpoint}/health", timeout=1, context=context
             ) as r:
                 return bool(json.loads(r.read()).get("health") == "true")
         except (OSError, urllib.error.URLError, ValueError):
@@ -113,13 +151,14 @@ class EtcdProcess:
         self.proc = None
 
 
-def start_etcd(binary: str, tmp_path: Path, tries: int = 3) -> EtcdProcess:
+def start_etcd(binary: str, tmp_path: Path, tries: int = 3, **tls: Any) -> EtcdProcess:
     """An etcd on free ports; ports picked free can be taken before etcd binds
-    them, so a start that finds its port in use is tried again on others."""
+    them, so a start that finds its port in use is tried again on others.
+    ``tls``: EtcdProcess's ``tls`` and ``client_tls``."""
     for attempt in range(tries):
         data = tmp_path / f"etcd-data-{attempt}"
         log = tmp_path / "etcd.log"
-        etcd = EtcdProcess(binary, data, log, free_port(), free_port())
+        etcd = EtcdProcess(binary, data, log, free_port(), free_port(), **tls)
         try:
             etcd.start()
             return etcd

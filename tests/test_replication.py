@@ -38,12 +38,7 @@ TTL = 2
 
 
 def _etcd_get(etcd: EtcdProcess, key: str) -> bytes | None:
-    import etcd3gw
-
-    client = etcd3gw.Etcd3Client(
-        host="127.0.0.1", port=etcd.client_port, api_path="/v3/", timeout=5
-    )
-    got = client.get(key)
+    got = etcd.gateway().get(key)
     return got[0] if got else None
 
 

@@ -11,15 +11,12 @@ failed. Without root or iptables those tests are skipped.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import ipaddress
 import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +24,8 @@ import grpc
 import numpy as np
 import pytest
 from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
+from _pki import Pki, pki  # noqa: F401 - a fixture
 from _procs import clean_env
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from onnxps.cli.process import wait_for_listening
 from onnxps.client import Adagrad, Client, UnavailableError
 from onnxps.server.app import ServerConfig, create_server
@@ -376,85 +370,9 @@ def test_a_primary_cut_from_etcd_stops_acknowledging_before_another_is_elected(
 
 
 # -- TLS between standby and primary -----------------------------------------------
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _issue(
-    d: Path, name: str, issuer: tuple[str, Any] | None, *, ca: bool = False
-) -> tuple[Path, Path, Any]:
-    """``name``.pem and ``name``.key in ``d``, signed by ``issuer`` (None: itself);
-    a leaf names 127.0.0.1 and serves and authenticates (a server of a replica set
-    is a client of its primary)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    issuer_name, issuer_key = issuer or (name, key)
-    b = (
-        x509.CertificateBuilder()
-        .subject_name(_name(name))
-        .issuer_name(_name(issuer_name))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if not ca:
-        usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-        b = b.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-        ip = x509.IPAddress(ipaddress.ip_address("127.0.0.1"))
-        b = b.add_extension(x509.SubjectAlternativeName([ip]), critical=False)
-    cert = b.sign(issuer_key, hashes.SHA256())
-    pem, pem_key = d / f"{name}.pem", d / f"{name}.key"
-    pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    pem_key.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return pem, pem_key, key
-
-
-@dataclass(frozen=True)
-class Pki:
-    ca: Path
-    cert: Path  # a server's, signed by ca
-    key: Path
-    rogue_cert: Path  # signed by another CA
-    rogue_key: Path
-
-    def flags(
-        self, cert: Path | None = None, key: Path | None = None
-    ) -> tuple[str, ...]:
-        """A server with mutual TLS: clients (standbys too) show a certificate."""
-        return (
-            "--tls-cert", str(cert or self.cert), "--tls-key", str(key or self.key),
-            "--tls-client-ca", str(self.ca),
-        )  # fmt: skip
-
-    def client(self) -> dict[str, Any]:
-        return {
-            "root_certificates": self.ca.read_bytes(),
-            "certificate_chain": self.cert.read_bytes(),
-            "private_key": self.key.read_bytes(),
-        }
-
-
-@pytest.fixture
-def pki(tmp_path: Path) -> Pki:
-    d = tmp_path / "pki"
-    d.mkdir()
-    ca, _, ca_key = _issue(d, "replica-ca", None, ca=True)
-    _, _, rogue_ca_key = _issue(d, "rogue-ca", None, ca=True)
-    cert, key, _ = _issue(d, "server", ("replica-ca", ca_key))
-    rogue_cert, rogue_key, _ = _issue(d, "rogue", ("rogue-ca", rogue_ca_key))
-    return Pki(ca, cert, key, rogue_cert, rogue_key)
-
-
 def test_a_replica_set_with_mutual_tls_replicates_and_fails_over(
-    replica_sets: Any, pki: Pki
+    replica_sets: Any,
+    pki: Pki,  # noqa: F811 - the fixture
 ) -> None:
     rs: Replicas = replica_sets(2, extra=pki.flags(), client=pki.client())
     p = rs.primary()
@@ -478,7 +396,10 @@ def test_a_replica_set_with_mutual_tls_replicates_and_fails_over(
 
 @pytest.mark.parametrize("credentials", ["rogue certificate", "unknown token"])
 def test_a_standby_without_valid_credentials_is_refused_by_its_primary(
-    replica_sets: Any, pki: Pki, tmp_path: Path, credentials: str
+    replica_sets: Any,
+    pki: Pki,  # noqa: F811 - the fixture
+    tmp_path: Path,
+    credentials: str,
 ) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("adm-5c1d9e admin *\nrep-8b2f4a replication *\n")

@@ -26,13 +26,20 @@ from ..errors import Unavailable
 from ..security import ConfigError
 from ..shard import ShardIdentity
 from ..store import ParameterStore
-from ._etcd import CoordinatorAddress, CoordinatorUnavailable, Etcd, parse_coordinator
+from ._etcd import (
+    CoordinatorAddress,
+    CoordinatorTls,
+    CoordinatorUnavailable,
+    Etcd,
+    parse_coordinator,
+)
 from ._journal import NotPrimary, ReplicatedJournal
 from ._member import Keys, Member, MemberConfig, PrimaryInfo, Role
 from ._standby import Follower
 
 __all__ = [
     "CoordinatorAddress",
+    "CoordinatorTls",
     "CoordinatorUnavailable",
     "Keys",
     "NotPrimary",
@@ -282,4 +289,56 @@ class Replication:
         )
 
 
-__all__ += ["PrimaryInfo"]
+__all__ += ["PrimaryInfo", "from_server_config"]
+
+
+def from_server_config(
+    config: Any,
+    shard: Any,
+    store: ParameterStore,
+    durability: Durability | None,
+    registry: Any,
+    set_caught_up: Any,
+) -> Replication:
+    """The replica set part of a server started with ``config`` (a ``ServerConfig``
+    with ``--coordinator``), its metrics registered in ``registry`` (when serving
+    metrics), telling ``set_caught_up`` whether this replica holds what the shard
+    acknowledged."""
+    if shard is None:
+        raise ConfigError("--coordinator needs --shard INDEX/COUNT (e.g. 0/1)")
+    etcd_tls = CoordinatorTls(
+        config.coordinator_ca, config.coordinator_cert, config.coordinator_key
+    )
+    replication = Replication(
+        ReplicationConfig(
+            parse_coordinator(config.coordinator, etcd_tls),
+            shard,
+            sync_replicas=config.sync_replicas,
+            sync_policy=config.sync_policy,
+            lease_ttl=config.lease_ttl,
+            member_id=config.member_id,
+            max_message_bytes=config.max_message_bytes,
+            token=config.replication_token,
+            tls=_replication_tls(config),
+        ),
+        store,
+        durability,
+        set_caught_up=set_caught_up,
+    )
+    if registry is not None:
+        registry.register(replication.collector())
+    return replication
+
+
+def _replication_tls(config: Any) -> ReplicationTls | None:
+    """How a standby reaches its primary: TLS when this server serves TLS (a replica
+    set's servers share their settings), verified against --tls-ca (else the
+    client CA, else the system's roots), with this server's certificate as its
+    client certificate under mutual TLS."""
+    if not config.tls_cert or not config.tls_key:
+        return None
+    return ReplicationTls(
+        ca=config.tls_ca or config.tls_client_ca,
+        cert=config.tls_cert if config.tls_client_ca else None,
+        key=config.tls_key if config.tls_client_ca else None,
+    )

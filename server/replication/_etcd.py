@@ -3,7 +3,8 @@
 The client is ``etcd3gw`` (the ``replication`` extra): etcd 3.4 and later serve the
 gateway at ``/v3/``; it needs no generated protobuf code of its own, so it cannot
 clash with the protobuf and grpcio versions onnxps pins. Calls go to the first
-endpoint that answers, in the order given (``etcd://h1:p1,h2:p2/prefix``).
+endpoint that answers, in the order given (``etcd://h1:p1,h2:p2/prefix``), over
+HTTPS for ``etcds://`` (``onnxps.wire.coordinator``).
 """
 
 from __future__ import annotations
@@ -13,12 +14,20 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+
+from onnxps.wire.coordinator import (
+    CoordinatorAddress,
+    CoordinatorTls,
+    failure,
+    gateway_clients,
+)
+from onnxps.wire.coordinator import parse_coordinator as _parse
 
 from ..security import ConfigError
 
 __all__ = [
     "CoordinatorAddress",
+    "CoordinatorTls",
     "CoordinatorUnavailable",
     "Etcd",
     "KeyValue",
@@ -30,36 +39,15 @@ class CoordinatorUnavailable(ConnectionError):
     """No etcd endpoint answered (or one answered with an error)."""
 
 
-@dataclass(frozen=True)
-class CoordinatorAddress:
-    """``etcd://H:P[,H:P]/PREFIX``: etcd endpoints and the key prefix of a cluster."""
-
-    endpoints: tuple[tuple[str, int], ...]
-    prefix: str  # "/name", no trailing slash
-
-    def __str__(self) -> str:
-        hosts = ",".join(f"{h}:{p}" for h, p in self.endpoints)
-        return f"etcd://{hosts}{self.prefix}"
-
-
-def parse_coordinator(url: str) -> CoordinatorAddress:
-    """Parse ``etcd://H:P[,H:P]/PREFIX``; ConfigError saying what is expected."""
-    expected = f"expected etcd://HOST:PORT[,HOST:PORT]/PREFIX, got {url!r}"
-    parts = urlsplit(url)
-    if parts.scheme != "etcd" or not parts.netloc:
-        raise ConfigError(f"--coordinator: {expected}")
-    endpoints = []
-    for hostport in parts.netloc.split(","):
-        host, sep, port = hostport.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(
-                f"--coordinator: {expected} ({hostport!r} is no HOST:PORT)"
-            )
-        endpoints.append((host.strip("[]"), int(port)))
-    prefix = "/" + parts.path.strip("/")
-    if prefix == "/":
-        raise ConfigError(f"--coordinator: {expected} (the PREFIX is missing)")
-    return CoordinatorAddress(tuple(endpoints), prefix)
+def parse_coordinator(
+    url: str, tls: CoordinatorTls | None = None
+) -> CoordinatorAddress:
+    """Parse ``etcd[s]://H:P[,H:P]/PREFIX`` (``onnxps.wire.coordinator``);
+    ConfigError saying what is expected."""
+    try:
+        return _parse(url, tls)
+    except ValueError as exc:
+        raise ConfigError(f"--coordinator: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -98,17 +86,13 @@ class Etcd:
 
     def __init__(self, address: CoordinatorAddress, timeout: float = 1.0) -> None:
         try:
-            import etcd3gw
+            self._clients = gateway_clients(address, timeout)
         except ImportError as exc:  # pragma: no cover - the extra is missing
             raise ConfigError(
                 "--coordinator needs the etcd client: pip install 'onnxps[replication]'"
             ) from exc
         self.address = address
         self.timeout = timeout
-        self._clients = [
-            etcd3gw.Etcd3Client(host=h, port=p, timeout=timeout, api_path="/v3/")
-            for h, p in address.endpoints
-        ]
         self._first = 0
 
     def clone(self) -> Etcd:
@@ -127,7 +111,7 @@ class Etcd:
             try:
                 result = client.post(client.get_url(path), json=payload)
             except etcd3gw.exceptions.Etcd3Exception as exc:
-                errors.append(f"{client.host}:{client.port}: {exc!r}")
+                errors.append(f"{client.host}:{client.port}: {failure(exc)}")
                 continue
             self._first = i
             return result
