@@ -131,6 +131,15 @@ class Pod:
                 env[e["name"]] = self._value(e["valueFrom"])
         return env
 
+    def mount_of(self, secret: str) -> str:
+        """Where the container mounts Secret ``secret``."""
+        volumes = self.sts["spec"]["template"]["spec"].get("volumes", [])
+        (name,) = [v["name"] for v in volumes
+                   if v.get("secret", {}).get("secretName") == secret]  # fmt: skip
+        (path,) = [m["mountPath"] for m in self.container.get("volumeMounts", [])
+                   if m["name"] == name]  # fmt: skip
+        return str(path)
+
     def mounts(self, tmp: Path) -> dict[str, str]:
         """Mount path -> a local directory: a Secret's items written as files, a
         volume claim an empty directory (the pod's own volume)."""

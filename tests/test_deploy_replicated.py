@@ -59,6 +59,7 @@ from onnxps.client._cluster import parse_target, placement
 from onnxps.server._health import READY
 from onnxps.server.app import ServerConfig
 from onnxps.server.security import ConfigError
+from onnxps.wire.coordinator import CoordinatorAddress, CoordinatorTls, gateway_clients
 from test_kubernetes import _pki
 
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not on PATH")
@@ -179,13 +180,18 @@ def test_every_shard_runs_r_replicas_apart_with_its_own_pdb(path: Path) -> None:
     (address,) = [e for e in worker["env"] if e["name"] == "ONNXPS_ADDRESS"]
     (ca,) = [e for e in worker["env"] if e["name"] == "ONNXPS_TLS_CA"]
     assert ca["value"] == "/etc/onnxps/tls/ca.crt"
-    assert worker["volumeMounts"] == [
-        {"name": "ca", "mountPath": "/etc/onnxps/tls", "readOnly": True}
-    ]
+    ca_mount = {"name": "ca", "mountPath": "/etc/onnxps/tls", "readOnly": True}
+    assert ca_mount in worker["volumeMounts"]
     assert address["valueFrom"]["configMapKeyRef"] == {
         "name": find(docs, "ConfigMap")[0]["metadata"]["name"],
         "key": "coordinator",
     }
+
+
+def _demo(docs: list[Doc]) -> Pod:
+    """The demo Job's pod (a worker)."""
+    (job,) = find(docs, "Job")
+    return Pod(docs, job, 0)
 
 
 def test_the_replicated_overlay_deploys_an_etcd_of_three_members() -> None:
@@ -199,10 +205,27 @@ def test_the_replicated_overlay_deploys_an_etcd_of_three_members() -> None:
     assert c["image"] == "gcr.io/etcd-development/etcd:v3.5.17"
     cluster = next(a for a in c["args"] if a.startswith("--initial-cluster="))
     assert cluster.split("=", 1)[1].split(",") == [
-        f"etcd-{i}=http://etcd-{i}.{service}:2380" for i in range(members)
+        f"etcd-{i}=https://etcd-{i}.{service}:2380" for i in range(members)
     ]
-    # the shards' coordinator lists every member's client address
-    endpoints = _config(docs)["coordinator"].removeprefix("etcd://")
+    # TLS only, clients and peers showing a certificate of the etcd-tls CA
+    assert {
+        "--listen-client-urls=https://0.0.0.0:2379",
+        "--client-cert-auth",
+        "--trusted-ca-file=/etc/etcd/tls/ca.crt",
+        "--listen-peer-urls=https://0.0.0.0:2380",
+        "--peer-client-cert-auth",
+        "--peer-trusted-ca-file=/etc/etcd/tls/ca.crt",
+    } <= set(c["args"])
+    assert not [a for a in c["args"] if "http://" in a and "metrics" not in a]
+    # the replicas and the demo workers check etcd and present etcd-client-tls
+    for pod in [Pod(docs, sts, 0) for sts in _shards(docs)] + [_demo(docs)]:
+        env = {e["name"]: e.get("value") for e in pod.container["env"]}
+        mount = pod.mount_of("etcd-client-tls")
+        assert (env["ONNXPS_COORDINATOR_CA"], env["ONNXPS_COORDINATOR_CERT"],
+                env["ONNXPS_COORDINATOR_KEY"]) == tuple(
+            f"{mount}/{f}" for f in ("ca.crt", "tls.crt", "tls.key"))  # fmt: skip
+    # the shards' coordinator lists every member's client address, over TLS
+    endpoints = _config(docs)["coordinator"].removeprefix("etcds://")
     assert (
         endpoints
         == ",".join(f"etcd-{i}.{service}:2379" for i in range(members)) + "/onnxps"
@@ -323,12 +346,10 @@ class Cluster:
             stop(proc)
 
 
-def _etcd_get(port: int, key: str) -> Any:
-    import etcd3gw
-
-    got = etcd3gw.Etcd3Client(
-        host="127.0.0.1", port=port, api_path="/v3/", timeout=5
-    ).get(key)
+def _etcd_get(port: int, key: str, tls: CoordinatorTls | None = None) -> Any:
+    """``key``'s value in the etcd on ``port`` (over TLS with ``tls``)."""
+    address = CoordinatorAddress((("127.0.0.1", port),), "/", tls)
+    got = gateway_clients(address, 5)[0].get(key)
     return json.loads(got[0]) if got else None
 
 
@@ -343,13 +364,21 @@ def _wait_key(port: int, key: str, timeout: float = 30.0) -> Any:
 
 @pytest.mark.slow
 def test_one_shards_replicas_run_as_local_processes_and_fail_over(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     binary = etcd_binary()
     if binary is None:
         pytest.skip(INSTALL_HINT)
     docs = kustomize(WITH_ETCD)
-    docs.append(_tls_secret(tmp_path / "pki"))  # what the operator creates
+    docs.extend(_tls_secrets(tmp_path / "pki"))  # what the operator creates
+    pki = tmp_path / "pki"
+    etcd_tls = {
+        "ONNXPS_COORDINATOR_CA": str(pki / "ca.crt"),
+        "ONNXPS_COORDINATOR_CERT": str(pki / "tls.crt"),
+        "ONNXPS_COORDINATOR_KEY": str(pki / "tls.key"),
+    }
+    for name, value in etcd_tls.items():  # this test's clients: a worker's files
+        monkeypatch.setenv(name, value)
     cluster = Cluster(docs, tmp_path, binary)
     try:
         _run_and_fail_over(cluster, docs)
@@ -357,22 +386,26 @@ def test_one_shards_replicas_run_as_local_processes_and_fail_over(
         cluster.close()
 
 
-def _tls_secret(pki: Path) -> Doc:
-    """The onnxps-tls Secret (tls.crt, tls.key, ca.crt) the overlay expects, of a
-    test CA; the certificate names 127.0.0.1, where the pods' DNS names lead here."""
+def _tls_secrets(pki: Path) -> list[Doc]:
+    """The Secrets of tls.crt, tls.key and ca.crt the overlay expects (onnxps-tls,
+    etcd-tls, etcd-client-tls), of one test CA; the certificate names 127.0.0.1,
+    where the pods' DNS names lead here."""
     pki.mkdir()
     _pki(pki)
     data = {
         name: base64.b64encode((pki / name).read_bytes()).decode()
         for name in ("tls.crt", "tls.key", "ca.crt")
     }
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "type": "kubernetes.io/tls",
-        "metadata": {"name": "onnxps-tls"},
-        "data": data,
-    }
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "type": "kubernetes.io/tls",
+            "metadata": {"name": name},
+            "data": data,
+        }
+        for name in ("onnxps-tls", "etcd-tls", "etcd-client-tls")
+    ]
 
 
 def _run_and_fail_over(cluster: Cluster, docs: list[Doc]) -> None:
@@ -388,6 +421,7 @@ def _run_and_fail_over(cluster: Cluster, docs: list[Doc]) -> None:
             ).read_text()[-3000:]
         time.sleep(0.1)
     client_port = cluster.net.ports[(members[0].name, 2379)]
+    etcd_tls = CoordinatorTls.from_env()  # the test's: a worker's files
 
     config = _config(docs)
     coordinator = cluster.net.local(config["coordinator"])
@@ -423,18 +457,18 @@ def _run_and_fail_over(cluster: Cluster, docs: list[Doc]) -> None:
             group, Adagrad(), learning_rate=0.1, tensors={"x": np.zeros(8, np.float32)}
         )
         assert ps.push(group, np.ones(8, np.float32)) == 1
-        first = _etcd_get(client_port, primary_key)
+        first = _etcd_get(client_port, primary_key, etcd_tls)
         assert first["member"] in addresses
         # what it advertised (its pod DNS name), not what it listens on
         advertised = cluster.net.local(f"{first['member']}.onnxps-headless:50051")
         assert first["address"] == advertised.replace("localhost", "127.0.0.1")
         assert first["address"] != addresses[first["member"]]
-        sync = _etcd_get(client_port, "/onnxps/shards/0/sync")
+        sync = _etcd_get(client_port, "/onnxps/shards/0/sync", etcd_tls)
         assert len(sync["standbys"]) == int(config["sync-replicas"])
 
         cluster.procs[first["member"]].kill()  # the node is gone
         assert ps.push(group, np.ones(8, np.float32)) == 2  # lands on the new one
-        second = _etcd_get(client_port, primary_key)
+        second = _etcd_get(client_port, primary_key, etcd_tls)
         assert second["member"] != first["member"]
         assert second["member"] in sync["standbys"]
         assert second["term"] > first["term"]
@@ -451,7 +485,11 @@ def _run_and_fail_over(cluster: Cluster, docs: list[Doc]) -> None:
         capture_output=True,
         text=True,
         timeout=60,
-        env=clean_env(),
+        env=clean_env(
+            ONNXPS_COORDINATOR_CA=str(etcd_tls.ca),
+            ONNXPS_COORDINATOR_CERT=str(etcd_tls.cert),
+            ONNXPS_COORDINATOR_KEY=str(etcd_tls.key),
+        ),
     )
     assert status.returncode == 0, status.stderr
     assert group in status.stdout
