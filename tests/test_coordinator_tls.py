@@ -83,12 +83,23 @@ def test_serve_refuses_etcd_tls_files_with_a_plaintext_address(
         shard="0/1",
         coordinator_ca=str(tmp_path / "ca.pem"),
     )
-    with pytest.raises(ConfigError) as err:
-        create_server(config)
-    assert str(err.value) == (
+    said = (
         "--coordinator: etcd TLS files were given for the plaintext address "
         "'etcd://127.0.0.1:1/ps': write etcds:// to talk TLS to etcd"
     )
+    with pytest.raises(ConfigError) as err:
+        create_server(config)
+    assert str(err.value) == said
+    # onnxps serve: exit 2, saying it (the file named in the environment here)
+    done = subprocess.run(
+        [sys.executable, "-m", "onnxps.cli", "serve", "--address", "127.0.0.1:0",
+         "--durability", "wal", "--data-dir", str(tmp_path / "d2"),
+         "--coordinator", "etcd://127.0.0.1:1/ps", "--shard", "0/1"],
+        capture_output=True, text=True, timeout=60,
+        env=clean_env(ONNXPS_COORDINATOR_CA=str(tmp_path / "ca.pem")),
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == f"onnxps: {said}"
 
 
 # -- a real etcd serving TLS only -------------------------------------------------
