@@ -10,6 +10,7 @@ second apart are flagged (AGREE "NO", and a "parts apart:" line per group).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Collection, Sequence
@@ -26,7 +27,7 @@ from onnxps.client import (
 )
 from onnxps.client._cluster import base_name, parse_target
 from onnxps.v1 import parameter_server_pb2 as pb
-from onnxps.wire.coordinator import is_coordinator
+from onnxps.wire.coordinator import CoordinatorTls, is_coordinator
 
 from ._args import add_connection_arguments, fail, read_tls_ca, unreachable
 
@@ -55,6 +56,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--prefix", default="", help="only groups whose name starts so")
     add_connection_arguments(p, timeout=3.0)
+    for part, what in (("ca", "CA (PEM) etcd's certificate chains to"),
+                       ("cert", "client certificate (PEM) to present to etcd"),
+                       ("key", "the key of --coordinator-cert")):  # fmt: skip
+        env = f"ONNXPS_COORDINATOR_{part.upper()}"
+        p.add_argument(
+            f"--coordinator-{part}",
+            default=os.environ.get(env),
+            help=f"with etcds://: {what} ({env})",
+        )
 
 
 def _optimizer(info: GroupInfo) -> str:
@@ -185,8 +195,11 @@ def shard_rows(ps: Client, prefix: str, timeout: float) -> list[tuple[str, ...]]
 REPLICA_COLUMNS = ("SHARD", "MEMBER", "ADDRESS", "ROLE", "TERM", "LSN", "LAG", "SYNC")
 
 
-def replica_rows(url: str, timeout: float) -> list[tuple[str, ...]]:
-    """A replicated cluster's members from etcd (docs/cluster.md)."""
+def replica_rows(
+    url: str, timeout: float, tls: CoordinatorTls | None = None
+) -> list[tuple[str, ...]]:
+    """A replicated cluster's members from etcd (docs/cluster.md); ``tls``: the
+    files of an ``etcds://`` url (None: the environment's)."""
     from onnxps.client._discovery import Discovery
 
     return [
@@ -200,7 +213,7 @@ def replica_rows(url: str, timeout: float) -> list[tuple[str, ...]]:
             "-" if m["lag"] is None else str(m["lag"]),
             "yes" if m["sync"] else "-",
         )
-        for m in Discovery(url).replicas(timeout)
+        for m in Discovery(url, tls=tls).replicas(timeout)
     ]
 
 
@@ -210,6 +223,14 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     roots = read_tls_ca("onnxps status", args.tls_ca)
     replicated = is_coordinator(args.address)
+    coordinator = (
+        {  # etcds:// files, the flags' (or the environment's)
+            f"coordinator_{part}": getattr(args, f"coordinator_{part}")
+            for part in ("ca", "cert", "key")
+        }
+        if replicated
+        else {}
+    )
     target = args.address if replicated else parse_target(args.address)
     shards: list[tuple[str, ...]] = []
     try:
@@ -218,6 +239,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             timeout=args.timeout,
             token=args.token,
             root_certificates=roots,
+            **coordinator,
         ) as ps:
             if ps.shards is not None:
                 shards = shard_rows(ps, args.prefix, args.timeout)
@@ -231,6 +253,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         )
         fail("onnxps status", f"cannot list the groups on {args.address}: {why}")
     except OnnxpsError as exc:
+        fail("onnxps status", f"{args.address}: {exc}")
+    except (OSError, LookupError, ValueError) as exc:  # etcd: its answer, or none
+        if not replicated:
+            raise
         fail("onnxps status", f"{args.address}: {exc}")
     if not groups:
         print(f"no groups on {args.address}", file=out)
@@ -247,7 +273,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(format_table(shards, SHARD_COLUMNS, frozenset({0})), file=out)
     if replicated:
         try:
-            replicas = replica_rows(args.address, args.timeout)
+            replicas = replica_rows(
+                args.address, args.timeout, CoordinatorTls(*coordinator.values())
+            )
         except (OSError, LookupError) as exc:
             fail("onnxps status", f"{args.address}: {exc}")
         print(file=out)

@@ -105,6 +105,13 @@ class Client(ClientCore):
     across them. A host without a port (``"localhost"``) means port 50051, the one
     ``onnxps serve`` listens on.
 
+    ``address`` may be ``"etcd://H:P[,H:P]/PREFIX"``: a replicated cluster, whose
+    shard count and primaries are read from etcd and followed across failovers
+    (docs/cluster.md, "Replicated shards"). ``"etcds://..."`` reads etcd over TLS:
+    ``coordinator_ca`` (PEM file etcd's certificate chains to) and, when etcd asks
+    for one, ``coordinator_cert`` and ``coordinator_key`` (this client's); none
+    given, ``ONNXPS_COORDINATOR_CA``, ``_CERT`` and ``_KEY`` name them.
+
     ``address`` may also be ``"unix:///path/to.sock"`` (or ``"unix:relative"``): a
     server listening on a Unix socket. ``shared_memory`` chooses the same-host
     transport (docs/transports.md): ``"auto"`` (the default) moves the tensors of

@@ -24,7 +24,7 @@ from onnxps.wire.coordinator import (
     parse_coordinator,
 )
 
-__all__ = ["Discovery", "follows", "is_coordinator"]
+__all__ = ["CoordinatorTls", "Discovery", "follows", "is_coordinator"]
 
 
 def follows(error: Exception) -> bool:

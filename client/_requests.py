@@ -42,7 +42,7 @@ from onnxps.wire.shm import layout
 
 from ._channel_transport import DataChannelLink, DataChannelMode
 from ._cluster import Layout
-from ._discovery import Discovery, is_coordinator
+from ._discovery import CoordinatorTls, Discovery, is_coordinator
 from ._errors import ClientClosedError, RpcError
 from ._grpc_transport import (
     Transport,
@@ -166,13 +166,24 @@ class ClientCore(RowsOps):
         gradient_encoding: Encoding | None = None,
         pull_encoding: Encoding | None = None,
         data_channel: DataChannelMode = "auto",
+        coordinator_ca: str | None = None,
+        coordinator_cert: str | None = None,
+        coordinator_key: str | None = None,
         **unexpected: NoReturn,
     ) -> None:
-        # A replicated cluster (docs/cluster.md): its primaries from etcd.
+        # A replicated cluster (docs/cluster.md): its primaries from etcd, over TLS
+        # for etcds:// with these files (none given: ONNXPS_COORDINATOR_*'s).
         self._discovery = None
+        etcd_tls = CoordinatorTls(coordinator_ca, coordinator_cert, coordinator_key)
         if isinstance(address, str) and is_coordinator(address):
-            self._discovery = Discovery(address)
+            named = etcd_tls != CoordinatorTls()
+            self._discovery = Discovery(address, tls=etcd_tls if named else None)
             address = self._discovery.addresses(timeout)
+        elif etcd_tls != CoordinatorTls():
+            raise ValueError(
+                "coordinator_ca, coordinator_cert and coordinator_key are the files "
+                f"of an etcds:// address, not of {address!r}"
+            )
         check_client_arguments(
             type(self).__name__,
             address,

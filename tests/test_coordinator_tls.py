@@ -102,6 +102,32 @@ def test_serve_refuses_etcd_tls_files_with_a_plaintext_address(
     assert done.stderr.strip().splitlines()[-1] == f"onnxps: {said}"
 
 
+def test_etcd_tls_files_for_an_address_that_is_no_etcd_are_refused(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ValueError) as err:
+        Client("127.0.0.1:1", coordinator_ca=str(tmp_path / "ca.pem"))
+    assert str(err.value) == (
+        "coordinator_ca, coordinator_cert and coordinator_key are the files of an "
+        "etcds:// address, not of '127.0.0.1:1'"
+    )
+
+
+def test_status_says_when_etcd_does_not_answer() -> None:
+    from _etcd import free_port
+
+    url = f"etcd://127.0.0.1:{free_port()}/ps"  # nothing listens there
+    done = subprocess.run(
+        [sys.executable, "-m", "onnxps.cli", "status", url, "--timeout", "2"],
+        capture_output=True, text=True, env=clean_env(), timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        f"onnxps status: {url}: etcd at {url} did not answer: [Errno 111] "
+        "Connection refused"
+    )
+
+
 # -- a real etcd serving TLS only -------------------------------------------------
 @pytest.fixture
 def tls_etcd(tmp_path: Path, pki: Pki) -> Iterator[EtcdProcess]:  # noqa: F811
@@ -140,16 +166,17 @@ def test_a_replica_set_on_a_tls_etcd_elects_replicates_and_fails_over(
         assert rs.url.startswith("etcds://")
         p = rs.primary()
         assert rs.wait_sync() == [f"m{1 - p}"]
-        # the client and onnxps status read etcd over TLS with the same files,
-        # named in the environment
-        env = {
-            "ONNXPS_COORDINATOR_CA": str(pki.ca),
-            "ONNXPS_COORDINATOR_CERT": str(pki.cert),
-            "ONNXPS_COORDINATOR_KEY": str(pki.key),
-        }
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        with Client(rs.url, timeout=60) as c:
+        # clients read etcd over TLS with the same files: given to Client, named
+        # in the environment for AsyncClient, as flags to onnxps status
+        files = {"coordinator_ca": str(pki.ca), "coordinator_cert": str(pki.cert),
+                 "coordinator_key": str(pki.key)}  # fmt: skip
+        with Client(
+            rs.url,
+            timeout=60,
+            coordinator_ca=files["coordinator_ca"],
+            coordinator_cert=files["coordinator_cert"],
+            coordinator_key=files["coordinator_key"],
+        ) as c:
             c.create_group("g", Adagrad(), learning_rate=0.1,
                            tensors={"x": np.zeros(SIZE, np.float32)})  # fmt: skip
             assert [c.push("g", G) for _ in range(3)] == [1, 2, 3]
@@ -163,10 +190,14 @@ def test_a_replica_set_on_a_tls_etcd_elects_replicates_and_fails_over(
             async with AsyncClient(rs.url, timeout=60) as ac:
                 return int(await ac.push("g", G))
 
+        for name, value in files.items():
+            monkeypatch.setenv(f"ONNXPS_{name.upper()}", value)
         assert asyncio.run(async_push()) == 5
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in files.items()]
         status = subprocess.run(
-            [sys.executable, "-m", "onnxps.cli", "status", rs.url, "--timeout", "20"],
-            capture_output=True, text=True, env=clean_env(**env), timeout=120,
+            [sys.executable, "-m", "onnxps.cli", "status", rs.url, "--timeout", "20",
+             *flags],
+            capture_output=True, text=True, env=clean_env(), timeout=120,
         )  # fmt: skip
         assert status.returncode == 0, status.stderr
         assert f"m{1 - p}" in status.stdout and "primary" in status.stdout
