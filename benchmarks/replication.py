@@ -18,9 +18,11 @@ Part 2, push cost: a 1-replica shard with ``--sync-replicas 0`` and a 2-replica
 shard with ``--sync-replicas 1`` (both ``--durability wal``, lease TTL 3 s), one
 client pushing serially, 1,000 elements, 16 MiB and 64 MiB float32 Adagrad, in
 rounds that take the shards in turn. Printed: median push latency per case, the ratio
-(1 sync standby / 0) and its spread over rounds. With ``--baseline REV`` the servers
-of that commit (its own checkout, benchmarks/_baseline.py) run in the same rounds
-beside this tree's (or ``--new REV``'s): compare the ratios side by side.
+(1 sync standby / 0) and its spread over rounds, and the CPU time per push of the
+primary and of the standby during their shard's turns (from /proc, once the warm-up's
+records are applied: the replicas share this host's cores). With ``--baseline REV``
+the servers of that commit (its own checkout, benchmarks/_baseline.py) run in the
+same rounds beside this tree's (or ``--new REV``'s): compare the ratios side by side.
 
 Part 3, catch-up: a standby joins a primary holding a ``--catch-up-mib`` group in its
 newest snapshot and ``--catch-up-records`` 1,000-element pushes in its log after it:
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import statistics
@@ -243,6 +246,38 @@ def failover(tmp: Path, etcd: EtcdProcess, kills: int, ttl: int) -> list[float]:
         shard.close()
 
 
+def _cpu_seconds(pid: int) -> float:
+    """The user + system CPU time of process ``pid`` so far (0 without /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu(shard: Shard, primary: int) -> dict[str, float]:
+    """Per role (the primary, its standbys together): CPU seconds so far."""
+    got = {"primary": 0.0, "standby": 0.0}
+    for i, proc in shard.procs.items():
+        got["primary" if i == primary else "standby"] += _cpu_seconds(proc.pid)  # type: ignore[attr-defined]
+    return got
+
+
+def _settle(shards: list[Shard], timeout: float = 30) -> None:
+    """Until no server process used more than 2 clock ticks of CPU in 0.2 s (a
+    standby applies its first records, the warm-up's, after acknowledging them:
+    not in the timed pushes' CPU)."""
+    tick = 2 / os.sysconf("SC_CLK_TCK")
+    pids = [p.pid for s in shards for p in s.procs.values()]  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = [_cpu_seconds(pid) for pid in pids]
+        time.sleep(0.2)
+        if all(_cpu_seconds(p) - b <= tick for p, b in zip(pids, before, strict=True)):
+            return
+
+
 SIZES = {"1,000 elements": 1000, "16 MiB": 4 << 20, "64 MiB": 16 << 20}
 
 
@@ -256,7 +291,9 @@ def push_cost(
 ) -> None:
     """Per tree (this one, and a baseline's when given): a shard with 0 and one
     with 1 synchronous standby; every (tree, k) pushes ``count`` times a round,
-    in turn, the order rotating each round."""
+    in turn, the order rotating each round. Also printed: the CPU time each
+    server process spent per push during its shard's turns (the replicas share
+    this host's cores: a standby's CPU is taken from the primary and the client)."""
     shards = {
         # the default lease: a 2 s one may lapse on a loaded host, failing the run
         (label, k): Shard(tmp, etcd, f"k{k}-{i}", 1 + k, k, tree, ttl=3)
@@ -264,8 +301,7 @@ def push_cost(
         for k in (0, 1)
     }
     try:
-        for s in shards.values():
-            s.primary()
+        primaries = {key: s.primary() for key, s in shards.items()}
         for name, n in sizes.items():
             group = f"g{n}"
             grads = np.full(n, 0.01, np.float32)
@@ -279,18 +315,24 @@ def push_cost(
             count = pushes if n <= 1000 else max(3, pushes // (20 * n // (4 << 20)))
             lat: dict[tuple[str, int], list[float]] = {key: [] for key in shards}
             per_round: dict[tuple[str, int], list[float]] = {key: [] for key in shards}
+            cpu = {key: {"primary": 0.0, "standby": 0.0} for key in shards}
             clients = {key: Client(s.url, timeout=300) for key, s in shards.items()}
             try:
                 for c in clients.values():
                     c.push(group, grads)  # warm up
+                _settle(list(shards.values()))
                 keys = list(clients)
                 for r in range(rounds):
                     for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
                         got = []
+                        before = _cpu(shards[key], primaries[key])
                         for _ in range(count):
                             t0 = time.perf_counter()
                             clients[key].push(group, grads)
                             got.append(time.perf_counter() - t0)
+                        after = _cpu(shards[key], primaries[key])
+                        for role in before:
+                            cpu[key][role] += after[role] - before[role]
                         lat[key] += got
                         per_round[key].append(statistics.median(got))
             finally:
@@ -306,6 +348,15 @@ def push_cost(
                     f"standby {m1 * 1e3:.2f} ms per push (median of "
                     f"{len(lat[label, 0])}): {m1 / m0:.2f}x (per round "
                     f"{min(ratios):.2f}-{max(ratios):.2f})",
+                    flush=True,
+                )
+                n0, n1 = len(lat[label, 0]), len(lat[label, 1])
+                print(
+                    f"    CPU per push: 0 sync standbys "
+                    f"{cpu[label, 0]['primary'] / n0 * 1e6:,.0f} us (primary); "
+                    f"1 sync standby {cpu[label, 1]['primary'] / n1 * 1e6:,.0f} us "
+                    f"(primary) + {cpu[label, 1]['standby'] / n1 * 1e6:,.0f} us "
+                    "(standby)",
                     flush=True,
                 )
     finally:
