@@ -9,6 +9,7 @@ import signal
 import socket
 import threading
 import time
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,6 @@ from ._gate import DrainGate
 from ._handlers import SERVICE, HookChain, HookInterceptor
 from ._health import Health, health_host
 from ._health import health_server as health_server_of
-from ._pool import HotPool
 from ._receive import GradientPool
 from ._reflection import enable_reflection
 from ._shm import SharedMemory
@@ -639,17 +639,14 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     if grants is not None:
         interceptors.append(security.TokenAuthInterceptor(grants))
     interceptors.append(ShardInterceptor(shard))
-    limits = LimitsInterceptor(
-        max_concurrent_streams=max_streams, inflight=inflight, stall=stall
+    interceptors.append(
+        LimitsInterceptor(
+            max_concurrent_streams=max_streams, inflight=inflight, stall=stall
+        )
     )
-    interceptors.append(limits)
     server = grpc.server(
-        # streams and waiting calls may hold their threads for long: not counted
-        # among the few threads that take the short calls in turn
-        HotPool(  # type: ignore[arg-type]  # grpc's stubs name ThreadPoolExecutor
-            config.threads,
-            thread_name_prefix="onnxps-rpc",
-            parked=lambda: limits.streams + store.waiting_calls,
+        futures.ThreadPoolExecutor(
+            max_workers=config.threads, thread_name_prefix="onnxps-rpc"
         ),
         options=_options(config),
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
