@@ -2,7 +2,8 @@
 
     python benchmarks/small_calls.py [--rounds 5] [--seconds 3] [--workers 4]
                                      [--sections cpu,tensors,memory,rows,cluster,
-                                      samehost] [--mib 256] [--baseline REV]
+                                      samehost,engines] [--mib 256]
+                                     [--baseline REV]
 
 - ``cpu``: ``--workers`` client processes push a 1,000-element float32 Adam gradient
   as fast as they can for ``--seconds``, first to ``onnxps serve --durability none``
@@ -33,6 +34,12 @@
   shm transport (``benchmarks/samehost.py``'s server: a fused torch Adam) when torch
   is installed, and against the floor: the raw grpcio server of ``cpu`` taking the
   same step and answering X's bytes (no protobuf), over TCP.
+- ``engines``: the ``cpu`` load against server engines, in alternating rounds: the
+  raw server with 16 and with 128 worker threads, the raw step inline in a grpc.aio
+  server's async handler (one event loop), and onnxps with its default ``--threads``
+  and with ``--threads 4``: CPU per call, calls/s, the server's context switches
+  per call (its live threads', from /proc/PID/task/*/status) and the ratio of CPU
+  per call to the 16-thread raw server's.
 
 ``--baseline REV`` runs an older commit's server beside this tree's in the
 ``cpu``, ``rows``, ``cluster`` and ``samehost`` sections (rounds alternate), and
@@ -76,7 +83,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 # -- the raw gRPC floor ------------------------------------------------------------
-def raw_server(port_file: str) -> None:
+def raw_server(port_file: str, threads: int = 16) -> None:
     from concurrent import futures
 
     import grpc
@@ -110,12 +117,44 @@ def raw_server(port_file: str) -> None:
         },
     )
     server = grpc.server(
-        futures.ThreadPoolExecutor(16), handlers=[handler], options=_RAW_OPTIONS
+        futures.ThreadPoolExecutor(threads), handlers=[handler], options=_RAW_OPTIONS
     )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     Path(port_file).write_text(str(port))
     server.wait_for_termination()
+
+
+def raw_aio_server(port_file: str) -> None:
+    """The raw floor on grpc.aio: one event loop thread takes the same Adam step
+    inline in an async handler (no lock: the loop runs one handler at a time)."""
+    import asyncio
+
+    import grpc
+    from onnxps.server.kernels import Stepper, make_attrs
+
+    x = np.linspace(-1, 1, SMALL, dtype=np.float32)
+    v, h = np.zeros(SMALL, np.float32), np.zeros(SMALL, np.float32)
+    stepper = Stepper(make_attrs("Adam", {}), np.float32, [SMALL])
+    t = [0]
+
+    async def push(req: bytes, ctx: Any) -> bytes:
+        g = np.frombuffer(req, np.float32)
+        stepper.step(1e-3, t[0], [x], [g], [v], [h])
+        t[0] += 1
+        return t[0].to_bytes(8, "little")
+
+    async def serve() -> None:
+        handler = grpc.method_handlers_generic_handler(
+            "raw.Raw", {"Push": grpc.unary_unary_rpc_method_handler(push)}
+        )
+        server = grpc.aio.server(handlers=[handler], options=_RAW_OPTIONS)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        Path(port_file).write_text(str(port))
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
 
 
 def _raw_worker(port: int, seconds: float, out: Any) -> None:
@@ -147,6 +186,14 @@ def _load(
     worker: Callable[..., None], target: Any, pid: int, workers: int, seconds: float
 ) -> tuple[float, float]:
     """(server CPU microseconds per call, calls per second) under ``workers``."""
+    us, rate, _ = _load_calls(worker, target, pid, workers, seconds)
+    return us, rate
+
+
+def _load_calls(
+    worker: Callable[..., None], target: Any, pid: int, workers: int, seconds: float
+) -> tuple[float, float, int]:
+    """``_load``'s figures and the number of calls."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [
@@ -161,14 +208,16 @@ def _load(
         p.join()
     wall = time.monotonic() - t0
     cpu = _cpu_seconds(pid) - cpu0
-    return cpu / max(calls, 1) * 1e6, calls / wall
+    return cpu / max(calls, 1) * 1e6, calls / wall, calls
 
 
-def _start_raw(tmp: Path, tag: str) -> tuple[Any, int]:
+def _start_raw(
+    tmp: Path, tag: str, target: Callable[..., None] = raw_server, *args: Any
+) -> tuple[Any, int]:
     """The raw grpcio server process (``raw_server``) and its port."""
     ctx = mp.get_context("spawn")
     port_file = tmp / f"raw-{tag}.port"
-    raw = ctx.Process(target=raw_server, args=(str(port_file),), daemon=True)
+    raw = ctx.Process(target=target, args=(str(port_file), *args), daemon=True)
     raw.start()
     while not port_file.exists() or not port_file.read_text():
         time.sleep(0.05)
@@ -232,6 +281,69 @@ def _cpu_rounds(
             f"  this tree / {servers[1][0]} (CPU per call): "
             f"{_cell(_ratios(new, old), 2)}, less CPU in {wins} of {len(new)} rounds"
         )
+
+
+def _switches(pid: int) -> int:
+    """Voluntary + involuntary context switches of the live threads of ``pid``."""
+    n = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            for line in (task / "status").read_text().splitlines():
+                if "ctxt_switches:" in line:
+                    n += int(line.split()[1])
+    return n
+
+
+def engines_section(args: argparse.Namespace, tmp: Path) -> None:
+    """The ``cpu`` load against server engines: raw sync grpcio with 16 and 128
+    worker threads, raw grpc.aio (the step inline on the event loop), and onnxps
+    with its default ``--threads`` and with ``--threads 4``."""
+    raws = [
+        ("raw sync, 16 thr", *_start_raw(tmp, "s16", raw_server, 16)),
+        ("raw sync, 128 thr", *_start_raw(tmp, "s128", raw_server, 128)),
+        ("raw grpc.aio", *_start_raw(tmp, "aio", raw_aio_server)),
+    ]
+    onnxps = [
+        ("onnxps, 128 thr", *start_server_process(log=tmp / "e128.log")),
+        (
+            "onnxps, 4 thr",
+            *start_server_process("--threads", "4", log=tmp / "e4.log"),
+        ),
+    ]
+    try:
+        for _, _, address in onnxps:
+            with Client(address) as c:
+                x0 = np.linspace(-1, 1, SMALL, dtype=np.float32)
+                c.create_group("small", Adam(), learning_rate=1e-3, tensors={"w": x0})
+        items = [(n, _raw_worker, port, p.pid) for n, p, port in raws] + [
+            (n, _onnxps_worker, a, p.pid) for n, p, a in onnxps
+        ]
+        figures: dict[str, list[tuple[float, float, float]]] = {}
+        for r, (name, worker, target, pid) in _alternating(args.rounds, items):
+            sw0 = _switches(pid)
+            us, rate, calls = _load_calls(
+                worker, target, pid, args.workers, args.seconds
+            )
+            if r:
+                figures.setdefault(name, []).append(
+                    (us, rate, (_switches(pid) - sw0) / max(calls, 1))
+                )
+    finally:
+        stop_processes([p for _, p, _ in onnxps])
+        for _, p, _ in raws:
+            p.kill()
+    floor = figures["raw sync, 16 thr"]
+    print(f"\nserver engines, 1,000-element Adam push, {args.workers} clients")
+    print(
+        f"  {'server':18s} {'us CPU/call':>18s} {'calls/s':>18s} "
+        f"{'ctx switches/call':>18s} {'/ raw sync 16':>18s}"
+    )
+    for name, *_ in items:
+        runs = figures[name]
+        cols = [_cell([run[k] for run in runs], 0) for k in range(2)]
+        cols.append(_cell([run[2] for run in runs], 1))
+        cols.append(_cell([a[0] / b[0] for a, b in zip(runs, floor, strict=True)], 2))
+        print(f"  {name:18s} " + " ".join(f"{c:>18s}" for c in cols))
 
 
 def _ratios(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[float]:
@@ -606,6 +718,7 @@ def main() -> int:
         "rows": rows_section,
         "cluster": cluster_section,
         "samehost": samehost_section,
+        "engines": engines_section,
     }
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.sections.split(","):
