@@ -39,6 +39,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -62,6 +63,16 @@ from onnxps.client import (  # noqa: E402
 
 TTL = 2
 DATA_ROOT: Path | None = None  # --data: where the servers' data directories go
+PIN = False  # --pin: part 2's primaries and this process on CPU 0, standbys on CPU 1
+
+
+def _pin(pid: int, cpu: int) -> None:
+    """Every thread of process ``pid`` on CPU ``cpu`` only (``taskset -a``)."""
+    subprocess.run(
+        ["taskset", "-a", "-p", "-c", str(cpu), str(pid)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
 
 
 class Shard:
@@ -302,6 +313,11 @@ def push_cost(
     }
     try:
         primaries = {key: s.primary() for key, s in shards.items()}
+        if PIN:  # a standby on a core of its own, as on another host
+            _pin(os.getpid(), 0)
+            for key, s in shards.items():
+                for i, proc in s.procs.items():
+                    _pin(proc.pid, 0 if i == primaries[key] else 1)  # type: ignore[attr-defined]
         for name, n in sizes.items():
             group = f"g{n}"
             grads = np.full(n, 0.01, np.float32)
@@ -499,12 +515,20 @@ def main() -> int:
         "cost apart from two logs sharing one disk)",
     )
     ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="part 2 pins every primary and this process (the client) to CPU 0 "
+        "and the standbys to CPU 1 (taskset): a standby on cores of its own, as on "
+        "another host, apart from the CPU it takes from the primary on a shared one",
+    )
+    ap.add_argument(
         "--keep",
         metavar="DIR",
         help="keep the servers' data and logs in a new folder in DIR",
     )
     args = ap.parse_args()
-    global DATA_ROOT
+    global DATA_ROOT, PIN
+    PIN = args.pin
     binary = etcd_binary()
     if binary is None:
         print("etcd is not installed: apt-get install -y etcd-server")
