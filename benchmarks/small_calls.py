@@ -680,7 +680,7 @@ def samehost_section(args: argparse.Namespace, tmp: Path) -> None:
     if "torch RPC shm" in p50s:
         torch_p50 = p50s["torch RPC shm"]
         for name, runs in p50s.items():
-            if name.endswith(", shm"):
+            if name.endswith((", shm", ", unix socket inline")):
                 ratios = [a / b for a, b in zip(runs, torch_p50, strict=True)]
                 print(f"  {name} / torch RPC shm: {_cell(ratios, 2)}")
 
