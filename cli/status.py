@@ -223,13 +223,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     roots = read_tls_ca("onnxps status", args.tls_ca)
     replicated = is_coordinator(args.address)
-    coordinator = (
-        {  # etcds:// files, the flags' (or the environment's)
-            f"coordinator_{part}": getattr(args, f"coordinator_{part}")
-            for part in ("ca", "cert", "key")
-        }
+    # etcds:// files, the flags' (or the environment's)
+    etcd_tls = CoordinatorTls(
+        *(args.coordinator_ca, args.coordinator_cert, args.coordinator_key)
         if replicated
-        else {}
+        else ()
     )
     target = args.address if replicated else parse_target(args.address)
     shards: list[tuple[str, ...]] = []
@@ -239,7 +237,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             timeout=args.timeout,
             token=args.token,
             root_certificates=roots,
-            **coordinator,
+            coordinator_ca=etcd_tls.ca,
+            coordinator_cert=etcd_tls.cert,
+            coordinator_key=etcd_tls.key,
         ) as ps:
             if ps.shards is not None:
                 shards = shard_rows(ps, args.prefix, args.timeout)
@@ -273,9 +273,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(format_table(shards, SHARD_COLUMNS, frozenset({0})), file=out)
     if replicated:
         try:
-            replicas = replica_rows(
-                args.address, args.timeout, CoordinatorTls(*coordinator.values())
-            )
+            replicas = replica_rows(args.address, args.timeout, etcd_tls)
         except (OSError, LookupError) as exc:
             fail("onnxps status", f"{args.address}: {exc}")
         print(file=out)

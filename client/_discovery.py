@@ -27,6 +27,10 @@ from onnxps.wire.coordinator import (
 __all__ = ["CoordinatorTls", "Discovery", "follows", "is_coordinator"]
 
 
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
 def follows(error: Exception) -> bool:
     """Whether a call refused so is resent to the shard's primary, read again."""
     if getattr(error, "reason", None) == "NOT_PRIMARY":
@@ -54,49 +58,35 @@ class Discovery:
         self.url = url
         self.prefix = address.prefix
 
-    def _get(self, key: str) -> bytes | None:
+    def _post(self, path: str, payload: dict[str, Any]) -> Any:
+        """The first endpoint's answer to ``path``; ConnectionError when none
+        answers, with the last one's reason."""
         last: Exception | None = None
         for client in self._clients:
             try:
-                result = client.post(
-                    client.get_url("/kv/range"),
-                    json={"key": base64.b64encode(key.encode()).decode()},
-                )
+                return client.post(client.get_url(path), json=payload)
             except Exception as exc:  # noqa: BLE001 - etcd3gw's or requests'
                 last = exc
-                continue
-            kvs = result.get("kvs") or []
-            return base64.b64decode(kvs[0].get("value", "")) if kvs else None
         raise ConnectionError(
             f"etcd at {self.url} did not answer: {failure(last) if last else None}"
         )
 
+    def _get(self, key: str) -> bytes | None:
+        result = self._post("/kv/range", {"key": _b64(key.encode())})
+        kvs = result.get("kvs") or []
+        return base64.b64decode(kvs[0].get("value", "")) if kvs else None
+
     def _range(self, prefix: str) -> list[tuple[str, bytes]]:
         end = bytearray(prefix.encode())
         end[-1] += 1
-        last: Exception | None = None
-        for client in self._clients:
-            try:
-                result = client.post(
-                    client.get_url("/kv/range"),
-                    json={
-                        "key": base64.b64encode(prefix.encode()).decode(),
-                        "range_end": base64.b64encode(bytes(end)).decode(),
-                    },
-                )
-            except Exception as exc:  # noqa: BLE001 - etcd3gw's or requests'
-                last = exc
-                continue
-            return [
-                (
-                    base64.b64decode(kv["key"]).decode(),
-                    base64.b64decode(kv.get("value", "")),
-                )
-                for kv in result.get("kvs") or []
-            ]
-        raise ConnectionError(
-            f"etcd at {self.url} did not answer: {failure(last) if last else None}"
-        )
+        payload = {"key": _b64(prefix.encode()), "range_end": _b64(bytes(end))}
+        return [
+            (
+                base64.b64decode(kv["key"]).decode(),
+                base64.b64decode(kv.get("value", "")),
+            )
+            for kv in self._post("/kv/range", payload).get("kvs") or []
+        ]
 
     def replicas(self, timeout: float) -> list[dict[str, Any]]:
         """Every member of every shard: ``shard``, ``member``, ``address``, ``role``,

@@ -175,11 +175,11 @@ class ClientCore(RowsOps):
         # for etcds:// with these files (none given: ONNXPS_COORDINATOR_*'s).
         self._discovery = None
         etcd_tls = CoordinatorTls(coordinator_ca, coordinator_cert, coordinator_key)
+        named = etcd_tls != CoordinatorTls()
         if isinstance(address, str) and is_coordinator(address):
-            named = etcd_tls != CoordinatorTls()
             self._discovery = Discovery(address, tls=etcd_tls if named else None)
             address = self._discovery.addresses(timeout)
-        elif etcd_tls != CoordinatorTls():
+        elif named:
             raise ValueError(
                 "coordinator_ca, coordinator_cert and coordinator_key are the files "
                 f"of an etcds:// address, not of {address!r}"
