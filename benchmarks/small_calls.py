@@ -30,7 +30,8 @@
   (``split_bytes``), so every push and pull fans out to both, beside the same group
   whole on one shard: the shards' CPU and the client's CPU per call, and the p50.
 - ``samehost``: the p50 of a 1,000-element push returning X over shared memory
-  (``shared_memory="on"``, a Unix socket) and inline over TCP, against torch RPC's
+  (``shared_memory="on"``, a Unix socket), inline over TCP and, for this tree, as a
+  frame on a call channel (``frames="on"``, TCP), against torch RPC's
   shm transport (``benchmarks/samehost.py``'s server: a fused torch Adam) when torch
   is installed, and against the floor: the raw grpcio server of ``cpu`` taking the
   same step and answering X's bytes (no protobuf), over TCP.
@@ -644,6 +645,21 @@ def samehost_section(args: argparse.Namespace, tmp: Path) -> None:
                         lambda c=c, group=group: c.push(group, g, return_values=True),
                     )
                 )
+        # this tree's frame calls (Client(frames="on")) to a server with a data port
+        name, procs, _, env = tcp_servers[0]
+        frames_proc, framed = start_server_process(
+            "--data-port", "0", log=tmp / "frames.log", env=env
+        )
+        procs.append(frames_proc)  # stopped with the others
+        c = Client(framed, timeout=60, shared_memory="off", frames="on")
+        clients.append(c)
+        c.create_group("small-frames", Adam(), learning_rate=1e-3, tensors={"w": x0})
+        ways.append(
+            (
+                f"{name}, tcp frames",
+                lambda c=c: c.push("small-frames", g, return_values=True),
+            )
+        )
         import grpc
 
         raw, port = _start_raw(tmp, "samehost")
@@ -680,7 +696,7 @@ def samehost_section(args: argparse.Namespace, tmp: Path) -> None:
     if "torch RPC shm" in p50s:
         torch_p50 = p50s["torch RPC shm"]
         for name, runs in p50s.items():
-            if name.endswith((", shm", ", unix socket inline")):
+            if name.endswith((", shm", ", unix socket inline", ", tcp frames")):
                 ratios = [a / b for a, b in zip(runs, torch_p50, strict=True)]
                 print(f"  {name} / torch RPC shm: {_cell(ratios, 2)}")
 

@@ -2,8 +2,9 @@
 
     python benchmarks/socket_path.py [--rounds 5] [--seconds 3] [--workers 4]
 
-Not a transport onnxps has. A server process runs a real onnxps server and, beside
-it, a plain TCP listener with one thread per connection that reads a
+The measurement that led to frame calls (``Client(frames="on")``,
+``benchmarks/frames.py`` measures those). A server process runs a real onnxps
+server and, beside it, a plain TCP listener with one thread per connection that reads a
 length-prefixed ``PushRequest``, runs it through the server's own Push handler (the
 interceptor chain and the servicer, as ``call_anatomy.py --sections inprocess``
 calls it, with a stand-in for grpc's per-call context: it reads grpc's private

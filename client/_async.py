@@ -78,6 +78,10 @@ class AsyncClient(ClientCore):
 
     def _setup(self) -> None:
         super()._setup()
+        if self.frames:
+            raise ValueError(
+                "frames='on' is a Client option: AsyncClient sends every call over gRPC"
+            )
         self._channels: dict[int, grpc.aio.Channel] = {}
         self._callables: dict[tuple[int, str], Any] = {}
         self._heartbeats: dict[str, asyncio.Task[None]] = {}

@@ -177,6 +177,7 @@ def connect(
     timeout: float,
     tls: ssl.SSLContext | None = None,
     server_name: str | None = None,
+    magic: bytes = MAGIC,
 ) -> DataChannel:
     """Open a channel: connect (TLS with ``tls``, the server's certificate checked
     for ``server_name`` or ``host``), present ``ticket``, read the channel id."""
@@ -185,7 +186,7 @@ def connect(
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if tls is not None:
             sock = tls.wrap_socket(sock, server_hostname=server_name or host)
-        sock.sendall(MAGIC + ticket)
+        sock.sendall(magic + ticket)
         status = _recv_exact(sock, 1)
         if status == b"\x00":
             return DataChannel(sock, _recv_exact(sock, CHANNEL_ID_BYTES))

@@ -166,6 +166,7 @@ class ClientCore(RowsOps):
         gradient_encoding: Encoding | None = None,
         pull_encoding: Encoding | None = None,
         data_channel: DataChannelMode = "auto",
+        frames: Literal["off", "on"] = "off",
         coordinator_ca: str | None = None,
         coordinator_cert: str | None = None,
         coordinator_key: str | None = None,
@@ -195,6 +196,12 @@ class ClientCore(RowsOps):
             shared_memory,
             data_channel,
         )
+        if frames not in ("off", "on"):
+            raise ValueError(f"frames must be 'off' or 'on', got {frames!r}")
+        # Small Push and Pull calls as frames on a call channel beside gRPC (a
+        # server with --data-port): ``Client`` only; not with etcd (a channel is
+        # bound to one server)
+        self.frames = frames == "on" and self._discovery is None
         # A list of addresses is a cluster: shard i at addresses[i] (docs/cluster.md,
         # "A cluster of shards").
         # "host" alone means port 50051, the one ``onnxps serve`` listens on.

@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 from onnxps.wire.codec import DeferredEncoding, frame_bytes, widen_into
 
+from ._frames import CALL_MAGIC
 from ._waits import CallCancelled
 from .errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 
@@ -68,6 +69,9 @@ TICKET_SECONDS = 10.0
 HANDSHAKE_SECONDS = 5.0
 MAX_PENDING_HANDSHAKES = 64
 MAX_CHANNELS = 1024
+# Call channels at once (``_frames``): each holds a thread while open; beyond
+# this a client is refused and sends its calls over gRPC
+MAX_CALL_CHANNELS = 64
 _POLL = 0.25  # seconds between checks of a call's deadline and cancellation
 _BLOCK = 4 << 20  # bytes received before the landed elements are checked
 STALL_SECONDS = 30.0  # no byte of a frame for this long ends its call
@@ -307,7 +311,11 @@ class DataChannels:
         self._listener.listen(128)
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
-        self._tickets: dict[bytes, tuple[str, float]] = {}
+        self._tickets: dict[bytes, tuple[str, float, tuple[Any, ...]]] = {}
+        # Small unary calls as frames (``_frames``), on channels opened with
+        # CALL_MAGIC; None: such channels are refused
+        self.frame_calls: Any = None
+        self._call_socks: set[Any] = set()
         self._channels: dict[bytes, DataChannel] = {}
         self._handshakes = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
         self._stopped = threading.Event()
@@ -337,6 +345,11 @@ class DataChannels:
             self._tickets.clear()
         for ch in channels:
             ch.close()
+        with self._lock:
+            call_socks, self._call_socks = list(self._call_socks), set()
+        for sock in call_socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         for t in self._threads:
             t.join(timeout=2)
 
@@ -346,14 +359,18 @@ class DataChannels:
             return len(self._channels)
 
     # -- tickets and handshakes ----------------------------------------------------
-    def hello(self, principal: str) -> tuple[int, bytes, float]:
-        """A ticket for one connection of ``principal``: (port, ticket, seconds)."""
+    def hello(
+        self, principal: str, metadata: Sequence[tuple[str, Any]] = ()
+    ) -> tuple[int, bytes, float]:
+        """A ticket for one connection of ``principal``: (port, ticket, seconds).
+        ``metadata`` (the hello's) is what a call channel's calls carry."""
         ticket = secrets.token_bytes(TICKET_BYTES)
         now = time.monotonic()
         with self._lock:
-            for t in [t for t, (_, exp) in self._tickets.items() if exp < now]:
+            for t in [t for t, (_, exp, _) in self._tickets.items() if exp < now]:
                 del self._tickets[t]
-            self._tickets[ticket] = (principal, now + TICKET_SECONDS)
+            kept = tuple((k, v) for k, v in metadata)
+            self._tickets[ticket] = (principal, now + TICKET_SECONDS, kept)
         return self.port, ticket, TICKET_SECONDS
 
     def _accept_loop(self) -> None:
@@ -375,6 +392,7 @@ class DataChannels:
 
     def _handshake(self, sock: socket.socket, peer: str) -> None:
         deadline = time.monotonic() + HANDSHAKE_SECONDS  # for all of it
+        serve_calls: tuple[Any, ...] | None = None
         try:
             sock.settimeout(HANDSHAKE_SECONDS)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -389,7 +407,8 @@ class DataChannels:
                     "handshake has that long in all",
                 )
                 return
-            if preamble[: len(MAGIC)] != MAGIC:
+            magic = preamble[: len(MAGIC)]
+            if magic not in (MAGIC, CALL_MAGIC):
                 _refuse(sock, "not an onnxps data channel preamble (magic ONNXPSD1)")
                 return
             ticket = preamble[len(MAGIC) :]
@@ -397,6 +416,17 @@ class DataChannels:
                 grant = self._tickets.pop(ticket, None)
                 if grant is None or grant[1] < time.monotonic():
                     why = "unknown, used or expired ticket: ask DataChannelHello again"
+                elif magic == CALL_MAGIC:
+                    why = (
+                        "no call channels here"
+                        if self.frame_calls is None
+                        else f"{MAX_CALL_CHANNELS} call channels are open: use gRPC"
+                        if len(self._call_socks) >= MAX_CALL_CHANNELS
+                        else ""
+                    )
+                    if not why:
+                        serve_calls = grant[2]
+                        self._call_socks.add(sock)
                 else:
                     why = ""
                     channel_id = secrets.token_bytes(CHANNEL_ID_BYTES)
@@ -406,14 +436,27 @@ class DataChannels:
             if why:
                 _refuse(sock, why)
                 return
-            sock.sendall(b"\x00" + channel_id)
-            log.debug("data channel opened for %s", peer)
-            if excess > 0:
-                self._close_idle(excess)
+            if serve_calls is not None:  # served below, its handshake slot freed
+                sock.sendall(b"\x00" + bytes(CHANNEL_ID_BYTES))
+            else:
+                sock.sendall(b"\x00" + channel_id)
+                log.debug("data channel opened for %s", peer)
+                if excess > 0:
+                    self._close_idle(excess)
         except OSError:  # ssl.SSLError too: a client without the right certificate
             sock.close()
+            serve_calls = None
         finally:
             self._handshakes.release()
+        if serve_calls is not None:
+            try:
+                self.frame_calls.serve(sock, serve_calls, peer, self._stall_seconds)
+            except OSError:
+                log.debug("call channel of %s closed", peer)
+            finally:
+                with self._lock:
+                    self._call_socks.discard(sock)
+                sock.close()
 
     # -- calls ---------------------------------------------------------------------
     @contextlib.contextmanager

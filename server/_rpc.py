@@ -244,11 +244,12 @@ _FACTORIES = {
 
 def add_servicer(
     servicer: pb_grpc.ParameterServerServiceServicer, server: grpc.Server
-) -> None:
+) -> dict[str, Any]:
     """Serve ``servicer``'s RPCs on ``server`` (what the generated
     ``add_ParameterServerServiceServicer_to_server`` does), with the chunk-frame
     codec on the streams: received chunks are views (``codec.RawChunk``), and
-    encoded frames (``codec.chunk_frames``) are sent as they are."""
+    encoded frames (``codec.chunk_frames``) are sent as they are. Returns the
+    handlers by method name."""
     handlers = {}
     for method in _SERVICE.methods_by_name:
         request, reply, req_s, resp_s = rpc_messages(method)
@@ -264,6 +265,7 @@ def add_servicer(
     server.add_registered_method_handlers(  # type: ignore[attr-defined]
         _SERVICE.full_name, handlers
     )
+    return handlers
 
 
 (_SERVICE,) = pb.DESCRIPTOR.services_by_name.values()

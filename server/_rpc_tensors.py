@@ -278,9 +278,8 @@ class TensorRpcs(RpcFamily):
                 "this server serves no data channel (start it with --data-port)",
                 reason="DATA_CHANNEL_OFF",
             )
-        port, ticket, seconds = self._data.hello(
-            principal_of(context.invocation_metadata())
-        )
+        metadata = context.invocation_metadata()
+        port, ticket, seconds = self._data.hello(principal_of(metadata), metadata)
         return pb.DataChannelHelloResponse(
             port=port, ticket=ticket, ticket_seconds=seconds
         )

@@ -19,6 +19,7 @@ from onnxps.wire.codec import CHUNK_BYTES
 
 from . import _malloc, security
 from ._datachannel import DataChannels, tls_context
+from ._frames import FrameCalls
 from ._gate import DrainGate
 from ._handlers import SERVICE, HookChain, HookInterceptor
 from ._health import Health, health_host
@@ -657,6 +658,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             max_concurrent_streams=max_streams, inflight=inflight, stall=stall
         )
     )
+    chain = HookChain(interceptors)
     server = grpc.server(
         futures.ThreadPoolExecutor(
             max_workers=config.threads, thread_name_prefix="onnxps-rpc"
@@ -664,7 +666,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         options=_options(config),
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         # one interceptor: every call wrapped once (``_handlers.HookChain``)
-        interceptors=[HookChain(interceptors)],
+        interceptors=[chain],
     )
     status = Health(health_servicer, replicated=bool(config.coordinator))
     durability = _durability(config, store, status)
@@ -710,7 +712,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             data_channels=data_channels,
             replicate=_replicate_of(replication),
         )
-        add_servicer(servicer, server)
+        _serve_frames(data_channels, chain, add_servicer(servicer, server))
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         enable_reflection((SERVICE, health.SERVICE_NAME), server)
         unix_socket = UnixSocket.of(config.address, config.unix_socket_mode)
@@ -747,6 +749,14 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         stall=stall,
         replication=replication,
     )
+
+
+def _serve_frames(
+    data_channels: DataChannels | None, chain: HookChain, handlers: dict[str, Any]
+) -> None:
+    """Small Push and Pull as frames on the data channel's call channels."""
+    if data_channels is not None:
+        data_channels.frame_calls = FrameCalls(chain, handlers)
 
 
 def _replication(config: ServerConfig, *args: Any) -> Any:
