@@ -161,6 +161,7 @@ class Client(ClientCore):
         self._heartbeats: dict[str, tuple[threading.Event, threading.Thread]] = {}
         self._background: ThreadPoolExecutor | None = None
         self._call_channels: dict[int, CallChannel] = {}
+        self._frames_opening: dict[int, threading.Lock] = {}
         self._frames_refused: dict[int, float] = {}
 
     # -- lifecycle -----------------------------------------------------------------
@@ -275,7 +276,16 @@ class Client(ClientCore):
         busy or broken: a push resent keeps its seq, applied once)."""
         if effect.method not in FRAME_METHODS:
             return _NOT_FRAMED
-        ch = self._call_channel(shard, effect.deadline)
+        ch = self._call_channels.get(shard)
+        if ch is None or ch.closed:
+            # one thread opens a shard's channel; a call meanwhile goes over gRPC
+            opening = self._frames_opening.setdefault(shard, threading.Lock())
+            if not opening.acquire(blocking=False):
+                return _NOT_FRAMED
+            try:
+                ch = self._call_channel(shard, effect.deadline)
+            finally:
+                opening.release()
         if ch is None or not ch.lock.acquire(blocking=False):
             return _NOT_FRAMED
         try:
