@@ -444,8 +444,11 @@ class DataChannels:
                 if excess > 0:
                     self._close_idle(excess)
         except OSError:  # ssl.SSLError too: a client without the right certificate
+            if serve_calls is not None:  # counted among the call channels: no more
+                with self._lock:
+                    self._call_socks.discard(sock)
+                serve_calls = None
             sock.close()
-            serve_calls = None
         finally:
             self._handshakes.release()
         if serve_calls is not None:
