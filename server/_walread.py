@@ -37,6 +37,7 @@ __all__ = [
     "SEGMENT_HEADER",
     "SEGMENT_MAGIC",
     "WAL_FORMAT_VERSION",
+    "LogCursor",
     "LogReader",
     "WalCorruptError",
     "WalFormatError",
@@ -365,6 +366,101 @@ class LogReader:
         if self.torn is not None:
             _truncate(self.torn.path, self.torn.offset)
             self.torn = None
+
+
+class LogCursor:
+    """Reads durable records in lsn order, each call going on where the last one
+    stopped: a standby catching up costs one sequential pass over the log, not a
+    parse from the segment's start per record (``LogReader.frames`` starts anew
+    each time). Asked for a record before its position, it starts again from the
+    segment that holds it. One that cannot be read raises ``WalGapError``."""
+
+    def __init__(self, wal_dir: str, after: int = 0) -> None:
+        self.wal_dir = wal_dir
+        self.next = after + 1  # the next record it yields
+        self._f: Any = None
+        self._first = 0  # the first lsn of the open segment (its name)
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def frames(self, upto: int) -> Iterator[tuple[dict[str, Any], list[bytes]]]:
+        """(header, frame bytes: prefix, header, body) of every record from the
+        cursor's position up to ``upto`` (every one of them durable)."""
+        while self.next <= upto:
+            if self._f is None:
+                self._open()
+            pos = self._f.tell()
+            try:
+                frame = _read_frame(self._f, skip_upto=self.next - 1)
+            except ValueError as exc:
+                raise WalGapError(
+                    f"record {self.next} cannot be read from {self._f.name} ({exc} "
+                    f"at byte {pos})"
+                ) from None
+            if frame is None:
+                self._next_segment(upto)
+                continue
+            header, raw = frame
+            if header.get("op") == "void":  # refused when written: no gap
+                if int(header["first"]) <= self.next:
+                    self.next = max(self.next, int(header["last"]) + 1)
+                continue
+            lsn = int(header.get("lsn", 0))
+            if lsn < self.next:
+                continue
+            if lsn != self.next:
+                raise WalGapError(
+                    f"records {self.next} to {lsn - 1} are not in the log "
+                    f"{self.wal_dir} (pruned after a snapshot, or lost)"
+                )
+            self.next = lsn + 1
+            yield header, raw
+
+    def seek(self, after: int) -> None:
+        """Go on after record ``after`` (backwards: from its segment's start)."""
+        if after + 1 < self.next:
+            self.close()
+        self.next = after + 1
+
+    def _open(self) -> None:
+        """Open the segment holding record ``next`` (the last named at or before
+        it), positioned after its header."""
+        holding = [(first, path) for first, path in segment_paths(self.wal_dir)]
+        found = [(first, path) for first, path in holding if first <= self.next]
+        if not found:
+            raise WalGapError(
+                f"record {self.next} is not in the log {self.wal_dir}: its segment "
+                "was removed (pruned after a snapshot)"
+            )
+        self._open_path(*found[-1])
+
+    def _open_path(self, first: int, path: str) -> None:
+        try:
+            f = open(path, "rb")  # noqa: SIM115 - kept open across calls
+        except FileNotFoundError:
+            raise WalGapError(
+                f"record {self.next} is not in the log {self.wal_dir}: its segment "
+                f"{path} was removed (pruned after a snapshot)"
+            ) from None
+        if not _check_segment(f, path):
+            f.close()
+            raise WalGapError(f"record {self.next}: segment {path} has no header")
+        self._f, self._first = f, first
+
+    def _next_segment(self, upto: int) -> None:
+        """At the end of the open segment: the one after it."""
+        later = [(f, p) for f, p in segment_paths(self.wal_dir) if f > self._first]
+        path = self._f.name
+        self.close()
+        if not later:
+            raise WalGapError(
+                f"record {self.next} is not in the log {self.wal_dir} (it ends at "
+                f"{path}; records up to {upto} were asked for)"
+            )
+        self._open_path(*later[0])
 
 
 def read_segments(

@@ -280,7 +280,7 @@ class ServerConfig:
     )
     replication_token: str | None = _option(
         None,
-        "with --coordinator and --tokens-file: the token (role replication or admin) "
+        "with --coordinator and --tokens-file: the token (role replication, prefix *) "
         "a standby presents to its primary; best set as ONNXPS_REPLICATION_TOKEN",
         group="replication",
         none="no token",

@@ -74,13 +74,14 @@ _WRITE = _READ | {
     "LeaveGroup",
 }
 _ADMIN = _WRITE | {"CreateGroup", "CreateGroupStream", "DeleteGroup", "Save"}
-# A standby of a replicated shard follows its primary's log: the whole state, so
-# admin, or a token that may do that and nothing else.
+# A standby of a replicated shard follows its primary's log: the whole state of the
+# shard, every tenant's groups. Only a replica may: a token of its own role that does
+# nothing else, never an admin's (an admin may be confined to one tenant's prefix).
 _REPLICATION = frozenset({"Replicate"})
 ROLES: dict[str, frozenset[str]] = {
     "read": _READ,
     "write": _WRITE,
-    "admin": _ADMIN | _REPLICATION,
+    "admin": _ADMIN,
     "replication": _REPLICATION,
 }
 # Methods that name no group: any prefix may call them (if the role allows).
@@ -246,6 +247,11 @@ def _grant(token: Any, role: Any, prefixes: Any, where: str) -> TokenGrant:
     if not all(isinstance(p, str) for p in prefixes):
         raise ConfigError(f"{where}: group prefixes must be strings")
     clean = tuple("" if p == "*" else p for p in prefixes)
+    if role == "replication" and clean != ("",):
+        raise ConfigError(
+            f"{where}: a replication token follows the whole shard (every group): "
+            "give it the prefix '*'"
+        )
     return TokenGrant(_digest(token), role, clean, where)
 
 

@@ -480,7 +480,13 @@ def test_a_new_primary_names_a_standby_only_once_it_holds_the_earlier_terms_log(
     rs.procs[p].wait()
     new = rs.primary(not_=p)  # holds lsn 1..4 (the create, 3 pushes), term 2
     acks: queue.Queue[pb.ReplicateRequest | None] = queue.Queue()
-    hello = pb.ReplicateHello(member_id="m9", term=2, address="127.0.0.1:9")
+    # A member registers in etcd, and its hello proves it with its key's lease.
+    etcd = rs.etcd.gateway()
+    lease = etcd.lease(30)
+    etcd.put("/ps/shards/0/members/m9", '{"address": "127.0.0.1:9"}', lease=lease)
+    hello = pb.ReplicateHello(
+        member_id="m9", term=2, address="127.0.0.1:9", lease=lease.id
+    )
     acks.put(pb.ReplicateRequest(hello=hello))
 
     def requests() -> Iterator[pb.ReplicateRequest]:

@@ -161,6 +161,7 @@ class Replication:
             credentials=None
             if self.config.tls is None
             else self.config.tls.credentials(),
+            lease=lambda: 0 if self.member is None else self.member.lease,
         )
         member = Member(
             MemberConfig(

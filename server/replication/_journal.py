@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
@@ -30,14 +31,20 @@ from onnxps.v1 import parameter_server_pb2 as pb
 
 from .._snapshot import SnapshotError, list_snapshots, read_manifest
 from .._wal import Frame
+from .._walread import LogCursor
 from ..durability import Durability
-from ..errors import FailedPrecondition, Unavailable
+from ..errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    Unavailable,
+)
+from ._etcd import CoordinatorUnavailable
 from ._frames import (
     PIECE,
     PROTOCOL,
     UNREADABLE,
     WHOLE,
-    logged_frames,
     logged_term,
     piece,
     pieces,
@@ -50,6 +57,9 @@ log = logging.getLogger("onnxps.replication")
 
 Array = np.ndarray[Any, Any]
 SNAPSHOT_CHUNK = 1 << 20
+# What a hello may name: a member id as etcd keys hold it, an address for logs.
+MEMBER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+MAX_ADDRESS = 256
 
 
 class NotPrimary(FailedPrecondition, Unavailable):
@@ -106,6 +116,29 @@ class _Standby:
     gone: bool = False
     cancel: Callable[[], Any] | None = None  # ends its stream
     piece: int = PIECE  # frame bytes per message: WHOLE for a protocol 0 standby
+    # The last record handed to its stream whole (or the snapshot's, or the one
+    # its hello resumed after): it cannot acknowledge beyond it.
+    shipped: int = 0
+
+
+class _Refusals:
+    """Logs each refused follower once per (member, reason) at WARNING, then at
+    DEBUG: a standby retrying every 0.2 s does not fill the log."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._seen: dict[tuple[str, str], None] = {}
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def log(self, member_id: str, reason: str, message: str) -> None:
+        key = (member_id[:128], reason)
+        with self._lock:
+            first = key not in self._seen
+            if first:
+                if len(self._seen) >= self._limit:
+                    self._seen.pop(next(iter(self._seen)))
+                self._seen[key] = None
+        log.log(logging.WARNING if first else logging.DEBUG, "%s", message)
 
 
 class ReplicatedJournal:
@@ -142,6 +175,10 @@ class ReplicatedJournal:
         # Changes of the synchronous standbys, one at a time
         self._naming = threading.Lock()
         self.acknowledged = 0
+        # The members' keys are read on a client of its own (one hello at a time)
+        self._etcd = member.etcd.clone()
+        self._etcd_lock = threading.Lock()
+        self._refusals = _Refusals()
 
     def promoted(self, last_lsn: int) -> None:
         """This server took the lead holding records up to ``last_lsn``, any of
@@ -272,7 +309,9 @@ class ReplicatedJournal:
         if len(self._sync) < self.sync_replicas and not self.lower:
             return False
         holders = [*self._sync, *([self._joining] if self._joining else [])]
-        return all(self._standbys[s].acked >= lsn for s in holders)
+        return all(
+            (s := self._standbys.get(m)) is not None and s.acked >= lsn for m in holders
+        )
 
     def _live_sync(self) -> list[str]:
         """Under the lock: the synchronous standbys still following."""
@@ -326,6 +365,7 @@ class ReplicatedJournal:
             raise FailedPrecondition("a Replicate stream starts with a hello")
         hello = first.hello
         self._check_primary()
+        self._check_hello(hello)
         term = self.member.term
         if hello.term > term:
             raise NotPrimary(
@@ -333,6 +373,7 @@ class ReplicatedJournal:
                 metadata={"term": term},
             )
         standby = _Standby(hello.member_id, hello.address, cancel=context.cancel)
+        cursor = LogCursor(self.durability.wal_dir)
         if min(hello.protocol, PROTOCOL) < 1:
             standby.piece = WHOLE
             log.warning(
@@ -346,8 +387,10 @@ class ReplicatedJournal:
             # on disk; those after it are kept in memory for this standby.
             standby.floor = self._durable_floor()
             old = self._standbys.get(hello.member_id)
-            if old is not None:
+            if old is not None:  # the same member (its lease), following again
                 old.gone = True
+                if old.cancel is not None:
+                    old.cancel()
             self._standbys[hello.member_id] = standby
         acks = threading.Thread(
             target=self._read_acks, args=(it, standby), daemon=True,
@@ -363,21 +406,109 @@ class ReplicatedJournal:
                 after = hello.last_lsn
                 with self._cv:  # the hello vouches for it: the standby's first ack
                     standby.acked, standby.syncing = after, False
+                    standby.shipped = after
             else:
-                after = yield from self._snapshot(hello, term)
+                after = yield from self._snapshot(hello, term, standby)
             acks.start()
             try:
-                yield from self._logged(after, standby, term)
+                yield from self._logged(after, standby, term, cursor)
             except UNREADABLE as exc:
                 # never skipped: the standby gets a snapshot that holds the record
-                after = yield from self._snapshot(hello, term, unreadable=exc)
-                yield from self._logged(after, standby, term)
-            yield from self._records_after(standby.floor, standby, context, term)
+                after = yield from self._snapshot(hello, term, standby, exc)
+                yield from self._logged(after, standby, term, cursor)
+            yield from self._records_after(
+                standby.floor, standby, context, term, cursor
+            )
         finally:
+            cursor.close()
             with self._cv:
                 standby.gone = True
+                self._forget(standby)
                 self._cv.notify_all()
             log.info("standby %s stopped following", hello.member_id)
+
+    def _check_hello(self, hello: pb.ReplicateHello) -> None:
+        """Only a member of this shard may follow, and only under its own id: the
+        hello names a registered member and carries the lease of its key in etcd
+        (which a tenant, or another member, does not hold)."""
+        member_id = hello.member_id
+        if not MEMBER_ID.fullmatch(member_id):
+            self._refusals.log(
+                member_id, "id", f"refused a Replicate stream: bad member id "
+                f"({len(member_id)} characters)",
+            )  # fmt: skip
+            raise InvalidArgument(
+                "ReplicateHello.member_id must be 1 to 128 characters of "
+                f"[A-Za-z0-9._:@-], got {len(member_id)} characters",
+                reason="BAD_MEMBER_ID",
+            )
+        if len(hello.address) > MAX_ADDRESS:
+            raise InvalidArgument(
+                f"ReplicateHello.address must be at most {MAX_ADDRESS} characters, "
+                f"got {len(hello.address)}",
+                reason="BAD_MEMBER_ID",
+            )
+        if member_id == self.member.config.member_id:
+            raise PermissionDenied(
+                f"member {member_id} is this primary: it does not follow itself",
+                reason="STANDBY_NOT_MEMBER",
+            )
+        key = self.member.keys.member(member_id)
+        try:
+            with self._etcd_lock:
+                kv = self._etcd.get(key)
+        except CoordinatorUnavailable as exc:
+            raise Unavailable(
+                f"cannot check standby {member_id} in etcd ({exc}): retry"
+            ) from None
+        if kv is not None and kv.lease != 0 and kv.lease == hello.lease:
+            return
+        why = (
+            f"no member {member_id} is registered in this shard (no key {key} in etcd)"
+            if kv is None
+            else f"the hello's lease ({hello.lease}) is not the one of member "
+            f"{member_id}'s key {key} in etcd (a standby of an earlier onnxps sends "
+            "none: upgrade it)"
+        )
+        self._refusals.log(
+            member_id, "lease" if kv is not None else "absent",
+            f"refused a Replicate stream under member id {member_id} from "
+            f"{hello.address[:MAX_ADDRESS]!r}: {why}",
+        )  # fmt: skip
+        raise PermissionDenied(
+            f"{why}: only a replica of this shard follows its primary, under its "
+            "own member id",
+            reason="STANDBY_NOT_MEMBER",
+            metadata={"member": member_id},
+        )
+
+    def _forget(self, standby: _Standby) -> None:
+        """Under the lock: a follower whose stream ended is forgotten unless the
+        pushes may still count on its acknowledgements (a synchronous standby,
+        or one being named)."""
+        member_id = standby.member_id
+        if (
+            self._standbys.get(member_id) is standby
+            and member_id not in self._sync
+            and member_id != self._joining
+        ):
+            del self._standbys[member_id]
+
+    def _shipped(
+        self, standby: _Standby, lsn: int, messages: Iterable[Any]
+    ) -> Iterator[Any]:
+        """``messages`` (record ``lsn``'s, or a snapshot's end), the standby
+        marked as holding up to ``lsn`` before the last goes out: it may not
+        acknowledge what it was not sent."""
+        last = _NOTHING
+        for message in messages:
+            if last is not _NOTHING:
+                yield last
+            last = message
+        with self._cv:
+            standby.shipped = max(standby.shipped, lsn)
+        if last is not _NOTHING:
+            yield last
 
     def _resumable(self, hello: pb.ReplicateHello, floor: int) -> bool:
         """Whether the standby's log is a prefix of this one: its last record is
@@ -389,18 +520,23 @@ class ReplicatedJournal:
         wal_dir = self.durability.wal_dir
         return logged_term(wal_dir, hello.last_lsn) == hello.last_term
 
-    def _logged(self, after: int, standby: _Standby, term: int) -> Iterator[bytes]:
+    def _logged(
+        self, after: int, standby: _Standby, term: int, cursor: LogCursor
+    ) -> Iterator[bytes]:
         """Records ``after``+1 to the standby's floor as shipped, read from the log
-        on disk (durable, maybe no longer kept in memory); one that cannot be read
-        raises (``UNREADABLE``): it is never skipped."""
-        wal_dir = self.durability.wal_dir
-        for lsn, chunks in logged_frames(wal_dir, after, standby.floor):
-            yield from pieces(term, lsn, chunks, 0, standby.piece)
+        on disk in one pass (durable, maybe no longer kept in memory); one that
+        cannot be read raises (``UNREADABLE``): it is never skipped."""
+        cursor.seek(after)
+        for header, chunks in cursor.frames(standby.floor):
+            lsn = int(header["lsn"])
+            messages = pieces(term, lsn, chunks, 0, standby.piece)
+            yield from self._shipped(standby, lsn, messages)
 
     def _snapshot(
         self,
         hello: pb.ReplicateHello,
         term: int,
+        standby: _Standby,
         unreadable: BaseException | None = None,
     ) -> Generator[pb.ReplicateResponse, None, int]:
         """Send the newest snapshot on disk (written already: no store lock, so no
@@ -417,13 +553,14 @@ class ReplicatedJournal:
             wal_lsn,
         )  # fmt: skip
         yield from _snapshot_messages(path, term)
-        yield pb.ReplicateResponse(
+        done = pb.ReplicateResponse(
             term=term,
             snapshot_done=pb.ReplicaSnapshotDone(
                 wal_lsn=wal_lsn,
                 generation=int(os.path.basename(path).split("-")[1]),
             ),
         )
+        yield from self._shipped(standby, wal_lsn, [done])
         return wal_lsn
 
     def _durable_floor(self) -> int:
@@ -468,7 +605,12 @@ class ReplicatedJournal:
         return saved.path, read_manifest(saved.path).wal_lsn
 
     def _records_after(
-        self, lsn: int, standby: _Standby, context: Any, term: int
+        self,
+        lsn: int,
+        standby: _Standby,
+        context: Any,
+        term: int,
+        cursor: LogCursor,
     ) -> Iterator[bytes]:
         nxt = lsn + 1
         while context.is_active() and not standby.gone:
@@ -485,29 +627,34 @@ class ReplicatedJournal:
             if not entry.failed:
                 if entry.term != term:
                     return  # logged in a newer term: the standby follows that
-                yield from self._ship(entry.frame, nxt, term, standby.piece)
+                messages = self._ship(entry.frame, nxt, term, standby.piece, cursor)
+                yield from self._shipped(standby, nxt, messages)
             nxt += 1
 
     def _ship(
-        self, record: _Shipped, lsn: int, term: int, size: int
+        self, record: _Shipped, lsn: int, term: int, size: int, cursor: LogCursor
     ) -> Iterator[bytes]:
         """Record ``lsn``'s pieces: copied from its arrays while the push that
-        logged it waits, the rest from the log once it was released."""
+        logged it waits, the rest from the log once it was released (read on the
+        stream's cursor: a standby behind reads the log in one pass)."""
         offset: int | None = 0
         while offset is not None:
             got = record.piece(offset, size)
             if got is None:
-                yield from pieces(term, lsn, self._from_log(lsn), offset, size)
+                chunks = self._from_log(lsn, cursor)
+                yield from pieces(term, lsn, chunks, offset, size)
                 return
             message, offset = got
             yield message
 
-    def _from_log(self, lsn: int) -> list[bytes]:
+    def _from_log(self, lsn: int, cursor: LogCursor) -> list[bytes]:
         """Record ``lsn``'s frame (durable) in chunks, read from the log on disk."""
         try:
-            for _, chunks in logged_frames(self.durability.wal_dir, lsn - 1, lsn):
+            cursor.seek(lsn - 1)
+            for _, chunks in cursor.frames(lsn):
                 return chunks
         except UNREADABLE as exc:
+            cursor.close()
             why = str(exc)
         else:
             why = "a record voided when written"
@@ -529,7 +676,16 @@ class ReplicatedJournal:
                 if req.WhichOneof("part") != "ack":
                     continue
                 with self._cv:
-                    s.acked = max(s.acked, int(req.ack.lsn))
+                    lsn = int(req.ack.lsn)
+                    if lsn > s.shipped:
+                        self._refusals.log(
+                            s.member_id, "ack",
+                            f"standby {s.member_id} acknowledged record {lsn}, but "
+                            f"its stream was sent records up to {s.shipped}: "
+                            "ending its stream (nothing it acknowledges counts)",
+                        )  # fmt: skip
+                        break
+                    s.acked = max(s.acked, lsn)
                     s.syncing = False
                     self._cv.notify_all()
                 self._maybe_sync(s)
@@ -538,6 +694,8 @@ class ReplicatedJournal:
         finally:
             with self._cv:
                 s.gone = True
+                if s.cancel is not None:
+                    s.cancel()
                 self._wake_all()
             self._replace_gone()
 
@@ -609,6 +767,9 @@ class ReplicatedJournal:
                 },
                 "acknowledged": self.acknowledged,
             }
+
+
+_NOTHING: Any = object()
 
 
 def _snapshot_messages(path: str, term: int) -> Iterator[pb.ReplicateResponse]:

@@ -212,6 +212,12 @@ class Member:
 
     # -- what the data path asks ----------------------------------------------------
     @property
+    def lease(self) -> int:
+        """The etcd lease this member's key is put with (0 before it registered): a
+        standby's hello carries it as proof that the stream is this member's."""
+        return self._lease
+
+    @property
     def ttl(self) -> float:
         return float(self.config.lease_ttl)
 

@@ -249,9 +249,11 @@ class Follower:
         max_message_bytes: int,
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        lease: Callable[[], int] = lambda: 0,
     ) -> None:
         self.durability = durability
         self.member_id = member_id
+        self._lease = lease  # of this member's key in etcd: its proof of identity
         self.address = address
         self._term = term
         self._max_message = max_message_bytes
@@ -338,6 +340,7 @@ class Follower:
                     last_lsn=self.durable if self.durable_term else 0,
                     last_term=self.durable_term,
                     protocol=PROTOCOL,
+                    lease=self._lease(),
                 )
             )
         )

@@ -2572,6 +2572,7 @@ class ReplicateHello(_message.Message):
     LAST_LSN_FIELD_NUMBER: _builtins.int
     LAST_TERM_FIELD_NUMBER: _builtins.int
     PROTOCOL_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     """The standby's member id in the coordinator."""
     term: _builtins.int
@@ -2594,6 +2595,12 @@ class ReplicateHello(_message.Message):
     (a standby of an earlier version, which sends none) takes each record whole in
     one message.
     """
+    lease: _builtins.int
+    """The etcd lease of this standby's member key (PREFIX/shards/I/members/ID):
+    proof that the stream comes from that member. The primary reads the key and
+    refuses a stream whose lease differs (PERMISSION_DENIED, STANDBY_NOT_MEMBER), so
+    a client that knows a member id cannot follow, nor acknowledge, in its name.
+    """
     def __init__(
         self,
         *,
@@ -2603,10 +2610,11 @@ class ReplicateHello(_message.Message):
         last_lsn: _builtins.int = ...,
         last_term: _builtins.int = ...,
         protocol: _builtins.int = ...,
+        lease: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "last_lsn", b"last_lsn", "last_term", b"last_term", "member_id", b"member_id", "protocol", b"protocol", "term", b"term"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "last_lsn", b"last_lsn", "last_term", b"last_term", "lease", b"lease", "member_id", b"member_id", "protocol", b"protocol", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
