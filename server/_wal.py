@@ -223,6 +223,7 @@ class WriteAheadLog:
         self._cv = threading.Condition(threading.Lock())
         self._last = next_lsn - 1  # last lsn handed out
         self._done = next_lsn - 1  # every lsn up to this one is durable or failed
+        self._durable = next_lsn - 1  # the last lsn written and fsynced
         self._failures: dict[int, OSError] = {}  # failed lsns not yet waited for
         self._queue: list[_Item] = []
         self._writing = False  # a thread is writing a batch
@@ -357,6 +358,22 @@ class WriteAheadLog:
             reason: str = self._refusal(exc).reason
             return reason
 
+    def forget_refused(self) -> int:
+        """A standby's log after a batch failed (a full disk): the records it
+        refused are forgotten, not declared void, since its primary sends them
+        again with the same lsns; the next record appended is the one after the
+        last durable one, whose lsn this returns. Raises the refusal when the log
+        stopped for good (a failed fsync: restart the server)."""
+        with self._cv:
+            while self._writing or self._queue:
+                self._cv.wait(0.05)
+            if self._broken is not None:
+                raise self._refusal(self._broken)
+            self._last = self._done = self._durable
+            self._voids = []
+            self._failures.clear()
+            return self._durable
+
     # -- control --------------------------------------------------------------------
     def last_lsn(self) -> int:
         with self._cv:
@@ -461,6 +478,8 @@ class WriteAheadLog:
                 for item in batch[written:]:
                     if item.frame is not None:
                         self._failures[item.lsn] = exc or OSError("log write failed")
+                if written:
+                    self._durable = max(self._durable, batch[written - 1].lsn)
                 self._done = max(self._done, batch[-1].lsn)
                 self._writing = False
                 self._cv.notify_all()

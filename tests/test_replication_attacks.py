@@ -291,3 +291,56 @@ def test_refused_streams_leave_no_memory_and_one_log_line(
     with rs.connect() as c:
         assert c.push("g", G) == 1
     rs.wait_t(1 - p, "g", 1)
+
+
+def test_a_standby_whose_disk_filled_follows_again_once_there_is_room(
+    replica_sets: Any,  # noqa: F811 - the fixture
+    tmp_path: Path,
+) -> None:
+    """Issue 35 item 6: after ENOSPC the standby's log position was past the records
+    it refused, so every resumed stream failed with 'record 9 is not after the last
+    one, 9' for ever, tracebacks a few times a second, and the primary (its standby
+    reconnecting at once) let every push burn its deadline. Now the standby forgets
+    the refused records, stays away until its disk takes writes (the primary
+    refuses at once meanwhile), then follows again by itself."""
+    from test_wal_hardening import _fill, _tmpfs
+
+    rs: Replicas = replica_sets(2)
+    p = rs.primary()
+    s = 1 - p
+    assert rs.wait_sync() == [f"m{s}"]
+    with _tmpfs(tmp_path / "disk", "3m") as disk:
+        rs.procs[s].kill()
+        rs.procs[s].wait()
+        rs.member_extra[s] = ("--data-dir", str(disk / "data"))
+        rs.start(s)
+        assert rs.wait_sync() == [f"m{s}"]
+        _create(rs)
+        with rs.connect() as c:
+            assert [c.push("g", G) for _ in range(3)] == [1, 2, 3]
+        rs.wait_t(s, "g", 3)
+        filler = disk / "filler"
+        assert _fill(filler) > 0
+        # (the last page of the standby's log segment still takes a few records)
+        for seq in range(100, 140):
+            if _raw_push(rs.addresses[p], seq, timeout=3.0)[0] != grpc.StatusCode.OK:
+                break
+        else:
+            raise AssertionError("the standby's full disk refused nothing")
+        rs.wait_log(s, "this server's write-ahead log refused a record")
+        # Away while its disk is full: the primary refuses at once, not at the
+        # deadline.
+        code, details, _ = _raw_push(rs.addresses[p], 200, timeout=10.0)
+        assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
+        assert "0 of the 1 synchronous standbys" in details
+        filler.unlink()
+        with rs.connect(timeout=60) as c:
+            t = c.push("g", G)
+        assert t >= 4
+        rs.wait_t(s, "g", t)
+        np.testing.assert_array_equal(rs.state(s, "g")[1], rs.state(p, "g")[1])
+        log = rs.log(s)
+        assert "is not after the last one" not in log
+        assert log.count("Traceback") == 0, log[-3000:]
+        rs.procs[s].kill()
+        rs.procs[s].wait()

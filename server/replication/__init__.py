@@ -162,6 +162,7 @@ class Replication:
             if self.config.tls is None
             else self.config.tls.credentials(),
             lease=lambda: 0 if self.member is None else self.member.lease,
+            on_fatal=self._on_fatal,
         )
         member = Member(
             MemberConfig(

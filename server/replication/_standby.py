@@ -13,6 +13,7 @@ a term older than the newest this standby has seen are refused (the stream ends)
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import queue
@@ -219,6 +220,10 @@ class _Syncer:
                 batch, self._items, self._busy = self._items, [], True
             try:
                 self._sync(batch)
+            except DomainError as exc:  # the log refused them (a full disk)
+                log.error("making records %d to %d durable failed: %s",
+                          batch[0][1], batch[-1][1], exc)  # fmt: skip
+                self._failed = exc
             except BaseException as exc:  # the receiver raises it, and stops
                 log.exception("making records %d to %d durable failed",
                               batch[0][1], batch[-1][1])  # fmt: skip
@@ -250,10 +255,12 @@ class Follower:
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         lease: Callable[[], int] = lambda: 0,
+        on_fatal: Callable[[str], None] = lambda why: None,
     ) -> None:
         self.durability = durability
         self.member_id = member_id
         self._lease = lease  # of this member's key in etcd: its proof of identity
+        self._on_fatal = on_fatal  # this process cannot go on: exit (restarted)
         self.address = address
         self._term = term
         self._max_message = max_message_bytes
@@ -323,11 +330,61 @@ class Follower:
                         target.address, exc.code().name, exc.details(),
                     )  # fmt: skip
             except Exception:
-                log.exception("following %s failed", target.address)
+                if not self._log_failed(target):
+                    log.exception("following %s failed", target.address)
             finally:
                 self.idle.set()
             self._wake.wait(0.2)
             self._wake.clear()
+
+    def _log_failed(self, target: PrimaryInfo) -> bool:
+        """After following failed: when this server's log refused a record (a full
+        disk), forget the records it refused (the primary sends them again), then
+        follow again only once the disk takes writes; meanwhile the primary counts
+        this standby out and refuses changes at once. True when that was the
+        failure (logged here, without a traceback)."""
+        journal = self.durability.journal
+        alarm = None if journal is None else journal.alarm()
+        if journal is None or alarm is None:
+            return False
+        try:
+            last = int(journal.forget_refused())
+        except DomainError as exc:
+            self._on_fatal(f"this standby's write-ahead log stopped: {exc}")
+            return True
+        if last != self.durable:
+            # Records durable here but neither acknowledged nor applied: the
+            # restart's replay applies them as the log holds them.
+            self._on_fatal(
+                f"records {self.durable + 1} to {last} are durable in this "
+                "standby's log but were not applied when a later write failed"
+            )
+            return True
+        log.error(
+            "following %s: this server's write-ahead log refused a record (%s): "
+            "following again from record %d once its disk takes writes",
+            target.address, alarm, last + 1,
+        )  # fmt: skip
+        delay = 0.5
+        while not self._stop.is_set() and not self._room():
+            self._stop.wait(delay)
+            delay = min(delay * 2, 5.0)
+        return True
+
+    def _room(self) -> bool:
+        """Whether this server's log directory takes 1 MiB (written, fsynced)."""
+        path = os.path.join(self.durability.wal_dir, ".space-probe")
+        try:
+            with open(path, "wb") as f:
+                f.write(bytes(1 << 20))
+                f.flush()
+                os.fsync(f.fileno())
+            return True
+        except OSError:
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     def _follow(self, target: PrimaryInfo) -> None:
         acks: queue.Queue[Any] = queue.Queue()
