@@ -509,7 +509,8 @@ class DataChannels:
 
     # -- housekeeping --------------------------------------------------------------
     def _reap_loop(self) -> None:
-        """Close idle channels whose client hung up (readable at EOF)."""
+        """Close idle channels whose client hung up (readable at EOF), and end
+        the calls of call channels whose client closed them."""
         while not self._stopped.wait(REAP_SECONDS):
             try:
                 self._reap()
@@ -517,6 +518,8 @@ class DataChannels:
                 log.exception("the data channel reaper failed; retrying")
 
     def _reap(self) -> None:
+        if self.frame_calls is not None:  # calls whose client closed its channel
+            self.frame_calls.watch()
         with self._lock:
             idle = {ch.sock: key for key, ch in self._channels.items() if not ch.busy}
         if not idle:
