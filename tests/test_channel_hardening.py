@@ -7,6 +7,7 @@ clients from opening data channels."""
 from __future__ import annotations
 
 import os
+import select
 import socket
 import time
 from collections.abc import Iterator
@@ -172,7 +173,8 @@ def test_a_large_frame_pull_holds_what_the_budget_counts(tmp_path: Path) -> None
                 before = _status(proc.pid, "VmRSS")
                 request = pb.PullRequest(group="big").SerializeToString()
                 write_call(sock, 2, 0.0, request)
-                time.sleep(2)  # the reply is made and waits for its reader
+                # the reply is made (its bytes admitted) and has begun to leave
+                assert select.select([sock], [], [], 60)[0] == [sock]
                 grown = (_status(proc.pid, "VmHWM") - before) / 1024
                 with pytest.raises(ResourceExhaustedError, match="in-flight bytes"):
                     c.pull("big", timeout=10)
