@@ -24,10 +24,13 @@ Rules that keep it simple:
 - With TLS (``--tls-cert``), every channel is TLS with the server's certificate,
   and with ``--tls-client-ca`` the client's certificate is required, as for gRPC.
 - Handshakes run on short-lived threads, at most ``MAX_PENDING_HANDSHAKES`` at
-  once, each with ``HANDSHAKE_SECONDS`` in all (TLS and preamble: a client that
-  drips a byte at a time is cut off all the same); tickets expire, and a reaper
-  closes idle channels whose client went away (and the oldest idle ones beyond
-  ``MAX_CHANNELS``), however many file descriptors the process has.
+  once and ``MAX_HANDSHAKES_PER_ADDRESS`` from one address, each with
+  ``HANDSHAKE_SECONDS`` in all (TLS and preamble: a client that drips a byte at a
+  time is cut off all the same); a new connection that finds no slot takes that of
+  the oldest handshake that has had ``HANDSHAKE_GRACE_SECONDS`` (``_handshakes``),
+  so silent connections cannot keep out clients with tickets. Tickets expire, and
+  a reaper closes idle channels whose client went away (and the oldest idle ones
+  beyond ``MAX_CHANNELS``), however many file descriptors the process has.
 - A frame that carries no byte for ``stall_seconds`` (either way: a client that
   stops sending, or stops reading) ends its call with DEADLINE_EXCEEDED, whether
   the call has a deadline or not.
@@ -52,6 +55,7 @@ import numpy as np
 from onnxps.wire.codec import DeferredEncoding, frame_bytes, widen_into
 
 from ._frames import CALL_MAGIC
+from ._handshakes import Handshake, Handshakes
 from ._waits import CallCancelled
 from .errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 
@@ -68,6 +72,9 @@ FRAME = struct.Struct("<QQ")  # transfer id, byte count
 TICKET_SECONDS = 10.0
 HANDSHAKE_SECONDS = 5.0
 MAX_PENDING_HANDSHAKES = 64
+MAX_HANDSHAKES_PER_ADDRESS = 32
+# A handshake this young keeps its slot; an older one gives it to a new connection
+HANDSHAKE_GRACE_SECONDS = 1.0
 MAX_CHANNELS = 1024
 # Call channels at once (``_frames``): each holds a thread while open; beyond
 # this a client is refused and sends its calls over gRPC
@@ -317,7 +324,9 @@ class DataChannels:
         self.frame_calls: Any = None
         self._call_socks: set[Any] = set()
         self._channels: dict[bytes, DataChannel] = {}
-        self._handshakes = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        self.handshakes = Handshakes(
+            MAX_PENDING_HANDSHAKES, MAX_HANDSHAKES_PER_ADDRESS, HANDSHAKE_GRACE_SECONDS
+        )
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
         self.calls = 0  # calls served on a channel (tests, logs)
@@ -379,26 +388,32 @@ class DataChannels:
                 sock, addr = self._listener.accept()
             except OSError:
                 return  # closed
-            if not self._handshakes.acquire(blocking=False):
+            entry = self.handshakes.admit(sock, addr[0])
+            if entry is None:
                 _refuse(sock, "too many connections are shaking hands: retry")
                 continue
             t = threading.Thread(
                 target=self._handshake,
-                args=(sock, f"{addr[0]}:{addr[1]}"),
+                args=(sock, f"{addr[0]}:{addr[1]}", entry),
                 name="onnxps-data-hello",
                 daemon=True,
             )
             t.start()
 
-    def _handshake(self, sock: socket.socket, peer: str) -> None:
+    def _handshake(self, sock: socket.socket, peer: str, entry: Handshake) -> None:
         deadline = time.monotonic() + HANDSHAKE_SECONDS  # for all of it
         serve_calls: tuple[Any, ...] | None = None
         try:
             sock.settimeout(HANDSHAKE_SECONDS)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:  # the same certificate (and client CA) as gRPC
+                sock = self._tls.wrap_socket(
+                    sock, server_side=True, do_handshake_on_connect=False
+                )
+                if not self.handshakes.rebind(entry, sock):
+                    raise ConnectionError("cut off for a newer connection")
                 # ssl's handshake takes the socket's timeout for all of it
-                sock = self._tls.wrap_socket(sock, server_side=True)
+                sock.do_handshake()
             preamble = _recv_all(sock, len(MAGIC) + TICKET_BYTES, deadline)
             if preamble is None:
                 _refuse(
@@ -407,6 +422,8 @@ class DataChannels:
                     "handshake has that long in all",
                 )
                 return
+            if not self.handshakes.finish(entry):  # its slot went to a newer one
+                raise ConnectionError("cut off for a newer connection")
             magic = preamble[: len(MAGIC)]
             if magic not in (MAGIC, CALL_MAGIC):
                 _refuse(sock, "not an onnxps data channel preamble (magic ONNXPSD1)")
@@ -450,7 +467,7 @@ class DataChannels:
                 serve_calls = None
             sock.close()
         finally:
-            self._handshakes.release()
+            self.handshakes.finish(entry)
         if serve_calls is not None:
             try:
                 self.frame_calls.serve(sock, serve_calls, peer, self._stall_seconds)
@@ -509,7 +526,8 @@ class DataChannels:
 
     # -- housekeeping --------------------------------------------------------------
     def _reap_loop(self) -> None:
-        """Close idle channels whose client hung up (readable at EOF)."""
+        """Close idle channels whose client hung up (readable at EOF), and end
+        the calls of call channels whose client closed them."""
         while not self._stopped.wait(REAP_SECONDS):
             try:
                 self._reap()
@@ -517,6 +535,8 @@ class DataChannels:
                 log.exception("the data channel reaper failed; retrying")
 
     def _reap(self) -> None:
+        if self.frame_calls is not None:  # calls whose client closed its channel
+            self.frame_calls.watch()
         with self._lock:
             idle = {ch.sock: key for key, ch in self._channels.items() if not ch.busy}
         if not idle:

@@ -11,8 +11,12 @@ per-call context, and writes the reply or the status.
 
 At most ``MAX_CALL_CHANNELS`` are open at once (``_datachannel``); a frame begun
 must keep coming (``--stall-seconds``); a draining server's hooks refuse new calls
-as over gRPC, and its stop closes the channels. The client: ``client/_frames.py``;
-the docs: docs/transports.md, "Frame calls".
+as over gRPC, and its stop closes the channels. A client that closes its channel
+mid-call ends the call as a cancelled gRPC call (``FrameCalls.watch``). A reply
+is sent from the handler's own buffers (a large pull's tensors are not copied
+into a frame), and what the call holds of the in-flight budget is released once
+it has left. The client: ``client/_frames.py``; the docs: docs/transports.md,
+"Frame calls".
 
 Frames (little endian):
 
@@ -26,14 +30,18 @@ Frames (little endian):
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import selectors
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+from onnxps.wire.codec import EncodedMessage
 
 log = logging.getLogger("onnxps.frames")
 
@@ -42,6 +50,7 @@ __all__ = [
     "METHODS",
     "FrameCalls",
     "read_reply",
+    "send_reply",
     "write_call",
 ]
 
@@ -52,6 +61,7 @@ _U32 = struct.Struct("<I")
 _HEAD = struct.Struct("<Bd")
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _SERVICE = "/onnxps.v1.ParameterServerService/"
+_JOIN_BYTES = 64 << 10  # a reply up to this size is sent in one piece
 
 
 class _Aborted(Exception):
@@ -68,7 +78,9 @@ class FrameContext:
         self._code: grpc.StatusCode | None = None
         self._details = ""
         self._trailing: tuple[tuple[str, Any], ...] = ()
-        self._callbacks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] | None = []  # None: the call ended
+        self._gone = False
 
     # -- what grpc.ServicerContext offers, as the handlers use it -------------------
     def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
@@ -83,11 +95,17 @@ class FrameContext:
         return max(0.0, self._deadline - time.monotonic())
 
     def is_active(self) -> bool:
+        if self._gone:
+            return False
         return self._deadline is None or time.monotonic() < self._deadline
 
     def add_callback(self, callback: Callable[[], None]) -> bool:
-        self._callbacks.append(callback)
-        return True
+        """As grpc's: False (and never run) once the call has ended."""
+        with self._lock:
+            if self._callbacks is None:
+                return False
+            self._callbacks.append(callback)
+            return True
 
     def set_trailing_metadata(self, metadata: Sequence[tuple[str, Any]]) -> None:
         self._trailing = tuple(metadata)
@@ -115,9 +133,18 @@ class FrameContext:
         self._trailing = self._trailing + tuple(status.trailing_metadata or ())
         self.abort(status.code, status.details)
 
+    def cancel(self) -> None:
+        """The client went away (it closed its call channel): as a cancelled gRPC
+        call, the call is no longer active and its callbacks run now (a wait for a
+        version wakes and ends, what the call held is released)."""
+        self._gone = True
+        self.done()
+
     def done(self) -> None:
-        """The call ended: what ``add_callback`` registered runs now."""
-        for callback in self._callbacks:
+        """The call ended: what ``add_callback`` registered runs now (once)."""
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks or [], None
+        for callback in callbacks:
             try:
                 callback()
             except Exception:  # noqa: BLE001 - as grpc: logged, the others run
@@ -133,16 +160,31 @@ def _metadata_bytes(entries: Sequence[tuple[str, Any]]) -> bytes:
     return b"".join(out)
 
 
-def reply_frame(code: grpc.StatusCode, body: bytes, ctx: FrameContext) -> bytes:
-    """The reply frame: OK and the response, or the status and its metadata."""
-    number = code.value[0]
-    if code is grpc.StatusCode.OK:
-        payload = bytes([number]) + body
-    else:
-        details = ctx.details().encode("utf-8")
-        trailing = _metadata_bytes(ctx.trailing_metadata())
-        payload = bytes([number]) + _U32.pack(len(details)) + details + trailing
-    return _U32.pack(len(payload)) + payload
+def _status_payload(ctx: FrameContext) -> bytes:
+    """A failed call's reply after its code byte: details and trailing metadata."""
+    details = ctx.details().encode("utf-8")
+    return _U32.pack(len(details)) + details + _metadata_bytes(ctx.trailing_metadata())
+
+
+def _response_parts(reply: Any, serialize: Callable[[Any], bytes]) -> list[Any]:
+    """An OK reply's bytes: an encoded message's parts as they are (a large pull's
+    tensors are not joined, nor copied into a frame)."""
+    if isinstance(reply, EncodedMessage):
+        return reply.parts()
+    return [serialize(reply)]
+
+
+def send_reply(sock: socket.socket, code: grpc.StatusCode, parts: list[Any]) -> None:
+    """One reply frame: the length and code, then ``parts`` (small ones joined,
+    large ones sent from where they are)."""
+    size = sum(memoryview(p).nbytes for p in parts)
+    head = _U32.pack(1 + size) + bytes([code.value[0]])
+    if size <= _JOIN_BYTES:
+        sock.sendall(b"".join([head, *parts]))
+        return
+    sock.sendall(head)
+    for part in parts:
+        sock.sendall(part)
 
 
 def write_call(
@@ -194,7 +236,14 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 
 class FrameCalls:
-    """Serves call channels: each call through ``chain`` to the method's handler."""
+    """Serves call channels: each call through ``chain`` to the method's handler.
+
+    A call whose client closes its channel ends as a cancelled gRPC call does:
+    ``watch`` (the data channels' reaper, every ``REAP_SECONDS``) sees the socket
+    readable mid-call (at its end, or carrying bytes a client sends only after its
+    reply) and cancels the call's context: a wait for a version wakes and ends,
+    and the call's thread and socket go.
+    """
 
     def __init__(self, chain: Any, handlers: dict[str, Any]) -> None:
         self._chain = chain
@@ -203,6 +252,8 @@ class FrameCalls:
         self._details = {
             number: _Details(_SERVICE + name) for number, name in METHODS.items()
         }
+        self._lock = threading.Lock()
+        self._running: dict[socket.socket, FrameContext] = {}  # calls in handlers
 
     def serve(
         self,
@@ -240,45 +291,73 @@ class FrameCalls:
                         "call channel of %s: unknown method %d; closed", peer, method
                     )
                     return
-                sock.sendall(
-                    self._call(
-                        method,
-                        timeout,
-                        body[_HEAD.size :],
-                        metadata,
-                        peer,
-                        details_of[method],
+                ctx = FrameContext(metadata, peer, timeout)
+                try:
+                    code, parts = self._call(
+                        sock, ctx, method, body, details_of[method]
                     )
-                )
+                    del body
+                    send_reply(sock, code, parts)
+                finally:
+                    # after the reply left: what the call held (a pull's reply
+                    # bytes in the in-flight budget) is counted until then
+                    ctx.done()
 
     def _call(
         self,
+        sock: socket.socket,
+        ctx: FrameContext,
         method: int,
-        timeout: float,
-        raw: bytes,
-        metadata: Sequence[tuple[str, Any]],
-        peer: str,
+        body: bytes,
         details: Any,
-    ) -> bytes:
+    ) -> tuple[grpc.StatusCode, list[Any]]:
+        """Run one call: its status and the reply's parts after the code byte."""
         self.calls += 1
-        ctx = FrameContext(metadata, peer, timeout)
         base = self._handlers[method]
         handler = self._chain.intercept_service(lambda d: base, details)
+        with self._lock:
+            self._running[sock] = ctx
         try:
-            request = handler.request_deserializer(raw)
+            request = handler.request_deserializer(body[_HEAD.size :])
             reply = handler.unary_unary(request, ctx)
-            frame = reply_frame(
-                grpc.StatusCode.OK, handler.response_serializer(reply), ctx
-            )
+            ok = grpc.StatusCode.OK
+            return ok, _response_parts(reply, handler.response_serializer)
         except _Aborted:
-            frame = reply_frame(ctx.code() or grpc.StatusCode.UNKNOWN, b"", ctx)
+            code = ctx.code() or grpc.StatusCode.UNKNOWN
         except Exception as exc:  # noqa: BLE001 - as grpc: UNKNOWN, logged
             log.exception("a frame call failed")
             ctx.set_details(f"{type(exc).__name__}: {exc}")
-            frame = reply_frame(grpc.StatusCode.UNKNOWN, b"", ctx)
+            code = grpc.StatusCode.UNKNOWN
         finally:
-            ctx.done()
-        return frame
+            with self._lock:
+                self._running.pop(sock, None)
+        return code, [_status_payload(ctx)]
+
+    def watch(self) -> int:
+        """Cancel the calls whose client closed its call channel; how many."""
+        with self._lock:
+            running = dict(self._running)
+        if not running:
+            return 0
+        # poll/epoll: select() cannot watch a descriptor above 1023
+        with selectors.DefaultSelector() as sel:
+            for sock in running:
+                with contextlib.suppress(ValueError, OSError, KeyError):
+                    sel.register(sock, selectors.EVENT_READ, sock)
+            ready: list[socket.socket] = [key.data for key, _ in sel.select(0)]
+        gone = 0
+        for sock in ready:
+            with self._lock:
+                ctx = self._running.pop(sock, None)
+            if ctx is not None:
+                log.info(
+                    "call channel of %s: its client closed it mid-call; the call "
+                    "ends (CANCELLED)",
+                    ctx.peer(),
+                )
+                ctx.cancel()
+                gone += 1
+        return gone
 
 
 class _Details:

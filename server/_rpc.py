@@ -324,12 +324,12 @@ class RpcFamily:
         """What a pull's reply holds of the in-flight budget: released when the call
         ends (its termination callback), when it fails, or when its stream ends."""
         hold = self._inflight.hold()
-        if not context.add_callback(hold.release):
-            hold.release()
+        # refused: the call has ended already, nothing will run the callback
+        registered = context.add_callback(hold.release)
         try:
             yield hold
         except BaseException:
             hold.release()
             raise
-        if stream:
+        if stream or not registered:
             hold.release()

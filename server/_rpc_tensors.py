@@ -413,7 +413,10 @@ class TensorRpcs(RpcFamily):
                 update_count=out.update_count, learning_rate=out.learning_rate
             )
             arrays = _encoded_values(out.arrays, out.names, request.encoding)
-            return EncodedMessage(reply, "tensors", arrays, out.names)  # type: ignore[return-value]
+            # joined when sent over gRPC; a frame call sends the arrays' bytes
+            return EncodedMessage(  # type: ignore[return-value]
+                reply, "tensors", arrays, out.names, defer=True
+            )
 
     def _pull_on_channel(self, req: pb.PullRequest, context: Any) -> pb.PullResponse:
         """A pull whose tensors go back as one frame on the data channel (X in

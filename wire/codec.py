@@ -224,9 +224,13 @@ class EncodedMessage:
     """A protobuf message whose repeated Tensor field ``field`` holds ``arrays``,
     serialized once, here (one copy of the tensor bytes); gRPC's serializer sends
     ``SerializeToString()``. Reading the message's other fields reads ``message``
-    (which has the tensor field empty)."""
+    (which has the tensor field empty).
 
-    __slots__ = ("message", "raw")
+    ``defer``: the bytes are joined when first serialized, not here, and
+    ``parts()`` gives them unjoined (views of the arrays, which must not change
+    meanwhile): a server's frame call sends a large pull's reply with no copy."""
+
+    __slots__ = ("_parts", "_raw", "_size", "message")
 
     def __init__(
         self,
@@ -234,6 +238,8 @@ class EncodedMessage:
         field: str,
         arrays: Sequence[Any],
         names: Sequence[str] | None = None,
+        *,
+        defer: bool = False,
     ) -> None:
         number = message.DESCRIPTOR.fields_by_name[field].number
         parts: list[Any] = [message.SerializeToString()]
@@ -241,16 +247,29 @@ class EncodedMessage:
         for a, name in zip(arrays, names, strict=True):
             parts += _tensor_parts(number, a, name)
         self.message = message
-        self.raw = b"".join(parts)
+        self._size = sum(memoryview(p).nbytes for p in parts)
+        self._parts: list[Any] | None = parts if defer else None
+        self._raw: bytes | None = None if defer else b"".join(parts)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.message, name)
+
+    @property
+    def raw(self) -> bytes:
+        if self._raw is None:
+            self._raw = b"".join(self._parts or ())
+            self._parts = None  # the arrays' views: dropped once joined
+        return self._raw
+
+    def parts(self) -> list[Any]:
+        """The serialized message as pieces (bytes-like), joined or not."""
+        return list(self._parts) if self._parts is not None else [self.raw]
 
     def SerializeToString(self) -> bytes:  # noqa: N802 - the protobuf spelling
         return self.raw
 
     def ByteSize(self) -> int:  # noqa: N802 - the protobuf spelling
-        return len(self.raw)
+        return self._size
 
 
 _SMALL_VARINTS = [bytes([v]) for v in range(0x80)]
