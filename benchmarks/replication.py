@@ -29,6 +29,16 @@ newest snapshot and ``--catch-up-records`` 1,000-element pushes in its log after
 the snapshot's MiB/s (to its adoption), then records/s, in ``--rounds`` rounds (with
 ``--baseline REV``, that commit's servers in the same rounds, in turn); medians and
 min-max spread.
+
+Part 4, a standby behind on its stream (issue 36): a 3-replica shard
+(``--sync-replicas 1``); the standby not named synchronous is frozen (SIGSTOP, its
+stream stays open) while one client pushes ``--behind-records`` 1,000-element
+pushes, then thawed. Timed: its catch-up over that gap while the client goes on
+pushing (under load, beside the primary's push rate meanwhile) and, after a second
+freeze, with the primary idle; records/s and MiB/s, and the ratio to the push
+rate. A catch-up that does not end within ``--behind-timeout`` seconds is printed
+as the rate it reached (``>``: a lower bound on the time). With ``--baseline REV``,
+that commit's servers in the same rounds.
 """
 
 from __future__ import annotations
@@ -477,6 +487,140 @@ def catch_up_rounds(
         print(f"  {label}: {text}", flush=True)
 
 
+def _t_of(address: str) -> int:
+    with Client(address, timeout=10) as c:
+        try:
+            return c.describe_group("g").update_count
+        except NotFoundError:
+            return -1
+
+
+def _follow_gap(address: str, target: int, timeout: float) -> tuple[float, int, bool]:
+    """Poll replica ``address`` until its T reaches ``target``: (seconds, T at the
+    start, whether it got there within ``timeout``)."""
+    start, t0 = time.monotonic(), _t_of(address)
+    while time.monotonic() - start < timeout:
+        if _t_of(address) >= target:
+            return time.monotonic() - start, t0, True
+        time.sleep(0.02)
+    return time.monotonic() - start, t0, False
+
+
+def behind(
+    tmp: Path,
+    etcd: EtcdProcess,
+    records: int,
+    timeout: float,
+    prefix: str,
+    tree: Path | None = None,
+) -> dict[str, float]:
+    """Part 4 (see the module's doc) once: the primary's push rate, the frozen
+    standby's catch-up rate under load and idle (records/s), and whether each
+    ended in time (1.0) or was cut at ``timeout`` (0.0)."""
+    shard = Shard(tmp, etcd, prefix, 3, 1, tree=tree)
+    import etcd3gw
+
+    gw = etcd3gw.Etcd3Client(host="127.0.0.1", port=etcd.client_port, api_path="/v3/")
+    try:
+        p = shard.primary()
+        deadline = time.monotonic() + 60
+        while True:
+            got = gw.get(f"/{prefix}/shards/0/sync")
+            named = json.loads(got[0])["standbys"] if got else []
+            if named:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("no synchronous standby")
+            time.sleep(0.05)
+        lag = next(i for i in shard.procs if i != p and f"m{i}" not in named)
+        pid = shard.procs[lag].pid  # type: ignore[attr-defined]
+        _create(shard.url, 1000)
+        g = np.full(1000, 0.01, np.float32)
+        out: dict[str, float] = {}
+        with Client(shard.url, timeout=120) as c:
+            os.kill(pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            for _ in range(records):
+                t = c.push("g", g)
+            out["push/s"] = records / (time.monotonic() - t0)
+            stop_load = threading.Event()
+
+            def load() -> None:
+                with Client(shard.url, timeout=120) as w:
+                    while not stop_load.is_set():
+                        w.push("g", g)
+
+            loader = threading.Thread(target=load, daemon=True)
+            loader.start()
+            os.kill(pid, signal.SIGCONT)
+            secs, start_t, ok = _follow_gap(shard.addresses[lag], t, timeout)
+            stop_load.set()
+            loader.join()
+            out["load records/s"] = (
+                (t - start_t) / secs
+                if ok
+                else (_t_of(shard.addresses[lag]) - start_t) / secs
+            )
+            out["load done"] = float(ok)
+            t = c.describe_group("g").update_count
+            _follow_gap(shard.addresses[lag], t, timeout)  # level again
+            os.kill(pid, signal.SIGSTOP)
+            for _ in range(records):
+                t = c.push("g", g)
+        os.kill(pid, signal.SIGCONT)
+        secs, start_t, ok = _follow_gap(shard.addresses[lag], t, timeout)
+        reached = t if ok else _t_of(shard.addresses[lag])
+        out["idle records/s"] = (reached - start_t) / secs
+        out["idle done"] = float(ok)
+        return out
+    finally:
+        for proc in shard.procs.values():
+            with suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)  # type: ignore[attr-defined]
+        shard.close()
+
+
+def behind_rounds(
+    tmp: Path,
+    etcd: EtcdProcess,
+    records: int,
+    timeout: float,
+    rounds: int,
+    trees: dict[str, Path | None],
+) -> None:
+    got: dict[str, list[dict[str, float]]] = {k: [] for k in trees}
+    keys = list(trees)
+    mib = records * 4200 / 2**20  # a record: 4,000 body bytes, ~200 header
+    for r in range(rounds):
+        for label in keys[r % len(keys) :] + keys[: r % len(keys)]:
+            prefix = f"behind{r}{keys.index(label)}"
+            res = behind(tmp, etcd, records, timeout, prefix, trees[label])
+            got[label].append(res)
+            print(
+                f"  round {r + 1} {label}: pushes {res['push/s']:.0f}/s; catch-up "
+                f"under load {'' if res['load done'] else '> '}"
+                f"{res['load records/s']:.0f} records/s, idle "
+                f"{'' if res['idle done'] else '> '}{res['idle records/s']:.0f} "
+                "records/s",
+                flush=True,
+            )
+    for label, runs in got.items():
+        parts = []
+        for key in ("push/s", "load records/s", "idle records/s"):
+            v = [run[key] for run in runs]
+            parts.append(
+                f"{key} median {statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f})"
+            )
+        load = statistics.median(run["load records/s"] for run in runs)
+        idle = statistics.median(run["idle records/s"] for run in runs)
+        push = statistics.median(run["push/s"] for run in runs)
+        print(
+            f"  {label}: {', '.join(parts)}; under load {load / push:.1f}x the push "
+            f"rate ({load * mib / records:.1f} MiB/s), idle {idle / push:.1f}x",
+            flush=True,
+        )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kills", type=int, default=5)
@@ -488,6 +632,9 @@ def main() -> int:
     ap.add_argument("--skip-catch-up", action="store_true")
     ap.add_argument("--catch-up-mib", type=int, default=256)
     ap.add_argument("--catch-up-records", type=int, default=5000)
+    ap.add_argument("--skip-behind", action="store_true")
+    ap.add_argument("--behind-records", type=int, default=10000)
+    ap.add_argument("--behind-timeout", type=float, default=120.0)
     ap.add_argument(
         "--sizes",
         nargs="+",
@@ -571,6 +718,13 @@ def main() -> int:
                     f"{args.rounds} alternating rounds):"
                 )
                 catch_up_rounds(tmp, etcd, mib, n, args.rounds, trees)
+            if not args.skip_behind:
+                n = args.behind_records
+                print(
+                    f"a standby behind on its stream (frozen for {n} pushes, then "
+                    f"thawed; {args.rounds} alternating rounds):"
+                )
+                behind_rounds(tmp, etcd, n, args.behind_timeout, args.rounds, trees)
         finally:
             etcd.stop()
     return 0
