@@ -483,3 +483,62 @@ def test_a_standby_of_an_earlier_version_gets_its_records_whole(
     log = _log(tmp_path, p, 1)
     assert "standby p0 (127.0.0.1:9) speaks log shipping protocol 0" in log
     assert "standby p1 (127.0.0.1:9) speaks" not in log
+
+
+def _wal_with(
+    tmp_path: Path, n: int, rotate_every: int
+) -> tuple[Path, dict[int, bytes]]:
+    """A real write-ahead log of ``n`` records in segments of ``rotate_every``."""
+    wal_dir = tmp_path / "wal"
+    wal_dir.mkdir()
+    wal = WriteAheadLog(str(wal_dir), 1)
+    try:
+        for k in range(1, n + 1):
+            lsn = wal.log({"op": "push", "group": "g"}, [np.full(8, k, np.float32)])
+            wal.wait(lsn)
+            if k % rotate_every == 0:
+                wal.rotate()
+    finally:
+        wal.close()
+    return wal_dir, _frames(wal_dir)
+
+
+def test_a_log_cursor_reads_on_where_it_stopped_across_segments(
+    tmp_path: Path,
+) -> None:
+    """The primary ships a standby's missing records on one cursor per stream: each
+    call goes on where the last stopped (one pass over the log), across segment
+    rotations, and a record asked for before its position is read again."""
+    from onnxps.server._walread import LogCursor
+
+    wal_dir, frames = _wal_with(tmp_path, 30, rotate_every=7)
+    assert len(list(wal_dir.glob("*"))) == 5  # 30 records in segments of 7
+    cursor = LogCursor(str(wal_dir))
+    try:
+        got = {int(h["lsn"]): b"".join(c) for h, c in cursor.frames(12)}
+        assert sorted(got) == list(range(1, 13))
+        got.update({int(h["lsn"]): b"".join(c) for h, c in cursor.frames(30)})
+        assert got == frames  # the bytes the log holds, every record once
+        assert list(cursor.frames(30)) == []  # at its end: nothing more
+        cursor.seek(19)  # backwards: from the segment holding record 20
+        assert [int(h["lsn"]) for h, _ in cursor.frames(22)] == [20, 21, 22]
+        cursor.seek(25)  # forwards: records 23 to 25 skipped, bodies unread
+        assert [int(h["lsn"]) for h, _ in cursor.frames(26)] == [26]
+    finally:
+        cursor.close()
+
+
+def test_a_log_cursor_raises_for_a_record_the_log_does_not_hold(
+    tmp_path: Path,
+) -> None:
+    from onnxps.server._walread import LogCursor, WalGapError
+
+    wal_dir, _ = _wal_with(tmp_path, 10, rotate_every=4)
+    cursor = LogCursor(str(wal_dir), after=8)
+    with pytest.raises(WalGapError, match=r"record 11 is not in the log .* up to 12"):
+        list(cursor.frames(12))
+    cursor.close()
+    for seg in sorted(wal_dir.glob("*"))[:1]:
+        seg.unlink()  # pruned after a snapshot
+    with pytest.raises(WalGapError, match=r"record 2 is not in the log"):
+        list(LogCursor(str(wal_dir), after=1).frames(3))
