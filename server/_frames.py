@@ -266,7 +266,10 @@ class FrameCalls:
         handler = self._chain.intercept_service(lambda d: base, details)
         try:
             request = handler.request_deserializer(raw)
-            reply = handler.unary_unary(request, ctx)
+            if handler.request_streaming:  # refused from its metadata (Refusal)
+                reply = handler.stream_unary(iter((request,)), ctx)
+            else:
+                reply = handler.unary_unary(request, ctx)
             frame = reply_frame(
                 grpc.StatusCode.OK, handler.response_serializer(reply), ctx
             )
