@@ -11,6 +11,13 @@ group resends the entries in order, with their seqs, before it sends its own: a
 part that took the push already answers a resend with its first result, so every
 part applies every push exactly once.
 
+A refusal the shard makes before anything is written (``NOT_ENOUGH_REPLICAS``: a
+replicated shard without its synchronous standbys refuses the change before it is
+logged, and after its exactly-once window was read, so the push was not applied
+and is not being applied) is final for a push no other part took: the push is
+dropped, and the caller who retries it applies it once. One that others took is
+kept and resent like any refusal that can pass later.
+
 A refusal that can never pass (a wrong shape, dtype, a NaN the group refuses) is
 found before any part is sent (``_sharded``, ``_rowsplit``), so parts never
 disagree about it. One that reaches a part all the same while others applied is
@@ -42,6 +49,7 @@ __all__ = [
     "PendingPush",
     "PendingPushes",
     "maybe_applied",
+    "not_applied",
     "resend_later",
     "resend_now",
 ]
@@ -53,8 +61,21 @@ PartPush = tuple[int, pb.PushRequest | pb.PushRowsHeader, list[Any]]
 _FIXABLE_REASONS = frozenset({"SHARD_LAYOUT_MISMATCH"})
 
 
+# UNAVAILABLE reasons of a change refused before it was written: not applied.
+_NOT_APPLIED_REASONS = frozenset({"NOT_ENOUGH_REPLICAS"})
+
+
+def not_applied(exc: BaseException) -> bool:
+    """The shard refused the push before writing anything (and found it in no
+    exactly-once window): it did not apply it, and does not later."""
+    return isinstance(exc, UnavailableError) and exc.reason in _NOT_APPLIED_REASONS
+
+
 def maybe_applied(exc: BaseException) -> bool:
-    """The part may have applied the push: no answer came."""
+    """The part may have applied the push: no answer came (or one that does not
+    say it was not applied)."""
+    if not_applied(exc):
+        return False
     if isinstance(exc, UnavailableError | DeadlineExceededError):
         return True
     return isinstance(exc, RpcError) and exc.code == grpc.StatusCode.CANCELLED
@@ -84,7 +105,7 @@ def resend_now(exc: BaseException) -> bool:
 def resend_later(exc: BaseException) -> bool:
     """Kept pending when another part applied the push: the refusal can pass later
     (no answer, a busy shard, a shard started with another identity or tokens)."""
-    if maybe_applied(exc):
+    if maybe_applied(exc) or not_applied(exc):
         return True
     if isinstance(exc, ResourceExhaustedError):
         return True

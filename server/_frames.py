@@ -319,7 +319,10 @@ class FrameCalls:
             self._running[sock] = ctx
         try:
             request = handler.request_deserializer(body[_HEAD.size :])
-            reply = handler.unary_unary(request, ctx)
+            if handler.request_streaming:  # refused from its metadata (Refusal)
+                reply = handler.stream_unary(iter((request,)), ctx)
+            else:
+                reply = handler.unary_unary(request, ctx)
             ok = grpc.StatusCode.OK
             return ok, _response_parts(reply, handler.response_serializer)
         except _Aborted:

@@ -23,9 +23,11 @@ __all__ = [
     "HookChain",
     "HookInterceptor",
     "Malformed",
+    "Refusal",
     "group_of",
     "method_of",
     "on_first",
+    "refused",
     "wrap",
 ]
 
@@ -79,6 +81,19 @@ class CallHooks:
         return None
 
 
+class Refusal(CallHooks):
+    """Hooks that refuse their call from its metadata alone (``before`` aborts).
+
+    gRPC receives a unary request whole, up to ``max_message_bytes``, before the
+    behavior runs, and Python copies it again to deserialize it. So the chain serves a
+    refused call as a request stream that nothing reads: its status goes out at once
+    and its request is never received (a caller without a token cannot make the
+    server hold its bytes).
+    """
+
+    __slots__ = ()
+
+
 # The class grpc's handler factories build (a named tuple of the eight fields),
 # built directly: a call is wrapped on every RPC.
 _RpcHandler: Any = type(grpc.unary_unary_rpc_method_handler(lambda r, c: r))
@@ -121,6 +136,42 @@ def _hooked(behavior: Behavior, hooks: CallHooks, resp_s: bool) -> Behavior:
             hooks.finish(context, failed)
 
     return call
+
+
+def _unread(hooks: CallHooks, resp_s: bool) -> Behavior:
+    """A request-streaming behavior that runs ``hooks`` (ending in a ``Refusal``)
+    without reading the request: they see None as the request."""
+
+    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+        failed = True
+        try:
+            hooks.before(None, context)
+            raise AssertionError("a Refusal's before aborts its call")
+        finally:
+            hooks.finish(context, failed)
+
+    if not resp_s:
+        return refuse
+
+    def refuse_streaming(request: Any, context: grpc.ServicerContext) -> Any:
+        yield from refuse(request, context)
+
+    return refuse_streaming
+
+
+def refused(handler: Handler, hooks: CallHooks) -> Handler:
+    """A handler that runs ``hooks`` and never receives the call's request (a
+    request stream of the same response kind as ``handler``)."""
+    resp_s = bool(handler.response_streaming)
+    behaviors: list[Behavior | None] = [None, None, None, None]
+    behaviors[2 + resp_s] = _unread(hooks, resp_s)
+    return _RpcHandler(  # type: ignore[no-any-return]
+        True,
+        resp_s,
+        handler.request_deserializer,
+        handler.response_serializer,
+        *behaviors,
+    )
 
 
 def wrap(
@@ -249,8 +300,15 @@ class HookChain(Interceptor):
         if not hooks and deserializer is original:
             return handler
         hooks.reverse()
-        chained = hooks[0] if len(hooks) == 1 else _Chained(hooks) if hooks else None
+        for i, got in enumerate(hooks):
+            if isinstance(got, Refusal):  # decided now: the inner hooks never run
+                return refused(handler, _chain(hooks[: i + 1]))
+        chained = _chain(hooks) if hooks else None
         return wrap(handler, chained, request_deserializer=deserializer)
+
+
+def _chain(hooks: list[CallHooks]) -> CallHooks:
+    return hooks[0] if len(hooks) == 1 else _Chained(hooks)
 
 
 _PASS_REPLY = CallHooks.reply

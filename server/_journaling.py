@@ -49,6 +49,14 @@ class JournalEntry:
         if self._journal is not None:
             self._journal.check_writable()
 
+    def settle(self) -> None:
+        """Before a resend is answered from a group's exactly-once window: wait
+        until what was logged before it is acknowledged (a replicated shard's
+        journal; a log alone acknowledges each record once it is durable)."""
+        settle = getattr(self._journal, "settle", None)
+        if settle is not None:
+            settle()
+
     def wait(self, lsn: int | None) -> None:
         if self._journal is not None and lsn is not None:
             self._journal.wait(lsn)

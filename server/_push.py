@@ -264,6 +264,7 @@ class PushPipeline:
             journal.check_writable()
             cached = self._dedup_lookup(g, request.client_id, request.seq)
             if cached is not None:
+                journal.settle()  # (sync groups wait under the lock already)
                 outcome = PushOutcome(cached[0], cached[1], duplicate=True)
             else:
                 if return_values:
@@ -295,17 +296,22 @@ class PushPipeline:
             self._admit(g, key)
             journal.check_writable()
             cached = self._dedup_lookup(g, request.client_id, request.seq)
-            if cached is not None:
+            if cached is None:
+                t = g.update_count + g.order.in_flight  # the T it steps at, in turn
+                self._check_step(g, request, t)
+                slot = g.order.take(key)
+                try:
+                    lsn = journal.log(request.record(g.name, t), grads)
+                except BaseException:
+                    g.order.give_back(slot, key)
+                    raise
+        if cached is not None:
+            # Answered once acknowledged (it may have been applied here without
+            # an acknowledgement: its caller left), waiting outside the lock
+            journal.settle()
+            with g.cond:
                 duplicate = PushOutcome(cached[0], cached[1], duplicate=True)
                 return self._answer(g, duplicate, return_values, emit)
-            t = g.update_count + g.order.in_flight  # the T it steps at, in turn
-            self._check_step(g, request, t)
-            slot = g.order.take(key)
-            try:
-                lsn = journal.log(request.record(g.name, t), grads)
-            except BaseException:
-                g.order.give_back(slot, key)
-                raise
         failure: BaseException | None = None
         try:
             journal.wait(lsn)

@@ -43,7 +43,9 @@ from .durability import SaveResult
 from .errors import InvalidArgument
 from .limits import InflightBytes, InflightHold
 from .store import (
+    CURRENT_CALL,
     CallCancelled,
+    CallLink,
     Cancellation,
     ParameterStore,
 )
@@ -143,13 +145,19 @@ def unary(method: F) -> F:
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         # A request message names its group at once: looked up only on a failure.
         named = None if isinstance(request, Message) else _Named(request)
+        link = CallLink(context)
+        CURRENT_CALL.set(link)
         try:
-            return method(self, request if named is None else named.request, context)
+            reply = method(self, request if named is None else named.request, context)
+            _raise_if_unacknowledged(link)
+            return reply
         except Exception as exc:  # noqa: BLE001 - every error becomes a status
             if _already_aborted(context):
                 raise
             group = group_of(request) or None if named is None else named.group
             status = failure(exc, context, method.__name__, group)
+        finally:
+            _unlink(link)
         # Outside the except block, so the abort does not chain the error's frames.
         context.abort_with_status(status)
 
@@ -162,16 +170,35 @@ def streaming(method: F) -> F:
         self: Any, request: Any, context: grpc.ServicerContext
     ) -> Iterator[Any]:
         named = _Named(request)
+        link = CallLink(context)
+        CURRENT_CALL.set(link)
         try:
             yield from method(self, named.request, context)
+            _raise_if_unacknowledged(link)
             return
         except Exception as exc:  # noqa: BLE001
             if _already_aborted(context):
                 raise
             status = failure(exc, context, method.__name__, named.group)
+        finally:
+            _unlink(link)
         context.abort_with_status(status)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _raise_if_unacknowledged(link: CallLink) -> None:
+    """A change the call made that its standbys did not acknowledge is not OK: it
+    stays applied here (the log holds it), the reply says why."""
+    if link.unacknowledged is not None:
+        raise link.unacknowledged
+
+
+def _unlink(link: CallLink) -> None:
+    """The call ended: its thread serves other calls next. (A response stream's
+    generator may be closed on another thread, serving another call then.)"""
+    if CURRENT_CALL.get() is link:
+        CURRENT_CALL.set(None)
 
 
 def cancellation_of(context: grpc.ServicerContext) -> Cancellation:

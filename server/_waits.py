@@ -5,6 +5,11 @@ a group's T to reach a version. A wait ends when the version comes, the deadline
 passes, the caller goes away (its ``Cancellation`` is set) or the server drains; at
 most ``max_waiting_calls`` calls wait at once, the others are refused with
 RESOURCE_EXHAUSTED, so waits cannot hold every worker thread of a server.
+
+A change on a replicated shard waits for its standbys' acknowledgement through the
+``CallLink`` the transport set for its call (``CURRENT_CALL``, a context variable:
+the call's own data, on the call's thread): the wait ends when the caller left, and
+when it ends unacknowledged the link says why, so the reply is not OK.
 """
 
 from __future__ import annotations
@@ -12,13 +17,22 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Protocol
 
 from ._group import Group
 from ._quorum import quorum_reached
 from .errors import DeadlineExceeded, ResourceExhausted, Unavailable
 
-__all__ = ["CallCancelled", "Cancellation", "Wait", "Waiting"]
+__all__ = [
+    "CURRENT_CALL",
+    "CallCancelled",
+    "CallLink",
+    "Cancellation",
+    "Wait",
+    "Waiting",
+]
 
 # A wait wakes at least this often, to see a cancellation whose wake-up was missed.
 WAKE_SECONDS = 0.5
@@ -65,6 +79,28 @@ class Cancellation:
         finally:
             with self._lock:
                 self._cond = None
+
+
+class _Active(Protocol):
+    def is_active(self) -> bool: ...
+
+
+class CallLink:
+    """One call as a wait deep in the store sees it: whether its caller is still
+    there, and why its change was not acknowledged (None: it was, or none was
+    made). Set by the transport for the call's duration (``CURRENT_CALL``)."""
+
+    __slots__ = ("context", "unacknowledged")
+
+    def __init__(self, context: _Active) -> None:
+        self.context = context
+        self.unacknowledged: Exception | None = None
+
+    def gone(self) -> bool:
+        return not self.context.is_active()
+
+
+CURRENT_CALL: ContextVar[CallLink | None] = ContextVar("onnxps_call", default=None)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from ._handlers import (
     Deserializer,
     Handler,
     HookInterceptor,
+    Refusal,
     group_of,
     method_of,
     on_first,
@@ -314,8 +315,8 @@ def _bearer(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
     return None
 
 
-class _Refused(CallHooks):
-    """Aborts the call before anything is read from it."""
+class _Refused(Refusal):
+    """Aborts the call; nothing is read from it (see ``Refusal``)."""
 
     def __init__(
         self,

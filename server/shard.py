@@ -28,6 +28,7 @@ from ._handlers import (
     Deserializer,
     Handler,
     HookInterceptor,
+    Refusal,
     method_of,
 )
 from ._status import rich_status
@@ -112,7 +113,7 @@ def mismatch(shard: ShardIdentity | None, routed: str) -> str | None:
     return None
 
 
-class _Refused(CallHooks):
+class _Refused(Refusal):
     def __init__(self, status: grpc.Status) -> None:
         self.status = status
 

@@ -76,7 +76,7 @@ from ._push import (
 )
 from ._shared import SharedCopies
 from ._sparse import RowSpec
-from ._waits import CallCancelled, Cancellation, Wait, Waiting
+from ._waits import CURRENT_CALL, CallCancelled, CallLink, Cancellation, Wait, Waiting
 from .errors import (
     JOURNAL_REFUSALS,
     AlreadyExists,
@@ -88,8 +88,10 @@ from .errors import (
 from .kernels import OptimizerAttrs, make_attrs
 
 __all__ = [
+    "CURRENT_CALL",
     "DEDUP_WINDOW",
     "CallCancelled",
+    "CallLink",
     "Cancellation",
     "Consistency",
     "GroupCapture",

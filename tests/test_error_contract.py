@@ -400,6 +400,7 @@ def test_a_stream_that_stops_sending_ends_stalled_without_details(
 # server, shared memory, a cluster): the test file that makes each.
 ELSEWHERE = {
     "NOT_PRIMARY": "test_replication.py",
+    "NOT_ACKNOWLEDGED": "test_replication_cancel.py",
     "STATE_REPLACING": "test_adopting_reads.py",
     "STREAM_LIMIT": "test_stalled_calls.py",
     "INFLIGHT_BYTES": "test_limits.py",

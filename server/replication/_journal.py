@@ -8,7 +8,9 @@ address) or when fewer than ``sync_replicas`` synchronous standbys follow it
 (``NOT_ENOUGH_REPLICAS``). ``wait`` returns once the record is durable here and on
 every synchronous standby. A synchronous standby that acknowledges nothing for
 ``ack_timeout`` (a partition) loses its stream: the changes after it are refused
-while the waiting ones wait for it (or for a caught-up standby named in its place).
+while the waiting ones wait for it (or for a caught-up standby named in its place)
+one more ``ack_timeout``, or until their caller leaves; then they end
+unacknowledged (applied here: the log holds them; see ``_give_up``).
 A record durable here that cannot be acknowledged because the lease was lost leaves
 this server's memory behind its own log: it calls ``on_stuck`` (the server steps
 down and exits; restarted, it replays its log and follows the new primary).
@@ -30,6 +32,7 @@ import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 
 from .._snapshot import SnapshotError, list_snapshots, read_manifest
+from .._waits import CURRENT_CALL, CallCancelled, CallLink
 from .._wal import Frame
 from .._walread import LogCursor
 from ..durability import Durability
@@ -258,8 +261,13 @@ class ReplicatedJournal:
         """Until the synchronous standbys hold ``lsn``, as long as this server may
         acknowledge. One silent for ``ack_timeout`` (a partition) loses its stream:
         the next changes are refused (or, another standby caught up, named in its
-        place), and this one waits for it to be back or replaced."""
+        place), and this one waits for it to be back or replaced, one more
+        ``ack_timeout`` at most. It ends at once when its caller left (the call's
+        ``CallLink``); ending unacknowledged, it returns (the caller applies the
+        change: this log holds it) and the link says why."""
+        call = CURRENT_CALL.get()
         deadline = time.monotonic() + self.ack_timeout
+        ended = False  # the silent standbys' streams were ended
         with self._cv:
             # A renewal late (under load) but the lease maybe still held: nothing
             # is acknowledged meanwhile, and the push waits for the renewal.
@@ -270,8 +278,17 @@ class ReplicatedJournal:
                         self._trim()
                         return
                     if time.monotonic() >= deadline:
+                        if ended:
+                            self._give_up(lsn, call)
+                            return
                         self._end_silent(lsn)
+                        ended = True
                         deadline = time.monotonic() + self.ack_timeout
+                if call is not None and call.gone():
+                    call.unacknowledged = CallCancelled(
+                        f"the caller went away before record {lsn} was acknowledged"
+                    )
+                    return
                 self._cv.wait(0.05)
         why = "this server lost its primary lease before the standbys held it"
         log.error("record %d is durable here but not acknowledged: %s", lsn, why)
@@ -281,6 +298,40 @@ class ReplicatedJournal:
             "primary holding every acknowledged push)",
             reason="NOT_REPLICATED",
         )
+
+    def _give_up(self, lsn: int, call: CallLink | None) -> None:
+        """Under the lock: ``lsn`` was not acknowledged within twice ``ack_timeout``
+        (its standbys' streams ended after the first). The wait ends, the change is
+        applied here (this log holds it: memory must be its replay) and ships when
+        a standby follows again; its caller is told it was not acknowledged."""
+        wait = 2 * self.ack_timeout
+        log.warning(
+            "record %d: no synchronous standby acknowledged it within %g s; its "
+            "change is applied here, unacknowledged (it ships once a standby "
+            "follows again)",
+            lsn, wait,
+        )  # fmt: skip
+        if call is not None:
+            call.unacknowledged = Unavailable(
+                f"the change is durable on the primary but no synchronous standby "
+                f"acknowledged it within {wait:g} s (2 x the ack timeout): it is not "
+                "acknowledged, and may land once a standby follows again or be lost "
+                "in a failover; resend it with the same (client_id, seq): a resend "
+                "is answered once the standbys hold it, never applied twice",
+                reason="NOT_ACKNOWLEDGED",
+                metadata={"lsn": lsn, "waited_seconds": f"{wait:g}"},
+            )
+
+    def settle(self) -> None:
+        """Until every record logged so far is acknowledged (as ``wait``): a resend
+        is answered from a group's exactly-once window only once the push it
+        resends is, which may have been applied unacknowledged (``_give_up``, or
+        its caller left)."""
+        with self._cv:
+            last = max(self._records, default=0)
+            if last <= self.acknowledged:
+                return
+        self._await_standbys(last)
 
     def _end_silent(self, lsn: int) -> None:
         """Under the lock: end the streams of the synchronous standbys that did not
