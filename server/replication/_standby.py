@@ -153,8 +153,12 @@ class _Syncer:
         durable: Callable[[int, int], None],
         applier: _Applier,
         limit: int = 256 << 20,
+        on_failed: Callable[[], Any] = lambda: None,
     ) -> None:
         self._durable = durable
+        # A batch failed: end the stream now (the receiver would learn it only
+        # from the next record, which may not come while pushes wait on this one)
+        self._on_failed = on_failed
         self._applier = applier
         self._limit = limit
         self._cv = threading.Condition()
@@ -224,10 +228,12 @@ class _Syncer:
                 log.error("making records %d to %d durable failed: %s",
                           batch[0][1], batch[-1][1], exc)  # fmt: skip
                 self._failed = exc
+                self._on_failed()
             except BaseException as exc:  # the receiver raises it, and stops
                 log.exception("making records %d to %d durable failed",
                               batch[0][1], batch[-1][1])  # fmt: skip
                 self._failed = exc
+                self._on_failed()
             with self._cv:
                 self._busy = False
                 self._bytes -= sum(len(item[3]) for item in batch)
@@ -320,7 +326,9 @@ class Follower:
             try:
                 self._follow(target)
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.CANCELLED:
+                if self._log_failed(target):
+                    pass  # this server's log refused a record (its stream ended)
+                elif exc.code() != grpc.StatusCode.CANCELLED:
                     # once per primary at WARNING: it retries every 0.2 s until
                     # etcd names another primary
                     level = logging.DEBUG if target == self._warned else logging.WARNING
@@ -456,7 +464,7 @@ class Follower:
             self.durable, self.durable_term = lsn, term
             acks.put(pb.ReplicateRequest(ack=pb.ReplicateAck(lsn=lsn)))
 
-        syncer = _Syncer(durable, applier)
+        syncer = _Syncer(durable, applier, on_failed=call.cancel)
         try:
             self._messages(call, target, acks, syncer, applier)
         finally:
