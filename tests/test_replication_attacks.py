@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 import numpy as np
 from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
+from _pki import Pki, pki  # noqa: F401 - a fixture
 from _procs import clean_env
 from onnxps.client import Adagrad
 from onnxps.v1 import parameter_server_pb2 as pb
@@ -31,7 +32,7 @@ from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 from test_replication import SIZE
 from test_replication_safety import G, Replicas, _create, _raw_push, replica_sets
 
-__all__ = ["etcd_server", "replica_sets"]
+__all__ = ["etcd_server", "pki", "replica_sets"]
 
 ADMIN_A = "adm-a-71c2e0"  # admin of tenant a/ only
 ADMIN_ALL = "adm-all-5c1d9e"
@@ -45,6 +46,7 @@ def _replicate(
     token: str | None = None,
     acks: tuple[int, ...] = (),
     timeout: float = 5.0,
+    tls: dict[str, bytes] | None = None,
 ) -> tuple[grpc.StatusCode, str, list[str]]:
     """One Replicate stream: the hello, then ``acks``; (the status it ended with,
     its details, the kinds of the messages received)."""
@@ -59,7 +61,12 @@ def _replicate(
 
     got: list[str] = []
     metadata = (("authorization", f"Bearer {token}"),) if token else None
-    with grpc.insecure_channel(address) as ch:
+    channel = (
+        grpc.insecure_channel(address)
+        if tls is None
+        else grpc.secure_channel(address, grpc.ssl_channel_credentials(**tls))
+    )
+    with channel as ch:
         call: Any = pb_grpc.ParameterServerServiceStub(ch).Replicate(
             send(), timeout=timeout, metadata=metadata
         )
@@ -344,3 +351,41 @@ def test_a_standby_whose_disk_filled_follows_again_once_there_is_room(
         assert log.count("Traceback") == 0, log[-3000:]
         rs.procs[s].kill()
         rs.procs[s].wait()
+
+
+def test_over_mutual_tls_a_client_certificate_does_not_make_a_replica(
+    replica_sets: Any,  # noqa: F811 - the fixture
+    pki: Pki,  # noqa: F811 - the fixture
+    tmp_path: Path,
+) -> None:
+    """TLS between replicas: a tenant's client certificate from the cluster's CA
+    opens a TLS connection, and its admin token is still refused Replicate; the
+    replication token itself, leaked, does not follow without a member's lease."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{ADMIN_ALL} admin *\n{REPLICATION} replication *\n")
+    rs: Replicas = replica_sets(
+        2,
+        extra=(*pki.flags(), "--tokens-file", str(tokens)),
+        env={"ONNXPS_REPLICATION_TOKEN": REPLICATION},
+        client={**pki.client(), "token": ADMIN_ALL},
+    )
+    p = rs.primary()
+    assert rs.wait_sync() == [f"m{1 - p}"]  # the standby follows over TLS
+    hello = pb.ReplicateHello(
+        member_id=f"m{1 - p}", term=_term(rs), address="127.0.0.1:9", protocol=1
+    )
+    tls = pki.client()
+    code, details, got = _replicate(rs.addresses[p], hello, token=ADMIN_ALL, tls=tls)
+    assert (code, details, got) == (
+        grpc.StatusCode.PERMISSION_DENIED,
+        "a admin token may not call Replicate",
+        [],
+    )
+    code, details, got = _replicate(rs.addresses[p], hello, token=REPLICATION, tls=tls)
+    assert code == grpc.StatusCode.PERMISSION_DENIED, (code, details)
+    assert f"the hello's lease (0) is not the one of member m{1 - p}" in details
+    assert got == []
+    with rs.connect() as c:
+        c.create_group("g", Adagrad(), learning_rate=0.1, tensors={"x": G})
+        assert c.push("g", G) == 1
+    rs.wait_t(1 - p, "g", 1)
