@@ -57,6 +57,7 @@ import time
 from contextlib import ExitStack, suppress
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -215,8 +216,13 @@ def _phases(killed: float, marks: dict[str, float], first: float) -> str:
     return ", ".join(out)
 
 
-def failover(tmp: Path, etcd: EtcdProcess, kills: int, ttl: int) -> list[float]:
-    shard = Shard(tmp, etcd, "failover", 3, 1, ttl=ttl)
+def failover(
+    tmp: Path, etcd: EtcdProcess, kills: int, ttl: int, fault: str = "kill"
+) -> list[float]:
+    """``fault`` "kill": SIGKILL of the primary, restarted once another is
+    elected; "stop": SIGSTOP, thawed once another acknowledged a push (it then
+    finds itself deposed and exits, status 75), then restarted."""
+    shard = Shard(tmp, etcd, f"failover-{fault}", 3, 1, ttl=ttl)
     acks: list[tuple[float, str]] = []  # (when, the server that acknowledged)
     stop_ = threading.Event()
     try:
@@ -240,11 +246,13 @@ def failover(tmp: Path, etcd: EtcdProcess, kills: int, ttl: int) -> list[float]:
             old = shard.addresses[p]
             n0 = len(acks)
             marks = timeline.watch(f"m{p}")
-            shard.procs[p].send_signal(signal.SIGKILL)  # type: ignore[attr-defined]
+            proc: Any = shard.procs[p]
+            proc.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
             killed = time.monotonic()
-            shard.procs[p].wait()  # type: ignore[attr-defined]
-            shard.primary(not_=p)
-            shard.start(p)
+            if fault == "kill":
+                proc.wait()
+                shard.primary(not_=p)
+                shard.start(p)
             deadline = time.monotonic() + 120
 
             while not (new := _acked_after(acks[n0:], killed, old)):
@@ -252,9 +260,17 @@ def failover(tmp: Path, etcd: EtcdProcess, kills: int, ttl: int) -> list[float]:
                     raise RuntimeError("no push acknowledged after the kill")
                 time.sleep(0.01)
             first = min(new)
+            if fault == "stop":
+                proc.send_signal(signal.SIGCONT)
+                try:
+                    proc.wait(timeout=30)  # deposed: it exits by itself
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                shard.start(p)
             times.append(first - killed)
             print(
-                f"  kill {len(times)}: {first - killed:.2f} s "
+                f"  {fault} {len(times)}: {first - killed:.2f} s "
                 f"({_phases(killed, marks, first)})",
                 flush=True,
             )
@@ -628,6 +644,13 @@ def main() -> int:
     ap.add_argument("--pushes", type=int, default=200)
     ap.add_argument("--skip-failover", action="store_true")
     ap.add_argument("--lease-ttl", type=int, default=TTL, help="part 1's (2)")
+    ap.add_argument(
+        "--fault",
+        choices=["kill", "stop"],
+        default="kill",
+        help="part 1's fault: SIGKILL of the primary (kill), or SIGSTOP until "
+        "another acknowledged a push (stop)",
+    )
     ap.add_argument("--skip-push-cost", action="store_true")
     ap.add_argument("--skip-catch-up", action="store_true")
     ap.add_argument("--catch-up-mib", type=int, default=256)
@@ -694,8 +717,9 @@ def main() -> int:
         try:
             if not args.skip_failover:
                 ttl = args.lease_ttl
-                print(f"failover (3 replicas, lease TTL {ttl} s, SIGKILL the primary):")
-                times = failover(tmp, etcd, args.kills, ttl)
+                sig = "SIGKILL" if args.fault == "kill" else "SIGSTOP"
+                print(f"failover (3 replicas, lease TTL {ttl} s, {sig} the primary):")
+                times = failover(tmp, etcd, args.kills, ttl, args.fault)
                 print(
                     f"  kill -> first acknowledged push on the new primary over "
                     f"{len(times)} kills: median {statistics.median(times):.2f} s, "
