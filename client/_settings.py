@@ -98,17 +98,33 @@ _CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
+# A client of a replicated cluster pings a server while a call waits on it: a frozen
+# primary (SIGSTOP, a hung host, a partition) answers no ping, so the call fails
+# UNAVAILABLE within about 2 s and is resent to the primary etcd names, instead of
+# waiting out its whole deadline on a server that will never answer. (The servers
+# take a ping a second: ``server.app``'s ``grpc.http2.*`` options.)
+FOLLOW_KEEPALIVE: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", 1000),
+    ("grpc.keepalive_timeout_ms", 1000),
+    ("grpc.http2.ping_timeout_ms", 1000),  # (grpcio >= 1.5x: the ping's own)
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 0),
+]
+
+
 def channel_options(
     server_name_override: str | None, follows: bool = False
 ) -> list[tuple[str, Any]]:
     """The options of every channel either client opens. A client of a replicated
     cluster (``follows``) resends UNAVAILABLE itself, reading the primary in etcd
     again every 50 ms: gRPC's retries would back off (up to 1.5 s) against a
-    primary that is gone."""
+    primary that is gone; and it pings a server a call waits on
+    (``FOLLOW_KEEPALIVE``)."""
     options = list(_CHANNEL_OPTIONS)
     if follows:
         options.remove(("grpc.enable_retries", 1))
         options.append(("grpc.enable_retries", 0))
+        options.extend(FOLLOW_KEEPALIVE)
     if server_name_override:
         options.append(("grpc.ssl_target_name_override", server_name_override))
     return options

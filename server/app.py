@@ -553,6 +553,11 @@ def _options(config: ServerConfig) -> list[tuple[str, Any]]:
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
+        # A client of a replicated cluster pings every second while its call waits
+        # (a push waiting for a standby sends no data): take those pings, so that
+        # a frozen primary, which answers none, is found out within seconds.
+        ("grpc.http2.min_ping_interval_without_data_ms", 500),
+        ("grpc.http2.max_ping_strikes", 0),
     ]
 
 
