@@ -203,9 +203,10 @@ def test_a_standby_acks_before_it_applies_but_stops_following_once_applied(
     store = ParameterStore()
     durability = Durability(store, str(tmp_path / "follower"), mode="wal")
     durability.open()
+    lease = _member(rs, "f")
     follower = Follower(
         durability, member_id="f", address="127.0.0.1:1", term=lambda: 0,
-        max_message_bytes=64 << 20,
+        max_message_bytes=64 << 20, lease=lambda: lease,
     )  # fmt: skip
     follower.start()
     try:
@@ -417,7 +418,17 @@ def test_a_first_piece_declaring_a_frame_above_the_message_limit_is_refused() ->
     assert Gather(3 * PIECE).add(first) is None
 
 
-def _shipped(address: str, protocol: int, lsn: int, size: int) -> list[int]:
+def _member(rs: ReplicaSet, member_id: str) -> int:
+    """Register ``member_id`` in the shard as a replica does (its key, on a lease
+    of its own): the lease a hello proves the member id with."""
+    etcd = rs.etcd.gateway()
+    lease = etcd.lease(60)
+    key = f"/{rs.prefix}/shards/0/members/{member_id}"
+    etcd.put(key, '{"address": "127.0.0.1:9"}', lease=lease)
+    return int(lease.id)
+
+
+def _shipped(address: str, protocol: int, lsn: int, size: int, lease: int) -> list[int]:
     """The sizes of the messages carrying record ``lsn`` (a frame of ``size``
     bytes) to a standby speaking ``protocol``: the test is the standby."""
     import queue
@@ -434,6 +445,7 @@ def _shipped(address: str, protocol: int, lsn: int, size: int) -> list[int]:
         last_lsn=lsn - 1,  # resumes from the log: no snapshot
         last_term=1,
         protocol=protocol,
+        lease=lease,
     )
     acks.put(pb.ReplicateRequest(hello=hello))
 
@@ -476,8 +488,8 @@ def test_a_standby_of_an_earlier_version_gets_its_records_whole(
     lsn = max(frames)  # the push
     size = len(frames[lsn])
     assert size > 4 * PIECE
-    assert _shipped(rs.addresses[p], 0, lsn, size) == [size]
-    pieces_ = _shipped(rs.addresses[p], 1, lsn, size)
+    assert _shipped(rs.addresses[p], 0, lsn, size, _member(rs, "p0")) == [size]
+    pieces_ = _shipped(rs.addresses[p], 1, lsn, size, _member(rs, "p1"))
     assert len(pieces_) == 5 and sum(pieces_) == size
     assert max(pieces_) <= PIECE + FRAME.size + 4096  # the first holds the header
     log = _log(tmp_path, p, 1)
