@@ -256,9 +256,9 @@ class Replication:
         if not self._eligible():
             return False, "adopting a snapshot", "adopting"
         held = follower.durable
-        if (
-            follower.following != primary
-            or member.config.member_id not in member.primary_standbys
+        named = member.primary_standbys  # None: an earlier onnxps's primary
+        if follower.following != primary or (
+            named is not None and member.config.member_id not in named
         ):
             why = (
                 f"does not follow the primary {primary.member} of term "

@@ -170,9 +170,10 @@ class Member:
         self.term = 0
         self.primary: PrimaryInfo | None = None
         # the lsn the primary last published in its member key (None: not read yet)
-        # and the standbys it named following it (their acknowledged lsn)
+        # and the standbys it named following it (their acknowledged lsn; None:
+        # an earlier onnxps's primary, which names none)
         self.primary_lsn: int | None = None
-        self.primary_standbys: dict[str, int] = {}
+        self.primary_standbys: dict[str, int] | None = {}
         self._lease = 0
         self._renewed = -1e18  # when the last successful renewal was sent
         self._sent = -1e18
@@ -323,7 +324,8 @@ class Member:
             self.primary_lsn, self.primary_standbys = None, {}
         else:
             self.primary_lsn = int(info.get("lsn", 0))
-            self.primary_standbys = dict(info.get("standbys") or {})
+            named = info.get("standbys")
+            self.primary_standbys = None if named is None else dict(named)
 
     def _renew(self) -> None:
         """On the renewing thread: a lease that expired deposes a primary; a
