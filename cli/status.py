@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Collection, Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 from onnxps.client import (
     Adagrad,
@@ -195,6 +195,13 @@ def shard_rows(ps: Client, prefix: str, timeout: float) -> list[tuple[str, ...]]
 REPLICA_COLUMNS = ("SHARD", "MEMBER", "ADDRESS", "ROLE", "TERM", "LSN", "LAG", "SYNC")
 
 
+def _lag(m: dict[str, Any]) -> str:
+    """A member's LAG cell: records behind the primary, or why there is none."""
+    if m["following"] is False:
+        return "not-following"  # its lsn may count records of another term
+    return "-" if m["lag"] is None else str(m["lag"])
+
+
 def replica_rows(
     url: str, timeout: float, tls: CoordinatorTls | None = None
 ) -> list[tuple[str, ...]]:
@@ -210,7 +217,7 @@ def replica_rows(
             m["role"],
             str(m["term"]),
             str(m["lsn"]),
-            "-" if m["lag"] is None else str(m["lag"]),
+            _lag(m),
             "yes" if m["sync"] else "-",
         )
         for m in Discovery(url, tls=tls).replicas(timeout)

@@ -90,8 +90,11 @@ class Discovery:
 
     def replicas(self, timeout: float) -> list[dict[str, Any]]:
         """Every member of every shard: ``shard``, ``member``, ``address``, ``role``,
-        ``term``, ``lsn`` (as it last registered), ``lag`` (records behind its
-        shard's primary) and ``sync`` (named a synchronous standby)."""
+        ``term``, ``lsn`` (as it last registered), ``following`` (a standby the
+        primary names as following it in its term; None: the primary does not
+        say, an earlier onnxps), ``lag`` (records behind its shard's primary;
+        None for a standby that does not follow it: its lsn may count records of
+        another term) and ``sync`` (named a synchronous standby)."""
         count = self.shard_count(time.monotonic() + timeout)
         out: list[dict[str, Any]] = []
         for shard in range(count):
@@ -103,9 +106,20 @@ class Discovery:
                 for k, v in keys.items()
                 if k.startswith(base + "members/")
             }
-            top = max((m["lsn"] for m in members.values()
-                       if m.get("role") == "primary"), default=None)  # fmt: skip
+            primary = json.loads(keys.get(base + "primary", b"{}") or b"{}")
+            lead = members.get(primary.get("member", ""), {})
+            current = (lead.get("role"), lead.get("term"))
+            if current != ("primary", primary.get("term")):
+                lead = {}  # the primary's key is not written yet in this term
+            top = lead.get("lsn")
+            standbys = lead.get("standbys")  # None: an earlier primary's key
             for name, m in sorted(members.items()):
+                following = None
+                if m.get("role") != "primary" and standbys is not None:
+                    following = name in standbys
+                lag = None
+                if top is not None and following is not False:
+                    lag = max(0, top - m["lsn"])
                 out.append(
                     {
                         "shard": shard,
@@ -114,7 +128,8 @@ class Discovery:
                         "role": m["role"],
                         "term": m["term"],
                         "lsn": m["lsn"],
-                        "lag": None if top is None else max(0, top - m["lsn"]),
+                        "following": following,
+                        "lag": lag,
                         "sync": name in sync.get("standbys", []),
                     }
                 )

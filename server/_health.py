@@ -5,8 +5,10 @@
   once it drains.
 - ``onnxps.ready`` (``READY``): SERVING when the server serves *and* holds what its
   shard acknowledged: always on an unreplicated server; on a replica, when it is the
-  primary, or a standby holding every record the primary had logged when it last
-  published its position in etcd (about every lease TTL / 3). Kubernetes' readiness
+  primary (a promoted standby: once it applied every record it received), or a
+  standby following the current term's primary (which names it in etcd) and
+  holding every record the primary had logged when it last published its
+  position in etcd (about every lease TTL / 3). Kubernetes' readiness
   probe asks this one, so a rolling update waits for a restarted replica to catch
   up (it can then be promoted) before it restarts the next one.
 """

@@ -289,14 +289,13 @@ class Durability:
         Until it is done the directory holds ``ADOPTING`` (``adopting`` is True):
         a server that crashed meanwhile restarts with a partial state and knows it.
         """
-        with self._lock:
-            # reads of a group not back yet are UNAVAILABLE (retried), not NOT_FOUND
-            name = os.path.basename(received)
-            self.store.replacing = f"adopting its primary's snapshot ({name})"
-            try:
-                return self._adopt(received)
-            finally:
-                self.store.replacing = None
+        # reads of a group not back yet are UNAVAILABLE (retried), not NOT_FOUND
+        name = os.path.basename(received)
+        with (
+            self._lock,
+            self.store.replacing_state(f"adopting its primary's snapshot ({name})"),
+        ):
+            return self._adopt(received)
 
     def _adopt(self, received: str) -> tuple[int, dict[str, int]]:
         """Under the lock: ``adopt_snapshot``'s work."""

@@ -135,9 +135,10 @@ class ParameterStore:
         self._incarnations = itertools.count(1)
         self._closed = False
         # Why this server's whole state is being replaced now (a standby adopting
-        # its primary's snapshot), None when it is not: a group missing meanwhile
-        # is back in a moment, so it is UNAVAILABLE (retried), not NOT_FOUND.
-        self.replacing: str | None = None
+        # its primary's snapshot, a promoted one applying what it received), the
+        # latest first: a group missing meanwhile is back in a moment, so it is
+        # UNAVAILABLE (retried), not NOT_FOUND.
+        self._replacing: list[str] = []
         self._reaper: threading.Thread | None = None
         self._stop = threading.Event()
         self._waiting = Waiting(self.limits.max_waiting_calls, clock, self._check_live)
@@ -150,6 +151,32 @@ class ParameterStore:
             self._check_live,
             self._check_table_room,
         )
+
+    @property
+    def replacing(self) -> str | None:
+        """Why this server's state is being replaced now (None: it is not)."""
+        reasons = self._replacing
+        return reasons[-1] if reasons else None
+
+    @replacing.setter
+    def replacing(self, why: str | None) -> None:
+        self._replacing = [] if why is None else [why]
+
+    @contextmanager
+    def replacing_state(self, why: str) -> Iterator[None]:
+        """``replacing`` says ``why`` within (nested or overlapping ones too)."""
+        with self._lock:
+            self._replacing = [*self._replacing, why]
+        try:
+            yield
+        finally:
+            with self._lock:
+                kept = list(self._replacing)
+                if why in kept:
+                    kept.reverse()
+                    kept.remove(why)
+                    kept.reverse()
+                self._replacing = kept
 
     # -- lifecycle -----------------------------------------------------------------
     def set_journal(self, journal: Journal | None) -> None:
@@ -216,8 +243,7 @@ class ParameterStore:
             replacing = self.replacing
             if replacing is not None:
                 raise Unavailable(
-                    f"no group named {name!r} yet: this server is {replacing}; "
-                    "retry (or read from the primary)",
+                    f"no group named {name!r} yet: this server is {replacing}; retry",
                     reason="STATE_REPLACING",
                     metadata={"group": name},
                 )

@@ -80,7 +80,9 @@ def test_a_standby_is_ready_only_while_it_holds_what_the_primary_logged(
     rs.start(s)
     log = tmp_path / f"server{s}-2.log"
     found = _wait_log(
-        log, r"not ready: holds record (\d+), the primary m\d had logged (\d+)"
+        log,
+        r"not ready: does not follow the primary m\d of term \d+ \(holds record "
+        r"(\d+) of term \d+, the primary had logged (\d+)\)",
     )
     assert int(found.group(1)) < int(found.group(2))
     assert _check(rs.addresses[s], "") == SERVING

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,7 @@ from typing import Any
 import grpc
 from onnxps.v1 import parameter_server_pb2 as pb
 
+from .._wal import fsync_dir
 from ..durability import Durability
 from ..errors import Unavailable
 from ..security import ConfigError
@@ -34,7 +37,7 @@ from ._etcd import (
     parse_coordinator,
 )
 from ._journal import NotPrimary, ReplicatedJournal
-from ._member import Keys, Member, MemberConfig, PrimaryInfo, Role
+from ._member import Keys, Member, MemberConfig, MemberIdInUse, PrimaryInfo, Role
 from ._standby import Follower
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "CoordinatorTls",
     "CoordinatorUnavailable",
     "Keys",
+    "MemberIdInUse",
     "NotPrimary",
     "Replication",
     "ReplicationConfig",
@@ -54,6 +58,10 @@ __all__ = [
 log = logging.getLogger("onnxps.replication")
 
 EXIT_DEPOSED = 75  # EX_TEMPFAIL: restart me, I rejoin as a standby
+INSTANCE_FILE = "member-instance"
+# a promotion that applied nothing of what it received for this long gives up
+# (the process exits; restarted, it replays its log and follows)
+PROMOTION_STALL = 120.0
 
 
 def exit_process(why: str) -> None:
@@ -108,6 +116,29 @@ def member_id_for(address: str) -> str:
     return f"{socket.gethostname()}-{port}"
 
 
+def instance_id(root: str) -> str:
+    """This data dir's id (made once, kept in it): a member key holding it was
+    written by an earlier process of this data dir, which is gone (the running
+    process holds the data dir's lock)."""
+    path = os.path.join(root, INSTANCE_FILE)
+    try:
+        with open(path) as f:
+            found = f.read().strip()
+        if found:
+            return found
+    except FileNotFoundError:
+        pass
+    made = uuid.uuid4().hex
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(made + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+    fsync_dir(root)
+    return made
+
+
 class Replication:
     """This server's part in its shard's replica set; built by ``create_server``."""
 
@@ -141,6 +172,7 @@ class Replication:
         self._set_caught_up = set_caught_up
         self._caught_up: bool | None = None  # as last published
         self._why = ""  # the kind of reason last logged
+        self._promoting = False  # took the lead, still applying what it received
         self.etcd = Etcd(config.coordinator, timeout=max(0.5, config.lease_ttl / 3))
         self.member: Member | None = None
         self.journal: ReplicatedJournal | None = None
@@ -171,6 +203,7 @@ class Replication:
                 member_id,
                 address,
                 self.config.lease_ttl,
+                instance_id(durability.root),
             ),
             self.etcd,
             last_lsn=self._last_lsn,
@@ -179,6 +212,7 @@ class Replication:
             on_deposed=self._on_fatal,
             eligible=self._eligible,
             on_step=self._publish_caught_up,
+            standbys=self._standbys,
         )
         journal = ReplicatedJournal(
             durability,
@@ -200,12 +234,20 @@ class Replication:
 
     def caught_up(self) -> tuple[bool, str, str]:
         """Whether this replica holds what its shard acknowledged, why, and the
-        kind of reason: the primary that may acknowledge; a standby holding
-        (durably, not adopting a snapshot) every record the primary had logged when
-        it last published its position in etcd. What ``onnxps.ready`` says."""
+        kind of reason: the primary that may acknowledge (once it applied what it
+        received before it took the lead); a standby following the current term's
+        primary (its stream open, and the primary names it in etcd: it accepted
+        this standby's log as a prefix of its own) holding (durably, not adopting
+        a snapshot) every record the primary had logged when it last published
+        its position in etcd. A position alone says nothing across terms: a
+        deposed primary may hold more records than the new one logged, some never
+        acknowledged. What ``onnxps.ready`` says."""
         member, follower = self.member, self.follower
         if member is None or follower is None or member.role is Role.STOPPED:
             return False, "not in the replica set", "stopped"
+        if self._promoting:
+            why = "taking the lead: applying the records it received"
+            return False, why, "promoting"
         if member.role is Role.PRIMARY:
             if member.may_acknowledge():
                 return True, f"the primary (term {member.term})", "primary"
@@ -216,8 +258,29 @@ class Replication:
         if not self._eligible():
             return False, "adopting a snapshot", "adopting"
         held = follower.durable
+        named = member.primary_standbys  # None: an earlier onnxps's primary
+        if follower.following != primary or (
+            named is not None and member.config.member_id not in named
+        ):
+            why = (
+                f"does not follow the primary {primary.member} of term "
+                f"{primary.term} (holds record {held} of term "
+                f"{follower.durable_term}, the primary had logged {logged})"
+            )
+            return False, why, "not following"
         why = f"holds record {held}, the primary {primary.member} had logged {logged}"
         return (False, why, "behind") if held < logged else (True, why, "holds")
+
+    def _standbys(self) -> dict[str, int]:
+        """The standbys following this primary in its term, and the lsn each
+        acknowledged (published in its member key)."""
+        if self.journal is None:
+            return {}
+        return {
+            name: int(s["acked"])
+            for name, s in self.journal.status()["standbys"].items()
+            if not s["gone"] and not s["syncing"]
+        }
 
     def _publish_caught_up(self) -> None:
         """Tell the health service when readiness changes; log each new reason."""
@@ -239,11 +302,38 @@ class Replication:
         return 0 if journal is None else int(journal.last_lsn())
 
     def _promoted(self, term: int) -> None:
-        """Before acknowledging anything: stop following, finish applying."""
-        assert self.follower is not None and self.journal is not None
-        self.follower.follow(None)
-        self.follower.idle.wait(30)
-        self.journal.promoted(self._last_lsn())
+        """Before acknowledging anything: stop following, finish applying. Until
+        then a group not applied yet is UNAVAILABLE (``STATE_REPLACING``, which
+        clients retry), not NOT_FOUND, and this server is not ready."""
+        follower, journal = self.follower, self.journal
+        assert follower is not None and journal is not None
+        self._promoting = True
+        try:
+            with self.store.replacing_state(
+                f"taking the lead of shard {self.config.shard} (term {term}): "
+                "applying the records it received"
+            ):
+                self._publish_caught_up()
+                follower.follow(None)
+                self._finish_applying(follower)
+                journal.promoted(self._last_lsn())
+        finally:
+            self._promoting = False
+
+    def _finish_applying(self, follower: Follower) -> None:
+        """Wait for the follower to have applied every record it received; give up
+        (``on_fatal``) when it applied none for ``PROMOTION_STALL`` seconds."""
+        applied, since = follower.applied, time.monotonic()
+        while not follower.idle.wait(1.0):
+            if follower.applied != applied:
+                applied, since = follower.applied, time.monotonic()
+            elif time.monotonic() - since > PROMOTION_STALL:
+                why = (
+                    f"taking the lead, it applied none of the records it received "
+                    f"for {PROMOTION_STALL:g} s (record {applied} last)"
+                )
+                self._on_fatal(why)
+                raise Unavailable(why)
 
     def replicate(
         self, requests: Iterable[pb.ReplicateRequest], context: Any

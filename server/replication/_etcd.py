@@ -163,6 +163,11 @@ class Etcd:
         result = self._post("/lease/keepalive", {"ID": lease})
         return int(result.get("result", {}).get("TTL", -1))
 
+    def time_to_live(self, lease: int) -> tuple[int, int]:
+        """``lease``'s seconds left and the TTL it was granted (-1, 0: expired)."""
+        result = self._post("/lease/timetolive", {"ID": lease})
+        return int(result.get("TTL", -1)), int(result.get("grantedTTL", 0))
+
     def revoke(self, lease: int) -> None:
         self._post("/kv/lease/revoke", {"ID": lease})
 
@@ -184,6 +189,11 @@ def mod_revision_is(key: str, revision: int) -> dict[str, Any]:
         "target": "MOD",
         "mod_revision": revision,
     }
+
+
+def lease_is(key: str, lease: int) -> dict[str, Any]:
+    """``key`` is attached to ``lease`` (etcd 3.3 and later)."""
+    return {"key": b64(key), "result": "EQUAL", "target": "LEASE", "lease": lease}
 
 
 def value_is(key: str, value: bytes) -> dict[str, Any]:

@@ -12,7 +12,14 @@ replica set (Patroni's shape, on etcd v3). Keys, under ``PREFIX/shards/I/``:
   A standby may take the lead only when it is named there, or is the primary named
   there (Patroni's synchronous-standby rule): so a promotion never loses an
   acknowledged push.
-- ``members/<id>``: ``{"address", "role", "lsn", "term"}`` on the member's own lease.
+- ``members/<id>``: ``{"address", "role", "lsn", "term", "shards", "instance"}`` on
+  the member's own lease; a primary's also has ``standbys``: each standby whose
+  stream it accepted in its term (its log a prefix of the primary's) and the lsn
+  it acknowledged. ``instance`` names the data dir (``Replication``): the key is
+  created only while absent or held by this data dir's earlier process (one
+  killed, its lease not yet expired), and written only while it is on this
+  process's lease, so a second live process with the same ``--member-id`` is
+  refused (``MemberIdInUse``) instead of taking the member's place.
 
 ``PREFIX/layout`` holds the cluster's shard count (clients read it).
 
@@ -41,16 +48,23 @@ from ._etcd import (
     CoordinatorAddress,
     CoordinatorUnavailable,
     Etcd,
+    KeyValue,
     absent,
     delete_op,
+    lease_is,
     mod_revision_is,
     put_op,
     value_is,
 )
 
-__all__ = ["Keys", "Member", "MemberConfig", "Role"]
+__all__ = ["Keys", "Member", "MemberConfig", "MemberIdInUse", "Role"]
 
 log = logging.getLogger("onnxps.replication")
+
+
+class MemberIdInUse(ConfigError):
+    """Another live process holds this server's member id (``onnxps serve`` exits
+    with status 2 and says so)."""
 
 
 class Role(enum.Enum):
@@ -99,6 +113,7 @@ class MemberConfig:
     member_id: str
     address: str  # where clients and standbys reach this server
     lease_ttl: int = 3
+    instance: str = ""  # the data dir's id: its earlier process's key is its own
 
 
 @dataclass(frozen=True)
@@ -120,7 +135,9 @@ class Member:
     primary changes (None: none now); ``on_deposed(why)`` when this primary lost its
     lease or its key: it must acknowledge nothing more.
     ``eligible()`` says whether this server may take the lead now (besides the
-    ``sync`` rule), e.g. it has applied everything it received.
+    ``sync`` rule), e.g. it has applied everything it received. ``standbys()``
+    (asked while primary): the standbys following it and the lsn each acknowledged,
+    published in its member key.
     """
 
     def __init__(
@@ -134,6 +151,7 @@ class Member:
         on_deposed: Callable[[str], None],
         eligible: Callable[[], bool] = lambda: True,
         on_step: Callable[[], None] = lambda: None,
+        standbys: Callable[[], dict[str, int]] = dict,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -145,13 +163,17 @@ class Member:
         self._on_deposed = on_deposed
         self._eligible = eligible
         self._on_step = on_step
+        self._standbys = standbys
         self._clock = clock
         self._lock = threading.Lock()
         self.role = Role.STANDBY
         self.term = 0
         self.primary: PrimaryInfo | None = None
         # the lsn the primary last published in its member key (None: not read yet)
+        # and the standbys it named following it (their acknowledged lsn; None:
+        # an earlier onnxps's primary, which names none)
         self.primary_lsn: int | None = None
+        self.primary_standbys: dict[str, int] | None = {}
         self._lease = 0
         self._renewed = -1e18  # when the last successful renewal was sent
         self._sent = -1e18
@@ -180,7 +202,7 @@ class Member:
                 log.warning("waiting for etcd: %s", exc)
                 time.sleep(0.5)
         self._new_lease()
-        self._register()
+        self._claim()
         self._renewer = threading.Thread(
             target=self._renew_loop, name="onnxps-lease", daemon=True
         )
@@ -295,7 +317,7 @@ class Member:
         holding it is caught up (``Replication.caught_up``)."""
         primary = self.primary
         if primary is None:
-            self.primary_lsn = None
+            self.primary_lsn, self.primary_standbys = None, {}
             return
         kv = self.etcd.get(self.keys.member(primary.member))
         info = None if kv is None else kv.json()
@@ -305,9 +327,11 @@ class Member:
             or info.get("role") != Role.PRIMARY.value
             or int(info.get("term", 0)) != primary.term
         ):
-            self.primary_lsn = None
+            self.primary_lsn, self.primary_standbys = None, {}
         else:
             self.primary_lsn = int(info.get("lsn", 0))
+            named = info.get("standbys")
+            self.primary_standbys = None if named is None else dict(named)
 
     def _renew(self) -> None:
         """On the renewing thread: a lease that expired deposes a primary; a
@@ -349,6 +373,7 @@ class Member:
             seen = PrimaryInfo(info["member"], info["address"], int(info["term"]))
             if seen != self.primary:
                 self.primary, self.primary_lsn = seen, None
+                self.primary_standbys = {}
                 self.term = max(self.term, seen.term)
                 self._on_primary(seen)
             return
@@ -442,18 +467,100 @@ class Member:
         self._lease = self.etcd.grant(self.config.lease_ttl)
         self._renewed = self._sent = sent
 
-    def _register(self) -> None:
-        self._registered = self._clock()
-        value = {
+    def _member_value(self) -> bytes:
+        value: dict[str, Any] = {
             "address": self.config.address,
             "role": self.role.value,
             "lsn": self._last_lsn(),
             "term": self.term,
             "shards": self.config.shard.count,
+            "instance": self.config.instance,
         }
-        self.etcd.put(
-            self.keys.member(self.config.member_id), _dumps(value), self._lease
+        if self.role is Role.PRIMARY:
+            value["standbys"] = self._standbys()
+        return _dumps(value)
+
+    def _register(self) -> None:
+        """Write this member's key: while it is on this process's lease, or absent
+        (the lease was replaced); another process holding it is fatal."""
+        self._registered = self._clock()
+        key = self.keys.member(self.config.member_id)
+        put = [put_op(key, self._member_value(), self._lease)]
+        if self.etcd.txn([lease_is(key, self._lease)], put):
+            return
+        if self.etcd.txn([absent(key)], put):
+            return
+        kv = self.etcd.get(key)
+        holder = "another process" if kv is None else self._holder(kv)
+        self._stop.set()
+        with self._lock:
+            self.role = Role.STOPPED
+        self._on_deposed(
+            f"member id {self.config.member_id} was taken by {holder} (a second "
+            "server started with this --member-id)"
         )
+
+    def _claim(self) -> None:
+        """Create this member's key on this process's lease: at once when absent or
+        held by this data dir's earlier process (it is gone: this one holds the
+        data dir's lock); else once the holder's lease expired, within its TTL
+        (a process killed moments ago), or refuse (``MemberIdInUse``)."""
+        key = self.keys.member(self.config.member_id)
+        waited_for: tuple[int, float] | None = None  # (lease, until when)
+        while True:
+            self._registered = self._clock()
+            put = [put_op(key, self._member_value(), self._lease)]
+            if self.etcd.txn([absent(key)], put):
+                return
+            kv = self.etcd.get(key)
+            if kv is None:
+                continue
+            if self._own_earlier(kv) or not kv.lease:
+                if self.etcd.txn([mod_revision_is(key, kv.mod_revision)], put):
+                    return
+                continue
+            if waited_for is None or waited_for[0] != kv.lease:
+                left, granted = self.etcd.time_to_live(kv.lease)
+                until = self._clock() + max(left, granted, 1) + 1.0
+                waited_for = (kv.lease, until)
+                log.warning(
+                    "member id %s is held by %s: waiting up to %.0f s for its "
+                    "lease to expire",
+                    self.config.member_id, self._holder(kv),
+                    until - self._clock(),
+                )  # fmt: skip
+            elif self._clock() >= waited_for[1]:
+                raise MemberIdInUse(
+                    f"member id {self.config.member_id} of shard {self.config.shard} "
+                    f"under {self.config.coordinator} is held by {self._holder(kv)}, "
+                    "which still renews its lease: stop that server, or start this "
+                    "one with another --member-id (ONNXPS_MEMBER_ID)"
+                )
+            time.sleep(0.2)
+            self._keep_lease()  # the renewing thread starts once the key is ours
+
+    def _keep_lease(self) -> None:
+        """Renew this process's lease once (a new one when it expired)."""
+        sent = self._clock()
+        if self.etcd.keepalive(self._lease) > 0:
+            self._renewed = self._sent = sent
+        else:
+            self._new_lease()
+
+    def _own_earlier(self, kv: KeyValue) -> bool:
+        try:
+            instance = kv.json().get("instance")
+        except (ValueError, AttributeError):
+            return False
+        return bool(self.config.instance) and instance == self.config.instance
+
+    @staticmethod
+    def _holder(kv: KeyValue) -> str:
+        try:
+            address = kv.json().get("address", "?")
+        except (ValueError, AttributeError):
+            address = "?"
+        return f"the process at {address} (etcd lease {kv.lease:x})"
 
     def _check_layout(self) -> None:
         count = str(self.config.shard.count)

@@ -307,6 +307,12 @@ class Follower:
             call.cancel()
         self._wake.set()
 
+    @property
+    def following(self) -> PrimaryInfo | None:
+        """The primary this follower's stream is open to (None: none now)."""
+        with self._lock:
+            return self._target if self._call is not None else None
+
     def stop(self) -> None:
         """Stop following and return once nothing is being applied."""
         self._stop.set()
