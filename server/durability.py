@@ -204,11 +204,14 @@ class Durability:
         for group, records in orphans.items():
             for orphan_lsn, orphan_op, error in records:
                 _not_replayed(orphan_lsn, orphan_op, group, error)
-        if count:
+        if count or reader.skipped:
             log.info(
-                "replayed %d write-ahead log records in %.3f s",
+                "replayed %d write-ahead log records after record %d in %.3f s "
+                "(%d segments before it not read)",
                 count,
+                wal_lsn,
                 time.perf_counter() - started,
+                reader.skipped,
             )
         reader.cut_torn_tail()  # the log goes on after its last intact record
         return last, count
