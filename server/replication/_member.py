@@ -257,7 +257,9 @@ class Member:
     # -- the loop -------------------------------------------------------------------
     def _run(self) -> None:
         tick = max(0.05, self.ttl / 10)
-        while not self._stop.wait(tick):
+        wait = 0.0  # the first step at once: a restarted standby follows sooner
+        while not self._stop.wait(wait):
+            wait = tick
             try:
                 self._step()
             except CoordinatorUnavailable as exc:
@@ -351,6 +353,8 @@ class Member:
                 self.primary, self.primary_lsn = seen, None
                 self.term = max(self.term, seen.term)
                 self._on_primary(seen)
+                # its position now, not at the next registration: ready sooner
+                self._read_primary_lsn()
             return
         if self.primary is not None:
             self.primary = None
