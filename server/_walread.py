@@ -44,6 +44,7 @@ __all__ = [
     "WalGapError",
     "crc32",
     "fsync_dir",
+    "logged_term",
     "read_segments",
     "segment_name",
     "segment_paths",
@@ -575,3 +576,15 @@ def _truncate(path: str, offset: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def logged_term(wal_dir: str, lsn: int) -> int | None:
+    """The term record ``lsn`` of the log holds (0: none written), or None when
+    the log does not hold that record (pruned, not written, or damaged). Reads the
+    headers of the one segment holding it, none of the bodies before it."""
+    try:
+        for header, _ in LogReader(wal_dir, lsn - 1).frames(upto=lsn):
+            return int(header.get("term", 0))
+    except (WalGapError, WalFormatError, OSError):
+        return None
+    return None
