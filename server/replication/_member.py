@@ -353,8 +353,6 @@ class Member:
                 self.primary, self.primary_lsn = seen, None
                 self.term = max(self.term, seen.term)
                 self._on_primary(seen)
-                # its position now, not at the next registration: ready sooner
-                self._read_primary_lsn()
             return
         if self.primary is not None:
             self.primary = None
