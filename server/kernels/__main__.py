@@ -2,8 +2,9 @@
 2-byte encodings' loops, ``onnxps.wire.encoding``) into its on-disk cache now, so
 that servers started later load them (about 1 s) instead of compiling them (2 to
 20 s). The cache is ``NUMBA_CACHE_DIR`` when set, else ``__pycache__`` next to this
-package when writable, else the user's cache directory; the line printed says which. The Dockerfile runs this at build. The row kernels
-compile at a group's first row push instead (their types are the push's).
+package when writable, else the user's cache directory; the line printed says which.
+The Dockerfile runs this at build. The row kernels compile at a group's first row
+push instead (their types are the push's).
 
 Exit status 0 when the kernels are in the cache, 1 when numba cannot give them or
 has no writable cache directory.
