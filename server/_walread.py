@@ -44,6 +44,7 @@ __all__ = [
     "WalGapError",
     "crc32",
     "fsync_dir",
+    "logged_term",
     "read_segments",
     "segment_name",
     "segment_paths",
@@ -201,7 +202,9 @@ class _Damage:
 
 
 class LogReader:
-    """Every intact record with lsn > ``after``, in order (iterate once).
+    """Every intact record with lsn > ``after``, in order (iterate once). A segment
+    whose records all come at or before ``after`` (the next one starts by
+    ``after + 1``) is not opened: a restart after a snapshot reads the log after it.
 
     A torn tail is dropped with a warning and remembered in ``torn`` so the caller
     can cut it off (``cut_torn_tail``) before writing after it. Corruption raises
@@ -216,11 +219,16 @@ class LogReader:
         self.truncate_corrupt = truncate_corrupt
         self.torn: _Damage | None = None
         self.voided = 0  # refused records declared by the void frames read so far
+        self.skipped = 0  # segments not opened: all their records were <= after
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], list[Array]]]:
         self._expected: int | None = None
-        segments = [path for _, path in segment_paths(self.wal_dir)]
+        found = segment_paths(self.wal_dir)
+        segments = [path for _, path in found]
         for k, path in enumerate(segments):
+            if k + 1 < len(found) and found[k + 1][0] <= self.after + 1:
+                self.skipped += 1
+                continue  # every record in it is at or before ``after``: not read
             damage = yield from self._segment(path, last=k == len(segments) - 1)
             if damage is not None:
                 if damage.torn:
@@ -568,3 +576,15 @@ def _truncate(path: str, offset: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def logged_term(wal_dir: str, lsn: int) -> int | None:
+    """The term record ``lsn`` of the log holds (0: none written), or None when
+    the log does not hold that record (pruned, not written, or damaged). Reads the
+    headers of the one segment holding it, none of the bodies before it."""
+    try:
+        for header, _ in LogReader(wal_dir, lsn - 1).frames(upto=lsn):
+            return int(header.get("term", 0))
+    except (WalGapError, WalFormatError, OSError):
+        return None
+    return None

@@ -31,6 +31,7 @@ from ._stall import StallWatch
 from ._unix import UnixSocket, socket_mode
 from .durability import MODES as DURABILITY_MODES
 from .durability import Durability
+from .kernels import load_in_background
 from .limits import InflightBytes, LimitsInterceptor
 from .metrics import (
     DurabilityCollector,
@@ -840,6 +841,9 @@ def _metrics_endpoint(registry: Any, config: ServerConfig) -> MetricsEndpoint:
 def serve(config: ServerConfig | None = None) -> int:
     """Start a server and run until SIGTERM/SIGINT; then drain and exit 0."""
     _malloc.tune()  # this process owns its allocator (see ``_malloc``)
+    # numba's kernels load while the data directory is restored and the replica set
+    # joined: steps take the NumPy path (the same bits) until they are in.
+    load_in_background()
     handle = create_server(config).start()
     stop = threading.Event()
 

@@ -33,6 +33,7 @@ from ._snapshot import (
     write_snapshot,
 )
 from ._wal import LogReader, WriteAheadLog, fsync_dir, segment_paths
+from ._walread import logged_term
 from .errors import DomainError, FailedPrecondition, NotFound
 from .store import ParameterStore
 
@@ -95,8 +96,13 @@ class Durability:
             self._unlock()
             raise
         next_lsn = max([last, wal_lsn, *covered.values()]) + 1
-        if next_lsn - 1 != last or last == wal_lsn:
-            self.last_term = 0  # the last lsn is not a record read from the log
+        if next_lsn - 1 != last:
+            self.last_term = 0  # the last lsn is not a record in the log
+        elif last == wal_lsn:
+            # Nothing after the snapshot (a graceful stop writes one last): the
+            # term its last record has in the log, if kept, so that a standby
+            # resumes after it instead of taking its primary's whole snapshot.
+            self.last_term = (wal_lsn and logged_term(self.wal_dir, wal_lsn)) or 0
         if self.mode == "wal":
             self.journal = WriteAheadLog(
                 self.wal_dir, next_lsn, self._on_wal_error, self._on_wal_recover
@@ -204,11 +210,14 @@ class Durability:
         for group, records in orphans.items():
             for orphan_lsn, orphan_op, error in records:
                 _not_replayed(orphan_lsn, orphan_op, group, error)
-        if count:
+        if count or reader.skipped:
             log.info(
-                "replayed %d write-ahead log records in %.3f s",
+                "replayed %d write-ahead log records after record %d in %.3f s "
+                "(%d segments before it not read)",
                 count,
+                wal_lsn,
                 time.perf_counter() - started,
+                reader.skipped,
             )
         reader.cut_torn_tail()  # the log goes on after its last intact record
         return last, count

@@ -10,7 +10,7 @@ from ._attrs import (
     make_attrs,
 )
 from ._fused import BLOCK_ELEMENTS, PARALLEL_MIN_ELEMENTS, Stepper, coefficients
-from ._select import KERNEL_PATHS, fused_kernels, kernel_path
+from ._select import KERNEL_PATHS, fused_kernels, kernel_path, load_in_background
 
 __all__ = [
     "BLOCK_ELEMENTS",
@@ -28,6 +28,7 @@ __all__ = [
     "coefficients",
     "fused_kernels",
     "kernel_path",
+    "load_in_background",
     "make_attrs",
     "split_inputs",
 ]

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ._select import fused_kernels, kernel_path
+from ._select import current_path, fused_kernels
 
 __all__ = ["FUSED_MIN_ELEMENTS", "all_finite", "finite_checker"]
 
@@ -55,7 +55,7 @@ def _small_all_finite(a: Array) -> bool:
 def finite_checker() -> Callable[[Array], bool]:
     """``all_finite`` with the kernel path chosen now, for many calls in a row
     (the chunks of one stream)."""
-    kernels = fused_kernels() if kernel_path() == "numba" else None
+    kernels = fused_kernels() if current_path() == "numba" else None
 
     def check(a: Array) -> bool:
         if a.size < FUSED_MIN_ELEMENTS:

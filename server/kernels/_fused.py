@@ -29,7 +29,7 @@ from onnxps.wire._pageout import page_out
 
 from ..errors import InvalidArgument
 from ._attrs import AdagradAttrs, AdamAttrs, MomentumAttrs, OptimizerAttrs
-from ._select import fused_kernels, kernel_path
+from ._select import current_path, fused_kernels
 
 __all__ = [
     "BLOCK_BYTES",
@@ -225,8 +225,10 @@ class Stepper:
 
     ``kernels`` chooses the path (``"numpy"``, ``"numba"`` or ``"auto"``; None reads
     ``ONNXPS_KERNELS``, see ``kernel_path``); ``self.kernels`` says which one it
-    took. Not thread-safe: the owner (a group, under its lock) calls ``step``
-    serially.
+    took. On the auto path while a server loads the fused kernels in the
+    background (``current_path``), it steps with NumPy and takes them at its first
+    step after they are in: the same bits. Not thread-safe: the owner (a group,
+    under its lock) calls ``step`` serially.
     """
 
     def __init__(
@@ -240,15 +242,25 @@ class Stepper:
         self.attrs = attrs
         self.dtype = np.dtype(dtype)
         self.sizes = [int(n) for n in sizes]
-        self.kernels = kernel_path(kernels)
-        self._kernel = _compiled_kernel(self.kernels, attrs.op)
-        self._row_kernel = _compiled_kernel(self.kernels, f"{attrs.op}_rows")
+        self._requested = kernels
+        self._block = block
+        path = current_path(kernels)
+        # None: the fused kernels are loading; NumPy (the same bits) until they are
+        self._later = path is None
+        self._take(path or "numpy")
+
+    def _take(self, path: str) -> None:
+        """Step on ``path`` from now on: its kernels, blocks and scratch."""
+        self.kernels = path
+        self._kernel = _compiled_kernel(path, self.attrs.op)
+        self._row_kernel = _compiled_kernel(path, f"{self.attrs.op}_rows")
         total = sum(self.sizes)
         parallel = total >= PARALLEL_MIN_ELEMENTS and _THREADS > 1
+        block = self._block
         if block is None:
             block = self._default_block(total, parallel)
         self.block = block
-        self._fn = _BLOCK_FNS[attrs.op]
+        self._fn = _BLOCK_FNS[self.attrs.op]
         self._blocks: list[Block] = [
             (i, start, min(start + block, n))
             for i, n in enumerate(self.sizes)
@@ -261,6 +273,14 @@ class Stepper:
         self._scratch: list[Array | None] = [None] * slots
         if self._kernel is None:
             self._scratch = [self._new_scratch() for _ in range(slots)]
+
+    def _loaded_yet(self) -> None:
+        """Take the fused kernels once they are loaded (a step's first thing)."""
+        path = current_path(self._requested)
+        if path is not None:
+            self._later = False
+            if path != self.kernels:
+                self._take(path)
 
     def _default_block(self, total: int, parallel: bool) -> int:
         size = BLOCK_BYTES if self._kernel is None else FUSED_BLOCK_BYTES
@@ -282,6 +302,8 @@ class Stepper:
         hs: Sequence[Array] | None,
     ) -> None:
         """One ONNX step on flat, C-contiguous arrays of this stepper's dtype."""
+        if self._later:
+            self._loaded_yet()
         c = coefficients(self.attrs, float(r), int(t), self.dtype)
         run = self._run if self._kernel is None else self._run_fused
         args = (c, xs, gs, vs, hs)
@@ -309,6 +331,8 @@ class Stepper:
         (rows, row) tensors X, V, H, with G holding one row per index, in one fused
         pass. False, touching nothing, when there is no fused row kernel (the caller
         gathers the rows and calls ``step``): the same bits either way."""
+        if self._later:
+            self._loaded_yet()
         kernel = self._row_kernel
         arrays = [a for a in (x, g, v, h) if a is not None]
         if kernel is None or not all(
@@ -339,6 +363,8 @@ class Stepper:
         ``start:stop`` of tensor ``i`` are final, blocks in order (the same blocks
         and kernels as ``step``, so the same bits). The threads take one block each
         at a time; ``done`` runs on the caller's thread between them."""
+        if self._later:
+            self._loaded_yet()
         c = coefficients(self.attrs, float(r), int(t), self.dtype)
         run = self._run if self._kernel is None else self._run_fused
         width = len(self._slices)

@@ -3,10 +3,16 @@
 ``ONNXPS_KERNELS`` chooses: ``auto`` (the default) takes the fused path when numba
 imports and compiles, ``numpy`` always takes the NumPy path, ``numba`` takes the fused
 path or fails with the reason. Both paths give the same bits. The first use compiles
-the fused kernels (about 2 s) or loads them from numba's on-disk cache (well under a
-second, most of it importing numba) and logs which path is in use, once. Once
-loaded, LLVM's pages go back to the kernel (``onnxps.wire._pageout``): the kernels
-run without it.
+the fused kernels (2 to 20 s) or loads them from numba's on-disk cache (1 to 3 s,
+half of it importing numba) and logs which path is in use, once. Once loaded,
+LLVM's pages go back to the kernel (``onnxps.wire._pageout``): the kernels run
+without it.
+
+A server does not wait for that: ``load_in_background`` loads them on a thread
+while it restores its data and joins its replica set, and until they are loaded
+``current_path`` answers None on the auto path: a ``Stepper`` steps with NumPy (the
+same bits) and takes the fused kernels at its first step after they are in. An
+explicit ``numba`` waits for them.
 """
 
 from __future__ import annotations
@@ -20,7 +26,14 @@ from typing import Any
 
 from onnxps.wire._pageout import page_out
 
-__all__ = ["ENV", "KERNEL_PATHS", "fused_kernels", "kernel_path"]
+__all__ = [
+    "ENV",
+    "KERNEL_PATHS",
+    "current_path",
+    "fused_kernels",
+    "kernel_path",
+    "load_in_background",
+]
 
 ENV = "ONNXPS_KERNELS"
 KERNEL_PATHS = ("numpy", "numba")
@@ -33,6 +46,8 @@ _loaded = False
 _kernels: dict[str, Callable[..., Any]] | None = None
 _failure = ""
 _logged: set[str] = set()
+_loading: threading.Thread | None = None  # load_in_background's
+_start_lock = threading.Lock()
 
 
 def fused_kernels() -> dict[str, Callable[..., Any]] | None:
@@ -66,12 +81,36 @@ def fused_kernels() -> dict[str, Callable[..., Any]] | None:
         return _kernels
 
 
-def kernel_path(requested: str | None = None) -> str:
-    """``"numpy"`` or ``"numba"``: ``requested``, else ``ONNXPS_KERNELS``, else auto.
+def load_in_background() -> None:
+    """Load the fused kernels on a thread now, unless ``ONNXPS_KERNELS`` says numpy
+    (or nothing it knows: ``kernel_path`` says so when asked) or a load began."""
+    global _loading
+    try:
+        choice = _choice(None)[1]
+    except ValueError:
+        return
+    with _start_lock:
+        if choice == "numpy" or _loaded or _loading is not None:
+            return
+        _loading = threading.Thread(
+            target=fused_kernels, name="onnxps-kernels", daemon=True
+        )
+        _loading.start()
 
-    Raises ValueError for an unknown choice and RuntimeError when ``numba`` is asked
-    for and cannot be had.
-    """
+
+def current_path(requested: str | None = None) -> str | None:
+    """``kernel_path(requested)``, or None (NumPy for now: ask again later) while
+    ``load_in_background``'s load runs and the choice is auto. Never waits for it."""
+    if not _loaded and _loading is not None and _choice(requested)[1] == "auto":
+        if "loading" not in _logged:
+            _logged.add("loading")
+            log.info("onnxps kernels: NumPy path until the fused kernels are loaded")
+        return None
+    return kernel_path(requested)
+
+
+def _choice(requested: str | None) -> tuple[str, str]:
+    """(where the choice came from, the choice); ValueError for an unknown one."""
     source = "kernels=" if requested is not None else f"{ENV}="
     choice = requested if requested is not None else os.environ.get(ENV, "")
     choice = choice.strip().lower() or "auto"
@@ -80,6 +119,16 @@ def kernel_path(requested: str | None = None) -> str:
             f"{source}{choice!r} is not a kernel path: expected one of "
             f"{', '.join(_CHOICES)}"
         )
+    return source, choice
+
+
+def kernel_path(requested: str | None = None) -> str:
+    """``"numpy"`` or ``"numba"``: ``requested``, else ``ONNXPS_KERNELS``, else auto.
+
+    Raises ValueError for an unknown choice and RuntimeError when ``numba`` is asked
+    for and cannot be had. Waits for the fused kernels when they are being loaded.
+    """
+    source, choice = _choice(requested)
     path = choice
     if choice != "numpy":
         path = "numba" if fused_kernels() is not None else "numpy"

@@ -235,17 +235,6 @@ def frame_arrays(header: dict[str, Any], frame: memoryview) -> list[Array]:
 UNREADABLE = (WalGapError, WalFormatError, OSError)
 
 
-def logged_term(wal_dir: str, lsn: int) -> int | None:
-    """The term record ``lsn`` of the log holds (0: none written), or None when
-    the log does not hold that record (pruned, not written, or damaged)."""
-    try:
-        for header, _ in LogReader(wal_dir, lsn - 1).frames(upto=lsn):
-            return int(header.get("term", 0))
-    except UNREADABLE:
-        return None
-    return None
-
-
 def logged_frames(
     wal_dir: str, after: int, upto: int
 ) -> Iterator[tuple[int, list[bytes]]]:

@@ -34,7 +34,7 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from .._snapshot import SnapshotError, list_snapshots, read_manifest
 from .._waits import CURRENT_CALL, CallCancelled, CallLink
 from .._wal import Frame
-from .._walread import LogCursor
+from .._walread import LogCursor, logged_term
 from ..durability import Durability
 from ..errors import (
     FailedPrecondition,
@@ -48,7 +48,6 @@ from ._frames import (
     PROTOCOL,
     UNREADABLE,
     WHOLE,
-    logged_term,
     piece,
     pieces,
 )

@@ -279,7 +279,9 @@ class Member:
     # -- the loop -------------------------------------------------------------------
     def _run(self) -> None:
         tick = max(0.05, self.ttl / 10)
-        while not self._stop.wait(tick):
+        wait = 0.0  # the first step at once: a restarted standby follows sooner
+        while not self._stop.wait(wait):
+            wait = tick
             try:
                 self._step()
             except CoordinatorUnavailable as exc:
