@@ -51,16 +51,6 @@ CMD ["etcd", "--data-dir", "/var/lib/etcd/data"]
 
 
 FROM base AS server
-# [fast]: numba's fused kernels, compiled here into the image's cache, so that a
-# started or restarted container loads them (about 1 s, beside its replay) instead of
-# compiling them (2 to 20 s). numba keys its cache to the CPU: on a host of another
-# CPU model they compile once in the background (steps take the NumPy path, the same
-# bits, meanwhile) into the same directory, writable by the server's user.
-RUN pip install '.[replication,fast]'
-ENV NUMBA_CACHE_DIR=/var/cache/onnxps/numba
-RUN mkdir -p "$NUMBA_CACHE_DIR" \
-    && python -m onnxps.server.kernels \
-    && chown -R onnxps:onnxps /var/cache/onnxps
 # Snapshots (and the WAL with --durability wal) live here; mount a volume on it. (Not
 # in the demo image: a worker keeps nothing, and would leave an anonymous volume.)
 VOLUME /data

@@ -80,16 +80,3 @@ def test_the_image_gets_every_package_directory_pyproject_maps() -> None:
     needed = {path.split("/")[0] for path in mapping.values()}
     needed |= {"pyproject.toml", "README.md"}
     assert needed - _copied_top_folders() == set()
-
-
-def test_the_server_image_compiles_the_kernels_into_its_cache() -> None:
-    # a restarted container loads numba's kernels from the image instead of
-    # compiling them (docs/configuration.md, "Kernels and restarts")
-    server = _stages()["server"]
-    assert "RUN pip install '.[replication,fast]'" in server
-    env = [line for line in server if line.startswith("ENV NUMBA_CACHE_DIR")]
-    assert env == ["ENV NUMBA_CACHE_DIR=/var/cache/onnxps/numba"]
-    run = [line for line in server if "python -m onnxps.server.kernels" in line]
-    assert len(run) == 1
-    assert "chown -R onnxps:onnxps /var/cache/onnxps" in run[0]  # later misses too
-    assert server.index(run[0]) < server.index("USER onnxps")
