@@ -286,8 +286,9 @@ class Cluster:
     def etcd_get(self, key: str, prefix: bool = False) -> Any:
         for gw in self._gateways:
             try:
-                if prefix:
-                    return {m["key"].decode(): json.loads(v)
+                if prefix:  # with each key's revision: it moves at every write
+                    return {m["key"].decode(): {**json.loads(v),
+                            "_rev": int(m["mod_revision"])}
                             for v, m in gw.get_prefix(key)}  # fmt: skip
                 got = gw.get(key)
                 return json.loads(got[0]) if got else None
@@ -409,7 +410,7 @@ def schedule(seed: int, duration: float, warmup: float = 8.0) -> list[Fault]:
     """Faults one after the other: each kind once in a shuffled round, then again."""
     rng = random.Random(seed)
     out: list[Fault] = []
-    t, kinds = warmup, []
+    t, kinds = warmup, list[str]()
     while True:
         if not kinds:
             kinds = list(KINDS)
@@ -930,8 +931,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     return proc.wait(a.duration + 900)
                 finally:
                     reap([proc])
-            log("no network namespace can be made here: running on the host's "
-                "loopback, partitions as iptables rules in a chain of the run's own")
+            log(
+                "no network namespace can be made here: running on the host's "
+                "loopback, partitions as iptables rules in a chain of the run's own"
+            )
     r = Run(a.seed, a.duration, a.workers, out)
     got = execute(r, netns=a.inside)
     print(got["text"], flush=True)

@@ -157,9 +157,9 @@ def check_group(
     unknown = applied - set(acked)
     v.unknown_applied = len(unknown)
     for k in unknown:
-        r = outcomes.get(k)
-        if r is not None and r["outcome"] == REFUSED:
-            v.refused_applied[str(r.get("code"))] += 1
+        got = outcomes.get(k)
+        if got is not None and got["outcome"] == REFUSED:
+            v.refused_applied[str(got.get("code"))] += 1
     if len(applied) != final_t:
         v.errors.append(
             f"final T is {final_t} but {len(applied)} pushes are in the state "
@@ -251,12 +251,13 @@ def redundant(
         return False
     if not sync.get("standbys"):
         return False
-    ref = None
+    ref, before = None, dict[str, Any]()
     for old in reversed(samples[:at]):
         if old["shard"] != shard or float(old["t"]) > float(s["t"]) - lag:
             continue
         op = old.get("primary")
-        info = (old.get("members") or {}).get(p["member"])
+        before = old.get("members") or {}
+        info = before.get(p["member"])
         if isinstance(op, dict) and op["member"] == p["member"] and info:
             ref = int(info.get("lsn", 0))
         break
@@ -266,6 +267,9 @@ def redundant(
         if member == p["member"]:
             continue
         if info.get("role") != "standby" or int(info.get("lsn", -1)) < ref:
+            return False
+        # registered again since (a dead member's key outlives it by its lease)
+        if member in before and info.get("_rev", 0) <= before[member].get("_rev", 0):
             return False
     return True
 
