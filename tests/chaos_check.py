@@ -16,11 +16,14 @@ T order must give the final X and H of every element.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +34,11 @@ EPSILON = 1e-6
 RTOL, ATOL = 1e-9, 1e-12
 MAX_UNKNOWN_PER_ELEMENT = 12  # 2**12 subsets at most per element
 ACK, REFUSED, UNKNOWN = "ack", "refused", "unknown"
+SHARDS, REPLICAS = 2, 3
+RESTART_DELAY = 1.0  # the supervisor's, after a replica's process exits
+SLACK = 1.0  # a call may end this long after its deadline (a loaded host)
+CONVERGE_WITHIN = 30.0
+CONVERGE_WATCH = 60.0  # how long the convergence is watched, to report its time
 
 
 def gradient(seed: int, gi: int, k: int, m: int) -> np.ndarray:
@@ -224,52 +232,53 @@ def one_primary_per_term(samples: Sequence[Mapping[str, Any]]) -> list[str]:
     ]
 
 
-def first_ack_after(
-    records: Sequence[Mapping[str, Any]], shard: int, when: float
+def outage(
+    records: Sequence[Mapping[str, Any]], shard: int, start: float, until: float
 ) -> float | None:
-    """Seconds from ``when`` to the end of the first acknowledged push on ``shard``
-    that started at or after ``when``."""
+    """Seconds from a fault at ``start`` until pushes on ``shard`` were acknowledged
+    again: to the end of the first acknowledged push that started after the last
+    push that failed among those started in ``[start, until)``. 0.0 when none of
+    those failed; None when none was acknowledged after."""
+    mine = [r for r in records if r["shard"] == shard and r.get("outcome")]
+    failed = [
+        float(r["start"])
+        for r in mine
+        if r["outcome"] != ACK and start <= float(r["start"]) < until
+    ]
+    if not failed:
+        return 0.0
+    after = max(failed)
     ends = [
         float(r["end"])
-        for r in records
-        if r.get("outcome") == ACK and r["shard"] == shard and r["start"] >= when
+        for r in mine
+        if r["outcome"] == ACK and float(r["start"]) > after
     ]
-    return min(ends) - when if ends else None
+    return min(ends) - start if ends else None
 
 
 def redundant(
-    samples: Sequence[Mapping[str, Any]], shard: int, replicas: int, at: int, lag: float
+    sample: Mapping[str, Any],
+    replicas: int,
+    at_heal: Mapping[str, Any],
+    ref: int | None,
 ) -> bool:
-    """Whether the monitor's sample ``at`` of ``shard`` shows a full replica set:
-    a primary, every member registered in its term, a synchronous standby named,
-    and every standby's lsn at least the primary's ``lag`` seconds earlier."""
-    s = samples[at]
-    p, sync, members = s.get("primary"), s.get("sync"), s.get("members") or {}
-    if not isinstance(p, dict) or len(members) < replicas:
+    """Whether ``sample`` (of one shard) shows a full replica set: a primary with a
+    synchronous standby named in its term, every member registered again since
+    the heal (``at_heal``: the members as the heal found them; a dead member's
+    key outlives it by its lease), each standby's lsn at least ``ref``."""
+    p, sync, members = sample.get("primary"), sample.get("sync"), sample["members"]
+    if ref is None or not isinstance(p, dict) or len(members) < replicas:
         return False
     if not isinstance(sync, dict) or sync.get("term") != p["term"]:
         return False
     if not sync.get("standbys"):
         return False
-    ref, before = None, dict[str, Any]()
-    for old in reversed(samples[:at]):
-        if old["shard"] != shard or float(old["t"]) > float(s["t"]) - lag:
-            continue
-        op = old.get("primary")
-        before = old.get("members") or {}
-        info = before.get(p["member"])
-        if isinstance(op, dict) and op["member"] == p["member"] and info:
-            ref = int(info.get("lsn", 0))
-        break
-    if ref is None:
-        return False
     for member, info in members.items():
+        if member in at_heal and info.get("_rev", 0) <= at_heal[member].get("_rev", 0):
+            return False
         if member == p["member"]:
             continue
         if info.get("role") != "standby" or int(info.get("lsn", -1)) < ref:
-            return False
-        # registered again since (a dead member's key outlives it by its lease)
-        if member in before and info.get("_rev", 0) <= before[member].get("_rev", 0):
             return False
     return True
 
@@ -282,11 +291,189 @@ def redundancy_back(
     until: float,
     lag: float = 2.0,
 ) -> float | None:
-    """Seconds from ``since`` to the first monitor sample of ``shard`` before
-    ``until`` that shows a full, caught-up replica set (None: not seen)."""
+    """Seconds from ``since`` (a heal) to the first monitor sample of ``shard``
+    before ``until`` showing every replica caught up: each standby's registered
+    lsn at least the one its primary registered ``lag`` seconds before (members
+    register about once a second: a resolution of 1 to 2 s). None: not seen."""
     mine = [s for s in samples if s["shard"] == shard]
+    at_heal: Mapping[str, Any] = {}
     for i, s in enumerate(mine):
         t = float(s["t"])
-        if since <= t <= until and redundant(mine, shard, replicas, i, lag):
+        if t < since:
+            at_heal = s.get("members") or {}
+            continue
+        if t > until:
+            break
+        p = s.get("primary")
+        ref = None
+        for old in reversed(mine[:i]):
+            if float(old["t"]) > t - lag:
+                continue
+            op = old.get("primary")
+            if isinstance(p, dict) and isinstance(op, dict):
+                info = (old.get("members") or {}).get(p["member"])
+                if info and op["member"] == p["member"]:
+                    ref = int(info.get("lsn", 0))
+            break
+        if redundant({**s, "members": s.get("members") or {}}, replicas, at_heal, ref):
             return t - since
     return None
+
+
+# -- a run's records ----------------------------------------------------------------
+@dataclass
+class Run:
+    seed: int
+    duration: float
+    workers: int
+    out: Path
+    m: int = 256
+    interval: float = 0.1
+    groups: dict[str, dict[str, int]] = field(default_factory=dict)
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    sampling: bool = False
+    behind: dict[str, str] = field(default_factory=dict)  # replicas' last states
+
+
+def load_records(out: Path) -> list[dict[str, Any]]:
+    records = []
+    for path in sorted(out.glob("worker*.jsonl")):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                records.append(json.loads(line))
+    # one record per (group, seq): the outcome line wins over the intent line
+    latest: dict[tuple[str, int], dict[str, Any]] = {}
+    for rec in records:
+        key = (rec["group"], rec["seq"])
+        if key not in latest or rec.get("outcome") is not None:
+            latest[key] = rec
+    return list(latest.values())
+
+
+# -- the report --------------------------------------------------------------------
+def report(
+    r: Run,
+    converged: dict[str, float | None],
+    final: dict[str, Any],
+    healed: float,
+) -> dict[str, Any]:
+    records = load_records(r.out)
+    lines: list[str] = []
+    outcomes = Counter(str(x.get("outcome")) for x in records)
+    refused = Counter(str(x.get("code")) for x in records if x["outcome"] == REFUSED)
+    unknown = Counter(str(x.get("code")) for x in records if x["outcome"] == UNKNOWN)
+    lines.append(
+        f"pushes: {len(records)} issued, {outcomes[ACK]} acknowledged, "
+        f"{outcomes[REFUSED]} refused {dict(refused)}, {outcomes[UNKNOWN]} unknown "
+        f"{dict(unknown)}, {outcomes['None']} without outcome (worker stopped)"
+    )
+    # every acknowledged push exactly once at its T; the state a serial replay
+    history: list[str] = []
+    replay: list[str] = []
+    refused_applied: Counter[str] = Counter()
+    unknown_applied = late = 0
+    by_group: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for rec in records:
+        by_group[rec["group"]].append(rec)
+    for g, meta in r.groups.items():
+        if g not in final:
+            history.append(f"{g}: no final state read from its primary")
+            continue
+        t, x, h = final[g]
+        v = check_group(g, by_group[g], t, x, h, seed=r.seed, gi=meta["gi"], m=r.m)
+        for e in v.errors:
+            (replay if e.startswith("a serial replay") else history).append(f"{g}: {e}")
+        refused_applied += v.refused_applied
+        unknown_applied += v.unknown_applied
+        late += v.late
+        lines.append(
+            f"  {g} (shard {meta['shard']}): T={t}, {v.acked} acknowledged, "
+            f"{v.applied} applied ({v.unknown_applied} of them without an ack)"
+        )
+    lines.append(
+        f"applied without an ack: {unknown_applied} (of them refused: "
+        f"{dict(refused_applied)}); applied after a later push: {late}"
+    )
+    # deadlines
+    over = [
+        float(x["end"]) - float(x["start"]) - float(x["deadline"])
+        for x in records
+        if x.get("outcome") is not None
+    ]
+    worst = max(over, default=0.0)
+    lines.append(f"calls: the longest ended {worst:+.2f} s past its deadline")
+    # one primary per term
+    split = one_primary_per_term(r.samples)
+    terms = {(s["shard"], s["primary"]["term"]) for s in r.samples
+             if isinstance(s.get("primary"), dict)}  # fmt: skip
+    lines.append(f"terms seen: {len(terms)} over {len(r.samples)} samples of etcd")
+    # faults, failover and redundancy
+    kinds = Counter(f["kind"] for f in r.faults)
+    lines.append(f"faults: {len(r.faults)} {dict(sorted(kinds.items()))}")
+    exits = Counter(e["exit"] for e in r.events if "exit" in e)
+    lines.append(f"replica exits by status: {dict(exits)} (each restarted after "
+                 f"{RESTART_DELAY:.0f} s)")  # fmt: skip
+    failover: dict[str, list[float]] = defaultdict(list)
+    back: dict[str, list[float]] = defaultdict(list)
+    never: dict[str, list[str]] = defaultdict(list)
+    for i, f in enumerate(r.faults):
+        until = r.faults[i + 1]["start"] if i + 1 < len(r.faults) else healed
+        shards = [f["shard"]] if f["shard"] is not None else list(range(SHARDS))
+        for s in shards:
+            took = outage(records, s, f["start"], until)
+            if took is not None:
+                failover[f["kind"]].append(took)
+            got = redundancy_back(r.samples, s, REPLICAS, f["end"], until)
+            if got is None:
+                never[f["kind"]].append(f"shard {s} ({until - f['end']:.0f} s)")
+            else:
+                back[f["kind"]].append(got)
+    lines.append("fault -> pushes acknowledged again on its shard (0: none failed):")
+    lines += [f"  {k}: {spread(v)}" for k, v in sorted(failover.items())]
+    lines.append("heal -> every replica of the shard caught up (etcd's lsn, 2 s):")
+    for k in sorted(kinds):
+        miss = f"; not before the next fault: {never[k]}" if never[k] else ""
+        lines.append(f"  {k}: {spread(back[k])}{miss}")
+    late_replicas = {m: v for m, v in converged.items()
+                     if v is None or v > CONVERGE_WITHIN}  # fmt: skip
+    lines.append(
+        "after the heal and the workers' stop, each replica equal to its primary "
+        "(T, X, H of every group) after: "
+        + ", ".join(
+            f"{m} {'never' if v is None else f'{v:.1f} s'}"
+            for m, v in sorted(converged.items())
+        )
+        + f" (watched {CONVERGE_WATCH:.0f} s)"
+    )
+    verdicts = {
+        "acked_applied_once_at_their_T": (not history, history[:10]),
+        "state_is_a_serial_replay": (not replay, replay[:10]),
+        "one_primary_per_term": (not split, split[:10]),
+        "no_call_past_its_deadline": (
+            worst <= SLACK,
+            [f"a call ended {worst:.2f} s past its deadline (slack {SLACK} s)"],
+        ),
+        "replicas_converge_within_30s": (
+            not late_replicas,
+            [f"{m}: " + (f"not within {CONVERGE_WATCH:.0f} s" if v is None
+                         else f"{v:.1f} s") + f"; last seen: {r.behind.get(m)}"
+             for m, v in late_replicas.items()],
+        ),
+    }  # fmt: skip
+    for name, (ok, why) in verdicts.items():
+        lines.append(f"verdict {name}: {'HOLDS' if ok else 'FAILED'}")
+        lines += [f"    {w}" for w in ([] if ok else why)]
+    return {
+        "seed": r.seed,
+        "duration": r.duration,
+        "text": "\n".join(lines),
+        "verdicts": {k: {"ok": ok, "why": why} for k, (ok, why) in verdicts.items()},
+        "pushes": dict(outcomes),
+        "faults": dict(kinds),
+        "failover": {k: sorted(v) for k, v in failover.items()},
+        "redundancy": {k: sorted(v) for k, v in back.items()},
+        "redundancy_missed": dict(never),
+        "converged": converged,
+    }

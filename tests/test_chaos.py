@@ -23,7 +23,7 @@ from _etcd import INSTALL_HINT, etcd_binary
 
 HERE = Path(__file__).resolve().parent
 SEED = 36
-DURATION = 120
+DURATION = 130
 
 
 @pytest.mark.slow
