@@ -401,11 +401,13 @@ class Fault:
     pick: float  # which replica or etcd member, as a fraction
 
 
-def schedule(seed: int, duration: float, warmup: float = 8.0) -> list[Fault]:
+def schedule(
+    seed: int, duration: float, gap: tuple[float, float] = (4.0, 7.0)
+) -> list[Fault]:
     """Faults one after the other: each kind once in a shuffled round, then again."""
     rng = random.Random(seed)
     out: list[Fault] = []
-    t, kinds = warmup, list[str]()
+    t, kinds = 8.0, list[str]()  # 8 s of pushes before the first fault
     while True:
         if not kinds:
             kinds = list(KINDS)
@@ -417,7 +419,7 @@ def schedule(seed: int, duration: float, warmup: float = 8.0) -> list[Fault]:
         if t + hold + TAIL > duration:
             return out
         out.append(Fault(kind, t, hold, rng.randrange(SHARDS), rng.random()))
-        t += hold + round(rng.uniform(4.0, 7.0), 2)
+        t += hold + round(rng.uniform(*gap), 2)
 
 
 def inject(c: Cluster, f: Fault) -> tuple[dict[str, Any], Any]:
@@ -615,7 +617,7 @@ def execute(r: Run, netns: bool) -> dict[str, Any]:
         stop = r.out / "stop"
         workers = start_workers(c, r, stop)
         t0 = time.monotonic()
-        plan = schedule(r.seed, r.duration)
+        plan = schedule(r.seed, r.duration, r.gap)
         log(f"{len(plan)} faults planned over {r.duration:.0f} s (seed {r.seed})")
         for f in plan:
             time.sleep(max(0.0, t0 + f.at - time.monotonic()))
@@ -719,6 +721,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=150.0, help="seconds of "
                    "faults and pushes (setup and convergence come on top)")  # fmt: skip
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--gap", default="4,7", help="seconds between a heal and the "
+                   "next fault: MIN,MAX (default 4,7)")  # fmt: skip
     p.add_argument("--out", help="directory of the run's files (default: a new "
                    "one under the temp dir, kept)")  # fmt: skip
     p.add_argument("--json", help="write the verdicts and figures to this file")
@@ -780,7 +784,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "no network namespace can be made here: running on the host's "
                 "loopback, partitions as iptables rules in a chain of the run's own"
             )
-    r = Run(a.seed, a.duration, a.workers, out)
+    lo, hi = (float(v) for v in a.gap.split(","))
+    r = Run(a.seed, a.duration, a.workers, out, gap=(lo, hi))
     got = execute(r, netns=a.inside)
     print(got["text"], flush=True)
     if a.json:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from chaos_check import (
     ACK,
     REFUSED,
@@ -120,14 +121,15 @@ def test_two_primaries_in_one_term_are_caught() -> None:
     assert both == ["shard 0 term 3: primaries ['a', 'b']"]
 
 
-def test_outage_runs_to_the_first_ack_after_the_last_failure() -> None:
+def test_outage_is_the_longest_time_without_an_ack_after_the_fault() -> None:
     recs = [
-        {"shard": 0, "outcome": ACK, "start": 10.0, "end": 10.1},
+        {"shard": 0, "outcome": ACK, "start": 9.9, "end": 10.1},
         {"shard": 0, "outcome": UNKNOWN, "start": 10.2, "end": 14.2},
+        {"shard": 0, "outcome": ACK, "start": 10.3, "end": 13.0},
         {"shard": 0, "outcome": REFUSED, "start": 14.3, "end": 14.4},
         {"shard": 0, "outcome": ACK, "start": 14.5, "end": 15.0},
         {"shard": 1, "outcome": ACK, "start": 11.0, "end": 11.1},
     ]
-    assert outage(recs, 0, 10.0, 20.0) == 5.0
-    assert outage(recs, 1, 10.0, 20.0) == 0.0
-    assert outage(recs[:3], 0, 10.0, 20.0) is None
+    assert outage(recs, 0, 10.0, 20.0) == pytest.approx(2.9)
+    assert outage(recs, 1, 10.0, 20.0) == pytest.approx(1.1)
+    assert outage(recs, 1, 12.0, 20.0) is None
