@@ -69,7 +69,9 @@ from chaos_check import (  # noqa: E402
     UNKNOWN,
     Run,
     gradient,
+    load,
     report,
+    save,
 )
 
 HERE = Path(__file__).resolve()
@@ -643,6 +645,7 @@ def execute(r: Run, netns: bool) -> dict[str, Any]:
         log("workers stopped; watching the replicas converge")
         converged, final = converge(c, r)
         r.sampling = False
+        save(r, converged, final, healed)
         return report(r, converged, final, healed)
     finally:
         r.sampling = False
@@ -731,6 +734,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                    help="run on the host's loopback (iptables rules in a chain "
                    "of the run's own, removed at the end)")  # fmt: skip
     sub = p.add_subparsers(dest="command")
+    check = sub.add_parser("check", help="the report of a finished run again")
+    check.add_argument("dir", help="the run's --out directory")
     w = sub.add_parser("worker")
     for name in ("url", "worker", "groups", "out", "stop", "seed", "m", "interval"):
         w.add_argument(f"--{name}", required=True,
@@ -764,6 +769,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
     if a.command == "worker":
         return worker(a)
+    if a.command == "check":
+        got = load(Path(a.dir))
+        print(got["text"])
+        return 0 if all(v["ok"] for v in got["verdicts"].values()) else 1
     if os.geteuid() != 0:
         print("tests/chaos.py needs root (netns, iptables, tmpfs)", file=sys.stderr)
         return 2

@@ -167,7 +167,7 @@ def check_group(
     for k in unknown:
         got = outcomes.get(k)
         if got is not None and got["outcome"] == REFUSED:
-            v.refused_applied[str(got.get("code"))] += 1
+            v.refused_applied[f"{got.get('code')}/{got.get('reason')}"] += 1
     if len(applied) != final_t:
         v.errors.append(
             f"final T is {final_t} but {len(applied)} pushes are in the state "
@@ -347,6 +347,42 @@ def load_records(out: Path) -> list[dict[str, Any]]:
 
 
 # -- the report --------------------------------------------------------------------
+def save(
+    r: Run, converged: dict[str, float | None], final: dict[str, Any], healed: float
+) -> None:
+    """What the checker needs beside the workers' and the monitor's files:
+    ``run.json`` and the primaries' final states in ``final.npz``."""
+    meta = {
+        "seed": r.seed, "duration": r.duration, "workers": r.workers, "m": r.m,
+        "gap": r.gap, "groups": r.groups, "faults": r.faults, "events": r.events,
+        "behind": r.behind, "converged": converged, "healed": healed,
+    }  # fmt: skip
+    (r.out / "run.json").write_text(json.dumps(meta, indent=1))
+    arrays = {}
+    for g, (t, x, h) in final.items():
+        arrays[f"{g}/t"], arrays[f"{g}/x"], arrays[f"{g}/h"] = np.array(t), x, h
+    np.savez(r.out / "final.npz", **arrays)  # type: ignore[arg-type]
+
+
+def load(out: Path) -> dict[str, Any]:
+    """A saved run's report again (``python tests/chaos.py check DIR``)."""
+    meta = json.loads((out / "run.json").read_text())
+    lo, hi = meta["gap"]
+    r = Run(meta["seed"], meta["duration"], meta["workers"], out, meta["m"], (lo, hi),
+            groups=meta["groups"], faults=meta["faults"], events=meta["events"],
+            behind=meta["behind"])  # fmt: skip
+    with open(out / "monitor.jsonl") as f:
+        for line in f:
+            with contextlib.suppress(ValueError):
+                r.samples.append(json.loads(line))
+    final: dict[str, Any] = {}
+    with np.load(out / "final.npz") as npz:
+        for g in r.groups:
+            if f"{g}/t" in npz:
+                final[g] = (int(npz[f"{g}/t"]), npz[f"{g}/x"], npz[f"{g}/h"])
+    return report(r, meta["converged"], final, meta["healed"])
+
+
 def report(
     r: Run,
     converged: dict[str, float | None],
