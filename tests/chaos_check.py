@@ -269,7 +269,9 @@ def redundant(
     for member, info in members.items():
         if member in at_heal and info.get("_rev", 0) <= at_heal[member].get("_rev", 0):
             return False
-        if member == p["member"]:
+        if member == p["member"]:  # the primary itself (not a restart of it)
+            if info.get("role") != "primary" or info.get("term") != p["term"]:
+                return False
             continue
         if info.get("role") != "standby" or int(info.get("lsn", -1)) < ref:
             return False
@@ -287,12 +289,13 @@ def redundancy_back(
     """Seconds from ``since`` (a heal) to the first monitor sample of ``shard``
     before ``until`` showing every replica caught up: each standby's registered
     lsn at least the one its primary registered ``lag`` seconds before (members
-    register about once a second: a resolution of 1 to 2 s). None: not seen."""
+    register about once a second: a resolution of 1 to 2 s; a registration counts
+    only from 0.5 s after ``since``). None: not seen."""
     mine = [s for s in samples if s["shard"] == shard]
     at_heal: Mapping[str, Any] = {}
     for i, s in enumerate(mine):
         t = float(s["t"])
-        if t < since:
+        if t <= since + 0.5:  # a registration sent before a kill may land after
             at_heal = s.get("members") or {}
             continue
         if t > until:
