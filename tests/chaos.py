@@ -66,6 +66,7 @@ from chaos_check import (  # noqa: E402
     RESTART_DELAY,
     SHARDS,
     SHARED,
+    TAIL,
     UNKNOWN,
     Run,
     gradient,
@@ -78,7 +79,6 @@ HERE = Path(__file__).resolve()
 PREFIX = "chaos"
 TTL = 3
 DEADLINE = 4.0  # each push's
-TAIL = 10.0  # seconds of pushes after the last heal
 GID = 61000  # replica (shard s, replica r) runs with group GID + 10 s + r
 KINDS = (
     "kill9-primary",
@@ -529,9 +529,12 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     )
 
 
-def converge(c: Cluster, r: Run) -> tuple[dict[str, float | None], dict[str, Any]]:
-    """Seconds until each replica equals its shard's primary (None: not within
-    CONVERGE_WATCH); and the primaries' final states."""
+def converge(
+    c: Cluster, r: Run, healed: float
+) -> tuple[dict[str, float | None], dict[str, Any]]:
+    """Seconds from the heal until each replica equals its shard's primary (read
+    once the workers stopped; None: not within CONVERGE_WATCH of their stop); and
+    the primaries' final states."""
     start = time.monotonic()
     done: dict[str, float | None] = {rep.member: None for rep in c.replicas}
     final: dict[str, Any] = {}
@@ -543,13 +546,13 @@ def converge(c: Cluster, r: Run) -> tuple[dict[str, float | None], dict[str, Any
             if prim is None or ref is None:
                 continue
             final.update(ref)
-            done[prim.member] = done[prim.member] or time.monotonic() - start
+            done[prim.member] = done[prim.member] or time.monotonic() - healed
             for rep in c.shard_replicas(s):
                 if rep is prim or done[rep.member] is not None:
                     continue
                 got = replica_state(rep, groups)
                 if got is not None and same(got, ref):
-                    done[rep.member] = time.monotonic() - start
+                    done[rep.member] = time.monotonic() - healed
                 r.behind[rep.member] = (
                     "not answering reads"
                     if got is None
@@ -643,7 +646,7 @@ def execute(r: Run, netns: bool) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 kill_group(w, signal.SIGKILL)
         log("workers stopped; watching the replicas converge")
-        converged, final = converge(c, r)
+        converged, final = converge(c, r, healed)
         r.sampling = False
         save(r, converged, final, healed)
         return report(r, converged, final, healed)

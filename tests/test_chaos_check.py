@@ -15,6 +15,7 @@ from chaos_check import (
     gradient,
     one_primary_per_term,
     outage,
+    redundancy_back,
     replay,
 )
 
@@ -62,7 +63,7 @@ def test_a_refused_push_found_applied_is_counted() -> None:
     applied, outcomes = _history(20, {7}, {7})
     outcomes[7] = (REFUSED, None)
     v = _check(applied, outcomes)
-    assert v.errors == [] and v.refused_applied == {"UNAVAILABLE": 1}
+    assert v.errors == [] and v.refused_applied == {"UNAVAILABLE/None": 1}
 
 
 def test_a_lost_outcome_applied_after_a_later_push_passes_as_late() -> None:
@@ -133,3 +134,61 @@ def test_outage_is_the_longest_time_without_an_ack_after_the_fault() -> None:
     assert outage(recs, 0, 10.0, 20.0) == pytest.approx(2.9)
     assert outage(recs, 1, 10.0, 20.0) == pytest.approx(1.1)
     assert outage(recs, 1, 12.0, 20.0) is None
+
+
+def _sample(
+    t: float, primary: str, members: dict[str, tuple[str, int, int]]
+) -> dict[str, Any]:
+    """A monitor sample of shard 0: members as (role, lsn, revision), term 1."""
+    return {
+        "t": t,
+        "shard": 0,
+        "primary": {"member": primary, "term": 1},
+        "sync": {"primary": primary, "term": 1, "standbys": ["b"]},
+        "members": {
+            m: {"role": role, "lsn": lsn, "term": 1, "_rev": rev}
+            for m, (role, lsn, rev) in members.items()
+        },
+    }
+
+
+def test_redundancy_needs_every_member_registered_again_and_caught_up() -> None:
+    old = {"a": ("primary", 100, 1), "b": ("standby", 100, 2), "c": ("standby", 90, 3)}
+    samples = [
+        _sample(9.0, "a", old),  # 2 s before the sample at 11.0
+        _sample(10.0, "a", old),  # the heal at 10.0
+        # a registration sent before the heal, seen just after it: not counted
+        _sample(10.3, "a", {**old, "c": ("standby", 100, 4)}),
+        # c registered again but behind what a had 2 s before
+        _sample(
+            11.0,
+            "a",
+            {
+                "a": ("primary", 120, 5),
+                "b": ("standby", 120, 6),
+                "c": ("standby", 99, 7),
+            },
+        ),  # fmt: skip
+        _sample(
+            11.5,
+            "a",
+            {
+                "a": ("primary", 130, 8),
+                "b": ("standby", 130, 9),
+                "c": ("standby", 130, 10),
+            },
+        ),  # fmt: skip
+    ]
+    assert redundancy_back(samples, 0, 3, 10.0, 20.0) == pytest.approx(1.5)
+    assert redundancy_back(samples, 0, 3, 10.0, 11.2) is None
+
+
+def test_a_dead_primary_restarted_as_a_standby_is_no_redundancy() -> None:
+    # etcd still names "a" primary (its lease) while "a" came back as a standby
+    before = {"a": ("primary", 100, 1), "b": ("standby", 100, 2),
+              "c": ("standby", 100, 3)}  # fmt: skip
+    back = {"a": ("standby", 100, 4), "b": ("standby", 100, 5),
+            "c": ("standby", 100, 6)}  # fmt: skip
+    samples = [_sample(t, "a", before) for t in (7.0, 8.0, 9.0, 10.0)]
+    samples += [_sample(t, "a", back) for t in (11.0, 12.0, 13.0)]
+    assert redundancy_back(samples, 0, 3, 10.0, 20.0) is None
