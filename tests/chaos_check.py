@@ -115,8 +115,28 @@ def _identify(
         return None, (
             f"element {col}: no set of its pushes {list(touching)} (acknowledged "
             f"{sorted(acked & set(touching))}) gives X={x!r} H={h!r}"
+            + _explain(col, touching, acked, grads, h)
         )
     return None, f"element {col}: {len(found)} sets of its pushes fit"
+
+
+def _explain(
+    col: int,
+    touching: Sequence[int],
+    acked: set[int],
+    grads: Mapping[int, np.ndarray],
+    h: float,
+) -> str:
+    """Which acknowledged push is missing, or which push is in twice, when H says
+    so (H is the sum of the squares of the gradients applied)."""
+    full = sum(float(grads[k][col]) ** 2 for k in touching if k in acked)
+    for k in touching:
+        sq = float(grads[k][col]) ** 2
+        if k in acked and _close(full - sq, h):
+            return f": acknowledged push {k} is missing from the state"
+        if _close(full + sq, h):
+            return f": push {k} is in the state twice"
+    return ""
 
 
 def check_group(

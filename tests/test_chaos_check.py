@@ -81,7 +81,7 @@ def test_an_acknowledged_push_missing_is_caught() -> None:
     applied, outcomes = _history(20, set(), set())
     applied.remove(11)
     v = _check(applied, outcomes)
-    assert v.errors and "element" in v.errors[0]
+    assert v.errors and "acknowledged push 11 is missing" in v.errors[0]
 
 
 def test_an_acknowledged_push_applied_twice_is_caught() -> None:
