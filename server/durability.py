@@ -18,6 +18,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -74,6 +75,9 @@ class Durability:
         self._truncate_corrupt = truncate_corrupt
         self._base_lsn = 0  # the last lsn when no log is kept
         self._lock = threading.Lock()  # one snapshot at a time
+        # A standby's: while in it no record is applied; it gives the last one
+        # applied (``set_position``). None: the log's last lsn is what memory holds.
+        self._position: Callable[[], AbstractContextManager[int | None]] | None = None
         self._signature: Any = None
         self._snapshot_failed = False
         self._wal_failed = False
@@ -378,21 +382,36 @@ class Durability:
             )
             return written
 
+    def set_position(
+        self, position: Callable[[], AbstractContextManager[int | None]] | None
+    ) -> None:
+        """On a replicated shard's standby, records are logged before they are
+        applied: a snapshot must say what memory holds, not what the log holds
+        (else a restart's replay starts after records never applied, and loses
+        them). ``position()`` is a context in which no record is applied, giving
+        the last lsn applied (None: this server is the primary, the log's)."""
+        self._position = position
+
     def _write(self, signature: Any) -> SaveResult:
         gen = next_generation(self.snap_dir)
-        if self.journal is not None:
-            wal_lsn = self.journal.rotate()
-            lsn_now: Callable[[], int] = self.journal.last_lsn
-        else:
-            wal_lsn = self._base_lsn
-            lsn_now = lambda: self._base_lsn  # noqa: E731
-        # Groups are captured one at a time, each written before the next is copied,
-        # so one scratch buffer serves them all.
-        captures = self.store.capture(lsn_now, self._scratch)
-        try:
-            written = write_snapshot(self.snap_dir, gen, captures, wal_lsn)
-        finally:
-            self._scratch.trim()
+        held = self._position() if self._position is not None else nullcontext(None)
+        with held as applied:
+            if self.journal is not None:
+                wal_lsn = self.journal.rotate()
+                lsn_now: Callable[[], int] = self.journal.last_lsn
+            else:
+                wal_lsn = self._base_lsn
+                lsn_now = lambda: self._base_lsn  # noqa: E731
+            if applied is not None:  # a standby: what it applied, and not after
+                wal_lsn = min(wal_lsn, applied)
+                lsn_now = lambda: applied  # noqa: E731
+            # Groups are captured one at a time, each written before the next is
+            # copied, so one scratch buffer serves them all.
+            captures = self.store.capture(lsn_now, self._scratch)
+            try:
+                written = write_snapshot(self.snap_dir, gen, captures, wal_lsn)
+            finally:
+                self._scratch.trim()
         self._signature = signature
         self._prune()
         return written

@@ -10,6 +10,7 @@ standby catches up from a snapshot and then applies every record in order
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -173,6 +174,7 @@ class Replication:
         self._caught_up: bool | None = None  # as last published
         self._why = ""  # the kind of reason last logged
         self._promoting = False  # took the lead, still applying what it received
+        self._led = False  # took the lead once: memory is what the log holds
         self.etcd = Etcd(config.coordinator, timeout=max(0.5, config.lease_ttl / 3))
         self.member: Member | None = None
         self.journal: ReplicatedJournal | None = None
@@ -224,6 +226,7 @@ class Replication:
         )
         self.member, self.follower, self.journal = member, follower, journal
         self.store.set_journal(journal)
+        durability.set_position(self._position)
         follower.start()
         member.start()
         log.info(
@@ -282,6 +285,19 @@ class Replication:
             if not s["gone"] and not s["syncing"]
         }
 
+    @contextlib.contextmanager
+    def _position(self) -> Iterator[int | None]:
+        """What this server's memory holds, for a snapshot (``Durability``): a
+        standby's last record applied, no record applied meanwhile; None for the
+        server that took the lead (it applies what it logs, under the group's
+        lock; it leads until it exits). A promotion waits for this."""
+        follower = self.follower
+        if follower is None or self._led:
+            yield None
+            return
+        with follower.held() as applied:
+            yield None if self._led else applied
+
     def _publish_caught_up(self) -> None:
         """Tell the health service when readiness changes; log each new reason."""
         ready, why, kind = self.caught_up()
@@ -316,6 +332,8 @@ class Replication:
                 self._publish_caught_up()
                 follower.follow(None)
                 self._finish_applying(follower)
+                with follower.held():  # from now on memory is what the log holds
+                    self._led = True
                 journal.promoted(self._last_lsn())
         finally:
             self._promoting = False

@@ -284,6 +284,9 @@ class Follower:
         self.durable = 0 if journal is None else int(journal.last_lsn())
         self.durable_term = 0 if durability.adopting else durability.last_term
         self.applied = 0  # the last lsn applied (durable first: acks do not wait)
+        # Held while a record is applied (and ``applied`` moved): a snapshot holds
+        # it to capture memory as of ``applied`` exactly (``held``).
+        self._apply_lock = threading.Lock()
         self.idle = threading.Event()
         self.idle.set()
         self._warned: PrimaryInfo | None = None
@@ -557,15 +560,22 @@ class Follower:
         self, header: dict[str, Any], rec: ShippedRecord, covered: dict[str, int]
     ) -> None:
         lsn = int(header["lsn"])
-        if covered.get(header.get("group", ""), -1) < lsn:
-            try:
-                self.durability.apply(header, frame_arrays(header, rec.whole()))
-            except DomainError as exc:
-                log.warning(
-                    "record %d (%s on %r) not applied: %s",
-                    lsn, header["op"], header.get("group"), exc,
-                )  # fmt: skip
-        self.applied = lsn
+        with self._apply_lock:
+            if covered.get(header.get("group", ""), -1) < lsn:
+                try:
+                    self.durability.apply(header, frame_arrays(header, rec.whole()))
+                except DomainError as exc:
+                    log.warning(
+                        "record %d (%s on %r) not applied: %s",
+                        lsn, header["op"], header.get("group"), exc,
+                    )  # fmt: skip
+            self.applied = lsn
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[int]:
+        """No record is applied in this context; it gives the last one applied."""
+        with self._apply_lock:
+            yield self.applied
 
     def _fresh_dir(self) -> str:
         path = os.path.join(self.durability.root, "incoming-snapshot.tmp")
