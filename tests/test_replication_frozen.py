@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import numpy as np
+import pytest
 from _etcd import etcd_server  # noqa: F401 - a fixture
 from onnxps.client import Client
 from test_replication import _serial
@@ -88,3 +89,38 @@ def test_a_push_in_flight_when_the_primary_freezes_is_applied_once(
     assert ts == list(range(1, len(ts) + 1))
     rs.wait_t(new, "g", len(ts))
     np.testing.assert_array_equal(rs.state(new, "g")[1], _serial([G] * len(ts)))
+
+
+def test_a_live_server_takes_the_pings_of_a_call_that_waits(
+    replica_sets: Any,  # noqa: F811 - the fixture
+) -> None:
+    """The pings go on for as long as a call waits with no data moving (here a
+    push waiting for a frozen synchronous standby): a server that took them as
+    abuse (gRPC's default: two pings in 5 minutes without data) would end the
+    connection, too_many_pings, and the call would fail UNAVAILABLE early."""
+    import grpc
+    from onnxps.client._settings import channel_options
+    from onnxps.v1 import parameter_server_pb2 as pb
+    from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+
+    rs: Replicas = replica_sets(2)
+    p = rs.primary()
+    s = 1 - p
+    assert rs.wait_sync() == [f"m{s}"]
+    _create(rs)
+    tensor = pb.Tensor(
+        name="x", dtype=pb.DATA_TYPE_FLOAT, dims=[G.size], raw_data=G.tobytes()
+    )
+    request = pb.PushRequest(group="g", gradients=[tensor], client_id="ka", seq=1)
+    os.kill(rs.procs[s].pid, signal.SIGSTOP)
+    try:
+        options = channel_options(None, follows=True)
+        with grpc.insecure_channel(rs.addresses[p], options) as ch:
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.ParameterServerServiceStub(ch).Push(request, timeout=4.5)
+            waited = time.monotonic() - start
+    finally:
+        os.kill(rs.procs[s].pid, signal.SIGCONT)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+    assert waited >= 4.0  # four pings, each answered: the call ran to its deadline
