@@ -401,6 +401,8 @@ def test_a_stream_that_stops_sending_ends_stalled_without_details(
 ELSEWHERE = {
     "NOT_PRIMARY": "test_replication.py",
     "NOT_ACKNOWLEDGED": "test_replication_cancel.py",
+    "BAD_MEMBER_ID": "test_replication_attacks.py",
+    "STANDBY_NOT_MEMBER": "test_replication_attacks.py",
     "STATE_REPLACING": "test_adopting_reads.py",
     "STREAM_LIMIT": "test_stalled_calls.py",
     "INFLIGHT_BYTES": "test_limits.py",

@@ -74,10 +74,28 @@ def _replicate(
             for msg in call:
                 got.append(str(msg.WhichOneof("part")))
         except grpc.RpcError as exc:
+            REASONS.append(_reason(exc))
             return exc.code(), str(exc.details()), got
         finally:
             requests.put(None)
     return grpc.StatusCode.OK, "", got
+
+
+def _reason(err: grpc.RpcError) -> str:
+    """The refusal's reason (google.rpc ErrorInfo in the status details)."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return str(info.reason)
+    return ""
+
+
+REASONS: list[str] = []  # of the refusals _replicate met, in order
 
 
 def _lease_of(rs: Replicas, member: str) -> int:
@@ -203,6 +221,7 @@ def test_a_stream_that_cannot_prove_its_member_id_is_refused(
             assert code == grpc.StatusCode.PERMISSION_DENIED, (code, details)
             assert f"member m{s}" in details
             assert "only a replica of this shard follows its primary" in details
+            assert REASONS[-1] == "STANDBY_NOT_MEMBER"
             assert got == []
         outcomes = [_raw_push(rs.addresses[p], seq, timeout=1.5)[0]
                     for seq in range(100, 104)]  # fmt: skip
@@ -278,12 +297,14 @@ def test_refused_streams_leave_no_memory_and_one_log_line(
             "ReplicateHello.member_id must be 1 to 128 characters of "
             "[A-Za-z0-9._:@-], got 1048576 characters"
         )
+        assert REASONS[-1] == "BAD_MEMBER_ID"
         assert got == []
     for _ in range(50):
         hello = pb.ReplicateHello(member_id="ghost", term=1, address="127.0.0.1:9")
         code, details, got = _replicate(rs.addresses[p], hello)
         assert code == grpc.StatusCode.PERMISSION_DENIED, (code, details)
         assert details.startswith("no member ghost is registered in this shard")
+        assert REASONS[-1] == "STANDBY_NOT_MEMBER"
     grown_rss = (_rss_kib(pid) - before_rss) / 1024
     grown_log = log_path.stat().st_size - before_log
     assert grown_rss < 64, f"the primary grew {grown_rss:.0f} MiB"
