@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from _procs import start_server, stop
+from _procs import clean_env, start_server, stop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.client import Adagrad, Client, Sync
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
@@ -361,7 +361,10 @@ def test_cut_off_pushes_are_released_at_once_and_not_logged_as_bugs(
     tmp_path: Path,
 ) -> None:
     log = tmp_path / "server.log"
-    proc, address = start_server(log, "--log-level", "INFO")
+    # (NumPy kernels: numba's, loaded in the background at start, would grow the
+    # server meanwhile by about 100 MiB of their own)
+    env = clean_env(ONNXPS_KERNELS="numpy")
+    proc, address = start_server(log, "--log-level", "INFO", env=env)
     size = 32 * MIB
     try:
         with Client(address, timeout=60) as c:

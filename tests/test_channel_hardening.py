@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from _procs import start_server, stop
+from _procs import clean_env, start_server, stop
 from onnxps.client import Adam, Client
 from onnxps.client._errors import DeadlineExceededError, ResourceExhaustedError
 from onnxps.client._settings import multicallable
@@ -161,6 +161,7 @@ def test_a_large_frame_pull_holds_what_the_budget_counts(tmp_path: Path) -> None
         "0",
         "--max-inflight-bytes",
         str(100 * MIB),
+        env=clean_env(ONNXPS_KERNELS="numpy"),  # (no kernels loading meanwhile)
     )
     try:
         x = np.arange(n, dtype=np.float32)
