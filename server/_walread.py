@@ -436,8 +436,7 @@ class LogCursor:
     def _open(self) -> None:
         """Open the segment holding record ``next`` (the last named at or before
         it), positioned after its header."""
-        holding = [(first, path) for first, path in segment_paths(self.wal_dir)]
-        found = [(first, path) for first, path in holding if first <= self.next]
+        found = [(f, p) for f, p in segment_paths(self.wal_dir) if f <= self.next]
         if not found:
             raise WalGapError(
                 f"record {self.next} is not in the log {self.wal_dir}: its segment "

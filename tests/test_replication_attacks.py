@@ -110,6 +110,19 @@ def _term(rs: Replicas) -> int:
     return int(primary["term"])
 
 
+def _one_push_acknowledged(replica_sets: Any) -> tuple[Replicas, int, int]:
+    """Two replicas, a group and one push acknowledged: (them, the primary, the
+    synchronous standby)."""
+    rs: Replicas = replica_sets(2)
+    p = rs.primary()
+    s = 1 - p
+    assert rs.wait_sync() == [f"m{s}"]
+    _create(rs)
+    with rs.connect() as c:
+        assert c.push("g", G) == 1
+    return rs, p, s
+
+
 def _reached(rs: Replicas, i: int) -> int:
     """How many of the test's unacknowledged pushes replica ``i`` holds (0 to 4):
     its T once it settled, less the one acknowledged push."""
@@ -200,13 +213,7 @@ def test_a_stream_that_cannot_prove_its_member_id_is_refused(
     member id acknowledged lsn 2^63 and the primary acknowledged pushes no standby
     held, which the failover then lost. Without the member's lease the stream is
     refused; the pushes wait, none is acknowledged, and the failover loses none."""
-    rs: Replicas = replica_sets(2)
-    p = rs.primary()
-    s = 1 - p
-    assert rs.wait_sync() == [f"m{s}"]
-    _create(rs)
-    with rs.connect() as c:
-        assert c.push("g", G) == 1
+    rs, p, s = _one_push_acknowledged(replica_sets)
     term = _term(rs)
     os.kill(rs.procs[s].pid, signal.SIGSTOP)
     try:
@@ -242,13 +249,7 @@ def test_an_acknowledgement_beyond_what_was_shipped_ends_the_stream(
     """Even under the member's own lease (read from etcd), a stream acknowledging
     a record it was not sent counts for nothing: the primary ends it, and no push
     is acknowledged on its word."""
-    rs: Replicas = replica_sets(2)
-    p = rs.primary()
-    s = 1 - p
-    assert rs.wait_sync() == [f"m{s}"]
-    _create(rs)
-    with rs.connect() as c:
-        assert c.push("g", G) == 1
+    rs, p, s = _one_push_acknowledged(replica_sets)
     term, lease = _term(rs), _lease_of(rs, f"m{s}")
     os.kill(rs.procs[s].pid, signal.SIGSTOP)
     try:

@@ -195,7 +195,6 @@ def test_a_standby_acks_before_it_applies_but_stops_following_once_applied(
     group's lock, taken by the test, while three pushes are acknowledged."""
     from onnxps.server.durability import Durability
     from onnxps.server.replication._member import PrimaryInfo
-    from onnxps.server.replication._standby import Follower
     from onnxps.server.store import ParameterStore
 
     rs: ReplicaSet = replicas(1, extra=("--sync-replicas", "0"))  # type: ignore[operator]
@@ -204,11 +203,7 @@ def test_a_standby_acks_before_it_applies_but_stops_following_once_applied(
     store = ParameterStore()
     durability = Durability(store, str(tmp_path / "follower"), mode="wal")
     durability.open()
-    lease = _member(rs, "f")
-    follower = Follower(
-        durability, member_id="f", address="127.0.0.1:1", term=lambda: 0,
-        max_message_bytes=64 << 20, lease=lambda: lease,
-    )  # fmt: skip
+    follower = _follower(rs, durability)
     follower.start()
     try:
         follower.follow(PrimaryInfo(f"m{p}", rs.addresses[p], 1))
@@ -234,6 +229,17 @@ def test_a_standby_acks_before_it_applies_but_stops_following_once_applied(
     finally:
         follower.stop()
         durability.close()
+
+
+def _follower(rs: ReplicaSet, durability: Any) -> Any:
+    """A standby's follower in this process, as member "f" (registered in etcd)."""
+    from onnxps.server.replication._standby import Follower
+
+    lease = _member(rs, "f")
+    return Follower(
+        durability, member_id="f", address="127.0.0.1:1", term=lambda: 0,
+        max_message_bytes=64 << 20, lease=lambda: lease,
+    )  # fmt: skip
 
 
 def _applier(limit: int = 256 << 20) -> tuple[Any, list[int], threading.Event]:
@@ -568,7 +574,6 @@ def test_a_standby_snapshot_holds_what_it_applied_not_what_it_logged(
     for the record being applied and covers what it applied, exactly."""
     from onnxps.server.durability import Durability
     from onnxps.server.replication._member import PrimaryInfo
-    from onnxps.server.replication._standby import Follower
     from onnxps.server.store import ParameterStore
 
     rs: ReplicaSet = replicas(1, extra=("--sync-replicas", "0"))  # type: ignore[operator]
@@ -579,11 +584,7 @@ def test_a_standby_snapshot_holds_what_it_applied_not_what_it_logged(
     root = str(tmp_path / "follower")
     durability = Durability(store, root, mode="wal")
     durability.open()
-    lease = _member(rs, "f")
-    follower = Follower(
-        durability, member_id="f", address="127.0.0.1:1", term=lambda: 0,
-        max_message_bytes=64 << 20, lease=lambda: lease,
-    )  # fmt: skip
+    follower = _follower(rs, durability)
     # as Replication does: a standby's snapshot covers what it applied
     durability.set_position(follower.held)
     g = np.full(SIZE, 0.5, np.float32)
