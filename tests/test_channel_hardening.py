@@ -80,6 +80,8 @@ def reader_server(tmp_path: Path, tokens: Path) -> Iterator[tuple[int, str]]:
         str(tokens),
         "--max-waiting-calls",
         "4",
+        # (no numba kernels loading on a thread of their own while threads count)
+        env=clean_env(ONNXPS_KERNELS="numpy"),
     )
     try:
         yield proc.pid, address
