@@ -213,7 +213,9 @@ def test_a_partition_between_the_primary_and_its_standby_refuses_then_heals(
             "0 of the 1 synchronous standbys this shard needs (--sync-replicas) "
             "follow its primary: the change is refused"
         ), details
-        assert rs.state(0, "g")[0] == 3  # nothing acknowledged, nothing applied
+        # The timed-out push was logged: once its caller left it is applied here
+        # (memory is the log's replay), unacknowledged; the refused one never was.
+        rs.wait_t(0, "g", 4, timeout=15)
         assert rs.procs[0].poll() is None  # still the primary: no failover
     # Healed: the standby follows again, holds the waiting push, which is then
     # acknowledged (applied once, at T=4), and pushes are acknowledged again.
