@@ -11,7 +11,8 @@ imports it):
 - it begins with a 64-byte header: ``MAGIC``, then the little-endian uint64
   generation, bumped by whoever last wrote tensors into it, and at ``KEY_AT`` the
   segment's random key (``KEY_BYTES``);
-- tensors follow at 64-byte aligned offsets, raw little-endian C order.
+- tensors follow at the offsets the call's region names (``layout``: one dtype's
+  tensors back to back after the header), raw little-endian C order.
 
 A hello (``SharedMemoryHello``) proves the host is shared before any tensor goes
 this way: the client writes a random nonce and its pid namespace into a fresh
@@ -47,6 +48,7 @@ from onnxps.wire.shm import (
     SHM_DIR,
     layout,
     new_key,
+    one_itemsize,
     pid_namespace,
 )
 
@@ -96,7 +98,8 @@ class Segment:
 
     def write(self, arrays: Sequence[Array]) -> pb.SharedMemoryRegion:
         """Copy ``arrays`` in (one copy each); the region naming them."""
-        offsets, _ = layout([a.nbytes for a in arrays])
+        itemsize = one_itemsize(a.dtype for a in arrays)
+        offsets, _ = layout([a.nbytes for a in arrays], itemsize)
         for a, at in zip(arrays, offsets, strict=True):
             dest = np.frombuffer(self.map, a.dtype.newbyteorder("<"), a.size, at)
             np.copyto(dest.reshape(a.shape), a, casting="no")
@@ -201,7 +204,7 @@ class TensorBuffers(Sequence[Array]):
         self.dtype = np.dtype(dtype)
         self.shapes = [tuple(s) for s in shapes]
         sizes = [self.dtype.itemsize * int(np.prod(s, dtype=np.int64)) for s in shapes]
-        self.offsets, _ = layout(sizes)
+        self.offsets, _ = layout(sizes, self.dtype.itemsize)
         self._segment = segment
         self._lock = threading.Lock()
         self._busy = False

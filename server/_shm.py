@@ -50,11 +50,13 @@ from onnxps.wire.shm import (
     SHM_DIR,
     is_onnxps_name,
     layout,
+    one_itemsize,
     owner_problem,
     pid_namespace,
     sweep_orphans,
 )
 
+from ._flat import FlatArrays, flat_views
 from ._peercred import peer_uid
 from .errors import FailedPrecondition, InvalidArgument, PermissionDenied
 
@@ -327,13 +329,21 @@ class SharedMemory:
             )
         m = self._mapped(region.segment, region.key, caller, what)
         _check_generation(m, region, what)
-        arrays = []
+        arrays: list[Array] = []
+        packed = len(specs) > 1
+        end = region.offsets[0] if specs else 0
         for (dtype, dims), at, name in zip(specs, region.offsets, names, strict=True):
             count = int(np.prod(dims, dtype=np.int64))
             _check_span(m, at, count * dtype.itemsize, dtype.itemsize, name, what)
             view = np.frombuffer(m, dtype, count, at).reshape(dims)
             view.flags.writeable = False
             arrays.append(view)
+            packed = packed and at == end and dtype == specs[0][0]
+            end = at + count * dtype.itemsize
+        if packed:
+            # One dtype, back to back (``layout``): one flat array, so the push
+            # checks and steps the group as one array (``FlatArrays``).
+            arrays = _packed(m, specs[0][0], region.offsets[0], arrays)
         try:
             yield arrays
         finally:
@@ -347,7 +357,8 @@ class SharedMemory:
         the region of the reply, or None when they do not fit (the reply then
         carries them inline). A resent call writes them again."""
         what = "reply_region"
-        offsets, size = layout([a.nbytes for a in arrays])
+        itemsize = one_itemsize(a.dtype for a in arrays)
+        offsets, size = layout([a.nbytes for a in arrays], itemsize)
         m = self._mapped(region.segment, region.key, caller, what)
         if size > len(m):
             return None
@@ -394,3 +405,11 @@ def _check_span(
             reason="BAD_SEGMENT",
             field=f"{what}.offsets",
         )
+
+
+def _packed(m: Any, dtype: np.dtype[Any], at: int, views: list[Array]) -> FlatArrays:
+    """``views`` (back to back from ``at``) as views of one read-only flat array."""
+    total = sum(v.size for v in views)
+    flat = np.frombuffer(m, dtype, total, at)
+    flat.flags.writeable = False
+    return FlatArrays(flat_views(flat, [v.shape for v in views]), flat)

@@ -383,7 +383,10 @@ class RegionGradients:
     @contextmanager
     def gradients(self) -> Iterator[tuple[list[Array], bool]]:
         with self.shm.read(self.region, self.specs, self.names, self.caller) as grads:
-            yield list(grads), False
+            if isinstance(grads, FlatArrays):  # packed: the push steps one array
+                yield FlatArrays(grads, grads.flat), False
+            else:
+                yield list(grads), False
 
 
 class RegionValues:

@@ -97,3 +97,14 @@ def test_dims_numpy_cannot_hold_are_a_format_error() -> None:
     huge = pb.Tensor(dtype=pb.DATA_TYPE_FLOAT, dims=[0, 2**31, 2**31])
     with pytest.raises(TensorFormatError, match=r"dims \[0, 2147483648, 2147483648\]"):
         codec.TensorAssembler([huge], ["w"])
+
+
+def test_a_segment_layout_packs_one_dtype_back_to_back() -> None:
+    from onnxps.wire.shm import layout, one_itemsize
+
+    f32 = np.dtype(np.float32)
+    assert layout([132, 4000, 8]) == ([64, 256, 4288], 4352)  # 64-byte aligned
+    assert layout([132, 4000, 8], 4) == ([64, 196, 4196], 4204)  # back to back
+    assert one_itemsize([f32, f32]) == 4
+    assert one_itemsize([f32, np.dtype(np.float64)]) is None
+    assert one_itemsize([]) is None
