@@ -17,22 +17,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from onnxps.wire.codec import CHUNK_BYTES
 
-from . import _malloc, security
-from ._datachannel import DataChannels, tls_context
-from ._frames import FrameCalls
-from ._gate import DrainGate
-from ._handlers import SERVICE, HookChain, HookInterceptor
+from . import _malloc
 from ._health import Health, health_host
 from ._health import health_server as health_server_of
-from ._receive import GradientPool
 from ._reflection import enable_reflection
-from ._shm import SharedMemory
-from ._stall import StallWatch
-from ._unix import UnixSocket, socket_mode
 from .durability import MODES as DURABILITY_MODES
 from .durability import Durability
+from .interceptors import security
+from .interceptors._gate import DrainGate
+from .interceptors._handlers import SERVICE, HookChain, HookInterceptor
+from .interceptors._stall import StallWatch
+from .interceptors.limits import InflightBytes, LimitsInterceptor
+from .interceptors.security import ConfigError
+from .interceptors.shard import ShardInterceptor, parse_shard
 from .kernels import load_in_background
-from .limits import InflightBytes, LimitsInterceptor
 from .metrics import (
     DurabilityCollector,
     LoadCollector,
@@ -40,10 +38,13 @@ from .metrics import (
     ObserveInterceptor,
     Recorder,
 )
-from .security import ConfigError
-from .service import ParameterServerServicer, add_servicer
-from .shard import ShardInterceptor, parse_shard
+from .rpc.service import ParameterServerServicer, add_servicer
 from .store import ParameterStore, StoreLimits
+from .transports._datachannel import DataChannels, tls_context
+from .transports._frames import FrameCalls
+from .transports._receive import GradientPool
+from .transports._shm import SharedMemory
+from .transports._unix import UnixSocket, socket_mode
 
 __all__ = ["ServerConfig", "ServerHandle", "create_server", "serve", "validate_config"]
 

@@ -24,11 +24,11 @@ from typing import Any
 import grpc
 from onnxps.v1 import parameter_server_pb2 as pb
 
-from .._wal import fsync_dir
 from ..durability import Durability
+from ..durability._wal import fsync_dir
 from ..errors import Unavailable
-from ..security import ConfigError
-from ..shard import ShardIdentity
+from ..interceptors.security import ConfigError
+from ..interceptors.shard import ShardIdentity
 from ..store import ParameterStore
 from ._etcd import (
     CoordinatorAddress,

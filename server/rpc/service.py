@@ -14,11 +14,11 @@ from typing import Any
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
-from ._rpc import add_servicer, streaming
-from ._rpc_groups import GroupRpcs
-from ._rpc_rows import RowRpcs
-from ._rpc_tensors import TensorRpcs
-from .errors import FailedPrecondition
+from ..errors import FailedPrecondition
+from ._common import add_servicer, streaming
+from ._groups import GroupRpcs
+from ._rows import RowRpcs
+from ._tensors import TensorRpcs
 
 __all__ = ["ParameterServerServicer", "Replicate", "add_servicer"]
 

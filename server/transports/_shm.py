@@ -55,8 +55,8 @@ from onnxps.wire.shm import (
     sweep_orphans,
 )
 
+from ..errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from ._peercred import peer_uid
-from .errors import FailedPrecondition, InvalidArgument, PermissionDenied
 
 __all__ = ["Caller", "SharedMemory"]
 
