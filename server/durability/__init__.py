@@ -1,11 +1,12 @@
-"""What survives a restart: the write-ahead log (``_wal``, its on-disk format and
-its one reader in ``_walread``), snapshots (``_snapshot``), and ``Durability``
+"""What survives a restart: the write-ahead log and snapshots.
+
+The log (``_wal``; its on-disk format and its one reader in ``_walread``: where a
+push's record is logged), snapshots (``_snapshot``) and ``Durability``
 (``durability``), which restores the newest snapshot, replays the log through the
-store and schedules the next snapshot. This is where a push's record is logged. It
-may import ``store`` (the state it saves and replays) and ``errors`` only;
-``replication``, ``rpc`` and the process wiring import it. ``from
-onnxps.server.durability import Durability`` names the public records of
-``durability``.
+store and schedules the next snapshot. It may import ``store`` (the state it saves
+and replays) and ``errors`` only; ``replication``, ``rpc`` and the process wiring
+import it. ``from onnxps.server.durability import Durability`` names the public
+records of ``durability``.
 """
 
 from .durability import MODES, Durability, SaveResult

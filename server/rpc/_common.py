@@ -1,7 +1,7 @@
 """What every RPC handler of the servicer shares: the decorators that turn errors
 into statuses, the call's deadline, cancellation and caller, stream headers, and
-``RpcFamily``, the base of the handler families (``_rpc_groups``, ``_rpc_tensors``,
-``_rpc_rows``), which holds the parts the servicer was built with.
+``RpcFamily``, the base of the handler families (``_groups``, ``_tensors``,
+``_rows``), which holds the parts the servicer was built with.
 
 A caller that goes away (it cancels, or its deadline passes) is not a server error:
 the call ends quietly (DEBUG), and what it held is dropped at once, its traceback's

@@ -1,9 +1,10 @@
 """The gRPC servicer: a thin adapter over ``ParameterStore`` and the transports.
 
 Each RPC decodes its request, calls the store (or the kernels, for Apply), encodes
-the reply, and maps domain errors to a status with details (``_status.status_of``).
-The RPCs are written in families (``_rpc_groups``, ``_rpc_tensors``, ``_rpc_rows``)
-over the parts in ``_rpc.RpcFamily``; the servicer is their union.
+the reply, and maps domain errors to a status with details
+(``interceptors._status.status_of``). The RPCs are written in families (``_groups``,
+``_tensors``, ``_rows``) over the parts in ``_common.RpcFamily``; the servicer is
+their union.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""The parameter store, with no knowledge of gRPC: ``ParameterStore`` (``store``) and
-the concerns it delegates to, a group's state (``_group``), the push pipeline
-(``_push``), sync quorums (``_quorum``), waits for a version (``_waits``), rows and
-ids tables (``_rows``, ``_ids``, ``_sparse``), flat buffers (``_flat``), the order of
-a change (``_journaling``, ``_order``), value checks (``_checks``) and shared
-read-only copies (``_shared``). This is where a push's gradients are applied. It may
-import ``kernels`` and ``errors`` only (and ``onnxps.wire``); everything that serves
-or persists it imports it. ``from onnxps.server.store import ParameterStore`` names
-the public records of ``store``.
+"""The parameter store: groups, their state and where a push is applied, no gRPC.
+
+``ParameterStore`` (``store``) delegates to a group's state (``_group``), the push
+pipeline (``_push``), sync quorums (``_quorum``), waits for a version (``_waits``),
+rows and ids tables (``_rows``, ``_ids``, ``_sparse``), flat buffers (``_flat``), the
+order of a change (``_journaling``, ``_order``), value checks (``_checks``) and
+shared read-only copies (``_shared``). It may import ``kernels`` and ``errors`` only
+(and ``onnxps.wire``); everything that serves or persists it imports it. ``from
+onnxps.server.store import ParameterStore`` names the public records of ``store``.
 """
 
 from .store import (
