@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .app import ServerConfig, serve
+from .app import serve
+from .config import ServerConfig
 from .durability._wal import WalFormatError
 from .interceptors.security import ConfigError
 
