@@ -1,7 +1,9 @@
-"""A server's configuration: ``ServerConfig`` (every field, with the help text its
-``onnxps serve`` flag and ``ONNXPS_*`` variable are generated from) and the checks
-that refuse a configuration the server could not run as meant (``validate_config``,
-``thread_limits``), each naming the field and the value."""
+"""A server's configuration: ``ServerConfig`` and the checks that refuse one.
+
+Every field carries the help text its ``onnxps serve`` flag and ``ONNXPS_*``
+variable are generated from; ``validate_config`` and ``thread_limits`` refuse a
+configuration the server could not run as meant, naming the field and the value.
+"""
 
 from __future__ import annotations
 
