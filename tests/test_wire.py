@@ -48,7 +48,7 @@ def test_the_server_imports_no_private_client_module() -> None:
 
 
 def test_service_name_comes_from_the_descriptor() -> None:
-    from onnxps.server._handlers import SERVICE
+    from onnxps.server.interceptors._handlers import SERVICE
 
     (service,) = pb.DESCRIPTOR.services_by_name.values()
     assert codec.SERVICE == SERVICE == service.full_name

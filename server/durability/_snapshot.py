@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from onnxps.wire.image import GroupImage, ImageFormatError
 
-from ._group import GroupCapture, GroupRuntime
+from ..store._group import GroupCapture, GroupRuntime
 from ._wal import _write_all, c_order, fsync_dir
 
 __all__ = [

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import FailedPrecondition, NotLogged, ResourceExhausted, Unavailable
 from ._walread import (
     FRAME,
     MAGIC,
@@ -61,7 +62,6 @@ from ._walread import (
     segment_name,
     segment_paths,
 )
-from .errors import FailedPrecondition, NotLogged, ResourceExhausted, Unavailable
 
 __all__ = [
     "FRAME",

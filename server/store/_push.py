@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..errors import JOURNAL_REFUSALS, FailedPrecondition, InvalidArgument
 from ._checks import MAX_UPDATE_COUNT, check_learning_rate
 from ._flat import FlatArrays
 from ._group import DEDUP_WINDOW, Group, PushOutcome, StoreLimits, all_finite
@@ -31,11 +32,6 @@ from ._quorum import logged_step_due, maybe_sync_step, quorum_reached
 from ._shared import SharedCopies
 from ._sparse import INDEX_DTYPE, flatten, is_row_push
 from ._waits import Cancellation, Wait, Waiting
-from .errors import (
-    JOURNAL_REFUSALS,
-    FailedPrecondition,
-    InvalidArgument,
-)
 
 __all__ = [
     "Emission",

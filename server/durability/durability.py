@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 from onnxps.wire.image import GroupImage
 
+from ..errors import DomainError, FailedPrecondition, NotFound
+from ..store import ParameterStore
 from ._snapshot import (
     SaveResult,
     SnapshotError,
@@ -35,8 +37,6 @@ from ._snapshot import (
 )
 from ._wal import LogReader, WriteAheadLog, fsync_dir, segment_paths
 from ._walread import logged_term
-from .errors import DomainError, FailedPrecondition, NotFound
-from .store import ParameterStore
 
 __all__ = ["MODES", "Durability", "SaveResult"]
 

@@ -21,9 +21,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from ._group import Group
 from ._quorum import quorum_reached
-from .errors import DeadlineExceeded, ResourceExhausted, Unavailable
 
 __all__ = [
     "CURRENT_CALL",

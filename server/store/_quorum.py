@@ -14,9 +14,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import JOURNAL_REFUSALS
 from ._group import Group, LeaseView, StoreLimits, combine_contributions
 from ._journaling import JournalEntry
-from .errors import JOURNAL_REFUSALS
 
 __all__ = [
     "join",

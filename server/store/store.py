@@ -38,6 +38,15 @@ from typing import Any, TypeVar
 import numpy as np
 from onnxps.wire.image import GroupImage, TableDefinition
 
+from ..errors import (
+    JOURNAL_REFUSALS,
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from ..kernels import OptimizerAttrs, make_attrs
 from . import _quorum, _rows
 from ._checks import (
     check_learning_rate,
@@ -77,15 +86,6 @@ from ._push import (
 from ._shared import SharedCopies
 from ._sparse import RowSpec
 from ._waits import CURRENT_CALL, CallCancelled, CallLink, Cancellation, Wait, Waiting
-from .errors import (
-    JOURNAL_REFUSALS,
-    AlreadyExists,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    Unavailable,
-)
-from .kernels import OptimizerAttrs, make_attrs
 
 __all__ = [
     "CURRENT_CALL",

@@ -19,24 +19,16 @@ from onnxps.wire.codec import (
     write_tensor,
 )
 
+from ..errors import FailedPrecondition, InvalidArgument
+from ..kernels import apply_onnx
+from ..store import LeaseView
+from ._common import RpcFamily, names_of, stream_header, streaming, unary
 from ._convert import (
     attrs_from_proto,
     consistency_from_proto,
     decoded,
     group_info,
     table_from_proto,
-)
-from ._rpc import (
-    RpcFamily,
-    names_of,
-    stream_header,
-    streaming,
-    unary,
-)
-from .errors import FailedPrecondition, InvalidArgument
-from .kernels import apply_onnx
-from .store import (
-    LeaseView,
 )
 
 __all__ = ["GroupRpcs"]

@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from .errors import DeadlineExceeded
+from ..errors import DeadlineExceeded
 
 __all__ = ["StallWatch", "end_call"]
 

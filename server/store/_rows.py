@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InvalidArgument, ResourceExhausted
 from ._checks import check_learning_rate
 from ._group import Group, PullResult, StoreLimits, all_finite
 from ._ids import (
@@ -37,7 +38,6 @@ from ._sparse import (
     row_push_parts,
     split_row_push,
 )
-from .errors import InvalidArgument, ResourceExhausted
 
 __all__ = [
     "Selection",

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidArgument
-from .kernels import OptimizerAttrs, Stepper
+from ..errors import InvalidArgument
+from ..kernels import OptimizerAttrs, Stepper
 
 __all__ = [
     "INDEX_DTYPE",

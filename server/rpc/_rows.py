@@ -17,10 +17,8 @@ from onnxps.wire.codec import (
     write_tensor,
 )
 
-from ._convert import (
-    index_spec,
-)
-from ._rpc import (
+from ..errors import InvalidArgument
+from ._common import (
     RpcFamily,
     cancellation_of,
     stream_header,
@@ -28,7 +26,9 @@ from ._rpc import (
     timeout_of,
     unary,
 )
-from .errors import InvalidArgument
+from ._convert import (
+    index_spec,
+)
 
 __all__ = ["RowRpcs"]
 

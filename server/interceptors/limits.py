@@ -25,6 +25,7 @@ from google.protobuf.message import Message
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import EncodedMessage, TensorFormatError, declared_nbytes
 
+from ..errors import InvalidArgument, ResourceExhausted
 from ._handlers import (
     CallHooks,
     Deserializer,
@@ -35,7 +36,6 @@ from ._handlers import (
 )
 from ._stall import StallWatch
 from ._status import refuse
-from .errors import InvalidArgument, ResourceExhausted
 
 __all__ = [
     "InflightBytes",

@@ -19,7 +19,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from onnxps.wire.codec import TensorFormatError
 
-from . import errors
+from .. import errors
 
 __all__ = [
     "DOMAIN",

@@ -1,9 +1,10 @@
 """The gRPC servicer: a thin adapter over ``ParameterStore`` and the transports.
 
 Each RPC decodes its request, calls the store (or the kernels, for Apply), encodes
-the reply, and maps domain errors to a status with details (``_status.status_of``).
-The RPCs are written in families (``_rpc_groups``, ``_rpc_tensors``, ``_rpc_rows``)
-over the parts in ``_rpc.RpcFamily``; the servicer is their union.
+the reply, and maps domain errors to a status with details
+(``interceptors._status.status_of``). The RPCs are written in families (``_groups``,
+``_tensors``, ``_rows``) over the parts in ``_common.RpcFamily``; the servicer is
+their union.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from typing import Any
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
-from ._rpc import add_servicer, streaming
-from ._rpc_groups import GroupRpcs
-from ._rpc_rows import RowRpcs
-from ._rpc_tensors import TensorRpcs
-from .errors import FailedPrecondition
+from ..errors import FailedPrecondition
+from ._common import add_servicer, streaming
+from ._groups import GroupRpcs
+from ._rows import RowRpcs
+from ._tensors import TensorRpcs
 
 __all__ = ["ParameterServerServicer", "Replicate", "add_servicer"]
 

@@ -25,13 +25,13 @@ from onnxps.wire.image import (
     TableDefinition,
 )
 
+from ..errors import InvalidArgument
+from ..kernels import OptimizerAttrs, Stepper
+from ..kernels._finite import all_finite as _all_finite
 from ._flat import FlatArrays, FlatLayout, flat_views
 from ._ids import IdsTable
 from ._order import PushOrder
 from ._sparse import RowGradient, combine_rows, is_row_push, split_row_push, step_rows
-from .errors import InvalidArgument
-from .kernels import OptimizerAttrs, Stepper
-from .kernels._finite import all_finite as _all_finite
 
 __all__ = [
     "DEDUP_CLIENTS",

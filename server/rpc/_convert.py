@@ -16,9 +16,9 @@ from onnxps.wire.codec import (
 )
 from onnxps.wire.image import TableDefinition
 
-from .errors import InvalidArgument
-from .kernels import OptimizerAttrs, make_attrs
-from .store import Consistency, GroupView
+from ..errors import InvalidArgument
+from ..kernels import OptimizerAttrs, make_attrs
+from ..store import Consistency, GroupView
 
 __all__ = [
     "attrs_from_proto",

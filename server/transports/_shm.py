@@ -56,9 +56,9 @@ from onnxps.wire.shm import (
     sweep_orphans,
 )
 
-from ._flat import FlatArrays, flat_views
+from ..errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from ..store._flat import FlatArrays, flat_views
 from ._peercred import peer_uid
-from .errors import FailedPrecondition, InvalidArgument, PermissionDenied
 
 __all__ = ["Caller", "SharedMemory"]
 

@@ -37,14 +37,14 @@ from onnxps.wire.codec import (
     write_tensor,
 )
 
+from ..errors import DeadlineExceeded, InvalidArgument, Unavailable
+from ..kernels._finite import finite_checker
+from ..store import PushOutcome, PushTicket
+from ..store._flat import FlatArrays, flat_views, kept_flat
+from ..transports._datachannel import DataChannel
+from ..transports._receive import GradientPool, Lease, receive
+from ..transports._shm import Caller, SharedMemory
 from ._convert import decoded
-from ._datachannel import DataChannel
-from ._flat import FlatArrays, flat_views, kept_flat
-from ._receive import GradientPool, Lease, receive
-from ._shm import Caller, SharedMemory
-from .errors import DeadlineExceeded, InvalidArgument, Unavailable
-from .kernels._finite import finite_checker
-from .store import PushOutcome, PushTicket
 
 __all__ = [
     "ChannelGradients",

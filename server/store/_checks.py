@@ -19,9 +19,9 @@ from onnxps.wire.image import (
 )
 from onnxps.wire.initializers import initializer_from_json
 
+from ..errors import InvalidArgument
+from ..kernels import STATE_DTYPES, OptimizerAttrs
 from ._group import all_finite, check_name
-from .errors import InvalidArgument
-from .kernels import STATE_DTYPES, OptimizerAttrs
 
 __all__ = [
     "MAX_LEASE_SECONDS",

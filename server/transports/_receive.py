@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 from onnxps.wire.codec import TensorAssembler
 
-from ._flat import FlatArrays, flat_views
-from .errors import InvalidArgument
-from .kernels._finite import finite_checker
+from ..errors import InvalidArgument
+from ..kernels._finite import finite_checker
+from ..store._flat import FlatArrays, flat_views
 
 __all__ = ["POOL_BYTES", "GradientPool", "Lease", "Received", "receive"]
 

@@ -1,7 +1,7 @@
 """What every RPC handler of the servicer shares: the decorators that turn errors
 into statuses, the call's deadline, cancellation and caller, stream headers, and
-``RpcFamily``, the base of the handler families (``_rpc_groups``, ``_rpc_tensors``,
-``_rpc_rows``), which holds the parts the servicer was built with.
+``RpcFamily``, the base of the handler families (``_groups``, ``_tensors``,
+``_rows``), which holds the parts the servicer was built with.
 
 A caller that goes away (it cancels, or its deadline passes) is not a server error:
 the call ends quietly (DEBUG), and what it held is dropped at once, its traceback's
@@ -34,21 +34,15 @@ from onnxps.wire.codec import (
     serializer,
 )
 
-from ._datachannel import DataChannels, principal_of
-from ._handlers import group_of, on_first
-from ._receive import GradientPool
-from ._shm import Caller, SharedMemory
-from ._status import rich_status, status_of
-from .durability import SaveResult
-from .errors import InvalidArgument
-from .limits import InflightBytes, InflightHold
-from .store import (
-    CURRENT_CALL,
-    CallCancelled,
-    CallLink,
-    Cancellation,
-    ParameterStore,
-)
+from ..durability import SaveResult
+from ..errors import InvalidArgument
+from ..interceptors._handlers import group_of, on_first
+from ..interceptors._status import rich_status, status_of
+from ..interceptors.limits import InflightBytes, InflightHold
+from ..store import CURRENT_CALL, CallCancelled, CallLink, Cancellation, ParameterStore
+from ..transports._datachannel import DataChannels, principal_of
+from ..transports._receive import GradientPool
+from ..transports._shm import Caller, SharedMemory
 
 __all__ = [
     "RpcFamily",

@@ -24,8 +24,12 @@ from onnxps.wire.codec import (
     tensor_spec,
 )
 
-from ._datachannel import DataChannel, principal_of
-from ._rpc import (
+from ..errors import FailedPrecondition, InvalidArgument, Unavailable
+from ..interceptors.limits import InflightHold
+from ..store import PullResult, PushOutcome, PushTicket
+from ..transports._datachannel import DataChannel, principal_of
+from ..transports._shm import Caller
+from ._common import (
     RpcFamily,
     caller_of,
     cancellation_of,
@@ -36,7 +40,6 @@ from ._rpc import (
     timeout_of,
     unary,
 )
-from ._shm import Caller
 from ._transports import (
     ChannelGradients,
     ChannelValues,
@@ -51,13 +54,6 @@ from ._transports import (
     bare_specs,
     channel_frame_bytes,
     pooled,
-)
-from .errors import FailedPrecondition, InvalidArgument, Unavailable
-from .limits import InflightHold
-from .store import (
-    PullResult,
-    PushOutcome,
-    PushTicket,
 )
 
 __all__ = ["TensorRpcs"]

@@ -54,10 +54,10 @@ from typing import Any
 import numpy as np
 from onnxps.wire.codec import DeferredEncoding, frame_bytes, widen_into
 
+from ..errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from ..store._waits import CallCancelled
 from ._frames import CALL_MAGIC
 from ._handshakes import Handshake, Handshakes
-from ._waits import CallCancelled
-from .errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 
 __all__ = ["MAGIC", "DataChannel", "DataChannels", "principal_of", "tls_context"]
 

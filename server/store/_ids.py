@@ -30,9 +30,9 @@ from onnxps.wire.initializers import (
     initializer_from_json,
 )
 
+from ..errors import InvalidArgument
+from ..kernels import OptimizerAttrs, Stepper
 from ._sparse import INDEX_DTYPE, RowGradient, coalesce, step_rows
-from .errors import InvalidArgument
-from .kernels import OptimizerAttrs, Stepper
 
 __all__ = [
     "IdsTable",
