@@ -302,7 +302,11 @@ def _create(client: CoreHost, image: GroupImage) -> Op[GroupInfo]:
 
 
 def import_groups(
-    client: RunningHost, path: str | os.PathLike[str], *, existing: Existing = "fail"
+    client: RunningHost,
+    path: str | os.PathLike[str],
+    *,
+    existing: Existing = "fail",
+    group: str | None = None,
 ) -> ImportResult:
     """``import_op`` run by a blocking client (``onnxps import``)."""
-    return client._run(import_op(client, path, existing=existing))
+    return client._run(import_op(client, path, existing=existing, group=group))

@@ -211,9 +211,14 @@ def _plans(path: str, weights: Weights, group: str | None) -> list[_Plan]:
         name = group or os.path.splitext(os.path.basename(path))[0]
         return [_Plan(name, weights.tensors, None)]
     if group is not None:
-        definitions = [d for d in definitions if d.name == group]
-        if not definitions:
-            raise _refuse(f"{path} holds no group {group!r}")
+        chosen = [d for d in definitions if d.name == group]
+        if not chosen:
+            raise _refuse(
+                f"{path} holds group {', '.join(d.name for d in definitions)}, not "
+                f"{group!r} (an onnxps export: --group, group=, picks one of its "
+                "groups)"
+            )
+        definitions = chosen
     by_name = dict(weights.tensors)
     plans = []
     for d in definitions:
