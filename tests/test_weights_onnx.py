@@ -268,6 +268,22 @@ def test_a_model_that_does_not_fit_is_refused(
     )
     client.delete_group("other")
     client.create_group(
+        "other", Adam(), learning_rate=0.1, tensors={"W1": np.ones((4, 8), np.float32)}
+    )
+    argv = ["export", server.address, str(out), "--model", str(model)]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == (
+        f"exported 1 group to {out} (1 initializer written into a copy of {model}; 3 "
+        "float initializers left as they were: b1, W2, b2)\n"
+    )
+    written = {
+        t.name: numpy_helper.to_array(t) for t in onnx.load(out).graph.initializer
+    }
+    assert written["W1"].tolist() == np.ones((4, 8)).tolist()
+    np.testing.assert_array_equal(written["W2"], _initial()["W2"])
+    out.unlink()
+    client.delete_group("other")
+    client.create_group(
         "other", Adam(), learning_rate=0.1, tensors={"W1": np.zeros((8, 4), np.float32)}
     )
     line = _one_line(

@@ -5,6 +5,7 @@ the file's, and refuses anything else before it changes anything
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import subprocess
@@ -20,10 +21,12 @@ from onnxps.cli._bytes_progress import BytesProgress, size
 from onnxps.client import (
     Adagrad,
     Adam,
+    AsyncClient,
     Client,
     ExportFileError,
     IdsTable,
     Momentum,
+    Nesterov,
     Sync,
 )
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
@@ -165,7 +168,7 @@ def test_a_models_file_makes_a_group_named_after_it(
         str(path),
         metadata={"format": "pt"},
     )
-    argv = ["import", server.address, str(path), "--optimizer", "adam"]
+    argv = ["import", server.address, str(path), "--optimizer", "nesterov"]
     assert cli.main([*argv, "--learning-rate", "0.001"]) == 0
     assert capsys.readouterr().out == (
         f"imported 1 group from {path} (created bert-tiny; left out 1 tensor of "
@@ -173,7 +176,8 @@ def test_a_models_file_makes_a_group_named_after_it(
     )
     with Client(server.address) as ps:
         info = ps.describe_group("bert-tiny")
-        assert type(info.optimizer) is Adam and info.learning_rate == 0.001
+        assert info.optimizer == Nesterov(alpha=float(np.float32(0.9)), beta=1.0)
+        assert info.learning_rate == 0.001
         assert sorted(n for n, _ in info.tensors) == sorted(tensors)
         for (name, _), got in zip(info.tensors, ps.pull("bert-tiny"), strict=True):
             np.testing.assert_array_equal(got, tensors[name])
@@ -246,6 +250,24 @@ def test_what_a_model_file_cannot_hold_is_refused(
         ),
     ):
         assert _one_line(capsys, argv, 2) == f"onnxps {argv[0]}: {message}"
+
+
+def test_the_asyncio_client_exports_and_imports_the_same(
+    server: ServerHandle, tmp_path: Path
+) -> None:
+    path = tmp_path / "net.safetensors"
+
+    async def main() -> list[Array]:
+        async with AsyncClient(server.address, timeout=10) as ps:
+            await ps.create_group("net", Adam(), learning_rate=0.1, tensors=_tensors())
+            assert await ps.export(path) == ["net"]
+            await ps.delete_group("net")
+            assert await ps.import_(path) == ["net"]
+            return await ps.pull("net")
+
+    for got, want in zip(asyncio.run(main()), _tensors().values(), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert sorted(load_file(path)) == sorted(_tensors())
 
 
 def test_npz_export_and_import_take_one_group(client: Client, tmp_path: Path) -> None:
