@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from onnxps import cli
-from onnxps.cli._bytes_progress import BytesProgress, size
+from onnxps.cli._bytes_progress import BIG, BytesProgress, size
 from onnxps.client import (
     Adagrad,
     Adam,
@@ -301,6 +301,8 @@ def test_progress_is_counted_in_bytes_and_drawn_for_big_models(
     capsys.readouterr()
     assert cli.main(["export", server.address, str(path)]) == 0
     assert capsys.readouterr().err == ""  # under 64 MiB: no progress unless asked
+    assert cli.main(["import", server.address, str(path), "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
     assert cli.main(["export", server.address, str(path), "--progress"]) == 0
     assert (
         capsys.readouterr()
@@ -314,7 +316,11 @@ def test_progress_is_counted_in_bytes_and_drawn_for_big_models(
     )
     hidden = io.StringIO()
     BytesProgress(hidden)(1, 2)
+    BytesProgress(hidden, shown=False)(BIG, BIG)
     assert hidden.getvalue() == ""
+    big = io.StringIO()
+    BytesProgress(big)(BIG, BIG)  # 64 MiB and more: shown unless --no-progress
+    assert big.getvalue().startswith("progress 100%  64.0 MiB/64.0 MiB  ")
     assert [size(n) for n in (512, 1536, 5 << 20, 3 << 30)] == [
         "512 B",
         "1.5 KiB",
