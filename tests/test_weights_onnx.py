@@ -364,3 +364,41 @@ def test_a_split_group_on_a_cluster_is_exported_joined(
     assert_only_data_differs(model, out)
     x = np.ones((2, 4), np.float32)
     np.testing.assert_allclose(run_onnx(out, x), forward(w, x)[2], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_64_mib_model_shows_its_progress_unasked(
+    server: ServerHandle, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = tmp_path / "wide.onnx"
+    w = np.random.default_rng(1).standard_normal((4096, 4096)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "wide",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 4096])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 4096])],
+        [numpy_helper.from_array(w, "W")],
+    )
+    onnx.save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), base
+    )
+    argv = ["import", server.address, str(base), "--optimizer", "adagrad"]
+    assert cli.main([*argv, "--learning-rate", "0.1", "--timeout", "60"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith(f"imported 1 group from {base} (created wide)")
+    assert captured.err.splitlines()[-1].startswith(
+        "progress 100%  128.0 MiB/128.0 MiB  "
+    )
+    with Client(server.address, timeout=60) as ps:
+        ps.push("wide", np.ones_like(w))
+        (trained,) = ps.pull("wide")
+    out = tmp_path / "trained.onnx"
+    argv = ["export", server.address, str(out), "--model", str(base)]
+    assert cli.main([*argv, "--timeout", "60"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines()[-1].startswith(
+        "progress 100%  128.0 MiB/128.0 MiB  "
+    )
+    assert_only_data_differs(base, out)
+    x = np.random.default_rng(2).standard_normal((2, 4096)).astype(np.float32)
+    np.testing.assert_allclose(run_onnx(out, x), x @ trained, rtol=1e-4, atol=1e-4)

@@ -29,6 +29,7 @@ from .weights import (
     WeightsFileError,
     need,
     one_dtype,
+    removed_on_error,
     weight_dtype,
 )
 
@@ -254,17 +255,18 @@ def write_onnx(
                 "save the model with onnx.save first"
             )
     tmp = f"{path}.tmp"
-    shutil.copyfile(base, tmp)
     total = sum(a.nbytes for a in data.values())
     done = 0
-    with open(tmp, "r+b") as out:
-        for name, a in data.items():
-            out.seek(spans[name][0])
-            out.write(a.reshape(-1).view(np.uint8).data)
-            done += a.nbytes
-            if progress is not None:
-                progress(done, total)
-        out.flush()
-        os.fsync(out.fileno())
+    with removed_on_error(tmp):
+        shutil.copyfile(base, tmp)
+        with open(tmp, "r+b") as out:
+            for name, a in data.items():
+                out.seek(spans[name][0])
+                out.write(a.reshape(-1).view(np.uint8).data)
+                done += a.nbytes
+                if progress is not None:
+                    progress(done, total)
+            out.flush()
+            os.fsync(out.fileno())
     os.replace(tmp, path)
     return OnnxWritten(list(data), kept)

@@ -21,10 +21,11 @@ imported when a file needs them (``MissingExtraError`` says which to install).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Literal
@@ -43,6 +44,7 @@ __all__ = [
     "file_format",
     "need",
     "read_safetensors",
+    "removed_on_error",
     "weight_dtype",
     "write_safetensors",
 ]
@@ -183,7 +185,7 @@ def write_safetensors(
     blob += b" " * (-len(blob) % 8)  # the data starts 8-aligned
     tmp = f"{path}.tmp"
     done = 0
-    with open(tmp, "wb") as f:
+    with removed_on_error(tmp), open(tmp, "wb") as f:
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
         for _, a in tensors:
@@ -195,6 +197,18 @@ def write_safetensors(
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def removed_on_error(path: str) -> Iterator[None]:
+    """Remove the temporary file ``path`` when the block raises (a full disk, an
+    interrupt): a failed write leaves nothing behind."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        raise
 
 
 def _safetensors_header(path: str) -> dict[str, Any]:
