@@ -196,8 +196,8 @@ def _imported(file: str, result: ImportResult) -> str:
         parts[-1] += _names(result.skipped)
     if result.left_out:
         parts.append(
-            f"left out {plural(len(result.left_out), 'tensor')} of integers or "
-            "booleans: " + ", ".join(f"{n} ({d})" for n, d in result.left_out)
+            f"left out {plural(len(result.left_out), 'tensor')}: "
+            + ", ".join(f"{n} ({d})" for n, d in result.left_out)
         )
     return line + (f" ({'; '.join(parts)})" if parts else "")
 

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EXPORT_FORMAT_VERSION",
+    "OPTIMIZERS",
     "ExportFileError",
     "Existing",
     "ImportResult",
@@ -77,7 +78,7 @@ class ImportResult:
 
 EXPORT_FORMAT = "onnxps-export"
 EXPORT_FORMAT_VERSION = 2
-_OPTIMIZERS: dict[str, type[Adagrad] | type[Momentum] | type[Adam]] = {
+OPTIMIZERS: dict[str, type[Adagrad] | type[Momentum] | type[Adam]] = {
     "Adagrad": Adagrad,
     "Momentum": Momentum,
     "Adam": Adam,
@@ -216,7 +217,7 @@ def _read(path: str) -> list[GroupImage]:
 
 def optimizer_of(definition: GroupDefinition) -> OptimizerSpec:
     """The optimizer node of a saved group."""
-    return _OPTIMIZERS[definition.optimizer](**definition.attributes)
+    return OPTIMIZERS[definition.optimizer](**definition.attributes)
 
 
 def consistency_of(c: ConsistencyDefinition) -> Async | Sync:

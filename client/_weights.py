@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from onnxps.wire.image import GroupDefinition, ImageFormatError
-from onnxps.wire.onnx_weights import read_onnx, write_onnx
+from onnxps.wire.onnx_weights import OnnxTraining, read_onnx, write_onnx
 from onnxps.wire.weights import (
     Progress,
     Weights,
@@ -30,6 +30,7 @@ from onnxps.wire.weights import (
 
 from ._optimizers import Async, OptimizerSpec
 from ._transfer import (
+    OPTIMIZERS,
     ExportFileError,
     ImportResult,
     consistency_of,
@@ -169,12 +170,16 @@ def export_weights_op(
 
 @dataclass(frozen=True)
 class _Plan:
-    """A group to create or write from a file: its tensors in group order, and the
-    definition the file carries for it (None: a model's file)."""
+    """A group to create or write from a file: its tensors in group order, and what
+    the file says of its training: an onnxps export's definition, or an ONNX
+    model's optimizer node (None: nothing). ``left_out``: float tensors of the file
+    that are not the group's (name, why)."""
 
     name: str
     tensors: list[tuple[str, Array]]
-    definition: GroupDefinition | None
+    definition: GroupDefinition | None = None
+    training: OnnxTraining | None = None
+    left_out: tuple[tuple[str, str], ...] = ()
 
 
 def _read(path: str, progress: Progress) -> Weights:
@@ -203,13 +208,17 @@ def _definitions(path: str, weights: Weights) -> list[GroupDefinition] | None:
         raise _refuse(f"{path}: malformed onnxps metadata ({exc})") from None
 
 
-def _plans(path: str, weights: Weights, group: str | None) -> list[_Plan]:
+def _plans(path: str, weights: Weights, group: str | None, asked: bool) -> list[_Plan]:
+    """The groups of the file; ``asked``: the import was given an optimizer."""
     definitions = _definitions(path, weights)
     if definitions is None:
         if not weights.tensors:
             raise _refuse(f"{path} holds no float32 or float64 tensor to import")
         name = group or os.path.splitext(os.path.basename(path))[0]
-        return [_Plan(name, weights.tensors, None)]
+        training = _training(path, weights.training, asked)
+        if training is None:
+            return [_Plan(name, weights.tensors)]
+        return [_trained(path, name, weights, training)]
     if group is not None:
         chosen = [d for d in definitions if d.name == group]
         if not chosen:
@@ -227,6 +236,39 @@ def _plans(path: str, weights: Weights, group: str | None) -> list[_Plan]:
             raise _refuse(f"{path}: group {d.name!r} lacks tensor {missing[0]!r}")
         plans.append(_Plan(d.name, [(n, by_name[n]) for n in d.names], d))
     return plans
+
+
+def _training(
+    path: str, nodes: Sequence[OnnxTraining], asked: bool
+) -> OnnxTraining | None:
+    """The ONNX model's one optimizer node; None for none, or for several when
+    the import was given an optimizer (then every float initializer is taken)."""
+    if len(nodes) > 1 and not asked:
+        raise _refuse(
+            f"{path} trains with {len(nodes)} optimizer nodes ("
+            + ", ".join(n.optimizer for n in nodes)
+            + "); a group has one: give the optimizer and learning rate to import "
+            "every float initializer as one group (optimizer=, learning_rate=; "
+            "--optimizer, --learning-rate)"
+        )
+    return nodes[0] if len(nodes) == 1 else None
+
+
+def _trained(path: str, name: str, weights: Weights, node: OnnxTraining) -> _Plan:
+    """The group of the tensors the model's optimizer node updates, in its order."""
+    by_name = dict(weights.tensors)
+    stray = [n for n in node.tensors if n not in by_name]
+    if stray:
+        raise _refuse(
+            f"{path}: its {node.optimizer} node updates {stray[0]!r}, which is not a "
+            "float32 or float64 initializer of the model's graph"
+        )
+    why = f"not updated by the model's {node.optimizer}"
+    rest = tuple(
+        (n, f"{a.dtype}, {why}") for n, a in weights.tensors if n not in node.tensors
+    )
+    tensors = [(n, by_name[n]) for n in node.tensors]
+    return _Plan(name, tensors, training=node, left_out=rest)
 
 
 def _layout(tensors: Sequence[tuple[str, Any]], dtype: Any) -> str:
@@ -251,17 +293,31 @@ def _fits(path: str, plan: _Plan, info: GroupInfo) -> list[tuple[str, Array]]:
     )
 
 
+def _from_node(path: str, node: OnnxTraining) -> OptimizerSpec:
+    try:
+        return OPTIMIZERS[node.optimizer](**node.attributes)
+    except (TypeError, ValueError) as exc:
+        raise _refuse(
+            f"{path}: its {node.optimizer} node's attributes do not make an onnxps "
+            f"optimizer ({exc}): give the optimizer (optimizer=, --optimizer)"
+        ) from None
+
+
 def _how(
     path: str,
     plan: _Plan,
     optimizer: OptimizerSpec | None,
     learning_rate: float | None,
 ) -> tuple[OptimizerSpec, float]:
-    d = plan.definition
-    spec = optimizer or (optimizer_of(d) if d else None)
-    lr = (
-        learning_rate if learning_rate is not None else (d.learning_rate if d else None)
-    )
+    d, node = plan.definition, plan.training
+    spec = optimizer
+    if spec is None and node is not None:
+        spec = _from_node(path, node)
+    if spec is None and d is not None:
+        spec = optimizer_of(d)
+    lr = learning_rate
+    if lr is None:
+        lr = node.learning_rate if node else (d.learning_rate if d else None)
     if spec is None or lr is None:
         raise _refuse(
             f"{path} does not say how to train group {plan.name!r}, which the server "
@@ -287,7 +343,7 @@ def import_weights_op(
     stages = _Stages(progress)
     weights = _read(path, stages.first)
     stages.first(weights.nbytes, weights.nbytes)
-    plans = _plans(path, weights, group)
+    plans = _plans(path, weights, group, optimizer is not None)
     on_server = {i.name: i for i in (yield from client._list_groups())}
     steps: list[Callable[[], Op[Any]]] = []
     created: list[str] = []
@@ -312,7 +368,7 @@ def import_weights_op(
         [],
         [],
         updated=updated,
-        left_out=list(weights.left_out),
+        left_out=list(weights.left_out) + [x for p in plans for x in p.left_out],
     )
 
 

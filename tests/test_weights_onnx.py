@@ -197,8 +197,8 @@ def test_the_int64_initializer_is_left_out_and_kept(
     argv = ["import", server.address, str(model), "--optimizer", "adagrad"]
     assert cli.main([*argv, "--learning-rate", "0.1"]) == 0
     assert capsys.readouterr().out == (
-        f"imported 1 group from {model} (created mlp; left out 1 tensor of integers "
-        "or booleans: shape (int64))\n"
+        f"imported 1 group from {model} (created mlp; left out 1 tensor: "
+        "shape (int64))\n"
     )
     with Client(server.address) as ps:
         assert type(ps.describe_group("mlp").optimizer) is Adagrad
@@ -213,6 +213,94 @@ def test_the_int64_initializer_is_left_out_and_kept(
     assert numpy_helper.to_array(shape).tolist() == [-1, 3]
     x = np.ones((3, 4), np.float32)
     np.testing.assert_allclose(run_onnx(out, x), forward(w, x)[2], rtol=1e-5)
+
+
+def _with_training(path: Path, nodes: list[tuple[str, list[str]]]) -> None:
+    """Add to the model at ``path`` a training algorithm of ONNX optimizer nodes
+    (ai.onnx.preview.training), each updating the named initializers, with R a
+    constant 0.05."""
+    m = onnx.load(path)
+    made = []
+    outputs = []
+    for k, (op, xs) in enumerate(nodes):
+        per = ["G", "H"] + (["V"] if op == "Adam" else [])
+        inputs = ["R", "T", *xs] + [f"{s}{k}_{x}" for s in per for x in xs]
+        outs = [f"{x}_new{k}" for x in xs] + [
+            f"{s}{k}_{x}_new" for s in per[1:] for x in xs
+        ]
+        attrs: dict[str, Any] = (
+            {"epsilon": 1e-5, "norm_coefficient": 0.001} if op == "Adagrad" else {}
+        )
+        made.append(
+            helper.make_node(
+                op, inputs, outs, domain="ai.onnx.preview.training", **attrs
+            )
+        )
+        outputs += outs
+    algorithm = helper.make_graph(
+        made,
+        "algorithm",
+        [],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
+        [
+            numpy_helper.from_array(np.array(0.05, np.float32), "R"),
+            numpy_helper.from_array(np.array(0, np.int64), "T"),
+        ],
+    )
+    bindings = [(x, f"{x}_new{k}") for k, (_, xs) in enumerate(nodes) for x in xs]
+    m.training_info.append(helper.make_training_info(algorithm, bindings, None, None))
+    m.opset_import.append(helper.make_opsetid("ai.onnx.preview.training", 1))
+    onnx.save(m, path)
+
+
+def test_a_model_that_says_how_it_trains_makes_its_group_so(
+    client: Client, model: Path, tmp_path: Path
+) -> None:
+    _with_training(model, [("Adagrad", ["W2", "W1"])])
+    assert client.import_(model) == ["mlp"]
+    info = client.describe_group("mlp")
+    assert info.tensors == [("W2", (8, 3)), ("W1", (4, 8))]  # the node's order
+    assert type(info.optimizer) is Adagrad
+    assert info.learning_rate == float(np.float32(0.05))  # R, a float32 constant
+    assert info.optimizer.epsilon == pytest.approx(1e-5)
+    assert info.optimizer.norm_coefficient == pytest.approx(0.001)
+    client.delete_group("mlp")
+    assert client.import_(model, optimizer=Adam(), learning_rate=0.1) == ["mlp"]
+    info = client.describe_group("mlp")
+    assert type(info.optimizer) is Adam and info.learning_rate == 0.1
+    assert [n for n, _ in info.tensors] == ["W2", "W1"]
+    out = tmp_path / "out.onnx"
+    client.push("mlp", np.ones((8, 3), np.float32), np.ones((4, 8), np.float32))
+    client.export(out, model=model)
+    assert_only_data_differs(model, out)
+    assert len(onnx.load(out).training_info) == 1
+
+
+def test_the_left_out_floats_and_several_optimizer_nodes(
+    server: ServerHandle,
+    client: Client,
+    model: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _with_training(model, [("Adagrad", ["W1", "W2", "b2"])])
+    assert cli.main(["import", server.address, str(model)]) == 0
+    assert capsys.readouterr().out == (
+        f"imported 1 group from {model} (created mlp; left out 2 tensors: shape "
+        "(int64), b1 (float32, not updated by the model's Adagrad))\n"
+    )
+    client.delete_group("mlp")
+    _with_training(model, [("Adam", ["b1"])])  # a second training info
+    line = _one_line(capsys, ["import", server.address, str(model)], 1)
+    assert line == (
+        f"onnxps import: {model} trains with 2 optimizer nodes (Adagrad, Adam); a "
+        "group has one: give the optimizer and learning rate to import every float "
+        "initializer as one group (optimizer=, learning_rate=; --optimizer, "
+        "--learning-rate)"
+    )
+    assert client.list_groups() == []
+    argv = ["import", server.address, str(model), "--optimizer", "adam"]
+    assert cli.main([*argv, "--learning-rate", "0.1"]) == 0
+    assert [n for n, _ in client.describe_group("mlp").tensors] == NAMES
 
 
 def _one_line(capsys: pytest.CaptureFixture[str], argv: list[str], status: int) -> str:

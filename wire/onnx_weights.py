@@ -33,7 +33,15 @@ from .weights import (
     weight_dtype,
 )
 
-__all__ = ["OnnxWritten", "initializer_spans", "read_onnx", "write_onnx"]
+__all__ = [
+    "TRAINING_DOMAIN",
+    "OnnxTraining",
+    "OnnxWritten",
+    "initializer_spans",
+    "read_onnx",
+    "training_nodes",
+    "write_onnx",
+]
 
 Array = np.ndarray[Any, Any]
 
@@ -43,6 +51,52 @@ _GRAPH_INITIALIZER = 5
 _TENSOR_NAME = 8
 _TENSOR_DATA = {9: "raw_data", 4: "float_data", 10: "double_data"}
 _LEN = 2
+
+
+TRAINING_DOMAIN = "ai.onnx.preview.training"
+# inputs per tensor of each operator: X, G, then its accumulators
+_PER_TENSOR = {"Adagrad": 3, "Momentum": 3, "Adam": 4}
+
+
+@dataclass(frozen=True)
+class OnnxTraining:
+    """An optimizer node of a model's training information (``TrainingInfoProto``
+    algorithm): the operator, its attributes (ONNX names), its learning rate R when
+    the algorithm holds it as a constant initializer, and the tensors X it updates,
+    in its input order."""
+
+    optimizer: str  # "Adagrad", "Momentum" or "Adam"
+    attributes: dict[str, Any]
+    learning_rate: float | None
+    tensors: list[str]
+
+
+def training_nodes(model: Any, onnx: Any) -> list[OnnxTraining]:
+    """The ``ai.onnx.preview.training`` optimizer nodes of a parsed model's
+    training information, in order."""
+    found = []
+    for info in model.training_info:
+        constants = {t.name: t for t in info.algorithm.initializer}
+        for node in info.algorithm.node:
+            per = _PER_TENSOR.get(node.op_type)
+            if node.domain != TRAINING_DOMAIN or per is None:
+                continue
+            n = (len(node.input) - 2) // per
+            attributes = {}
+            for a in node.attribute:
+                value = onnx.helper.get_attribute_value(a)
+                attributes[a.name] = (
+                    value.decode() if isinstance(value, bytes) else value
+                )
+            r = constants.get(node.input[0]) if node.input else None
+            lr = None
+            if r is not None:
+                value = np.asarray(onnx.numpy_helper.to_array(r))
+                lr = float(value) if value.size == 1 else None
+            found.append(
+                OnnxTraining(node.op_type, attributes, lr, list(node.input[2 : 2 + n]))
+            )
+    return found
 
 
 @dataclass(frozen=True)
@@ -188,7 +242,7 @@ def read_onnx(
         if progress is not None:
             progress(done, total)
     one_dtype(path, tensors)
-    return Weights(tensors, left_out)
+    return Weights(tensors, left_out, training=training_nodes(model, onnx))
 
 
 def _checked(

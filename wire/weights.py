@@ -92,11 +92,13 @@ class Weights:
     """The float tensors of a file, in its order, and what was left out of them.
 
     ``left_out``: (name, dtype) of each tensor of integers or booleans;
-    ``metadata``: a safetensors file's ``__metadata__`` (empty for ONNX)."""
+    ``metadata``: a safetensors file's ``__metadata__`` (empty for ONNX);
+    ``training``: an ONNX model's optimizer nodes (``onnx_weights.OnnxTraining``)."""
 
     tensors: list[tuple[str, Array]]
     left_out: list[tuple[str, str]] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)
+    training: list[Any] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
