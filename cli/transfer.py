@@ -87,13 +87,15 @@ def add_import_arguments(p: argparse.ArgumentParser) -> None:
         "--optimizer",
         choices=OPTIMIZERS,
         help="the optimizer of a group created from a .safetensors or .onnx file "
-        "(default: the one an onnxps export names; momentum and nesterov: alpha "
-        "0.9, beta 1)",
+        "(default: the one the file names, an onnxps export's or an ONNX model's "
+        "optimizer node; momentum and nesterov: alpha 0.9, beta 1)",
     )
     p.add_argument(
         "--learning-rate",
         type=positive_float,
-        help="the learning rate of a group created from a .safetensors or .onnx file",
+        metavar="R",
+        help="the learning rate of a group created from a .safetensors or .onnx file "
+        "(default: the one the file names)",
     )
     existing = p.add_mutually_exclusive_group()
     existing.add_argument(

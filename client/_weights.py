@@ -258,6 +258,8 @@ def _trained(path: str, name: str, weights: Weights, node: OnnxTraining) -> _Pla
     """The group of the tensors the model's optimizer node updates, in its order."""
     by_name = dict(weights.tensors)
     stray = [n for n in node.tensors if n not in by_name]
+    if not node.tensors:
+        raise _refuse(f"{path}: its {node.optimizer} node updates no tensor")
     if stray:
         raise _refuse(
             f"{path}: its {node.optimizer} node updates {stray[0]!r}, which is not a "
