@@ -185,6 +185,28 @@ def test_values_stored_as_float_data_and_double_data_are_written_in_place(
         np.testing.assert_allclose(run_onnx(out, x), forward(w, x)[2], rtol=1e-6)
 
 
+def test_the_copy_keeps_bytes_a_reserialization_would_change(
+    client: Client, model: Path, tmp_path: Path
+) -> None:
+    """The model's fields written out of field-number order (valid protobuf, as
+    another writer may do): parsing and serializing again would reorder them; the
+    copy keeps them where they are."""
+    m = onnx.load(model)
+    graph_only = onnx.ModelProto()
+    graph_only.graph.CopyFrom(m.graph)
+    m.ClearField("graph")
+    odd = tmp_path / "odd.onnx"
+    odd.write_bytes(m.SerializeToString() + graph_only.SerializeToString())
+    assert onnx.load(odd).SerializeToString() != odd.read_bytes()
+    client.import_(odd, optimizer=Adam(), learning_rate=0.05)
+    w, _, _ = train(client, "odd", 2)
+    out = tmp_path / "out.onnx"
+    client.export(out, model=odd)
+    assert_only_data_differs(odd, out)
+    x = np.ones((2, 4), np.float32)
+    np.testing.assert_allclose(run_onnx(out, x), forward(w, x)[2], rtol=1e-5)
+
+
 def test_the_int64_initializer_is_left_out_and_kept(
     server: ServerHandle,
     model: Path,
