@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from onnxps.wire.image import GroupDefinition, ImageFormatError
-from onnxps.wire.onnx_weights import OnnxTraining, read_onnx, write_onnx
+from onnxps.wire.onnx_weights import (
+    OnnxTraining,
+    onnx_target,
+    read_onnx,
+    write_onnx_into,
+)
 from onnxps.wire.weights import (
     Progress,
     Weights,
@@ -140,7 +145,16 @@ def export_weights_op(
             "an ONNX model: name that model (model=..., onnxps export --model "
             "BASE.onnx)"
         )
+    if fmt != "onnx" and model is not None:
+        raise ValueError("model= names the ONNX model of an .onnx export")
     infos = yield from _selected(client, group, prefix)
+    target = None
+    if model is not None:  # checked before anything is pulled
+        layout = {n: (i.dtype, s) for i in infos for n, s in i.tensors}
+        try:
+            target = onnx_target(model, layout)
+        except WeightsFileError as exc:
+            raise _refuse(str(exc)) from None
     stages = _Stages(progress)
     total = sum(i.nbytes for i in infos)
     tensors: list[tuple[str, Array]] = []
@@ -153,9 +167,8 @@ def export_weights_op(
         stages.first(sum(a.nbytes for _, a in tensors), total)
     names = [i.name for i in infos]
     try:
-        if fmt == "onnx":
-            assert model is not None
-            done = write_onnx(model, path, dict(tensors), stages.second)
+        if target is not None:
+            done = write_onnx_into(target, path, dict(tensors), stages.second)
             return WeightsExport(names, done.written, done.kept)
         metadata = {
             "format": WEIGHTS_FORMAT,
@@ -401,6 +414,8 @@ def _updater(
 
     def update() -> Op[Any]:
         t, arrays = yield from client._pull_versioned(info.name, state=True)
+        state = arrays[len(tensors) :]
+        del arrays  # X: the file's from now on
         lr = (yield from client._describe_group(info.name)).learning_rate
         yield from client._delete_group(info.name)
         return (
@@ -411,7 +426,7 @@ def _updater(
                 tensors=tensors,
                 consistency=info.consistency,
                 allow_non_finite=info.allow_non_finite,
-                state=arrays[len(tensors) :],
+                state=state,
                 update_count=t,
                 lease_seconds=info.lease_seconds,
             )

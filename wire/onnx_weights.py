@@ -35,12 +35,15 @@ from .weights import (
 
 __all__ = [
     "TRAINING_DOMAIN",
+    "OnnxTarget",
     "OnnxTraining",
     "OnnxWritten",
     "initializer_spans",
+    "onnx_target",
     "read_onnx",
     "training_nodes",
     "write_onnx",
+    "write_onnx_into",
 ]
 
 Array = np.ndarray[Any, Any]
@@ -245,38 +248,117 @@ def read_onnx(
     return Weights(tensors, left_out, training=training_nodes(model, onnx))
 
 
-def _checked(
-    base: str, values: Mapping[str, Array], onnx: Any
-) -> tuple[dict[str, Array], list[str]]:
-    """The values as the base's initializers hold them (little-endian, C order),
-    and the float initializers of the base that are not among them."""
+Layout = Mapping[str, tuple[np.dtype[Any], tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class OnnxTarget:
+    """A model checked to take tensors of a layout (``onnx_target``): where each
+    one's data bytes lie in it, and its float initializers not among them."""
+
+    base: str
+    layout: dict[str, tuple[np.dtype[Any], tuple[int, ...]]]
+    spans: dict[str, tuple[int, int, str]]
+    kept: list[str]
+
+
+def _spans(base: str) -> dict[str, tuple[int, int, str]]:
+    with open(base, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        view = memoryview(m)
+        try:
+            return initializer_spans(view)
+        except ValueError as exc:
+            why = f"{base}: cannot locate its initializers ({exc})"
+            raise WeightsFileError(why) from None
+        finally:
+            view.release()
+
+
+def onnx_target(base: str | os.PathLike[str], layout: Layout) -> OnnxTarget:
+    """Check that the model ``base`` has an initializer of each name of ``layout``
+    with its dtype and shape, stored where it can be written in place;
+    ``WeightsFileError`` (saying what to do) otherwise. Values are not needed
+    yet: a group is checked before it is pulled."""
+    base = os.fspath(base)
+    onnx = need("onnx", "onnx", "writing an .onnx model")
     model = _load(base, onnx)
     inits = {t.name: t for t in model.graph.initializer}
-    stray = [n for n in values if n not in inits]
+    stray = [n for n in layout if n not in inits]
     if stray:
         raise WeightsFileError(
             f"{base} has no initializer {', '.join(map(repr, stray))}: the tensors "
             "written into a model are its initializers, by name (the model has "
             f"{', '.join(map(repr, list(inits)[:8]))}{'...' if len(inits) > 8 else ''})"
         )
-    out = {}
-    for name, value in values.items():
-        t = inits[name]
-        dtype = _np_dtype(base, t, onnx)
-        a = np.asarray(value)
-        if a.dtype != dtype or a.shape != tuple(t.dims):
+    dtypes = {n: _np_dtype(base, t, onnx) for n, t in inits.items()}
+    for name, (dtype, shape) in layout.items():
+        have = (dtypes[name], tuple(inits[name].dims))
+        if have != (np.dtype(dtype), tuple(shape)):
             raise WeightsFileError(
-                f"{base}: initializer {name!r} is {dtype} {tuple(t.dims)}, the value "
-                f"to write is {a.dtype} {a.shape}: write a group made from this "
-                "model (onnxps import MODEL.onnx)"
+                f"{base}: initializer {name!r} is {have[0]} {have[1]}, the value "
+                f"to write is {np.dtype(dtype)} {tuple(shape)}: write a group made "
+                "from this model (onnxps import MODEL.onnx)"
             )
-        out[name] = np.ascontiguousarray(a.astype(dtype.newbyteorder("<"), copy=False))
     kept = [
-        n
-        for n, t in inits.items()
-        if n not in values and _np_dtype(base, t, onnx) in (np.float32, np.float64)
+        n for n in inits if n not in layout and dtypes[n] in (np.float32, np.float64)
     ]
-    return out, kept
+    del model, inits
+    spans = _spans(base)
+    for name, (dtype, shape) in layout.items():
+        start, end, field = spans[name]
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if end - start != nbytes:
+            raise WeightsFileError(
+                f"{base}: initializer {name!r} holds {end - start} bytes of "
+                f"{field} for {nbytes} bytes of values (stored in another field): "
+                "save the model with onnx.save first"
+            )
+    checked = {n: (np.dtype(d), tuple(s)) for n, (d, s) in layout.items()}
+    return OnnxTarget(base, checked, {n: spans[n] for n in layout}, kept)
+
+
+def write_onnx_into(
+    target: OnnxTarget,
+    path: str | os.PathLike[str],
+    values: Mapping[str, Array],
+    progress: Progress | None = None,
+) -> OnnxWritten:
+    """Write a copy of the checked model to ``path`` with ``values`` (the target's
+    layout) in place of its initializers' data, every other byte its own."""
+    path = os.fspath(path)
+    now = _spans(target.base)
+    if any(now.get(n) != span for n, span in target.spans.items()):
+        raise WeightsFileError(f"{target.base} changed since it was checked: again")
+    data = {}
+    for name, value in values.items():
+        a = np.asarray(value)
+        if target.layout.get(name) != (a.dtype, a.shape):
+            raise WeightsFileError(
+                f"{name!r} is {a.dtype} {a.shape}, not as {target.base} was checked "
+                f"for: {target.layout.get(name)}"
+            )
+        little = a.astype(a.dtype.newbyteorder("<"), copy=False)
+        data[name] = np.ascontiguousarray(little)
+    if set(data) != set(target.layout):
+        raise WeightsFileError(
+            f"the values are not the tensors {target.base} was checked for"
+        )
+    tmp = f"{path}.tmp"
+    total = sum(a.nbytes for a in data.values())
+    done = 0
+    with removed_on_error(tmp):
+        shutil.copyfile(target.base, tmp)
+        with open(tmp, "r+b") as out:
+            for name, a in data.items():
+                out.seek(target.spans[name][0])
+                out.write(a.reshape(-1).view(np.uint8).data)
+                done += a.nbytes
+                if progress is not None:
+                    progress(done, total)
+            out.flush()
+            os.fsync(out.fileno())
+    os.replace(tmp, path)
+    return OnnxWritten(list(data), target.kept)
 
 
 def write_onnx(
@@ -288,39 +370,6 @@ def write_onnx(
     """Write a copy of the model ``base`` to ``path`` with the initializers named in
     ``values`` holding those values (same dtype and shape as in ``base``), every
     other byte as in ``base``."""
-    base, path = os.fspath(base), os.fspath(path)
-    onnx = need("onnx", "onnx", "writing an .onnx model")
-    data, kept = _checked(base, values, onnx)
-    with open(base, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        view = memoryview(m)
-        try:
-            spans = initializer_spans(view)
-        except ValueError as exc:
-            why = f"{base}: cannot locate its initializers ({exc})"
-            raise WeightsFileError(why) from None
-        finally:
-            view.release()
-    for name, a in data.items():
-        start, end, field = spans[name]
-        if end - start != a.nbytes:
-            raise WeightsFileError(
-                f"{base}: initializer {name!r} holds {end - start} bytes of "
-                f"{field} for {a.nbytes} bytes of values (stored in another field): "
-                "save the model with onnx.save first"
-            )
-    tmp = f"{path}.tmp"
-    total = sum(a.nbytes for a in data.values())
-    done = 0
-    with removed_on_error(tmp):
-        shutil.copyfile(base, tmp)
-        with open(tmp, "r+b") as out:
-            for name, a in data.items():
-                out.seek(spans[name][0])
-                out.write(a.reshape(-1).view(np.uint8).data)
-                done += a.nbytes
-                if progress is not None:
-                    progress(done, total)
-            out.flush()
-            os.fsync(out.fileno())
-    os.replace(tmp, path)
-    return OnnxWritten(list(data), kept)
+    arrays = {n: np.asarray(a) for n, a in values.items()}
+    target = onnx_target(base, {n: (a.dtype, a.shape) for n, a in arrays.items()})
+    return write_onnx_into(target, path, arrays, progress)
