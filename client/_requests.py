@@ -863,8 +863,8 @@ class ClientCore(RowsOps):
         ``learning_rate`` (for a file ``export`` wrote: by default those it
         names). A group the server already has takes the file's values if its
         tensors have the same names, shapes and dtype (its optimizer state, T and
-        settings kept; it is created again, so a worker joined to it joins again),
-        and the import is refused otherwise, before anything changes.
+        settings kept; it is created again, so a worker that joined it must join
+        again), and the import is refused otherwise, before anything changes.
         """
         if file_format(path) == "npz":
             if optimizer is not None or learning_rate is not None:

@@ -408,7 +408,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         weights: ``load_state_dict``, ``onnxps.torch.load_safetensors``); returns
         T. The group is created again with them and everything else it had:
         optimizer, V/H state, T, consistency, lease settings (the learning rate:
-        this optimizer's). Workers joined to it join again (this one does)."""
+        this optimizer's). Other workers that joined it must join again."""
         info = self._current_info()
         t, arrays = self.client.pull_versioned(
             self.group, state=True, timeout=self.timeout
