@@ -368,6 +368,30 @@ def test_without_the_safetensors_package_the_error_names_the_extra(
     ), run.stderr
 
 
+def test_the_extras_load_only_when_a_file_needs_them() -> None:
+    """Importing the weights modules (and the ``onnxps`` command) loads neither
+    grpc (the wire layer) nor onnx, onnxruntime or safetensors."""
+    script = (
+        "import json, sys\n"
+        "import onnxps.wire.weights, onnxps.wire.onnx_weights\n"
+        "wire = sorted(m for m in sys.modules if m.split('.')[0] in\n"
+        "    ('grpc', 'onnx', 'onnxruntime', 'safetensors') or\n"
+        "    m.startswith('onnxps.client'))\n"
+        "import onnxps.cli._main, onnxps.client\n"
+        "extras = sorted(m for m in sys.modules if m.split('.')[0] in\n"
+        "    ('onnx', 'onnxruntime', 'safetensors'))\n"
+        "print(json.dumps([wire, extras]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert json.loads(out) == [[], []]
+
+
 @pytest.fixture
 def cluster() -> Iterator[list[str]]:
     handles = [
