@@ -343,6 +343,17 @@ def test_the_writer_is_the_format_the_library_reads(tmp_path: Path) -> None:
         np.testing.assert_array_equal(loaded[name], a, strict=True)
     with safe_open(str(path), framework="numpy") as f:
         assert f.metadata() == {"k": "v"}
+    floats: list[tuple[str, Array]] = [
+        ("b", np.arange(3, dtype=np.float32)),
+        ("a", np.ones((2, 0), np.float32)),
+        ("scalar", np.array(2.5, np.float32)),
+        ("m", np.arange(6, dtype=np.float32).reshape(2, 3)),
+    ]
+    write_safetensors(path, floats)
+    read = read_safetensors(path)
+    assert [n for n, _ in read.tensors] == ["b", "a", "scalar", "m"]
+    for (_, got), (_, want) in zip(read.tensors, floats, strict=True):
+        np.testing.assert_array_equal(got, want, strict=True)
 
 
 def test_without_the_safetensors_package_the_error_names_the_extra(

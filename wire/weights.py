@@ -213,7 +213,8 @@ def removed_on_error(path: str) -> Iterator[None]:
         raise
 
 
-def _safetensors_header(path: str) -> dict[str, Any]:
+def _safetensors_header(path: str) -> tuple[dict[str, Any], int]:
+    """The JSON header, and where the tensors' bytes start."""
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
         if size > _HEADER_LIMIT:
@@ -221,7 +222,7 @@ def _safetensors_header(path: str) -> dict[str, Any]:
         header = json.loads(f.read(size).decode("utf-8"))
     if not isinstance(header, dict):
         raise WeightsFileError(f"{path} is not a safetensors file")
-    return header
+    return header, 8 + size
 
 
 def _span(entry: Mapping[str, Any]) -> int:
@@ -233,12 +234,15 @@ def read_safetensors(
     path: str | os.PathLike[str], progress: Progress | None = None
 ) -> Weights:
     """The float tensors of a .safetensors file, in the order of their bytes in
-    it (the order they were written), read with the ``safetensors`` package."""
+    it (the order they were written). The ``safetensors`` package checks the file
+    (its header, that the tensors' bytes are where it says); each tensor is then
+    read straight into its array (one copy of the model in memory)."""
     path = os.fspath(path)
     st = need("safetensors", "safetensors", "reading a .safetensors file")
     try:
-        header = _safetensors_header(path)
-        handle = st.safe_open(path, framework="numpy")
+        header, start = _safetensors_header(path)
+        with st.safe_open(path, framework="numpy"):
+            pass
     except WeightsFileError:
         raise
     except OSError as exc:
@@ -263,10 +267,16 @@ def read_safetensors(
     total = sum(_span(header[n]) for n in chosen)
     tensors = []
     done = 0
-    with handle as f:
+    with open(path, "rb") as f:
         for name in chosen:
-            a = np.asarray(f.get_tensor(name))
-            tensors.append((name, a.astype(a.dtype.newbyteorder("="), copy=False)))
+            entry = header[name]
+            dtype = np.dtype(_ST_NUMPY[entry["dtype"]]).newbyteorder("<")
+            shape = tuple(int(d) for d in entry["shape"])
+            f.seek(start + int(entry["data_offsets"][0]))
+            a = np.fromfile(f, dtype, int(np.prod(shape, dtype=np.int64))).reshape(
+                shape
+            )
+            tensors.append((name, a.astype(dtype.newbyteorder("="), copy=False)))
             done += a.nbytes
             if progress is not None:
                 progress(done, total)
