@@ -442,6 +442,20 @@ def test_without_the_onnx_package_the_error_names_the_extra(
     assert run.stdout == (
         "reading an .onnx model needs the onnx package: pip install 'onnxps[onnx]'\n"
     ), run.stderr
+    command = (
+        "import sys\n"
+        "sys.modules['onnx'] = None\n"
+        "from onnxps.cli import main\n"
+        f"sys.exit(main(['import', '127.0.0.1:1', {str(model)!r}]))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", command], capture_output=True, text=True, timeout=60
+    )
+    assert (run.returncode, run.stderr) == (
+        1,
+        "onnxps import: reading an .onnx model needs the onnx package: pip install "
+        "'onnxps[onnx]'\n",
+    )
 
 
 @pytest.fixture
