@@ -6,10 +6,10 @@ A group's tensors X_1..X_n, by name, to and from the files a model loader reads:
   ``write_safetensors``. The tensors keep their names; an onnxps export adds, in
   the file's ``__metadata__``, the definition of each group (optimizer, learning
   rate, settings), so that an import can create the groups again.
-- ``.onnx`` (ONNX Runtime): ``read_onnx`` takes a model's float initializers (in
-  the model's order, the order of the group's tensors); ``write_onnx`` writes
-  trained values into a copy of a model, every other byte of it unchanged
-  (``onnxps.wire.onnx_splice``).
+- ``.onnx`` (ONNX Runtime), in ``onnxps.wire.onnx_weights``: ``read_onnx`` takes a
+  model's float initializers (in the model's order, the order of the group's
+  tensors) and its optimizer node, if any; ``write_onnx`` writes trained values
+  into a copy of a model, every other byte of it unchanged.
 
 A float32 or float64 tensor is a weight. A tensor of integers or booleans (an ONNX
 model's shapes and indices, a buffer's counter) is left out, and named in
