@@ -207,6 +207,21 @@ def test_the_copy_keeps_bytes_a_reserialization_would_change(
     np.testing.assert_allclose(run_onnx(out, x), forward(w, x)[2], rtol=1e-5)
 
 
+def test_an_import_into_the_group_of_the_model_writes_its_values(
+    client: Client, model: Path, tmp_path: Path
+) -> None:
+    client.import_(model, optimizer=Adam(), learning_rate=0.05)
+    train(client, "mlp", 2)
+    t, before = client.pull_versioned("mlp", state=True)
+    assert client.import_(model) == ["mlp"]  # the model's initial values again
+    t_after, after = client.pull_versioned("mlp", state=True)
+    assert t_after == t == 2
+    for got, name in zip(after[:4], NAMES, strict=True):
+        np.testing.assert_array_equal(got, _initial()[name])
+    for got, kept in zip(after[4:], before[4:], strict=True):
+        np.testing.assert_array_equal(got, kept)
+
+
 def test_the_int64_initializer_is_left_out_and_kept(
     server: ServerHandle,
     model: Path,
