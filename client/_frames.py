@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import struct
 import threading
 from typing import Any
 
 import grpc
+from onnxps.wire import frames
+from onnxps.wire.frames import CALL_MAGIC, FRAME_MAX_REQUEST_BYTES, close_socket
 
 __all__ = [
     "CALL_MAGIC",
@@ -28,13 +29,8 @@ __all__ = [
     "FrameRpcError",
 ]
 
-CALL_MAGIC = b"ONNXPSC1"
-FRAME_METHODS = {"Push": 1, "Pull": 2}
-# Larger requests go over gRPC (its streams and the data channel move bytes best)
-FRAME_MAX_REQUEST_BYTES = 1 << 20
-_U32 = struct.Struct("<I")
-_HEAD = struct.Struct("<Bd")
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
+FRAME_METHODS = frames.METHOD_NUMBERS
+_CODES = {number: grpc.StatusCode[name] for number, name in frames.STATUS_NAMES.items()}
 
 
 class FrameBroken(Exception):
@@ -70,59 +66,21 @@ class CallChannel:
 
     def close(self) -> None:
         self.closed = True
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        close_socket(self.sock)
 
     def call(self, method: str, request: bytes, timeout: float | None) -> bytes:
         """The reply's bytes; raises FrameRpcError (a status) or FrameBroken."""
-        body = _HEAD.pack(FRAME_METHODS[method], timeout or 0.0) + request
+        frame = frames.call_frame(FRAME_METHODS[method], timeout or 0.0, request)
         try:
             self.sock.settimeout(timeout)
-            self.sock.sendall(_U32.pack(len(body)) + body)
-            payload = self._recv(_U32.unpack(self._recv(4))[0])
-        except OSError as exc:  # a timeout too: where the stream stands is unknown
+            self.sock.sendall(frame)
+            code, body, details, trailing = frames.read_reply(self.sock)
+        except (OSError, ValueError) as exc:  # a timeout too: the stream is lost
             self.close()
             raise FrameBroken(f"the call channel failed mid-call ({exc})") from None
-        if not payload:
-            self.close()
-            raise FrameBroken("the call channel sent an empty reply")
-        code = _CODES.get(payload[0])
-        if code is grpc.StatusCode.OK:
-            return payload[1:]
-        if code is None:
-            self.close()
-            raise FrameBroken(f"the call channel sent status {payload[0]}")
-        raise FrameRpcError(code, *_status(payload))
-
-    def _recv(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
-            k = self.sock.recv_into(view[got:])
-            if not k:
-                raise OSError("the server closed the call channel")
-            got += k
-        return bytes(buf)
-
-
-def _status(payload: bytes) -> tuple[str, list[tuple[str, bytes]]]:
-    (n,) = _U32.unpack_from(payload, 1)
-    details = payload[5 : 5 + n].decode("utf-8")
-    at = 5 + n
-    (count,) = struct.unpack_from("<H", payload, at)
-    at += 2
-    trailing: list[tuple[str, bytes]] = []
-    for _ in range(count):
-        (klen,) = struct.unpack_from("<H", payload, at)
-        key = payload[at + 2 : at + 2 + klen].decode("ascii")
-        at += 2 + klen
-        (vlen,) = _U32.unpack_from(payload, at)
-        value = payload[at + 4 : at + 4 + vlen]
-        trailing.append((key, value if key.endswith("-bin") else value))
-        at += 4 + vlen
-    return details, trailing
+        if code == 0:
+            return body
+        raise FrameRpcError(_CODES[code], details, trailing)
 
 
 def request_bytes(request: Any) -> bytes | None:
