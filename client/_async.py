@@ -71,17 +71,15 @@ class AsyncClient(ClientCore):
 
     Takes the arguments of ``Client`` and behaves the same (one deadline per call,
     exactly-once resends of a push, TLS and tokens, unary or chunked streams by
-    size, a list of shard addresses routed as ``Client`` routes it). Use it as
+    size, a list of shard addresses routed as ``Client`` routes it, frames on a
+    call channel with ``frames="on"``, their socket's steps in a worker thread).
+    Use it as
     ``async with AsyncClient(address) as ps:``; the channels open on first use, in
     the running event loop.
     """
 
     def _setup(self) -> None:
         super()._setup()
-        if self.frames:
-            raise ValueError(
-                "frames='on' is a Client option: AsyncClient sends every call over gRPC"
-            )
         self._channels: dict[int, grpc.aio.Channel] = {}
         self._callables: dict[tuple[int, str], Any] = {}
         self._heartbeats: dict[str, asyncio.Task[None]] = {}

@@ -1,4 +1,5 @@
-"""The client's side of frame calls (``Client(frames="on")``).
+"""The client's side of frame calls (``frames="on"``, ``Client`` and
+``AsyncClient``): ``FrameTransport``, a ``TensorTransport`` (see ``_transport``).
 
 Small unary ``Push`` and ``Pull`` calls as frames on a call channel: a data
 channel opened with ``CALL_MAGIC`` after an authenticated ``DataChannelHello``
@@ -6,30 +7,56 @@ channel opened with ``CALL_MAGIC`` after an authenticated ``DataChannelHello``
 through the same interceptors and servicer as gRPC (``onnxps.server._frames``). A
 status comes back as grpc's would (code, details, rich details), so the client's
 errors are the same; a socket that fails mid-call sends the call over gRPC again
-(the same seq: applied once).
+(the same seq: applied once). The frames' layout: ``onnxps.wire.frames``. The
+socket's steps are ``Blocking`` effects: ``Client`` runs them in the calling
+thread, ``AsyncClient`` in a worker thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import socket
+import ssl
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
+from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire import frames
+from onnxps.wire.codec import deserializer, rpc_messages
 from onnxps.wire.frames import CALL_MAGIC, FRAME_MAX_REQUEST_BYTES, close_socket
+
+from ._datachannel import ChannelBroken, ChannelRefused, connect
+from ._errors import RpcError
+from ._grpc_transport import InlineTransport
+from ._ops import Blocking, Call, Deadline, Op, unary_request, what
+from ._replies import tcp_host
 
 __all__ = [
     "CALL_MAGIC",
     "FRAME_MAX_REQUEST_BYTES",
     "FRAME_METHODS",
     "CallChannel",
+    "CallChannelLink",
     "FrameBroken",
     "FrameRpcError",
+    "FrameTransport",
 ]
 
+log = logging.getLogger("onnxps.client")
+
 FRAME_METHODS = frames.METHOD_NUMBERS
+# each method's reply message, read from a frame's bytes
+_REPLIES = {m: deserializer(rpc_messages(m)[1]) for m in FRAME_METHODS}
+_FRAMES_RETRY_SECONDS = 10.0  # a refused call channel is asked for again after
+# Statuses a frame call hands to gRPC, whose retry policy resends them (a draining
+# or stopping server): the same seq, applied once
+_GRPC_RETRIES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+_NOT_FRAMED = object()  # a frame call that did not happen: the call goes over gRPC
 _CODES = {number: grpc.StatusCode[name] for number, name in frames.STATUS_NAMES.items()}
 
 
@@ -93,3 +120,112 @@ def request_bytes(request: Any) -> bytes | None:
                 return None
     data: bytes = request.SerializeToString()
     return data
+
+
+class CallChannelLink:
+    """The call channels of one client, one per shard (0: the one server), opened
+    on first use; a shard that refused one is asked again after
+    ``_FRAMES_RETRY_SECONDS`` (its calls meanwhile over gRPC)."""
+
+    def __init__(
+        self,
+        addresses: list[str],
+        tls: Callable[[], ssl.SSLContext | None],
+        server_name_override: str | None,
+    ) -> None:
+        self.addresses = addresses  # the client's own list: followed as it changes
+        self._tls = tls
+        self._server_name_override = server_name_override
+        self.channels: dict[int, CallChannel] = {}
+        self._opening: dict[int, threading.Lock] = {}
+        self._refused: dict[int, float] = {}
+
+    def close(self) -> None:
+        for ch in self.channels.values():
+            ch.close()
+
+    def call(self, call: Call, shard: int) -> Op[Any]:
+        """``call`` (a Push or Pull) as a frame to ``shard``: its reply, or
+        ``_NOT_FRAMED`` (send it over gRPC: no channel, the channel busy or
+        broken, the request too large or bound to gRPC; a push resent keeps its
+        seq, applied once)."""
+        ch = self.channels.get(shard)
+        if ch is None or ch.closed:
+            # one caller opens a shard's channel; a call meanwhile goes over gRPC
+            opening = self._opening.setdefault(shard, threading.Lock())
+            if not opening.acquire(blocking=False):
+                return _NOT_FRAMED
+            try:
+                ch = yield from self._open(shard, call.deadline)
+            finally:
+                opening.release()
+        if ch is None or not ch.lock.acquire(blocking=False):
+            return _NOT_FRAMED
+        try:
+            raw = request_bytes(call.request())
+            if raw is None or len(raw) > FRAME_MAX_REQUEST_BYTES:
+                return _NOT_FRAMED
+            sending = functools.partial(
+                ch.call, call.method, raw, call.deadline.remaining()
+            )
+            body = yield Blocking(sending)
+        except FrameBroken as exc:
+            log.info("call channel to shard %d: %s; over gRPC", shard, exc)
+            return _NOT_FRAMED
+        except FrameRpcError as exc:
+            if exc.code() in _GRPC_RETRIES:  # gRPC's retry policy resends these
+                return _NOT_FRAMED
+            raise call.error(exc) from None
+        finally:
+            ch.lock.release()
+        return _REPLIES[call.method](body)
+
+    def _open(self, shard: int, deadline: Deadline) -> Op[CallChannel | None]:
+        """A new call channel to ``shard`` (hello, connect), else None (refused:
+        asked again after ``_FRAMES_RETRY_SECONDS``)."""
+        if time.monotonic() < self._refused.get(shard, 0.0):
+            return None
+        host = tcp_host(self.addresses[shard])
+        try:
+            if host is None:
+                raise OSError("the address is not host:port")
+            hello = yield Call(
+                "DataChannelHello",
+                unary_request(pb.DataChannelHelloRequest()),
+                Deadline(min(deadline.remaining(), 5.0)),
+                what("DataChannelHello"),
+                shard=shard,
+            )
+            opening = functools.partial(
+                connect,
+                host,
+                hello.port,
+                hello.ticket,
+                min(deadline.remaining(), 5.0),
+                self._tls(),
+                self._server_name_override,
+                magic=CALL_MAGIC,
+            )
+            opened = yield Blocking(opening)
+        except (RpcError, OSError, ChannelRefused, ChannelBroken) as exc:
+            self._refused[shard] = time.monotonic() + _FRAMES_RETRY_SECONDS
+            log.info("no call channel to shard %d (%s); calls over gRPC", shard, exc)
+            return None
+        ch = self.channels[shard] = CallChannel(opened.sock)
+        return ch
+
+
+class FrameTransport(InlineTransport):
+    """A unary call's bytes as one frame each way on a call channel to ``shard``
+    (each send of a push: a frame first, then gRPC where it did not happen)."""
+
+    def __init__(self, host: Any, link: CallChannelLink, shard: int) -> None:
+        super().__init__(host)
+        self.link = link
+        self.shard = shard
+
+    def send(self, call: Call) -> Op[Any]:
+        reply = yield from self.link.call(call, self.shard)
+        if reply is _NOT_FRAMED:
+            reply = yield call
+        return reply

@@ -23,6 +23,7 @@ from ._optimizers import Async, OptimizerSpec, Sync
 from ._pending import PendingPushes
 from ._records import GroupInfo, LeaseInfo, PushResult, RowsPage, SaveInfo
 from ._shm_transport import SharedMemoryLink
+from ._transport import Transports
 
 __all__ = ["ClusterHost", "CoreHost", "Route", "RunningHost", "Targets"]
 
@@ -196,6 +197,7 @@ class ClusterHost(CoreHost, Protocol):
     _pending: PendingPushes
     _shm_link: SharedMemoryLink
     _data_link: DataChannelLink
+    _transports: Transports
     transport: Transport
     stream_threshold_bytes: int
     chunk_bytes: int

@@ -44,12 +44,8 @@ from ._channel_transport import DataChannelLink, DataChannelMode
 from ._cluster import Layout
 from ._discovery import CoordinatorTls, Discovery, is_coordinator
 from ._errors import ClientClosedError, RpcError
-from ._grpc_transport import (
-    Transport,
-    chunk_stream,
-    grpc_transport,
-    use_stream,
-)
+from ._frames import CallChannel
+from ._grpc_transport import Transport, chunk_stream
 from ._host import Route, Targets
 from ._ops import (
     Call,
@@ -97,7 +93,7 @@ from ._settings import (
 )
 from ._shm_transport import SharedMemoryLink
 from ._transfer import export_op, import_op
-from ._transport import choose_pull, choose_push
+from ._transport import CallShape, Transports
 from .shm import (
     SharedMemoryMode,
     TensorBuffers,
@@ -199,8 +195,8 @@ class ClientCore(RowsOps):
         if frames not in ("off", "on"):
             raise ValueError(f"frames must be 'off' or 'on', got {frames!r}")
         # Small Push and Pull calls as frames on a call channel beside gRPC (a
-        # server with --data-port): ``Client`` only; not with etcd (a channel is
-        # bound to one server)
+        # server with --data-port); not with etcd (a channel is bound to one
+        # server)
         self.frames = frames == "on" and self._discovery is None
         # A list of addresses is a cluster: shard i at addresses[i] (docs/cluster.md,
         # "A cluster of shards").
@@ -250,13 +246,14 @@ class ClientCore(RowsOps):
                 self.shared_memory = "off"
             if self.data_channel == "auto":
                 self.data_channel = "off"
-        # The links of the transports that keep state (see ``_transport``)
-        # per server (a cluster: per shard, each with its own hello and segments)
-        self._shm_links: dict[int, SharedMemoryLink] = {}
-        self._shm_link = self._shm_link_of(0)
-        self._data_link = DataChannelLink(
+        # The transport seam (``_transport``): the ways of every call, and their
+        # links per server (a cluster: per shard, each with its own hello and
+        # segments)
+        self._transports = Transports(
             self, self._tls, server_name_override, self._dtypes
         )
+        self._shm_link = self._transports.shm(0)
+        self._data_link: DataChannelLink = self._transports.channels
         self._state = State.UNOPENED
         # A cluster client's layouts of its groups' parts, and per group the pushes
         # whose parts did not all land (sent first by the group's next push or pull)
@@ -266,12 +263,15 @@ class ClientCore(RowsOps):
         self._route: Route = route_of(self)
         self._setup()
 
-    def _shm_link_of(self, shard: int) -> SharedMemoryLink:
-        """The shared-memory link with ``shard`` (0: the one server)."""
-        link = self._shm_links.get(shard)
-        if link is None:
-            link = self._shm_links.setdefault(shard, SharedMemoryLink(self, shard))
-        return link
+    @property
+    def _shm_links(self) -> dict[int, SharedMemoryLink]:
+        """The shared-memory links, per shard that was asked for one."""
+        return self._transports.shm_links
+
+    @property
+    def _call_channels(self) -> dict[int, CallChannel]:
+        """The open call channels, per shard (``frames="on"``)."""
+        return self._transports.call_channels
 
     def _setup(self) -> None:
         """The connection state of the concrete client."""
@@ -296,7 +296,7 @@ class ClientCore(RowsOps):
         return Deadline(self.timeout if timeout is None else timeout)
 
     def _use_stream(self, nbytes: int) -> bool:
-        return use_stream(self, nbytes)
+        return self._transports.streams(nbytes)
 
     def _unary_op(self, method: str, request: Any, timeout: float | None) -> Op[Any]:
         return unary_call(method, request, self._deadline(timeout))
@@ -516,7 +516,8 @@ class ClientCore(RowsOps):
             req.base_version = base_version
         if learning_rate is not None:
             req.learning_rate = learning_rate
-        result = yield from self._push_parts(req, arrays, deadline, out)
+        # on the one server, or its parts on the shards of a cluster
+        result = yield from self._route.push(req, arrays, deadline, out)
         if out is None or result.values is None:
             return result
         return dataclasses.replace(result, values=written_into(out, result.values))
@@ -525,17 +526,6 @@ class ClientCore(RowsOps):
         """Whether an encoded push may leave its encoding to the data channel's
         sending (a single server that may give a channel)."""
         return self.TRANSFERS and self.data_channel != "off" and self.shards is None
-
-    def _push_parts(
-        self,
-        req: pb.PushRequest,
-        arrays: list[Array],
-        deadline: Deadline,
-        out: Sequence[Array] | None = None,
-    ) -> Op[PushResult]:
-        """Send the push (a cluster client: its parts, to their shards). ``out``:
-        arrays X may be written straight into (the caller checked them)."""
-        return self._route.push(req, arrays, deadline, out)
 
     def _push_part_op(
         self,
@@ -546,16 +536,7 @@ class ClientCore(RowsOps):
     ) -> Op[PushResult]:
         """One part's push to ``shard`` of a cluster (the caller routes it there
         with ``on_shard``), on the transport chosen for it."""
-        way = yield from choose_push(
-            self,
-            self._shm_link_of(shard),
-            self._data_link,
-            arrays,
-            template.return_values,
-            deadline,
-            shard,
-        )
-        return (yield from way.push(template, arrays, deadline, None))
+        return self._transports.push(template, arrays, deadline, None, shard)
 
     def _tensor_buffers(
         self, group: str, *, timeout: float | None = None
@@ -575,10 +556,7 @@ class ClientCore(RowsOps):
     def _close_transports(self) -> None:
         """Close the data channels and unlink the segments (the client's close():
         its tensor buffers too)."""
-        self._data_link.close()
-        closing = self._state is State.CLOSED
-        for link in self._shm_links.values():
-            link.close(closing_client=closing)
+        self._transports.close(closing_client=self._state is State.CLOSED)
 
     def _push(self, *args: Any, **kwargs: Any) -> Op[int | list[Array]]:
         """Push G_1..G_n (ONNX order). Returns the new T, or X_1..X_n with
@@ -649,13 +627,6 @@ class ClientCore(RowsOps):
                 group, state, min_version, deadline, enc, allow_apart=allow_parts_apart
             )
             return (yield from pulled)
-        bufs = self._shm_link.buffers_of(list(out))
-        if bufs is not None and not state and enc == "native":
-            req = pb.PullRequest(group=group, min_version=min_version)
-            into = yield from self._shm_link.pull_into(req, deadline, bufs)
-            if into is not None:
-                t, arrays = into
-                return t, written_into(out, arrays)
         pulled = self._pull_parts(
             group, state, min_version, deadline, enc, out, allow_apart=allow_parts_apart
         )
@@ -700,28 +671,36 @@ class ClientCore(RowsOps):
         shard: int = 0,
     ) -> Op[tuple[int, list[Array]]]:
         """One pull of one group (or part) from one server; a streamed or shared
-        reply lands in ``out`` where its arrays fit."""
+        reply lands in ``out`` where its arrays fit (shared ``TensorBuffers`` of
+        this client: the server writes X straight into them)."""
         size = self._sizes.get(group)
+        bufs = None
+        if out is not None and not state and encoding == "native":
+            bufs = self._transports.shm(shard).buffers_of(list(out))
         unknown = group not in self._pull_segments
-        if (size is None and self.transport == "auto") or (
-            unknown and self.shared_memory == "on" and self.shards is None
+        if bufs is None and (
+            (size is None and self.transport == "auto")
+            or (unknown and self.shared_memory == "on" and self.shards is None)
         ):
             size = (yield from self._describe(group, deadline)).nbytes
-        segment = self._pull_segments.get(group, (0, 0))[state]
+        nbytes = size or 0
+        shape = CallShape(
+            "pull",
+            nbytes,
+            nbytes if encoding == "native" else nbytes // 2,  # 2 bytes an element
+            0,
+            shard,
+            native=encoding == "native",
+            segment_bytes=self._pull_segments.get(group, (0, 0))[state],
+            buffers=bufs,
+        )
         req = pb.PullRequest(
             group=group,
             with_state=state,
             min_version=min_version,
             encoding=ENCODING_TO_PROTO[encoding],
         )
-        links = (self._shm_link_of(shard), self._data_link)
-        way = yield from choose_pull(
-            self, *links, segment, size or 0, encoding, deadline, shard
-        )
-        pulled = yield from way.pull(req, deadline, out)
-        if pulled is None:  # the data channel failed: over gRPC
-            pulled = yield from grpc_transport(self, size or 0).pull(req, deadline, out)
-        return pulled
+        return (yield from self._transports.pull(req, shape, deadline, out))
 
     # -- apply ---------------------------------------------------------------------
     def _apply(

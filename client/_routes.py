@@ -32,7 +32,6 @@ from ._records import (
     group_info,
     lease_info,
 )
-from ._transport import choose_push
 
 __all__ = ["Cluster", "OneServer", "route_of"]
 
@@ -91,10 +90,7 @@ class OneServer:
         deadline: Deadline,
         out: Sequence[Array] | None,
     ) -> Op[PushResult]:
-        core = self.core
-        links = (core._shm_link, core._data_link)
-        way = yield from choose_push(core, *links, arrays, req.return_values, deadline)
-        return (yield from way.push(req, arrays, deadline, out))
+        return self.core._transports.push(req, arrays, deadline, out)
 
     def pull(
         self,
