@@ -193,11 +193,11 @@ class Client(ClientCore):
             return stub
 
     def _method(self, name: str, shard: int = 0) -> Any:
-        self._get_stub(shard)  # opens the channel
-        key = (shard, name)
-        fn = self._callables.get(key)
-        if fn is None:
-            fn = self._callables[key] = multicallable(self._channels[shard], name)
+        fn = self._callables.get((shard, name))
+        if fn is not None and self._state is not State.CLOSED:
+            return fn
+        self._get_stub(shard)  # opens the channel (or raises: the client closed)
+        fn = self._callables[(shard, name)] = multicallable(self._channels[shard], name)
         return fn
 
     def _run(self, op: Op[R]) -> R:

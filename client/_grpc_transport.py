@@ -188,7 +188,7 @@ class InlineTransport:
     ) -> Op[PushResult]:
         req = _copy(template)
         msg = EncodedMessage(req, "gradients", _native(arrays))
-        call = Call("Push", unary_request(msg), deadline, pushed_what(req))
+        call = Call("Push", lambda: msg, deadline, pushed_what(req))
         address = self.host.address
         got = yield from resending(call, req.group, req.seq, address, self.send)
         values = inline_values(got.values, out) if req.return_values else None
@@ -197,7 +197,7 @@ class InlineTransport:
     def pull(
         self, request: pb.PullRequest, deadline: Deadline, out: Sequence[Array] | None
     ) -> Op[tuple[int, list[Array]]]:
-        call = Call("Pull", unary_request(request), deadline, pull_waited(request))
+        call = Call("Pull", lambda: request, deadline, pull_waited(request))
         msg = yield from self.send(call)
         return msg.update_count, tensors_to_arrays(msg.tensors, encoded=True)
 

@@ -48,6 +48,8 @@ class OneServer:
 
     def __init__(self, core: ClusterHost) -> None:
         self.core = core
+        # a push goes straight to the transport seam (its own arguments)
+        self.push = core._transports.push
 
     def create(
         self,
@@ -82,15 +84,6 @@ class OneServer:
         req = pb.SetLearningRateRequest(group=name, learning_rate=learning_rate)
         msg = yield from unary_call("SetLearningRate", req, deadline)
         return group_info(msg.group)
-
-    def push(
-        self,
-        req: pb.PushRequest,
-        arrays: list[Array],
-        deadline: Deadline,
-        out: Sequence[Array] | None,
-    ) -> Op[PushResult]:
-        return self.core._transports.push(req, arrays, deadline, out)
 
     def pull(
         self,
