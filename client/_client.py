@@ -25,12 +25,12 @@ from ._ops import (
     Deadline,
     Effect,
     Op,
-    OpRun,
     Parallel,
     Pause,
     PushCall,
     Transfer,
     as_method,
+    drive,
     one_call,
 )
 from ._records import (
@@ -202,18 +202,7 @@ class Client(ClientCore):
 
     def _run(self, op: Op[R]) -> R:
         """Perform an operation's effects with blocking calls; return its result."""
-        run = OpRun(op)
-        try:
-            while (effect := run.next_effect()) is not None:
-                try:
-                    run.reply(self._perform(effect))
-                except Exception as exc:  # raised in the operation, to handle
-                    run.fail(exc)
-        except BaseException:
-            run.abandon()
-            raise
-        result: R = run.result
-        return result
+        return drive(op, self._perform)
 
     def _perform(self, effect: Effect) -> Any:
         if isinstance(effect, Pause):

@@ -15,9 +15,8 @@ import enum
 import itertools
 import logging
 import os
-import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NoReturn, TypeVar
 
 import numpy as np
@@ -31,22 +30,18 @@ from onnxps.wire.codec import (
     write_tensor,
 )
 from onnxps.wire.encoding import (
-    ENCODING_TO_PROTO,
     DeferredEncoding,
     Encoding,
     check_encoding,
     encode,
 )
 from onnxps.wire.initializers import IdsTable
-from onnxps.wire.shm import layout
 
 from ._channel_transport import DataChannelLink, DataChannelMode
-from ._cluster import Layout
 from ._discovery import CoordinatorTls, Discovery, is_coordinator
 from ._errors import ClientClosedError, RpcError
 from ._frames import CallChannel
-from ._grpc_transport import Transport, chunk_stream
-from ._host import Route, Targets
+from ._grpc_transport import Transport
 from ._ops import (
     Call,
     Deadline,
@@ -69,8 +64,8 @@ from ._records import (
     GroupInfo,
     LeaseInfo,
     PushResult,
+    RowsPage,
     SaveInfo,
-    group_info,
 )
 from ._replies import (
     apply_reader,
@@ -79,8 +74,7 @@ from ._replies import (
     table_specs,
     written_into,
 )
-from ._routes import route_of
-from ._rows import RowsOps
+from ._routes import Route, Targets, route_of
 from ._settings import (
     channel_credentials,
     channel_options,
@@ -91,9 +85,10 @@ from ._settings import (
     spec,
     with_default_port,
 )
+from ._shardops import ShardOps
 from ._shm_transport import SharedMemoryLink
 from ._transfer import export_op, import_op
-from ._transport import CallShape, Transports
+from ._transport import Transports
 from .shm import (
     SharedMemoryMode,
     TensorBuffers,
@@ -137,7 +132,7 @@ class State(enum.Enum):
     CLOSED = 3
 
 
-class ClientCore(RowsOps):
+class ClientCore:
     """Settings and per-client state both clients share, and every operation."""
 
     # Whether this client performs ``Transfer`` (data channel) effects.
@@ -220,14 +215,6 @@ class ClientCore(RowsOps):
         self._token = token
         self._tls = (root_certificates, private_key, certificate_chain)
         self._server_name_override = server_name_override
-        # Seqs start at the wall clock in microseconds, not 1: a worker restarted with
-        # the same client_id must not repeat seqs the server remembers, or its first
-        # pushes would be answered as duplicates and silently dropped.
-        self._seq = itertools.count(time.time_ns() // 1000)
-        self._sizes: dict[str, int] = {}
-        self._dtypes: dict[str, np.dtype[Any]] = {}  # each group's, as last seen
-        # group -> segment bytes its pull needs without and with state
-        self._pull_segments: dict[str, tuple[int, int]] = {}
         # The same-host transport: "auto" (with transport="auto") tries it for
         # calls of at least SHARED_MEMORY_THRESHOLD_BYTES and falls back to bytes
         # where the hello is refused; "on" uses it for every push and pull and
@@ -249,24 +236,35 @@ class ClientCore(RowsOps):
         # The transport seam (``_transport``): the ways of every call, and their
         # links per server (a cluster: per shard, each with its own hello and
         # segments)
-        self._transports = Transports(
-            self, self._tls, server_name_override, self._dtypes
-        )
+        self._transports = Transports(self, self._tls, server_name_override, {})
         self._shm_link = self._transports.shm(0)
         self._data_link: DataChannelLink = self._transports.channels
         self._state = State.UNOPENED
-        # A cluster client's layouts of its groups' parts, and per group the pushes
-        # whose parts did not all land (sent first by the group's next push or pull)
-        self._layouts: dict[str, Layout] = {}
-        self._pending = PendingPushes()
+        # One call of a group (or part) to one server, and what calls remember of
+        # groups (sizes, dtypes, a cluster's layouts, pushes not all landed)
+        self.ops = ShardOps(self, self._transports)
         # Where each call goes: the one server, or its group's parts (``_routes``)
-        self._route: Route = route_of(self)
+        self._route: Route = route_of(self.ops)
         self._setup()
 
     @property
     def _shm_links(self) -> dict[int, SharedMemoryLink]:
         """The shared-memory links, per shard that was asked for one."""
         return self._transports.shm_links
+
+    @property
+    def _seq(self) -> itertools.count[int]:
+        """The seqs of this client's pushes (``ShardOps.seq``)."""
+        return self.ops.seq
+
+    @_seq.setter
+    def _seq(self, seq: itertools.count[int]) -> None:
+        self.ops.seq = seq
+
+    @property
+    def _pending(self) -> PendingPushes:
+        """The pushes whose parts did not all land, per group (``ShardOps``)."""
+        return self.ops.pending
 
     @property
     def _call_channels(self) -> dict[int, CallChannel]:
@@ -371,81 +369,10 @@ class ClientCore(RowsOps):
             req, names, arrays, state_arrays, deadline, table_arrays
         )
 
-    def _create_op(
-        self,
-        template: pb.CreateGroupRequest,
-        names: Sequence[str],
-        arrays: Sequence[Array],
-        state_arrays: Sequence[Array],
-        deadline: Deadline,
-        *,
-        table_arrays: Sequence[Sequence[Array]] = (),
-    ) -> Op[pb.GroupInfo]:
-        """One CreateGroup(Stream) of ``template`` with these tensors (and the rows
-        of its ids tables, ``table_arrays``): the reply's group."""
-        req = pb.CreateGroupRequest()
-        req.CopyFrom(template)
-        arrays = list(arrays)
-        state_arrays = list(state_arrays)
-        rows = [a for t in table_arrays for a in t]
-        if self._use_stream(sum(a.nbytes for a in arrays + state_arrays + rows)):
-            req.tensors.extend(map(header_tensor, arrays, names))
-            req.state.extend(header_tensor(a) for a in state_arrays)
-            for spec, (ids, x, *st) in zip(req.tables, table_arrays, strict=False):
-                spec.ids.CopyFrom(header_tensor(ids))
-                spec.rows.CopyFrom(header_tensor(x))
-                spec.state.extend(header_tensor(a) for a in st)
-            chunks = self._chunks(
-                pb.CreateGroupStreamRequest, req, arrays + state_arrays + rows
-            )
-            call = Call(
-                "CreateGroupStream", chunks, deadline, what("CreateGroupStream")
-            )
-        else:
-            for n, a in zip(names, arrays, strict=True):
-                write_tensor(req.tensors.add(), a, n)
-            for a in state_arrays:
-                write_tensor(req.state.add(), a)
-            for spec, (ids, x, *st) in zip(req.tables, table_arrays, strict=False):
-                write_tensor(spec.ids, ids)
-                write_tensor(spec.rows, x)
-                for a in st:
-                    write_tensor(spec.state.add(), a)
-            call = Call(
-                "CreateGroup", unary_request(req), deadline, what("CreateGroup")
-            )
-        msg = yield call
-        group: pb.GroupInfo = msg.group
-        return group
-
-    def _chunks(
-        self, message: Any, header: Any, arrays: list[Array]
-    ) -> Callable[[], Iterator[Any]]:
-        """A client stream: the header, then every array in chunks."""
-        return chunk_stream(message, header, arrays, self.chunk_bytes)
-
-    def _remember(self, info: GroupInfo) -> GroupInfo:
-        self._sizes[info.name] = info.nbytes
-        self._dtypes[info.name] = info.dtype
-        sizes = [
-            int(np.prod(dims, dtype=np.int64)) * info.dtype.itemsize
-            for _, dims in info.tensors
-        ]
-        # with state: X, V and H at most (Adam)
-        self._pull_segments[info.name] = (layout(sizes)[1], layout(sizes * 3)[1])
-        return info
-
     def _describe_group(
         self, name: str, *, timeout: float | None = None
     ) -> Op[GroupInfo]:
         return self._route.describe(name, self._deadline(timeout))
-
-    def _describe(self, name: str, deadline: Deadline) -> Op[GroupInfo]:
-        req = pb.DescribeGroupRequest(group=name)
-        msg = yield Call(
-            "DescribeGroup", unary_request(req), deadline, what("DescribeGroup")
-        )
-        return self._remember(group_info(msg.group))
 
     def _list_groups(
         self, prefix: str = "", *, timeout: float | None = None
@@ -453,7 +380,7 @@ class ClientCore(RowsOps):
         return self._route.list_groups(prefix, self._deadline(timeout))
 
     def _delete_group(self, name: str, *, timeout: float | None = None) -> Op[bool]:
-        self._sizes.pop(name, None)
+        self.ops.sizes.pop(name, None)
         return self._route.delete(name, self._deadline(timeout))
 
     def _set_learning_rate(
@@ -491,7 +418,7 @@ class ClientCore(RowsOps):
         # Built now, not when first stepped: its deadline and seq start with the
         # call, and a unary push has copied the gradients before it returns.
         deadline = self._deadline(timeout)
-        gradients = gradient_arrays(gradients, self._dtypes.get(group))
+        gradients = gradient_arrays(gradients, self.ops.dtypes.get(group))
         enc = self._encoding(encoding, self.gradient_encoding, "encoding")
         if out is not None:
             out = reply_arrays(out, gradients, return_values)
@@ -502,6 +429,8 @@ class ClientCore(RowsOps):
                 DeferredEncoding(g, enc, f"gradient {i + 1}")
                 for i, g in enumerate(gradients)
             ]
+        elif enc == "native":
+            arrays = [np.asarray(g) for g in gradients]  # as ``encode`` gives them
         else:
             arrays = [
                 encode(g, enc, f"gradient {i + 1}") for i, g in enumerate(gradients)
@@ -509,7 +438,7 @@ class ClientCore(RowsOps):
         req = pb.PushRequest(
             group=group,
             client_id=self.client_id,
-            seq=next(self._seq),
+            seq=next(self.ops.seq),
             return_values=return_values,
         )
         if base_version is not None:
@@ -526,17 +455,6 @@ class ClientCore(RowsOps):
         """Whether an encoded push may leave its encoding to the data channel's
         sending (a single server that may give a channel)."""
         return self.TRANSFERS and self.data_channel != "off" and self.shards is None
-
-    def _push_part_op(
-        self,
-        template: pb.PushRequest,
-        arrays: Sequence[Array],
-        deadline: Deadline,
-        shard: int,
-    ) -> Op[PushResult]:
-        """One part's push to ``shard`` of a cluster (the caller routes it there
-        with ``on_shard``), on the transport chosen for it."""
-        return self._transports.push(template, arrays, deadline, None, shard)
 
     def _tensor_buffers(
         self, group: str, *, timeout: float | None = None
@@ -660,47 +578,108 @@ class ClientCore(RowsOps):
             group, state, min_version, deadline, encoding, out, allow_apart
         )
 
-    def _pull_op(
+    # -- rows ----------------------------------------------------------------------
+    def _push_rows(
         self,
         group: str,
-        state: bool,
-        min_version: int | None,
-        deadline: Deadline,
-        encoding: Encoding = "native",
-        out: Sequence[Array] | None = None,
-        shard: int = 0,
-    ) -> Op[tuple[int, list[Array]]]:
-        """One pull of one group (or part) from one server; a streamed or shared
-        reply lands in ``out`` where its arrays fit (shared ``TensorBuffers`` of
-        this client: the server writes X straight into them)."""
-        size = self._sizes.get(group)
-        bufs = None
-        if out is not None and not state and encoding == "native":
-            bufs = self._transports.shm(shard).buffers_of(list(out))
-        unknown = group not in self._pull_segments
-        if bufs is None and (
-            (size is None and self.transport == "auto")
-            or (unknown and self.shared_memory == "on" and self.shards is None)
-        ):
-            size = (yield from self._describe(group, deadline)).nbytes
-        nbytes = size or 0
-        shape = CallShape(
-            "pull",
-            nbytes,
-            nbytes if encoding == "native" else nbytes // 2,  # 2 bytes an element
-            0,
-            shard,
-            native=encoding == "native",
-            segment_bytes=self._pull_segments.get(group, (0, 0))[state],
-            buffers=bufs,
+        gradients: Mapping[str, Any],
+        *,
+        base_version: int | None = None,
+        learning_rate: float | None = None,
+        encoding: Encoding | None = None,
+        timeout: float | None = None,
+    ) -> Op[PushResult]:
+        """One step in which only the given rows change.
+
+        ``gradients`` maps a tensor name to ``(indices, rows)`` (int64 (k,) and
+        (k, *shape[1:])) or to a dense gradient of the whole tensor; tensors not
+        named keep every row. Repeated indices are summed first. The indices and rows
+        travel in ~1 MiB chunks (no size ceiling); a push the server did not answer
+        (UNAVAILABLE) is resent with the same seq, and answered once. ``encoding``
+        (None: the client's ``gradient_encoding``) encodes the rows as ``push``
+        does; indices travel as they are."""
+        deadline = self._deadline(timeout)
+        enc = self._encoding(encoding, self.gradient_encoding, "encoding")
+        return self._route.push_rows(
+            group, gradients, base_version, learning_rate, deadline, enc
         )
-        req = pb.PullRequest(
-            group=group,
-            with_state=state,
-            min_version=min_version,
-            encoding=ENCODING_TO_PROTO[encoding],
+
+    def _pull_rows(
+        self,
+        group: str,
+        selections: Mapping[str, Any],
+        *,
+        state: bool = False,
+        min_version: int | None = None,
+        timeout: float | None = None,
+    ) -> Op[dict[str, Array]]:
+        """Rows of tensors: ``{name: indices}`` in, ``{name: rows}`` out (with
+        ``state``, also ``"V:name"`` and ``"H:name"`` as the operator has them)."""
+        deadline = self._deadline(timeout)
+        return self._route.pull_rows(group, selections, state, min_version, deadline)
+
+    def _list_rows(
+        self,
+        group: str,
+        table: str,
+        *,
+        page_token: str = "",
+        page_size: int = 0,
+        values: bool = False,
+        state: bool = False,
+        timeout: float | None = None,
+    ) -> Op[RowsPage]:
+        """A page of an ids table's ids, ascending: from the first (``page_token``
+        "") or after the page whose ``next_page_token`` is given; at most
+        ``page_size`` ids (0: 1000; the server may return fewer), with their X rows
+        (``values``) and V, H rows (``state``)."""
+        deadline = self._deadline(timeout)
+        return self._route.list_rows(
+            group, table, page_token, page_size, values, state, deadline
         )
-        return (yield from self._transports.pull(req, shape, deadline, out))
+
+    def _count_rows(
+        self, group: str, table: str, *, timeout: float | None = None
+    ) -> Op[int]:
+        """Rows an ids table holds."""
+        info = yield from self._describe_group(group, timeout=timeout)
+        if table not in info.tables:
+            held = ", ".join(info.tables) or "none"
+            raise ValueError(
+                f"group {group!r} has no ids table {table!r}; its ids tables: {held}"
+            )
+        return info.tables[table].row_count
+
+    def _export_rows(
+        self,
+        group: str,
+        table: str,
+        *,
+        state: bool = False,
+        page_size: int = 0,
+        timeout: float | None = None,
+    ) -> Op[tuple[Array, dict[str, Array]]]:
+        """Every id of an ids table ascending and its rows (X, and V, H with
+        ``state``), read page by page (each page under ``timeout``)."""
+        pages: list[RowsPage] = []
+        token = ""
+        while True:
+            page = yield from self._list_rows(
+                group,
+                table,
+                page_token=token,
+                page_size=page_size,
+                values=True,
+                state=state,
+                timeout=timeout,
+            )
+            pages.append(page)
+            token = page.next_page_token
+            if not token:
+                break
+        ids = np.concatenate([p.ids for p in pages])
+        rows = {k: np.concatenate([p.rows[k] for p in pages]) for k in pages[0].rows}
+        return ids, rows
 
     # -- apply ---------------------------------------------------------------------
     def _apply(
@@ -716,7 +695,7 @@ class ClientCore(RowsOps):
         req = pb.ApplyRequest(optimizer=optimizer.to_proto())
         if self._use_stream(sum(a.nbytes for a in arrays)):
             req.inputs.extend(header_tensor(a) for a in arrays)
-            chunks = self._chunks(pb.ApplyStreamRequest, req, arrays)
+            chunks = self.ops.chunks(pb.ApplyStreamRequest, req, arrays)
             waited = what("ApplyStream")
             _, outputs = yield Call(
                 "ApplyStream", chunks, deadline, waited, apply_reader
@@ -772,7 +751,7 @@ class ClientCore(RowsOps):
         """The client closes: the pushes whose parts did not all land stay apart on
         the parts that missed them (docs/cluster.md, "When the parts of a split
         group disagree"); said once per push."""
-        for entry in self._pending.every():
+        for entry in self.ops.pending.every():
             log.warning(
                 "closing the client with push seq %d to %s not landed on %s (%s): "
                 "the other parts took it (or may have), and stay a push ahead",
@@ -781,7 +760,7 @@ class ClientCore(RowsOps):
                 ", ".join(str(p[1].group) for p in entry.parts),
                 entry.why,
             )
-            self._pending.replace(entry, None)
+            self.ops.pending.replace(entry, None)
 
     def _export(self, path: str | os.PathLike[str], prefix: str = "") -> Op[list[str]]:
         """Write every group whose name starts with ``prefix`` (tensors, optimizer
