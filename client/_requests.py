@@ -293,9 +293,6 @@ class ClientCore:
     def _deadline(self, timeout: float | None) -> Deadline:
         return Deadline(self.timeout if timeout is None else timeout)
 
-    def _use_stream(self, nbytes: int) -> bool:
-        return self._transports.streams(nbytes)
-
     def _unary_op(self, method: str, request: Any, timeout: float | None) -> Op[Any]:
         return unary_call(method, request, self._deadline(timeout))
 
@@ -693,7 +690,8 @@ class ClientCore:
         deadline = self._deadline(timeout)
         optimizer = spec(optimizer, "optimizer", OptimizerSpec)
         req = pb.ApplyRequest(optimizer=optimizer.to_proto())
-        if self._use_stream(sum(a.nbytes for a in arrays)):
+        nbytes = sum(a.nbytes for a in arrays)
+        if self._transports.streams("apply", nbytes, len(arrays)):
             req.inputs.extend(header_tensor(a) for a in arrays)
             chunks = self.ops.chunks(pb.ApplyStreamRequest, req, arrays)
             waited = what("ApplyStream")

@@ -110,7 +110,9 @@ class ShardOps:
         arrays = list(arrays)
         state_arrays = list(state_arrays)
         rows = [a for t in table_arrays for a in t]
-        if self.transports.streams(sum(a.nbytes for a in arrays + state_arrays + rows)):
+        every = arrays + state_arrays + rows
+        nbytes = sum(a.nbytes for a in every)
+        if self.transports.streams("create", nbytes, len(every)):
             req.tensors.extend(map(header_tensor, arrays, names))
             req.state.extend(header_tensor(a) for a in state_arrays)
             for spec, (ids, x, *st) in zip(req.tables, table_arrays, strict=False):

@@ -20,14 +20,15 @@ buffers) and what the client allows and the server offered, the ways to try, bes
 first: shared memory where client and server share a host and the call is large
 enough, else the data channel where the server offers one, else gRPC (a stream
 above the stream threshold, a frame where asked for). The last way is gRPC's,
-which never passes a call on. Everything that is not tensor bytes (validation,
+which never passes a call on; create and apply (whose tensors the server takes
+only inside their messages) are planned unary or streamed, rows always streamed.
+Everything that is not tensor bytes (validation,
 statuses, exactly-once, the WAL) stays on gRPC whatever the way.
 
 The long-lived state of a way (the shared-memory hello and segment pool, the data
 channels and call channels per shard) lives in a *link* (``SharedMemoryLink``,
 ``DataChannelLink``, ``CallChannelLink``) that ``Transports`` owns and closes. Both
-drivers (``Client``, ``AsyncClient``) run what the seam yields; rows, create and
-apply move their tensors over gRPC alone (unary or a stream, ``streams``).
+drivers (``Client``, ``AsyncClient``) run what the seam yields.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class TensorTransport(Protocol):
 class CallShape:
     """What the choice reads of one call."""
 
-    kind: Literal["push", "pull"]
+    kind: Literal["push", "pull", "create", "apply", "rows"]
     nbytes: int  # tensor bytes in the group's dtype (a pull's: 0 when unknown)
     wire_bytes: int  # tensor bytes on the wire (2 an element when encoded)
     tensors: int
@@ -136,6 +137,11 @@ def _offered(mode: str, auto: bool, nbytes: int, threshold: int) -> bool:
 
 def plan(shape: CallShape, host: SeamHost) -> tuple[Way, ...]:
     """The ways to try for a call of ``shape``, best first; the last is gRPC's."""
+    if shape.kind == "rows":  # PushRows and PullRows are client streams
+        return ("stream",)
+    if shape.kind != "push" and shape.kind != "pull":
+        # create and apply: the server takes their tensors inside their messages
+        return ("stream",) if use_stream(host, shape.nbytes) else ("inline",)
     ways: list[Way] = []
     auto = host.transport == "auto"
     shm = host.shared_memory
@@ -195,9 +201,10 @@ class Transports:
     def call_channels(self) -> dict[int, CallChannel]:
         return self.calls.channels
 
-    def streams(self, nbytes: int) -> bool:
-        """Whether a call of ``nbytes`` tensor bytes over gRPC goes on a stream."""
-        return use_stream(self.host, nbytes)
+    def streams(self, kind: Literal["create", "apply"], nbytes: int, n: int) -> bool:
+        """Whether a ``kind`` call of ``n`` tensors, ``nbytes`` bytes, whose tensors
+        travel inside its gRPC messages, sends them on a stream (the plan's)."""
+        return plan(CallShape(kind, nbytes, nbytes, n), self.host) == ("stream",)
 
     def close(self, *, closing_client: bool) -> None:
         """Close the channels and unlink the segments (``closing_client``: the

@@ -74,6 +74,16 @@ def test_the_plan_of_a_pull() -> None:
     assert plan(into, _host(shared_memory="off")) == ("inline",)
 
 
+def test_the_plan_of_calls_whose_tensors_travel_in_their_messages() -> None:
+    for kind in ("create", "apply"):
+        small = CallShape(kind, MIB, MIB, 3)
+        large = CallShape(kind, MIB + 1, MIB + 1, 3)
+        assert plan(small, _host(frames=True)) == ("inline",)
+        assert plan(large, _host()) == ("stream",)
+        assert plan(large, _host(transport="unary")) == ("inline",)
+    assert plan(CallShape("rows", 8, 8, 1), _host(transport="unary")) == ("stream",)
+
+
 def _private_reach_ins(module: str, source: str | None = None) -> list[str]:
     """``name._member`` in ``module`` (its file, or ``source``), ``self`` aside."""
     path = ROOT / "client" / f"{module}.py"
