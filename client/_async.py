@@ -181,7 +181,7 @@ class AsyncClient(ClientCore):
             timeout = effect.deadline.remaining()
             try:
                 call = fn(
-                    effect.request(), timeout=timeout, metadata=self._metadata(shard)
+                    effect.request(), timeout=timeout, metadata=self._metadatas[shard]
                 )
                 if effect.reader is None:
                     return await call
@@ -225,7 +225,7 @@ class AsyncClient(ClientCore):
         rpc = fn(
             call.request(),
             timeout=call.deadline.remaining(),
-            metadata=self._metadata(shard),
+            metadata=self._metadatas[shard],
         )
 
         def frames() -> Any:

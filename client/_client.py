@@ -30,7 +30,6 @@ from ._ops import (
     PushCall,
     Transfer,
     as_method,
-    drive,
     one_call,
 )
 from ._records import (
@@ -201,8 +200,24 @@ class Client(ClientCore):
         return fn
 
     def _run(self, op: Op[R]) -> R:
-        """Perform an operation's effects with blocking calls; return its result."""
-        return drive(op, self._perform)
+        """Perform an operation's effects with blocking calls; return its result.
+        Stopped before the end, the operation is closed (``OpRun.abandon``)."""
+        reply: Any = None
+        error: Exception | None = None
+        try:
+            while True:
+                try:
+                    effect = op.send(reply) if error is None else op.throw(error)
+                except StopIteration as stop:
+                    result: R = stop.value
+                    return result
+                try:
+                    reply, error = self._perform(effect), None
+                except Exception as exc:  # raised in the operation, to handle
+                    reply, error = None, exc
+        except BaseException:
+            op.close()
+            raise
 
     def _perform(self, effect: Effect) -> Any:
         if isinstance(effect, Pause):
@@ -220,7 +235,7 @@ class Client(ClientCore):
             timeout = effect.deadline.remaining()
             try:
                 reply = fn(
-                    effect.request(), timeout=timeout, metadata=self._metadata(shard)
+                    effect.request(), timeout=timeout, metadata=self._metadatas[shard]
                 )
                 if effect.reader is None:
                     return reply
@@ -264,7 +279,7 @@ class Client(ClientCore):
         future = fn.future(
             call.request(),
             timeout=call.deadline.remaining(),
-            metadata=self._metadata(call.shard or 0),
+            metadata=self._metadatas[call.shard or 0],
         )
         frame = None
         try:

@@ -45,7 +45,6 @@ __all__ = [
     "TensorStreamReader",
     "Transfer",
     "as_method",
-    "drive",
     "on_shard",
     "parallel",
     "one_call",
@@ -227,28 +226,6 @@ def on_shard(shard: int, op: Op[R]) -> Op[R]:
             raise
         except Exception as exc:  # the effect's failure, for ``op`` to handle
             error = exc
-
-
-def drive(op: Op[R], perform: Callable[[Effect], Any]) -> R:
-    """Run ``op`` to its result, each effect performed by ``perform`` (raised in
-    the operation when it fails): the blocking ``Client``'s loop. Stopped before
-    the end, the operation is closed (``OpRun.abandon``)."""
-    reply: Any = None
-    error: Exception | None = None
-    try:
-        while True:
-            try:
-                effect = op.send(reply) if error is None else op.throw(error)
-            except StopIteration as stop:
-                result: R = stop.value
-                return result
-            try:
-                reply, error = perform(effect), None
-            except Exception as exc:  # raised in the operation, to handle
-                reply, error = None, exc
-    except BaseException:
-        op.close()
-        raise
 
 
 class OpRun:

@@ -79,7 +79,6 @@ from ._settings import (
     channel_credentials,
     channel_options,
     check_client_arguments,
-    gradient_arrays,
     multicallable,
     named_tensors,
     spec,
@@ -124,6 +123,21 @@ R = TypeVar("R")
 
 STREAM_THRESHOLD_BYTES = 1 << 20
 SPLIT_BYTES = 64 << 20  # a cluster splits a group whose X is larger
+
+
+def gradient_arrays(gradients: Sequence[Any], dtype: np.dtype[Any] | None) -> Any:
+    """The gradients of a push, with Python lists, tuples and numbers made arrays
+    of the group's ``dtype`` when it is known (NumPy would make them float64,
+    which a float32 group refuses). Arrays are kept as they are: one of the wrong
+    dtype is the caller's to convert, and the server says so."""
+    if dtype is None:
+        return gradients
+    return tuple(
+        np.asarray(g, dtype)
+        if isinstance(g, list | tuple | int | float) and not isinstance(g, bool)
+        else g
+        for g in gradients
+    )
 
 
 class State(enum.Enum):
@@ -245,6 +259,8 @@ class ClientCore:
         self.ops = ShardOps(self, self._transports)
         # Where each call goes: the one server, or its group's parts (``_routes``)
         self._route: Route = route_of(self.ops)
+        # each shard's call metadata (token, shard identity), made once
+        self._metadatas = [self._metadata(s) for s in range(len(self.addresses))]
         self._setup()
 
     @property
