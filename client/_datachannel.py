@@ -16,6 +16,7 @@ calls and closes a channel whenever a call on it fails.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import socket
 import ssl
@@ -215,7 +216,7 @@ def split_frame(
     arrays = []
     at = 0
     for dtype, dims in specs:
-        count = int(np.prod(dims, dtype=np.int64))
+        count = math.prod(dims)
         end = at + count * dtype.itemsize
         if end > buf.size:
             raise TensorFormatError(

@@ -13,6 +13,7 @@ makes one and hands it to its route; both clients' operations use it.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
@@ -152,10 +153,7 @@ class ShardOps:
         """Keep what ``info`` says of its group's size, dtype and pull segments."""
         self.sizes[info.name] = info.nbytes
         self.dtypes[info.name] = info.dtype
-        sizes = [
-            int(np.prod(dims, dtype=np.int64)) * info.dtype.itemsize
-            for _, dims in info.tensors
-        ]
+        sizes = [math.prod(dims) * info.dtype.itemsize for _, dims in info.tensors]
         # with state: X, V and H at most (Adam)
         self.pull_segments[info.name] = (layout(sizes)[1], layout(sizes * 3)[1])
         return info

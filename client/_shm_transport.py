@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
@@ -235,7 +236,7 @@ class SharedMemoryLink:
     ) -> Op[TensorBuffers]:  # fmt: skip
         """Arrays shaped like a group's tensors, in shared memory when this client
         shares it with the server."""
-        sizes = [dtype.itemsize * int(np.prod(d, dtype=np.int64)) for d in shapes]
+        sizes = [dtype.itemsize * math.prod(d) for d in shapes]
         pool = None
         if self.host.shards is None:  # a cluster's parts are cut from them: copied
             pool = yield from self.segment_pool(sum(sizes), deadline)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import mmap
 import os
 import secrets
@@ -148,7 +149,7 @@ class Segment:
         copies: list[Array] = []
         for t, at in zip(headers, region.offsets, strict=True):
             dtype, dims = tensor_spec(t, t.name or "tensor")
-            count = int(np.prod(dims, dtype=np.int64))
+            count = math.prod(dims)
             if at < HEADER_BYTES or at + count * dtype.itemsize > self.size:
                 raise TensorFormatError(
                     f"tensor {t.name!r} at offset {at} runs past segment {self.name}"
@@ -203,7 +204,7 @@ class TensorBuffers(Sequence[Array]):
         self.group = group
         self.dtype = np.dtype(dtype)
         self.shapes = [tuple(s) for s in shapes]
-        sizes = [self.dtype.itemsize * int(np.prod(s, dtype=np.int64)) for s in shapes]
+        sizes = [self.dtype.itemsize * math.prod(s) for s in shapes]
         self.offsets, _ = layout(sizes, self.dtype.itemsize)
         self._segment = segment
         self._lock = threading.Lock()
@@ -212,9 +213,7 @@ class TensorBuffers(Sequence[Array]):
             self._arrays = [np.zeros(s, self.dtype) for s in self.shapes]
         else:
             self._arrays = [
-                np.frombuffer(
-                    segment.map, self.dtype, int(np.prod(s, dtype=np.int64)), at
-                ).reshape(s)
+                np.frombuffer(segment.map, self.dtype, math.prod(s), at).reshape(s)
                 for s, at in zip(self.shapes, self.offsets, strict=True)
             ]
 

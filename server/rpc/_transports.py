@@ -416,7 +416,7 @@ class RegionValues:
 def channel_frame_bytes(specs: Sequence[Spec], codes: Sequence[int]) -> tuple[int, int]:
     """(bytes the gradients' frame carries, bytes of X in the group's dtype): an
     encoded gradient travels in 2 bytes per element."""
-    counts = [int(np.prod(dims, dtype=np.int64)) for _, dims in specs]
+    counts = [math.prod(dims) for _, dims in specs]
     native = sum(n * d.itemsize for n, (d, _) in zip(counts, specs, strict=True))
     framed = sum(
         n * (2 if c else d.itemsize)

@@ -110,9 +110,7 @@ class GradientPool:
         """Buffers for one push's gradients; ``release()`` gives them back (the push
         must be done with them by then)."""
         key = (group, tuple((np.dtype(d), tuple(s)) for d, s in specs))
-        nbytes = sum(
-            np.dtype(d).itemsize * int(np.prod(s, dtype=np.int64)) for d, s in specs
-        )
+        nbytes = sum(np.dtype(d).itemsize * math.prod(s) for d, s in specs)
         if nbytes < MIN_POOLED_BYTES or nbytes > self.max_bytes:
             return Lease(_flat_buffers(specs), None)
         with self._lock:

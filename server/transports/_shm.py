@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import math
 import mmap
 import os
 import struct
@@ -333,7 +334,7 @@ class SharedMemory:
         packed = len(specs) > 1
         end = region.offsets[0] if specs else 0
         for (dtype, dims), at, name in zip(specs, region.offsets, names, strict=True):
-            count = int(np.prod(dims, dtype=np.int64))
+            count = math.prod(dims)
             _check_span(m, at, count * dtype.itemsize, dtype.itemsize, name, what)
             view = np.frombuffer(m, dtype, count, at).reshape(dims)
             view.flags.writeable = False
