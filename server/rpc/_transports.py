@@ -1,18 +1,23 @@
-"""The server's side of the tensor transports: where a push's gradients come from
-(``GradientSource``) and where X goes back (``ValuesSink``), one class per way the
-bytes travel, the client's ``_transport`` seen from the other end:
+"""The server's transport seam (``Transports``): from a request, where a push's
+gradients come from (a ``GradientSource``) and where a reply's values go (a
+``ValuesSink`` for a push, a ``PullSink`` for a pull), one class per way the bytes
+travel, the client's ``_transport`` seen from the other end:
 
-- inline: the bytes inside the unary message (``InlineGradients``, ``InlineValues``);
-- stream: ~1 MiB chunks on a gRPC stream (``StreamGradients``; X of a
-  PushPullStream goes out while the push steps, through ``FrameSink``);
+- inline: the bytes inside the unary message (``InlineGradients``, ``InlineValues``,
+  ``InlinePull``);
+- stream: ~1 MiB chunks on a gRPC stream (``StreamGradients``, ``StreamPull``; X of
+  a PushPullStream goes out while the push steps, through ``FrameSink``);
 - shared memory: the client's segment named by a region (``RegionGradients``,
-  ``RegionValues``; ``_shm`` maps and checks it);
+  ``RegionValues``, ``RegionPull``; ``_shm`` maps and checks it);
 - data channel: one frame on the call's socket (``ChannelGradients``,
-  ``ChannelValues``; ``_datachannel`` owns the sockets).
+  ``ChannelValues``, ``ChannelPull``; ``_datachannel`` owns the sockets).
 
 A source's ``gradients`` is a context: the arrays it yields (pooled buffers, mapped
-memory) are valid until it exits. A sink's ``check`` runs before the step (a reply
-region that cannot be used refuses the push before it applies), ``send`` after.
+memory) are valid until it exits. A push's sink's ``check`` runs before the step (a
+reply region that cannot be used refuses the push before it applies), ``send``
+after. A pull's sink (``_pulls``) runs the pull (``reply``): it holds what it
+needs around it (the data channel, the reply's bytes in the in-flight budget) and
+asks the store for the values the way it sends them.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from __future__ import annotations
 import math
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
 
@@ -30,6 +36,7 @@ from onnxps.wire.codec import (
     PROTO_TO_DTYPE,
     TensorAssembler,
     TensorFormatError,
+    declared_nbytes,
     encode_chunk,
     fill_flat,
     header_tensor,
@@ -37,14 +44,23 @@ from onnxps.wire.codec import (
     write_tensor,
 )
 
-from ..errors import DeadlineExceeded, InvalidArgument, Unavailable
+from ..errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from ..kernels._finite import finite_checker
 from ..store import PushOutcome, PushTicket
 from ..store._flat import FlatArrays, flat_views, kept_flat
-from ..transports._datachannel import DataChannel
+from ..transports._datachannel import DataChannel, DataChannels, principal_of
 from ..transports._receive import GradientPool, Lease, receive
 from ..transports._shm import Caller, SharedMemory
+from ._common import caller_of, names_of, raise_if_cut_off, timeout_of
 from ._convert import decoded
+from ._pulls import (
+    ChannelPull,
+    InlinePull,
+    PullSink,
+    RegionPull,
+    ReplyBytes,
+    StreamPull,
+)
 
 __all__ = [
     "ChannelGradients",
@@ -56,6 +72,7 @@ __all__ = [
     "RegionGradients",
     "RegionValues",
     "StreamGradients",
+    "Transports",
     "ValuesSink",
     "bare_specs",
     "pooled",
@@ -126,9 +143,12 @@ def bare_specs(req: pb.PushRequest, where: str, *, encoded: bool = False) -> lis
 class InlineGradients:
     """Gradients inside the unary Push (encoded ones widened)."""
 
-    def __init__(self, req: pb.PushRequest, ticket: PushTicket) -> None:
+    def __init__(
+        self, req: pb.PushRequest, ticket: PushTicket, specs: Sequence[Spec]
+    ) -> None:
         self.req = req
         self.ticket = ticket
+        self.specs = specs  # checked against the group: its dtype and shapes
 
     def gradients(self) -> AbstractContextManager[tuple[list[Array], bool]]:
         tensors = self.req.gradients
@@ -141,7 +161,7 @@ class InlineGradients:
         Its header was checked (``_validate_push``): bytes of the length it
         declares are all that is left to see, as ``decoded`` sees them."""
         raw = t.raw_data  # each read copies: read once
-        shape = self.ticket.shapes[0]
+        shape = self.specs[0][1]
         dtype = PROTO_TO_DTYPE.get(t.dtype)
         if dtype is None or t.encoding or len(raw) != math.prod(shape) * dtype.itemsize:
             return self._decoded(0, t)  # encoded (widened), or refused
@@ -156,7 +176,8 @@ class InlineGradients:
         then steps as one array. The headers were checked (``_validate_push``);
         a tensor whose bytes do not match its header is refused as ``decoded``
         refuses it."""
-        dtype, shapes = self.ticket.dtype, self.ticket.shapes
+        dtype = self.specs[0][0] if self.specs else self.ticket.dtype
+        shapes = [dims for _, dims in self.specs]
         flat = np.empty(sum(map(math.prod, shapes)), dtype)
         out = FlatArrays(flat_views(flat, shapes), flat)
 
@@ -266,6 +287,13 @@ class FrameSink:
         self._release = release
         self._users = 2  # the push (``run``) and the sending (``frames``/``close``)
         self._users_lock = threading.Lock()
+
+    def lend(self, room: Sequence[Array], release: Callable[[], None]) -> None:
+        """The push's gradient buffers, received: X is copied into them as their
+        elements are spent, and ``release`` gives them back once both the push
+        and the sending are done with them."""
+        self._room = list(room)
+        self._release = release
 
     def begin(self, outcome: PushOutcome, xs: Sequence[Array]) -> None:
         self._itemsizes = [x.itemsize for x in xs]
@@ -512,3 +540,180 @@ class ChannelValues:
                 reason="DATA_CHANNEL_BROKEN",
                 metadata={"group": req.group, "update_count": reply.update_count},
             ) from None
+
+
+# -- the seam -------------------------------------------------------------------------
+Way = tuple[PushTicket, GradientSource, ValuesSink]
+
+
+class Transports:
+    """The server's transport seam: from a request, where a push's gradients come
+    from (a ``GradientSource``) and where the reply's values go (a ``ValuesSink``
+    for a push, a ``PullSink`` for a pull). The only place that reads which way a
+    request's tensors travel (inline, a stream, shared memory, the data channel);
+    the RPCs run one step or pull routine over what it gives.
+
+    ``validate`` checks a push's gradient headers against its group (the ticket
+    the step takes), ``reply_bytes(context, stream)`` holds a reply's bytes in the
+    in-flight budget; ``data_channels`` is None when the server serves none.
+    """
+
+    def __init__(
+        self,
+        *,
+        validate: Callable[[str, Iterable[Spec]], PushTicket],
+        reply_bytes: ReplyBytes,
+        shared_memory: SharedMemory,
+        data_channels: DataChannels | None,
+        gradient_pool: GradientPool,
+        chunk_bytes: int,
+    ) -> None:
+        self._validate_specs = validate
+        self._reply_bytes = reply_bytes
+        self._shm = shared_memory
+        self._data = data_channels
+        self._pool = gradient_pool
+        self.chunk_bytes = chunk_bytes
+
+    def _validate(self, req: pb.PushRequest) -> tuple[PushTicket, list[Spec]]:
+        """Check the gradients' header against the group before reading any bytes:
+        the push's ticket, and the gradients' (dtype, dims) (the group's)."""
+        specs = [
+            tensor_spec(t, f"gradient {i + 1}", encoded=True)
+            for i, t in enumerate(req.gradients)
+        ]
+        return self._validate_specs(req.group, specs), specs
+
+    # -- pushes --------------------------------------------------------------------
+    def push(
+        self, req: pb.PushRequest, context: Any, chunks: Iterator[Any] | None = None
+    ) -> AbstractContextManager[Way]:
+        """The ticket, source and sink of a Push (``chunks`` None) or a
+        PushStream (the chunks after its header), held for the push's step."""
+        if chunks is None and req.HasField("transfer"):
+            return self._push_on_channel(req, context)
+        if chunks is not None and req.HasField("gradients_region"):
+            raise InvalidArgument(
+                "a PushStream carries its gradients as chunks; gradients in shared "
+                "memory (gradients_region) go in a unary Push",
+                field="header.gradients_region",
+            )
+        ticket, specs = self._validate(req)
+        caller = None
+        source: GradientSource
+        if chunks is not None:
+            source = self._stream_gradients(req, ticket, chunks, context)
+        elif req.HasField("gradients_region"):
+            names = names_of("gradient", len(req.gradients), ticket.names)
+            caller = caller_of(context)
+            source = RegionGradients(self._shm, req, ticket, caller, names)
+        else:
+            source = InlineGradients(req, ticket, specs)
+        sink: ValuesSink
+        if req.HasField("reply_region"):
+            caller = caller or caller_of(context)
+            sink = RegionValues(self._shm, req.reply_region, caller)
+        else:
+            sink = _INLINE_VALUES
+        return nullcontext((ticket, source, sink))  # nothing held beside the call
+
+    @contextmanager
+    def push_pull(
+        self, req: pb.PushRequest, chunks: Iterator[Any], context: Any
+    ) -> Iterator[tuple[PushTicket, StreamGradients, FrameSink]]:
+        """The ticket, source and sink of a PushPullStream: gradients in chunks, X
+        in frames sent as the push steps (the reply's bytes held meanwhile)."""
+        if req.HasField("gradients_region") or req.HasField("reply_region"):
+            raise InvalidArgument(
+                "a PushPullStream carries tensors as chunks; tensors in shared memory "
+                "go in a unary Push",
+                field="header.gradients_region",
+            )
+        ticket, _ = self._validate(req)
+        headers = list(req.gradients)
+        with self._reply_bytes(context, True) as hold:
+            hold.admit(
+                sum(declared_nbytes(t) for t in headers),
+                what="this push's reply carries",
+            )
+            source = self._stream_gradients(req, ticket, chunks, context)
+            values = [
+                pb.Tensor(name=n, dtype=t.dtype, dims=t.dims)
+                for n, t in zip(ticket.names, headers, strict=True)
+            ]
+            yield ticket, source, FrameSink(values, self.chunk_bytes)
+
+    def _stream_gradients(
+        self, req: pb.PushRequest, ticket: PushTicket, it: Iterator[Any], context: Any
+    ) -> StreamGradients:
+        headers = list(req.gradients)
+        names = names_of("gradient", len(headers), ticket.names)
+        lease = pooled(self._pool, ticket.group, headers)
+        return StreamGradients(
+            it, headers, names, lease, lambda: raise_if_cut_off(context)
+        )
+
+    @contextmanager
+    def _push_on_channel(self, req: pb.PushRequest, context: Any) -> Iterator[Way]:
+        """A push whose gradients arrive as one frame on the data channel, each
+        block checked for NaN and inf as it lands; X, when asked for, goes back as
+        one frame."""
+        with self._channel(req.transfer, context) as (ch, deadline):
+            ticket, _ = self._validate(req)
+            specs = bare_specs(req, "on the data channel", encoded=True)
+            codes = [t.encoding for t in req.gradients]
+            framed, native = channel_frame_bytes(specs, codes)
+            with self._reply_bytes(context, False) as hold:
+                hold.admit(
+                    framed + (native if req.return_values else 0),
+                    what="this push's gradients (and X) carry",
+                )
+                lease = pooled(self._pool, ticket.group, list(req.gradients))
+                source = ChannelGradients(
+                    ch, req, specs, lease, context.is_active, deadline
+                )
+                yield ticket, source, ChannelValues(ch, req, deadline)
+
+    # -- pulls ---------------------------------------------------------------------
+    def pull(
+        self, req: pb.PullRequest | pb.PullStreamRequest, context: Any
+    ) -> PullSink:
+        """Where a Pull's (or a PullStream's) values go."""
+        if isinstance(req, pb.PullStreamRequest):
+            hold = self._reply_bytes(context, True)
+            return StreamPull(req.encoding, hold, self.chunk_bytes)
+        if req.HasField("transfer"):
+            channel = self._channel(req.transfer, context)
+            return ChannelPull(channel, req, self._reply_bytes(context, False))
+        inline = InlinePull(req.encoding, self._reply_bytes(context, False))
+        if req.HasField("reply_region"):
+            return RegionPull(self._shm, req.reply_region, caller_of(context), inline)
+        return inline
+
+    # -- the data channel ----------------------------------------------------------
+    @contextmanager
+    def _channel(
+        self, transfer: pb.DataTransfer, context: Any
+    ) -> Iterator[tuple[DataChannel, float | None]]:
+        """The call's data channel (closed if the call fails) and its deadline."""
+        data = self.data_channels()
+        timeout = timeout_of(context)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        principal = principal_of(context.invocation_metadata())
+        with data.use(transfer.channel, principal, transfer.transfer_id) as ch:
+            yield ch, deadline
+
+    def data_channels(self) -> DataChannels:
+        """The server's data channels (FAILED_PRECONDITION when it serves none)."""
+        if self._data is None:
+            raise FailedPrecondition(
+                "this server serves no data channel (start it with --data-port)",
+                reason="DATA_CHANNEL_OFF",
+            )
+        return self._data
+
+    def shared_memory(self) -> SharedMemory:
+        return self._shm
+
+
+_INLINE_VALUES = InlineValues()
