@@ -49,7 +49,12 @@ from .metrics import (
 )
 from .rpc.service import ParameterServerServicer, add_servicer
 from .store import ParameterStore, StoreLimits
-from .transports._datachannel import DataChannels, tls_context
+from .transports._datachannel import (
+    ChannelTable,
+    DataChannels,
+    listen,
+    tls_context,
+)
 from .transports._frames import FrameCalls
 from .transports._receive import GradientPool
 from .transports._shm import SharedMemory
@@ -313,15 +318,9 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     shared_memory = SharedMemory(enabled=config.shared_memory == "on")
     unix_socket = None
     data_channels = None
+    listener, table = None, None
     try:
-        if config.data_port is not None:
-            host = config.address.rsplit(":", 1)[0].strip("[]")
-            tls = None
-            if config.tls_cert and config.tls_key:
-                tls = tls_context(config.tls_cert, config.tls_key, config.tls_client_ca)
-            data_channels = DataChannels(
-                host, config.data_port, tls, stall_seconds=config.stall_seconds
-            )
+        listener, table = _data_listener(config)
         servicer = ParameterServerServicer(
             store,
             chunk_bytes=config.chunk_bytes,
@@ -329,10 +328,12 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             inflight=inflight,
             gradient_pool=gradient_pool,
             shared_memory=shared_memory,
-            data_channels=data_channels,
+            data_channels=table,
             replicate=_replicate_of(replication),
         )
-        _serve_frames(data_channels, chain, add_servicer(servicer, server))
+        handlers = add_servicer(servicer, server)
+        if listener is not None and table is not None:
+            data_channels = _data_channels(config, listener, table, chain, handlers)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         enable_reflection((SERVICE, health.SERVICE_NAME), server)
         unix_socket = UnixSocket.of(config.address, config.unix_socket_mode)
@@ -348,6 +349,8 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     except BaseException:
         if data_channels is not None:
             data_channels.close()
+        elif listener is not None:
+            listener.close()
         if durability is not None:
             durability.close()
         store.close()
@@ -371,12 +374,38 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     )
 
 
-def _serve_frames(
-    data_channels: DataChannels | None, chain: HookChain, handlers: dict[str, Any]
-) -> None:
-    """Small Push and Pull as frames on the data channel's call channels."""
-    if data_channels is not None:
-        data_channels.frame_calls = FrameCalls(chain, handlers)
+def _data_listener(
+    config: ServerConfig,
+) -> tuple[socket.socket, ChannelTable] | tuple[None, None]:
+    """With --data-port: the data channel's listening socket, and the table of
+    its tickets and channels that the servicer's calls use."""
+    if config.data_port is None:
+        return None, None
+    host = config.address.rsplit(":", 1)[0].strip("[]")
+    listener = listen(host, config.data_port)
+    return listener, ChannelTable(listener.getsockname()[1])
+
+
+def _data_channels(
+    config: ServerConfig,
+    listener: socket.socket,
+    table: ChannelTable,
+    chain: HookChain,
+    handlers: dict[str, Any],
+) -> DataChannels:
+    """The data channel's listener, given all it serves: the table, TLS (the
+    server's certificate and client CA, as gRPC) and, on call channels, small Push
+    and Pull as frames through the same interceptors and handlers as gRPC."""
+    tls = None
+    if config.tls_cert and config.tls_key:
+        tls = tls_context(config.tls_cert, config.tls_key, config.tls_client_ca)
+    return DataChannels(
+        listener,
+        table,
+        tls,
+        frame_calls=FrameCalls(chain, handlers),
+        stall_seconds=config.stall_seconds,
+    )
 
 
 def _replication(config: ServerConfig, *args: Any) -> Any:

@@ -40,7 +40,7 @@ from ..interceptors._handlers import group_of, on_first
 from ..interceptors._status import rich_status, status_of
 from ..interceptors.limits import InflightBytes, InflightHold
 from ..store import CURRENT_CALL, CallCancelled, CallLink, Cancellation, ParameterStore
-from ..transports._datachannel import DataChannels, principal_of
+from ..transports._datachannel import ChannelTable, principal_of
 from ..transports._receive import GradientPool
 from ..transports._shm import Caller, SharedMemory
 
@@ -305,7 +305,7 @@ class RpcFamily:
         inflight: InflightBytes | None = None,
         gradient_pool: GradientPool | None = None,
         shared_memory: SharedMemory | None = None,
-        data_channels: DataChannels | None = None,
+        data_channels: ChannelTable | None = None,
     ) -> None:
         self.store = store
         # The same-host transport (off when not given).

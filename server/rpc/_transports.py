@@ -48,7 +48,7 @@ from ..errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unav
 from ..kernels._finite import finite_checker
 from ..store import PushOutcome, PushTicket
 from ..store._flat import FlatArrays, flat_views, kept_flat
-from ..transports._datachannel import DataChannel, DataChannels, principal_of
+from ..transports._datachannel import ChannelTable, DataChannel, principal_of
 from ..transports._receive import GradientPool, Lease, receive
 from ..transports._shm import Caller, SharedMemory
 from ._common import caller_of, names_of, raise_if_cut_off, timeout_of
@@ -564,7 +564,7 @@ class Transports:
         validate: Callable[[str, Iterable[Spec]], PushTicket],
         reply_bytes: ReplyBytes,
         shared_memory: SharedMemory,
-        data_channels: DataChannels | None,
+        data_channels: ChannelTable | None,
         gradient_pool: GradientPool,
         chunk_bytes: int,
     ) -> None:
@@ -703,7 +703,7 @@ class Transports:
         with data.use(transfer.channel, principal, transfer.transfer_id) as ch:
             yield ch, deadline
 
-    def data_channels(self) -> DataChannels:
+    def data_channels(self) -> ChannelTable:
         """The server's data channels (FAILED_PRECONDITION when it serves none)."""
         if self._data is None:
             raise FailedPrecondition(

@@ -66,7 +66,15 @@ from ..errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from ..store._waits import CallCancelled
 from ._handshakes import Handshake, Handshakes
 
-__all__ = ["MAGIC", "DataChannel", "DataChannels", "principal_of", "tls_context"]
+__all__ = [
+    "MAGIC",
+    "ChannelTable",
+    "DataChannel",
+    "DataChannels",
+    "listen",
+    "principal_of",
+    "tls_context",
+]
 
 log = logging.getLogger("onnxps.datachannel")
 
@@ -292,81 +300,44 @@ class DataChannel:
                 ) from None
 
 
-class DataChannels:
-    """The listener, the tickets and the open channels of one server."""
+def listen(host: str, port: int) -> socket.socket:
+    """The data channel's listening socket on ``host:port`` (0: a free port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise OSError(
+            exc.errno,
+            f"cannot serve the data channel on {host}:{port}: "
+            f"{exc.strerror or exc} (--data-port)",
+        ) from None
+    listener.listen(128)
+    return listener
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        tls: ssl.SSLContext | None = None,
-        *,
-        stall_seconds: float = STALL_SECONDS,
-    ) -> None:
-        self._tls = tls
-        self._stall_seconds = stall_seconds
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._listener.bind((host, port))
-        except OSError as exc:
-            self._listener.close()
-            raise OSError(
-                exc.errno,
-                f"cannot serve the data channel on {host}:{port}: "
-                f"{exc.strerror or exc} (--data-port)",
-            ) from None
-        self._listener.listen(128)
-        self.port: int = self._listener.getsockname()[1]
+
+class ChannelTable:
+    """The tickets and the open channels of one server: what its calls ask for
+    (``hello``, ``use``), and what the listener (``DataChannels``) admits a
+    connection into."""
+
+    def __init__(self, port: int, *, call_channels: bool = False) -> None:
+        self.port = port  # the listener's: a hello names it
+        # whether call channels (CALL_MAGIC) are served (``_frames``)
+        self.call_channels = call_channels
         self._lock = threading.Lock()
         self._tickets: dict[bytes, tuple[str, float, tuple[Any, ...]]] = {}
-        # Small unary calls as frames (``_frames``), on channels opened with
-        # CALL_MAGIC; None: such channels are refused
-        self.frame_calls: Any = None
         self._call_socks: set[Any] = set()
         self._channels: dict[bytes, DataChannel] = {}
-        self.handshakes = Handshakes(
-            MAX_PENDING_HANDSHAKES, MAX_HANDSHAKES_PER_ADDRESS, HANDSHAKE_GRACE_SECONDS
-        )
-        self._stopped = threading.Event()
-        self._threads: list[threading.Thread] = []
         self.calls = 0  # calls served on a channel (tests, logs)
-
-    def start(self) -> DataChannels:
-        for target, name in (
-            (self._accept_loop, "onnxps-data-accept"),
-            (self._reap_loop, "onnxps-data-reap"),
-        ):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
-        log.info("data channel listening on port %d", self.port)
-        return self
-
-    def close(self) -> None:
-        self._stopped.set()
-        close_socket(self._listener)  # wakes the thread blocked in accept()
-        with self._lock:
-            channels = list(self._channels.values())
-            self._channels.clear()
-            self._tickets.clear()
-        for ch in channels:
-            ch.close()
-        with self._lock:
-            call_socks, self._call_socks = list(self._call_socks), set()
-        for sock in call_socks:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        for t in self._threads:
-            t.join(timeout=2)
 
     @property
     def open_channels(self) -> int:
         with self._lock:
             return len(self._channels)
 
-    # -- tickets and handshakes ----------------------------------------------------
     def hello(
         self, principal: str, metadata: Sequence[tuple[str, Any]] = ()
     ) -> tuple[int, bytes, float]:
@@ -381,101 +352,52 @@ class DataChannels:
             self._tickets[ticket] = (principal, now + TICKET_SECONDS, kept)
         return self.port, ticket, TICKET_SECONDS
 
-    def _accept_loop(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                sock, addr = self._listener.accept()
-            except OSError:
-                return  # closed
-            entry = self.handshakes.admit(sock, addr[0])
-            if entry is None:
-                _refuse(sock, "too many connections are shaking hands: retry")
-                continue
-            t = threading.Thread(
-                target=self._handshake,
-                args=(sock, f"{addr[0]}:{addr[1]}", entry),
-                name="onnxps-data-hello",
-                daemon=True,
-            )
-            t.start()
-
-    def _handshake(self, sock: socket.socket, peer: str, entry: Handshake) -> None:
-        deadline = time.monotonic() + HANDSHAKE_SECONDS  # for all of it
-        serve_calls: tuple[Any, ...] | None = None
-        try:
-            sock.settimeout(HANDSHAKE_SECONDS)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._tls is not None:  # the same certificate (and client CA) as gRPC
-                sock = self._tls.wrap_socket(
-                    sock, server_side=True, do_handshake_on_connect=False
-                )
-                if not self.handshakes.rebind(entry, sock):
-                    raise ConnectionError("cut off for a newer connection")
-                # ssl's handshake takes the socket's timeout for all of it
-                sock.do_handshake()
-            preamble = _recv_all(sock, len(MAGIC) + TICKET_BYTES, deadline)
-            if preamble is None:
-                _refuse(
-                    sock,
-                    f"no complete preamble within {HANDSHAKE_SECONDS:g} s: a "
-                    "handshake has that long in all",
-                )
-                return
-            if not self.handshakes.finish(entry):  # its slot went to a newer one
-                raise ConnectionError("cut off for a newer connection")
-            magic = preamble[: len(MAGIC)]
-            if magic not in (MAGIC, CALL_MAGIC):
-                _refuse(sock, "not an onnxps data channel preamble (magic ONNXPSD1)")
-                return
-            ticket = preamble[len(MAGIC) :]
-            with self._lock:
-                grant = self._tickets.pop(ticket, None)
-                if grant is None or grant[1] < time.monotonic():
-                    why = "unknown, used or expired ticket: ask DataChannelHello again"
-                elif magic == CALL_MAGIC:
-                    why = (
-                        "no call channels here"
-                        if self.frame_calls is None
-                        else f"{MAX_CALL_CHANNELS} call channels are open: use gRPC"
-                        if len(self._call_socks) >= MAX_CALL_CHANNELS
-                        else ""
+    def admit(
+        self, magic: bytes, ticket: bytes, sock: Any, peer: str, stall_seconds: float
+    ) -> tuple[str, bytes | None, tuple[Any, ...] | None]:
+        """A connection that presented ``ticket`` with ``magic``: (why it is
+        refused or "", its channel id for a data channel, the hello's metadata
+        for a call channel, then counted among the call channels)."""
+        with self._lock:
+            grant = self._tickets.pop(ticket, None)
+            if grant is None or grant[1] < time.monotonic():
+                why = "unknown, used or expired ticket: ask DataChannelHello again"
+                return why, None, None
+            if magic == CALL_MAGIC:
+                if not self.call_channels:
+                    return "no call channels here", None, None
+                if len(self._call_socks) >= MAX_CALL_CHANNELS:
+                    return (
+                        f"{MAX_CALL_CHANNELS} call channels are open: use gRPC",
+                        None,
+                        None,
                     )
-                    if not why:
-                        serve_calls = grant[2]
-                        self._call_socks.add(sock)
-                else:
-                    why = ""
-                    channel_id = secrets.token_bytes(CHANNEL_ID_BYTES)
-                    ch = DataChannel(sock, grant[0], peer, self._stall_seconds)
-                    self._channels[channel_id] = ch
-                    excess = len(self._channels) - MAX_CHANNELS
-            if why:
-                _refuse(sock, why)
-                return
-            if serve_calls is not None:  # served below, its handshake slot freed
-                sock.sendall(b"\x00" + bytes(CHANNEL_ID_BYTES))
-            else:
-                sock.sendall(b"\x00" + channel_id)
-                log.debug("data channel opened for %s", peer)
-                if excess > 0:
-                    self._close_idle(excess)
-        except OSError:  # ssl.SSLError too: a client without the right certificate
-            if serve_calls is not None:  # counted among the call channels: no more
-                with self._lock:
-                    self._call_socks.discard(sock)
-                serve_calls = None
-            sock.close()
-        finally:
-            self.handshakes.finish(entry)
-        if serve_calls is not None:
-            try:
-                self.frame_calls.serve(sock, serve_calls, peer, self._stall_seconds)
-            except OSError:
-                log.debug("call channel of %s closed", peer)
-            finally:
-                with self._lock:
-                    self._call_socks.discard(sock)
-                sock.close()
+                self._call_socks.add(sock)
+                return "", None, grant[2]
+            channel_id = secrets.token_bytes(CHANNEL_ID_BYTES)
+            self._channels[channel_id] = DataChannel(
+                sock, grant[0], peer, stall_seconds
+            )
+            excess = len(self._channels) - MAX_CHANNELS
+        if excess > 0:
+            self._close_idle(excess)
+        return "", channel_id, None
+
+    def forget_call_channel(self, sock: Any) -> None:
+        with self._lock:
+            self._call_socks.discard(sock)
+
+    def close(self) -> list[Any]:
+        """Close every channel and forget every ticket; the call channels' sockets
+        (for their listener to shut down)."""
+        with self._lock:
+            channels = list(self._channels.values())
+            self._channels.clear()
+            self._tickets.clear()
+            call_socks, self._call_socks = list(self._call_socks), set()
+        for ch in channels:
+            ch.close()
+        return call_socks
 
     # -- calls ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -524,18 +446,8 @@ class DataChannels:
             self.calls += 1
 
     # -- housekeeping --------------------------------------------------------------
-    def _reap_loop(self) -> None:
-        """Close idle channels whose client hung up (readable at EOF), and end
-        the calls of call channels whose client closed them."""
-        while not self._stopped.wait(REAP_SECONDS):
-            try:
-                self._reap()
-            except Exception:  # noqa: BLE001 - logged; the next round tries again
-                log.exception("the data channel reaper failed; retrying")
-
-    def _reap(self) -> None:
-        if self.frame_calls is not None:  # calls whose client closed its channel
-            self.frame_calls.watch()
+    def reap(self) -> None:
+        """Close idle channels whose client hung up (readable at EOF)."""
         with self._lock:
             idle = {ch.sock: key for key, ch in self._channels.items() if not ch.busy}
         if not idle:
@@ -560,6 +472,157 @@ class DataChannels:
             closing = [self._channels.pop(k) for k in idle]
         for ch in closing:
             ch.close()
+
+
+class DataChannels:
+    """The listener of one server's data channels: it accepts connections, runs
+    their handshakes and admits them into its ``table``; call channels go to
+    ``frame_calls`` (None: refused). A reaper closes the table's idle channels
+    whose client went away and ends calls whose call channel closed."""
+
+    def __init__(
+        self,
+        listener: socket.socket,
+        table: ChannelTable,
+        tls: ssl.SSLContext | None = None,
+        *,
+        frame_calls: Any = None,
+        stall_seconds: float = STALL_SECONDS,
+    ) -> None:
+        self._listener = listener
+        self.table = table
+        self.frame_calls = frame_calls
+        table.call_channels = frame_calls is not None
+        self._tls = tls
+        self._stall_seconds = stall_seconds
+        self.handshakes = Handshakes(
+            MAX_PENDING_HANDSHAKES, MAX_HANDSHAKES_PER_ADDRESS, HANDSHAKE_GRACE_SECONDS
+        )
+        self._stopped = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def port(self) -> int:
+        return self.table.port
+
+    @property
+    def calls(self) -> int:
+        """Calls served on a data channel (tests, logs)."""
+        return self.table.calls
+
+    @property
+    def open_channels(self) -> int:
+        return self.table.open_channels
+
+    def _close_idle(self, count: int) -> None:
+        self.table._close_idle(count)
+
+    def start(self) -> DataChannels:
+        for target, name in (
+            (self._accept_loop, "onnxps-data-accept"),
+            (self._reap_loop, "onnxps-data-reap"),
+        ):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        log.info("data channel listening on port %d", self.port)
+        return self
+
+    def close(self) -> None:
+        self._stopped.set()
+        close_socket(self._listener)  # wakes the thread blocked in accept()
+        for sock in self.table.close():
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        for t in self._threads:
+            t.join(timeout=2)
+
+    def _accept_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                return  # closed
+            entry = self.handshakes.admit(sock, addr[0])
+            if entry is None:
+                _refuse(sock, "too many connections are shaking hands: retry")
+                continue
+            t = threading.Thread(
+                target=self._handshake,
+                args=(sock, f"{addr[0]}:{addr[1]}", entry),
+                name="onnxps-data-hello",
+                daemon=True,
+            )
+            t.start()
+
+    def _handshake(self, sock: socket.socket, peer: str, entry: Handshake) -> None:
+        deadline = time.monotonic() + HANDSHAKE_SECONDS  # for all of it
+        serve_calls: tuple[Any, ...] | None = None
+        try:
+            sock.settimeout(HANDSHAKE_SECONDS)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:  # the same certificate (and client CA) as gRPC
+                sock = self._tls.wrap_socket(
+                    sock, server_side=True, do_handshake_on_connect=False
+                )
+                if not self.handshakes.rebind(entry, sock):
+                    raise ConnectionError("cut off for a newer connection")
+                # ssl's handshake takes the socket's timeout for all of it
+                sock.do_handshake()
+            preamble = _recv_all(sock, len(MAGIC) + TICKET_BYTES, deadline)
+            if preamble is None:
+                _refuse(
+                    sock,
+                    f"no complete preamble within {HANDSHAKE_SECONDS:g} s: a "
+                    "handshake has that long in all",
+                )
+                return
+            if not self.handshakes.finish(entry):  # its slot went to a newer one
+                raise ConnectionError("cut off for a newer connection")
+            magic = preamble[: len(MAGIC)]
+            if magic not in (MAGIC, CALL_MAGIC):
+                _refuse(sock, "not an onnxps data channel preamble (magic ONNXPSD1)")
+                return
+            ticket = preamble[len(MAGIC) :]
+            why, channel_id, serve_calls = self.table.admit(
+                magic, ticket, sock, peer, self._stall_seconds
+            )
+            if why:
+                _refuse(sock, why)
+                return
+            if serve_calls is not None:  # served below, its handshake slot freed
+                sock.sendall(b"\x00" + bytes(CHANNEL_ID_BYTES))
+            else:
+                assert channel_id is not None
+                sock.sendall(b"\x00" + channel_id)
+                log.debug("data channel opened for %s", peer)
+        except OSError:  # ssl.SSLError too: a client without the right certificate
+            if serve_calls is not None:  # counted among the call channels: no more
+                self.table.forget_call_channel(sock)
+                serve_calls = None
+            sock.close()
+        finally:
+            self.handshakes.finish(entry)
+        if serve_calls is not None:
+            try:
+                self.frame_calls.serve(sock, serve_calls, peer, self._stall_seconds)
+            except OSError:
+                log.debug("call channel of %s closed", peer)
+            finally:
+                self.table.forget_call_channel(sock)
+                sock.close()
+
+    # -- housekeeping --------------------------------------------------------------
+    def _reap_loop(self) -> None:
+        """Close idle channels whose client hung up (readable at EOF), and end
+        the calls of call channels whose client closed them."""
+        while not self._stopped.wait(REAP_SECONDS):
+            try:
+                if self.frame_calls is not None:  # their client closed the channel
+                    self.frame_calls.watch()
+                self.table.reap()
+            except Exception:  # noqa: BLE001 - logged; the next round tries again
+                log.exception("the data channel reaper failed; retrying")
 
 
 def _recv_all(sock: socket.socket, n: int, deadline: float) -> bytes | None:
