@@ -14,11 +14,11 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from _servers import details
 from onnxps.client import Adagrad, Client
 from onnxps.server.app import ServerConfig, create_server
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
-from test_error_contract import details
 
 
 def _server(data_dir: Path):  # type: ignore[no-untyped-def]

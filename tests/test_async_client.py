@@ -8,7 +8,7 @@ import inspect
 import logging
 import re
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import numpy as np
 import onnxps.client
 import pytest
 from _procs import start_server, stop
+from _servers import _Awaiting, _flat
 from deadlines import resend_pauses, waited_for
 from onnxps.client import (
     Adagrad,
@@ -42,32 +43,6 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "nesterov": Momentum(alpha=0.9, beta=1.0, mode="nesterov", norm_coefficient=0.0),
     "adam": Adam(norm_coefficient=0.01, norm_coefficient_post=0.001),
 }
-
-
-class _Awaiting:
-    """A Client awaited like an AsyncClient: one sequence runs on both clients."""
-
-    def __init__(self, client: Client) -> None:
-        self._client = client
-
-    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
-        fn = getattr(self._client, name)
-
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            return fn(*args, **kwargs)
-
-        return call
-
-
-def _flat(value: Any) -> Any:
-    """Results as comparable values: arrays by dtype, shape and bytes."""
-    if isinstance(value, np.ndarray):
-        return (value.dtype.str, value.shape, value.tobytes())
-    if isinstance(value, (list, tuple)):
-        return [_flat(v) for v in value]
-    if isinstance(value, PushResult):
-        return [value.update_count, value.applied, value.duplicate, _flat(value.values)]
-    return value
 
 
 async def _sequence(

@@ -18,7 +18,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _cluster import shards
 from _procs import start_server, stop
+from _servers import _Awaiting, _flat
 from onnxps.client import (
     Adam,
     AlreadyExistsError,
@@ -33,8 +35,6 @@ from onnxps.client import (
     RpcError,
 )
 from prometheus_client.parser import text_string_to_metric_families
-from test_async_client import _Awaiting, _flat
-from test_cluster import shards
 
 SPLIT = 1000  # bytes: the big test groups are split in 3 parts
 SHAPES = ((90, 6), (40,), (3,))  # 583 elements

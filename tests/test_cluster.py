@@ -14,13 +14,13 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from _cluster import OPTIMIZERS, shards
 from _procs import clean_env, start_server, stop
 from onnxps.client import (
     Adagrad,
@@ -32,7 +32,6 @@ from onnxps.client import (
     FailedPreconditionError,
     InvalidArgumentError,
     Momentum,
-    Nesterov,
     NotFoundError,
     OptimizerSpec,
     SharedMemoryError,
@@ -54,33 +53,6 @@ from onnxps.server.interceptors.shard import parse_shard
 WORKER = Path(__file__).parent / "workers" / "cluster_worker.py"
 SHAPES = ((50, 40), (40,), (3,))
 SPLIT = 2000  # bytes: every test group is split in 3 parts
-OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "adagrad": Adagrad(epsilon=1e-7, decay_factor=0.01, norm_coefficient=0.001),
-    "momentum": Momentum(alpha=0.9, beta=0.5, norm_coefficient=0.01),
-    "nesterov": Nesterov(alpha=0.9, beta=1.0),
-    "adam": Adam(norm_coefficient=0.01, norm_coefficient_post=0.001),
-}
-
-
-@contextmanager
-def shards(
-    tmp: Path, count: int, *args: str, tag: str = "s"
-) -> Iterator[tuple[list[str], list[subprocess.Popen[bytes]]]]:
-    """``count`` shard processes; their addresses (in shard order) and processes."""
-    procs: list[subprocess.Popen[bytes]] = []
-    addresses = []
-    try:
-        for i in range(count):
-            extra = [a.replace("{i}", str(i)) for a in args]
-            proc, address = start_server(
-                tmp / f"{tag}{i}.log", "--shard", f"{i}/{count}", *extra
-            )
-            procs.append(proc)
-            addresses.append(address)
-        yield addresses, procs
-    finally:
-        for p in procs:
-            stop(p)
 
 
 def _values(seed: int, dtype: Any) -> list[tuple[str, np.ndarray]]:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import numpy as np
 import pytest
+from _cluster import OPTIMIZERS, shards
 from _procs import start_server, stop
 from onnxps.client import (
     Adam,
@@ -33,7 +34,6 @@ from onnxps.client._cluster import (
     part_arrays,
     plan_layout,
 )
-from test_cluster import OPTIMIZERS, shards
 
 ROWS, DIM = 90, 6
 SPLIT = 1000  # bytes: the test groups are split in 3 parts

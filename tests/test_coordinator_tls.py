@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _etcd import EtcdProcess, etcd_binary, start_etcd
-from _pki import Pki, pki  # noqa: F401 - a fixture
+from _pki import Pki
 from _procs import clean_env
+from _replicas import SIZE, ReplicaSet
 from onnxps.client import Adagrad, AsyncClient, Client
 from onnxps.server.app import ServerConfig, create_server
 from onnxps.server.interceptors.security import ConfigError
@@ -24,7 +25,6 @@ from onnxps.wire.coordinator import (
     is_coordinator,
     parse_coordinator,
 )
-from test_replication import SIZE, ReplicaSet
 
 G = np.full(SIZE, 0.5, np.float32)
 
@@ -130,7 +130,7 @@ def test_status_says_when_etcd_does_not_answer() -> None:
 
 # -- a real etcd serving TLS only -------------------------------------------------
 @pytest.fixture
-def tls_etcd(tmp_path: Path, pki: Pki) -> Iterator[EtcdProcess]:  # noqa: F811
+def tls_etcd(tmp_path: Path, pki: Pki) -> Iterator[EtcdProcess]:
     """etcd on https only, asking its clients for a certificate of the test CA."""
     binary = etcd_binary()
     if binary is None:
@@ -147,7 +147,7 @@ def tls_etcd(tmp_path: Path, pki: Pki) -> Iterator[EtcdProcess]:  # noqa: F811
         etcd.stop()
 
 
-def _tls_flags(pki: Pki) -> tuple[str, ...]:  # noqa: F811
+def _tls_flags(pki: Pki) -> tuple[str, ...]:
     return (
         "--coordinator-ca", str(pki.ca), "--coordinator-cert", str(pki.cert),
         "--coordinator-key", str(pki.key),
@@ -158,7 +158,7 @@ def _tls_flags(pki: Pki) -> tuple[str, ...]:  # noqa: F811
 def test_a_replica_set_on_a_tls_etcd_elects_replicates_and_fails_over(
     tmp_path: Path,
     tls_etcd: EtcdProcess,
-    pki: Pki,  # noqa: F811 - the fixture
+    pki: Pki,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rs = ReplicaSet(tmp_path, tls_etcd, 2, extra=_tls_flags(pki))
@@ -209,7 +209,7 @@ def test_a_replica_set_on_a_tls_etcd_elects_replicates_and_fails_over(
 def test_a_wrong_etcd_ca_or_a_plaintext_address_is_refused_saying_why(
     tmp_path: Path,
     tls_etcd: EtcdProcess,
-    pki: Pki,  # noqa: F811 - the fixture
+    pki: Pki,
 ) -> None:
     plain = tls_etcd.url("ps").replace("etcds://", "etcd://")
     rogue = ("--coordinator-ca", str(pki.rogue_cert))  # not the CA etcd's cert has

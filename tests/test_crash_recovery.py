@@ -13,8 +13,6 @@ import errno
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,6 +21,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from _servers import Server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.client import (
     Adagrad,
@@ -46,31 +45,6 @@ from onnxps.server.store import combine_contributions
 
 pytestmark = pytest.mark.slow  # kill -9 loops of real server processes, under load
 
-SERVER = r"""
-import logging, resource, signal, sys, threading
-from onnxps.server.app import ServerConfig, create_server
-
-mode, data_dir, interval, fsize = sys.argv[1:]
-interval, fsize = float(interval), int(fsize)
-logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-if fsize:
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
-    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, hard))
-    # SIGUSR1: the operator made room (the soft limit goes back up)
-    signal.signal(signal.SIGUSR1, lambda *a: resource.setrlimit(
-        resource.RLIMIT_FSIZE, (hard, hard)))
-config = ServerConfig(
-    address="127.0.0.1:0", durability=mode, data_dir=data_dir,
-    snapshot_interval=interval, threads=16,
-)
-handle = create_server(config).start()
-print(handle.port, flush=True)
-done = threading.Event()
-signal.signal(signal.SIGTERM, lambda *a: done.set())
-done.wait()
-handle.stop(grace=1)
-"""
 
 ASYNC = {
     "adam": ("Adam", {}, 0.01, np.float32, 16),
@@ -79,43 +53,6 @@ ASYNC = {
 }  # fmt: skip
 SYNC_LR = 0.1
 SYNC_WORKERS = ("s0", "s1")
-
-
-class Server:
-    def __init__(self, data_dir: Path, mode: str, interval: float = 0, fsize: int = 0):
-        self.stderr = open(data_dir.parent / f"{data_dir.name}.log", "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                SERVER,
-                mode,
-                str(data_dir),
-                str(interval),
-                str(fsize),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=self.stderr,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, f"server did not start: see {self.stderr.name}"
-        self.address = f"127.0.0.1:{int(line)}"
-
-    def kill(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
-        self.close()
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=30)
-        self.close()
-
-    def close(self) -> None:
-        assert self.proc.stdout is not None
-        self.proc.stdout.close()
-        self.stderr.close()
 
 
 def _grad(name: str, k: int, n: int, dtype: Any) -> np.ndarray:

@@ -616,7 +616,7 @@ def test_a_duplicate_on_the_channel_is_answered_without_a_step(
 # -- TLS -------------------------------------------------------------------------------
 @pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
 def test_a_tls_server_serves_tls_channels(tmp_path: Path, mutual: bool) -> None:
-    from test_security import _cert, _key, _pem, _pem_key
+    from _pki import _cert, _key, _pem, _pem_key
 
     ca_key, server_key, client_key = _key(), _key(), _key()
     ca = _cert("onnxps test CA", ca_key, "onnxps test CA", ca_key, ca=True)

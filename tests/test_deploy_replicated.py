@@ -27,13 +27,7 @@ import grpc
 import kubernetes_validate
 import numpy as np
 import pytest
-from _etcd import (  # noqa: F401 - etcd_server is a fixture
-    INSTALL_HINT,
-    EtcdProcess,
-    etcd_binary,
-    etcd_server,
-    free_port,
-)
+from _etcd import INSTALL_HINT, EtcdProcess, etcd_binary, free_port
 from _manifests import (
     KUBECTL,
     KUBERNETES,
@@ -46,6 +40,7 @@ from _manifests import (
     localize,
     one,
 )
+from _pki import _pki
 from _procs import clean_env, start_server, stop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.cli.process import wait_for_listening
@@ -60,7 +55,6 @@ from onnxps.server._health import READY
 from onnxps.server.app import ServerConfig
 from onnxps.server.interceptors.security import ConfigError
 from onnxps.wire.coordinator import CoordinatorAddress, CoordinatorTls, gateway_clients
-from test_kubernetes import _pki
 
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not on PATH")
 
@@ -504,7 +498,7 @@ def _run_and_fail_over(cluster: Cluster, docs: list[Doc]) -> None:
 # -- --advertise-address: what a replica writes to etcd ------------------------------
 def test_a_replica_writes_its_advertised_address_to_etcd_not_its_bind_address(
     tmp_path: Path,
-    etcd_server: EtcdProcess,  # noqa: F811
+    etcd_server: EtcdProcess,
 ) -> None:
     port = free_port()
     url = etcd_server.url("adv")
@@ -602,7 +596,7 @@ def test_a_command_line_address_keeps_an_etcd_url_with_several_endpoints() -> No
 
 def test_a_primary_stopped_with_sigterm_hands_over_before_its_lease_ends(
     tmp_path: Path,
-    etcd_server: EtcdProcess,  # noqa: F811
+    etcd_server: EtcdProcess,
 ) -> None:
     """What an eviction (drain, rolling update) does to a primary: the kubelet sends
     SIGTERM; the primary gives its key up, so a standby takes over without waiting

@@ -11,13 +11,13 @@ import hashlib
 import itertools
 import json
 import logging
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from _servers import _crash
 from onnxps import cli
 from onnxps.client import Adagrad, Adam, Client, Momentum, Sync
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
@@ -49,19 +49,6 @@ def servers() -> Iterator[Callable[[ServerConfig], ServerHandle]]:
     yield start
     for h in started:
         h.stop(grace=0)
-
-
-def _crash(handle: ServerHandle) -> None:
-    """Stop serving without the shutdown snapshot; the log keeps what was fsynced."""
-    handle.server.stop(0).wait()
-    d = handle.durability
-    assert d is not None
-    if d.journal is not None:
-        d.journal.close()
-    handle.store.close()
-    os.close(d._lock_fd)
-    d._lock_fd = -1
-    handle._stopped.set()
 
 
 def _grad(k: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:

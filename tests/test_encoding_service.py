@@ -16,6 +16,13 @@ import grpc
 import ml_dtypes
 import numpy as np
 import pytest
+from _servers import (
+    OPTIMIZERS,
+    LocalGroup,
+    ReplyDropProxy,
+    _crash,
+    assert_bit_identical,
+)
 from onnxps.client import (
     Adam,
     AsyncClient,
@@ -30,9 +37,6 @@ from onnxps.server.interceptors.limits import declared_bytes, message_bytes
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 from onnxps.wire.codec import array_to_tensor, decode, encode, header_tensor
-from test_durability import _crash
-from test_exactly_once import ReplyDropProxy
-from test_service_roundtrip import OPTIMIZERS, LocalGroup, assert_bit_identical
 
 Array = np.ndarray[Any, Any]
 Enc = Literal["bfloat16", "float16"]

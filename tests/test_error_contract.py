@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from google.rpc import error_details_pb2
+from _servers import details
 from grpc_status import rpc_status
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from onnxps.v1 import parameter_server_pb2 as pb
@@ -296,26 +296,6 @@ def _setup(s: Stub, handle: ServerHandle) -> None:
     rows = adagrad("rows", np.zeros((4, 2)))
     rows.tensors.append(t32(0.0, "s"))
     s.CreateGroup(rows, timeout=10)
-
-
-def details(call: Callable[[], Any]) -> tuple[Any, Any, list[Any]]:
-    with pytest.raises(grpc.RpcError) as err:
-        call()
-    status = rpc_status.from_call(err.value)  # type: ignore[arg-type]
-    assert status is not None, "no google.rpc.Status in the trailers"
-    assert status.code == err.value.code().value[0]
-    infos, violations = [], []
-    for detail in status.details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            infos.append(info)
-        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            violations += [v.field for v in bad.field_violations]
-    assert len(infos) == 1, f"{len(infos)} ErrorInfo in the details"
-    return err.value.code(), infos[0], violations
 
 
 @pytest.mark.parametrize(

@@ -8,107 +8,17 @@ handled the push but before any of its reply reaches the client.
 
 from __future__ import annotations
 
-import socket
-import threading
 from collections.abc import Iterator
 from typing import Literal
 
 import numpy as np
 import pytest
+from _servers import ReplyDropProxy
 from onnxps.client import Adam, Client, Sync
 from onnxps.server.app import ServerHandle
 from onnxps.server.errors import FailedPrecondition
 from onnxps.server.kernels import AdagradAttrs, AdamAttrs, apply_onnx
 from onnxps.server.store import DEDUP_WINDOW, Consistency, ParameterStore
-
-_HEADERS = 0x1
-
-
-class ReplyDropProxy:
-    def __init__(self, target: str) -> None:
-        host, port = target.rsplit(":", 1)
-        self._target = (host, int(port))
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(0.1)
-        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        self.armed = threading.Event()
-        self.dropped = 0
-        self.connections = 0
-        self._closing = threading.Event()
-        self._lock = threading.Lock()
-        self._sockets: list[socket.socket] = []
-        self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads[0].start()
-
-    def _accept(self) -> None:
-        while not self._closing.is_set():
-            try:
-                down, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            up = socket.create_connection(self._target)
-            pair = (down, up)
-            with self._lock:
-                self.connections += 1
-                self._sockets += pair
-                pumps = [
-                    threading.Thread(target=self._forward, args=pair, daemon=True),
-                    threading.Thread(target=self._replies, args=pair, daemon=True),
-                ]
-                self._threads += pumps
-            for t in pumps:
-                t.start()
-
-    def _forward(self, down: socket.socket, up: socket.socket) -> None:
-        try:
-            while data := down.recv(65536):
-                up.sendall(data)
-        except OSError:
-            pass
-        self._cut(down, up)
-
-    def _replies(self, down: socket.socket, up: socket.socket) -> None:
-        """Forward the server's frames whole, so a reply can be cut at its start."""
-        buf = b""
-        try:
-            while data := up.recv(65536):
-                buf += data
-                while len(buf) >= 9:
-                    size = 9 + int.from_bytes(buf[:3], "big")
-                    if len(buf) < size:
-                        break
-                    if buf[3] == _HEADERS and self.armed.is_set():
-                        self.armed.clear()
-                        with self._lock:
-                            self.dropped += 1
-                        self._cut(down, up)
-                        return
-                    down.sendall(buf[:size])
-                    buf = buf[size:]
-        except OSError:
-            pass
-        self._cut(down, up)
-
-    @staticmethod
-    def _cut(*socks: socket.socket) -> None:
-        for s in socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self._closing.set()
-        self._listener.close()
-        with self._lock:
-            socks, threads = list(self._sockets), list(self._threads)
-        self._cut(*socks)
-        for t in threads:
-            t.join(timeout=5)
-        for s in socks:
-            s.close()
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnxps.client
 import pytest
+from _pki import _cert, _key, _pem, _pem_key
 from _procs import clean_env
 from onnxps import cli
 from onnxps.cli._demo_worker import loss_text
@@ -39,7 +40,6 @@ from onnxps.server.cli import (
     config_from_args,
     parse_bytes,
 )
-from test_security import _cert, _key, _pem, _pem_key
 
 
 def _loopback_with_free_default_port() -> str:

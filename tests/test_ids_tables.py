@@ -758,9 +758,9 @@ def test_an_ids_part_that_missed_pushes_is_sent_them_once(tmp_path: Path) -> Non
     (same seq), pushes in flight are resent until they land, a part that had taken
     one answers the resend as a duplicate; so every part ends at one T, the number
     of pushes, and the rows equal one server's that took each push once."""
+    from _cluster import shards
     from _procs import start_server
     from onnxps.client import DeadlineExceededError, UnavailableError
-    from test_cluster import shards
 
     wal = ("--durability", "wal", "--data-dir", f"{tmp_path / 'data'}{{i}}")
     rng = np.random.default_rng(12)

@@ -19,13 +19,13 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from _cluster import shards
 from _procs import start_server, stop
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from onnxps.client import Adam, AsyncClient, Client, IdsTable, InvalidArgumentError
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
-from test_cluster import shards
 
 F32 = np.float32
 DIM = 4

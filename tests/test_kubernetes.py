@@ -12,8 +12,6 @@ here (a test CA, a tokens file), /data a temporary directory.
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import re
 import shutil
 import subprocess
@@ -25,11 +23,8 @@ import grpc
 import kubernetes_validate
 import pytest
 import yaml
+from _pki import _pki
 from _procs import clean_env, stop
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.cli.process import wait_for_listening
 
@@ -145,44 +140,6 @@ def test_manifests_declare_what_a_shard_needs() -> None:
         "ports"
     ]
     _check_shard_count_agrees(docs)
-
-
-def _pki(d: Path) -> None:
-    """tls.crt, tls.key and ca.crt, as the onnxps-tls Secret would mount them."""
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def cert(subject: str, key: Any, issuer_key: Any, ca: bool) -> x509.Certificate:
-        b = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-            .issuer_name(
-                x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "onnxps test CA")])
-            )
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), True)
-        )
-        if not ca:
-            names = [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            b = b.add_extension(x509.SubjectAlternativeName(names), False)
-        return b.sign(issuer_key, hashes.SHA256())
-
-    ca_key, key = (
-        ec.generate_private_key(ec.SECP256R1()),
-        ec.generate_private_key(ec.SECP256R1()),
-    )
-    pem = serialization.Encoding.PEM
-    (d / "ca.crt").write_bytes(
-        cert("onnxps test CA", ca_key, ca_key, True).public_bytes(pem)
-    )
-    (d / "tls.crt").write_bytes(cert("shard", key, ca_key, False).public_bytes(pem))
-    (d / "tls.key").write_bytes(
-        key.private_bytes(
-            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
 
 
 def _local(cmd: list[str]) -> list[str]:

@@ -19,13 +19,12 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
+from _replicas import SIZE, ReplicaSet
+from _servers import _crash
 from onnxps.client import Adagrad, AlreadyExistsError, Client, NotFoundError
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
-from test_durability import _crash
-from test_replication import SIZE, ReplicaSet, replicas  # noqa: F401 - a fixture
 
 
 def _wait_two_sync(rs: ReplicaSet, timeout: float = 60.0) -> list[str]:
@@ -58,7 +57,7 @@ def _wait_group(address: str, group: str, timeout: float = 60.0) -> None:
 
 
 def test_a_create_whose_answer_was_lost_in_a_failover_succeeds_when_resent(
-    replicas: Any,  # noqa: F811 - the fixture
+    replicas: Any,
 ) -> None:
     # Two synchronous standbys: with one of them frozen, the primary holds the
     # create's answer back (deterministically) while the other holds the record.

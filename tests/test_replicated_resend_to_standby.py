@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
+from _etcd import EtcdProcess
 from _procs import clean_env, start_server, stop
 from onnxps.client import Adagrad, Client, NotFoundError
 from onnxps.v1 import parameter_server_pb2 as pb
@@ -54,7 +54,7 @@ def _wait(etcd: EtcdProcess, key: str, ok: Any, timeout: float = 30.0) -> Any:
 
 def test_a_standby_refuses_a_resent_push_it_holds(
     tmp_path: Path,
-    etcd_server: EtcdProcess,  # noqa: F811
+    etcd_server: EtcdProcess,
 ) -> None:
     url = etcd_server.url("ps")
     procs, addresses = {}, {}

@@ -23,16 +23,13 @@ from typing import Any
 
 import grpc
 import numpy as np
-from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
-from _pki import Pki, pki  # noqa: F401 - a fixture
+from _pki import Pki
 from _procs import clean_env
+from _replica_sets import G, Replicas, _create, _raw_push
+from _replicas import SIZE
 from onnxps.client import Adagrad
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
-from test_replication import SIZE
-from test_replication_safety import G, Replicas, _create, _raw_push, replica_sets
-
-__all__ = ["etcd_server", "pki", "replica_sets"]
 
 ADMIN_A = "adm-a-71c2e0"  # admin of tenant a/ only
 ADMIN_ALL = "adm-all-5c1d9e"
@@ -150,7 +147,7 @@ def _rss_kib(pid: int) -> int:
 
 
 def test_an_admin_token_may_not_follow_a_primary(
-    replica_sets: Any,  # noqa: F811 - the fixture
+    replica_sets: Any,
     tmp_path: Path,
 ) -> None:
     """An admin token confined to ``a/`` used to receive the primary's snapshot and
@@ -207,7 +204,7 @@ def test_a_replication_token_confined_to_a_prefix_is_refused_at_start(
 
 
 def test_a_stream_that_cannot_prove_its_member_id_is_refused(
-    replica_sets: Any,  # noqa: F811 - the fixture
+    replica_sets: Any,
 ) -> None:
     """The issue's attack: the synchronous standby frozen, a stream opened under its
     member id acknowledged lsn 2^63 and the primary acknowledged pushes no standby
@@ -244,7 +241,7 @@ def test_a_stream_that_cannot_prove_its_member_id_is_refused(
 
 
 def test_an_acknowledgement_beyond_what_was_shipped_ends_the_stream(
-    replica_sets: Any,  # noqa: F811 - the fixture
+    replica_sets: Any,
 ) -> None:
     """Even under the member's own lease (read from etcd), a stream acknowledging
     a record it was not sent counts for nothing: the primary ends it, and no push
@@ -279,7 +276,7 @@ def test_an_acknowledgement_beyond_what_was_shipped_ends_the_stream(
 
 
 def test_refused_streams_leave_no_memory_and_one_log_line(
-    replica_sets: Any,  # noqa: F811 - the fixture
+    replica_sets: Any,
 ) -> None:
     """300 streams with a 1 MiB member id took a primary from 203 to 1,122 MiB and
     grew its log by 600 MiB. Now: refused on the hello, logged once. (NumPy
@@ -324,7 +321,7 @@ def test_refused_streams_leave_no_memory_and_one_log_line(
 
 
 def test_a_standby_whose_disk_filled_follows_again_once_there_is_room(
-    replica_sets: Any,  # noqa: F811 - the fixture
+    replica_sets: Any,
     tmp_path: Path,
 ) -> None:
     """Issue 35 item 6: after ENOSPC the standby's log position was past the records
@@ -333,7 +330,7 @@ def test_a_standby_whose_disk_filled_follows_again_once_there_is_room(
     reconnecting at once) let every push burn its deadline. Now the standby forgets
     the refused records, stays away until its disk takes writes (the primary
     refuses at once meanwhile), then follows again by itself."""
-    from test_wal_hardening import _fill, _tmpfs
+    from _servers import _fill, _tmpfs
 
     rs: Replicas = replica_sets(2)
     p = rs.primary()
@@ -377,8 +374,8 @@ def test_a_standby_whose_disk_filled_follows_again_once_there_is_room(
 
 
 def test_over_mutual_tls_a_client_certificate_does_not_make_a_replica(
-    replica_sets: Any,  # noqa: F811 - the fixture
-    pki: Pki,  # noqa: F811 - the fixture
+    replica_sets: Any,
+    pki: Pki,
     tmp_path: Path,
 ) -> None:
     """TLS between replicas: a tenant's client certificate from the cluster's CA

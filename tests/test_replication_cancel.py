@@ -24,12 +24,12 @@ from typing import Any
 
 import grpc
 import numpy as np
-from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
+from _etcd import EtcdProcess
+from _replicas import SIZE, TTL, ReplicaSet, _create, _metrics_text
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
-from test_replication import SIZE, TTL, ReplicaSet, _create, _metrics_text
 
 ACK_TIMEOUT = max(5.0, 3.0 * TTL)  # ReplicationConfig.ack_timeout
 PUSHES = 4
@@ -76,7 +76,7 @@ def _reason(err: grpc.RpcError) -> str:
 
 def test_cancelled_pushes_waiting_for_a_frozen_standby_end_and_free_their_threads(
     tmp_path: Path,
-    etcd_server: EtcdProcess,  # noqa: F811
+    etcd_server: EtcdProcess,
 ) -> None:
     rs = ReplicaSet(tmp_path, etcd_server, 2, extra=("--metrics-port", "0"))
     p = rs.primary()
@@ -122,7 +122,7 @@ def test_cancelled_pushes_waiting_for_a_frozen_standby_end_and_free_their_thread
 
 def test_a_push_without_deadline_ends_when_no_standby_acknowledges_it(
     tmp_path: Path,
-    etcd_server: EtcdProcess,  # noqa: F811
+    etcd_server: EtcdProcess,
 ) -> None:
     rs = ReplicaSet(tmp_path, etcd_server, 2)
     p = rs.primary()

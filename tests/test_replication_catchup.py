@@ -10,16 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
+from _replicas import SIZE, ReplicaSet, _create, _kill, _metrics_text
 from onnxps.client import Client
-from test_replication import (  # noqa: F401 - a fixture
-    SIZE,
-    ReplicaSet,
-    _create,
-    _kill,
-    _metrics_text,
-    replicas,
-)
 
 RECORDS = 400
 
@@ -33,7 +25,7 @@ def _fsyncs(log: Path) -> int:
 
 
 def test_a_standby_catching_up_fsyncs_its_records_in_batches(
-    replicas: Any,  # noqa: F811 - the fixture
+    replicas: Any,
     tmp_path: Path,
 ) -> None:
     rs: ReplicaSet = replicas(2, extra=("--sync-replicas", "0", "--metrics-port", "0"))

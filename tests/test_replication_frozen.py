@@ -17,16 +17,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _etcd import etcd_server  # noqa: F401 - a fixture
+from _replica_sets import G, Replicas, _create
+from _replicas import _serial
 from onnxps.client import Client
-from test_replication import _serial
-from test_replication_safety import G, Replicas, _create, replica_sets
-
-__all__ = ["etcd_server", "replica_sets"]
 
 
 def test_a_push_waiting_on_a_frozen_primary_goes_to_the_new_one(
-    replica_sets: Any,  # noqa: F811 - the fixture
+    replica_sets: Any,
 ) -> None:
     rs: Replicas = replica_sets(3)
     p = rs.primary()
@@ -55,7 +52,7 @@ def test_a_push_waiting_on_a_frozen_primary_goes_to_the_new_one(
 
 
 def test_a_push_in_flight_when_the_primary_freezes_is_applied_once(
-    replica_sets: Any,  # noqa: F811 - the fixture
+    replica_sets: Any,
 ) -> None:
     """Pushes keep going while the primary freezes: each is acknowledged once, at
     its own T, by one primary or the other."""
@@ -92,7 +89,7 @@ def test_a_push_in_flight_when_the_primary_freezes_is_applied_once(
 
 
 def test_a_live_server_takes_the_pings_of_a_call_that_waits(
-    replica_sets: Any,  # noqa: F811 - the fixture
+    replica_sets: Any,
 ) -> None:
     """The pings go on for as long as a call waits with no data moving (here a
     push waiting for a frozen synchronous standby): a server that took them as

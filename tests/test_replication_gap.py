@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
+from _replicas import SIZE, ReplicaSet, _create
 from onnxps.client import Client
 from onnxps.server.durability._wal import (
     FRAME,
@@ -22,7 +22,6 @@ from onnxps.server.durability._wal import (
     WriteAheadLog,
     segment_paths,
 )
-from test_replication import SIZE, ReplicaSet, _create, replicas  # noqa: F401
 
 
 def _records(wal_dir: Path, op: str = "push") -> list[tuple[int, str, int]]:
@@ -42,7 +41,7 @@ def _records(wal_dir: Path, op: str = "push") -> list[tuple[int, str, int]]:
 
 
 def test_a_record_the_primary_cannot_read_back_is_sent_in_a_snapshot_not_skipped(
-    replicas: Any,  # noqa: F811 - the fixture
+    replicas: Any,
     tmp_path: Path,
 ) -> None:
     rs: ReplicaSet = replicas(3)

@@ -13,13 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
+from _replicas import SIZE, ReplicaSet
 from onnxps.client import Adagrad, Client
-from test_replication import (  # noqa: F401 - a fixture
-    SIZE,
-    ReplicaSet,
-    replicas,
-)
 
 PROTOCOL_MD = Path(__file__).parent.parent / "docs" / "protocol.md"
 
@@ -46,7 +41,7 @@ def _range(endpoint: str, key: str, prefix: bool = False) -> list[tuple[str, byt
 
 
 def test_a_client_finds_the_primary_from_the_documented_etcd_keys(
-    replicas: Any,  # noqa: F811 - the fixture
+    replicas: Any,
 ) -> None:
     doc = PROTOCOL_MD.read_text()
     for documented in (

@@ -21,13 +21,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
+from _etcd import EtcdProcess
+from _replicas import SIZE, ReplicaSet, _create
 from onnxps.client import Client
 from onnxps.server.interceptors.shard import ShardIdentity
 from onnxps.server.replication import parse_coordinator
 from onnxps.server.replication._etcd import Etcd
 from onnxps.server.replication._member import Member, MemberConfig, Role
-from test_replication import SIZE, ReplicaSet, _create
 
 READ = "/v3/kv/range"
 KEEPALIVE = "/v3/lease/keepalive"
@@ -115,7 +115,7 @@ class HoldingProxy:
 
 
 @pytest.fixture
-def proxy(etcd_server: EtcdProcess) -> Iterator[HoldingProxy]:  # noqa: F811
+def proxy(etcd_server: EtcdProcess) -> Iterator[HoldingProxy]:
     p = HoldingProxy(etcd_server.endpoint)
     try:
         yield p
@@ -175,7 +175,7 @@ def test_the_lease_is_renewed_while_an_etcd_read_of_the_member_hangs(
 
 def test_a_push_waiting_for_its_standby_outlives_a_late_renewal(
     proxy: HoldingProxy,
-    etcd_server: EtcdProcess,  # noqa: F811 - the proxy's upstream, for keys
+    etcd_server: EtcdProcess,
     tmp_path: Path,
 ) -> None:
     """A renewal late past 2/3 of the TTL (held by the proxy, as a loaded host

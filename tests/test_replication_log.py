@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _etcd import etcd_server  # noqa: F401 - a fixture
+from _replicas import SIZE, ReplicaSet, _create, _kill
 from onnxps.client import Adagrad, Client
 from onnxps.server.durability._wal import FRAME, Frame, WriteAheadLog, read_segments
 from onnxps.server.replication._frames import (
@@ -32,7 +32,6 @@ from onnxps.server.replication._frames import (
     logged_frames,
     pieces,
 )
-from test_replication import SIZE, ReplicaSet, _create, _kill, replicas  # noqa: F401
 
 LOWER = ("--sync-policy", "lower")
 
@@ -56,7 +55,7 @@ def _log(tmp_path: Path, i: int, start: int) -> str:
 
 
 def test_a_standby_logs_the_bytes_its_primary_logged(
-    replicas: object,  # noqa: F811 - the fixture
+    replicas: object,
     tmp_path: Path,
 ) -> None:
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
@@ -78,7 +77,7 @@ def test_a_standby_logs_the_bytes_its_primary_logged(
 
 
 def test_a_restarted_standby_resumes_from_its_log_without_a_snapshot(
-    replicas: object,  # noqa: F811 - the fixture
+    replicas: object,
     tmp_path: Path,
 ) -> None:
     rs: ReplicaSet = replicas(2, extra=LOWER)  # type: ignore[operator]
@@ -108,7 +107,7 @@ def test_a_restarted_standby_resumes_from_its_log_without_a_snapshot(
 
 
 def test_a_standby_holding_a_deposed_primarys_record_takes_a_snapshot(
-    replicas: object,  # noqa: F811 - the fixture
+    replicas: object,
     tmp_path: Path,
 ) -> None:
     rs: ReplicaSet = replicas(2, extra=LOWER)  # type: ignore[operator]
@@ -144,7 +143,7 @@ def test_a_standby_holding_a_deposed_primarys_record_takes_a_snapshot(
 
 
 def test_a_standby_is_named_synchronous_only_once_it_holds_all_the_last_primary_did(
-    replicas: object,  # noqa: F811 - the fixture
+    replicas: object,
 ) -> None:
     rs: ReplicaSet = replicas(3)  # type: ignore[operator]
     a = rs.primary()
@@ -170,7 +169,7 @@ def test_a_standby_is_named_synchronous_only_once_it_holds_all_the_last_primary_
 
 
 def test_an_idle_standby_keeps_its_stream_past_the_stall_limit(
-    replicas: object,  # noqa: F811 - the fixture
+    replicas: object,
     tmp_path: Path,
 ) -> None:
     rs: ReplicaSet = replicas(2, extra=("--stall-seconds", "6"))  # type: ignore[operator]
@@ -187,7 +186,7 @@ def test_an_idle_standby_keeps_its_stream_past_the_stall_limit(
 
 
 def test_a_standby_acks_before_it_applies_but_stops_following_once_applied(
-    replicas: object,  # noqa: F811 - the fixture
+    replicas: object,
     tmp_path: Path,
 ) -> None:
     """The promotion path (``follow(None)``, then ``idle``) waits for the records
@@ -386,7 +385,7 @@ def test_a_record_cut_short_by_the_next_one_is_refused_not_gathered() -> None:
 
 
 def test_a_standby_logs_a_record_of_several_pieces_as_its_primary_did(
-    replicas: object,  # noqa: F811 - the fixture
+    replicas: object,
     tmp_path: Path,
 ) -> None:
     """A 4 MiB push (5 pieces) is in the standby's log byte for byte, and in its
@@ -479,7 +478,7 @@ def _shipped(address: str, protocol: int, lsn: int, size: int, lease: int) -> li
 
 
 def test_a_standby_of_an_earlier_version_gets_its_records_whole(
-    replicas: object,  # noqa: F811 - the fixture
+    replicas: object,
     tmp_path: Path,
 ) -> None:
     """A standby that announces no protocol (an earlier onnxps, which takes a record
@@ -564,7 +563,7 @@ def test_a_log_cursor_raises_for_a_record_the_log_does_not_hold(
 
 
 def test_a_standby_snapshot_holds_what_it_applied_not_what_it_logged(
-    replicas: object,  # noqa: F811 - the fixture
+    replicas: object,
     tmp_path: Path,
 ) -> None:
     """Found by the chaos test: a standby logs (and acknowledges) records before

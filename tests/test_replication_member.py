@@ -13,18 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
 from _procs import clean_env, stop
+from _replicas import SIZE, TTL, ReplicaSet, _create, _kill
 from onnxps.cli.process import wait_for_listening
 from onnxps.client import Client
-from test_replication import (  # noqa: F401 - a fixture
-    SIZE,
-    TTL,
-    ReplicaSet,
-    _create,
-    _kill,
-    replicas,
-)
 
 
 def _serve(rs: ReplicaSet, member: str, data: Path, log: Path) -> Any:
@@ -46,7 +38,7 @@ def _serve(rs: ReplicaSet, member: str, data: Path, log: Path) -> Any:
 
 
 def test_a_second_process_with_a_live_member_id_is_refused(
-    replicas: Any,  # noqa: F811 - the fixture
+    replicas: Any,
     tmp_path: Path,
 ) -> None:
     rs: ReplicaSet = replicas(2)

@@ -6,55 +6,31 @@ to catch up. Real etcd, real ``onnxps serve`` processes.
 
 from __future__ import annotations
 
-import re
-import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
-from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from _replicas import (
+    ADMIN,
+    REPLICATION,
+    SERVING,
+    SIZE,
+    ReplicaSet,
+    _check,
+    _kill,
+    _wait_log,
+    _wait_ready,
+)
+from grpc_health.v1 import health_pb2
 from onnxps.client import Adagrad, Client
 from onnxps.server._health import READY
 from onnxps.server.app import ServerConfig, create_server
-from test_replication import (  # noqa: F401 - a fixture
-    SIZE,
-    ReplicaSet,
-    _kill,
-    replicas,
-)
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-ADMIN, REPLICATION = "adm-71c0e2", "rep-3fa9d1"
-
-
-def _check(address: str, service: str) -> int:
-    with grpc.insecure_channel(address) as ch:
-        reply = health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=5
-        )
-    return int(reply.status)
-
-
-def _wait_ready(address: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while _check(address, READY) != SERVING:
-        assert time.monotonic() < deadline, f"{address} not ready within {timeout} s"
-        time.sleep(0.05)
-
-
-def _wait_log(log: Path, pattern: str, timeout: float = 30.0) -> re.Match[str]:
-    deadline = time.monotonic() + timeout
-    while (found := re.search(pattern, log.read_text())) is None:
-        assert time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.05)
-    return found
 
 
 def test_a_standby_is_ready_only_while_it_holds_what_the_primary_logged(
-    replicas: Any,  # noqa: F811 - the fixture
+    replicas: Any,
     tmp_path: Path,
 ) -> None:
     tokens = tmp_path / "tokens"

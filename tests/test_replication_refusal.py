@@ -14,16 +14,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
+from _etcd import EtcdProcess
+from _replicas import SIZE, ReplicaSet, _create, _kill, _serial
 from onnxps.client import Client, UnavailableError
-from test_replication import SIZE, ReplicaSet, _create, _kill, _serial
 
 G = np.full(SIZE, 0.5, np.float32)
 
 
 def test_a_push_refused_not_enough_replicas_is_not_sent_again(
     tmp_path: Path,
-    etcd_server: EtcdProcess,  # noqa: F811
+    etcd_server: EtcdProcess,
 ) -> None:
     rs = ReplicaSet(tmp_path, etcd_server, 2)
     try:

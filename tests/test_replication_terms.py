@@ -19,27 +19,23 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
+from _replicas import (
+    ADMIN,
+    REPLICATION,
+    SERVING,
+    SIZE,
+    ReplicaSet,
+    _check,
+    _create,
+    _kill,
+    _wait_log,
+    _wait_ready,
+)
 from onnxps.cli.status import replica_rows
 from onnxps.client import Client, NotFoundError, OnnxpsError
 from onnxps.server._health import READY
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1.parameter_server_pb2_grpc import ParameterServerServiceStub
-from test_replication import (  # noqa: F401 - a fixture
-    SIZE,
-    ReplicaSet,
-    _create,
-    _kill,
-    replicas,
-)
-from test_replication_ready import (
-    ADMIN,
-    REPLICATION,
-    SERVING,
-    _check,
-    _wait_log,
-    _wait_ready,
-)
 
 
 def _lsn_of(rs: ReplicaSet, member: int, lsn: int, timeout: float = 30.0) -> None:
@@ -76,7 +72,7 @@ def _row(rs: ReplicaSet, member: int) -> dict[str, str]:
 
 
 def test_a_deposed_primary_holding_unacknowledged_records_is_not_ready(
-    replicas: Any,  # noqa: F811 - the fixture
+    replicas: Any,
     tmp_path: Path,
 ) -> None:
     tokens = tmp_path / "tokens"
@@ -155,7 +151,7 @@ def _group() -> dict[str, Any]:
 
 
 def test_a_promoted_standby_answers_unavailable_until_it_applied_what_it_holds(
-    replicas: Any,  # noqa: F811 - the fixture
+    replicas: Any,
     tmp_path: Path,
 ) -> None:
     # The primary steps with NumPy; the standby compiles numba's kernels with no

@@ -16,13 +16,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _etcd import etcd_server  # noqa: F401 - a fixture
 from _procs import clean_env, start_server, stop
+from _replicas import ReplicaSet
+from _servers import _crash
 from onnxps.client import Adagrad, Client
 from onnxps.server.app import ServerConfig, create_server
 from onnxps.server.kernels import Stepper, _select, apply_onnx, make_attrs
-from test_durability import _crash
-from test_replication import ReplicaSet, replicas  # noqa: F401 - a fixture
 
 F32 = np.float32
 
@@ -115,7 +114,7 @@ def test_replay_opens_only_the_log_after_the_newest_snapshot(
 
 
 def test_a_standby_stopped_gracefully_resumes_after_its_snapshot(
-    replicas: Any,  # noqa: F811 - the fixture
+    replicas: Any,
     tmp_path: Path,
 ) -> None:
     rs: ReplicaSet = replicas(2, extra=("--sync-replicas", "1"))

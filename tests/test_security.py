@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import json
 import logging
 import subprocess
@@ -17,10 +15,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from _pki import _cert, _key, _pem, _pem_key
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.client import (
     Adagrad,
@@ -57,79 +54,8 @@ class Pki:
     rogue_key: bytes
 
 
-def _key() -> ec.EllipticCurvePrivateKey:
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-
-
 def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _cert(
-    subject: str,
-    key: ec.EllipticCurvePrivateKey,
-    issuer: str,
-    issuer_key: ec.EllipticCurvePrivateKey,
-    *,
-    ca: bool = False,
-    server: bool = False,
-) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    b = (
-        x509.CertificateBuilder()
-        .subject_name(_name(subject))
-        .issuer_name(_name(issuer))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if ca:
-        b = b.add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-    else:
-        usage = (
-            ExtendedKeyUsageOID.SERVER_AUTH
-            if server
-            else (ExtendedKeyUsageOID.CLIENT_AUTH)
-        )
-        b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-    if server:
-        b = b.add_extension(
-            x509.SubjectAlternativeName(
-                [
-                    x509.DNSName("localhost"),
-                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                ]
-            ),
-            critical=False,
-        )
-    return b.sign(issuer_key, hashes.SHA256())
-
-
-def _pem(cert: x509.Certificate) -> bytes:
-    return cert.public_bytes(serialization.Encoding.PEM)
 
 
 @pytest.fixture(scope="module")

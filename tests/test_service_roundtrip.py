@@ -4,74 +4,21 @@ server give bit-identical X, V, H and T; the official ONNX node tests pass throu
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 import onnx_reference as ref
 import pytest
-from onnxps.client import Adagrad, Adam, Client, Momentum, Nesterov, OptimizerSpec
+from _servers import (
+    OPTIMIZERS,
+    Array,
+    LocalGroup,
+    assert_bit_identical,
+    onnx_attrs,
+)
+from onnxps.client import Adagrad, Adam, Client, Momentum, OptimizerSpec
 from onnxps.server.app import ServerHandle
 from onnxps.server.kernels import apply_onnx
-
-Array = np.ndarray[Any, Any]
-
-# Non-default attributes for every operator (and both Momentum modes).
-OPTIMIZERS: dict[str, tuple[str, OptimizerSpec]] = {
-    "adagrad": (
-        "Adagrad",
-        Adagrad(epsilon=1e-4, decay_factor=0.05, norm_coefficient=0.01),
-    ),
-    "momentum": ("Momentum", Momentum(0.85, 0.3, "standard", 0.02)),
-    "nesterov": ("Momentum", Nesterov(0.8, 0.6, 0.015)),
-    "adam": (
-        "Adam",
-        Adam(
-            alpha=0.8,
-            beta=0.95,
-            epsilon=1e-5,
-            norm_coefficient=0.01,
-            norm_coefficient_post=0.002,
-        ),
-    ),
-}
-STATES = {"Adagrad": 1, "Momentum": 1, "Adam": 2}
-
-
-def onnx_attrs(spec: OptimizerSpec) -> dict[str, Any]:
-    return {k: v for k, v in asdict(spec).items() if v is not None}
-
-
-class LocalGroup:
-    """The same group kept locally: one ``apply_onnx`` per push, outputs fed back."""
-
-    def __init__(
-        self, op: str, spec: OptimizerSpec, lr: float, tensors: list[Array]
-    ) -> None:
-        self.op, self.attrs, self.lr, self.t = op, onnx_attrs(spec), lr, 0
-        self.xs = [t.copy() for t in tensors]
-        n = len(tensors)  # state in ONNX order: V_1..V_n, then H_1..H_n
-        self.states = [np.zeros_like(tensors[i % n]) for i in range(n * STATES[op])]
-
-    def push(self, grads: list[Array], lr: float | None = None) -> None:
-        r = np.float64(self.lr if lr is None else lr)  # R travels as a double
-        outs = apply_onnx(
-            self.op, self.attrs, [r, np.int64(self.t), *self.xs, *grads, *self.states]
-        )
-        n = len(self.xs)
-        self.xs, self.states = outs[:n], outs[n:]
-        self.t += 1
-
-    def state(self) -> list[Array]:
-        return self.xs + self.states
-
-
-def assert_bit_identical(got: list[Array], expected: list[Array]) -> None:
-    assert len(got) == len(expected)
-    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
-        assert g.dtype == e.dtype, (i, g.dtype, e.dtype)
-        assert g.shape == e.shape, (i, g.shape, e.shape)
-        assert g.tobytes() == e.tobytes(), (i, g, e)
 
 
 def initial_tensors(dtype: Any, rng: np.random.Generator) -> dict[str, Array]:

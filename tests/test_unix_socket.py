@@ -160,7 +160,7 @@ def test_tokens_work_over_the_socket(sock: Path, tmp_path: Path) -> None:
 
 
 def test_tls_works_over_the_socket(sock: Path, tmp_path: Path) -> None:
-    from test_security import _cert, _key, _pem, _pem_key
+    from _pki import _cert, _key, _pem, _pem_key
 
     ca_key, server_key = _key(), _key()
     ca = _cert("onnxps test CA", ca_key, "onnxps test CA", ca_key, ca=True)

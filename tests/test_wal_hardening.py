@@ -7,7 +7,6 @@ import errno
 import os
 import re
 import shutil
-import subprocess
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ import grpc
 import numpy as np
 import pytest
 from _procs import clean_env, start_server, stop
+from _servers import _fill, _tmpfs
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.client import (
     Adam,
@@ -224,36 +224,6 @@ def test_a_log_no_longer_on_disk_refuses_every_change_at_once(
                 assert t_restored == 3
                 assert [a.tobytes() for a in restored] == [a.tobytes() for a in before]
                 assert c.describe_group("g").learning_rate == pytest.approx(0.1)
-
-
-@contextmanager
-def _tmpfs(path: Path, size: str) -> Iterator[Path]:
-    path.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (root needed): {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-def _fill(path: Path) -> int:
-    """Fill the filesystem of ``path`` with a file; the bytes written."""
-    written = 0
-    with open(path, "wb", buffering=0) as f:
-        for _ in range(1 << 20):  # bounded: a 4 GiB disk at most
-            try:
-                written += f.write(b"\0" * 4096)
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC, exc
-                return written
-    raise AssertionError("the disk never filled")
 
 
 def test_a_full_disk_refuses_pushes_at_once_and_resumes_when_space_returns(

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _servers import Server
 from onnxps.client import Adam, Client, ResourceExhaustedError
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from onnxps.server.durability._wal import read_segments
 from onnxps.server.kernels import apply_onnx
-from test_crash_recovery import Server
 
 N = 64
 X0 = np.linspace(-1, 1, N)
