@@ -59,7 +59,7 @@ def build_tree(dest: Path, root: Path = ROOT) -> list[str]:
     return tops
 
 
-# Test modules that import torch (tests/test_torch.py skips itself without it).
+# Test modules that import torch (tests/training/test_torch.py skips itself without it).
 TORCH_TESTS = {"test_torch.py", "torch_workers.py"}
 
 
