@@ -6,7 +6,9 @@
   through other modules (checked in a fresh interpreter);
 - inside the server, each folder imports only the folders ``SERVER_LAYERS`` allows,
   and those allowances form layers (no two folders import each other, even through
-  a third).
+  a third);
+- the tests sit in folders by tier and topic (``TEST_FOLDERS``), and no test module
+  imports another: what they share is in tests/conftest.py or a support module.
 """
 
 from __future__ import annotations
@@ -304,3 +306,41 @@ def test_each_server_folder_says_what_it_owns_and_may_import() -> None:
         assert "may import" in doc, init
         for allowed in SERVER_LAYERS[init.parent.name]:
             assert f"``{allowed}``" in doc, (init, allowed)
+
+
+# The folders of tests/, by tier and topic (the README lists them).
+TEST_FOLDERS = {
+    "unit": "no server: kernels, codec, wire formats, pure checks",
+    "service": "one real server: round trips, errors, limits, security, memory",
+    "transports": "one real server: streams, data channel, frames, shared memory",
+    "client": "the client library and the command line against a real server",
+    "durability": "the write-ahead log, snapshots, restarts, kill -9",
+    "cluster": "sharded clusters of server processes",
+    "replication": "replica sets on a real etcd, and the chaos test",
+    "containers": "podman, docker-compose.yml, Kubernetes manifests, Grafana",
+    "training": "the examples, PyTorch, weights files",
+    "checks": "the repository itself: lint, types, docs, layers, tiers",
+}
+TESTS = ROOT / "tests"
+
+
+def test_no_test_module_imports_another() -> None:
+    """What several test modules share lives in tests/conftest.py (fixtures) or in a
+    support module beside it (``_procs``, ``_replicas``, ``_servers`` ...), never in a
+    test module: each runs alone, from any folder, and moves without the others."""
+    paths = sorted(TESTS.rglob("test_*.py"))
+    names = {p.stem for p in paths}
+    assert len(names) == len(paths)  # pytest imports each by its name alone
+    bad = [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in sorted(TESTS.rglob("*.py"))
+        for module in sorted(_imports(path))
+        if module.split(".")[0] in names | {"conftest"}
+    ]
+    assert bad == []
+
+
+def test_every_test_module_sits_in_a_folder_of_its_tier_and_topic() -> None:
+    assert sorted(p.name for p in TESTS.glob("test_*.py")) == []
+    folders = {p.relative_to(TESTS).parts[0] for p in TESTS.rglob("test_*.py")}
+    assert folders == set(TEST_FOLDERS)
