@@ -328,6 +328,20 @@ def _pusher(address: str, i: int, acked: list[int], refused: list[str]) -> None:
                 return
 
 
+def _wait_file_size_unlimited(pid: int) -> None:
+    """Until the process's soft file size limit is its hard one again (its SIGUSR1
+    handler ran), read from /proc."""
+    deadline = time.monotonic() + 10
+    while True:
+        limits = Path(f"/proc/{pid}/limits").read_text().splitlines()
+        line = next(x for x in limits if x.startswith("Max file size"))
+        soft, hard = line.split()[3:5]
+        if soft == hard:
+            return
+        assert time.monotonic() < deadline, f"the file size limit is still {soft}"
+        time.sleep(0.01)
+
+
 def test_a_full_disk_in_wal_mode_refuses_pushes_and_loses_no_acknowledged_one(
     tmp_path: Path,
 ) -> None:
@@ -378,7 +392,7 @@ def test_a_full_disk_in_wal_mode_refuses_pushes_and_loses_no_acknowledged_one(
             assert [a.tobytes() for a in after] == [a.tobytes() for a in before]
             # room is made: the log writes again, and health says so
             server.proc.send_signal(signal.SIGUSR1)
-            time.sleep(0.2)
+            _wait_file_size_unlimited(server.proc.pid)
             c.set_learning_rate("g", 0.05)
             assert c.push("g", np.ones(512)) == t + 1
             assert _health(server.address) == health_pb2.HealthCheckResponse.SERVING

@@ -71,7 +71,10 @@ def test_a_push_in_flight_when_the_primary_freezes_is_applied_once(
     worker = threading.Thread(target=pushes)
     worker.start()
     try:
-        time.sleep(1.0)
+        deadline = time.monotonic() + 30
+        while len(ts) < 5:  # pushes under way, acknowledged by this primary
+            assert time.monotonic() < deadline, f"stuck at {len(ts)} pushes"
+            time.sleep(0.01)
         os.kill(rs.procs[p].pid, signal.SIGSTOP)
         new = rs.primary(not_=p)
         deadline = time.monotonic() + 30

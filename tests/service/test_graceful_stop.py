@@ -42,6 +42,18 @@ def _loop(
         errors.append(exc)
 
 
+def _wait_acked(
+    acked: dict[str, list[int]], errors: list[BaseException], more: int = 3
+) -> None:
+    """Until each transport has ``more`` pushes acknowledged beyond its count now."""
+    want = {t: len(a) + more for t, a in acked.items()}
+    deadline = time.monotonic() + 60
+    while any(len(acked[t]) < n for t, n in want.items()):
+        counts = {t: len(a) for t, a in acked.items()}
+        assert time.monotonic() < deadline, f"pushes stuck at {counts}: {errors}"
+        time.sleep(0.01)
+
+
 @pytest.mark.slow
 def test_push_loops_survive_sigterm_and_restarts_exactly_once(tmp_path: Path) -> None:
     data = tmp_path / "data"
@@ -67,13 +79,13 @@ def test_push_loops_survive_sigterm_and_restarts_exactly_once(tmp_path: Path) ->
         t.start()
     try:
         for run in range(1, RESTARTS + 1):
-            time.sleep(1.0)
+            _wait_acked(acked, errors)  # this server takes pushes of both kinds
             proc.terminate()
             assert proc.wait(30) == 0
             assert "Traceback" not in (tmp_path / f"s{run - 1}.log").read_text()
             proc, again = start_server(tmp_path / f"s{run}.log", *args, *port_args)
             assert again == address
-        time.sleep(1.0)
+        _wait_acked(acked, errors)
         stop_at.set()
         for t in threads:
             t.join(60)

@@ -736,7 +736,10 @@ def test_the_async_client_uses_the_channel_like_the_client(
             got.append(await ps.pull("async", state=True))
             # a cancelled pull closes its channel; the next call opens another
             task = asyncio.ensure_future(ps.pull("async", min_version=99))
-            await asyncio.sleep(0.3)
+            deadline = time.monotonic() + 30
+            while server.store.waiting_calls == 0:  # the pull waits at the server
+                assert time.monotonic() < deadline, "the pull never reached the server"
+                await asyncio.sleep(0.01)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
