@@ -8,10 +8,11 @@ imports another."""
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from _etcd import INSTALL_HINT, EtcdProcess, etcd_binary, start_etcd
 from _pki import Pki, issue
@@ -19,6 +20,7 @@ from _replica_sets import Replicas
 from _replicas import ReplicaSet
 from onnxps.client import Client
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 
 @pytest.fixture
@@ -30,6 +32,34 @@ def server() -> Iterator[ServerHandle]:
         yield handle
     finally:
         handle.stop(grace=0)
+
+
+@pytest.fixture
+def servers() -> Iterator[Callable[..., ServerHandle]]:
+    """``servers(config)``, or ``servers(**fields)`` (a ``ServerConfig`` on 127.0.0.1
+    port 0 without durability unless the fields say otherwise): a started in-process
+    server; every one started is stopped after the test, the last first."""
+    started: list[ServerHandle] = []
+
+    def start(config: ServerConfig | None = None, **fields: Any) -> ServerHandle:
+        if config is None:
+            fields = {"address": "127.0.0.1:0", "durability": "none", **fields}
+            config = ServerConfig(**fields)
+        handle = create_server(config).start()
+        started.append(handle)
+        return handle
+
+    yield start
+    for handle in reversed(started):
+        handle.stop(grace=0)
+
+
+@pytest.fixture
+def stub(server: ServerHandle) -> Iterator[pb_grpc.ParameterServerServiceStub]:
+    """The raw generated stub of ``server``, for requests the client library would
+    never build."""
+    with grpc.insecure_channel(server.address) as channel:
+        yield pb_grpc.ParameterServerServiceStub(channel)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import hashlib
 import itertools
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,20 +35,6 @@ def _config(data_dir: Path | None, mode: str = "snapshot") -> ServerConfig:
         snapshot_interval=0,
         keep_snapshots=3,
     )
-
-
-@pytest.fixture
-def servers() -> Iterator[Callable[[ServerConfig], ServerHandle]]:
-    started: list[ServerHandle] = []
-
-    def start(config: ServerConfig) -> ServerHandle:
-        handle = create_server(config).start()
-        started.append(handle)
-        return handle
-
-    yield start
-    for h in started:
-        h.stop(grace=0)
 
 
 def _grad(k: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -31,20 +31,6 @@ def _config(data: Path, truncate: bool = False) -> ServerConfig:
         snapshot_interval=0,
         wal_truncate_corrupt=truncate,
     )
-
-
-@pytest.fixture
-def servers() -> Iterator[Callable[[ServerConfig], ServerHandle]]:
-    started: list[ServerHandle] = []
-
-    def start(config: ServerConfig) -> ServerHandle:
-        handle = create_server(config).start()
-        started.append(handle)
-        return handle
-
-    yield start
-    for h in started:
-        h.stop(grace=0)
 
 
 def _crash(handle: ServerHandle) -> None:

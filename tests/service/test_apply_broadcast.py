@@ -5,7 +5,6 @@ have, are INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -72,13 +71,6 @@ def inputs_for(op: str, dtype: Any, t: int, seed: int = 0) -> list[Any]:
             a = rng.standard_normal(shapes[role])
             arrays.append(np.asarray(np.abs(a) + 0.01 if role == 3 else a, dtype))
     return [np.float64(0.05), np.int64(t), *arrays]
-
-
-@pytest.fixture
-def stub(server: ServerHandle) -> Iterator[pb_grpc.ParameterServerServiceStub]:
-    """The raw generated stub, for requests the client library would never build."""
-    with grpc.insecure_channel(server.address) as channel:
-        yield pb_grpc.ParameterServerServiceStub(channel)
 
 
 @pytest.mark.parametrize("transport", ["unary", "stream"])

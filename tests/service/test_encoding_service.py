@@ -32,7 +32,7 @@ from onnxps.client import (
     InvalidArgumentError,
     Momentum,
 )
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.app import ServerHandle
 from onnxps.server.interceptors.limits import declared_bytes, message_bytes
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -51,21 +51,6 @@ def widened(g: Array, encoding: str) -> Array:
     # Random gradients never sit on a float32 tie, where float64 rounds once here.
     assert out.tobytes() == decode(encode(g, encoding)).tobytes()
     return out
-
-
-@pytest.fixture
-def servers() -> Iterator[Callable[..., ServerHandle]]:
-    started: list[ServerHandle] = []
-
-    def start(**config: Any) -> ServerHandle:
-        config.setdefault("durability", "none")
-        handle = create_server(ServerConfig(address="127.0.0.1:0", **config)).start()
-        started.append(handle)
-        return handle
-
-    yield start
-    for h in started:
-        h.stop(grace=0)
 
 
 def tensors(dtype: Any, rng: np.random.Generator) -> dict[str, Array]:

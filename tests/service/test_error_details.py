@@ -7,7 +7,7 @@ in another language would read them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -29,12 +29,6 @@ from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 from onnxps.wire.codec import array_to_tensor, chunk_messages, header_tensor
 
 W = np.zeros(3, np.float32)
-
-
-@pytest.fixture
-def stub(server: ServerHandle) -> Iterator[pb_grpc.ParameterServerServiceStub]:
-    with grpc.insecure_channel(server.address) as channel:
-        yield pb_grpc.ParameterServerServiceStub(channel)
 
 
 def raw_details(

@@ -6,7 +6,6 @@ and a restart."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 from _procs import start_server, stop
 from onnxps.client import Adagrad, Adam, Client, Momentum, Nesterov, Sync
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.app import ServerHandle
 
 Array = np.ndarray[Any, Any]
 
@@ -79,16 +78,6 @@ def pull_twins(c: Client, name: str, count: int) -> tuple[list[Array], list[Arra
     alone = [c.pull(f"{name}/{i}", state=True) for i in range(count)]
     states = len(many) // count
     return many, [alone[i][k] for k in range(states) for i in range(count)]
-
-
-@pytest.fixture
-def server() -> Iterator[ServerHandle]:
-    handle = create_server(ServerConfig(address="127.0.0.1:0", durability="none"))
-    handle.start()
-    try:
-        yield handle
-    finally:
-        handle.stop(grace=0)
 
 
 @pytest.mark.parametrize("kernels", ["numpy", "numba"])

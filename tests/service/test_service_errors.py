@@ -3,7 +3,7 @@ and leaves the stored state byte-identical; Apply stays the pure ONNX operator."
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,13 +40,6 @@ def group(client: Client) -> str:
     client.create_group("g", Adam(), learning_rate=0.1, tensors={"w": W0, "b": B0})
     assert client.push("g", GW, GB) == 1
     return "g"
-
-
-@pytest.fixture
-def stub(server: ServerHandle) -> Iterator[pb_grpc.ParameterServerServiceStub]:
-    """The raw generated stub, for requests the client library would never build."""
-    with grpc.insecure_channel(server.address) as channel:
-        yield pb_grpc.ParameterServerServiceStub(channel)
 
 
 def snapshot(client: Client, name: str = "g") -> tuple[int, list[bytes], float]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from onnxps.client import (
     Momentum,
     Sync,
 )
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.server.kernels import make_attrs
 from onnxps.server.store import ParameterStore, StoreLimits
 from onnxps.v1 import parameter_server_pb2 as pb
@@ -31,21 +31,6 @@ from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 W = np.zeros(4, np.float32)
 G = np.ones(4, np.float32)
-
-
-@pytest.fixture
-def servers() -> Iterator[Callable[[ServerConfig], ServerHandle]]:
-    started: list[ServerHandle] = []
-
-    def start(config: ServerConfig) -> ServerHandle:
-        handle = create_server(config)
-        handle.start()
-        started.append(handle)
-        return handle
-
-    yield start
-    for handle in reversed(started):
-        handle.stop(grace=0)
 
 
 def _durable(data_dir: Path, mode: str) -> ServerConfig:
