@@ -6,7 +6,7 @@
 #   docker build --target etcd -t onnxps-etcd .   # Debian's etcd-server, for the
 #                                              # compose profile "replicated"
 # All run as unprivileged users ("onnxps", uid 10001; etcd as "etcd"), never as root.
-# BASE: any Debian-like image with python and pip on PATH (tests/test_containers.py
+# BASE: any Debian-like image with python and pip on PATH (tests/containers/test_containers.py
 # builds with a local stand-in made by scripts/container_base.sh: no registry there).
 ARG BASE=python:3.12-slim
 FROM ${BASE} AS base

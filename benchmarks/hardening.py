@@ -19,7 +19,7 @@ did (the figures the issue reported from before the fixes are printed beside the
    the bytes kept per client id, with the exactly-once window rule (600 s after its
    last push, at most 10,000 per group).
 
-A benchmark, not a test: the tests in ``tests/test_availability.py``,
+A benchmark, not a test: the tests in ``tests/service/test_availability.py``,
 ``test_security.py`` and ``test_store_hardening.py`` assert the behaviour.
 """
 

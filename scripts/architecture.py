@@ -9,7 +9,7 @@ The section lies between the two ``<!-- ... scripts/architecture.py -->`` marker
 the page; the prose around it is written by hand and left as it is. A module's
 layer is its folder (``rpc/``, ``store/`` ...); the modules at the top of ``server/``
 form the process, except those a folder imports (``errors.py``), which are drawn as
-layers of their own. tests/test_architecture_doc.py fails when the page is stale.
+layers of their own. tests/checks/test_architecture_doc.py fails when the page is stale.
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def layers(server: Path = SERVER) -> tuple[dict[str, str], dict[str, set[str]]]:
 
 def ranks(edges: dict[str, set[str]]) -> list[str]:
     """The layers top to bottom: by their longest import path from the top, then
-    by name. Raises on a cycle between layers (tests/test_layers.py forbids one)."""
+    by name. Raises on a cycle between layers (tests/checks/test_layers.py forbids
+    one)."""
     memo: dict[str, int] = {}
     importers = {v: {u for u, ws in edges.items() if v in ws} for v in edges}
 

@@ -5,7 +5,9 @@ The source folders are mapped onto one import root by setuptools' ``package-dir`
 install: every cross-package import would be ``Any``. This script lays the mapping out
 as a tree of symlinks in a temporary directory and checks that tree, so mypy sees the
 packages exactly as Python imports them. The tests are checked in the same run, each
-file under ``tests/`` as the module pytest imports (``test_wire``, ``workers.common``).
+file under ``tests/`` as the module its path names (``unit.test_wire``,
+``workers.common``), the support modules beside conftest.py by their names, as pytest
+imports them (``_procs``).
 ``python scripts/typecheck.py [mypy args]``; exit status is mypy's.
 """
 
@@ -59,7 +61,7 @@ def build_tree(dest: Path, root: Path = ROOT) -> list[str]:
     return tops
 
 
-# Test modules that import torch (tests/test_torch.py skips itself without it).
+# Test modules that import torch (tests/training/test_torch.py skips itself without it).
 TORCH_TESTS = {"test_torch.py", "torch_workers.py"}
 
 
@@ -75,8 +77,9 @@ def mypy(tree: Path, targets: list[str], argv: list[str]) -> int:
         *targets,
         *argv,
     ]
-    # tests/ on the search path: a test file's module is its path under tests/, as
-    # pytest imports it (test_wire, workers.common); onnxps from the tree.
+    # tests/ on the search path: a test file's module is its path under tests/
+    # (unit.test_wire, workers.common), a support module its name (_procs), as pytest
+    # imports it; onnxps from the tree.
     env = {**os.environ, "MYPYPATH": os.pathsep.join([str(tree), str(ROOT / "tests")])}
     return subprocess.run(cmd, cwd=tree, env=env).returncode
 

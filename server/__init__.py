@@ -5,6 +5,6 @@ checks), ``app`` (``create_server`` wires the parts together), ``cli`` (``onnxps
 serve``), ``metrics``, health, reflection and memory release; they may import every
 folder. Below them: ``rpc`` (the servicer), ``replication``, ``interceptors``,
 ``transports``, ``durability``, ``store`` and ``kernels``, and ``errors``, the domain
-errors every layer raises. tests/test_layers.py holds the table of allowed imports;
-docs/architecture.md draws it (scripts/architecture.py).
+errors every layer raises. tests/checks/test_layers.py holds the table of allowed
+imports; docs/architecture.md draws it (scripts/architecture.py).
 """

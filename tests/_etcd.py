@@ -14,12 +14,9 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 INSTALL_HINT = (
     "etcd is not installed: `apt-get install -y etcd-server` (Debian's etcd 3.4, "
@@ -169,16 +166,3 @@ def start_etcd(binary: str, tmp_path: Path, tries: int = 3, **tls: Any) -> EtcdP
             ):
                 raise
     raise AssertionError("unreachable")
-
-
-@pytest.fixture
-def etcd_server(tmp_path: Path) -> Iterator[EtcdProcess]:
-    """A started etcd on free loopback ports with its data in ``tmp_path``."""
-    binary = etcd_binary()
-    if binary is None:
-        pytest.skip(INSTALL_HINT)
-    etcd = start_etcd(binary, tmp_path)
-    try:
-        yield etcd
-    finally:
-        etcd.stop()

@@ -1,6 +1,6 @@
 """A test PKI: a CA, a server-and-client certificate for 127.0.0.1 it signed, and a
-rogue one signed by another CA (``pki``, a pytest fixture: import it into a test
-module)."""
+rogue one signed by another CA (``pki``, the fixture in
+tests/conftest.py, makes one per test)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["Pki", "issue", "pki"]
+__all__ = ["Pki", "_cert", "_key", "_pem", "_pem_key", "_pki", "issue"]
 
 
 def _name(cn: str) -> x509.Name:
@@ -85,12 +84,110 @@ class Pki:
         }
 
 
-@pytest.fixture
-def pki(tmp_path: Path) -> Pki:
-    d = tmp_path / "pki"
-    d.mkdir()
-    ca, _, ca_key = issue(d, "replica-ca", None, ca=True)
-    _, _, rogue_ca_key = issue(d, "rogue-ca", None, ca=True)
-    cert, key, _ = issue(d, "server", ("replica-ca", ca_key))
-    rogue_cert, rogue_key, _ = issue(d, "rogue", ("rogue-ca", rogue_ca_key))
-    return Pki(ca, cert, key, rogue_cert, rogue_key)
+def _key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _cert(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: str,
+    issuer_key: ec.EllipticCurvePrivateKey,
+    *,
+    ca: bool = False,
+    server: bool = False,
+) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(_name(issuer))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if ca:
+        b = b.add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+    else:
+        usage = (
+            ExtendedKeyUsageOID.SERVER_AUTH
+            if server
+            else (ExtendedKeyUsageOID.CLIENT_AUTH)
+        )
+        b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+    if server:
+        b = b.add_extension(
+            x509.SubjectAlternativeName(
+                [
+                    x509.DNSName("localhost"),
+                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                ]
+            ),
+            critical=False,
+        )
+    return b.sign(issuer_key, hashes.SHA256())
+
+
+def _pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def _pki(d: Path) -> None:
+    """tls.crt, tls.key and ca.crt, as the onnxps-tls Secret would mount them."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def cert(subject: str, key: Any, issuer_key: Any, ca: bool) -> x509.Certificate:
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(
+                x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "onnxps test CA")])
+            )
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), True)
+        )
+        if not ca:
+            names = [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            b = b.add_extension(x509.SubjectAlternativeName(names), False)
+        return b.sign(issuer_key, hashes.SHA256())
+
+    ca_key, key = (
+        ec.generate_private_key(ec.SECP256R1()),
+        ec.generate_private_key(ec.SECP256R1()),
+    )
+    pem = serialization.Encoding.PEM
+    (d / "ca.crt").write_bytes(
+        cert("onnxps test CA", ca_key, ca_key, True).public_bytes(pem)
+    )
+    (d / "tls.crt").write_bytes(cert("shard", key, ca_key, False).public_bytes(pem))
+    (d / "tls.key").write_bytes(
+        key.private_bytes(
+            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )

@@ -1,13 +1,26 @@
-"""Shared fixtures: a real server on 127.0.0.1 port 0 and a client connected to it."""
+"""Shared fixtures, for every folder of tests: a real server on 127.0.0.1 port 0 and a
+client connected to it, a silent port, an etcd, a test PKI and replica sets of
+``onnxps serve`` processes. Being the root conftest.py, it also puts tests/ on
+``sys.path``: the support modules here (``_procs``, ``_etcd``, ``_pki``,
+``_replicas``, ``_servers`` ...) are imported by name from any folder; no test module
+imports another."""
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
+from _etcd import INSTALL_HINT, EtcdProcess, etcd_binary, start_etcd
+from _pki import Pki, issue
+from _replica_sets import Replicas
+from _replicas import ReplicaSet
 from onnxps.client import Client
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
 
 @pytest.fixture
@@ -19,6 +32,34 @@ def server() -> Iterator[ServerHandle]:
         yield handle
     finally:
         handle.stop(grace=0)
+
+
+@pytest.fixture
+def servers() -> Iterator[Callable[..., ServerHandle]]:
+    """``servers(config)``, or ``servers(**fields)`` (a ``ServerConfig`` on 127.0.0.1
+    port 0 without durability unless the fields say otherwise): a started in-process
+    server; every one started is stopped after the test, the last first."""
+    started: list[ServerHandle] = []
+
+    def start(config: ServerConfig | None = None, **fields: Any) -> ServerHandle:
+        if config is None:
+            fields = {"address": "127.0.0.1:0", "durability": "none", **fields}
+            config = ServerConfig(**fields)
+        handle = create_server(config).start()
+        started.append(handle)
+        return handle
+
+    yield start
+    for handle in reversed(started):
+        handle.stop(grace=0)
+
+
+@pytest.fixture
+def stub(server: ServerHandle) -> Iterator[pb_grpc.ParameterServerServiceStub]:
+    """The raw generated stub of ``server``, for requests the client library would
+    never build."""
+    with grpc.insecure_channel(server.address) as channel:
+        yield pb_grpc.ParameterServerServiceStub(channel)
 
 
 @pytest.fixture
@@ -38,3 +79,68 @@ def silent_address() -> Iterator[str]:
         yield f"127.0.0.1:{sock.getsockname()[1]}"
     finally:
         sock.close()
+
+
+@pytest.fixture
+def etcd_server(tmp_path: Path) -> Iterator[EtcdProcess]:
+    """A started etcd on free loopback ports with its data in ``tmp_path``."""
+    binary = etcd_binary()
+    if binary is None:
+        pytest.skip(INSTALL_HINT)
+    etcd = start_etcd(binary, tmp_path)
+    try:
+        yield etcd
+    finally:
+        etcd.stop()
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    """A CA, a certificate for 127.0.0.1 it signed and a rogue one (``_pki.Pki``)."""
+    d = tmp_path / "pki"
+    d.mkdir()
+    ca, _, ca_key = issue(d, "replica-ca", None, ca=True)
+    _, _, rogue_ca_key = issue(d, "rogue-ca", None, ca=True)
+    cert, key, _ = issue(d, "server", ("replica-ca", ca_key))
+    rogue_cert, rogue_key, _ = issue(d, "rogue", ("rogue-ca", rogue_ca_key))
+    return Pki(ca, cert, key, rogue_cert, rogue_key)
+
+
+@pytest.fixture
+def replicas(
+    tmp_path: Path,
+    etcd_server: EtcdProcess,
+) -> Iterator[ReplicaSet]:
+    """``replicas(n, **kwargs)``: a ``ReplicaSet`` of n ``onnxps serve`` processes on
+    ``etcd_server``; every one made is closed after the test."""
+    sets: list[ReplicaSet] = []
+
+    def make(n: int, **kwargs: object) -> ReplicaSet:
+        sets.append(ReplicaSet(tmp_path, etcd_server, n, **kwargs))  # type: ignore[arg-type]
+        return sets[-1]
+
+    try:
+        yield make  # type: ignore[misc]
+    finally:
+        for s in sets:
+            s.close()
+
+
+@pytest.fixture
+def replica_sets(
+    tmp_path: Path,
+    etcd_server: EtcdProcess,
+) -> Iterator[Any]:
+    """``replica_sets(n, **kwargs)``: a ``Replicas`` (members with their own flags,
+    env, etcd address); every one made is closed after the test."""
+    made: list[Replicas] = []
+
+    def make(n: int, **kwargs: Any) -> Replicas:
+        made.append(Replicas(tmp_path, etcd_server, n, **kwargs))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for s in made:
+            s.close()

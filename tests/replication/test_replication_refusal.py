@@ -1,0 +1,51 @@
+"""A push refused NOT_ENOUGH_REPLICAS was not applied, and stays so: real etcd,
+real ``onnxps serve`` processes, a cluster client (``Client([address])``: its pushes
+go through the parts' fan-out, which keeps what may land later).
+
+The primary refuses a change before writing anything when fewer synchronous
+standbys follow it than ``--sync-replicas``. The cluster client used to keep such a
+push pending and send it again before the group's next push or pull, so a caller
+who retried on the error ("nothing was applied") applied its gradient twice.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _etcd import EtcdProcess
+from _replicas import SIZE, ReplicaSet, _create, _kill, _serial
+from onnxps.client import Client, UnavailableError
+
+G = np.full(SIZE, 0.5, np.float32)
+
+
+def test_a_push_refused_not_enough_replicas_is_not_sent_again(
+    tmp_path: Path,
+    etcd_server: EtcdProcess,
+) -> None:
+    rs = ReplicaSet(tmp_path, etcd_server, 2)
+    try:
+        p = rs.primary()
+        s = 1 - p
+        rs.wait_sync()
+        _create(rs.url)
+        with Client([rs.addresses[p]], timeout=30) as c:
+            assert c.push("g", G) == 1
+            _kill(rs, s)
+            with pytest.raises(UnavailableError) as err:
+                c.push("g", G, timeout=2)  # resent until the deadline, refused
+            assert err.value.reason == "NOT_ENOUGH_REPLICAS"
+            assert "nothing was applied" in err.value.details
+            assert rs.state(p, "g")[0] == 1
+            rs.start(s)
+            rs.wait_sync()
+            # The caller retries the push it was told was not applied: it lands
+            # once (before: the refused one was sent first, then this one, T=3).
+            assert c.push("g", G) == 2
+        assert rs.state(p, "g")[0] == 2
+        np.testing.assert_array_equal(rs.state(p, "g")[1], _serial([G, G]))
+        rs.wait_t(s, "g", 2)
+    finally:
+        rs.close()
