@@ -321,6 +321,36 @@ def test_version_and_python_dash_m(capsys: pytest.CaptureFixture[str]) -> None:
         assert (run.returncode, run.stdout, run.stderr) == (0, "onnxps 0.1.0\n", "")
 
 
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["status", "--help"]])
+def test_the_command_loads_only_what_it_runs(argv: list[str]) -> None:
+    """``onnxps --version`` and ``--help`` load neither the server nor the client
+    (grpc, numpy: seconds on a loaded machine); ``status`` the client, not the
+    server."""
+    probe = (
+        "import sys\n"
+        "from onnxps.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = ('onnxps.server', 'onnxps.client', 'grpc', 'numpy')\n"
+        "print('LOADED', *sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+    )
+    assert run.returncode == 0, run.stderr
+    loaded = run.stdout.splitlines()[-1].split()[1:]
+    if argv[0] == "status":
+        assert loaded == ["grpc", "numpy", "onnxps.client"]
+    else:
+        assert loaded == []
+
+
 def test_an_unknown_command_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         cli.main(["bogus"])

@@ -132,6 +132,38 @@ def test_a_plaintext_client_at_a_tls_server_is_told_about_tls(
     assert line.endswith("or --tls-ca ca.pem on the command line)")
 
 
+def test_a_tls_client_at_a_plaintext_server_is_told_in_one_line(
+    server: ServerHandle, tmp_path: Path
+) -> None:
+    """The reverse of the test above: the hint replaces 300 characters of OpenSSL,
+    and the command prints no gRPC C-core line before its own."""
+    ca_key = _key()
+    ca = _cert("onnxps test CA", ca_key, "onnxps test CA", ca_key, ca=True)
+    (tmp_path / "ca.pem").write_bytes(_pem(ca))
+    with Client(server.address, timeout=5, root_certificates=_pem(ca)) as ps:
+        with pytest.raises(UnavailableError) as err:
+            ps.list_groups()
+    assert err.value.details == (
+        "the TLS handshake failed: the server did not answer in TLS "
+        "(WRONG_VERSION_NUMBER). If it runs without TLS, this client spoke TLS to "
+        "it: leave out root_certificates (--tls-ca on the command line), or give "
+        "the server --tls-cert and --tls-key"
+    )
+    env = clean_env()
+    env.pop("GRPC_VERBOSITY", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "onnxps", "status", server.address, "--timeout", "5",
+         "--tls-ca", str(tmp_path / "ca.pem")],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert run.stdout == ""
+    assert run.stderr == (
+        f"onnxps status: cannot list the groups on {server.address}: UNAVAILABLE: "
+        f"{err.value.details}\n"
+    )
+
+
 def _dead_address() -> str:
     """A loopback port nobody listens on (bound, then closed)."""
     with socket.socket() as s:
