@@ -690,6 +690,18 @@ def test_serve_says_when_it_cannot_reach_etcd(tmp_path: Path) -> None:
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"onnxps: cannot reach etcd at {url} (waited 15 s)"), last
+    assert last.endswith(
+        "(check --coordinator: etcd's client address, "
+        "etcd://HOST:PORT/PREFIX, and that etcd runs there)"
+    ), last
+    # what it tries, once (not a line every 0.5 s for 15 s), then the error
+    about_etcd = [line for line in proc.stderr.splitlines() if "etcd" in line]
+    assert len(about_etcd) == 2, proc.stderr
+    assert about_etcd[0].endswith(
+        f"etcd at {url} does not answer (etcd did not answer: 127.0.0.1:"
+        f"{url.split(':')[2].split('/')[0]}: [Errno 111] Connection refused): "
+        "trying for up to 15 s"
+    ), about_etcd[0]
 
 
 @pytest.mark.slow
