@@ -7,11 +7,14 @@ interrupted. ``ONNXPS_DEBUG=1`` shows the traceback of an unexpected error.
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import importlib
 import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import metadata
 from types import ModuleType
 
@@ -60,9 +63,17 @@ def _command(argv: Sequence[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
-def _parser(command: str | None) -> tuple[Parser, ModuleType | None]:
+@dataclass
+class _Chosen:
+    """The command given: its module and its own parser."""
+
+    module: ModuleType
+    parser: argparse.ArgumentParser
+
+
+def _parser(command: str | None) -> tuple[Parser, _Chosen | None]:
     """The parser, with the arguments of ``command`` only, and that command's
-    module (None when ``command`` is none of them)."""
+    module and parser (None when ``command`` is none of them)."""
     parser = Parser(
         prog="onnxps", description="onnxps: a gRPC parameter server for ONNX optimizers"
     )
@@ -72,16 +83,36 @@ def _parser(command: str | None) -> tuple[Parser, ModuleType | None]:
     for name, (module_name, add_arguments, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
         if name == command:
-            chosen = importlib.import_module(module_name)
-            getattr(chosen, add_arguments)(p)
+            chosen = _Chosen(importlib.import_module(module_name), p)
+            getattr(chosen.module, add_arguments)(p)
     return parser, chosen
+
+
+def _unknown(parser: argparse.ArgumentParser, extra: Sequence[str]) -> str:
+    """What the command says of arguments it does not take: which, and the flag
+    that was probably meant (``--port``: ``--address HOST:PORT``)."""
+    flags = [f for a in parser._actions for f in a.option_strings]  # noqa: SLF001
+    hints = []
+    for arg in extra:
+        name = arg.split("=", 1)[0]
+        if not name.startswith("--"):
+            continue
+        if name in ("--port", "--host") and "--address" in flags:
+            hints.append(f"{name}: use --address HOST:PORT")
+        elif close := difflib.get_close_matches(name, flags, n=1, cutoff=0.75):
+            hints.append(f"{name}: did you mean {close[0]}?")
+    said = f"unrecognized arguments: {' '.join(extra)}"
+    return f"{said} ({'; '.join(hints)})" if hints else said
 
 
 def _run(argv: Sequence[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser, module = _parser(_command(argv))
-    args = parser.parse_args(argv)
-    assert module is not None  # parse_args exits on a command it does not know
+    parser, chosen = _parser(_command(argv))
+    args, extra = parser.parse_known_args(argv)
+    assert chosen is not None  # parse_known_args exits on a command it does not know
+    if extra:  # said by the command's parser, whose --help lists its flags
+        chosen.parser.error(_unknown(chosen.parser, extra))
+    module = chosen.module
     if args.command != "serve":
         logging.basicConfig(
             level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -241,7 +241,8 @@ def surfaced(error: RpcError, call: str) -> RpcError:
     RPC the server names is another (``pull`` asks ``DescribeGroup`` first). And
     it drops the client's own frames from the traceback (the generator machinery
     of the operations, some 30 of them), which say nothing the status does not:
-    the traceback ends at the user's call. ``ONNXPS_DEBUG=1`` keeps them."""
+    the traceback is the user's call and the public method that raises this.
+    ``ONNXPS_DEBUG=1`` keeps them."""
     rpc = error.metadata.get("method", "").lower()
     own = call.replace("_", "").lower()  # push_detailed: Push, PushStream
     if (

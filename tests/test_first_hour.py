@@ -300,6 +300,34 @@ def test_a_refused_token_names_the_call_the_user_made(tmp_path: Path) -> None:
         handle.stop(grace=0)
 
 
+def test_a_refusals_traceback_is_the_call_and_the_method_that_raised_it(
+    server: ServerHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/troubleshooting.md: two frames, the user's call and the client's public
+    method (its line ``raise surfaced(...)``), for both clients."""
+    monkeypatch.delenv("ONNXPS_DEBUG", raising=False)
+    with Client(server.address, timeout=10) as ps:
+        with pytest.raises(onnxps.client.NotFoundError) as err:
+            ps.pull("no-such-group")
+    sync = traceback.extract_tb(err.value.__traceback__)
+
+    async def pull() -> None:
+        async with AsyncClient(server.address, timeout=10) as aps:
+            await aps.pull("no-such-group")
+
+    with pytest.raises(onnxps.client.NotFoundError) as aerr:
+        asyncio.run(pull())
+    awaited = traceback.extract_tb(aerr.value.__traceback__)
+    assert [f.name for f in sync] == [
+        "test_a_refusals_traceback_is_the_call_and_the_method_that_raised_it",
+        "method",
+    ]
+    assert [f.name for f in awaited][-2:] == ["pull", "method"]
+    for frames, module in ((sync, "_client.py"), (awaited, "_async.py")):
+        assert Path(frames[-1].filename).parts[-2:] == ("client", module)
+        assert (frames[-1].line or "").startswith("raise surfaced(exc, ")
+
+
 def test_a_wrong_shard_order_is_one_line_not_thirty_frames(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -341,7 +369,8 @@ def test_the_demos_progress_lines_say_what_they_know() -> None:
     bar.update(400, 2.5e-5, force=True)  # ...and the demo's last, forced, update
     lines = out.getvalue().splitlines()
     assert len(lines) == 3, lines
-    assert " 100/400 pushes  loss 1.5000  - pushes/s  " in lines[1]
+    assert " 100/400 pushes  loss 1.5000  " in lines[1]
+    assert "pushes/s" not in lines[1]  # no rate from one count, and no "- pushes/s"
     assert lines[2].startswith("progress 100%  400/400 pushes  loss 2.50e-05  ")
     assert " 0 pushes/s" not in lines[2]
 
