@@ -193,6 +193,7 @@ def test_a_push_to_a_server_that_is_down_warns_that_it_retries(
     assert "(timeout=3; pass a smaller timeout= to the client" in warnings[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["status"], ["export", "--prefix", "x"]])
 def test_a_dead_port_is_one_message_whatever_the_timeout(
     command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -192,6 +192,7 @@ def _replay(records: list[dict[str, int]]) -> np.ndarray:
     return _serial([gradient(r["w"], r["k"], SIZE) for r in ordered])
 
 
+@pytest.mark.slow
 def test_a_standby_holds_every_acknowledged_push_and_refuses_writes(
     replicas: object,
 ) -> None:
@@ -217,6 +218,7 @@ def test_a_standby_holds_every_acknowledged_push_and_refuses_writes(
     assert rs.state(s, "g")[0] == 5  # the refused push changed nothing
 
 
+@pytest.mark.slow
 def test_a_killed_primary_is_replaced_and_the_client_follows(replicas: object) -> None:
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
     p = rs.primary()
@@ -374,6 +376,7 @@ def test_a_standby_killed_and_restarted_catches_up(replicas: object) -> None:
     np.testing.assert_array_equal(rs.state(standby, "g")[1], rs.state(p, "g")[1])
 
 
+@pytest.mark.slow
 def test_a_push_resent_to_the_new_primary_is_answered_not_applied_again(
     replicas: object,
 ) -> None:
@@ -416,6 +419,7 @@ def test_a_push_resent_to_the_new_primary_is_answered_not_applied_again(
     assert rs.state(new, "g")[0] == 1
 
 
+@pytest.mark.slow
 def test_with_tokens_a_standby_follows_with_its_replication_token(
     replicas: object, tmp_path: Path
 ) -> None:
@@ -453,6 +457,7 @@ def _update_count(c: Client, group: str) -> int:
         return -1
 
 
+@pytest.mark.slow
 def test_status_of_a_replicated_cluster_lists_its_members(replicas: object) -> None:
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
     p = rs.primary()
@@ -486,6 +491,7 @@ def test_status_of_a_replicated_cluster_lists_its_members(replicas: object) -> N
     assert lines[1].split()[0] == "g"  # the groups table first, from the primary
 
 
+@pytest.mark.slow
 def test_an_async_client_follows_a_failover(replicas: object) -> None:
     import asyncio
 
@@ -521,6 +527,7 @@ def _metrics_text(log: Path) -> str:
         return str(r.read().decode())
 
 
+@pytest.mark.slow
 def test_metrics_export_role_term_lag_and_failovers(
     replicas: object, tmp_path: Path
 ) -> None:
@@ -544,6 +551,7 @@ def test_metrics_export_role_term_lag_and_failovers(
     assert f'onnxps_replica_standby_lag_records{{member="m{s}"}} 0.0' in primary
 
 
+@pytest.mark.slow
 def test_a_standby_that_crashed_while_adopting_a_snapshot_is_not_promoted(
     replicas: object, tmp_path: Path
 ) -> None:
@@ -575,6 +583,7 @@ def test_a_standby_that_crashed_while_adopting_a_snapshot_is_not_promoted(
     rs.wait_t(s, "g", 1)
 
 
+@pytest.mark.slow
 def test_a_client_of_etcd_sends_bytes_over_grpc_by_default(replicas: object) -> None:
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
     rs.primary()
@@ -631,6 +640,7 @@ def _kill(rs: ReplicaSet, i: int) -> None:
     rs.procs[i].wait()
 
 
+@pytest.mark.slow
 def test_without_a_synchronous_standby_pushes_are_refused_by_default(
     replicas: object,
 ) -> None:
@@ -655,6 +665,7 @@ def test_without_a_synchronous_standby_pushes_are_refused_by_default(
         assert c.push("g", g) == 2  # once the standby caught up again
 
 
+@pytest.mark.slow
 def test_sync_policy_lower_acknowledges_with_the_standbys_left(
     replicas: object,
 ) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
 from onnxps.client import Client
 from test_replication import (  # noqa: F401 - a fixture
@@ -32,6 +33,7 @@ def _fsyncs(log: Path) -> int:
     return int(float(found.group(1)))
 
 
+@pytest.mark.slow
 def test_a_standby_catching_up_fsyncs_its_records_in_batches(
     replicas: Any,  # noqa: F811 - the fixture
     tmp_path: Path,

@@ -25,6 +25,7 @@ from test_replication_safety import G, Replicas, _create, replica_sets
 __all__ = ["etcd_server", "replica_sets"]
 
 
+@pytest.mark.slow
 def test_a_push_waiting_on_a_frozen_primary_goes_to_the_new_one(
     replica_sets: Any,  # noqa: F811 - the fixture
 ) -> None:
@@ -54,6 +55,7 @@ def test_a_push_waiting_on_a_frozen_primary_goes_to_the_new_one(
             np.testing.assert_array_equal(rs.state(i, "g")[1], _serial([G] * 3))
 
 
+@pytest.mark.slow
 def test_a_push_in_flight_when_the_primary_freezes_is_applied_once(
     replica_sets: Any,  # noqa: F811 - the fixture
 ) -> None:
@@ -91,6 +93,7 @@ def test_a_push_in_flight_when_the_primary_freezes_is_applied_once(
     np.testing.assert_array_equal(rs.state(new, "g")[1], _serial([G] * len(ts)))
 
 
+@pytest.mark.slow
 def test_a_live_server_takes_the_pings_of_a_call_that_waits(
     replica_sets: Any,  # noqa: F811 - the fixture
 ) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
 from _procs import clean_env, stop
 from onnxps.cli.process import wait_for_listening
@@ -45,6 +46,7 @@ def _serve(rs: ReplicaSet, member: str, data: Path, log: Path) -> Any:
         )
 
 
+@pytest.mark.slow
 def test_a_second_process_with_a_live_member_id_is_refused(
     replicas: Any,  # noqa: F811 - the fixture
     tmp_path: Path,

@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import pytest
 from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.client import Adagrad, Client
@@ -53,6 +54,7 @@ def _wait_log(log: Path, pattern: str, timeout: float = 30.0) -> re.Match[str]:
     return found
 
 
+@pytest.mark.slow
 def test_a_standby_is_ready_only_while_it_holds_what_the_primary_logged(
     replicas: Any,  # noqa: F811 - the fixture
     tmp_path: Path,

@@ -21,6 +21,7 @@ from test_replication import SIZE, ReplicaSet, _create, _kill, _serial
 G = np.full(SIZE, 0.5, np.float32)
 
 
+@pytest.mark.slow
 def test_a_push_refused_not_enough_replicas_is_not_sent_again(
     tmp_path: Path,
     etcd_server: EtcdProcess,  # noqa: F811
