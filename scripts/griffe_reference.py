@@ -6,6 +6,8 @@ reference: it shows what a user calls, as ``help()`` does.
   list[Array]``, not the operation's ``Op[...]``), with each ``Literal`` alias
   spelled out with its values (``transport: Literal['auto', 'unary', 'stream']``,
   where griffe would show a bare ``Literal``) and ``Array`` as ``np.ndarray``.
+- Docstrings that are not the object's are left out: a dataclass's generated one
+  (its signature again) and a field's default value's type's (``str(object='')``).
 
 The clients' private base (``ClientCore``) is left out where docs/reference.md shows
 them (``show_bases: false``): removed here, it would take the inherited ``__init__``,
@@ -14,6 +16,7 @@ and with it the class's signature, along.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 import sys
@@ -91,3 +94,19 @@ class PublicSignatures(griffe.Extension):
         annotation = getattr(parent, "__annotations__", {}).get(attr.name)
         if isinstance(annotation, str):
             attr.annotation = spell(annotation, _aliases())
+        if isinstance(attr.value, str) and "._" in attr.value:
+            # a public alias of private modules' classes (OptimizerSpec): their
+            # public names, as onnxps.client exports them
+            attr.value = re.sub(r"\bonnxps\.\w+\._\w+\.", "", attr.value)
+        # a field's default is inspected as its value: str's docstring is not the
+        # field's (``mode: ... = 'standard'`` said "str(object='') -> str")
+        value_doc = getattr(type(getattr(node, "obj", None)), "__doc__", None)
+        if attr.docstring is not None and isinstance(value_doc, str):
+            if attr.docstring.value == inspect.cleandoc(value_doc):
+                attr.docstring = None
+
+    def on_class_instance(self, *, node: Any, cls: griffe.Class, **kwargs: Any) -> None:
+        obj = getattr(node, "obj", None)
+        doc = getattr(obj, "__doc__", None) or ""
+        if dataclasses.is_dataclass(obj) and doc.startswith(f"{cls.name}("):
+            cls.docstring = None  # dataclass's own: the signature again, quoted

@@ -116,6 +116,12 @@ def test_the_reference_has_no_internal_types(site: Path) -> None:
     reference = _text((site / "reference" / "index.html").read_text())
     assert "Op[" not in reference
     assert "ClientCore" not in reference
+    assert "onnxps.client._" not in reference  # private modules' paths
+    assert "OptimizerSpec = Adagrad | Momentum | Adam" in reference
+    # docstrings that are not the object's: a dataclass's generated one, a
+    # field's default's type's
+    assert "Momentum(alpha: 'float'" not in reference
+    assert "str(object='')" not in reference
     assert 'transport: Literal["auto", "unary", "stream"] = "auto"' in reference
     assert "push_background( group: str," in reference
     assert ") -> Future[PushResult]" in reference
