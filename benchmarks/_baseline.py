@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from typecheck import build_tree  # noqa: E402
 
 # Modules a checkout must import from its own files (not from an installed onnxps).
-_OWN = ("onnxps.client", "onnxps.server.service", "onnxps.cli")
+_OWN = ("onnxps.client", "onnxps.server.app", "onnxps.cli")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 from onnxps.client import Adagrad, Client
 from onnxps.server.app import ServerConfig, create_server
-from onnxps.server.service import ParameterServerServicer
+from onnxps.server.rpc.service import ParameterServerServicer
 from onnxps.server.store import ParameterStore
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 

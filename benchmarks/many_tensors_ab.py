@@ -41,7 +41,7 @@ def _worker(address: str, tensors: int, elements: int) -> None:
     from onnxps.server.store import ParameterStore
 
     try:  # this tree: a transport hands the store one flat buffer
-        from onnxps.server._flat import FlatArrays
+        from onnxps.server.store._flat import FlatArrays
     except ImportError:  # an older tree: a list of arrays
         FlatArrays = None  # noqa: N806
 

@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from onnxps.server._receive import GradientPool, receive
 from onnxps.server.kernels import make_attrs
 from onnxps.server.store import ParameterStore
+from onnxps.server.transports._receive import GradientPool, receive
 from onnxps.wire.codec import RawChunk, TensorAssembler, header_tensor
 
 MIB = 1 << 20

@@ -172,9 +172,12 @@ def _raw_worker(port: int, seconds: float, out: Any) -> None:
     out.put(n)
 
 
-def _onnxps_worker(address: str, seconds: float, out: Any) -> None:
+def _onnxps_worker(
+    target: tuple[str, dict[str, str]], seconds: float, out: Any
+) -> None:
+    address, flags = target
     g = np.full(SMALL, 1e-3, np.float32)
-    with Client(address, shared_memory="off", data_channel="off") as c:
+    with Client(address, **flags) as c:  # type: ignore[arg-type]
         c.push("small", g)
         n, end = 0, time.monotonic() + seconds
         while time.monotonic() < end:
@@ -225,9 +228,34 @@ def _start_raw(
     return raw, int(port_file.read_text())
 
 
+# What a user gets: ``onnxps serve`` with no flags (its default durability,
+# snapshots, in a data directory of its own; a free port) and ``Client(address)``.
+# Tuned rows come after it and say what they set.
+def _default_server(tmp: Path, tag: str) -> tuple[Any, str]:
+    data = tmp / f"{tag}-data"
+    return start_server_process(
+        "--durability", "snapshot", "--data-dir", str(data), log=tmp / f"{tag}.log"
+    )
+
+
+GRPC_ONLY = {"shared_memory": "off", "data_channel": "off"}
+_GRPC_ONLY_NAME = "shared_memory='off', data_channel='off'"
+
+
 def cpu_section(args: argparse.Namespace, tmp: Path) -> None:
     raw, port = _start_raw(tmp, "cpu")
-    servers = [("onnxps", *start_server_process(log=tmp / "cpu.log"))]
+    default = _default_server(tmp, "cpu-default")
+    tuned = start_server_process(log=tmp / "cpu.log")  # --durability none
+    framed = start_server_process("--data-port", "0", log=tmp / "cpu-frames.log")
+    servers: list[tuple[str, Any, str, dict[str, str]]] = [
+        ("no flags", *default, {}),
+        ("serve --durability none; client gRPC only", *tuned, GRPC_ONLY),
+        (
+            "serve --durability none --data-port 0; client frames='on'",
+            *framed,
+            {"frames": "on", "shared_memory": "off"},
+        ),
+    ]
     with contextlib.ExitStack() as stack:
         try:
             if args.baseline:
@@ -236,28 +264,31 @@ def cpu_section(args: argparse.Namespace, tmp: Path) -> None:
                 old = stack.enter_context(checkout(args.baseline))
                 env = tree_env(old.tree)
                 started = start_server_process(log=tmp / "old.log", env=env)
-                servers.append((f"onnxps {old.label}", *started))
+                servers.append(
+                    (f"baseline {old.label}, gRPC only", *started, GRPC_ONLY)
+                )
             _cpu_rounds(args, servers, raw.pid or 0, port)
         finally:
-            stop_processes([p for _, p, _ in servers])
+            stop_processes([p for _, p, _, _ in servers])
             raw.kill()
 
 
 def _cpu_rounds(
     args: argparse.Namespace,
-    servers: list[tuple[str, Any, str]],
+    servers: list[tuple[str, Any, str, dict[str, str]]],
     raw_pid: int,
     port: int,
 ) -> None:
-    for _, _, address in servers:
+    for _, _, address, _ in servers:
         with Client(address) as c:
             x0 = np.linspace(-1, 1, SMALL, dtype=np.float32)
             c.create_group("small", Adam(), learning_rate=1e-3, tensors={"w": x0})
-    figures: dict[str, list[tuple[float, float]]] = {n: [] for n, _, _ in servers}
+    figures: dict[str, list[tuple[float, float]]] = {n: [] for n, *_ in servers}
     figures["raw gRPC"] = []
     for r in range(args.rounds + 1):  # round 0 warms up
         order: list[tuple[str, Callable[..., None], Any, int]] = [
-            (name, _onnxps_worker, address, proc.pid) for name, proc, address in servers
+            (name, _onnxps_worker, (address, flags), proc.pid)
+            for name, proc, address, flags in servers
         ]
         order.append(("raw gRPC", _raw_worker, port, raw_pid))
         if r % 2:
@@ -267,19 +298,19 @@ def _cpu_rounds(
             if r:
                 figures[name].append(got)
     print(f"\nserver CPU per 1,000-element Adam push, {args.workers} clients")
-    print(f"  {'server':18s} {'us CPU/call':>20s} {'calls/s':>20s}")
+    print(f"  {'server; client':58s} {'us CPU/call':>16s} {'calls/s':>16s}")
     for name, runs in figures.items():
         us = [u for u, _ in runs]
         rate = [c for _, c in runs]
-        print(f"  {name:18s} {_cell(us, 0):>20s} {_cell(rate, 0):>20s}")
-    for name, _, _ in servers:
+        print(f"  {name:58s} {_cell(us, 0):>16s} {_cell(rate, 0):>16s}")
+    for name, *_ in servers:
         ratios = _ratios(figures[name], figures["raw gRPC"])
         print(f"  {name} / floor (CPU per call): {_cell(ratios, 2)}")
-    if len(servers) == 2:
-        new, old = figures[servers[0][0]], figures[servers[1][0]]
+    if args.baseline:
+        new, old = figures[servers[1][0]], figures[servers[-1][0]]
         wins = sum(a[0] < b[0] for a, b in zip(new, old, strict=True))
         print(
-            f"  this tree / {servers[1][0]} (CPU per call): "
+            f"  this tree / {servers[-1][0]} (CPU per call, gRPC only): "
             f"{_cell(_ratios(new, old), 2)}, less CPU in {wins} of {len(new)} rounds"
         )
 
@@ -317,7 +348,7 @@ def engines_section(args: argparse.Namespace, tmp: Path) -> None:
                 x0 = np.linspace(-1, 1, SMALL, dtype=np.float32)
                 c.create_group("small", Adam(), learning_rate=1e-3, tensors={"w": x0})
         items = [(n, _raw_worker, port, p.pid) for n, p, port in raws] + [
-            (n, _onnxps_worker, a, p.pid) for n, p, a in onnxps
+            (n, _onnxps_worker, (a, GRPC_ONLY), p.pid) for n, p, a in onnxps
         ]
         figures: dict[str, list[tuple[float, float, float]]] = {}
         for r, (name, worker, target, pid) in _alternating(args.rounds, items):
@@ -352,35 +383,49 @@ def _ratios(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[
 
 
 def tensors_section(args: argparse.Namespace, tmp: Path) -> None:
-    proc, address = start_server_process(log=tmp / "tensors.log")
+    """The default pair first (``onnxps serve``, ``Client(address)``), then the
+    tuned one (``--durability none``, gRPC only), in the same alternating rounds."""
+    default = _default_server(tmp, "tensors-default")
+    tuned = start_server_process(log=tmp / "tensors.log")
+    pairs = [("no flags", default, {}), (f"{_GRPC_ONLY_NAME}", tuned, GRPC_ONLY)]
     rng = np.random.default_rng(0)
+    many = {f"t{i}": rng.standard_normal(1000, np.float32) for i in range(200)}
+    one = {"t": rng.standard_normal(200_000, np.float32)}
+    g_many = [np.full(1000, 1e-3, np.float32)] * 200
+    g_one = [np.full(200_000, 1e-3, np.float32)]
+    shapes = [("200 x 1,000", "many", g_many), ("1 x 200,000", "one", g_one)]
+    clients = []
     try:
-        with Client(address, shared_memory="off", data_channel="off") as c:
-            many = {f"t{i}": rng.standard_normal(1000, np.float32) for i in range(200)}
-            one = {"t": rng.standard_normal(200_000, np.float32)}
+        for _, (_, address), flags in pairs:
+            c = Client(address, **flags)  # type: ignore[arg-type]
+            clients.append(c)
             c.create_group("many", Adam(), learning_rate=1e-3, tensors=many)
             c.create_group("one", Adam(), learning_rate=1e-3, tensors=one)
-            g_many = [np.full(1000, 1e-3, np.float32)] * 200
-            g_one = [np.full(200_000, 1e-3, np.float32)]
-            times: dict[str, list[float]] = {"200 x 1,000": [], "1 x 200,000": []}
-            calls = [("200 x 1,000", "many", g_many), ("1 x 200,000", "one", g_one)]
-            for r in range(args.rounds + 1):
-                for name, group, grads in calls if r % 2 == 0 else calls[::-1]:
-                    runs = []
-                    for _ in range(20):
-                        t0 = time.perf_counter()
-                        c.push(group, *grads)
-                        c.pull(group)
-                        runs.append(time.perf_counter() - t0)
-                    if r:
-                        times[name].append(statistics.median(runs) * 1e3)
+        times: dict[tuple[str, str], list[float]] = {}
+        items = [(k, s) for k in range(len(pairs)) for s in shapes]
+        for r, (k, (shape, group, grads)) in _alternating(args.rounds, items):
+            c, runs = clients[k], []
+            for _ in range(20):
+                t0 = time.perf_counter()
+                c.push(group, *grads)
+                c.pull(group)
+                runs.append(time.perf_counter() - t0)
+            if r:
+                times.setdefault((pairs[k][0], shape), []).append(
+                    statistics.median(runs) * 1e3
+                )
         print("\npush + pull of 200,000 float32 Adam elements (ms, median of 20)")
-        for name, t in times.items():
-            print(f"  {name:14s} {_cell(t, 2)}")
-        ratios = [a / b for a, b in zip(*times.values(), strict=True)]
-        print(f"  200 tensors / one tensor: {_cell(ratios, 2)}")
+        for name, _, _ in pairs:
+            many_t, one_t = times[(name, shapes[0][0])], times[(name, shapes[1][0])]
+            print(f"  {name}:")
+            print(f"    {shapes[0][0]:14s} {_cell(many_t, 2)}")
+            print(f"    {shapes[1][0]:14s} {_cell(one_t, 2)}")
+            ratios = [a / b for a, b in zip(many_t, one_t, strict=True)]
+            print(f"    200 tensors / one tensor: {_cell(ratios, 2)} (aim <= 1.3)")
     finally:
-        stop_processes([proc])
+        for c in clients:
+            c.close()
+        stop_processes([default[0], tuned[0]])
 
 
 def _status(pid: int, *keys: str) -> list[float]:
@@ -394,30 +439,46 @@ def _status(pid: int, *keys: str) -> list[float]:
 
 
 def memory_section(args: argparse.Namespace, tmp: Path) -> None:
+    """The default pair first, then ``--durability none`` with a client that
+    keeps off shared memory (and, with ``--baseline``, the old tree's)."""
+    proc, address = _default_server(tmp, "memory-default")
+    try:
+        print("\nserver memory (no flags: onnxps serve, Client(address))", end="")
+        _memory_calls(args, proc.pid, address, {})
+    finally:
+        stop_processes([proc])
     with _servers(args, tmp, "memory") as servers:
         for name, (proc,), (address,), _ in servers:
-            print(f"\nserver memory ({name})", end="")
-            _memory_calls(args, proc.pid, address)
+            print(
+                f"\nserver memory ({name}: --durability none; "
+                "client shared_memory='off')",
+                end="",
+            )
+            _memory_calls(args, proc.pid, address, {"shared_memory": "off"})
 
 
-def _memory_calls(args: argparse.Namespace, pid: int, address: str) -> None:
+def _memory_calls(
+    args: argparse.Namespace, pid: int, address: str, flags: dict[str, str]
+) -> None:
     n = args.mib * MIB // 4
     state = 3 * args.mib
-    with Client(address, shared_memory="off", timeout=600) as c:
+    with Client(address, timeout=600, **flags) as c:  # type: ignore[arg-type]
         base, base_file = _status(pid, "VmRSS", "RssFile")
         print(f", {args.mib} MiB float32 Adam group ({state} MiB)")
         print(f"  idle RSS {base:.0f} MiB; figures below are RSS - idle")
         peaks: list[float] = []
+        steady: list[float] = []
 
         def call(step: str, fn: Callable[[], Any]) -> None:
             Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM = VmRSS
             fn()
-            rss, peak = _status(pid, "VmRSS", "VmHWM")
+            rss, peak, shm = _status(pid, "VmRSS", "VmHWM", "RssShmem")
             peaks.append(peak - base)
+            steady.append(rss - base)
             print(
                 f"  {step:24s} RSS {rss - base:6.0f} MiB "
                 f"({(rss - base) / state:.2f}x)  peak {peak - base:6.0f} MiB "
-                f"({(peak - base) / state:.2f}x)"
+                f"({(peak - base) / state:.2f}x)  of RSS shared memory {shm:.0f} MiB"
             )
 
         x0 = np.zeros(n, np.float32)
@@ -445,6 +506,11 @@ def _memory_calls(args: argparse.Namespace, pid: int, address: str) -> None:
             f"150 MiB = {aim:.0f} MiB ({aim / state:.2f}x): "
             f"{'met' if top <= aim else 'NOT met'}; of it {files:.0f} MiB of "
             "libraries loaded since idle (RssFile)"
+        )
+        last = steady[-1]
+        print(
+            f"  steady (after the last calls) {last:.0f} MiB ({last / state:.2f}x), "
+            f"aim <= 1.1x: {'met' if last <= 1.1 * state else 'NOT met'}"
         )
 
 

@@ -39,6 +39,7 @@ from onnxps.wire.encoding import (
 )
 from onnxps.wire.initializers import IdsTable
 from onnxps.wire.shm import layout
+from onnxps.wire.weights import file_format
 
 from ._channel_transport import DataChannelLink, DataChannelMode
 from ._cluster import Layout
@@ -98,6 +99,7 @@ from ._settings import (
 from ._shm_transport import SharedMemoryLink
 from ._transfer import export_op, import_op
 from ._transport import choose_pull, choose_push
+from ._weights import export_weights_op, import_weights_op
 from .shm import (
     SharedMemoryMode,
     TensorBuffers,
@@ -804,21 +806,85 @@ class ClientCore(RowsOps):
             )
             self._pending.replace(entry, None)
 
-    def _export(self, path: str | os.PathLike[str], prefix: str = "") -> Op[list[str]]:
-        """Write every group whose name starts with ``prefix`` (tensors, optimizer
-        state, T, learning rate) to one .npz file; returns the group names."""
-        return export_op(self, path, prefix)
+    def _export(
+        self,
+        path: str | os.PathLike[str],
+        prefix: str = "",
+        *,
+        group: str | None = None,
+        model: str | os.PathLike[str] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Op[list[str]]:
+        """Write groups to a file whose format follows its extension; returns the
+        names of the groups written: every group whose name starts with
+        ``prefix``, or the one named ``group``.
+
+        - ``.safetensors``: the groups' tensors X by name (a split group's parts
+          joined), for a model loader (``safetensors``, ``load_state_dict``).
+        - ``.onnx``: the tensors written into a copy of the ONNX ``model``, whose
+          initializers they are (same names, dtypes and shapes); every other byte
+          of the copy is the model's.
+        - any other name (``.npz``): tensors, optimizer state, T and learning
+          rate, for ``import_``.
+
+        ``progress(done, total)`` is called as bytes are pulled and written
+        (.safetensors, .onnx).
+        """
+        if file_format(path) == "npz":
+            if model is not None:
+                raise ValueError("model= names the ONNX model of an .onnx export")
+            return (yield from export_op(self, path, prefix, group))
+        weights = export_weights_op(
+            self, path, group=group, prefix=prefix, model=model, progress=progress
+        )
+        return (yield from weights).groups
 
     def _import_(
         self,
         path: str | os.PathLike[str],
         *,
         existing: Literal["fail", "skip", "replace"] = "fail",
+        group: str | None = None,
+        optimizer: OptimizerSpec | None = None,
+        learning_rate: float | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> Op[list[str]]:
-        """Create the groups of a file written by ``export``; returns their names.
+        """Create groups from a file; returns their names. The format follows the
+        extension, as for ``export``; ``group`` imports only that group of the
+        file (.safetensors, .onnx of a model: the group to create, by default the
+        file's name without its extension).
 
-        The file is checked whole first. A group the server already has makes the
-        import fail before anything is created (``existing="fail"``), is left as it
-        is (``"skip"``, not in the result) or is replaced by the file's.
+        An ``.npz`` file is checked whole first. A group the server already has
+        makes the import fail before anything is created (``existing="fail"``), is
+        left as it is (``"skip"``, not in the result) or is replaced by the file's.
+
+        A ``.safetensors`` or ``.onnx`` file's float32/float64 tensors (integers
+        and booleans are left out) become a group with ``optimizer`` and
+        ``learning_rate`` (for a file ``export`` wrote: by default those it
+        names). A group the server already has takes the file's values if its
+        tensors have the same names, shapes and dtype (its optimizer state, T and
+        settings kept; it is created again, so a worker that joined it must join
+        again), and the import is refused otherwise, before anything changes.
         """
-        return (yield from import_op(self, path, existing=existing)).imported
+        if file_format(path) == "npz":
+            if optimizer is not None or learning_rate is not None:
+                raise ValueError(
+                    "an .npz export says how its groups are trained: optimizer= "
+                    "and learning_rate= are for .safetensors and .onnx files"
+                )
+            result = yield from import_op(self, path, existing=existing, group=group)
+            return result.imported
+        if existing != "fail":
+            raise ValueError(
+                "existing= is for .npz files: a .safetensors or .onnx import writes "
+                "into a group the server has (same tensors) or refuses"
+            )
+        weights = import_weights_op(
+            self,
+            path,
+            group=group,
+            optimizer=optimizer,
+            learning_rate=learning_rate,
+            progress=progress,
+        )
+        return (yield from weights).imported

@@ -14,7 +14,7 @@ import json
 import os
 import zipfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -36,12 +36,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EXPORT_FORMAT_VERSION",
+    "OPTIMIZERS",
     "ExportFileError",
     "Existing",
     "ImportResult",
+    "consistency_of",
+    "definition_of",
     "export_op",
     "import_groups",
     "import_op",
+    "optimizer_of",
     "read_export",
 ]
 
@@ -60,24 +64,32 @@ class ExportFileError(OnnxpsError, ValueError):
 
 @dataclass(frozen=True)
 class ImportResult:
-    """What ``import_op`` did with each group of the file, in file order."""
+    """What an import did with each group of the file, in file order."""
 
-    imported: list[str]  # created or replaced
+    imported: list[str]  # created, replaced or updated
     created: list[str]
     replaced: list[str]
     skipped: list[str]
+    # .safetensors, .onnx: groups the server had, given the file's X (the rest kept)
+    updated: list[str] = field(default_factory=list)
+    # .safetensors, .onnx: (name, dtype) of the tensors of integers or booleans
+    left_out: list[tuple[str, str]] = field(default_factory=list)
 
 
 EXPORT_FORMAT = "onnxps-export"
 EXPORT_FORMAT_VERSION = 2
-_OPTIMIZERS: dict[str, type[Adagrad] | type[Momentum] | type[Adam]] = {
+OPTIMIZERS: dict[str, type[Adagrad] | type[Momentum] | type[Adam]] = {
     "Adagrad": Adagrad,
     "Momentum": Momentum,
     "Adam": Adam,
 }
 
 
-def _definition(info: GroupInfo, update_count: int) -> GroupDefinition:
+def definition_of(
+    info: GroupInfo, update_count: int, learning_rate: float | None = None
+) -> GroupDefinition:
+    """The saved form of a group the server described (``learning_rate``: as
+    described apart, when newer than ``info``'s)."""
     c = info.consistency
     consistency = (
         ConsistencyDefinition("sync", c.workers, c.reduction)
@@ -88,7 +100,7 @@ def _definition(info: GroupInfo, update_count: int) -> GroupDefinition:
         name=info.name,
         optimizer=type(info.optimizer).__name__,
         attributes=dataclasses.asdict(info.optimizer),
-        learning_rate=info.learning_rate,
+        learning_rate=(info.learning_rate if learning_rate is None else learning_rate),
         update_count=update_count,
         dtype=info.dtype,
         names=tuple(n for n, _ in info.tensors),
@@ -104,14 +116,25 @@ def _definition(info: GroupInfo, update_count: int) -> GroupDefinition:
 
 
 def export_op(
-    client: CoreHost, path: str | os.PathLike[str], prefix: str = ""
+    client: CoreHost,
+    path: str | os.PathLike[str],
+    prefix: str = "",
+    group: str | None = None,
 ) -> Op[list[str]]:
-    """Write every group whose name starts with ``prefix``; returns their names.
+    """Write every group whose name starts with ``prefix`` (or the one named
+    ``group``); returns their names.
 
     Each group's tensors, state and T come from one pull, so they belong together.
     """
     images: list[GroupImage] = []
-    for info in (yield from client._list_groups(prefix)):
+    infos = yield from client._list_groups(prefix)
+    if group is not None:
+        infos = [info for info in infos if info.name == group]
+        if not infos:
+            raise ExportFileError(
+                f"the server has no group {group!r} (onnxps status lists them)"
+            )
+    for info in infos:
         if info.tensors:
             # parts that disagree are written as they are (T the lowest): an
             # export and import is how they are made to agree again
@@ -127,8 +150,7 @@ def export_op(
             # for one consistent T (the image takes the dense pull's).
             ids, rows = yield from client._export_rows(info.name, table, state=True)
             values += [ids, *rows.values()]
-        definition = dataclasses.replace(_definition(info, t), learning_rate=lr)
-        images.append(GroupImage(definition, values))
+        images.append(GroupImage(definition_of(info, t, lr), values))
     metadata = {
         "format": EXPORT_FORMAT,
         "format_version": EXPORT_FORMAT_VERSION,
@@ -193,11 +215,13 @@ def _read(path: str) -> list[GroupImage]:
     return images
 
 
-def _optimizer(definition: GroupDefinition) -> OptimizerSpec:
-    return _OPTIMIZERS[definition.optimizer](**definition.attributes)
+def optimizer_of(definition: GroupDefinition) -> OptimizerSpec:
+    """The optimizer node of a saved group."""
+    return OPTIMIZERS[definition.optimizer](**definition.attributes)
 
 
-def _consistency(c: ConsistencyDefinition) -> Async | Sync:
+def consistency_of(c: ConsistencyDefinition) -> Async | Sync:
+    """The consistency of a saved group."""
     if c.mode == "sync":
         return Sync(c.sync_workers, "sum" if c.reduction == "sum" else "mean")
     return Async(c.max_staleness)
@@ -208,8 +232,10 @@ def import_op(
     path: str | os.PathLike[str],
     *,
     existing: Existing = "fail",
+    group: str | None = None,
 ) -> Op[ImportResult]:
-    """Create every group of an export file, with its state, T and learning rate.
+    """Create every group of an export file (or the one named ``group``), with its
+    state, T and learning rate.
 
     The whole file is read and checked first. A group the server already has is an
     error before anything is created (``existing="fail"``), left as it is
@@ -218,6 +244,10 @@ def import_op(
     if existing not in ("fail", "skip", "replace"):
         raise ValueError(f"existing must be fail, skip or replace, got {existing!r}")
     images = read_export(path)
+    if group is not None:
+        images = [image for image in images if image.name == group]
+        if not images:
+            raise ExportFileError(f"{os.fspath(path)} holds no group {group!r}")
     on_server = {info.name for info in (yield from client._list_groups())}
     clashes = [image.name for image in images if image.name in on_server]
     if clashes and existing == "fail":
@@ -254,10 +284,10 @@ def _create(client: CoreHost, image: GroupImage) -> Op[GroupInfo]:
     n = len(d.names)
     return client._create_group(
         d.name,
-        _optimizer(d),
+        optimizer_of(d),
         learning_rate=d.learning_rate,
         tensors=list(zip(d.names, image.arrays[:n], strict=True)),
-        consistency=_consistency(d.consistency),
+        consistency=consistency_of(d.consistency),
         allow_non_finite=d.allow_non_finite,
         state=image.arrays[n : d.dense_array_count],
         update_count=d.update_count,
@@ -273,7 +303,11 @@ def _create(client: CoreHost, image: GroupImage) -> Op[GroupInfo]:
 
 
 def import_groups(
-    client: RunningHost, path: str | os.PathLike[str], *, existing: Existing = "fail"
+    client: RunningHost,
+    path: str | os.PathLike[str],
+    *,
+    existing: Existing = "fail",
+    group: str | None = None,
 ) -> ImportResult:
     """``import_op`` run by a blocking client (``onnxps import``)."""
-    return client._run(import_op(client, path, existing=existing))
+    return client._run(import_op(client, path, existing=existing, group=group))

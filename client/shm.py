@@ -11,7 +11,8 @@ imports it):
 - it begins with a 64-byte header: ``MAGIC``, then the little-endian uint64
   generation, bumped by whoever last wrote tensors into it, and at ``KEY_AT`` the
   segment's random key (``KEY_BYTES``);
-- tensors follow at 64-byte aligned offsets, raw little-endian C order.
+- tensors follow at the offsets the call's region names (``layout``: one dtype's
+  tensors back to back after the header), raw little-endian C order.
 
 A hello (``SharedMemoryHello``) proves the host is shared before any tensor goes
 this way: the client writes a random nonce and its pid namespace into a fresh
@@ -47,6 +48,7 @@ from onnxps.wire.shm import (
     SHM_DIR,
     layout,
     new_key,
+    one_itemsize,
     pid_namespace,
 )
 
@@ -96,7 +98,8 @@ class Segment:
 
     def write(self, arrays: Sequence[Array]) -> pb.SharedMemoryRegion:
         """Copy ``arrays`` in (one copy each); the region naming them."""
-        offsets, _ = layout([a.nbytes for a in arrays])
+        itemsize = one_itemsize(a.dtype for a in arrays)
+        offsets, _ = layout([a.nbytes for a in arrays], itemsize)
         for a, at in zip(arrays, offsets, strict=True):
             dest = np.frombuffer(self.map, a.dtype.newbyteorder("<"), a.size, at)
             np.copyto(dest.reshape(a.shape), a, casting="no")
@@ -201,7 +204,7 @@ class TensorBuffers(Sequence[Array]):
         self.dtype = np.dtype(dtype)
         self.shapes = [tuple(s) for s in shapes]
         sizes = [self.dtype.itemsize * int(np.prod(s, dtype=np.int64)) for s in shapes]
-        self.offsets, _ = layout(sizes)
+        self.offsets, _ = layout(sizes, self.dtype.itemsize)
         self._segment = segment
         self._lock = threading.Lock()
         self._busy = False
@@ -331,6 +334,16 @@ def hello_segment(
     return seg, nonce
 
 
+def size_class(need: int) -> int:
+    """The size of a segment for ``need`` bytes: at least ``_MIN_SEGMENT``, rounded
+    up to 1/32 of its power of two, so at most 1/16 of a segment is never used (the
+    server maps segments whole: a power of two cost up to twice the tensors)."""
+    if need <= _MIN_SEGMENT:
+        return _MIN_SEGMENT
+    step = 1 << max(0, (need - 1).bit_length() - 5)
+    return -(-need // step) * step
+
+
 @dataclass
 class SegmentPool:
     """The segments of one client, reused from call to call (a call takes one for
@@ -349,16 +362,19 @@ class SegmentPool:
     def acquire(self, nbytes: Sequence[int]) -> Segment:
         """A segment that holds tensors of these sizes, for this call alone.
 
-        Sizes are rounded up to a power of two and a call takes a segment of its
-        own size class, so a small call never maps a large segment."""
+        Sizes are rounded up to a size class (``size_class``) and a call takes an
+        idle segment of its class or one at most 1/8 larger, so a small call never
+        maps a large segment."""
         _, need = layout(nbytes)
-        size = max(_MIN_SEGMENT, 1 << (need - 1).bit_length())
+        size = size_class(need)
         with self._lock:
-            for seg in self._idle:
-                if seg.size == size:
-                    self._idle.remove(seg)
-                    self._busy.add(seg)
-                    return seg
+            # an idle segment of this class or up to 1/8 larger: the smallest
+            fits = [s for s in self._idle if size <= s.size <= size + size // 8]
+            if fits:
+                seg = min(fits, key=lambda s: s.size)
+                self._idle.remove(seg)
+                self._busy.add(seg)
+                return seg
         seg = Segment(size, self.directory, self.key)
         with self._lock:
             self._busy.add(seg)

@@ -15,9 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._wal import WalFormatError
-from .app import ServerConfig, serve
-from .security import ConfigError
+from .app import serve
+from .config import ServerConfig
+from .durability._wal import WalFormatError
+from .interceptors.security import ConfigError
 
 __all__ = [
     "GROUPS",

@@ -1,9 +1,10 @@
 """Domain errors of the server core.
 
 Neither the kernels nor the store import grpc: they raise these, and the servicer maps
-each class to one gRPC status code (``onnxps.server._status``). Every message says what
-was expected and what came; ``reason``, ``metadata`` and ``field`` say it to a program
-(they travel as ``google.rpc.ErrorInfo`` and ``BadRequest`` in the status details).
+each class to one gRPC status code (``onnxps.server.interceptors._status``). Every
+message says what was expected and what came; ``reason``, ``metadata`` and ``field``
+say it to a program (they travel as ``google.rpc.ErrorInfo`` and ``BadRequest`` in the
+status details).
 """
 
 from __future__ import annotations

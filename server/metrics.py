@@ -26,7 +26,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from ._handlers import (
+from .durability._wal import FsyncTimes
+from .interceptors._handlers import (
     SERVICE,
     CallHooks,
     Deserializer,
@@ -36,9 +37,8 @@ from ._handlers import (
     method_of,
     on_first,
 )
-from ._wal import FsyncTimes
-from .limits import message_bytes
-from .security import is_loopback
+from .interceptors.limits import message_bytes
+from .interceptors.security import is_loopback
 from .store import ParameterStore
 
 __all__ = [

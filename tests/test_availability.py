@@ -22,8 +22,8 @@ from _procs import clean_env, start_server, stop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.client import Adagrad, Client, Sync
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.interceptors.security import ConfigError
 from onnxps.server.kernels import make_attrs
-from onnxps.server.security import ConfigError
 from onnxps.server.store import CallCancelled, Cancellation, ParameterStore
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc

@@ -20,7 +20,7 @@ from _procs import clean_env, start_server, stop
 from onnxps.client import Adam, Client
 from onnxps.client._errors import DeadlineExceededError, ResourceExhaustedError
 from onnxps.client._settings import multicallable
-from onnxps.server._frames import CALL_MAGIC, read_reply, write_call
+from onnxps.server.transports._frames import CALL_MAGIC, read_reply, write_call
 from onnxps.v1 import parameter_server_pb2 as pb
 
 MIB = 1 << 20
@@ -276,7 +276,7 @@ def test_handshake_slots_go_to_new_connections_after_the_grace() -> None:
     at most its share; a full table gives the slot of the oldest handshake past
     its grace (of the new connection's address, else of the busiest one) and
     closes that connection; within the grace a new connection is refused."""
-    from onnxps.server._handshakes import Handshakes
+    from onnxps.server.transports._handshakes import Handshakes
 
     now = [0.0]
     table = Handshakes(limit=4, per_address=2, grace=1.0, clock=lambda: now[0])
@@ -307,7 +307,7 @@ def test_handshake_slots_go_to_new_connections_after_the_grace() -> None:
 
 
 def test_the_docs_state_the_handshake_limits_the_server_keeps() -> None:
-    from onnxps.server import _datachannel as dc
+    from onnxps.server.transports import _datachannel as dc
 
     root = Path(__file__).resolve().parent.parent
 

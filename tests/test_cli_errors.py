@@ -14,7 +14,7 @@ from _procs import clean_env
 from onnxps import cli
 from onnxps.client import Adagrad, Adam, Client, ExportFileError
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
-from onnxps.server.security import ConfigError
+from onnxps.server.interceptors.security import ConfigError
 
 
 def _free_port() -> int:

@@ -48,8 +48,8 @@ from onnxps.client._cluster import (
     plan_layout,
     shard_score,
 )
-from onnxps.server.security import ConfigError
-from onnxps.server.shard import parse_shard
+from onnxps.server.interceptors.security import ConfigError
+from onnxps.server.interceptors.shard import parse_shard
 
 WORKER = Path(__file__).parent / "workers" / "cluster_worker.py"
 SHAPES = ((50, 40), (40,), (3,))

@@ -17,7 +17,7 @@ from _pki import Pki, pki  # noqa: F401 - a fixture
 from _procs import clean_env
 from onnxps.client import Adagrad, AsyncClient, Client
 from onnxps.server.app import ServerConfig, create_server
-from onnxps.server.security import ConfigError
+from onnxps.server.interceptors.security import ConfigError
 from onnxps.wire.coordinator import (
     CoordinatorAddress,
     CoordinatorTls,

@@ -34,8 +34,13 @@ from onnxps.client import (
     RpcError,
     Sync,
 )
-from onnxps.server._snapshot import list_snapshots, load_snapshot
-from onnxps.server._wal import FRAME, SEGMENT_HEADER, read_segments, segment_paths
+from onnxps.server.durability._snapshot import list_snapshots, load_snapshot
+from onnxps.server.durability._wal import (
+    FRAME,
+    SEGMENT_HEADER,
+    read_segments,
+    segment_paths,
+)
 from onnxps.server.kernels import apply_onnx
 from onnxps.server.store import combine_contributions
 

@@ -571,7 +571,7 @@ def test_idle_channels_of_a_closed_client_are_closed(server: ServerHandle) -> No
 
 
 def test_data_port_is_checked_with_the_rest_of_the_config() -> None:
-    from onnxps.server.security import ConfigError
+    from onnxps.server.interceptors.security import ConfigError
 
     with pytest.raises(ConfigError, match="data_port must be 1..65535"):
         ServerConfig(data_port=70000)

@@ -58,7 +58,7 @@ from onnxps.client import (
 from onnxps.client._cluster import parse_target, placement
 from onnxps.server._health import READY
 from onnxps.server.app import ServerConfig
-from onnxps.server.security import ConfigError
+from onnxps.server.interceptors.security import ConfigError
 from onnxps.wire.coordinator import CoordinatorAddress, CoordinatorTls, gateway_clients
 from test_kubernetes import _pki
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from onnxps.client import Adam, AsyncClient, Client
 from onnxps.server.app import ServerConfig, create_server
-from onnxps.server.security import ROLES
+from onnxps.server.interceptors.security import ROLES
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from onnxps import cli
 from onnxps.client import Adagrad, Adam, Client, Momentum, Sync
-from onnxps.server._wal import WAL_FORMAT_VERSION, WalFormatError
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.durability._wal import WAL_FORMAT_VERSION, WalFormatError
 from onnxps.wire.image import GroupDefinition, GroupImage, ImageFormatError
 
 F32 = np.float32

@@ -26,7 +26,7 @@ from onnxps.client import (
     Momentum,
 )
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
-from onnxps.server.limits import declared_bytes, message_bytes
+from onnxps.server.interceptors.limits import declared_bytes, message_bytes
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 from onnxps.wire.codec import array_to_tensor, decode, encode, header_tensor

@@ -452,7 +452,7 @@ _REASON_IN_CODE = re.compile(
     r'\s*"([A-Z][A-Z0-9_]+)"',
     re.S,
 )
-# Reasons server/security.py passes through variables.
+# Reasons server/interceptors/security.py passes through variables.
 _SECURITY_REASONS = (
     "TOKEN_MISSING",
     "TOKEN_UNKNOWN",
@@ -468,7 +468,7 @@ def reasons_in_code() -> set[str]:
     for path in (ROOT / "server").rglob("*.py"):
         for m in _REASON_IN_CODE.finditer(path.read_text()):
             found.add(m.group(1) or m.group(2))
-    security = (ROOT / "server" / "security.py").read_text()
+    security = (ROOT / "server" / "interceptors" / "security.py").read_text()
     found |= {r for r in _SECURITY_REASONS if f'"{r}"' in security}
     return found
 

@@ -1,6 +1,6 @@
 """A group of many tensors keeps X, V and H each in one flat buffer and steps it as
-one array (``server/_flat.py``): its results are bit for bit those of stepping each
-tensor in a group of its own, on every optimizer, dtype and kernel path, through
+one array (``server/store/_flat.py``): its results are bit for bit those of stepping
+each tensor in a group of its own, on every optimizer, dtype and kernel path, through
 every way a push's gradients arrive, across block boundaries, snapshots, the WAL
 and a restart."""
 

@@ -16,8 +16,8 @@ import pytest
 from google.rpc import status_pb2
 from onnxps.client import Adam, Client
 from onnxps.client._settings import multicallable
-from onnxps.server._frames import CALL_MAGIC, read_reply, write_call
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.transports._frames import CALL_MAGIC, read_reply, write_call
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import EncodedMessage, tensor_to_array
 
@@ -199,7 +199,7 @@ def test_frames_is_a_checked_client_option() -> None:
 
 
 def test_call_channels_are_capped_and_a_stalled_frame_is_cut_off() -> None:
-    from onnxps.server._datachannel import MAX_CALL_CHANNELS
+    from onnxps.server.transports._datachannel import MAX_CALL_CHANNELS
 
     handle = create_server(
         ServerConfig(

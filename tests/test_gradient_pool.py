@@ -15,10 +15,14 @@ from typing import Any
 import numpy as np
 import pytest
 from onnxps.client import Adam, Client, Encoding, InvalidArgumentError
-from onnxps.server._receive import IDLE_PER_KEY, MIN_POOLED_BYTES, GradientPool
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from onnxps.server.kernels import make_attrs
 from onnxps.server.kernels._select import fused_kernels
+from onnxps.server.transports._receive import (
+    IDLE_PER_KEY,
+    MIN_POOLED_BYTES,
+    GradientPool,
+)
 
 N = 2 << 20  # float32 elements: 8 MiB, 8 chunks of 1 MiB
 F32 = np.dtype(np.float32)
@@ -229,7 +233,7 @@ def test_the_pool_keeps_nothing_while_the_host_is_low_on_memory() -> None:
 
 
 def test_memory_low_compares_available_memory_with_a_share_of_the_total() -> None:
-    from onnxps.server._receive import memory_low
+    from onnxps.server.transports._receive import memory_low
 
     assert memory_low(share=1.01) is True  # available is never above the total
     assert memory_low(share=0.0) is False

@@ -831,7 +831,7 @@ def test_an_ids_part_that_missed_pushes_is_sent_them_once(tmp_path: Path) -> Non
 
 
 def test_the_index_finds_every_row_across_rebuilds() -> None:
-    from onnxps.server._ids import IdsTable as Storage
+    from onnxps.server.store._ids import IdsTable as Storage
     from onnxps.wire.image import TableDefinition
 
     t = Storage(TableDefinition("emb", 2, Zeros().to_json()), np.dtype(np.float32), ())

@@ -3,7 +3,10 @@
 - the wire layer (``onnxps.wire``) imports neither end (client, server) nor grpc;
 - the server imports nothing from ``onnxps.client``;
 - the core (the store, kernels, durability) loads neither grpc nor the client, even
-  through other modules (checked in a fresh interpreter).
+  through other modules (checked in a fresh interpreter);
+- inside the server, each folder imports only the folders ``SERVER_LAYERS`` allows,
+  and those allowances form layers (no two folders import each other, even through
+  a third).
 """
 
 from __future__ import annotations
@@ -203,3 +206,101 @@ def test_no_module_imports_back_into_a_cycle() -> None:
 def test_the_cycle_finder_finds_one() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
     assert _cycle(graph) == ["a", "b", "c", "a"]
+
+
+# The server's folders, as layers: a module of the key may import modules of the
+# folders listed (and of its own). "process" is the modules at the top of server/
+# (app, config, cli, metrics, health, reflection); "errors" is server/errors.py, the
+# domain errors every layer raises. A new crossing fails until it is written here,
+# and docs/architecture.md draws these layers from the code (scripts/architecture.py).
+SERVER_LAYERS: dict[str, set[str]] = {
+    "process": {
+        "rpc",
+        "replication",
+        "interceptors",
+        "transports",
+        "durability",
+        "store",
+        "kernels",
+        "errors",
+    },
+    "rpc": {"interceptors", "transports", "durability", "store", "kernels", "errors"},
+    "replication": {"interceptors", "durability", "store", "errors"},
+    "interceptors": {"errors"},
+    "transports": {"store", "kernels", "errors"},
+    "durability": {"store", "errors"},
+    "store": {"kernels", "errors"},
+    "kernels": {"errors"},
+    "errors": set(),
+}
+
+
+def _server_layer(module: str) -> str:
+    """The layer of a module of onnxps.server (its folder, "process" or "errors")."""
+    parts = module.split(".")[2:]
+    if parts and parts[0] in SERVER_LAYERS:
+        return parts[0]
+    return "process"
+
+
+def _crossings(graph: dict[str, set[str]]) -> list[str]:
+    """Every import between two server folders that ``SERVER_LAYERS`` does not
+    allow, as ``importer -> imported``."""
+    bad = []
+    for module, edges in sorted(graph.items()):
+        if not module.startswith("onnxps.server"):
+            continue
+        here = _server_layer(module)
+        for target in sorted(edges):
+            if not target.startswith("onnxps.server"):
+                continue
+            there = _server_layer(target)
+            if there != here and there not in SERVER_LAYERS[here]:
+                bad.append(f"{module} ({here}) -> {target} ({there})")
+    return bad
+
+
+def test_each_server_folder_imports_only_the_layers_below_it() -> None:
+    graph = _import_graph()
+    assert _crossings(graph) == []
+    # it did read the server: every layer holds a module, and crossings are seen
+    layers = {_server_layer(m) for m in graph if m.startswith("onnxps.server")}
+    assert layers == set(SERVER_LAYERS)
+
+
+def test_the_layer_table_names_every_server_folder() -> None:
+    folders = {
+        p.parent.name
+        for p in (ROOT / "server").glob("*/__init__.py")
+        if p.parent.parent == ROOT / "server"
+    }
+    assert folders == set(SERVER_LAYERS) - {"process", "errors"}
+    assert (ROOT / "server" / "errors.py").is_file()
+
+
+def test_the_server_layers_import_no_cycle() -> None:
+    assert _cycle(SERVER_LAYERS) == []
+    # and no layer allows itself or an unknown one
+    for layer, allowed in SERVER_LAYERS.items():
+        assert layer not in allowed and allowed <= set(SERVER_LAYERS)
+
+
+def test_a_new_crossing_between_server_folders_fails() -> None:
+    graph = {
+        "onnxps.server.store.store": {"onnxps.server.rpc.service", "onnxps.wire.codec"},
+        "onnxps.server.rpc.service": {"onnxps.server.store.store"},
+        "onnxps.server.kernels": {"onnxps.server.errors"},
+        "onnxps.server.errors": {"onnxps.server.app"},
+    }
+    assert _crossings(graph) == [
+        "onnxps.server.errors (errors) -> onnxps.server.app (process)",
+        "onnxps.server.store.store (store) -> onnxps.server.rpc.service (rpc)",
+    ]
+
+
+def test_each_server_folder_says_what_it_owns_and_may_import() -> None:
+    for init in sorted((ROOT / "server").glob("*/__init__.py")):
+        doc = " ".join((ast.get_docstring(ast.parse(init.read_text())) or "").split())
+        assert "may import" in doc, init
+        for allowed in SERVER_LAYERS[init.parent.name]:
+            assert f"``{allowed}``" in doc, (init, allowed)

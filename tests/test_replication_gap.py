@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
 from onnxps.client import Client
-from onnxps.server._wal import (
+from onnxps.server.durability._wal import (
     FRAME,
     SEGMENT_HEADER,
     LogReader,

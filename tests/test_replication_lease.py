@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 from _etcd import EtcdProcess, etcd_server  # noqa: F401 - a fixture
 from onnxps.client import Client
+from onnxps.server.interceptors.shard import ShardIdentity
 from onnxps.server.replication import parse_coordinator
 from onnxps.server.replication._etcd import Etcd
 from onnxps.server.replication._member import Member, MemberConfig, Role
-from onnxps.server.shard import ShardIdentity
 from test_replication import SIZE, ReplicaSet, _create
 
 READ = "/v3/kv/range"

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from _etcd import etcd_server  # noqa: F401 - a fixture
 from onnxps.client import Adagrad, Client
-from onnxps.server._wal import FRAME, Frame, WriteAheadLog, read_segments
+from onnxps.server.durability._wal import FRAME, Frame, WriteAheadLog, read_segments
 from onnxps.server.replication._frames import (
     PIECE,
     WHOLE,
@@ -533,7 +533,7 @@ def test_a_log_cursor_reads_on_where_it_stopped_across_segments(
     """The primary ships a standby's missing records on one cursor per stream: each
     call goes on where the last stopped (one pass over the log), across segment
     rotations, and a record asked for before its position is read again."""
-    from onnxps.server._walread import LogCursor
+    from onnxps.server.durability._walread import LogCursor
 
     wal_dir, frames = _wal_with(tmp_path, 30, rotate_every=7)
     assert len(list(wal_dir.glob("*"))) == 5  # 30 records in segments of 7
@@ -555,7 +555,7 @@ def test_a_log_cursor_reads_on_where_it_stopped_across_segments(
 def test_a_log_cursor_raises_for_a_record_the_log_does_not_hold(
     tmp_path: Path,
 ) -> None:
-    from onnxps.server._walread import LogCursor, WalGapError
+    from onnxps.server.durability._walread import LogCursor, WalGapError
 
     wal_dir, _ = _wal_with(tmp_path, 10, rotate_every=4)
     cursor = LogCursor(str(wal_dir), after=8)

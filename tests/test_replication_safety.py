@@ -446,7 +446,7 @@ def test_a_standby_without_valid_credentials_is_refused_by_its_primary(
 
 
 def test_tls_ca_without_tls_on_the_server_is_refused(tmp_path: Path) -> None:
-    from onnxps.server.security import ConfigError
+    from onnxps.server.interceptors.security import ConfigError
 
     with pytest.raises(ConfigError) as err:
         create_server(

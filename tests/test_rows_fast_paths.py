@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from onnxps.server._sparse import _stable_order, coalesce
+from onnxps.server.store._sparse import _stable_order, coalesce
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ from onnxps.client import (
     UnauthenticatedError,
 )
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
-from onnxps.server.security import (
+from onnxps.server.interceptors.security import (
     ConfigError,
     check_bind_policy,
     is_loopback,

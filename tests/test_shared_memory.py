@@ -626,3 +626,49 @@ def test_no_room_in_dev_shm_falls_back_to_grpc_bytes(
     assert "this call sends its tensors over gRPC" in out.stdout
     assert "T 1" in out.stdout
     assert "PULLED (1048576,)" in out.stdout
+
+
+def test_packed_and_aligned_regions_step_alike(small_messages: str) -> None:
+    """The client packs one dtype's tensors back to back in its segment (one flat
+    span: the server checks and steps the group as one array); a region whose
+    tensors start 64-byte aligned (as clients wrote them before) is stepped alike,
+    bit for bit as the same push over gRPC."""
+    grads = [[GB[k], G[k]] for k in range(2)]  # 33 elements first: 132 bytes
+    with Client(small_messages, shared_memory="off") as c:
+        for name in ("packed", "aligned", "bytes"):
+            c.create_group(name, Adam(), learning_rate=0.01, tensors={"b": B0, "w": W0})
+        for g in grads:
+            c.push("bytes", *g)
+    seg = Segment(64 + 256 + G[0].nbytes)
+    try:
+        with grpc.insecure_channel(small_messages) as ch:
+            stub = pb_grpc.ParameterServerServiceStub(ch)
+            for g in grads:
+                headers = [header_tensor(a) for a in g]
+                packed = seg.write(g)
+                assert list(packed.offsets) == [64, 64 + 132]
+                req = pb.PushRequest(
+                    group="packed", gradients=headers, gradients_region=packed
+                )
+                assert stub.Push(req, timeout=30).applied
+                seg.map[64 : 64 + 132] = g[0].tobytes()
+                seg.map[256 : 256 + g[1].nbytes] = g[1].tobytes()
+                aligned = seg.publish([64, 256])
+                req = pb.PushRequest(
+                    group="aligned", gradients=headers, gradients_region=aligned
+                )
+                assert stub.Push(req, timeout=30).applied
+        with Client(small_messages, shared_memory="off", transport="stream") as c:
+            states = {
+                name: c.pull_versioned(name, state=True)
+                for name in ("packed", "aligned", "bytes")
+            }
+    finally:
+        seg.close()
+    t, want = states["bytes"]
+    assert t == 2
+    for name in ("packed", "aligned"):
+        got_t, got = states[name]
+        assert got_t == 2
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)

@@ -31,8 +31,8 @@ from _procs import clean_env, start_server, stop
 from onnxps.client import Client, Momentum
 from onnxps.client._errors import translate
 from onnxps.client.shm import Segment
-from onnxps.server._peercred import peer_uid
 from onnxps.server.app import ServerConfig, create_server
+from onnxps.server.transports._peercred import peer_uid
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 from onnxps.wire.codec import header_tensor

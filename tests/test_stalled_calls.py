@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.client import Adagrad, Client
 from onnxps.client._settings import multicallable
 from onnxps.server.app import ServerConfig, thread_limits
-from onnxps.server.security import ConfigError
+from onnxps.server.interceptors.security import ConfigError
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 from onnxps.wire.codec import header_tensor

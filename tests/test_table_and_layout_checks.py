@@ -17,9 +17,9 @@ from onnxps.client._cluster import (
     Slot,
     layout_from_listing,
 )
-from onnxps.server._checks import check_tables
 from onnxps.server.errors import InvalidArgument
 from onnxps.server.kernels import make_attrs
+from onnxps.server.store._checks import check_tables
 from onnxps.wire.image import TableDefinition
 from onnxps.wire.initializers import Zeros
 

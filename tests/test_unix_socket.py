@@ -16,9 +16,9 @@ import pytest
 from _procs import clean_env, start_server, stop
 from onnxps import cli
 from onnxps.client import Adam, AsyncClient, Client, UnauthenticatedError
-from onnxps.server._unix import unix_path
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
-from onnxps.server.security import ConfigError
+from onnxps.server.interceptors.security import ConfigError
+from onnxps.server.transports._unix import unix_path
 
 W0 = np.arange(1000, dtype=np.float32)
 G = np.full(1000, 0.5, np.float32)

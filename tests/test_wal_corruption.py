@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from _procs import clean_env, start_server, stop
 from onnxps.client import Adam, Client
-from onnxps.server._wal import MAGIC, SEGMENT_HEADER, WalCorruptError
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.durability._wal import MAGIC, SEGMENT_HEADER, WalCorruptError
 
 
 def _config(data: Path, truncate: bool = False) -> ServerConfig:
@@ -267,8 +267,8 @@ def test_the_logs_crc_is_zlib_ngs_and_equals_zlibs() -> None:
     import zlib
 
     import zlib_ng.zlib_ng
-    from onnxps.server import _walread
-    from onnxps.server._wal import Frame
+    from onnxps.server.durability import _walread
+    from onnxps.server.durability._wal import Frame
 
     assert _walread.crc32 is zlib_ng.zlib_ng.crc32
     a = np.random.default_rng(7).random(1 << 16).astype(np.float32)

@@ -25,8 +25,8 @@ from onnxps.client import (
     FailedPreconditionError,
     ResourceExhaustedError,
 )
-from onnxps.server._snapshot import list_snapshots, load_snapshot
-from onnxps.server._wal import WriteAheadLog, read_segments, segment_paths
+from onnxps.server.durability._snapshot import list_snapshots, load_snapshot
+from onnxps.server.durability._wal import WriteAheadLog, read_segments, segment_paths
 
 F32 = np.float32
 

@@ -1,7 +1,7 @@
 """Pushes to one group share fsyncs in --durability wal, and still step in log order.
 
 An async push appends its record under the group's lock and waits for the fsync
-without it; it steps in its record's turn (``server/_order.py``). So the state is
+without it; it steps in its record's turn (``server/store/_order.py``). So the state is
 the serial replay of the acknowledged pushes in T order, the log holds them in that
 order, and a refused push (a full disk) leaves exactly the acknowledged ones.
 """
@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 from onnxps.client import Adam, Client, ResourceExhaustedError
-from onnxps.server._wal import read_segments
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.durability._wal import read_segments
 from onnxps.server.kernels import apply_onnx
 from test_crash_recovery import Server
 

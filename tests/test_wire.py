@@ -48,7 +48,7 @@ def test_the_server_imports_no_private_client_module() -> None:
 
 
 def test_service_name_comes_from_the_descriptor() -> None:
-    from onnxps.server._handlers import SERVICE
+    from onnxps.server.interceptors._handlers import SERVICE
 
     (service,) = pb.DESCRIPTOR.services_by_name.values()
     assert codec.SERVICE == SERVICE == service.full_name
@@ -97,3 +97,35 @@ def test_dims_numpy_cannot_hold_are_a_format_error() -> None:
     huge = pb.Tensor(dtype=pb.DATA_TYPE_FLOAT, dims=[0, 2**31, 2**31])
     with pytest.raises(TensorFormatError, match=r"dims \[0, 2147483648, 2147483648\]"):
         codec.TensorAssembler([huge], ["w"])
+
+
+def test_a_segment_layout_packs_one_dtype_back_to_back() -> None:
+    from onnxps.wire.shm import layout, one_itemsize
+
+    f32 = np.dtype(np.float32)
+    assert layout([132, 4000, 8]) == ([64, 256, 4288], 4352)  # 64-byte aligned
+    assert layout([132, 4000, 8], 4) == ([64, 196, 4196], 4204)  # back to back
+    assert one_itemsize([f32, f32]) == 4
+    assert one_itemsize([f32, np.dtype(np.float64)]) is None
+    assert one_itemsize([]) is None
+
+
+def test_a_segment_is_sized_within_a_sixteenth_of_its_tensors() -> None:
+    """The pool's size classes: the server maps a segment whole, so a 128 MiB
+    group in a segment rounded up to a power of two cost twice its bytes."""
+    from onnxps.client.shm import SegmentPool, size_class
+
+    assert size_class(100) == 64 << 10
+    assert size_class((128 << 20) + 64) == 136 << 20  # not 256 MiB
+    for need in (65 << 10, 1_000_003, (1 << 30) + 1, 7 << 20):
+        assert need <= size_class(need) <= need * 1.0625
+    pool = SegmentPool()
+    try:
+        seg = pool.acquire([4 << 20])
+        assert seg.size == size_class((4 << 20) + 64) == (4 << 20) + (256 << 10)
+        pool.release(seg)
+        again = pool.acquire([(4 << 20) - 1000])  # 1/16 smaller: reused
+        pool.release(again)
+        assert again is seg
+    finally:
+        pool.close()

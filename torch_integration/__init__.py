@@ -10,10 +10,20 @@ with Client("127.0.0.1:50051") as ps:
         loss_fn(model(x), y).backward()
         opt.step()  # one push of every grad; the server's X written into the params
 
-Install with ``pip install 'onnxps[torch]'``.
+Install with ``pip install 'onnxps[torch]'``. The model's weights, trained, to a
+.safetensors file and back: ``save_safetensors(model, path, opt)``,
+``load_safetensors(model, path, opt)`` (``pip install 'onnxps[torch,safetensors]'``).
 """
 
 from ._optimizer import STATE_DICT_FORMAT_VERSION, RemoteOptimizer
+from ._safetensors import load_safetensors, save_safetensors
 from ._workers import run_workers, shard
 
-__all__ = ["STATE_DICT_FORMAT_VERSION", "RemoteOptimizer", "run_workers", "shard"]
+__all__ = [
+    "STATE_DICT_FORMAT_VERSION",
+    "RemoteOptimizer",
+    "load_safetensors",
+    "run_workers",
+    "save_safetensors",
+    "shard",
+]

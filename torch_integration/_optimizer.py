@@ -403,6 +403,19 @@ class RemoteOptimizer(torch.optim.Optimizer):
         super().load_state_dict({**state_dict, "state": {}})
         self._recreate(info, state, int(meta["update_count"]))
 
+    def send_parameters(self) -> int:
+        """Make the parameters' values the server's X (after the model loaded
+        weights: ``load_state_dict``, ``onnxps.torch.load_safetensors``); returns
+        T. The group is created again with them and everything else it had:
+        optimizer, V/H state, T, consistency, lease settings (the learning rate:
+        this optimizer's). Other workers that joined it must join again."""
+        info = self._current_info()
+        t, arrays = self.client.pull_versioned(
+            self.group, state=True, timeout=self.timeout
+        )
+        self._recreate(info, list(arrays[len(self.names) :]), t)
+        return t
+
     def _current_info(self) -> GroupInfo:
         try:
             return self.client.describe_group(self.group, timeout=self.timeout)

@@ -6,6 +6,8 @@ transit and at rest, with no grpc and nothing of either end.
 - ``image``: a group's saved form (snapshots, the WAL, export files).
 - ``initializers``: how an ids table makes a new row.
 - ``shm``: the layout of a shared-memory segment and its naming and sweeping rules.
+- ``weights``, ``onnx_weights``: model weights files (.safetensors; an ONNX model's
+  initializers, written back in place), for ``export`` and ``import``.
 - ``errors``: ``OnnxpsError``, the root of the exception tree.
 
 The client (``onnxps.client``) and the server (``onnxps.server``) import this package;

@@ -11,7 +11,11 @@ read this module, the one place the layout is written down:
   carries: only a process that can read the segment knows it, and the server
   serves a segment only to the token (and uid) of the first call that named it
   with its key;
-- tensors follow at 64-byte aligned offsets, raw little-endian C order.
+- tensors follow at the offsets the region of a call names, raw little-endian C
+  order; ``layout`` (what both ends write) puts the first at byte 64 and, when
+  every tensor has one dtype, the others back to back (each at a multiple of its
+  item size), so that a group's tensors are one flat span a reader can take as one
+  array; tensors of mixed dtypes start at 64-byte aligned offsets.
 
 A segment whose owner died is an orphan: ``sweep_orphans`` unlinks segments of dead
 pids, so a ``kill -9`` of either side leaves nothing behind once the survivor notices.
@@ -26,7 +30,10 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
 
 __all__ = [
     "HEADER_BYTES",
@@ -40,6 +47,7 @@ __all__ = [
     "layout",
     "new_key",
     "no_shared_dir",
+    "one_itemsize",
     "owner_problem",
     "pid_namespace",
     "sweep_orphans",
@@ -77,14 +85,32 @@ def pid_namespace() -> int:
         return 0
 
 
-def layout(nbytes: Sequence[int]) -> tuple[list[int], int]:
-    """The offsets of tensors of these sizes in a segment, and the segment's size."""
+def layout(nbytes: Sequence[int], itemsize: int | None = None) -> tuple[list[int], int]:
+    """The offsets of tensors of these sizes in a segment, and the segment's size.
+
+    With ``itemsize`` (every tensor has a dtype of that size, so each size is a
+    multiple of it) the tensors are packed back to back after the header: one
+    contiguous span, every tensor still aligned to its item size. Without it each
+    starts at a 64-byte aligned offset."""
     offsets = []
     at = HEADER_BYTES
+    align = _ALIGN if itemsize is None else itemsize
     for n in nbytes:
         offsets.append(at)
-        at += -(-n // _ALIGN) * _ALIGN
+        at += -(-n // align) * align
     return offsets, max(at, HEADER_BYTES)
+
+
+def one_itemsize(dtypes: Iterable[np.dtype[Any]]) -> int | None:
+    """The item size shared by arrays of ``dtypes`` when they are all one dtype
+    (``layout`` packs them), else None."""
+    first = None
+    for d in dtypes:
+        if first is None:
+            first = d
+        elif d != first:
+            return None
+    return None if first is None else int(first.itemsize)
 
 
 def _pid_alive(pid: int) -> bool:

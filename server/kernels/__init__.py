@@ -1,4 +1,10 @@
-"""ONNX-exact optimizer kernels (no grpc here)."""
+"""ONNX-exact optimizer kernels (no grpc here).
+
+The reference steps (``_apply``), the in-place production path (``_fused``), numba's
+fused loops (``_numba``), the finiteness check (``_finite``) and the choice between
+them (``_select``): where a push's gradients are stepped into X, V and H. It may
+import ``errors`` only; ``store``, ``transports``, ``rpc`` and the process import it.
+"""
 
 from ._apply import STATE_DTYPES, apply_onnx, check_scalars, split_inputs
 from ._attrs import (

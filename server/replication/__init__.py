@@ -5,7 +5,9 @@ servers of one coordinator prefix and shard index elect a primary through etcd
 (``_member``); the primary ships its write-ahead log to the standbys and
 acknowledges a change once ``--sync-replicas`` of them hold it (``_journal``); a
 standby catches up from a snapshot and then applies every record in order
-(``_standby``). Without ``--coordinator`` none of this runs.
+(``_standby``). Without ``--coordinator`` none of this runs. This is where a push's
+record is replicated. It may import ``durability``, ``store``, ``interceptors`` (TLS
+settings, the shard identity) and ``errors``; only the process wiring imports it.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from typing import Any
 import grpc
 from onnxps.v1 import parameter_server_pb2 as pb
 
-from .._wal import fsync_dir
 from ..durability import Durability
+from ..durability._wal import fsync_dir
 from ..errors import Unavailable
-from ..security import ConfigError
-from ..shard import ShardIdentity
+from ..interceptors.security import ConfigError
+from ..interceptors.shard import ShardIdentity
 from ..store import ParameterStore
 from ._etcd import (
     CoordinatorAddress,

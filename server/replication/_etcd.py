@@ -23,7 +23,7 @@ from onnxps.wire.coordinator import (
 )
 from onnxps.wire.coordinator import parse_coordinator as _parse
 
-from ..security import ConfigError
+from ..interceptors.security import ConfigError
 
 __all__ = [
     "CoordinatorAddress",

@@ -13,7 +13,7 @@ import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import _read_varint, _varint
 
-from .._walread import (
+from ..durability._walread import (
     FRAME,
     MAGIC,
     MAX_HEADER,

@@ -31,17 +31,17 @@ import grpc
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 
-from .._snapshot import SnapshotError, list_snapshots, read_manifest
-from .._waits import CURRENT_CALL, CallCancelled, CallLink
-from .._wal import Frame
-from .._walread import LogCursor, logged_term
 from ..durability import Durability
+from ..durability._snapshot import SnapshotError, list_snapshots, read_manifest
+from ..durability._wal import Frame
+from ..durability._walread import LogCursor, logged_term
 from ..errors import (
     FailedPrecondition,
     InvalidArgument,
     PermissionDenied,
     Unavailable,
 )
+from ..store._waits import CURRENT_CALL, CallCancelled, CallLink
 from ._etcd import CoordinatorUnavailable
 from ._frames import (
     PIECE,

@@ -42,8 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..security import ConfigError
-from ..shard import ShardIdentity
+from ..interceptors.security import ConfigError
+from ..interceptors.shard import ShardIdentity
 from ._etcd import (
     CoordinatorAddress,
     CoordinatorUnavailable,

@@ -1,0 +1,324 @@
+"""Backpressure: bounded in-flight bytes and streams, and undecodable requests.
+
+The interceptor refuses work it cannot hold instead of queueing it: a call whose bytes
+would take the server over ``max_inflight_bytes``, or a stream beyond
+``max_concurrent_streams``, fails at once with RESOURCE_EXHAUSTED. A call on the data
+channel counts as a stream: its thread, too, waits for the client's bytes. A request
+stream whose client stops sending is ended by the ``StallWatch``. The bytes of a call
+are the size of a unary request, or for a request stream the size of its header plus
+the tensor bytes the header declares (what the server will preallocate), counted before
+anything is allocated. A request whose bytes do not parse gets INVALID_ARGUMENT.
+
+The same ``InflightBytes`` budget counts the replies of pulls (the servicer holds a
+pull's bytes from before the copy until its stream ends or is cancelled), so readers
+that never read cannot pin memory the budget does not see.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.codec import EncodedMessage, TensorFormatError, declared_nbytes
+
+from ..errors import InvalidArgument, ResourceExhausted
+from ._handlers import (
+    CallHooks,
+    Deserializer,
+    Handler,
+    HookInterceptor,
+    Malformed,
+    method_of,
+)
+from ._stall import StallWatch
+from ._status import refuse
+
+__all__ = [
+    "InflightBytes",
+    "InflightHold",
+    "LimitsInterceptor",
+    "declared_bytes",
+    "message_bytes",
+]
+
+
+def _tensor_bytes(t: pb.Tensor) -> int:
+    try:
+        return declared_nbytes(t)
+    except TensorFormatError:
+        return 0  # the servicer rejects it with INVALID_ARGUMENT
+
+
+def declared_bytes(msg: Message) -> int:
+    """Tensor bytes a stream's first message declares (its header's Tensor lists)."""
+    part = msg.WhichOneof("part") if "part" in msg.DESCRIPTOR.oneofs_by_name else None
+    body = getattr(msg, part) if part else msg
+    if not isinstance(body, Message):
+        return 0
+    total = 0
+    for field, value in body.ListFields():
+        if field.message_type is pb.Tensor.DESCRIPTOR and field.is_repeated:
+            total += sum(_tensor_bytes(t) for t in value)
+        elif field.message_type in _ROW_MESSAGES and field.is_repeated:
+            # a row push's or pull's tensors sit one level down (RowGradient...)
+            total += sum(
+                _tensor_bytes(t)
+                for m in value
+                for f, t in m.ListFields()
+                if f.message_type is pb.Tensor.DESCRIPTOR
+            )
+    return total
+
+
+_ROW_MESSAGES = (pb.RowGradient.DESCRIPTOR, pb.RowSelection.DESCRIPTOR)
+
+
+def message_bytes(msg: Any) -> int:
+    """About the wire size of a message, without encoding a large one.
+
+    ``ByteSize()`` serializes the whole message in upb (~170 ms for 64 MiB), so a
+    message that carries tensors is sized from their declared dims instead.
+    """
+    if isinstance(msg, Malformed):
+        return msg.size
+    if isinstance(msg, bytes):  # an encoded chunk frame (codec.chunk_frames)
+        return len(msg)
+    if isinstance(msg, EncodedMessage):  # tensors encoded by hand: its size known
+        return msg.ByteSize()
+    if not isinstance(msg, Message):
+        return 0
+    declared = declared_bytes(msg)
+    return declared + 256 if declared else msg.ByteSize()
+
+
+def _malformed_message(m: Malformed) -> str:
+    return (
+        f"the request of {m.error.partition(':')[0]} is not a valid protobuf message "
+        f"({m.size} bytes): {m.error.partition(': ')[2]}"
+    )
+
+
+def _checked(first: Any, it: Iterator[Any]) -> Iterator[Any]:
+    yield first
+    for msg in it:
+        if isinstance(msg, Malformed):
+            # Raised inside the servicer, which maps it to INVALID_ARGUMENT.
+            raise InvalidArgument(_malformed_message(msg))
+        yield msg
+
+
+class InflightBytes:
+    """The request and reply bytes one server holds at once (limit 0: no limit)."""
+
+    def __init__(self, limit: int = 0) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._held = 0
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    def admit(self, nbytes: int, what: str = "this call carries") -> None:
+        """Count ``nbytes``, or raise ``ResourceExhausted`` when they do not fit."""
+        with self._lock:
+            limit = self.limit
+            if limit and self._held + nbytes > limit:
+                if nbytes > limit:
+                    raise ResourceExhausted(
+                        f"{what} {nbytes} bytes, over the server's limit of {limit} "
+                        "bytes in flight; send smaller pieces"
+                    )
+                raise ResourceExhausted(
+                    f"{what} {nbytes} bytes and only {limit - self._held} of the "
+                    f"server's {limit} in-flight bytes are free; retry later"
+                )
+            self._held += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._held -= nbytes
+
+    def hold(self) -> InflightHold:
+        return InflightHold(self)
+
+
+class InflightHold:
+    """What one call holds of an ``InflightBytes`` budget; ``release`` is idempotent,
+    so both the end of a stream and the call's termination callback may call it."""
+
+    def __init__(self, budget: InflightBytes) -> None:
+        self._budget = budget
+        self._lock = threading.Lock()
+        self._nbytes = 0
+
+    def admit(self, nbytes: int, what: str = "this call carries") -> None:
+        self._budget.admit(nbytes, what)
+        with self._lock:
+            self._nbytes += nbytes
+
+    def release(self) -> None:
+        with self._lock:
+            nbytes, self._nbytes = self._nbytes, 0
+        if nbytes:
+            self._budget.release(nbytes)
+
+
+class LimitsInterceptor(HookInterceptor):
+    """Counts in-flight bytes and open streams for one server."""
+
+    def __init__(
+        self,
+        max_inflight_bytes: int = 0,
+        max_concurrent_streams: int = 0,
+        *,
+        inflight: InflightBytes | None = None,
+        stall: StallWatch | None = None,
+    ):
+        self.inflight = inflight or InflightBytes(max_inflight_bytes)
+        self.max_concurrent_streams = max_concurrent_streams
+        self.stall = stall
+        self._lock = threading.Lock()
+        self.streams = 0
+
+    @property
+    def max_inflight_bytes(self) -> int:
+        return self.inflight.limit
+
+    @property
+    def inflight_bytes(self) -> int:
+        return self.inflight.held
+
+    def call_hooks(
+        self,
+        handler: Handler,
+        handler_call_details: grpc.HandlerCallDetails,
+        deserializer: Deserializer | None,
+    ) -> tuple[CallHooks | None, Deserializer | None]:
+        _, method = method_of(handler_call_details)
+        call = _Admission(
+            self,
+            method,
+            bool(handler.request_streaming),
+            bool(handler.response_streaming),
+            deserializer,
+        )
+        return call, call.parse if deserializer is not None else None
+
+    # -- admission -------------------------------------------------------------------
+    def admit_stream(self, context: grpc.ServicerContext) -> None:
+        with self._lock:
+            limit = self.max_concurrent_streams
+            if limit and self.streams >= limit:
+                refuse(
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the server is at its limit of {limit} concurrent streams; "
+                    "retry later",
+                    "STREAM_LIMIT",
+                    {"limit": str(limit)},
+                )
+            self.streams += 1
+
+    def admit_bytes(self, context: grpc.ServicerContext, nbytes: int) -> None:
+        try:
+            self.inflight.admit(nbytes)
+        except ResourceExhausted as exc:
+            why = str(exc)
+        else:
+            return
+        metadata = {"limit": str(self.inflight.limit), "requested": str(nbytes)}
+        refuse(
+            context, grpc.StatusCode.RESOURCE_EXHAUSTED, why, "INFLIGHT_BYTES", metadata
+        )
+
+    def release(self, nbytes: int, stream: bool) -> None:
+        self.inflight.release(nbytes)
+        if stream:
+            with self._lock:
+                self.streams -= 1
+
+
+def _on_data_channel(request: Any) -> bool:
+    """A unary Push or Pull whose tensors travel on the data channel."""
+    return isinstance(request, (pb.PushRequest, pb.PullRequest)) and request.HasField(
+        "transfer"
+    )
+
+
+class _Admission(CallHooks):
+    """One call: its parsed size, and what it holds of the server's limits.
+
+    A stream is counted when its handler starts, before anything is read from it, so
+    streams that never send still count; its bytes are admitted once its header has
+    declared them.
+    """
+
+    def __init__(
+        self,
+        limits: LimitsInterceptor,
+        method: str,
+        req_s: bool,
+        resp_s: bool,
+        deserialize: Callable[[bytes], Any] | None,
+    ) -> None:
+        self.limits = limits
+        self.method = method
+        self.req_s = req_s
+        self.stream = req_s or resp_s
+        self.deserialize = deserialize
+        self.size = 0  # the unary request's size as received
+        self.held_stream = False
+        self.held_bytes = 0
+
+    def parse(self, raw: bytes) -> Any:
+        assert self.deserialize is not None
+        self.size = len(raw)
+        try:
+            if raw[:1] == b"\x00":  # field 0: upb lets a fieldless message take it
+                raise ValueError("field number 0 is not a valid tag")
+            return self.deserialize(raw)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's
+            return Malformed(len(raw), f"{self.method}: {exc}")
+
+    def before(self, request: Any, context: grpc.ServicerContext) -> Any:
+        if self.stream or _on_data_channel(request):
+            self.limits.admit_stream(context)
+            self.held_stream = True
+        if self.req_s:
+            # A standby's acknowledgements stop while its primary has nothing to
+            # ship: an idle Replicate stream is not a stalled one.
+            if self.limits.stall is not None and self.method != "Replicate":
+                request = self.limits.stall.reading(request, context, self.method)
+            it = iter(request)
+            first = next(it, None)
+            if isinstance(first, Malformed):
+                refuse(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    _malformed_message(first),
+                    "MALFORMED_MESSAGE",
+                )
+            if first is None:
+                return it
+            nbytes, request = message_bytes(first), _checked(first, it)
+        else:
+            if isinstance(request, Malformed):
+                refuse(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    _malformed_message(request),
+                    "MALFORMED_MESSAGE",
+                )
+            nbytes = self.size
+        self.limits.admit_bytes(context, nbytes)
+        self.held_bytes = nbytes
+        return request
+
+    def finish(self, context: grpc.ServicerContext, failed: bool) -> None:
+        if self.held_stream or self.held_bytes:
+            self.limits.release(self.held_bytes, self.held_stream)

@@ -1,0 +1,514 @@
+"""The server's side of the tensor transports: where a push's gradients come from
+(``GradientSource``) and where X goes back (``ValuesSink``), one class per way the
+bytes travel, the client's ``_transport`` seen from the other end:
+
+- inline: the bytes inside the unary message (``InlineGradients``, ``InlineValues``);
+- stream: ~1 MiB chunks on a gRPC stream (``StreamGradients``; X of a
+  PushPullStream goes out while the push steps, through ``FrameSink``);
+- shared memory: the client's segment named by a region (``RegionGradients``,
+  ``RegionValues``; ``_shm`` maps and checks it);
+- data channel: one frame on the call's socket (``ChannelGradients``,
+  ``ChannelValues``; ``_datachannel`` owns the sockets).
+
+A source's ``gradients`` is a context: the arrays it yields (pooled buffers, mapped
+memory) are valid until it exits. A sink's ``check`` runs before the step (a reply
+region that cannot be used refuses the push before it applies), ``send`` after.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Protocol
+
+import numpy as np
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.codec import (
+    PROTO_TO_DTYPE,
+    TensorAssembler,
+    TensorFormatError,
+    encode_chunk,
+    fill_flat,
+    header_tensor,
+    tensor_spec,
+    write_tensor,
+)
+
+from ..errors import DeadlineExceeded, InvalidArgument, Unavailable
+from ..kernels._finite import finite_checker
+from ..store import PushOutcome, PushTicket
+from ..store._flat import FlatArrays, flat_views, kept_flat
+from ..transports._datachannel import DataChannel
+from ..transports._receive import GradientPool, Lease, receive
+from ..transports._shm import Caller, SharedMemory
+from ._convert import decoded
+
+__all__ = [
+    "ChannelGradients",
+    "ChannelValues",
+    "FrameSink",
+    "GradientSource",
+    "InlineGradients",
+    "InlineValues",
+    "RegionGradients",
+    "RegionValues",
+    "StreamGradients",
+    "ValuesSink",
+    "bare_specs",
+    "pooled",
+]
+
+Array = np.ndarray[Any, Any]
+Spec = tuple[np.dtype[Any], tuple[int, ...]]
+Reply = pb.PushResponse | pb.PushStreamResponse
+
+
+class GradientSource(Protocol):
+    def gradients(self) -> AbstractContextManager[tuple[list[Array], bool]]:
+        """The gradients, and whether they are known to be finite (checked as they
+        landed)."""
+        ...
+
+
+class ValuesSink(Protocol):
+    def check(self) -> None:
+        """Refuse, before the push applies, what would keep X from being sent."""
+        ...
+
+    def send(self, reply: Reply, values: Sequence[Array], names: Sequence[str]) -> None:
+        """X of the push: into ``reply`` or beside it."""
+        ...
+
+
+def pooled(pool: GradientPool, group: str, headers: Sequence[pb.Tensor]) -> Lease:
+    """Buffers of ``pool`` for gradients of these headers (none when the headers
+    are wrong: the reader then says what is wrong with them)."""
+    try:
+        specs = [tensor_spec(t, t.name, encoded=True) for t in headers]
+        return pool.lease(group, specs)
+    except (ValueError, OverflowError, MemoryError):
+        return Lease([], None)
+
+
+def bare_specs(req: pb.PushRequest, where: str, *, encoded: bool = False) -> list[Spec]:
+    """The gradients' (dtype, dims) when their bytes travel apart from the
+    message: no inline bytes, float only, and native unless ``encoded``."""
+    specs = []
+    for i, t in enumerate(req.gradients):
+        if t.raw_data:
+            raise InvalidArgument(
+                f"gradient {i + 1} carries bytes inline and {where}: with a "
+                "region or a transfer, raw_data must be empty",
+                field=f"gradients[{i}].raw_data",
+            )
+        if t.encoding and not encoded:
+            raise InvalidArgument(
+                f"gradient {i + 1} is encoded: gradients {where} travel in the "
+                "group's dtype (float32 or float64); encoded gradients go on the "
+                "data channel or over gRPC",
+                field=f"gradients[{i}].encoding",
+            )
+        dtype, dims = tensor_spec(t, f"gradient {i + 1}", encoded=encoded)
+        if dtype.kind != "f":
+            raise InvalidArgument(
+                f"gradient {i + 1} is {dtype}: gradients {where} travel in the "
+                "group's dtype (float32 or float64)",
+                field=f"gradients[{i}].dtype",
+            )
+        specs.append((dtype, tuple(dims)))
+    return specs
+
+
+# -- inline ---------------------------------------------------------------------------
+class InlineGradients:
+    """Gradients inside the unary Push (encoded ones widened)."""
+
+    def __init__(self, req: pb.PushRequest, ticket: PushTicket) -> None:
+        self.req = req
+        self.ticket = ticket
+
+    def gradients(self) -> AbstractContextManager[tuple[list[Array], bool]]:
+        tensors = self.req.gradients
+        if len(tensors) == 1:  # read in place: no copy
+            return nullcontext(([self._one(tensors[0])], False))
+        return nullcontext((self._flat(tensors), False))
+
+    def _one(self, t: pb.Tensor) -> Array:
+        """The only gradient, a view of the request's bytes (widened when encoded).
+        Its header was checked (``_validate_push``): bytes of the length it
+        declares are all that is left to see, as ``decoded`` sees them."""
+        raw = t.raw_data  # each read copies: read once
+        shape = self.ticket.shapes[0]
+        dtype = PROTO_TO_DTYPE.get(t.dtype)
+        if dtype is None or t.encoding or len(raw) != math.prod(shape) * dtype.itemsize:
+            return self._decoded(0, t)  # encoded (widened), or refused
+        return np.frombuffer(raw, dtype).reshape(shape)
+
+    def _decoded(self, i: int, t: pb.Tensor) -> Array:
+        what = f"gradient {i + 1} ({self.ticket.names[i]!r})"
+        return decoded(t, what, f"gradients[{i}].raw_data", encoded=True)
+
+    def _flat(self, tensors: Sequence[pb.Tensor]) -> list[Array]:
+        """The gradients copied into one flat buffer (``FlatArrays``): the push
+        then steps as one array. The headers were checked (``_validate_push``);
+        a tensor whose bytes do not match its header is refused as ``decoded``
+        refuses it."""
+        dtype, shapes = self.ticket.dtype, self.ticket.shapes
+        flat = np.empty(sum(map(math.prod, shapes)), dtype)
+        out = FlatArrays(flat_views(flat, shapes), flat)
+
+        def parts() -> Iterator[tuple[bytes, int, int]]:
+            for i, (t, view) in enumerate(zip(tensors, out, strict=True)):
+                raw, n = t.raw_data, view.size
+                if len(raw) != n * (2 if t.encoding else dtype.itemsize):
+                    self._decoded(i, t)  # raises: the bytes do not match the header
+                yield raw, n, t.encoding
+
+        fill_flat(flat, parts())
+        return out
+
+
+class InlineValues:
+    """X inside the reply."""
+
+    def check(self) -> None:
+        pass
+
+    def send(self, reply: Reply, values: Sequence[Array], names: Sequence[str]) -> None:
+        for v, n in zip(values, names, strict=True):
+            write_tensor(reply.values.add(), v, n)
+
+
+# -- stream ---------------------------------------------------------------------------
+class StreamGradients:
+    """Gradients in chunks after a stream's header, assembled into the group's
+    pooled buffers where they fit, each block checked for NaN and inf as it lands
+    (``_receive``)."""
+
+    def __init__(
+        self,
+        it: Iterator[Any],
+        headers: Sequence[pb.Tensor],
+        names: Sequence[str],
+        lease: Lease,
+        cut_off: Callable[[], None],
+    ) -> None:
+        self.it = it
+        self.headers = headers
+        self.names = names
+        self.lease = lease
+        self.cut_off = cut_off  # raises when the client went away mid-stream
+
+    @contextmanager
+    def gradients(self) -> Iterator[tuple[list[Array], bool]]:
+        with self.lease:
+            yield self.receive()
+
+    def receive(self) -> tuple[list[Array], bool]:
+        """The gradients now (the caller gives the lease back)."""
+        asm = TensorAssembler(
+            self.headers, self.names, encoded=True, out=self.lease.arrays
+        )
+        try:
+            got = receive(self.it, asm)
+        except TensorFormatError:
+            self.cut_off()
+            raise
+        return kept_flat(got.arrays, self.lease.arrays), got.finite
+
+
+_END = object()
+_REPLY_CHUNK_FIELD = pb.PushPullStreamResponse.DESCRIPTOR.fields_by_name["chunk"].number
+
+
+class _Failed:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class FrameSink:
+    """Takes X from the store as a push steps it (a ``ValuesSink`` of the store)
+    and hands it, as encoded PushPullStream frames, to the thread that sends the
+    reply.
+
+    The push runs on a thread of its own (``run``), so each block is copied out
+    under the group's lock and sent while the next block steps. The copy goes into
+    the push's own gradient buffers (``room``) where they match X: the step is
+    element-wise, so a block's gradient is spent once its X is final, and the
+    reply then costs no memory beyond them (X copied into frames as it stepped
+    held a second copy of X when the step outran the network). The frames are
+    encoded from there as the reply is sent, and ``release`` (the buffers' lease)
+    runs once both the push and the sending are done with them. Without room,
+    each block is encoded into its frames at once. After ``close`` (the caller
+    went away) frames are dropped; the push still finishes.
+    """
+
+    def __init__(
+        self,
+        headers: Sequence[pb.Tensor],
+        chunk_bytes: int,
+        room: Sequence[Array] = (),
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        self._headers = headers
+        self._chunk_bytes = chunk_bytes
+        self._frames: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._room = list(room)
+        self._views: list[memoryview] = []
+        self._xs: list[Array] = []
+        self._itemsizes: list[int] = []
+        self._closed = False
+        self._release = release
+        self._users = 2  # the push (``run``) and the sending (``frames``/``close``)
+        self._users_lock = threading.Lock()
+
+    def begin(self, outcome: PushOutcome, xs: Sequence[Array]) -> None:
+        self._itemsizes = [x.itemsize for x in xs]
+        if _fits_room(self._room, xs):
+            self._xs = list(xs)
+            views = [r.reshape(-1) for r in self._room]
+        else:
+            self._room = []
+            views = list(xs)
+        self._views = [memoryview(v).cast("B") for v in views]  # type: ignore[arg-type]
+        header = pb.PushResponse(
+            update_count=outcome.update_count,
+            applied=outcome.applied,
+            duplicate=outcome.duplicate,
+            values=self._headers,
+        )
+        self._put(pb.PushPullStreamResponse(header=header))
+
+    def block(self, index: int, start: int, stop: int) -> None:
+        if self._closed:
+            return
+        if self._room:
+            flat = self._room[index].reshape(-1)
+            np.copyto(flat[start:stop], self._xs[index][start:stop])
+            self._put((index, start, stop))
+        else:
+            self._put_all(self._encode(index, start, stop))
+
+    def _encode(self, index: int, start: int, stop: int) -> Iterator[bytes]:
+        """The frames of elements ``start:stop`` of X ``index``."""
+        size = self._itemsizes[index]
+        view = self._views[index]
+        step = self._chunk_bytes
+        for a in range(start * size, stop * size, step):
+            b = min(a + step, stop * size)
+            yield encode_chunk(_REPLY_CHUNK_FIELD, index, a, view[a:b])
+
+    def _put(self, item: Any) -> None:
+        if not self._closed:
+            self._frames.put(item)
+
+    def _put_all(self, items: Iterator[Any]) -> None:
+        if not self._closed:
+            for item in items:
+                self._frames.put(item)
+
+    def run(self, push: Callable[[], Any]) -> None:
+        try:
+            push()
+        except BaseException as exc:  # noqa: BLE001 - raised on the sending thread
+            self._frames.put(_Failed(exc))
+        else:
+            self._frames.put(_END)
+        finally:
+            self._xs = []
+            self._done_with_room()
+
+    def frames(self) -> Iterator[Any]:
+        while (item := self._frames.get()) is not _END:
+            if isinstance(item, _Failed):
+                error, item.error = item.error, None  # type: ignore[assignment]
+                raise error
+            if isinstance(item, tuple):
+                yield from self._encode(*item)
+            else:
+                yield item
+
+    def close(self) -> None:
+        """The sending is over (the reply sent, or the caller gone)."""
+        if not self._closed:
+            self._closed = True
+            self._done_with_room()
+
+    def _done_with_room(self) -> None:
+        with self._users_lock:
+            self._users -= 1
+            last = self._users == 0
+        if last:
+            self._views = []
+            self._room = []
+            if self._release is not None:
+                self._release()
+
+
+def _fits_room(room: Sequence[Array], xs: Sequence[Array]) -> bool:
+    """Whether X can be copied into ``room``, array for array (same dtype and
+    size, C-contiguous and writable)."""
+    return len(room) == len(xs) and all(
+        r.dtype == x.dtype
+        and r.size == x.size
+        and r.flags.c_contiguous
+        and r.flags.writeable
+        for r, x in zip(room, xs, strict=True)
+    )
+
+
+# -- shared memory --------------------------------------------------------------------
+class RegionGradients:
+    """Gradients in the client's segment, read in place by the store."""
+
+    def __init__(
+        self,
+        shm: SharedMemory,
+        req: pb.PushRequest,
+        ticket: PushTicket,
+        caller: Caller,
+        names: Sequence[str],
+    ) -> None:
+        self.shm = shm
+        self.region = req.gradients_region
+        self.specs = bare_specs(req, "in gradients_region")
+        self.caller = caller
+        self.names = names
+
+    @contextmanager
+    def gradients(self) -> Iterator[tuple[list[Array], bool]]:
+        with self.shm.read(self.region, self.specs, self.names, self.caller) as grads:
+            if isinstance(grads, FlatArrays):  # packed: the push steps one array
+                yield FlatArrays(grads, grads.flat), False
+            else:
+                yield list(grads), False
+
+
+class RegionValues:
+    """X written into the client's reply segment (inline when it does not fit
+    there, e.g. the group was replaced)."""
+
+    def __init__(
+        self, shm: SharedMemory, region: pb.SharedMemoryRegion, caller: Caller
+    ) -> None:
+        self.shm = shm
+        self.region = region
+        self.caller = caller
+
+    def check(self) -> None:
+        self.shm.check(self.region, self.caller, "reply_region")
+
+    def send(self, reply: Reply, values: Sequence[Array], names: Sequence[str]) -> None:
+        written = self.shm.write(self.region, values, self.caller)
+        if written is None:
+            InlineValues().send(reply, values, names)
+            return
+        reply.values_region.CopyFrom(written)
+        reply.values.extend(map(header_tensor, values, names))
+
+
+# -- the data channel -----------------------------------------------------------------
+def channel_frame_bytes(specs: Sequence[Spec], codes: Sequence[int]) -> tuple[int, int]:
+    """(bytes the gradients' frame carries, bytes of X in the group's dtype): an
+    encoded gradient travels in 2 bytes per element."""
+    counts = [int(np.prod(dims, dtype=np.int64)) for _, dims in specs]
+    native = sum(n * d.itemsize for n, (d, _) in zip(counts, specs, strict=True))
+    framed = sum(
+        n * (2 if c else d.itemsize)
+        for n, c, (d, _) in zip(counts, codes, specs, strict=True)
+    )
+    return framed, native
+
+
+class ChannelGradients:
+    """Gradients in one frame on the call's data channel, received into the
+    group's pooled buffers (encoded ones widened), each block checked for NaN and
+    inf as it lands."""
+
+    def __init__(
+        self,
+        ch: DataChannel,
+        req: pb.PushRequest,
+        specs: Sequence[Spec],
+        lease: Lease,
+        is_active: Callable[[], bool],
+        deadline: float | None,
+    ) -> None:
+        self.ch = ch
+        self.req = req
+        self.specs = specs
+        self.codes = [t.encoding for t in req.gradients]
+        self.lease = lease
+        self.is_active = is_active
+        self.deadline = deadline
+
+    @contextmanager
+    def gradients(self) -> Iterator[tuple[list[Array], bool]]:
+        expected, _ = channel_frame_bytes(self.specs, self.codes)
+        tid = self.req.transfer.transfer_id
+        nbytes = self.ch.read_header(tid, self.is_active, self.deadline)
+        if nbytes != expected:
+            self.lease.release()
+            raise InvalidArgument(
+                f"the data channel frame carries {nbytes} bytes; the "
+                f"gradients' headers declare {expected}",
+                reason="DATA_FRAME_SIZE",
+            )
+        with self.lease:
+            grads = self.lease.arrays or [np.empty(d, t) for t, d in self.specs]
+            yield grads, self._read_checked(grads)
+
+    def _read_checked(self, grads: list[Array]) -> bool:
+        """Receive the frame into ``grads``; whether every element was finite."""
+        flats = [g.reshape(-1) for g in grads]
+        checked = [0] * len(grads)
+        all_finite = finite_checker()
+        finite = True
+
+        def landed(i: int, elements: int) -> None:
+            nonlocal finite
+            if finite and elements > checked[i]:
+                finite = all_finite(flats[i][checked[i] : elements])
+                checked[i] = elements
+
+        self.ch.read_into(grads, self.is_active, self.deadline, landed, self.codes)
+        return finite
+
+
+class ChannelValues:
+    """X as one frame on the call's data channel, after the reply says so. The
+    push has applied by then: a failure to send is the transport's (UNAVAILABLE,
+    retried), and the message says the push was applied, so a resend with the same
+    seq is answered by exactly-once without a second step."""
+
+    def __init__(
+        self, ch: DataChannel, req: pb.PushRequest, deadline: float | None
+    ) -> None:
+        self.ch = ch
+        self.req = req
+        self.deadline = deadline
+
+    def check(self) -> None:
+        pass
+
+    def send(self, reply: Reply, values: Sequence[Array], names: Sequence[str]) -> None:
+        assert isinstance(reply, pb.PushResponse)  # a unary Push's transfer
+        reply.values.extend(map(header_tensor, values, names))
+        reply.values_on_channel = True
+        req = self.req
+        try:
+            self.ch.send(req.transfer.transfer_id, values, self.deadline)
+        except (OSError, DeadlineExceeded) as exc:
+            raise Unavailable(
+                f"push seq {req.seq} to group {req.group!r} was applied (T="
+                f"{reply.update_count}) but its values could not be sent on the "
+                f"data channel ({exc}); resend it with the same client_id and seq "
+                "for them",
+                reason="DATA_CHANNEL_BROKEN",
+                metadata={"group": req.group, "update_count": reply.update_count},
+            ) from None

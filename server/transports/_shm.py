@@ -1,0 +1,415 @@
+"""The server's side of the same-host transport (layout: ``onnxps.wire.shm``).
+
+The server never creates a segment: it opens the client's by name, checks it (an
+``onnxps-`` name with no path, a regular file of this server's uid, large enough,
+the generation the call names), maps it and reads the gradients in place with
+``np.frombuffer`` (no copy), or writes the reply's tensors into it. A client of the
+same uid could signal this process anyway, so a segment is trusted as much as the
+user: it is not copied before it is validated and stepped.
+
+A name is no capability (anyone may list /dev/shm): every call that names a
+segment carries the key in its header, which only a process that can read the
+segment knows, and the first call (or hello) that names a key binds it to its
+caller: the digest of its token, its gRPC peer and, where the OS tells
+(``peer_uid``), its uid, which must be this server's (the segment's owner).
+Every later use must come from the same token and the same uid (a new
+connection of the same uid is the same client reconnecting); anything else is
+PERMISSION_DENIED ``SEGMENT_NOT_YOURS``, before anything is read, written or
+stepped. Messages name segments and uids, never a key or a generation.
+
+Mappings are cached by segment name and inode (a client reuses its segments call
+after call, and mapping 64 MiB costs milliseconds): every call still opens and
+checks the file, and a file that changed (another inode or size) is mapped anew.
+A sweeper thread unlinks the segments of clients that died (``sweep_orphans``)
+and drops the mappings of segments that are gone, so their memory is freed
+within a sweep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import mmap
+import os
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire.shm import (
+    HEADER_BYTES,
+    KEY_AT,
+    KEY_BYTES,
+    MAGIC,
+    NONCE_BYTES,
+    SHM_DIR,
+    is_onnxps_name,
+    layout,
+    one_itemsize,
+    owner_problem,
+    pid_namespace,
+    sweep_orphans,
+)
+
+from ..errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from ..store._flat import FlatArrays, flat_views
+from ._peercred import peer_uid
+
+__all__ = ["Caller", "SharedMemory"]
+
+log = logging.getLogger("onnxps.shm")
+
+Array = np.ndarray[Any, Any]
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_CACHED_MAPS = 32
+_BINDINGS = 4096  # keys remembered; the oldest is forgotten (its key still guards)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who names a segment: the digest of the call's token ("" without one) and
+    its gRPC peer (``context.peer()``)."""
+
+    principal: str
+    peer: str
+
+
+@dataclass(frozen=True)
+class _Binding:
+    """The caller a segment key was first named by, and its uid (None where the
+    OS does not tell)."""
+
+    principal: str
+    peer: str
+    uid: int | None
+
+
+@dataclass(frozen=True)
+class _Mapping:
+    inode: int
+    size: int
+    map: mmap.mmap
+
+
+def _unmap(m: _Mapping) -> None:
+    # A call still viewing it keeps it mapped until its arrays are gone.
+    with contextlib.suppress(BufferError):
+        m.map.close()
+
+
+class SharedMemory:
+    """Opens, checks and maps clients' segments; sweeps the orphaned ones."""
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        *,
+        directory: str = SHM_DIR,
+        sweep_seconds: float = 2.0,
+    ) -> None:
+        self.enabled = enabled
+        self.directory = directory
+        self._sweep_seconds = sweep_seconds
+        self._stop = threading.Event()
+        self._sweeper: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._maps: OrderedDict[str, _Mapping] = OrderedDict()
+        self._bindings: OrderedDict[bytes, _Binding] = OrderedDict()
+
+    # -- lifecycle -----------------------------------------------------------------
+    def start(self) -> None:
+        if not self.enabled or not os.path.isdir(self.directory):
+            return
+        sweep_orphans(self.directory)
+        self._sweeper = threading.Thread(
+            target=self._sweep, name="onnxps-shm-sweeper", daemon=True
+        )
+        self._sweeper.start()
+
+    def _sweep(self) -> None:
+        while not self._stop.wait(self._sweep_seconds):
+            try:
+                sweep_orphans(self.directory)
+                self._drop_gone()
+            except Exception:  # noqa: BLE001 - a sweep must never end the thread
+                log.exception("sweeping orphaned shared-memory segments failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._sweeper is not None:
+            self._sweeper.join(timeout=5)
+        with self._lock:
+            maps, self._maps = list(self._maps.values()), OrderedDict()
+        for m in maps:
+            _unmap(m)
+
+    def _drop_gone(self) -> None:
+        """Unmap the cached segments whose file was unlinked or replaced."""
+        with self._lock:
+            cached = list(self._maps.items())
+        for name, m in cached:
+            try:
+                alive = os.stat(os.path.join(self.directory, name)).st_ino == m.inode
+            except OSError:
+                alive = False
+            if not alive:
+                with self._lock:
+                    if self._maps.get(name) is m:
+                        del self._maps[name]
+                _unmap(m)
+
+    def _map(self, name: str, fd: int, st: os.stat_result) -> mmap.mmap:
+        """The mapping of the open segment ``fd`` (cached while its file is the
+        same)."""
+        with self._lock:
+            m = self._maps.get(name)
+            if m is not None and (m.inode, m.size) == (st.st_ino, st.st_size):
+                self._maps.move_to_end(name)
+                return m.map
+        fresh = _Mapping(
+            st.st_ino,
+            st.st_size,
+            mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | _POPULATE),
+        )
+        with self._lock:
+            old = self._maps.pop(name, None)
+            self._maps[name] = fresh
+            evicted = [old] if old is not None else []
+            while len(self._maps) > _CACHED_MAPS:
+                evicted.append(self._maps.popitem(last=False)[1])
+        for m in evicted:
+            _unmap(m)
+        return fresh.map
+
+    # -- checks --------------------------------------------------------------------
+    def _check_on(self) -> None:
+        if not self.enabled:
+            raise FailedPrecondition(
+                "this server has shared memory turned off (--shared-memory off): "
+                "send tensor bytes over gRPC",
+                reason="SHARED_MEMORY_OFF",
+            )
+
+    def _mapped(self, name: str, key: bytes, caller: Caller, what: str) -> mmap.mmap:
+        """The checked segment ``name``, mapped (read and write: the checks are the
+        owner's uid and mode 0600, so this user may write it), once ``key`` is its
+        key and ``caller`` the one it is bound to."""
+        self._check_on()
+        if not is_onnxps_name(name):
+            raise InvalidArgument(
+                f"{what}: segment {name!r} is not a shared-memory segment of onnxps "
+                "(expected 'onnxps-' followed by letters, digits and '-', no path)",
+                reason="BAD_SEGMENT",
+                field=f"{what}.segment",
+            )
+        path = os.path.join(self.directory, name)
+        flags = os.O_RDWR | os.O_NOFOLLOW
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            raise FailedPrecondition(
+                f"{what}: cannot open segment {name!r} in {self.directory}: "
+                f"{exc.strerror} (client and server must share a host and /dev/shm)",
+                reason="SEGMENT_UNAVAILABLE",
+            ) from None
+        try:
+            st = os.fstat(fd)
+            problem = owner_problem(st)
+            if problem is not None:
+                raise PermissionDenied(
+                    f"{what}: segment {name!r} {problem}", reason="SEGMENT_NOT_OWNED"
+                )
+            if st.st_size < HEADER_BYTES:
+                raise InvalidArgument(
+                    f"{what}: segment {name!r} holds {st.st_size} bytes, less than "
+                    f"its {HEADER_BYTES}-byte header",
+                    reason="BAD_SEGMENT",
+                )
+            mapped = self._map(name, fd, st)
+        finally:
+            os.close(fd)
+        if mapped[: len(MAGIC)] != MAGIC:
+            raise InvalidArgument(
+                f"{what}: segment {name!r} does not begin with the onnxps header",
+                reason="BAD_SEGMENT",
+            )
+        held = bytes(mapped[KEY_AT : KEY_AT + KEY_BYTES])
+        if len(key) != KEY_BYTES or not hmac.compare_digest(held, key):
+            raise PermissionDenied(
+                f"{what}: the call does not carry the key of segment {name!r} "
+                f"({KEY_BYTES} bytes, written in its header by the client that "
+                "created it): a segment serves only that client",
+                reason="SEGMENT_NOT_YOURS",
+            )
+        self._check_bound(key, caller, name, what)
+        return mapped
+
+    def _check_bound(self, key: bytes, caller: Caller, name: str, what: str) -> None:
+        """Bind ``key`` to ``caller`` when it is new; refuse any other caller."""
+        with self._lock:
+            bound = self._bindings.get(key)
+            if bound is not None:
+                self._bindings.move_to_end(key)
+        if bound is None:
+            uid = peer_uid(caller.peer)
+            if uid is not None and uid != os.geteuid():
+                raise _not_yours(
+                    what,
+                    f"this call comes from uid {uid} and segment {name!r} belongs to "
+                    f"uid {os.geteuid()}: a segment serves only a client of its "
+                    "owner's uid",
+                )
+            with self._lock:
+                bound = self._bindings.setdefault(
+                    key, _Binding(caller.principal, caller.peer, uid)
+                )
+                while len(self._bindings) > _BINDINGS:
+                    self._bindings.popitem(last=False)
+        if not hmac.compare_digest(bound.principal, caller.principal):
+            raise _not_yours(
+                what,
+                f"segment {name!r} is bound to the token of the client that first "
+                "named it, and this call has another (or none): a segment serves "
+                "only the token that registered it",
+            )
+        if caller.peer != bound.peer:  # another connection: the same uid?
+            uid = peer_uid(caller.peer)
+            if uid != bound.uid:
+                raise _not_yours(
+                    what,
+                    f"this call comes from uid {_uid_text(uid)}, and segment "
+                    f"{name!r} is bound to a client of uid {_uid_text(bound.uid)}",
+                )
+            with self._lock:  # the client reconnected: look its uid up once
+                if key in self._bindings:
+                    self._bindings[key] = _Binding(bound.principal, caller.peer, uid)
+
+    # -- calls ---------------------------------------------------------------------
+    def hello(self, name: str, key: bytes, caller: Caller) -> bytes:
+        """The nonce a client's hello segment holds, once its pid namespace is ours
+        (and ``key``, the segment's, is bound to ``caller``)."""
+        m = self._mapped(name, key, caller, "hello")
+        end = len(MAGIC) + NONCE_BYTES
+        nonce = bytes(m[len(MAGIC) : end])
+        (their_ns,) = struct.unpack_from("<Q", m, end)
+        ours = pid_namespace()
+        if their_ns != ours:
+            raise FailedPrecondition(
+                f"the client runs in another pid namespace ({their_ns}, this server "
+                f"{ours}): segments of clients that die could not be swept",
+                reason="OTHER_PID_NAMESPACE",
+            )
+        return nonce
+
+    def check(self, region: pb.SharedMemoryRegion, caller: Caller, what: str) -> None:
+        """Refuse ``region`` now (before a call changes anything) unless its
+        segment is usable and ``caller``'s."""
+        self._mapped(region.segment, region.key, caller, what)
+
+    @contextlib.contextmanager
+    def read(
+        self,
+        region: pb.SharedMemoryRegion,
+        specs: Sequence[tuple[np.dtype[Any], tuple[int, ...]]],
+        names: Sequence[str],
+        caller: Caller,
+    ) -> Iterator[list[Array]]:
+        """Read-only arrays viewing the tensors of ``region`` (no copy), valid for
+        the block."""
+        what = "gradients_region"
+        if len(region.offsets) != len(specs):
+            raise InvalidArgument(
+                f"{what} has {len(region.offsets)} offsets for {len(specs)} tensors",
+                field=f"{what}.offsets",
+            )
+        m = self._mapped(region.segment, region.key, caller, what)
+        _check_generation(m, region, what)
+        arrays: list[Array] = []
+        packed = len(specs) > 1
+        end = region.offsets[0] if specs else 0
+        for (dtype, dims), at, name in zip(specs, region.offsets, names, strict=True):
+            count = int(np.prod(dims, dtype=np.int64))
+            _check_span(m, at, count * dtype.itemsize, dtype.itemsize, name, what)
+            view = np.frombuffer(m, dtype, count, at).reshape(dims)
+            view.flags.writeable = False
+            arrays.append(view)
+            packed = packed and at == end and dtype == specs[0][0]
+            end = at + count * dtype.itemsize
+        if packed:
+            # One dtype, back to back (``layout``): one flat array, so the push
+            # checks and steps the group as one array (``FlatArrays``).
+            arrays = _packed(m, specs[0][0], region.offsets[0], arrays)
+        try:
+            yield arrays
+        finally:
+            arrays.clear()
+
+    def write(
+        self, region: pb.SharedMemoryRegion, arrays: Sequence[Array], caller: Caller
+    ) -> pb.SharedMemoryRegion | None:
+        """Write ``arrays`` into the client's segment ``region`` names, then its
+        header's generation as ``region.generation + 1`` (what the client checks);
+        the region of the reply, or None when they do not fit (the reply then
+        carries them inline). A resent call writes them again."""
+        what = "reply_region"
+        itemsize = one_itemsize(a.dtype for a in arrays)
+        offsets, size = layout([a.nbytes for a in arrays], itemsize)
+        m = self._mapped(region.segment, region.key, caller, what)
+        if size > len(m):
+            return None
+        for a, at in zip(arrays, offsets, strict=True):
+            dest = np.frombuffer(m, a.dtype, a.size, at).reshape(a.shape)
+            np.copyto(dest, a)
+            del dest
+        generation = region.generation + 1
+        struct.pack_into("<Q", m, len(MAGIC), generation)
+        return pb.SharedMemoryRegion(
+            segment=region.segment, generation=generation, offsets=offsets
+        )
+
+
+def _check_generation(m: mmap.mmap, region: pb.SharedMemoryRegion, what: str) -> None:
+    (generation,) = struct.unpack_from("<Q", m, len(MAGIC))
+    if generation != region.generation:
+        # The segment's generation stays out of the message: the caller has it.
+        raise InvalidArgument(
+            f"{what}: segment {region.segment!r} is not at the generation the call "
+            "names (rewritten since, or a stale region): send the region of the "
+            "segment as it is now",
+            reason="STALE_SEGMENT",
+            field=f"{what}.generation",
+        )
+
+
+def _not_yours(what: str, why: str) -> PermissionDenied:
+    return PermissionDenied(f"{what}: {why}", reason="SEGMENT_NOT_YOURS")
+
+
+def _uid_text(uid: int | None) -> str:
+    return "unknown" if uid is None else str(uid)
+
+
+def _check_span(
+    m: mmap.mmap, at: int, nbytes: int, itemsize: int, name: str, what: str
+) -> None:
+    if at < HEADER_BYTES or at % itemsize or at + nbytes > len(m):
+        raise InvalidArgument(
+            f"{what}: {name} needs bytes [{at}, {at + nbytes}) of segment, which "
+            f"holds {len(m)} (header {HEADER_BYTES}, offsets aligned to {itemsize}):"
+            " the segment is truncated or the offset is wrong",
+            reason="BAD_SEGMENT",
+            field=f"{what}.offsets",
+        )
+
+
+def _packed(m: Any, dtype: np.dtype[Any], at: int, views: list[Array]) -> FlatArrays:
+    """``views`` (back to back from ``at``) as views of one read-only flat array."""
+    total = sum(v.size for v in views)
+    flat = np.frombuffer(m, dtype, total, at)
+    flat.flags.writeable = False
+    return FlatArrays(flat_views(flat, [v.shape for v in views]), flat)
