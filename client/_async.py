@@ -71,17 +71,15 @@ class AsyncClient(ClientCore):
 
     Takes the arguments of ``Client`` and behaves the same (one deadline per call,
     exactly-once resends of a push, TLS and tokens, unary or chunked streams by
-    size, a list of shard addresses routed as ``Client`` routes it). Use it as
+    size, a list of shard addresses routed as ``Client`` routes it, frames on a
+    call channel with ``frames="on"``, their socket's steps in a worker thread).
+    Use it as
     ``async with AsyncClient(address) as ps:``; the channels open on first use, in
     the running event loop.
     """
 
     def _setup(self) -> None:
         super()._setup()
-        if self.frames:
-            raise ValueError(
-                "frames='on' is a Client option: AsyncClient sends every call over gRPC"
-            )
         self._channels: dict[int, grpc.aio.Channel] = {}
         self._callables: dict[tuple[int, str], Any] = {}
         self._heartbeats: dict[str, asyncio.Task[None]] = {}
@@ -183,7 +181,7 @@ class AsyncClient(ClientCore):
             timeout = effect.deadline.remaining()
             try:
                 call = fn(
-                    effect.request(), timeout=timeout, metadata=self._metadata(shard)
+                    effect.request(), timeout=timeout, metadata=self._metadatas[shard]
                 )
                 if effect.reader is None:
                     return await call
@@ -227,7 +225,7 @@ class AsyncClient(ClientCore):
         rpc = fn(
             call.request(),
             timeout=call.deadline.remaining(),
-            metadata=self._metadata(shard),
+            metadata=self._metadatas[shard],
         )
 
         def frames() -> Any:

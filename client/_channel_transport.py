@@ -33,18 +33,14 @@ from ._errors import (
     RpcError,
     UnavailableError,
 )
-from ._grpc_transport import (
-    GrpcHost,
-    grpc_transport,
-    pull_waited,
-    pushed_what,
-)
+from ._grpc_transport import GrpcHost, pull_waited, pushed_what
 from ._ops import Blocking, Call, Deadline, Op, Transfer, unary_request, what
 from ._records import PushResult
 from ._replies import inline_values, tcp_host
 
 __all__ = [
     "DATA_CHANNEL_THRESHOLD_BYTES",
+    "ChannelHost",
     "ChannelTransport",
     "DataChannelLink",
     "DataChannelMode",
@@ -191,7 +187,7 @@ class DataChannelLink:
                 msg.port,
                 msg.ticket,
                 min(deadline.remaining(), 10),
-                self._context(),
+                self.context(),
                 self._server_name_override,
             )
             opened: DataChannel = yield Blocking(opening)
@@ -201,7 +197,8 @@ class DataChannelLink:
             self.refuse(why, shard)
             return None
 
-    def _context(self) -> ssl.SSLContext | None:
+    def context(self) -> ssl.SSLContext | None:
+        """The TLS of this client's channels (None: plain TCP)."""
         if self._tls[0] is None and self._tls[2] is None:
             return None
         if self._tls_context is None:
@@ -230,8 +227,8 @@ class DataChannelLink:
 class ChannelTransport:
     """One call's tensors as one frame each way on data channel ``ch`` (to
     ``shard``); everything else on gRPC. Where the channel fails without the
-    server saying why, a push is resent over gRPC (the same seq: applied once) and
-    a pull answers None (pull over gRPC)."""
+    server saying why, a push or pull answers None: the seam sends it over gRPC
+    (a push with the same seq: applied once)."""
 
     def __init__(self, link: DataChannelLink, ch: DataChannel, shard: int) -> None:
         self.link = link
@@ -244,7 +241,7 @@ class ChannelTransport:
         arrays: Sequence[Any],
         deadline: Deadline,
         out: Sequence[Array] | None,
-    ) -> Op[PushResult]:
+    ) -> Op[PushResult | None]:
         ch = self.ch
         req = pb.PushRequest()
         req.CopyFrom(template)
@@ -266,9 +263,7 @@ class ChannelTransport:
             if not _falls_back(exc):
                 raise
             log.info("data channel: %s; the push goes over gRPC", exc)
-            nbytes = sum(a.nbytes for a in arrays)
-            grpc_way = grpc_transport(self.link.host, nbytes)
-            return (yield from grpc_way.push(template, arrays, deadline, out))
+            return None
         self.link.pool(self.shard).give_back(ch)
         values = None
         if req.return_values and msg.values_on_channel:

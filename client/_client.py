@@ -12,31 +12,19 @@ from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import grpc
 import numpy as np
-from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
-from onnxps.wire.codec import deserializer, rpc_messages
 from onnxps.wire.encoding import EncodingRangeError
 
 from ._cluster import fan_out
-from ._datachannel import ChannelBroken, ChannelRefused, connect
+from ._datachannel import ChannelBroken
 from ._discovery import follows
 from ._errors import ClientClosedError, RpcError, surfaced
-from ._frames import (
-    CALL_MAGIC,
-    FRAME_MAX_REQUEST_BYTES,
-    FRAME_METHODS,
-    CallChannel,
-    FrameBroken,
-    FrameRpcError,
-    request_bytes,
-)
 from ._ops import (
     Blocking,
     Call,
     Deadline,
     Effect,
     Op,
-    OpRun,
     Parallel,
     Pause,
     PushCall,
@@ -52,16 +40,10 @@ from ._records import (
     SaveInfo,
     WorkerInfo,
 )
-from ._replies import tcp_host
 from ._requests import ClientCore, State
 from ._settings import channel_credentials, channel_options, multicallable
 
 log = logging.getLogger("onnxps.client")
-_NOT_FRAMED = object()  # a frame call that did not happen: the call goes over gRPC
-_FRAMES_RETRY_SECONDS = 10.0
-# Statuses a frame call hands to gRPC, whose retry policy resends them (a draining
-# or stopping server): the same seq, applied once
-_GRPC_RETRIES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 __all__ = [
     "Client",
@@ -160,9 +142,6 @@ class Client(ClientCore):
         self._callables: dict[tuple[int, str], Any] = {}
         self._heartbeats: dict[str, tuple[threading.Event, threading.Thread]] = {}
         self._background: ThreadPoolExecutor | None = None
-        self._call_channels: dict[int, CallChannel] = {}
-        self._frames_opening: dict[int, threading.Lock] = {}
-        self._frames_refused: dict[int, float] = {}
 
     # -- lifecycle -----------------------------------------------------------------
     def __enter__(self) -> Client:
@@ -191,8 +170,6 @@ class Client(ClientCore):
             thread.join(timeout=5)
         for channel in self._channels.values():
             channel.close()
-        for call_channel in self._call_channels.values():
-            call_channel.close()
         self._close_transports()
 
     def _get_stub(self, shard: int = 0) -> pb_grpc.ParameterServerServiceStub:
@@ -215,27 +192,32 @@ class Client(ClientCore):
             return stub
 
     def _method(self, name: str, shard: int = 0) -> Any:
-        self._get_stub(shard)  # opens the channel
-        key = (shard, name)
-        fn = self._callables.get(key)
-        if fn is None:
-            fn = self._callables[key] = multicallable(self._channels[shard], name)
+        fn = self._callables.get((shard, name))
+        if fn is not None and self._state is not State.CLOSED:
+            return fn
+        self._get_stub(shard)  # opens the channel (or raises: the client closed)
+        fn = self._callables[(shard, name)] = multicallable(self._channels[shard], name)
         return fn
 
     def _run(self, op: Op[R]) -> R:
-        """Perform an operation's effects with blocking calls; return its result."""
-        run = OpRun(op)
+        """Perform an operation's effects with blocking calls; return its result.
+        Stopped before the end, the operation is closed (``OpRun.abandon``)."""
+        reply: Any = None
+        error: Exception | None = None
         try:
-            while (effect := run.next_effect()) is not None:
+            while True:
                 try:
-                    run.reply(self._perform(effect))
+                    effect = op.send(reply) if error is None else op.throw(error)
+                except StopIteration as stop:
+                    result: R = stop.value
+                    return result
+                try:
+                    reply, error = self._perform(effect), None
                 except Exception as exc:  # raised in the operation, to handle
-                    run.fail(exc)
+                    reply, error = None, exc
         except BaseException:
-            run.abandon()
+            op.close()
             raise
-        result: R = run.result
-        return result
 
     def _perform(self, effect: Effect) -> Any:
         if isinstance(effect, Pause):
@@ -252,12 +234,8 @@ class Client(ClientCore):
             fn = self._method(effect.method, shard)
             timeout = effect.deadline.remaining()
             try:
-                if self.frames and effect.reader is None:
-                    framed = self._frame_call(effect, shard)
-                    if framed is not _NOT_FRAMED:
-                        return framed
                 reply = fn(
-                    effect.request(), timeout=timeout, metadata=self._metadata(shard)
+                    effect.request(), timeout=timeout, metadata=self._metadatas[shard]
                 )
                 if effect.reader is None:
                     return reply
@@ -269,73 +247,6 @@ class Client(ClientCore):
                 error = effect.error(exc)
                 if not self._followed(shard, error, effect.deadline):
                     raise error from None
-
-    def _frame_call(self, effect: Call, shard: int) -> Any:
-        """A Push or Pull as a frame on a call channel; ``_NOT_FRAMED``: send it
-        over gRPC (another method, tensors bound to gRPC, no channel, the channel
-        busy or broken: a push resent keeps its seq, applied once)."""
-        if effect.method not in FRAME_METHODS:
-            return _NOT_FRAMED
-        ch = self._call_channels.get(shard)
-        if ch is None or ch.closed:
-            # one thread opens a shard's channel; a call meanwhile goes over gRPC
-            opening = self._frames_opening.setdefault(shard, threading.Lock())
-            if not opening.acquire(blocking=False):
-                return _NOT_FRAMED
-            try:
-                ch = self._call_channel(shard, effect.deadline)
-            finally:
-                opening.release()
-        if ch is None or not ch.lock.acquire(blocking=False):
-            return _NOT_FRAMED
-        try:
-            raw = request_bytes(effect.request())
-            if raw is None or len(raw) > FRAME_MAX_REQUEST_BYTES:
-                return _NOT_FRAMED
-            body = ch.call(effect.method, raw, effect.deadline.remaining())
-        except FrameBroken as exc:
-            log.info("call channel to shard %d: %s; over gRPC", shard, exc)
-            return _NOT_FRAMED
-        except FrameRpcError as exc:
-            if exc.code() in _GRPC_RETRIES:  # gRPC's retry policy resends these
-                return _NOT_FRAMED
-            raise
-        finally:
-            ch.lock.release()
-        return deserializer(rpc_messages(effect.method)[1])(body)
-
-    def _call_channel(self, shard: int, deadline: Deadline) -> CallChannel | None:
-        """The open call channel to ``shard``, else a new one (hello, connect), else
-        None (refused: asked again after ``_FRAMES_RETRY_SECONDS``)."""
-        ch = self._call_channels.get(shard)
-        if ch is not None and not ch.closed:
-            return ch
-        if time.monotonic() < self._frames_refused.get(shard, 0.0):
-            return None
-        host = tcp_host(self.addresses[shard])
-        try:
-            if host is None:
-                raise OSError("the address is not host:port")
-            hello = self._method("DataChannelHello", shard)(
-                pb.DataChannelHelloRequest(),
-                timeout=min(deadline.remaining(), 5.0),
-                metadata=self._metadata(shard),
-            )
-            opened = connect(
-                host,
-                hello.port,
-                hello.ticket,
-                min(deadline.remaining(), 5.0),
-                self._data_link._context(),
-                self._data_link._server_name_override,
-                magic=CALL_MAGIC,
-            )
-        except (grpc.RpcError, OSError, ChannelRefused, ChannelBroken) as exc:
-            self._frames_refused[shard] = time.monotonic() + _FRAMES_RETRY_SECONDS
-            log.info("no call channel to shard %d (%s); calls over gRPC", shard, exc)
-            return None
-        ch = self._call_channels[shard] = CallChannel(opened.sock)
-        return ch
 
     def _followed(self, shard: int, error: Exception, deadline: Deadline) -> bool:
         """A replicated cluster's shard answered NOT_PRIMARY or UNAVAILABLE: wait for
@@ -368,7 +279,7 @@ class Client(ClientCore):
         future = fn.future(
             call.request(),
             timeout=call.deadline.remaining(),
-            metadata=self._metadata(call.shard or 0),
+            metadata=self._metadatas[call.shard or 0],
         )
         frame = None
         try:

@@ -6,7 +6,8 @@ presents the ticket and gets a channel id. A push or pull then names the channel
 and a transfer id in its gRPC request, and the tensors' bytes travel as one frame
 on the socket: the little-endian uint64 transfer id, the uint64 byte count, then
 the tensors back to back. The wire format is in the proto, beside
-``DataChannelHelloRequest``; the server's side is ``onnxps.server._datachannel``.
+``DataChannelHelloRequest``; the server's side is
+``onnxps.server.transports._datachannel``.
 
 A channel carries one call at a time; the client keeps idle ones for the next
 calls and closes a channel whenever a call on it fails.
@@ -14,7 +15,6 @@ calls and closes a channel whenever a call on it fails.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import socket
@@ -28,6 +28,13 @@ from typing import Any
 import numpy as np
 from onnxps.wire.codec import TensorFormatError, frame_bytes
 from onnxps.wire.encoding import widen_into
+from onnxps.wire.frames import (
+    CHANNEL_ID_BYTES,
+    DATA_FRAME,
+    DATA_MAGIC,
+    close_socket,
+    recv_exact,
+)
 
 __all__ = [
     "ChannelBroken",
@@ -41,9 +48,8 @@ __all__ = [
 
 Array = np.ndarray[Any, Any]
 
-MAGIC = b"ONNXPSD1"
-FRAME = struct.Struct("<QQ")
-CHANNEL_ID_BYTES = 16
+MAGIC = DATA_MAGIC
+FRAME = DATA_FRAME
 IDLE_CHANNELS = 4
 # Elements widened at a time as an encoded frame lands.
 WIDEN_BLOCK_ELEMENTS = 1 << 19
@@ -72,10 +78,7 @@ class DataChannel:
 
     def close(self) -> None:
         self.closed = True
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        close_socket(self.sock)
 
     def send_frame(
         self, transfer_id: int, arrays: Sequence[Array], timeout: float | None
@@ -199,13 +202,10 @@ def connect(
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        part = sock.recv(n - len(buf))
-        if not part:
-            raise ChannelBroken("the server closed the data channel while connecting")
-        buf += part
-    return bytes(buf)
+    got = recv_exact(sock, n)
+    if got is None:
+        raise ChannelBroken("the server closed the data channel while connecting")
+    return got
 
 
 def split_frame(

@@ -1,40 +1,64 @@
-"""The client's side of frame calls (``Client(frames="on")``).
+"""The client's side of frame calls (``frames="on"``, ``Client`` and
+``AsyncClient``): ``FrameTransport``, a ``TensorTransport`` (see ``_transport``).
 
 Small unary ``Push`` and ``Pull`` calls as frames on a call channel: a data
 channel opened with ``CALL_MAGIC`` after an authenticated ``DataChannelHello``
 (whose token the server keeps for the channel's calls). The server runs each call
-through the same interceptors and servicer as gRPC (``onnxps.server._frames``). A
+through the same interceptors and servicer as gRPC
+(``onnxps.server.transports._frames``). A
 status comes back as grpc's would (code, details, rich details), so the client's
 errors are the same; a socket that fails mid-call sends the call over gRPC again
-(the same seq: applied once).
+(the same seq: applied once). The frames' layout: ``onnxps.wire.frames``. The
+socket's steps are ``Blocking`` effects: ``Client`` runs them in the calling
+thread, ``AsyncClient`` in a worker thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import socket
-import struct
+import ssl
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.wire import frames
+from onnxps.wire.codec import deserializer, rpc_messages
+from onnxps.wire.frames import CALL_MAGIC, FRAME_MAX_REQUEST_BYTES, close_socket
+
+from ._datachannel import ChannelBroken, ChannelRefused, connect
+from ._errors import RpcError
+from ._grpc_transport import InlineTransport
+from ._ops import Blocking, Call, Deadline, Op, unary_request, what
+from ._replies import tcp_host
 
 __all__ = [
     "CALL_MAGIC",
     "FRAME_MAX_REQUEST_BYTES",
     "FRAME_METHODS",
     "CallChannel",
+    "CallChannelLink",
     "FrameBroken",
     "FrameRpcError",
+    "FrameTransport",
 ]
 
-CALL_MAGIC = b"ONNXPSC1"
-FRAME_METHODS = {"Push": 1, "Pull": 2}
-# Larger requests go over gRPC (its streams and the data channel move bytes best)
-FRAME_MAX_REQUEST_BYTES = 1 << 20
-_U32 = struct.Struct("<I")
-_HEAD = struct.Struct("<Bd")
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
+log = logging.getLogger("onnxps.client")
+
+FRAME_METHODS = frames.METHOD_NUMBERS
+# each method's reply message, read from a frame's bytes
+_REPLIES = {m: deserializer(rpc_messages(m)[1]) for m in FRAME_METHODS}
+_FRAMES_RETRY_SECONDS = 10.0  # a refused call channel is asked for again after
+# Statuses a frame call hands to gRPC, whose retry policy resends them (a draining
+# or stopping server): the same seq, applied once
+_GRPC_RETRIES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+_NOT_FRAMED = object()  # a frame call that did not happen: the call goes over gRPC
+_CODES = {number: grpc.StatusCode[name] for number, name in frames.STATUS_NAMES.items()}
 
 
 class FrameBroken(Exception):
@@ -70,59 +94,21 @@ class CallChannel:
 
     def close(self) -> None:
         self.closed = True
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        close_socket(self.sock)
 
     def call(self, method: str, request: bytes, timeout: float | None) -> bytes:
         """The reply's bytes; raises FrameRpcError (a status) or FrameBroken."""
-        body = _HEAD.pack(FRAME_METHODS[method], timeout or 0.0) + request
+        frame = frames.call_frame(FRAME_METHODS[method], timeout or 0.0, request)
         try:
             self.sock.settimeout(timeout)
-            self.sock.sendall(_U32.pack(len(body)) + body)
-            payload = self._recv(_U32.unpack(self._recv(4))[0])
-        except OSError as exc:  # a timeout too: where the stream stands is unknown
+            self.sock.sendall(frame)
+            code, body, details, trailing = frames.read_reply(self.sock)
+        except (OSError, ValueError) as exc:  # a timeout too: the stream is lost
             self.close()
             raise FrameBroken(f"the call channel failed mid-call ({exc})") from None
-        if not payload:
-            self.close()
-            raise FrameBroken("the call channel sent an empty reply")
-        code = _CODES.get(payload[0])
-        if code is grpc.StatusCode.OK:
-            return payload[1:]
-        if code is None:
-            self.close()
-            raise FrameBroken(f"the call channel sent status {payload[0]}")
-        raise FrameRpcError(code, *_status(payload))
-
-    def _recv(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
-            k = self.sock.recv_into(view[got:])
-            if not k:
-                raise OSError("the server closed the call channel")
-            got += k
-        return bytes(buf)
-
-
-def _status(payload: bytes) -> tuple[str, list[tuple[str, bytes]]]:
-    (n,) = _U32.unpack_from(payload, 1)
-    details = payload[5 : 5 + n].decode("utf-8")
-    at = 5 + n
-    (count,) = struct.unpack_from("<H", payload, at)
-    at += 2
-    trailing: list[tuple[str, bytes]] = []
-    for _ in range(count):
-        (klen,) = struct.unpack_from("<H", payload, at)
-        key = payload[at + 2 : at + 2 + klen].decode("ascii")
-        at += 2 + klen
-        (vlen,) = _U32.unpack_from(payload, at)
-        value = payload[at + 4 : at + 4 + vlen]
-        trailing.append((key, value if key.endswith("-bin") else value))
-        at += 4 + vlen
-    return details, trailing
+        if code == 0:
+            return body
+        raise FrameRpcError(_CODES[code], details, trailing)
 
 
 def request_bytes(request: Any) -> bytes | None:
@@ -135,3 +121,112 @@ def request_bytes(request: Any) -> bytes | None:
                 return None
     data: bytes = request.SerializeToString()
     return data
+
+
+class CallChannelLink:
+    """The call channels of one client, one per shard (0: the one server), opened
+    on first use; a shard that refused one is asked again after
+    ``_FRAMES_RETRY_SECONDS`` (its calls meanwhile over gRPC)."""
+
+    def __init__(
+        self,
+        addresses: list[str],
+        tls: Callable[[], ssl.SSLContext | None],
+        server_name_override: str | None,
+    ) -> None:
+        self.addresses = addresses  # the client's own list: followed as it changes
+        self._tls = tls
+        self._server_name_override = server_name_override
+        self.channels: dict[int, CallChannel] = {}
+        self._opening: dict[int, threading.Lock] = {}
+        self._refused: dict[int, float] = {}
+
+    def close(self) -> None:
+        for ch in self.channels.values():
+            ch.close()
+
+    def call(self, call: Call, shard: int) -> Op[Any]:
+        """``call`` (a Push or Pull) as a frame to ``shard``: its reply, or
+        ``_NOT_FRAMED`` (send it over gRPC: no channel, the channel busy or
+        broken, the request too large or bound to gRPC; a push resent keeps its
+        seq, applied once)."""
+        ch = self.channels.get(shard)
+        if ch is None or ch.closed:
+            # one caller opens a shard's channel; a call meanwhile goes over gRPC
+            opening = self._opening.setdefault(shard, threading.Lock())
+            if not opening.acquire(blocking=False):
+                return _NOT_FRAMED
+            try:
+                ch = yield from self._open(shard, call.deadline)
+            finally:
+                opening.release()
+        if ch is None or not ch.lock.acquire(blocking=False):
+            return _NOT_FRAMED
+        try:
+            raw = request_bytes(call.request())
+            if raw is None or len(raw) > FRAME_MAX_REQUEST_BYTES:
+                return _NOT_FRAMED
+            sending = functools.partial(
+                ch.call, call.method, raw, call.deadline.remaining()
+            )
+            body = yield Blocking(sending)
+        except FrameBroken as exc:
+            log.info("call channel to shard %d: %s; over gRPC", shard, exc)
+            return _NOT_FRAMED
+        except FrameRpcError as exc:
+            if exc.code() in _GRPC_RETRIES:  # gRPC's retry policy resends these
+                return _NOT_FRAMED
+            raise call.error(exc) from None
+        finally:
+            ch.lock.release()
+        return _REPLIES[call.method](body)
+
+    def _open(self, shard: int, deadline: Deadline) -> Op[CallChannel | None]:
+        """A new call channel to ``shard`` (hello, connect), else None (refused:
+        asked again after ``_FRAMES_RETRY_SECONDS``)."""
+        if time.monotonic() < self._refused.get(shard, 0.0):
+            return None
+        host = tcp_host(self.addresses[shard])
+        try:
+            if host is None:
+                raise OSError("the address is not host:port")
+            hello = yield Call(
+                "DataChannelHello",
+                unary_request(pb.DataChannelHelloRequest()),
+                Deadline(min(deadline.remaining(), 5.0)),
+                what("DataChannelHello"),
+                shard=shard,
+            )
+            opening = functools.partial(
+                connect,
+                host,
+                hello.port,
+                hello.ticket,
+                min(deadline.remaining(), 5.0),
+                self._tls(),
+                self._server_name_override,
+                magic=CALL_MAGIC,
+            )
+            opened = yield Blocking(opening)
+        except (RpcError, OSError, ChannelRefused, ChannelBroken) as exc:
+            self._refused[shard] = time.monotonic() + _FRAMES_RETRY_SECONDS
+            log.info("no call channel to shard %d (%s); calls over gRPC", shard, exc)
+            return None
+        ch = self.channels[shard] = CallChannel(opened.sock)
+        return ch
+
+
+class FrameTransport(InlineTransport):
+    """A unary call's bytes as one frame each way on a call channel to ``shard``
+    (each send of a push: a frame first, then gRPC where it did not happen)."""
+
+    def __init__(self, host: Any, link: CallChannelLink, shard: int) -> None:
+        super().__init__(host)
+        self.link = link
+        self.shard = shard
+
+    def send(self, call: Call) -> Op[Any]:
+        reply = yield from self.link.call(call, self.shard)
+        if reply is _NOT_FRAMED:
+            reply = yield call
+        return reply

@@ -21,7 +21,7 @@ from onnxps.wire.codec import (
 from onnxps.wire.encoding import DeferredEncoding
 
 from ._errors import DeadlineExceededError, RpcError, UnavailableError
-from ._ops import Call, Deadline, Op, Pause, unary_request
+from ._ops import Call, Deadline, Op, Pause, one_call, unary_request
 from ._records import PushResult
 from ._replies import inline_values, pull_reader, push_reader
 
@@ -31,10 +31,8 @@ __all__ = [
     "StreamTransport",
     "Transport",
     "chunk_stream",
-    "grpc_transport",
     "pull_waited",
     "resending",
-    "use_stream",
 ]
 
 log = logging.getLogger("onnxps.client")
@@ -54,13 +52,6 @@ class GrpcHost(Protocol):
     transport: Transport
     stream_threshold_bytes: int
     chunk_bytes: int
-
-
-def use_stream(host: GrpcHost, nbytes: int) -> bool:
-    """Whether a call of ``nbytes`` tensor bytes goes on a stream."""
-    if host.transport == "auto":
-        return nbytes > host.stream_threshold_bytes
-    return host.transport == "stream"
 
 
 def chunk_stream(
@@ -90,17 +81,24 @@ def pushed_what(request: pb.PushRequest) -> str:
 _RESEND_LOG_EVERY = 5.0  # seconds between the warnings of one push's resends
 
 
-def resending(call: Call, group: str, seq: int, address: str) -> Op[Any]:
-    """Send a push, and resend it (same seq) while the server is unavailable,
-    until the deadline: the server answers a repeat with its first result. The
-    first resend is a WARNING that says why and how to wait less; the next ones
-    warn again at most every ``_RESEND_LOG_EVERY`` seconds."""
+def resending(
+    call: Call,
+    group: str,
+    seq: int,
+    address: str,
+    send: Callable[[Call], Op[Any]] = one_call,
+) -> Op[Any]:
+    """Send a push (``send``: as one RPC, or as a frame first), and resend it
+    (same seq) while the server is unavailable, until the deadline: the server
+    answers a repeat with its first result. The first resend is a WARNING that
+    says why and how to wait less; the next ones warn again at most every
+    ``_RESEND_LOG_EVERY`` seconds."""
     backoff = 0.1
     unavailable: RpcError | None = None
     warned_at: float | None = None
     while True:
         try:
-            return (yield call)
+            return (yield from send(call))
         except DeadlineExceededError:
             if unavailable is None:
                 raise
@@ -172,10 +170,14 @@ def _copy(template: pb.PushRequest) -> pb.PushRequest:
 
 
 class InlineTransport:
-    """Tensor bytes inside one unary message each way."""
+    """Tensor bytes inside one unary message each way (``send``: how its one
+    call goes, an RPC here; as a frame first in ``FrameTransport``)."""
 
     def __init__(self, host: GrpcHost) -> None:
         self.host = host
+
+    def send(self, call: Call) -> Op[Any]:
+        return (yield call)
 
     def push(
         self,
@@ -186,16 +188,17 @@ class InlineTransport:
     ) -> Op[PushResult]:
         req = _copy(template)
         msg = EncodedMessage(req, "gradients", _native(arrays))
-        call = Call("Push", unary_request(msg), deadline, pushed_what(req))
-        got = yield from resending(call, req.group, req.seq, self.host.address)
+        call = Call("Push", lambda: msg, deadline, pushed_what(req))
+        address = self.host.address
+        got = yield from resending(call, req.group, req.seq, address, self.send)
         values = inline_values(got.values, out) if req.return_values else None
         return PushResult(got.update_count, got.applied, got.duplicate, values)
 
     def pull(
         self, request: pb.PullRequest, deadline: Deadline, out: Sequence[Array] | None
     ) -> Op[tuple[int, list[Array]]]:
-        call = Call("Pull", unary_request(request), deadline, pull_waited(request))
-        msg = yield call
+        call = Call("Pull", lambda: request, deadline, pull_waited(request))
+        msg = yield from self.send(call)
         return msg.update_count, tensors_to_arrays(msg.tensors, encoded=True)
 
 
@@ -246,10 +249,3 @@ class StreamTransport:
             "PullStream", unary_request(req), deadline, waited, reader
         )
         return int(t), arrays
-
-
-def grpc_transport(host: GrpcHost, nbytes: int) -> InlineTransport | StreamTransport:
-    """The gRPC transport for a call of ``nbytes`` tensor bytes."""
-    if use_stream(host, nbytes):
-        return StreamTransport(host)
-    return InlineTransport(host)

@@ -28,10 +28,10 @@ from onnxps.wire.initializers import splitmix64
 from . import _sharded
 from ._cluster import Layout, Part, part_name, shard_ranking
 from ._errors import InvalidArgumentError
-from ._host import ClusterHost
 from ._ops import Deadline, Op, on_shard, parallel
 from ._records import GroupInfo, RowsPage
 from ._replies import as_indices
+from ._shardops import ShardOps
 
 Array = np.ndarray[Any, Any]
 
@@ -66,7 +66,7 @@ def _plan(group: str, shards: int) -> Layout:
 
 
 def create_group(
-    client: ClusterHost,
+    ops: ShardOps,
     req: pb.CreateGroupRequest,
     names: Sequence[str],
     table_arrays: Sequence[Sequence[Array]],
@@ -79,8 +79,8 @@ def create_group(
             f"group {group!r} has ids tables: on a cluster such a group holds ids "
             f"tables only (its tensors {', '.join(names)} go in a group of their own)"
         )
-    shards = client.shards or 1
-    yield from _sharded.check_new(client, group, deadline)
+    shards = ops.shards or 1
+    yield from _sharded.check_new(ops, group, deadline)
     planned = _plan(group, shards)
     own = [owners(t[0], shards) for t in table_arrays]
 
@@ -90,10 +90,10 @@ def create_group(
         template.CopyFrom(req)
         template.group = part.name
         mine = [[a[o == k] for a in t] for t, o in zip(table_arrays, own, strict=True)]
-        op = client._create_op(template, [], [], [], deadline, table_arrays=mine)
+        op = ops.create(template, [], [], [], deadline, table_arrays=mine)
         return on_shard(part.shard, op)
 
-    return (yield from _sharded.create_parts(client, planned, create, deadline))
+    return (yield from _sharded.create_parts(ops, planned, create, deadline))
 
 
 def _split(
@@ -113,7 +113,7 @@ def _split(
 
 
 def split_push(
-    client: ClusterHost,
+    ops: ShardOps,
     found: Layout,
     gradients: Mapping[str, Any],
     deadline: Deadline,
@@ -146,7 +146,7 @@ def split_push(
         for k in range(count):
             mask = own == k
             per_part[k].append((name, ids[mask], rows[mask]))
-    yield from _sharded.check_finite(client, found, finite, deadline)
+    yield from _sharded.check_finite(ops, found, finite, deadline)
     return per_part
 
 
@@ -162,7 +162,7 @@ def _ids(name: str, raw: Any) -> Array:
 
 
 def pull_rows(
-    client: ClusterHost,
+    ops: ShardOps,
     found: Layout,
     selections: Mapping[str, Any],
     state: bool,
@@ -178,7 +178,7 @@ def pull_rows(
     pulled = yield from parallel(
         [
             _sharded.pull_rows_part(
-                client, found, k, per_part[k], state, min_version, deadline
+                ops, found, k, per_part[k], state, min_version, deadline
             )
             for k in targets
         ]
@@ -198,7 +198,7 @@ def pull_rows(
 
 
 def list_rows(
-    client: ClusterHost,
+    ops: ShardOps,
     found: Layout,
     table: str,
     page_token: str,
@@ -212,9 +212,7 @@ def list_rows(
     size = page_size or 1000
 
     def page(part: Part) -> Op[RowsPage]:
-        op = client._list_rows_op(
-            part.name, table, page_token, size, values, state, deadline
-        )
+        op = ops.list_rows(part.name, table, page_token, size, values, state, deadline)
         return on_shard(part.shard, op)
 
     pages = yield from parallel([page(p) for p in found.parts])

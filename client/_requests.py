@@ -15,9 +15,8 @@ import enum
 import itertools
 import logging
 import os
-import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NoReturn, TypeVar
 
 import numpy as np
@@ -31,27 +30,19 @@ from onnxps.wire.codec import (
     write_tensor,
 )
 from onnxps.wire.encoding import (
-    ENCODING_TO_PROTO,
     DeferredEncoding,
     Encoding,
     check_encoding,
     encode,
 )
 from onnxps.wire.initializers import IdsTable
-from onnxps.wire.shm import layout
 from onnxps.wire.weights import file_format
 
 from ._channel_transport import DataChannelLink, DataChannelMode
-from ._cluster import Layout
 from ._discovery import CoordinatorTls, Discovery, is_coordinator
 from ._errors import ClientClosedError, RpcError
-from ._grpc_transport import (
-    Transport,
-    chunk_stream,
-    grpc_transport,
-    use_stream,
-)
-from ._host import Route, Targets
+from ._frames import CallChannel
+from ._grpc_transport import Transport
 from ._ops import (
     Call,
     Deadline,
@@ -74,8 +65,8 @@ from ._records import (
     GroupInfo,
     LeaseInfo,
     PushResult,
+    RowsPage,
     SaveInfo,
-    group_info,
 )
 from ._replies import (
     apply_reader,
@@ -84,21 +75,20 @@ from ._replies import (
     table_specs,
     written_into,
 )
-from ._routes import route_of
-from ._rows import RowsOps
+from ._routes import Route, Targets, route_of
 from ._settings import (
     channel_credentials,
     channel_options,
     check_client_arguments,
-    gradient_arrays,
     multicallable,
     named_tensors,
     spec,
     with_default_port,
 )
+from ._shardops import ShardOps
 from ._shm_transport import SharedMemoryLink
 from ._transfer import export_op, import_op
-from ._transport import choose_pull, choose_push
+from ._transport import Transports
 from ._weights import export_weights_op, import_weights_op
 from .shm import (
     SharedMemoryMode,
@@ -137,13 +127,28 @@ STREAM_THRESHOLD_BYTES = 1 << 20
 SPLIT_BYTES = 64 << 20  # a cluster splits a group whose X is larger
 
 
+def gradient_arrays(gradients: Sequence[Any], dtype: np.dtype[Any] | None) -> Any:
+    """The gradients of a push, with Python lists, tuples and numbers made arrays
+    of the group's ``dtype`` when it is known (NumPy would make them float64,
+    which a float32 group refuses). Arrays are kept as they are: one of the wrong
+    dtype is the caller's to convert, and the server says so."""
+    if dtype is None:
+        return gradients
+    return tuple(
+        np.asarray(g, dtype)
+        if isinstance(g, list | tuple | int | float) and not isinstance(g, bool)
+        else g
+        for g in gradients
+    )
+
+
 class State(enum.Enum):
     UNOPENED = 1
     OPEN = 2
     CLOSED = 3
 
 
-class ClientCore(RowsOps):
+class ClientCore:
     """Settings and per-client state both clients share, and every operation."""
 
     # Whether this client performs ``Transfer`` (data channel) effects.
@@ -201,8 +206,8 @@ class ClientCore(RowsOps):
         if frames not in ("off", "on"):
             raise ValueError(f"frames must be 'off' or 'on', got {frames!r}")
         # Small Push and Pull calls as frames on a call channel beside gRPC (a
-        # server with --data-port): ``Client`` only; not with etcd (a channel is
-        # bound to one server)
+        # server with --data-port); not with etcd (a channel is bound to one
+        # server)
         self.frames = frames == "on" and self._discovery is None
         # A list of addresses is a cluster: shard i at addresses[i] (docs/cluster.md,
         # "A cluster of shards").
@@ -226,14 +231,6 @@ class ClientCore(RowsOps):
         self._token = token
         self._tls = (root_certificates, private_key, certificate_chain)
         self._server_name_override = server_name_override
-        # Seqs start at the wall clock in microseconds, not 1: a worker restarted with
-        # the same client_id must not repeat seqs the server remembers, or its first
-        # pushes would be answered as duplicates and silently dropped.
-        self._seq = itertools.count(time.time_ns() // 1000)
-        self._sizes: dict[str, int] = {}
-        self._dtypes: dict[str, np.dtype[Any]] = {}  # each group's, as last seen
-        # group -> segment bytes its pull needs without and with state
-        self._pull_segments: dict[str, tuple[int, int]] = {}
         # The same-host transport: "auto" (with transport="auto") tries it for
         # calls of at least SHARED_MEMORY_THRESHOLD_BYTES and falls back to bytes
         # where the hello is refused; "on" uses it for every push and pull and
@@ -252,28 +249,45 @@ class ClientCore(RowsOps):
                 self.shared_memory = "off"
             if self.data_channel == "auto":
                 self.data_channel = "off"
-        # The links of the transports that keep state (see ``_transport``)
-        # per server (a cluster: per shard, each with its own hello and segments)
-        self._shm_links: dict[int, SharedMemoryLink] = {}
-        self._shm_link = self._shm_link_of(0)
-        self._data_link = DataChannelLink(
-            self, self._tls, server_name_override, self._dtypes
-        )
+        # The transport seam (``_transport``): the ways of every call, and their
+        # links per server (a cluster: per shard, each with its own hello and
+        # segments)
+        self._transports = Transports(self, self._tls, server_name_override, {})
+        self._shm_link = self._transports.shm(0)
+        self._data_link: DataChannelLink = self._transports.channels
         self._state = State.UNOPENED
-        # A cluster client's layouts of its groups' parts, and per group the pushes
-        # whose parts did not all land (sent first by the group's next push or pull)
-        self._layouts: dict[str, Layout] = {}
-        self._pending = PendingPushes()
+        # One call of a group (or part) to one server, and what calls remember of
+        # groups (sizes, dtypes, a cluster's layouts, pushes not all landed)
+        self.ops = ShardOps(self, self._transports)
         # Where each call goes: the one server, or its group's parts (``_routes``)
-        self._route: Route = route_of(self)
+        self._route: Route = route_of(self.ops)
+        # each shard's call metadata (token, shard identity), made once
+        self._metadatas = [self._metadata(s) for s in range(len(self.addresses))]
         self._setup()
 
-    def _shm_link_of(self, shard: int) -> SharedMemoryLink:
-        """The shared-memory link with ``shard`` (0: the one server)."""
-        link = self._shm_links.get(shard)
-        if link is None:
-            link = self._shm_links.setdefault(shard, SharedMemoryLink(self, shard))
-        return link
+    @property
+    def _shm_links(self) -> dict[int, SharedMemoryLink]:
+        """The shared-memory links, per shard that was asked for one."""
+        return self._transports.shm_links
+
+    @property
+    def _seq(self) -> itertools.count[int]:
+        """The seqs of this client's pushes (``ShardOps.seq``)."""
+        return self.ops.seq
+
+    @_seq.setter
+    def _seq(self, seq: itertools.count[int]) -> None:
+        self.ops.seq = seq
+
+    @property
+    def _pending(self) -> PendingPushes:
+        """The pushes whose parts did not all land, per group (``ShardOps``)."""
+        return self.ops.pending
+
+    @property
+    def _call_channels(self) -> dict[int, CallChannel]:
+        """The open call channels, per shard (``frames="on"``)."""
+        return self._transports.call_channels
 
     def _setup(self) -> None:
         """The connection state of the concrete client."""
@@ -296,9 +310,6 @@ class ClientCore(RowsOps):
 
     def _deadline(self, timeout: float | None) -> Deadline:
         return Deadline(self.timeout if timeout is None else timeout)
-
-    def _use_stream(self, nbytes: int) -> bool:
-        return use_stream(self, nbytes)
 
     def _unary_op(self, method: str, request: Any, timeout: float | None) -> Op[Any]:
         return unary_call(method, request, self._deadline(timeout))
@@ -373,81 +384,10 @@ class ClientCore(RowsOps):
             req, names, arrays, state_arrays, deadline, table_arrays
         )
 
-    def _create_op(
-        self,
-        template: pb.CreateGroupRequest,
-        names: Sequence[str],
-        arrays: Sequence[Array],
-        state_arrays: Sequence[Array],
-        deadline: Deadline,
-        *,
-        table_arrays: Sequence[Sequence[Array]] = (),
-    ) -> Op[pb.GroupInfo]:
-        """One CreateGroup(Stream) of ``template`` with these tensors (and the rows
-        of its ids tables, ``table_arrays``): the reply's group."""
-        req = pb.CreateGroupRequest()
-        req.CopyFrom(template)
-        arrays = list(arrays)
-        state_arrays = list(state_arrays)
-        rows = [a for t in table_arrays for a in t]
-        if self._use_stream(sum(a.nbytes for a in arrays + state_arrays + rows)):
-            req.tensors.extend(map(header_tensor, arrays, names))
-            req.state.extend(header_tensor(a) for a in state_arrays)
-            for spec, (ids, x, *st) in zip(req.tables, table_arrays, strict=False):
-                spec.ids.CopyFrom(header_tensor(ids))
-                spec.rows.CopyFrom(header_tensor(x))
-                spec.state.extend(header_tensor(a) for a in st)
-            chunks = self._chunks(
-                pb.CreateGroupStreamRequest, req, arrays + state_arrays + rows
-            )
-            call = Call(
-                "CreateGroupStream", chunks, deadline, what("CreateGroupStream")
-            )
-        else:
-            for n, a in zip(names, arrays, strict=True):
-                write_tensor(req.tensors.add(), a, n)
-            for a in state_arrays:
-                write_tensor(req.state.add(), a)
-            for spec, (ids, x, *st) in zip(req.tables, table_arrays, strict=False):
-                write_tensor(spec.ids, ids)
-                write_tensor(spec.rows, x)
-                for a in st:
-                    write_tensor(spec.state.add(), a)
-            call = Call(
-                "CreateGroup", unary_request(req), deadline, what("CreateGroup")
-            )
-        msg = yield call
-        group: pb.GroupInfo = msg.group
-        return group
-
-    def _chunks(
-        self, message: Any, header: Any, arrays: list[Array]
-    ) -> Callable[[], Iterator[Any]]:
-        """A client stream: the header, then every array in chunks."""
-        return chunk_stream(message, header, arrays, self.chunk_bytes)
-
-    def _remember(self, info: GroupInfo) -> GroupInfo:
-        self._sizes[info.name] = info.nbytes
-        self._dtypes[info.name] = info.dtype
-        sizes = [
-            int(np.prod(dims, dtype=np.int64)) * info.dtype.itemsize
-            for _, dims in info.tensors
-        ]
-        # with state: X, V and H at most (Adam)
-        self._pull_segments[info.name] = (layout(sizes)[1], layout(sizes * 3)[1])
-        return info
-
     def _describe_group(
         self, name: str, *, timeout: float | None = None
     ) -> Op[GroupInfo]:
         return self._route.describe(name, self._deadline(timeout))
-
-    def _describe(self, name: str, deadline: Deadline) -> Op[GroupInfo]:
-        req = pb.DescribeGroupRequest(group=name)
-        msg = yield Call(
-            "DescribeGroup", unary_request(req), deadline, what("DescribeGroup")
-        )
-        return self._remember(group_info(msg.group))
 
     def _list_groups(
         self, prefix: str = "", *, timeout: float | None = None
@@ -455,7 +395,7 @@ class ClientCore(RowsOps):
         return self._route.list_groups(prefix, self._deadline(timeout))
 
     def _delete_group(self, name: str, *, timeout: float | None = None) -> Op[bool]:
-        self._sizes.pop(name, None)
+        self.ops.sizes.pop(name, None)
         return self._route.delete(name, self._deadline(timeout))
 
     def _set_learning_rate(
@@ -493,7 +433,7 @@ class ClientCore(RowsOps):
         # Built now, not when first stepped: its deadline and seq start with the
         # call, and a unary push has copied the gradients before it returns.
         deadline = self._deadline(timeout)
-        gradients = gradient_arrays(gradients, self._dtypes.get(group))
+        gradients = gradient_arrays(gradients, self.ops.dtypes.get(group))
         enc = self._encoding(encoding, self.gradient_encoding, "encoding")
         if out is not None:
             out = reply_arrays(out, gradients, return_values)
@@ -504,6 +444,8 @@ class ClientCore(RowsOps):
                 DeferredEncoding(g, enc, f"gradient {i + 1}")
                 for i, g in enumerate(gradients)
             ]
+        elif enc == "native":
+            arrays = [np.asarray(g) for g in gradients]  # as ``encode`` gives them
         else:
             arrays = [
                 encode(g, enc, f"gradient {i + 1}") for i, g in enumerate(gradients)
@@ -511,14 +453,15 @@ class ClientCore(RowsOps):
         req = pb.PushRequest(
             group=group,
             client_id=self.client_id,
-            seq=next(self._seq),
+            seq=next(self.ops.seq),
             return_values=return_values,
         )
         if base_version is not None:
             req.base_version = base_version
         if learning_rate is not None:
             req.learning_rate = learning_rate
-        result = yield from self._push_parts(req, arrays, deadline, out)
+        # on the one server, or its parts on the shards of a cluster
+        result = yield from self._route.push(req, arrays, deadline, out)
         if out is None or result.values is None:
             return result
         return dataclasses.replace(result, values=written_into(out, result.values))
@@ -527,37 +470,6 @@ class ClientCore(RowsOps):
         """Whether an encoded push may leave its encoding to the data channel's
         sending (a single server that may give a channel)."""
         return self.TRANSFERS and self.data_channel != "off" and self.shards is None
-
-    def _push_parts(
-        self,
-        req: pb.PushRequest,
-        arrays: list[Array],
-        deadline: Deadline,
-        out: Sequence[Array] | None = None,
-    ) -> Op[PushResult]:
-        """Send the push (a cluster client: its parts, to their shards). ``out``:
-        arrays X may be written straight into (the caller checked them)."""
-        return self._route.push(req, arrays, deadline, out)
-
-    def _push_part_op(
-        self,
-        template: pb.PushRequest,
-        arrays: Sequence[Array],
-        deadline: Deadline,
-        shard: int,
-    ) -> Op[PushResult]:
-        """One part's push to ``shard`` of a cluster (the caller routes it there
-        with ``on_shard``), on the transport chosen for it."""
-        way = yield from choose_push(
-            self,
-            self._shm_link_of(shard),
-            self._data_link,
-            arrays,
-            template.return_values,
-            deadline,
-            shard,
-        )
-        return (yield from way.push(template, arrays, deadline, None))
 
     def _tensor_buffers(
         self, group: str, *, timeout: float | None = None
@@ -577,10 +489,7 @@ class ClientCore(RowsOps):
     def _close_transports(self) -> None:
         """Close the data channels and unlink the segments (the client's close():
         its tensor buffers too)."""
-        self._data_link.close()
-        closing = self._state is State.CLOSED
-        for link in self._shm_links.values():
-            link.close(closing_client=closing)
+        self._transports.close(closing_client=self._state is State.CLOSED)
 
     def _push(self, *args: Any, **kwargs: Any) -> Op[int | list[Array]]:
         """Push G_1..G_n (ONNX order). Returns the new T, or X_1..X_n with
@@ -651,13 +560,6 @@ class ClientCore(RowsOps):
                 group, state, min_version, deadline, enc, allow_apart=allow_parts_apart
             )
             return (yield from pulled)
-        bufs = self._shm_link.buffers_of(list(out))
-        if bufs is not None and not state and enc == "native":
-            req = pb.PullRequest(group=group, min_version=min_version)
-            into = yield from self._shm_link.pull_into(req, deadline, bufs)
-            if into is not None:
-                t, arrays = into
-                return t, written_into(out, arrays)
         pulled = self._pull_parts(
             group, state, min_version, deadline, enc, out, allow_apart=allow_parts_apart
         )
@@ -691,39 +593,108 @@ class ClientCore(RowsOps):
             group, state, min_version, deadline, encoding, out, allow_apart
         )
 
-    def _pull_op(
+    # -- rows ----------------------------------------------------------------------
+    def _push_rows(
         self,
         group: str,
-        state: bool,
-        min_version: int | None,
-        deadline: Deadline,
-        encoding: Encoding = "native",
-        out: Sequence[Array] | None = None,
-        shard: int = 0,
-    ) -> Op[tuple[int, list[Array]]]:
-        """One pull of one group (or part) from one server; a streamed or shared
-        reply lands in ``out`` where its arrays fit."""
-        size = self._sizes.get(group)
-        unknown = group not in self._pull_segments
-        if (size is None and self.transport == "auto") or (
-            unknown and self.shared_memory == "on" and self.shards is None
-        ):
-            size = (yield from self._describe(group, deadline)).nbytes
-        segment = self._pull_segments.get(group, (0, 0))[state]
-        req = pb.PullRequest(
-            group=group,
-            with_state=state,
-            min_version=min_version,
-            encoding=ENCODING_TO_PROTO[encoding],
+        gradients: Mapping[str, Any],
+        *,
+        base_version: int | None = None,
+        learning_rate: float | None = None,
+        encoding: Encoding | None = None,
+        timeout: float | None = None,
+    ) -> Op[PushResult]:
+        """One step in which only the given rows change.
+
+        ``gradients`` maps a tensor name to ``(indices, rows)`` (int64 (k,) and
+        (k, *shape[1:])) or to a dense gradient of the whole tensor; tensors not
+        named keep every row. Repeated indices are summed first. The indices and rows
+        travel in ~1 MiB chunks (no size ceiling); a push the server did not answer
+        (UNAVAILABLE) is resent with the same seq, and answered once. ``encoding``
+        (None: the client's ``gradient_encoding``) encodes the rows as ``push``
+        does; indices travel as they are."""
+        deadline = self._deadline(timeout)
+        enc = self._encoding(encoding, self.gradient_encoding, "encoding")
+        return self._route.push_rows(
+            group, gradients, base_version, learning_rate, deadline, enc
         )
-        links = (self._shm_link_of(shard), self._data_link)
-        way = yield from choose_pull(
-            self, *links, segment, size or 0, encoding, deadline, shard
+
+    def _pull_rows(
+        self,
+        group: str,
+        selections: Mapping[str, Any],
+        *,
+        state: bool = False,
+        min_version: int | None = None,
+        timeout: float | None = None,
+    ) -> Op[dict[str, Array]]:
+        """Rows of tensors: ``{name: indices}`` in, ``{name: rows}`` out (with
+        ``state``, also ``"V:name"`` and ``"H:name"`` as the operator has them)."""
+        deadline = self._deadline(timeout)
+        return self._route.pull_rows(group, selections, state, min_version, deadline)
+
+    def _list_rows(
+        self,
+        group: str,
+        table: str,
+        *,
+        page_token: str = "",
+        page_size: int = 0,
+        values: bool = False,
+        state: bool = False,
+        timeout: float | None = None,
+    ) -> Op[RowsPage]:
+        """A page of an ids table's ids, ascending: from the first (``page_token``
+        "") or after the page whose ``next_page_token`` is given; at most
+        ``page_size`` ids (0: 1000; the server may return fewer), with their X rows
+        (``values``) and V, H rows (``state``)."""
+        deadline = self._deadline(timeout)
+        return self._route.list_rows(
+            group, table, page_token, page_size, values, state, deadline
         )
-        pulled = yield from way.pull(req, deadline, out)
-        if pulled is None:  # the data channel failed: over gRPC
-            pulled = yield from grpc_transport(self, size or 0).pull(req, deadline, out)
-        return pulled
+
+    def _count_rows(
+        self, group: str, table: str, *, timeout: float | None = None
+    ) -> Op[int]:
+        """Rows an ids table holds."""
+        info = yield from self._describe_group(group, timeout=timeout)
+        if table not in info.tables:
+            held = ", ".join(info.tables) or "none"
+            raise ValueError(
+                f"group {group!r} has no ids table {table!r}; its ids tables: {held}"
+            )
+        return info.tables[table].row_count
+
+    def _export_rows(
+        self,
+        group: str,
+        table: str,
+        *,
+        state: bool = False,
+        page_size: int = 0,
+        timeout: float | None = None,
+    ) -> Op[tuple[Array, dict[str, Array]]]:
+        """Every id of an ids table ascending and its rows (X, and V, H with
+        ``state``), read page by page (each page under ``timeout``)."""
+        pages: list[RowsPage] = []
+        token = ""
+        while True:
+            page = yield from self._list_rows(
+                group,
+                table,
+                page_token=token,
+                page_size=page_size,
+                values=True,
+                state=state,
+                timeout=timeout,
+            )
+            pages.append(page)
+            token = page.next_page_token
+            if not token:
+                break
+        ids = np.concatenate([p.ids for p in pages])
+        rows = {k: np.concatenate([p.rows[k] for p in pages]) for k in pages[0].rows}
+        return ids, rows
 
     # -- apply ---------------------------------------------------------------------
     def _apply(
@@ -737,9 +708,10 @@ class ClientCore(RowsOps):
         deadline = self._deadline(timeout)
         optimizer = spec(optimizer, "optimizer", OptimizerSpec)
         req = pb.ApplyRequest(optimizer=optimizer.to_proto())
-        if self._use_stream(sum(a.nbytes for a in arrays)):
+        nbytes = sum(a.nbytes for a in arrays)
+        if self._transports.streams("apply", nbytes, len(arrays)):
             req.inputs.extend(header_tensor(a) for a in arrays)
-            chunks = self._chunks(pb.ApplyStreamRequest, req, arrays)
+            chunks = self.ops.chunks(pb.ApplyStreamRequest, req, arrays)
             waited = what("ApplyStream")
             _, outputs = yield Call(
                 "ApplyStream", chunks, deadline, waited, apply_reader
@@ -795,7 +767,7 @@ class ClientCore(RowsOps):
         """The client closes: the pushes whose parts did not all land stay apart on
         the parts that missed them (docs/cluster.md, "When the parts of a split
         group disagree"); said once per push."""
-        for entry in self._pending.every():
+        for entry in self.ops.pending.every():
             log.warning(
                 "closing the client with push seq %d to %s not landed on %s (%s): "
                 "the other parts took it (or may have), and stay a push ahead",
@@ -804,7 +776,7 @@ class ClientCore(RowsOps):
                 ", ".join(str(p[1].group) for p in entry.parts),
                 entry.why,
             )
-            self._pending.replace(entry, None)
+            self.ops.pending.replace(entry, None)
 
     def _export(
         self,

@@ -1,8 +1,8 @@
 """Where a client's calls go: one server, or the parts of each group on the shards
 of a cluster. A client holds one ``Route``, chosen when it is made (``route_of``),
 and every operation that depends on where a group lives asks it: the routing is a
-wrapper around the operations, written once for both clients, not a second copy of
-each of them.
+wrapper around the per-shard operations (``ShardOps``, called through its public
+methods), written once for both clients, not a second copy of each of them.
 
 - ``OneServer``: every call to the one address;
 - ``Cluster``: each call to the parts of its group (``_sharded``: dense groups,
@@ -21,7 +21,6 @@ from onnxps.wire.encoding import Encoding
 
 from . import _ids_cluster, _rowsplit, _sharded
 from ._errors import InvalidArgumentError
-from ._host import ClusterHost, Route, Targets
 from ._ops import Deadline, Op, on_shard, unary_call
 from ._records import (
     GroupInfo,
@@ -32,23 +31,27 @@ from ._records import (
     group_info,
     lease_info,
 )
-from ._transport import choose_push
+from ._shardops import ShardOps
 
-__all__ = ["Cluster", "OneServer", "route_of"]
+__all__ = ["Cluster", "OneServer", "Route", "Targets", "route_of"]
 
 Array = np.ndarray[Any, Any]
+# (shard, name on it) of each part of a group
+Targets = list[tuple[int, str]]
 
 
-def route_of(core: ClusterHost) -> Route:
+def route_of(ops: ShardOps) -> OneServer | Cluster:
     """The route of a client: a cluster when it was given a list of addresses."""
-    return OneServer(core) if core.shards is None else Cluster(core)
+    return OneServer(ops) if ops.shards is None else Cluster(ops)
 
 
 class OneServer:
     """Every call to the client's one server."""
 
-    def __init__(self, core: ClusterHost) -> None:
-        self.core = core
+    def __init__(self, ops: ShardOps) -> None:
+        self.ops = ops
+        # a push goes straight to the transport seam (its own arguments)
+        self.push = ops.push
 
     def create(
         self,
@@ -59,13 +62,13 @@ class OneServer:
         deadline: Deadline,
         table_arrays: Sequence[Sequence[Array]],
     ) -> Op[GroupInfo]:
-        msg = yield from self.core._create_op(
+        msg = yield from self.ops.create(
             req, names, arrays, state_arrays, deadline, table_arrays=table_arrays
         )
-        return self.core._remember(group_info(msg))
+        return self.ops.remember(group_info(msg))
 
     def describe(self, name: str, deadline: Deadline) -> Op[GroupInfo]:
-        return self.core._describe(name, deadline)
+        return self.ops.describe(name, deadline)
 
     def list_groups(self, prefix: str, deadline: Deadline) -> Op[list[GroupInfo]]:
         req = pb.ListGroupsRequest(prefix=prefix)
@@ -84,18 +87,6 @@ class OneServer:
         msg = yield from unary_call("SetLearningRate", req, deadline)
         return group_info(msg.group)
 
-    def push(
-        self,
-        req: pb.PushRequest,
-        arrays: list[Array],
-        deadline: Deadline,
-        out: Sequence[Array] | None,
-    ) -> Op[PushResult]:
-        core = self.core
-        links = (core._shm_link, core._data_link)
-        way = yield from choose_push(core, *links, arrays, req.return_values, deadline)
-        return (yield from way.push(req, arrays, deadline, out))
-
     def pull(
         self,
         group: str,
@@ -106,7 +97,7 @@ class OneServer:
         out: Sequence[Array] | None,
         allow_apart: bool,
     ) -> Op[tuple[int, list[Array]]]:
-        return self.core._pull_op(group, state, min_version, deadline, encoding, out)
+        return self.ops.pull(group, state, min_version, deadline, encoding, out)
 
     def save(self, deadline: Deadline) -> Op[SaveInfo]:
         msg = yield from unary_call("Save", pb.SaveRequest(), deadline)
@@ -121,7 +112,7 @@ class OneServer:
         deadline: Deadline,
         encoding: Encoding,
     ) -> Op[PushResult]:
-        return self.core._rows_push_op(
+        return self.ops.push_rows(
             group, group, gradients, base_version, learning_rate, deadline, encoding
         )
 
@@ -133,7 +124,7 @@ class OneServer:
         min_version: int | None,
         deadline: Deadline,
     ) -> Op[dict[str, Array]]:
-        return self.core._rows_pull_op(
+        return self.ops.pull_rows(
             group, group, selections, state, min_version, deadline
         )
 
@@ -147,7 +138,7 @@ class OneServer:
         state: bool,
         deadline: Deadline,
     ) -> Op[RowsPage]:
-        return self.core._list_rows_op(
+        return self.ops.list_rows(
             group, table, page_token, page_size, values, state, deadline
         )
 
@@ -167,8 +158,8 @@ class OneServer:
 class Cluster:
     """Each call to the parts of its group, on their shards."""
 
-    def __init__(self, core: ClusterHost) -> None:
-        self.core = core
+    def __init__(self, ops: ShardOps) -> None:
+        self.ops = ops
 
     def create(
         self,
@@ -181,26 +172,26 @@ class Cluster:
     ) -> Op[GroupInfo]:
         if req.tables:
             return _ids_cluster.create_group(
-                self.core, req, names, table_arrays, deadline
+                self.ops, req, names, table_arrays, deadline
             )
         return _sharded.create_group(
-            self.core, req, names, arrays, state_arrays, deadline
+            self.ops, req, names, arrays, state_arrays, deadline
         )
 
     def describe(self, name: str, deadline: Deadline) -> Op[GroupInfo]:
-        return _sharded.describe_group(self.core, name, deadline)
+        return _sharded.describe_group(self.ops, name, deadline)
 
     def list_groups(self, prefix: str, deadline: Deadline) -> Op[list[GroupInfo]]:
-        return _sharded.list_groups(self.core, prefix, deadline)
+        return _sharded.list_groups(self.ops, prefix, deadline)
 
     def delete(self, name: str, deadline: Deadline) -> Op[bool]:
-        self.core._pending.forget(name)  # its parts are deleted: nothing to finish
-        return _sharded.delete_group(self.core, name, deadline)
+        self.ops.pending.forget(name)  # its parts are deleted: nothing to finish
+        return _sharded.delete_group(self.ops, name, deadline)
 
     def set_learning_rate(
         self, name: str, learning_rate: float, deadline: Deadline
     ) -> Op[GroupInfo]:
-        return _sharded.set_learning_rate(self.core, name, learning_rate, deadline)
+        return _sharded.set_learning_rate(self.ops, name, learning_rate, deadline)
 
     def push(
         self,
@@ -211,7 +202,7 @@ class Cluster:
     ) -> Op[PushResult]:
         # The parts' X is joined from their replies (push_detailed then copies it
         # into ``out``).
-        return _sharded.push(self.core, req, arrays, deadline)
+        return _sharded.push(self.ops, req, arrays, deadline)
 
     def pull(
         self,
@@ -225,13 +216,13 @@ class Cluster:
     ) -> Op[tuple[int, list[Array]]]:
         # The parts' X is joined (pull then copies it into ``out``).
         return _sharded.pull(
-            self.core, group, state, min_version, deadline, encoding, allow_apart
+            self.ops, group, state, min_version, deadline, encoding, allow_apart
         )
 
     def save(self, deadline: Deadline) -> Op[SaveInfo]:
         """Every shard writes a snapshot; their paths joined with ", " in shard
         order."""
-        replies = yield from _sharded.save(self.core, deadline)
+        replies = yield from _sharded.save(self.ops, deadline)
         return SaveInfo(
             ", ".join(m.path for m in replies),
             sum(m.groups for m in replies),
@@ -248,7 +239,7 @@ class Cluster:
         encoding: Encoding,
     ) -> Op[PushResult]:
         return _rowsplit.push_rows(
-            self.core, group, gradients, base_version, learning_rate, deadline, encoding
+            self.ops, group, gradients, base_version, learning_rate, deadline, encoding
         )
 
     def pull_rows(
@@ -260,7 +251,7 @@ class Cluster:
         deadline: Deadline,
     ) -> Op[dict[str, Array]]:
         return _rowsplit.pull_rows(
-            self.core, group, selections, state, min_version, deadline
+            self.ops, group, selections, state, min_version, deadline
         )
 
     def list_rows(
@@ -273,12 +264,12 @@ class Cluster:
         state: bool,
         deadline: Deadline,
     ) -> Op[RowsPage]:
-        core = self.core
-        found = yield from _sharded.layout(core, group, deadline)
+        ops = self.ops
+        found = yield from _sharded.layout(ops, group, deadline)
         if _ids_cluster.is_ids_layout(found):
             return (
                 yield from _ids_cluster.list_rows(
-                    core, found, table, page_token, page_size, values, state, deadline
+                    ops, found, table, page_token, page_size, values, state, deadline
                 )
             )
         if len(found.parts) != 1:
@@ -290,7 +281,7 @@ class Cluster:
                 metadata={"group": group},
             )
         (part,) = found.parts
-        op = core._list_rows_op(
+        op = ops.list_rows(
             part.name, table, page_token, page_size, values, state, deadline
         )
         return (yield from on_shard(part.shard, op))
@@ -300,16 +291,21 @@ class Cluster:
     ) -> Op[tuple[Targets, LeaseInfo]]:
         """Join every part of a group: its parts, and the lease as the first part
         answered it."""
-        targets = yield from _sharded.part_targets(self.core, group, deadline)
+        targets = yield from _sharded.part_targets(self.ops, group, deadline)
         reply = yield from _sharded.leases(
-            self.core, "JoinGroup", targets, worker_id, deadline
+            self.ops, "JoinGroup", targets, worker_id, deadline
         )
         return targets, lease_info(reply)
 
     def leave(self, group: str, worker_id: str, deadline: Deadline) -> Op[LeaseInfo]:
         """Leave every part of a group; the lease as the first part answered."""
-        targets = yield from _sharded.part_targets(self.core, group, deadline)
+        targets = yield from _sharded.part_targets(self.ops, group, deadline)
         reply = yield from _sharded.leases(
-            self.core, "LeaveGroup", targets, worker_id, deadline
+            self.ops, "LeaveGroup", targets, worker_id, deadline
         )
         return lease_info(reply)
+
+
+# Where a client's calls go: every operation that depends on where a group lives
+# asks it (the same methods on both)
+Route = OneServer | Cluster

@@ -25,7 +25,6 @@ from onnxps.wire.encoding import Encoding, encode
 from . import _ids_cluster
 from ._cluster import Layout, Part, Slot
 from ._errors import FailedPreconditionError, InvalidArgumentError
-from ._host import ClusterHost
 from ._ops import Deadline, Op, on_shard, parallel
 from ._records import PushResult
 from ._replies import as_indices, row_gradients
@@ -39,6 +38,7 @@ from ._sharded import (
     rerouted,
 )
 from ._sharded import land as land_parts
+from ._shardops import ShardOps
 
 Array = np.ndarray[Any, Any]
 
@@ -59,7 +59,7 @@ class _Piece:
 
 def _pieces(found: Layout, tensor: int) -> list[_Piece]:
     """Where the rows of ``tensor`` live; FAILED_PRECONDITION when it is not
-    split by rows (a 2+-dim tensor in a layout of an older client)."""
+    split by rows (a 2+-dim tensor in a layout of an older ops)."""
     shape = found.shapes[tensor]
     if not found.split:
         (p,) = found.parts
@@ -74,7 +74,7 @@ def _pieces(found: Layout, tensor: int) -> list[_Piece]:
                 name = found.names[tensor]
                 raise FailedPreconditionError(
                     f"tensor {name!r} of group {found.group!r} is split across the "
-                    "cluster by element ranges (a layout of an older client); row "
+                    "cluster by element ranges (a layout of an older ops); row "
                     "pushes and pulls need it split by rows: export the group and "
                     "import it again",
                     reason="CLUSTER_LAYOUT_NOT_BY_ROWS",
@@ -156,7 +156,7 @@ _Entries = list[list[tuple[str, Array | None, Array]]]
 
 
 def _split_push(
-    client: ClusterHost,
+    ops: ShardOps,
     found: Layout,
     gradients: Mapping[str, Any],
     deadline: Deadline,
@@ -164,7 +164,7 @@ def _split_push(
 ) -> Op[_Entries]:
     """Each part's row gradients (name on its shard, indices or None, values in
     ``encoding``: encoded whole, once checked, then cut per part)."""
-    dtype = group_dtype(client, found)
+    dtype = group_dtype(ops, found)
     per_part: _Entries = [[] for _ in found.parts]
     finite = True
     for name, g in gradients.items():
@@ -209,12 +209,12 @@ def _split_push(
             else:
                 local, rows = idx[mine] - pc.a, values[mine]
             per_part[pc.part].append((pc.name, local, rows))
-    yield from check_finite(client, found, finite, deadline)
+    yield from check_finite(ops, found, finite, deadline)
     return per_part
 
 
 def push_rows(
-    client: ClusterHost,
+    ops: ShardOps,
     group: str,
     gradients: Mapping[str, Any],
     base_version: int | None,
@@ -224,17 +224,17 @@ def push_rows(
 ) -> Op[PushResult]:
     """A row push to a group of a cluster: its parts' pushes, one seq for all,
     every part sent one (with no rows when it owns none of the push's)."""
-    yield from finish_earlier(client, group, deadline)
-    seq = next(client._seq)
+    yield from finish_earlier(ops, group, deadline)
+    seq = ops.next_seq()
 
     def push_all(found: Layout) -> Op[PushResult]:
         if _ids_cluster.is_ids_layout(found):
             per_part = yield from _ids_cluster.split_push(
-                client, found, gradients, deadline, encoding
+                ops, found, gradients, deadline, encoding
             )
         elif not found.split:  # the group's one shard checks it all
             (p,) = found.parts
-            op = client._rows_push_op(
+            op = ops.push_rows(
                 group,
                 p.name,
                 gradients,
@@ -245,20 +245,18 @@ def push_rows(
             )
             return (yield from on_shard(p.shard, op))
         else:
-            per_part = yield from _split_push(
-                client, found, gradients, deadline, encoding
-            )
+            per_part = yield from _split_push(ops, found, gradients, deadline, encoding)
         return (
             yield from land(
-                client, found, per_part, seq, base_version, learning_rate, deadline
+                ops, found, per_part, seq, base_version, learning_rate, deadline
             )
         )
 
-    return (yield from rerouted(client, group, deadline, push_all))
+    return (yield from rerouted(ops, group, deadline, push_all))
 
 
 def land(
-    client: ClusterHost,
+    ops: ShardOps,
     found: Layout,
     per_part: _Entries,
     seq: int,
@@ -273,7 +271,7 @@ def land(
 
     def part(k: int, with_base: bool) -> PartPush:
         p: Part = found.parts[k]
-        header = pb.PushRowsHeader(group=p.name, client_id=client.client_id, seq=seq)
+        header = pb.PushRowsHeader(group=p.name, client_id=ops.client_id, seq=seq)
         if with_base and base_version is not None:
             header.base_version = base_version
         if learning_rate is not None:
@@ -285,11 +283,11 @@ def land(
         # Part 0 alone decides whether the push is too stale (as dense pushes).
         rest = [part(k, False) for k in range(1, count)]
         replies = yield from land_parts(
-            client, found.group, [part(0, True)], rest, deadline
+            ops, found.group, [part(0, True)], rest, deadline
         )
     else:
         every = [part(k, True) for k in range(count)]
-        replies = yield from land_parts(client, found.group, every, (), deadline)
+        replies = yield from land_parts(ops, found.group, every, (), deadline)
     return PushResult(
         max(int(m.update_count) for m in replies),
         all(m.applied for m in replies),
@@ -299,7 +297,7 @@ def land(
 
 
 def pull_rows(
-    client: ClusterHost,
+    ops: ShardOps,
     group: str,
     selections: Mapping[str, Any],
     state: bool,
@@ -309,13 +307,13 @@ def pull_rows(
     """Rows of a group of a cluster, from the parts that own them (a selection
     with no rows asks the part holding the tensor's first rows); this client's
     pending pushes to the group are sent first."""
-    yield from finish_earlier(client, group, deadline)
+    yield from finish_earlier(ops, group, deadline)
 
     def pull_all(found: Layout) -> Op[dict[str, Array]]:
         if _ids_cluster.is_ids_layout(found):
             return (
                 yield from _ids_cluster.pull_rows(
-                    client, found, selections, state, min_version, deadline
+                    ops, found, selections, state, min_version, deadline
                 )
             )
         asks: list[dict[str, Array]] = [{} for _ in found.parts]
@@ -336,7 +334,7 @@ def pull_rows(
         asked = [k for k, a in enumerate(asks) if a]
         replies = yield from parallel(
             [
-                pull_rows_part(client, found, k, asks[k], state, min_version, deadline)
+                pull_rows_part(ops, found, k, asks[k], state, min_version, deadline)
                 for k in asked
             ]
         )
@@ -357,4 +355,4 @@ def pull_rows(
                 out[prefix + name] = whole
         return out
 
-    return (yield from rerouted(client, group, deadline, pull_all))
+    return (yield from rerouted(ops, group, deadline, pull_all))

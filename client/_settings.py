@@ -8,7 +8,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
-import numpy as np
 from onnxps.wire.codec import (
     SERVICE,
     deserializer,
@@ -24,7 +23,6 @@ __all__ = [
     "channel_credentials",
     "channel_options",
     "check_client_arguments",
-    "gradient_arrays",
     "multicallable",
     "named_tensors",
     "spec",
@@ -216,21 +214,6 @@ def check_client_arguments(
             "root_certificates is the PEM bytes of the CA, not a path: pass "
             "open(path, 'rb').read()"
         )
-
-
-def gradient_arrays(gradients: Sequence[Any], dtype: np.dtype[Any] | None) -> Any:
-    """The gradients of a push, with Python lists, tuples and numbers made arrays
-    of the group's ``dtype`` when it is known (NumPy would make them float64,
-    which a float32 group refuses). Arrays are kept as they are: one of the wrong
-    dtype is the caller's to convert, and the server says so."""
-    if dtype is None:
-        return gradients
-    return tuple(
-        np.asarray(g, dtype)
-        if isinstance(g, list | tuple | int | float) and not isinstance(g, bool)
-        else g
-        for g in gradients
-    )
 
 
 def spec(value: Any, what: str, kind: Any = (Async, Sync)) -> Any:

@@ -40,7 +40,6 @@ from ._errors import (
     RpcError,
     UnavailableError,
 )
-from ._host import ClusterHost
 from ._ops import Call, Deadline, Op, Pause, on_shard, one_call, parallel, what
 from ._pending import (
     PartPush,
@@ -50,6 +49,7 @@ from ._pending import (
     resend_now,
 )
 from ._records import GroupInfo, PartInfo, PushResult, group_info
+from ._shardops import ShardOps
 
 __all__ = [
     "all_finite",
@@ -74,9 +74,9 @@ Array = np.ndarray[Any, Any]
 Listing = list[tuple[int, pb.GroupInfo]]
 
 
-def _shards(client: ClusterHost) -> int:
-    assert client.shards is not None
-    return client.shards
+def _shards(ops: ShardOps) -> int:
+    assert ops.shards is not None
+    return ops.shards
 
 
 def _unavailable(exc: RpcError) -> bool:
@@ -107,7 +107,7 @@ def until_landed(
 
 
 def _call(
-    client: ClusterHost, method: str, req: Any, deadline: Deadline, shard: int
+    ops: ShardOps, method: str, req: Any, deadline: Deadline, shard: int
 ) -> Op[Any]:
     """One call to one shard, resent while the shard is unavailable (a restarting
     pod), until the deadline: the calls routed here are idempotent."""
@@ -115,11 +115,11 @@ def _call(
     return until_landed(lambda: on_shard(shard, one_call(call)), deadline)
 
 
-def _listing(client: ClusterHost, prefix: str, deadline: Deadline) -> Op[Listing]:
+def _listing(ops: ShardOps, prefix: str, deadline: Deadline) -> Op[Listing]:
     """Every shard's groups whose names start with ``prefix``, with their shard."""
     req = pb.ListGroupsRequest(prefix=prefix)
     replies = yield from parallel(
-        [_call(client, "ListGroups", req, deadline, i) for i in range(_shards(client))]
+        [_call(ops, "ListGroups", req, deadline, i) for i in range(_shards(ops))]
     )
     return [(i, g) for i, msg in enumerate(replies) for g in msg.groups]
 
@@ -145,66 +145,62 @@ def _not_found(group: str, shards: int) -> NotFoundError:
 
 
 def layout(
-    client: ClusterHost, group: str, deadline: Deadline, refresh: bool = False
+    ops: ShardOps, group: str, deadline: Deadline, refresh: bool = False
 ) -> Op[Layout]:
     """The group's layout: remembered, or found by listing every shard."""
-    found = None if refresh else client._layouts.get(group)
+    found = None if refresh else ops.layouts.get(group)
     if found is not None:
         return found
-    listing = yield from _listing(client, group, deadline)
+    listing = yield from _listing(ops, group, deadline)
     found = _layout_of(group, listing)
     if found is None:
-        client._layouts.pop(group, None)
-        raise _not_found(group, _shards(client))
-    _remember(client, found, [g for _, g in listing])
+        ops.layouts.pop(group, None)
+        raise _not_found(group, _shards(ops))
+    _remember(ops, found, [g for _, g in listing])
     return found
 
 
-def _remember(
-    client: ClusterHost, found: Layout, infos: Sequence[pb.GroupInfo]
-) -> None:
-    client._layouts[found.group] = found
+def _remember(ops: ShardOps, found: Layout, infos: Sequence[pb.GroupInfo]) -> None:
+    ops.layouts[found.group] = found
     for g in infos:
         dtype = PROTO_TO_DTYPE[g.dtype]
-        client._sizes[g.name] = g.element_count * dtype.itemsize
-        client._dtypes[g.name] = dtype
+        ops.sizes[g.name] = g.element_count * dtype.itemsize
+        ops.dtypes[g.name] = dtype
 
 
 def rerouted(
-    client: ClusterHost,
+    ops: ShardOps,
     group: str,
     deadline: Deadline,
     call: Callable[[Layout], Op[R]],
 ) -> Op[R]:
     """``call(layout)``; once more with a fresh layout when a remembered one is
     stale (the group was deleted, or recreated with another layout)."""
-    cached = group in client._layouts
+    cached = group in ops.layouts
     try:
-        return (yield from call((yield from layout(client, group, deadline))))
+        return (yield from call((yield from layout(ops, group, deadline))))
     except NotFoundError:
         if not cached:
             raise
-    return (yield from call((yield from layout(client, group, deadline, True))))
+    return (yield from call((yield from layout(ops, group, deadline, True))))
 
 
 def part_targets(
-    client: ClusterHost, group: str, deadline: Deadline
+    ops: ShardOps, group: str, deadline: Deadline
 ) -> Op[list[tuple[int, str]]]:
     """``(shard, name)`` of every part of ``group``."""
-    found = yield from layout(client, group, deadline)
+    found = yield from layout(ops, group, deadline)
     return [(p.shard, p.name) for p in found.parts]
 
 
-def merged(
-    client: ClusterHost, found: Layout, infos: Sequence[pb.GroupInfo]
-) -> GroupInfo:
+def merged(ops: ShardOps, found: Layout, infos: Sequence[pb.GroupInfo]) -> GroupInfo:
     """One GroupInfo for the whole group from its parts' (in part order)."""
     first = group_info(infos[0])
     parts = tuple(
         PartInfo(
             p.name,
             p.shard,
-            client.addresses[p.shard],
+            ops.addresses[p.shard],
             int(g.update_count),
             int(g.element_count),
         )
@@ -228,10 +224,10 @@ def merged(
 
 
 # -- groups ---------------------------------------------------------------------------
-def check_new(client: ClusterHost, group: str, deadline: Deadline) -> Op[None]:
+def check_new(ops: ShardOps, group: str, deadline: Deadline) -> Op[None]:
     """ALREADY_EXISTS when the cluster holds ``group`` (or parts of it). A
     courtesy: part 0's creation is what decides between two clients."""
-    if _layout_of(group, (yield from _listing(client, group, deadline))) is not None:
+    if _layout_of(group, (yield from _listing(ops, group, deadline))) is not None:
         raise AlreadyExistsError(
             f"group {group!r} exists already in the cluster",
             reason="GROUP_EXISTS",
@@ -240,7 +236,7 @@ def check_new(client: ClusterHost, group: str, deadline: Deadline) -> Op[None]:
 
 
 def create_parts(
-    client: ClusterHost,
+    ops: ShardOps,
     planned: Layout,
     create: Callable[[int], Op[pb.GroupInfo]],
     deadline: Deadline,
@@ -257,15 +253,15 @@ def create_parts(
     if failed:
         for part, r in zip(planned.parts, results, strict=True):
             if not isinstance(r, Exception):
-                yield from _delete_quietly(client, part.shard, part.name, deadline)
+                yield from _delete_quietly(ops, part.shard, part.name, deadline)
         raise failed[0]
     infos = [r for r in results if isinstance(r, pb.GroupInfo)]
-    _remember(client, planned, infos)
-    return merged(client, planned, infos)
+    _remember(ops, planned, infos)
+    return merged(ops, planned, infos)
 
 
 def create_group(
-    client: ClusterHost,
+    ops: ShardOps,
     req: pb.CreateGroupRequest,
     names: Sequence[str],
     arrays: Sequence[Array],
@@ -274,20 +270,18 @@ def create_group(
 ) -> Op[GroupInfo]:
     """Create the group's parts on their shards (all, or none)."""
     group = req.group
-    yield from check_new(client, group, deadline)
+    yield from check_new(ops, group, deadline)
     dtype = arrays[0].dtype if arrays else None
     itemsize = dtype.itemsize if dtype is not None else 4
     shapes = [a.shape for a in arrays]
-    planned = plan_layout(
-        group, names, shapes, itemsize, _shards(client), client.split_bytes
-    )
+    planned = plan_layout(group, names, shapes, itemsize, _shards(ops), ops.split_bytes)
 
     def create(k: int) -> Op[pb.GroupInfo]:
         part = planned.parts[k]
         template = pb.CreateGroupRequest()
         template.CopyFrom(req)
         template.group = part.name
-        op = client._create_op(
+        op = ops.create(
             template,
             planned.slot_names(part),
             part_arrays(planned, part, arrays),
@@ -296,7 +290,7 @@ def create_group(
         )
         return on_shard(part.shard, op)
 
-    return (yield from create_parts(client, planned, create, deadline))
+    return (yield from create_parts(ops, planned, create, deadline))
 
 
 def attempt(op: Op[R]) -> Op[R | Exception]:
@@ -309,7 +303,7 @@ def attempt(op: Op[R]) -> Op[R | Exception]:
 
 
 def _delete_quietly(
-    client: ClusterHost, shard: int, name: str, deadline: Deadline
+    ops: ShardOps, shard: int, name: str, deadline: Deadline
 ) -> Op[None]:
     req = pb.DeleteGroupRequest(group=name)
     call = Call("DeleteGroup", lambda: req, deadline, what("DeleteGroup"))
@@ -320,7 +314,7 @@ def _delete_quietly(
 
 
 def _each_part(
-    client: ClusterHost,
+    ops: ShardOps,
     found: Layout,
     method: str,
     request: Callable[[str], Any],
@@ -330,34 +324,30 @@ def _each_part(
     return (
         yield from parallel(
             [
-                _call(client, method, request(p.name), deadline, p.shard)
+                _call(ops, method, request(p.name), deadline, p.shard)
                 for p in found.parts
             ]
         )
     )
 
 
-def describe_group(
-    client: ClusterHost, group: str, deadline: Deadline
-) -> Op[GroupInfo]:
+def describe_group(ops: ShardOps, group: str, deadline: Deadline) -> Op[GroupInfo]:
     def describe(found: Layout) -> Op[GroupInfo]:
         replies = yield from _each_part(
-            client,
+            ops,
             found,
             "DescribeGroup",
             lambda name: pb.DescribeGroupRequest(group=name),
             deadline,
         )
-        return merged(client, found, [m.group for m in replies])
+        return merged(ops, found, [m.group for m in replies])
 
-    return (yield from rerouted(client, group, deadline, describe))
+    return (yield from rerouted(ops, group, deadline, describe))
 
 
-def list_groups(
-    client: ClusterHost, prefix: str, deadline: Deadline
-) -> Op[list[GroupInfo]]:
+def list_groups(ops: ShardOps, prefix: str, deadline: Deadline) -> Op[list[GroupInfo]]:
     """The groups of every shard, a split group once (its parts merged), by name."""
-    listing = yield from _listing(client, prefix, deadline)
+    listing = yield from _listing(ops, prefix, deadline)
     bases = sorted({base_name(g.name)[0] for _, g in listing})
     out = []
     for group in bases:
@@ -368,35 +358,35 @@ def list_groups(
         assert found is not None
         by_name = {g.name: g for _, g in mine}
         infos = [by_name[p.name] for p in found.parts]
-        _remember(client, found, infos)
-        out.append(merged(client, found, infos))
+        _remember(ops, found, infos)
+        out.append(merged(ops, found, infos))
     return out
 
 
-def delete_group(client: ClusterHost, group: str, deadline: Deadline) -> Op[bool]:
+def delete_group(ops: ShardOps, group: str, deadline: Deadline) -> Op[bool]:
     try:
-        found = yield from layout(client, group, deadline, refresh=True)
+        found = yield from layout(ops, group, deadline, refresh=True)
     except NotFoundError:
         return False
-    client._layouts.pop(group, None)
+    ops.layouts.pop(group, None)
     replies = yield from _each_part(
-        client,
+        ops,
         found,
         "DeleteGroup",
         lambda name: pb.DeleteGroupRequest(group=name),
         deadline,
     )
     for p in found.parts:
-        client._sizes.pop(p.name, None)
+        ops.sizes.pop(p.name, None)
     return any(m.deleted for m in replies)
 
 
 def set_learning_rate(
-    client: ClusterHost, group: str, learning_rate: float, deadline: Deadline
+    ops: ShardOps, group: str, learning_rate: float, deadline: Deadline
 ) -> Op[GroupInfo]:
     def set_all(found: Layout) -> Op[GroupInfo]:
         replies = yield from _each_part(
-            client,
+            ops,
             found,
             "SetLearningRate",
             lambda name: pb.SetLearningRateRequest(
@@ -404,25 +394,25 @@ def set_learning_rate(
             ),
             deadline,
         )
-        return merged(client, found, [m.group for m in replies])
+        return merged(ops, found, [m.group for m in replies])
 
-    return (yield from rerouted(client, group, deadline, set_all))
+    return (yield from rerouted(ops, group, deadline, set_all))
 
 
-def save(client: ClusterHost, deadline: Deadline) -> Op[list[Any]]:
+def save(ops: ShardOps, deadline: Deadline) -> Op[list[Any]]:
     """Every shard's Save reply, in shard order."""
     return (
         yield from parallel(
             [
-                _call(client, "Save", pb.SaveRequest(), deadline, i)
-                for i in range(_shards(client))
+                _call(ops, "Save", pb.SaveRequest(), deadline, i)
+                for i in range(_shards(ops))
             ]
         )
     )
 
 
 def leases(
-    client: ClusterHost,
+    ops: ShardOps,
     method: str,
     targets: Sequence[tuple[int, str]],
     worker_id: str,
@@ -432,7 +422,7 @@ def leases(
     request = pb.JoinGroupRequest if method == "JoinGroup" else pb.LeaveGroupRequest
     replies = yield from parallel(
         [
-            _call(client, method, request(group=name, worker_id=worker_id), deadline, s)
+            _call(ops, method, request(group=name, worker_id=worker_id), deadline, s)
             for s, name in targets
         ]
     )
@@ -440,9 +430,9 @@ def leases(
 
 
 # -- push and pull --------------------------------------------------------------------
-def group_dtype(client: ClusterHost, found: Layout) -> np.dtype[Any] | None:
+def group_dtype(ops: ShardOps, found: Layout) -> np.dtype[Any] | None:
     """The group's dtype, as the listing gave it (None: not known)."""
-    return client._dtypes.get(found.parts[0].name)
+    return ops.dtypes.get(found.parts[0].name)
 
 
 _FINITE_BLOCK = 1 << 20  # elements checked at once (a 1 MiB temporary, not a's size)
@@ -458,7 +448,7 @@ def all_finite(a: Array) -> bool:
 
 
 def _check_gradients(
-    client: ClusterHost, found: Layout, arrays: Sequence[Array], deadline: Deadline
+    ops: ShardOps, found: Layout, arrays: Sequence[Array], deadline: Deadline
 ) -> Op[None]:
     """Refused here, before any part is sent, so parts never disagree about it:
     a refusal that can never pass must not reach a part after another applied."""
@@ -469,7 +459,7 @@ def _check_gradients(
             reason="WRONG_TENSOR_COUNT",
             metadata={"group": found.group},
         )
-    dtype = group_dtype(client, found)
+    dtype = group_dtype(ops, found)
     finite = True
     for name, shape, a in zip(found.names, found.shapes, arrays, strict=True):
         if tuple(a.shape) != shape:
@@ -489,20 +479,20 @@ def _check_gradients(
                 metadata={"group": found.group, "tensor": name},
             )
         finite = finite and all_finite(a)
-    yield from check_finite(client, found, finite, deadline, "a gradient")
+    yield from check_finite(ops, found, finite, deadline, "a gradient")
 
 
-def _push_one(client: ClusterHost, part: PartPush, deadline: Deadline) -> Op[Any]:
+def _push_one(ops: ShardOps, part: PartPush, deadline: Deadline) -> Op[Any]:
     """One part's push to its shard: the reply."""
     shard, template, arrays = part
     if isinstance(template, pb.PushRowsHeader):
-        op = client._rows_send_op(template.group, template, list(arrays), deadline)
+        op = ops.send_rows(template.group, template, list(arrays), deadline)
     else:
-        op = client._push_part_op(template, arrays, deadline, shard)
+        op = ops.push(template, arrays, deadline, None, shard)
     return (yield from on_shard(shard, op))
 
 
-def _send_part(client: ClusterHost, part: PartPush, deadline: Deadline) -> Op[Any]:
+def _send_part(ops: ShardOps, part: PartPush, deadline: Deadline) -> Op[Any]:
     """One part's push, sent again (same seq) while its shard is unavailable or
     busy (``RESOURCE_EXHAUSTED``: retry later), until the deadline. A deadline
     that passes after the shard refused says so (the refusal's reason)."""
@@ -514,7 +504,7 @@ def _send_part(client: ClusterHost, part: PartPush, deadline: Deadline) -> Op[An
         return resend_now(exc)
 
     try:
-        sent = until_landed(lambda: _push_one(client, part, deadline), deadline, resend)
+        sent = until_landed(lambda: _push_one(ops, part, deadline), deadline, resend)
         return (yield from sent)
     except DeadlineExceededError as exc:
         if not refused:
@@ -527,11 +517,11 @@ def _send_part(client: ClusterHost, part: PartPush, deadline: Deadline) -> Op[An
         ) from None
 
 
-def _keep(client: ClusterHost, entry: PendingPush | None, new: PendingPush) -> None:
+def _keep(ops: ShardOps, entry: PendingPush | None, new: PendingPush) -> None:
     if entry is None:
-        client._pending.add(new)
+        ops.pending.add(new)
     else:
-        client._pending.replace(entry, new)
+        ops.pending.replace(entry, new)
 
 
 def _diverged(group: str, seq: int, refused: Sequence[tuple[PartPush, Any]]) -> Any:
@@ -547,7 +537,7 @@ def _diverged(group: str, seq: int, refused: Sequence[tuple[PartPush, Any]]) -> 
 
 
 def land(
-    client: ClusterHost,
+    ops: ShardOps,
     group: str,
     parts: Sequence[PartPush],
     after: Sequence[PartPush],
@@ -564,18 +554,18 @@ def land(
     stay a push apart. ``elsewhere``: another part applied it already."""
     if elsewhere is None:
         elsewhere = entry is not None and entry.applied_elsewhere
-    sent = _send_parts(client, group, parts, after, deadline, entry, elsewhere)
+    sent = _send_parts(ops, group, parts, after, deadline, entry, elsewhere)
     results = yield from sent
     failed = [
         (p, r) for p, r in zip(parts, results, strict=True) if isinstance(r, Exception)
     ]
     if failed:
-        raise _refused(client, group, parts, after, failed, entry, elsewhere)
-    return (yield from _land_after(client, group, results, after, deadline, entry))
+        raise _refused(ops, group, parts, after, failed, entry, elsewhere)
+    return (yield from _land_after(ops, group, results, after, deadline, entry))
 
 
 def _send_parts(
-    client: ClusterHost,
+    ops: ShardOps,
     group: str,
     parts: Sequence[PartPush],
     after: Sequence[PartPush],
@@ -586,15 +576,13 @@ def _send_parts(
     """Each part's reply or error, sent in parallel."""
     try:
         return (
-            yield from parallel(
-                [attempt(_send_part(client, p, deadline)) for p in parts]
-            )
+            yield from parallel([attempt(_send_part(ops, p, deadline)) for p in parts])
         )
     except GeneratorExit:
         # Cancelled (an AsyncClient task) while the parts travel: each may or may
         # not have taken the push, so the next push sends them all first.
         _keep(
-            client,
+            ops,
             entry,
             PendingPush(group, tuple(parts), tuple(after), elsewhere, "cancelled"),
         )
@@ -602,7 +590,7 @@ def _send_parts(
 
 
 def _land_after(
-    client: ClusterHost,
+    ops: ShardOps,
     group: str,
     results: list[Any],
     after: Sequence[PartPush],
@@ -612,13 +600,13 @@ def _land_after(
     """Every part landed: now ``after`` (what waited for part 0), if anything."""
     if not after:
         if entry is not None:
-            client._pending.replace(entry, None)
+            ops.pending.replace(entry, None)
         return results
     rest = None
     if entry is not None:
         rest = PendingPush(group, tuple(after), (), True, entry.why)
-        client._pending.replace(entry, rest)
-    more = yield from land(client, group, after, (), deadline, rest, True)
+        ops.pending.replace(entry, rest)
+    more = yield from land(ops, group, after, (), deadline, rest, True)
     return [*results, *more]
 
 
@@ -639,7 +627,7 @@ def _may_have_taken(
 
 
 def _refused(
-    client: ClusterHost,
+    ops: ShardOps,
     group: str,
     parts: Sequence[PartPush],
     after: Sequence[PartPush],
@@ -655,12 +643,12 @@ def _refused(
     seq = int((parts[0] if parts else after[0])[1].seq)
     if not took or not later:
         if entry is not None:
-            client._pending.replace(entry, None)
+            ops.pending.replace(entry, None)
         return _diverged(group, seq, never) if took and never else failed[0][1]
     applied = elsewhere or len(failed) < len(parts)
     why = f"shard {later[0][0][0]}: {later[0][1]}"
     kept = PendingPush(group, tuple(p for p, _ in later), tuple(after), applied, why)
-    _keep(client, entry, kept)
+    _keep(ops, entry, kept)
     log.warning(
         "push to %s seq %d: parts %s did not take it (%s); they are sent again, "
         "with the same seq, before the next push or pull of the group",
@@ -672,37 +660,37 @@ def _refused(
     return _diverged(group, seq, never) if never else later[0][1]
 
 
-def finish_earlier(client: ClusterHost, group: str, deadline: Deadline) -> Op[None]:
+def finish_earlier(ops: ShardOps, group: str, deadline: Deadline) -> Op[None]:
     """Send what earlier pushes to ``group`` left unsent (their seqs), oldest
     first; raises (and keeps them) when they still cannot land."""
     # bounded: each turn finishes the first entry or raises (a concurrent caller
     # may finish it first: then the next one is first)
-    while (entry := client._pending.first(group)) is not None:
+    while (entry := ops.pending.first(group)) is not None:
         log.info(
             "push to %s: sending seq %d, left by an earlier push", group, entry.seq
         )
         try:
-            yield from land(client, group, entry.parts, entry.after, deadline, entry)
+            yield from land(ops, group, entry.parts, entry.after, deadline, entry)
         except PartsDivergedError:
             raise
         except RpcError:
-            head = client._pending.first(group)
+            head = ops.pending.first(group)
             if head is not None and head.seq == entry.seq:
                 raise  # still pending: the group's calls wait for it
             # no part applied it (part 0 refused it as stale): nothing is left
 
 
 def push(
-    client: ClusterHost,
+    ops: ShardOps,
     req: pb.PushRequest,
     arrays: Sequence[Array],
     deadline: Deadline,
 ) -> Op[PushResult]:
-    yield from finish_earlier(client, req.group, deadline)
+    yield from finish_earlier(ops, req.group, deadline)
 
     def push_all(found: Layout) -> Op[tuple[Layout, list[Any]]]:
         if found.split:
-            yield from _check_gradients(client, found, arrays, deadline)
+            yield from _check_gradients(ops, found, arrays, deadline)
 
         def part(k: int, base_version: bool) -> PartPush:
             p = found.parts[k]
@@ -718,13 +706,13 @@ def push(
             # Part 0 alone decides whether the push is too stale; the others then
             # take it unconditionally, so no part refuses what another applied.
             rest = [part(k, False) for k in range(1, count)]
-            landed = yield from land(client, req.group, [part(0, True)], rest, deadline)
+            landed = yield from land(ops, req.group, [part(0, True)], rest, deadline)
         else:
             parts = [part(k, True) for k in range(count)]
-            landed = yield from land(client, req.group, parts, (), deadline)
+            landed = yield from land(ops, req.group, parts, (), deadline)
         return found, landed
 
-    found, replies = yield from rerouted(client, req.group, deadline, push_all)
+    found, replies = yield from rerouted(ops, req.group, deadline, push_all)
     counts = {int(m.update_count) for m in replies}
     if len(counts) > 1:
         log.debug("push to %s: parts answered T=%s", req.group, sorted(counts))
@@ -741,7 +729,7 @@ def push(
 
 
 def pull(
-    client: ClusterHost,
+    ops: ShardOps,
     group: str,
     state: bool,
     min_version: int | None,
@@ -754,13 +742,11 @@ def pull(
     flight lands), within the call's deadline; parts still behind when it passes
     raise ``PartsDivergedError`` (unless ``allow_apart``). This client's own
     pending pushes to the group are sent first."""
-    yield from finish_earlier(client, group, deadline)
+    yield from finish_earlier(ops, group, deadline)
 
     def pull_part(p: Part, at_least: int | None) -> Op[tuple[int, list[Array]]]:
         def send() -> Op[tuple[int, list[Array]]]:
-            op = client._pull_op(
-                p.name, state, at_least, deadline, encoding, shard=p.shard
-            )
+            op = ops.pull(p.name, state, at_least, deadline, encoding, shard=p.shard)
             return on_shard(p.shard, op)
 
         return until_landed(send, deadline)
@@ -783,7 +769,7 @@ def pull(
             replies[k] = r
         return found, replies
 
-    found, replies = yield from rerouted(client, group, deadline, pull_all)
+    found, replies = yield from rerouted(ops, group, deadline, pull_all)
     t = min(r[0] for r in replies)
     return t, join_arrays(found, [r[1] for r in replies])
 
@@ -808,7 +794,7 @@ def _apart(
 
 
 def check_finite(
-    client: ClusterHost,
+    ops: ShardOps,
     found: Layout,
     finite: bool,
     deadline: Deadline,
@@ -818,7 +804,7 @@ def check_finite(
     then), here: a part would refuse only what it owns, after others applied."""
     if finite:
         return
-    if not (yield from describe_group(client, found.group, deadline)).allow_non_finite:
+    if not (yield from describe_group(ops, found.group, deadline)).allow_non_finite:
         raise InvalidArgumentError(
             f"{what} holds NaN or inf, which would poison group "
             f"{found.group!r} for good; fix the worker, or create the group with "
@@ -829,7 +815,7 @@ def check_finite(
 
 
 def pull_rows_part(
-    client: ClusterHost,
+    ops: ShardOps,
     found: Layout,
     k: int,
     selection: Mapping[str, Array],
@@ -842,7 +828,7 @@ def pull_rows_part(
     part = found.parts[k]
 
     def send() -> Op[dict[str, Array]]:
-        op = client._rows_pull_op(
+        op = ops.pull_rows(
             found.group, part.name, selection, state, min_version, deadline
         )
         return on_shard(part.shard, op)

@@ -33,6 +33,7 @@ __all__ = [
     "BufferTransport",
     "SegmentTransport",
     "SharedMemoryLink",
+    "ShmHost",
     "released",
 ]
 
@@ -63,13 +64,14 @@ class ShmHost(Protocol):
 
 
 @contextlib.contextmanager
-def released(pool: SegmentPool, segs: list[Segment]) -> Iterator[None]:
+def released(pool: SegmentPool | None, segs: list[Segment]) -> Iterator[None]:
     """Give a call's segments back to ``pool`` when it ends, however it ends."""
     try:
         yield
     finally:
         for seg in segs:
-            pool.release(seg)
+            if pool is not None:
+                pool.release(seg)
 
 
 class SharedMemoryLink:
@@ -364,10 +366,11 @@ class SegmentTransport:
 class BufferTransport:
     """A push of ``TensorBuffers`` (gradients written in place in their segment):
     the unary Push names their region; X, when asked for, comes back through a
-    segment of the pool."""
+    segment of the pool. A pull into them has the server write X there (None:
+    shared memory is not used for it)."""
 
     def __init__(
-        self, link: SharedMemoryLink, pool: SegmentPool, bufs: TensorBuffers
+        self, link: SharedMemoryLink, pool: SegmentPool | None, bufs: TensorBuffers
     ) -> None:
         self.link = link
         self.pool = pool

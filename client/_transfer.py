@@ -13,11 +13,12 @@ import dataclasses
 import json
 import os
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import numpy as np
+from onnxps.wire.encoding import Encoding
 from onnxps.wire.image import (
     ConsistencyDefinition,
     GroupDefinition,
@@ -30,7 +31,6 @@ from ._errors import OnnxpsError
 from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
 
 if TYPE_CHECKING:
-    from ._host import CoreHost, RunningHost
     from ._ops import Op
     from ._records import GroupInfo
 
@@ -50,6 +50,67 @@ __all__ = [
 ]
 
 Existing = Literal["fail", "skip", "replace"]
+Array = np.ndarray[Any, Any]
+R = TypeVar("R")
+
+
+class TransferHost(Protocol):
+    """The client operations an export or import composes (``ClientCore``'s)."""
+
+    def _describe_group(
+        self, name: str, *, timeout: float | None = None
+    ) -> Op[GroupInfo]: ...
+
+    def _list_groups(
+        self, prefix: str = "", *, timeout: float | None = None
+    ) -> Op[list[GroupInfo]]: ...
+
+    def _delete_group(self, name: str, *, timeout: float | None = None) -> Op[bool]: ...
+
+    def _create_group(
+        self,
+        name: str,
+        optimizer: OptimizerSpec,
+        *,
+        learning_rate: float,
+        tensors: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None,
+        consistency: Async | Sync | None = None,
+        allow_non_finite: bool = False,
+        state: Sequence[Any] | None = None,
+        update_count: int = 0,
+        lease_seconds: float | None = None,
+        tables: Mapping[str, IdsTable] | None = None,
+        table_rows: Sequence[Sequence[Any]] | None = None,
+        timeout: float | None = None,
+    ) -> Op[GroupInfo]: ...
+
+    def _pull_versioned(
+        self,
+        group: str,
+        *,
+        state: bool = False,
+        min_version: int | None = None,
+        encoding: Encoding | None = None,
+        timeout: float | None = None,
+        out: Sequence[Array] | None = None,
+        allow_parts_apart: bool = False,
+    ) -> Op[tuple[int, list[Array]]]: ...
+
+    def _export_rows(
+        self,
+        group: str,
+        table: str,
+        *,
+        state: bool = False,
+        page_size: int = 0,
+        timeout: float | None = None,
+    ) -> Op[tuple[Array, dict[str, Array]]]: ...
+
+
+class BlockingTransferHost(TransferHost, Protocol):
+    """A blocking client: it runs an operation to its result (``Client._run``)."""
+
+    def _run(self, op: Op[R]) -> R: ...
 
 
 class ExportFileError(OnnxpsError, ValueError):
@@ -116,7 +177,7 @@ def definition_of(
 
 
 def export_op(
-    client: CoreHost,
+    client: TransferHost,
     path: str | os.PathLike[str],
     prefix: str = "",
     group: str | None = None,
@@ -228,7 +289,7 @@ def consistency_of(c: ConsistencyDefinition) -> Async | Sync:
 
 
 def import_op(
-    client: CoreHost,
+    client: TransferHost,
     path: str | os.PathLike[str],
     *,
     existing: Existing = "fail",
@@ -279,7 +340,7 @@ def _count(items: Sequence[Any], noun: str) -> str:
     return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
 
 
-def _create(client: CoreHost, image: GroupImage) -> Op[GroupInfo]:
+def _create(client: TransferHost, image: GroupImage) -> Op[GroupInfo]:
     d = image.definition
     n = len(d.names)
     return client._create_group(
@@ -303,7 +364,7 @@ def _create(client: CoreHost, image: GroupImage) -> Op[GroupInfo]:
 
 
 def import_groups(
-    client: RunningHost,
+    client: BlockingTransferHost,
     path: str | os.PathLike[str],
     *,
     existing: Existing = "fail",

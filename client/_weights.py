@@ -44,9 +44,9 @@ from ._transfer import (
 )
 
 if TYPE_CHECKING:
-    from ._host import CoreHost
     from ._ops import Op
     from ._records import GroupInfo
+    from ._transfer import TransferHost as CoreHost
 
 __all__ = [
     "WEIGHTS_FORMAT",

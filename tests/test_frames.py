@@ -1,4 +1,5 @@
-"""Push and Pull as frames on a call channel (``server._frames``, ``client._frames``):
+"""Push and Pull as frames on a call channel (``server.transports._frames``,
+``client._frames``):
 the same results as over gRPC, the same statuses for bad input, tokens checked on
 every frame. The client side here is the frame functions over a raw socket."""
 
@@ -194,8 +195,51 @@ def test_frames_is_a_checked_client_option() -> None:
 
     with pytest.raises(ValueError, match="frames must be 'off' or 'on', got 'yes'"):
         Client("127.0.0.1:1", frames="yes")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="frames='on' is a Client option"):
-        AsyncClient("127.0.0.1:1", frames="on")
+    with pytest.raises(ValueError, match="frames must be 'off' or 'on', got 'yes'"):
+        AsyncClient("127.0.0.1:1", frames="yes")  # type: ignore[arg-type]
+
+
+def test_the_async_client_sends_frames_too(server: ServerHandle) -> None:
+    """AsyncClient(frames="on"): pushes and pulls as frames (the server counts
+    them), the same T, X and errors as Client over gRPC; a broken channel sends
+    the next push over gRPC, nothing lost or doubled."""
+    import asyncio
+
+    from onnxps.client import AsyncClient, InvalidArgumentError
+
+    rng = np.random.default_rng(26)
+    x0 = rng.standard_normal(N).astype(np.float32)
+    grads = [rng.standard_normal(N).astype(np.float32) for _ in range(4)]
+    with Client(server.address, data_channel="off") as plain:
+        plain.create_group("a", Adam(), learning_rate=1e-2, tensors={"w": x0})
+        for g in grads:
+            plain.push("a", g)
+        want = plain.pull("a")[0]
+        with pytest.raises(InvalidArgumentError) as over_grpc:
+            plain.push("a", np.ones(N + 1, np.float32))
+    assert server.data_channels is not None
+    frames = server.data_channels.frame_calls
+
+    async def run() -> None:
+        async with AsyncClient(
+            server.address, data_channel="off", frames="on", timeout=30
+        ) as ac:
+            await ac.create_group("b", Adam(), learning_rate=1e-2, tensors={"w": x0})
+            assert [await ac.push("b", g) for g in grads[:3]] == [1, 2, 3]
+            assert frames.calls == 3
+            assert not ac._call_channels[0].closed
+            with pytest.raises(InvalidArgumentError) as over_frames:
+                await ac.push("b", np.ones(N + 1, np.float32))
+            assert str(over_frames.value) == str(over_grpc.value)
+            assert frames.calls == 4
+            ac._call_channels[0].sock.shutdown(socket.SHUT_RDWR)  # it breaks
+            assert await ac.push("b", grads[3]) == 4  # over gRPC
+            assert frames.calls == 4
+            got = await ac.pull("b")  # on a new channel
+            assert frames.calls == 5
+            np.testing.assert_array_equal(got[0], want)
+
+    asyncio.run(run())
 
 
 def test_call_channels_are_capped_and_a_stalled_frame_is_cut_off() -> None:

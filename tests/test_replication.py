@@ -29,6 +29,7 @@ from onnxps.client import (
     FailedPreconditionError,
     NotFoundError,
     PermissionDeniedError,
+    UnavailableError,
 )
 from onnxps.server.app import ServerConfig, create_server
 
@@ -126,6 +127,8 @@ class ReplicaSet:
             try:
                 seen = self.state(i, group)[0]
             except NotFoundError:  # a standby adopting a snapshot: groups reappear
+                seen = -1
+            except UnavailableError:  # a replica just restarted, not listening yet
                 seen = -1
             if seen == t:
                 return

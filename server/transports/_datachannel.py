@@ -53,10 +53,17 @@ from typing import Any
 
 import numpy as np
 from onnxps.wire.codec import DeferredEncoding, frame_bytes, widen_into
+from onnxps.wire.frames import (
+    CALL_MAGIC,
+    CHANNEL_ID_BYTES,
+    DATA_FRAME,
+    DATA_MAGIC,
+    TICKET_BYTES,
+    close_socket,
+)
 
 from ..errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from ..store._waits import CallCancelled
-from ._frames import CALL_MAGIC
 from ._handshakes import Handshake, Handshakes
 
 __all__ = ["MAGIC", "DataChannel", "DataChannels", "principal_of", "tls_context"]
@@ -65,10 +72,8 @@ log = logging.getLogger("onnxps.datachannel")
 
 Array = np.ndarray[Any, Any]
 
-MAGIC = b"ONNXPSD1"
-TICKET_BYTES = 32
-CHANNEL_ID_BYTES = 16
-FRAME = struct.Struct("<QQ")  # transfer id, byte count
+MAGIC = DATA_MAGIC
+FRAME = DATA_FRAME  # transfer id, byte count
 TICKET_SECONDS = 10.0
 HANDSHAKE_SECONDS = 5.0
 MAX_PENDING_HANDSHAKES = 64
@@ -126,10 +131,7 @@ class DataChannel:
 
     def close(self) -> None:
         self.closed = True
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        close_socket(self.sock)
 
     # -- frames --------------------------------------------------------------------
     def _recv_exact(
@@ -344,10 +346,7 @@ class DataChannels:
 
     def close(self) -> None:
         self._stopped.set()
-        with contextlib.suppress(OSError):  # wakes the thread blocked in accept()
-            self._listener.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            self._listener.close()
+        close_socket(self._listener)  # wakes the thread blocked in accept()
         with self._lock:
             channels = list(self._channels.values())
             self._channels.clear()

@@ -18,14 +18,7 @@ into a frame), and what the call holds of the in-flight budget is released once
 it has left. The client: ``client/_frames.py``; the docs: docs/transports.md,
 "Frame calls".
 
-Frames (little endian):
-
-- call: ``u32 length`` of what follows, ``u8 method`` (1 Push, 2 Pull), ``f64
-  timeout`` seconds (0: none), the request message.
-- reply: ``u32 length`` of what follows, ``u8 code`` (a ``grpc.StatusCode``'s
-  number, 0 OK), then for OK the response message, else ``u32`` length and the
-  details (UTF-8), ``u16`` count of trailing metadata entries, each ``u16`` key
-  length, key, ``u32`` value length, value (``grpc-status-details-bin`` among them).
+The frames' layout, magic and status numbers: ``onnxps.wire.frames``.
 """
 
 from __future__ import annotations
@@ -34,14 +27,15 @@ import contextlib
 import logging
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+from onnxps.wire import frames
 from onnxps.wire.codec import EncodedMessage
+from onnxps.wire.frames import CALL_MAGIC, HEAD, recv_exact, write_call
 
 log = logging.getLogger("onnxps.frames")
 
@@ -54,14 +48,9 @@ __all__ = [
     "write_call",
 ]
 
-CALL_MAGIC = b"ONNXPSC1"
-METHODS = {1: "Push", 2: "Pull"}
-MAX_FRAME = 2 << 20  # clients frame requests up to 1 MiB; larger ones go over gRPC
-_U32 = struct.Struct("<I")
-_HEAD = struct.Struct("<Bd")
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
+METHODS = frames.METHOD_NAMES
+MAX_FRAME = frames.MAX_CALL_FRAME
 _SERVICE = "/onnxps.v1.ParameterServerService/"
-_JOIN_BYTES = 64 << 10  # a reply up to this size is sent in one piece
 
 
 class _Aborted(Exception):
@@ -151,19 +140,9 @@ class FrameContext:
                 log.exception("a call's callback failed")
 
 
-def _metadata_bytes(entries: Sequence[tuple[str, Any]]) -> bytes:
-    out = [struct.pack("<H", len(entries))]
-    for key, value in entries:
-        k = key.encode("ascii")
-        v = value if isinstance(value, bytes) else str(value).encode("utf-8")
-        out += [struct.pack("<H", len(k)), k, _U32.pack(len(v)), v]
-    return b"".join(out)
-
-
 def _status_payload(ctx: FrameContext) -> bytes:
     """A failed call's reply after its code byte: details and trailing metadata."""
-    details = ctx.details().encode("utf-8")
-    return _U32.pack(len(details)) + details + _metadata_bytes(ctx.trailing_metadata())
+    return frames.status_payload(ctx.details(), ctx.trailing_metadata())
 
 
 def _response_parts(reply: Any, serialize: Callable[[Any], bytes]) -> list[Any]:
@@ -175,64 +154,16 @@ def _response_parts(reply: Any, serialize: Callable[[Any], bytes]) -> list[Any]:
 
 
 def send_reply(sock: socket.socket, code: grpc.StatusCode, parts: list[Any]) -> None:
-    """One reply frame: the length and code, then ``parts`` (small ones joined,
-    large ones sent from where they are)."""
-    size = sum(memoryview(p).nbytes for p in parts)
-    head = _U32.pack(1 + size) + bytes([code.value[0]])
-    if size <= _JOIN_BYTES:
-        sock.sendall(b"".join([head, *parts]))
-        return
-    sock.sendall(head)
-    for part in parts:
-        sock.sendall(part)
-
-
-def write_call(
-    sock: socket.socket, method: int, timeout: float, request: bytes
-) -> None:
-    """Send one call frame (the client's side)."""
-    body = _HEAD.pack(method, timeout) + request
-    sock.sendall(_U32.pack(len(body)) + body)
+    """One reply frame: the length and code, then ``parts``."""
+    frames.send_reply(sock, code.value[0], parts)
 
 
 def read_reply(
     sock: socket.socket,
 ) -> tuple[grpc.StatusCode, bytes, str, list[tuple[str, bytes]]]:
     """One reply frame: (code, response bytes, details, trailing metadata)."""
-    head = _recv_exact(sock, 4)
-    if head is None:
-        raise ConnectionError("the server closed the call channel")
-    payload = _recv_exact(sock, _U32.unpack(head)[0])
-    if payload is None or not payload:
-        raise ConnectionError("the server closed the call channel mid-reply")
-    code = _CODES[payload[0]]
-    if code is grpc.StatusCode.OK:
-        return code, payload[1:], "", []
-    n = _U32.unpack_from(payload, 1)[0]
-    details = payload[5 : 5 + n].decode("utf-8")
-    at = 5 + n
-    (count,) = struct.unpack_from("<H", payload, at)
-    at += 2
-    trailing = []
-    for _ in range(count):
-        (klen,) = struct.unpack_from("<H", payload, at)
-        key = payload[at + 2 : at + 2 + klen].decode("ascii")
-        at += 2 + klen
-        (vlen,) = _U32.unpack_from(payload, at)
-        trailing.append((key, payload[at + 4 : at + 4 + vlen]))
-        at += 4 + vlen
-    return code, b"", details, trailing
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if not k:
-            return None
-        got += k
-    return bytes(buf)
+    number, body, details, trailing = frames.read_reply(sock)
+    return grpc.StatusCode[frames.STATUS_NAMES[number]], body, details, trailing
 
 
 class FrameCalls:
@@ -268,24 +199,24 @@ class FrameCalls:
         with sock:
             while True:
                 sock.settimeout(None)  # idle between calls: as long as it likes
-                head = _recv_exact(sock, 1)
+                head = recv_exact(sock, 1)
                 if head is None:
                     return
                 sock.settimeout(stall_seconds)  # a frame begun must keep coming
-                rest = _recv_exact(sock, 3)
+                rest = recv_exact(sock, 3)
                 if rest is None:
                     return
                 head += rest
-                (length,) = _U32.unpack(head)
-                if not _HEAD.size <= length <= MAX_FRAME:
+                (length,) = frames.U32.unpack(head)
+                if not HEAD.size <= length <= MAX_FRAME:
                     log.info(
                         "call channel of %s: a frame of %d bytes; closed", peer, length
                     )
                     return
-                body = _recv_exact(sock, length)
+                body = recv_exact(sock, length)
                 if body is None:
                     return
-                method, timeout = _HEAD.unpack_from(body)
+                method, timeout = HEAD.unpack_from(body)
                 if method not in self._handlers:
                     log.info(
                         "call channel of %s: unknown method %d; closed", peer, method
@@ -318,7 +249,7 @@ class FrameCalls:
         with self._lock:
             self._running[sock] = ctx
         try:
-            request = handler.request_deserializer(body[_HEAD.size :])
+            request = handler.request_deserializer(body[HEAD.size :])
             if handler.request_streaming:  # refused from its metadata (Refusal)
                 reply = handler.stream_unary(iter((request,)), ctx)
             else:

@@ -1,0 +1,201 @@
+"""The frames both ends speak on a socket beside gRPC: the data channel's and the
+call channel's (``Client(frames="on")``), written once.
+
+A channel opens with an 8-byte magic and the 32-byte ticket of a
+``DataChannelHello``: ``DATA_MAGIC`` for a data channel (tensor bytes of calls made
+over gRPC), ``CALL_MAGIC`` for a call channel (whole ``Push`` and ``Pull`` calls).
+The server answers ``0x00`` and the 16-byte channel id, or ``0x01``, a ``u16``
+length and its reason (UTF-8).
+
+Data channel (little endian): one frame per call each way, ``u64`` transfer id,
+``u64`` byte count, then the tensors back to back (``DATA_FRAME``).
+
+Call channel (little endian):
+
+- call: ``u32 length`` of what follows, ``u8 method`` (1 Push, 2 Pull), ``f64
+  timeout`` seconds (0: none), the request message.
+- reply: ``u32 length`` of what follows, ``u8 code`` (a gRPC status code's number,
+  0 OK), then for OK the response message, else ``u32`` length and the details
+  (UTF-8), ``u16`` count of trailing metadata entries, each ``u16`` key length, key,
+  ``u32`` value length, value (``grpc-status-details-bin`` among them).
+
+The status codes are gRPC's numbers (``STATUS_NAMES``); each end maps them onto
+grpc's ``StatusCode`` (this layer imports no grpc). ``recv_exact`` and
+``close_socket`` are the socket steps both ends take.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "CALL_MAGIC",
+    "CHANNEL_ID_BYTES",
+    "DATA_FRAME",
+    "DATA_MAGIC",
+    "FRAME_MAX_REQUEST_BYTES",
+    "HEAD",
+    "JOIN_BYTES",
+    "MAX_CALL_FRAME",
+    "METHOD_NAMES",
+    "METHOD_NUMBERS",
+    "STATUS_NAMES",
+    "TICKET_BYTES",
+    "U32",
+    "call_frame",
+    "close_socket",
+    "read_reply",
+    "recv_exact",
+    "send_reply",
+    "split_call",
+    "status_payload",
+    "write_call",
+]
+
+DATA_MAGIC = b"ONNXPSD1"
+CALL_MAGIC = b"ONNXPSC1"
+TICKET_BYTES = 32
+CHANNEL_ID_BYTES = 16
+DATA_FRAME = struct.Struct("<QQ")  # transfer id, byte count
+
+METHOD_NAMES = {1: "Push", 2: "Pull"}
+METHOD_NUMBERS = {name: number for number, name in METHOD_NAMES.items()}
+# Clients frame requests up to 1 MiB (larger ones go over gRPC: its streams and
+# the data channel move bytes best); a server reads frames up to twice that.
+FRAME_MAX_REQUEST_BYTES = 1 << 20
+MAX_CALL_FRAME = 2 << 20
+JOIN_BYTES = 64 << 10  # a reply up to this size is sent in one piece
+
+# gRPC's status codes by number (grpc.StatusCode[name] on either end)
+STATUS_NAMES = {
+    0: "OK",
+    1: "CANCELLED",
+    2: "UNKNOWN",
+    3: "INVALID_ARGUMENT",
+    4: "DEADLINE_EXCEEDED",
+    5: "NOT_FOUND",
+    6: "ALREADY_EXISTS",
+    7: "PERMISSION_DENIED",
+    8: "RESOURCE_EXHAUSTED",
+    9: "FAILED_PRECONDITION",
+    10: "ABORTED",
+    11: "OUT_OF_RANGE",
+    12: "UNIMPLEMENTED",
+    13: "INTERNAL",
+    14: "UNAVAILABLE",
+    15: "DATA_LOSS",
+    16: "UNAUTHENTICATED",
+}
+
+_U16 = struct.Struct("<H")
+U32 = struct.Struct("<I")
+HEAD = struct.Struct("<Bd")  # a call's method and timeout
+
+Trailing = list[tuple[str, bytes]]
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """``n`` bytes from ``sock``, or None when the peer closed first (a timeout or
+    a broken socket raises ``OSError``)."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            return None
+        got += k
+    return bytes(buf)
+
+
+def close_socket(sock: socket.socket) -> None:
+    """Shut ``sock`` down both ways and close it (whatever state it is in)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+# -- call channel: calls -----------------------------------------------------------
+def call_frame(method: int, timeout: float, request: bytes) -> bytes:
+    """One call frame: length, method, timeout (0: none), the request."""
+    body = HEAD.pack(method, timeout) + request
+    return U32.pack(len(body)) + body
+
+
+def write_call(
+    sock: socket.socket, method: int, timeout: float, request: bytes
+) -> None:
+    """Send one call frame (the client's side)."""
+    sock.sendall(call_frame(method, timeout, request))
+
+
+def split_call(body: bytes) -> tuple[int, float, bytes]:
+    """A call frame's body (after its length): method, timeout, request bytes."""
+    method, timeout = HEAD.unpack_from(body)
+    return method, timeout, body[HEAD.size :]
+
+
+# -- call channel: replies ---------------------------------------------------------
+def status_payload(details: str, trailing: Sequence[tuple[str, Any]]) -> bytes:
+    """A failed call's reply after its code byte: details and trailing metadata."""
+    text = details.encode("utf-8")
+    out = [U32.pack(len(text)), text, _U16.pack(len(trailing))]
+    for key, value in trailing:
+        k = key.encode("ascii")
+        v = value if isinstance(value, bytes) else str(value).encode("utf-8")
+        out += [_U16.pack(len(k)), k, U32.pack(len(v)), v]
+    return b"".join(out)
+
+
+def send_reply(sock: socket.socket, code: int, parts: Sequence[Any]) -> None:
+    """One reply frame: the length and ``code``, then ``parts`` (small ones joined,
+    large ones sent from where they are)."""
+    size = sum(memoryview(p).nbytes for p in parts)
+    head = U32.pack(1 + size) + bytes([code])
+    if size <= JOIN_BYTES:
+        sock.sendall(b"".join([head, *parts]))
+        return
+    sock.sendall(head)
+    for part in parts:
+        sock.sendall(part)
+
+
+def read_reply(sock: socket.socket) -> tuple[int, bytes, str, Trailing]:
+    """One reply frame: (code, response bytes, details, trailing metadata).
+    Raises ``ConnectionError`` when the server closed the channel first, and
+    ``ValueError`` on a reply that is not a frame."""
+    head = recv_exact(sock, 4)
+    if head is None:
+        raise ConnectionError("the server closed the call channel")
+    payload = recv_exact(sock, U32.unpack(head)[0])
+    if not payload:
+        raise ConnectionError("the server closed the call channel mid-reply")
+    code = payload[0]
+    if code not in STATUS_NAMES:
+        raise ValueError(f"the call channel sent status {code}")
+    if code == 0:
+        return code, payload[1:], "", []
+    details, trailing = _status(payload)
+    return code, b"", details, trailing
+
+
+def _status(payload: bytes) -> tuple[str, Trailing]:
+    """The details and trailing metadata of a reply frame with a status."""
+    (n,) = U32.unpack_from(payload, 1)
+    details = payload[5 : 5 + n].decode("utf-8")
+    at = 5 + n
+    (count,) = _U16.unpack_from(payload, at)
+    at += 2
+    trailing: Trailing = []
+    for _ in range(count):
+        (klen,) = _U16.unpack_from(payload, at)
+        key = payload[at + 2 : at + 2 + klen].decode("ascii")
+        at += 2 + klen
+        (vlen,) = U32.unpack_from(payload, at)
+        trailing.append((key, payload[at + 4 : at + 4 + vlen]))
+        at += 4 + vlen
+    return details, trailing
