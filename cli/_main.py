@@ -107,7 +107,14 @@ def _unknown(parser: argparse.ArgumentParser, extra: Sequence[str]) -> str:
 
 def _run(argv: Sequence[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser, chosen = _parser(_command(argv))
+    command = _command(argv)
+    if command != "serve":
+        # gRPC's C core logs each failed TLS handshake at INFO on stderr, before the
+        # one line a client command prints; set before grpc loads (GRPC_VERBOSITY=INFO
+        # shows them again). A server keeps them: a rejected peer's certificate is
+        # in its log.
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    parser, chosen = _parser(command)
     args, extra = parser.parse_known_args(argv)
     assert chosen is not None  # parse_known_args exits on a command it does not know
     if extra:  # said by the command's parser, whose --help lists its flags
@@ -122,10 +129,6 @@ def _run(argv: Sequence[str] | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # gRPC's C core logs each failed TLS handshake and more at INFO on stderr, before
-    # the one line a command prints; set before grpc loads (GRPC_VERBOSITY=INFO
-    # shows them again).
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     try:
         return _run(argv)
     except CommandFailed as exc:
