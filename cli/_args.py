@@ -9,11 +9,10 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from onnxps.client import RpcError
-from onnxps.client._replies import tcp_host
-from onnxps.client._settings import with_default_port
+if TYPE_CHECKING:  # the client (grpc, numpy) loads with the commands that use it
+    from onnxps.client import RpcError
 
 __all__ = [
     "EXIT_FAILURE",
@@ -125,6 +124,9 @@ def unreachable(
     A call that fails to connect ends in UNAVAILABLE, or in DEADLINE_EXCEEDED when
     its deadline comes before the channel gives up: one cause, so the commands
     ask the socket and say the same thing for both."""
+    from onnxps.client._replies import tcp_host
+    from onnxps.client._settings import with_default_port
+
     if exc.code.name not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
         return None
     addresses = [address] if isinstance(address, str) else list(address)

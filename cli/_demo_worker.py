@@ -12,8 +12,12 @@ Output, one line at a time (``onnxps demo`` parses it):
     worker 0/4 step 50/300 loss 0.4321
     worker 0/4 done: 300 steps, held-out accuracy 0.9722
 
-Exit status: 0 when trained, 3 when the server is unreachable or goes away, 130 when
-interrupted.
+A worker started before its server waits for it, up to ``--timeout``
+(``ONNXPS_TIMEOUT``): compose under podman older than 4.6 starts the workers with
+the server, its ``depends_on: service_healthy`` ignored.
+
+Exit status: 0 when trained, 3 when the server is unreachable (after that wait) or
+goes away, 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +42,7 @@ from onnxps.client import (
     Momentum,
     OnnxpsError,
     OptimizerSpec,
+    RpcError,
     Sync,
     UnavailableError,
 )
@@ -213,6 +219,27 @@ def create_group_if_missing(
         pass
 
 
+def wait_for_server(ps: Client, address: str, timeout: float, tag: str) -> None:
+    """Return once the server answers (any answer: a refusal says it is up), or
+    raise its UnavailableError or DeadlineExceededError after ``timeout`` seconds.
+    Says once on stderr that it waits."""
+    deadline = time.monotonic() + timeout
+    said = False
+    while True:
+        try:
+            ps.list_groups(timeout=max(0.5, min(2.0, deadline - time.monotonic())))
+            return
+        except (UnavailableError, DeadlineExceededError):
+            if time.monotonic() >= deadline:
+                raise
+            if not said:
+                _say(f"{tag}: waiting up to {timeout:g} s for the server at {address}")
+                said = True
+            time.sleep(0.5)
+        except RpcError:
+            return
+
+
 def _train(args: argparse.Namespace, tag: str) -> None:
     lr = args.learning_rate
     if lr is None:
@@ -230,6 +257,7 @@ def _train(args: argparse.Namespace, tag: str) -> None:
         token=args.token,
         root_certificates=roots,
     ) as ps:
+        wait_for_server(ps, args.address, args.timeout, tag)
         create_group_if_missing(
             ps, args.group, args.optimizer, lr, args.mode, args.workers, args.seed
         )

@@ -7,18 +7,47 @@ interrupted. ``ONNXPS_DEBUG=1`` shows the traceback of an unexpected error.
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import importlib
 import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import metadata
+from types import ModuleType
 
-from onnxps.server import cli as server_cli
-
-from . import demo, status, transfer
 from ._args import EXIT_FAILURE, CommandFailed, Parser, report
 
 __all__ = ["main", "version"]
+
+# Each command: the module that adds its arguments and runs it (``run(args)``), the
+# function that adds them, its help. A command's module loads only when it is the
+# one given: ``onnxps --version`` loads neither the server nor the client.
+COMMANDS = {
+    "serve": ("onnxps.server.cli", "add_serve_arguments", "run a parameter server"),
+    "export": (
+        "onnxps.cli.transfer",
+        "add_export_arguments",
+        "write groups of a running server to a file",
+    ),
+    "import": (
+        "onnxps.cli.transfer",
+        "add_import_arguments",
+        "create the groups of an export file",
+    ),
+    "demo": (
+        "onnxps.cli.demo",
+        "add_arguments",
+        "train an MLP on digits with a server and workers",
+    ),
+    "status": (
+        "onnxps.cli.status",
+        "add_arguments",
+        "show the groups on a running server",
+    ),
+}
 
 
 def version() -> str:
@@ -28,42 +57,75 @@ def version() -> str:
         return "unknown"
 
 
-def _parser() -> Parser:
+def _command(argv: Sequence[str]) -> str | None:
+    """The command named in ``argv`` (its first word that is not an option: the
+    top level's options, --version and --help, take no value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+@dataclass
+class _Chosen:
+    """The command given: its module and its own parser."""
+
+    module: ModuleType
+    parser: argparse.ArgumentParser
+
+
+def _parser(command: str | None) -> tuple[Parser, _Chosen | None]:
+    """The parser, with the arguments of ``command`` only, and that command's
+    module and parser (None when ``command`` is none of them)."""
     parser = Parser(
         prog="onnxps", description="onnxps: a gRPC parameter server for ONNX optimizers"
     )
     parser.add_argument("--version", action="version", version=f"onnxps {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    server_cli.add_serve_arguments(
-        sub.add_parser("serve", help="run a parameter server")
-    )
-    transfer.add_export_arguments(
-        sub.add_parser("export", help="write groups of a running server to a file")
-    )
-    transfer.add_import_arguments(
-        sub.add_parser("import", help="create the groups of an export file")
-    )
-    demo.add_arguments(
-        sub.add_parser("demo", help="train an MLP on digits with a server and workers")
-    )
-    status.add_arguments(
-        sub.add_parser("status", help="show the groups on a running server")
-    )
-    return parser
+    chosen = None
+    for name, (module_name, add_arguments, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == command:
+            chosen = _Chosen(importlib.import_module(module_name), p)
+            getattr(chosen.module, add_arguments)(p)
+    return parser, chosen
+
+
+def _unknown(parser: argparse.ArgumentParser, extra: Sequence[str]) -> str:
+    """What the command says of arguments it does not take: which, and the flag
+    that was probably meant (``--port``: ``--address HOST:PORT``)."""
+    flags = [f for a in parser._actions for f in a.option_strings]  # noqa: SLF001
+    hints = []
+    for arg in extra:
+        name = arg.split("=", 1)[0]
+        if not name.startswith("--"):
+            continue
+        if name in ("--port", "--host") and "--address" in flags:
+            hints.append(f"{name}: use --address HOST:PORT")
+        elif close := difflib.get_close_matches(name, flags, n=1, cutoff=0.75):
+            hints.append(f"{name}: did you mean {close[0]}?")
+    said = f"unrecognized arguments: {' '.join(extra)}"
+    return f"{said} ({'; '.join(hints)})" if hints else said
 
 
 def _run(argv: Sequence[str] | None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "serve":
-        return server_cli.run(args)
-    logging.basicConfig(
-        level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    if args.command in ("export", "import"):
-        return transfer.run(args)
-    if args.command == "demo":
-        return demo.run(args)
-    return status.run(args)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = _command(argv)
+    if command != "serve":
+        # gRPC's C core logs each failed TLS handshake at INFO on stderr, before the
+        # one line a client command prints; set before grpc loads (GRPC_VERBOSITY=INFO
+        # shows them again). A server keeps them: a rejected peer's certificate is
+        # in its log.
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    parser, chosen = _parser(command)
+    args, extra = parser.parse_known_args(argv)
+    assert chosen is not None  # parse_known_args exits on a command it does not know
+    if extra:  # said by the command's parser, whose --help lists its flags
+        chosen.parser.error(_unknown(chosen.parser, extra))
+    module = chosen.module
+    if args.command != "serve":
+        logging.basicConfig(
+            level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    run: int = module.run(args)
+    return run
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -104,10 +104,9 @@ class Progress:
         else:
             shown = "   -  " if loss is None else worker.loss_text(loss)
             rate = self.rate(now, done)
-            stats = (
-                f"{done}/{self.total} pushes  loss {shown}  "
-                f"{'-' if rate is None else f'{rate:.0f}'} pushes/s  {elapsed:.1f}s"
-            )
+            # no rate until two counts were seen: said by its absence, not "- pushes/s"
+            speed = "" if rate is None else f"{rate:.0f} pushes/s  "
+            stats = f"{done}/{self.total} pushes  loss {shown}  {speed}{elapsed:.1f}s"
         if not self.tty:
             if done == 0 and loss is None:
                 stats = f"0/{self.total} pushes  loss    -   {STARTING}  {elapsed:.1f}s"

@@ -195,11 +195,23 @@ _TLS_HINT = (
     "bytes, or --tls-ca ca.pem on the command line)"
 )
 
+# What a TLS client meets at a plaintext port: the answer to its TLS hello is not
+# TLS (gRPC's details run to 300 characters of OpenSSL and say nothing of that).
+_TLS_AT_PLAINTEXT = "WRONG_VERSION_NUMBER"
+_PLAINTEXT_HINT = (
+    "the TLS handshake failed: the server did not answer in TLS "
+    "(WRONG_VERSION_NUMBER). If it runs without TLS, this client spoke TLS to it: "
+    "leave out root_certificates (--tls-ca on the command line), or give the "
+    "server --tls-cert and --tls-key"
+)
+
 
 def _hinted(code: grpc.StatusCode, details: str) -> str:
     """``details``, with what to do where gRPC's words do not say it."""
     if code == grpc.StatusCode.UNAVAILABLE and _PLAINTEXT_AT_TLS in details:
         return details + _TLS_HINT
+    if code == grpc.StatusCode.UNAVAILABLE and _TLS_AT_PLAINTEXT in details:
+        return _PLAINTEXT_HINT
     return details
 
 
@@ -229,7 +241,8 @@ def surfaced(error: RpcError, call: str) -> RpcError:
     RPC the server names is another (``pull`` asks ``DescribeGroup`` first). And
     it drops the client's own frames from the traceback (the generator machinery
     of the operations, some 30 of them), which say nothing the status does not:
-    the traceback ends at the user's call. ``ONNXPS_DEBUG=1`` keeps them."""
+    the traceback is the user's call and the public method that raises this.
+    ``ONNXPS_DEBUG=1`` keeps them."""
     rpc = error.metadata.get("method", "").lower()
     own = call.replace("_", "").lower()  # push_detailed: Push, PushStream
     if (

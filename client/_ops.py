@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import re
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -301,11 +303,26 @@ class PushCall(Protocol[Int_co, Values_co]):
 def as_method(
     method: Callable[..., Any], op: Callable[..., Any], owner: str, name: str = ""
 ) -> None:
-    """Name ``method``, which runs the operation ``op``, as ``owner``'s public call
-    (``inspect.signature`` and ``help`` show the operation's)."""
+    """Name ``method``, which runs the operation ``op``, as ``owner``'s public call:
+    ``help``, ``inspect.signature`` and the API reference show the operation's
+    docstring and arguments with what the call returns (``method``'s own return
+    annotation, its ``R`` the operation's result: ``Future[PushResult]``, not
+    ``Op[PushResult]``)."""
+    returns = method.__annotations__.get("return")
+    module = method.__module__  # the client's, where the method is defined
     functools.update_wrapper(method, op)
+    method.__module__ = module
     method.__name__ = name or op.__name__.removeprefix("_")
     method.__qualname__ = f"{owner}.{method.__name__}"
+    signature = inspect.signature(op)  # push: push_detailed's arguments
+    result = op.__annotations__.get("return", "")
+    if isinstance(returns, str) and result.startswith("Op[") and result.endswith("]"):
+        returns = re.sub(r"\bR\b", result[3:-1], returns)
+        signature = signature.replace(return_annotation=returns)
+    method.__signature__ = signature  # type: ignore[attr-defined]
+    # The signature is the public one: tools that unwrap (griffe) read this method,
+    # its docstring and this signature, not the operation's.
+    del method.__wrapped__  # type: ignore[attr-defined]
 
 
 def unary_request(msg: Any) -> Callable[[], Any]:

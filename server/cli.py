@@ -219,8 +219,8 @@ def _typed(flag: Flag, environ: Mapping[str, str]) -> Any:
             return flag.parse(text)
         except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
             what = f"{text!r} is not a valid {flag.kind.__name__}"
-            if isinstance(exc, argparse.ArgumentTypeError):
-                what = str(exc)
+            if isinstance(exc, argparse.ArgumentTypeError) or flag.is_bytes:
+                what = str(exc)  # a size says what sizes look like
             if environ.get(flag.env) == text:  # argparse names the flag
                 what += f" (from {flag.env})"
             raise argparse.ArgumentTypeError(what) from None

@@ -253,7 +253,7 @@ class ServerConfig:
     member_id: str | None = _option(
         None,
         "with --coordinator: this server's name in its replica set, stable across "
-        "restarts (default: host name and port)",
+        "restarts",
         group="replication",
         none="host name and port",
     )

@@ -1,4 +1,4 @@
-"""Snapshots, the write-ahead log, restore and replay (issue 6).
+"""Snapshots, the write-ahead log, restore and replay.
 
 ``--durability snapshot``: the whole state is written atomically every
 ``snapshot_interval`` seconds, on the Save RPC and on graceful shutdown; a crash loses

@@ -1,4 +1,4 @@
-"""Replicated shards (issue 23): a shard is a replica set on etcd.
+"""Replicated shards: a shard is a replica set on etcd.
 
 ``onnxps serve --durability wal --coordinator etcd://H:P/PREFIX --shard I/N``: the
 servers of one coordinator prefix and shard index elect a primary through etcd

@@ -189,6 +189,7 @@ class Member:
     def start(self, wait: float = 15.0) -> None:
         """Register in etcd (waiting up to ``wait`` seconds for it to answer)."""
         deadline = self._clock() + wait
+        waited = False  # said once, not every try: a wrong address is one line
         while True:
             try:
                 self._check_layout()
@@ -197,10 +198,20 @@ class Member:
                 if self._clock() >= deadline:
                     raise CoordinatorUnavailable(
                         f"cannot reach etcd at {self.config.coordinator} (waited "
-                        f"{wait:g} s): {exc}"
+                        f"{wait:g} s): {exc} (check --coordinator: etcd's client "
+                        "address, etcd://HOST:PORT/PREFIX, and that etcd runs there)"
                     ) from None
-                log.warning("waiting for etcd: %s", exc)
+                if not waited:
+                    log.warning(
+                        "etcd at %s does not answer (%s): trying for up to %g s",
+                        self.config.coordinator,
+                        exc,
+                        wait,
+                    )
+                    waited = True
                 time.sleep(0.5)
+        if waited:
+            log.info("etcd at %s answered", self.config.coordinator)
         self._new_lease()
         self._claim()
         self._renewer = threading.Thread(

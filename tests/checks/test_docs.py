@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import html
 import importlib.util
+import inspect
 import os
 import re
 import subprocess
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from onnxps.client import Adam, Client
+from onnxps.client import Adam, AsyncClient, Client
 from onnxps.server.app import ServerConfig, create_server
 from onnxps.server.interceptors.security import ROLES
 from prometheus_client.parser import text_string_to_metric_families
@@ -32,10 +34,12 @@ def between(path: Path, marker: str) -> str:
     return text[text.index(f"<!-- {marker} -->") : text.index(f"<!-- /{marker} -->")]
 
 
-def test_the_site_builds_strict_with_the_api_reference(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site, built once for this module's tests (``mkdocs build --strict``)."""
     if importlib.util.find_spec("mkdocs") is None:
         pytest.skip("mkdocs is not installed: pip install -e '.[docs]' (or '.[test]')")
-    site = tmp_path / "site"
+    site = tmp_path_factory.mktemp("docs") / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     run = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
@@ -46,6 +50,10 @@ def test_the_site_builds_strict_with_the_api_reference(tmp_path: Path) -> None:
         env=env,
     )
     assert run.returncode == 0, run.stderr[-4000:]
+    return site
+
+
+def test_the_site_builds_strict_with_the_api_reference(site: Path) -> None:
     reference = (site / "reference" / "index.html").read_text()
     # generated from the docstrings, not retyped: the methods made at import
     for name in ("Client.push", "AsyncClient.pull", "IdsTable", "TensorBuffers"):
@@ -61,6 +69,62 @@ def test_the_site_builds_strict_with_the_api_reference(tmp_path: Path) -> None:
     for png in pictures:  # benchmarks/plots.py drew them; a page shows each
         assert (site / "img" / png.name).is_file()
         assert f"img/{png.name}" in pages, png.name
+
+
+def _text(fragment: str) -> str:
+    """A page's fragment as a reader sees it: no tags, one space between words."""
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", "", fragment)).split())
+
+
+def _rendered(reference: str, name: str) -> tuple[str, str]:
+    """The reference's entry ``name`` (e.g. ``Client.push``): its signature and its
+    text, each as a reader sees them."""
+    start = reference.index(f'id="onnxps.client.{name}"')
+    end = reference.index('<div class="doc doc-object', start)
+    entry = reference[start:end]
+    signature = entry[entry.index('<div class="doc-signature') : entry.index("</pre>")]
+    return html.unescape(re.sub(r"<[^>]+>", "", signature)), _text(entry)
+
+
+@pytest.mark.parametrize("cls", [Client, AsyncClient], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("method", ["push", "pull", "create_group"])
+def test_the_reference_shows_what_the_user_calls(
+    site: Path, cls: type, method: str
+) -> None:
+    """Each entry says what the method's ``__doc__`` says (``push`` its own, not
+    ``push_detailed``'s), its signature is the public one (the real return type,
+    no ``Op[...]``, Literal values spelled out), formatted one parameter a line."""
+    reference = (site / "reference" / "index.html").read_text()
+    signature, text = _rendered(reference, f"{cls.__name__}.{method}")
+    doc = inspect.getdoc(getattr(cls, method))
+    assert doc is not None
+    assert _text(doc.replace("``", "")) in text
+    returns = {
+        "push": "int | list[np.ndarray]",
+        "pull": "list[np.ndarray]",
+        "create_group": "GroupInfo",
+    }[method]
+    assert signature.rstrip().endswith(f") -> {returns}"), signature
+    assert signature.startswith(f"{method}(\n    "), signature  # formatted by ruff
+    if method != "create_group":
+        assert 'encoding: Literal["native", "bfloat16", "float16"]' in signature
+    if method == "push":
+        assert "Like push, with everything the server said" not in text
+
+
+def test_the_reference_has_no_internal_types(site: Path) -> None:
+    reference = _text((site / "reference" / "index.html").read_text())
+    assert "Op[" not in reference
+    assert "ClientCore" not in reference
+    assert "onnxps.client._" not in reference  # private modules' paths
+    assert "OptimizerSpec = Adagrad | Momentum | Adam" in reference
+    # docstrings that are not the object's: a dataclass's generated one, a
+    # field's default's type's
+    assert "Momentum(alpha: 'float'" not in reference
+    assert "str(object='')" not in reference
+    assert 'transport: Literal["auto", "unary", "stream"] = "auto"' in reference
+    assert "push_background( group: str," in reference
+    assert ") -> Future[PushResult]" in reference
 
 
 def proto_rpcs() -> set[str]:

@@ -1,5 +1,6 @@
 """Two tiers (README, "Two commands"): ``-m "not slow"`` for every push, and CI runs
-both. The kill -9 loops, the examples, compose and 256 MiB tensors are slow only."""
+both. The kill -9 loops, the examples, compose, the container images and 256 MiB
+tensors are slow only."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ SLOW_MODULES = [
     "tests/training/test_demo.py",
     "tests/containers/test_compose.py",
     "tests/service/test_large_tensors.py",
+    "tests/containers/test_containers.py",
+    "tests/replication/test_local_replicated.py",
 ]
 
 

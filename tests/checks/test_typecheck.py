@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_mypy_strict_is_clean_on_the_package_and_the_tests() -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "typecheck.py")],

@@ -358,6 +358,7 @@ def test_client_and_async_client_rows_end_bit_identical(
     assert set(blocking[2]) == {"emb", "V:emb", "H:emb"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("call", ["push", "push_rows"])
 def test_an_async_push_resends_until_its_deadline_to_a_stopped_server(
     tmp_path: Path, call: str, caplog: pytest.LogCaptureFixture

@@ -51,6 +51,7 @@ def _slow_push(
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_serve_drains_in_flight_call_and_exits_0_on_signal(
     tmp_path: Path, signum: signal.Signals

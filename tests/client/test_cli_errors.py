@@ -224,6 +224,20 @@ def test_client_commands_share_the_connection_flags(
         (["--metrics-port", "70000"], "metrics_port must be 1..65535"),
         (["--log-level", "LOUD"], "argument --log-level: 'LOUD' is not one of"),
         (["--threads", "many"], "argument --threads: 'many' is not a valid int"),
+        (
+            ["--max-message-bytes", "10XB"],
+            "argument --max-message-bytes: '10XB' is not a byte count "
+            "(e.g. 1048576, 256MiB, 4GiB)",
+        ),
+        (
+            ["--port", "5"],
+            "onnxps serve: unrecognized arguments: --port 5 "
+            "(--port: use --address HOST:PORT) (see onnxps serve --help)",
+        ),
+        (
+            ["--adress", "127.0.0.1:0"],
+            "(--adress: did you mean --address?) (see onnxps serve --help)",
+        ),
     ],
 )
 def test_serve_refuses_bad_flags_with_one_line_and_status_2(
@@ -231,6 +245,17 @@ def test_serve_refuses_bad_flags_with_one_line_and_status_2(
 ) -> None:
     line = _one_line(capsys, ["serve", "--durability", "none", *flags], 2)
     assert line.startswith(("onnxps: ", "onnxps serve: ")) and message in line
+
+
+def test_serve_help_states_each_default_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    member = out[out.index("--member-id MEMBER_ID") : out.index("--replication-token")]
+    assert member.count("host name and port") == 1, member
+    assert member.endswith("(ONNXPS_MEMBER_ID; default host name and port) ")
 
 
 def test_server_config_validates_itself() -> None:
@@ -319,6 +344,36 @@ def test_version_and_python_dash_m(capsys: pytest.CaptureFixture[str]) -> None:
             env=clean_env(),
         )
         assert (run.returncode, run.stdout, run.stderr) == (0, "onnxps 0.1.0\n", "")
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["status", "--help"]])
+def test_the_command_loads_only_what_it_runs(argv: list[str]) -> None:
+    """``onnxps --version`` and ``--help`` load neither the server nor the client
+    (grpc, numpy: seconds on a loaded machine); ``status`` the client, not the
+    server."""
+    probe = (
+        "import sys\n"
+        "from onnxps.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = ('onnxps.server', 'onnxps.client', 'grpc', 'numpy')\n"
+        "print('LOADED', *sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+    )
+    assert run.returncode == 0, run.stderr
+    loaded = run.stdout.splitlines()[-1].split()[1:]
+    if argv[0] == "status":
+        assert loaded == ["grpc", "numpy", "onnxps.client"]
+    else:
+        assert loaded == []
 
 
 def test_an_unknown_command_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:

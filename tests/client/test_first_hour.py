@@ -132,6 +132,38 @@ def test_a_plaintext_client_at_a_tls_server_is_told_about_tls(
     assert line.endswith("or --tls-ca ca.pem on the command line)")
 
 
+def test_a_tls_client_at_a_plaintext_server_is_told_in_one_line(
+    server: ServerHandle, tmp_path: Path
+) -> None:
+    """The reverse of the test above: the hint replaces 300 characters of OpenSSL,
+    and the command prints no gRPC C-core line before its own."""
+    ca_key = _key()
+    ca = _cert("onnxps test CA", ca_key, "onnxps test CA", ca_key, ca=True)
+    (tmp_path / "ca.pem").write_bytes(_pem(ca))
+    with Client(server.address, timeout=5, root_certificates=_pem(ca)) as ps:
+        with pytest.raises(UnavailableError) as err:
+            ps.list_groups()
+    assert err.value.details == (
+        "the TLS handshake failed: the server did not answer in TLS "
+        "(WRONG_VERSION_NUMBER). If it runs without TLS, this client spoke TLS to "
+        "it: leave out root_certificates (--tls-ca on the command line), or give "
+        "the server --tls-cert and --tls-key"
+    )
+    env = clean_env()
+    env.pop("GRPC_VERBOSITY", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "onnxps", "status", server.address, "--timeout", "5",
+         "--tls-ca", str(tmp_path / "ca.pem")],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert run.stdout == ""
+    assert run.stderr == (
+        f"onnxps status: cannot list the groups on {server.address}: UNAVAILABLE: "
+        f"{err.value.details}\n"
+    )
+
+
 def _dead_address() -> str:
     """A loopback port nobody listens on (bound, then closed)."""
     with socket.socket() as s:
@@ -161,6 +193,7 @@ def test_a_push_to_a_server_that_is_down_warns_that_it_retries(
     assert "(timeout=3; pass a smaller timeout= to the client" in warnings[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["status"], ["export", "--prefix", "x"]])
 def test_a_dead_port_is_one_message_whatever_the_timeout(
     command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -268,6 +301,34 @@ def test_a_refused_token_names_the_call_the_user_made(tmp_path: Path) -> None:
         handle.stop(grace=0)
 
 
+def test_a_refusals_traceback_is_the_call_and_the_method_that_raised_it(
+    server: ServerHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/troubleshooting.md: two frames, the user's call and the client's public
+    method (its line ``raise surfaced(...)``), for both clients."""
+    monkeypatch.delenv("ONNXPS_DEBUG", raising=False)
+    with Client(server.address, timeout=10) as ps:
+        with pytest.raises(onnxps.client.NotFoundError) as err:
+            ps.pull("no-such-group")
+    sync = traceback.extract_tb(err.value.__traceback__)
+
+    async def pull() -> None:
+        async with AsyncClient(server.address, timeout=10) as aps:
+            await aps.pull("no-such-group")
+
+    with pytest.raises(onnxps.client.NotFoundError) as aerr:
+        asyncio.run(pull())
+    awaited = traceback.extract_tb(aerr.value.__traceback__)
+    assert [f.name for f in sync] == [
+        "test_a_refusals_traceback_is_the_call_and_the_method_that_raised_it",
+        "method",
+    ]
+    assert [f.name for f in awaited][-2:] == ["pull", "method"]
+    for frames, module in ((sync, "_client.py"), (awaited, "_async.py")):
+        assert Path(frames[-1].filename).parts[-2:] == ("client", module)
+        assert (frames[-1].line or "").startswith("raise surfaced(exc, ")
+
+
 def test_a_wrong_shard_order_is_one_line_not_thirty_frames(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -309,7 +370,8 @@ def test_the_demos_progress_lines_say_what_they_know() -> None:
     bar.update(400, 2.5e-5, force=True)  # ...and the demo's last, forced, update
     lines = out.getvalue().splitlines()
     assert len(lines) == 3, lines
-    assert " 100/400 pushes  loss 1.5000  - pushes/s  " in lines[1]
+    assert " 100/400 pushes  loss 1.5000  " in lines[1]
+    assert "pushes/s" not in lines[1]  # no rate from one count, and no "- pushes/s"
     assert lines[2].startswith("progress 100%  400/400 pushes  loss 2.50e-05  ")
     assert " 0 pushes/s" not in lines[2]
 

@@ -232,6 +232,7 @@ def test_a_streamed_reply_is_assembled_into_out_without_a_copy(
     assert peak_with < x.nbytes // 2  # the chunks landed in out
 
 
+@pytest.mark.slow
 def test_a_streamed_pull_is_assembled_into_out_without_a_copy(
     server_process: str,
 ) -> None:

@@ -153,6 +153,7 @@ async def _rows(ps: Any) -> list[Any]:
     return seen
 
 
+@pytest.mark.slow
 def test_client_and_async_client_end_bit_identical_on_a_cluster(
     tmp_path: Path,
 ) -> None:
@@ -196,6 +197,7 @@ def _waiting(url: str) -> float:
     )
 
 
+@pytest.mark.slow
 def test_a_cancelled_pull_frees_the_wait_on_every_shard(tmp_path: Path) -> None:
     x = np.zeros((30, 20), np.float32)  # 2400 bytes: one part on each shard
 
@@ -225,6 +227,7 @@ def test_a_cancelled_pull_frees_the_wait_on_every_shard(tmp_path: Path) -> None:
         asyncio.run(run(addresses, urls))
 
 
+@pytest.mark.slow
 def test_a_push_cancelled_while_a_part_hangs_is_completed_by_the_next(
     tmp_path: Path,
 ) -> None:
@@ -298,6 +301,7 @@ def test_a_push_cancelled_while_a_part_hangs_is_completed_by_the_next(
         np.testing.assert_array_equal(got_a, want_a, strict=True)
 
 
+@pytest.mark.slow
 def test_a_wrong_shard_count_is_refused_as_client_refuses_it(tmp_path: Path) -> None:
     async def refusal(addresses: list[str]) -> FailedPreconditionError:
         async with AsyncClient(addresses, timeout=10) as ps:

@@ -260,6 +260,7 @@ def test_split_group_steps_bit_for_bit_like_one_server(
             stop(one)
 
 
+@pytest.mark.slow
 def test_operations_work_on_the_cluster_as_on_one_server(tmp_path: Path) -> None:
     with shards(tmp_path, 3) as (addresses, _):
         with Client(addresses, timeout=30, split_bytes=SPLIT) as ps:
@@ -308,6 +309,7 @@ def test_operations_work_on_the_cluster_as_on_one_server(tmp_path: Path) -> None
             assert ps.delete_group("m") is False
 
 
+@pytest.mark.slow
 def test_save_writes_a_snapshot_on_every_shard(tmp_path: Path) -> None:
     data = tmp_path / "data"
     with shards(
@@ -574,6 +576,7 @@ def test_row_pushes_go_to_the_shard_holding_the_group(tmp_path: Path) -> None:
             assert got[0][0] < 0 and got[1].tolist() == [0.0] * 4 and got[2][0] < 0
 
 
+@pytest.mark.slow
 def test_cluster_parts_travel_through_each_shards_shared_memory(
     tmp_path: Path,
 ) -> None:

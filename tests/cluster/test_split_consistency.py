@@ -138,6 +138,7 @@ def _assert_like_one_server(
         np.testing.assert_array_equal(g, w, strict=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["push", "push_rows"])
 def test_four_threads_sharing_a_client_while_a_shard_is_down(
     tmp_path: Path, kind: str
@@ -182,6 +183,7 @@ def test_four_threads_sharing_a_client_while_a_shard_is_down(
     _assert_like_one_server(tmp_path, got, 6, kind)
 
 
+@pytest.mark.slow
 def test_four_async_tasks_while_a_shard_is_down(tmp_path: Path) -> None:
     """``AsyncClient`` runs the same routing: 4 pushes gathered while a shard is
     down each keep their part, and all land once it is back."""
@@ -213,6 +215,7 @@ def test_four_async_tasks_while_a_shard_is_down(tmp_path: Path) -> None:
     _assert_like_one_server(tmp_path, got, 6)
 
 
+@pytest.mark.slow
 def test_a_refusal_that_can_never_pass_is_found_before_any_part(
     tmp_path: Path,
 ) -> None:
@@ -237,6 +240,7 @@ def test_a_refusal_that_can_never_pass_is_found_before_any_part(
             assert ps.pull_versioned("g")[0] == 0
 
 
+@pytest.mark.slow
 def test_push_background_pushes_all_land_after_a_shard_returns(
     tmp_path: Path,
 ) -> None:
@@ -305,6 +309,7 @@ def _stalled_stream(address: str, release: threading.Event) -> Iterator[None]:
         channel.close()
 
 
+@pytest.mark.slow
 def test_a_part_refused_with_resource_exhausted_is_resent(tmp_path: Path) -> None:
     """One shard's in-flight bytes are held: its part refuses RESOURCE_EXHAUSTED
     ("retry later") while the others apply. The push fails once its deadline has
@@ -334,6 +339,7 @@ def test_a_part_refused_with_resource_exhausted_is_resent(tmp_path: Path) -> Non
     _assert_like_one_server(tmp_path, got, 3)
 
 
+@pytest.mark.slow
 def test_a_shard_restarted_with_the_wrong_index_then_fixed(tmp_path: Path) -> None:
     """A shard restarted as another index refuses its part (SHARD_LAYOUT_MISMATCH)
     after the others applied; once it runs with its own index again, the next push
@@ -359,6 +365,7 @@ def test_a_shard_restarted_with_the_wrong_index_then_fixed(tmp_path: Path) -> No
     _assert_like_one_server(tmp_path, got, 3)
 
 
+@pytest.mark.slow
 def test_a_client_closed_with_a_push_pending_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -389,6 +396,7 @@ def test_a_client_closed_with_a_push_pending_says_so(
             assert apart.value.update_counts == [1, 0, 1]
 
 
+@pytest.mark.slow
 def test_a_part_restored_from_an_older_data_dir_is_reported(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -37,7 +37,8 @@ from pathlib import Path
 import pytest
 from onnxps.client._cluster import placement
 
-pytestmark = pytest.mark.containers
+# slow too: they build images and run compose projects (minutes)
+pytestmark = [pytest.mark.containers, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL_BASE = "localhost/onnxps-base:bookworm"  # scripts/container_base.sh's default

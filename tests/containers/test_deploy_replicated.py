@@ -594,6 +594,7 @@ def test_a_command_line_address_keeps_an_etcd_url_with_several_endpoints() -> No
     assert parse_target("a:1,b:2") == ["a:1", "b:2"]
 
 
+@pytest.mark.slow
 def test_a_primary_stopped_with_sigterm_hands_over_before_its_lease_ends(
     tmp_path: Path,
     etcd_server: EtcdProcess,

@@ -113,6 +113,7 @@ def test_replay_opens_only_the_log_after_the_newest_snapshot(
     ), replayed
 
 
+@pytest.mark.slow
 def test_a_standby_stopped_gracefully_resumes_after_its_snapshot(
     replicas: Any,
     tmp_path: Path,

@@ -76,6 +76,7 @@ def _snapshot_while_deleting(address: str, data: Path) -> bool:
     return [g.image.name for g in groups] == ["a"]
 
 
+@pytest.mark.slow
 def test_records_of_a_group_deleted_later_in_the_log_replay_without_warning(
     tmp_path: Path,
 ) -> None:

@@ -56,6 +56,7 @@ def _wait_group(address: str, group: str, timeout: float = 60.0) -> None:
                 time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_a_create_whose_answer_was_lost_in_a_failover_succeeds_when_resent(
     replicas: Any,
 ) -> None:

@@ -52,6 +52,7 @@ def _wait(etcd: EtcdProcess, key: str, ok: Any, timeout: float = 30.0) -> Any:
     return value
 
 
+@pytest.mark.slow
 def test_a_standby_refuses_a_resent_push_it_holds(
     tmp_path: Path,
     etcd_server: EtcdProcess,

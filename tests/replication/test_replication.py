@@ -42,6 +42,7 @@ from onnxps.client import (
 )
 
 
+@pytest.mark.slow
 def test_a_standby_holds_every_acknowledged_push_and_refuses_writes(
     replicas: object,
 ) -> None:
@@ -67,6 +68,7 @@ def test_a_standby_holds_every_acknowledged_push_and_refuses_writes(
     assert rs.state(s, "g")[0] == 5  # the refused push changed nothing
 
 
+@pytest.mark.slow
 def test_a_killed_primary_is_replaced_and_the_client_follows(replicas: object) -> None:
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
     p = rs.primary()
@@ -190,6 +192,7 @@ def test_a_standby_killed_and_restarted_catches_up(replicas: object) -> None:
     np.testing.assert_array_equal(rs.state(standby, "g")[1], rs.state(p, "g")[1])
 
 
+@pytest.mark.slow
 def test_a_push_resent_to_the_new_primary_is_answered_not_applied_again(
     replicas: object,
 ) -> None:
@@ -232,6 +235,7 @@ def test_a_push_resent_to_the_new_primary_is_answered_not_applied_again(
     assert rs.state(new, "g")[0] == 1
 
 
+@pytest.mark.slow
 def test_with_tokens_a_standby_follows_with_its_replication_token(
     replicas: object, tmp_path: Path
 ) -> None:
@@ -269,6 +273,7 @@ def _update_count(c: Client, group: str) -> int:
         return -1
 
 
+@pytest.mark.slow
 def test_status_of_a_replicated_cluster_lists_its_members(replicas: object) -> None:
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
     p = rs.primary()
@@ -302,6 +307,7 @@ def test_status_of_a_replicated_cluster_lists_its_members(replicas: object) -> N
     assert lines[1].split()[0] == "g"  # the groups table first, from the primary
 
 
+@pytest.mark.slow
 def test_an_async_client_follows_a_failover(replicas: object) -> None:
     import asyncio
 
@@ -327,6 +333,7 @@ def test_an_async_client_follows_a_failover(replicas: object) -> None:
     assert asyncio.run(run()) == [1, 2]
 
 
+@pytest.mark.slow
 def test_metrics_export_role_term_lag_and_failovers(
     replicas: object, tmp_path: Path
 ) -> None:
@@ -350,6 +357,7 @@ def test_metrics_export_role_term_lag_and_failovers(
     assert f'onnxps_replica_standby_lag_records{{member="m{s}"}} 0.0' in primary
 
 
+@pytest.mark.slow
 def test_a_standby_that_crashed_while_adopting_a_snapshot_is_not_promoted(
     replicas: object, tmp_path: Path
 ) -> None:
@@ -381,6 +389,7 @@ def test_a_standby_that_crashed_while_adopting_a_snapshot_is_not_promoted(
     rs.wait_t(s, "g", 1)
 
 
+@pytest.mark.slow
 def test_a_client_of_etcd_sends_bytes_over_grpc_by_default(replicas: object) -> None:
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
     rs.primary()
@@ -432,6 +441,7 @@ def _raw_push(address: str, g: np.ndarray, client_id: str, seq: int) -> Any:
         return pb_grpc.ParameterServerServiceStub(ch).Push(request, timeout=30)
 
 
+@pytest.mark.slow
 def test_without_a_synchronous_standby_pushes_are_refused_by_default(
     replicas: object,
 ) -> None:
@@ -456,6 +466,7 @@ def test_without_a_synchronous_standby_pushes_are_refused_by_default(
         assert c.push("g", g) == 2  # once the standby caught up again
 
 
+@pytest.mark.slow
 def test_sync_policy_lower_acknowledges_with_the_standbys_left(
     replicas: object,
 ) -> None:
@@ -491,6 +502,18 @@ def test_serve_says_when_it_cannot_reach_etcd(tmp_path: Path) -> None:
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"onnxps: cannot reach etcd at {url} (waited 15 s)"), last
+    assert last.endswith(
+        "(check --coordinator: etcd's client address, "
+        "etcd://HOST:PORT/PREFIX, and that etcd runs there)"
+    ), last
+    # what it tries, once (not a line every 0.5 s for 15 s), then the error
+    about_etcd = [line for line in proc.stderr.splitlines() if "etcd" in line]
+    assert len(about_etcd) == 2, proc.stderr
+    assert about_etcd[0].endswith(
+        f"etcd at {url} does not answer (etcd did not answer: 127.0.0.1:"
+        f"{url.split(':')[2].split('/')[0]}: [Errno 111] Connection refused): "
+        "trying for up to 15 s"
+    ), about_etcd[0]
 
 
 @pytest.mark.slow

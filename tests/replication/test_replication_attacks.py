@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import pytest
 from _pki import Pki
 from _procs import clean_env
 from _replica_sets import G, Replicas, _create, _raw_push
@@ -203,6 +204,7 @@ def test_a_replication_token_confined_to_a_prefix_is_refused_at_start(
     ) in done.stderr
 
 
+@pytest.mark.slow
 def test_a_stream_that_cannot_prove_its_member_id_is_refused(
     replica_sets: Any,
 ) -> None:
@@ -240,6 +242,7 @@ def test_a_stream_that_cannot_prove_its_member_id_is_refused(
     rs.wait_t(s, "g", 1 + _reached(rs, s))
 
 
+@pytest.mark.slow
 def test_an_acknowledgement_beyond_what_was_shipped_ends_the_stream(
     replica_sets: Any,
 ) -> None:
@@ -320,6 +323,7 @@ def test_refused_streams_leave_no_memory_and_one_log_line(
     rs.wait_t(1 - p, "g", 1)
 
 
+@pytest.mark.slow
 def test_a_standby_whose_disk_filled_follows_again_once_there_is_room(
     replica_sets: Any,
     tmp_path: Path,
@@ -373,6 +377,7 @@ def test_a_standby_whose_disk_filled_follows_again_once_there_is_room(
         rs.procs[s].wait()
 
 
+@pytest.mark.slow
 def test_over_mutual_tls_a_client_certificate_does_not_make_a_replica(
     replica_sets: Any,
     pki: Pki,

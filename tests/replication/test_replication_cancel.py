@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import pytest
 from _etcd import EtcdProcess
 from _replicas import SIZE, TTL, ReplicaSet, _create, _metrics_text
 from google.rpc import error_details_pb2
@@ -74,6 +75,7 @@ def _reason(err: grpc.RpcError) -> str:
     return ""
 
 
+@pytest.mark.slow
 def test_cancelled_pushes_waiting_for_a_frozen_standby_end_and_free_their_threads(
     tmp_path: Path,
     etcd_server: EtcdProcess,
@@ -120,6 +122,7 @@ def test_cancelled_pushes_waiting_for_a_frozen_standby_end_and_free_their_thread
         rs.close()
 
 
+@pytest.mark.slow
 def test_a_push_without_deadline_ends_when_no_standby_acknowledges_it(
     tmp_path: Path,
     etcd_server: EtcdProcess,

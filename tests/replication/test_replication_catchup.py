@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from _replicas import SIZE, ReplicaSet, _create, _kill, _metrics_text
 from onnxps.client import Client
 
@@ -24,6 +25,7 @@ def _fsyncs(log: Path) -> int:
     return int(float(found.group(1)))
 
 
+@pytest.mark.slow
 def test_a_standby_catching_up_fsyncs_its_records_in_batches(
     replicas: Any,
     tmp_path: Path,

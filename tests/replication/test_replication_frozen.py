@@ -22,6 +22,7 @@ from _replicas import _serial
 from onnxps.client import Client
 
 
+@pytest.mark.slow
 def test_a_push_waiting_on_a_frozen_primary_goes_to_the_new_one(
     replica_sets: Any,
 ) -> None:
@@ -51,6 +52,7 @@ def test_a_push_waiting_on_a_frozen_primary_goes_to_the_new_one(
             np.testing.assert_array_equal(rs.state(i, "g")[1], _serial([G] * 3))
 
 
+@pytest.mark.slow
 def test_a_push_in_flight_when_the_primary_freezes_is_applied_once(
     replica_sets: Any,
 ) -> None:
@@ -91,6 +93,7 @@ def test_a_push_in_flight_when_the_primary_freezes_is_applied_once(
     np.testing.assert_array_equal(rs.state(new, "g")[1], _serial([G] * len(ts)))
 
 
+@pytest.mark.slow
 def test_a_live_server_takes_the_pings_of_a_call_that_waits(
     replica_sets: Any,
 ) -> None:

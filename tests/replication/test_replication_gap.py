@@ -40,6 +40,7 @@ def _records(wal_dir: Path, op: str = "push") -> list[tuple[int, str, int]]:
     return found
 
 
+@pytest.mark.slow
 def test_a_record_the_primary_cannot_read_back_is_sent_in_a_snapshot_not_skipped(
     replicas: Any,
     tmp_path: Path,

@@ -130,6 +130,7 @@ def _wait(ok: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_the_lease_is_renewed_while_an_etcd_read_of_the_member_hangs(
     proxy: HoldingProxy,
 ) -> None:
@@ -173,6 +174,7 @@ def test_the_lease_is_renewed_while_an_etcd_read_of_the_member_hangs(
         member.stop()
 
 
+@pytest.mark.slow
 def test_a_push_waiting_for_its_standby_outlives_a_late_renewal(
     proxy: HoldingProxy,
     etcd_server: EtcdProcess,

@@ -54,6 +54,7 @@ def _log(tmp_path: Path, i: int, start: int) -> str:
     return (tmp_path / f"server{i}-{start}.log").read_text()
 
 
+@pytest.mark.slow
 def test_a_standby_logs_the_bytes_its_primary_logged(
     replicas: object,
     tmp_path: Path,
@@ -106,6 +107,7 @@ def test_a_restarted_standby_resumes_from_its_log_without_a_snapshot(
     assert "caught up from" not in restarted  # no snapshot adopted
 
 
+@pytest.mark.slow
 def test_a_standby_holding_a_deposed_primarys_record_takes_a_snapshot(
     replicas: object,
     tmp_path: Path,
@@ -142,6 +144,7 @@ def test_a_standby_holding_a_deposed_primarys_record_takes_a_snapshot(
     assert "caught up from" in _log(tmp_path, p, 2)
 
 
+@pytest.mark.slow
 def test_a_standby_is_named_synchronous_only_once_it_holds_all_the_last_primary_did(
     replicas: object,
 ) -> None:
@@ -168,6 +171,7 @@ def test_a_standby_is_named_synchronous_only_once_it_holds_all_the_last_primary_
     assert rs.state(c, "g")[0] == pushes
 
 
+@pytest.mark.slow
 def test_an_idle_standby_keeps_its_stream_past_the_stall_limit(
     replicas: object,
     tmp_path: Path,
@@ -384,6 +388,7 @@ def test_a_record_cut_short_by_the_next_one_is_refused_not_gathered() -> None:
         gather.add(decode_response(next(pieces(1, 4, small.chunks()))))
 
 
+@pytest.mark.slow
 def test_a_standby_logs_a_record_of_several_pieces_as_its_primary_did(
     replicas: object,
     tmp_path: Path,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from _procs import clean_env, stop
 from _replicas import SIZE, TTL, ReplicaSet, _create, _kill
 from onnxps.cli.process import wait_for_listening
@@ -37,6 +38,7 @@ def _serve(rs: ReplicaSet, member: str, data: Path, log: Path) -> Any:
         )
 
 
+@pytest.mark.slow
 def test_a_second_process_with_a_live_member_id_is_refused(
     replicas: Any,
     tmp_path: Path,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from _replicas import (
     ADMIN,
     REPLICATION,
@@ -29,6 +30,7 @@ from onnxps.server.app import ServerConfig, create_server
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+@pytest.mark.slow
 def test_a_standby_is_ready_only_while_it_holds_what_the_primary_logged(
     replicas: Any,
     tmp_path: Path,

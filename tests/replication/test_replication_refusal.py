@@ -21,6 +21,7 @@ from onnxps.client import Client, UnavailableError
 G = np.full(SIZE, 0.5, np.float32)
 
 
+@pytest.mark.slow
 def test_a_push_refused_not_enough_replicas_is_not_sent_again(
     tmp_path: Path,
     etcd_server: EtcdProcess,

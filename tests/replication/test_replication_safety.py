@@ -252,6 +252,7 @@ def test_a_primary_cut_from_etcd_stops_acknowledging_before_another_is_elected(
 
 
 # -- TLS between standby and primary -----------------------------------------------
+@pytest.mark.slow
 def test_a_replica_set_with_mutual_tls_replicates_and_fails_over(
     replica_sets: Any,
     pki: Pki,
@@ -276,6 +277,7 @@ def test_a_replica_set_with_mutual_tls_replicates_and_fails_over(
     np.testing.assert_array_equal(rs.state(p, "g")[1], _serial([G] * 4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("credentials", ["rogue certificate", "unknown token"])
 def test_a_standby_without_valid_credentials_is_refused_by_its_primary(
     replica_sets: Any,
@@ -339,6 +341,7 @@ def test_tls_ca_without_tls_on_the_server_is_refused(tmp_path: Path) -> None:
 
 
 # -- a standby named synchronous holds every acknowledged push --------------------
+@pytest.mark.slow
 def test_a_new_primary_names_a_standby_only_once_it_holds_the_earlier_terms_log(
     replica_sets: Any,
 ) -> None:
@@ -410,6 +413,7 @@ def test_a_new_primary_names_a_standby_only_once_it_holds_the_earlier_terms_log(
     assert records[:5] == [0, 1, 2, 3, 4]  # the snapshot (wal lsn 0), the log
 
 
+@pytest.mark.slow
 def test_an_idle_replica_set_keeps_its_standbys_streams(replica_sets: Any) -> None:
     """No change for longer than --stall-seconds: no acknowledgement comes, and the
     standby's stream stays (it used to be ended, the standby starting again from a

@@ -71,6 +71,7 @@ def _row(rs: ReplicaSet, member: int) -> dict[str, str]:
     raise AssertionError(f"m{member} not in onnxps status")
 
 
+@pytest.mark.slow
 def test_a_deposed_primary_holding_unacknowledged_records_is_not_ready(
     replicas: Any,
     tmp_path: Path,
@@ -150,6 +151,7 @@ def _group() -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_a_promoted_standby_answers_unavailable_until_it_applied_what_it_holds(
     replicas: Any,
     tmp_path: Path,

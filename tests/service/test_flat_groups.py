@@ -157,6 +157,7 @@ def test_row_pushes_and_row_pulls_of_a_many_tensor_group(server: ServerHandle) -
         assert_same_bits([got["t2"], got["t0"]], [many[2][rows], many[0][[5]]])
 
 
+@pytest.mark.slow
 def test_flat_layout_survives_snapshot_wal_replay_and_restart(tmp_path: Path) -> None:
     """A snapshot holds the group's tensors one file each (the format unchanged);
     the pushes after it replay from the WAL into the flat buffers, which then step

@@ -170,6 +170,7 @@ def test_the_async_client_takes_and_refuses_the_same(address: str) -> None:
     assert reasons == ["ROW_INDICES"] * 4
 
 
+@pytest.mark.slow
 def test_a_cluster_takes_and_refuses_the_same(tmp_path: Path) -> None:
     """Ids tables split by id hash and a table split by rows, on 3 shards."""
     with shards(tmp_path, 3) as (addresses, _):

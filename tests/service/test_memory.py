@@ -114,6 +114,7 @@ print(json.dumps({"llvm": llvm_private()}))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("last", ["kernels", "codec", "rows"])
 def test_numbas_compiler_is_not_kept_resident_after_onnxps_compiled(
     last: str,

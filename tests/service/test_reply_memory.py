@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 from _procs import start_server, stop
 from onnxps.client import Adam, Client
 from onnxps.v1 import parameter_server_pb2 as pb
@@ -41,6 +42,7 @@ def _requests(g: np.ndarray) -> list[pb.PushPullStreamRequest]:
     ]
 
 
+@pytest.mark.slow
 def test_a_reply_read_late_holds_no_copy_of_x_in_the_server(tmp_path: Path) -> None:
     proc, address = start_server(tmp_path / "server.log")
     try:

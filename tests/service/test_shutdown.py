@@ -6,10 +6,12 @@ import threading
 import time
 
 import numpy as np
+import pytest
 from onnxps.client import Adagrad, Client, Sync, UnavailableError
 from onnxps.server.app import ServerConfig, create_server
 
 
+@pytest.mark.slow
 def test_stop_releases_waiting_pulls_and_sync_pushes_with_unavailable() -> None:
     handle = create_server(
         ServerConfig(address="127.0.0.1:0", durability="none")

@@ -173,6 +173,7 @@ def test_stalled_streams_leave_the_defaults_serving(tmp_path: Path, kind: str) -
         stop(proc)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", [*STREAMS, "silent"])
 def test_a_stream_that_stops_sending_ends(tmp_path: Path, kind: str) -> None:
     """Item 5: a stream that stops sending ends after --stall-seconds with
@@ -471,6 +472,7 @@ def test_data_channel_calls_without_a_deadline(tmp_path: Path) -> None:
         stop(proc)
 
 
+@pytest.mark.slow
 def test_a_push_whose_values_cannot_be_sent_says_it_was_applied(
     tmp_path: Path,
 ) -> None:

@@ -6,6 +6,7 @@ import io
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,7 +16,7 @@ import pytest
 from _procs import children, clean_env, gone, start_server, stop
 from onnxps.cli import _demo_worker as worker
 from onnxps.cli.demo import Progress
-from onnxps.server.app import ServerHandle
+from onnxps.server.app import ServerConfig, ServerHandle, create_server
 
 pytestmark = pytest.mark.slow  # the examples and demo, as processes
 
@@ -125,6 +126,56 @@ def test_worker_exits_3_with_a_message_when_the_server_dies(tmp_path: Path) -> N
         for stream in (w.stdout, w.stderr):
             if stream is not None:
                 stream.close()
+
+
+def _worker(address: str, *flags: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "onnxps.cli._demo_worker", f"--address={address}",
+         "--workers=1", "--index=0", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+    )  # fmt: skip
+
+
+def test_a_worker_started_before_its_server_waits_for_it() -> None:
+    """compose under podman older than 4.6 starts the workers with the server
+    (depends_on: service_healthy ignored): a worker waits up to its timeout."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    w = _worker(address, "--steps=5", "--log-every=5", "--timeout=60")
+    try:
+        assert w.stderr is not None
+        said = w.stderr.readline()
+        assert said == f"worker 0/1: waiting up to 60 s for the server at {address}\n"
+        server = create_server(ServerConfig(address=address, durability="none"))
+        server.start()
+        try:
+            out, err = w.communicate(timeout=120)
+        finally:
+            server.stop(grace=0)
+        assert w.returncode == 0, err
+        assert "waiting" not in err  # said once
+        assert out.splitlines()[-1].startswith("worker 0/1 done: 5 steps, held-out")
+    finally:
+        stop(w)  # type: ignore[arg-type]
+
+
+def test_a_worker_whose_server_never_comes_exits_3_after_its_timeout() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    w = _worker(address, "--steps=5", "--timeout=2")
+    try:
+        out, err = w.communicate(timeout=120)
+    finally:
+        stop(w)  # type: ignore[arg-type]
+    assert w.returncode == worker.EXIT_SERVER_GONE
+    lines = err.splitlines()
+    assert lines[0] == f"worker 0/1: waiting up to 2 s for the server at {address}"
+    assert lines[-1].startswith(
+        f"worker 0/1: the parameter server at {address} is unreachable or gone "
+    )
+    assert out == ""
 
 
 def test_progress_plain_lines_when_not_a_terminal() -> None:

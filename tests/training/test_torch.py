@@ -381,6 +381,7 @@ def test_example_digits_reaches_095_with_four_workers() -> None:
     assert float(found.group(1)) >= 0.95
 
 
+@pytest.mark.slow
 def test_example_digits_reused_reports_the_groups_mode_and_its_own_steps(
     tmp_path: Path,
 ) -> None:

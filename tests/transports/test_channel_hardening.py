@@ -221,6 +221,7 @@ def _closed_by_server(sock: socket.socket) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_a_flood_of_silent_connections_does_not_deny_the_data_channel(
     tmp_path: Path, tokens: Path
 ) -> None:

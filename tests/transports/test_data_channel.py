@@ -193,6 +193,7 @@ def test_bad_gradients_get_the_grpc_paths_status_and_change_nothing(
         assert c.push("g", np.ones_like(x)) == 1  # a new channel: serving on
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("encoding", ["bfloat16", "float16"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_encoded_pushes_on_the_channel_equal_the_grpc_path(

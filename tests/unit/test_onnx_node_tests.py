@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import onnx_reference as ref
+import pytest
 from onnx import helper
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -89,6 +90,7 @@ def test_no_test_reads_a_folder_beside_the_checkout() -> None:
     assert offenders == []
 
 
+@pytest.mark.slow
 def test_the_official_tests_pass_in_a_checkout_with_nothing_beside_it(
     tmp_path: Path,
 ) -> None:
