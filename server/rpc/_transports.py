@@ -578,11 +578,20 @@ class Transports:
     def _validate(self, req: pb.PushRequest) -> tuple[PushTicket, list[Spec]]:
         """Check the gradients' header against the group before reading any bytes:
         the push's ticket, and the gradients' (dtype, dims) (the group's)."""
-        specs = [
-            tensor_spec(t, f"gradient {i + 1}", encoded=True)
-            for i, t in enumerate(req.gradients)
-        ]
-        return self._validate_specs(req.group, specs), specs
+        specs: list[Spec] = []
+
+        def parsed() -> Iterator[Spec]:
+            # read by the store after it found the group: an unknown group is
+            # NOT_FOUND even when the header is malformed too
+            for i, t in enumerate(req.gradients):
+                if i == len(specs):
+                    specs.append(tensor_spec(t, f"gradient {i + 1}", encoded=True))
+                yield specs[i]
+
+        ticket = self._validate_specs(req.group, parsed())
+        for _ in parsed():  # every header parsed, whatever the store read
+            pass
+        return ticket, specs
 
     # -- pushes --------------------------------------------------------------------
     def push(

@@ -113,6 +113,27 @@ def test_unknown_group_through_streams(server: ServerHandle, group: str) -> None
             assert info.value.code == grpc.StatusCode.NOT_FOUND
 
 
+def test_an_unknown_group_is_not_found_before_its_malformed_header(
+    server: ServerHandle, group: str
+) -> None:
+    """The group is looked up before the gradients' headers are parsed: a push to
+    a group that does not exist, whose header is malformed too (a tensor with no
+    dtype), is NOT_FOUND on every transport (not INVALID_ARGUMENT)."""
+    bad = pb.PushRequest(group="nope", gradients=[pb.Tensor()], client_id="h", seq=1)
+    with grpc.insecure_channel(server.address) as ch:
+        stub = pb_grpc.ParameterServerServiceStub(ch)
+        stream = [pb.PushStreamRequest(header=bad)]
+        for call in (
+            lambda: raw(stub.Push, bad),
+            lambda: stub.PushStream(iter(stream), timeout=10),
+        ):
+            with pytest.raises((NotFoundError, grpc.RpcError)) as info:
+                call()
+            err = info.value
+            code = err.code if isinstance(err, NotFoundError) else err.code()
+            assert code == grpc.StatusCode.NOT_FOUND, err
+
+
 def test_duplicate_group_is_already_exists(client: Client, group: str) -> None:
     expect_error(
         client,
