@@ -538,7 +538,12 @@ def test_replicated_profile_trains_and_fails_over_from_a_sigkilled_primary(
             raise AssertionError(f"no failover seen:\n{s.status_output}")
     finally:
         s.engine.podman("unpause", *[s.container(w) for w in REPLICATED_WORKERS])
-    assert s.inspect(victim, "{{.RestartCount}}") == "1"
+    # restarted once for the kill, and once more for each time it exited by
+    # design as a deposed primary (status 75: "restart me, I rejoin as a
+    # standby"), which a loaded machine's timing can bring
+    restarts = int(s.inspect(victim, "{{.RestartCount}}"))
+    deposed = s.logs(victim).count("exiting (status 75)")
+    assert restarts == 1 + deposed, (restarts, s.logs(victim)[-3000:])
 
     _check_trained(s, REPLICATED_WORKERS)
     rows = s.status_rows("replicated-status")
@@ -549,4 +554,5 @@ def test_replicated_profile_trains_and_fails_over_from_a_sigkilled_primary(
     after = _members(s)
     assert set(after) == set(REPLICAS)
     assert [m for m, row in after.items() if row[3] == "primary"] == primaries[:1]
-    assert s.logs(victim).count("onnxps listening on 0.0.0.0:50051") == 2
+    listening = s.logs(victim).count("onnxps listening on 0.0.0.0:50051")
+    assert listening == 1 + restarts
