@@ -108,11 +108,13 @@ def _unknown(parser: argparse.ArgumentParser, extra: Sequence[str]) -> str:
 def _run(argv: Sequence[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = _command(argv)
-    if command != "serve":
+    if command != "serve" and "grpc" not in sys.modules:
         # gRPC's C core logs each failed TLS handshake at INFO on stderr, before the
         # one line a client command prints; set before grpc loads (GRPC_VERBOSITY=INFO
         # shows them again). A server keeps them: a rejected peer's certificate is
-        # in its log.
+        # in its log. Called in a process where grpc is loaded already (a program
+        # or a test calling main()), it would change nothing for this command and
+        # only reach the servers that process starts next: left alone.
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser, chosen = _parser(command)
     args, extra = parser.parse_known_args(argv)

@@ -12,6 +12,7 @@ from onnxps.cli.process import start_server_process
 def clean_env(**extra: str) -> dict[str, str]:
     """The environment without ONNXPS_* (flags decide), plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ONNXPS_")}
+    env.pop("GRPC_VERBOSITY", None)  # a server's log keeps gRPC's own lines
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env

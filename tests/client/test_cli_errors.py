@@ -391,3 +391,22 @@ def test_status_says_one_group(
     client.create_group("g", Adagrad(), learning_rate=0.1, tensors={"x": np.zeros(2)})
     assert cli.main(["status", server.address]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 2
+
+
+def test_a_client_command_run_in_process_leaves_grpc_verbosity_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a process where grpc is loaded (a program, or this test run, calling
+    ``main``), GRPC_VERBOSITY would change nothing for the command and would reach
+    the servers that process starts next, whose logs then lose a rejected peer's
+    TLS error (CI: the rogue-certificate replication test)."""
+    import os
+
+    import grpc  # noqa: F401 - loaded, as in any program that calls main()
+    from onnxps.cli._main import main
+
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert "GRPC_VERBOSITY" not in os.environ
