@@ -330,21 +330,26 @@ class SharedMemory:
             )
         m = self._mapped(region.segment, region.key, caller, what)
         _check_generation(m, region, what)
-        arrays: list[Array] = []
+        counts = [math.prod(dims) for _, dims in specs]
         packed = len(specs) > 1
         end = region.offsets[0] if specs else 0
-        for (dtype, dims), at, name in zip(specs, region.offsets, names, strict=True):
-            count = math.prod(dims)
-            _check_span(m, at, count * dtype.itemsize, dtype.itemsize, name, what)
-            view = np.frombuffer(m, dtype, count, at).reshape(dims)
-            view.flags.writeable = False
-            arrays.append(view)
+        for (dtype, _), n, at, name in zip(
+            specs, counts, region.offsets, names, strict=True
+        ):
+            _check_span(m, at, n * dtype.itemsize, dtype.itemsize, name, what)
             packed = packed and at == end and dtype == specs[0][0]
-            end = at + count * dtype.itemsize
+            end = at + n * dtype.itemsize
+        arrays: list[Array]
         if packed:
             # One dtype, back to back (``layout``): one flat array, so the push
             # checks and steps the group as one array (``FlatArrays``).
-            arrays = _packed(m, specs[0][0], region.offsets[0], arrays)
+            arrays = _packed(m, specs[0][0], region.offsets[0], sum(counts), specs)
+        else:
+            arrays = []
+            for (dtype, dims), n, at in zip(specs, counts, region.offsets, strict=True):
+                view = np.frombuffer(m, dtype, n, at).reshape(dims)
+                view.flags.writeable = False
+                arrays.append(view)
         try:
             yield arrays
         finally:
@@ -408,9 +413,15 @@ def _check_span(
         )
 
 
-def _packed(m: Any, dtype: np.dtype[Any], at: int, views: list[Array]) -> FlatArrays:
-    """``views`` (back to back from ``at``) as views of one read-only flat array."""
-    total = sum(v.size for v in views)
+def _packed(
+    m: Any,
+    dtype: np.dtype[Any],
+    at: int,
+    total: int,
+    specs: Sequence[tuple[np.dtype[Any], tuple[int, ...]]],
+) -> FlatArrays:
+    """The tensors of ``specs``, back to back from ``at``, as views of one
+    read-only flat array of ``total`` elements."""
     flat = np.frombuffer(m, dtype, total, at)
     flat.flags.writeable = False
-    return FlatArrays(flat_views(flat, [v.shape for v in views]), flat)
+    return FlatArrays(flat_views(flat, [dims for _, dims in specs]), flat)
