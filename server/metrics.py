@@ -299,9 +299,11 @@ class DurabilityCollector(Collector):
         self,
         alarms: Callable[[], set[str]],
         fsyncs: Callable[[], FsyncTimes | None] = lambda: None,
+        retained: Callable[[], tuple[int, int]] | None = None,
     ) -> None:
         self.alarms = alarms
         self.fsyncs = fsyncs
+        self.retained = retained
 
     def collect(self) -> Iterable[Any]:
         times = self.fsyncs()
@@ -327,6 +329,18 @@ class DurabilityCollector(Collector):
         for reason in self.REASONS:
             alarm.add_metric([reason], 1 if reason in now else 0)
         yield alarm
+        if self.retained is not None:
+            snapshots, wal = self.retained()
+            held = GaugeMetricFamily(
+                "onnxps_retained_bytes",
+                "Bytes the data directory holds for retention: the kept snapshots "
+                "and the write-ahead log since the oldest of them (how far back "
+                "groups can be rewound or forked)",
+                labels=["kind"],
+            )
+            held.add_metric(["snapshots"], snapshots)
+            held.add_metric(["wal"], wal)
+            yield held
 
     def describe(self) -> Iterable[Any]:
         return []

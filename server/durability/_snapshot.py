@@ -33,6 +33,7 @@ __all__ = [
     "SaveResult",
     "SnapshotError",
     "list_snapshots",
+    "load_group",
     "load_snapshot",
     "read_manifest",
     "write_snapshot",
@@ -320,6 +321,23 @@ def load_snapshot(directory: str) -> tuple[Manifest, list[GroupCapture]]:
     return manifest, groups
 
 
+def load_group(directory: str, index: int) -> GroupCapture:
+    """Group ``index`` of the snapshot's manifest, alone (its files only are read
+    and checked); raises SnapshotError naming the bad file."""
+    manifest = read_manifest(directory)
+    path, files = manifest.path, manifest.files
+
+    def read(name: str) -> Array:
+        if not isinstance(name, str) or not isinstance(files.get(name), dict):
+            raise SnapshotError(f"{path}: lists {name!r} without a checksum")
+        return _read_array(directory, name, files[name])
+
+    try:
+        return _read_group(manifest.groups[index], read, path)
+    except (ImageFormatError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise SnapshotError(f"{path}: malformed group entry: {exc!r}") from exc
+
+
 def _read_group(
     entry: dict[str, Any], read: Callable[[str], Array], path: str
 ) -> GroupCapture:
@@ -330,7 +348,7 @@ def _read_group(
     dedup, row = {}, 0
     for cid, floor, count in entry["dedup"]["clients"]:
         rows = table[row : row + count]
-        dedup[cid] = (int(floor), [(int(s), int(t), bool(a)) for s, t, a in rows])
+        dedup[cid] = (int(floor), [(int(s), int(t), int(a)) for s, t, a in rows])
         row += count
     runtime = GroupRuntime(
         covered_lsn=int(entry["covered_lsn"]),

@@ -183,7 +183,7 @@ class GroupRuntime:
     dead: tuple[str, ...] = ()  # out of the sync quorum
     pending: Mapping[str, Sequence[Array]] = field(default_factory=dict)
     # client id -> (floor, [(push seq, T, applied), ...] oldest first)
-    dedup: Mapping[str, tuple[int, Sequence[tuple[int, int, bool]]]] = field(
+    dedup: Mapping[str, tuple[int, Sequence[tuple[int, int, int]]]] = field(
         default_factory=dict
     )
     created_by: str = ""  # the request id of the group's create ("": none)
@@ -222,8 +222,8 @@ class ClientWindow:
     __slots__ = ("floor", "last_push", "results")
 
     def __init__(self, floor: int = -1, last_push: float = 0.0) -> None:
-        # push seq -> (T, applied), oldest first
-        self.results: dict[int, tuple[int, bool]] = {}
+        # push seq -> (T, applied), oldest first (``_rewind.DROPPED``: dropped)
+        self.results: dict[int, tuple[int, int]] = {}
         self.floor = floor  # every push seq <= floor has been forgotten
         self.last_push = last_push  # monotonic time of the client's last push
 
@@ -328,6 +328,11 @@ class Group:
         self.created_by = ""
         # the PushTicket every well-formed push gets (``_push``), made on first use
         self.push_ticket: Any = None
+        # rewinds (``_rewind``): how many, the T the last one went back to, and the
+        # highest T one went back from (a push computed above it is refused)
+        self.rewinds = 0
+        self.rewound_to = 0
+        self.rewound_from = 0
 
     def _sizes(self) -> list[int]:
         o = self.layout.offsets
@@ -491,7 +496,8 @@ class Group:
             # restored windows count their age from the restart
             w = self.dedup[cid] = ClientWindow(int(floor), now)
             for s, t, a in rows:
-                w.results[int(s)] = (int(t), bool(a))
+                # a: 0 buffered, 1 applied, 2 dropped by a rewind (``_rewind``)
+                w.results[int(s)] = (int(t), int(a) if int(a) > 1 else bool(a))
 
     # -- changes (under the lock) -----------------------------------------------------
     def step(

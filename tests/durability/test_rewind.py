@@ -1,0 +1,310 @@
+"""Rewind and fork (issue 40): a group's state as of an earlier step, from a
+snapshot and the group's own log records.
+
+The reference is the ONNX Adam step written out here in NumPy (the operator's
+pseudo-code, coefficients in float64 rounded once to float32, as the server
+computes them), applied serially from the state pulled at the step rewound to.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from _procs import start_server, stop
+from onnxps.client import (
+    Adam,
+    Client,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    Sync,
+)
+from onnxps.server.app import ServerHandle
+from onnxps.v1 import parameter_server_pb2 as pb
+from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
+from onnxps.wire.codec import write_tensor
+
+F32 = np.float32
+N = 2_000
+LR = 0.01
+
+
+def _grads(count: int, seed: int = 40) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(N).astype(F32) for _ in range(count)]
+
+
+def adam_step(
+    x: np.ndarray, v: np.ndarray, h: np.ndarray, g: np.ndarray, t: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One ONNX Adam step at T=t (defaults: alpha 0.9, beta 0.999, epsilon 1e-6,
+    held as float32 by the server), float32 arrays."""
+    a, b, eps = float(F32(0.9)), float(F32(0.999)), float(F32(1e-6))
+    r = LR * math.sqrt(1.0 - b**t) / (1.0 - a**t) if t > 0 else LR
+    v = v * F32(a) + g * F32(1.0 - a)
+    h = h * F32(b) + (g * g) * F32(1.0 - b)
+    x = x - (v / (np.sqrt(h) + F32(eps))) * F32(r)
+    return x, v, h
+
+
+def replay(
+    state: list[np.ndarray], t: int, grads: list[np.ndarray]
+) -> list[np.ndarray]:
+    x, v, h = (np.array(a) for a in state)
+    for k, g in enumerate(grads):
+        x, v, h = adam_step(x, v, h, g, t + k)
+    return [x, v, h]
+
+
+def assert_state(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w, strict=True)
+
+
+def _train(
+    c: Client, name: str, grads: list[np.ndarray], saves: tuple[int, ...] = ()
+) -> dict[int, list[np.ndarray]]:
+    """Push ``grads`` one step each; X, V, H pulled after every step (by T), and a
+    snapshot written after the steps in ``saves``."""
+    seen = {}
+    for k, g in enumerate(grads):
+        c.push(name, g)
+        seen[k + 1] = c.pull(name, state=True)
+        if k + 1 in saves:
+            c.save()
+    return seen
+
+
+@pytest.mark.slow
+def test_a_rewind_is_bit_equal_goes_on_as_a_replay_and_survives_kill_9(
+    tmp_path: Path,
+) -> None:
+    data = tmp_path / "data"
+    args = ("--durability", "wal", "--data-dir", str(data))
+    proc, address = start_server(tmp_path / "a.log", *args, "--snapshot-interval", "0")
+    grads = _grads(110)
+    try:
+        with Client(address, timeout=30) as c:
+            c.create_group(
+                "g", Adam(), learning_rate=LR, tensors={"w": np.ones(N, F32)}
+            )
+            seen = _train(c, "g", grads[:100], saves=(20, 70))
+            at40 = seen[40]
+            assert c.describe_group("g").update_count == 100
+            done = c.rewind("g", to_step=40)
+            assert (done.from_step, done.group.update_count) == (100, 40)
+            # the snapshot at 20, then the group's records 21..40: 20 replayed
+            assert (done.base, done.base_step, done.replayed) == ("snapshot", 20, 20)
+            t, now = c.pull_versioned("g", state=True)
+            assert t == 40
+            assert_state(now, at40)
+            for g in grads[100:110]:
+                c.push("g", g)
+            want = replay(at40, 40, grads[100:110])
+            t, after = c.pull_versioned("g", state=True)
+            assert t == 50
+            assert_state(after, want)
+            history = c.history("g")
+            kinds = {(s.step, s.kind) for s in history.steps if s.kind != "step"}
+            assert kinds == {(20, "snapshot"), (40, "rewind")}
+            assert [s.step for s in history.steps] == list(range(20, 51))
+            assert history.update_count == 50 and history.wal_bytes > 0
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc, address = start_server(tmp_path / "b.log", *args)
+        with Client(address, timeout=30) as c:
+            t, restarted = c.pull_versioned("g", state=True)
+            assert t == 50
+            assert_state(restarted, want)
+            # the steps of the dropped line are history, not the group's
+            assert c.history("g").steps[-1].step == 50
+            # and a rewind after the restart goes through the rewind's record
+            done = c.rewind("g", to_step=45)
+            assert (done.base, done.base_step, done.replayed) == ("rewind", 40, 5)
+            assert_state(c.pull("g", state=True), replay(at40, 40, grads[100:105]))
+    finally:
+        stop(proc)
+
+
+def _wal_server(
+    servers: Callable[..., ServerHandle], tmp_path: Path, **fields: object
+) -> ServerHandle:
+    return servers(
+        address="127.0.0.1:0",
+        durability="wal",
+        data_dir=str(tmp_path / "data"),
+        snapshot_interval=0,
+        **fields,
+    )
+
+
+def test_a_fork_and_its_group_go_on_apart_each_as_its_own_replay(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
+    server = _wal_server(servers, tmp_path)
+    grads = _grads(60)
+    other = _grads(10, seed=7)
+    with Client(server.address) as c:
+        c.create_group("g", Adam(), learning_rate=LR, tensors={"w": np.ones(N, F32)})
+        seen = _train(c, "g", grads[:50])
+        done = c.fork("g", "g-fork", at_step=30)
+        # no snapshot: from the group's create record, 30 records replayed
+        assert (done.base, done.base_step, done.replayed) == ("create", 0, 30)
+        assert done.group.name == "g-fork" and done.group.update_count == 30
+        assert_state(c.pull("g-fork", state=True), seen[30])
+        for g, o in zip(grads[50:60], other, strict=True):
+            c.push("g", g)
+            c.push("g-fork", o)
+        assert_state(c.pull("g", state=True), replay(seen[50], 50, grads[50:60]))
+        assert_state(c.pull("g-fork", state=True), replay(seen[30], 30, other))
+        assert c.describe_group("g-fork").update_count == 40
+        # a fork's name is a new group's: one that exists is refused
+        with pytest.raises(Exception, match="exists already"):
+            c.fork("g", "g-fork", at_step=10)
+
+
+def test_a_rewind_outside_retention_is_refused_with_the_oldest_step(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
+    server = _wal_server(servers, tmp_path, keep_snapshots=1)
+    with Client(server.address) as c:
+        c.create_group("g", Adam(), learning_rate=LR, tensors={"w": np.ones(N, F32)})
+        _train(c, "g", _grads(30), saves=(10, 25))
+        with pytest.raises(FailedPreconditionError) as refused:
+            c.rewind("g", to_step=24)
+        assert refused.value.reason == "STEP_NOT_RETAINED"
+        assert refused.value.metadata["oldest_step"] == "25"
+        assert refused.value.metadata["newest_step"] == "30"
+        assert "the oldest step it can go back to is T=25" in str(refused.value)
+        with pytest.raises(InvalidArgumentError) as ahead:
+            c.rewind("g", to_step=31)
+        assert ahead.value.reason == "STEP_AHEAD"
+        assert c.describe_group("g").update_count == 30  # nothing changed
+        assert c.history("g").oldest_step == 25
+        c.rewind("g", to_step=25)
+        assert c.describe_group("g").update_count == 25
+
+
+def test_a_server_without_a_log_has_no_history(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
+    for server in (
+        servers(),
+        servers(durability="snapshot", data_dir=str(tmp_path / "s")),
+    ):
+        with Client(server.address) as c:
+            c.create_group(
+                "g", Adam(), learning_rate=LR, tensors={"w": np.ones(4, F32)}
+            )
+            for call in (lambda: c.rewind("g", to_step=0), lambda: c.history("g")):
+                with pytest.raises(FailedPreconditionError) as refused:
+                    call()
+                assert refused.value.reason == "NO_HISTORY"
+
+
+def _push(
+    stub: pb_grpc.ParameterServerServiceStub,
+    g: np.ndarray,
+    seq: int,
+    base_version: int | None = None,
+) -> pb.PushResponse:
+    req = pb.PushRequest(group="g", client_id="worker-1", seq=seq)
+    if base_version is not None:
+        req.base_version = base_version
+    write_tensor(req.gradients.add(), g)
+    reply: pb.PushResponse = stub.Push(req, timeout=10)
+    return reply
+
+
+def test_pushes_across_a_rewind_are_answered_by_the_line_they_belong_to(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
+    server = _wal_server(servers, tmp_path)
+    grads = _grads(30)
+    with (
+        Client(server.address) as c,
+        grpc.insecure_channel(server.address) as channel,
+    ):
+        stub = pb_grpc.ParameterServerServiceStub(channel)
+        c.create_group("g", Adam(), learning_rate=LR, tensors={"w": np.ones(N, F32)})
+        for k in range(20):
+            assert _push(stub, grads[k], seq=1000 + k).update_count == k + 1
+        at10 = None
+        c.rewind("g", to_step=10)
+        at10 = c.pull("g", state=True)
+        # seq 1004 stepped to T=5, kept by the rewind: its first answer again
+        kept = _push(stub, grads[4], seq=1004)
+        assert (kept.update_count, kept.duplicate) == (5, True)
+        # seq 1015 stepped to T=16, dropped: refused, not applied again
+        with pytest.raises(grpc.RpcError) as dropped:
+            _push(stub, grads[15], seq=1015)
+        assert dropped.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "REWOUND" in str(dropped.value.trailing_metadata())
+        assert "was rewound to T=10 (from T=20)" in str(dropped.value.details())
+        # a push computed at T=15 of the old line: the new one is at 10
+        with pytest.raises(FailedPreconditionError) as stale:
+            c.push_detailed("g", grads[20], base_version=15)
+        assert stale.value.reason == "REWOUND"
+        assert stale.value.metadata["update_count"] == "10"
+        assert c.describe_group("g").update_count == 10
+        # new pushes go on from the rewound state
+        assert _push(stub, grads[21], seq=1020, base_version=10).update_count == 11
+        assert_state(c.pull("g", state=True), replay(at10, 10, grads[21:22]))
+
+
+def test_a_sync_round_in_progress_is_dropped_and_its_waiting_worker_told(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
+    server = _wal_server(servers, tmp_path)
+    grads = _grads(8)
+    with (
+        Client(server.address, client_id="a") as a,
+        Client(server.address, client_id="b") as b,
+    ):
+        a.create_group(
+            "g",
+            Adam(),
+            learning_rate=LR,
+            tensors={"w": np.ones(N, F32)},
+            consistency=Sync(workers=2),
+        )
+        for k in range(3):  # three full rounds: T=3
+            t = threading.Thread(target=a.push, args=("g", grads[k]))
+            t.start()
+            b.push("g", grads[k] + 1)
+            t.join()
+        assert a.describe_group("g").update_count == 3
+        at1 = None
+        errors: list[BaseException] = []
+
+        def waiting() -> None:
+            try:
+                a.push_detailed("g", grads[5], return_values=True)
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                errors.append(exc)
+
+        worker = threading.Thread(target=waiting)
+        worker.start()
+        while a.describe_group("g").pending_contributions != 1:
+            pass
+        done = a.rewind("g", to_step=1)
+        worker.join(timeout=10)
+        assert not worker.is_alive()
+        assert len(errors) == 1 and getattr(errors[0], "reason", "") == "REWOUND"
+        assert (done.from_step, done.group.update_count) == (3, 1)
+        assert done.group.pending_contributions == 0
+        at1 = a.pull("g", state=True)
+        # one round from T=1, both workers anew: the mean of their gradients
+        t = threading.Thread(target=a.push, args=("g", grads[6]))
+        t.start()
+        b.push("g", grads[7])
+        t.join()
+        mean = (grads[6] + grads[7]) / F32(2)
+        assert_state(a.pull("g", state=True), replay(at1, 1, [mean]))
