@@ -159,9 +159,15 @@ def format_history(h: HistoryInfo, every_step: bool) -> str:
 
 def _said(r: RewindInfo, what: str) -> str:
     return (
-        f"{what} {r.group.name}: T={r.group.update_count} (was {r.from_step}); from "
-        f"the {r.base} at T={r.base_step} and {r.replayed} records replayed, in "
-        f"{r.seconds:.3f} s"
+        f"{what} {r.group.name}: T={r.group.update_count} (was {r.from_step}); "
+        + _how(r)
+    )
+
+
+def _how(r: RewindInfo) -> str:
+    return (
+        f"from the {r.base} at T={r.base_step} and {r.replayed} records replayed, "
+        f"in {r.seconds:.3f} s"
     )
 
 
@@ -217,7 +223,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 _rewind(client, args, out)
             elif args.command == "fork":
                 done = client.fork(args.group, args.new_group, at_step=args.at_step)
-                print(_said(done, f"forked {args.group} as"), file=out)
+                print(
+                    f"forked {args.group} (T={done.from_step}) as "
+                    f"{done.group.name}: T={done.group.update_count}; {_how(done)}",
+                    file=out,
+                )
             else:
                 print(
                     format_history(client.history(args.group), args.every_step),

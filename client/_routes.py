@@ -125,7 +125,7 @@ class OneServer:
         req = pb.ForkRequest(group=group, new_group=new_group, at_step=at_step)
         msg = yield from unary_call("Fork", req, deadline)
         info = self.ops.remember(group_info(msg.group))
-        return rewind_info(msg, info, info.update_count)
+        return rewind_info(msg, info, int(msg.from_step))
 
     def history(self, group: str, deadline: Deadline) -> Op[HistoryInfo]:
         req = pb.HistoryRequest(group=group)

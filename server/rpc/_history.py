@@ -48,7 +48,9 @@ class HistoryRpcs(RpcFamily):
             request.group, request.new_group, int(request.at_step)
         )
         view = self.store.describe(request.new_group)
-        return pb.ForkResponse(group=group_info(view), reached=_reached(done))
+        return pb.ForkResponse(
+            group=group_info(view), reached=_reached(done), from_step=done.from_step
+        )
 
     @unary
     def History(self, request: pb.HistoryRequest, context: Any) -> pb.HistoryResponse:

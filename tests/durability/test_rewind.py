@@ -308,3 +308,137 @@ def test_a_sync_round_in_progress_is_dropped_and_its_waiting_worker_told(
         t.join()
         mean = (grads[6] + grads[7]) / F32(2)
         assert_state(a.pull("g", state=True), replay(at1, 1, [mean]))
+
+
+def test_a_rewind_replays_its_group_records_only(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
+    server = _wal_server(servers, tmp_path)
+    grads = _grads(30)
+    with Client(server.address) as c:
+        for name in ("g", "other"):
+            c.create_group(
+                name, Adam(), learning_rate=LR, tensors={"w": np.ones(N, F32)}
+            )
+        c.save()  # both at T=0
+        for k in range(30):  # 30 records of each group, interleaved
+            c.push("g", grads[k])
+            c.push("other", grads[k])
+            if k + 1 == 12:
+                at12 = c.pull("g", state=True)
+        done = c.rewind("g", to_step=12)
+        assert (done.base, done.base_step, done.replayed) == ("snapshot", 0, 12)
+        assert_state(c.pull("g", state=True), at12)
+        assert c.describe_group("other").update_count == 30
+
+
+def test_an_ids_table_is_rewound_with_its_rows(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
+    from onnxps.client import IdsTable
+
+    server = _wal_server(servers, tmp_path)
+    rng = np.random.default_rng(3)
+    with Client(server.address) as c:
+        c.create_group(
+            "g",
+            Adam(),
+            learning_rate=LR,
+            tensors={"b": np.zeros(3, F32)},
+            tables={"emb": IdsTable(4)},
+        )
+
+        def table() -> list[bytes]:
+            ids, rows = c.export_rows("g", "emb", state=True)
+            return [ids.tobytes()] + [rows[k].tobytes() for k in sorted(rows)]
+
+        for k in range(20):
+            ids = rng.integers(0, 1 << 40, 5).astype(np.int64) if k < 10 else None
+            pick = ids if ids is not None else seen_ids[:5]
+            g = rng.standard_normal((5, 4)).astype(F32)
+            c.push_rows("g", {"emb": (pick, g)})
+            seen_ids = pick if k == 0 else np.concatenate([seen_ids, pick])
+            if k + 1 == 8:
+                at8 = (table(), c.pull("g", state=True), c.count_rows("g", "emb"))
+        assert c.count_rows("g", "emb") == 50
+        c.rewind("g", to_step=8)
+        assert c.count_rows("g", "emb") == at8[2] == 40
+        assert table() == at8[0]
+        assert_state(c.pull("g", state=True), at8[1])
+
+
+def test_history_rewind_and_fork_from_the_command_line(
+    servers: Callable[..., ServerHandle],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from onnxps import cli
+
+    server = _wal_server(servers, tmp_path)
+    with Client(server.address) as c:
+        for name in ("a", "b"):
+            c.create_group(
+                name, Adam(), learning_rate=LR, tensors={"w": np.ones(8, F32)}
+            )
+        for _ in range(6):
+            c.push("a", np.ones(8, F32))
+            c.push("b", np.ones(8, F32))
+        assert cli.main(["history", server.address, "a"]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].split() == ["STEP", "TAKEN", "(UTC)", "KIND"]
+        assert out[1].split()[0::2] == ["0", "create"]
+        assert out[2].split()[0] == "1-6" and out[2].split()[2] == "steps"
+        assert out[-1].startswith("group a: T=6, reachable from T=0; retention holds")
+        assert cli.main(["rewind", server.address, "--all", "--to-step", "4"]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert [line.split(":")[0] for line in out] == ["rewound a", "rewound b"]
+        assert "T=4 (was 6); from the create at T=0 and 4 records replayed" in out[0]
+        assert [g.update_count for g in c.list_groups()] == [4, 4]
+        assert cli.main(["fork", server.address, "a", "a2", "--at-step", "2"]) == 0
+        assert "forked a (T=4) as a2: T=2; from the create" in capsys.readouterr().out
+        assert c.describe_group("a2").update_count == 2
+        # --to-time: each group's last step taken at or before it
+        c.push("a", np.ones(8, F32))  # a at 5, taken after the time below
+        history = c.history("a")
+        when = history.steps[-2].unix_time  # the rewind's landing at 4
+        assert cli.main(["rewind", server.address, "a", "--to-time", str(when)]) == 0
+        assert c.describe_group("a").update_count == 4
+        # wrong usage: one line, status 2
+        assert cli.main(["rewind", server.address, "--to-step", "1"]) == 2
+        assert "give either GROUP or --all" in capsys.readouterr().err
+        assert cli.main(["rewind", server.address, "a", "--to-step", "99"]) == 1
+        err = capsys.readouterr().err
+        assert "STEP_AHEAD" in err or "it cannot go to T=99" in err
+
+
+def test_retention_keeps_a_time_window_and_a_byte_budget(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
+    import urllib.request
+
+    window = _wal_server(
+        servers, tmp_path / "w", keep_snapshots=1, keep_seconds=3600.0, metrics_port=0
+    )
+    budget = _wal_server(servers, tmp_path / "b", keep_snapshots=3, keep_bytes=1)
+    for server in (window, budget):
+        with Client(server.address) as c:
+            c.create_group(
+                "g", Adam(), learning_rate=LR, tensors={"w": np.ones(N, F32)}
+            )
+            _train(c, "g", _grads(15), saves=(5, 10, 15))
+    with Client(window.address) as c:
+        # one snapshot by count, but all three are younger than an hour
+        assert len(list((tmp_path / "w" / "data" / "snapshots").iterdir())) == 3
+        held = c.history("g")
+        assert held.oldest_step == 5 and held.snapshot_bytes > 0
+        url = f"http://127.0.0.1:{window.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+        assert f'onnxps_retained_bytes{{kind="wal"}} {float(held.wal_bytes)}' in text
+        assert 'onnxps_retained_bytes{kind="snapshots"}' in text
+    with Client(budget.address) as c:
+        # over the budget: only the newest snapshot stays, and the log after it
+        assert len(list((tmp_path / "b" / "data" / "snapshots").iterdir())) == 1
+        assert c.history("g").oldest_step == 15
+        with pytest.raises(FailedPreconditionError, match="oldest step it can go"):
+            c.rewind("g", to_step=14)

@@ -2902,6 +2902,9 @@ class ForkResponse(_message.Message):
 
     GROUP_FIELD_NUMBER: _builtins.int
     REACHED_FIELD_NUMBER: _builtins.int
+    FROM_STEP_FIELD_NUMBER: _builtins.int
+    from_step: _builtins.int
+    """The forked group's T now."""
     @_builtins.property
     def group(self) -> Global___GroupInfo:
         """The new group."""
@@ -2915,10 +2918,11 @@ class ForkResponse(_message.Message):
         *,
         group: Global___GroupInfo | None = ...,
         reached: Global___ReachedFrom | None = ...,
+        from_step: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "reached", b"reached"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "reached", b"reached"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_step", b"from_step", "group", b"group", "reached", b"reached"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
