@@ -138,11 +138,11 @@ class SaveInfo:
 
 @dataclass(frozen=True)
 class RewindInfo:
-    """A rewind (or a fork) done: the group after it (a fork's new group), its T
-    before (``from_step``; a fork: the forked group's T now), and how the server computed the
-    state: from which base (``"snapshot"``, ``"create"`` or ``"rewind"``) at which
-    T, replaying how many of the group's log records, in how many seconds (on a
-    cluster: the slowest part's)."""
+    """A rewind (or a fork) done: the group after it (a fork's new group), its
+    T before (``from_step``; a fork: the forked group's T now), and how the server
+    computed the state: from which base (``"snapshot"``, ``"create"`` or
+    ``"rewind"``) at which T, replaying how many of the group's log records, in
+    how many seconds (on a cluster: the slowest part's)."""
 
     group: GroupInfo
     from_step: int

@@ -352,16 +352,17 @@ def test_an_ids_table_is_rewound_with_its_rows(
             ids, rows = c.export_rows("g", "emb", state=True)
             return [ids.tobytes()] + [rows[k].tobytes() for k in sorted(rows)]
 
+        new_ids = rng.choice(1 << 40, size=50, replace=False).astype(np.int64)
         for k in range(20):
-            ids = rng.integers(0, 1 << 40, 5).astype(np.int64) if k < 10 else None
-            pick = ids if ids is not None else seen_ids[:5]
+            # ten pushes of new ids (5 each), then ten of the first ones again
+            pick = new_ids[5 * k : 5 * k + 5] if k < 10 else new_ids[:5]
             g = rng.standard_normal((5, 4)).astype(F32)
             c.push_rows("g", {"emb": (pick, g)})
-            seen_ids = pick if k == 0 else np.concatenate([seen_ids, pick])
             if k + 1 == 8:
                 at8 = (table(), c.pull("g", state=True), c.count_rows("g", "emb"))
         assert c.count_rows("g", "emb") == 50
-        c.rewind("g", to_step=8)
+        done = c.rewind("g", to_step=8)
+        assert (done.from_step, done.replayed) == (20, 8)
         assert c.count_rows("g", "emb") == at8[2] == 40
         assert table() == at8[0]
         assert_state(c.pull("g", state=True), at8[1])
