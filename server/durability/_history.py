@@ -262,9 +262,11 @@ class GroupHistory:
         for r in records:
             header, arrays = read_record(r)
             redo(scratch, header, arrays, wal_dir)
-        (capture,) = list(scratch.capture())
+        state = scratch.release(self.name)  # its arrays, not a copy
         scratch.close()
-        return Reached(capture, base, point.step, len(records))
+        return Reached(
+            GroupCapture(state, GroupRuntime()), base, point.step, len(records)
+        )
 
 
 def renamed(image: GroupImage, name: str) -> GroupImage:

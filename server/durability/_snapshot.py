@@ -144,30 +144,34 @@ def _write_group(
         clients.append([cid, int(floor), len(results)])
         rows.extend([s, t, int(a)] for s, t, a in results)
     table = np.array(rows, dtype=np.uint64).reshape(-1, 3)
-    return {
-        "image": captured.image.to_json(),
-        "arrays": [
-            _write_array(directory, f"{prefix}-a{j}.npy", a, files)
-            for j, a in enumerate(captured.image.arrays)
-        ],
-        "covered_lsn": runtime.covered_lsn,
-        "workers": list(runtime.workers),
-        "dead": list(runtime.dead),
-        "pending": [
-            [
-                key,
+    return (
+        {
+            "image": captured.image.to_json(),
+            "arrays": [
+                _write_array(directory, f"{prefix}-a{j}.npy", a, files)
+                for j, a in enumerate(captured.image.arrays)
+            ],
+            "covered_lsn": runtime.covered_lsn,
+            "workers": list(runtime.workers),
+            "dead": list(runtime.dead),
+            "pending": [
                 [
-                    _write_array(directory, f"{prefix}-p{k}-{j}.npy", a, files)
-                    for j, a in enumerate(arrays)
-                ],
-            ]
-            for k, (key, arrays) in enumerate(sorted(runtime.pending.items()))
-        ],
-        "dedup": {
-            "clients": clients,
-            "file": _write_array(directory, f"{prefix}-dedup.npy", table, files),
-        },
-    } | ({"created_by": runtime.created_by} if runtime.created_by else {})
+                    key,
+                    [
+                        _write_array(directory, f"{prefix}-p{k}-{j}.npy", a, files)
+                        for j, a in enumerate(arrays)
+                    ],
+                ]
+                for k, (key, arrays) in enumerate(sorted(runtime.pending.items()))
+            ],
+            "dedup": {
+                "clients": clients,
+                "file": _write_array(directory, f"{prefix}-dedup.npy", table, files),
+            },
+        }
+        | ({"created_by": runtime.created_by} if runtime.created_by else {})
+        | ({"rewound": list(runtime.rewound)} if runtime.rewound[1] else {})
+    )
 
 
 def write_snapshot(
@@ -338,6 +342,11 @@ def load_group(directory: str, index: int) -> GroupCapture:
         raise SnapshotError(f"{path}: malformed group entry: {exc!r}") from exc
 
 
+def _rewound(value: Any) -> tuple[int, int]:
+    to_step, from_step = value
+    return int(to_step), int(from_step)
+
+
 def _read_group(
     entry: dict[str, Any], read: Callable[[str], Array], path: str
 ) -> GroupCapture:
@@ -357,5 +366,6 @@ def _read_group(
         pending={k: [read(n) for n in names] for k, names in entry["pending"]},
         dedup=dedup,
         created_by=str(entry.get("created_by", "")),
+        rewound=_rewound(entry.get("rewound", (0, 0))),
     )
     return GroupCapture(image, runtime)

@@ -187,6 +187,9 @@ class GroupRuntime:
         default_factory=dict
     )
     created_by: str = ""  # the request id of the group's create ("": none)
+    # the last rewind (``_rewind``): the T it went back to, the highest T one went
+    # back from (0, 0: none), so that stale pushes stay refused after a restart
+    rewound: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -485,6 +488,7 @@ class Group:
                 for cid, w in self.dedup.items()
             },
             created_by=self.created_by,
+            rewound=(self.rewound_to, self.rewound_from),
         )
 
     def restore_runtime(self, runtime: GroupRuntime, now: float) -> None:
@@ -492,6 +496,8 @@ class Group:
         self.dead = set(runtime.dead)
         self.pending = {k: list(v) for k, v in runtime.pending.items()}
         self.created_by = runtime.created_by
+        self.rewound_to, self.rewound_from = runtime.rewound
+        self.rewinds = 1 if self.rewound_from else 0
         for cid, (floor, rows) in runtime.dedup.items():
             # restored windows count their age from the restart
             w = self.dedup[cid] = ClientWindow(int(floor), now)

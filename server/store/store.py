@@ -811,6 +811,21 @@ class ParameterStore:
         log.info("rewound group %s from T=%d to T=%d", name, before, to_step)
         return before, to_step
 
+    def release(self, name: str) -> GroupImage:
+        """Remove group ``name`` and hand its state over without a copy: for a
+        store that is discarded next (a rewind's scratch store, ``durability``)."""
+        g = self._group(name)
+        with self._lock:
+            del self._groups[name]
+        with g.cond, alone(g.cond, g.order):
+            g.deleted = True
+            n = len(g.shapes)
+            dense = g.xs + g.state_arrays()
+            arrays = [a.reshape(g.shapes[i % n]) for i, a in enumerate(dense)]
+            for t in g.tables.values():
+                arrays += t.arrays()
+            return GroupImage(g.definition(), arrays)
+
     def replay_rewind(self, image: GroupImage) -> None:
         self.rewind(image, replay=True)
 

@@ -257,6 +257,23 @@ def test_pushes_across_a_rewind_are_answered_by_the_line_they_belong_to(
         # new pushes go on from the rewound state
         assert _push(stub, grads[21], seq=1020, base_version=10).update_count == 11
         assert_state(c.pull("g", state=True), replay(at10, 10, grads[21:22]))
+    # a graceful stop writes a snapshot after the rewind: restored from it, the
+    # server still refuses what the rewind dropped
+    server.stop(grace=0)
+    again = _wal_server(servers, tmp_path)
+    with (
+        Client(again.address) as c,
+        grpc.insecure_channel(again.address) as channel,
+    ):
+        stub = pb_grpc.ParameterServerServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as dropped:
+            _push(stub, grads[16], seq=1016)
+        assert "REWOUND" in str(dropped.value.trailing_metadata())
+        with pytest.raises(FailedPreconditionError) as stale:
+            c.push_detailed("g", grads[20], base_version=15)
+        assert stale.value.reason == "REWOUND"
+        assert _push(stub, grads[21], seq=1020).duplicate
+        assert c.describe_group("g").update_count == 11
 
 
 def test_a_sync_round_in_progress_is_dropped_and_its_waiting_worker_told(
@@ -443,3 +460,36 @@ def test_retention_keeps_a_time_window_and_a_byte_budget(
         assert c.history("g").oldest_step == 15
         with pytest.raises(FailedPreconditionError, match="oldest step it can go"):
             c.rewind("g", to_step=14)
+
+
+def test_rewind_and_fork_are_an_admins_and_a_fork_stays_in_its_prefixes(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
+    from onnxps.client import PermissionDeniedError
+
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text(
+        "adm-a-0123456789abcdef admin a/\n"
+        "wr-0123456789abcdef00 write *\n"
+        "rd-0123456789abcdef00 read *\n"
+    )
+    server = _wal_server(servers, tmp_path, tokens_file=str(tokens))
+    with Client(server.address, token="adm-a-0123456789abcdef") as admin:
+        admin.create_group(
+            "a/x", Adam(), learning_rate=LR, tensors={"w": np.ones(8, F32)}
+        )
+        for _ in range(3):
+            admin.push("a/x", np.ones(8, F32))
+        with pytest.raises(PermissionDeniedError) as outside:
+            admin.fork("a/x", "b/x", at_step=1)
+        assert outside.value.reason == "GROUP_NOT_PERMITTED"
+        assert outside.value.metadata["group"] == "b/x"
+        assert admin.fork("a/x", "a/y", at_step=1).group.update_count == 1
+    with Client(server.address, token="wr-0123456789abcdef00") as writer:
+        with pytest.raises(PermissionDeniedError) as role:
+            writer.rewind("a/x", to_step=1)
+        assert role.value.reason == "ROLE_FORBIDS_METHOD"
+    with Client(server.address, token="rd-0123456789abcdef00") as reader:
+        assert reader.history("a/x").update_count == 3
+        with pytest.raises(PermissionDeniedError):
+            reader.fork("a/x", "a/z", at_step=1)
