@@ -127,11 +127,17 @@ def main() -> int:
                 done = c.rewind("g", to_step=target)
                 rewinds.append(time.perf_counter() - t0)
                 restores.append(restore_and_replay(data, 1, interval))
+                said = [
+                    line
+                    for line in (root / "server.log").read_text().splitlines()
+                    if "rewound group g" in line
+                ][-1]
                 print(
                     f"round {r + 1}: rewind to T={target} {rewinds[-1]:.3f} s "
                     f"(server {done.seconds:.3f} s; from the {done.base} at "
                     f"T={done.base_step}, {done.replayed} records replayed); "
-                    f"restore + replay of {interval} records {restores[-1]:.3f} s"
+                    f"restore + replay of {interval} records {restores[-1]:.3f} s\n"
+                    f"  server: {said.split(': ', 1)[-1]}"
                 )
         for name, xs in (("rewind", rewinds), ("restore + replay", restores)):
             print(

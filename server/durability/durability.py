@@ -359,7 +359,9 @@ class Durability:
         with self._lock:
             reached = self.history(group).reach(to_step, self.wal_dir, read_base)
             before, after = self.store.rewind(reached.capture.image)
-        return Rewound(group, before, after, reached, time.perf_counter() - started)
+        done = Rewound(group, before, after, reached, time.perf_counter() - started)
+        _log_reached("rewound", done)
+        return done
 
     def fork(self, group: str, new_group: str, at_step: int) -> Rewound:
         """A new group ``new_group`` with ``group``'s state right after step
@@ -599,6 +601,25 @@ class Rewound:
     to_step: int
     reached: Reached
     seconds: float
+
+
+def _log_reached(what: str, done: Rewound) -> None:
+    r = done.reached
+    log.info(
+        "%s group %s at T=%d (T was %d) in %.3f s: the %s at T=%d read in %.3f s, "
+        "%d records replayed in %.3f s, logged and installed in %.3f s",
+        what,
+        done.group,
+        done.to_step,
+        done.from_step,
+        done.seconds,
+        r.base.kind,
+        r.base_step,
+        r.read_seconds,
+        r.replayed,
+        r.replay_seconds,
+        done.seconds - r.read_seconds - r.replay_seconds,
+    )
 
 
 def _tree_bytes(root: str) -> int:

@@ -808,7 +808,6 @@ class ParameterStore:
                 image.arrays,
             )
             before = _rewind.install_state(g, image, next(self._incarnations))
-        log.info("rewound group %s from T=%d to T=%d", name, before, to_step)
         return before, to_step
 
     def release(self, name: str) -> GroupImage:

@@ -493,3 +493,33 @@ def test_rewind_and_fork_are_an_admins_and_a_fork_stays_in_its_prefixes(
         assert reader.history("a/x").update_count == 3
         with pytest.raises(PermissionDeniedError):
             reader.fork("a/x", "a/z", at_step=1)
+
+
+def test_the_async_client_rewinds_forks_and_lists_history(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
+    import asyncio
+
+    from onnxps.client import AsyncClient
+
+    server = _wal_server(servers, tmp_path)
+    grads = _grads(6)
+
+    async def run() -> tuple[int, int, int, list[int]]:
+        async with AsyncClient(server.address) as c:
+            await c.create_group(
+                "g", Adam(), learning_rate=LR, tensors={"w": np.ones(N, F32)}
+            )
+            for g in grads:
+                await c.push("g", g)
+            forked = await c.fork("g", "f", at_step=2)
+            rewound = await c.rewind("g", to_step=3)
+            history = await c.history("g")
+            return (
+                forked.group.update_count,
+                rewound.group.update_count,
+                rewound.replayed,
+                [s.step for s in history.steps],
+            )
+
+    assert asyncio.run(run()) == (2, 3, 3, [0, 1, 2, 3])
