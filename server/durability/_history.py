@@ -35,7 +35,16 @@ from ..errors import FailedPrecondition, InvalidArgument
 from ..store import GroupCapture, GroupRuntime, ParameterStore
 from ._redo import redo
 from ._snapshot import SnapshotError, list_snapshots, load_group, read_manifest
-from ._walread import _arrays, _check_segment, _read_frame, segment_paths
+from ._walread import (
+    FRAME,
+    MAGIC,
+    MAX_HEADER,
+    _arrays,
+    _check_segment,
+    _read_frame,
+    crc32,
+    segment_paths,
+)
 
 __all__ = [
     "Base",
@@ -265,9 +274,10 @@ class GroupHistory:
         runtime = captured.runtime if base.kind == "snapshot" else None
         scratch.install(image, runtime)
         records = [r for r in self.replayed if base.key < r.lsn <= target.key]
-        for r in records:
-            header, arrays = read_record(r)
-            redo(scratch, header, arrays, wal_dir)
+        with RecordReader() as reader:
+            for r in records:
+                header, arrays = reader.read(r)
+                redo(scratch, header, arrays, wal_dir)
         state = scratch.release(self.name)  # its arrays, not a copy
         scratch.close()
         replayed = time.perf_counter() - started - read
@@ -278,6 +288,50 @@ class GroupHistory:
 def renamed(image: GroupImage, name: str) -> GroupImage:
     """The image under another group name."""
     return GroupImage(dataclasses.replace(image.definition, name=name), image.arrays)
+
+
+class RecordReader:
+    """Reads records by their place (``Record``), each segment opened once, every
+    body into one buffer it reuses: a record's arrays are views of it, valid until
+    the next read (a replayed push steps with them, or copies them)."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, Any] = {}
+        self._buf = bytearray()
+
+    def __enter__(self) -> RecordReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def read(self, r: Record) -> tuple[dict[str, Any], list[Array]]:
+        f = self._files.get(r.path)
+        if f is None:
+            f = self._files[r.path] = open(r.path, "rb", buffering=0)  # noqa: SIM115
+        f.seek(r.offset)
+        prefix = f.read(FRAME.size)
+        if len(prefix) < FRAME.size:
+            raise ValueError(f"{r.path}: no record at byte {r.offset}")
+        magic, hlen, blen, crc = FRAME.unpack(prefix)
+        if magic != MAGIC or hlen > MAX_HEADER:
+            raise ValueError(f"{r.path}: bad frame at byte {r.offset}")
+        text = f.read(hlen)
+        if len(self._buf) < blen:
+            self._buf = bytearray(blen)
+        body = memoryview(self._buf)[:blen]
+        got = 0
+        while got < blen:
+            n = f.readinto(body[got:])
+            if not n:
+                raise ValueError(f"{r.path}: record at byte {r.offset} cut short")
+            got += n
+        if len(text) < hlen or crc32(body, crc32(text, 0)) != crc:
+            raise ValueError(f"{r.path}: record at byte {r.offset} is damaged")
+        header = json.loads(text)
+        return header, _arrays(header, body)  # type: ignore[arg-type]
 
 
 def read_record(r: Record) -> tuple[dict[str, Any], list[Array]]:
