@@ -34,7 +34,6 @@ from .interceptors._handlers import (
     Handler,
     HookInterceptor,
     group_of,
-    method_of,
     on_first,
 )
 from .interceptors.limits import message_bytes
@@ -370,8 +369,9 @@ class ObserveInterceptor(HookInterceptor):
         handler: Handler,
         handler_call_details: grpc.HandlerCallDetails,
         deserializer: Deserializer | None,
+        called: tuple[str, str],
     ) -> tuple[CallHooks | None, Deserializer | None]:
-        service, method = method_of(handler_call_details)
+        service, method = called
         call = _Observed(
             self.recorder,
             method if service == SERVICE else f"{service}/{method}",

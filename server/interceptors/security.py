@@ -31,7 +31,6 @@ from ._handlers import (
     HookInterceptor,
     Refusal,
     group_of,
-    method_of,
     on_first,
 )
 from ._status import refuse
@@ -397,8 +396,9 @@ class TokenAuthInterceptor(HookInterceptor):
         handler: Handler,
         handler_call_details: grpc.HandlerCallDetails,
         deserializer: Deserializer | None,
+        called: tuple[str, str],
     ) -> tuple[CallHooks | None, Deserializer | None]:
-        service, method = method_of(handler_call_details)
+        service, method = called
         if service != SERVICE:
             return None, None
         token = _bearer(handler_call_details.invocation_metadata)
