@@ -25,6 +25,7 @@ EXEMPT = {
     "many_tensors_ab.py": "an A/B of two trees over gRPC unary",
     "refactor_ab.py": "an A/B of two trees on every named transport",
     "restart.py": "a replicated shard needs --coordinator and --shard",
+    "rewind.py": "a rewind needs --durability wal (the default keeps no log)",
     "socket_path.py": "measures a design alternative to gRPC, not a product path",
     "stream_ab.py": "an A/B of two trees on the stream paths",
     # their own no-flags server (the default durability spelled out), first row:

@@ -523,3 +523,30 @@ def test_the_async_client_rewinds_forks_and_lists_history(
             )
 
     assert asyncio.run(run()) == (2, 3, 3, [0, 1, 2, 3])
+
+
+@pytest.mark.slow
+def test_the_torch_optimizer_skips_a_step_computed_before_a_rewind(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
+    torch = pytest.importorskip("torch")
+    from onnxps.torch import RemoteOptimizer
+
+    server = _wal_server(servers, tmp_path)
+    with Client(server.address) as c:
+        w = torch.nn.Parameter(torch.ones(8))
+        opt = RemoteOptimizer([w], c, group="g", lr=LR, on_stale="skip")
+        for k in range(5):
+            w.grad = torch.full((8,), 0.5)
+            opt.step()
+            if k + 1 == 2:
+                at2 = c.pull("g")[0]
+        c.rewind("g", to_step=2)
+        w.grad = torch.full((8,), 0.5)
+        opt.step()  # computed at T=5: refused REWOUND, skipped, X pulled
+        assert opt.skipped_steps == 1
+        np.testing.assert_array_equal(w.detach().numpy(), at2)
+        assert c.describe_group("g").update_count == 2
+        w.grad = torch.full((8,), 0.5)
+        opt.step()  # from the rewound state
+        assert c.describe_group("g").update_count == 3
