@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -310,7 +311,7 @@ def test_a_sync_round_in_progress_is_dropped_and_its_waiting_worker_told(
         worker = threading.Thread(target=waiting)
         worker.start()
         while a.describe_group("g").pending_contributions != 1:
-            pass
+            time.sleep(0.01)  # the waiting worker's push is buffered
         done = a.rewind("g", to_step=1)
         worker.join(timeout=10)
         assert not worker.is_alive()
