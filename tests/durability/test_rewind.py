@@ -146,6 +146,7 @@ def _wal_server(
     )
 
 
+@pytest.mark.slow
 def test_a_fork_and_its_group_go_on_apart_each_as_its_own_replay(
     servers: Callable[..., ServerHandle], tmp_path: Path
 ) -> None:
@@ -298,8 +299,9 @@ def test_a_sync_round_in_progress_is_dropped_and_its_waiting_worker_told(
             t.start()
             b.push("g", grads[k] + 1)
             t.join()
+            if k == 0:
+                before = a.pull("g", state=True)  # T=1
         assert a.describe_group("g").update_count == 3
-        at1 = None
         errors: list[BaseException] = []
 
         def waiting() -> None:
@@ -318,7 +320,10 @@ def test_a_sync_round_in_progress_is_dropped_and_its_waiting_worker_told(
         assert len(errors) == 1 and getattr(errors[0], "reason", "") == "REWOUND"
         assert (done.from_step, done.group.update_count) == (3, 1)
         assert done.group.pending_contributions == 0
+        # from the create record: two contributions and the step, replayed
+        assert (done.base, done.replayed) == ("create", 3)
         at1 = a.pull("g", state=True)
+        assert_state(at1, before)
         # one round from T=1, both workers anew: the mean of their gradients
         t = threading.Thread(target=a.push, args=("g", grads[6]))
         t.start()
@@ -551,3 +556,33 @@ def test_the_torch_optimizer_skips_a_step_computed_before_a_rewind(
         w.grad = torch.full((8,), 0.5)
         opt.step()  # from the rewound state
         assert c.describe_group("g").update_count == 3
+
+
+def test_a_sync_group_rewinds_from_a_snapshot_taken_mid_round(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
+    server = _wal_server(servers, tmp_path)
+    grads = _grads(8)
+    with (
+        Client(server.address, client_id="a") as a,
+        Client(server.address, client_id="b") as b,
+    ):
+        a.create_group(
+            "g",
+            Adam(),
+            learning_rate=LR,
+            tensors={"w": np.ones(N, F32)},
+            consistency=Sync(workers=2),
+        )
+        seen = {}
+        for k in range(3):  # rounds to T=3; a snapshot with a's push of round 2
+            a.push("g", grads[2 * k])  # buffered: the round waits for b
+            if k == 1:
+                assert a.describe_group("g").pending_contributions == 1
+                a.save()
+            b.push("g", grads[2 * k + 1])
+            seen[k + 1] = a.pull("g", state=True)
+        done = a.rewind("g", to_step=2)
+        # the snapshot (T=1, a's contribution pending), then b's push and the step
+        assert (done.base, done.base_step, done.replayed) == ("snapshot", 1, 2)
+        assert_state(a.pull("g", state=True), seen[2])
