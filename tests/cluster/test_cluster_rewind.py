@@ -1,5 +1,6 @@
-"""A split group is rewound on every part to the same T (issue 40): a cluster of 3
-shard processes with write-ahead logs, the cluster client rewinding each part."""
+"""A split group, and an ids table on a cluster, are rewound on every part to the
+same T (issue 40): shard processes with write-ahead logs, the cluster client
+rewinding each part."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _cluster import shards
-from onnxps.client import Adam, Client, InvalidArgumentError
+from onnxps.client import Adam, Client, IdsTable, InvalidArgumentError
 
 F32 = np.float32
 N = 3_000  # 12 kB of X: split in 3 parts by split_bytes below
@@ -59,3 +60,31 @@ def test_a_split_group_rewinds_every_part_to_one_step(tmp_path: Path) -> None:
         assert history.oldest_step == 8 and history.steps[-1].step == 17
         with pytest.raises(InvalidArgumentError, match="fork of 'g' on a cluster"):
             c.fork("g", "g2", at_step=12)
+
+
+@pytest.mark.slow
+def test_an_ids_table_on_a_cluster_rewinds_every_part(tmp_path: Path) -> None:
+    wal = ("--durability", "wal", "--data-dir", str(tmp_path / "d{i}"))
+    rng = np.random.default_rng(40)
+    ids = rng.choice(1 << 40, size=60, replace=False).astype(np.int64)
+    with (
+        shards(tmp_path, 2, *wal, "--snapshot-interval", "0") as (addresses, _),
+        Client(addresses, timeout=60) as c,
+    ):
+        info = c.create_group(
+            "g", Adam(), learning_rate=0.01, tables={"emb": IdsTable(4)}
+        )
+        assert [p.shard for p in info.parts] == [0, 1]
+        for k in range(12):  # 5 new ids a step
+            rows = rng.standard_normal((5, 4)).astype(F32)
+            c.push_rows("g", {"emb": (ids[5 * k : 5 * k + 5], rows)})
+            if k + 1 == 6:
+                at6 = c.export_rows("g", "emb", state=True)
+        done = c.rewind("g", to_step=6)
+        assert [p.update_count for p in done.group.parts] == [6, 6]
+        assert c.count_rows("g", "emb") == 30
+        got_ids, got = c.export_rows("g", "emb", state=True)
+        np.testing.assert_array_equal(got_ids, at6[0], strict=True)
+        assert sorted(got) == sorted(at6[1])
+        for key in got:
+            np.testing.assert_array_equal(got[key], at6[1][key], strict=True)
