@@ -413,6 +413,10 @@ def test_history_rewind_and_fork_from_the_command_line(
         assert out[1].split()[0::2] == ["0", "create"]
         assert out[2].split()[0] == "1-6" and out[2].split()[2] == "steps"
         assert out[-1].startswith("group a: T=6, reachable from T=0; retention holds")
+        assert cli.main(["history", server.address, "a", "--every-step"]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert [line.split()[0] for line in out[1:-1]] == [str(t) for t in range(7)]
+        assert [line.split()[-1] for line in out[1:-1]] == ["create"] + ["step"] * 6
         assert cli.main(["rewind", server.address, "--all", "--to-step", "4"]) == 0
         out = capsys.readouterr().out.splitlines()
         assert [line.split(":")[0] for line in out] == ["rewound a", "rewound b"]
