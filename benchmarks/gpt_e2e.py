@@ -15,8 +15,8 @@ thread each (``torch.set_num_threads(1)``), each doing ``--steps`` batches after
 - ``onnxps, data channel``: ``onnxps serve --data-port 0`` and
   ``Client(address, shared_memory="off", data_channel="on")``: what two hosts get;
 - ``onnxps, gRPC streams``: ``shared_memory="off", data_channel="off"``;
-- ``..., overlapped``: the same with ``RemoteOptimizer(overlap=True)`` (gradients
-  pushed in buckets during backward);
+- ``..., BucketedOptimizer``: the same with ``onnxps.torch.BucketedOptimizer``
+  (gradients pushed in 25 MiB buckets during backward);
 - ``torch DDP (gloo)``: ``DistributedDataParallel`` (25 MB buckets) and
   ``torch.optim.Adam`` in each worker;
 - ``torch.distributed.rpc PS``: a third process holds the parameters and
@@ -193,20 +193,13 @@ def _local(job: Job, barrier: Any, results: Any) -> None:
 
 def _onnxps(job: Job, barrier: Any, results: Any) -> None:
     from onnxps.client import Adam, Client
-    from onnxps.torch import RemoteOptimizer
+    from onnxps.torch import BucketedOptimizer, RemoteOptimizer
 
     model = make_model(job.shape)
     batch = batches(job.shape, job.rank)
     with Client(job.address, timeout=300, **job.client) as ps:
-        extra = {"overlap": True} if job.overlap else {}
-        opt = RemoteOptimizer(
-            model.named_parameters(),
-            ps,
-            group="gpt",
-            lr=1e-3,
-            optimizer=Adam(),
-            **extra,
-        )
+        kind = BucketedOptimizer if job.overlap else RemoteOptimizer
+        opt = kind(model.named_parameters(), ps, group="gpt", lr=1e-3, optimizer=Adam())
 
         def step(i: int) -> float:
             opt.zero_grad()
@@ -325,9 +318,11 @@ ROWS = {
         (),
         (("shared_memory", "off"), ("data_channel", "off")),
     ),
-    "default-overlap": Row("onnxps, no flags, overlap=True", "onnxps", overlap=True),
+    "default-overlap": Row(
+        "onnxps, no flags, BucketedOptimizer", "onnxps", overlap=True
+    ),
     "channel-overlap": Row(
-        "onnxps, data channel, overlap=True",
+        "onnxps, data channel, BucketedOptimizer",
         "onnxps",
         ("--data-port", "0"),
         (("shared_memory", "off"), ("data_channel", "on")),
