@@ -60,12 +60,15 @@ class BucketedOptimizer(torch.optim.Optimizer):
     ``torch.optim``'s meaning: when it returns, every bucket's step is applied
     and the parameters hold the server's new X. What differs from
     ``RemoteOptimizer``: a bucket's gradients are read when backward has
-    accumulated them, so a change to ``.grad`` between ``backward()`` and
-    ``step()`` (clipping, scaling) reaches only the buckets not pushed yet (none
-    but the first parameters'), and a second ``backward()`` before ``step()``
-    (gradient accumulation) raises ``RuntimeError``; use ``RemoteOptimizer`` for
-    those. X is written into the parameters when their bucket's reply comes,
-    which can be before ``step()``: after backward has used them.
+    accumulated them: a gradient changed between ``backward()`` and ``step()``
+    (clipping, scaling) after its bucket was pushed makes ``step()`` raise
+    ``RuntimeError`` (the step was taken with backward's gradients), and a second
+    ``backward()`` before ``step()`` (gradient accumulation) raises
+    ``RuntimeError``; use ``RemoteOptimizer`` for those. X is written into the
+    parameters when their bucket's reply comes, which can be before ``step()``:
+    after backward has used them (a model that reads a parameter's value in
+    backward after its gradient is complete, through ``.detach()`` or a custom
+    ``autograd.Function``, needs ``RemoteOptimizer``).
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
         ]
         self._arrived = [0] * len(self.buckets)
         self._pending: dict[int, Pending] = {}
+        self._sent: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._hook(k))  # type: ignore[no-untyped-call]
             for k, bucket in enumerate(self.buckets)
@@ -152,6 +156,26 @@ class BucketedOptimizer(torch.optim.Optimizer):
         bucket = self.buckets[k]
         bucket.param_groups[0]["lr"] = self.param_groups[0]["lr"]
         self._pending[k] = bucket._start()
+        self._sent[k] = [
+            (p, p.grad, p.grad._version) for p in bucket._params() if p.grad is not None
+        ]
+
+    def _check_unchanged(self) -> None:
+        """RuntimeError when a gradient changed after its bucket was pushed."""
+        sent, self._sent = self._sent, {}
+        for k, grads in sorted(sent.items()):
+            for p, g, version in grads:
+                if p.grad is not g or g._version != version:
+                    name = self.buckets[k].names[
+                        [id(q) for q in self.buckets[k]._params()].index(id(p))
+                    ]
+                    raise RuntimeError(
+                        f"the gradient of {name!r} changed after backward() "
+                        f"(clipping, scaling?), but bucket {k} (group {self.group}."
+                        f"{k}) had pushed it already: the step was taken with the "
+                        "gradients backward made. Use RemoteOptimizer to change "
+                        "gradients before step()"
+                    )
 
     @overload
     def step(self, closure: None = None) -> None: ...
@@ -179,6 +203,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
                 failure = failure or exc
         if failure is not None:
             raise failure
+        self._check_unchanged()
         return loss
 
     @property

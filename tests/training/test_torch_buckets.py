@@ -166,3 +166,16 @@ def test_state_dict_round_trip_restores_every_bucket(client: Client) -> None:
         assert a.tobytes() == b.tobytes()
     with pytest.raises(ValueError, match="it has no 'onnxps_buckets' entry"):
         opt2.load_state_dict({"state": {}, "param_groups": []})
+
+
+def test_a_gradient_changed_after_its_push_makes_step_raise(client: Client) -> None:
+    model = tw.make_model(seed=1)
+    opt = BucketedOptimizer(model.parameters(), client, group="b", lr=tw.LR)
+    backward(model, 0)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match=r"the gradient of 'p0' changed after"):
+        opt.step()
+    assert opt.versions == [1]  # the step was taken, with backward's gradients
+    backward(model, 1)  # and the next step is a step as usual
+    opt.step()
+    assert opt.versions == [2]
