@@ -56,6 +56,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 TICKS = os.sysconf("SC_CLK_TCK")
+QUIET = 0.5  # cores other processes used during a row, below which it is "quiet"
 
 
 # -- the model -----------------------------------------------------------------------
@@ -494,18 +495,48 @@ def main() -> int:
     print()
     print(
         "| path | CPU per batch vs one process | CPU per batch, ms | batches/s "
+        f"| batches/s, rows with others < {QUIET} core "
         "| others' CPU during the row, cores |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for row in rows:
         res = found[row.name]
+        quiet = [r.batches_per_s for r in res if r.others < QUIET]
         print(
             f"| {row.name} | {_spread(ratios[row.name], '.2f')}x "
             f"| {_spread([r.cpu_per_batch * 1e3 for r in res], '.0f')} "
             f"| {_spread([r.batches_per_s for r in res], '.2f')} "
+            f"| {_spread(quiet, '.2f') if quiet else '-'} ({len(quiet)} rows) "
             f"| {_spread([r.others for r in res], '.2f')} |"
         )
+    _paired(rows, found)
     return 0
+
+
+def _paired(rows: list[Row], found: dict[str, list[Result]]) -> None:
+    """BucketedOptimizer against RemoteOptimizer on the same path, per round."""
+    for row in rows:
+        if not row.overlap:
+            continue
+        base = next(
+            (
+                r
+                for r in rows
+                if not r.overlap and (r.serve, r.client) == (row.serve, row.client)
+            ),
+            None,
+        )
+        if base is None:
+            continue
+        pairs = list(zip(found[row.name], found[base.name], strict=True))
+        cpu = [a.cpu_per_batch / b.cpu_per_batch for a, b in pairs]
+        rate = [a.batches_per_s / b.batches_per_s for a, b in pairs]
+        lower = sum(c < 1 for c in cpu)
+        print(
+            f"{row.name} / {base.name}, paired per round: CPU per batch "
+            f"{_spread(cpu, '.3f')}x (lower in {lower} of {len(cpu)}), "
+            f"batches/s {_spread(rate, '.2f')}x"
+        )
 
 
 if __name__ == "__main__":
