@@ -179,3 +179,25 @@ def test_a_gradient_changed_after_its_push_makes_step_raise(client: Client) -> N
     backward(model, 1)  # and the next step is a step as usual
     opt.step()
     assert opt.versions == [2]
+
+
+def test_without_hooks_step_pushes_every_bucket_and_pull_reads_them(
+    client: Client,
+) -> None:
+    model = tw.make_model(seed=1)
+    opt = BucketedOptimizer(
+        model.parameters(), client, group="b", lr=tw.LR, bucket_bytes=30
+    )
+    opt.remove_hooks()
+    backward(model, 0)
+    for k in range(3):  # nothing was pushed by backward
+        assert client.describe_group(f"b.{k}").update_count == 0
+    opt.step()
+    assert opt.versions == [1, 1, 1]
+    stepped = params_np(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    assert opt.pull() == [1, 1, 1]
+    for a, b in zip(stepped, params_np(model), strict=True):
+        assert a.tobytes() == b.tobytes()
