@@ -522,7 +522,8 @@ def _paired(rows: list[Row], found: dict[str, list[Result]]) -> None:
             (
                 r
                 for r in rows
-                if not r.overlap and (r.serve, r.client) == (row.serve, row.client)
+                if not r.overlap
+                and (r.kind, r.serve, r.client) == (row.kind, row.serve, row.client)
             ),
             None,
         )
