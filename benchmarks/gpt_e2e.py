@@ -10,8 +10,9 @@ thread each (``torch.set_num_threads(1)``), each doing ``--steps`` batches after
 
 - ``one process``: one process doing the same 2 x steps batches alone with
   ``torch.optim.Adam`` (the baseline of every ratio);
-- ``onnxps, no flags``: ``onnxps serve`` (only its address and data directory
-  given) and ``Client(address)``, the ``RemoteOptimizer`` as documented;
+- ``onnxps, no flags``: ``onnxps serve`` with its defaults (only a free port given,
+  ``start_default_server``) and ``Client(address)``, the ``RemoteOptimizer`` as
+  documented;
 - ``onnxps, data channel``: ``onnxps serve --data-port 0`` and
   ``Client(address, shared_memory="off", data_channel="on")``: what two hosts get;
 - ``onnxps, gRPC streams``: ``shared_memory="off", data_channel="off"``;
@@ -372,16 +373,12 @@ def run_row(row: Row, shape: ModelShape, steps: int, warmup: int, tmp: Path) -> 
     extra: list[Any] = []
     base = Job(row.name, row.kind, shape, steps, warmup, workers=nworkers)
     if row.kind == "onnxps":
-        from onnxps.cli.process import start_server_process
+        from onnxps.cli.process import start_default_server
 
-        data = tempfile.mkdtemp(dir=tmp)
-        server, base.address = start_server_process(
-            "--data-dir",
-            data,
-            "--durability",
-            "snapshot",
-            *row.serve,
-            log=Path(data) / "server.log",
+        work = Path(tempfile.mkdtemp(dir=tmp))
+        # onnxps serve with its defaults (snapshots in work/onnxps-data) + the row's
+        server, base.address = start_default_server(
+            work, *row.serve, log=work / "server.log"
         )
         base.client = dict(row.client)
         base.overlap = row.overlap
