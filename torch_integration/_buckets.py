@@ -54,7 +54,8 @@ def _split(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
 class BucketedOptimizer(torch.optim.Optimizer):
     """A ``RemoteOptimizer`` whose pushes overlap backward: one push per bucket.
 
-    Takes ``RemoteOptimizer``'s arguments (one parameter group, one dtype) and
+    Takes ``RemoteOptimizer``'s arguments (one parameter group, one dtype) but
+    ``on_stale`` (a push refused as stale raises, as ``"raise"``), and
     ``bucket_bytes`` (25 MiB, DDP's default). Bucket k is the group
     ``f"{group}.{k}"`` (bucket 0 holds the last parameters). ``step()`` keeps
     ``torch.optim``'s meaning: when it returns, every bucket's step is applied
@@ -210,10 +211,6 @@ class BucketedOptimizer(torch.optim.Optimizer):
     def versions(self) -> list[int]:
         """Each bucket's T that the parameters hold, bucket order."""
         return [b.version for b in self.buckets]
-
-    @property
-    def skipped_steps(self) -> int:
-        return sum(b.skipped_steps for b in self.buckets)
 
     def pull(self) -> list[int]:
         """Copy the server's X of every bucket into the parameters; their T."""

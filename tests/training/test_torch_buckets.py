@@ -13,7 +13,7 @@ torch = pytest.importorskip(
 )
 
 import torch_workers as tw  # noqa: E402
-from onnxps.client import Client  # noqa: E402
+from onnxps.client import Async, Client, FailedPreconditionError  # noqa: E402
 from onnxps.torch import BucketedOptimizer, RemoteOptimizer  # noqa: E402
 from onnxps.torch._buckets import _split  # noqa: E402
 
@@ -201,3 +201,20 @@ def test_without_hooks_step_pushes_every_bucket_and_pull_reads_them(
     assert opt.pull() == [1, 1, 1]
     for a, b in zip(stepped, params_np(model), strict=True):
         assert a.tobytes() == b.tobytes()
+
+
+def test_a_second_worker_joins_the_buckets_and_a_stale_push_raises(
+    client: Client,
+) -> None:
+    first, second = tw.make_model(seed=1), tw.make_model(seed=2)
+    kwargs: dict[str, Any] = {"lr": tw.LR, "consistency": Async(max_staleness=0)}
+    opt1 = BucketedOptimizer(first.parameters(), client, group="b", **kwargs)
+    opt2 = BucketedOptimizer(second.parameters(), client, group="b", **kwargs)
+    for a, b in zip(params_np(first), params_np(second), strict=True):
+        assert a.tobytes() == b.tobytes()  # the joiner copied the server's X
+    backward(first, 0)
+    opt1.step()
+    backward(second, 0)
+    with pytest.raises(FailedPreconditionError) as info:
+        opt2.step()  # computed on T=0, the server is at T=1
+    assert info.value.reason == "STALE_PUSH"
