@@ -242,7 +242,12 @@ def _durability(
 
 def create_server(config: ServerConfig | None = None) -> ServerHandle:
     """Build every part of a server and bind it, without starting it (port 0 picks a
-    free port). This is the one place the parts are wired together."""
+    free port). This is the one place the parts are wired together.
+
+    numba's fused kernels start loading on a thread here (unless ``ONNXPS_KERNELS``
+    says numpy): until they are in, steps take the NumPy path (the same bits), so
+    no call of a server, embedded or ``onnxps serve``, waits for them to compile."""
+    load_in_background()
     config = config or ServerConfig()
     security.check_bind_policy(config)
     credentials = security.server_credentials(config)
