@@ -47,6 +47,11 @@ COMMANDS = {
         "add_arguments",
         "show the groups on a running server",
     ),
+    "reshard": (
+        "onnxps.cli.reshard",
+        "add_arguments",
+        "grow or shrink a running cluster found through etcd",
+    ),
 }
 
 

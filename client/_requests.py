@@ -15,6 +15,8 @@ import enum
 import itertools
 import logging
 import os
+import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NoReturn, TypeVar
@@ -39,7 +41,7 @@ from onnxps.wire.initializers import IdsTable
 from onnxps.wire.weights import file_format
 
 from ._channel_transport import DataChannelLink, DataChannelMode
-from ._discovery import CoordinatorTls, Discovery, is_coordinator
+from ._discovery import CoordinatorTls, Discovery, Placement, is_coordinator
 from ._errors import ClientClosedError, RpcError
 from ._frames import CallChannel
 from ._grpc_transport import Transport
@@ -182,11 +184,14 @@ class ClientCore:
         # A replicated cluster (docs/cluster.md): its primaries from etcd, over TLS
         # for etcds:// with these files (none given: ONNXPS_COORDINATOR_*'s).
         self._discovery = None
+        self._placement: Placement | None = None  # docs/resharding.md
+        self._placement_lock = threading.Lock()
         etcd_tls = CoordinatorTls(coordinator_ca, coordinator_cert, coordinator_key)
         named = etcd_tls != CoordinatorTls()
         if isinstance(address, str) and is_coordinator(address):
             self._discovery = Discovery(address, tls=etcd_tls if named else None)
             address = self._discovery.addresses(timeout)
+            self._placement = self._discovery.placement(time.monotonic() + timeout)
         elif named:
             raise ValueError(
                 "coordinator_ca, coordinator_cert and coordinator_key are the files "
@@ -291,6 +296,39 @@ class ClientCore:
 
     def _setup(self) -> None:
         """The connection state of the concrete client."""
+
+    @property
+    def placement_shards(self) -> int | None:
+        """New groups are placed over this many shards (docs/resharding.md)."""
+        known = self._placement
+        return self.shards if known is None else known.shards
+
+    def owner(self, name: str) -> int | None:
+        """The shard the placement map names for ``name`` (None: its holder's)."""
+        placement = self._placement
+        return None if placement is None else placement.owner(name)
+
+    def refresh_placement(self) -> None:
+        """Read the placement map in etcd again (a shard answered MOVED, or a
+        listing met a group twice): follow a change of the shard count, the
+        owners of moved groups. A client without etcd has none: nothing to do."""
+        discovery = self._discovery
+        if discovery is None:
+            return
+        placement = discovery.placement(time.monotonic() + self.timeout)
+        with self._placement_lock:
+            known = self._placement
+            if known is not None and placement.version < known.version:
+                return
+            self._placement = placement
+            if self.shards is None or placement.serving == len(self.addresses):
+                return
+            grown = discovery.resize(self.addresses, placement.serving, self.timeout)
+            addresses = [with_default_port(a) for a in grown]
+            self.addresses = addresses
+            self.address = ",".join(addresses)
+            self.shards = len(addresses)
+            self._metadatas = [self._metadata(s) for s in range(len(addresses))]
 
     def _check_open(self) -> None:
         if self._state is State.CLOSED:

@@ -243,7 +243,7 @@ def push_rows(
                 deadline,
                 encoding,
             )
-            return (yield from on_shard(p.shard, op))
+            return (yield from on_shard(ops.shard_of(p.name, p.shard), op))
         else:
             per_part = yield from _split_push(ops, found, gradients, deadline, encoding)
         return (

@@ -45,10 +45,15 @@ class ShardHost(Protocol):
     addresses: list[str]
     client_id: str
     shards: int | None
+    placement_shards: int | None
     split_bytes: int
     transport: Transport
     shared_memory: SharedMemoryMode
     chunk_bytes: int
+
+    def owner(self, name: str) -> int | None: ...
+
+    def refresh_placement(self) -> None: ...
 
 
 class ShardOps:
@@ -71,6 +76,8 @@ class ShardOps:
         # pushes whose parts did not all land (sent first by its next push or pull)
         self.layouts: dict[str, Layout] = {}
         self.pending = PendingPushes()
+        # part name -> the shard a MOVED answer named (a resharding moved it)
+        self.moved: dict[str, int] = {}
         # push(template, arrays, deadline, out=None, shard=0): one push (or
         # part's) to ``shard``, on the way the transport seam chooses
         self.push = transports.push
@@ -78,6 +85,20 @@ class ShardOps:
     @property
     def shards(self) -> int | None:
         return self.host.shards
+
+    @property
+    def placement_shards(self) -> int:
+        """New groups are placed over this many shards (docs/resharding.md)."""
+        return self.host.placement_shards or self.host.shards or 1
+
+    def shard_of(self, name: str, shard: int) -> int:
+        """Where a call of ``name`` (a group or part) goes: the shard a MOVED
+        answer named, else the placement map's owner, else ``shard``."""
+        moved = self.moved.get(name)
+        if moved is not None:
+            return moved
+        owner = self.host.owner(name)
+        return shard if owner is None else owner
 
     @property
     def split_bytes(self) -> int:

@@ -74,7 +74,16 @@ _WRITE = _READ | {
     "Heartbeat",
     "LeaveGroup",
 }
-_ADMIN = _WRITE | {"CreateGroup", "CreateGroupStream", "DeleteGroup", "Save"}
+_ADMIN = _WRITE | {
+    "CreateGroup",
+    "CreateGroupStream",
+    "DeleteGroup",
+    "Save",
+    # resharding (docs/resharding.md): a group's move between shards
+    "MoveGroup",
+    "ExportGroup",
+    "ImportGroup",
+}
 # A standby of a replicated shard follows its primary's log: the whole state of the
 # shard, every tenant's groups. Only a replica may: a token of its own role that does
 # nothing else, never an admin's (an admin may be confined to one tenant's prefix).
@@ -93,6 +102,7 @@ _GROUPLESS = frozenset(
         "ApplyStream",
         "Save",
         "Replicate",
+        "ImportGroup",
         "SharedMemoryHello",
         "DataChannelHello",
     }

@@ -18,6 +18,7 @@ from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 from ..errors import FailedPrecondition
 from ._common import add_servicer, streaming
 from ._groups import GroupRpcs
+from ._moves import MoveRpcs
 from ._rows import RowRpcs
 from ._tensors import TensorRpcs
 
@@ -31,7 +32,11 @@ Replicate = Callable[
 
 
 class ParameterServerServicer(
-    GroupRpcs, TensorRpcs, RowRpcs, pb_grpc.ParameterServerServiceServicer
+    GroupRpcs,
+    TensorRpcs,
+    RowRpcs,
+    MoveRpcs,
+    pb_grpc.ParameterServerServiceServicer,
 ):
     """Every RPC of ``onnxps.v1.ParameterServerService``."""
 

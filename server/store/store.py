@@ -41,6 +41,7 @@ from onnxps.wire.image import GroupImage, TableDefinition
 from ..errors import (
     JOURNAL_REFUSALS,
     AlreadyExists,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -74,6 +75,7 @@ from ._group import (
 )
 from ._ids import RowsPage
 from ._journaling import JournalEntry
+from ._moves import Moves, moved
 from ._order import alone
 from ._push import (
     PushPipeline,
@@ -129,6 +131,8 @@ class ParameterStore:
         self.limits = limits or StoreLimits()
         self._groups: dict[str, Group] = {}
         self._lock = threading.Lock()
+        # the groups a resharding moves to or from this shard (``_moves``)
+        self.moves = Moves()
         self._clock = clock
         self._journal = journal
         self._entry = JournalEntry(journal)  # what a push logs through (stateless)
@@ -237,6 +241,7 @@ class ParameterStore:
             return [g for n, g in sorted(self._groups.items()) if n.startswith(prefix)]
 
     def _group(self, name: str) -> Group:
+        self.moves.check(name)
         with self._lock:
             g = self._groups.get(name)
         if g is None:
@@ -256,6 +261,8 @@ class ParameterStore:
         """Every group whose name starts with ``prefix``, by name."""
         views = []
         for g in self._live(prefix):
+            if self.moves.hidden(g.name):
+                continue
             with g.cond:
                 if not g.deleted:
                     views.append(g.view(self._clock()))
@@ -731,6 +738,70 @@ class ParameterStore:
                 captured = GroupCapture(g.image(scratch), g.runtime(current_lsn()))
             yield captured
 
+    # -- resharding (``_moves``, docs/resharding.md) -------------------------------
+    def export_group(self, name: str, to_shard: int, fence: bool) -> GroupCapture:
+        """One group's image and runtime (exactly-once windows, sync rounds);
+        ``fence``: from now on its calls are MOVED to ``to_shard``, and the
+        changes in flight finish first (the copy is final)."""
+        with self._lock:
+            g = self._groups.get(name)
+        if g is None or g.deleted:
+            raise NotFound(
+                f"no group named {name!r} on this shard to move",
+                metadata={"group": name},
+            )
+        with g.cond:
+            if fence:
+                self.moves.fence(name, to_shard)
+                g.cond.notify_all()  # waiting calls end: MOVED
+            with alone(g.cond, g.order):
+                if g.deleted:
+                    raise NotFound(
+                        f"group {name!r} was deleted", metadata={"group": name}
+                    )
+                return GroupCapture(g.image(None), g.runtime(0))
+
+    def holds(self, name: str) -> bool:
+        """Whether a live group ``name`` is here (served or not)."""
+        with self._lock:
+            g = self._groups.get(name)
+        return g is not None and not g.deleted
+
+    def update_count_of(self, name: str) -> int:
+        with self._lock:
+            g = self._groups.get(name)
+        if g is None:
+            return 0
+        with g.cond:
+            return int(g.update_count)
+
+    def begin_import(self, name: str) -> None:
+        """Hold the calls of ``name`` until ``activate``; a copy left here by an
+        unfinished earlier move is deleted (logged)."""
+        self.moves.begin_import(name)
+        with self._lock:
+            stale = name in self._groups
+        if stale:
+            self._delete(name, replay=False)
+
+    def import_group(self, captured: GroupCapture) -> GroupView:
+        """Install a moved group (held until ``activate``)."""
+        name = captured.image.name
+        if not self.moves.importing(name):
+            raise FailedPrecondition(
+                f"group {name!r} is not being imported here: send MoveGroup "
+                "BEGIN_IMPORT first",
+                metadata={"group": name},
+            )
+        return self.install(captured.image, captured.runtime)
+
+    def release(self, name: str, owner: int, version: int) -> bool:
+        """The map names ``owner``: delete the copy here (logged), answer MOVED."""
+        self.moves.release(name, owner, version)
+        with self._lock:
+            present = name in self._groups
+        return present and self._delete(name, replay=False)
+
     def install(
         self, image: GroupImage, runtime: GroupRuntime | None = None
     ) -> GroupView:
@@ -805,6 +876,9 @@ class ParameterStore:
     def _check_live(self, g: Group) -> None:
         if g.deleted:
             raise NotFound(f"group {g.name!r} was deleted", metadata={"group": g.name})
+        owner = self.moves.fenced(g.name)
+        if owner is not None:
+            raise moved(g.name, owner, self.moves.version)
         if self._closed:
             raise Unavailable("the server is shutting down; retry on another server")
 

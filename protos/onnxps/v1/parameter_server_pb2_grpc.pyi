@@ -112,6 +112,12 @@ class ParameterServerServiceStub:
     durably). Admin or replication role. Refused with FAILED_PRECONDITION
     (NOT_PRIMARY) by a server that is not its shard's primary.
     """
+    MoveGroup: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.MoveGroupRequest, _parameter_server_pb2.MoveGroupResponse]
+    """Resharding (docs/resharding.md), admin role: one step of a group's move."""
+    ExportGroup: _grpc.UnaryStreamMultiCallable[_parameter_server_pb2.ExportGroupRequest, _parameter_server_pb2.ExportGroupResponse]
+    """Resharding: fence a group on its source and stream its state."""
+    ImportGroup: _grpc.StreamUnaryMultiCallable[_parameter_server_pb2.ImportGroupRequest, _parameter_server_pb2.ImportGroupResponse]
+    """Resharding: install a group's state on its target (held until ACTIVATE)."""
 
 @_typing.type_check_only
 class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
@@ -177,6 +183,12 @@ class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
     durably). Admin or replication role. Refused with FAILED_PRECONDITION
     (NOT_PRIMARY) by a server that is not its shard's primary.
     """
+    MoveGroup: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.MoveGroupRequest, _parameter_server_pb2.MoveGroupResponse]  # type: ignore[assignment]
+    """Resharding (docs/resharding.md), admin role: one step of a group's move."""
+    ExportGroup: _aio.UnaryStreamMultiCallable[_parameter_server_pb2.ExportGroupRequest, _parameter_server_pb2.ExportGroupResponse]  # type: ignore[assignment]
+    """Resharding: fence a group on its source and stream its state."""
+    ImportGroup: _aio.StreamUnaryMultiCallable[_parameter_server_pb2.ImportGroupRequest, _parameter_server_pb2.ImportGroupResponse]  # type: ignore[assignment]
+    """Resharding: install a group's state on its target (held until ACTIVATE)."""
 
 class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
     """The parameter server."""
@@ -377,5 +389,29 @@ class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
         durably). Admin or replication role. Refused with FAILED_PRECONDITION
         (NOT_PRIMARY) by a server that is not its shard's primary.
         """
+
+    @_abc_1.abstractmethod
+    def MoveGroup(
+        self,
+        request: _parameter_server_pb2.MoveGroupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.MoveGroupResponse, _abc.Awaitable[_parameter_server_pb2.MoveGroupResponse]]:
+        """Resharding (docs/resharding.md), admin role: one step of a group's move."""
+
+    @_abc_1.abstractmethod
+    def ExportGroup(
+        self,
+        request: _parameter_server_pb2.ExportGroupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_parameter_server_pb2.ExportGroupResponse], _abc.AsyncIterator[_parameter_server_pb2.ExportGroupResponse]]:
+        """Resharding: fence a group on its source and stream its state."""
+
+    @_abc_1.abstractmethod
+    def ImportGroup(
+        self,
+        request_iterator: _MaybeAsyncIterator[_parameter_server_pb2.ImportGroupRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.ImportGroupResponse, _abc.Awaitable[_parameter_server_pb2.ImportGroupResponse]]:
+        """Resharding: install a group's state on its target (held until ACTIVATE)."""
 
 def add_ParameterServerServiceServicer_to_server(servicer: ParameterServerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

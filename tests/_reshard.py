@@ -1,0 +1,114 @@
+"""A cluster found through etcd whose shards are ``onnxps serve`` processes, for the
+resharding tests (docs/resharding.md): start and stop a shard, connect, and the
+groups and pushes the tests move under load."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _etcd import EtcdProcess
+from _procs import start_server, stop
+from onnxps.client import Adagrad, Client, IdsTable
+
+SPLIT_BYTES = 256  # a group of 128 float32 (512 bytes) is split in 2 parts
+
+
+class EtcdCluster:
+    """Shard servers under one etcd prefix, one member each (``--shard I/N``)."""
+
+    def __init__(self, tmp: Path, etcd: EtcdProcess, prefix: str = "/ps") -> None:
+        self.tmp = tmp
+        self.url = etcd.url(prefix)
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.addresses: dict[int, str] = {}
+        self.starts: dict[int, int] = {}
+
+    def start(self, shard: int, count: int) -> str:
+        self.starts[shard] = self.starts.get(shard, 0) + 1
+        log = self.tmp / f"shard{shard}-{self.starts[shard]}.log"
+        proc, address = start_server(
+            log,
+            "--durability", "wal",
+            "--data-dir", str(self.tmp / f"data{shard}"),
+            "--coordinator", self.url,
+            "--shard", f"{shard}/{count}",
+            "--member-id", f"s{shard}",
+            "--lease-ttl", "2",
+            "--sync-replicas", "0",
+            "--snapshot-interval", "0",
+        )  # fmt: skip
+        self.procs[shard], self.addresses[shard] = proc, address
+        return address
+
+    def stop(self, shard: int) -> None:
+        stop(self.procs.pop(shard))
+
+    def close(self) -> None:
+        for shard in list(self.procs):
+            self.stop(shard)
+
+    def connect(self, **kw: Any) -> Client:
+        return Client(self.url, **{"timeout": 30, "split_bytes": SPLIT_BYTES, **kw})
+
+    def log(self, shard: int) -> str:
+        return (self.tmp / f"shard{shard}-{self.starts[shard]}.log").read_text()
+
+
+def plain(i: int) -> tuple[str, dict[str, np.ndarray]]:
+    return f"plain{i}", {"w": np.linspace(-1, 1, 8 + i, dtype=np.float32)}
+
+
+def split(i: int) -> tuple[str, dict[str, np.ndarray]]:
+    return f"split{i}", {
+        "a": np.linspace(0, 1, 96, dtype=np.float32).reshape(8, 12),
+        "b": np.linspace(1, 2, 32 + i, dtype=np.float32),
+    }
+
+
+def create_groups(c: Client, n_plain: int, n_split: int, ids: bool) -> list[str]:
+    """The groups the workers push to; their names."""
+    names = []
+    for i in range(n_plain):
+        name, tensors = plain(i)
+        c.create_group(name, Adagrad(epsilon=1e-7), learning_rate=0.1, tensors=tensors)
+        names.append(name)
+    for i in range(n_split):
+        name, tensors = split(i)
+        c.create_group(name, Adagrad(epsilon=1e-7), learning_rate=0.1, tensors=tensors)
+        names.append(name)
+    if ids:
+        c.create_group(
+            "emb", Adagrad(epsilon=1e-7), learning_rate=0.1, tables={"e": IdsTable(4)}
+        )
+        names.append("emb")
+    return names
+
+
+def gradient(
+    name: str, worker: int, step: int, shapes: dict[str, tuple[int, ...]]
+) -> Any:
+    """The push a worker sends at a step: a deterministic value per call."""
+    rng = np.random.default_rng([worker, step, len(name)])
+    if name == "emb":
+        ids = rng.integers(0, 50, 6)
+        return {"e": (ids, rng.standard_normal((6, 4)).astype(np.float32))}
+    return [rng.standard_normal(s).astype(np.float32) for s in shapes.values()]
+
+
+def shapes_of(name: str) -> dict[str, tuple[int, ...]]:
+    if name == "emb":
+        return {}
+    kind = name.rstrip("0123456789")
+    i = int(name[len(kind) :])
+    tensors = plain(i)[1] if kind == "plain" else split(i)[1]
+    return {k: v.shape for k, v in tensors.items()}
+
+
+def push(c: Client, name: str, worker: int, step: int) -> int:
+    g = gradient(name, worker, step, shapes_of(name))
+    if name == "emb":
+        return c.push_rows(name, g).update_count
+    return int(c.push(name, *g))
