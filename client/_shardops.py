@@ -45,11 +45,13 @@ class ShardHost(Protocol):
     addresses: list[str]
     client_id: str
     shards: int | None
-    placement_shards: int | None
     split_bytes: int
     transport: Transport
     shared_memory: SharedMemoryMode
     chunk_bytes: int
+
+    @property
+    def placement_shards(self) -> int | None: ...
 
     def owner(self, name: str) -> int | None: ...
 

@@ -5,6 +5,8 @@ groups and pushes the tests move under load."""
 from __future__ import annotations
 
 import subprocess
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +114,55 @@ def push(c: Client, name: str, worker: int, step: int) -> int:
     if name == "emb":
         return c.push_rows(name, g).update_count
     return int(c.push(name, *g))
+
+
+WORKERS = 4
+
+
+class Workers:
+    """``WORKERS`` threads, each with its own client, pushing to the groups it
+    owns (worker w: groups w, w+4, ...) in a fixed order until stopped; what each
+    push answered is kept."""
+
+    def __init__(self, cluster: EtcdCluster, names: list[str]) -> None:
+        self.cluster = cluster
+        self.names = names
+        self.stop = threading.Event()
+        self.acked: dict[str, int] = dict.fromkeys(names, 0)
+        self.errors: list[BaseException] = []
+        self.steps = [0] * WORKERS
+        self.threads = [
+            threading.Thread(target=self._run, args=(w,), daemon=True)
+            for w in range(WORKERS)
+        ]
+
+    def _run(self, w: int) -> None:
+        mine = self.names[w::WORKERS]
+        try:
+            with self.cluster.connect(client_id=f"worker{w}") as c:
+                step = 0
+                while not self.stop.is_set():
+                    name = mine[step % len(mine)]
+                    push(c, name, w, step)
+                    self.acked[name] += 1
+                    step += 1
+                    self.steps[w] = step
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            self.errors.append(exc)
+
+    def __enter__(self) -> Workers:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=60)
+
+    def wait_steps(self, more: int) -> None:
+        start = sum(self.steps)
+        end = time.monotonic() + 30
+        while sum(self.steps) < start + more and time.monotonic() < end:
+            assert not self.errors, self.errors
+            time.sleep(0.05)
