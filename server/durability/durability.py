@@ -258,6 +258,7 @@ class Durability:
             store.replay_create(
                 GroupImage.from_json(h["image"], arrays, self.wal_dir),
                 request_id=h.get("request_id", ""),
+                moved=h.get("moved"),  # a resharding's move (store._moves)
             )
         elif op == "delete":
             store.replay_delete(name)

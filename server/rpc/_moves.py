@@ -120,10 +120,10 @@ class MoveRpcs(RpcFamily):
                 raise InvalidArgument(
                     f"ImportGroup takes one group, the snapshot holds {len(captures)}"
                 )
-            view = self.store.import_group(captures[0])
+            view, logged = self.store.import_group(captures[0])
         finally:
             shutil.rmtree(root, ignore_errors=True)
-        if self._save is not None:
+        if not logged and self._save is not None:
             self._save()  # durable here before the map names this shard
         return pb.ImportGroupResponse(
             group=view.name, update_count=view.update_count, bytes=received

@@ -15,10 +15,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from ..errors import Moved, Unavailable
+from ._group import GroupRuntime
 
-__all__ = ["HOLD_SECONDS", "Moves"]
+__all__ = ["HOLD_SECONDS", "Moves", "runtime_from_json", "runtime_to_json"]
 
 # How long a call for a group being imported here waits for the cutover to end
 # before it is answered UNAVAILABLE (retried by clients within their deadline).
@@ -127,4 +129,31 @@ def moved(name: str, owner: int, version: int) -> Moved:
         f"group {name!r} is served by shard {owner} now (a resharding moved it; "
         f"placement map version {version}): read the map again and resend there",
         metadata={"group": name, "shard": str(owner), "map_version": str(version)},
+    )
+
+
+def runtime_to_json(runtime: GroupRuntime) -> dict[str, Any]:
+    """What a moved group's create record carries beside its image: its leases,
+    the workers out of its sync quorum and its exactly-once windows (no buffered
+    gradients: a group with a round in progress is not logged so)."""
+    return {
+        "workers": list(runtime.workers),
+        "dead": list(runtime.dead),
+        "dedup": {
+            cid: [int(floor), [[int(s), int(t), bool(a)] for s, t, a in rows]]
+            for cid, (floor, rows) in runtime.dedup.items()
+        },
+        "created_by": runtime.created_by,
+    }
+
+
+def runtime_from_json(doc: Mapping[str, Any]) -> GroupRuntime:
+    return GroupRuntime(
+        workers=tuple(str(w) for w in doc.get("workers", ())),
+        dead=tuple(str(w) for w in doc.get("dead", ())),
+        dedup={
+            str(cid): (int(floor), [(int(s), int(t), bool(a)) for s, t, a in rows])
+            for cid, (floor, rows) in dict(doc.get("dedup", {})).items()
+        },
+        created_by=str(doc.get("created_by", "")),
     )

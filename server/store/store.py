@@ -41,7 +41,6 @@ from onnxps.wire.image import GroupImage, TableDefinition
 from ..errors import (
     JOURNAL_REFUSALS,
     AlreadyExists,
-    FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -75,7 +74,7 @@ from ._group import (
 )
 from ._ids import RowsPage
 from ._journaling import JournalEntry
-from ._moves import Moves, moved
+from ._moves import Moves, moved, runtime_from_json
 from ._order import alone
 from ._push import (
     PushPipeline,
@@ -85,6 +84,7 @@ from ._push import (
     check_gradient_specs,
     check_gradient_values,
 )
+from ._resharding import MovingGroups
 from ._shared import SharedCopies
 from ._sparse import RowSpec
 from ._waits import CURRENT_CALL, CallCancelled, CallLink, Cancellation, Wait, Waiting
@@ -118,7 +118,7 @@ Spec = tuple[np.dtype[Any], tuple[int, ...]]
 _W = TypeVar("_W")  # what a pull_into writer returns
 
 
-class ParameterStore:
+class ParameterStore(MovingGroups):
     """All groups of one server."""
 
     def __init__(
@@ -349,8 +349,11 @@ class ParameterStore:
         _log_group("created", group)
         return group.view(self._clock())
 
-    def _add_group(self, group: Group, group_bytes: int) -> None:
-        """Hold ``group`` under its name once its create record is durable."""
+    def _add_group(
+        self, group: Group, group_bytes: int, extra: dict[str, Any] | None = None
+    ) -> None:
+        """Hold ``group`` under its name once its create record (with ``extra``)
+        is durable."""
         name = group.name
         journal = JournalEntry(self._journal)
         # Held until the create record is durable: no call uses the group before.
@@ -371,6 +374,7 @@ class ParameterStore:
                         } | (
                             {"request_id": group.created_by} if group.created_by else {}
                         )
+                        record |= extra or {}
                         lsn = journal.log(record, image.arrays)
                 journal.wait(lsn)
             except JOURNAL_REFUSALS:
@@ -738,70 +742,6 @@ class ParameterStore:
                 captured = GroupCapture(g.image(scratch), g.runtime(current_lsn()))
             yield captured
 
-    # -- resharding (``_moves``, docs/resharding.md) -------------------------------
-    def export_group(self, name: str, to_shard: int, fence: bool) -> GroupCapture:
-        """One group's image and runtime (exactly-once windows, sync rounds);
-        ``fence``: from now on its calls are MOVED to ``to_shard``, and the
-        changes in flight finish first (the copy is final)."""
-        with self._lock:
-            g = self._groups.get(name)
-        if g is None or g.deleted:
-            raise NotFound(
-                f"no group named {name!r} on this shard to move",
-                metadata={"group": name},
-            )
-        with g.cond:
-            if fence:
-                self.moves.fence(name, to_shard)
-                g.cond.notify_all()  # waiting calls end: MOVED
-            with alone(g.cond, g.order):
-                if g.deleted:
-                    raise NotFound(
-                        f"group {name!r} was deleted", metadata={"group": name}
-                    )
-                return GroupCapture(g.image(None), g.runtime(0))
-
-    def holds(self, name: str) -> bool:
-        """Whether a live group ``name`` is here (served or not)."""
-        with self._lock:
-            g = self._groups.get(name)
-        return g is not None and not g.deleted
-
-    def update_count_of(self, name: str) -> int:
-        with self._lock:
-            g = self._groups.get(name)
-        if g is None:
-            return 0
-        with g.cond:
-            return int(g.update_count)
-
-    def begin_import(self, name: str) -> None:
-        """Hold the calls of ``name`` until ``activate``; a copy left here by an
-        unfinished earlier move is deleted (logged)."""
-        self.moves.begin_import(name)
-        with self._lock:
-            stale = name in self._groups
-        if stale:
-            self._delete(name, replay=False)
-
-    def import_group(self, captured: GroupCapture) -> GroupView:
-        """Install a moved group (held until ``activate``)."""
-        name = captured.image.name
-        if not self.moves.importing(name):
-            raise FailedPrecondition(
-                f"group {name!r} is not being imported here: send MoveGroup "
-                "BEGIN_IMPORT first",
-                metadata={"group": name},
-            )
-        return self.install(captured.image, captured.runtime)
-
-    def release(self, name: str, owner: int, version: int) -> bool:
-        """The map names ``owner``: delete the copy here (logged), answer MOVED."""
-        self.moves.release(name, owner, version)
-        with self._lock:
-            present = name in self._groups
-        return present and self._delete(name, replay=False)
-
     def install(
         self, image: GroupImage, runtime: GroupRuntime | None = None
     ) -> GroupView:
@@ -829,7 +769,17 @@ class ParameterStore:
         _log_group("restored", g)
         return g.view(self._clock())
 
-    def replay_create(self, image: GroupImage, request_id: str = "") -> None:
+    def replay_create(
+        self,
+        image: GroupImage,
+        request_id: str = "",
+        moved: dict[str, Any] | None = None,
+    ) -> None:
+        """A logged create; ``moved``: a group a resharding moved here, with the
+        exactly-once windows it came with (``runtime_to_json``)."""
+        if moved is not None:
+            self.install(image, runtime_from_json(moved))
+            return
         self.install(image, GroupRuntime(created_by=request_id) if request_id else None)
 
     def replay_push(

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 from _etcd import EtcdProcess
 from _reshard import EtcdCluster, create_groups, push
@@ -113,5 +115,58 @@ def test_a_group_on_its_way_in_is_held_then_unavailable(
             with pytest.raises(grpc.RpcError) as err:
                 stub.DescribeGroup(pb.DescribeGroupRequest(group="g"), timeout=5)
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        cluster.close()
+
+
+def _raw_push(address: str, group: str, seq: int, size: int) -> Any:
+    g = np.full(size, 0.5, np.float32)
+    tensor = pb.Tensor(
+        name="w", dtype=pb.DATA_TYPE_FLOAT, dims=[size], raw_data=g.tobytes()
+    )
+    request = pb.PushRequest(group=group, gradients=[tensor], client_id="raw", seq=seq)
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.ParameterServerServiceStub(ch).Push(request, timeout=10)
+
+
+def test_a_push_resent_across_the_cutover_is_not_applied_twice_even_after_a_kill(
+    tmp_path: Path, etcd_server: EtcdProcess
+) -> None:
+    cluster = EtcdCluster(tmp_path, etcd_server)
+    try:
+        cluster.start(0, 2)
+        cluster.start(1, 2)
+        with cluster.connect() as admin:
+            names = create_groups(admin, 10, 0, ids=False)
+            cluster.start(2, 3)
+            # a push each group's source applies: the window remembers (raw, 7)
+            sizes = {n: admin.describe_group(n).element_count for n in names}
+            owners = {n: admin.describe_group(n).parts[0].shard for n in names}
+            for n in names:
+                assert _raw_push(cluster.addresses[owners[n]], n, 7, sizes[n]).applied
+            report = reshard(cluster.url, 3)
+            moved = [m.name for m in report.moves]
+            assert moved
+        # the target killed -9 and restarted: the moves were logged there
+        cluster.procs[2].kill()
+        cluster.procs[2].wait()
+        cluster.start(2, 3)
+        end = time.monotonic() + 30  # its old lease ends, it leads again
+        while True:
+            try:
+                _raw_push(cluster.addresses[2], moved[0], 7, sizes[moved[0]])
+                break
+            except grpc.RpcError as exc:
+                assert _info(exc)[0] == "NOT_PRIMARY" and time.monotonic() < end
+                time.sleep(0.2)
+        for n in moved:
+            reply = _raw_push(cluster.addresses[2], n, 7, sizes[n])
+            assert reply.duplicate, n  # answered from the window it came with
+            assert reply.update_count == 1, n
+            assert _raw_push(cluster.addresses[2], n, 8, sizes[n]).update_count == 2
+        with cluster.connect() as c:
+            for n in names:
+                want = 2 if n in moved else 1
+                assert c.describe_group(n).update_count == want, n
     finally:
         cluster.close()
