@@ -135,6 +135,11 @@ class Discovery:
         None for a standby that does not follow it: its lsn may count records of
         another term) and ``sync`` (named a synchronous standby)."""
         count = self.shard_count(time.monotonic() + timeout)
+        # shards started beyond the count (a resharding is to make them owners)
+        for key, _ in self._range(f"{self.prefix}/shards/"):
+            index = key[len(self.prefix) + len("/shards/") :].split("/", 1)[0]
+            if index.isdigit():
+                count = max(count, int(index) + 1)
         out: list[dict[str, Any]] = []
         for shard in range(count):
             base = f"{self.prefix}/shards/{shard}/"

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from _etcd import EtcdProcess
 from _procs import start_server, stop
-from onnxps.client import Adagrad, Client, IdsTable
+from onnxps.client import Adagrad, Client, IdsTable, Sync
 
 SPLIT_BYTES = 256  # a group of 128 float32 (512 bytes) is split in 2 parts
 
@@ -70,7 +70,9 @@ def split(i: int) -> tuple[str, dict[str, np.ndarray]]:
     }
 
 
-def create_groups(c: Client, n_plain: int, n_split: int, ids: bool) -> list[str]:
+def create_groups(
+    c: Client, n_plain: int, n_split: int, ids: bool, sync: bool = False
+) -> list[str]:
     """The groups the workers push to; their names."""
     names = []
     for i in range(n_plain):
@@ -81,6 +83,15 @@ def create_groups(c: Client, n_plain: int, n_split: int, ids: bool) -> list[str]
         name, tensors = split(i)
         c.create_group(name, Adagrad(epsilon=1e-7), learning_rate=0.1, tensors=tensors)
         names.append(name)
+    if sync:  # a sync group of one worker: each push is a round
+        c.create_group(
+            "sync0",
+            Adagrad(epsilon=1e-7),
+            learning_rate=0.1,
+            tensors=plain(0)[1],
+            consistency=Sync(workers=1),
+        )
+        names.append("sync0")
     if ids:
         c.create_group(
             "emb", Adagrad(epsilon=1e-7), learning_rate=0.1, tables={"e": IdsTable(4)}
@@ -105,7 +116,7 @@ def shapes_of(name: str) -> dict[str, tuple[int, ...]]:
         return {}
     kind = name.rstrip("0123456789")
     i = int(name[len(kind) :])
-    tensors = plain(i)[1] if kind == "plain" else split(i)[1]
+    tensors = split(i)[1] if kind == "split" else plain(i)[1]
     return {k: v.shape for k, v in tensors.items()}
 
 

@@ -1,6 +1,7 @@
 """Live resharding (docs/resharding.md): a cluster found through etcd grows from 2 to
-3 shards and shrinks back to 2 while workers push, and every acknowledged push is
-applied exactly once."""
+3 shards and shrinks back to 2 while 4 workers push to 20 groups (14 whole, 4 split,
+an ids table, a sync group), and every acknowledged push is applied exactly once;
+the tool killed -9 mid-way resumes."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from onnxps.client import Client
 
 pytestmark = pytest.mark.slow
 
-SHAPE = (14, 5, True)  # plain groups, split groups, an ids table
+# plain groups, split groups, an ids table, a sync group: 20 groups
+SHAPE = (14, 4, True, True)
 
 
 def test_grow_2_to_3_and_shrink_back_under_4_workers(

@@ -4,6 +4,8 @@ following it (docs/resharding.md)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 from _etcd import EtcdProcess
+from _procs import clean_env
 from _reshard import EtcdCluster, create_groups, push
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
@@ -94,6 +97,19 @@ def test_a_group_on_its_way_in_is_held_then_unavailable(
     try:
         cluster.start(0, 1)
         address = cluster.start(1, 2)  # a new shard: it owns nothing yet
+        assert "it owns nothing until a resharding" in cluster.log(1)
+        status = subprocess.run(
+            [sys.executable, "-m", "onnxps.cli", "status", cluster.url],
+            capture_output=True,
+            text=True,
+            env=clean_env(),
+            timeout=60,
+        )
+        assert status.returncode == 0, status.stderr
+        assert (
+            f"shard 1 owns nothing yet: it holds groups once `onnxps reshard "
+            f"{cluster.url} --shards 2` (or more)"
+        ) in status.stdout
         with grpc.insecure_channel(address) as ch:
             stub = pb_grpc.ParameterServerServiceStub(ch)
             begin = pb.MoveGroupRequest(group="g", step=pb.MOVE_STEP_BEGIN_IMPORT)
