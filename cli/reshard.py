@@ -391,6 +391,24 @@ class _Resharding:
         )
         self.shards.call(source, "MoveGroup", req)
 
+    def undo(self) -> ReshardReport:
+        """Take a resharding under way back: the move in flight is abandoned if
+        its map did not flip (its source serves it again), and the groups moved
+        go back to their placement over the earlier count."""
+        state = self.map.state()
+        if state is None or state.get("state") != "running":
+            raise ReshardError(
+                f"no resharding is under way under {self.etcd.url} to undo (a "
+                "finished one is taken back by resharding to the earlier count)"
+            )
+        back = int(state["from"])
+        doc, _ = self.map.read()
+        for name, m in list(doc.get("moving", {}).items()):
+            self._abandon(name, int(m["from"]), int(m["to"]))
+        state.update(to=back, undone=int(state["to"]))
+        self.map.save_state(state)
+        return self.run(back)
+
     def run(self, to: int) -> ReshardReport:
         state = self.map.state()
         doc, _ = self.map.read()
@@ -464,13 +482,16 @@ def reshard(
     root_certificates: bytes | None = None,
     coordinator_tls: CoordinatorTls | None = None,
     progress: Progress | None = None,
+    undo: bool = False,
 ) -> ReshardReport:
     """Move the groups of the cluster under ``coordinator`` (``etcd://H:P/PREFIX``)
     so that it has ``shards`` shards; returns when every group is where it
     belongs. Start the servers of the new shards first (``--shard I/M``);
     stop those of dropped shards after it returns. Resumes a resharding to the
     same count left unfinished (the tool killed); ``ReshardError`` says what to do
-    when it cannot go on."""
+    when it cannot go on. ``undo``: take back the resharding under way instead
+    (``shards`` is then ignored): the groups it moved go back to where the
+    earlier count places them."""
     if not is_coordinator(coordinator):
         raise ValueError(
             f"onnxps reshard works on a cluster found through etcd "
@@ -482,7 +503,8 @@ def reshard(
     discovery = Discovery(coordinator, tls=coordinator_tls)
     peers = _Shards(discovery, token, root_certificates, timeout)
     try:
-        return _Resharding(etcd, peers, progress).run(shards)
+        resharding = _Resharding(etcd, peers, progress)
+        return resharding.undo() if undo else resharding.run(shards)
     finally:
         peers.close()
 
@@ -516,6 +538,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("coordinator", help="etcd://HOST:PORT/PREFIX of the cluster")
     p.add_argument("--shards", type=int, help="the shard count to reach")
+    p.add_argument(
+        "--undo",
+        action="store_true",
+        help="take back the resharding under way (unfinished): the groups it "
+        "moved go back, the shard count stays the earlier one",
+    )
     p.add_argument(
         "--status",
         action="store_true",
@@ -562,24 +590,33 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         for name, m in sorted(state.get("moving", {}).items()):
             print(f"moving {name}: shard {m['from']} -> {m['to']}", file=out)
         return 0
-    if args.shards is None:
+    if args.shards is None and not args.undo:
         fail(prog, "give --shards M (the shard count to reach), or --status",
              EXIT_USAGE)  # fmt: skip
     roots = read_tls_ca(prog, args.tls_ca)
     try:
         report = reshard(
             args.coordinator,
-            args.shards,
+            args.shards or 1,
             timeout=args.timeout,
             token=args.token or os.environ.get("ONNXPS_TOKEN"),
             root_certificates=roots,
             progress=_line(out),
+            undo=args.undo,
         )
     except (ReshardError, ConnectionError, LookupError) as exc:
         fail(prog, str(exc))
     if out.isatty():
         print(file=out)
     moved = sum(m.bytes for m in report.moves)
+    if args.undo:
+        print(
+            f"{args.coordinator}: the resharding is undone, back to "
+            f"{report.to_shards} shards: {len(report.moves)} groups moved "
+            f"({moved} bytes), placement map version {report.map_version}",
+            file=out,
+        )
+        return 0
     print(
         f"{args.coordinator}: {report.from_shards} -> {report.to_shards} shards, "
         f"{len(report.moves)} groups moved ({moved} bytes), placement map version "

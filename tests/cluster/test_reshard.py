@@ -69,19 +69,7 @@ def test_the_tool_killed_mid_move_resumes_and_every_push_lands_once(
         with Workers(cluster, names) as workers:
             workers.wait_steps(50)
             cluster.start(2, 3)
-            tool = subprocess.Popen(
-                [sys.executable, "-m", "onnxps.cli", "reshard", cluster.url,
-                 "--shards", "3"],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=clean_env(),
-            )  # fmt: skip
-            assert tool.stdout is not None
-            first = tool.stdout.readline().decode()
-            assert first.startswith("moved "), first
-            os.kill(tool.pid, signal.SIGKILL)  # in the next move, or between two
-            tool.wait()
-            tool.stdout.close()
+            _killed_after_first_move(cluster)
             killed = reshard_status(cluster.url)
             assert killed["state"] == "running" and killed["to"] == 3
             assert len(killed["moved"]) >= 1
@@ -96,6 +84,60 @@ def test_the_tool_killed_mid_move_resumes_and_every_push_lands_once(
             workers.wait_steps(50)
         assert not workers.errors, workers.errors
         _check_against_replay(cluster, names, workers, servers(), shards=3)
+    finally:
+        cluster.close()
+
+
+def _killed_after_first_move(cluster: EtcdCluster) -> None:
+    """``onnxps reshard --shards 3`` killed -9 once it moved one group."""
+    tool = subprocess.Popen(
+        [sys.executable, "-m", "onnxps.cli", "reshard", cluster.url, "--shards", "3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=clean_env(),
+    )
+    assert tool.stdout is not None
+    first = tool.stdout.readline().decode()
+    assert first.startswith("moved "), first
+    os.kill(tool.pid, signal.SIGKILL)  # in the next move, or between two
+    tool.wait()
+    tool.stdout.close()
+
+
+def test_a_resharding_killed_mid_way_is_undone_and_every_push_lands_once(
+    tmp_path: Path, etcd_server: EtcdProcess, servers: Callable[..., Any]
+) -> None:
+    cluster = EtcdCluster(tmp_path, etcd_server)
+    cli = [sys.executable, "-m", "onnxps.cli", "reshard", cluster.url]
+    try:
+        cluster.start(0, 2)
+        cluster.start(1, 2)
+        with cluster.connect() as admin:
+            names = create_groups(admin, *SHAPE)
+        with Workers(cluster, names) as workers:
+            workers.wait_steps(50)
+            cluster.start(2, 3)
+            _killed_after_first_move(cluster)
+            undo = subprocess.run(
+                [*cli, "--undo"], capture_output=True, text=True, env=clean_env()
+            )
+            assert undo.returncode == 0, undo.stdout + undo.stderr
+            assert "the resharding is undone, back to 2 shards" in undo.stdout
+            state = reshard_status(cluster.url)
+            assert state["state"] == "complete" and state["to"] == 2
+            assert state["undone"] == 3 and state["serving"] == 2
+            workers.wait_steps(50)
+        assert not workers.errors, workers.errors
+        # shard 2 holds nothing again: it can be stopped
+        with Client(cluster.addresses[2], timeout=10) as two:
+            assert two.list_groups() == []
+        cluster.stop(2)
+        _check_against_replay(cluster, names, workers, servers(), shards=2)
+        again = subprocess.run(
+            [*cli, "--undo"], capture_output=True, text=True, env=clean_env()
+        )
+        assert again.returncode == 1
+        assert "no resharding is under way" in again.stderr
     finally:
         cluster.close()
 
