@@ -61,6 +61,12 @@ __all__ = [
 class ReshardError(RuntimeError):
     """A resharding that cannot go on; the message says what to do."""
 
+    until = 0.0  # a busy shard's copy is tried again until then (monotonic)
+
+
+class _Busy(ReshardError):
+    """A copy refused as UNAVAILABLE: a shard not ready yet; tried again."""
+
 
 @dataclass(frozen=True)
 class Move:
@@ -313,7 +319,14 @@ class _Resharding:
                     found.append((name, shard))
         return found
 
-    def move(self, name: str, source: int, target: int) -> Move:
+    def move(
+        self, name: str, source: int, target: int, until: float | None = None
+    ) -> Move:
+        """Move ``name``; a copy refused as UNAVAILABLE (a shard's standby not
+        caught up, a failover) is abandoned and tried again until ``until``
+        (default: 10 timeouts from now)."""
+        if until is None:
+            until = time.monotonic() + 10 * self.shards.timeout
         self.map.update(
             lambda d: d["moving"].__setitem__(name, {"from": source, "to": target})
         )
@@ -323,7 +336,13 @@ class _Resharding:
         )
         started = time.monotonic()
         try:
-            imported = self._copy(name, source, target)
+            imported = self._copy(name, source, target, until)
+        except _Busy as exc:  # a shard not ready (a standby catching up)
+            self._abandon(name, source, target)
+            if time.monotonic() + 0.5 > exc.until:
+                raise
+            time.sleep(0.5)
+            return self.move(name, source, target, exc.until)
         except ReshardError:
             self._abandon(name, source, target)
             raise
@@ -342,6 +361,10 @@ class _Resharding:
         """A copy that failed: the source serves the group again (the map did
         not flip), the target drops what it got; best effort (a resume redoes
         the move from the start)."""
+        try:  # first: a server reading the map would fence it again
+            self.map.update(lambda d: d["moving"].pop(name, None))
+        except (ReshardError, ConnectionError):
+            return  # the move stays recorded: a resume redoes it
         for shard, step in ((target, pb.MOVE_STEP_ABORT_IMPORT),
                             (source, pb.MOVE_STEP_UNFENCE)):  # fmt: skip
             try:
@@ -349,12 +372,8 @@ class _Resharding:
                 self.shards.call(shard, "MoveGroup", req, attempts=1)
             except ReshardError:
                 pass
-        try:
-            self.map.update(lambda d: d["moving"].pop(name, None))
-        except (ReshardError, ConnectionError):
-            pass
 
-    def _copy(self, name: str, source: int, target: int) -> Any:
+    def _copy(self, name: str, source: int, target: int, until: float = 0.0) -> Any:
         """Fence ``name`` on its source and pipe its state into the target."""
         exported = self.shards.stub(source).ExportGroup(
             pb.ExportGroupRequest(group=name, to_shard=target, fence=True),
@@ -376,11 +395,14 @@ class _Resharding:
                 metadata=self.shards.metadata(target),
             )
         except grpc.RpcError as exc:
-            raise ReshardError(
+            kind = _Busy if exc.code() == grpc.StatusCode.UNAVAILABLE else ReshardError
+            error = kind(
                 f"moving {name} from shard {source} to shard {target} failed: "
                 f"{exc.code().name}: {exc.details()} (run the command again to "
                 "resume)"
-            ) from None
+            )
+            error.until = until
+            raise error from None
 
     def _release(self, name: str, source: int, target: int, version: int) -> None:
         req = pb.MoveGroupRequest(

@@ -24,29 +24,45 @@ class EtcdCluster:
     def __init__(self, tmp: Path, etcd: EtcdProcess, prefix: str = "/ps") -> None:
         self.tmp = tmp
         self.url = etcd.url(prefix)
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-        self.addresses: dict[int, str] = {}
-        self.starts: dict[int, int] = {}
+        self.procs: dict[Any, subprocess.Popen[bytes]] = {}
+        self.addresses: dict[Any, str] = {}
+        self.starts: dict[Any, int] = {}
+        self.logs: dict[Any, Path] = {}
 
     def start(self, shard: int, count: int) -> str:
-        self.starts[shard] = self.starts.get(shard, 0) + 1
-        log = self.tmp / f"shard{shard}-{self.starts[shard]}.log"
+        return self.start_member(shard, count, 0, key=shard)
+
+    def start_member(
+        self,
+        shard: int,
+        count: int,
+        member: int,
+        sync: int = 0,
+        key: Any = None,
+    ) -> str:
+        """Member ``member`` of shard ``shard`` (``--sync-replicas sync``); kept
+        under ``key`` (default ``(shard, member)``)."""
+        key = (shard, member) if key is None else key
+        self.starts[key] = self.starts.get(key, 0) + 1
+        name = f"{shard}" if member == 0 and sync == 0 else f"{shard}-{member}"
+        log = self.tmp / f"shard{name}-{self.starts[key]}.log"
         proc, address = start_server(
             log,
             "--durability", "wal",
-            "--data-dir", str(self.tmp / f"data{shard}"),
+            "--data-dir", str(self.tmp / f"data{name}"),
             "--coordinator", self.url,
             "--shard", f"{shard}/{count}",
-            "--member-id", f"s{shard}",
+            "--member-id", f"s{name}",
             "--lease-ttl", "2",
-            "--sync-replicas", "0",
+            "--sync-replicas", str(sync),
             "--snapshot-interval", "0",
         )  # fmt: skip
-        self.procs[shard], self.addresses[shard] = proc, address
+        self.procs[key], self.addresses[key] = proc, address
+        self.logs[key] = log
         return address
 
-    def stop(self, shard: int) -> None:
-        stop(self.procs.pop(shard))
+    def stop(self, key: Any) -> None:
+        stop(self.procs.pop(key))
 
     def close(self) -> None:
         for shard in list(self.procs):
@@ -55,8 +71,8 @@ class EtcdCluster:
     def connect(self, **kw: Any) -> Client:
         return Client(self.url, **{"timeout": 30, "split_bytes": SPLIT_BYTES, **kw})
 
-    def log(self, shard: int) -> str:
-        return (self.tmp / f"shard{shard}-{self.starts[shard]}.log").read_text()
+    def log(self, key: Any) -> str:
+        return self.logs[key].read_text()
 
 
 def plain(i: int) -> tuple[str, dict[str, np.ndarray]]:
@@ -177,3 +193,45 @@ class Workers:
         while sum(self.steps) < start + more and time.monotonic() < end:
             assert not self.errors, self.errors
             time.sleep(0.05)
+
+
+def check_against_replay(
+    cluster: EtcdCluster,
+    names: list[str],
+    workers: Workers,
+    handle: Any,
+    shape: tuple[Any, ...],
+    shards: int = 2,
+) -> None:
+    """Every acknowledged push applied exactly once: T is the pushes each group
+    acknowledged, on every part, and X, V, H equal those of the same pushes
+    replayed serially on one fresh server (``handle``); the groups
+    ``create_groups(*shape)`` made; a split group's parts on distinct shards
+    below ``shards``."""
+    with cluster.connect() as c, Client(f"127.0.0.1:{handle.port}") as ref:
+        create_groups(ref, *shape)
+        for w in range(WORKERS):
+            mine = names[w::WORKERS]
+            for step in range(workers.steps[w]):
+                push(ref, mine[step % len(mine)], w, step)
+        for name in names:
+            info = c.describe_group(name)
+            assert info.update_count == workers.acked[name], name
+            if info.parts:
+                assert {p.update_count for p in info.parts} == {workers.acked[name]}, (
+                    name
+                )
+                assert len({p.shard for p in info.parts}) == len(info.parts)
+                assert {p.shard for p in info.parts} <= set(range(shards))
+            if name == "emb":
+                ids = np.arange(50)
+                rows = c.pull_rows(name, {"e": ids}, state=True)
+                again = ref.pull_rows(name, {"e": ids}, state=True)
+                assert sorted(rows) == sorted(again)
+                got = [rows[k] for k in sorted(rows)]
+                want = [again[k] for k in sorted(again)]
+            else:
+                got = c.pull(name, state=True)
+                want = ref.pull(name, state=True)
+            for a, b in zip(got, want, strict=True):
+                assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), name

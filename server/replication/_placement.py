@@ -75,4 +75,9 @@ class PlacementWatch:
             for name, m in moving.items()
             if int(m.get("to", -1)) == self.shard
         }
-        self.store.moves.adopt(version, owners, incoming)
+        outgoing = {
+            name: int(m.get("to", -1))
+            for name, m in moving.items()
+            if int(m.get("from", -1)) == self.shard
+        }
+        self.store.moves.adopt(version, owners, incoming, outgoing)

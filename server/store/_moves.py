@@ -40,15 +40,24 @@ class Moves:
 
     # -- what the resharding tool (and the map) say ------------------------------
     def adopt(
-        self, version: int, owners: Mapping[str, int], incoming: Mapping[str, int]
+        self,
+        version: int,
+        owners: Mapping[str, int],
+        incoming: Mapping[str, int],
+        outgoing: Mapping[str, int] | None = None,
     ) -> None:
         """The placement map in etcd: ``owners`` (name -> shard) of the moved
-        names, ``incoming`` (name -> source) of the moves to this shard not
-        finished. An older map than one told already changes nothing."""
+        names, ``incoming`` (name -> source) and ``outgoing`` (name -> target) of
+        the moves to and from this shard not finished. An outgoing move is fenced
+        here (a primary that took over mid-move must not serve what is being
+        copied away; the tool's UNFENCE ends it). An older map than one told
+        already changes nothing."""
         with self._cond:
             if version < self.version:
                 return
             self.version = version
+            for name, target in (outgoing or {}).items():
+                self._fenced.setdefault(name, target)
             self._elsewhere = {n: s for n, s in owners.items() if s != self.shard}
             for name in incoming:
                 if owners.get(name) != self.shard:

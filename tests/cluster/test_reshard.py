@@ -13,11 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from _etcd import EtcdProcess
 from _procs import clean_env
-from _reshard import WORKERS, EtcdCluster, Workers, create_groups, push
+from _reshard import EtcdCluster, Workers, check_against_replay, create_groups
 from onnxps.cli.reshard import reshard, reshard_status
 from onnxps.client import Client
 
@@ -52,7 +51,7 @@ def test_grow_2_to_3_and_shrink_back_under_4_workers(
         state = reshard_status(cluster.url)
         assert state["state"] == "complete" and state["to"] == 2
         assert state["serving"] == 2 and state["moving"] == {}
-        _check_against_replay(cluster, names, workers, servers())
+        check_against_replay(cluster, names, workers, servers(), SHAPE)
     finally:
         cluster.close()
 
@@ -83,7 +82,7 @@ def test_the_tool_killed_mid_move_resumes_and_every_push_lands_once(
             assert {t for _, _, t in done["moved"]} == {2}
             workers.wait_steps(50)
         assert not workers.errors, workers.errors
-        _check_against_replay(cluster, names, workers, servers(), shards=3)
+        check_against_replay(cluster, names, workers, servers(), SHAPE, shards=3)
     finally:
         cluster.close()
 
@@ -132,7 +131,7 @@ def test_a_resharding_killed_mid_way_is_undone_and_every_push_lands_once(
         with Client(cluster.addresses[2], timeout=10) as two:
             assert two.list_groups() == []
         cluster.stop(2)
-        _check_against_replay(cluster, names, workers, servers(), shards=2)
+        check_against_replay(cluster, names, workers, servers(), SHAPE, shards=2)
         again = subprocess.run(
             [*cli, "--undo"], capture_output=True, text=True, env=clean_env()
         )
@@ -140,42 +139,3 @@ def test_a_resharding_killed_mid_way_is_undone_and_every_push_lands_once(
         assert "no resharding is under way" in again.stderr
     finally:
         cluster.close()
-
-
-def _check_against_replay(
-    cluster: EtcdCluster,
-    names: list[str],
-    workers: Workers,
-    handle: Any,
-    shards: int = 2,
-) -> None:
-    """Every acknowledged push applied exactly once: T is the pushes each group
-    acknowledged, on every part, and X, V, H equal those of the same pushes
-    replayed serially on one fresh server (``handle``)."""
-    with cluster.connect() as c, Client(f"127.0.0.1:{handle.port}") as ref:
-        create_groups(ref, *SHAPE)
-        for w in range(WORKERS):
-            mine = names[w::WORKERS]
-            for step in range(workers.steps[w]):
-                push(ref, mine[step % len(mine)], w, step)
-        for name in names:
-            info = c.describe_group(name)
-            assert info.update_count == workers.acked[name], name
-            if info.parts:
-                assert {p.update_count for p in info.parts} == {workers.acked[name]}, (
-                    name
-                )
-                assert len({p.shard for p in info.parts}) == len(info.parts)
-                assert {p.shard for p in info.parts} <= set(range(shards))
-            if name == "emb":
-                ids = np.arange(50)
-                rows = c.pull_rows(name, {"e": ids}, state=True)
-                again = ref.pull_rows(name, {"e": ids}, state=True)
-                assert sorted(rows) == sorted(again)
-                got = [rows[k] for k in sorted(rows)]
-                want = [again[k] for k in sorted(again)]
-            else:
-                got = c.pull(name, state=True)
-                want = ref.pull(name, state=True)
-            for a, b in zip(got, want, strict=True):
-                assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), name
