@@ -4,9 +4,13 @@ following it (docs/resharding.md)."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import json
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +19,12 @@ import numpy as np
 import pytest
 from _etcd import EtcdProcess
 from _procs import clean_env
-from _reshard import EtcdCluster, create_groups, push
+from _reshard import EtcdCluster, create_groups, push, shapes_of
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from onnxps.cli.reshard import reshard, reshard_status
-from onnxps.client import Client, FailedPreconditionError
+from onnxps.client import AsyncClient, Client, FailedPreconditionError
+from onnxps.client._cluster import base_name
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
@@ -186,3 +191,103 @@ def test_a_push_resent_across_the_cutover_is_not_applied_twice_even_after_a_kill
                 assert c.describe_group(n).update_count == want, n
     finally:
         cluster.close()
+
+
+def _etcd_get(endpoint: str, key: str) -> Any:
+    """A key's JSON value over etcd's gateway by hand (docs/resharding.md)."""
+    body = {"key": base64.b64encode(key.encode()).decode()}
+    request = urllib.request.Request(
+        f"http://{endpoint}/v3/kv/range",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=5) as reply:
+        kvs = json.loads(reply.read()).get("kvs", [])
+    return json.loads(base64.b64decode(kvs[0]["value"])) if kvs else None
+
+
+def test_a_client_written_from_the_docs_follows_the_map_and_moved(
+    tmp_path: Path, etcd_server: EtcdProcess
+) -> None:
+    """No onnxps client code: the map and the primaries read over plain HTTP, the
+    calls made with the generated stubs, as docs/resharding.md says another
+    language would."""
+    cluster = EtcdCluster(tmp_path, etcd_server)
+    endpoint = etcd_server.endpoint
+    try:
+        cluster.start(0, 2)
+        cluster.start(1, 2)
+        with cluster.connect() as admin:
+            names = create_groups(admin, 8, 2, ids=False)
+        cluster.start(2, 3)
+        before = _etcd_get(endpoint, "/ps/placement")
+        assert before is None  # never resharded: PREFIX/layout is the count
+        report = reshard(cluster.url, 3)
+        doc = _etcd_get(endpoint, "/ps/placement")
+        assert doc["serving"] == doc["shards"] == 3 and doc["moving"] == {}
+        assert {m.name: m.target for m in report.moves}.items() <= doc["owners"].items()
+
+        def stub(shard: int) -> Any:
+            primary = _etcd_get(endpoint, f"/ps/shards/{shard}/primary")
+            channel = grpc.insecure_channel(primary["address"])
+            return channel, pb_grpc.ParameterServerServiceStub(channel)
+
+        channels, stubs = zip(*(stub(i) for i in range(doc["serving"])), strict=True)
+        try:
+            # a group's parts: every serving shard's listing, a name kept only on
+            # the shard the map's owners name (when they name one)
+            held: dict[str, int] = {}
+            for i, s in enumerate(stubs):
+                for g in s.ListGroups(pb.ListGroupsRequest()).groups:
+                    if doc["owners"].get(g.name, i) == i:
+                        assert g.name not in held, g.name
+                        held[g.name] = i
+            assert len(held) == 8 + 2 * 2  # the split groups' parts
+            # a call sent by a stale map to where the part was: MOVED, then there
+            for m in report.moves:
+                with pytest.raises(grpc.RpcError) as err:
+                    stubs[m.source].Pull(pb.PullRequest(group=m.name))
+                reason, metadata = _info(err.value)
+                assert reason == "MOVED" and metadata["shard"] == str(m.target)
+                shard = int(metadata["shard"])
+                assert shard == held[m.name]
+                reply = stubs[shard].Pull(pb.PullRequest(group=m.name))
+                assert reply.update_count == 0 and len(reply.tensors) >= 1
+        finally:
+            for ch in channels:
+                ch.close()
+        assert set(names) == {base_name(n)[0] for n in held}
+    finally:
+        cluster.close()
+
+
+def test_an_async_client_with_a_stale_map_follows_moved(
+    tmp_path: Path, etcd_server: EtcdProcess
+) -> None:
+    cluster = EtcdCluster(tmp_path, etcd_server)
+    try:
+        cluster.start(0, 2)
+        cluster.start(1, 2)
+        with cluster.connect() as admin:
+            names = create_groups(admin, 8, 2, ids=False)
+        cluster.start(2, 3)
+
+        async def run() -> list[int]:
+            async with AsyncClient(cluster.url, timeout=30, split_bytes=256) as c:
+                for name in names:  # the layouts remembered, the map read
+                    await c.describe_group(name)
+                await asyncio.to_thread(reshard, cluster.url, 3)
+                done = []
+                for name in names:
+                    g = [np.full(s, 0.5, np.float32) for s in _shapes(name)]
+                    done.append(await c.push(name, *g))
+                assert c.shards == 3
+                return done
+
+        assert asyncio.run(run()) == [1] * len(names)
+    finally:
+        cluster.close()
+
+
+def _shapes(name: str) -> list[tuple[int, ...]]:
+    return list(shapes_of(name).values())
