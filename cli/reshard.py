@@ -272,21 +272,31 @@ class _Shards:
             md.append(("authorization", f"Bearer {self.token}"))
         return md
 
-    def call(self, shard: int, method: str, request: Any, attempts: int = 20) -> Any:
-        """A unary call, resent while the shard is unavailable (a failover)."""
-        for attempt in range(attempts):
+    def call(
+        self, shard: int, method: str, request: Any, patience: float | None = None
+    ) -> Any:
+        """A unary call to ``shard``'s primary, resent while it is unavailable or
+        not the primary (a failover: the primary read again from etcd) for up to
+        ``patience`` seconds (default: 3 timeouts)."""
+        until = time.monotonic() + (3 * self.timeout if patience is None else patience)
+        while True:
             try:
                 fn = getattr(self.stub(shard), method)
                 return fn(request, timeout=self.timeout, metadata=self.metadata(shard))
             except grpc.RpcError as exc:
-                retry = exc.code() in (grpc.StatusCode.UNAVAILABLE,)
-                if not retry or attempt == attempts - 1:
+                failover = exc.code() == grpc.StatusCode.UNAVAILABLE or (
+                    exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    and "not the primary" in str(exc.details())
+                )
+                if not failover or time.monotonic() + 0.2 > until:
                     raise ReshardError(
                         f"{method} on shard {shard} failed: {exc.code().name}: "
                         f"{exc.details()} (run the command again to resume)"
                     ) from None
-                time.sleep(0.2)
-        raise AssertionError("unreachable")
+            except ReshardError:  # no primary elected yet
+                if time.monotonic() + 0.2 > until:
+                    raise
+            time.sleep(0.2)
 
     def listing(self, shard: int) -> list[str]:
         reply = self.call(shard, "ListGroups", pb.ListGroupsRequest())
@@ -327,12 +337,14 @@ class _Resharding:
         (default: 10 timeouts from now)."""
         if until is None:
             until = time.monotonic() + 10 * self.shards.timeout
-        self.map.update(
-            lambda d: d["moving"].__setitem__(name, {"from": source, "to": target})
-        )
         step = pb.MoveGroupRequest
+        # the target holds the group's calls before anything (the source reading
+        # the map fences it, and its MOVED answers send calls there)
         self.shards.call(
             target, "MoveGroup", step(group=name, step=pb.MOVE_STEP_BEGIN_IMPORT)
+        )
+        self.map.update(
+            lambda d: d["moving"].__setitem__(name, {"from": source, "to": target})
         )
         started = time.monotonic()
         try:
@@ -369,24 +381,30 @@ class _Resharding:
                             (source, pb.MOVE_STEP_UNFENCE)):  # fmt: skip
             try:
                 req = pb.MoveGroupRequest(group=name, step=step)
-                self.shards.call(shard, "MoveGroup", req, attempts=1)
+                self.shards.call(shard, "MoveGroup", req, patience=0)
             except ReshardError:
                 pass
 
     def _copy(self, name: str, source: int, target: int, until: float = 0.0) -> Any:
-        """Fence ``name`` on its source and pipe its state into the target."""
-        exported = self.shards.stub(source).ExportGroup(
-            pb.ExportGroupRequest(group=name, to_shard=target, fence=True),
-            timeout=self.shards.timeout * 10,
-            metadata=self.shards.metadata(source),
-        )
+        """Fence ``name`` on its source and pipe its state into the target. A
+        shard that fails over meanwhile (UNAVAILABLE, NOT_PRIMARY, the export cut
+        off) raises ``_Busy``: the move is made again."""
+        cut: list[grpc.RpcError] = []  # the export's failure, when it failed
 
         def pieces() -> Iterator[pb.ImportGroupRequest]:
-            for msg in exported:
-                if msg.HasField("done"):
-                    yield pb.ImportGroupRequest(done=msg.done)
-                else:
-                    yield pb.ImportGroupRequest(chunk=msg.chunk)
+            try:
+                exported = self.shards.stub(source).ExportGroup(
+                    pb.ExportGroupRequest(group=name, to_shard=target, fence=True),
+                    timeout=self.shards.timeout * 10,
+                    metadata=self.shards.metadata(source),
+                )
+                for msg in exported:
+                    if msg.HasField("done"):
+                        yield pb.ImportGroupRequest(done=msg.done)
+                    else:
+                        yield pb.ImportGroupRequest(chunk=msg.chunk)
+            except grpc.RpcError as exc:
+                cut.append(exc)  # the target gets no end: it installs nothing
 
         try:
             return self.shards.stub(target).ImportGroup(
@@ -395,11 +413,15 @@ class _Resharding:
                 metadata=self.shards.metadata(target),
             )
         except grpc.RpcError as exc:
-            kind = _Busy if exc.code() == grpc.StatusCode.UNAVAILABLE else ReshardError
-            error = kind(
-                f"moving {name} from shard {source} to shard {target} failed: "
-                f"{exc.code().name}: {exc.details()} (run the command again to "
-                "resume)"
+            why = cut[0] if cut else exc
+            failover = why.code() == grpc.StatusCode.UNAVAILABLE or (
+                "not the primary" in str(why.details())
+            )
+            side = "exporting from" if cut else "importing into"
+            error = (_Busy if failover else ReshardError)(
+                f"moving {name} from shard {source} to shard {target} failed "
+                f"{side} it: {why.code().name}: {why.details()} (run the command "
+                "again to resume)"
             )
             error.until = until
             raise error from None

@@ -121,7 +121,7 @@ def _layout_of(
     entries = [
         (i, g.name, [(t.name, list(t.dims)) for t in g.tensors])
         for i, g in listing
-        if ops is None or ops.shard_of(g.name, i) == i
+        if ops is None or ops.host.owner(g.name) in (None, i)
     ]
     try:
         return layout_from_listing(group, entries)
@@ -187,7 +187,11 @@ def rerouted(
         try:
             return (yield from call((yield from layout(ops, group, deadline))))
         except NotFoundError:
-            if not cached:
+            # a shard a MOVED answer named, where the move was then abandoned
+            stale = [n for n in ops.moved if base_name(n)[0] == group]
+            for n in stale:
+                del ops.moved[n]
+            if not (cached or stale) or deadline.remaining() <= 0:
                 raise
             cached = False
             ops.layouts.pop(group, None)
