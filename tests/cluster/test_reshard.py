@@ -17,7 +17,7 @@ import pytest
 from _etcd import EtcdProcess
 from _procs import clean_env
 from _reshard import EtcdCluster, Workers, check_against_replay, create_groups
-from onnxps.cli.reshard import reshard, reshard_status
+from onnxps.cli.reshard import ReshardError, reshard, reshard_status
 from onnxps.client import Client
 
 pytestmark = pytest.mark.slow
@@ -71,6 +71,16 @@ def test_the_tool_killed_mid_move_resumes_and_every_push_lands_once(
             _killed_after_first_move(cluster)
             killed = reshard_status(cluster.url)
             assert killed["state"] == "running" and killed["to"] == 3
+            shown = subprocess.run(
+                [sys.executable, "-m", "onnxps.cli", "reshard", cluster.url,
+                 "--status"],
+                capture_output=True, text=True, env=clean_env(),
+            )  # fmt: skip
+            assert shown.returncode == 0, shown.stderr
+            assert shown.stdout.startswith("resharding 2 -> 3 shards: running; ")
+            # another count is refused while this one is unfinished
+            with pytest.raises(ReshardError, match="from 2 to 3 shards is under way"):
+                reshard(cluster.url, 4)
             assert len(killed["moved"]) >= 1
             workers.wait_steps(20)  # a group fenced by the dead tool waits
             resumed = reshard(cluster.url, 3)

@@ -115,6 +115,25 @@ def test_a_group_on_its_way_in_is_held_then_unavailable(
             f"shard 1 owns nothing yet: it holds groups once `onnxps reshard "
             f"{cluster.url} --shards 2` (or more)"
         ) in status.stdout
+        # shard 0 restarted with the count the cluster grows to: it joins
+        cluster.stop(0)
+        cluster.start(0, 2)
+        # a move under way, as the map records it: status says so
+        _etcd_put(
+            etcd_server.endpoint,
+            "/ps/placement",
+            {"version": 1, "shards": 1, "serving": 2, "owners": {},
+             "moving": {"h": {"from": 0, "to": 1}}},
+        )  # fmt: skip
+        status = subprocess.run(
+            [sys.executable, "-m", "onnxps.cli", "status", cluster.url],
+            capture_output=True,
+            text=True,
+            env=clean_env(),
+            timeout=60,
+        )
+        assert status.returncode == 0, status.stderr
+        assert "moving h: shard 0 -> 1 (a resharding)" in status.stdout
         with grpc.insecure_channel(address) as ch:
             stub = pb_grpc.ParameterServerServiceStub(ch)
             begin = pb.MoveGroupRequest(group="g", step=pb.MOVE_STEP_BEGIN_IMPORT)
@@ -191,6 +210,19 @@ def test_a_push_resent_across_the_cutover_is_not_applied_twice_even_after_a_kill
                 assert c.describe_group(n).update_count == want, n
     finally:
         cluster.close()
+
+
+def _etcd_put(endpoint: str, key: str, value: Any) -> None:
+    body = {
+        "key": base64.b64encode(key.encode()).decode(),
+        "value": base64.b64encode(json.dumps(value).encode()).decode(),
+    }
+    request = urllib.request.Request(
+        f"http://{endpoint}/v3/kv/put",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    urllib.request.urlopen(request, timeout=5).close()
 
 
 def _etcd_get(endpoint: str, key: str) -> Any:
