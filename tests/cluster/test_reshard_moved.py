@@ -118,6 +118,19 @@ def test_a_group_on_its_way_in_is_held_then_unavailable(
         # shard 0 restarted with the count the cluster grows to: it joins
         cluster.stop(0)
         cluster.start(0, 2)
+        # a shard of a cluster found through etcd checks the index a call was
+        # routed to, not the count (a resharding changes it)
+        with grpc.insecure_channel(cluster.addresses[0]) as ch:
+            stub = pb_grpc.ParameterServerServiceStub(ch)
+            listed = stub.ListGroups(
+                pb.ListGroupsRequest(), metadata=[("onnxps-shard", "0/7")]
+            )
+            assert list(listed.groups) == []
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ListGroups(
+                    pb.ListGroupsRequest(), metadata=[("onnxps-shard", "1/2")]
+                )
+            assert _info(err.value)[0] == "SHARD_LAYOUT_MISMATCH"
         # a move under way, as the map records it: status says so
         _etcd_put(
             etcd_server.endpoint,
