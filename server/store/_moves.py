@@ -112,6 +112,15 @@ class Moves:
         """Raise ``Moved`` for a name another shard owns (or is taking over);
         wait up to ``hold`` seconds while it is being imported here, then
         ``Unavailable`` (a client resends)."""
+        # every call asks: no lock for a name no move concerns (a dict or set
+        # lookup is atomic; a move that begins meanwhile fences under the group's
+        # lock, which ``fenced`` is asked under)
+        if (
+            name not in self._importing
+            and name not in self._fenced
+            and name not in self._elsewhere
+        ):
+            return
         with self._cond:
             end = time.monotonic() + hold
             while name in self._importing:
@@ -129,8 +138,9 @@ class Moves:
                 raise moved(name, owner, self.version)
 
     def fenced(self, name: str) -> int | None:
-        with self._cond:
-            return self._fenced.get(name)
+        """The shard ``name`` moves to, when it is fenced here (asked under the
+        group's lock by every change; a dict lookup, atomic, with no lock)."""
+        return self._fenced.get(name)
 
 
 def moved(name: str, owner: int, version: int) -> Moved:
