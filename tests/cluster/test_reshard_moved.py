@@ -123,12 +123,12 @@ def test_a_group_on_its_way_in_is_held_then_unavailable(
         with grpc.insecure_channel(cluster.addresses[0]) as ch:
             stub = pb_grpc.ParameterServerServiceStub(ch)
             listed = stub.ListGroups(
-                pb.ListGroupsRequest(), metadata=[("onnxps-shard", "0/7")]
+                pb.ListGroupsRequest(), metadata=(("onnxps-shard", "0/7"),)
             )
             assert list(listed.groups) == []
             with pytest.raises(grpc.RpcError) as err:
                 stub.ListGroups(
-                    pb.ListGroupsRequest(), metadata=[("onnxps-shard", "1/2")]
+                    pb.ListGroupsRequest(), metadata=(("onnxps-shard", "1/2"),)
                 )
             assert _info(err.value)[0] == "SHARD_LAYOUT_MISMATCH"
         # a move under way, as the map records it: status says so
