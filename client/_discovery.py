@@ -188,6 +188,9 @@ class Discovery:
             return Placement(0, count, count, {}, {})
         return Placement.from_json(raw)
 
+    def placement_within(self, timeout: float) -> Placement:
+        return self.placement(time.monotonic() + timeout)
+
     def shard_count(self, deadline: float) -> int:
         while True:
             raw = self._get(f"{self.prefix}/layout")

@@ -15,8 +15,6 @@ import enum
 import itertools
 import logging
 import os
-import threading
-import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NoReturn, TypeVar
@@ -41,8 +39,9 @@ from onnxps.wire.initializers import IdsTable
 from onnxps.wire.weights import file_format
 
 from ._channel_transport import DataChannelLink, DataChannelMode
-from ._discovery import CoordinatorTls, Discovery, Placement, is_coordinator
+from ._discovery import CoordinatorTls, Discovery, is_coordinator
 from ._errors import ClientClosedError, RpcError
+from ._following import FollowsPlacement
 from ._frames import CallChannel
 from ._grpc_transport import Transport
 from ._ops import (
@@ -65,8 +64,10 @@ from ._optimizers import Async, OptimizerSpec, Sync
 from ._pending import PendingPushes
 from ._records import (
     GroupInfo,
+    HistoryInfo,
     LeaseInfo,
     PushResult,
+    RewindInfo,
     RowsPage,
     SaveInfo,
 )
@@ -150,7 +151,7 @@ class State(enum.Enum):
     CLOSED = 3
 
 
-class ClientCore:
+class ClientCore(FollowsPlacement):
     """Settings and per-client state both clients share, and every operation."""
 
     # Whether this client performs ``Transfer`` (data channel) effects.
@@ -184,14 +185,12 @@ class ClientCore:
         # A replicated cluster (docs/cluster.md): its primaries from etcd, over TLS
         # for etcds:// with these files (none given: ONNXPS_COORDINATOR_*'s).
         self._discovery = None
-        self._placement: Placement | None = None  # docs/resharding.md
-        self._placement_lock = threading.Lock()
         etcd_tls = CoordinatorTls(coordinator_ca, coordinator_cert, coordinator_key)
         named = etcd_tls != CoordinatorTls()
         if isinstance(address, str) and is_coordinator(address):
             self._discovery = Discovery(address, tls=etcd_tls if named else None)
             address = self._discovery.addresses(timeout)
-            self._placement = self._discovery.placement(time.monotonic() + timeout)
+            self._placement = self._discovery.placement_within(timeout)
         elif named:
             raise ValueError(
                 "coordinator_ca, coordinator_cert and coordinator_key are the files "
@@ -296,39 +295,6 @@ class ClientCore:
 
     def _setup(self) -> None:
         """The connection state of the concrete client."""
-
-    @property
-    def placement_shards(self) -> int | None:
-        """New groups are placed over this many shards (docs/resharding.md)."""
-        known = self._placement
-        return self.shards if known is None else known.shards
-
-    def owner(self, name: str) -> int | None:
-        """The shard the placement map names for ``name`` (None: its holder's)."""
-        placement = self._placement
-        return None if placement is None else placement.owner(name)
-
-    def refresh_placement(self) -> None:
-        """Read the placement map in etcd again (a shard answered MOVED, or a
-        listing met a group twice): follow a change of the shard count, the
-        owners of moved groups. A client without etcd has none: nothing to do."""
-        discovery = self._discovery
-        if discovery is None:
-            return
-        placement = discovery.placement(time.monotonic() + self.timeout)
-        with self._placement_lock:
-            known = self._placement
-            if known is not None and placement.version < known.version:
-                return
-            self._placement = placement
-            if self.shards is None or placement.serving == len(self.addresses):
-                return
-            grown = discovery.resize(self.addresses, placement.serving, self.timeout)
-            addresses = [with_default_port(a) for a in grown]
-            self.addresses = addresses
-            self.address = ",".join(addresses)
-            self.shards = len(addresses)
-            self._metadatas = [self._metadata(s) for s in range(len(addresses))]
 
     def _check_open(self) -> None:
         if self._state is State.CLOSED:
@@ -770,6 +736,40 @@ class ClientCore:
 
     def _heartbeat_interval(self, lease: LeaseInfo) -> float:
         return max(0.05, lease.lease_seconds / 3)
+
+    def _rewind(
+        self, group: str, *, to_step: int, timeout: float | None = None
+    ) -> Op[RewindInfo]:
+        """Set ``group`` back to its state right after step ``to_step``: X, V, H,
+        ids tables' rows and T bit for bit as they were then (on a cluster, every
+        part). Needs a server with ``--durability wal``; the learning rate and
+        settings stay as they are now. Pushes computed before the rewind are
+        refused (``REWOUND``): pull after it. ``FailedPreconditionError`` with
+        reason ``STEP_NOT_RETAINED`` when the step is older than retention keeps
+        (its details name ``oldest_step``)."""
+        if isinstance(to_step, bool) or not isinstance(to_step, int) or to_step < 0:
+            raise ValueError(f"to_step must be an int >= 0, got {to_step!r}")
+        return self._route.rewind(group, to_step, self._deadline(timeout))
+
+    def _fork(
+        self,
+        group: str,
+        new_group: str,
+        *,
+        at_step: int,
+        timeout: float | None = None,
+    ) -> Op[RewindInfo]:
+        """Create ``new_group`` with ``group``'s state right after step ``at_step``
+        (X, V, H, ids tables' rows, T, and the learning rate of that step); the
+        two groups go on apart. Needs ``--durability wal`` (one server)."""
+        if isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 0:
+            raise ValueError(f"at_step must be an int >= 0, got {at_step!r}")
+        return self._route.fork(group, new_group, at_step, self._deadline(timeout))
+
+    def _history(self, group: str, *, timeout: float | None = None) -> Op[HistoryInfo]:
+        """The steps ``group`` can go back to (``rewind``, ``fork``), oldest first,
+        with their times, and the disk the server's retention holds."""
+        return self._route.history(group, self._deadline(timeout))
 
     def _save(self, *, timeout: float | None = None) -> Op[SaveInfo]:
         """Ask the server (every shard of a cluster) to write a snapshot of every

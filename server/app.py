@@ -231,6 +231,8 @@ def _durability(
         config.data_dir,
         mode=config.durability,
         keep=config.keep_snapshots,
+        keep_seconds=config.keep_seconds,
+        keep_bytes=config.keep_bytes,
         set_serving=set_serving,
         truncate_corrupt=config.wal_truncate_corrupt,
     )
@@ -308,6 +310,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
                     if durability.journal is None
                     else durability.journal.fsync_times
                 ),
+                durability.retained_bytes,
             )
         )
     # A crash between a sync step's last push record and the step's own record leaves
@@ -327,6 +330,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             store,
             chunk_bytes=config.chunk_bytes,
             save=None if durability is None else durability.save,
+            durability=durability,
             inflight=inflight,
             gradient_pool=gradient_pool,
             shared_memory=shared_memory,

@@ -85,8 +85,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
     ``missing_grad``: a parameter without ``.grad`` at ``step()`` pushes zeros
     (``"zeros"``; the server's operator still decays/accumulates its state and can
     move it, as torch.optim does for a zero gradient) or raises (``"error"``).
-    ``on_stale``: a push refused as too stale (``Async(max_staleness=...)``) raises
-    (``"raise"``) or drops the gradient and copies the server's X (``"skip"``).
+    ``on_stale``: a push refused as too stale (``Async(max_staleness=...)``, or
+    computed before the group was rewound: ``REWOUND``) raises (``"raise"``) or
+    drops the gradient and copies the server's X (``"skip"``).
     """
 
     def __init__(
@@ -260,7 +261,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         try:
             result = self._push(grads, float(self.param_groups[0]["lr"]), out)
         except FailedPreconditionError as exc:
-            if self.on_stale == "raise" or exc.reason != "STALE_PUSH":
+            if self.on_stale == "raise" or exc.reason not in ("STALE_PUSH", "REWOUND"):
                 raise
             self.skipped_steps += 1
             self.pull()

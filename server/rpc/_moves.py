@@ -47,7 +47,7 @@ class MoveRpcs(RpcFamily):
                 )
             store.moves.activate(name, request.map_version)
         elif step == pb.MOVE_STEP_RELEASE:
-            store.release(name, request.to_shard, request.map_version)
+            store.release_moved(name, request.to_shard, request.map_version)
         elif step == pb.MOVE_STEP_UNFENCE:
             store.moves.unfence(name)
         elif step == pb.MOVE_STEP_ABORT_IMPORT:

@@ -118,7 +118,7 @@ class MovingGroups:
         log.info("imported group %s (a resharding moved it here)", g.name)
         return g.view(self._clock()), True
 
-    def release(self, name: str, owner: int, version: int) -> bool:
+    def release_moved(self, name: str, owner: int, version: int) -> bool:
         """The map names ``owner``: delete the copy here (logged), answer MOVED."""
         self.moves.release(name, owner, version)
         with self._lock:
