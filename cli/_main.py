@@ -62,6 +62,11 @@ COMMANDS = {
         "add_history_arguments",
         "list the steps a group can go back to, with their times",
     ),
+    "reshard": (
+        "onnxps.cli.reshard",
+        "add_arguments",
+        "grow or shrink a running cluster found through etcd",
+    ),
 }
 
 

@@ -287,4 +287,28 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(
             format_table(replicas, REPLICA_COLUMNS, frozenset({0, 4, 5, 6})), file=out
         )
+        for line in resharding_lines(args.address, replicas, etcd_tls):
+            print(line, file=out)
     return 0
+
+
+def resharding_lines(
+    url: str, replicas: Sequence[tuple[str, ...]], tls: CoordinatorTls | None
+) -> list[str]:
+    """What the placement map says of the shards (docs/resharding.md): a shard
+    that owns nothing yet, a resharding under way."""
+    from onnxps.client._discovery import Discovery
+
+    placement = Discovery(url, tls=tls).placement(time.monotonic() + 5)
+    lines = []
+    for shard in sorted(
+        {int(r[0]) for r in replicas if int(r[0]) >= placement.serving}
+    ):
+        lines.append(
+            f"shard {shard} owns nothing yet: it holds groups once `onnxps reshard "
+            f"{url} --shards {shard + 1}` (or more) moves some there "
+            "(docs/resharding.md)"
+        )
+    for name, (source, target) in sorted(placement.moving.items()):
+        lines.append(f"moving {name}: shard {source} -> {target} (a resharding)")
+    return lines

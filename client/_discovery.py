@@ -14,6 +14,8 @@ from __future__ import annotations
 import base64
 import json
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from onnxps.wire.coordinator import (
@@ -24,7 +26,44 @@ from onnxps.wire.coordinator import (
     parse_coordinator,
 )
 
-__all__ = ["CoordinatorTls", "Discovery", "follows", "is_coordinator"]
+__all__ = ["CoordinatorTls", "Discovery", "Placement", "follows", "is_coordinator"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The placement map of a cluster found through etcd (docs/resharding.md):
+    ``version`` (one more at each change), ``shards`` (new groups are placed over
+    this many), ``serving`` (shards 0..serving-1 hold groups), ``owners`` (the
+    shard of each name a resharding moved) and ``moving`` (name -> (from, to) of
+    the moves under way: served by ``from`` until they flip)."""
+
+    version: int
+    shards: int
+    serving: int
+    owners: Mapping[str, int]
+    moving: Mapping[str, tuple[int, int]]
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Placement:
+        doc = json.loads(raw)
+        shards = int(doc["shards"])
+        return cls(
+            int(doc.get("version", 0)),
+            shards,
+            int(doc.get("serving", shards)),
+            {str(k): int(v) for k, v in (doc.get("owners") or {}).items()},
+            {
+                str(k): (int(m["from"]), int(m["to"]))
+                for k, m in (doc.get("moving") or {}).items()
+            },
+        )
+
+    def owner(self, name: str) -> int | None:
+        """The shard that serves ``name`` now, when the map says (None: the one
+        that holds it)."""
+        if name in self.moving:
+            return self.moving[name][0]
+        return self.owners.get(name)
 
 
 def _b64(raw: bytes) -> str:
@@ -96,6 +135,11 @@ class Discovery:
         None for a standby that does not follow it: its lsn may count records of
         another term) and ``sync`` (named a synchronous standby)."""
         count = self.shard_count(time.monotonic() + timeout)
+        # shards started beyond the count (a resharding is to make them owners)
+        for key, _ in self._range(f"{self.prefix}/shards/"):
+            index = key[len(self.prefix) + len("/shards/") :].split("/", 1)[0]
+            if index.isdigit():
+                count = max(count, int(index) + 1)
         out: list[dict[str, Any]] = []
         for shard in range(count):
             base = f"{self.prefix}/shards/{shard}/"
@@ -135,6 +179,18 @@ class Discovery:
                 )
         return out
 
+    def placement(self, deadline: float) -> Placement:
+        """The placement map (``PREFIX/placement``, docs/resharding.md); a cluster
+        never resharded has none: version 0, every count the layout's."""
+        raw = self._get(f"{self.prefix}/placement")
+        if raw is None:
+            count = self.shard_count(deadline)
+            return Placement(0, count, count, {}, {})
+        return Placement.from_json(raw)
+
+    def placement_within(self, timeout: float) -> Placement:
+        return self.placement(time.monotonic() + timeout)
+
     def shard_count(self, deadline: float) -> int:
         while True:
             raw = self._get(f"{self.prefix}/layout")
@@ -161,10 +217,26 @@ class Discovery:
                 return None
             time.sleep(0.05)
 
+    def resize(self, addresses: list[str], count: int, timeout: float) -> list[str]:
+        """``addresses`` cut or grown to ``count`` shards (a resharding changed
+        the shards that hold groups): a new shard's primary read here."""
+        grown = list(addresses[:count])
+        for i in range(len(grown), count):
+            found = self.primary(i, time.monotonic() + timeout)
+            if found is None:
+                raise ConnectionError(
+                    f"shard {i} under {self.url} has no primary: start its server "
+                    "(onnxps serve --coordinator ... --shard I/M)"
+                )
+            grown.append(found)
+        return grown
+
     def addresses(self, timeout: float) -> str | list[str]:
-        """Every shard's primary: one address for one shard, else a list."""
+        """Every shard's primary: one address for one shard, else a list (the
+        shards the placement map says hold groups: during a resharding, the old
+        and the new ones)."""
         deadline = time.monotonic() + timeout
-        count = self.shard_count(deadline)
+        count = self.placement(deadline).serving
         found = []
         for i in range(count):
             address = self.primary(i, deadline)

@@ -79,7 +79,7 @@ def create_group(
             f"group {group!r} has ids tables: on a cluster such a group holds ids "
             f"tables only (its tensors {', '.join(names)} go in a group of their own)"
         )
-    shards = ops.shards or 1
+    shards = ops.placement_shards
     yield from _sharded.check_new(ops, group, deadline)
     planned = _plan(group, shards)
     own = [owners(t[0], shards) for t in table_arrays]
@@ -213,7 +213,7 @@ def list_rows(
 
     def page(part: Part) -> Op[RowsPage]:
         op = ops.list_rows(part.name, table, page_token, size, values, state, deadline)
-        return on_shard(part.shard, op)
+        return on_shard(ops.shard_of(part.name, part.shard), op)
 
     pages = yield from parallel([page(p) for p in found.parts])
     ids = np.concatenate([p.ids for p in pages])

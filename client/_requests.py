@@ -41,6 +41,7 @@ from onnxps.wire.weights import file_format
 from ._channel_transport import DataChannelLink, DataChannelMode
 from ._discovery import CoordinatorTls, Discovery, is_coordinator
 from ._errors import ClientClosedError, RpcError
+from ._following import FollowsPlacement
 from ._frames import CallChannel
 from ._grpc_transport import Transport
 from ._ops import (
@@ -150,7 +151,7 @@ class State(enum.Enum):
     CLOSED = 3
 
 
-class ClientCore:
+class ClientCore(FollowsPlacement):
     """Settings and per-client state both clients share, and every operation."""
 
     # Whether this client performs ``Transfer`` (data channel) effects.
@@ -189,6 +190,7 @@ class ClientCore:
         if isinstance(address, str) and is_coordinator(address):
             self._discovery = Discovery(address, tls=etcd_tls if named else None)
             address = self._discovery.addresses(timeout)
+            self._placement = self._discovery.placement_within(timeout)
         elif named:
             raise ValueError(
                 "coordinator_ca, coordinator_cert and coordinator_key are the files "

@@ -329,7 +329,7 @@ class Cluster:
         op = ops.list_rows(
             part.name, table, page_token, page_size, values, state, deadline
         )
-        return (yield from on_shard(part.shard, op))
+        return (yield from on_shard(ops.shard_of(part.name, part.shard), op))
 
     def join(
         self, group: str, worker_id: str, deadline: Deadline

@@ -25,6 +25,7 @@ from onnxps.wire.encoding import Encoding, encode
 from . import _ids_cluster
 from ._cluster import Layout, Part, Slot
 from ._errors import FailedPreconditionError, InvalidArgumentError
+from ._layouts import rerouted
 from ._ops import Deadline, Op, on_shard, parallel
 from ._records import PushResult
 from ._replies import as_indices, row_gradients
@@ -35,7 +36,6 @@ from ._sharded import (
     finish_earlier,
     group_dtype,
     pull_rows_part,
-    rerouted,
 )
 from ._sharded import land as land_parts
 from ._shardops import ShardOps
@@ -243,7 +243,7 @@ def push_rows(
                 deadline,
                 encoding,
             )
-            return (yield from on_shard(p.shard, op))
+            return (yield from on_shard(ops.shard_of(p.name, p.shard), op))
         else:
             per_part = yield from _split_push(ops, found, gradients, deadline, encoding)
         return (

@@ -17,30 +17,44 @@ from typing import Any, TypeVar
 
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
-from onnxps.wire.codec import PROTO_TO_DTYPE
 from onnxps.wire.encoding import Encoding
 
 from ._cluster import (
     Layout,
-    LayoutError,
     Part,
     base_name,
     join_arrays,
-    layout_from_listing,
     part_arrays,
     plan_layout,
 )
 from ._errors import (
     AlreadyExistsError,
     DeadlineExceededError,
-    FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     PartsDivergedError,
     RpcError,
     UnavailableError,
 )
-from ._ops import Call, Deadline, Op, Pause, on_shard, one_call, parallel, what
+from ._landing import until_landed
+from ._layouts import (
+    _call,
+    _layout_of,
+    _listing,
+    _remember,
+    _shards,
+    layout,
+    rerouted,
+)
+from ._ops import (
+    Call,
+    Deadline,
+    Op,
+    on_shard,
+    one_call,
+    parallel,
+    what,
+)
 from ._pending import (
     PartPush,
     PendingPush,
@@ -82,118 +96,6 @@ __all__ = [
 log = logging.getLogger("onnxps.client")
 R = TypeVar("R")
 Array = np.ndarray[Any, Any]
-Listing = list[tuple[int, pb.GroupInfo]]
-
-
-def _shards(ops: ShardOps) -> int:
-    assert ops.shards is not None
-    return ops.shards
-
-
-def _unavailable(exc: RpcError) -> bool:
-    return isinstance(exc, UnavailableError)
-
-
-def until_landed(
-    send: Callable[[], Op[R]],
-    deadline: Deadline,
-    resend: Callable[[RpcError], bool] = _unavailable,
-) -> Op[R]:
-    """``send()``, sent again while it fails with an error ``resend`` accepts (by
-    default: its server is unavailable), until the deadline (a cluster's calls: a
-    shard pod restarting must not fail the worker). A push carries the same
-    (client_id, seq) each time, so it lands exactly once."""
-    backoff = 0.1
-    while True:
-        try:
-            return (yield from send())
-        except RpcError as exc:
-            if not resend(exc):
-                raise
-            pause = min(backoff, deadline.remaining())
-            if pause <= 0:
-                raise
-        yield Pause(pause)
-        backoff = min(1.0, backoff * 2)
-
-
-def _call(
-    ops: ShardOps, method: str, req: Any, deadline: Deadline, shard: int
-) -> Op[Any]:
-    """One call to one shard, resent while the shard is unavailable (a restarting
-    pod), until the deadline: the calls routed here are idempotent."""
-    call = Call(method, lambda: req, deadline, what(method))
-    return until_landed(lambda: on_shard(shard, one_call(call)), deadline)
-
-
-def _listing(ops: ShardOps, prefix: str, deadline: Deadline) -> Op[Listing]:
-    """Every shard's groups whose names start with ``prefix``, with their shard."""
-    req = pb.ListGroupsRequest(prefix=prefix)
-    replies = yield from parallel(
-        [_call(ops, "ListGroups", req, deadline, i) for i in range(_shards(ops))]
-    )
-    return [(i, g) for i, msg in enumerate(replies) for g in msg.groups]
-
-
-def _layout_of(group: str, listing: Listing) -> Layout | None:
-    entries = [
-        (i, g.name, [(t.name, list(t.dims)) for t in g.tensors]) for i, g in listing
-    ]
-    try:
-        return layout_from_listing(group, entries)
-    except LayoutError as exc:
-        raise FailedPreconditionError(
-            str(exc), reason="CLUSTER_LAYOUT_BROKEN", metadata={"group": group}
-        ) from None
-
-
-def _not_found(group: str, shards: int) -> NotFoundError:
-    return NotFoundError(
-        f"group {group!r} does not exist on any of the {shards} shards",
-        reason="GROUP_NOT_FOUND",
-        metadata={"group": group},
-    )
-
-
-def layout(
-    ops: ShardOps, group: str, deadline: Deadline, refresh: bool = False
-) -> Op[Layout]:
-    """The group's layout: remembered, or found by listing every shard."""
-    found = None if refresh else ops.layouts.get(group)
-    if found is not None:
-        return found
-    listing = yield from _listing(ops, group, deadline)
-    found = _layout_of(group, listing)
-    if found is None:
-        ops.layouts.pop(group, None)
-        raise _not_found(group, _shards(ops))
-    _remember(ops, found, [g for _, g in listing])
-    return found
-
-
-def _remember(ops: ShardOps, found: Layout, infos: Sequence[pb.GroupInfo]) -> None:
-    ops.layouts[found.group] = found
-    for g in infos:
-        dtype = PROTO_TO_DTYPE[g.dtype]
-        ops.sizes[g.name] = g.element_count * dtype.itemsize
-        ops.dtypes[g.name] = dtype
-
-
-def rerouted(
-    ops: ShardOps,
-    group: str,
-    deadline: Deadline,
-    call: Callable[[Layout], Op[R]],
-) -> Op[R]:
-    """``call(layout)``; once more with a fresh layout when a remembered one is
-    stale (the group was deleted, or recreated with another layout)."""
-    cached = group in ops.layouts
-    try:
-        return (yield from call((yield from layout(ops, group, deadline))))
-    except NotFoundError:
-        if not cached:
-            raise
-    return (yield from call((yield from layout(ops, group, deadline, True))))
 
 
 def part_targets(
@@ -238,7 +140,8 @@ def merged(ops: ShardOps, found: Layout, infos: Sequence[pb.GroupInfo]) -> Group
 def check_new(ops: ShardOps, group: str, deadline: Deadline) -> Op[None]:
     """ALREADY_EXISTS when the cluster holds ``group`` (or parts of it). A
     courtesy: part 0's creation is what decides between two clients."""
-    if _layout_of(group, (yield from _listing(ops, group, deadline))) is not None:
+    listing = yield from _listing(ops, group, deadline)
+    if _layout_of(group, listing, ops) is not None:
         raise AlreadyExistsError(
             f"group {group!r} exists already in the cluster",
             reason="GROUP_EXISTS",
@@ -285,7 +188,9 @@ def create_group(
     dtype = arrays[0].dtype if arrays else None
     itemsize = dtype.itemsize if dtype is not None else 4
     shapes = [a.shape for a in arrays]
-    planned = plan_layout(group, names, shapes, itemsize, _shards(ops), ops.split_bytes)
+    planned = plan_layout(
+        group, names, shapes, itemsize, ops.placement_shards, ops.split_bytes
+    )
 
     def create(k: int) -> Op[pb.GroupInfo]:
         part = planned.parts[k]
@@ -365,7 +270,7 @@ def list_groups(ops: ShardOps, prefix: str, deadline: Deadline) -> Op[list[Group
         if not group.startswith(prefix):
             continue
         mine = [(i, g) for i, g in listing if base_name(g.name)[0] == group]
-        found = _layout_of(group, mine)
+        found = _layout_of(group, mine, ops)
         assert found is not None
         by_name = {g.name: g for _, g in mine}
         infos = [by_name[p.name] for p in found.parts]
@@ -542,6 +447,7 @@ def _check_gradients(
 def _push_one(ops: ShardOps, part: PartPush, deadline: Deadline) -> Op[Any]:
     """One part's push to its shard: the reply."""
     shard, template, arrays = part
+    shard = ops.shard_of(template.group, shard)
     if isinstance(template, pb.PushRowsHeader):
         op = ops.send_rows(template.group, template, list(arrays), deadline)
     else:
@@ -561,7 +467,9 @@ def _send_part(ops: ShardOps, part: PartPush, deadline: Deadline) -> Op[Any]:
         return resend_now(exc)
 
     try:
-        sent = until_landed(lambda: _push_one(ops, part, deadline), deadline, resend)
+        sent = until_landed(
+            lambda: _push_one(ops, part, deadline), deadline, resend, ops
+        )
         return (yield from sent)
     except DeadlineExceededError as exc:
         if not refused:
@@ -803,10 +711,11 @@ def pull(
 
     def pull_part(p: Part, at_least: int | None) -> Op[tuple[int, list[Array]]]:
         def send() -> Op[tuple[int, list[Array]]]:
-            op = ops.pull(p.name, state, at_least, deadline, encoding, shard=p.shard)
-            return on_shard(p.shard, op)
+            shard = ops.shard_of(p.name, p.shard)
+            op = ops.pull(p.name, state, at_least, deadline, encoding, shard=shard)
+            return on_shard(shard, op)
 
-        return until_landed(send, deadline)
+        return until_landed(send, deadline, ops=ops)
 
     def pull_all(found: Layout) -> Op[tuple[Layout, list[tuple[int, list[Array]]]]]:
         replies = yield from parallel([pull_part(p, min_version) for p in found.parts])
@@ -888,6 +797,6 @@ def pull_rows_part(
         op = ops.pull_rows(
             found.group, part.name, selection, state, min_version, deadline
         )
-        return on_shard(part.shard, op)
+        return on_shard(ops.shard_of(part.name, part.shard), op)
 
-    return until_landed(send, deadline)
+    return until_landed(send, deadline, ops=ops)

@@ -50,6 +50,13 @@ class ShardHost(Protocol):
     shared_memory: SharedMemoryMode
     chunk_bytes: int
 
+    @property
+    def placement_shards(self) -> int | None: ...
+
+    def owner(self, name: str) -> int | None: ...
+
+    def refresh_placement(self) -> None: ...
+
 
 class ShardOps:
     """One call of one group (or part) to one server, and what calls remember."""
@@ -71,6 +78,8 @@ class ShardOps:
         # pushes whose parts did not all land (sent first by its next push or pull)
         self.layouts: dict[str, Layout] = {}
         self.pending = PendingPushes()
+        # part name -> the shard a MOVED answer named (a resharding moved it)
+        self.moved: dict[str, int] = {}
         # push(template, arrays, deadline, out=None, shard=0): one push (or
         # part's) to ``shard``, on the way the transport seam chooses
         self.push = transports.push
@@ -78,6 +87,20 @@ class ShardOps:
     @property
     def shards(self) -> int | None:
         return self.host.shards
+
+    @property
+    def placement_shards(self) -> int:
+        """New groups are placed over this many shards (docs/resharding.md)."""
+        return self.host.placement_shards or self.host.shards or 1
+
+    def shard_of(self, name: str, shard: int) -> int:
+        """Where a call of ``name`` (a group or part) goes: the shard a MOVED
+        answer named, else the placement map's owner, else ``shard``."""
+        moved = self.moved.get(name)
+        if moved is not None:
+            return moved
+        owner = self.host.owner(name)
+        return shard if owner is None else owner
 
     @property
     def split_bytes(self) -> int:

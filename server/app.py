@@ -284,7 +284,9 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
     interceptors: list[HookInterceptor] = [ObserveInterceptor(recorder), gate]
     if grants is not None:
         interceptors.append(security.TokenAuthInterceptor(grants))
-    interceptors.append(ShardInterceptor(shard))
+    # a cluster found through etcd changes its shard count by resharding: the
+    # index a call was routed to is checked, not the count it routed for
+    interceptors.append(ShardInterceptor(shard, any_count=bool(config.coordinator)))
     interceptors.append(
         LimitsInterceptor(
             max_concurrent_streams=max_streams, inflight=inflight, stall=stall

@@ -18,6 +18,7 @@ __all__ = [
     "DomainError",
     "FailedPrecondition",
     "InvalidArgument",
+    "Moved",
     "NotFound",
     "JOURNAL_REFUSALS",
     "NotLogged",
@@ -74,6 +75,15 @@ class FailedPrecondition(DomainError):
     """The request is well-formed but the state does not allow it (stale push...)."""
 
     default_reason = "FAILED_PRECONDITION"
+
+
+class Moved(FailedPrecondition):
+    """The group is owned by another shard now (or is about to be): a resharding
+    moved it (docs/resharding.md). ``metadata``: ``group``, ``shard`` (its owner,
+    when known) and ``map_version``; the client reads the placement map again and
+    resends there."""
+
+    default_reason = "MOVED"
 
 
 class ResourceExhausted(DomainError):

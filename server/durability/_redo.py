@@ -49,6 +49,7 @@ def redo(
         store.replay_create(
             GroupImage.from_json(h["image"], arrays, source),
             request_id=h.get("request_id", ""),
+            moved=h.get("moved"),  # a resharding's move (store._moves)
         )
     elif op == "delete":
         store.replay_delete(name)

@@ -81,6 +81,10 @@ _ADMIN = _WRITE | {
     "Save",
     "Rewind",
     "Fork",
+    # resharding (docs/resharding.md): a group's move between shards
+    "MoveGroup",
+    "ExportGroup",
+    "ImportGroup",
 }
 # A standby of a replicated shard follows its primary's log: the whole state of the
 # shard, every tenant's groups. Only a replica may: a token of its own role that does
@@ -100,6 +104,7 @@ _GROUPLESS = frozenset(
         "ApplyStream",
         "Save",
         "Replicate",
+        "ImportGroup",
         "SharedMemoryHello",
         "DataChannelHello",
     }

@@ -86,8 +86,12 @@ def _routed(metadata: Any) -> str | None:
     return None
 
 
-def mismatch(shard: ShardIdentity | None, routed: str) -> str | None:
-    """Why a call routed as ``routed`` ("I/N") may not be served here; None: it may."""
+def mismatch(
+    shard: ShardIdentity | None, routed: str, any_count: bool = False
+) -> str | None:
+    """Why a call routed as ``routed`` ("I/N") may not be served here; None: it may.
+    ``any_count``: a shard of a cluster found through etcd, whose shard count a
+    resharding changes (docs/resharding.md): only the index must match."""
     index_text, _, count_text = routed.partition("/")
     if not (index_text.isdigit() and count_text.isdigit()):
         return f"the {SHARD_METADATA_KEY} metadata must be INDEX/COUNT, got {routed!r}"
@@ -99,7 +103,7 @@ def mismatch(shard: ShardIdentity | None, routed: str) -> str | None:
             f"this server is not a shard (started without --shard); the client "
             f"routed for {count} shards"
         )
-    if count != shard.count:
+    if count != shard.count and not any_count:
         return (
             f"this is shard {shard.index} of {shard.count}; the client routed for "
             f"{count} shards"
@@ -123,8 +127,9 @@ class _Refused(Refusal):
 class ShardInterceptor(HookInterceptor):
     """Refuses calls routed for another shard layout (decided from the metadata)."""
 
-    def __init__(self, shard: ShardIdentity | None) -> None:
+    def __init__(self, shard: ShardIdentity | None, any_count: bool = False) -> None:
         self.shard = shard
+        self.any_count = any_count
 
     def call_hooks(
         self,
@@ -137,7 +142,7 @@ class ShardInterceptor(HookInterceptor):
         routed = _routed(handler_call_details.invocation_metadata)
         if service != SERVICE or routed is None:
             return None, None
-        why = mismatch(self.shard, routed)
+        why = mismatch(self.shard, routed, self.any_count)
         if why is None:
             return None, None
         metadata = {"routed": routed}

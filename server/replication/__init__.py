@@ -41,6 +41,7 @@ from ._etcd import (
 )
 from ._journal import NotPrimary, ReplicatedJournal
 from ._member import Keys, Member, MemberConfig, MemberIdInUse, PrimaryInfo, Role
+from ._placement import PlacementWatch
 from ._standby import Follower
 
 __all__ = [
@@ -181,6 +182,10 @@ class Replication:
         self.member: Member | None = None
         self.journal: ReplicatedJournal | None = None
         self.follower: Follower | None = None
+        store.moves.shard = config.shard.index  # what a resharding moves here
+        self.placement = PlacementWatch(
+            self.etcd.clone(), config.coordinator.prefix, config.shard.index, store
+        )
 
     def start(self, address: str) -> None:
         """Join the replica set, reachable at ``address`` (after the server bound)."""
@@ -231,6 +236,7 @@ class Replication:
         durability.set_position(self._position)
         follower.start()
         member.start()
+        self.placement.start()
         log.info(
             "member %s of shard %s under %s (sync replicas %d, lease %d s)",
             member_id, self.config.shard, self.config.coordinator,
@@ -392,6 +398,7 @@ class Replication:
         return Role.STOPPED if self.member is None else self.member.role
 
     def stop(self) -> None:
+        self.placement.stop()
         if self.member is not None:
             self.member.stop(resign=True)
         if self.follower is not None:

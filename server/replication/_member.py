@@ -579,7 +579,20 @@ class Member:
         count = str(self.config.shard.count)
         self.etcd.txn([absent(self.keys.layout)], [put_op(self.keys.layout, count)])
         kv = self.etcd.get(self.keys.layout)
-        if kv is not None and kv.value.decode() != count:
+        if kv is None or kv.value.decode() == count:
+            return
+        layout = int(kv.value.decode())
+        if self.config.shard.index >= layout:
+            log.info(
+                "shard %d of a cluster of %d shards (%s): it owns nothing until a "
+                "resharding moves groups here (onnxps reshard, docs/resharding.md)",
+                self.config.shard.index, layout, self.keys.layout,
+            )  # fmt: skip
+            return
+        # A larger count: the cluster grows (a resharding follows); after one, the
+        # count a server was started with is history (the placement map rules).
+        grows = self.config.shard.count > layout
+        if not grows and self.etcd.get(f"{self.keys.prefix}/placement") is None:
             raise ConfigError(
                 f"--shard {self.config.shard}: the cluster under "
                 f"{self.config.coordinator} has {kv.value.decode()} shards "

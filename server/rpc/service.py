@@ -19,6 +19,7 @@ from ..errors import FailedPrecondition
 from ._common import add_servicer, streaming
 from ._groups import GroupRpcs
 from ._history import HistoryRpcs
+from ._moves import MoveRpcs
 from ._rows import RowRpcs
 from ._tensors import TensorRpcs
 
@@ -32,7 +33,12 @@ Replicate = Callable[
 
 
 class ParameterServerServicer(
-    GroupRpcs, TensorRpcs, RowRpcs, HistoryRpcs, pb_grpc.ParameterServerServiceServicer
+    GroupRpcs,
+    TensorRpcs,
+    RowRpcs,
+    HistoryRpcs,
+    MoveRpcs,
+    pb_grpc.ParameterServerServiceServicer,
 ):
     """Every RPC of ``onnxps.v1.ParameterServerService``."""
 

@@ -74,6 +74,7 @@ from ._group import (
 )
 from ._ids import RowsPage
 from ._journaling import JournalEntry
+from ._moves import Moves, moved, runtime_from_json
 from ._order import alone
 from ._push import (
     PushPipeline,
@@ -83,6 +84,7 @@ from ._push import (
     check_gradient_specs,
     check_gradient_values,
 )
+from ._resharding import MovingGroups
 from ._shared import SharedCopies
 from ._sparse import RowSpec
 from ._waits import CURRENT_CALL, CallCancelled, CallLink, Cancellation, Wait, Waiting
@@ -116,7 +118,7 @@ Spec = tuple[np.dtype[Any], tuple[int, ...]]
 _W = TypeVar("_W")  # what a pull_into writer returns
 
 
-class ParameterStore:
+class ParameterStore(MovingGroups):
     """All groups of one server."""
 
     def __init__(
@@ -129,6 +131,8 @@ class ParameterStore:
         self.limits = limits or StoreLimits()
         self._groups: dict[str, Group] = {}
         self._lock = threading.Lock()
+        # the groups a resharding moves to or from this shard (``_moves``)
+        self.moves = Moves()
         self._clock = clock
         self._journal = journal
         self._entry = JournalEntry(journal)  # what a push logs through (stateless)
@@ -237,6 +241,7 @@ class ParameterStore:
             return [g for n, g in sorted(self._groups.items()) if n.startswith(prefix)]
 
     def _group(self, name: str) -> Group:
+        self.moves.check(name)
         with self._lock:
             g = self._groups.get(name)
         if g is None:
@@ -256,6 +261,8 @@ class ParameterStore:
         """Every group whose name starts with ``prefix``, by name."""
         views = []
         for g in self._live(prefix):
+            if self.moves.hidden(g.name):
+                continue
             with g.cond:
                 if not g.deleted:
                     views.append(g.view(self._clock()))
@@ -342,8 +349,11 @@ class ParameterStore:
         _log_group("created", group)
         return group.view(self._clock())
 
-    def _add_group(self, group: Group, group_bytes: int) -> None:
-        """Hold ``group`` under its name once its create record is durable."""
+    def _add_group(
+        self, group: Group, group_bytes: int, extra: dict[str, Any] | None = None
+    ) -> None:
+        """Hold ``group`` under its name once its create record (with ``extra``)
+        is durable."""
         name = group.name
         journal = JournalEntry(self._journal)
         # Held until the create record is durable: no call uses the group before.
@@ -364,6 +374,7 @@ class ParameterStore:
                         } | (
                             {"request_id": group.created_by} if group.created_by else {}
                         )
+                        record |= extra or {}
                         lsn = journal.log(record, image.arrays)
                 journal.wait(lsn)
             except JOURNAL_REFUSALS:
@@ -758,7 +769,17 @@ class ParameterStore:
         _log_group("restored", g)
         return g.view(self._clock())
 
-    def replay_create(self, image: GroupImage, request_id: str = "") -> None:
+    def replay_create(
+        self,
+        image: GroupImage,
+        request_id: str = "",
+        moved: dict[str, Any] | None = None,
+    ) -> None:
+        """A logged create; ``moved``: a group a resharding moved here, with the
+        exactly-once windows it came with (``runtime_to_json``)."""
+        if moved is not None:
+            self.install(image, runtime_from_json(moved))
+            return
         self.install(image, GroupRuntime(created_by=request_id) if request_id else None)
 
     def replay_push(
@@ -862,6 +883,9 @@ class ParameterStore:
     def _check_live(self, g: Group) -> None:
         if g.deleted:
             raise NotFound(f"group {g.name!r} was deleted", metadata={"group": g.name})
+        owner = self.moves.fenced(g.name)
+        if owner is not None:
+            raise moved(g.name, owner, self.moves.version)
         if self._closed:
             raise Unavailable("the server is shutting down; retry on another server")
 

@@ -56,6 +56,9 @@ def test_stubs_serve_the_package_named_in_the_proto() -> None:
         "Rewind",
         "Fork",
         "History",
+        "MoveGroup",
+        "ExportGroup",
+        "ImportGroup",
     ]
 
 

@@ -380,6 +380,8 @@ def test_a_stream_that_stops_sending_ends_stalled_without_details(
 # server, shared memory, a cluster): the test file that makes each.
 ELSEWHERE = {
     "NOT_PRIMARY": "test_replication.py",
+    "MOVED": "test_reshard_moved.py",
+    "GROUP_IMPORTING": "test_reshard_moved.py",
     "NOT_ACKNOWLEDGED": "test_replication_cancel.py",
     "BAD_MEMBER_ID": "test_replication_attacks.py",
     "STANDBY_NOT_MEMBER": "test_replication_attacks.py",

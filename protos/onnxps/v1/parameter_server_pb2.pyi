@@ -188,6 +188,56 @@ ROW_INITIALIZER_KIND_NORMAL: RowInitializerKind.ValueType  # 3
 """Normal(mean, stddev); with truncated, redrawn outside two stddev."""
 Global___RowInitializerKind: _TypeAlias = RowInitializerKind  # noqa: Y015
 
+class _MoveStep:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _MoveStepEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MoveStep.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MOVE_STEP_UNSPECIFIED: _MoveStep.ValueType  # 0
+    """Not set (refused)."""
+    MOVE_STEP_BEGIN_IMPORT: _MoveStep.ValueType  # 1
+    """Target: the group is about to arrive; hold its calls until ACTIVATE and
+    drop any copy left by an earlier, unfinished move.
+    """
+    MOVE_STEP_ACTIVATE: _MoveStep.ValueType  # 2
+    """Target: the placement map names this shard the owner; serve the group."""
+    MOVE_STEP_RELEASE: _MoveStep.ValueType  # 3
+    """Source: the map names another owner; delete the group here (logged) and
+    answer its calls with MOVED.
+    """
+    MOVE_STEP_UNFENCE: _MoveStep.ValueType  # 4
+    """Source: the move was abandoned before the map changed; serve the group
+    again.
+    """
+    MOVE_STEP_ABORT_IMPORT: _MoveStep.ValueType  # 5
+    """Target: the move was abandoned before the map changed; drop the copy."""
+
+class MoveStep(_MoveStep, metaclass=_MoveStepEnumTypeWrapper):
+    """Resharding (docs/resharding.md): one step of a group's move between shards,
+    sent by `onnxps reshard` to the source or target shard's primary.
+    """
+
+MOVE_STEP_UNSPECIFIED: MoveStep.ValueType  # 0
+"""Not set (refused)."""
+MOVE_STEP_BEGIN_IMPORT: MoveStep.ValueType  # 1
+"""Target: the group is about to arrive; hold its calls until ACTIVATE and
+drop any copy left by an earlier, unfinished move.
+"""
+MOVE_STEP_ACTIVATE: MoveStep.ValueType  # 2
+"""Target: the placement map names this shard the owner; serve the group."""
+MOVE_STEP_RELEASE: MoveStep.ValueType  # 3
+"""Source: the map names another owner; delete the group here (logged) and
+answer its calls with MOVED.
+"""
+MOVE_STEP_UNFENCE: MoveStep.ValueType  # 4
+"""Source: the move was abandoned before the map changed; serve the group
+again.
+"""
+MOVE_STEP_ABORT_IMPORT: MoveStep.ValueType  # 5
+"""Target: the move was abandoned before the map changed; drop the copy."""
+Global___MoveStep: _TypeAlias = MoveStep  # noqa: Y015
+
 @_typing.final
 class Tensor(_message.Message):
     """A dense tensor. Bytes are little-endian, C (row-major) order, exactly
@@ -2767,6 +2817,196 @@ class ReplicaRecord(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReplicaRecord: _TypeAlias = ReplicaRecord  # noqa: Y015
+
+@_typing.final
+class MoveGroupRequest(_message.Message):
+    """One step of a group's move (MoveGroup)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    TO_SHARD_FIELD_NUMBER: _builtins.int
+    MAP_VERSION_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    """The group's name on the shard (a part's name for a split group)."""
+    step: Global___MoveStep.ValueType
+    """What to do."""
+    to_shard: _builtins.int
+    """The shard the group moves to (RELEASE: its new owner)."""
+    map_version: _builtins.int
+    """The placement map's version after the step's change (0: not known)."""
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        step: Global___MoveStep.ValueType = ...,
+        to_shard: _builtins.int = ...,
+        map_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "map_version", b"map_version", "step", b"step", "to_shard", b"to_shard"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MoveGroupRequest: _TypeAlias = MoveGroupRequest  # noqa: Y015
+
+@_typing.final
+class MoveGroupResponse(_message.Message):
+    """What a move step found."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PRESENT_FIELD_NUMBER: _builtins.int
+    UPDATE_COUNT_FIELD_NUMBER: _builtins.int
+    present: _builtins.bool
+    """The group is held on this shard after the step."""
+    update_count: _builtins.int
+    """Its update count T (0 when absent)."""
+    def __init__(
+        self,
+        *,
+        present: _builtins.bool = ...,
+        update_count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["present", b"present", "update_count", b"update_count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MoveGroupResponse: _TypeAlias = MoveGroupResponse  # noqa: Y015
+
+@_typing.final
+class ExportGroupRequest(_message.Message):
+    """Fence a group on its source shard and send its whole state (ExportGroup)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    TO_SHARD_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    """The group's name on the shard."""
+    to_shard: _builtins.int
+    """The shard it moves to: the fenced group's calls are answered with MOVED
+    naming it.
+    """
+    fence: _builtins.bool
+    """Stop acknowledging the group's changes first (the cutover), waiting for
+    the changes in flight to finish: the state sent is final.
+    """
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        to_shard: _builtins.int = ...,
+        fence: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "group", b"group", "to_shard", b"to_shard"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportGroupRequest: _TypeAlias = ExportGroupRequest  # noqa: Y015
+
+@_typing.final
+class ExportGroupResponse(_message.Message):
+    """A piece of the group's state: a one-group snapshot (docs/FORMAT.md), its
+    files in pieces, then its end.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNK_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def chunk(self) -> Global___ReplicaSnapshotChunk:
+        """A piece of a snapshot file."""
+
+    @_builtins.property
+    def done(self) -> Global___ReplicaSnapshotDone:
+        """The snapshot is complete."""
+
+    def __init__(
+        self,
+        *,
+        chunk: Global___ReplicaSnapshotChunk | None = ...,
+        done: Global___ReplicaSnapshotDone | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "done", b"done", "part", b"part"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "done", b"done", "part", b"part"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["chunk", "done"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___ExportGroupResponse: _TypeAlias = ExportGroupResponse  # noqa: Y015
+
+@_typing.final
+class ImportGroupRequest(_message.Message):
+    """The state ExportGroup sent, to the target shard (ImportGroup)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNK_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def chunk(self) -> Global___ReplicaSnapshotChunk:
+        """A piece of a snapshot file."""
+
+    @_builtins.property
+    def done(self) -> Global___ReplicaSnapshotDone:
+        """The snapshot is complete: install its group (held until ACTIVATE)."""
+
+    def __init__(
+        self,
+        *,
+        chunk: Global___ReplicaSnapshotChunk | None = ...,
+        done: Global___ReplicaSnapshotDone | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "done", b"done", "part", b"part"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "done", b"done", "part", b"part"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["chunk", "done"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___ImportGroupRequest: _TypeAlias = ImportGroupRequest  # noqa: Y015
+
+@_typing.final
+class ImportGroupResponse(_message.Message):
+    """The group installed on the target."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    UPDATE_COUNT_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    """Its name."""
+    update_count: _builtins.int
+    """Its update count T."""
+    bytes: _builtins.int
+    """The bytes received."""
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        update_count: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "group", b"group", "update_count", b"update_count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ImportGroupResponse: _TypeAlias = ImportGroupResponse  # noqa: Y015
 
 @_typing.final
 class RewindRequest(_message.Message):

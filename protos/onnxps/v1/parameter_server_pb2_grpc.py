@@ -165,6 +165,21 @@ class ParameterServerServiceStub:
                 request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.HistoryRequest.SerializeToString,
                 response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.HistoryResponse.FromString,
                 _registered_method=True)
+        self.MoveGroup = channel.unary_unary(
+                '/onnxps.v1.ParameterServerService/MoveGroup',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.MoveGroupRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.MoveGroupResponse.FromString,
+                _registered_method=True)
+        self.ExportGroup = channel.unary_stream(
+                '/onnxps.v1.ParameterServerService/ExportGroup',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ExportGroupRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ExportGroupResponse.FromString,
+                _registered_method=True)
+        self.ImportGroup = channel.stream_unary(
+                '/onnxps.v1.ParameterServerService/ImportGroup',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ImportGroupRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ImportGroupResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServiceServicer:
@@ -362,6 +377,27 @@ class ParameterServerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MoveGroup(self, request, context):
+        """Resharding (docs/resharding.md), admin role: one step of a group's move.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportGroup(self, request, context):
+        """Resharding: fence a group on its source and stream its state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportGroup(self, request_iterator, context):
+        """Resharding: install a group's state on its target (held until ACTIVATE).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -494,6 +530,21 @@ def add_ParameterServerServiceServicer_to_server(servicer, server):
                     servicer.History,
                     request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.HistoryRequest.FromString,
                     response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.HistoryResponse.SerializeToString,
+            ),
+            'MoveGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.MoveGroup,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.MoveGroupRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.MoveGroupResponse.SerializeToString,
+            ),
+            'ExportGroup': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportGroup,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ExportGroupRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ExportGroupResponse.SerializeToString,
+            ),
+            'ImportGroup': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportGroup,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ImportGroupRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ImportGroupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1199,6 +1250,87 @@ class ParameterServerService:
             '/onnxps.v1.ParameterServerService/History',
             onnxps_dot_v1_dot_parameter__server__pb2.HistoryRequest.SerializeToString,
             onnxps_dot_v1_dot_parameter__server__pb2.HistoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MoveGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/onnxps.v1.ParameterServerService/MoveGroup',
+            onnxps_dot_v1_dot_parameter__server__pb2.MoveGroupRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.MoveGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/onnxps.v1.ParameterServerService/ExportGroup',
+            onnxps_dot_v1_dot_parameter__server__pb2.ExportGroupRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.ExportGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportGroup(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/onnxps.v1.ParameterServerService/ImportGroup',
+            onnxps_dot_v1_dot_parameter__server__pb2.ImportGroupRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.ImportGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,

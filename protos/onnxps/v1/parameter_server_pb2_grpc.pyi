@@ -120,6 +120,12 @@ class ParameterServerServiceStub:
     """A new group with another group's state right after one of its steps."""
     History: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.HistoryRequest, _parameter_server_pb2.HistoryResponse]
     """The steps a group can go back to (Rewind, Fork), with their times."""
+    MoveGroup: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.MoveGroupRequest, _parameter_server_pb2.MoveGroupResponse]
+    """Resharding (docs/resharding.md), admin role: one step of a group's move."""
+    ExportGroup: _grpc.UnaryStreamMultiCallable[_parameter_server_pb2.ExportGroupRequest, _parameter_server_pb2.ExportGroupResponse]
+    """Resharding: fence a group on its source and stream its state."""
+    ImportGroup: _grpc.StreamUnaryMultiCallable[_parameter_server_pb2.ImportGroupRequest, _parameter_server_pb2.ImportGroupResponse]
+    """Resharding: install a group's state on its target (held until ACTIVATE)."""
 
 @_typing.type_check_only
 class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
@@ -193,6 +199,12 @@ class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
     """A new group with another group's state right after one of its steps."""
     History: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.HistoryRequest, _parameter_server_pb2.HistoryResponse]  # type: ignore[assignment]
     """The steps a group can go back to (Rewind, Fork), with their times."""
+    MoveGroup: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.MoveGroupRequest, _parameter_server_pb2.MoveGroupResponse]  # type: ignore[assignment]
+    """Resharding (docs/resharding.md), admin role: one step of a group's move."""
+    ExportGroup: _aio.UnaryStreamMultiCallable[_parameter_server_pb2.ExportGroupRequest, _parameter_server_pb2.ExportGroupResponse]  # type: ignore[assignment]
+    """Resharding: fence a group on its source and stream its state."""
+    ImportGroup: _aio.StreamUnaryMultiCallable[_parameter_server_pb2.ImportGroupRequest, _parameter_server_pb2.ImportGroupResponse]  # type: ignore[assignment]
+    """Resharding: install a group's state on its target (held until ACTIVATE)."""
 
 class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
     """The parameter server."""
@@ -419,5 +431,29 @@ class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_parameter_server_pb2.HistoryResponse, _abc.Awaitable[_parameter_server_pb2.HistoryResponse]]:
         """The steps a group can go back to (Rewind, Fork), with their times."""
+
+    @_abc_1.abstractmethod
+    def MoveGroup(
+        self,
+        request: _parameter_server_pb2.MoveGroupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.MoveGroupResponse, _abc.Awaitable[_parameter_server_pb2.MoveGroupResponse]]:
+        """Resharding (docs/resharding.md), admin role: one step of a group's move."""
+
+    @_abc_1.abstractmethod
+    def ExportGroup(
+        self,
+        request: _parameter_server_pb2.ExportGroupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_parameter_server_pb2.ExportGroupResponse], _abc.AsyncIterator[_parameter_server_pb2.ExportGroupResponse]]:
+        """Resharding: fence a group on its source and stream its state."""
+
+    @_abc_1.abstractmethod
+    def ImportGroup(
+        self,
+        request_iterator: _MaybeAsyncIterator[_parameter_server_pb2.ImportGroupRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.ImportGroupResponse, _abc.Awaitable[_parameter_server_pb2.ImportGroupResponse]]:
+        """Resharding: install a group's state on its target (held until ACTIVATE)."""
 
 def add_ParameterServerServiceServicer_to_server(servicer: ParameterServerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
