@@ -96,6 +96,12 @@ ROLES: dict[str, frozenset[str]] = {
     "admin": _ADMIN,
     "replication": _REPLICATION,
 }
+# Resharding moves a group between shards: the cluster's operation, not a tenant's.
+# ImportGroup names its group only inside the snapshot it streams, and a move's
+# steps fence, hold and delete groups: only an admin for every group (prefix '*')
+# may call them, never one confined to a prefix (it could race an operator's move
+# with a forged snapshot of another tenant's group).
+_WHOLE_CLUSTER = frozenset({"MoveGroup", "ExportGroup", "ImportGroup"})
 # Methods that name no group: any prefix may call them (if the role allows).
 _GROUPLESS = frozenset(
     {
@@ -429,6 +435,19 @@ class TokenAuthInterceptor(HookInterceptor):
                     f"a {grant.role} token may not call {method}",
                     "ROLE_FORBIDS_METHOD",
                     {"method": method, "role": grant.role},
+                ),
+                None,
+            )
+        if method in _WHOLE_CLUSTER and "" not in grant.prefixes:
+            allowed = ", ".join(repr(p) for p in grant.prefixes)
+            return (
+                _Refused(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{method} moves groups between shards (onnxps reshard): it "
+                    "needs an admin token for every group (prefix '*'); this one "
+                    f"may touch groups starting with {allowed} only",
+                    "GROUP_NOT_PERMITTED",
+                    {"method": method, "prefixes": allowed},
                 ),
                 None,
             )

@@ -56,10 +56,11 @@ def test_the_reshard_job_runs_onnxps_reshard_to_the_configmaps_count() -> None:
     assert env["ONNXPS_COORDINATOR_CA"] == "/etc/etcd/client/ca.crt"
     assert pod.mount_of("etcd-client-tls") == "/etc/etcd/client"
     assert pod.mount_of("onnxps-tls") == "/etc/onnxps/tls"
-    # its token is one of role admin in the servers' tokens file
+    # its token is one of role admin for every group (prefix *) in the servers'
+    # tokens file: a resharding's RPCs are refused to a prefix-confined admin
     tokens = Pod(docs, job, 0)._secret("onnxps-tokens", "tokens")
-    roles = {line.split()[0]: line.split()[1] for line in tokens.splitlines()}
-    assert roles[env["ONNXPS_TOKEN"]] == "admin"
+    grants = {line.split()[0]: line.split()[1:] for line in tokens.splitlines()}
+    assert grants[env["ONNXPS_TOKEN"]] == ["admin", "*"]
     assert job["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure"
     # the replicas' NetworkPolicy admits it (it dials every shard's primary)
     labels = job["spec"]["template"]["metadata"]["labels"]

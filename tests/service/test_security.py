@@ -482,3 +482,56 @@ def test_async_client_sends_its_token(auth_server: ServerHandle) -> None:
         asyncio.run(push(None))
     with pytest.raises(PermissionDeniedError):
         asyncio.run(push(TOKENS["reader"]))
+
+
+def test_a_prefix_confined_admin_may_not_move_groups_between_shards(
+    tmp_path: Path,
+) -> None:
+    """Resharding's RPCs are the cluster's: an admin confined to 'a/' can neither
+    hold, import (a snapshot names its group only inside) nor export a group, its
+    own included; an admin for every group can, and the refused calls change
+    nothing."""
+    tokens = tmp_path / "tokens.txt"
+    tenant, operator = "tenant-admin-5e6f7a8b9c", "operator-admin-0d1e2f3a4b"
+    tokens.write_text(f"{tenant} admin a/\n{operator} admin *\n")
+    handle = _serve(tokens_file=str(tokens))
+    try:
+        with Client(handle.address, token=operator, timeout=10) as admin:
+            admin.create_group("a/x", Adagrad(), learning_rate=0.5, tensors={"w": W0})
+        with grpc.insecure_channel(handle.address) as ch:
+            stub = pb_grpc.ParameterServerServiceStub(ch)
+            as_tenant = (("authorization", f"Bearer {tenant}"),)
+            calls = {
+                "MoveGroup": lambda: stub.MoveGroup(
+                    pb.MoveGroupRequest(group="a/x", step=pb.MOVE_STEP_BEGIN_IMPORT),
+                    metadata=as_tenant,
+                ),
+                "ExportGroup": lambda: list(
+                    stub.ExportGroup(
+                        pb.ExportGroupRequest(group="a/x", fence=True),
+                        metadata=as_tenant,
+                    )
+                ),
+                "ImportGroup": lambda: stub.ImportGroup(
+                    iter([pb.ImportGroupRequest(done=pb.ReplicaSnapshotDone())]),
+                    metadata=as_tenant,
+                ),
+            }
+            for method, call in calls.items():
+                with pytest.raises(grpc.RpcError) as err:
+                    call()
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, method
+                details = err.value.details() or ""
+                assert f"{method} moves groups between shards" in details, details
+                assert "prefix '*'" in details and "'a/'" in details, details
+            # nothing was fenced, held or deleted: the tenant's group still steps
+            with Client(handle.address, token=tenant, timeout=10) as c:
+                c.push("a/x", G)
+                assert c.describe_group("a/x").update_count == 1
+            as_operator = (("authorization", f"Bearer {operator}"),)
+            begin = pb.MoveGroupRequest(group="a/new", step=pb.MOVE_STEP_BEGIN_IMPORT)
+            assert not stub.MoveGroup(begin, metadata=as_operator).present
+            abort = pb.MoveGroupRequest(group="a/new", step=pb.MOVE_STEP_ABORT_IMPORT)
+            stub.MoveGroup(abort, metadata=as_operator)
+    finally:
+        handle.stop(grace=0)
