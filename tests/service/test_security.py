@@ -8,7 +8,7 @@ import logging
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -501,7 +501,7 @@ def test_a_prefix_confined_admin_may_not_move_groups_between_shards(
         with grpc.insecure_channel(handle.address) as ch:
             stub = pb_grpc.ParameterServerServiceStub(ch)
             as_tenant = (("authorization", f"Bearer {tenant}"),)
-            calls = {
+            calls: dict[str, Callable[[], object]] = {
                 "MoveGroup": lambda: stub.MoveGroup(
                     pb.MoveGroupRequest(group="a/x", step=pb.MOVE_STEP_BEGIN_IMPORT),
                     metadata=as_tenant,
