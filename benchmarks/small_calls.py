@@ -238,23 +238,17 @@ def _default_server(tmp: Path, tag: str) -> tuple[Any, str]:
     )
 
 
-GRPC_ONLY = {"shared_memory": "off", "data_channel": "off"}
-_GRPC_ONLY_NAME = "shared_memory='off', data_channel='off'"
+GRPC_ONLY = {"shared_memory": "off", "data_channel": "off", "frames": "off"}
+_GRPC_ONLY_NAME = "shared_memory='off', data_channel='off', frames='off'"
 
 
 def cpu_section(args: argparse.Namespace, tmp: Path) -> None:
     raw, port = _start_raw(tmp, "cpu")
     default = _default_server(tmp, "cpu-default")
     tuned = start_server_process(log=tmp / "cpu.log")  # --durability none
-    framed = start_server_process("--data-port", "0", log=tmp / "cpu-frames.log")
     servers: list[tuple[str, Any, str, dict[str, str]]] = [
         ("no flags", *default, {}),
         ("serve --durability none; client gRPC only", *tuned, GRPC_ONLY),
-        (
-            "serve --durability none --data-port 0; client frames='on'",
-            *framed,
-            {"frames": "on", "shared_memory": "off"},
-        ),
     ]
     with contextlib.ExitStack() as stack:
         try:

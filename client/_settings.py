@@ -79,6 +79,10 @@ _SERVICE_CONFIG = {
             "name": [{"service": SERVICE}],
             "retryPolicy": _retry_policy("UNAVAILABLE"),
         },
+        # Not retried: a hello is for a channel beside gRPC, which the call that
+        # asks for it goes without at once (over gRPC, with its own retries) when
+        # the server is away, instead of spending its deadline on the hello's
+        {"name": [{"service": SERVICE, "method": "DataChannelHello"}]},
     ]
 }
 
