@@ -231,10 +231,17 @@ def _start_raw(
 # What a user gets: ``onnxps serve`` with no flags (its default durability,
 # snapshots, in a data directory of its own; a free port) and ``Client(address)``.
 # Tuned rows come after it and say what they set.
-def _default_server(tmp: Path, tag: str) -> tuple[Any, str]:
+def _default_server(
+    tmp: Path, tag: str, env: dict[str, str] | None = None
+) -> tuple[Any, str]:
     data = tmp / f"{tag}-data"
     return start_server_process(
-        "--durability", "snapshot", "--data-dir", str(data), log=tmp / f"{tag}.log"
+        "--durability",
+        "snapshot",
+        "--data-dir",
+        str(data),
+        log=tmp / f"{tag}.log",
+        env=env,
     )
 
 
@@ -441,6 +448,17 @@ def memory_section(args: argparse.Namespace, tmp: Path) -> None:
         _memory_calls(args, proc.pid, address, {})
     finally:
         stop_processes([proc])
+    if args.baseline:
+        from _baseline import checkout, tree_env
+
+        with checkout(args.baseline) as old:
+            env = tree_env(old.tree)
+            proc, address = _default_server(tmp, "memory-default-old", env)
+            try:
+                print(f"\nserver memory (no flags, baseline {old.label})", end="")
+                _memory_calls(args, proc.pid, address, {})
+            finally:
+                stop_processes([proc])
     with _servers(args, tmp, "memory") as servers:
         for name, (proc,), (address,), _ in servers:
             print(

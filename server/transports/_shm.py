@@ -355,6 +355,38 @@ class SharedMemory:
         finally:
             arrays.clear()
 
+    def reply_views(
+        self,
+        region: pb.SharedMemoryRegion,
+        dtype: np.dtype[Any],
+        sizes: Sequence[int],
+        caller: Caller,
+    ) -> tuple[list[Array], list[int]] | None:
+        """Writable flat views, one per tensor of ``sizes`` elements of ``dtype``,
+        where ``write`` would put them in the client's segment ``region`` names,
+        and their offsets; None when they do not fit (the reply then carries them
+        inline). ``written`` then marks them as the reply."""
+        offsets, size = layout([n * dtype.itemsize for n in sizes], dtype.itemsize)
+        m = self._mapped(region.segment, region.key, caller, "reply_region")
+        if size > len(m):
+            return None
+        views = [
+            np.frombuffer(m, dtype, n, at) for n, at in zip(sizes, offsets, strict=True)
+        ]
+        return views, offsets
+
+    def written(
+        self, region: pb.SharedMemoryRegion, offsets: Sequence[int], caller: Caller
+    ) -> pb.SharedMemoryRegion:
+        """Mark what ``reply_views``' views now hold as the reply: the segment's
+        generation becomes ``region.generation + 1`` (what the client checks)."""
+        m = self._mapped(region.segment, region.key, caller, "reply_region")
+        generation = region.generation + 1
+        struct.pack_into("<Q", m, len(MAGIC), generation)
+        return pb.SharedMemoryRegion(
+            segment=region.segment, generation=generation, offsets=list(offsets)
+        )
+
     def write(
         self, region: pb.SharedMemoryRegion, arrays: Sequence[Array], caller: Caller
     ) -> pb.SharedMemoryRegion | None:
