@@ -6,9 +6,11 @@
                                      [--baseline REV]
 
 - ``cpu``: ``--workers`` client processes push a 1,000-element float32 Adam gradient
-  as fast as they can for ``--seconds``, first to ``onnxps serve --durability none``
-  (no auth), then to the floor: a raw grpcio unary server (bytes in, 8 bytes out, no
-  protobuf) taking the same NumPy Adam step under a lock. The figure is the server
+  as fast as they can for ``--seconds``, first with no flags (``onnxps serve``,
+  ``Client(address)``: frame calls on the data port), then to ``onnxps serve
+  --durability none`` with a gRPC-only client, then to the floor: a raw grpcio
+  unary server (bytes in, 8 bytes out, no protobuf) taking the same NumPy Adam step
+  under a lock. The figure is the server
   process's CPU time (user + system, from /proc) per call, and calls per second.
   Rounds alternate which server goes first. ``--baseline REV`` adds the server of
   an older commit (``benchmarks/_baseline.py``: its own checkout and process),
