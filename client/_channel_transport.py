@@ -14,7 +14,7 @@ from typing import Any, Literal, Protocol
 import grpc
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
-from onnxps.wire.codec import ENCODED, TensorFormatError, header_tensor, tensor_spec
+from onnxps.wire.codec import ENCODED, TensorFormatError, header_tensors, tensor_spec
 from onnxps.wire.encoding import widen_into
 
 from ._datachannel import (
@@ -262,7 +262,7 @@ class ChannelTransport:
         ch = self.ch
         req = pb.PushRequest()
         req.CopyFrom(template)
-        req.gradients.extend(header_tensor(a) for a in arrays)
+        req.gradients.extend(header_tensors(arrays))
         tid = ch.next_transfer()
         req.transfer.channel = ch.id
         req.transfer.transfer_id = tid

@@ -39,7 +39,7 @@ from onnxps.wire.codec import (
     declared_nbytes,
     encode_chunk,
     fill_flat,
-    header_tensor,
+    header_tensors,
     tensor_spec,
     write_tensor,
 )
@@ -479,7 +479,7 @@ class RegionValues:
             shaped = [
                 v.reshape(s) for v, s in zip(self._views, self._shapes, strict=True)
             ]
-            reply.values.extend(map(header_tensor, shaped, names))
+            reply.values.extend(header_tensors(shaped, names))
             self._views = []
             return
         written = self.shm.write(self.region, values, self.caller)
@@ -487,7 +487,7 @@ class RegionValues:
             InlineValues().send(reply, values, names)
             return
         reply.values_region.CopyFrom(written)
-        reply.values.extend(map(header_tensor, values, names))
+        reply.values.extend(header_tensors(values, names))
 
 
 # -- the data channel -----------------------------------------------------------------
@@ -583,7 +583,7 @@ class ChannelValues:
     ) -> None:
         assert isinstance(reply, pb.PushResponse)  # a unary Push's transfer
         assert values is not None  # (no emitter)
-        reply.values.extend(map(header_tensor, values, names))
+        reply.values.extend(header_tensors(values, names))
         reply.values_on_channel = True
         req = self.req
         try:
