@@ -400,10 +400,17 @@ class SharedMemory:
         m = self._mapped(region.segment, region.key, caller, what)
         if size > len(m):
             return None
-        for a, at in zip(arrays, offsets, strict=True):
-            dest = np.frombuffer(m, a.dtype, a.size, at).reshape(a.shape)
-            np.copyto(dest, a)
-            del dest
+        if itemsize is not None and len(arrays) > 1:
+            # packed back to back in one dtype: one copy of them all
+            total = sum(a.size for a in arrays)
+            flat = np.frombuffer(m, arrays[0].dtype, total, offsets[0])
+            np.concatenate([a.reshape(-1) for a in arrays], out=flat)
+            del flat
+        else:
+            for a, at in zip(arrays, offsets, strict=True):
+                dest = np.frombuffer(m, a.dtype, a.size, at).reshape(a.shape)
+                np.copyto(dest, a)
+                del dest
         generation = region.generation + 1
         struct.pack_into("<Q", m, len(MAGIC), generation)
         return pb.SharedMemoryRegion(
