@@ -2,8 +2,10 @@
 
     python benchmarks/cluster.py [--seconds 5] [--rounds 3] [--big-mib 256]
 
-Shards are ``onnxps serve --shard I/N`` processes on loopback (durability none);
-clients are ``Client([addresses])`` (the same code path for 1 and 2 shards).
+Shards are ``onnxps serve --shard I/N`` processes on loopback with no other flag (their
+defaults: snapshot durability, each in a folder of its own); clients are
+``Client([addresses])`` with no option (the same code path for 1 and 2 shards): what
+a user gets.
 
 - small pushes/s: 8 client processes push 1,000-element float32 Adam gradients to
   64 groups (spread over the shards by placement) for ``--seconds``; the count of
@@ -38,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from onnxps.cli.process import start_server_process, stop_processes
+from onnxps.cli.process import start_default_server, stop_processes
 from onnxps.client import Adam, Client
 
 CLIENTS = 8
@@ -58,8 +60,11 @@ class Cluster:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.addresses: list[str] = []
         for i in range(shards):
-            proc, address = start_server_process(
-                "--shard", f"{i}/{shards}", log=tmp / f"c{shards}-s{i}.log"
+            proc, address = start_default_server(
+                tmp / f"c{shards}-s{i}",
+                "--shard",
+                f"{i}/{shards}",
+                log=tmp / f"c{shards}-s{i}.log",
             )
             self.procs.append(proc)
             self.addresses.append(address)
@@ -68,17 +73,24 @@ class Cluster:
         return sum(cpu_seconds(p.pid) for p in self.procs)
 
     def close(self) -> None:
-        stop_processes(self.procs)
+        stop_processes(self.procs, timeout=60)  # each writes its snapshot
 
 
 def _pusher(
-    addresses: list[str], index: int, interval: float, go: Any, stop: Any, out: Any
+    addresses: list[str],
+    index: int,
+    interval: float,
+    go: Any,
+    stop: Any,
+    out: Any,
+    ready: Any,
 ) -> None:
     g = np.random.default_rng(index).standard_normal(SMALL).astype(np.float32)
     n = 0
     with Client(addresses, client_id=f"bench-{index}", timeout=60) as ps:
         for k in range(GROUPS):  # learn every layout before the clock starts
             ps.describe_group(f"small-{k}")
+        ready.put(index)
         go.wait()
         k = index
         start = time.perf_counter() + index * interval / CLIENTS  # spread the clients
@@ -106,17 +118,19 @@ def small_pushes(
     """(pushes/s, server CPU seconds per push) with CLIENTS processes; paced at
     ``per_shard`` pushes/s per shard in all when given, else as fast as they can."""
     ctx = mp.get_context("spawn")
-    go, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    go, stop, out, ready = ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Queue()
     interval = CLIENTS / (per_shard * len(cluster.procs)) if per_shard else 0.0
     procs = [
         ctx.Process(
-            target=_pusher, args=(cluster.addresses, i, interval, go, stop, out)
+            target=_pusher,
+            args=(cluster.addresses, i, interval, go, stop, out, ready),
         )
         for i in range(CLIENTS)
     ]
     for p in procs:
         p.start()
-    time.sleep(3.0)  # let the clients start and connect
+    for _ in procs:  # every client started, connected, and knows every layout
+        ready.get(timeout=120)
     cpu0, t0 = cluster.cpu(), time.perf_counter()
     go.set()
     time.sleep(seconds)

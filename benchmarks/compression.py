@@ -16,6 +16,10 @@ even, overflow check) and widen (2 bytes -> float32) in ns per element, on both 
 paths alternating (``numpy``: block passes; ``numba``: the compiled loops, when numba
 is installed), the NumPy path being the baseline.
 
+The wire table's first rows (``no flags``) are ``Client(address)`` against ``onnxps
+serve`` with no flags (its defaults: on one host, shared memory for calls of 64 KiB
+or more): what a user gets. The rows after them set what they name.
+
 ``--paths numpy,numba`` runs the wire table once per codec path, alternating within
 each round: two servers (``ONNXPS_KERNELS=numpy`` and the default), the client
 switching its own path with them. ``--transports stream,data`` (the default) runs it
@@ -36,7 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from onnxps.cli.process import start_server_process, stop_processes
+from onnxps.cli.process import (
+    start_default_server,
+    start_server_process,
+    stop_processes,
+)
 from onnxps.client import Adam, Client
 from onnxps.wire.codec import decode, encode
 from onnxps.wire.encoding import compiled_codec
@@ -61,15 +69,20 @@ def _use_path(path: str) -> None:
 
 
 def wire(
-    addresses: dict[str, str], elements: int, rounds: int, transports: list[str]
+    addresses: dict[str, str],
+    elements: int,
+    rounds: int,
+    transports: list[str],
+    default_address: str,
 ) -> list[list[str]]:
-    """Push and pull in every encoding, through each codec path's server, on each
-    transport (gRPC streams; the data channel)."""
+    """Push and pull in every encoding: first ``Client(address)`` against a server
+    with no flags (``default_address``), then through each codec path's server, on
+    each transport (gRPC streams; the data channel)."""
     rng = np.random.default_rng(0)
     x0 = rng.standard_normal(elements, dtype=np.float32)
     grad = rng.standard_normal(elements, dtype=np.float32) * np.float32(1e-3)
     times: dict[tuple[str, str, str], list[float]] = {}
-    clients = {}
+    clients = {"no flags": Client(default_address, timeout=600)}
     for path, address in addresses.items():
         for transport in transports:
             opts: dict[str, Any] = {
@@ -82,7 +95,7 @@ def wire(
             c.create_group(name, Adam(), learning_rate=1e-3, tensors={"w": x0})
         for r in range(rounds + 1):  # the first round warms up
             for path, c in clients.items():
-                _use_path(path.split("/")[0])
+                _use_path("auto" if path == "no flags" else path.split("/")[0])
                 for enc in ENCODINGS:
                     push = _timed(
                         lambda e=enc, c=c, n=path: c.push(n, grad, encoding=e)
@@ -177,6 +190,10 @@ def main() -> None:
     procs = []
     with tempfile.TemporaryDirectory() as tmp:
         try:
+            proc, default_address = start_default_server(
+                Path(tmp) / "default", log=Path(tmp) / "default.log"
+            )
+            procs.append(proc)
             addresses = {}
             for path in wire_paths:
                 proc, addresses[path] = start_server_process(
@@ -186,9 +203,9 @@ def main() -> None:
                     env={**os.environ, "ONNXPS_KERNELS": path},
                 )
                 procs.append(proc)
-            rows = wire(addresses, elements, args.rounds, transports)
+            rows = wire(addresses, elements, args.rounds, transports, default_address)
         finally:
-            stop_processes(procs, timeout=15)
+            stop_processes(procs, timeout=60)  # the default one writes a snapshot
     print(
         f"{args.mib} MiB float32 Adam group, server in its own process, loopback, "
         f"{args.rounds} alternating rounds: median (min-max)\n"

@@ -2,9 +2,12 @@
 
     python benchmarks/distributed.py [--quick]
 
-The server runs as ``onnxps serve`` in its own process on a free loopback port; the
-workers are separate processes (started once, reused for every row). One training
-step of a worker is the same in both modes: push G (Adam, float32) and pull X.
+The server runs as ``onnxps serve`` with no flag but a free loopback port (its defaults:
+snapshot durability in a data directory of its own, the default transports) and the
+workers' clients are ``Client(address)`` with no transport option: every row is what a
+user gets with no flags. The workers are separate processes (started once, reused for
+every row). One training step of a worker is the same in both modes: push G (Adam,
+float32) and pull X.
 
 - async: push, then pull the current X.
 - sync (sync_workers = N): push with base_version=T, then pull(min_version=T + 1),
@@ -33,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from onnxps.cli.process import start_server_process
+from onnxps.cli.process import start_default_server
 from onnxps.client import Adam, Async, Client, Sync
 from onnxps.server.kernels import Stepper, make_attrs
 
@@ -42,9 +45,10 @@ SIZES = (1_000, 4 * 1024 * 1024)
 
 
 def _start_server() -> tuple[subprocess.Popen[bytes], str, Any]:
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log")  # noqa: SIM115
-    proc, address = start_server_process(log=Path(log.name))
-    return proc, address, log
+    workdir = tempfile.TemporaryDirectory()  # noqa: SIM115
+    log = Path(workdir.name) / "server.log"
+    proc, address = start_default_server(Path(workdir.name), log=log)
+    return proc, address, workdir
 
 
 def _worker(index: int, address: str, tasks: Any, results: Any) -> None:
@@ -182,8 +186,8 @@ def main() -> int:
             if w.is_alive():
                 w.kill()
         proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+        proc.wait(timeout=60)  # it writes its snapshot on the way out
+        log.cleanup()
 
     head = [
         "elements",
@@ -199,7 +203,8 @@ def main() -> int:
     print(
         f"onnxps distributed benchmark ({'quick' if args.quick else 'full'}; "
         f"steps per worker: {steps_for[SIZES[0]]} at 1,000, {steps_for[SIZES[1]]} at "
-        "4 Mi; Adam float32; one step = push G + pull X)"
+        "4 Mi; Adam float32; one step = push G + pull X)\n"
+        "no flags on either end: `onnxps serve` (its defaults) and Client(address)"
     )
     print("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
     for r in rows:

@@ -2,10 +2,11 @@
 
     python benchmarks/durability.py [--seconds 3] [--gib 1.0]
 
-Part 1 runs a server process per mode (none = memory only, the baseline; snapshot
-with a snapshot every second; wal) and pushes from concurrent client threads to a
-1,000-element and a 16 MiB float32 Adam group, printing pushes/s and p50/p99 push
-latency, and each mode's throughput relative to memory-only.
+Part 1 runs a server process per mode (first ``no flags``: ``onnxps serve`` with
+its defaults, snapshots every 300 s, what a user gets; then none = memory only, the
+baseline; snapshot with a snapshot every second; wal) and pushes from concurrent
+client threads to a 1,000-element and a 16 MiB float32 Adam group, printing pushes/s
+and p50/p99 push latency, and each mode's throughput relative to memory-only.
 
 Part 2 snapshots and restores about 1 GiB of state (four Adam groups, X+V+H) with the
 server's own code, beside a plain ``np.save`` + fsync / ``np.load`` of the same arrays.
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from onnxps.cli.process import start_default_server, stop_processes
 from onnxps.client import Adam, Client
 from onnxps.server.durability import Durability
 from onnxps.server.kernels import make_attrs
@@ -95,6 +97,8 @@ def _cell(
 ) -> tuple[float, list]:
     """One server process in ``mode`` (importing onnxps from ``src`` first, if
     given) under push load: (pushes/s, sorted latencies)."""
+    if mode == "no flags":
+        return _default_cell(n, clients, seconds)
     env = dict(os.environ)
     if src is not None:
         env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
@@ -114,24 +118,33 @@ def _cell(
             proc.stdout.close()
 
 
+def _default_cell(n: int, clients: int, seconds: float) -> tuple[float, list]:
+    """``_cell`` for ``onnxps serve`` with no flags (in a folder of its own)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, address = start_default_server(Path(tmp), log=Path(tmp) / "server.log")
+        try:
+            return _load(address, n, clients, seconds)
+        finally:
+            stop_processes([proc], timeout=60)
+
+
 def part1(seconds: float, modes: list[str], cases: list[str]) -> None:
     print(
         f"Push load, {seconds:.0f} s per cell, Adam float32, server in its own process"
     )
-    header = f"{'group':<15} {'mode':<9} {'clients':>7} {'pushes/s':>10} "
+    header = f"{'group':<15} {'mode':<10} {'clients':>7} {'pushes/s':>10} "
     header += f"{'p50 ms':>8} {'p99 ms':>8} {'vs none':>8}"
     print(header)
     for key, (label, n, clients) in CASES.items():
         if key not in cases:
             continue
-        base = None
-        for mode in modes:
-            rate, lat = _cell(mode, n, clients, seconds)
-            base = base or rate
+        cells = {mode: _cell(mode, n, clients, seconds) for mode in modes}
+        base = cells["none"][0] if "none" in cells else next(iter(cells.values()))[0]
+        for mode, (rate, lat) in cells.items():
             p50 = lat[len(lat) // 2] * 1e3
             p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3
             print(
-                f"{label:<15} {mode:<9} {clients:>7} {rate:>10.1f} {p50:>8.2f} "
+                f"{label:<15} {mode:<10} {clients:>7} {rate:>10.1f} {p50:>8.2f} "
                 f"{p99:>8.2f} {rate / base:>7.2f}x"
             )
 
@@ -239,7 +252,11 @@ def main() -> None:
     )
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--gib", type=float, default=1.0)
-    p.add_argument("--modes", default="none,snapshot,wal", help="part 1's modes")
+    p.add_argument(
+        "--modes",
+        default="no flags,none,snapshot,wal",
+        help="part 1's modes ('no flags': onnxps serve with its defaults)",
+    )
     p.add_argument("--cases", default="small,large", help="part 1's groups")
     p.add_argument("--skip-restore", action="store_true", help="skip part 2")
     p.add_argument("--baseline", help="A/B part 1 against this onnxps directory")

@@ -4,19 +4,21 @@
 
 Figures, each beside a baseline measured in the same run:
 
-- through a server process (``onnxps serve``): ``push_rows`` of ``--batch`` random
-  rows (drawn with repeats) and ``pull_rows`` of as many: p50/p99 latency and rows/s;
-  baseline: the same update as a dense push of the whole table (``push``).
+- through a server process (``onnxps serve`` with no flag but a free loopback port, and
+  ``Client(address)``: what a user gets with no flags): ``push_rows`` of ``--batch``
+  random rows (drawn with repeats) and ``pull_rows`` of as many: p50/p99 latency and
+  rows/s; baseline: the same update as a dense push of the whole table (``push``).
 - in this process, the server-side step alone (``ParameterStore.push_rows``: coalesce,
   gather, ONNX step, scatter) beside ``torch.optim.SparseAdam`` on a local
   ``torch.nn.Embedding(sparse=True)`` with the same indices (``optimizer.step()``
   alone, and with the backward pass that builds its sparse gradient), when torch is
   installed.
 
-- with ``--cluster``: the table split by rows over 2 shard processes (``Client`` of
-  a list of shards): ``push_rows`` of random rows (both parts own some), of rows of
-  part 0 only (part 1 gets the push with no rows, which keeps its T with part 0's),
-  an empty row push alone (what a part that owns no row costs), and ``pull_rows``.
+- with ``--cluster``: the table split by rows over 2 shard processes (``onnxps serve
+  --shard I/2 --durability none``; ``Client`` of a list of shards): ``push_rows`` of
+  random rows (both parts own some), of rows of part 0 only (part 1 gets the push with
+  no rows, which keeps its T with part 0's), an empty row push alone (what a part that
+  owns no row costs), and ``pull_rows``.
 - an ids table (``--ids``, default 1,000,000 distinct random int64 ids, 0: skip):
   through a server process, the table is filled by pushes of 65,536 new ids (rows
   created/s), then ``push_rows`` of ``--batch`` ids drawn with repeats from those ids
@@ -37,7 +39,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from onnxps.cli.process import start_server_process, stop_processes
+from onnxps.cli.process import (
+    start_default_server,
+    start_server_process,
+    stop_processes,
+)
 from onnxps.client import Adam, Client, IdsTable, Uniform
 from onnxps.server.kernels import make_attrs
 from onnxps.server.store import ParameterStore
@@ -77,7 +83,7 @@ def _batches(rows: int, dim: int, batch: int, n: int) -> list[tuple[Any, Any]]:
 def served(rows: int, dim: int, batch: int, pushes: int, dense: int) -> float:
     x = np.random.default_rng(1).standard_normal((rows, dim)).astype(np.float32)
     with tempfile.TemporaryDirectory() as tmp:
-        proc, address = start_server_process(log=Path(tmp) / "server.log")
+        proc, address = start_default_server(Path(tmp), log=Path(tmp) / "server.log")
         try:
             with Client(address, timeout=600.0) as c:
                 c.create_group("emb", Adam(), learning_rate=0.01, tensors={"emb": x})
@@ -103,8 +109,11 @@ def served(rows: int, dim: int, batch: int, pushes: int, dense: int) -> float:
 
                 dense_ts = _times(dense_push, dense)
         finally:
-            stop_processes([proc])
-    print(f"\n-- through a server: {rows:,} x {dim} float32 Adam, {batch:,} rows/push")
+            stop_processes([proc], timeout=120)  # its snapshot on the way out
+    print(
+        f"\n-- through a server (no flags on either end): {rows:,} x {dim} float32 "
+        f"Adam, {batch:,} rows/push"
+    )
     _line(f"push_rows ({batch:,} rows, with repeats)", push_ts, batch)
     _line(f"pull_rows ({batch:,} rows)", pull_ts, batch)
     _line("dense push of the whole table (baseline)", dense_ts, rows)
@@ -227,7 +236,7 @@ def ids_table(ids: int, dim: int, batch: int, pushes: int) -> None:
     fill = 65_536
     work = _ids_batches(universe, dim, batch, pushes)
     with tempfile.TemporaryDirectory() as tmp:
-        proc, address = start_server_process(log=Path(tmp) / "server.log")
+        proc, address = start_default_server(Path(tmp), log=Path(tmp) / "server.log")
         try:
             with Client(address, timeout=600.0) as c:
                 c.create_group(
@@ -256,8 +265,11 @@ def ids_table(ids: int, dim: int, batch: int, pushes: int) -> None:
                 push_ts = _times(push, pushes)
                 pull_ts = _times(pull, pushes)
         finally:
-            stop_processes([proc])
-    print(f"\n-- an ids table through a server: {rows:,} random int64 ids x {dim}")
+            stop_processes([proc], timeout=120)  # its snapshot on the way out
+    print(
+        "\n-- an ids table through a server (no flags on either end): "
+        f"{rows:,} random int64 ids x {dim}"
+    )
     print(
         f"{'filling: pushes of 65,536 new ids':<44} {filled:9.2f} s total"
         f"  {rows / filled:12,.0f} rows created/s"

@@ -3,7 +3,9 @@
     python benchmarks/frames.py [--rounds 5] [--seconds 3] [--workers 4] [--pushes 1500]
 
 One ``onnxps serve --data-port 0`` serves both ways, so only the client's choice
-differs. Rounds alternate.
+differs. The first row (``no flags``) is ``Client(address)`` against ``onnxps
+serve`` with no flags (its defaults, a server of its own): what a user gets. Rounds
+alternate.
 
 - ``cpu``: ``--workers`` client processes push a 1,000-element float32 Adam gradient
   as fast as they can, with ``frames="on"`` and with every call over gRPC, and to
@@ -22,9 +24,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from onnxps.cli.process import start_server_process, stop_processes
+from onnxps.cli.process import (
+    start_default_server,
+    start_server_process,
+    stop_processes,
+)
 from onnxps.client import Adam, Client
-from small_calls import SMALL, _load_calls, _onnxps_worker, _raw_worker, _start_raw
+from small_calls import (
+    GRPC_ONLY,
+    SMALL,
+    _load_calls,
+    _onnxps_worker,
+    _raw_worker,
+    _start_raw,
+)
 
 
 def _frames_worker(address: str, seconds: float, out: Any) -> None:
@@ -58,15 +71,20 @@ def _cpu(args: argparse.Namespace, ways: list[tuple[str, Any, Any, int]]) -> Non
         )
 
 
-def _latency(args: argparse.Namespace, address: str) -> None:
+def _latency(args: argparse.Namespace, address: str, default: str) -> None:
     g = np.full(SMALL, 1e-3, np.float32)
     kw: dict[str, Any] = {"shared_memory": "off", "data_channel": "off"}
     p50s: dict[str, list[float]] = {}
     with (
+        Client(default) as default_client,
         Client(address, **kw) as grpc_client,
         Client(address, frames="on", **kw) as frames_client,
     ):
-        ways = [("frames", frames_client), ("gRPC", grpc_client)]
+        ways = [
+            ("no flags", default_client),
+            ("frames", frames_client),
+            ("gRPC", grpc_client),
+        ]
         for r in range(args.rounds + 1):
             for name, c in ways[:: 1 if r % 2 else -1]:
                 times = []
@@ -93,21 +111,28 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
+        default_proc, default = start_default_server(
+            tmp / "default", log=tmp / "default.log"
+        )
         proc, address = start_server_process("--data-port", "0", log=tmp / "s.log")
         raw, port = _start_raw(tmp, "frames")
         try:
-            with Client(address) as c:
-                x0 = np.linspace(-1, 1, SMALL, dtype=np.float32)
-                c.create_group("small", Adam(), learning_rate=1e-3, tensors={"w": x0})
+            for server in (default, address):
+                with Client(server) as c:
+                    x0 = np.linspace(-1, 1, SMALL, dtype=np.float32)
+                    c.create_group(
+                        "small", Adam(), learning_rate=1e-3, tensors={"w": x0}
+                    )
             ways = [
+                ("no flags", _onnxps_worker, (default, {}), default_proc.pid),
                 ("frames", _frames_worker, address, proc.pid),
-                ("gRPC", _onnxps_worker, address, proc.pid),
+                ("gRPC", _onnxps_worker, (address, GRPC_ONLY), proc.pid),
                 ("raw gRPC floor", _raw_worker, port, raw.pid or 0),
             ]
             _cpu(args, ways)
-            _latency(args, address)
+            _latency(args, address, default)
         finally:
-            stop_processes([proc])
+            stop_processes([default_proc, proc], timeout=60)
             raw.kill()
 
 

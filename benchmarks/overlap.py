@@ -2,10 +2,11 @@
 
     python benchmarks/overlap.py [--rounds 5] [--steps 20] [--compute sleep|numpy]
 
-The server runs as a separate process (``onnxps serve`` on a free loopback port) with
-one 16 MiB float32 group (Adam, async, max_staleness 1). Figures, in alternating
-rounds so that a busy machine slows every variant alike (median and min..max of the
-rounds):
+The server runs as a separate process (``onnxps serve`` with no flag but a free loopback
+port: its defaults) and the clients take no transport option, so every figure is what a
+user gets with no flags. It holds one 16 MiB float32 group (Adam, async, max_staleness
+1). Figures, in alternating rounds so that a busy machine slows every variant alike
+(median and min..max of the rounds):
 
 - steps/s of the blocking loop (compute, then push and take the new parameters in one
   call) vs the overlapped loop of examples/overlap_worker.py (push step k in the
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from onnxps.cli.process import start_server_process, stop_processes
+from onnxps.cli.process import start_default_server, stop_processes
 from onnxps.client import Adam, Async, AsyncClient, Client
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -116,8 +117,9 @@ def main() -> int:
     ap.add_argument("--compute", choices=("sleep", "numpy"), default="sleep")
     args = ap.parse_args()
 
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log")  # noqa: SIM115
-    proc, address = start_server_process(log=Path(log.name))
+    workdir = tempfile.TemporaryDirectory()  # noqa: SIM115
+    here = Path(workdir.name)
+    proc, address = start_default_server(here, log=here / "server.log")
     rates: dict[str, list[float]] = {}
     try:
         x = np.zeros(ELEMENTS, np.float32)
@@ -162,7 +164,8 @@ def main() -> int:
                 for name, measure in variants.items():
                     rates.setdefault(name, []).append(measure())
     finally:
-        stop_processes([proc], timeout=15)
+        stop_processes([proc], timeout=60)  # it writes its snapshot on the way out
+        workdir.cleanup()
     print(f"{'':34} {'median':>7}   min..max over {args.rounds} rounds")
     for name, values in rates.items():
         print(f"{name:34} {_spread(values)}")

@@ -5,6 +5,10 @@
 
 Systems (each a server process and a client process, on this host):
 
+- ``onnxps, no flags``: ``onnxps serve`` with no flag but a free loopback port (its
+  defaults) and ``Client(address)`` with no option: what a user gets (on one host,
+  shared memory for calls of 64 KiB or more).
+
 - ``onnxps tcp``: ``onnxps serve`` on a loopback port; the client pushes and pulls
   the 64 MiB group through the streams (``transport="stream"``), and the 1,000-element
   group through unary calls (``transport="auto"``). ``--onnxps-address`` adds a
@@ -96,7 +100,9 @@ def _figures(
 
 
 # -- onnxps ----------------------------------------------------------------------------
-def onnxps_client(address: str, mib: int, data_channel: bool = False) -> None:
+def onnxps_client(
+    address: str, mib: int, data_channel: bool = False, defaults: bool = False
+) -> None:
     from onnxps.client import Adam, Client
 
     n = mib * MIB // 4
@@ -104,8 +110,11 @@ def onnxps_client(address: str, mib: int, data_channel: bool = False) -> None:
     g = np.full(n, 1e-3, np.float32)
     gs = np.full(SMALL, 1e-3, np.float32)
     tag = f"peers-{os.getpid()}"
-    if data_channel:
-        options: dict[str, Any] = {"data_channel": "on", "shared_memory": "off"}
+    options: dict[str, Any]
+    if defaults:
+        options = {}  # what Client(address) takes with no option
+    elif data_channel:
+        options = {"data_channel": "on", "shared_memory": "off"}
     else:
         options = {"transport": "stream"}
     with (
@@ -395,11 +404,18 @@ def _torch_available() -> bool:
 
 
 def _start_systems(args: argparse.Namespace) -> tuple[list[System], list[Any]]:
-    from onnxps.cli.process import start_server_process
+    from onnxps.cli.process import start_default_server, start_server_process
 
     mib = ["--mib", str(args.mib)]
     systems: list[System] = []
     owned: list[Any] = []
+    workdir = tempfile.TemporaryDirectory()  # noqa: SIM115
+    owned.append(workdir)
+    here = Path(workdir.name)
+    proc, address = start_default_server(here, log=here / "server.log")
+    owned.append(proc)
+    defaults = ["--onnxps-client", address, "--defaults", *mib]
+    systems.append(System("onnxps, no flags", defaults, []))
     log = tempfile.NamedTemporaryFile("w+", suffix=".log")  # noqa: SIM115
     owned.append(log)
     proc, address = start_server_process(log=Path(log.name))
@@ -501,10 +517,14 @@ def _report(systems: list[System], mib: int) -> None:
          ox["small_us"], uv["small_us"], 1.0)  # fmt: skip
     _aim("onnxps small push returning X p50 / torch rpc shm (aim <= 1)",
          ox["small_us"], shm["small_us"], 1.0)  # fmt: skip
-    _aim("onnxps step / torch rpc shm step (same-host aim <= 1/3)", step,
+    _aim("onnxps tcp step / torch rpc shm step (same-host aim <= 1/3)", step,
          _sum(shm["push"], shm["pull"]), 1 / 3)  # fmt: skip
-    print("(the same-host aim needs an onnxps shared-memory transport: pass its "
-          "server with --onnxps-address)")  # fmt: skip
+    nf = {f: med("onnxps, no flags", f) for f in FIGURES}
+    nf_step = _sum(nf["push"], nf["pull"])
+    _aim("onnxps no flags step / torch rpc shm step (same-host aim <= 1/3)",
+         nf_step, _sum(shm["push"], shm["pull"]), 1 / 3)  # fmt: skip
+    _aim("onnxps no flags push returning X / (push + pull) (aim <= 1)",
+         nf["push_values"], nf_step, 1.0)  # fmt: skip
     dc = {f: med("onnxps data", f) for f in FIGURES}
     dc_step = _sum(dc["push"], dc["pull"])
     _aim("onnxps data channel step / torch rpc uv step (aim < 1)", dc_step,
@@ -543,13 +563,14 @@ def main() -> int:
     p.add_argument("--no-torch", dest="torch", action="store_false")
     p.add_argument("--onnxps-client", help=argparse.SUPPRESS)
     p.add_argument("--data-channel", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--defaults", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--torch-server", help=argparse.SUPPRESS)
     p.add_argument("--torch-client", help=argparse.SUPPRESS)
     p.add_argument("--raw-server", help=argparse.SUPPRESS)
     p.add_argument("--raw-client", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.onnxps_client:
-        onnxps_client(args.onnxps_client, args.mib, args.data_channel)
+        onnxps_client(args.onnxps_client, args.mib, args.data_channel, args.defaults)
         return 0
     if args.torch_server:
         torch_server(args.torch_server)
@@ -571,7 +592,7 @@ def main() -> int:
             for s in order:
                 res = s.round(args.steps, args.small_calls)
                 figs = "  ".join(f"{k} {v:8.1f}" for k, v in res.items())
-                print(f"round {r + 1} {s.name:14s} {figs}", flush=True)
+                print(f"round {r + 1} {s.name:16s} {figs}", flush=True)
         _report(systems, args.mib)
     finally:
         for s in started:
@@ -579,9 +600,11 @@ def main() -> int:
         from onnxps.cli.process import stop_processes
 
         procs = [o for o in owned if isinstance(o, subprocess.Popen)]
-        stop_processes(procs, timeout=15)
+        stop_processes(procs, timeout=60)  # the default server writes a snapshot
         for o in owned:
-            if not isinstance(o, subprocess.Popen):
+            if isinstance(o, tempfile.TemporaryDirectory):
+                o.cleanup()
+            elif not isinstance(o, subprocess.Popen):
                 o.close()
     return 0
 

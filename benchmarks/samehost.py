@@ -6,6 +6,8 @@
 One run, variants alternating round by round (so drift on a shared machine hits
 them all alike), servers in their own processes:
 
+- ``no flags``: ``onnxps serve`` with no flag but a free loopback port (its
+  defaults) and ``Client(address)`` with no option: what a user gets on one host;
 - ``tcp``: ``onnxps serve`` on 127.0.0.1, chunked gRPC streams (transport="stream");
 - ``unix``: the same on a Unix socket (``--address unix:PATH``);
 - ``shm``: the Unix-socket server, tensors through /dev/shm (``shared_memory="on"``:
@@ -41,7 +43,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from onnxps.cli.process import start_server_process, stop_processes
+from onnxps.cli.process import (
+    start_default_server,
+    start_server_process,
+    stop_processes,
+)
 from onnxps.client import Adam, Client
 
 MIB = 1 << 20
@@ -250,17 +256,21 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace, baseline_env: dict[str, str] | None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="onnxps-samehost-"))
     sock = tmp / "ps.sock"
+    default_proc, default = start_default_server(
+        tmp / "default", log=tmp / "default.log"
+    )
     tcp_proc, tcp = start_server_process(log=tmp / "tcp.log")
     unix_proc, unix = start_server_process(
         "--address", f"unix://{sock}", log=tmp / "unix.log"
     )
     variants: list[Variant] = [
+        Onnxps("no flags", default),
         Onnxps("tcp", tcp, transport="stream", shared_memory="off"),
         Onnxps("unix", unix, transport="stream", shared_memory="off"),
         Onnxps("shm", unix, shared_memory="on"),
         OnnxpsBuffers("shm-bufs", unix, shared_memory="on"),
     ]
-    procs = [tcp_proc, unix_proc]
+    procs = [default_proc, tcp_proc, unix_proc]
     if baseline_env is not None:
         old_tcp_proc, old_tcp = start_server_process(
             log=tmp / "old-tcp.log", env=baseline_env
@@ -301,7 +311,7 @@ def _main(args: argparse.Namespace, baseline_env: dict[str, str] | None) -> int:
                 v.client.close()
         if rpc is not None:
             rpc.stop()
-        stop_processes(procs)
+        stop_processes(procs, timeout=60)  # the default server writes a snapshot
     _report(results, args)
     return 0
 

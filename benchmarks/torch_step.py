@@ -8,10 +8,11 @@ every variant once, in a rotating order, so drift and noise hit them alike):
 - ``RemoteOptimizer.step()``: the same push, plus collecting the grads as views and
   having X written straight into the parameters (``push(..., out=)``).
 
-The server runs as its own process (``onnxps serve``), as in a real job. Prints the
-median and the spread (min..max) per variant, and the overhead of onnxps.torch over
-the client as a share of its step. ``--shared-memory off`` moves the tensors over
-gRPC (as between hosts); ``auto`` (the default) through /dev/shm.
+The server runs as its own process (``onnxps serve`` with no flags), as in a real
+job. Prints the median and the spread (min..max) per variant, and the overhead of
+onnxps.torch over the client as a share of its step. ``--shared-memory off`` moves
+the tensors over gRPC (as between hosts); ``auto`` (the default) passes no option:
+what ``Client(address)`` does.
 
     python benchmarks/torch_step.py [--rounds 30] [--hidden 2304] [--shared-memory off]
 """
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from onnxps.cli.process import start_server_process
+from onnxps.cli.process import start_default_server
 from onnxps.client import Adam, Client
 from onnxps.torch import RemoteOptimizer
 from torch import nn
@@ -70,9 +71,11 @@ def main() -> None:
     adam = torch.optim.Adam(local.parameters(), lr=1e-3)
 
     with tempfile.TemporaryDirectory() as tmp:
-        proc, address = start_server_process(log=Path(tmp) / "server.log")
+        proc, address = start_default_server(Path(tmp), log=Path(tmp) / "server.log")
+        # auto: no option at all, what Client(address) takes
+        opts = {} if args.shared_memory == "auto" else {"shared_memory": "off"}
         try:
-            with Client(address, shared_memory=args.shared_memory) as ps:
+            with Client(address, **opts) as ps:  # type: ignore[arg-type]
                 opt = RemoteOptimizer(
                     remote.named_parameters(), ps, group="remote", lr=1e-3
                 )

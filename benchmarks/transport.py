@@ -2,8 +2,10 @@
 
     python benchmarks/transport.py [--quick]
 
-The server runs as a separate process (``onnxps serve`` on a free loopback port).
-Figures, each beside a baseline measured in the same run:
+The server runs as a separate process (``onnxps serve --durability none`` on a free
+loopback port). Each table's first row is what a user gets: ``Client(address)`` against
+``onnxps serve`` with no flags (a server of its own, its defaults). Figures, each beside
+a baseline measured in the same run:
 
 - push + pull round trip on a 1,000-element float32 group, 1 and 8 concurrent
   clients (threads in this process, and separate processes): p50/p99 latency and
@@ -34,7 +36,11 @@ from typing import Any
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from onnxps.cli.process import start_server_process, stop_processes
+from onnxps.cli.process import (
+    start_default_server,
+    start_server_process,
+    stop_processes,
+)
 from onnxps.client import Adagrad, Adam, Client
 from onnxps.server.kernels import Stepper, make_attrs
 from onnxps.wire.codec import CHUNK_BYTES
@@ -45,11 +51,16 @@ LARGE = 16 * MIB  # float32 elements: 64 MiB
 
 
 class ServerProcess:
-    """``onnxps serve`` on a free loopback port, in a child process."""
+    """``onnxps serve`` on a free loopback port, in a child process: with no other
+    flag (``defaults``: what a user gets), or ``--durability none``."""
 
-    def __init__(self) -> None:
-        self._log = tempfile.NamedTemporaryFile("w+", suffix=".log")  # noqa: SIM115
-        self.proc, self.address = start_server_process(log=Path(self._log.name))
+    def __init__(self, defaults: bool = False) -> None:
+        self._dir = tempfile.TemporaryDirectory()  # noqa: SIM115
+        here = Path(self._dir.name)
+        if defaults:
+            self.proc, self.address = start_default_server(here, log=here / "s.log")
+        else:
+            self.proc, self.address = start_server_process(log=here / "s.log")
 
     def peak_rss(self) -> int:
         text = Path(f"/proc/{self.proc.pid}/status").read_text()
@@ -57,19 +68,25 @@ class ServerProcess:
         return int(found.group(1)) * 1024 if found else 0
 
     def stop(self) -> None:
-        stop_processes([self.proc], timeout=15)
-        self._log.close()
+        stop_processes([self.proc], timeout=60)  # with defaults: a snapshot
+        self._dir.cleanup()
 
 
 # -- small round trips -----------------------------------------------------------------
 
 
 def _round_trips(
-    address: str, group: str, n: int, warmup: int, one_call: bool = False
+    address: str,
+    group: str,
+    n: int,
+    warmup: int,
+    one_call: bool = False,
+    defaults: bool = False,
 ) -> list[float]:
     grad = np.full(SMALL, 1e-3, np.float32)
     out = []
-    with Client(address, timeout=30, transport="unary") as c:
+    options: dict[str, Any] = {} if defaults else {"transport": "unary"}
+    with Client(address, timeout=30, **options) as c:
         c.describe_group(group)  # opens the channel, learns the size
         for i in range(warmup + n):
             t0 = time.perf_counter()
@@ -136,9 +153,23 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q))
 
 
-def small_section(address: str, quick: bool) -> list[list[str]]:
+def small_section(address: str, quick: bool, default: str) -> list[list[str]]:
     n, warmup = (300, 30) if quick else (1500, 100)
     rows = []
+    with Client(default, timeout=30) as c:
+        c.create_group(
+            "small", Adam(), learning_rate=1e-3, tensors={"w": np.zeros(SMALL, "f4")}
+        )
+    lat = _round_trips(default, "small", n, warmup, defaults=True)
+    rows.append(
+        [
+            "no flags: push + pull, 1,000 float32",
+            "1 thread",
+            f"{_pct(lat, 50) * 1e3:.3f}",
+            f"{_pct(lat, 99) * 1e3:.3f}",
+            f"{1 / statistics.mean(lat):,.0f} pushes/s",
+        ]
+    )
     base = _empty_calls(address, n, warmup)
     rows.append(
         [
@@ -263,12 +294,38 @@ def raw_grpc_step(nbytes: int, chunk: int, repeats: int) -> tuple[float, float]:
         proc.join()
 
 
-def large_section(address: str, quick: bool) -> list[list[str]]:
+def _steps(
+    address: str, name: str, x0: Any, grad: Any, repeats: int, **options: Any
+) -> float:
+    """The median push + pull of a new Adagrad group (the first left out: it opens
+    the channel)."""
+    with Client(address, timeout=300, **options) as c:
+        c.create_group(name, Adagrad(), learning_rate=0.01, tensors={"x": x0})
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            c.push(name, grad)
+            (pulled,) = c.pull(name)
+            times.append(time.perf_counter() - t0)
+        assert pulled.shape == x0.shape
+        c.delete_group(name)
+    return statistics.median(times[1:])
+
+
+def large_section(address: str, quick: bool, default: str) -> list[list[str]]:
     repeats = 3 if quick else 6
     x0 = np.linspace(-1, 1, LARGE, dtype=np.float32)
     grad = np.full(LARGE, 1e-3, np.float32)
     moved = 2 * x0.nbytes
-    rows = []
+    step = _steps(default, "big-default", x0, grad, repeats)
+    rows = [
+        [
+            "no flags: push + pull 64 MiB",
+            "no flags",
+            f"{step * 1e3:.1f}",
+            f"{moved / step / 1e9:.2f}",
+        ]
+    ]
     stepper = Stepper(make_attrs("Adagrad", {}), np.float32, [LARGE])
     x, h = x0.copy(), np.zeros_like(x0)
     local = []
@@ -296,18 +353,9 @@ def large_section(address: str, quick: bool) -> list[list[str]]:
             ]
         )
     for transport in ("stream", "unary"):
-        name = f"big-{transport}"
-        with Client(address, timeout=300, transport=transport) as c:  # type: ignore[arg-type]
-            c.create_group(name, Adagrad(), learning_rate=0.01, tensors={"x": x0})
-            times = []
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                c.push(name, grad)
-                (pulled,) = c.pull(name)
-                times.append(time.perf_counter() - t0)
-            assert pulled.shape == x0.shape
-            c.delete_group(name)
-        step = statistics.median(times[1:])  # the first opens the channel
+        step = _steps(
+            address, f"big-{transport}", x0, grad, repeats, transport=transport
+        )
         rows.append(
             [
                 f"push + pull 64 MiB, {transport}",
@@ -332,25 +380,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     args = parser.parse_args()
+    default = ServerProcess(defaults=True)
     server = ServerProcess()
     try:
-        small = small_section(server.address, args.quick)
-        large = large_section(server.address, args.quick)
+        small = small_section(server.address, args.quick, default.address)
+        large = large_section(server.address, args.quick, default.address)
         peak = server.peak_rss()
     finally:
         server.stop()
+        default.stop()
     print(
         _table(["small round trip", "clients", "p50 ms", "p99 ms", "throughput"], small)
     )
     print()
     print(_table(["large step", "transport", "median ms", "GB/s"], large))
-    s = {r[1]: float(r[2]) for r in large[1:]}
+    s = {r[1]: float(r[2]) for r in large[2:]}
     print()
     print(
         f"streamed step: {s['unary'] / s['stream']:.2f}x the speed of unary, "
         f"{s['stream, no protobuf'] / s['stream']:.2f}x the raw gRPC stream; unary "
         f"step: {s['unary, no protobuf'] / s['unary']:.2f}x raw gRPC unary; "
-        f"round trip p50 is {float(small[1][2]) / float(small[0][2]):.1f}x an empty "
+        f"round trip p50 is {float(small[2][2]) / float(small[1][2]):.1f}x an empty "
         f"call; server peak RSS {peak / MIB:.0f} MiB"
     )
     return 0

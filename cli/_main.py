@@ -47,6 +47,21 @@ COMMANDS = {
         "add_arguments",
         "show the groups on a running server",
     ),
+    "rewind": (
+        "onnxps.cli.history",
+        "add_rewind_arguments",
+        "set a group back to its state right after an earlier step",
+    ),
+    "fork": (
+        "onnxps.cli.history",
+        "add_fork_arguments",
+        "create a group with another's state right after one of its steps",
+    ),
+    "history": (
+        "onnxps.cli.history",
+        "add_history_arguments",
+        "list the steps a group can go back to, with their times",
+    ),
 }
 
 

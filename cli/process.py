@@ -15,7 +15,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LISTENING", "start_server_process", "stop_processes", "wait_for_listening"]
+__all__ = [
+    "LISTENING",
+    "start_default_server",
+    "start_server_process",
+    "stop_processes",
+    "wait_for_listening",
+]
 
 LISTENING = re.compile(r"onnxps listening on (\S+)")
 
@@ -41,6 +47,32 @@ def start_server_process(
             cmd,
             stdout=out,
             stderr=subprocess.STDOUT,
+            env=None if env is None else dict(env),
+        )
+    return proc, wait_for_listening(proc, log, timeout)
+
+
+def start_default_server(
+    workdir: Path,
+    *args: str,
+    log: Path,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 30.0,
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``onnxps serve`` as a user would, with no flag but a free loopback port
+    (``--address 127.0.0.1:0``) and ``args``, the flags a deployment cannot do
+    without (e.g. ``--shard 0/2``): every other setting its default (snapshot
+    durability in ``workdir/onnxps-data``, the default transports). The first row
+    of a benchmark is measured against this server."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "onnxps.cli", "serve", "--address", "127.0.0.1:0"]
+    cmd += args
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
             env=None if env is None else dict(env),
         )
     return proc, wait_for_listening(proc, log, timeout)

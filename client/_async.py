@@ -294,6 +294,9 @@ class AsyncClient(ClientCore):
     export_rows = _awaiting(ClientCore._export_rows)
     apply = _awaiting(ClientCore._apply)
     save = _awaiting(ClientCore._save)
+    rewind = _awaiting(ClientCore._rewind)
+    fork = _awaiting(ClientCore._fork)
+    history = _awaiting(ClientCore._history)
     export = _awaiting(ClientCore._export)  # writes the file from the event loop
     import_ = _awaiting(ClientCore._import_)
     tensor_buffers = _awaiting(ClientCore._tensor_buffers)

@@ -34,9 +34,12 @@ from ._ops import (
 )
 from ._records import (
     GroupInfo,
+    HistoryInfo,
+    HistoryStep,
     LeaseInfo,
     PartInfo,
     PushResult,
+    RewindInfo,
     SaveInfo,
     WorkerInfo,
 )
@@ -50,7 +53,10 @@ __all__ = [
     "GroupInfo",
     "LeaseInfo",
     "PartInfo",
+    "HistoryInfo",
+    "HistoryStep",
     "PushResult",
+    "RewindInfo",
     "SaveInfo",
     "WorkerInfo",
 ]
@@ -349,6 +355,9 @@ class Client(ClientCore):
     export_rows = _blocking(ClientCore._export_rows)
     apply = _blocking(ClientCore._apply)
     save = _blocking(ClientCore._save)
+    rewind = _blocking(ClientCore._rewind)
+    fork = _blocking(ClientCore._fork)
+    history = _blocking(ClientCore._history)
     export = _blocking(ClientCore._export)
     import_ = _blocking(ClientCore._import_)
     tensor_buffers = _blocking(ClientCore._tensor_buffers)

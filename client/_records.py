@@ -14,16 +14,21 @@ from ._optimizers import Adagrad, Adam, Async, Momentum, OptimizerSpec, Sync
 
 __all__ = [
     "GroupInfo",
+    "HistoryInfo",
+    "HistoryStep",
     "LeaseInfo",
     "PartInfo",
     "PushResult",
     "RowsPage",
+    "RewindInfo",
     "SaveInfo",
     "TableInfo",
     "WorkerInfo",
     "group_info",
+    "history_info",
     "lease_info",
     "optimizer_from_proto",
+    "rewind_info",
 ]
 
 Array = np.ndarray[Any, Any]
@@ -129,6 +134,67 @@ class SaveInfo:
     path: str
     groups: int
     bytes: int
+
+
+@dataclass(frozen=True)
+class RewindInfo:
+    """A rewind (or a fork) done: the group after it (a fork's new group), its
+    T before (``from_step``; a fork: the forked group's T now), and how the server
+    computed the state: from which base (``"snapshot"``, ``"create"`` or
+    ``"rewind"``) at which T, replaying how many of the group's log records, in
+    how many seconds (on a cluster: the slowest part's)."""
+
+    group: GroupInfo
+    from_step: int
+    base: str
+    base_step: int
+    replayed: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class HistoryStep:
+    """A step a group can go back to: its T, when it was taken (Unix seconds; 0:
+    not known), and ``kind``: ``"step"`` (a push's step), or a base reached with
+    no replay (``"snapshot"``, ``"create"``, ``"rewind"``: where a rewind landed)."""
+
+    step: int
+    unix_time: float
+    kind: str
+
+
+@dataclass(frozen=True)
+class HistoryInfo:
+    """The steps a group can go back to, oldest first, its T now, and the disk
+    the server's retention holds (kept snapshots, write-ahead log; on a cluster,
+    summed over the shards)."""
+
+    group: str
+    steps: list[HistoryStep]
+    update_count: int
+    snapshot_bytes: int
+    wal_bytes: int
+
+    @property
+    def oldest_step(self) -> int | None:
+        return self.steps[0].step if self.steps else None
+
+
+def rewind_info(msg: Any, group: GroupInfo, from_step: int) -> RewindInfo:
+    r = msg.reached
+    return RewindInfo(
+        group, from_step, r.base, int(r.base_step), int(r.replayed), r.seconds
+    )
+
+
+def history_info(msg: Any) -> HistoryInfo:
+    return HistoryInfo(
+        msg.group,
+        [HistoryStep(int(s.step), s.unix_time, s.kind) for s in msg.steps],
+        int(msg.update_count),
+        int(msg.snapshot_bytes),
+        int(msg.wal_bytes),
+    )
 
 
 def lease_info(msg: Any) -> LeaseInfo:

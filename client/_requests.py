@@ -63,8 +63,10 @@ from ._optimizers import Async, OptimizerSpec, Sync
 from ._pending import PendingPushes
 from ._records import (
     GroupInfo,
+    HistoryInfo,
     LeaseInfo,
     PushResult,
+    RewindInfo,
     RowsPage,
     SaveInfo,
 )
@@ -736,6 +738,40 @@ class ClientCore:
 
     def _heartbeat_interval(self, lease: LeaseInfo) -> float:
         return max(0.05, lease.lease_seconds / 3)
+
+    def _rewind(
+        self, group: str, *, to_step: int, timeout: float | None = None
+    ) -> Op[RewindInfo]:
+        """Set ``group`` back to its state right after step ``to_step``: X, V, H,
+        ids tables' rows and T bit for bit as they were then (on a cluster, every
+        part). Needs a server with ``--durability wal``; the learning rate and
+        settings stay as they are now. Pushes computed before the rewind are
+        refused (``REWOUND``): pull after it. ``FailedPreconditionError`` with
+        reason ``STEP_NOT_RETAINED`` when the step is older than retention keeps
+        (its details name ``oldest_step``)."""
+        if isinstance(to_step, bool) or not isinstance(to_step, int) or to_step < 0:
+            raise ValueError(f"to_step must be an int >= 0, got {to_step!r}")
+        return self._route.rewind(group, to_step, self._deadline(timeout))
+
+    def _fork(
+        self,
+        group: str,
+        new_group: str,
+        *,
+        at_step: int,
+        timeout: float | None = None,
+    ) -> Op[RewindInfo]:
+        """Create ``new_group`` with ``group``'s state right after step ``at_step``
+        (X, V, H, ids tables' rows, T, and the learning rate of that step); the
+        two groups go on apart. Needs ``--durability wal`` (one server)."""
+        if isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 0:
+            raise ValueError(f"at_step must be an int >= 0, got {at_step!r}")
+        return self._route.fork(group, new_group, at_step, self._deadline(timeout))
+
+    def _history(self, group: str, *, timeout: float | None = None) -> Op[HistoryInfo]:
+        """The steps ``group`` can go back to (``rewind``, ``fork``), oldest first,
+        with their times, and the disk the server's retention holds."""
+        return self._route.history(group, self._deadline(timeout))
 
     def _save(self, *, timeout: float | None = None) -> Op[SaveInfo]:
         """Ask the server (every shard of a cluster) to write a snapshot of every

@@ -24,12 +24,16 @@ from ._errors import InvalidArgumentError
 from ._ops import Deadline, Op, on_shard, unary_call
 from ._records import (
     GroupInfo,
+    HistoryInfo,
     LeaseInfo,
     PushResult,
+    RewindInfo,
     RowsPage,
     SaveInfo,
     group_info,
+    history_info,
     lease_info,
+    rewind_info,
 )
 from ._shardops import ShardOps
 
@@ -38,6 +42,13 @@ __all__ = ["Cluster", "OneServer", "Route", "Targets", "route_of"]
 Array = np.ndarray[Any, Any]
 # (shard, name on it) of each part of a group
 Targets = list[tuple[int, str]]
+
+
+def _refused(exc: Exception | None) -> Op[Any]:
+    """An operation that raises ``exc`` when it runs."""
+    if exc is not None:
+        raise exc
+    yield from ()
 
 
 def route_of(ops: ShardOps) -> OneServer | Cluster:
@@ -102,6 +113,23 @@ class OneServer:
     def save(self, deadline: Deadline) -> Op[SaveInfo]:
         msg = yield from unary_call("Save", pb.SaveRequest(), deadline)
         return SaveInfo(msg.path, msg.groups, msg.bytes)
+
+    def rewind(self, group: str, to_step: int, deadline: Deadline) -> Op[RewindInfo]:
+        req = pb.RewindRequest(group=group, to_step=to_step)
+        msg = yield from unary_call("Rewind", req, deadline)
+        return rewind_info(msg, group_info(msg.group), int(msg.from_step))
+
+    def fork(
+        self, group: str, new_group: str, at_step: int, deadline: Deadline
+    ) -> Op[RewindInfo]:
+        req = pb.ForkRequest(group=group, new_group=new_group, at_step=at_step)
+        msg = yield from unary_call("Fork", req, deadline)
+        info = self.ops.remember(group_info(msg.group))
+        return rewind_info(msg, info, int(msg.from_step))
+
+    def history(self, group: str, deadline: Deadline) -> Op[HistoryInfo]:
+        req = pb.HistoryRequest(group=group)
+        return history_info((yield from unary_call("History", req, deadline)))
 
     def push_rows(
         self,
@@ -218,6 +246,23 @@ class Cluster:
         return _sharded.pull(
             self.ops, group, state, min_version, deadline, encoding, allow_apart
         )
+
+    def rewind(self, group: str, to_step: int, deadline: Deadline) -> Op[RewindInfo]:
+        return _sharded.rewind(self.ops, group, to_step, deadline)
+
+    def fork(
+        self, group: str, new_group: str, at_step: int, deadline: Deadline
+    ) -> Op[RewindInfo]:
+        return _refused(
+            InvalidArgumentError(
+                f"fork of {group!r} on a cluster: not supported yet (a new "
+                "group's parts are placed by its own name); rewind, export the "
+                "group and import it under the new name instead"
+            )
+        )
+
+    def history(self, group: str, deadline: Deadline) -> Op[HistoryInfo]:
+        return _sharded.history(self.ops, group, deadline)
 
     def save(self, deadline: Deadline) -> Op[SaveInfo]:
         """Every shard writes a snapshot; their paths joined with ", " in shard

@@ -48,7 +48,16 @@ from ._pending import (
     resend_later,
     resend_now,
 )
-from ._records import GroupInfo, PartInfo, PushResult, group_info
+from ._records import (
+    GroupInfo,
+    HistoryInfo,
+    PartInfo,
+    PushResult,
+    RewindInfo,
+    group_info,
+    history_info,
+    rewind_info,
+)
 from ._shardops import ShardOps
 
 __all__ = [
@@ -59,8 +68,10 @@ __all__ = [
     "create_group",
     "delete_group",
     "describe_group",
+    "history",
     "layout",
     "list_groups",
+    "rewind",
     "part_targets",
     "pull",
     "push",
@@ -397,6 +408,52 @@ def set_learning_rate(
         return merged(ops, found, [m.group for m in replies])
 
     return (yield from rerouted(ops, group, deadline, set_all))
+
+
+def rewind(
+    ops: ShardOps, group: str, to_step: int, deadline: Deadline
+) -> Op[RewindInfo]:
+    """Every part of ``group`` back to step ``to_step``, at once (each part's
+    shard computes its part's state; a part that cannot is named in its error)."""
+
+    def rewind_all(found: Layout) -> Op[RewindInfo]:
+        replies = yield from _each_part(
+            ops,
+            found,
+            "Rewind",
+            lambda name: pb.RewindRequest(group=name, to_step=to_step),
+            deadline,
+        )
+        info = merged(ops, found, [m.group for m in replies])
+        slowest = max(replies, key=lambda m: m.reached.seconds)
+        return rewind_info(slowest, info, max(int(m.from_step) for m in replies))
+
+    return (yield from rerouted(ops, group, deadline, rewind_all))
+
+
+def history(ops: ShardOps, group: str, deadline: Deadline) -> Op[HistoryInfo]:
+    """The steps every part of ``group`` can go back to (the first part's times),
+    and the disk every shard holding a part keeps."""
+
+    def history_all(found: Layout) -> Op[HistoryInfo]:
+        replies = yield from _each_part(
+            ops,
+            found,
+            "History",
+            lambda name: pb.HistoryRequest(group=name),
+            deadline,
+        )
+        infos = [history_info(m) for m in replies]
+        common = set.intersection(*({s.step for s in i.steps} for i in infos))
+        return HistoryInfo(
+            group,
+            [s for s in infos[0].steps if s.step in common],
+            min(i.update_count for i in infos),
+            sum(i.snapshot_bytes for i in infos),
+            sum(i.wal_bytes for i in infos),
+        )
+
+    return (yield from rerouted(ops, group, deadline, history_all))
 
 
 def save(ops: ShardOps, deadline: Deadline) -> Op[list[Any]]:

@@ -1,7 +1,7 @@
 """Walk one warm push through the code: which onnxps modules it enters, and how often
 a call crosses from one module into another.
 
-    python scripts/call_walk.py [--elements 256] [--only grpc|frames]
+    python scripts/call_walk.py [--elements 256] [--only grpc|frames] [--trace]
 
 In one process: a server (``create_server``, ``durability="none"``, a data port,
 NumPy kernels), a small Adam group, a warm-up push; then one push of
@@ -44,6 +44,7 @@ class ThreadWalk:
     name: str
     last: str | None = None
     hops: int = 0
+    trail: list[str] = field(default_factory=list)
     entered: collections.Counter[str] = field(default_factory=collections.Counter)
     modules: set[str] = field(default_factory=set)
 
@@ -72,6 +73,8 @@ class Walk:
         elif module != walk.last:
             walk.hops += 1
             walk.entered[module] += 1
+            arrow = "->" if event == "call" else "<-"
+            walk.trail.append(f"{arrow} {module}.{frame.f_code.co_name}")
         walk.last = module
 
     def install(self) -> None:
@@ -120,7 +123,9 @@ def _short(module: str) -> str:
     return module.removeprefix("onnxps.")
 
 
-def report(label: str, threads: list[ThreadWalk], modules: set[str]) -> None:
+def report(
+    label: str, threads: list[ThreadWalk], modules: set[str], trace: bool = False
+) -> None:
     hops = sum(w.hops for w in threads)
     entered: collections.Counter[str] = collections.Counter()
     for w in threads:
@@ -128,6 +133,9 @@ def report(label: str, threads: list[ThreadWalk], modules: set[str]) -> None:
     print(f"{label}: {len(modules)} modules in {hops} hops")
     for w in threads:
         print(f"  thread {w.name}: {len(w.modules)} modules, {w.hops} hops")
+        if trace:
+            for step in w.trail:
+                print(f"    {step.replace('onnxps.', '')}")
     most = ", ".join(f"{_short(m)} {n}" for m, n in entered.most_common(8))
     print(f"  entered most: {most}")
     print(f"  modules: {', '.join(sorted(map(_short, modules)))}")
@@ -137,12 +145,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--elements", type=int, default=256)
     parser.add_argument("--only", choices=("grpc", "frames"), default=None)
+    parser.add_argument(
+        "--trace", action="store_true", help="print every hop (call -> / return <-)"
+    )
     args = parser.parse_args()
     for label, frames in (("grpc", False), ("frames", True)):
         if args.only not in (None, label):
             continue
         threads, modules = walk_push(frames, args.elements)
-        report(f"{label} push", threads, modules)
+        report(f"{label} push", threads, modules, args.trace)
 
 
 if __name__ == "__main__":

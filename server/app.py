@@ -231,6 +231,8 @@ def _durability(
         config.data_dir,
         mode=config.durability,
         keep=config.keep_snapshots,
+        keep_seconds=config.keep_seconds,
+        keep_bytes=config.keep_bytes,
         set_serving=set_serving,
         truncate_corrupt=config.wal_truncate_corrupt,
     )
@@ -240,7 +242,12 @@ def _durability(
 
 def create_server(config: ServerConfig | None = None) -> ServerHandle:
     """Build every part of a server and bind it, without starting it (port 0 picks a
-    free port). This is the one place the parts are wired together."""
+    free port). This is the one place the parts are wired together.
+
+    numba's fused kernels start loading on a thread here (unless ``ONNXPS_KERNELS``
+    says numpy): until they are in, steps take the NumPy path (the same bits), so
+    no call of a server, embedded or ``onnxps serve``, waits for them to compile."""
+    load_in_background()
     config = config or ServerConfig()
     security.check_bind_policy(config)
     credentials = security.server_credentials(config)
@@ -306,6 +313,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
                     if durability.journal is None
                     else durability.journal.fsync_times
                 ),
+                durability.retained_bytes,
             )
         )
     # A crash between a sync step's last push record and the step's own record leaves
@@ -325,6 +333,7 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
             store,
             chunk_bytes=config.chunk_bytes,
             save=None if durability is None else durability.save,
+            durability=durability,
             inflight=inflight,
             gradient_pool=gradient_pool,
             shared_memory=shared_memory,

@@ -149,7 +149,25 @@ class ServerConfig:
     snapshot_interval: float = _option(
         300.0, "seconds between snapshots, 0 for none", group="durability"
     )
-    keep_snapshots: int = _option(3, "snapshots kept", group="durability")
+    keep_snapshots: int = _option(
+        3,
+        "snapshots kept (the newest N); with the write-ahead log since the oldest "
+        "one kept, they are how far back a group can be rewound or forked",
+        group="durability",
+    )
+    keep_seconds: float = _option(
+        0.0,
+        "keep also every snapshot younger than this many seconds (a rewind window "
+        "in time), 0 for none",
+        group="durability",
+    )
+    keep_bytes: int = _option(
+        0,
+        "at most this many bytes of snapshots and write-ahead log: the oldest "
+        "snapshots beyond the newest one go first, whatever --keep-snapshots and "
+        "--keep-seconds keep; 0 for no limit",
+        group="durability",
+    )
     tls_cert: str | None = _option(
         None, "server certificate (PEM)", group="security", none="plaintext, no TLS"
     )
@@ -382,6 +400,11 @@ def _checks(c: ServerConfig) -> list[tuple[bool, str]]:
             f"snapshots), got {c.snapshot_interval}",
         ),
         (c.keep_snapshots >= 1, f"keep_snapshots must be >= 1, got {c.keep_snapshots}"),
+        (
+            c.keep_seconds >= 0 and math.isfinite(c.keep_seconds),
+            f"keep_seconds must be a finite number >= 0, got {c.keep_seconds}",
+        ),
+        (c.keep_bytes >= 0, f"keep_bytes must be >= 0, got {c.keep_bytes}"),
         (
             c.metrics_port is None or 0 <= c.metrics_port <= 65535,
             f"metrics_port must be 1..65535 (0 picks a free one), got {c.metrics_port}",

@@ -34,7 +34,6 @@ from .interceptors._handlers import (
     Handler,
     HookInterceptor,
     group_of,
-    method_of,
     on_first,
 )
 from .interceptors.limits import message_bytes
@@ -299,9 +298,11 @@ class DurabilityCollector(Collector):
         self,
         alarms: Callable[[], set[str]],
         fsyncs: Callable[[], FsyncTimes | None] = lambda: None,
+        retained: Callable[[], tuple[int, int]] | None = None,
     ) -> None:
         self.alarms = alarms
         self.fsyncs = fsyncs
+        self.retained = retained
 
     def collect(self) -> Iterable[Any]:
         times = self.fsyncs()
@@ -327,6 +328,18 @@ class DurabilityCollector(Collector):
         for reason in self.REASONS:
             alarm.add_metric([reason], 1 if reason in now else 0)
         yield alarm
+        if self.retained is not None:
+            snapshots, wal = self.retained()
+            held = GaugeMetricFamily(
+                "onnxps_retained_bytes",
+                "Bytes the data directory holds for retention: the kept snapshots "
+                "and the write-ahead log since the oldest of them (how far back "
+                "groups can be rewound or forked)",
+                labels=["kind"],
+            )
+            held.add_metric(["snapshots"], snapshots)
+            held.add_metric(["wal"], wal)
+            yield held
 
     def describe(self) -> Iterable[Any]:
         return []
@@ -356,8 +369,9 @@ class ObserveInterceptor(HookInterceptor):
         handler: Handler,
         handler_call_details: grpc.HandlerCallDetails,
         deserializer: Deserializer | None,
+        called: tuple[str, str],
     ) -> tuple[CallHooks | None, Deserializer | None]:
-        service, method = method_of(handler_call_details)
+        service, method = called
         call = _Observed(
             self.recorder,
             method if service == SERVICE else f"{service}/{method}",

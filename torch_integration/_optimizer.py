@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from typing import Any, Literal, cast, overload
 
 import numpy as np
@@ -85,8 +86,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
     ``missing_grad``: a parameter without ``.grad`` at ``step()`` pushes zeros
     (``"zeros"``; the server's operator still decays/accumulates its state and can
     move it, as torch.optim does for a zero gradient) or raises (``"error"``).
-    ``on_stale``: a push refused as too stale (``Async(max_staleness=...)``) raises
-    (``"raise"``) or drops the gradient and copies the server's X (``"skip"``).
+    ``on_stale``: a push refused as too stale (``Async(max_staleness=...)``, or
+    computed before the group was rewound: ``REWOUND``) raises (``"raise"``) or
+    drops the gradient and copies the server's X (``"skip"``).
     """
 
     def __init__(
@@ -260,16 +262,50 @@ class RemoteOptimizer(torch.optim.Optimizer):
         try:
             result = self._push(grads, float(self.param_groups[0]["lr"]), out)
         except FailedPreconditionError as exc:
-            if self.on_stale == "raise" or exc.reason != "STALE_PUSH":
-                raise
-            self.skipped_steps += 1
-            self.pull()
+            self._stale(exc)
             return loss
+        self._took(result, out)
+        return loss
+
+    def _start(self) -> tuple[Future[PushResult], list[Array] | None]:
+        """Start this step's push on the client's background thread: its future
+        and the parameters' views X will be written into (None: ``_took`` copies
+        it). ``BucketedOptimizer``'s buckets step so."""
+        grads = self.gradients()
+        out = self._in_place()
+        lr = self._push_lr(float(self.param_groups[0]["lr"]))
+        future = self.client.push_background(
+            self.group,
+            *grads,
+            base_version=self._version,
+            learning_rate=lr,
+            return_values=True,
+            timeout=self.timeout,
+            out=out,
+        )
+        return future, out
+
+    def _finish(self, future: Future[PushResult], out: list[Array] | None) -> None:
+        """Wait for a push ``_start`` began and take its X (``step()``'s end)."""
+        try:
+            result = future.result()
+        except FailedPreconditionError as exc:
+            self._stale(exc)
+            return
+        self._took(result, out)
+
+    def _stale(self, exc: FailedPreconditionError) -> None:
+        """A refused push: raise, or (``on_stale="skip"``) count it and pull X."""
+        if self.on_stale == "raise" or exc.reason not in ("STALE_PUSH", "REWOUND"):
+            raise exc
+        self.skipped_steps += 1
+        self.pull()
+
+    def _took(self, result: PushResult, out: list[Array] | None) -> None:
         assert result.values is not None
         if out is None:
             self._write_all(result.values)
         self._version = result.update_count + (0 if result.applied else 1)
-        return loss
 
     def _in_place(self) -> list[Array] | None:
         """The parameters as NumPy views X can be written straight into (the
@@ -316,23 +352,26 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def _push(
         self, grads: Sequence[Array], lr: float, out: list[Array] | None = None
     ) -> PushResult:
-        push_lr: float | None = lr
-        if isinstance(self._info.consistency, Sync):
-            # A sync step uses the group's R, not the pushes': set it when it changed
-            # (the previous step has been taken, so it applies to the next one).
-            push_lr = None
-            if lr != self._server_lr:
-                self.client.set_learning_rate(self.group, lr, timeout=self.timeout)
-                self._server_lr = lr
         return self.client.push_detailed(
             self.group,
             *grads,
             base_version=self._version,
-            learning_rate=push_lr,
+            learning_rate=self._push_lr(lr),
             return_values=True,
             timeout=self.timeout,
             out=out,
         )
+
+    def _push_lr(self, lr: float) -> float | None:
+        """The push's R: ``lr``; None in a sync group, whose R is the group's."""
+        if not isinstance(self._info.consistency, Sync):
+            return lr
+        # A sync step uses the group's R, not the pushes': set it when it changed
+        # (the previous step has been taken, so it applies to the next one).
+        if lr != self._server_lr:
+            self.client.set_learning_rate(self.group, lr, timeout=self.timeout)
+            self._server_lr = lr
+        return None
 
     def _write_all(self, values: Sequence[Array]) -> None:
         ps = self._params()

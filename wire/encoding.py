@@ -88,15 +88,24 @@ class EncodingRangeError(OnnxpsError, ValueError):
 
 
 _codec_lock = threading.Lock()
+_codec_start_lock = threading.Lock()
 _codec_loaded: dict[str, dict[str, Callable[..., Any]] | None] = {}
 
 
-def compiled_codec() -> dict[str, Callable[..., Any]] | None:
+def compiled_codec(wait: bool = True) -> dict[str, Callable[..., Any]] | None:
     """numba's loops (``_codec_numba``), or None for the NumPy path: as
     ``ONNXPS_KERNELS`` says (``auto``, the default: numba when it imports and
-    compiles; ``numpy``: never; ``numba``: numba or RuntimeError)."""
+    compiles; ``numpy``: never; ``numba``: numba or RuntimeError).
+
+    ``wait=False`` (the encode and widen paths): on ``auto``, None (the NumPy
+    path, the same bits) until the loops are in, whose load (a compile of 2 to
+    20 s with an empty numba cache) starts on a thread at the first such call;
+    so no call waits for it."""
     choice = os.environ.get("ONNXPS_KERNELS", "").strip().lower() or "auto"
     if choice == "numpy":
+        return None
+    if not wait and choice == "auto" and "loops" not in _codec_loaded:
+        _load_codec_in_background()
         return None
     with _codec_lock:
         if "loops" not in _codec_loaded:
@@ -117,6 +126,19 @@ def compiled_codec() -> dict[str, Callable[..., Any]] | None:
             "(pip install 'onnxps[fast]')"
         )
     return loops
+
+
+_codec_loading: list[threading.Thread] = []
+
+
+def _load_codec_in_background() -> None:
+    with _codec_start_lock:
+        if not _codec_loading:
+            thread = threading.Thread(
+                target=compiled_codec, name="onnxps-codec", daemon=True
+            )
+            _codec_loading.append(thread)
+            thread.start()
 
 
 def check_encoding(value: Any, what: str = "encoding") -> Encoding:
@@ -198,7 +220,7 @@ def _encode_flat(
 ) -> None:
     """Encode 1-D ``src`` into uint16 ``dst``; an overflow names element
     ``offset`` + its index."""
-    loops = compiled_codec()
+    loops = compiled_codec(wait=False)
     if loops is not None:
         _encode_compiled(loops[encoding], src, dst, encoding, what, offset)
         return
@@ -339,7 +361,7 @@ def widen_into(out: Array, data: Any, code: int) -> None:
     if code == pb.ENCODING_BFLOAT16 and out.dtype.itemsize == 4:
         np.left_shift(u, 16, out=out.view(np.uint32), dtype=np.uint32)
         return
-    loops = compiled_codec() if code == pb.ENCODING_FLOAT16 else None
+    loops = compiled_codec(wait=False) if code == pb.ENCODING_FLOAT16 else None
     if loops is not None and out.dtype.itemsize == 4:
         loops["widen_float16"](u, out.view(np.uint32))
         return

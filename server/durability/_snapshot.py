@@ -33,6 +33,7 @@ __all__ = [
     "SaveResult",
     "SnapshotError",
     "list_snapshots",
+    "load_group",
     "load_snapshot",
     "read_manifest",
     "write_snapshot",
@@ -143,30 +144,34 @@ def _write_group(
         clients.append([cid, int(floor), len(results)])
         rows.extend([s, t, int(a)] for s, t, a in results)
     table = np.array(rows, dtype=np.uint64).reshape(-1, 3)
-    return {
-        "image": captured.image.to_json(),
-        "arrays": [
-            _write_array(directory, f"{prefix}-a{j}.npy", a, files)
-            for j, a in enumerate(captured.image.arrays)
-        ],
-        "covered_lsn": runtime.covered_lsn,
-        "workers": list(runtime.workers),
-        "dead": list(runtime.dead),
-        "pending": [
-            [
-                key,
+    return (
+        {
+            "image": captured.image.to_json(),
+            "arrays": [
+                _write_array(directory, f"{prefix}-a{j}.npy", a, files)
+                for j, a in enumerate(captured.image.arrays)
+            ],
+            "covered_lsn": runtime.covered_lsn,
+            "workers": list(runtime.workers),
+            "dead": list(runtime.dead),
+            "pending": [
                 [
-                    _write_array(directory, f"{prefix}-p{k}-{j}.npy", a, files)
-                    for j, a in enumerate(arrays)
-                ],
-            ]
-            for k, (key, arrays) in enumerate(sorted(runtime.pending.items()))
-        ],
-        "dedup": {
-            "clients": clients,
-            "file": _write_array(directory, f"{prefix}-dedup.npy", table, files),
-        },
-    } | ({"created_by": runtime.created_by} if runtime.created_by else {})
+                    key,
+                    [
+                        _write_array(directory, f"{prefix}-p{k}-{j}.npy", a, files)
+                        for j, a in enumerate(arrays)
+                    ],
+                ]
+                for k, (key, arrays) in enumerate(sorted(runtime.pending.items()))
+            ],
+            "dedup": {
+                "clients": clients,
+                "file": _write_array(directory, f"{prefix}-dedup.npy", table, files),
+            },
+        }
+        | ({"created_by": runtime.created_by} if runtime.created_by else {})
+        | ({"rewound": list(runtime.rewound)} if runtime.rewound[1] else {})
+    )
 
 
 def write_snapshot(
@@ -320,6 +325,28 @@ def load_snapshot(directory: str) -> tuple[Manifest, list[GroupCapture]]:
     return manifest, groups
 
 
+def load_group(directory: str, index: int) -> GroupCapture:
+    """Group ``index`` of the snapshot's manifest, alone (its files only are read
+    and checked); raises SnapshotError naming the bad file."""
+    manifest = read_manifest(directory)
+    path, files = manifest.path, manifest.files
+
+    def read(name: str) -> Array:
+        if not isinstance(name, str) or not isinstance(files.get(name), dict):
+            raise SnapshotError(f"{path}: lists {name!r} without a checksum")
+        return _read_array(directory, name, files[name])
+
+    try:
+        return _read_group(manifest.groups[index], read, path)
+    except (ImageFormatError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise SnapshotError(f"{path}: malformed group entry: {exc!r}") from exc
+
+
+def _rewound(value: Any) -> tuple[int, int]:
+    to_step, from_step = value
+    return int(to_step), int(from_step)
+
+
 def _read_group(
     entry: dict[str, Any], read: Callable[[str], Array], path: str
 ) -> GroupCapture:
@@ -330,7 +357,7 @@ def _read_group(
     dedup, row = {}, 0
     for cid, floor, count in entry["dedup"]["clients"]:
         rows = table[row : row + count]
-        dedup[cid] = (int(floor), [(int(s), int(t), bool(a)) for s, t, a in rows])
+        dedup[cid] = (int(floor), [(int(s), int(t), int(a)) for s, t, a in rows])
         row += count
     runtime = GroupRuntime(
         covered_lsn=int(entry["covered_lsn"]),
@@ -339,5 +366,6 @@ def _read_group(
         pending={k: [read(n) for n in names] for k, names in entry["pending"]},
         dedup=dedup,
         created_by=str(entry.get("created_by", "")),
+        rewound=_rewound(entry.get("rewound", (0, 0))),
     )
     return GroupCapture(image, runtime)

@@ -265,6 +265,8 @@ class WriteAheadLog:
             header = {
                 **record,
                 "lsn": lsn,
+                # when it was logged: a group's history lists its steps' times
+                "unix": round(time.time(), 3),
                 "arrays": [[a.dtype.str, list(a.shape)] for a in arrays],
             }
             frame = Frame(json.dumps(header).encode(), arrays)
@@ -378,6 +380,11 @@ class WriteAheadLog:
     def last_lsn(self) -> int:
         with self._cv:
             return self._last
+
+    def durable_lsn(self) -> int:
+        """The last lsn written and fsynced."""
+        with self._cv:
+            return self._durable
 
     def rotate(self) -> int:
         """Start a new segment; returns the lsn of the last record before it."""

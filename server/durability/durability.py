@@ -19,13 +19,23 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from onnxps.wire.image import GroupImage
 
 from ..errors import DomainError, FailedPrecondition, NotFound
 from ..store import ParameterStore
+from ._history import (
+    GroupHistory,
+    LogIndex,
+    Reached,
+    build,
+    read_base,
+    renamed,
+    snapshot_points,
+)
+from ._redo import redo
 from ._snapshot import (
     SaveResult,
     SnapshotError,
@@ -38,7 +48,7 @@ from ._snapshot import (
 from ._wal import LogReader, WriteAheadLog, fsync_dir, segment_paths
 from ._walread import logged_term
 
-__all__ = ["MODES", "Durability", "SaveResult"]
+__all__ = ["MODES", "Durability", "GroupHistory", "Rewound", "SaveResult"]
 
 log = logging.getLogger("onnxps.durability")
 
@@ -61,6 +71,8 @@ class Durability:
         *,
         mode: str = "snapshot",
         keep: int = 3,
+        keep_seconds: float = 0.0,
+        keep_bytes: int = 0,
         set_serving: Callable[[bool], None] | None = None,
         truncate_corrupt: bool = False,
     ) -> None:
@@ -68,6 +80,8 @@ class Durability:
         self.root = os.path.abspath(data_dir)
         self.mode = mode
         self.keep = max(1, keep)
+        self.keep_seconds = keep_seconds
+        self.keep_bytes = keep_bytes
         self.snap_dir = os.path.join(self.root, "snapshots")
         self.wal_dir = os.path.join(self.root, "wal")
         self.journal: WriteAheadLog | None = None
@@ -88,6 +102,8 @@ class Durability:
         # The term of the log's last record, read at open (a replicated shard's
         # records carry it; 0: unknown, or the last lsn is a snapshot's)
         self.last_term = 0
+        # Where each group's records are in the log (rewind, fork, history)
+        self._index = LogIndex(self.wal_dir)
 
     # -- start ----------------------------------------------------------------------
     def open(self) -> None:
@@ -231,40 +247,9 @@ class Durability:
     ) -> None:
         """Redo one logged change through the store's replay methods; ``voided``:
         how many records read so far were refused when written."""
-        op, name, store = h["op"], h["group"], self.store
-        if op == "push":
+        if h["op"] in ("push", "push_rows"):
             self._check_t(h, voided)
-            store.replay_push(
-                name,
-                arrays,
-                client_id=h["client_id"],
-                seq=h["seq"],
-                base_version=h["base_version"],
-                learning_rate=h["lr"],
-            )
-        elif op == "push_rows":
-            self._check_t(h, voided)
-            store.replay_push_rows(
-                name,
-                arrays,
-                client_id=h["client_id"],
-                seq=h["seq"],
-                base_version=h["base_version"],
-                learning_rate=h["lr"],
-            )
-        elif op == "sync_step":
-            store.replay_sync_step(name, len(h["contributors"]))
-        elif op == "create":
-            store.replay_create(
-                GroupImage.from_json(h["image"], arrays, self.wal_dir),
-                request_id=h.get("request_id", ""),
-            )
-        elif op == "delete":
-            store.replay_delete(name)
-        elif op == "set_lr":
-            store.replay_set_learning_rate(name, h["lr"])
-        else:
-            log.warning("write-ahead log record of unknown op %r skipped", op)
+        redo(self.store, h, arrays, self.wal_dir)
 
     def _check_t(self, h: dict[str, Any], voided: int) -> None:
         """A push record names the T it was to step at; say so if replay differs.
@@ -326,6 +311,7 @@ class Durability:
         os.makedirs(self.wal_dir)
         os.makedirs(self.snap_dir)
         os.rename(received, os.path.join(self.snap_dir, os.path.basename(received)))
+        self._index = LogIndex(self.wal_dir)  # the log it indexed is gone
         wal_lsn, covered = self._restore()
         # Records after wal_lsn follow from the primary (a group's covered ones
         # too: logged, not applied again), so the log goes on right after it.
@@ -344,6 +330,52 @@ class Durability:
         os.unlink(marker)
         fsync_dir(self.root)
         return wal_lsn, covered
+
+    # -- history: rewind and fork (``_history``) ---------------------------------------
+    def history(self, group: str) -> GroupHistory:
+        """Group ``group``'s line: the steps it can go back to."""
+        view = self.store.describe(group)  # NOT_FOUND first
+        if self.journal is None:
+            raise FailedPrecondition(
+                f"group {group!r} has no history on this server: it keeps no "
+                f"write-ahead log (--durability {self.mode}); start it with "
+                "--durability wal to rewind and fork groups",
+                reason="NO_HISTORY",
+                metadata={"group": group},
+            )
+        self._index.refresh(self.journal.durable_lsn())
+        return build(
+            group,
+            view.consistency.mode == "sync",
+            self._index.records(group),
+            snapshot_points(self.snap_dir, group),
+        )
+
+    def rewind(self, group: str, to_step: int) -> Rewound:
+        """Set ``group`` back to its state right after step ``to_step`` (a logged
+        change): from the nearest base at or before it and the group's records."""
+        started = time.perf_counter()
+        # one at a time with snapshots: what they prune is what this reads
+        with self._lock:
+            reached = self.history(group).reach(to_step, self.wal_dir, read_base)
+            before, after = self.store.rewind(reached.capture.image)
+        done = Rewound(group, before, after, reached, time.perf_counter() - started)
+        _log_reached("rewound", done)
+        return done
+
+    def fork(self, group: str, new_group: str, at_step: int) -> Rewound:
+        """A new group ``new_group`` with ``group``'s state right after step
+        ``at_step`` (logged as its create)."""
+        started = time.perf_counter()
+        with self._lock:
+            reached = self.history(group).reach(at_step, self.wal_dir, read_base)
+            self.store.fork(renamed(reached.capture.image, new_group))
+        now = self.store.describe(group).update_count
+        return Rewound(new_group, now, at_step, reached, time.perf_counter() - started)
+
+    def retained_bytes(self) -> tuple[int, int]:
+        """The bytes the kept snapshots and the log's segments hold on disk."""
+        return _tree_bytes(self.snap_dir), _tree_bytes(self.wal_dir)
 
     @property
     def adopting(self) -> bool:
@@ -417,11 +449,14 @@ class Durability:
         return written
 
     def _prune(self) -> None:
+        """Drop the snapshots retention does not keep, then the log segments
+        every kept snapshot is past (see ``_retained``)."""
         snapshots = list_snapshots(self.snap_dir)
-        for _, path in snapshots[self.keep :]:
+        kept = self._retained(snapshots)
+        for _, path in snapshots[len(kept) :]:
             shutil.rmtree(path, ignore_errors=True)
         oldest = None
-        for _, path in snapshots[: self.keep]:
+        for _, path in kept:
             try:
                 wal_lsn = read_manifest(path).wal_lsn
             except SnapshotError:
@@ -433,6 +468,44 @@ class Durability:
         for (_, path), (next_first, _) in zip(segments, segments[1:], strict=False):
             if next_first - 1 <= oldest:
                 os.unlink(path)
+
+    def _retained(self, snapshots: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        """The snapshots kept (newest first): the newest ``keep``, and those younger
+        than ``keep_seconds``; then, over ``keep_bytes`` (snapshots and the log they
+        need), the oldest go until it fits or one is left."""
+        now = time.time()
+        count = self.keep
+        while count < len(snapshots) and self.keep_seconds > 0:
+            age = now - os.path.getmtime(snapshots[count][1])
+            if age > self.keep_seconds:
+                break
+            count += 1
+        kept = snapshots[:count]
+        if self.keep_bytes <= 0:
+            return kept
+        sizes = [_tree_bytes(path) for _, path in kept]
+        while len(kept) > 1:
+            try:
+                since = read_manifest(kept[-1][1]).wal_lsn
+            except SnapshotError:
+                break  # a damaged one may need any segment: not counted
+            if sum(sizes) + self._log_bytes_after(since) <= self.keep_bytes:
+                break
+            kept, sizes = kept[:-1], sizes[:-1]
+        return kept
+
+    def _log_bytes_after(self, lsn: int) -> int:
+        """The bytes of the log's segments a snapshot at ``lsn`` needs."""
+        segments = segment_paths(self.wal_dir)
+        total = 0
+        for k, (_, path) in enumerate(segments):
+            nxt = segments[k + 1][0] if k + 1 < len(segments) else None
+            if nxt is None or nxt - 1 > lsn:
+                try:
+                    total += os.path.getsize(path)
+                except FileNotFoundError:
+                    pass
+        return total
 
     def _current_signature(self) -> Any:
         groups = tuple(
@@ -516,6 +589,48 @@ class Durability:
     def _serving(self, serving: bool) -> None:
         if self._set_serving is not None:
             self._set_serving(serving)
+
+
+@dataclass(frozen=True)
+class Rewound:
+    """A rewind or a fork done: the group (a fork's new one), T before and after,
+    how its state was reached, and how long it took."""
+
+    group: str
+    from_step: int
+    to_step: int
+    reached: Reached
+    seconds: float
+
+
+def _log_reached(what: str, done: Rewound) -> None:
+    r = done.reached
+    log.info(
+        "%s group %s at T=%d (T was %d) in %.3f s: the %s at T=%d read in %.3f s, "
+        "%d records replayed in %.3f s, logged and installed in %.3f s",
+        what,
+        done.group,
+        done.to_step,
+        done.from_step,
+        done.seconds,
+        r.base.kind,
+        r.base_step,
+        r.read_seconds,
+        r.replayed,
+        r.replay_seconds,
+        done.seconds - r.read_seconds - r.replay_seconds,
+    )
+
+
+def _tree_bytes(root: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, name))
+            except OSError:
+                pass
+    return total
 
 
 def _not_replayed(lsn: int, op: str, group: str, exc: DomainError) -> None:

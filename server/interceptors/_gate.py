@@ -23,7 +23,6 @@ from ._handlers import (
     Deserializer,
     Handler,
     HookInterceptor,
-    method_of,
 )
 from ._status import refuse
 
@@ -73,8 +72,9 @@ class DrainGate(HookInterceptor):
         handler: Handler,
         handler_call_details: grpc.HandlerCallDetails,
         deserializer: Deserializer | None,
+        called: tuple[str, str],
     ) -> tuple[CallHooks | None, Deserializer | None]:
-        if method_of(handler_call_details)[0] != SERVICE:
+        if called[0] != SERVICE:
             return None, None  # health and reflection: answered until the end
         return _Admitted(self), None
 

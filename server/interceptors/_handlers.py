@@ -266,9 +266,11 @@ class HookInterceptor:
         handler: Handler,
         handler_call_details: grpc.HandlerCallDetails,
         deserializer: Deserializer | None,
+        called: tuple[str, str],
     ) -> tuple[CallHooks | None, Deserializer | None]:
         """This call's hooks (None: none), and the deserializer to read its
-        request with (None: ``deserializer`` as it is)."""
+        request with (None: ``deserializer`` as it is). ``called`` is the call's
+        ``(service, method)``, split once for the whole chain."""
         raise NotImplementedError
 
 
@@ -291,8 +293,11 @@ class HookChain(Interceptor):
             return None
         original = deserializer = handler.request_deserializer
         hooks: list[CallHooks] = []
+        called = _split_method(handler_call_details.method or "")
         for part in reversed(self.parts):  # innermost first: its reader is inner
-            got, parse = part.call_hooks(handler, handler_call_details, deserializer)
+            got, parse = part.call_hooks(
+                handler, handler_call_details, deserializer, called
+            )
             if parse is not None:
                 deserializer = parse
             if got is not None:

@@ -32,7 +32,6 @@ from ._handlers import (
     Handler,
     HookInterceptor,
     Malformed,
-    method_of,
 )
 from ._stall import StallWatch
 from ._status import refuse
@@ -198,8 +197,9 @@ class LimitsInterceptor(HookInterceptor):
         handler: Handler,
         handler_call_details: grpc.HandlerCallDetails,
         deserializer: Deserializer | None,
+        called: tuple[str, str],
     ) -> tuple[CallHooks | None, Deserializer | None]:
-        _, method = method_of(handler_call_details)
+        _, method = called
         call = _Admission(
             self,
             method,

@@ -31,7 +31,6 @@ from ._handlers import (
     HookInterceptor,
     Refusal,
     group_of,
-    method_of,
     on_first,
 )
 from ._status import refuse
@@ -61,6 +60,7 @@ _READ = frozenset(
         "ApplyStream",
         "SharedMemoryHello",
         "DataChannelHello",
+        "History",
     }
 )
 # Workers join, heartbeat and leave the groups they push to: that is writing.
@@ -74,7 +74,14 @@ _WRITE = _READ | {
     "Heartbeat",
     "LeaveGroup",
 }
-_ADMIN = _WRITE | {"CreateGroup", "CreateGroupStream", "DeleteGroup", "Save"}
+_ADMIN = _WRITE | {
+    "CreateGroup",
+    "CreateGroupStream",
+    "DeleteGroup",
+    "Save",
+    "Rewind",
+    "Fork",
+}
 # A standby of a replicated shard follows its primary's log: the whole state of the
 # shard, every tenant's groups. Only a replica may: a token of its own role that does
 # nothing else, never an admin's (an admin may be confined to one tenant's prefix).
@@ -345,6 +352,10 @@ class _GroupChecked(CallHooks):
             # No group (an undecodable or header-less request) is refused further in.
             if group is not None and not self.grant.allows_group(group):
                 _deny(context, self.grant, group)
+            # a fork creates a group: the token must be allowed that one too
+            made = getattr(msg, "new_group", None)
+            if isinstance(made, str) and not self.grant.allows_group(made):
+                _deny(context, self.grant, made)
 
         if self.req_s:
             return on_first(request, check)
@@ -385,8 +396,9 @@ class TokenAuthInterceptor(HookInterceptor):
         handler: Handler,
         handler_call_details: grpc.HandlerCallDetails,
         deserializer: Deserializer | None,
+        called: tuple[str, str],
     ) -> tuple[CallHooks | None, Deserializer | None]:
-        service, method = method_of(handler_call_details)
+        service, method = called
         if service != SERVICE:
             return None, None
         token = _bearer(handler_call_details.invocation_metadata)

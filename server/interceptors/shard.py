@@ -29,7 +29,6 @@ from ._handlers import (
     Handler,
     HookInterceptor,
     Refusal,
-    method_of,
 )
 from ._status import rich_status
 from .security import ConfigError
@@ -132,8 +131,9 @@ class ShardInterceptor(HookInterceptor):
         handler: Handler,
         handler_call_details: grpc.HandlerCallDetails,
         deserializer: Deserializer | None,
+        called: tuple[str, str],
     ) -> tuple[CallHooks | None, Deserializer | None]:
-        service, _ = method_of(handler_call_details)
+        service, _ = called
         routed = _routed(handler_call_details.invocation_metadata)
         if service != SERVICE or routed is None:
             return None, None

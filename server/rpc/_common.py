@@ -34,7 +34,7 @@ from onnxps.wire.codec import (
     serializer,
 )
 
-from ..durability import SaveResult
+from ..durability import Durability, SaveResult
 from ..errors import InvalidArgument
 from ..interceptors._handlers import group_of, on_first
 from ..interceptors._status import rich_status, status_of
@@ -302,6 +302,7 @@ class RpcFamily:
         *,
         chunk_bytes: int = CHUNK_BYTES,
         save: Callable[[], SaveResult] | None = None,
+        durability: Durability | None = None,
         inflight: InflightBytes | None = None,
         gradient_pool: GradientPool | None = None,
         shared_memory: SharedMemory | None = None,
@@ -314,6 +315,8 @@ class RpcFamily:
         self._data = data_channels
         self.chunk_bytes = chunk_bytes
         self._save = save
+        # A group's past (Rewind, Fork, History); None: no data directory.
+        self._durability = durability
         # Pull replies are counted in the same budget as requests (see limits).
         self._inflight = inflight or InflightBytes()
         # Streamed pushes receive their gradients into buffers reused per group.

@@ -2,9 +2,9 @@
 
 Each RPC decodes its request, calls the store (or the kernels, for Apply), encodes
 the reply, and maps domain errors to a status with details
-(``interceptors._status.status_of``). The RPCs are written in families (``_groups``,
-``_tensors``, ``_rows``) over the parts in ``_common.RpcFamily``; the servicer is
-their union.
+(``interceptors._status.status_of``). The RPCs are written in families
+(``_groups``, ``_tensors``, ``_rows``, ``_history``) over the parts in
+``_common.RpcFamily``; the servicer is their union.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 from ..errors import FailedPrecondition
 from ._common import add_servicer, streaming
 from ._groups import GroupRpcs
+from ._history import HistoryRpcs
 from ._rows import RowRpcs
 from ._tensors import TensorRpcs
 
@@ -31,7 +32,7 @@ Replicate = Callable[
 
 
 class ParameterServerServicer(
-    GroupRpcs, TensorRpcs, RowRpcs, pb_grpc.ParameterServerServiceServicer
+    GroupRpcs, TensorRpcs, RowRpcs, HistoryRpcs, pb_grpc.ParameterServerServiceServicer
 ):
     """Every RPC of ``onnxps.v1.ParameterServerService``."""
 

@@ -183,10 +183,13 @@ class GroupRuntime:
     dead: tuple[str, ...] = ()  # out of the sync quorum
     pending: Mapping[str, Sequence[Array]] = field(default_factory=dict)
     # client id -> (floor, [(push seq, T, applied), ...] oldest first)
-    dedup: Mapping[str, tuple[int, Sequence[tuple[int, int, bool]]]] = field(
+    dedup: Mapping[str, tuple[int, Sequence[tuple[int, int, int]]]] = field(
         default_factory=dict
     )
     created_by: str = ""  # the request id of the group's create ("": none)
+    # the last rewind (``_rewind``): the T it went back to, the highest T one went
+    # back from (0, 0: none), so that stale pushes stay refused after a restart
+    rewound: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -222,8 +225,8 @@ class ClientWindow:
     __slots__ = ("floor", "last_push", "results")
 
     def __init__(self, floor: int = -1, last_push: float = 0.0) -> None:
-        # push seq -> (T, applied), oldest first
-        self.results: dict[int, tuple[int, bool]] = {}
+        # push seq -> (T, applied), oldest first (``_rewind.DROPPED``: dropped)
+        self.results: dict[int, tuple[int, int]] = {}
         self.floor = floor  # every push seq <= floor has been forgotten
         self.last_push = last_push  # monotonic time of the client's last push
 
@@ -328,6 +331,11 @@ class Group:
         self.created_by = ""
         # the PushTicket every well-formed push gets (``_push``), made on first use
         self.push_ticket: Any = None
+        # rewinds (``_rewind``): how many, the T the last one went back to, and the
+        # highest T one went back from (a push computed above it is refused)
+        self.rewinds = 0
+        self.rewound_to = 0
+        self.rewound_from = 0
 
     def _sizes(self) -> list[int]:
         o = self.layout.offsets
@@ -480,6 +488,7 @@ class Group:
                 for cid, w in self.dedup.items()
             },
             created_by=self.created_by,
+            rewound=(self.rewound_to, self.rewound_from),
         )
 
     def restore_runtime(self, runtime: GroupRuntime, now: float) -> None:
@@ -487,11 +496,14 @@ class Group:
         self.dead = set(runtime.dead)
         self.pending = {k: list(v) for k, v in runtime.pending.items()}
         self.created_by = runtime.created_by
+        self.rewound_to, self.rewound_from = runtime.rewound
+        self.rewinds = 1 if self.rewound_from else 0
         for cid, (floor, rows) in runtime.dedup.items():
             # restored windows count their age from the restart
             w = self.dedup[cid] = ClientWindow(int(floor), now)
             for s, t, a in rows:
-                w.results[int(s)] = (int(t), bool(a))
+                # a: 0 buffered, 1 applied, 2 dropped by a rewind (``_rewind``)
+                w.results[int(s)] = (int(t), int(a) if int(a) > 1 else bool(a))
 
     # -- changes (under the lock) -----------------------------------------------------
     def step(

@@ -29,6 +29,7 @@ from ._ids import empty_part
 from ._journaling import JournalEntry
 from ._order import PushKey, alone
 from ._quorum import logged_step_due, maybe_sync_step, quorum_reached
+from ._rewind import DROPPED, rewound_error
 from ._shared import SharedCopies
 from ._sparse import INDEX_DTYPE, flatten, is_row_push
 from ._waits import Cancellation, Wait, Waiting
@@ -465,7 +466,11 @@ class PushPipeline:
         if hit is not None:
             w.last_push = self._clock()  # a resend: its client is alive
             g.dedup.move_to_end(client_id)
-            return hit
+            if hit[1] == DROPPED:
+                raise rewound_error(
+                    g, f"push seq {seq} from client {client_id!r} was resent"
+                )
+            return hit[0], bool(hit[1])
         if seq <= w.floor:
             raise FailedPrecondition(
                 f"push seq {seq} from client {client_id!r} is older than the "
@@ -489,6 +494,8 @@ def _check_base_version(g: Group, base_version: int | None, t: int) -> None:
     when it steps at T=``t`` (beyond ``g.update_count`` with pushes in flight)."""
     if base_version is None:
         return
+    if g.rewinds and g.update_count < base_version <= g.rewound_from:
+        raise rewound_error(g, f"push computed against T={base_version}")
     if base_version > g.update_count:
         raise InvalidArgument(
             f"push computed against T={base_version}, but group {g.name!r} is "

@@ -24,6 +24,7 @@ from typing import Protocol
 from ..errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from ._group import Group
 from ._quorum import quorum_reached
+from ._rewind import rewound_error
 
 __all__ = [
     "CURRENT_CALL",
@@ -182,9 +183,12 @@ class Waiting:
         )
         gone = wait.cancellation
         woken = nullcontext() if gone is None else gone.watching(g.cond)
+        rewinds = g.rewinds
         with slot, woken:
             while g.update_count < version:
                 self._check_waiting(g, version, gone)
+                if g.rewinds != rewinds:
+                    raise rewound_error(g, f"a call waited for T={version}")
                 remaining = None if deadline is None else deadline - self._clock()
                 if remaining is not None and remaining <= 0:
                     raise DeadlineExceeded(

@@ -47,7 +47,7 @@ from ..errors import (
     Unavailable,
 )
 from ..kernels import OptimizerAttrs, make_attrs
-from . import _quorum, _rows
+from . import _quorum, _rewind, _rows
 from ._checks import (
     check_learning_rate,
     check_lease_seconds,
@@ -784,6 +784,63 @@ class ParameterStore:
         with g.cond:
             g.replay_step = contributors
             _quorum.maybe_sync_step(g, JournalEntry(None), _quorum.logged_step_due)
+
+    # -- rewind and fork (``_rewind``; the state is computed by ``durability``) ------
+    def rewind(self, image: GroupImage, *, replay: bool = False) -> tuple[int, int]:
+        """Set group ``image.name`` back to the image's X, V, H, tables and T, as
+        a logged change (its record carries the image, so a restart's replay and a
+        standby apply it alone); returns (T before, T after)."""
+        self._check_open()
+        name = image.name
+        g = self._group(name)
+        with self._journaled(replay) as journal, g.cond, alone(g.cond, g.order):
+            self._check_live(g)
+            journal.check_writable()  # a standby refuses (NOT_PRIMARY)
+            _rewind.check_image(g, image)
+            to_step = int(image.definition.update_count)
+            journal.durable(
+                {
+                    "op": "rewind",
+                    "group": name,
+                    "to_step": to_step,
+                    "image": image.to_json(),
+                },
+                image.arrays,
+            )
+            before = _rewind.install_state(g, image, next(self._incarnations))
+        return before, to_step
+
+    def release(self, name: str) -> GroupImage:
+        """Remove group ``name`` and hand its state over without a copy: for a
+        store that is discarded next (a rewind's scratch store, ``durability``)."""
+        g = self._group(name)
+        with self._lock:
+            del self._groups[name]
+        with g.cond, alone(g.cond, g.order):
+            g.deleted = True
+            n = len(g.shapes)
+            dense = g.xs + g.state_arrays()
+            arrays = [a.reshape(g.shapes[i % n]) for i, a in enumerate(dense)]
+            for t in g.tables.values():
+                arrays += t.arrays()
+            return GroupImage(g.definition(), arrays)
+
+    def replay_rewind(self, image: GroupImage) -> None:
+        self.rewind(image, replay=True)
+
+    def fork(self, image: GroupImage) -> GroupView:
+        """A new group ``image.name`` of the image's state (logged as its create)."""
+        self._check_open()
+        check_name(image.name)
+        self._entry.check_writable()  # a standby refuses (NOT_PRIMARY)
+        d = image.definition
+        g = Group.from_image(
+            image, make_attrs(d.optimizer, d.attributes), next(self._incarnations)
+        )
+        self.check_group_size(g.state_bytes)
+        self._add_group(g, g.state_bytes)
+        _log_group("forked", g)
+        return g.view(self._clock())
 
     def replay_set_learning_rate(self, name: str, learning_rate: float) -> None:
         self._set_learning_rate(name, learning_rate, replay=True)

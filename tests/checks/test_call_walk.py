@@ -12,9 +12,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _walk(way: str) -> str:
+def _walk(way: str, *flags: str) -> str:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "call_walk.py"), "--only", way],
+        [sys.executable, str(ROOT / "scripts" / "call_walk.py"), "--only", way, *flags],
         capture_output=True,
         text=True,
         timeout=240,
@@ -45,3 +45,13 @@ def test_the_walk_counts_a_frame_push() -> None:
     modules, hops = _counts(out, "frames push")
     assert modules > 5 and hops > modules, out
     assert "server._frames" in out or "frames" in out.split("modules: ", 1)[1]
+
+
+def test_the_trace_prints_one_line_per_hop() -> None:
+    out = _walk("grpc", "--trace")
+    _, hops = _counts(out, "grpc push")
+    steps = re.findall(r"^    (->|<-) (\S+)\.(\w+|<\w+>)$", out, re.M)
+    assert len(steps) == hops, out
+    # the push enters the client's call and the server's Push handler
+    assert ("->", "client._requests", "_push") in steps, out
+    assert ("->", "server.rpc._tensors", "Push") in steps, out

@@ -53,6 +53,9 @@ def test_stubs_serve_the_package_named_in_the_proto() -> None:
         "SharedMemoryHello",
         "DataChannelHello",
         "Replicate",
+        "Rewind",
+        "Fork",
+        "History",
     ]
 
 

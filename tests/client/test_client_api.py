@@ -72,6 +72,9 @@ CALLS: dict[str, Callable[..., Any]] = {
     "join": lambda c, **kw: c.join("g", **kw),
     "leave": lambda c, **kw: c.leave("g", **kw),
     "save": lambda c, **kw: c.save(**kw),
+    "rewind": lambda c, **kw: c.rewind("g", to_step=0, **kw),
+    "fork": lambda c, **kw: c.fork("g", "g2", at_step=0, **kw),
+    "history": lambda c, **kw: c.history("g", **kw),
     "tensor_buffers": lambda c, **kw: c.tensor_buffers("g", **kw),
 }
 

@@ -405,6 +405,10 @@ ELSEWHERE = {
     "INTERNAL": "test_availability.py",
     "PERMISSION_DENIED": "test_shared_memory.py",
     "UNAUTHENTICATED": "test_security.py",
+    "REWOUND": "test_rewind.py",
+    "STEP_NOT_RETAINED": "test_rewind.py",
+    "STEP_AHEAD": "test_rewind.py",
+    "NO_HISTORY": "test_rewind.py",
 }
 
 # Documented, and refused by the code, but no test yet checks the reason itself

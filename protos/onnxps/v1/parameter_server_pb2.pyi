@@ -2767,3 +2767,257 @@ class ReplicaRecord(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReplicaRecord: _TypeAlias = ReplicaRecord  # noqa: Y015
+
+@_typing.final
+class RewindRequest(_message.Message):
+    """Rewind a group to the state right after step to_step."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    TO_STEP_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    """The group (on a cluster, one part's name)."""
+    to_step: _builtins.int
+    """The step: the group's T after the rewind."""
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        to_step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "to_step", b"to_step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RewindRequest: _TypeAlias = RewindRequest  # noqa: Y015
+
+@_typing.final
+class ReachedFrom(_message.Message):
+    """How a state as of an earlier step was computed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BASE_FIELD_NUMBER: _builtins.int
+    BASE_STEP_FIELD_NUMBER: _builtins.int
+    REPLAYED_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    base: _builtins.str
+    """What it started from: "snapshot", "create" or "rewind" (a log record
+    carrying the group's whole state).
+    """
+    base_step: _builtins.int
+    """The T of that base."""
+    replayed: _builtins.int
+    """The group's log records replayed after it."""
+    seconds: _builtins.float
+    """Seconds the server took."""
+    def __init__(
+        self,
+        *,
+        base: _builtins.str = ...,
+        base_step: _builtins.int = ...,
+        replayed: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base", b"base", "base_step", b"base_step", "replayed", b"replayed", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReachedFrom: _TypeAlias = ReachedFrom  # noqa: Y015
+
+@_typing.final
+class RewindResponse(_message.Message):
+    """A rewind done."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    FROM_STEP_FIELD_NUMBER: _builtins.int
+    REACHED_FIELD_NUMBER: _builtins.int
+    from_step: _builtins.int
+    """T before the rewind."""
+    @_builtins.property
+    def group(self) -> Global___GroupInfo:
+        """The group after the rewind."""
+
+    @_builtins.property
+    def reached(self) -> Global___ReachedFrom:
+        """How its state was computed."""
+
+    def __init__(
+        self,
+        *,
+        group: Global___GroupInfo | None = ...,
+        from_step: _builtins.int = ...,
+        reached: Global___ReachedFrom | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "reached", b"reached"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_step", b"from_step", "group", b"group", "reached", b"reached"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RewindResponse: _TypeAlias = RewindResponse  # noqa: Y015
+
+@_typing.final
+class ForkRequest(_message.Message):
+    """Fork a group: a new group with its state right after step at_step."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    NEW_GROUP_FIELD_NUMBER: _builtins.int
+    AT_STEP_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    """The group forked (on a cluster, one part's name)."""
+    new_group: _builtins.str
+    """The new group's name (on a cluster, the part's name)."""
+    at_step: _builtins.int
+    """The step: the new group's T."""
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        new_group: _builtins.str = ...,
+        at_step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_step", b"at_step", "group", b"group", "new_group", b"new_group"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkRequest: _TypeAlias = ForkRequest  # noqa: Y015
+
+@_typing.final
+class ForkResponse(_message.Message):
+    """A fork done."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    REACHED_FIELD_NUMBER: _builtins.int
+    FROM_STEP_FIELD_NUMBER: _builtins.int
+    from_step: _builtins.int
+    """The forked group's T now."""
+    @_builtins.property
+    def group(self) -> Global___GroupInfo:
+        """The new group."""
+
+    @_builtins.property
+    def reached(self) -> Global___ReachedFrom:
+        """How its state was computed."""
+
+    def __init__(
+        self,
+        *,
+        group: Global___GroupInfo | None = ...,
+        reached: Global___ReachedFrom | None = ...,
+        from_step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "reached", b"reached"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_step", b"from_step", "group", b"group", "reached", b"reached"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkResponse: _TypeAlias = ForkResponse  # noqa: Y015
+
+@_typing.final
+class HistoryRequest(_message.Message):
+    """The steps a group can go back to."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    """The group (on a cluster, one part's name)."""
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HistoryRequest: _TypeAlias = HistoryRequest  # noqa: Y015
+
+@_typing.final
+class HistoryStep(_message.Message):
+    """One step a group can go back to."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    UNIX_TIME_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    """The step (T)."""
+    unix_time: _builtins.float
+    """When it was taken (Unix seconds; 0: not known)."""
+    kind: _builtins.str
+    """"step" (a push's step), "snapshot", "create" or "rewind" (where a rewind
+    landed): the kinds but "step" are bases, reached without replay.
+    """
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        unix_time: _builtins.float = ...,
+        kind: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "step", b"step", "unix_time", b"unix_time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HistoryStep: _TypeAlias = HistoryStep  # noqa: Y015
+
+@_typing.final
+class HistoryResponse(_message.Message):
+    """A group's history."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    UPDATE_COUNT_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_BYTES_FIELD_NUMBER: _builtins.int
+    WAL_BYTES_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    """The group."""
+    update_count: _builtins.int
+    """The group's T now."""
+    snapshot_bytes: _builtins.int
+    """Bytes the server's kept snapshots hold on disk (every group's)."""
+    wal_bytes: _builtins.int
+    """Bytes the server's write-ahead log holds on disk (every group's)."""
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___HistoryStep]:
+        """Every step it can go back to, oldest first."""
+
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        steps: _abc.Iterable[Global___HistoryStep] | None = ...,
+        update_count: _builtins.int = ...,
+        snapshot_bytes: _builtins.int = ...,
+        wal_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "snapshot_bytes", b"snapshot_bytes", "steps", b"steps", "update_count", b"update_count", "wal_bytes", b"wal_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HistoryResponse: _TypeAlias = HistoryResponse  # noqa: Y015

@@ -150,6 +150,21 @@ class ParameterServerServiceStub:
                 request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ReplicateRequest.SerializeToString,
                 response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ReplicateResponse.FromString,
                 _registered_method=True)
+        self.Rewind = channel.unary_unary(
+                '/onnxps.v1.ParameterServerService/Rewind',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.RewindRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.RewindResponse.FromString,
+                _registered_method=True)
+        self.Fork = channel.unary_unary(
+                '/onnxps.v1.ParameterServerService/Fork',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ForkRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ForkResponse.FromString,
+                _registered_method=True)
+        self.History = channel.unary_unary(
+                '/onnxps.v1.ParameterServerService/History',
+                request_serializer=onnxps_dot_v1_dot_parameter__server__pb2.HistoryRequest.SerializeToString,
+                response_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.HistoryResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServiceServicer:
@@ -325,6 +340,28 @@ class ParameterServerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rewind(self, request, context):
+        """Set a group back to its state right after an earlier step (X, V, H, ids
+        tables' rows and T; needs --durability wal): a logged change.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Fork(self, request, context):
+        """A new group with another group's state right after one of its steps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def History(self, request, context):
+        """The steps a group can go back to (Rewind, Fork), with their times.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -442,6 +479,21 @@ def add_ParameterServerServiceServicer_to_server(servicer, server):
                     servicer.Replicate,
                     request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ReplicateRequest.FromString,
                     response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ReplicateResponse.SerializeToString,
+            ),
+            'Rewind': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rewind,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.RewindRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.RewindResponse.SerializeToString,
+            ),
+            'Fork': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fork,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.ForkRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.ForkResponse.SerializeToString,
+            ),
+            'History': grpc.unary_unary_rpc_method_handler(
+                    servicer.History,
+                    request_deserializer=onnxps_dot_v1_dot_parameter__server__pb2.HistoryRequest.FromString,
+                    response_serializer=onnxps_dot_v1_dot_parameter__server__pb2.HistoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1066,6 +1118,87 @@ class ParameterServerService:
             '/onnxps.v1.ParameterServerService/Replicate',
             onnxps_dot_v1_dot_parameter__server__pb2.ReplicateRequest.SerializeToString,
             onnxps_dot_v1_dot_parameter__server__pb2.ReplicateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rewind(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/onnxps.v1.ParameterServerService/Rewind',
+            onnxps_dot_v1_dot_parameter__server__pb2.RewindRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.RewindResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/onnxps.v1.ParameterServerService/Fork',
+            onnxps_dot_v1_dot_parameter__server__pb2.ForkRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.ForkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def History(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/onnxps.v1.ParameterServerService/History',
+            onnxps_dot_v1_dot_parameter__server__pb2.HistoryRequest.SerializeToString,
+            onnxps_dot_v1_dot_parameter__server__pb2.HistoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

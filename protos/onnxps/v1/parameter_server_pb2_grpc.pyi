@@ -112,6 +112,14 @@ class ParameterServerServiceStub:
     durably). Admin or replication role. Refused with FAILED_PRECONDITION
     (NOT_PRIMARY) by a server that is not its shard's primary.
     """
+    Rewind: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.RewindRequest, _parameter_server_pb2.RewindResponse]
+    """Set a group back to its state right after an earlier step (X, V, H, ids
+    tables' rows and T; needs --durability wal): a logged change.
+    """
+    Fork: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.ForkRequest, _parameter_server_pb2.ForkResponse]
+    """A new group with another group's state right after one of its steps."""
+    History: _grpc.UnaryUnaryMultiCallable[_parameter_server_pb2.HistoryRequest, _parameter_server_pb2.HistoryResponse]
+    """The steps a group can go back to (Rewind, Fork), with their times."""
 
 @_typing.type_check_only
 class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
@@ -177,6 +185,14 @@ class ParameterServerServiceAsyncStub(ParameterServerServiceStub):
     durably). Admin or replication role. Refused with FAILED_PRECONDITION
     (NOT_PRIMARY) by a server that is not its shard's primary.
     """
+    Rewind: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.RewindRequest, _parameter_server_pb2.RewindResponse]  # type: ignore[assignment]
+    """Set a group back to its state right after an earlier step (X, V, H, ids
+    tables' rows and T; needs --durability wal): a logged change.
+    """
+    Fork: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.ForkRequest, _parameter_server_pb2.ForkResponse]  # type: ignore[assignment]
+    """A new group with another group's state right after one of its steps."""
+    History: _aio.UnaryUnaryMultiCallable[_parameter_server_pb2.HistoryRequest, _parameter_server_pb2.HistoryResponse]  # type: ignore[assignment]
+    """The steps a group can go back to (Rewind, Fork), with their times."""
 
 class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
     """The parameter server."""
@@ -377,5 +393,31 @@ class ParameterServerServiceServicer(metaclass=_abc_1.ABCMeta):
         durably). Admin or replication role. Refused with FAILED_PRECONDITION
         (NOT_PRIMARY) by a server that is not its shard's primary.
         """
+
+    @_abc_1.abstractmethod
+    def Rewind(
+        self,
+        request: _parameter_server_pb2.RewindRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.RewindResponse, _abc.Awaitable[_parameter_server_pb2.RewindResponse]]:
+        """Set a group back to its state right after an earlier step (X, V, H, ids
+        tables' rows and T; needs --durability wal): a logged change.
+        """
+
+    @_abc_1.abstractmethod
+    def Fork(
+        self,
+        request: _parameter_server_pb2.ForkRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.ForkResponse, _abc.Awaitable[_parameter_server_pb2.ForkResponse]]:
+        """A new group with another group's state right after one of its steps."""
+
+    @_abc_1.abstractmethod
+    def History(
+        self,
+        request: _parameter_server_pb2.HistoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_server_pb2.HistoryResponse, _abc.Awaitable[_parameter_server_pb2.HistoryResponse]]:
+        """The steps a group can go back to (Rewind, Fork), with their times."""
 
 def add_ParameterServerServiceServicer_to_server(servicer: ParameterServerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
