@@ -79,7 +79,6 @@ from ._replies import (
 )
 from ._routes import Route, Targets, route_of
 from ._settings import (
-    SWITCH_MODES,
     channel_credentials,
     channel_options,
     check_client_arguments,
@@ -205,11 +204,8 @@ class ClientCore:
             unexpected,
             shared_memory,
             data_channel,
+            frames,
         )
-        if frames not in SWITCH_MODES:
-            raise ValueError(
-                f"frames must be one of {', '.join(SWITCH_MODES)}, got {frames!r}"
-            )
         # Small Push and Pull calls as frames on a call channel beside gRPC, where
         # the server offers a data port ("auto" and "on"; "off": gRPC); on a
         # replicated cluster, a channel to a server that is no longer the primary

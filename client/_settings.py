@@ -171,6 +171,7 @@ def check_client_arguments(
     unexpected: Mapping[str, Any],
     shared_memory: Any = "off",
     data_channel: Any = "off",
+    frames: Any = "off",
 ) -> None:
     """TypeError/ValueError that say what ``Client(...)`` (or ``AsyncClient``)
     takes."""
@@ -206,6 +207,7 @@ def check_client_arguments(
     for name, mode in (
         ("shared_memory", shared_memory),
         ("data_channel", data_channel),
+        ("frames", frames),
     ):
         if mode not in SWITCH_MODES:
             raise ValueError(
