@@ -10,11 +10,12 @@ over each path, rounds alternating the order of the paths:
 
 - ``no flags``: ``Client(address)`` against ``onnxps serve`` with no flags (its
   snapshot durability in a data directory of its own): what a user gets;
-- ``gRPC``: ``shared_memory="off", data_channel="off"`` (unary below the stream
-  threshold, streams above it);
-- ``shm``: ``shared_memory="on", data_channel="off"`` (segments in /dev/shm);
-- ``data channel``: ``shared_memory="off", data_channel="on"`` against a server
-  with ``--data-port 0``;
+- ``gRPC``: ``shared_memory="off", data_channel="off", frames="off"`` (unary
+  below the stream threshold, streams above it);
+- ``shm``: ``shared_memory="on", data_channel="off", frames="off"`` (segments in
+  /dev/shm);
+- ``data channel``: ``shared_memory="off", data_channel="on", frames="off"``
+  against a server with ``--data-port 0``;
 - ``frames``: ``shared_memory="off", frames="on"`` against the same server, for
   calls of at most 1 MiB (larger ones go as the client would send them anyway).
 
@@ -52,9 +53,15 @@ FRAME_MAX = 1 << 20
 PATHS: dict[str, tuple[str, dict[str, str]]] = {
     # name: (server, client flags)
     "no flags": ("default", {}),
-    "gRPC": ("tuned", {"shared_memory": "off", "data_channel": "off"}),
-    "shm": ("tuned", {"shared_memory": "on", "data_channel": "off"}),
-    "data channel": ("tuned", {"shared_memory": "off", "data_channel": "on"}),
+    "gRPC": (
+        "tuned",
+        {"shared_memory": "off", "data_channel": "off", "frames": "off"},
+    ),
+    "shm": ("tuned", {"shared_memory": "on", "data_channel": "off", "frames": "off"}),
+    "data channel": (
+        "tuned",
+        {"shared_memory": "off", "data_channel": "on", "frames": "off"},
+    ),
     "frames": ("tuned", {"shared_memory": "off", "frames": "on"}),
 }
 

@@ -6,9 +6,11 @@
                                      [--baseline REV]
 
 - ``cpu``: ``--workers`` client processes push a 1,000-element float32 Adam gradient
-  as fast as they can for ``--seconds``, first to ``onnxps serve --durability none``
-  (no auth), then to the floor: a raw grpcio unary server (bytes in, 8 bytes out, no
-  protobuf) taking the same NumPy Adam step under a lock. The figure is the server
+  as fast as they can for ``--seconds``, first with no flags (``onnxps serve``,
+  ``Client(address)``: frame calls on the data port), then to ``onnxps serve
+  --durability none`` with a gRPC-only client, then to the floor: a raw grpcio
+  unary server (bytes in, 8 bytes out, no protobuf) taking the same NumPy Adam step
+  under a lock. The figure is the server
   process's CPU time (user + system, from /proc) per call, and calls per second.
   Rounds alternate which server goes first. ``--baseline REV`` adds the server of
   an older commit (``benchmarks/_baseline.py``: its own checkout and process),
@@ -231,30 +233,31 @@ def _start_raw(
 # What a user gets: ``onnxps serve`` with no flags (its default durability,
 # snapshots, in a data directory of its own; a free port) and ``Client(address)``.
 # Tuned rows come after it and say what they set.
-def _default_server(tmp: Path, tag: str) -> tuple[Any, str]:
+def _default_server(
+    tmp: Path, tag: str, env: dict[str, str] | None = None
+) -> tuple[Any, str]:
     data = tmp / f"{tag}-data"
     return start_server_process(
-        "--durability", "snapshot", "--data-dir", str(data), log=tmp / f"{tag}.log"
+        "--durability",
+        "snapshot",
+        "--data-dir",
+        str(data),
+        log=tmp / f"{tag}.log",
+        env=env,
     )
 
 
-GRPC_ONLY = {"shared_memory": "off", "data_channel": "off"}
-_GRPC_ONLY_NAME = "shared_memory='off', data_channel='off'"
+GRPC_ONLY = {"shared_memory": "off", "data_channel": "off", "frames": "off"}
+_GRPC_ONLY_NAME = "shared_memory='off', data_channel='off', frames='off'"
 
 
 def cpu_section(args: argparse.Namespace, tmp: Path) -> None:
     raw, port = _start_raw(tmp, "cpu")
     default = _default_server(tmp, "cpu-default")
     tuned = start_server_process(log=tmp / "cpu.log")  # --durability none
-    framed = start_server_process("--data-port", "0", log=tmp / "cpu-frames.log")
     servers: list[tuple[str, Any, str, dict[str, str]]] = [
         ("no flags", *default, {}),
         ("serve --durability none; client gRPC only", *tuned, GRPC_ONLY),
-        (
-            "serve --durability none --data-port 0; client frames='on'",
-            *framed,
-            {"frames": "on", "shared_memory": "off"},
-        ),
     ]
     with contextlib.ExitStack() as stack:
         try:
@@ -447,6 +450,17 @@ def memory_section(args: argparse.Namespace, tmp: Path) -> None:
         _memory_calls(args, proc.pid, address, {})
     finally:
         stop_processes([proc])
+    if args.baseline:
+        from _baseline import checkout, tree_env
+
+        with checkout(args.baseline) as old:
+            env = tree_env(old.tree)
+            proc, address = _default_server(tmp, "memory-default-old", env)
+            try:
+                print(f"\nserver memory (no flags, baseline {old.label})", end="")
+                _memory_calls(args, proc.pid, address, {})
+            finally:
+                stop_processes([proc])
     with _servers(args, tmp, "memory") as servers:
         for name, (proc,), (address,), _ in servers:
             print(

@@ -72,7 +72,7 @@ class AsyncClient(ClientCore):
     Takes the arguments of ``Client`` and behaves the same (one deadline per call,
     exactly-once resends of a push, TLS and tokens, unary or chunked streams by
     size, a list of shard addresses routed as ``Client`` routes it, frames on a
-    call channel with ``frames="on"``, their socket's steps in a worker thread).
+    call channel by default, their socket's steps in a worker thread).
     Use it as
     ``async with AsyncClient(address) as ps:``; the channels open on first use, in
     the running event loop.
@@ -174,7 +174,12 @@ class AsyncClient(ClientCore):
         if isinstance(effect, Transfer):
             return await self._transfer(effect)
         if isinstance(effect, Blocking):
-            return await asyncio.to_thread(effect.fn)
+            try:
+                return await asyncio.to_thread(effect.fn)
+            except asyncio.CancelledError:
+                if effect.cancel is not None:
+                    effect.cancel()
+                raise
         shard = effect.shard or 0
         while True:
             fn = self._method(effect.method, shard)

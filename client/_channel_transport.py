@@ -14,7 +14,7 @@ from typing import Any, Literal, Protocol
 import grpc
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
-from onnxps.wire.codec import ENCODED, TensorFormatError, header_tensor, tensor_spec
+from onnxps.wire.codec import ENCODED, TensorFormatError, header_tensors, tensor_spec
 from onnxps.wire.encoding import widen_into
 
 from ._datachannel import (
@@ -67,6 +67,9 @@ _CHANNEL_FALLBACK_REASONS = frozenset(
         "DATA_CHANNEL_BUSY",
         "DATA_CHANNEL_OFF",
         "DATA_TRANSFER_STALE",
+        # a replicated shard's server that is no longer the primary: the call
+        # goes over gRPC, which follows to the new one (the same seq: once)
+        "NOT_PRIMARY",
     }
 )
 # Failures of a call on a channel that may send it over gRPC (``_falls_back``).
@@ -122,8 +125,18 @@ class DataChannelLink:
         self.dtypes = dtypes
         self.pools: dict[int, ChannelPool] = {}
         self.refused: dict[int, str] = {}
+        # the address each shard's pool and refusal are of: a replicated
+        # cluster's primary moves, and its channels and refusal stay behind
+        self._of: dict[int, str] = {}
 
     def pool(self, shard: int) -> ChannelPool:
+        address = self.host.addresses[shard]
+        if self._of.get(shard, address) != address:
+            old = self.pools.pop(shard, None)
+            if old is not None:
+                old.close()
+            self.refused.pop(shard, None)
+        self._of[shard] = address
         pool = self.pools.get(shard)
         if pool is None:
             pool = self.pools.setdefault(shard, ChannelPool())
@@ -157,10 +170,11 @@ class DataChannelLink:
         if address is None:
             self.refuse("the address is not host:port", shard)
             return None
+        pool = self.pool(shard)  # (forgets a refusal of a primary that moved)
         if shard in self.refused:
             self.refuse(self.refused[shard], shard)
             return None
-        ch = self.pool(shard).take()
+        ch = pool.take()
         if ch is not None:
             return ch
         try:
@@ -168,8 +182,10 @@ class DataChannelLink:
                 "DataChannelHello",
                 unary_request(pb.DataChannelHelloRequest()),
                 # A hello never costs the call more than a few seconds of its own
-                Deadline(min(deadline.remaining(), _HELLO_SECONDS)),
+                # (and a server that is away leaves the call most of its time)
+                Deadline(min(deadline.remaining() / 4, _HELLO_SECONDS)),
                 what("the data channel hello"),
+                shard=shard,
             )
             msg = yield call
         except RpcError as exc:
@@ -186,13 +202,14 @@ class DataChannelLink:
                 address,
                 msg.port,
                 msg.ticket,
-                min(deadline.remaining(), 10),
+                min(deadline.remaining(), _HELLO_SECONDS),
                 self.context(),
                 self._server_name_override,
             )
             opened: DataChannel = yield Blocking(opening)
             return opened
-        except (OSError, ChannelRefused, ChannelBroken) as exc:
+        # (LookupError: a Python that cannot load its idna codec cannot resolve)
+        except (OSError, LookupError, ChannelRefused, ChannelBroken) as exc:
             why = f"cannot connect to its port {address}:{msg.port} ({exc})"
             self.refuse(why, shard)
             return None
@@ -245,7 +262,7 @@ class ChannelTransport:
         ch = self.ch
         req = pb.PushRequest()
         req.CopyFrom(template)
-        req.gradients.extend(header_tensor(a) for a in arrays)
+        req.gradients.extend(header_tensors(arrays))
         tid = ch.next_transfer()
         req.transfer.channel = ch.id
         req.transfer.transfer_id = tid

@@ -120,10 +120,11 @@ class Client(ClientCore):
     for one, ``coordinator_cert`` and ``coordinator_key`` (this client's); none
     given, ``ONNXPS_COORDINATOR_CA``, ``_CERT`` and ``_KEY`` name them.
 
-    ``frames="on"`` sends small Push and Pull calls (requests up to 1 MiB) as frames
-    on a call channel beside gRPC, to a server with ``--data-port``: the same
-    checks, errors and exactly once, without gRPC's per-call cost (docs/transports.md,
-    "Frame calls"); ``"off"`` (the default) sends every call over gRPC.
+    ``frames="auto"`` (the default; ``"on"`` is the same) sends small Push and Pull
+    calls (requests up to 1 MiB) as frames on a call channel beside gRPC, to a
+    server that offers a data port (``onnxps serve`` does by default): the same
+    checks, errors and exactly once, without gRPC's per-call cost
+    (docs/transports.md, "Frame calls"); ``"off"`` sends every call over gRPC.
 
     ``address`` may also be ``"unix:///path/to.sock"`` (or ``"unix:relative"``): a
     server listening on a Unix socket. ``shared_memory`` chooses the same-host

@@ -1,5 +1,6 @@
-"""The client's side of frame calls (``frames="on"``, ``Client`` and
-``AsyncClient``): ``FrameTransport``, a ``TensorTransport`` (see ``_transport``).
+"""The client's side of frame calls (``frames="auto"``, the default, and
+``"on"``; ``Client`` and ``AsyncClient``): ``FrameTransport``, a
+``TensorTransport`` (see ``_transport``).
 
 Small unary ``Push`` and ``Pull`` calls as frames on a call channel: a data
 channel opened with ``CALL_MAGIC`` after an authenticated ``DataChannelHello``
@@ -53,7 +54,17 @@ log = logging.getLogger("onnxps.client")
 FRAME_METHODS = frames.METHOD_NUMBERS
 # each method's reply message, read from a frame's bytes
 _REPLIES = {m: deserializer(rpc_messages(m)[1]) for m in FRAME_METHODS}
-_FRAMES_RETRY_SECONDS = 10.0  # a refused call channel is asked for again after
+# A refused call channel is asked for again after this, doubled at each refusal
+# in a row up to _FRAMES_RETRY_MAX_SECONDS (a port a firewall drops costs a call
+# its connect timeout once in a while, not every 10 s)
+_FRAMES_RETRY_SECONDS = 10.0
+_FRAMES_RETRY_MAX_SECONDS = 600.0
+_CONNECT_SECONDS = 3.0  # a hello and a connect never cost a call more than this
+# A client of a replicated cluster waits this long for a frame call's reply, then
+# closes the channel (the server cancels the call) and resends it over gRPC with
+# the same seq: gRPC's pings find a frozen primary within about 2 s
+# (``_settings.FOLLOW_KEEPALIVE``), a frame call has no pings of its own
+_FOLLOW_REPLY_SECONDS = 2.0
 # Statuses a frame call hands to gRPC, whose retry policy resends them (a draining
 # or stopping server): the same seq, applied once
 _GRPC_RETRIES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -85,10 +96,11 @@ class FrameRpcError(grpc.RpcError):
 
 
 class CallChannel:
-    """One call channel: one call at a time (``lock``)."""
+    """One call channel to ``address``: one call at a time (``lock``)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, address: str = "") -> None:
         self.sock = sock
+        self.address = address
         self.lock = threading.Lock()
         self.closed = False
 
@@ -96,9 +108,18 @@ class CallChannel:
         self.closed = True
         close_socket(self.sock)
 
-    def call(self, method: str, request: bytes, timeout: float | None) -> bytes:
-        """The reply's bytes; raises FrameRpcError (a status) or FrameBroken."""
+    def call(
+        self,
+        method: str,
+        request: bytes,
+        timeout: float | None,
+        reply_within: float | None = None,
+    ) -> bytes:
+        """The reply's bytes; raises FrameRpcError (a status) or FrameBroken (also
+        when no reply came within ``reply_within`` seconds)."""
         frame = frames.call_frame(FRAME_METHODS[method], timeout or 0.0, request)
+        if reply_within is not None:
+            timeout = reply_within if timeout is None else min(timeout, reply_within)
         try:
             self.sock.settimeout(timeout)
             self.sock.sendall(frame)
@@ -133,17 +154,24 @@ class CallChannelLink:
         addresses: list[str],
         tls: Callable[[], ssl.SSLContext | None],
         server_name_override: str | None,
+        follows: bool = False,
     ) -> None:
         self.addresses = addresses  # the client's own list: followed as it changes
+        self._reply_within = _FOLLOW_REPLY_SECONDS if follows else None
         self._tls = tls
         self._server_name_override = server_name_override
         self.channels: dict[int, CallChannel] = {}
         self._opening: dict[int, threading.Lock] = {}
-        self._refused: dict[int, float] = {}
+        self._refused: dict[int, tuple[float, float]] = {}  # until, then the wait
 
     def close(self) -> None:
         for ch in self.channels.values():
             ch.close()
+
+    def refused(self, shard: int) -> bool:
+        """Whether ``shard`` refused a call channel lately (its calls: gRPC)."""
+        until = self._refused.get(shard)
+        return until is not None and time.monotonic() < until[0]
 
     def call(self, call: Call, shard: int) -> Op[Any]:
         """``call`` (a Push or Pull) as a frame to ``shard``: its reply, or
@@ -151,6 +179,8 @@ class CallChannelLink:
         broken, the request too large or bound to gRPC; a push resent keeps its
         seq, applied once)."""
         ch = self.channels.get(shard)
+        if ch is not None and ch.address != self.addresses[shard]:
+            ch.close()  # the shard's primary moved (a replicated cluster)
         if ch is None or ch.closed:
             # one caller opens a shard's channel; a call meanwhile goes over gRPC
             opening = self._opening.setdefault(shard, threading.Lock())
@@ -167,33 +197,46 @@ class CallChannelLink:
             if raw is None or len(raw) > FRAME_MAX_REQUEST_BYTES:
                 return _NOT_FRAMED
             sending = functools.partial(
-                ch.call, call.method, raw, call.deadline.remaining()
+                ch.call,
+                call.method,
+                raw,
+                call.deadline.remaining(),
+                self._reply_within,
             )
-            body = yield Blocking(sending)
+            body = yield Blocking(sending, ch.close)
         except FrameBroken as exc:
             log.info("call channel to shard %d: %s; over gRPC", shard, exc)
             return _NOT_FRAMED
         except FrameRpcError as exc:
             if exc.code() in _GRPC_RETRIES:  # gRPC's retry policy resends these
                 return _NOT_FRAMED
-            raise call.error(exc) from None
+            error = call.error(exc)
+            if getattr(error, "reason", None) == "NOT_PRIMARY":
+                # no longer the primary: gRPC's call follows to the new one (the
+                # same seq: applied once), and the next call opens a channel there
+                ch.close()
+                return _NOT_FRAMED
+            raise error from None
         finally:
             ch.lock.release()
         return _REPLIES[call.method](body)
 
     def _open(self, shard: int, deadline: Deadline) -> Op[CallChannel | None]:
         """A new call channel to ``shard`` (hello, connect), else None (refused:
-        asked again after ``_FRAMES_RETRY_SECONDS``)."""
-        if time.monotonic() < self._refused.get(shard, 0.0):
+        asked again after ``_FRAMES_RETRY_SECONDS``, doubling while refused)."""
+        until, wait = self._refused.get(shard, (0.0, 0.0))
+        if time.monotonic() < until:
             return None
-        host = tcp_host(self.addresses[shard])
+        address = self.addresses[shard]
+        host = tcp_host(address)
         try:
             if host is None:
                 raise OSError("the address is not host:port")
             hello = yield Call(
                 "DataChannelHello",
                 unary_request(pb.DataChannelHelloRequest()),
-                Deadline(min(deadline.remaining(), 5.0)),
+                # a server that is away leaves the call most of its time
+                Deadline(min(deadline.remaining() / 4, _CONNECT_SECONDS)),
                 what("DataChannelHello"),
                 shard=shard,
             )
@@ -202,17 +245,20 @@ class CallChannelLink:
                 host,
                 hello.port,
                 hello.ticket,
-                min(deadline.remaining(), 5.0),
+                min(deadline.remaining(), _CONNECT_SECONDS),
                 self._tls(),
                 self._server_name_override,
                 magic=CALL_MAGIC,
             )
             opened = yield Blocking(opening)
-        except (RpcError, OSError, ChannelRefused, ChannelBroken) as exc:
-            self._refused[shard] = time.monotonic() + _FRAMES_RETRY_SECONDS
+        # (LookupError: a Python that cannot load its idna codec cannot resolve)
+        except (RpcError, OSError, LookupError, ChannelRefused, ChannelBroken) as exc:
+            wait = min(max(2 * wait, _FRAMES_RETRY_SECONDS), _FRAMES_RETRY_MAX_SECONDS)
+            self._refused[shard] = (time.monotonic() + wait, wait)
             log.info("no call channel to shard %d (%s); calls over gRPC", shard, exc)
             return None
-        ch = self.channels[shard] = CallChannel(opened.sock)
+        self._refused.pop(shard, None)
+        ch = self.channels[shard] = CallChannel(opened.sock, address)
         return ch
 
 

@@ -15,7 +15,7 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import (
     EncodedMessage,
     chunk_frames,
-    header_tensor,
+    header_tensors,
     tensors_to_arrays,
 )
 from onnxps.wire.encoding import DeferredEncoding
@@ -218,7 +218,7 @@ class StreamTransport:
     ) -> Op[PushResult]:
         req = _copy(template)
         native = _native(arrays)
-        req.gradients.extend(header_tensor(a) for a in native)
+        req.gradients.extend(header_tensors(native))
         what = pushed_what(req)
         step = self.host.chunk_bytes
         address = self.host.address

@@ -184,9 +184,12 @@ class Transfer:
 class Blocking:
     """A blocking step that is not an RPC (connecting a data channel's socket):
     the blocking ``Client`` runs ``fn`` in place, the ``AsyncClient`` in a worker
-    thread, so the event loop never waits on it."""
+    thread, so the event loop never waits on it; ``cancel`` ends it there when
+    the task waiting for it is cancelled (a frame call's socket is closed: the
+    server ends the call as gRPC ends a cancelled one)."""
 
     fn: Callable[[], Any]
+    cancel: Callable[[], None] | None = None
 
 
 Effect = Call | Pause | Parallel | Transfer | Blocking

@@ -176,7 +176,7 @@ class ClientCore(FollowsPlacement):
         gradient_encoding: Encoding | None = None,
         pull_encoding: Encoding | None = None,
         data_channel: DataChannelMode = "auto",
-        frames: Literal["off", "on"] = "off",
+        frames: Literal["auto", "on", "off"] = "auto",
         coordinator_ca: str | None = None,
         coordinator_cert: str | None = None,
         coordinator_key: str | None = None,
@@ -206,13 +206,13 @@ class ClientCore(FollowsPlacement):
             unexpected,
             shared_memory,
             data_channel,
+            frames,
         )
-        if frames not in ("off", "on"):
-            raise ValueError(f"frames must be 'off' or 'on', got {frames!r}")
-        # Small Push and Pull calls as frames on a call channel beside gRPC (a
-        # server with --data-port); not with etcd (a channel is bound to one
-        # server)
-        self.frames = frames == "on" and self._discovery is None
+        # Small Push and Pull calls as frames on a call channel beside gRPC, where
+        # the server offers a data port ("auto" and "on"; "off": gRPC); on a
+        # replicated cluster, a channel to a server that is no longer the primary
+        # is dropped and its call follows over gRPC (``CallChannelLink``)
+        self.frames = frames != "off"
         # A list of addresses is a cluster: shard i at addresses[i] (docs/cluster.md,
         # "A cluster of shards").
         # "host" alone means port 50051, the one ``onnxps serve`` listens on.
@@ -246,17 +246,17 @@ class ClientCore(FollowsPlacement):
         # offers them, "on" every push and pull (DataChannelError where it cannot),
         # "off" never. Shared memory, where it works, goes first.
         self.data_channel: DataChannelMode = data_channel
-        if self._discovery is not None:
-            # A segment or a data channel is bound to one server: a call resent to
-            # a new primary goes over gRPC (docs/cluster.md "Replicated shards").
-            if self.shared_memory == "auto":
-                self.shared_memory = "off"
-            if self.data_channel == "auto":
-                self.data_channel = "off"
+        if self._discovery is not None and self.shared_memory == "auto":
+            # A segment is bound to one server's host: a replicated cluster's
+            # primaries move (docs/cluster.md "Replicated shards"). A data channel
+            # is opened again to the new primary (``DataChannelLink``).
+            self.shared_memory = "off"
         # The transport seam (``_transport``): the ways of every call, and their
         # links per server (a cluster: per shard, each with its own hello and
         # segments)
-        self._transports = Transports(self, self._tls, server_name_override, {})
+        self._transports = Transports(
+            self, self._tls, server_name_override, {}, self._discovery is not None
+        )
         self._shm_link = self._transports.shm(0)
         self._data_link: DataChannelLink = self._transports.channels
         self._state = State.UNOPENED

@@ -79,6 +79,10 @@ _SERVICE_CONFIG = {
             "name": [{"service": SERVICE}],
             "retryPolicy": _retry_policy("UNAVAILABLE"),
         },
+        # Not retried: a hello is for a channel beside gRPC, which the call that
+        # asks for it goes without at once (over gRPC, with its own retries) when
+        # the server is away, instead of spending its deadline on the hello's
+        {"name": [{"service": SERVICE, "method": "DataChannelHello"}]},
     ]
 }
 
@@ -167,6 +171,7 @@ def check_client_arguments(
     unexpected: Mapping[str, Any],
     shared_memory: Any = "off",
     data_channel: Any = "off",
+    frames: Any = "off",
 ) -> None:
     """TypeError/ValueError that say what ``Client(...)`` (or ``AsyncClient``)
     takes."""
@@ -202,6 +207,7 @@ def check_client_arguments(
     for name, mode in (
         ("shared_memory", shared_memory),
         ("data_channel", data_channel),
+        ("frames", frames),
     ):
         if mode not in SWITCH_MODES:
             raise ValueError(

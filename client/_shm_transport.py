@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import grpc
 import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
-from onnxps.wire.codec import header_tensor, tensor_to_array
+from onnxps.wire.codec import header_tensors, tensor_to_array
 from onnxps.wire.shm import layout, new_key, sweep_orphans
 
 from ._errors import (
@@ -344,7 +344,7 @@ class SegmentTransport:
     ) -> Op[PushResult]:
         req = pb.PushRequest()
         req.CopyFrom(template)
-        req.gradients.extend(header_tensor(a) for a in arrays)
+        req.gradients.extend(header_tensors(arrays))
         with released(self.pool, self.segs):
             req.gradients_region.CopyFrom(self.segs[0].write(list(arrays)))
             reply = self.segs[1] if req.return_values else None
@@ -387,7 +387,7 @@ class BufferTransport:
         req = pb.PushRequest()
         req.CopyFrom(template)
         bufs = self.bufs
-        req.gradients.extend(header_tensor(a) for a in bufs)
+        req.gradients.extend(header_tensors(list(bufs)))
         with bufs.claimed() as segment:
             segs: list[Segment] = []
             if req.return_values:  # no room for the reply: X comes back inline

@@ -19,10 +19,10 @@ tensor count, shard, whether its bytes are native, its reply's segment, shared
 buffers) and what the client allows and the server offered, the ways to try, best
 first: shared memory where client and server share a host and the call is large
 enough, else the data channel where the server offers one, else gRPC (a stream
-above the stream threshold, a frame where asked for). The last way is gRPC's,
-which never passes a call on; create and apply (whose tensors the server takes
-only inside their messages) are planned unary or streamed, rows always streamed.
-Everything that is not tensor bytes (validation,
+above the stream threshold, a frame where the server offers a call channel).
+The last way is gRPC's, which never passes a call on; create and apply (whose
+tensors the server takes only inside their messages) are planned unary or
+streamed, rows always streamed. Everything that is not tensor bytes (validation,
 statuses, exactly-once, the WAL) stays on gRPC whatever the way.
 
 The long-lived state of a way (the shared-memory hello and segment pool, the data
@@ -33,6 +33,7 @@ drivers (``Client``, ``AsyncClient``) run what the seam yields.
 
 from __future__ import annotations
 
+import dataclasses
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ from ._shm_transport import (
 from .shm import TensorBuffers
 
 __all__ = [
+    "FRAMED_SHARED_MEMORY_THRESHOLD_BYTES",
     "CallShape",
     "Pulled",
     "TensorTransport",
@@ -71,6 +73,8 @@ __all__ = [
 Array = np.ndarray[Any, Any]
 Pulled = tuple[int, list[Array]]
 Way = Literal["buffers", "shm", "channel", "stream", "frame", "inline"]
+# Where frame calls may go, shared memory takes calls above this (``plan``)
+FRAMED_SHARED_MEMORY_THRESHOLD_BYTES = 320 << 10
 
 
 class TensorTransport(Protocol):
@@ -114,6 +118,7 @@ class CallShape:
     return_values: bool = False
     segment_bytes: int = 0  # a pull's reply in shared memory needs this segment
     buffers: TensorBuffers | None = None  # a pull into this client's shared buffers
+    frames_refused: bool = False  # the server refused a call channel lately
 
 
 class SeamHost(ChannelHost, ShmHost, Protocol):
@@ -136,7 +141,14 @@ def _offered(mode: str, auto: bool, nbytes: int, threshold: int) -> bool:
 
 
 def plan(shape: CallShape, host: SeamHost) -> tuple[Way, ...]:
-    """The ways to try for a call of ``shape``, best first; the last is gRPC's."""
+    """The ways to try for a call of ``shape``, best first; the last is gRPC's.
+
+    By cost (``benchmarks/paths.py``, one tensor's push + pull on one host): a
+    frame call takes 0.47 ms up to 16 KiB, 0.59 at 64 KiB and 0.81 at 256 KiB,
+    against 1.4-1.5 ms for shared memory or a unary gRPC call, but 2.5 ms at 384
+    KiB against 1.47 for shared memory. So where frames may go, shared memory
+    takes calls above ``FRAMED_SHARED_MEMORY_THRESHOLD_BYTES``, else above
+    ``SHARED_MEMORY_THRESHOLD_BYTES``."""
     if shape.kind == "rows":  # PushRows and PullRows are client streams
         return ("stream",)
     if shape.kind != "push" and shape.kind != "pull":
@@ -145,6 +157,12 @@ def plan(shape: CallShape, host: SeamHost) -> tuple[Way, ...]:
     ways: list[Way] = []
     auto = host.transport == "auto"
     shm = host.shared_memory
+    framed = host.frames and not shape.frames_refused
+    threshold = (
+        FRAMED_SHARED_MEMORY_THRESHOLD_BYTES
+        if framed
+        else SHARED_MEMORY_THRESHOLD_BYTES
+    )
     if shape.buffers is not None and _offered(
         shm, auto, shape.buffers.nbytes, SHARED_MEMORY_THRESHOLD_BYTES
     ):
@@ -152,7 +170,7 @@ def plan(shape: CallShape, host: SeamHost) -> tuple[Way, ...]:
     if (
         shape.native
         and (shape.kind == "push" or shape.segment_bytes)
-        and _offered(shm, auto, shape.nbytes, SHARED_MEMORY_THRESHOLD_BYTES)
+        and _offered(shm, auto, shape.nbytes, threshold)
     ):
         ways.append("shm")
     if host.TRANSFERS and _offered(
@@ -162,7 +180,7 @@ def plan(shape: CallShape, host: SeamHost) -> tuple[Way, ...]:
     if use_stream(host, shape.nbytes):
         ways.append("stream")
     else:
-        ways.append("frame" if host.frames else "inline")
+        ways.append("frame" if framed else "inline")
     return tuple(ways)
 
 
@@ -176,12 +194,14 @@ class Transports:
         tls: tuple[bytes | None, bytes | None, bytes | None],
         server_name_override: str | None,
         dtypes: dict[str, np.dtype[Any]],
+        follows: bool = False,
     ) -> None:
+        """``follows``: the client follows a replicated cluster's primaries."""
         self.host = host
         self.shm_links: dict[int, SharedMemoryLink] = {}
         self.channels = DataChannelLink(host, tls, server_name_override, dtypes)
         self.calls = CallChannelLink(
-            host.addresses, self._tls_context, server_name_override
+            host.addresses, self._tls_context, server_name_override, follows
         )
         self._inline = InlineTransport(host)
         self._stream = StreamTransport(host)
@@ -230,7 +250,14 @@ class Transports:
         # through /dev/shm: its values would be encoded into the segment for nothing
         native = all(a.dtype.kind == "f" for a in arrays)
         shape = CallShape(
-            "push", nbytes, nbytes, len(arrays), shard, native, template.return_values
+            "push",
+            nbytes,
+            nbytes,
+            len(arrays),
+            shard,
+            native,
+            template.return_values,
+            frames_refused=self.calls.refused(shard),
         )
         ways = plan(shape, self.host)
         for name in ways[:-1]:
@@ -251,6 +278,8 @@ class Transports:
         out: Sequence[Array] | None,
     ) -> Op[Pulled]:
         """The pull of ``request`` on the first way of its plan that serves it."""
+        if self.calls.refused(shape.shard):
+            shape = dataclasses.replace(shape, frames_refused=True)
         ways = plan(shape, self.host)
         for name in ways[:-1]:
             way = yield from self._way(name, shape, (), deadline)

@@ -70,6 +70,20 @@ _IDLE_SEGMENTS = 6  # kept by a client for its next calls
 _MIN_SEGMENT = 64 << 10
 
 
+def _packed(specs: Sequence[tuple[np.dtype[Any], Any, int, int]]) -> bool:
+    """Whether tensors at these (dtype, dims, count, offset) lie back to back in
+    one dtype (as ``layout`` packs them), more than one."""
+    if len(specs) < 2:
+        return False
+    dtype, _, count, at = specs[0]
+    for d, _, n, offset in specs[1:]:
+        at += count * dtype.itemsize
+        if d != dtype or offset != at:
+            return False
+        count = n
+    return True
+
+
 class Segment:
     """One segment this process created (and unlinks): mapped read-write, holding
     ``key`` (a fresh one by default) in its header."""
@@ -101,9 +115,17 @@ class Segment:
         """Copy ``arrays`` in (one copy each); the region naming them."""
         itemsize = one_itemsize(a.dtype for a in arrays)
         offsets, _ = layout([a.nbytes for a in arrays], itemsize)
-        for a, at in zip(arrays, offsets, strict=True):
-            dest = np.frombuffer(self.map, a.dtype.newbyteorder("<"), a.size, at)
-            np.copyto(dest.reshape(a.shape), a, casting="no")
+        if itemsize is not None and len(arrays) > 1:
+            # packed back to back: one copy of them all (one call, not one each)
+            dtype = arrays[0].dtype.newbyteorder("<")
+            total = sum(a.size for a in arrays)
+            dest = np.frombuffer(self.map, dtype, total, offsets[0])
+            flat = [a.reshape(-1) for a in arrays]
+            np.concatenate(flat, out=dest, casting="no")
+        else:
+            for a, at in zip(arrays, offsets, strict=True):
+                dest = np.frombuffer(self.map, a.dtype.newbyteorder("<"), a.size, at)
+                np.copyto(dest.reshape(a.shape), a, casting="no")
         self.generation += 1
         struct.pack_into("<Q", self.map, len(MAGIC), self.generation)
         return pb.SharedMemoryRegion(
@@ -146,7 +168,7 @@ class Segment:
                 f"the reply names {len(headers)} tensors and {len(region.offsets)} "
                 "offsets"
             )
-        copies: list[Array] = []
+        specs = []
         for t, at in zip(headers, region.offsets, strict=True):
             dtype, dims = tensor_spec(t, t.name or "tensor")
             count = math.prod(dims)
@@ -155,6 +177,19 @@ class Segment:
                     f"tensor {t.name!r} at offset {at} runs past segment {self.name}"
                     f" ({self.size} bytes)"
                 )
+            specs.append((dtype, dims, count, at))
+        if out is None and _packed(specs):
+            # back to back in one dtype: one copy of them all, cut into views
+            dtype, _, _, first = specs[0]
+            total = sum(count for _, _, count, _ in specs)
+            flat = np.frombuffer(self.map, dtype, total, first).copy()
+            views, start = [], 0
+            for _, dims, count, _ in specs:
+                views.append(flat[start : start + count].reshape(dims))
+                start += count
+            return views
+        copies: list[Array] = []
+        for dtype, dims, count, at in specs:
             view = np.frombuffer(self.map, dtype, count, at).reshape(dims)
             k = len(copies)
             dest = out[k] if out is not None and k < len(out) else None

@@ -388,12 +388,14 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
 def _data_listener(
     config: ServerConfig,
 ) -> tuple[socket.socket, ChannelTable] | tuple[None, None]:
-    """With --data-port: the data channel's listening socket, and the table of
-    its tickets and channels that the servicer's calls use."""
-    if config.data_port is None:
+    """Unless --data-port off (or a unix: address): the data channel's listening
+    socket, and the table of its tickets and channels that the servicer's calls
+    use."""
+    port = config.data_port_number
+    if port is None:
         return None, None
     host = config.address.rsplit(":", 1)[0].strip("[]")
-    listener = listen(host, config.data_port)
+    listener = listen(host, port)
     return listener, ChannelTable(listener.getsockname()[1])
 
 

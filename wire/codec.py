@@ -63,6 +63,7 @@ __all__ = [
     "fill_flat",
     "frame_bytes",
     "header_tensor",
+    "header_tensors",
     "iter_chunks",
     "rpc_messages",
     "serializer",
@@ -344,6 +345,39 @@ def header_tensor(a: Any, name: str = "") -> pb.Tensor:
     arr = a if isinstance(a, DeferredEncoding) else np.asarray(a)
     code, encoding = _wire_type(arr.dtype)
     return pb.Tensor(name=name, dtype=code, dims=arr.shape, encoding=encoding)
+
+
+# The headers of the arrays of recent calls, by their dtypes, shapes and names: a
+# group's calls send the same headers each time, and a Tensor message costs ~6 us
+# to make from Python (1.2 ms for a group of 200 tensors) against ~0.7 us to copy.
+_HEADERS: dict[tuple[Any, ...], list[pb.Tensor]] = {}
+_HEADERS_KEPT = 64
+
+
+def header_tensors(
+    arrays: Sequence[Any], names: Sequence[str] | None = None
+) -> list[pb.Tensor]:
+    """``header_tensor`` of each of ``arrays`` (named ``names``), the messages
+    shared with other calls of the same headers: copy them into a message
+    (``extend``), never change them."""
+    if not all(type(a) is np.ndarray for a in arrays):
+        if names is None:
+            return [header_tensor(a) for a in arrays]
+        return [header_tensor(a, n) for a, n in zip(arrays, names, strict=True)]
+    key = (
+        tuple([(a.dtype, a.shape) for a in arrays]),
+        None if names is None else tuple(names),
+    )
+    found = _HEADERS.get(key)
+    if found is None:
+        if names is None:
+            found = [header_tensor(a) for a in arrays]
+        else:
+            found = [header_tensor(a, n) for a, n in zip(arrays, names, strict=True)]
+        if len(_HEADERS) >= _HEADERS_KEPT:
+            _HEADERS.clear()  # (one step: calls on other threads use it too)
+        _HEADERS[key] = found
+    return found
 
 
 def tensor_to_array(

@@ -22,7 +22,7 @@ from onnxps.wire.codec import (
     EncodedMessage,
     EncodingRangeError,
     chunk_frames,
-    header_tensor,
+    header_tensors,
 )
 
 from ..errors import FailedPrecondition, Unavailable
@@ -150,9 +150,7 @@ class StreamPull:
             header = pb.PullResponse(
                 update_count=out.update_count,
                 learning_rate=out.learning_rate,
-                tensors=[
-                    header_tensor(a, n) for a, n in zip(arrays, out.names, strict=True)
-                ],
+                tensors=header_tensors(arrays, out.names),
             )
             yield pb.PullStreamResponse(header=header)
             yield from chunk_frames(pb.PullStreamResponse, arrays, self.chunk_bytes)
@@ -190,7 +188,7 @@ class RegionPull:
         reply = pb.PullResponse()
         if region is not None:
             reply.tensors_region.CopyFrom(region)
-            reply.tensors.extend(map(header_tensor, arrays, names))
+            reply.tensors.extend(header_tensors(arrays, names))
         return reply
 
 
@@ -226,8 +224,6 @@ class ChannelPull:
             return pb.PullResponse(
                 update_count=out.update_count,
                 learning_rate=out.learning_rate,
-                tensors=[
-                    header_tensor(a, n) for a, n in zip(arrays, out.names, strict=True)
-                ],
+                tensors=header_tensors(arrays, out.names),
                 tensors_on_channel=True,
             )

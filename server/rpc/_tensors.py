@@ -15,6 +15,7 @@ from onnxps.wire.codec import ENCODING_NAMES
 
 from ..errors import InvalidArgument
 from ..store import PullResult, PushOutcome, PushTicket
+from ..store import ValuesSink as StoreSink
 from ..transports._datachannel import principal_of
 from ._common import (
     RpcFamily,
@@ -127,6 +128,7 @@ class TensorRpcs(RpcFamily):
         grads: list[Array],
         context: Any,
         known_finite: bool,
+        sink: StoreSink | None = None,
     ) -> PushOutcome:
         return self.store.push(
             ticket,
@@ -140,6 +142,7 @@ class TensorRpcs(RpcFamily):
             # only a push returning X may wait (for its sync step)
             timeout=timeout_of(context) if req.return_values else None,
             cancellation=cancellation_of(context) if req.return_values else None,
+            sink=sink if req.return_values else None,
         )
 
     def _step(
@@ -156,12 +159,13 @@ class TensorRpcs(RpcFamily):
         push before it applies)."""
         with source.gradients() as (grads, finite):
             sink.check()
-            out = self._store_push(req, ticket, grads, context, finite)
+            emitter = sink.emitter(ticket) if req.return_values else None
+            out = self._store_push(req, ticket, grads, context, finite, emitter)
         # Applied: from here only the transport may fail, and says so.
         reply = reply_type(
             update_count=out.update_count, applied=out.applied, duplicate=out.duplicate
         )
-        if out.values is not None:
+        if out.values is not None or emitter is not None:
             sink.send(reply, out.values, ticket.names)
         return reply
 

@@ -39,7 +39,7 @@ from onnxps.wire.codec import (
     declared_nbytes,
     encode_chunk,
     fill_flat,
-    header_tensor,
+    header_tensors,
     tensor_spec,
     write_tensor,
 )
@@ -47,6 +47,7 @@ from onnxps.wire.codec import (
 from ..errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from ..kernels._finite import finite_checker
 from ..store import PushOutcome, PushTicket
+from ..store import ValuesSink as StoreSink
 from ..store._flat import FlatArrays, flat_views, kept_flat
 from ..transports._datachannel import ChannelTable, DataChannel, principal_of
 from ..transports._receive import GradientPool, Lease, receive
@@ -95,8 +96,16 @@ class ValuesSink(Protocol):
         """Refuse, before the push applies, what would keep X from being sent."""
         ...
 
-    def send(self, reply: Reply, values: Sequence[Array], names: Sequence[str]) -> None:
-        """X of the push: into ``reply`` or beside it."""
+    def emitter(self, ticket: PushTicket) -> StoreSink | None:
+        """Where the store writes X as the push makes it (under the group's
+        lock), or None: the store hands X to ``send`` as values."""
+        ...
+
+    def send(
+        self, reply: Reply, values: Sequence[Array] | None, names: Sequence[str]
+    ) -> None:
+        """X of the push: into ``reply`` or beside it (``values`` None: the
+        ``emitter`` took it)."""
         ...
 
 
@@ -198,7 +207,14 @@ class InlineValues:
     def check(self) -> None:
         pass
 
-    def send(self, reply: Reply, values: Sequence[Array], names: Sequence[str]) -> None:
+    def emitter(self, ticket: PushTicket) -> None:
+        """None: the store hands X over as values (``send``)."""
+        return None
+
+    def send(
+        self, reply: Reply, values: Sequence[Array] | None, names: Sequence[str]
+    ) -> None:
+        assert values is not None  # (no emitter)
         for v, n in zip(values, names, strict=True):
             write_tensor(reply.values.add(), v, n)
 
@@ -427,17 +443,51 @@ class RegionValues:
         self.shm = shm
         self.region = region
         self.caller = caller
+        self._views: list[Array] = []  # where X goes in the segment, per tensor
+        self._offsets: list[int] = []
+        self._shapes: Sequence[tuple[int, ...]] = ()
+        self._xs: Sequence[Array] = ()
 
     def check(self) -> None:
         self.shm.check(self.region, self.caller, "reply_region")
 
-    def send(self, reply: Reply, values: Sequence[Array], names: Sequence[str]) -> None:
+    def emitter(self, ticket: PushTicket) -> RegionValues | None:
+        """This sink as the store's ``ValuesSink``: each block of X is copied into
+        the segment as the step makes it final, under the group's lock, and is
+        the reply (no copy of X beside it); None where X does not fit there."""
+        sizes = [math.prod(s) for s in ticket.shapes]
+        found = self.shm.reply_views(self.region, ticket.dtype, sizes, self.caller)
+        if found is None:
+            return None
+        self._views, self._offsets = found
+        self._shapes = ticket.shapes
+        return self
+
+    def begin(self, outcome: PushOutcome, xs: Sequence[Array]) -> None:
+        self._xs = xs
+
+    def block(self, index: int, start: int, stop: int) -> None:
+        self._views[index][start:stop] = self._xs[index][start:stop]
+
+    def send(
+        self, reply: Reply, values: Sequence[Array] | None, names: Sequence[str]
+    ) -> None:
+        if values is None:  # written as the push stepped (``emitter``)
+            self._xs = ()
+            region = self.shm.written(self.region, self._offsets, self.caller)
+            reply.values_region.CopyFrom(region)
+            shaped = [
+                v.reshape(s) for v, s in zip(self._views, self._shapes, strict=True)
+            ]
+            reply.values.extend(header_tensors(shaped, names))
+            self._views = []
+            return
         written = self.shm.write(self.region, values, self.caller)
         if written is None:
             InlineValues().send(reply, values, names)
             return
         reply.values_region.CopyFrom(written)
-        reply.values.extend(map(header_tensor, values, names))
+        reply.values.extend(header_tensors(values, names))
 
 
 # -- the data channel -----------------------------------------------------------------
@@ -524,9 +574,16 @@ class ChannelValues:
     def check(self) -> None:
         pass
 
-    def send(self, reply: Reply, values: Sequence[Array], names: Sequence[str]) -> None:
+    def emitter(self, ticket: PushTicket) -> None:
+        """None: X is sent from the values the store hands over."""
+        return None
+
+    def send(
+        self, reply: Reply, values: Sequence[Array] | None, names: Sequence[str]
+    ) -> None:
         assert isinstance(reply, pb.PushResponse)  # a unary Push's transfer
-        reply.values.extend(map(header_tensor, values, names))
+        assert values is not None  # (no emitter)
+        reply.values.extend(header_tensors(values, names))
         reply.values_on_channel = True
         req = self.req
         try:

@@ -1,4 +1,4 @@
-"""Small unary calls as frames on a data channel's socket (``Client(frames="on")``).
+"""Small unary calls as frames on a data channel's socket (``Client``'s default).
 
 ``benchmarks/socket_path.py`` measured onnxps's own Push path served per frame on a
 plain socket at 0.72x the raw gRPC floor's server CPU and a p50 of 222 µs, against

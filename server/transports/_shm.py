@@ -355,6 +355,38 @@ class SharedMemory:
         finally:
             arrays.clear()
 
+    def reply_views(
+        self,
+        region: pb.SharedMemoryRegion,
+        dtype: np.dtype[Any],
+        sizes: Sequence[int],
+        caller: Caller,
+    ) -> tuple[list[Array], list[int]] | None:
+        """Writable flat views, one per tensor of ``sizes`` elements of ``dtype``,
+        where ``write`` would put them in the client's segment ``region`` names,
+        and their offsets; None when they do not fit (the reply then carries them
+        inline). ``written`` then marks them as the reply."""
+        offsets, size = layout([n * dtype.itemsize for n in sizes], dtype.itemsize)
+        m = self._mapped(region.segment, region.key, caller, "reply_region")
+        if size > len(m):
+            return None
+        views = [
+            np.frombuffer(m, dtype, n, at) for n, at in zip(sizes, offsets, strict=True)
+        ]
+        return views, offsets
+
+    def written(
+        self, region: pb.SharedMemoryRegion, offsets: Sequence[int], caller: Caller
+    ) -> pb.SharedMemoryRegion:
+        """Mark what ``reply_views``' views now hold as the reply: the segment's
+        generation becomes ``region.generation + 1`` (what the client checks)."""
+        m = self._mapped(region.segment, region.key, caller, "reply_region")
+        generation = region.generation + 1
+        struct.pack_into("<Q", m, len(MAGIC), generation)
+        return pb.SharedMemoryRegion(
+            segment=region.segment, generation=generation, offsets=list(offsets)
+        )
+
     def write(
         self, region: pb.SharedMemoryRegion, arrays: Sequence[Array], caller: Caller
     ) -> pb.SharedMemoryRegion | None:
@@ -368,10 +400,17 @@ class SharedMemory:
         m = self._mapped(region.segment, region.key, caller, what)
         if size > len(m):
             return None
-        for a, at in zip(arrays, offsets, strict=True):
-            dest = np.frombuffer(m, a.dtype, a.size, at).reshape(a.shape)
-            np.copyto(dest, a)
-            del dest
+        if itemsize is not None and len(arrays) > 1:
+            # packed back to back in one dtype: one copy of them all
+            total = sum(a.size for a in arrays)
+            flat = np.frombuffer(m, arrays[0].dtype, total, offsets[0])
+            np.concatenate([a.reshape(-1) for a in arrays], out=flat)
+            del flat
+        else:
+            for a, at in zip(arrays, offsets, strict=True):
+                dest = np.frombuffer(m, a.dtype, a.size, at).reshape(a.shape)
+                np.copyto(dest, a)
+                del dest
         generation = region.generation + 1
         struct.pack_into("<Q", m, len(MAGIC), generation)
         return pb.SharedMemoryRegion(

@@ -22,7 +22,8 @@ CLUSTER_MODULES = ("_routes", "_sharded", "_rowsplit", "_ids_cluster", "_cluster
 
 
 def _host(**settings: Any) -> Any:
-    """A client's settings as the plan reads them (Client's defaults)."""
+    """A client's settings as the plan reads them (Client's defaults, frames off:
+    ``test_with_frames_shared_memory_waits_for_calls_a_frame_costs_more``)."""
     base = {
         "transport": "auto",
         "stream_threshold_bytes": MIB,
@@ -55,6 +56,26 @@ def test_the_plan_reads_the_calls_shape_and_the_offers() -> None:
     on = _host(transport="unary", data_channel="on")
     assert plan(_push(1024), on) == ("channel", "inline")
     assert plan(_push(2 * MIB), _host(TRANSFERS=False)) == ("shm", "stream")
+
+
+def test_with_frames_shared_memory_waits_for_calls_a_frame_costs_more() -> None:
+    """By measured cost (benchmarks/paths.py): a frame up to 320 KiB, shared
+    memory above, the data channel from 1 MiB; a server that refused a call
+    channel lately: shared memory from 64 KiB again, and unary gRPC."""
+    from onnxps.client import Client
+    from onnxps.client._transport import FRAMED_SHARED_MEMORY_THRESHOLD_BYTES
+
+    assert Client("127.0.0.1:1").frames is True  # the default
+    assert Client("127.0.0.1:1", frames="off").frames is False
+    framed = _host(frames=True)
+    assert FRAMED_SHARED_MEMORY_THRESHOLD_BYTES == 320 << 10
+    assert plan(_push(1024), framed) == ("frame",)
+    assert plan(_push(256 << 10), framed) == ("frame",)
+    assert plan(_push(320 << 10), framed) == ("shm", "frame")
+    assert plan(_push(2 * MIB), framed) == ("shm", "channel", "stream")
+    assert plan(_push(256 << 10, frames_refused=True), framed) == ("shm", "inline")
+    pull = CallShape("pull", 256 << 10, 256 << 10, 1, segment_bytes=256 << 10)
+    assert plan(pull, framed) == ("frame",)
 
 
 def test_the_plan_of_a_pull() -> None:

@@ -390,11 +390,30 @@ def test_a_standby_that_crashed_while_adopting_a_snapshot_is_not_promoted(
 
 
 @pytest.mark.slow
-def test_a_client_of_etcd_sends_bytes_over_grpc_by_default(replicas: object) -> None:
+def test_a_client_of_etcd_sends_frames_to_the_primary_and_follows_it(
+    replicas: object,
+) -> None:
+    """By default a client of etcd sends small calls as frames to the primary's
+    data port (no shared memory: the primary may move to another host); after a
+    failover its calls go to the new primary, frames too."""
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
-    rs.primary()
-    with Client(rs.url, timeout=30) as c:
-        assert (c.shared_memory, c.data_channel) == ("off", "off")
+    p = rs.primary()
+    rs.wait_sync()
+    _create(rs.url)
+    g = np.full(SIZE, 0.5, np.float32)
+    with Client(rs.url, timeout=60) as c:
+        assert (c.shared_memory, c.data_channel, c.frames) == ("off", "auto", True)
+        assert [c.push("g", g), c.push("g", g)] == [1, 2]
+        ch = c._call_channels[0]
+        assert (ch.address, ch.closed) == (rs.addresses[p], False)
+        rs.procs[p].kill()
+        rs.procs[p].wait()
+        new = rs.primary(not_=p)
+        rs.start(p)  # rejoins as a standby: pushes need a synchronous standby
+        assert [c.push("g", g), c.push("g", g)] == [3, 4]
+        ch = c._call_channels[0]
+        assert (ch.address, ch.closed) == (rs.addresses[new], False)
+    rs.wait_t(p, "g", 4)
     with Client(rs.url, timeout=30, shared_memory="on") as c:
         assert c.shared_memory == "on"
 

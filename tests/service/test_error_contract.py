@@ -242,16 +242,6 @@ REFUSALS = [
         "gradients_region.segment",
     ),
     Refusal(
-        "DATA_CHANNEL_OFF",
-        FP,
-        _push(
-            "g",
-            header_tensor(np.ones(3, np.float32)),
-            transfer=pb.DataTransfer(channel=b"x" * 16, transfer_id=1),
-        ),
-        "g",
-    ),
-    Refusal(
         "FAILED_PRECONDITION",
         FP,
         lambda s: s.Save(pb.SaveRequest(), timeout=10),
@@ -321,12 +311,14 @@ def test_every_refusal_carries_its_error_details(stub: Stub, refusal: Refusal) -
 
 @pytest.fixture(scope="module")
 def strict_stub() -> Iterator[Stub]:
-    """A server without shared memory whose streams stall after 0.3 s."""
+    """A server without shared memory or a data port whose streams stall after
+    0.3 s."""
     handle = create_server(
         ServerConfig(
             address="127.0.0.1:0",
             durability="none",
             shared_memory="off",
+            data_port="off",
             stall_seconds=0.3,
         )
     )
@@ -345,6 +337,16 @@ def test_a_region_on_a_server_without_shared_memory_says_so(strict_stub: Stub) -
     push = _push("g", header_tensor(np.ones(3, np.float32)), gradients_region=region)
     code, info, violations = details(lambda: push(strict_stub))
     assert (code, info.reason) == (FP, "SHARED_MEMORY_OFF")
+    assert (dict(info.metadata), violations) == ({"group": "g"}, [])
+
+
+def test_a_transfer_on_a_server_without_a_data_port_says_so(
+    strict_stub: Stub,
+) -> None:
+    transfer = pb.DataTransfer(channel=b"x" * 16, transfer_id=1)
+    push = _push("g", header_tensor(np.ones(3, np.float32)), transfer=transfer)
+    code, info, violations = details(lambda: push(strict_stub))
+    assert (code, info.reason) == (FP, "DATA_CHANNEL_OFF")
     assert (dict(info.metadata), violations) == ({"group": "g"}, [])
 
 
@@ -470,7 +472,11 @@ def test_every_reason_the_server_gives_is_documented_and_tested() -> None:
     in_code = reasons_in_code()
     assert {"INVALID_TENSOR", "DATA_CHANNEL_BUSY", "TOKEN_UNKNOWN"} <= in_code
     assert sorted(in_code - documented_reasons()) == []
-    made_here = {r.reason for r in REFUSALS} | {"SHARED_MEMORY_OFF", "STREAM_STALLED"}
+    made_here = {r.reason for r in REFUSALS} | {
+        "SHARED_MEMORY_OFF",
+        "DATA_CHANNEL_OFF",
+        "STREAM_STALLED",
+    }
     for reason in sorted(in_code - made_here - NOT_YET_CHECKED):
         assert reason in ELSEWHERE, f"{reason}: no test makes this refusal"
         where = next((ROOT / "tests").rglob(ELSEWHERE[reason]))

@@ -44,7 +44,10 @@ def test_async_push_with_a_lost_reply_is_applied_once(
     client: Client, proxy: ReplyDropProxy, transport: Literal["unary", "stream"]
 ) -> None:
     client.create_group("once", Adam(), learning_rate=0.1, tensors={"x": X0})
-    worker = Client(proxy.address, client_id="w1", timeout=10, transport=transport)
+    # frames="off": the proxy cuts gRPC's reply (test_frames.py: a frame's)
+    worker = Client(
+        proxy.address, client_id="w1", timeout=10, transport=transport, frames="off"
+    )
     with worker:
         assert worker.pull_versioned("once")[0] == 0  # the connection is up
         proxy.armed.set()
@@ -62,7 +65,7 @@ def test_lost_reply_of_push_and_pull_returns_the_values_of_its_step(
     client: Client, proxy: ReplyDropProxy
 ) -> None:
     client.create_group("pp", Adam(), learning_rate=0.1, tensors={"x": X0})
-    with Client(proxy.address, client_id="w1", timeout=10) as worker:
+    with Client(proxy.address, client_id="w1", timeout=10, frames="off") as worker:
         worker.describe_group("pp")
         proxy.armed.set()
         values = worker.push("pp", G, return_values=True)
@@ -80,7 +83,7 @@ def test_sync_push_with_a_lost_reply_joins_its_step_once(
     g_a = np.full((3, 4), 0.5, np.float32)
     g_b = np.full((3, 4), -1.5, np.float32)
     with (
-        Client(proxy.address, client_id="a", timeout=10) as a,
+        Client(proxy.address, client_id="a", timeout=10, frames="off") as a,
         Client(server.address, client_id="b", timeout=10) as b,
     ):
         a.describe_group("sync")

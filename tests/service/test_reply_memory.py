@@ -109,3 +109,34 @@ def test_a_reply_read_late_is_the_x_of_its_push_after_later_pushes(
             assert not np.array_equal(x, ps.pull("big")[0])
     finally:
         stop(proc)
+
+
+def test_a_push_returning_x_through_shared_memory_makes_no_copy_of_x(
+    tmp_path: Path,
+) -> None:
+    """X goes into the client's reply segment block by block as the push steps,
+    under the group's lock: the server makes no copy of X beside it (before: a
+    frozen copy of X, then the write into the segment)."""
+    proc, address = start_server(tmp_path / "server.log")
+    try:
+        n = 32 * MIB // 4
+        rng = np.random.default_rng(3)
+        x0 = rng.standard_normal(n).astype(np.float32)
+        g = np.full(n, 1e-3, np.float32)
+        with Client(address, timeout=120, shared_memory="on") as ps:
+            ps.create_group(
+                "big", Adam(), learning_rate=0.1, tensors={"a": x0[:1000], "b": x0}
+            )
+            # the segments mapped and touched, V and H too
+            ps.push("big", g[:1000], g, return_values=True)
+            Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # VmHWM = VmRSS
+            before = _kib(proc.pid, "VmRSS")
+            a, b = ps.push("big", g[:1000], g, return_values=True)
+            grown = (_kib(proc.pid, "VmHWM") - before) / 1024
+            pulled = ps.pull("big")
+            assert ps.describe_group("big").update_count == 2
+        np.testing.assert_array_equal(a, pulled[0], strict=True)
+        np.testing.assert_array_equal(b, pulled[1], strict=True)
+        assert grown < 16, f"the server grew {grown:.0f} MiB over the push"
+    finally:
+        stop(proc)

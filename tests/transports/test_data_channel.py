@@ -130,7 +130,9 @@ def test_auto_uses_the_channel_for_large_calls_only(server: ServerHandle) -> Non
 def test_a_server_without_a_data_port_falls_back_or_refuses(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    handle = create_server(ServerConfig(address="127.0.0.1:0", durability="none"))
+    handle = create_server(
+        ServerConfig(address="127.0.0.1:0", durability="none", data_port="off")
+    )
     handle.start()
     try:
         x = np.zeros(1 << 19, np.float32)
@@ -573,7 +575,9 @@ def test_idle_channels_of_a_closed_client_are_closed(server: ServerHandle) -> No
 def test_data_port_is_checked_with_the_rest_of_the_config() -> None:
     from onnxps.server.interceptors.security import ConfigError
 
-    with pytest.raises(ConfigError, match="data_port must be 1..65535"):
+    with pytest.raises(
+        ConfigError, match="data_port must be auto, off or a port 1..65535"
+    ):
         ServerConfig(data_port=70000)
     with pytest.raises(ConfigError, match="on a unix: address use shared memory"):
         ServerConfig(address="unix:/tmp/x.sock", data_port=0)

@@ -153,7 +153,7 @@ def test_the_client_with_frames_equals_grpc_and_falls_back(
     rng = np.random.default_rng(25)
     x0 = rng.standard_normal(N).astype(np.float32)
     grads = [rng.standard_normal(N).astype(np.float32) for _ in range(6)]
-    with Client(server.address, data_channel="off") as plain:
+    with Client(server.address, data_channel="off", frames="off") as plain:
         plain.create_group("a", Adam(), learning_rate=1e-2, tensors={"w": x0})
         plain.create_group("b", Adam(), learning_rate=1e-2, tensors={"w": x0})
         for g in grads:
@@ -193,9 +193,10 @@ def test_the_client_with_frames_equals_grpc_and_falls_back(
 def test_frames_is_a_checked_client_option() -> None:
     from onnxps.client import AsyncClient
 
-    with pytest.raises(ValueError, match="frames must be 'off' or 'on', got 'yes'"):
+    said = "frames must be one of auto, on, off, got 'yes'"
+    with pytest.raises(ValueError, match=said):
         Client("127.0.0.1:1", frames="yes")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="frames must be 'off' or 'on', got 'yes'"):
+    with pytest.raises(ValueError, match=said):
         AsyncClient("127.0.0.1:1", frames="yes")  # type: ignore[arg-type]
 
 
@@ -210,7 +211,7 @@ def test_the_async_client_sends_frames_too(server: ServerHandle) -> None:
     rng = np.random.default_rng(26)
     x0 = rng.standard_normal(N).astype(np.float32)
     grads = [rng.standard_normal(N).astype(np.float32) for _ in range(4)]
-    with Client(server.address, data_channel="off") as plain:
+    with Client(server.address, data_channel="off", frames="off") as plain:
         plain.create_group("a", Adam(), learning_rate=1e-2, tensors={"w": x0})
         for g in grads:
             plain.push("a", g)
@@ -303,9 +304,11 @@ def test_busy_refused_and_draining_frames_go_over_grpc(server: ServerHandle) -> 
             c.push("g", g, timeout=3)
         # each of the client's resends tried a frame first, then gRPC's retries
         assert frames.calls >= 3
-    bare = create_server(ServerConfig(address="127.0.0.1:0", durability="none")).start()
+    bare = create_server(
+        ServerConfig(address="127.0.0.1:0", durability="none", data_port="off")
+    ).start()
     try:
-        with Client(bare.address, frames="on") as c:  # no --data-port: gRPC
+        with Client(bare.address, frames="on") as c:  # --data-port off: gRPC
             c.create_group(
                 "g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(N, np.float32)}
             )
@@ -335,7 +338,7 @@ def test_a_clusters_parts_go_as_frames_to_each_shard() -> None:
             c.create_group("split", Adam(), learning_rate=0.1, tensors={"w": x0})
             assert c.push("split", g) == 1
             pulled = c.pull("split")[0]
-        with Client(addresses, split_bytes=N * 4) as plain:
+        with Client(addresses, split_bytes=N * 4, frames="off") as plain:
             plain.create_group("same", Adam(), learning_rate=0.1, tensors={"w": x0})
             plain.push("same", g)
             np.testing.assert_array_equal(pulled, plain.pull("same")[0])
@@ -344,3 +347,61 @@ def test_a_clusters_parts_go_as_frames_to_each_shard() -> None:
     finally:
         for h in shards:
             h.stop(grace=0)
+
+
+def test_with_no_flags_the_server_offers_a_data_port_and_small_calls_are_frames(
+    tmp_path: Path,
+) -> None:
+    """``onnxps serve`` with no flags serves a data port on a free port (told to
+    clients in the hello), and ``Client(address)`` sends its small pushes and
+    pulls there as frames; ``--data-port off`` (or a unix: address) serves none,
+    and its clients use gRPC."""
+    import argparse
+
+    from onnxps.server.cli import add_serve_arguments, config_from_args
+
+    def parsed(*argv: str, **environ: str) -> ServerConfig:
+        p = argparse.ArgumentParser()
+        add_serve_arguments(p, environ)
+        return config_from_args(p.parse_args(list(argv)))
+
+    assert parsed().data_port == "auto" and parsed().data_port_number == 0
+    assert parsed("--data-port", "off").data_port_number is None
+    assert parsed("--data-port", "50053").data_port_number == 50053
+    assert parsed(ONNXPS_DATA_PORT="off").data_port_number is None
+    unix = f"unix:{tmp_path / 'ps.sock'}"
+    assert parsed("--address", unix).data_port_number is None
+    handle = create_server(ServerConfig(address="127.0.0.1:0", durability="none"))
+    handle.start()
+    try:
+        assert handle.data_port is not None and handle.data_port > 0
+        assert handle.data_channels is not None
+        frames = handle.data_channels.frame_calls
+        g = np.ones(N, np.float32)
+        with Client(handle.address) as c:
+            c.create_group("g", Adam(), learning_rate=0.1, tensors={"w": 0 * g})
+            assert c.push("g", g) == 1
+            assert c.pull("g")[0].shape == (N,)
+            assert frames.calls == 2
+    finally:
+        handle.stop(grace=0)
+    off = create_server(
+        ServerConfig(address="127.0.0.1:0", durability="none", data_port="off")
+    )
+    off.start()
+    try:
+        assert (off.data_port, off.data_channels) == (None, None)
+        with Client(off.address) as c:
+            c.create_group("g", Adam(), learning_rate=0.1, tensors={"w": 0 * g})
+            assert c.push("g", g) == 1 and c.push("g", g) == 2
+            assert c._call_channels == {}
+            # asked again after 10 s, then 20, 40, ... up to 10 minutes
+            calls = c._transports.calls
+            waits = []
+            for _ in range(8):
+                waits.append(calls._refused[0][1])
+                calls._refused[0] = (0.0, waits[-1])  # its time has come
+                assert c.push("g", g) > 2
+            assert waits == [10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 600.0, 600.0]
+    finally:
+        off.stop(grace=0)

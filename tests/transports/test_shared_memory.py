@@ -119,6 +119,10 @@ def test_pushes_and_pulls_through_shared_memory_equal_the_grpc_path(
         first = shm.pull("shm")[0]
         shm.push("shm", G[0], GB[0])
         assert np.array_equal(first, s_wire[0])
+        # packed in the segment, copied out at once: each writable, apart
+        w, b = shm.pull("shm")
+        w[...] = 0
+        assert np.array_equal(b, shm.pull("shm")[1]) and b.any()
         assert segments_of(os.getpid())  # kept for the next calls
     assert segments_of(os.getpid()) == []  # close() unlinked them
 

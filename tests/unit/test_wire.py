@@ -129,3 +129,30 @@ def test_a_segment_is_sized_within_a_sixteenth_of_its_tensors() -> None:
         assert again is seg
     finally:
         pool.close()
+
+
+def test_header_tensors_are_made_once_per_shape_and_copied_into_messages() -> None:
+    """A group's calls send the same headers: ``header_tensors`` makes them once
+    for arrays of these dtypes, shapes and names, and a message's ``extend``
+    copies them (a message changed after leaves the shared ones alone)."""
+    arrays = [np.zeros((3, 2), np.float32), np.zeros(5, np.float32)]
+    first = codec.header_tensors(arrays, ["w", "b"])
+    assert first == [
+        codec.header_tensor(a, n) for a, n in zip(arrays, "wb", strict=True)
+    ]
+    again = codec.header_tensors(
+        [np.ones((3, 2), np.float32), np.ones(5, np.float32)], ["w", "b"]
+    )
+    assert again is first  # the same dtypes, shapes and names: the same messages
+    assert codec.header_tensors(arrays) is not first  # other names (none)
+    assert codec.header_tensors(arrays)[0].name == ""
+    other = codec.header_tensors([np.zeros(5, np.float64)], ["b"])
+    assert other[0].dtype == pb.DATA_TYPE_DOUBLE and list(other[0].dims) == [5]
+    reply = pb.PullResponse()
+    reply.tensors.extend(first)
+    reply.tensors[0].dims[0] = 7
+    assert list(first[0].dims) == [3, 2]
+    # not arrays (a deferred encoding, a list): made each time, as header_tensor
+    listed = codec.header_tensors([[1.0, 2.0]], ["x"])
+    assert listed[0].dtype == pb.DATA_TYPE_DOUBLE and listed[0].name == "x"
+    assert codec.header_tensors([[1.0, 2.0]], ["x"]) is not listed
