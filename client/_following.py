@@ -60,7 +60,8 @@ class FollowsPlacement:
                 return
             grown = discovery.resize(self.addresses, placement.serving, self.timeout)
             addresses = [with_default_port(a) for a in grown]
-            self.addresses = addresses
+            # in place: the call channels (and any other holder) follow the list
+            self.addresses[:] = addresses
             self.address = ",".join(addresses)
             self.shards = len(addresses)
             self._metadatas = [self._metadata(s) for s in range(len(addresses))]
