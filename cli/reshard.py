@@ -8,11 +8,15 @@ time, while workers keep pushing and pulling:
 1. the placement map (``PREFIX/placement`` in etcd) records the move under way
    (``moving``: its target holds the group's calls from then on);
 2. the target is told the group comes (``MoveGroup`` BEGIN_IMPORT);
-3. the source fences the group (its calls are answered MOVED, the changes in
-   flight finish) and streams it to the target as a one-group snapshot with its
+3. the source streams it to the target as a one-group snapshot with its
    exactly-once windows (``ExportGroup`` piped into ``ImportGroup``), where it is
-   installed and made durable;
-4. the map flips (``owners``: the target), the target serves the group
+   installed and made durable, while the source goes on serving it; then the
+   group's log records written meanwhile, round after round, which the target
+   logs and applies (a source without a write-ahead log, or ``follow=False``:
+   none of this, the whole copy is made in step 4);
+4. the source fences the group (its calls are answered MOVED, the changes in
+   flight finish) and sends the records after the last one the target applied;
+5. the map flips (``owners``: the target), the target serves the group
    (ACTIVATE), the source deletes its copy (RELEASE).
 
 Each step is recorded in etcd (the map, and ``PREFIX/reshard``: what the
@@ -72,10 +76,10 @@ class _NoLog(ReshardError):
     """The source keeps no write-ahead log: the group is copied under the fence."""
 
 
-# A move follows its source's log until the records left are this few (or this
-# small), then fences; after this many rounds it fences whatever is left.
+# A move follows its source's log until a round brings this few records (or this
+# few bytes), then fences; after this many rounds it fences whatever is left.
 FOLLOW_RECORDS = 2
-FOLLOW_BYTES = 4 << 20
+FOLLOW_BYTES = 256 << 10
 FOLLOW_ROUNDS = 20
 
 
@@ -416,22 +420,30 @@ class _Resharding:
         self, name: str, source: int, target: int, until: float
     ) -> tuple[Any, int, int, float]:
         req = pb.ExportGroupRequest
+        # every export of the move asks the primary the snapshot came from: the
+        # lsns are its log's (one that fails over cuts the move off: made again)
+        via = self.shards.stub(source)
         imported, lsn = self._copy(
-            name, source, target, req(group=name, to_shard=target, follow=True), until
+            name,
+            source,
+            target,
+            req(group=name, to_shard=target, follow=True),
+            until,
+            via,
         )
         sent = int(imported.bytes)
         for _ in range(FOLLOW_ROUNDS):
             ask = req(group=name, to_shard=target, records=True, after_lsn=lsn)
-            reply, lsn = self._copy(name, source, target, ask, until)
+            reply, lsn = self._copy(name, source, target, ask, until, via)
             sent += int(reply.bytes)
             if reply.records <= FOLLOW_RECORDS or reply.bytes <= FOLLOW_BYTES:
                 break
         # the cutover: the source fences (the map says so too, for a primary
         # that takes over), the last records drain to the target
-        self.map.update(lambda d: d["moving"][name].pop("copy", None))
         started = time.monotonic()
+        self.map.update(lambda d: d["moving"][name].pop("copy", None))
         ask = req(group=name, to_shard=target, fence=True, records=True, after_lsn=lsn)
-        last, _ = self._copy(name, source, target, ask, until)
+        last, _ = self._copy(name, source, target, ask, until, via)
         return last, sent + int(last.bytes), int(last.bytes), started
 
     def _abandon(self, name: str, source: int, target: int) -> None:
@@ -457,18 +469,20 @@ class _Resharding:
         target: int,
         request: pb.ExportGroupRequest,
         until: float = 0.0,
+        via: Any = None,
     ) -> tuple[Any, int]:
         """Pipe what ``request`` exports from the source (a snapshot, or log
         records) into the target; returns the import's reply and the lsn the
         export's end names. A shard that fails over meanwhile (UNAVAILABLE,
         NOT_PRIMARY, the export cut off) raises ``_Busy``: the move is made
-        again; a source with no log asked to be followed raises ``_NoLog``."""
+        again; a source with no log asked to be followed raises ``_NoLog``.
+        ``via``: the source's stub to ask (default: its primary now)."""
         cut: list[grpc.RpcError] = []  # the export's failure, when it failed
         end: list[int] = []
 
         def pieces() -> Iterator[pb.ImportGroupRequest]:
             try:
-                exported = self.shards.stub(source).ExportGroup(
+                exported = (via or self.shards.stub(source)).ExportGroup(
                     request,
                     timeout=self.shards.timeout * 10,
                     metadata=self.shards.metadata(source),
