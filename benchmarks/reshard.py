@@ -1,7 +1,8 @@
 """What a live resharding costs (issue 39, docs/resharding.md).
 
     python benchmarks/reshard.py [--rounds 3] [--groups 20] [--elements 65536]
-        [--workers 4] [--window 4]
+        [--workers 4] [--window 4] [--copy-under-fence]
+    python benchmarks/reshard.py --mib 64 [--rounds 3]
 
 Needs etcd (Debian's etcd-server; tests/_etcd.py starts one on free loopback ports).
 
@@ -14,7 +15,14 @@ grows the cluster to 3 shards ("during"), then again before and during the shrin
 back to 2. Printed per round and as medians over rounds (min-max spread): the
 longest time a group's writes were held in its cutover (median and max over the
 groups moved), the pushes/s before and during, and the bytes moved against the
-ideal 1/3 of the state (growing 2 -> 3).
+ideal 1/3 of the state (growing 2 -> 3). ``--copy-under-fence``: every group is
+copied whole under the fence (the default follows the source's log first).
+
+``--mib N``: one Adagrad group of N MiB of X (2N MiB with its H, not split) that
+growing 2 -> 3 moves, while a worker pushes rows of it (64 rows a push); each
+round moves it there and back twice, once followed and once copied under the
+fence, in alternating order. Printed: the writes held per cutover and the bytes
+sent while held, per way (median, min-max spread).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _etcd import etcd_binary, start_etcd  # noqa: E402
 from _reshard import EtcdCluster  # noqa: E402
-from onnxps.cli.reshard import reshard  # noqa: E402
+from onnxps.cli.reshard import reshard, target_shard  # noqa: E402
 from onnxps.client import Adagrad  # noqa: E402
 
 
@@ -93,9 +101,11 @@ class Pushers:
         return (self.count - start) / (time.monotonic() - t0)
 
 
-def _during(pushers: Pushers, url: str, shards: int) -> tuple[float, Any]:
+def _during(
+    pushers: Pushers, url: str, shards: int, follow: bool = True
+) -> tuple[float, Any]:
     start, t0 = pushers.count, time.monotonic()
-    report = reshard(url, shards, timeout=30)
+    report = reshard(url, shards, timeout=30, follow=follow)
     return (pushers.count - start) / (time.monotonic() - t0), report
 
 
@@ -113,7 +123,12 @@ def main() -> None:
     p.add_argument("--elements", type=int, default=65536)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--window", type=float, default=4.0)
+    p.add_argument("--copy-under-fence", action="store_true")
+    p.add_argument("--mib", type=int, default=0)
     args = p.parse_args()
+    if args.mib:
+        big(args)
+        return
     binary = etcd_binary()
     if binary is None:
         sys.exit("etcd is not installed: apt-get install -y etcd-server")
@@ -141,7 +156,9 @@ def main() -> None:
         for r in range(args.rounds):
             for shards in (3, 2):
                 rate_before = pushers.rate(args.window)
-                rate_during, report = _during(pushers, cluster.url, shards)
+                rate_during, report = _during(
+                    pushers, cluster.url, shards, not args.copy_under_fence
+                )
                 held = [m.held_seconds for m in report.moves]
                 moved = sum(m.bytes for m in report.moves)
                 holds += held
@@ -174,6 +191,85 @@ def main() -> None:
         print(f"bytes moved growing 2 -> 3 / ideal 1/3 of the state: "
               f"{_spread(moved_ratio, '{:.2f}')}")  # fmt: skip
     finally:
+        cluster.close()
+        etcd.stop()
+
+
+def big(args: argparse.Namespace) -> None:
+    """``--mib``: one large group moved followed and under the fence, alternating."""
+    binary = etcd_binary()
+    if binary is None:
+        sys.exit("etcd is not installed: apt-get install -y etcd-server")
+    tmp = Path(tempfile.mkdtemp(prefix="onnxps-reshard-bench-"))
+    etcd = start_etcd(binary, tmp)
+    cluster = EtcdCluster(tmp, etcd)
+    cols = 64
+    rows = args.mib * 2**20 // (4 * cols)
+    name = next(
+        f"big{i}"
+        for i in range(100)
+        if target_shard(f"big{i}", 2) == 0 and target_shard(f"big{i}", 3) == 2
+    )
+    held: dict[bool, list[float]] = {True: [], False: []}
+    fenced: dict[bool, list[float]] = {True: [], False: []}
+    stop = threading.Event()
+    pushes = [0]
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            with cluster.connect(client_id="w", timeout=60, split_bytes=1 << 40) as c:
+                rng = np.random.default_rng(0)
+                g = rng.standard_normal((64, cols)).astype(np.float32)
+                while not stop.is_set():
+                    ids = rng.integers(0, rows, 64)
+                    c.push_rows(name, {"w": (ids, g)})
+                    pushes[0] += 1
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    try:
+        cluster.start(0, 2)
+        cluster.start(1, 2)
+        cluster.start(2, 3)
+        with cluster.connect(split_bytes=1 << 40) as admin:
+            admin.create_group(
+                name,
+                Adagrad(epsilon=1e-7),
+                learning_rate=0.01,
+                tensors={"w": np.zeros((rows, cols), np.float32)},
+            )
+        worker = threading.Thread(target=work)
+        worker.start()
+        time.sleep(1.0)
+        print(f"one group of {args.mib} MiB of X (+ H), row pushes of 64 rows")
+        for r in range(args.rounds):
+            for follow in (True, False) if r % 2 == 0 else (False, True):
+                for shards in (3, 2):
+                    report = reshard(cluster.url, shards, timeout=60, follow=follow)
+                    (m,) = report.moves
+                    held[follow].append(m.held_seconds)
+                    fenced[follow].append(m.fenced_bytes)
+                    way = "followed" if follow else "copy under fence"
+                    print(
+                        f"round {r + 1}, {way}, to {shards} shards: held "
+                        f"{m.held_seconds * 1000:.0f} ms, {m.fenced_bytes} bytes "
+                        f"sent while held of {m.bytes}; pushes {pushes[0]}",
+                        flush=True,
+                    )
+        stop.set()
+        worker.join()
+        if errors:
+            print(f"worker errors: {errors[:3]}")
+        print()
+        for follow in (True, False):
+            way = "followed        " if follow else "copy under fence"
+            print(
+                f"{way}: writes held (ms) {_spread([h * 1000 for h in held[follow]])}, "
+                f"bytes sent while held {_spread(fenced[follow])}"
+            )
+    finally:
+        stop.set()
         cluster.close()
         etcd.stop()
 

@@ -8,11 +8,15 @@ time, while workers keep pushing and pulling:
 1. the placement map (``PREFIX/placement`` in etcd) records the move under way
    (``moving``: its target holds the group's calls from then on);
 2. the target is told the group comes (``MoveGroup`` BEGIN_IMPORT);
-3. the source fences the group (its calls are answered MOVED, the changes in
-   flight finish) and streams it to the target as a one-group snapshot with its
+3. the source streams it to the target as a one-group snapshot with its
    exactly-once windows (``ExportGroup`` piped into ``ImportGroup``), where it is
-   installed and made durable;
-4. the map flips (``owners``: the target), the target serves the group
+   installed and made durable, while the source goes on serving it; then the
+   group's log records written meanwhile, round after round, which the target
+   logs and applies (a source without a write-ahead log, or ``follow=False``:
+   none of this, the whole copy is made in step 4);
+4. the source fences the group (its calls are answered MOVED, the changes in
+   flight finish) and sends the records after the last one the target applied;
+5. the map flips (``owners``: the target), the target serves the group
    (ACTIVATE), the source deletes its copy (RELEASE).
 
 Each step is recorded in etcd (the map, and ``PREFIX/reshard``: what the
@@ -68,6 +72,17 @@ class _Busy(ReshardError):
     """A copy refused as UNAVAILABLE: a shard not ready yet; tried again."""
 
 
+class _NoLog(ReshardError):
+    """The source keeps no write-ahead log: the group is copied under the fence."""
+
+
+# A move follows its source's log until a round brings this few records (or this
+# few bytes), then fences; after this many rounds it fences whatever is left.
+FOLLOW_RECORDS = 2
+FOLLOW_BYTES = 256 << 10
+FOLLOW_ROUNDS = 20
+
+
 @dataclass(frozen=True)
 class Move:
     """One group (or part) moved: from and to which shard, its T, the bytes of
@@ -79,6 +94,8 @@ class Move:
     update_count: int
     bytes: int
     held_seconds: float
+    fenced_bytes: int = 0  # the bytes sent while its writes were held
+    followed: bool = False  # copied unfenced, then its source's log followed
 
 
 @dataclass
@@ -311,7 +328,16 @@ Progress = Callable[[Move, int, int], None]
 
 
 class _Resharding:
-    def __init__(self, etcd: _Etcd, shards: _Shards, progress: Progress | None):
+    def __init__(
+        self,
+        etcd: _Etcd,
+        shards: _Shards,
+        progress: Progress | None,
+        follow: bool = True,
+    ):
+        # follow: a source with a write-ahead log is followed (False: every
+        # group is copied under the fence, as before)
+        self.follow = follow
         self.etcd = etcd
         self.map = _Map(etcd)
         self.shards = shards
@@ -343,12 +369,12 @@ class _Resharding:
         self.shards.call(
             target, "MoveGroup", step(group=name, step=pb.MOVE_STEP_BEGIN_IMPORT)
         )
-        self.map.update(
-            lambda d: d["moving"].__setitem__(name, {"from": source, "to": target})
-        )
-        started = time.monotonic()
+        # "copy": the source goes on serving it (not fenced on reading the map)
+        # while it is copied and its log followed
+        entry = {"from": source, "to": target, "copy": self.follow}
+        self.map.update(lambda d: d["moving"].__setitem__(name, entry))
         try:
-            imported = self._copy(name, source, target, until)
+            _, sent, fenced, started = self._transfer(name, source, target, until)
         except _Busy as exc:  # a shard not ready (a standby catching up)
             self._abandon(name, source, target)
             if time.monotonic() + 0.5 > exc.until:
@@ -360,14 +386,65 @@ class _Resharding:
             raise
         doc = self.map.update(lambda d: _flip(d, name, target))
         version = int(doc["version"])
-        self.shards.call(
+        activated = self.shards.call(
             target,
             "MoveGroup",
             step(group=name, step=pb.MOVE_STEP_ACTIVATE, map_version=version),
         )
         held = time.monotonic() - started
         self._release(name, source, target, version)
-        return Move(name, source, target, imported.update_count, imported.bytes, held)
+        followed = fenced < sent
+        return Move(
+            name, source, target, activated.update_count, sent, held, fenced, followed
+        )
+
+    def _transfer(
+        self, name: str, source: int, target: int, until: float
+    ) -> tuple[Any, int, int, float]:
+        """Copy ``name`` to the target: followed (its snapshot unfenced, its log
+        records until few are left, then the last ones fenced) when its source
+        keeps a write-ahead log, else copied under the fence. Returns the last
+        import's reply, the bytes sent, those sent fenced, and when the fence
+        began (monotonic)."""
+        if self.follow:
+            try:
+                return self._follow(name, source, target, until)
+            except _NoLog:
+                self.map.update(lambda d: d["moving"][name].pop("copy", None))
+        started = time.monotonic()
+        req = pb.ExportGroupRequest(group=name, to_shard=target, fence=True)
+        imported, _ = self._copy(name, source, target, req, until)
+        return imported, int(imported.bytes), int(imported.bytes), started
+
+    def _follow(
+        self, name: str, source: int, target: int, until: float
+    ) -> tuple[Any, int, int, float]:
+        req = pb.ExportGroupRequest
+        # every export of the move asks the primary the snapshot came from: the
+        # lsns are its log's (one that fails over cuts the move off: made again)
+        via = self.shards.stub(source)
+        imported, lsn = self._copy(
+            name,
+            source,
+            target,
+            req(group=name, to_shard=target, follow=True),
+            until,
+            via,
+        )
+        sent = int(imported.bytes)
+        for _ in range(FOLLOW_ROUNDS):
+            ask = req(group=name, to_shard=target, records=True, after_lsn=lsn)
+            reply, lsn = self._copy(name, source, target, ask, until, via)
+            sent += int(reply.bytes)
+            if reply.records <= FOLLOW_RECORDS or reply.bytes <= FOLLOW_BYTES:
+                break
+        # the cutover: the source fences (the map says so too, for a primary
+        # that takes over), the last records drain to the target
+        started = time.monotonic()
+        self.map.update(lambda d: d["moving"][name].pop("copy", None))
+        ask = req(group=name, to_shard=target, fence=True, records=True, after_lsn=lsn)
+        last, _ = self._copy(name, source, target, ask, until, via)
+        return last, sent + int(last.bytes), int(last.bytes), started
 
     def _abandon(self, name: str, source: int, target: int) -> None:
         """A copy that failed: the source serves the group again (the map did
@@ -385,35 +462,55 @@ class _Resharding:
             except ReshardError:
                 pass
 
-    def _copy(self, name: str, source: int, target: int, until: float = 0.0) -> Any:
-        """Fence ``name`` on its source and pipe its state into the target. A
-        shard that fails over meanwhile (UNAVAILABLE, NOT_PRIMARY, the export cut
-        off) raises ``_Busy``: the move is made again."""
+    def _copy(
+        self,
+        name: str,
+        source: int,
+        target: int,
+        request: pb.ExportGroupRequest,
+        until: float = 0.0,
+        via: Any = None,
+    ) -> tuple[Any, int]:
+        """Pipe what ``request`` exports from the source (a snapshot, or log
+        records) into the target; returns the import's reply and the lsn the
+        export's end names. A shard that fails over meanwhile (UNAVAILABLE,
+        NOT_PRIMARY, the export cut off) raises ``_Busy``: the move is made
+        again; a source with no log asked to be followed raises ``_NoLog``.
+        ``via``: the source's stub to ask (default: its primary now)."""
         cut: list[grpc.RpcError] = []  # the export's failure, when it failed
+        end: list[int] = []
 
         def pieces() -> Iterator[pb.ImportGroupRequest]:
             try:
-                exported = self.shards.stub(source).ExportGroup(
-                    pb.ExportGroupRequest(group=name, to_shard=target, fence=True),
+                exported = (via or self.shards.stub(source)).ExportGroup(
+                    request,
                     timeout=self.shards.timeout * 10,
                     metadata=self.shards.metadata(source),
                 )
                 for msg in exported:
                     if msg.HasField("done"):
+                        end.append(int(msg.done.wal_lsn))
                         yield pb.ImportGroupRequest(done=msg.done)
+                    elif msg.HasField("record"):
+                        yield pb.ImportGroupRequest(record=msg.record)
                     else:
                         yield pb.ImportGroupRequest(chunk=msg.chunk)
             except grpc.RpcError as exc:
                 cut.append(exc)  # the target gets no end: it installs nothing
 
         try:
-            return self.shards.stub(target).ImportGroup(
+            reply = self.shards.stub(target).ImportGroup(
                 pieces(),
                 timeout=self.shards.timeout * 10,
                 metadata=self.shards.metadata(target),
             )
+            return reply, end[0]
         except grpc.RpcError as exc:
             why = cut[0] if cut else exc
+            if why.code() == grpc.StatusCode.FAILED_PRECONDITION and (
+                "keeps no write-ahead log" in str(why.details())
+            ):
+                raise _NoLog(str(why.details())) from None
             failover = why.code() == grpc.StatusCode.UNAVAILABLE or (
                 "not the primary" in str(why.details())
             )
@@ -527,6 +624,7 @@ def reshard(
     coordinator_tls: CoordinatorTls | None = None,
     progress: Progress | None = None,
     undo: bool = False,
+    follow: bool = True,
 ) -> ReshardReport:
     """Move the groups of the cluster under ``coordinator`` (``etcd://H:P/PREFIX``)
     so that it has ``shards`` shards; returns when every group is where it
@@ -535,7 +633,10 @@ def reshard(
     same count left unfinished (the tool killed); ``ReshardError`` says what to do
     when it cannot go on. ``undo``: take back the resharding under way instead
     (``shards`` is then ignored): the groups it moved go back to where the
-    earlier count places them."""
+    earlier count places them. ``follow`` (default): a group whose source keeps
+    a write-ahead log is copied while it is served and its log followed, and
+    only its last records are sent under the fence; False: every group is
+    copied whole under the fence."""
     if not is_coordinator(coordinator):
         raise ValueError(
             f"onnxps reshard works on a cluster found through etcd "
@@ -547,7 +648,7 @@ def reshard(
     discovery = Discovery(coordinator, tls=coordinator_tls)
     peers = _Shards(discovery, token, root_certificates, timeout)
     try:
-        resharding = _Resharding(etcd, peers, progress)
+        resharding = _Resharding(etcd, peers, progress, follow)
         return resharding.undo() if undo else resharding.run(shards)
     finally:
         peers.close()
@@ -593,6 +694,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="show where the last resharding stands and exit",
     )
+    p.add_argument(
+        "--copy-under-fence",
+        action="store_true",
+        help="copy each group whole while its writes are held, also from a "
+        "source with a write-ahead log (by default such a group is copied while "
+        "it is served and its log followed; only its last records are sent "
+        "while its writes are held)",
+    )
     add_connection_arguments(p, timeout=10.0)
 
 
@@ -600,9 +709,10 @@ def _line(out: TextIO) -> Progress:
     tty = out.isatty()
 
     def show(m: Move, done: int, total: int) -> None:
+        how = f" ({m.fenced_bytes} while held: its log followed)" if m.followed else ""
         text = (
             f"moved {m.name}: shard {m.source} -> {m.target}, T={m.update_count}, "
-            f"{m.bytes} bytes, writes held {m.held_seconds * 1000:.0f} ms"
+            f"{m.bytes} bytes{how}, writes held {m.held_seconds * 1000:.0f} ms"
         )
         if tty:
             print(f"\r[{done}] {text}\033[K", end="", file=out, flush=True)
@@ -647,6 +757,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             root_certificates=roots,
             progress=_line(out),
             undo=args.undo,
+            follow=not args.copy_under_fence,
         )
     except (ReshardError, ConnectionError, LookupError) as exc:
         fail(prog, str(exc))

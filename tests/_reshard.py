@@ -39,6 +39,7 @@ class EtcdCluster:
         member: int,
         sync: int = 0,
         key: Any = None,
+        durability: str = "wal",
     ) -> str:
         """Member ``member`` of shard ``shard`` (``--sync-replicas sync``); kept
         under ``key`` (default ``(shard, member)``)."""
@@ -48,7 +49,7 @@ class EtcdCluster:
         log = self.tmp / f"shard{name}-{self.starts[key]}.log"
         proc, address = start_server(
             log,
-            "--durability", "wal",
+            "--durability", durability,
             "--data-dir", str(self.tmp / f"data{name}"),
             "--coordinator", self.url,
             "--shard", f"{shard}/{count}",

@@ -308,6 +308,12 @@ class RecordReader:
         self._files.clear()
 
     def read(self, r: Record) -> tuple[dict[str, Any], list[Array]]:
+        text, body = self.read_raw(r)
+        header = json.loads(text)
+        return header, _arrays(header, body)  # type: ignore[arg-type]
+
+    def read_raw(self, r: Record) -> tuple[bytes, memoryview]:
+        """The record's JSON header and its body (valid until the next read)."""
         f = self._files.get(r.path)
         if f is None:
             f = self._files[r.path] = open(r.path, "rb", buffering=0)  # noqa: SIM115
@@ -330,8 +336,7 @@ class RecordReader:
             got += n
         if len(text) < hlen or crc32(body, crc32(text, 0)) != crc:
             raise ValueError(f"{r.path}: record at byte {r.offset} is damaged")
-        header = json.loads(text)
-        return header, _arrays(header, body)  # type: ignore[arg-type]
+        return text, body
 
 
 def read_record(r: Record) -> tuple[dict[str, Any], list[Array]]:

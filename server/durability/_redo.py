@@ -21,9 +21,12 @@ def redo(
     h: dict[str, Any],
     arrays: list[np.ndarray[Any, Any]],
     source: str,
+    logged: bool = False,
 ) -> None:
     """Apply record ``h`` (with its ``arrays``) through the store's replay methods;
-    ``source`` names where it was read, for the errors of its image."""
+    ``source`` names where it was read, for the errors of its image; ``logged``:
+    log it in the store's journal too (a resharding's move brings it from the
+    group's source shard)."""
     op, name = h["op"], h["group"]
     if op == "push":
         store.replay_push(
@@ -33,6 +36,7 @@ def redo(
             seq=h["seq"],
             base_version=h["base_version"],
             learning_rate=h["lr"],
+            logged=logged,
         )
     elif op == "push_rows":
         store.replay_push_rows(
@@ -42,9 +46,10 @@ def redo(
             seq=h["seq"],
             base_version=h["base_version"],
             learning_rate=h["lr"],
+            logged=logged,
         )
     elif op == "sync_step":
-        store.replay_sync_step(name, len(h["contributors"]))
+        store.replay_sync_step(name, len(h["contributors"]), logged)
     elif op == "create":
         store.replay_create(
             GroupImage.from_json(h["image"], arrays, source),
@@ -52,10 +57,10 @@ def redo(
             moved=h.get("moved"),  # a resharding's move (store._moves)
         )
     elif op == "delete":
-        store.replay_delete(name)
+        store.replay_delete(name, logged)
     elif op == "set_lr":
-        store.replay_set_learning_rate(name, h["lr"])
+        store.replay_set_learning_rate(name, h["lr"], logged)
     elif op == "rewind":
-        store.replay_rewind(GroupImage.from_json(h["image"], arrays, source))
+        store.replay_rewind(GroupImage.from_json(h["image"], arrays, source), logged)
     else:
         log.warning("write-ahead log record of unknown op %r skipped", op)

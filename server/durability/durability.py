@@ -30,6 +30,7 @@ from ._history import (
     GroupHistory,
     LogIndex,
     Reached,
+    Record,
     build,
     read_base,
     renamed,
@@ -372,6 +373,20 @@ class Durability:
             self.store.fork(renamed(reached.capture.image, new_group))
         now = self.store.describe(group).update_count
         return Rewound(new_group, now, at_step, reached, time.perf_counter() - started)
+
+    def records_after(self, group: str, lsn: int) -> list[Record]:
+        """Where ``group``'s durable log records after ``lsn`` are, in log order (a
+        resharding's move follows them: read them with a ``RecordReader``)."""
+        if self.journal is None:
+            raise FailedPrecondition(
+                f"group {group!r} cannot be followed on this server: it keeps no "
+                f"write-ahead log (--durability {self.mode}); a move copies it "
+                "under the fence instead",
+                reason="NO_HISTORY",
+                metadata={"group": group},
+            )
+        self._index.refresh(self.journal.durable_lsn())
+        return [r for r in self._index.records(group) if r.lsn > lsn]
 
     def retained_bytes(self) -> tuple[int, int]:
         """The bytes the kept snapshots and the log's segments hold on disk."""

@@ -75,9 +75,10 @@ class PlacementWatch:
             for name, m in moving.items()
             if int(m.get("to", -1)) == self.shard
         }
+        # a move still copying ("copy": its log followed) is served here
         outgoing = {
             name: int(m.get("to", -1))
             for name, m in moving.items()
-            if int(m.get("from", -1)) == self.shard
+            if int(m.get("from", -1)) == self.shard and not m.get("copy")
         }
         self.store.moves.adopt(version, owners, incoming, outgoing)

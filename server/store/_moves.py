@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
-from ..errors import Moved, Unavailable
+from ..errors import FailedPrecondition, Moved, Unavailable
 from ._group import GroupRuntime
 
 __all__ = ["HOLD_SECONDS", "Moves", "runtime_from_json", "runtime_to_json"]
@@ -37,6 +38,8 @@ class Moves:
         self._fenced: dict[str, int] = {}  # name -> the shard it moves to
         self._importing: set[str] = set()
         self._elsewhere: dict[str, int] = {}  # moved away: name -> its owner
+        # this thread applies records to the group it imports (``applying``)
+        self._local = threading.local()
 
     # -- what the resharding tool (and the map) say ------------------------------
     def adopt(
@@ -84,6 +87,23 @@ class Moves:
             self._importing.discard(name)
             self._cond.notify_all()
 
+    @contextmanager
+    def applying(self, name: str) -> Iterator[None]:
+        """Within: this thread's calls on ``name`` (held: being imported here) are
+        not held, so it applies the records its source sends (a move that follows
+        the source's log)."""
+        if not self.importing(name):
+            raise FailedPrecondition(
+                f"group {name!r} is not being imported here: send MoveGroup "
+                "BEGIN_IMPORT and import its snapshot first",
+                metadata={"group": name},
+            )
+        self._local.name = name
+        try:
+            yield
+        finally:
+            self._local.name = None
+
     def fence(self, name: str, to_shard: int) -> None:
         with self._cond:
             self._fenced[name] = to_shard
@@ -119,7 +139,7 @@ class Moves:
             name not in self._importing
             and name not in self._fenced
             and name not in self._elsewhere
-        ):
+        ) or getattr(self._local, "name", None) == name:
             return
         with self._cond:
             end = time.monotonic() + hold

@@ -43,10 +43,33 @@ class MovingGroups:
     def install(self, image: Any, runtime: GroupRuntime | None = None) -> GroupView:
         raise NotImplementedError
 
-    def export_group(self, name: str, to_shard: int, fence: bool) -> GroupCapture:
+    def export_group(
+        self,
+        name: str,
+        to_shard: int,
+        fence: bool,
+        current_lsn: Callable[[], int] = lambda: 0,
+    ) -> GroupCapture:
         """One group's image and runtime (exactly-once windows, sync rounds);
         ``fence``: from now on its calls are MOVED to ``to_shard``, and the
-        changes in flight finish first (the copy is final)."""
+        changes in flight finish first (the copy is final). ``current_lsn`` is
+        read under the group's lock (the runtime's ``covered_lsn``): every log
+        record of the group up to it is in the copy, and none after it."""
+        return self._export(name, to_shard, fence, current_lsn, True)  # type: ignore[return-value]
+
+    def fence_group(self, name: str, to_shard: int) -> None:
+        """``export_group`` fenced, with no copy: the changes in flight are done
+        (their log records durable) when this returns."""
+        self._export(name, to_shard, True, lambda: 0, False)
+
+    def _export(
+        self,
+        name: str,
+        to_shard: int,
+        fence: bool,
+        current_lsn: Callable[[], int],
+        copy: bool,
+    ) -> GroupCapture | None:
         with self._lock:
             g = self._groups.get(name)
         if g is None or g.deleted:
@@ -63,7 +86,9 @@ class MovingGroups:
                     raise NotFound(
                         f"group {name!r} was deleted", metadata={"group": name}
                     )
-                return GroupCapture(g.image(None), g.runtime(0))
+                if not copy:
+                    return None
+                return GroupCapture(g.image(None), g.runtime(current_lsn()))
 
     def holds(self, name: str) -> bool:
         """Whether a live group ``name`` is here (served or not)."""

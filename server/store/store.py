@@ -570,14 +570,14 @@ class ParameterStore(MovingGroups):
         seq: int,
         base_version: int | None,
         learning_rate: float | None,
+        logged: bool = False,
     ) -> PushOutcome:
         """Redo a logged row push (its rows are coalesced and checked already)."""
         g = self._group(name)
         _rows.check_logged_row_push(g, arrays)
         request = PushRequest(client_id, seq, base_version, learning_rate, rows=True)
-        return self._pushes.run(
-            g, list(arrays), request, JournalEntry(None), replay=True
-        )
+        journal = JournalEntry(self._journal if logged else None)
+        return self._pushes.run(g, list(arrays), request, journal, replay=True)
 
     def pull_rows(
         self,
@@ -791,20 +791,20 @@ class ParameterStore(MovingGroups):
         seq: int,
         base_version: int | None,
         learning_rate: float | None,
+        logged: bool = False,
     ) -> PushOutcome:
         ticket = self._ticket(name, grads)
         check_gradient_values(ticket, grads, learning_rate)
         request = PushRequest(client_id, seq, base_version, learning_rate)
-        return self._pushes.run(
-            ticket._group, grads, request, JournalEntry(None), replay=True
-        )
+        journal = JournalEntry(self._journal if logged else None)
+        return self._pushes.run(ticket._group, grads, request, journal, replay=True)
 
-    def replay_sync_step(self, name: str, contributors: int) -> None:
-        """Replay a logged sync step: it is taken once that many pushes are buffered."""
+    def replay_sync_step(self, name: str, count: int, logged: bool = False) -> None:
+        """Replay a logged sync step (taken once ``count`` pushes are buffered)."""
         g = self._group(name)
-        with g.cond:
-            g.replay_step = contributors
-            _quorum.maybe_sync_step(g, JournalEntry(None), _quorum.logged_step_due)
+        with self._journaled(not logged) as journal, g.cond:
+            g.replay_step = count
+            _quorum.maybe_sync_step(g, journal, _quorum.logged_step_due)
 
     # -- rewind and fork (``_rewind``; the state is computed by ``durability``) ------
     def rewind(self, image: GroupImage, *, replay: bool = False) -> tuple[int, int]:
@@ -846,8 +846,8 @@ class ParameterStore(MovingGroups):
                 arrays += t.arrays()
             return GroupImage(g.definition(), arrays)
 
-    def replay_rewind(self, image: GroupImage) -> None:
-        self.rewind(image, replay=True)
+    def replay_rewind(self, image: GroupImage, logged: bool = False) -> None:
+        self.rewind(image, replay=not logged)
 
     def fork(self, image: GroupImage) -> GroupView:
         """A new group ``image.name`` of the image's state (logged as its create)."""
@@ -863,11 +863,13 @@ class ParameterStore(MovingGroups):
         _log_group("forked", g)
         return g.view(self._clock())
 
-    def replay_set_learning_rate(self, name: str, learning_rate: float) -> None:
-        self._set_learning_rate(name, learning_rate, replay=True)
+    def replay_set_learning_rate(
+        self, name: str, lr: float, logged: bool = False
+    ) -> None:
+        self._set_learning_rate(name, lr, replay=not logged)
 
-    def replay_delete(self, name: str) -> None:
-        self._delete(name, replay=True)
+    def replay_delete(self, name: str, logged: bool = False) -> None:
+        self._delete(name, replay=not logged)
 
     # -- helpers -------------------------------------------------------------------
     @contextmanager

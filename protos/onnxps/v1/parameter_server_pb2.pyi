@@ -2887,6 +2887,9 @@ class ExportGroupRequest(_message.Message):
     GROUP_FIELD_NUMBER: _builtins.int
     TO_SHARD_FIELD_NUMBER: _builtins.int
     FENCE_FIELD_NUMBER: _builtins.int
+    FOLLOW_FIELD_NUMBER: _builtins.int
+    RECORDS_FIELD_NUMBER: _builtins.int
+    AFTER_LSN_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """The group's name on the shard."""
     to_shard: _builtins.int
@@ -2897,16 +2900,31 @@ class ExportGroupRequest(_message.Message):
     """Stop acknowledging the group's changes first (the cutover), waiting for
     the changes in flight to finish: the state sent is final.
     """
+    follow: _builtins.bool
+    """The snapshot of a move that follows the group's log (needs --durability
+    wal on the source, else FAILED_PRECONDITION NO_HISTORY): its done names
+    the last log record it holds (wal_lsn).
+    """
+    records: _builtins.bool
+    """Send no snapshot: the group's log records after after_lsn, in pieces,
+    then done (wal_lsn: the last record sent, or after_lsn). With fence, the
+    records of the changes in flight are among them: the copy is final.
+    """
+    after_lsn: _builtins.int
+    """With records: the group's records after this lsn."""
     def __init__(
         self,
         *,
         group: _builtins.str = ...,
         to_shard: _builtins.int = ...,
         fence: _builtins.bool = ...,
+        follow: _builtins.bool = ...,
+        records: _builtins.bool = ...,
+        after_lsn: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "group", b"group", "to_shard", b"to_shard"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_lsn", b"after_lsn", "fence", b"fence", "follow", b"follow", "group", b"group", "records", b"records", "to_shard", b"to_shard"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2922,25 +2940,31 @@ class ExportGroupResponse(_message.Message):
 
     CHUNK_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
+    RECORD_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def chunk(self) -> Global___ReplicaSnapshotChunk:
         """A piece of a snapshot file."""
 
     @_builtins.property
     def done(self) -> Global___ReplicaSnapshotDone:
-        """The snapshot is complete."""
+        """The snapshot is complete (or the records are sent)."""
+
+    @_builtins.property
+    def record(self) -> Global___GroupRecordPiece:
+        """A piece of a log record (ExportGroup with records)."""
 
     def __init__(
         self,
         *,
         chunk: Global___ReplicaSnapshotChunk | None = ...,
         done: Global___ReplicaSnapshotDone | None = ...,
+        record: Global___GroupRecordPiece | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "done", b"done", "part", b"part"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "done", b"done", "part", b"part", "record", b"record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "done", b"done", "part", b"part"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "done", b"done", "part", b"part", "record", b"record"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["chunk", "done"]  # noqa: Y015
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["chunk", "done", "record"]  # noqa: Y015
     _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
 
@@ -2954,6 +2978,7 @@ class ImportGroupRequest(_message.Message):
 
     CHUNK_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
+    RECORD_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def chunk(self) -> Global___ReplicaSnapshotChunk:
         """A piece of a snapshot file."""
@@ -2962,17 +2987,22 @@ class ImportGroupRequest(_message.Message):
     def done(self) -> Global___ReplicaSnapshotDone:
         """The snapshot is complete: install its group (held until ACTIVATE)."""
 
+    @_builtins.property
+    def record(self) -> Global___GroupRecordPiece:
+        """A piece of a log record of the group imported (held): logged and applied."""
+
     def __init__(
         self,
         *,
         chunk: Global___ReplicaSnapshotChunk | None = ...,
         done: Global___ReplicaSnapshotDone | None = ...,
+        record: Global___GroupRecordPiece | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "done", b"done", "part", b"part"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "done", b"done", "part", b"part", "record", b"record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "done", b"done", "part", b"part"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "done", b"done", "part", b"part", "record", b"record"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["chunk", "done"]  # noqa: Y015
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["chunk", "done", "record"]  # noqa: Y015
     _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
 
@@ -2987,22 +3017,26 @@ class ImportGroupResponse(_message.Message):
     GROUP_FIELD_NUMBER: _builtins.int
     UPDATE_COUNT_FIELD_NUMBER: _builtins.int
     BYTES_FIELD_NUMBER: _builtins.int
+    RECORDS_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """Its name."""
     update_count: _builtins.int
     """Its update count T."""
     bytes: _builtins.int
     """The bytes received."""
+    records: _builtins.int
+    """The log records applied (a records import)."""
     def __init__(
         self,
         *,
         group: _builtins.str = ...,
         update_count: _builtins.int = ...,
         bytes: _builtins.int = ...,
+        records: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "group", b"group", "update_count", b"update_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "group", b"group", "records", b"records", "update_count", b"update_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3261,3 +3295,43 @@ class HistoryResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HistoryResponse: _TypeAlias = HistoryResponse  # noqa: Y015
+
+@_typing.final
+class GroupRecordPiece(_message.Message):
+    """A piece of one of a group's log records (ExportGroup with records, then
+    ImportGroup): the target logs the record and applies it as a replay does.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LSN_FIELD_NUMBER: _builtins.int
+    HEADER_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    lsn: _builtins.int
+    """The record's log sequence number on the source."""
+    header: _builtins.bytes
+    """Its JSON header (docs/FORMAT.md), in its first piece only."""
+    data: _builtins.bytes
+    """A piece of its body."""
+    offset: _builtins.int
+    """Where data goes in the body."""
+    size: _builtins.int
+    """The body's size."""
+    def __init__(
+        self,
+        *,
+        lsn: _builtins.int = ...,
+        header: _builtins.bytes = ...,
+        data: _builtins.bytes = ...,
+        offset: _builtins.int = ...,
+        size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "lsn", b"lsn", "offset", b"offset", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupRecordPiece: _TypeAlias = GroupRecordPiece  # noqa: Y015
