@@ -340,6 +340,14 @@ class Replication:
                 self._publish_caught_up()
                 follower.follow(None)
                 self._finish_applying(follower)
+                # a resharding may have fenced a group since the last poll
+                if not self.placement.read_now():
+                    log.error(
+                        "taking the lead of shard %s: the placement map could not "
+                        "be read; a group a resharding fenced in the last half "
+                        "second may be served until the next poll",
+                        self.config.shard,
+                    )
                 with follower.held():  # from now on memory is what the log holds
                     self._led = True
                 journal.promoted(self._last_lsn())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,18 +58,30 @@ class PlacementWatch:
         while not self._stop.wait(POLL_SECONDS):
             self.poll()
 
-    def poll(self) -> None:
+    def read_now(self, seconds: float = 5.0) -> bool:
+        """Read the map at once (a standby taking the lead: its last poll may be
+        half a second old, and a move fenced since must be fenced here before it
+        acknowledges anything). False when etcd did not answer in ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while True:
+            if self.poll():
+                return True
+            if time.monotonic() >= deadline or self._stop.wait(0.1):
+                return False
+
+    def poll(self) -> bool:
+        """Read the map; False when etcd did not answer (asked again later)."""
         try:
             kv = self.etcd.get(self.key)
         except CoordinatorUnavailable:
-            return  # asked again at the next poll
+            return False  # asked again at the next poll
         if kv is None or kv.mod_revision == self._seen:
-            return
+            return True
         try:
             version, owners, moving = parse_placement(kv.value)
         except (ValueError, TypeError, AttributeError) as exc:
             log.error("the placement map %s is malformed (%s): ignored", self.key, exc)
-            return
+            return True
         self._seen = kv.mod_revision
         incoming = {
             name: int(m.get("from", -1))
@@ -82,3 +95,4 @@ class PlacementWatch:
             if int(m.get("from", -1)) == self.shard and not m.get("copy")
         }
         self.store.moves.adopt(version, owners, incoming, outgoing)
+        return True
