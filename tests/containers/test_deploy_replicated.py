@@ -317,6 +317,10 @@ class Cluster:
         env = {k: localize(v, mounts, self.net, pod.name) for k, v in env.items()}
         if "ONNXPS_HEALTH_PORT" in env:
             env["ONNXPS_HEALTH_PORT"] = "0"  # the kubelet's probe: read from the log
+        if env.get("ONNXPS_DATA_PORT", "").isdigit():
+            # the pod's fixed data port, here one free port per pod (as gRPC's)
+            data = self.net.ports[(pod.name, int(env["ONNXPS_DATA_PORT"]))]
+            env["ONNXPS_DATA_PORT"] = str(data)
         cmd = [localize(a, mounts, self.net, pod.name) for a in pod.command(
             env, self.programs
         )]  # fmt: skip
