@@ -240,6 +240,7 @@ class StreamTransport:
             group=request.group,
             with_state=request.with_state,
             encoding=request.encoding,
+            layout=request.layout,
         )
         if request.HasField("min_version"):
             req.min_version = request.min_version

@@ -93,6 +93,9 @@ class GroupInfo:
     quorum: int = 0
     parts: tuple[PartInfo, ...] = ()  # on a cluster: where its elements live
     tables: dict[str, TableInfo] = field(default_factory=dict)  # ids tables
+    # the digest a flat push or pull names (docs/protocol.md, "The flat form");
+    # empty: the group has no flat form
+    layout: bytes = b""
 
     @property
     def nbytes(self) -> int:
@@ -243,6 +246,7 @@ def group_info(msg: pb.GroupInfo) -> GroupInfo:
         ],
         pending_contributions=msg.pending_contributions,
         quorum=msg.quorum,
+        layout=msg.layout,
         tables={
             t.name: TableInfo(
                 t.name,

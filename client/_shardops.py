@@ -12,6 +12,8 @@ makes one and hands it to its route; both clients' operations use it.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import math
 import time
@@ -25,6 +27,8 @@ from onnxps.wire.encoding import ENCODING_TO_PROTO, Encoding, encode
 from onnxps.wire.shm import layout
 
 from ._cluster import Layout
+from ._errors import RpcError
+from ._flatform import FlatForm, is_layout_mismatch
 from ._grpc_transport import Transport, chunk_stream, resending
 from ._ops import Call, Deadline, Op, unary_request, what
 from ._pending import PendingPushes
@@ -80,9 +84,8 @@ class ShardOps:
         self.pending = PendingPushes()
         # part name -> the shard a MOVED answer named (a resharding moved it)
         self.moved: dict[str, int] = {}
-        # push(template, arrays, deadline, out=None, shard=0): one push (or
-        # part's) to ``shard``, on the way the transport seam chooses
-        self.push = transports.push
+        # group -> its flat form (``_flatform``), as create and describe said
+        self.flat_forms: dict[str, FlatForm] = {}
 
     @property
     def shards(self) -> int | None:
@@ -172,8 +175,58 @@ class ShardOps:
         """A client stream: the header, then every array in chunks."""
         return chunk_stream(message, header, arrays, self.host.chunk_bytes)
 
+    def push(
+        self,
+        template: pb.PushRequest,
+        arrays: Sequence[Any],
+        deadline: Deadline,
+        out: Sequence[Array] | None = None,
+        shard: int = 0,
+    ) -> Op[PushResult]:
+        """One push (or part's) to ``shard``, on the way the transport seam
+        chooses: in the flat form where the group has one and the gradients are
+        native arrays of its tensors' shapes (X back as views of one array)."""
+        form = self.flat_forms.get(template.group)
+        if (
+            form is None
+            or not form.fits(arrays)
+            or self.transports.shm(shard).buffers_of(arrays) is not None
+        ):
+            return (
+                yield from self.transports.push(template, arrays, deadline, out, shard)
+            )
+        req = pb.PushRequest()
+        req.CopyFrom(template)
+        req.layout = form.digest
+        try:
+            flat = form.join(arrays)
+            result = yield from self.transports.push(req, [flat], deadline, None, shard)
+        except RpcError as exc:
+            if not is_layout_mismatch(exc):
+                raise
+            yield from self._relearn(template.group, deadline)
+            return (
+                yield from self.transports.push(template, arrays, deadline, out, shard)
+            )
+        if result.values is None:
+            return result
+        return dataclasses.replace(result, values=form.split(result.values[0]))
+
+    def _relearn(self, group: str, deadline: Deadline) -> Op[None]:
+        """The server refused a flat call's layout: forget it and describe the
+        group again (its new form is used from the next call)."""
+        self.flat_forms.pop(group, None)
+        with contextlib.suppress(RpcError):
+            yield from self.describe(group, deadline)
+
     def remember(self, info: GroupInfo) -> GroupInfo:
-        """Keep what ``info`` says of its group's size, dtype and pull segments."""
+        """Keep what ``info`` says of its group's size, dtype, flat form and pull
+        segments."""
+        if info.layout and not info.tables and len(info.tensors) > 1:
+            shapes = [dims for _, dims in info.tensors]
+            self.flat_forms[info.name] = FlatForm(info.layout, info.dtype, shapes)
+        else:
+            self.flat_forms.pop(info.name, None)
         self.sizes[info.name] = info.nbytes
         self.dtypes[info.name] = info.dtype
         sizes = [math.prod(dims) * info.dtype.itemsize for _, dims in info.tensors]
@@ -230,7 +283,20 @@ class ShardOps:
             min_version=min_version,
             encoding=ENCODING_TO_PROTO[encoding],
         )
-        return (yield from self.transports.pull(req, shape, deadline, out))
+        form = self.flat_forms.get(group)
+        if form is None or bufs is not None or encoding != "native":
+            return (yield from self.transports.pull(req, shape, deadline, out))
+        flat = pb.PullRequest()
+        flat.CopyFrom(req)
+        flat.layout = form.digest
+        try:
+            t, arrays = yield from self.transports.pull(flat, shape, deadline, None)
+        except RpcError as exc:
+            if not is_layout_mismatch(exc):
+                raise
+            yield from self._relearn(group, deadline)
+            return (yield from self.transports.pull(req, shape, deadline, out))
+        return t, form.split_all(arrays)
 
     def push_rows(
         self,

@@ -128,6 +128,7 @@ def group_info(view: GroupView) -> pb.GroupInfo:
         + [pb.WorkerInfo(worker_id=w, alive=False) for w in view.dead_workers],
         pending_contributions=view.pending,
         quorum=view.quorum,
+        layout=view.layout,
         tables=[
             pb.IdsTableInfo(
                 name=t.name,

@@ -27,11 +27,14 @@ from ._common import (
     unary,
 )
 from ._transports import (
+    FlatEmitter,
     FrameSink,
     GradientSource,
     StreamGradients,
     Transports,
     ValuesSink,
+    flat_gradients,
+    flat_values,
 )
 
 __all__ = ["TensorRpcs"]
@@ -86,6 +89,7 @@ class _Pulled:
             timeout=timeout_of(context),
             cancellation=cancellation_of(context) if waits else None,
             reserve=reserve,
+            layout=req.layout,
         )
 
     def into(
@@ -100,6 +104,7 @@ class _Pulled:
             min_version=req.min_version if waits else None,
             timeout=timeout_of(context),
             cancellation=cancellation_of(context) if waits else None,
+            layout=req.layout,
         )
 
 
@@ -157,15 +162,20 @@ class TensorRpcs(RpcFamily):
         """One push over its transports: the gradients from ``source``, the step,
         X to ``sink`` (checked before the step: a reply it cannot send refuses the
         push before it applies)."""
+        flat = bool(req.layout)  # the flat form: one gradient, X back as one
         with source.gradients() as (grads, finite):
             sink.check()
-            emitter = sink.emitter(ticket) if req.return_values else None
+            if flat:
+                grads = flat_gradients(ticket, grads)
+            emitter = sink.emitter(ticket) if req.return_values and not flat else None
             out = self._store_push(req, ticket, grads, context, finite, emitter)
         # Applied: from here only the transport may fail, and says so.
         reply = reply_type(
             update_count=out.update_count, applied=out.applied, duplicate=out.duplicate
         )
-        if out.values is not None or emitter is not None:
+        if flat and out.values is not None:
+            sink.send(reply, flat_values(out.values), ("X",))
+        elif out.values is not None or emitter is not None:
             sink.send(reply, out.values, ticket.names)
         return reply
 
@@ -174,7 +184,7 @@ class TensorRpcs(RpcFamily):
         req: pb.PushRequest,
         ticket: PushTicket,
         source: StreamGradients,
-        sink: FrameSink,
+        sink: FrameSink | FlatEmitter,
         context: Any,
     ) -> Iterator[Any]:
         """One push whose X goes out while it steps: the gradients received, the
@@ -182,6 +192,8 @@ class TensorRpcs(RpcFamily):
         lease = source.lease
         try:
             grads, finite = source.receive()
+            if req.layout:
+                grads = flat_gradients(ticket, grads)
         except BaseException:
             lease.release()
             raise

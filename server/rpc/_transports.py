@@ -48,7 +48,7 @@ from ..errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unav
 from ..kernels._finite import finite_checker
 from ..store import PushOutcome, PushTicket
 from ..store import ValuesSink as StoreSink
-from ..store._flat import FlatArrays, flat_views, kept_flat
+from ..store._flat import FlatArrays, FlatValues, flat_views, kept_flat
 from ..transports._datachannel import ChannelTable, DataChannel, principal_of
 from ..transports._receive import GradientPool, Lease, receive
 from ..transports._shm import Caller, SharedMemory
@@ -66,6 +66,7 @@ from ._pulls import (
 __all__ = [
     "ChannelGradients",
     "ChannelValues",
+    "FlatEmitter",
     "FrameSink",
     "GradientSource",
     "InlineGradients",
@@ -76,6 +77,9 @@ __all__ = [
     "Transports",
     "ValuesSink",
     "bare_specs",
+    "flat_gradients",
+    "flat_values",
+    "gradient_names",
     "pooled",
 ]
 
@@ -107,6 +111,59 @@ class ValuesSink(Protocol):
         """X of the push: into ``reply`` or beside it (``values`` None: the
         ``emitter`` took it)."""
         ...
+
+
+def gradient_names(req: pb.PushRequest, ticket: PushTicket) -> list[str]:
+    """How messages name a push's gradients: by the group's names, or the flat
+    form's one gradient."""
+    if req.layout:
+        return [f"the flat gradient of the group's {len(ticket.names)} tensors"]
+    return names_of("gradient", len(req.gradients), ticket.names)
+
+
+def flat_gradients(ticket: PushTicket, grads: Sequence[Array]) -> FlatArrays:
+    """A flat push's one gradient as the group's tensors: views of it, per
+    tensor, that the store steps as one array (``FlatArrays``)."""
+    flat = grads[0].reshape(-1)
+    return FlatArrays(flat_views(flat, ticket.shapes), flat)
+
+
+def flat_values(values: Sequence[Array]) -> list[Array]:
+    """X of a flat push's reply: the flat buffer the store's per-tensor views are
+    views of (``FlatValues``), joined if they are not."""
+    if isinstance(values, FlatValues):
+        return [values.flats[0]]
+    return [np.concatenate([v.reshape(-1) for v in values])]
+
+
+class FlatEmitter:
+    """A push sink that takes X in the flat form: the store's per-tensor blocks
+    (``begin``, ``block``) handed to ``inner`` as blocks of the one flat X."""
+
+    def __init__(self, inner: FrameSink, ticket: PushTicket) -> None:
+        self.inner = inner
+        self.offsets = ticket.offsets
+        self.flat_x = ticket.flat_x
+
+    def lend(self, room: Sequence[Array], release: Callable[[], None]) -> None:
+        flat = room.flat if isinstance(room, FlatArrays) else room[0]
+        self.inner.lend([flat], release)
+
+    def begin(self, outcome: PushOutcome, xs: Sequence[Array]) -> None:
+        self.inner.begin(outcome, [self.flat_x])
+
+    def block(self, index: int, start: int, stop: int) -> None:
+        offset = self.offsets[index]
+        self.inner.block(0, offset + start, offset + stop)
+
+    def run(self, push: Callable[[], Any]) -> None:
+        self.inner.run(push)
+
+    def frames(self) -> Iterator[Any]:
+        return self.inner.frames()
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def pooled(pool: GradientPool, group: str, headers: Sequence[pb.Tensor]) -> Lease:
@@ -618,7 +675,7 @@ class Transports:
     def __init__(
         self,
         *,
-        validate: Callable[[str, Iterable[Spec]], PushTicket],
+        validate: Callable[[str, Iterable[Spec], bytes], PushTicket],
         reply_bytes: ReplyBytes,
         shared_memory: SharedMemory,
         data_channels: ChannelTable | None,
@@ -645,7 +702,8 @@ class Transports:
                     specs.append(tensor_spec(t, f"gradient {i + 1}", encoded=True))
                 yield specs[i]
 
-        ticket = self._validate_specs(req.group, parsed())
+        # with a layout, the flat form: one gradient of the group's elements
+        ticket = self._validate_specs(req.group, parsed(), req.layout)
         for _ in parsed():  # every header parsed, whatever the store read
             pass
         return ticket, specs
@@ -670,7 +728,7 @@ class Transports:
         if chunks is not None:
             source = self._stream_gradients(req, ticket, chunks, context)
         elif req.HasField("gradients_region"):
-            names = names_of("gradient", len(req.gradients), ticket.names)
+            names = gradient_names(req, ticket)
             caller = caller_of(context)
             source = RegionGradients(self._shm, req, ticket, caller, names)
         else:
@@ -686,7 +744,7 @@ class Transports:
     @contextmanager
     def push_pull(
         self, req: pb.PushRequest, chunks: Iterator[Any], context: Any
-    ) -> Iterator[tuple[PushTicket, StreamGradients, FrameSink]]:
+    ) -> Iterator[tuple[PushTicket, StreamGradients, FrameSink | FlatEmitter]]:
         """The ticket, source and sink of a PushPullStream: gradients in chunks, X
         in frames sent as the push steps (the reply's bytes held meanwhile)."""
         if req.HasField("gradients_region") or req.HasField("reply_region"):
@@ -703,6 +761,16 @@ class Transports:
                 what="this push's reply carries",
             )
             source = self._stream_gradients(req, ticket, chunks, context)
+            if req.layout:  # X back in the flat form too
+                values = [
+                    pb.Tensor(name="X", dtype=headers[0].dtype, dims=headers[0].dims)
+                ]
+                yield (
+                    ticket,
+                    source,
+                    FlatEmitter(FrameSink(values, self.chunk_bytes), ticket),
+                )
+                return
             values = [
                 pb.Tensor(name=n, dtype=t.dtype, dims=t.dims)
                 for n, t in zip(ticket.names, headers, strict=True)
@@ -713,7 +781,7 @@ class Transports:
         self, req: pb.PushRequest, ticket: PushTicket, it: Iterator[Any], context: Any
     ) -> StreamGradients:
         headers = list(req.gradients)
-        names = names_of("gradient", len(headers), ticket.names)
+        names = gradient_names(req, ticket)
         lease = pooled(self._pool, ticket.group, headers)
         return StreamGradients(
             it, headers, names, lease, lambda: raise_if_cut_off(context)

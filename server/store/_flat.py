@@ -9,17 +9,31 @@ the ONNX order unchanged); a push whose gradients arrive in one flat buffer
 (``FlatArrays``) steps the whole group as one array, in cache-sized blocks that
 ignore tensor boundaries. The step is element-wise with per-group scalars, so the
 result is bit for bit the one of stepping each tensor alone.
+
+The wire has the same form (``layout_digest``): a push or pull that names the
+group's layout digest carries its tensors as ONE tensor of the group's elements
+back to back, checked by one digest, one element count and one dtype instead of
+a header per tensor (docs/protocol.md, "The flat form").
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["FlatArrays", "FlatLayout", "flat_views", "kept_flat"]
+__all__ = [
+    "FlatArrays",
+    "FlatLayout",
+    "FlatValues",
+    "flat_views",
+    "kept_flat",
+    "layout_digest",
+]
 
 Array = np.ndarray[Any, Any]
 
@@ -31,6 +45,18 @@ class FlatArrays(list[Array]):
     def __init__(self, arrays: Sequence[Array], flat: Array) -> None:
         super().__init__(arrays)
         self.flat = flat
+
+
+class FlatValues(tuple[Array, ...]):
+    """Per-tensor views of one version's copy, and (``flats``) the flat buffers
+    they are views of: X (then V, H), each one array."""
+
+    flats: tuple[Array, ...]
+
+    def __new__(cls, views: Sequence[Array], flats: Sequence[Array]) -> FlatValues:
+        out = super().__new__(cls, views)
+        out.flats = tuple(flats)
+        return out
 
 
 def kept_flat(got: list[Array], lent: Sequence[Array]) -> list[Array]:
@@ -88,3 +114,18 @@ class FlatLayout:
                 done(*piece)
 
         return flat_done
+
+
+def layout_digest(
+    names: Sequence[str], shapes: Sequence[tuple[int, ...]], dtype: np.dtype[Any]
+) -> bytes:
+    """The 16-byte digest a flat push or pull names (``GroupInfo.layout``): of
+    the tensors' names, shapes and dtype, in order. Groups that share it hold
+    their elements in the same places; empty (no flat form) below two tensors."""
+    if len(shapes) < 2:
+        return b""
+    text = json.dumps(
+        [np.dtype(dtype).newbyteorder("<").str, list(names), [list(s) for s in shapes]],
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(text.encode()).digest()[:16]

@@ -25,10 +25,10 @@ from onnxps.wire.image import (
     TableDefinition,
 )
 
-from ..errors import InvalidArgument
+from ..errors import FailedPrecondition, InvalidArgument
 from ..kernels import OptimizerAttrs, Stepper
 from ..kernels._finite import all_finite as _all_finite
-from ._flat import FlatArrays, FlatLayout, flat_views
+from ._flat import FlatArrays, FlatLayout, flat_views, layout_digest
 from ._ids import IdsTable
 from ._order import PushOrder
 from ._sparse import RowGradient, combine_rows, is_row_push, split_row_push, step_rows
@@ -152,6 +152,7 @@ class GroupView:
     pending: int  # buffered sync contributions
     quorum: int  # pushes the pending sync step needs (0 for async groups)
     tables: tuple[TableView, ...] = ()  # ids tables, in order
+    layout: bytes = b""  # the flat form's digest (``_flat.layout_digest``)
 
     @property
     def op(self) -> str:
@@ -314,6 +315,10 @@ class Group:
                 ids, *rows = table_arrays[k]
                 table.load(ids, rows)
         self.row_steppers: dict[int, Stepper] = {}  # row pushes, by size (_sparse)
+        # what a flat push or pull names (``_flat``); none with ids tables
+        self.layout_digest = (
+            b"" if self.tables else layout_digest(self.names, self.shapes, self.dtype)
+        )
         self.consistency = consistency
         self.allow_non_finite = allow_non_finite
         self.lease_seconds = lease_seconds
@@ -438,6 +443,7 @@ class Group:
             tables=tuple(
                 TableView(t.definition, t.count) for t in self.tables.values()
             ),
+            layout=self.layout_digest,
         )
 
     def lease_view(self) -> LeaseView:
@@ -449,9 +455,55 @@ class Group:
             quorum=self.quorum() if sync else 0,
         )
 
-    def array_names(self, with_state: bool) -> tuple[str, ...]:
+    def array_names(self, with_state: bool, flat: bool = False) -> tuple[str, ...]:
         states = self.attrs.state_names if with_state else ()
+        if flat:  # the flat form: X, then V, H, each one array
+            return ("X", *states)
         return self.names + tuple(f"{s}:{n}" for s in states for n in self.names)
+
+    def pull_bytes(self, with_state: bool) -> int:
+        """Bytes of a pull's arrays: X (and V, H)."""
+        states = len(self.states) if with_state else 0
+        return self.element_count * self.dtype.itemsize * (1 + states)
+
+    def live_arrays(
+        self, with_state: bool, layout: bytes = b""
+    ) -> tuple[list[Array], tuple[str, ...]]:
+        """X (then V, H) and their names, live (read under the lock): per tensor
+        in its shape, or with ``layout`` (checked) the flat buffers."""
+        self.check_layout(layout)
+        if layout:
+            flats = [self.flat_states[s] for s in self.attrs.state_names]
+            return [self.flat_x, *(flats if with_state else [])], self.array_names(
+                with_state, True
+            )
+        arrays = self.xs + (self.state_arrays() if with_state else [])
+        n = len(self.shapes)
+        shaped = [a.reshape(self.shapes[i % n]) for i, a in enumerate(arrays)]
+        return shaped, self.array_names(with_state)
+
+    def check_layout(self, layout: bytes) -> None:
+        """Refuse a flat call (``layout`` set) whose digest is not this group's
+        (it was created again with other tensors, or has no flat form)."""
+        if not layout or layout == self.layout_digest:
+            return
+        if not self.layout_digest:
+            now = "has no flat form (ids tables, or fewer than two tensors)"
+        else:
+            now = f"has layout {self.layout_digest.hex()}"
+        raise FailedPrecondition(
+            f"this call names layout {layout.hex()} of group {self.name!r}, which "
+            f"{now} ({len(self.shapes)} tensors, {self.layout.total} elements, "
+            f"{self.dtype}): the group was created again with other tensors; "
+            "describe it and send the call in its new layout, or per tensor",
+            reason="LAYOUT_MISMATCH",
+            field="layout",
+            metadata={
+                "group": self.name,
+                "expected": self.layout_digest.hex(),
+                "received": layout.hex(),
+            },
+        )
 
     def definition(self) -> GroupDefinition:
         c = self.consistency

@@ -40,6 +40,7 @@ __all__ = [
     "PushRequest",
     "PushTicket",
     "ValuesSink",
+    "check_flat_gradient",
     "check_gradient_specs",
     "check_gradient_values",
 ]
@@ -65,6 +66,17 @@ class PushTicket:
     def shapes(self) -> tuple[tuple[int, ...], ...]:
         """The gradients' shapes (the group's tensors'), in order."""
         return self._group.shapes
+
+    @property
+    def offsets(self) -> list[int]:
+        """Where each tensor starts in the group's flat buffers (``_flat``)."""
+        return self._group.layout.offsets
+
+    @property
+    def flat_x(self) -> Array:
+        """The group's X as one flat array: read only while the store hands X to
+        a ``ValuesSink`` (under the group's lock)."""
+        return self._group.flat_x
 
 
 class ValuesSink(Protocol):
@@ -123,8 +135,13 @@ class PushRequest:
         }
 
 
-def check_gradient_specs(g: Group, specs: Iterable[Spec]) -> PushTicket:
-    """Check gradient count, dtypes and shapes before any bytes are read."""
+def check_gradient_specs(
+    g: Group, specs: Iterable[Spec], layout: bytes = b""
+) -> PushTicket:
+    """Check gradient count, dtypes and shapes before any bytes are read (the
+    flat form's one gradient with ``layout``: ``_flatform``)."""
+    if layout:
+        return check_flat_gradient(g, layout, specs)
     specs = list(specs)
     n = len(g.shapes)
     if len(specs) != n:
@@ -165,6 +182,44 @@ def check_gradient_specs(g: Group, specs: Iterable[Spec]) -> PushTicket:
                 },
             )
     return PushTicket(g.name, g.names, g)
+
+
+def check_flat_gradient(g: Group, layout: bytes, specs: Iterable[Spec]) -> PushTicket:
+    """Check a flat push's one gradient header against the group (its digest,
+    then one tensor of the group's dtype and element count) before any bytes are
+    read: the push's ticket (docs/protocol.md, "The flat form")."""
+    g.check_layout(layout)
+    specs = list(specs)
+    total = g.layout.total
+    if len(specs) != 1:
+        raise InvalidArgument(
+            f"a flat push (layout set) carries ONE gradient of group {g.name!r}'s "
+            f"{total} elements back to back; got {len(specs)} gradients",
+            reason="GRADIENT_COUNT",
+            field="gradients",
+            metadata={"group": g.name, "expected": 1, "received": len(specs)},
+        )
+    dtype, dims = specs[0]
+    if np.dtype(dtype) != g.dtype:
+        raise InvalidArgument(
+            f"the flat gradient of group {g.name!r} must be {g.dtype}, the group's "
+            f"dtype; got {np.dtype(dtype)}",
+            reason="DTYPE_MISMATCH",
+            field="gradients[0].dtype",
+            metadata={"group": g.name, "expected": g.dtype, "received": dtype},
+        )
+    if tuple(dims) != (total,):
+        raise InvalidArgument(
+            f"the flat gradient of group {g.name!r} must have dims [{total}] (its "
+            f"{len(g.shapes)} tensors' elements back to back), got {list(dims)}",
+            reason="SHAPE_MISMATCH",
+            field="gradients[0].dims",
+            metadata={"group": g.name, "expected": (total,), "received": dims},
+        )
+    ticket = g.push_ticket
+    if ticket is None:
+        ticket = g.push_ticket = PushTicket(g.name, g.names, g)
+    return ticket  # type: ignore[no-any-return]
 
 
 def check_gradient_values(

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ._flat import flat_views
+from ._flat import FlatValues, flat_views
 from ._group import Group
 
 __all__ = ["SharedCopies"]
@@ -33,12 +33,14 @@ class SharedCopies:
         )
         self._lock = threading.Lock()
 
-    def values(self, g: Group, with_state: bool) -> tuple[Array, ...]:
+    def values(self, g: Group, with_state: bool, layout: bytes = b"") -> FlatValues:
         """Under the group's lock: read-only arrays of its current version.
 
         One copy per version serves every reader that asks while another still holds
-        it (a copy with state serves readers of X alone too).
+        it (a copy with state serves readers of X alone too). ``layout`` (the
+        flat form, checked): the arrays are the flat buffers (X, then V, H).
         """
+        g.check_layout(layout)
         # the group's flat buffers (``_flat``): one copy each, whatever the tensors
         arrays = [g.flat_x]
         if with_state:
@@ -54,9 +56,10 @@ class SharedCopies:
             base.flags.writeable = False
             with self._lock:
                 self._copies[key] = base
-        return tuple(
-            view for flat in _slots(base, arrays) for view in flat_views(flat, g.shapes)
-        )
+        flats = list(_slots(base, arrays))
+        if layout:
+            return FlatValues(flats, flats)
+        return FlatValues([v for f in flats for v in flat_views(f, g.shapes)], flats)
 
     def _get(self, key: tuple[int, int, bool]) -> Array | None:
         with self._lock:

@@ -464,13 +464,15 @@ class ParameterStore(MovingGroups):
             return g.view(self._clock())
 
     # -- push ----------------------------------------------------------------------
-    def validate_push(self, name: str, specs: Iterable[Spec]) -> PushTicket:
+    def validate_push(
+        self, name: str, specs: Iterable[Spec], layout: bytes = b""
+    ) -> PushTicket:
         """Check gradient count, dtypes and shapes before any bytes are read.
 
         ``specs`` is read after the group is found: an unknown group is NOT_FOUND
         even when the header is malformed too (pass a generator that parses it).
         """
-        return check_gradient_specs(self._group(name), specs)
+        return check_gradient_specs(self._group(name), specs, layout)
 
     def push(
         self,
@@ -641,6 +643,7 @@ class ParameterStore(MovingGroups):
         timeout: float | None = None,
         cancellation: Cancellation | None = None,
         reserve: Callable[[int], None] | None = None,
+        layout: bytes = b"",
     ) -> PullResult:
         """X (with V, H when ``with_state``) of one version, read-only.
 
@@ -655,13 +658,12 @@ class ParameterStore(MovingGroups):
             if min_version is not None:
                 self._wait_version(g, min_version, timeout, cancellation)
             if reserve is not None:
-                states = len(g.states) if with_state else 0
-                reserve(g.element_count * g.dtype.itemsize * (1 + states))
+                reserve(g.pull_bytes(with_state))
             return PullResult(
                 g.update_count,
                 g.learning_rate,
-                self._shared.values(g, with_state),
-                g.array_names(with_state),
+                self._shared.values(g, with_state, layout),
+                g.array_names(with_state, bool(layout)),
             )
 
     def pull_into(
@@ -673,6 +675,7 @@ class ParameterStore(MovingGroups):
         min_version: int | None = None,
         timeout: float | None = None,
         cancellation: Cancellation | None = None,
+        layout: bytes = b"",
     ) -> tuple[int, float, _W]:
         """Like ``pull``, but ``write(arrays, names)`` copies the live arrays out
         under the group's lock (one copy, straight into the caller's memory, e.g.
@@ -684,10 +687,7 @@ class ParameterStore(MovingGroups):
             self._check_live(g)
             if min_version is not None:
                 self._wait_version(g, min_version, timeout, cancellation)
-            arrays = g.xs + (g.state_arrays() if with_state else [])
-            n = len(g.shapes)
-            shaped = [a.reshape(g.shapes[i % n]) for i, a in enumerate(arrays)]
-            written = write(shaped, g.array_names(with_state))
+            written = write(*g.live_arrays(with_state, layout))
             return g.update_count, g.learning_rate, written
 
     @property

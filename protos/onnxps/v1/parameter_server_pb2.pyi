@@ -623,6 +623,7 @@ class GroupInfo(_message.Message):
     PENDING_CONTRIBUTIONS_FIELD_NUMBER: _builtins.int
     QUORUM_FIELD_NUMBER: _builtins.int
     TABLES_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The group's name."""
     learning_rate: _builtins.float
@@ -643,6 +644,12 @@ class GroupInfo(_message.Message):
     """SYNC: pushes waiting for the quorum."""
     quorum: _builtins.int
     """SYNC: pushes the next step needs."""
+    layout: _builtins.bytes
+    """The digest of the group's layout (its tensors' names, shapes and dtype),
+    which a Push, Pull or PullStream names in `layout` to send or receive the
+    group's tensors in the flat form; empty for a group that has none (one
+    with ids tables, or fewer than two tensors).
+    """
     @_builtins.property
     def optimizer(self) -> Global___OptimizerSpec:
         """The optimizer, with every attribute filled in."""
@@ -681,10 +688,11 @@ class GroupInfo(_message.Message):
         pending_contributions: _builtins.int = ...,
         quorum: _builtins.int = ...,
         tables: _abc.Iterable[Global___IdsTableInfo] | None = ...,
+        layout: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["consistency", b"consistency", "optimizer", b"optimizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_non_finite", b"allow_non_finite", "consistency", b"consistency", "dtype", b"dtype", "element_count", b"element_count", "learning_rate", b"learning_rate", "lease_seconds", b"lease_seconds", "name", b"name", "optimizer", b"optimizer", "pending_contributions", b"pending_contributions", "quorum", b"quorum", "state_bytes", b"state_bytes", "tables", b"tables", "tensors", b"tensors", "update_count", b"update_count", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_non_finite", b"allow_non_finite", "consistency", b"consistency", "dtype", b"dtype", "element_count", b"element_count", "layout", b"layout", "learning_rate", b"learning_rate", "lease_seconds", b"lease_seconds", "name", b"name", "optimizer", b"optimizer", "pending_contributions", b"pending_contributions", "quorum", b"quorum", "state_bytes", b"state_bytes", "tables", b"tables", "tensors", b"tensors", "update_count", b"update_count", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1201,6 +1209,7 @@ class PushRequest(_message.Message):
     GRADIENTS_REGION_FIELD_NUMBER: _builtins.int
     REPLY_REGION_FIELD_NUMBER: _builtins.int
     TRANSFER_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """The group's name."""
     client_id: _builtins.str
@@ -1215,6 +1224,15 @@ class PushRequest(_message.Message):
     """R for this push only."""
     return_values: _builtins.bool
     """Reply with X_1..X_n after the push."""
+    layout: _builtins.bytes
+    """The flat form: the group's layout digest (GroupInfo.layout). Then
+    gradients holds ONE tensor, dims [element_count], the group's dtype, not
+    encoded, holding G_1..G_n back to back in ONNX order (its bytes inline, in
+    chunks, a region or on the channel as any gradient's); with return_values,
+    values is likewise one tensor holding X_1..X_n. A digest that is not the
+    group's (it was re-created with other tensors) is refused with
+    FAILED_PRECONDITION (LAYOUT_MISMATCH) and nothing changes.
+    """
     @_builtins.property
     def gradients(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tensor]:
         """G_1..G_n in ONNX order."""
@@ -1253,10 +1271,11 @@ class PushRequest(_message.Message):
         gradients_region: Global___SharedMemoryRegion | None = ...,
         reply_region: Global___SharedMemoryRegion | None = ...,
         transfer: Global___DataTransfer | None = ...,
+        layout: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_base_version", b"_base_version", "_learning_rate", b"_learning_rate", "base_version", b"base_version", "gradients_region", b"gradients_region", "learning_rate", b"learning_rate", "reply_region", b"reply_region", "transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_base_version", b"_base_version", "_learning_rate", b"_learning_rate", "base_version", b"base_version", "client_id", b"client_id", "gradients", b"gradients", "gradients_region", b"gradients_region", "group", b"group", "learning_rate", b"learning_rate", "reply_region", b"reply_region", "return_values", b"return_values", "seq", b"seq", "transfer", b"transfer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_base_version", b"_base_version", "_learning_rate", b"_learning_rate", "base_version", b"base_version", "client_id", b"client_id", "gradients", b"gradients", "gradients_region", b"gradients_region", "group", b"group", "layout", b"layout", "learning_rate", b"learning_rate", "reply_region", b"reply_region", "return_values", b"return_values", "seq", b"seq", "transfer", b"transfer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__base_version: _TypeAlias = _typing.Literal["base_version"]  # noqa: Y015
     _WhichOneofArgType__base_version: _TypeAlias = _typing.Literal["_base_version", b"_base_version"]  # noqa: Y015
@@ -1475,6 +1494,7 @@ class PullRequest(_message.Message):
     ENCODING_FIELD_NUMBER: _builtins.int
     REPLY_REGION_FIELD_NUMBER: _builtins.int
     TRANSFER_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """The group's name."""
     with_state: _builtins.bool
@@ -1484,6 +1504,12 @@ class PullRequest(_message.Message):
     encoding: Global___Encoding.ValueType
     """Send X_1..X_n in this encoding (the reply's tensors say theirs); unset:
     native. Refused with with_state: V and H travel native.
+    """
+    layout: _builtins.bytes
+    """The flat form (see PushRequest.layout): the reply's tensors are X (then V,
+    then H), each ONE tensor of dims [element_count] holding the group's
+    tensors back to back. A digest that is not the group's is refused with
+    FAILED_PRECONDITION (LAYOUT_MISMATCH).
     """
     @_builtins.property
     def reply_region(self) -> Global___SharedMemoryRegion:
@@ -1507,10 +1533,11 @@ class PullRequest(_message.Message):
         encoding: Global___Encoding.ValueType = ...,
         reply_region: Global___SharedMemoryRegion | None = ...,
         transfer: Global___DataTransfer | None = ...,
+        layout: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "min_version", b"min_version", "reply_region", b"reply_region", "transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "encoding", b"encoding", "group", b"group", "min_version", b"min_version", "reply_region", b"reply_region", "transfer", b"transfer", "with_state", b"with_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "encoding", b"encoding", "group", b"group", "layout", b"layout", "min_version", b"min_version", "reply_region", b"reply_region", "transfer", b"transfer", "with_state", b"with_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__min_version: _TypeAlias = _typing.Literal["min_version"]  # noqa: Y015
     _WhichOneofArgType__min_version: _TypeAlias = _typing.Literal["_min_version", b"_min_version"]  # noqa: Y015
@@ -1574,6 +1601,7 @@ class PullStreamRequest(_message.Message):
     WITH_STATE_FIELD_NUMBER: _builtins.int
     MIN_VERSION_FIELD_NUMBER: _builtins.int
     ENCODING_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """The group's name."""
     with_state: _builtins.bool
@@ -1584,6 +1612,8 @@ class PullStreamRequest(_message.Message):
     """Send X_1..X_n in this encoding (the reply's tensors say theirs); unset:
     native. Refused with with_state: V and H travel native.
     """
+    layout: _builtins.bytes
+    """The flat form, as PullRequest.layout."""
     def __init__(
         self,
         *,
@@ -1591,10 +1621,11 @@ class PullStreamRequest(_message.Message):
         with_state: _builtins.bool = ...,
         min_version: _builtins.int | None = ...,
         encoding: Global___Encoding.ValueType = ...,
+        layout: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "min_version", b"min_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "encoding", b"encoding", "group", b"group", "min_version", b"min_version", "with_state", b"with_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_version", b"_min_version", "encoding", b"encoding", "group", b"group", "layout", b"layout", "min_version", b"min_version", "with_state", b"with_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__min_version: _TypeAlias = _typing.Literal["min_version"]  # noqa: Y015
     _WhichOneofArgType__min_version: _TypeAlias = _typing.Literal["_min_version", b"_min_version"]  # noqa: Y015

@@ -1,0 +1,77 @@
+"""The flat form of a push or pull (docs/protocol.md, "The flat form"): a group's
+tensors sent and received as ONE tensor of its elements back to back, naming the
+group's layout digest (``GroupInfo.layout``), so that neither end pays a header,
+a check or an array per tensor. The client learns a group's digest from
+create_group and describe (``ShardOps.remember``), uses the form for a native
+push or pull of a group of two or more tensors, and splits the one array it gets
+back into views shaped like the group's tensors. When the server refuses the
+digest (the group was created again with other tensors: LAYOUT_MISMATCH), the
+client forgets it, describes the group again and sends the call per tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ._errors import FailedPreconditionError
+
+__all__ = ["FlatForm", "is_layout_mismatch"]
+
+Array = np.ndarray[Any, Any]
+
+
+class FlatForm:
+    """A group's layout as the client last saw it: its digest, dtype and the
+    tensors' shapes, and where each starts in the flat array."""
+
+    __slots__ = ("digest", "dtype", "shapes", "offsets", "total")
+
+    def __init__(
+        self, digest: bytes, dtype: np.dtype[Any], shapes: Sequence[tuple[int, ...]]
+    ) -> None:
+        self.digest = digest
+        self.dtype = np.dtype(dtype)
+        self.shapes = [tuple(s) for s in shapes]
+        self.offsets = [0]
+        for s in self.shapes:
+            self.offsets.append(self.offsets[-1] + int(np.prod(s, dtype=np.int64)))
+        self.total = self.offsets[-1]
+
+    def fits(self, arrays: Sequence[Any]) -> bool:
+        """Whether ``arrays`` are the group's gradients as native arrays (same
+        count, dtype and shapes): the push may go flat."""
+        if len(arrays) != len(self.shapes):
+            return False
+        dtype = self.dtype
+        for a, shape in zip(arrays, self.shapes, strict=True):
+            if type(a) is not np.ndarray or a.dtype != dtype or a.shape != shape:
+                return False
+        return True
+
+    def join(self, arrays: Sequence[Array]) -> Array:
+        """The gradients back to back, one array (one copy)."""
+        return np.concatenate(arrays, axis=None)
+
+    def split(self, flat: Array) -> list[Array]:
+        """Views of one flat array (``total`` elements) shaped like the group's
+        tensors."""
+        flat = flat.reshape(-1)
+        if flat.size != self.total:
+            raise ValueError(
+                f"the server answered {flat.size} elements in the flat form; the "
+                f"group's layout holds {self.total}"
+            )
+        o = self.offsets
+        return [flat[o[i] : o[i + 1]].reshape(s) for i, s in enumerate(self.shapes)]
+
+    def split_all(self, flats: Sequence[Array]) -> list[Array]:
+        """X (then V, H) of a flat pull: each split into the group's tensors."""
+        return [v for flat in flats for v in self.split(flat)]
+
+
+def is_layout_mismatch(exc: BaseException) -> bool:
+    """Whether the server refused a call's layout digest (the group changed)."""
+    return isinstance(exc, FailedPreconditionError) and exc.reason == "LAYOUT_MISMATCH"
