@@ -497,7 +497,6 @@ class Group:
             f"{self.dtype}): the group was created again with other tensors; "
             "describe it and send the call in its new layout, or per tensor",
             reason="LAYOUT_MISMATCH",
-            field="layout",
             metadata={
                 "group": self.name,
                 "expected": self.layout_digest.hex(),

@@ -381,6 +381,7 @@ def test_a_stream_that_stops_sending_ends_stalled_without_details(
 # Reasons whose refusal needs a set-up of its own (tokens, a full disk, a draining
 # server, shared memory, a cluster): the test file that makes each.
 ELSEWHERE = {
+    "LAYOUT_MISMATCH": "test_flat_form.py",
     "NOT_PRIMARY": "test_replication.py",
     "MOVED": "test_reshard_moved.py",
     "GROUP_IMPORTING": "test_reshard_moved.py",
