@@ -10,6 +10,10 @@ over each path, rounds alternating the order of the paths:
 
 - ``no flags``: ``Client(address)`` against ``onnxps serve`` with no flags (its
   snapshot durability in a data directory of its own): what a user gets;
+- ``no flags, TCP``: the same, the server in a mount namespace of its own with an
+  empty /dev/shm of its own (``unshare``; needs root): the client's shared-memory
+  hello finds no shared /dev/shm, as between two hosts, and its calls go over TCP
+  (frames, the data channel or gRPC, as the client's plan picks) on loopback;
 - ``gRPC``: ``shared_memory="off", data_channel="off", frames="off"`` (unary
   below the stream threshold, streams above it);
 - ``shm``: ``shared_memory="on", data_channel="off", frames="off"`` (segments in
@@ -37,6 +41,7 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +58,7 @@ FRAME_MAX = 1 << 20
 PATHS: dict[str, tuple[str, dict[str, str]]] = {
     # name: (server, client flags)
     "no flags": ("default", {}),
+    "no flags, TCP": ("apart", {}),
     "gRPC": (
         "tuned",
         {"shared_memory": "off", "data_channel": "off", "frames": "off"},
@@ -64,6 +70,21 @@ PATHS: dict[str, tuple[str, dict[str, str]]] = {
     ),
     "frames": ("tuned", {"shared_memory": "off", "frames": "on"}),
 }
+
+
+def _start_apart(
+    *args: str, log: Path, env: dict[str, str]
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``onnxps serve ARGS`` with a /dev/shm of its own (see ``APART``)."""
+    from onnxps.cli.process import wait_for_listening
+
+    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
+    cmd += ['mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh"]
+    cmd += [sys.executable, "-m", "onnxps.cli", "serve", *args]
+    cmd += ["--address", "127.0.0.1:0"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return proc, wait_for_listening(proc, log)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -144,6 +165,7 @@ def main() -> int:
         stack.callback(lambda: stop_processes(servers))
         for k, side in enumerate(sides):
             env = tree_env(side.tree)
+            wanted = {PATHS[name][0] for name in names}
             started = {
                 "default": start_server_process(
                     "--durability",
@@ -157,6 +179,15 @@ def main() -> int:
                     "--data-port", "0", log=tmp / f"tuned{k}.log", env=env
                 ),
             }
+            if "apart" in wanted:
+                started["apart"] = _start_apart(
+                    "--durability",
+                    "snapshot",
+                    "--data-dir",
+                    str(tmp / f"apart{k}"),
+                    log=tmp / f"apart{k}.log",
+                    env=dict(env),
+                )  # fmt: skip
             servers += [proc for proc, _ in started.values()]
             for name in names:
                 server, flags = PATHS[name]
