@@ -10,7 +10,7 @@ over each path, rounds alternating the order of the paths:
 
 - ``no flags``: ``Client(address)`` against ``onnxps serve`` with no flags (its
   snapshot durability in a data directory of its own): what a user gets;
-- ``no flags, TCP``: the same, the server in a mount namespace of its own with an
+- ``no flags over TCP``: the same, the server in a mount namespace of its own with an
   empty /dev/shm of its own (``unshare``; needs root): the client's shared-memory
   hello finds no shared /dev/shm, as between two hosts, and its calls go over TCP
   (frames, the data channel or gRPC, as the client's plan picks) on loopback;
@@ -58,7 +58,7 @@ FRAME_MAX = 1 << 20
 PATHS: dict[str, tuple[str, dict[str, str]]] = {
     # name: (server, client flags)
     "no flags": ("default", {}),
-    "no flags, TCP": ("apart", {}),
+    "no flags over TCP": ("apart", {}),
     "gRPC": (
         "tuned",
         {"shared_memory": "off", "data_channel": "off", "frames": "off"},
