@@ -11,6 +11,7 @@ client forgets it, describes the group again and sends the call per tensor.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +28,16 @@ class FlatForm:
     """A group's layout as the client last saw it: its digest, dtype and the
     tensors' shapes, and where each starts in the flat array."""
 
-    __slots__ = ("digest", "dtype", "shapes", "offsets", "total")
+    __slots__ = (
+        "digest",
+        "dtype",
+        "shapes",
+        "offsets",
+        "total",
+        "_cuts",
+        "_spare",
+        "_lock",
+    )
 
     def __init__(
         self, digest: bytes, dtype: np.dtype[Any], shapes: Sequence[tuple[int, ...]]
@@ -39,6 +49,16 @@ class FlatForm:
         for s in self.shapes:
             self.offsets.append(self.offsets[-1] + int(np.prod(s, dtype=np.int64)))
         self.total = self.offsets[-1]
+        o = self.offsets
+        # (start, stop, shape to reshape to, or None when the slice has it)
+        self._cuts = [
+            (o[i], o[i + 1], None if len(s) == 1 else s)
+            for i, s in enumerate(self.shapes)
+        ]
+        # the flat gradient buffer of the last push, for the next one: a fresh
+        # one per push costs its page faults every time
+        self._spare: Array | None = None
+        self._lock = threading.Lock()  # a client's threads may push at once
 
     def fits(self, arrays: Sequence[Any]) -> bool:
         """Whether ``arrays`` are the group's gradients as native arrays (same
@@ -52,8 +72,17 @@ class FlatForm:
         return True
 
     def join(self, arrays: Sequence[Array]) -> Array:
-        """The gradients back to back, one array (one copy)."""
-        return np.concatenate(arrays, axis=None)
+        """The gradients back to back, one array (one copy), in the buffer the
+        last push gave back (``give_back``) when no other push holds it."""
+        with self._lock:
+            buf, self._spare = self._spare, None
+        if buf is None:
+            buf = np.empty(self.total, self.dtype)
+        return np.concatenate(arrays, axis=None, out=buf)
+
+    def give_back(self, buf: Array) -> None:
+        """``join``'s buffer, which the push that sent it no longer reads."""
+        self._spare = buf
 
     def split(self, flat: Array) -> list[Array]:
         """Views of one flat array (``total`` elements) shaped like the group's
@@ -64,8 +93,9 @@ class FlatForm:
                 f"the server answered {flat.size} elements in the flat form; the "
                 f"group's layout holds {self.total}"
             )
-        o = self.offsets
-        return [flat[o[i] : o[i + 1]].reshape(s) for i, s in enumerate(self.shapes)]
+        return [
+            flat[a:b] if s is None else flat[a:b].reshape(s) for a, b, s in self._cuts
+        ]
 
     def split_all(self, flats: Sequence[Array]) -> list[Array]:
         """X (then V, H) of a flat pull: each split into the group's tensors."""

@@ -208,6 +208,7 @@ class ShardOps:
             return (
                 yield from self.transports.push(template, arrays, deadline, out, shard)
             )
+        form.give_back(flat)  # sent: the next push may fill it
         if result.values is None:
             return result
         return dataclasses.replace(result, values=form.split(result.values[0]))

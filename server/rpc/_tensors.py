@@ -27,6 +27,7 @@ from ._common import (
     unary,
 )
 from ._transports import (
+    FlatBlocks,
     FlatEmitter,
     FrameSink,
     GradientSource,
@@ -167,14 +168,17 @@ class TensorRpcs(RpcFamily):
             sink.check()
             if flat:
                 grads = flat_gradients(ticket, grads)
-            emitter = sink.emitter(ticket) if req.return_values and not flat else None
+            emitter = sink.emitter(ticket, flat) if req.return_values else None
+            if flat and emitter is not None:
+                emitter = FlatBlocks(emitter, ticket)
             out = self._store_push(req, ticket, grads, context, finite, emitter)
         # Applied: from here only the transport may fail, and says so.
         reply = reply_type(
             update_count=out.update_count, applied=out.applied, duplicate=out.duplicate
         )
-        if flat and out.values is not None:
-            sink.send(reply, flat_values(out.values), ("X",))
+        if flat and (out.values is not None or emitter is not None):
+            values = None if out.values is None else flat_values(out.values)
+            sink.send(reply, values, ("X",))
         elif out.values is not None or emitter is not None:
             sink.send(reply, out.values, ticket.names)
         return reply

@@ -66,6 +66,7 @@ from ._pulls import (
 __all__ = [
     "ChannelGradients",
     "ChannelValues",
+    "FlatBlocks",
     "FlatEmitter",
     "FrameSink",
     "GradientSource",
@@ -100,9 +101,10 @@ class ValuesSink(Protocol):
         """Refuse, before the push applies, what would keep X from being sent."""
         ...
 
-    def emitter(self, ticket: PushTicket) -> StoreSink | None:
+    def emitter(self, ticket: PushTicket, flat: bool = False) -> StoreSink | None:
         """Where the store writes X as the push makes it (under the group's
-        lock), or None: the store hands X to ``send`` as values."""
+        lock), or None: the store hands X to ``send`` as values. ``flat``: X as
+        one array (the flat form; blocks of it come through ``FlatBlocks``)."""
         ...
 
     def send(
@@ -136,18 +138,15 @@ def flat_values(values: Sequence[Array]) -> list[Array]:
     return [np.concatenate([v.reshape(-1) for v in values])]
 
 
-class FlatEmitter:
-    """A push sink that takes X in the flat form: the store's per-tensor blocks
-    (``begin``, ``block``) handed to ``inner`` as blocks of the one flat X."""
+class FlatBlocks:
+    """A store's ``ValuesSink`` that takes X in the flat form: the store's
+    per-tensor blocks (``begin``, ``block``) handed to ``inner`` as blocks of the
+    one flat X."""
 
-    def __init__(self, inner: FrameSink, ticket: PushTicket) -> None:
+    def __init__(self, inner: StoreSink, ticket: PushTicket) -> None:
         self.inner = inner
         self.offsets = ticket.offsets
         self.flat_x = ticket.flat_x
-
-    def lend(self, room: Sequence[Array], release: Callable[[], None]) -> None:
-        flat = room.flat if isinstance(room, FlatArrays) else room[0]
-        self.inner.lend([flat], release)
 
     def begin(self, outcome: PushOutcome, xs: Sequence[Array]) -> None:
         self.inner.begin(outcome, [self.flat_x])
@@ -156,14 +155,26 @@ class FlatEmitter:
         offset = self.offsets[index]
         self.inner.block(0, offset + start, offset + stop)
 
+
+class FlatEmitter(FlatBlocks):
+    """A PushPullStream's ``FrameSink`` that takes X in the flat form."""
+
+    def __init__(self, inner: FrameSink, ticket: PushTicket) -> None:
+        super().__init__(inner, ticket)
+        self.frame_sink = inner
+
+    def lend(self, room: Sequence[Array], release: Callable[[], None]) -> None:
+        flat = room.flat if isinstance(room, FlatArrays) else room[0]
+        self.frame_sink.lend([flat], release)
+
     def run(self, push: Callable[[], Any]) -> None:
-        self.inner.run(push)
+        self.frame_sink.run(push)
 
     def frames(self) -> Iterator[Any]:
-        return self.inner.frames()
+        return self.frame_sink.frames()
 
     def close(self) -> None:
-        self.inner.close()
+        self.frame_sink.close()
 
 
 def pooled(pool: GradientPool, group: str, headers: Sequence[pb.Tensor]) -> Lease:
@@ -264,7 +275,7 @@ class InlineValues:
     def check(self) -> None:
         pass
 
-    def emitter(self, ticket: PushTicket) -> None:
+    def emitter(self, ticket: PushTicket, flat: bool = False) -> None:
         """None: the store hands X over as values (``send``)."""
         return None
 
@@ -508,16 +519,21 @@ class RegionValues:
     def check(self) -> None:
         self.shm.check(self.region, self.caller, "reply_region")
 
-    def emitter(self, ticket: PushTicket) -> RegionValues | None:
+    def emitter(self, ticket: PushTicket, flat: bool = False) -> RegionValues | None:
         """This sink as the store's ``ValuesSink``: each block of X is copied into
         the segment as the step makes it final, under the group's lock, and is
-        the reply (no copy of X beside it); None where X does not fit there."""
+        the reply (no copy of X beside it); None where X does not fit there.
+        ``flat``: X as one array, of the group's elements."""
         sizes = [math.prod(s) for s in ticket.shapes]
+        shapes = ticket.shapes
+        if flat:
+            sizes = [sum(sizes)]
+            shapes = ((sizes[0],),)
         found = self.shm.reply_views(self.region, ticket.dtype, sizes, self.caller)
         if found is None:
             return None
         self._views, self._offsets = found
-        self._shapes = ticket.shapes
+        self._shapes = shapes
         return self
 
     def begin(self, outcome: PushOutcome, xs: Sequence[Array]) -> None:
@@ -631,7 +647,7 @@ class ChannelValues:
     def check(self) -> None:
         pass
 
-    def emitter(self, ticket: PushTicket) -> None:
+    def emitter(self, ticket: PushTicket, flat: bool = False) -> None:
         """None: X is sent from the values the store hands over."""
         return None
 
