@@ -4,7 +4,9 @@ group's layout digest (``GroupInfo.layout``), so that neither end pays a header,
 a check or an array per tensor. The client learns a group's digest from
 create_group and describe (``ShardOps.remember``), uses the form for a native
 push or pull of a group of two or more tensors, and splits the one array it gets
-back into views shaped like the group's tensors. When the server refuses the
+back into views shaped like the group's tensors, for groups of many small
+tensors (``pays``: larger ones go per tensor, which costs no copy into one
+buffer and lands X straight in a caller's ``out``). When the server refuses the
 digest (the group was created again with other tensors: LAYOUT_MISMATCH), the
 client forgets it, describes the group again and sends the call per tensor.
 """
@@ -19,9 +21,20 @@ import numpy as np
 
 from ._errors import FailedPreconditionError
 
-__all__ = ["FlatForm", "is_layout_mismatch"]
+__all__ = ["FLAT_AVERAGE_BYTES", "FlatForm", "is_layout_mismatch", "pays"]
 
 Array = np.ndarray[Any, Any]
+
+# The form is used for groups whose tensors average at most this: it saves a
+# header, a check and an array per tensor, and costs a copy of the gradients into
+# one buffer (and X out of one), which only groups of many small tensors win
+FLAT_AVERAGE_BYTES = 64 << 10
+
+
+def pays(nbytes: int, tensors: int) -> bool:
+    """Whether a group of ``tensors`` tensors and ``nbytes`` bytes of X goes
+    flat: two or more tensors, of ``FLAT_AVERAGE_BYTES`` or less on average."""
+    return tensors > 1 and nbytes <= FLAT_AVERAGE_BYTES * tensors
 
 
 class FlatForm:

@@ -28,7 +28,7 @@ from onnxps.wire.shm import layout
 
 from ._cluster import Layout
 from ._errors import RpcError
-from ._flatform import FlatForm, is_layout_mismatch
+from ._flatform import FlatForm, is_layout_mismatch, pays
 from ._grpc_transport import Transport, chunk_stream, resending
 from ._ops import Call, Deadline, Op, unary_request, what
 from ._pending import PendingPushes
@@ -223,7 +223,7 @@ class ShardOps:
     def remember(self, info: GroupInfo) -> GroupInfo:
         """Keep what ``info`` says of its group's size, dtype, flat form and pull
         segments."""
-        if info.layout and not info.tables and len(info.tensors) > 1:
+        if info.layout and not info.tables and pays(info.nbytes, len(info.tensors)):
             shapes = [dims for _, dims in info.tensors]
             self.flat_forms[info.name] = FlatForm(info.layout, info.dtype, shapes)
         else:

@@ -113,6 +113,22 @@ def test_a_flat_push_and_pull_equal_the_per_tensor_ones_bit_for_bit(
         assert_same(out, want[: len(SHAPES)])
 
 
+def test_groups_of_large_tensors_go_per_tensor(server: ServerHandle) -> None:
+    """The client uses the form where it pays: tensors averaging at most 64 KiB."""
+    small = {"a": np.zeros(16384, "f4"), "b": np.zeros(16384, "f4")}  # 64 KiB each
+    large = {"a": np.zeros(16385, "f4"), "b": np.zeros(16384, "f4")}
+    with Client(server.address, timeout=60) as c:
+        c.create_group("small", Adam(), learning_rate=0.1, tensors=small)
+        c.create_group("large", Adam(), learning_rate=0.1, tensors=large)
+        assert c.describe_group("large").layout  # the server offers it to both
+        assert "small" in c.ops.flat_forms and "large" not in c.ops.flat_forms
+        for name, x in (("small", small), ("large", large)):
+            got = c.push(
+                name, *[np.ones_like(a) for a in x.values()], return_values=True
+            )
+            assert [a.shape for a in got] == [a.shape for a in x.values()]
+
+
 def flat_push(group: str, layout: bytes, flat: Array, **kw: Any) -> pb.PushRequest:
     return pb.PushRequest(
         group=group, layout=layout, gradients=[array_to_tensor(flat)], **kw
