@@ -27,7 +27,6 @@ from onnxps.wire.image import (
 
 from ..errors import InvalidArgument
 from ..kernels import OptimizerAttrs, Stepper
-from ..kernels._finite import all_finite as _all_finite
 from ._flat import FlatArrays, FlatLayout, flat_views
 from ._ids import IdsTable
 from ._order import PushOrder
@@ -50,7 +49,6 @@ __all__ = [
     "PushOutcome",
     "StoreLimits",
     "WorkerLease",
-    "all_finite",
     "check_name",
     "combine_contributions",
 ]
@@ -624,8 +622,3 @@ def check_name(name: str, what: str = "group name") -> None:
         )
     if not name.isprintable():
         raise InvalidArgument(f"{what} must be printable, got {name!r}")
-
-
-def all_finite(a: Array) -> bool:
-    # one pass over ``a`` (kernels._finite), without a temporary the size of ``a``
-    return _all_finite(a)

@@ -22,9 +22,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import JOURNAL_REFUSALS, FailedPrecondition, InvalidArgument
+from ..kernels._finite import all_finite  # one pass, no temporary the size of a
 from ._checks import MAX_UPDATE_COUNT, check_learning_rate
 from ._flat import FlatArrays
-from ._group import DEDUP_WINDOW, Group, PushOutcome, StoreLimits, all_finite
+from ._group import DEDUP_WINDOW, Group, PushOutcome, StoreLimits
 from ._ids import empty_part
 from ._journaling import JournalEntry
 from ._order import PushKey, alone

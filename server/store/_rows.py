@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgument, ResourceExhausted
+from ..kernels._finite import all_finite
 from ._checks import check_learning_rate
-from ._group import Group, PullResult, StoreLimits, all_finite
+from ._group import Group, PullResult, StoreLimits
 from ._ids import (
     IdsTable,
     RowsPage,
