@@ -261,7 +261,8 @@ class Transports:
             shard,
             native,
             template.return_values,
-            frames_refused=self.calls.refused(shard),
+            # (asked only where frames may go: a call channel is never opened else)
+            frames_refused=self.host.frames and self.calls.refused(shard),
         )
         ways = plan(shape, self.host)
         if len(ways) == 1:
@@ -298,7 +299,7 @@ class Transports:
     ) -> Op[Pulled]:
         """The pull of ``request`` on the first way of its plan that serves it
         (planned now; a plan of one way hands back that way's op, as ``push``)."""
-        if self.calls.refused(shape.shard):
+        if self.host.frames and self.calls.refused(shape.shard):
             shape = dataclasses.replace(shape, frames_refused=True)
         ways = plan(shape, self.host)
         if len(ways) == 1:

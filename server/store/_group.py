@@ -30,7 +30,13 @@ from ..kernels import OptimizerAttrs, Stepper
 from ._flat import FlatArrays, FlatLayout, flat_views
 from ._ids import IdsTable
 from ._order import PushOrder
-from ._sparse import RowGradient, combine_rows, is_row_push, split_row_push, step_rows
+from ._sparse import (
+    INDEX_DTYPE,
+    RowGradient,
+    combine_rows,
+    split_row_push,
+    step_rows,
+)
 
 __all__ = [
     "DEDUP_CLIENTS",
@@ -51,6 +57,7 @@ __all__ = [
     "WorkerLease",
     "check_name",
     "combine_contributions",
+    "is_row_push",
 ]
 
 log = logging.getLogger("onnxps.store")
@@ -249,6 +256,15 @@ def combine_contributions(
         for a in acc:
             np.divide(a, count, out=a)
     return acc
+
+
+def is_row_push(arrays: Sequence[Array]) -> bool:
+    """Whether a store-level gradient list is a row push (it holds indices, see
+    ``_sparse``); beside ``Group.step``, which asks on every push."""
+    for a in arrays:  # a loop, not any(generator): every dense push asks
+        if a.dtype == INDEX_DTYPE:
+            return True
+    return False
 
 
 class Group:

@@ -25,14 +25,14 @@ from ..errors import JOURNAL_REFUSALS, FailedPrecondition, InvalidArgument
 from ..kernels._finite import all_finite  # one pass, no temporary the size of a
 from ._checks import MAX_UPDATE_COUNT, check_learning_rate
 from ._flat import FlatArrays
-from ._group import DEDUP_WINDOW, Group, PushOutcome, StoreLimits
+from ._group import DEDUP_WINDOW, Group, PushOutcome, StoreLimits, is_row_push
 from ._ids import empty_part
 from ._journaling import JournalEntry
 from ._order import PushKey, alone
 from ._quorum import logged_step_due, maybe_sync_step, quorum_reached
 from ._rewind import DROPPED, rewound_error
 from ._shared import SharedCopies
-from ._sparse import INDEX_DTYPE, flatten, is_row_push
+from ._sparse import INDEX_DTYPE, flatten
 from ._waits import Cancellation, Wait, Waiting
 
 __all__ = [
