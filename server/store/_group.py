@@ -572,10 +572,17 @@ class Group:
         return self._tensor_stepper
 
     def remember(
-        self, client_id: str, seq: int, result: tuple[int, bool], now: float
+        self,
+        client_id: str,
+        seq: int,
+        outcome: PushOutcome,
+        now: float,
+        limits: StoreLimits,
     ) -> None:
         """Keep a push's result for its client's resends (the client becomes the
-        most recently used)."""
+        most recently used), then drop the windows ``limits`` no longer keep
+        (``forget_clients``): one call of the push pipeline, under the lock."""
+        result = (outcome.update_count, outcome.applied)
         w = self.dedup.get(client_id)
         if w is None:
             w = self.dedup[client_id] = ClientWindow()
@@ -587,6 +594,7 @@ class Group:
             old = next(iter(w.results))
             del w.results[old]
             w.floor = max(w.floor, old)
+        self.forget_clients(now, limits.dedup_seconds, limits.dedup_clients)
 
     def forget_clients(self, now: float, max_seconds: float, max_clients: int) -> int:
         """Drop windows idle longer than max_seconds, and the least recently used

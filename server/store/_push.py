@@ -374,7 +374,9 @@ class PushPipeline:
         record = request.record(g.name, g.update_count)
         outcome = self._buffer(g, grads, request.client_id, record, journal, due)
         if request.client_id:
-            self._dedup_store(g, request.client_id, request.seq, outcome)
+            g.remember(
+                request.client_id, request.seq, outcome, self._clock(), self._limits
+            )
         g.cond.notify_all()
         return outcome
 
@@ -405,7 +407,9 @@ class PushPipeline:
             g.step(grads, request.learning_rate, emit.sink.block)
         outcome = PushOutcome(g.update_count, True)
         if request.client_id:
-            self._dedup_store(g, request.client_id, request.seq, outcome)
+            g.remember(
+                request.client_id, request.seq, outcome, self._clock(), self._limits
+            )
         g.cond.notify_all()
         return outcome
 
@@ -480,14 +484,6 @@ class PushPipeline:
                 metadata={"group": g.name, "client_id": client_id, "seq": seq},
             )
         return None
-
-    def _dedup_store(
-        self, g: Group, client_id: str, seq: int, outcome: PushOutcome
-    ) -> None:
-        now = self._clock()
-        limits = self._limits
-        g.remember(client_id, seq, (outcome.update_count, outcome.applied), now)
-        g.forget_clients(now, limits.dedup_seconds, limits.dedup_clients)
 
 
 def _check_base_version(g: Group, base_version: int | None, t: int) -> None:
