@@ -175,7 +175,10 @@ class RegionPull:
 
     def reply(self, pulled: Pulled) -> Any:
         self.shm.check(self.region, self.caller, "reply_region")  # before the lock
-        t, lr, reply = pulled.into(self._write)
+        try:
+            t, lr, reply = pulled.into(self._write)
+        finally:
+            self.shm.finished(self.region)
         if not reply.HasField("tensors_region"):
             return self.fallback.reply(pulled)
         reply.update_count, reply.learning_rate = t, lr

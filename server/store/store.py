@@ -486,11 +486,16 @@ class ParameterStore(MovingGroups):
         cancellation: Cancellation | None = None,
         sink: ValuesSink | None = None,
         known_finite: bool = False,
+        answered_only: bool = False,
     ) -> PushOutcome:
         """Push gradients G_1..G_n; ``group`` is a name or a ticket for these grads.
 
         ``known_finite``: the caller has checked every element of ``grads`` finite
         (a stream checks its chunks as they arrive), so the store does not again.
+        ``answered_only``: the push's gradients are gone (a resend whose shared
+        segment already holds X of its first answer): it is answered from the
+        exactly-once window as a duplicate, or refused (``STALE_SEGMENT``) when
+        the window no longer holds it; ``grads`` are never read.
 
         ``(client_id, seq)`` identifies the push for exactly-once delivery. With
         ``return_values`` a sync push waits for its step (see ``pull``); when every
@@ -508,8 +513,11 @@ class ParameterStore(MovingGroups):
                 "clients, so every push needs a client_id (the Client sets one); "
                 "set client_id"
             )
-        check_gradient_values(ticket, grads, learning_rate, known_finite)
-        request = PushRequest(client_id, seq, base_version, learning_rate)
+        if not answered_only:
+            check_gradient_values(ticket, grads, learning_rate, known_finite)
+        request = PushRequest(
+            client_id, seq, base_version, learning_rate, answered_only=answered_only
+        )
         return self._pushes.push(
             ticket,
             grads,
