@@ -536,6 +536,22 @@ class RegionValues:
         reply.values.extend(header_tensors(values, names))
 
 
+def _segment_bytes(req: pb.PushRequest) -> int:
+    """The tensor bytes a unary push maps of its client's segments: its gradients
+    in one, and X in its reply segment when that is another one (X over the
+    gradients maps nothing more)."""
+    if req.HasField("transfer"):
+        return 0
+    declared = sum(declared_nbytes(t) for t in req.gradients)
+    grads = req.HasField("gradients_region")
+    reply = (
+        req.return_values
+        and req.HasField("reply_region")
+        and not (grads and req.reply_region.segment == req.gradients_region.segment)
+    )
+    return declared * (int(grads) + int(reply))
+
+
 def _same_segment(a: pb.SharedMemoryRegion | None, b: pb.SharedMemoryRegion) -> bool:
     return a is not None and a.segment == b.segment
 
@@ -732,7 +748,18 @@ class Transports:
             sink = RegionValues(self._shm, req.reply_region, caller, grads)
         else:
             sink = _INLINE_VALUES
+        mapped = _segment_bytes(req)
+        if mapped:
+            return self._holding(context, mapped, (ticket, source, sink))
         return nullcontext((ticket, source, sink))  # nothing held beside the call
+
+    @contextmanager
+    def _holding(self, context: Any, nbytes: int, way: Way) -> Iterator[Way]:
+        """``way``, with ``nbytes`` of the client's segments it maps held in the
+        in-flight budget until the call ends."""
+        with self._reply_bytes(context, False) as hold:
+            hold.admit(nbytes, what="this push's shared-memory segments map")
+            yield way
 
     @contextmanager
     def push_pull(
@@ -804,7 +831,9 @@ class Transports:
             return ChannelPull(channel, req, self._reply_bytes(context, False))
         inline = InlinePull(req.encoding, self._reply_bytes(context, False))
         if req.HasField("reply_region"):
-            return RegionPull(self._shm, req.reply_region, caller_of(context), inline)
+            hold = self._reply_bytes(context, False)
+            caller = caller_of(context)
+            return RegionPull(self._shm, req.reply_region, caller, inline, hold)
         return inline
 
     # -- the data channel ----------------------------------------------------------

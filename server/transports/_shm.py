@@ -359,10 +359,10 @@ class SharedMemory:
             )
         return nonce
 
-    def check(self, region: pb.SharedMemoryRegion, caller: Caller, what: str) -> None:
+    def check(self, region: pb.SharedMemoryRegion, caller: Caller, what: str) -> int:
         """Refuse ``region`` now (before a call changes anything) unless its
-        segment is usable and ``caller``'s."""
-        self._mapped(region.segment, region.key, caller, what)
+        segment is usable and ``caller``'s; the bytes it maps."""
+        return len(self._mapped(region.segment, region.key, caller, what))
 
     @contextlib.contextmanager
     def read(

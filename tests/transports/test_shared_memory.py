@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import grpc
@@ -803,3 +804,57 @@ def test_the_server_maps_one_group_of_segments_and_gives_it_back(
             assert x.shape == (n,) and np.isfinite(x).all() and x[0] < 0
     finally:
         stop(proc)
+
+
+def test_the_segments_a_call_maps_count_in_the_inflight_budget(
+    servers: Any,
+) -> None:
+    """docs/transports.md: a call's segments count in --max-inflight-bytes while
+    it runs, X over the gradients adding nothing."""
+    handle = servers(max_inflight_bytes=6 << 20)
+    with Client(handle.address, shared_memory="off") as c:
+        _create(c, "g")
+    grads, reply = Segment(64 + G[0].nbytes + 256), Segment(64 + G[0].nbytes + 256)
+    big = Segment(8 << 20)
+    try:
+        with grpc.insecure_channel(handle.address) as ch:
+            stub = pb_grpc.ParameterServerServiceStub(ch)
+            region = grads.write([G[0], GB[0]])
+            # gradients and X in two segments: 2 x 4 MiB, over the 6 MiB budget
+            err = _refused(
+                lambda: _push(
+                    stub, region, return_values=True, reply_region=reply.region()
+                )
+            )
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "this push's shared-memory segments map 8388872 bytes" in (
+                err.details() or ""
+            )
+            # X over the gradients: one segment, within it
+            done = _push(stub, region, return_values=True, reply_region=grads.region())
+            assert done.update_count == 1 and done.values_region.segment == grads.name
+            # a pull holds the segment it writes into (8 MiB here: over)
+            err = _refused(
+                lambda: stub.Pull(
+                    pb.PullRequest(group="g", reply_region=big.region()), timeout=10
+                )
+            )
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "this pull's shared-memory segment maps 8388608 bytes" in (
+                err.details() or ""
+            )
+            got = stub.Pull(
+                pb.PullRequest(group="g", reply_region=reply.region()), timeout=10
+            )
+            assert got.HasField("tensors_region") and got.update_count == 1
+            # the budget is whole again once the calls ended
+            again = _push(
+                stub,
+                grads.write([G[1], GB[1]]),
+                return_values=True,
+                reply_region=grads.region(),
+            )
+            assert again.update_count == 2
+    finally:
+        for seg in (grads, reply, big):
+            seg.close()
