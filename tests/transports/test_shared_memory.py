@@ -15,8 +15,8 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
