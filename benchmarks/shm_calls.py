@@ -4,7 +4,8 @@
                                    [--baseline REV]
 
 One client process per tree (``Client(address)``, no flags: shared memory on one
-host) and one ``onnxps serve --durability none`` per tree; a ``--mib`` MiB float32
+host) and one ``onnxps serve`` with no flags per tree (``start_default_server``:
+snapshot durability in a folder of its own); a ``--mib`` MiB float32
 Adam group of one tensor. Each round runs ``--reps`` calls of each kind on each
 tree, the trees' order alternating by round; the figures are the medians over
 rounds (min-max) of the wall time, the server's CPU (user + system, /proc) and the
@@ -98,7 +99,7 @@ def main() -> int:
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _baseline import Worker, checkout, tree_env
-    from onnxps.cli.process import start_server_process, stop_processes
+    from onnxps.cli.process import start_default_server, stop_processes
 
     revs: list[str | None] = [None] + ([args.baseline] if args.baseline else [])
     sides: list[tuple[str, Any, Any]] = []
@@ -110,9 +111,8 @@ def main() -> int:
                 found = checkout(rev)
                 tree = found.__enter__()
                 stack.append(found)
-                proc, address = start_server_process(
-                    "--durability",
-                    "none",
+                proc, address = start_default_server(
+                    tmp / f"work-{k}",
                     log=tmp / f"server-{k}.log",
                     env=tree_env(tree.tree),
                 )

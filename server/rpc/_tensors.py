@@ -129,7 +129,7 @@ class TensorRpcs(RpcFamily):
         context: Any,
         known_finite: bool,
         sink: StoreSink | None = None,
-        answered_only: bool = False,
+        spent: bool = False,
     ) -> PushOutcome:
         return self.store.push(
             ticket,
@@ -144,7 +144,7 @@ class TensorRpcs(RpcFamily):
             timeout=timeout_of(context) if req.return_values else None,
             cancellation=cancellation_of(context) if req.return_values else None,
             sink=sink if req.return_values else None,
-            answered_only=answered_only,
+            spent=spent,
         )
 
     def _step(

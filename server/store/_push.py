@@ -109,9 +109,9 @@ class PushRequest:
     seq: int  # the client's push number, not a log position
     base_version: int | None
     learning_rate: float | None
-    rows: bool = False  # a row push (``_sparse``): logged as its rows, not a table
     # its gradients are gone: answered from the exactly-once window, or refused
     answered_only: bool = False
+    rows: bool = False  # a row push (``_sparse``): logged as its rows, not a table
 
     def record(self, group: str, update_count: int) -> dict[str, Any]:
         return {
