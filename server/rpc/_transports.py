@@ -413,7 +413,7 @@ class RegionGradients:
     ``spent`` (known once ``gradients`` is entered): the push asked for X in the
     same segment and an earlier answer to it already wrote X over the gradients
     (``RegionValues``); it can only be a resend after a lost reply, which the
-    store answers from its exactly-once window or refuses (``answered_only``)."""
+    store answers from its exactly-once window or refuses (``spent``)."""
 
     def __init__(
         self,
@@ -473,6 +473,17 @@ class RegionValues:
 
     def check(self) -> None:
         self.shm.check(self.region, self.caller, "reply_region")
+        grads = self.gradients
+        if grads is not None and grads.generation != self.region.generation:
+            # X over gradients moves the segment one generation on from theirs
+            raise InvalidArgument(
+                f"reply_region names segment {self.region.segment!r} of "
+                "gradients_region at another generation: X written there goes "
+                "over the gradients, so both regions must name the segment as it "
+                "is now",
+                reason="STALE_SEGMENT",
+                field="reply_region.generation",
+            )
 
     def emitter(self, ticket: PushTicket) -> RegionValues | None:
         """This sink as the store's ``ValuesSink``: each block of X is copied into

@@ -741,6 +741,22 @@ def test_a_push_returning_x_writes_x_over_its_gradients_and_a_resend_is_answered
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "already holds X of an earlier answer" in (err.details() or "")
         assert _state(address) == before
+        # the reply in the gradients' segment at another generation: refused
+        # before anything is applied (X would go over the gradients)
+        fresh = seg.write([G[1], GB[1]])
+        err = _refused(
+            lambda: _push(
+                stub,
+                fresh,
+                client_id="w",
+                seq=9,
+                return_values=True,
+                reply_region=region_at(seg, fresh.generation - 1),
+            )
+        )
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "at another generation" in (err.details() or "")
+        assert _state(address) == before
         # a push without the reply in its segment still finds it stale
         err = _refused(lambda: _push(stub, region, client_id="w", seq=8))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
