@@ -78,8 +78,8 @@ def test_the_trimmer_does_not_count_a_mapped_shared_segment_as_growth(
     from onnxps.server import _malloc
 
     path = tmp_path / "segment"
-    with open(path, "wb") as f:
-        f.truncate(32 << 20)
+    with open(path, "wb") as out:
+        out.truncate(32 << 20)
     before_rss, before_private = _malloc.rss_bytes(), _malloc.private_bytes()
     with open(path, "r+b") as f, mmap.mmap(f.fileno(), 32 << 20) as m:
         m.write(b"x" * (32 << 20))  # every page touched: resident, shared
