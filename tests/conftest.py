@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
-from _etcd import INSTALL_HINT, EtcdProcess, etcd_binary, start_etcd
+from _etcd import INSTALL_HINT, EtcdProcess, HoldingProxy, etcd_binary, start_etcd
 from _pki import Pki, issue
 from _replica_sets import Replicas
 from _replicas import ReplicaSet
@@ -92,6 +92,18 @@ def etcd_server(tmp_path: Path) -> Iterator[EtcdProcess]:
         yield etcd
     finally:
         etcd.stop()
+
+
+@pytest.fixture
+def etcd_proxy(etcd_server: EtcdProcess) -> Iterator[HoldingProxy]:
+    """A ``HoldingProxy`` in front of ``etcd_server``: members given its address
+    (``etcd://127.0.0.1:{port}/...``) have their reads or lease renewals held when
+    the test says so."""
+    p = HoldingProxy(etcd_server.endpoint)
+    try:
+        yield p
+    finally:
+        p.close()
 
 
 @pytest.fixture

@@ -19,8 +19,10 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from _etcd import EtcdProcess
+from _etcd import EtcdProcess, HoldingProxy
 from _procs import clean_env
+from _replica_sets import Replicas
+from _replica_sets import _create as _create_set
 from _replicas import (
     SIZE,
     TTL,
@@ -30,6 +32,7 @@ from _replicas import (
     _kill,
     _metrics_text,
     _replay,
+    _serial,
     _wait_acked,
     _workers,
 )
@@ -416,6 +419,57 @@ def test_a_client_of_etcd_sends_frames_to_the_primary_and_follows_it(
     rs.wait_t(p, "g", 4)
     with Client(rs.url, timeout=30, shared_memory="on") as c:
         assert c.shared_memory == "on"
+
+
+@pytest.mark.slow
+def test_a_frame_call_answered_not_primary_drops_its_channel_and_follows(
+    replica_sets: Any,
+    etcd_proxy: HoldingProxy,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The primary is deposed but keeps running (etcd, through a proxy, stops
+    answering it: it cannot renew its lease, so it acknowledges nothing and another
+    is elected). The client's next push goes as a frame on its channel to the old
+    primary, which answers NOT_PRIMARY: the client drops that channel, resends over
+    gRPC to the new primary with the same seq (applied once), and its next calls
+    go as frames to the new primary."""
+    rs: Replicas = replica_sets(0)
+    rs.coordinators[0] = f"etcd://127.0.0.1:{etcd_proxy.port}/ps"
+    rs.start(0)
+    assert rs.primary() == 0
+    rs.start(1)
+    rs.start(2)
+    rs.wait_sync()
+    _create_set(rs)
+    g = np.full(SIZE, 0.5, np.float32)
+    with Client(rs.url, timeout=60) as c, caplog.at_level("INFO", "onnxps"):
+        assert c.frames is True
+        assert [c.push("g", g), c.push("g", g)] == [1, 2]
+        old = c._call_channels[0]
+        assert (old.address, old.closed) == (rs.addresses[0], False)
+        etcd_proxy.holding.set()  # the old primary's reads and renewals hang
+        etcd_proxy.holding_keepalives.set()
+        new = rs.primary(not_=0, timeout=60)
+        assert c.push("g", g) == 3
+        assert rs.procs[0].poll() is None  # alive: it answered, it did not vanish
+        assert old.closed  # dropped on NOT_PRIMARY (not broken: nothing logged)
+        assert [r.getMessage() for r in caplog.records if "call channel" in r.msg] == []
+        assert c.address == rs.addresses[new]
+        assert c.push("g", g) == 4
+        ch = c._call_channels[0]
+        assert (ch.address, ch.closed) == (rs.addresses[new], False)
+    refused = [
+        line
+        for line in rs.log(0).splitlines()
+        if "rpc Push group=g code=FAILED_PRECONDITION" in line
+    ]
+    # the push, refused twice by the old primary: as a frame, then over gRPC
+    assert len(refused) == 2, rs.log(0)[-3000:]
+    for i in (1, 2):
+        rs.wait_t(i, "g", 4)
+        t, x = rs.state(i, "g")
+        assert t == 4
+        np.testing.assert_array_equal(x, _serial([g] * 4))
 
 
 @pytest.mark.slow

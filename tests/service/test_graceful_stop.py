@@ -165,9 +165,11 @@ def test_stop_finishes_admitted_calls_and_refuses_new_ones_with_unavailable() ->
         time.sleep(0.01)
     stopper = threading.Thread(target=handle.stop, kwargs={"grace": 10.0})
     stopper.start()
-    while handle.gate.running and not handle.gate._closed:
+    deadline = time.monotonic() + 20
+    while handle.gate._idle_waiters == 0:  # stop waits for the slow push to end
+        assert time.monotonic() < deadline, "the stop never waited for the push"
+        assert handle.gate.running, "the slow push ended before the stop waited"
         time.sleep(0.01)
-    time.sleep(0.2)
     from onnxps.v1 import parameter_server_pb2 as pb
     from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
