@@ -22,7 +22,6 @@ import pytest
 from _etcd import EtcdProcess, HoldingProxy
 from _procs import clean_env
 from _replica_sets import Replicas
-from _replica_sets import _create as _create_set
 from _replicas import (
     SIZE,
     TTL,
@@ -50,10 +49,8 @@ def test_a_standby_holds_every_acknowledged_push_and_refuses_writes(
     replicas: object,
 ) -> None:
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
+    p = rs.primary_with_group()
     s = 1 - p
-    _create(rs.url)
     with Client(rs.url, timeout=30) as c:
         assert c.address == rs.addresses[p]
         ts = [c.push("g", np.full(SIZE, 0.5, np.float32)) for _ in range(5)]
@@ -74,9 +71,7 @@ def test_a_standby_holds_every_acknowledged_push_and_refuses_writes(
 @pytest.mark.slow
 def test_a_killed_primary_is_replaced_and_the_client_follows(replicas: object) -> None:
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     with Client(rs.url, timeout=60) as c:
         assert [c.push("g", np.full(SIZE, 0.5, np.float32)) for _ in range(3)] == [
             1, 2, 3,
@@ -147,9 +142,7 @@ def test_a_frozen_primary_acknowledges_nothing_after_a_new_one_is_elected(
     replicas: object,
 ) -> None:
     rs: ReplicaSet = replicas(3)  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     old = Client(rs.addresses[p], timeout=10)
     assert old.push("g", np.full(SIZE, 0.5, np.float32)) == 1
     os.kill(rs.procs[p].pid, signal.SIGSTOP)
@@ -177,9 +170,7 @@ def test_a_frozen_primary_acknowledges_nothing_after_a_new_one_is_elected(
 @pytest.mark.slow
 def test_a_standby_killed_and_restarted_catches_up(replicas: object) -> None:
     rs: ReplicaSet = replicas(3)  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     standby = next(i for i in rs.procs if i != p)
     with Client(rs.url, timeout=60) as c:
         for _ in range(5):
@@ -199,41 +190,18 @@ def test_a_standby_killed_and_restarted_catches_up(replicas: object) -> None:
 def test_a_push_resent_to_the_new_primary_is_answered_not_applied_again(
     replicas: object,
 ) -> None:
-    import grpc
-    from onnxps.v1 import parameter_server_pb2 as pb
-    from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
-
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     g = np.full(SIZE, 0.5, np.float32)
-    request = pb.PushRequest(
-        group="g",
-        gradients=[
-            pb.Tensor(
-                name="x", dtype=pb.DATA_TYPE_FLOAT, dims=[SIZE], raw_data=g.tobytes()
-            )
-        ],
-        client_id="worker-7",
-        seq=41,
-    )
-
-    def push(address: str) -> pb.PushResponse:
-        with grpc.insecure_channel(address) as ch:
-            reply: pb.PushResponse = pb_grpc.ParameterServerServiceStub(ch).Push(
-                request, timeout=30
-            )
-            return reply
-
-    first = push(rs.addresses[p])
+    first = _raw_push(rs.addresses[p], g, "worker-7", 41)
     assert (first.update_count, first.applied, first.duplicate) == (1, True, False)
     rs.procs[p].kill()
     rs.procs[p].wait()
     new = rs.primary(not_=p)
     rs.start(p)
     rs.wait_sync()
-    again = push(rs.addresses[new])  # the reply was lost: the worker resends
+    # the reply was lost: the worker resends
+    again = _raw_push(rs.addresses[new], g, "worker-7", 41)
     assert (again.update_count, again.duplicate) == (1, True)
     assert rs.state(new, "g")[0] == 1
 
@@ -279,9 +247,7 @@ def _update_count(c: Client, group: str) -> int:
 @pytest.mark.slow
 def test_status_of_a_replicated_cluster_lists_its_members(replicas: object) -> None:
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     with Client(rs.url, timeout=30) as c:
         c.push("g", np.full(SIZE, 0.5, np.float32))
     deadline = time.monotonic() + 30
@@ -317,9 +283,7 @@ def test_an_async_client_follows_a_failover(replicas: object) -> None:
     from onnxps.client import AsyncClient
 
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     g = np.full(SIZE, 0.5, np.float32)
 
     async def run() -> list[int]:
@@ -341,9 +305,7 @@ def test_metrics_export_role_term_lag_and_failovers(
     replicas: object, tmp_path: Path
 ) -> None:
     rs: ReplicaSet = replicas(2, extra=("--metrics-port", "0"))  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     with Client(rs.url, timeout=30) as c:
         c.push("g", np.full(SIZE, 0.5, np.float32))
     s = 1 - p
@@ -400,9 +362,7 @@ def test_a_client_of_etcd_sends_frames_to_the_primary_and_follows_it(
     data port (no shared memory: the primary may move to another host); after a
     failover its calls go to the new primary, frames too."""
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     g = np.full(SIZE, 0.5, np.float32)
     with Client(rs.url, timeout=60) as c:
         assert (c.shared_memory, c.data_channel, c.frames) == ("off", "auto", True)
@@ -440,7 +400,7 @@ def test_a_frame_call_answered_not_primary_drops_its_channel_and_follows(
     rs.start(1)
     rs.start(2)
     rs.wait_sync()
-    _create_set(rs)
+    rs.create_group()
     g = np.full(SIZE, 0.5, np.float32)
     with Client(rs.url, timeout=60) as c, caplog.at_level("INFO", "onnxps"):
         assert c.frames is True
@@ -519,9 +479,7 @@ def test_without_a_synchronous_standby_pushes_are_refused_by_default(
     replicas: object,
 ) -> None:
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     g = np.full(SIZE, 0.5, np.float32)
     with Client(rs.url, timeout=30) as c:
         assert c.push("g", g) == 1
