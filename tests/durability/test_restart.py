@@ -11,6 +11,7 @@ import logging
 import re
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from _procs import clean_env, start_server, stop
 from _replicas import ReplicaSet
 from _servers import _crash
 from onnxps.client import Adagrad, Client
-from onnxps.server.app import ServerConfig, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.server.kernels import Stepper, _select, apply_onnx, make_attrs
 
 F32 = np.float32
@@ -65,7 +66,9 @@ def test_a_stepper_steps_with_numpy_while_the_kernels_load_then_takes_them(
 
 
 def test_replay_opens_only_the_log_after_the_newest_snapshot(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    servers: Callable[..., ServerHandle],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     config = ServerConfig(
         address="127.0.0.1:0",
@@ -74,7 +77,7 @@ def test_replay_opens_only_the_log_after_the_newest_snapshot(
         snapshot_interval=0,
     )
     grads = _grads(9, 1000)
-    first = create_server(config).start()
+    first = servers(config)
     try:
         with Client(first.address) as c:
             c.create_group(
@@ -97,13 +100,10 @@ def test_replay_opens_only_the_log_after_the_newest_snapshot(
     old[len(old) // 2] ^= 0xFF
     segments[0].write_bytes(bytes(old))
     caplog.set_level(logging.INFO, logger="onnxps.durability")
-    second = create_server(config).start()
-    try:
-        with Client(second.address) as c:
-            assert c.describe_group("g").update_count == 9
-            assert c.pull("g")[0].tobytes() == _reference(grads).tobytes()
-    finally:
-        second.stop(grace=0)
+    second = servers(config)
+    with Client(second.address) as c:
+        assert c.describe_group("g").update_count == 9
+        assert c.pull("g")[0].tobytes() == _reference(grads).tobytes()
     replayed = [r.getMessage() for r in caplog.records if "replayed" in r.getMessage()]
     assert len(replayed) == 1
     assert re.fullmatch(

@@ -319,7 +319,9 @@ def test_a_sync_round_in_progress_is_dropped_and_its_waiting_worker_told(
 
         worker = threading.Thread(target=waiting)
         worker.start()
+        deadline = time.monotonic() + 30
         while a.describe_group("g").pending_contributions != 1:
+            assert time.monotonic() < deadline, "the waiting worker's push never came"
             time.sleep(0.01)  # the waiting worker's push is buffered
         done = a.rewind("g", to_step=1)
         worker.join(timeout=10)
