@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _procs import clean_env, start_server, stop
+from _procs import StartServer, clean_env
 from _replicas import ReplicaSet
 from _servers import _crash
 from onnxps.client import Adagrad, Client
@@ -157,6 +157,7 @@ def _wait_line(log: Path, pattern: str, timeout: float = 120.0) -> str:
 
 @pytest.mark.slow
 def test_a_server_serves_while_its_kernels_compile_then_loads_them_from_the_cache(
+    server_processes: StartServer,
     tmp_path: Path,
 ) -> None:
     pytest.importorskip("numba")
@@ -164,7 +165,7 @@ def test_a_server_serves_while_its_kernels_compile_then_loads_them_from_the_cach
     env = clean_env(NUMBA_CACHE_DIR=str(cache))
     grads = _grads(4, 100_003)
     log = tmp_path / "first.log"
-    proc, address = start_server(log, env=env)
+    proc, address = server_processes(log, env=env)
     try:
         with Client(address, timeout=60) as c:
             c.create_group(
@@ -185,16 +186,11 @@ def test_a_server_serves_while_its_kernels_compile_then_loads_them_from_the_cach
     assert cache.is_dir()
 
     log = tmp_path / "second.log"
-    proc, address = start_server(log, env=env)
-    try:
-        with Client(address, timeout=60) as c:
-            c.create_group(
-                "g", Adagrad(), learning_rate=0.1, tensors={"x": 0 * grads[0]}
-            )
-            ready = _wait_line(log, r"fused kernels ready in .*")
-            for g in grads[:2]:
-                c.push("g", g)
-            assert c.pull("g")[0].tobytes() == _reference(grads[:2]).tobytes()
-    finally:
-        stop(proc)
+    proc, address = server_processes(log, env=env)
+    with Client(address, timeout=60) as c:
+        c.create_group("g", Adagrad(), learning_rate=0.1, tensors={"x": 0 * grads[0]})
+        ready = _wait_line(log, r"fused kernels ready in .*")
+        for g in grads[:2]:
+            c.push("g", g)
+        assert c.pull("g")[0].tobytes() == _reference(grads[:2]).tobytes()
     assert f"loaded from numba's cache in {cache}/" in ready, ready
