@@ -774,47 +774,44 @@ def _shared_mib(pid: int) -> float:
 
 @pytest.mark.slow
 def test_the_server_maps_one_group_of_segments_and_gives_it_back(
-    tmp_path: Path,
+    tmp_path: Path, server_processes: StartServer
 ) -> None:
     """docs/transports.md: a push returning X maps one segment the size of the
     group in the server, and the server's RSS holds no client segment once its
     calls are over (IDLE_SECONDS)."""
-    proc, address = start_server(
+    proc, address = server_processes(
         tmp_path / "server.log", env=clean_env(ONNXPS_KERNELS="numpy")
     )
     n = 8 << 20  # 32 MiB of float32
     grads = [RNG.standard_normal(n).astype(np.float32) for _ in range(4)]
-    try:
-        with (
-            Client(address, shared_memory="on", timeout=60) as c,
-            Client(address, shared_memory="off", timeout=60) as ref,
-        ):
-            for client, name in ((c, "big"), (ref, "ref")):
-                client.create_group(
-                    name,
-                    Adam(),
-                    learning_rate=1e-3,
-                    tensors={"w": np.zeros(n, np.float32)},
-                )
-            base = _shared_mib(proc.pid)
-            for g in grads[:2]:
-                c.push("big", g)
-                ref.push("ref", g)
-                c.pull("big")
-                # one segment of the group's size (+1/32): not two
-                assert _shared_mib(proc.pid) - base < 40
-            (x,) = c.push("big", grads[2], return_values=True)
+    with (
+        Client(address, shared_memory="on", timeout=60) as c,
+        Client(address, shared_memory="off", timeout=60) as ref,
+    ):
+        for client, name in ((c, "big"), (ref, "ref")):
+            client.create_group(
+                name,
+                Adam(),
+                learning_rate=1e-3,
+                tensors={"w": np.zeros(n, np.float32)},
+            )
+        base = _shared_mib(proc.pid)
+        for g in grads[:2]:
+            c.push("big", g)
+            ref.push("ref", g)
+            c.pull("big")
+            # one segment of the group's size (+1/32): not two
             assert _shared_mib(proc.pid) - base < 40
-            (want,) = ref.push("ref", grads[2], return_values=True)
-            assert np.array_equal(x, want)
-            assert wait_until(lambda: _shared_mib(proc.pid) - base < 2, 10)
-            # the segment's pages dropped from the server are the client's still:
-            # the next push reads its gradients from them, as over gRPC
-            (x,) = c.push("big", grads[3], return_values=True)
-            (want,) = ref.push("ref", grads[3], return_values=True)
-            assert np.array_equal(x, want)
-    finally:
-        stop(proc)
+        (x,) = c.push("big", grads[2], return_values=True)
+        assert _shared_mib(proc.pid) - base < 40
+        (want,) = ref.push("ref", grads[2], return_values=True)
+        assert np.array_equal(x, want)
+        assert wait_until(lambda: _shared_mib(proc.pid) - base < 2, 10)
+        # the segment's pages dropped from the server are the client's still:
+        # the next push reads its gradients from them, as over gRPC
+        (x,) = c.push("big", grads[3], return_values=True)
+        (want,) = ref.push("ref", grads[3], return_values=True)
+        assert np.array_equal(x, want)
 
 
 def test_the_segments_a_call_maps_count_in_the_inflight_budget(
