@@ -26,16 +26,13 @@ from ._common import (
     timeout_of,
     unary,
 )
+from ._flatform import FlatBlocks, FlatEmitter, flat_gradients, flat_values
 from ._transports import (
-    FlatBlocks,
-    FlatEmitter,
     FrameSink,
     GradientSource,
     StreamGradients,
     Transports,
     ValuesSink,
-    flat_gradients,
-    flat_values,
 )
 
 __all__ = ["TensorRpcs"]
@@ -135,6 +132,7 @@ class TensorRpcs(RpcFamily):
         context: Any,
         known_finite: bool,
         sink: StoreSink | None = None,
+        spent: bool = False,
     ) -> PushOutcome:
         return self.store.push(
             ticket,
@@ -149,6 +147,7 @@ class TensorRpcs(RpcFamily):
             timeout=timeout_of(context) if req.return_values else None,
             cancellation=cancellation_of(context) if req.return_values else None,
             sink=sink if req.return_values else None,
+            spent=spent,
         )
 
     def _step(
@@ -171,7 +170,9 @@ class TensorRpcs(RpcFamily):
             emitter = sink.emitter(ticket, flat) if req.return_values else None
             if flat and emitter is not None:
                 emitter = FlatBlocks(emitter, ticket)
-            out = self._store_push(req, ticket, grads, context, finite, emitter)
+            # gradients a resend's first answer wrote X over (shared memory)
+            spent = bool(getattr(source, "spent", False))
+            out = self._store_push(req, ticket, grads, context, finite, emitter, spent)
         # Applied: from here only the transport may fail, and says so.
         reply = reply_type(
             update_count=out.update_count, applied=out.applied, duplicate=out.duplicate
