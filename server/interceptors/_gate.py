@@ -17,13 +17,7 @@ from typing import Any
 
 import grpc
 
-from ._handlers import (
-    SERVICE,
-    CallHooks,
-    Deserializer,
-    Handler,
-    HookInterceptor,
-)
+from ._handlers import SERVICE, Call, CallHooks, Handler, HookInterceptor
 from ._status import refuse
 
 __all__ = ["DrainGate"]
@@ -41,6 +35,7 @@ class DrainGate(HookInterceptor):
         self._running = 0
         self._closed = False
         self._idle_waiters = 0  # calls of wait_idle waiting now
+        self._admitted = _Admitted(self)  # the hooks of every service method
 
     @property
     def running(self) -> int:
@@ -67,16 +62,12 @@ class DrainGate(HookInterceptor):
             finally:
                 self._idle_waiters -= 1
 
-    def call_hooks(
-        self,
-        handler: Handler,
-        handler_call_details: grpc.HandlerCallDetails,
-        deserializer: Deserializer | None,
-        called: tuple[str, str],
-    ) -> tuple[CallHooks | None, Deserializer | None]:
+    def method_hooks(
+        self, handler: Handler, called: tuple[str, str]
+    ) -> CallHooks | None:
         if called[0] != SERVICE:
-            return None, None  # health and reflection: answered until the end
-        return _Admitted(self), None
+            return None  # health and reflection: answered until the end
+        return self._admitted
 
     def _enter(self) -> bool:
         with self._lock:
@@ -93,19 +84,18 @@ class DrainGate(HookInterceptor):
 
 
 class _Admitted(CallHooks):
-    __slots__ = ("admitted", "gate")
+    __slots__ = ("gate",)
 
     def __init__(self, gate: DrainGate) -> None:
         self.gate = gate
-        self.admitted = False
 
-    def before(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self.admitted = self.gate._enter()
-        if not self.admitted:
+    def before(self, call: Call, request: Any, context: grpc.ServicerContext) -> Any:
+        call.admitted = self.gate._enter()
+        if not call.admitted:
             refuse(context, grpc.StatusCode.UNAVAILABLE, REFUSAL, "SHUTTING_DOWN")
         return request
 
-    def finish(self, context: grpc.ServicerContext, failed: bool) -> None:
-        if self.admitted:
-            self.admitted = False
+    def finish(self, call: Call, context: grpc.ServicerContext, failed: bool) -> None:
+        if call.admitted:
+            call.admitted = False
             self.gate._leave()

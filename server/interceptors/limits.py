@@ -17,7 +17,7 @@ that never read cannot pin memory the budget does not see.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -26,13 +26,7 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import EncodedMessage, TensorFormatError, declared_nbytes
 
 from ..errors import InvalidArgument, ResourceExhausted
-from ._handlers import (
-    CallHooks,
-    Deserializer,
-    Handler,
-    HookInterceptor,
-    Malformed,
-)
+from ._handlers import Call, CallHooks, Handler, HookInterceptor, Malformed
 from ._stall import StallWatch
 from ._status import refuse
 
@@ -192,22 +186,15 @@ class LimitsInterceptor(HookInterceptor):
     def inflight_bytes(self) -> int:
         return self.inflight.held
 
-    def call_hooks(
-        self,
-        handler: Handler,
-        handler_call_details: grpc.HandlerCallDetails,
-        deserializer: Deserializer | None,
-        called: tuple[str, str],
-    ) -> tuple[CallHooks | None, Deserializer | None]:
-        _, method = called
-        call = _Admission(
+    def method_hooks(
+        self, handler: Handler, called: tuple[str, str]
+    ) -> CallHooks | None:
+        return _Admission(
             self,
-            method,
+            called[1],
             bool(handler.request_streaming),
             bool(handler.response_streaming),
-            deserializer,
         )
-        return call, call.parse if deserializer is not None else None
 
     # -- admission -------------------------------------------------------------------
     def admit_stream(self, context: grpc.ServicerContext) -> None:
@@ -251,44 +238,28 @@ def _on_data_channel(request: Any) -> bool:
 
 
 class _Admission(CallHooks):
-    """One call: its parsed size, and what it holds of the server's limits.
+    """The calls of one method: what each holds of the server's limits (in its
+    ``Call``), from the size it was received with (``Plan.parse``).
 
     A stream is counted when its handler starts, before anything is read from it, so
     streams that never send still count; its bytes are admitted once its header has
     declared them.
     """
 
+    __slots__ = ("limits", "method", "req_s", "stream")
+
     def __init__(
-        self,
-        limits: LimitsInterceptor,
-        method: str,
-        req_s: bool,
-        resp_s: bool,
-        deserialize: Callable[[bytes], Any] | None,
+        self, limits: LimitsInterceptor, method: str, req_s: bool, resp_s: bool
     ) -> None:
         self.limits = limits
         self.method = method
         self.req_s = req_s
         self.stream = req_s or resp_s
-        self.deserialize = deserialize
-        self.size = 0  # the unary request's size as received
-        self.held_stream = False
-        self.held_bytes = 0
 
-    def parse(self, raw: bytes) -> Any:
-        assert self.deserialize is not None
-        self.size = len(raw)
-        try:
-            if raw[:1] == b"\x00":  # field 0: upb lets a fieldless message take it
-                raise ValueError("field number 0 is not a valid tag")
-            return self.deserialize(raw)
-        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's
-            return Malformed(len(raw), f"{self.method}: {exc}")
-
-    def before(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def before(self, call: Call, request: Any, context: grpc.ServicerContext) -> Any:
         if self.stream or _on_data_channel(request):
             self.limits.admit_stream(context)
-            self.held_stream = True
+            call.held_stream = True
         if self.req_s:
             # A standby's acknowledgements stop while its primary has nothing to
             # ship: an idle Replicate stream is not a stalled one.
@@ -314,11 +285,11 @@ class _Admission(CallHooks):
                     _malformed_message(request),
                     "MALFORMED_MESSAGE",
                 )
-            nbytes = self.size
+            nbytes = call.size
         self.limits.admit_bytes(context, nbytes)
-        self.held_bytes = nbytes
+        call.held_bytes = nbytes
         return request
 
-    def finish(self, context: grpc.ServicerContext, failed: bool) -> None:
-        if self.held_stream or self.held_bytes:
-            self.limits.release(self.held_bytes, self.held_stream)
+    def finish(self, call: Call, context: grpc.ServicerContext, failed: bool) -> None:
+        if call.held_stream or call.held_bytes:
+            self.limits.release(call.held_bytes, call.held_stream)
