@@ -85,7 +85,7 @@ class Call:
         self.start = 0.0
         self.request_id = ""
         self.bytes_out = 0
-        self.admitted = False  # the drain gate counted it (``_gate``)
+        self.admitted = False  # the drain gate counted it (``limits.DrainGate``)
         self.held_stream = False  # limits: it counts as a stream,
         self.held_bytes = 0  # and holds these in-flight bytes
 
