@@ -248,12 +248,14 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             coordinator_cert=etcd_tls.cert,
             coordinator_key=etcd_tls.key,
         ) as ps:
-            if ps.shards is not None:
+            # a cluster found through etcd of one shard is shown as one server
+            cluster = (ps.shards or 1) > 1
+            if cluster:
                 shards = shard_rows(ps, args.prefix, args.timeout)
                 if any(r[2] != "serving" for r in shards):
                     print(format_table(shards, SHARD_COLUMNS, frozenset()), file=out)
             groups = ps.list_groups(args.prefix)
-            apart = still_apart(ps, groups) if ps.shards is not None else set()
+            apart = still_apart(ps, groups) if cluster else set()
     except RpcError as exc:
         why = (
             unreachable(exc, target, args.timeout) or f"{exc.code.name}: {exc.details}"

@@ -266,6 +266,8 @@ class Cluster:
     def fork(
         self, group: str, new_group: str, at_step: int, deadline: Deadline
     ) -> Op[RewindInfo]:
+        if self.ops.shards == 1:  # a cluster found through etcd of one shard
+            return OneServer(self.ops).fork(group, new_group, at_step, deadline)
         return _refused(
             InvalidArgumentError(
                 f"fork of {group!r} on a cluster: not supported yet (a new "
