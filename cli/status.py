@@ -248,8 +248,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             coordinator_cert=etcd_tls.cert,
             coordinator_key=etcd_tls.key,
         ) as ps:
-            # a cluster found through etcd of one shard is shown as one server
-            cluster = (ps.shards or 1) > 1
+            cluster = _several_shards(ps)
             if cluster:
                 shards = shard_rows(ps, args.prefix, args.timeout)
                 if any(r[2] != "serving" for r in shards):
@@ -292,6 +291,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         for line in resharding_lines(args.address, replicas, etcd_tls):
             print(line, file=out)
     return 0
+
+
+def _several_shards(ps: Client) -> bool:
+    """Whether to show shards and parts (a cluster found through etcd of one
+    shard is shown as one server)."""
+    return (ps.shards or 1) > 1
 
 
 def resharding_lines(

@@ -189,10 +189,7 @@ class ClientCore(FollowsPlacement):
         named = etcd_tls != CoordinatorTls()
         if isinstance(address, str) and is_coordinator(address):
             self._discovery = Discovery(address, tls=etcd_tls if named else None)
-            found = self._discovery.addresses(timeout)
-            # a list even of one shard: the cluster's route, which follows the
-            # placement map when a resharding grows it (docs/resharding.md)
-            address = [found] if isinstance(found, str) else found
+            address = self._discovery.addresses(timeout)
             self._placement = self._discovery.placement_within(timeout)
         elif named:
             raise ValueError(
