@@ -415,3 +415,92 @@ def test_a_sync_round_half_pushed_moves_and_its_step_is_taken_once_on_the_target
     finally:
         go.set()
         cluster.close()
+
+
+def test_a_group_rewound_while_its_log_is_followed_moves_rewound(
+    tmp_path: Path, etcd_server: EtcdProcess, servers: Callable[..., Any]
+) -> None:
+    """A 16 MiB group is rewound on its source while ``reshard`` copies it and
+    follows its log, a worker pushing to it: the rewind's record (the group's
+    whole state) is sent with the records that follow and applied on the
+    target as a replay does. After the move the group is the line the worker's
+    acknowledged pushes went on (the steps the rewind dropped are gone), against
+    a serial replay of that line."""
+    cluster = EtcdCluster(tmp_path, etcd_server)
+    name = _moving_from(0, 3, "big")
+    answered: list[int] = []  # the T each of the worker's pushes answered
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    done: list[Any] = []
+    try:
+        cluster.start(0, 2)
+        cluster.start(1, 2)
+        with cluster.connect(split_bytes=1 << 30) as admin:
+            _big(admin, name)
+
+        def work() -> None:
+            try:
+                with cluster.connect(client_id="worker", split_bytes=1 << 30) as c:
+                    while not stop.is_set():
+                        answered.append(_rows_push(c, name, len(answered)))
+            except BaseException as exc:  # noqa: BLE001 - the test reports it
+                errors.append(exc)
+
+        worker = threading.Thread(target=work, daemon=True)
+        worker.start()
+        while len(answered) < 20 and not errors:
+            stop.wait(0.05)
+        cluster.start(2, 3)
+        tool = threading.Thread(
+            target=lambda: done.append(reshard(cluster.url, 3)), daemon=True
+        )
+        tool.start()
+        end = time.monotonic() + 60
+        while (
+            not reshard_status(cluster.url).get("moving", {}).get(name, {}).get("copy")
+        ):
+            assert tool.is_alive() and time.monotonic() < end, "no copy seen"
+            time.sleep(0.01)
+        with cluster.connect(split_bytes=1 << 30) as admin:
+            rewound = admin.rewind(name, to_step=5)
+        assert rewound.group.update_count == 5
+        tool.join(timeout=120)
+        assert done, "reshard did not finish"
+        seen = len(answered)
+        while len(answered) < seen + 10 and not errors:  # the target serves it
+            stop.wait(0.05)
+        stop.set()
+        worker.join(timeout=60)
+        assert not errors, errors
+        # the rewind was logged on the source and followed to the target: a
+        # round of records as large as the group's state
+        sent = [
+            int(line.split("(")[1].split(" bytes")[0])
+            for line in cluster.log(0).splitlines()
+            if f"log records of group {name}" in line
+        ]
+        assert max(sent) > 2 * ROWS * COLS * 4, sent
+        # the line the group is on: for each T up to the last answered, the last
+        # push that answered it (the steps above 5 the rewind dropped were
+        # answered again on the new line)
+        line: dict[int, int] = {}
+        for step, t in enumerate(answered):
+            line[t] = step
+        final = answered[-1]
+        assert max(answered) > final > 6 and answered.count(6) == 2
+        ref = servers()
+        with (
+            cluster.connect(split_bytes=1 << 30) as c,
+            Client(f"127.0.0.1:{ref.port}") as replay,
+        ):
+            _big(replay, name)
+            for t in range(1, final + 1):
+                assert _rows_push(replay, name, line[t]) == t
+            assert c.describe_group(name).update_count == final
+            for a, b in zip(
+                c.pull(name, state=True), replay.pull(name, state=True), strict=True
+            ):
+                assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    finally:
+        stop.set()
+        cluster.close()
