@@ -72,6 +72,10 @@ class _Busy(ReshardError):
     """A copy refused as UNAVAILABLE: a shard not ready yet; tried again."""
 
 
+class _Gone(ReshardError):
+    """The source no longer holds the group (deleted while it was copied)."""
+
+
 class _NoLog(ReshardError):
     """The source keeps no write-ahead log: the group is copied under the fence."""
 
@@ -357,10 +361,11 @@ class _Resharding:
 
     def move(
         self, name: str, source: int, target: int, until: float | None = None
-    ) -> Move:
+    ) -> Move | None:
         """Move ``name``; a copy refused as UNAVAILABLE (a shard's standby not
         caught up, a failover) is abandoned and tried again until ``until``
-        (default: 10 timeouts from now)."""
+        (default: 10 timeouts from now). None: the group was deleted on its
+        source meanwhile (nothing to move; the target dropped what it got)."""
         if until is None:
             until = time.monotonic() + 10 * self.shards.timeout
         step = pb.MoveGroupRequest
@@ -375,6 +380,9 @@ class _Resharding:
         self.map.update(lambda d: d["moving"].__setitem__(name, entry))
         try:
             _, sent, fenced, started = self._transfer(name, source, target, until)
+        except _Gone:  # deleted while it was copied: its delete was followed
+            self._abandon(name, source, target)
+            return None
         except _Busy as exc:  # a shard not ready (a standby catching up)
             self._abandon(name, source, target)
             if time.monotonic() + 0.5 > exc.until:
@@ -511,6 +519,8 @@ class _Resharding:
                 "keeps no write-ahead log" in str(why.details())
             ):
                 raise _NoLog(str(why.details())) from None
+            if cut and why.code() == grpc.StatusCode.NOT_FOUND:
+                raise _Gone(str(why.details())) from None
             failover = why.code() == grpc.StatusCode.UNAVAILABLE or (
                 "not the primary" in str(why.details())
             )
@@ -599,7 +609,11 @@ class _Resharding:
         report.map_version = int(doc["version"])
         return report
 
-    def _record(self, state: dict[str, Any], report: ReshardReport, m: Move) -> None:
+    def _record(
+        self, state: dict[str, Any], report: ReshardReport, m: Move | None
+    ) -> None:
+        if m is None:  # deleted while it was moved: nothing moved
+            return
         state.setdefault("moved", []).append([m.name, m.source, m.target])
         state.setdefault("holds", []).append(round(m.held_seconds, 4))
         state["bytes"] = int(state.get("bytes", 0)) + m.bytes

@@ -504,3 +504,55 @@ def test_a_group_rewound_while_its_log_is_followed_moves_rewound(
     finally:
         stop.set()
         cluster.close()
+
+
+def test_a_group_deleted_while_its_log_is_followed_is_not_moved(
+    tmp_path: Path, etcd_server: EtcdProcess
+) -> None:
+    """A group deleted on its source while ``reshard`` copies it: the move is
+    abandoned (the target drops what it got) and the resharding goes on and
+    completes; the group is nowhere, and a group made again under its name is
+    placed over the new count."""
+    cluster = EtcdCluster(tmp_path, etcd_server)
+    name = _moving_from(0, 3, "big")
+    done: list[Any] = []
+    failed: list[BaseException] = []
+    try:
+        cluster.start(0, 2)
+        cluster.start(1, 2)
+        with cluster.connect(split_bytes=1 << 30) as admin:
+            _big(admin, name)
+            for step in range(5):
+                _rows_push(admin, name, step)
+        cluster.start(2, 3)
+
+        def run() -> None:
+            try:
+                done.append(reshard(cluster.url, 3))
+            except BaseException as exc:  # noqa: BLE001 - the test reports it
+                failed.append(exc)
+
+        tool = threading.Thread(target=run, daemon=True)
+        tool.start()
+        end = time.monotonic() + 60
+        while (
+            not reshard_status(cluster.url).get("moving", {}).get(name, {}).get("copy")
+        ):
+            assert tool.is_alive() and time.monotonic() < end, (failed, "no copy")
+            time.sleep(0.01)
+        with cluster.connect(split_bytes=1 << 30) as admin:
+            admin.delete_group(name)
+        tool.join(timeout=120)
+        assert not failed, failed
+        assert done and name not in [m.name for m in done[0].moves]
+        state = reshard_status(cluster.url)
+        assert state["state"] == "complete" and state["moving"] == {}
+        for shard in (0, 1, 2):
+            assert name not in _listed(cluster, shard)
+        with cluster.connect(split_bytes=1 << 30) as c:
+            assert name not in [g.name for g in c.list_groups()]
+            _big(c, name)
+            assert c.describe_group(name).update_count == 0
+        assert name in _listed(cluster, 2)  # placed over 3 shards
+    finally:
+        cluster.close()
