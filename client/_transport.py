@@ -244,7 +244,11 @@ class Transports:
         shard: int = 0,
     ) -> Op[PushResult]:
         """Push ``arrays`` with ``template`` to ``shard`` on the first way of its
-        plan that takes it."""
+        plan that takes it.
+
+        The plan is made now, when the op is made. A plan of one way (gRPC's)
+        hands back that way's op itself: the seam chose, and stays out of the
+        call's stack while it runs (each step of the op goes straight to it)."""
         nbytes = sum(a.nbytes for a in arrays)
         # An encoded push (2-byte values, or a deferred encoding) does not go
         # through /dev/shm: its values would be encoded into the segment for nothing
@@ -257,9 +261,25 @@ class Transports:
             shard,
             native,
             template.return_values,
-            frames_refused=self.calls.refused(shard),
+            # (asked only where frames may go: a call channel is never opened else)
+            frames_refused=self.host.frames and self.calls.refused(shard),
         )
         ways = plan(shape, self.host)
+        if len(ways) == 1:
+            return self._grpc(ways[0], shard).push(template, arrays, deadline, out)
+        return self._push_ways(ways, shape, template, arrays, deadline, out)
+
+    def _push_ways(
+        self,
+        ways: tuple[Way, ...],
+        shape: CallShape,
+        template: pb.PushRequest,
+        arrays: Sequence[Any],
+        deadline: Deadline,
+        out: Sequence[Array] | None,
+    ) -> Op[PushResult]:
+        """Try ``ways`` in order; the last (gRPC's) never passes the push on."""
+        shard = shape.shard
         for name in ways[:-1]:
             way = yield from self._way(name, shape, arrays, deadline)
             if way is not None:
@@ -277,10 +297,24 @@ class Transports:
         deadline: Deadline,
         out: Sequence[Array] | None,
     ) -> Op[Pulled]:
-        """The pull of ``request`` on the first way of its plan that serves it."""
-        if self.calls.refused(shape.shard):
+        """The pull of ``request`` on the first way of its plan that serves it
+        (planned now; a plan of one way hands back that way's op, as ``push``)."""
+        if self.host.frames and self.calls.refused(shape.shard):
             shape = dataclasses.replace(shape, frames_refused=True)
         ways = plan(shape, self.host)
+        if len(ways) == 1:
+            return self._grpc(ways[0], shape.shard).pull(request, deadline, out)
+        return self._pull_ways(ways, shape, request, deadline, out)
+
+    def _pull_ways(
+        self,
+        ways: tuple[Way, ...],
+        shape: CallShape,
+        request: pb.PullRequest,
+        deadline: Deadline,
+        out: Sequence[Array] | None,
+    ) -> Op[Pulled]:
+        """Try ``ways`` in order; the last (gRPC's) always serves the pull."""
         for name in ways[:-1]:
             way = yield from self._way(name, shape, (), deadline)
             if way is not None:

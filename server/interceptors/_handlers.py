@@ -291,6 +291,14 @@ class HookChain(Interceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
+        return self.wrap_call(handler, handler_call_details)
+
+    def wrap_call(
+        self, handler: Handler, handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler:
+        """``handler`` with this call's hooks around it (``intercept_service``
+        once the handler is found; a frame call, whose server has it, asks here
+        directly)."""
         original = deserializer = handler.request_deserializer
         hooks: list[CallHooks] = []
         called = _split_method(handler_call_details.method or "")
@@ -309,7 +317,9 @@ class HookChain(Interceptor):
             if isinstance(got, Refusal):  # decided now: the inner hooks never run
                 return refused(handler, _chain(hooks[: i + 1]))
         chained = _chain(hooks) if hooks else None
-        return wrap(handler, chained, request_deserializer=deserializer)
+        wrapped = wrap(handler, chained, request_deserializer=deserializer)
+        assert wrapped is not None  # (wrap gives None for a None handler only)
+        return wrapped
 
 
 def _chain(hooks: list[CallHooks]) -> CallHooks:

@@ -21,7 +21,8 @@ from onnxps.wire.initializers import initializer_from_json
 
 from ..errors import InvalidArgument
 from ..kernels import STATE_DTYPES, OptimizerAttrs
-from ._group import all_finite, check_name
+from ..kernels._finite import all_finite
+from ._group import check_name
 
 __all__ = [
     "MAX_LEASE_SECONDS",

@@ -27,11 +27,16 @@ from onnxps.wire.image import (
 
 from ..errors import InvalidArgument
 from ..kernels import OptimizerAttrs, Stepper
-from ..kernels._finite import all_finite as _all_finite
 from ._flat import FlatArrays, FlatLayout, flat_views
 from ._ids import IdsTable
 from ._order import PushOrder
-from ._sparse import RowGradient, combine_rows, is_row_push, split_row_push, step_rows
+from ._sparse import (
+    INDEX_DTYPE,
+    RowGradient,
+    combine_rows,
+    split_row_push,
+    step_rows,
+)
 
 __all__ = [
     "DEDUP_CLIENTS",
@@ -50,9 +55,9 @@ __all__ = [
     "PushOutcome",
     "StoreLimits",
     "WorkerLease",
-    "all_finite",
     "check_name",
     "combine_contributions",
+    "is_row_push",
 ]
 
 log = logging.getLogger("onnxps.store")
@@ -251,6 +256,15 @@ def combine_contributions(
         for a in acc:
             np.divide(a, count, out=a)
     return acc
+
+
+def is_row_push(arrays: Sequence[Array]) -> bool:
+    """Whether a store-level gradient list is a row push (it holds indices, see
+    ``_sparse``); beside ``Group.step``, which asks on every push."""
+    for a in arrays:  # a loop, not any(generator): every dense push asks
+        if a.dtype == INDEX_DTYPE:
+            return True
+    return False
 
 
 class Group:
@@ -558,10 +572,17 @@ class Group:
         return self._tensor_stepper
 
     def remember(
-        self, client_id: str, seq: int, result: tuple[int, bool], now: float
+        self,
+        client_id: str,
+        seq: int,
+        outcome: PushOutcome,
+        now: float,
+        limits: StoreLimits,
     ) -> None:
         """Keep a push's result for its client's resends (the client becomes the
-        most recently used)."""
+        most recently used), then drop the windows ``limits`` no longer keep
+        (``forget_clients``): one call of the push pipeline, under the lock."""
+        result = (outcome.update_count, outcome.applied)
         w = self.dedup.get(client_id)
         if w is None:
             w = self.dedup[client_id] = ClientWindow()
@@ -573,6 +594,7 @@ class Group:
             old = next(iter(w.results))
             del w.results[old]
             w.floor = max(w.floor, old)
+        self.forget_clients(now, limits.dedup_seconds, limits.dedup_clients)
 
     def forget_clients(self, now: float, max_seconds: float, max_clients: int) -> int:
         """Drop windows idle longer than max_seconds, and the least recently used
@@ -624,8 +646,3 @@ def check_name(name: str, what: str = "group name") -> None:
         )
     if not name.isprintable():
         raise InvalidArgument(f"{what} must be printable, got {name!r}")
-
-
-def all_finite(a: Array) -> bool:
-    # one pass over ``a`` (kernels._finite), without a temporary the size of ``a``
-    return _all_finite(a)

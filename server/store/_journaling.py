@@ -31,13 +31,13 @@ class JournalEntry:
     group as it was. Without a journal (memory only, or replay) both do nothing.
     """
 
+    __slots__ = ("_journal", "logging")
+
     def __init__(self, journal: Journal | None) -> None:
         self._journal = journal
-
-    @property
-    def logging(self) -> bool:
-        """Whether records are logged (False: memory only, or replay)."""
-        return self._journal is not None
+        # whether records are logged (False: memory only, or replay); a plain
+        # attribute: every push reads it
+        self.logging = journal is not None
 
     def log(self, record: dict[str, Any], arrays: Sequence[Array] = ()) -> int | None:
         return None if self._journal is None else self._journal.log(record, arrays)

@@ -18,10 +18,16 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from ..errors import FailedPrecondition, Moved, Unavailable
-from ._group import GroupRuntime
+from ..errors import FailedPrecondition, Moved, NotFound, Unavailable
+from ._group import Group, GroupRuntime
 
-__all__ = ["HOLD_SECONDS", "Moves", "runtime_from_json", "runtime_to_json"]
+__all__ = [
+    "HOLD_SECONDS",
+    "Moves",
+    "check_live",
+    "runtime_from_json",
+    "runtime_to_json",
+]
 
 # How long a call for a group being imported here waits for the cutover to end
 # before it is answered UNAVAILABLE (retried by clients within their deadline).
@@ -161,6 +167,21 @@ class Moves:
         """The shard ``name`` moves to, when it is fenced here (asked under the
         group's lock by every change; a dict lookup, atomic, with no lock)."""
         return self._fenced.get(name)
+
+
+def check_live(moves: Moves, closing: threading.Event, g: Group) -> None:
+    """Raise when the calls of ``g`` must end: it was deleted (NOT_FOUND), a
+    resharding fenced it here (MOVED, naming its new shard), or the store is
+    closing (UNAVAILABLE). Asked under the group's lock by every change and wait;
+    the store binds it to its ``moves`` and ``closing`` once and hands it to the
+    push pipeline and the waits, which call it here, beside the fence it reads."""
+    if g.deleted:
+        raise NotFound(f"group {g.name!r} was deleted", metadata={"group": g.name})
+    owner = moves.fenced(g.name)
+    if owner is not None:
+        raise moved(g.name, owner, moves.version)
+    if closing.is_set():
+        raise Unavailable("the server is shutting down; retry on another server")
 
 
 def moved(name: str, owner: int, version: int) -> Moved:

@@ -22,16 +22,17 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import JOURNAL_REFUSALS, FailedPrecondition, InvalidArgument
+from ..kernels._finite import all_finite  # one pass, no temporary the size of a
 from ._checks import MAX_UPDATE_COUNT, check_learning_rate
 from ._flat import FlatArrays
-from ._group import DEDUP_WINDOW, Group, PushOutcome, StoreLimits, all_finite
+from ._group import DEDUP_WINDOW, Group, PushOutcome, StoreLimits, is_row_push
 from ._ids import empty_part
 from ._journaling import JournalEntry
 from ._order import PushKey, alone
 from ._quorum import logged_step_due, maybe_sync_step, quorum_reached
 from ._rewind import DROPPED, rewound_error
 from ._shared import SharedCopies
-from ._sparse import INDEX_DTYPE, flatten, is_row_push
+from ._sparse import INDEX_DTYPE, flatten
 from ._waits import Cancellation, Wait, Waiting
 
 __all__ = [
@@ -373,7 +374,9 @@ class PushPipeline:
         record = request.record(g.name, g.update_count)
         outcome = self._buffer(g, grads, request.client_id, record, journal, due)
         if request.client_id:
-            self._dedup_store(g, request.client_id, request.seq, outcome)
+            g.remember(
+                request.client_id, request.seq, outcome, self._clock(), self._limits
+            )
         g.cond.notify_all()
         return outcome
 
@@ -404,7 +407,9 @@ class PushPipeline:
             g.step(grads, request.learning_rate, emit.sink.block)
         outcome = PushOutcome(g.update_count, True)
         if request.client_id:
-            self._dedup_store(g, request.client_id, request.seq, outcome)
+            g.remember(
+                request.client_id, request.seq, outcome, self._clock(), self._limits
+            )
         g.cond.notify_all()
         return outcome
 
@@ -479,14 +484,6 @@ class PushPipeline:
                 metadata={"group": g.name, "client_id": client_id, "seq": seq},
             )
         return None
-
-    def _dedup_store(
-        self, g: Group, client_id: str, seq: int, outcome: PushOutcome
-    ) -> None:
-        now = self._clock()
-        limits = self._limits
-        g.remember(client_id, seq, (outcome.update_count, outcome.applied), now)
-        g.forget_clients(now, limits.dedup_seconds, limits.dedup_clients)
 
 
 def _check_base_version(g: Group, base_version: int | None, t: int) -> None:

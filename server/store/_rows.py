@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgument, ResourceExhausted
+from ..kernels._finite import all_finite
 from ._checks import check_learning_rate
-from ._group import Group, PullResult, StoreLimits, all_finite
+from ._group import Group, PullResult, StoreLimits, is_row_push
 from ._ids import (
     IdsTable,
     RowsPage,
@@ -34,7 +35,6 @@ from ._sparse import (
     check_row_specs,
     flatten,
     gather_rows,
-    is_row_push,
     row_push_parts,
     split_row_push,
 )

@@ -36,7 +36,6 @@ __all__ = [
     "coalesce",
     "combine_rows",
     "gather_rows",
-    "is_row_push",
     "split_row_push",
     "step_rows",
 ]
@@ -55,14 +54,6 @@ class RowGradient:
 
 
 Part = Array | RowGradient
-
-
-def is_row_push(arrays: Sequence[Array]) -> bool:
-    """Whether a store-level gradient list is a row push (it holds indices)."""
-    for a in arrays:  # a loop, not any(generator): every dense push asks
-        if a.dtype == INDEX_DTYPE:
-            return True
-    return False
 
 
 def split_row_push(arrays: Sequence[Array]) -> list[Part]:

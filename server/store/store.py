@@ -27,6 +27,7 @@ methods redo logged changes without logging them again.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -74,7 +75,7 @@ from ._group import (
 )
 from ._ids import RowsPage
 from ._journaling import JournalEntry
-from ._moves import Moves, moved, runtime_from_json
+from ._moves import Moves, check_live, runtime_from_json
 from ._order import alone
 from ._push import (
     PushPipeline,
@@ -137,7 +138,9 @@ class ParameterStore(MovingGroups):
         self._journal = journal
         self._entry = JournalEntry(journal)  # what a push logs through (stateless)
         self._incarnations = itertools.count(1)
-        self._closed = False
+        self._closing = threading.Event()  # set by ``close``
+        # check_live(g): raises when g's calls must end (``_moves.check_live``)
+        self._check_live = functools.partial(check_live, self.moves, self._closing)
         # Why this server's whole state is being replaced now (a standby adopting
         # its primary's snapshot, a promoted one applying what it received), the
         # latest first: a group missing meanwhile is back in a moment, so it is
@@ -209,7 +212,7 @@ class ParameterStore(MovingGroups):
         self._wake_all()
 
     def close(self) -> None:
-        self._closed = True
+        self._closing.set()
         self._stop.set()
         if self._reaper is not None:
             self._reaper.join(timeout=5)
@@ -879,16 +882,7 @@ class ParameterStore(MovingGroups):
         yield JournalEntry(None if replay else self._journal)
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise Unavailable("the server is shutting down; retry on another server")
-
-    def _check_live(self, g: Group) -> None:
-        if g.deleted:
-            raise NotFound(f"group {g.name!r} was deleted", metadata={"group": g.name})
-        owner = self.moves.fenced(g.name)
-        if owner is not None:
-            raise moved(g.name, owner, self.moves.version)
-        if self._closed:
+        if self._closing.is_set():
             raise Unavailable("the server is shutting down; retry on another server")
 
 

@@ -245,7 +245,7 @@ class FrameCalls:
         """Run one call: its status and the reply's parts after the code byte."""
         self.calls += 1
         base = self._handlers[method]
-        handler = self._chain.intercept_service(lambda d: base, details)
+        handler = self._chain.wrap_call(base, details)
         with self._lock:
             self._running[sock] = ctx
         try:
