@@ -68,12 +68,13 @@ def _moving_from(shard: int, grow_to: int, prefix: str) -> str:
 
 
 ROWS, COLS = 32768, 64  # float32: 8 MiB of X and 8 MiB of Adagrad's H
+BIG_PUSH = 1024  # rows: a push of 256 KiB
 
 
-def _rows_push(c: Client, name: str, step: int) -> int:
+def _rows_push(c: Client, name: str, step: int, rows: int = 16) -> int:
     rng = np.random.default_rng(step)
-    ids = rng.integers(0, ROWS, 16)
-    grads = rng.standard_normal((16, COLS)).astype(np.float32)
+    ids = rng.integers(0, ROWS, rows)
+    grads = rng.standard_normal((rows, COLS)).astype(np.float32)
     return c.push_rows(name, {"w": (ids, grads)}).update_count
 
 
@@ -98,6 +99,17 @@ def _wait_ready(cluster: EtcdCluster, shard: int) -> None:
             return
         assert time.monotonic() < end, members
         time.sleep(0.1)
+
+
+def _wait_copy(cluster: EtcdCluster, name: str, tool: threading.Thread) -> None:
+    """Until the map says ``name`` is being copied (its log followed)."""
+    end = time.monotonic() + 60
+    while True:
+        moving = reshard_status(cluster.url).get("moving", {})
+        if moving.get(name, {}).get("copy"):
+            return
+        assert tool.is_alive() and time.monotonic() < end, "no copy seen"
+        time.sleep(0.01)
 
 
 def _listed(cluster: EtcdCluster, shard: int) -> list[str]:
@@ -158,12 +170,7 @@ def test_the_source_primary_killed_mid_copy_and_the_move_is_made_again(
             daemon=True,
         )
         tool.start()
-        end = time.monotonic() + 60
-        while (
-            not reshard_status(cluster.url).get("moving", {}).get(name, {}).get("copy")
-        ):
-            assert tool.is_alive() and time.monotonic() < end, "no copy seen"
-            time.sleep(0.01)
+        _wait_copy(cluster, name, tool)
         victim = _primary_key(cluster, 0)
         old = cluster.addresses[victim]
         cluster.procs[victim].kill()  # SIGKILL, mid-copy
@@ -442,7 +449,10 @@ def test_a_group_rewound_while_its_log_is_followed_moves_rewound(
             try:
                 with cluster.connect(client_id="worker", split_bytes=1 << 30) as c:
                     while not stop.is_set():
-                        answered.append(_rows_push(c, name, len(answered)))
+                        # 256 KiB each: a round with two of them is not the
+                        # last, so the log is followed for several rounds
+                        step = len(answered)
+                        answered.append(_rows_push(c, name, step, BIG_PUSH))
             except BaseException as exc:  # noqa: BLE001 - the test reports it
                 errors.append(exc)
 
@@ -451,17 +461,14 @@ def test_a_group_rewound_while_its_log_is_followed_moves_rewound(
         while len(answered) < 20 and not errors:
             stop.wait(0.05)
         cluster.start(2, 3)
+        admin = cluster.connect(split_bytes=1 << 30)
+        admin.describe_group(name)  # warm: the rewind is one call
         tool = threading.Thread(
             target=lambda: done.append(reshard(cluster.url, 3)), daemon=True
         )
         tool.start()
-        end = time.monotonic() + 60
-        while (
-            not reshard_status(cluster.url).get("moving", {}).get(name, {}).get("copy")
-        ):
-            assert tool.is_alive() and time.monotonic() < end, "no copy seen"
-            time.sleep(0.01)
-        with cluster.connect(split_bytes=1 << 30) as admin:
+        _wait_copy(cluster, name, tool)
+        with admin:
             rewound = admin.rewind(name, to_step=5)
         assert rewound.group.update_count == 5
         tool.join(timeout=120)
@@ -495,7 +502,7 @@ def test_a_group_rewound_while_its_log_is_followed_moves_rewound(
         ):
             _big(replay, name)
             for t in range(1, final + 1):
-                assert _rows_push(replay, name, line[t]) == t
+                assert _rows_push(replay, name, line[t], BIG_PUSH) == t
             assert c.describe_group(name).update_count == final
             for a, b in zip(
                 c.pull(name, state=True), replay.pull(name, state=True), strict=True
@@ -525,6 +532,8 @@ def test_a_group_deleted_while_its_log_is_followed_is_not_moved(
             for step in range(5):
                 _rows_push(admin, name, step)
         cluster.start(2, 3)
+        admin = cluster.connect(split_bytes=1 << 30)
+        admin.describe_group(name)  # warm: the delete is one call
 
         def run() -> None:
             try:
@@ -534,13 +543,8 @@ def test_a_group_deleted_while_its_log_is_followed_is_not_moved(
 
         tool = threading.Thread(target=run, daemon=True)
         tool.start()
-        end = time.monotonic() + 60
-        while (
-            not reshard_status(cluster.url).get("moving", {}).get(name, {}).get("copy")
-        ):
-            assert tool.is_alive() and time.monotonic() < end, (failed, "no copy")
-            time.sleep(0.01)
-        with cluster.connect(split_bytes=1 << 30) as admin:
+        _wait_copy(cluster, name, tool)
+        with admin:
             admin.delete_group(name)
         tool.join(timeout=120)
         assert not failed, failed
