@@ -430,7 +430,7 @@ class _Resharding:
         req = pb.ExportGroupRequest
         # every export of the move asks the primary the snapshot came from: the
         # lsns are its log's (one that fails over cuts the move off: made again)
-        via = self.shards.stub(source)
+        via = self._primary(source, until)
         imported, lsn = self._copy(
             name,
             source,
@@ -453,6 +453,16 @@ class _Resharding:
         ask = req(group=name, to_shard=target, fence=True, records=True, after_lsn=lsn)
         last, _ = self._copy(name, source, target, ask, until, via)
         return last, sent + int(last.bytes), int(last.bytes), started
+
+    def _primary(self, shard: int, until: float) -> Any:
+        """``shard``'s primary's stub; none now (a failover, a lease run out
+        under load) raises ``_Busy``: the move is made again until ``until``."""
+        try:
+            return self.shards.stub(shard)
+        except ReshardError as exc:
+            busy = _Busy(str(exc))
+            busy.until = until
+            raise busy from None
 
     def _abandon(self, name: str, source: int, target: int) -> None:
         """A copy that failed: the source serves the group again (the map did
@@ -487,10 +497,12 @@ class _Resharding:
         ``via``: the source's stub to ask (default: its primary now)."""
         cut: list[grpc.RpcError] = []  # the export's failure, when it failed
         end: list[int] = []
+        exporter = via or self._primary(source, until)
+        importer = self._primary(target, until)
 
         def pieces() -> Iterator[pb.ImportGroupRequest]:
             try:
-                exported = (via or self.shards.stub(source)).ExportGroup(
+                exported = exporter.ExportGroup(
                     request,
                     timeout=self.shards.timeout * 10,
                     metadata=self.shards.metadata(source),
@@ -507,7 +519,7 @@ class _Resharding:
                 cut.append(exc)  # the target gets no end: it installs nothing
 
         try:
-            reply = self.shards.stub(target).ImportGroup(
+            reply = importer.ImportGroup(
                 pieces(),
                 timeout=self.shards.timeout * 10,
                 metadata=self.shards.metadata(target),
