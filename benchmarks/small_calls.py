@@ -19,12 +19,16 @@
   and a group of one 200,000-element tensor (float32 Adam), alternating; the figure
   is the median push+pull time of each and their ratio.
 - ``memory``: a ``--mib`` MiB float32 Adam group (X, V and H: 3x that much state) is
-  created, pushed, pulled and pushed returning X (gRPC streams, twice over); the
-  server's RSS after each call and its peak during that call (VmHWM, reset before
-  each call through /proc/PID/clear_refs), as multiples of the state, and the
-  highest peak against the aim (1.3x the state + 150 MiB). The growth of the
-  server's file-backed pages (RssFile: libraries loaded on first use, e.g. numba's
-  LLVM for the fused kernels) is printed apart: it is code, not state.
+  created, pushed, pulled and pushed returning X, twice over (with no flags
+  through shared memory; the tuned rows over gRPC streams); the server's RSS after
+  each call and its peak during that call (VmHWM, reset before each call through
+  /proc/PID/clear_refs), above its idle RSS (read once it holds still: a server
+  loads its fused kernels on a thread at start), as multiples of the state; the
+  highest peak against the aim (1.3x the state + 150 MiB), and the steady figure
+  (3 s after the last call: the server drops the pages of client segments no call
+  used for a second, and trims malloc every 2 s) against 1.1x the state. The
+  growth of the server's file-backed pages (RssFile: libraries loaded on first use)
+  is printed apart: it is code, not state.
 - ``rows``: one client pushes ``push_rows`` of 512 random rows of a 100,000 x 64
   float32 Adam table, then ``pull_rows`` of 512 rows, 200 calls each a round: rows/s
   and the server's CPU per call.
@@ -441,6 +445,19 @@ def _status(pid: int, *keys: str) -> list[float]:
     return [got[k] for k in keys]
 
 
+def _settled(pid: int, seconds: float = 60.0) -> None:
+    """Wait until the server's RSS holds still (within 1 MiB for 2 s, at most
+    ``seconds``): a server loads its fused kernels (numba, LLVM: some 50 MiB of
+    code and compiler) on a thread at start, which is no state of a group."""
+    deadline = time.monotonic() + seconds
+    last: list[float] = []
+    while time.monotonic() < deadline:
+        last = [*last[-3:], _status(pid, "VmRSS")[0]]
+        if len(last) == 4 and max(last) - min(last) < 1:
+            return
+        time.sleep(0.5)
+
+
 def memory_section(args: argparse.Namespace, tmp: Path) -> None:
     """The default pair first, then ``--durability none`` with a client that
     keeps off shared memory (and, with ``--baseline``, the old tree's)."""
@@ -477,6 +494,7 @@ def _memory_calls(
     n = args.mib * MIB // 4
     state = 3 * args.mib
     with Client(address, timeout=600, **flags) as c:  # type: ignore[arg-type]
+        _settled(pid)
         base, base_file = _status(pid, "VmRSS", "RssFile")
         print(f", {args.mib} MiB float32 Adam group ({state} MiB)")
         print(f"  idle RSS {base:.0f} MiB; figures below are RSS - idle")
@@ -512,6 +530,9 @@ def _memory_calls(
             c.push("big", g)
             c.pull("big")
         call("after 3 more push + pull", lambda: None)
+        # the server gives back what its last calls held (client segments it
+        # mapped: after IDLE_SECONDS; malloc's free memory: every TRIM_SECONDS)
+        call("3 s later (steady)", lambda: time.sleep(3))
         files = _status(pid, "RssFile")[0] - base_file
         aim = 1.3 * state + 150
         top = max(peaks)

@@ -213,7 +213,7 @@ class SharedMemoryLink:
         bufs = self.buffers_of(arrays)
         if bufs is not None:
             return BufferTransport(self, pool, bufs)
-        segs = self.segments(pool, sizes, 2 if return_values else 1)
+        segs = self.segments(pool, sizes, 1)  # X comes back over the gradients
         if segs is None:
             return None
         return SegmentTransport(self, pool, segs)
@@ -325,8 +325,10 @@ def _region_push(
 
 
 class SegmentTransport:
-    """Gradients written into a segment of the pool (X back through a second one);
-    a pull's reply written by the server into one."""
+    """Gradients written into a segment of the pool, X (when asked for) written
+    back by the server into the same segment over them (one segment a call, not
+    two: the server steps element-wise, and a block of X replaces the block of
+    gradients it has spent); a pull's reply written by the server into one."""
 
     def __init__(
         self, link: SharedMemoryLink, pool: SegmentPool, segs: list[Segment]
@@ -347,7 +349,7 @@ class SegmentTransport:
         req.gradients.extend(header_tensors(arrays))
         with released(self.pool, self.segs):
             req.gradients_region.CopyFrom(self.segs[0].write(list(arrays)))
-            reply = self.segs[1] if req.return_values else None
+            reply = self.segs[0] if req.return_values else None
             return (yield from _region_push(self.link, req, reply, deadline, out))
 
     def pull(

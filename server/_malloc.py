@@ -25,7 +25,15 @@ import os
 import threading
 from typing import Any
 
-__all__ = ["ARENA_MAX", "TRIM_GROWTH", "TRIM_SECONDS", "Trimmer", "tune"]
+__all__ = [
+    "ARENA_MAX",
+    "TRIM_GROWTH",
+    "TRIM_SECONDS",
+    "Trimmer",
+    "private_bytes",
+    "rss_bytes",
+    "tune",
+]
 
 log = logging.getLogger("onnxps.server")
 
@@ -56,9 +64,24 @@ def rss_bytes() -> int:
         return 0
 
 
+def private_bytes() -> int:
+    """This process's resident memory that is its own (RSS less its shared pages:
+    libraries, and clients' shared-memory segments it maps, which malloc never
+    held); 0 where /proc does not say."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            fields = f.read().split()
+        return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class Trimmer:
-    """A daemon thread that calls ``malloc_trim(0)`` when RSS grew by
-    ``growth`` bytes since the last trim, looking every ``seconds``."""
+    """A daemon thread that calls ``malloc_trim(0)`` when this process's own
+    memory (``private_bytes``) grew by ``growth`` bytes since the last trim,
+    looking every ``seconds``. Shared pages are left out: a client's segment
+    mapped for a call is no heap memory, and counting it made every large
+    shared-memory call look like growth (a trim for nothing)."""
 
     def __init__(
         self, libc: Any, seconds: float = TRIM_SECONDS, growth: int = TRIM_GROWTH
@@ -68,7 +91,7 @@ class Trimmer:
         self.growth = growth
         self.trims = 0
         self._stop = threading.Event()
-        self._floor = rss_bytes()
+        self._floor = private_bytes()
         self._thread = threading.Thread(
             target=self._run, name="onnxps-malloc-trim", daemon=True
         )
@@ -82,11 +105,12 @@ class Trimmer:
         self._thread.join(timeout=5)
 
     def check(self) -> bool:
-        """Trim now if RSS grew enough since the last trim; whether it did."""
-        if rss_bytes() < self._floor + self.growth:
+        """Trim now if this process's own memory grew enough since the last
+        trim; whether it did."""
+        if private_bytes() < self._floor + self.growth:
             return False
         self._libc.malloc_trim(0)
-        self._floor = rss_bytes()
+        self._floor = private_bytes()
         self.trims += 1
         return True
 

@@ -6,15 +6,19 @@ test and stops it after; without the binary the test is skipped with how to inst
 
 from __future__ import annotations
 
+import http.client
 import json
 import shutil
 import socket
 import ssl
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -166,3 +170,92 @@ def start_etcd(binary: str, tmp_path: Path, tries: int = 3, **tls: Any) -> EtcdP
             ):
                 raise
     raise AssertionError("unreachable")
+
+
+READ = "/v3/kv/range"
+KEEPALIVE = "/v3/lease/keepalive"
+
+
+class HoldingProxy:
+    """etcd's HTTP gateway through a proxy that, while ``holding`` is set, holds
+    every read (``READ``) until ``release`` is set; ``events`` lists what came in
+    order: ("held", n), ("keepalive", n), ("released", n) (n: the read's number)."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.holding = threading.Event()
+        self.release = threading.Event()
+        # while set, keepalives wait for ``keepalives_go`` ("keepalive held")
+        self.holding_keepalives = threading.Event()
+        self.keepalives_go = threading.Event()
+        self.events: list[tuple[str, int]] = []
+        self._cv = threading.Condition()
+        self._reads = 0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                proxy.before(self.path)
+                host, port = proxy.upstream.rsplit(":", 1)
+                conn = http.client.HTTPConnection(host, int(port), timeout=30)
+                try:
+                    conn.request(
+                        "POST", self.path, body, {"Content-Type": "application/json"}
+                    )
+                    reply = conn.getresponse()
+                    data = reply.read()
+                finally:
+                    conn.close()
+                self.send_response(reply.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                pass  # a member gave up a held call (its own timeout): expected
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def before(self, path: str) -> None:
+        if path == KEEPALIVE:
+            self._record("keepalive", self._reads)
+            if self.holding_keepalives.is_set():
+                self._record("keepalive held", 0)
+                self.keepalives_go.wait(60)
+        if path != READ or not self.holding.is_set():
+            return
+        with self._cv:
+            self._reads += 1
+            n = self._reads
+        self._record("held", n)
+        self.release.wait(60)
+        self._record("released", n)
+
+    def _record(self, what: str, n: int) -> None:
+        with self._cv:
+            self.events.append((what, n))
+            self._cv.notify_all()
+
+    def wait_for(
+        self, ok: Callable[[list[tuple[str, int]]], bool], timeout: float
+    ) -> bool:
+        """Until ``ok(events)`` (False if not within ``timeout`` seconds)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: ok(self.events), timeout)
+
+    def close(self) -> None:
+        self.release.set()
+        self.keepalives_go.set()
+        self.server.shutdown()
+        self.server.server_close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 from onnxps.cli.process import start_server_process
@@ -16,6 +17,10 @@ def clean_env(**extra: str) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+# ``server_processes`` (tests/conftest.py): ``start_server``'s arguments, its result
+StartServer = Callable[..., tuple[subprocess.Popen[bytes], str]]
 
 
 def start_server(

@@ -79,6 +79,9 @@ class Replicas(ReplicaSet):
         with self.connect(i) as c:
             return c.describe_group(group).update_count, c.pull(group)[0]
 
+    def create_group(self) -> None:
+        _create(self)
+
     def log(self, i: int) -> str:
         return (self.tmp / f"server{i}-{self.starts[i]}.log").read_text()
 

@@ -135,6 +135,18 @@ class ReplicaSet:
             time.sleep(0.05)
         raise AssertionError(f"replica {i} of {group} is at T={seen}, not {t}")
 
+    def create_group(self) -> None:
+        """Group "g" (Adagrad, ``SIZE`` zeros), created through etcd."""
+        _create(self.url)
+
+    def primary_with_group(self) -> int:
+        """The primary's index, once it names a synchronous standby and group "g"
+        is created (``create_group``): the set-up of most replication tests."""
+        p = self.primary()
+        self.wait_sync()
+        self.create_group()
+        return p
+
     def close(self) -> None:
         for p in self.procs.values():
             if p.poll() is None:

@@ -62,6 +62,27 @@ class EtcdCluster:
         self.logs[key] = log
         return address
 
+    def start_shard(
+        self, shard: int, count: int, members: int = 1, sync: int = 0
+    ) -> None:
+        """Shard ``shard`` of ``count``: one server (``start``), or ``members``
+        members with ``--sync-replicas sync``."""
+        if members == 1 and sync == 0:
+            self.start(shard, count)
+            return
+        for member in range(members):
+            self.start_member(shard, count, member, sync=sync)
+
+    def start_shards(self, count: int, members: int = 1, sync: int = 0) -> None:
+        """Shards 0 to ``count - 1`` of ``count``, each as ``start_shard`` makes it."""
+        for shard in range(count):
+            self.start_shard(shard, count, members, sync)
+
+    def create_groups(self, *shape: Any, **kw: Any) -> list[str]:
+        """``create_groups`` through a client of the cluster; the groups' names."""
+        with self.connect() as admin:
+            return create_groups(admin, *shape, **kw)
+
     def stop(self, key: Any) -> None:
         stop(self.procs.pop(key))
 

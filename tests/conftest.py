@@ -8,16 +8,20 @@ imports another."""
 from __future__ import annotations
 
 import socket
+import subprocess
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from _etcd import INSTALL_HINT, EtcdProcess, etcd_binary, start_etcd
+from _etcd import INSTALL_HINT, EtcdProcess, HoldingProxy, etcd_binary, start_etcd
 from _pki import Pki, issue
+from _procs import StartServer, start_server, stop
 from _replica_sets import Replicas
 from _replicas import ReplicaSet
+from _reshard import EtcdCluster
 from onnxps.client import Client
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -34,11 +38,8 @@ def server() -> Iterator[ServerHandle]:
         handle.stop(grace=0)
 
 
-@pytest.fixture
-def servers() -> Iterator[Callable[..., ServerHandle]]:
-    """``servers(config)``, or ``servers(**fields)`` (a ``ServerConfig`` on 127.0.0.1
-    port 0 without durability unless the fields say otherwise): a started in-process
-    server; every one started is stopped after the test, the last first."""
+@contextmanager
+def _started_servers() -> Iterator[Callable[..., ServerHandle]]:
     started: list[ServerHandle] = []
 
     def start(config: ServerConfig | None = None, **fields: Any) -> ServerHandle:
@@ -49,9 +50,50 @@ def servers() -> Iterator[Callable[..., ServerHandle]]:
         started.append(handle)
         return handle
 
-    yield start
-    for handle in reversed(started):
-        handle.stop(grace=0)
+    try:
+        yield start
+    finally:
+        for handle in reversed(started):
+            handle.stop(grace=0)
+
+
+@pytest.fixture
+def servers() -> Iterator[Callable[..., ServerHandle]]:
+    """``servers(config)``, or ``servers(**fields)`` (a ``ServerConfig`` on 127.0.0.1
+    port 0 without durability unless the fields say otherwise): a started in-process
+    server; every one started is stopped after the test, the last first (a test
+    may stop one itself before: a second stop does nothing)."""
+    with _started_servers() as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def module_servers() -> Iterator[Callable[..., ServerHandle]]:
+    """``servers`` for a module-scoped fixture: the servers started are stopped
+    after the module's last test."""
+    with _started_servers() as start:
+        yield start
+
+
+@pytest.fixture
+def server_processes() -> Iterator[StartServer]:
+    """``server_processes(log, *flags, env=None)``: ``onnxps serve`` on 127.0.0.1
+    port 0 as a process (``_procs.start_server``), its process and address; every
+    one started is killed after the test (one the test stopped itself: left so)."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(
+        log: Path, *args: str, env: dict[str, str] | None = None
+    ) -> tuple[subprocess.Popen[bytes], str]:
+        proc, address = start_server(log, *args, env=env)
+        started.append(proc)
+        return proc, address
+
+    try:
+        yield start
+    finally:
+        for proc in reversed(started):
+            stop(proc)
 
 
 @pytest.fixture
@@ -92,6 +134,29 @@ def etcd_server(tmp_path: Path) -> Iterator[EtcdProcess]:
         yield etcd
     finally:
         etcd.stop()
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path: Path, etcd_server: EtcdProcess) -> Iterator[EtcdCluster]:
+    """An ``EtcdCluster`` on ``etcd_server`` (prefix /ps), with no shard started yet;
+    every shard server it started is stopped after the test."""
+    cluster = EtcdCluster(tmp_path, etcd_server)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def etcd_proxy(etcd_server: EtcdProcess) -> Iterator[HoldingProxy]:
+    """A ``HoldingProxy`` in front of ``etcd_server``: members given its address
+    (``etcd://127.0.0.1:{port}/...``) have their reads or lease renewals held when
+    the test says so."""
+    p = HoldingProxy(etcd_server.endpoint)
+    try:
+        yield p
+    finally:
+        p.close()
 
 
 @pytest.fixture

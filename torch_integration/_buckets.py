@@ -11,7 +11,6 @@ next bucket. ``step()`` pushes what is left and waits for every bucket's X.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, cast, overload
@@ -25,7 +24,8 @@ from ._optimizer import (
     MissingGrad,
     ParamsT,
     RemoteOptimizer,
-    _tensor,
+    _check_lr,
+    _trained,
 )
 
 __all__ = ["BUCKET_BYTES", "BucketedOptimizer"]
@@ -88,21 +88,15 @@ class BucketedOptimizer(torch.optim.Optimizer):
         bucket_bytes: int = BUCKET_BYTES,
         timeout: float | None = None,
     ) -> None:
-        if not (math.isfinite(lr) and lr >= 0):
-            raise ValueError(f"lr must be finite and >= 0, got {lr!r}")
+        _check_lr(lr)
         if not (isinstance(bucket_bytes, int) and bucket_bytes >= 1):
             raise ValueError(
                 f"bucket_bytes must be an integer >= 1, got {bucket_bytes!r}"
             )
-        items: list[Any] = list(params)
-        if any(isinstance(item, dict) for item in items):
-            raise ValueError(
-                "BucketedOptimizer takes one parameter group (the server groups have "
-                "one learning rate); pass tensors or (name, tensor) pairs, not dicts"
-            )
-        trained = [item for item in items if _tensor(item).requires_grad]
-        if not trained:
-            raise ValueError("no parameter requires grad: nothing to optimize")
+        trained = _trained(
+            params,
+            "BucketedOptimizer takes one parameter group (the server groups have one",
+        )
         super().__init__(cast(ParamsT, trained), {"lr": lr})
         self.client = client
         self.group = group

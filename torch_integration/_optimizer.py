@@ -50,6 +50,27 @@ def _tensor(item: Any) -> torch.Tensor:
     return item[1] if isinstance(item, tuple) else item  # type: ignore[no-any-return]
 
 
+def _check_lr(lr: float) -> None:
+    if not (math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"lr must be finite and >= 0, got {lr!r}")
+
+
+def _trained(params: ParamsT, one_group: str) -> list[Any]:
+    """The parameters (tensors or ``(name, tensor)`` pairs) that require grad; a
+    ``ValueError`` for parameter groups (dicts: ``one_group`` says why not) and for
+    none that requires grad."""
+    items: list[Any] = list(params)
+    if any(isinstance(item, dict) for item in items):
+        raise ValueError(
+            f"{one_group} learning rate); pass tensors or (name, tensor) pairs, not "
+            "dicts"
+        )
+    trained = [item for item in items if _tensor(item).requires_grad]
+    if not trained:
+        raise ValueError("no parameter requires grad: nothing to optimize")
+    return trained
+
+
 def _host(t: torch.Tensor) -> Array:
     """The tensor's values as an ndarray: a view of a CPU tensor, else one copy."""
     t = t.detach()
@@ -107,23 +128,17 @@ class RemoteOptimizer(torch.optim.Optimizer):
         on_stale: OnStale = "raise",
         timeout: float | None = None,
     ) -> None:
-        if not (math.isfinite(lr) and lr >= 0):
-            raise ValueError(f"lr must be finite and >= 0, got {lr!r}")
+        _check_lr(lr)
         if missing_grad not in ("zeros", "error"):
             raise ValueError(
                 f"missing_grad must be 'zeros' or 'error', not {missing_grad!r}"
             )
         if on_stale not in ("raise", "skip"):
             raise ValueError(f"on_stale must be 'raise' or 'skip', not {on_stale!r}")
-        items: list[Any] = list(params)
-        if any(isinstance(item, dict) for item in items):
-            raise ValueError(
-                "RemoteOptimizer takes one parameter group (the server group has one "
-                "learning rate); pass tensors or (name, tensor) pairs, not dicts"
-            )
-        trained = [item for item in items if _tensor(item).requires_grad]
-        if not trained:
-            raise ValueError("no parameter requires grad: nothing to optimize")
+        trained = _trained(
+            params,
+            "RemoteOptimizer takes one parameter group (the server group has one",
+        )
         super().__init__(cast(ParamsT, trained), {"lr": lr})
         self.client = client
         self.group = group

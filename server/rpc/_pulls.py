@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import numpy as np
@@ -167,15 +167,27 @@ class RegionPull:
         region: pb.SharedMemoryRegion,
         caller: Caller,
         fallback: PullSink,
+        hold: AbstractContextManager[InflightHold] | None = None,
     ) -> None:
         self.shm = shm
         self.region = region
         self.caller = caller
         self.fallback = fallback
+        self.hold: AbstractContextManager[InflightHold | None] = (
+            hold if hold is not None else nullcontext(None)
+        )
 
     def reply(self, pulled: Pulled) -> Any:
-        self.shm.check(self.region, self.caller, "reply_region")  # before the lock
-        t, lr, reply = pulled.into(self._write)
+        # before the lock: the segment is usable, and what it maps is held in the
+        # in-flight budget until the call ends
+        nbytes = self.shm.check(self.region, self.caller, "reply_region")
+        with self.hold as hold:
+            if hold is not None:
+                hold.admit(nbytes, what="this pull's shared-memory segment maps")
+            try:
+                t, lr, reply = pulled.into(self._write)
+            finally:
+                self.shm.finished(self.region)
         if not reply.HasField("tensors_region"):
             return self.fallback.reply(pulled)
         reply.update_count, reply.learning_rate = t, lr

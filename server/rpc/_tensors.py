@@ -129,6 +129,7 @@ class TensorRpcs(RpcFamily):
         context: Any,
         known_finite: bool,
         sink: StoreSink | None = None,
+        spent: bool = False,
     ) -> PushOutcome:
         return self.store.push(
             ticket,
@@ -143,6 +144,7 @@ class TensorRpcs(RpcFamily):
             timeout=timeout_of(context) if req.return_values else None,
             cancellation=cancellation_of(context) if req.return_values else None,
             sink=sink if req.return_values else None,
+            spent=spent,
         )
 
     def _step(
@@ -160,7 +162,9 @@ class TensorRpcs(RpcFamily):
         with source.gradients() as (grads, finite):
             sink.check()
             emitter = sink.emitter(ticket) if req.return_values else None
-            out = self._store_push(req, ticket, grads, context, finite, emitter)
+            # gradients a resend's first answer wrote X over (shared memory)
+            spent = bool(getattr(source, "spent", False))
+            out = self._store_push(req, ticket, grads, context, finite, emitter, spent)
         # Applied: from here only the transport may fail, and says so.
         reply = reply_type(
             update_count=out.update_count, applied=out.applied, duplicate=out.duplicate

@@ -408,7 +408,12 @@ def _fits_room(room: Sequence[Array], xs: Sequence[Array]) -> bool:
 
 # -- shared memory --------------------------------------------------------------------
 class RegionGradients:
-    """Gradients in the client's segment, read in place by the store."""
+    """Gradients in the client's segment, read in place by the store.
+
+    ``spent`` (known once ``gradients`` is entered): the push asked for X in the
+    same segment and an earlier answer to it already wrote X over the gradients
+    (``RegionValues``); it can only be a resend after a lost reply, which the
+    store answers from its exactly-once window or refuses (``spent``)."""
 
     def __init__(
         self,
@@ -420,17 +425,28 @@ class RegionGradients:
     ) -> None:
         self.shm = shm
         self.region = req.gradients_region
+        self.reply = req.reply_region if req.HasField("reply_region") else None
         self.specs = bare_specs(req, "in gradients_region")
         self.caller = caller
         self.names = names
+        self.spent = False
 
     @contextmanager
     def gradients(self) -> Iterator[tuple[list[Array], bool]]:
-        with self.shm.read(self.region, self.specs, self.names, self.caller) as grads:
-            if isinstance(grads, FlatArrays):  # packed: the push steps one array
-                yield FlatArrays(grads, grads.flat), False
-            else:
-                yield list(grads), False
+        reply, caller = self.reply, self.caller
+        self.spent = reply is not None and self.shm.is_spent(self.region, reply, caller)
+        # X in place of spent gradients is finite: nothing is checked or stepped
+        finite = self.spent
+        try:
+            with self.shm.read(
+                self.region, self.specs, self.names, caller, spent=self.spent
+            ) as grads:
+                if isinstance(grads, FlatArrays):  # packed: the push steps one array
+                    yield FlatArrays(grads, grads.flat), finite
+                else:
+                    yield list(grads), finite
+        finally:
+            self.shm.finished(self.region)
 
 
 class RegionValues:
@@ -438,32 +454,64 @@ class RegionValues:
     there, e.g. the group was replaced)."""
 
     def __init__(
-        self, shm: SharedMemory, region: pb.SharedMemoryRegion, caller: Caller
+        self,
+        shm: SharedMemory,
+        region: pb.SharedMemoryRegion,
+        caller: Caller,
+        gradients: pb.SharedMemoryRegion | None = None,
     ) -> None:
         self.shm = shm
         self.region = region
         self.caller = caller
+        # the push's gradients are in this very segment: X goes over them
+        self.gradients = gradients if _same_segment(gradients, region) else None
         self._views: list[Array] = []  # where X goes in the segment, per tensor
         self._offsets: list[int] = []
         self._shapes: Sequence[tuple[int, ...]] = ()
         self._xs: Sequence[Array] = ()
+        self._generation: Array | None = None  # set at ``begin``: X over gradients
 
     def check(self) -> None:
         self.shm.check(self.region, self.caller, "reply_region")
+        grads = self.gradients
+        if grads is not None and grads.generation != self.region.generation:
+            # X over gradients moves the segment one generation on from theirs
+            raise InvalidArgument(
+                f"reply_region names segment {self.region.segment!r} of "
+                "gradients_region at another generation: X written there goes "
+                "over the gradients, so both regions must name the segment as it "
+                "is now",
+                reason="STALE_SEGMENT",
+                field="reply_region.generation",
+            )
 
     def emitter(self, ticket: PushTicket) -> RegionValues | None:
         """This sink as the store's ``ValuesSink``: each block of X is copied into
         the segment as the step makes it final, under the group's lock, and is
-        the reply (no copy of X beside it); None where X does not fit there."""
+        the reply (no copy of X beside it); None where X does not fit there.
+
+        In the gradients' own segment (one segment for the call), a block of X
+        goes over the block of gradients the step has just spent (the step is
+        element-wise), so they must lie where X goes; else (None) X is written
+        whole after the step. The segment's generation moves on before the first
+        block (``begin``): a resend of the push then finds its gradients spent
+        (``RegionGradients``) rather than reading X as gradients."""
         sizes = [math.prod(s) for s in ticket.shapes]
         found = self.shm.reply_views(self.region, ticket.dtype, sizes, self.caller)
         if found is None:
             return None
         self._views, self._offsets = found
+        if self.gradients is not None:
+            if list(self.gradients.offsets) != self._offsets:
+                self._views, self._offsets = [], []
+                return None
+            self._generation = self.shm.generation_of(self.region, self.caller)
         self._shapes = ticket.shapes
         return self
 
     def begin(self, outcome: PushOutcome, xs: Sequence[Array]) -> None:
+        if self._generation is not None:
+            self._generation[0] = self.region.generation + 1
         self._xs = xs
 
     def block(self, index: int, start: int, stop: int) -> None:
@@ -472,8 +520,17 @@ class RegionValues:
     def send(
         self, reply: Reply, values: Sequence[Array] | None, names: Sequence[str]
     ) -> None:
+        try:
+            self._send(reply, values, names)
+        finally:
+            self.shm.finished(self.region)
+
+    def _send(
+        self, reply: Reply, values: Sequence[Array] | None, names: Sequence[str]
+    ) -> None:
         if values is None:  # written as the push stepped (``emitter``)
             self._xs = ()
+            self._generation = None
             region = self.shm.written(self.region, self._offsets, self.caller)
             reply.values_region.CopyFrom(region)
             shaped = [
@@ -488,6 +545,26 @@ class RegionValues:
             return
         reply.values_region.CopyFrom(written)
         reply.values.extend(header_tensors(values, names))
+
+
+def _segment_bytes(req: pb.PushRequest) -> int:
+    """The tensor bytes a unary push maps of its client's segments: its gradients
+    in one, and X in its reply segment when that is another one (X over the
+    gradients maps nothing more)."""
+    if req.HasField("transfer"):
+        return 0
+    declared = sum(declared_nbytes(t) for t in req.gradients)
+    grads = req.HasField("gradients_region")
+    reply = (
+        req.return_values
+        and req.HasField("reply_region")
+        and not (grads and req.reply_region.segment == req.gradients_region.segment)
+    )
+    return declared * (int(grads) + int(reply))
+
+
+def _same_segment(a: pb.SharedMemoryRegion | None, b: pb.SharedMemoryRegion) -> bool:
+    return a is not None and a.segment == b.segment
 
 
 # -- the data channel -----------------------------------------------------------------
@@ -678,10 +755,22 @@ class Transports:
         sink: ValuesSink
         if req.HasField("reply_region"):
             caller = caller or caller_of(context)
-            sink = RegionValues(self._shm, req.reply_region, caller)
+            grads = req.gradients_region if req.HasField("gradients_region") else None
+            sink = RegionValues(self._shm, req.reply_region, caller, grads)
         else:
             sink = _INLINE_VALUES
+        mapped = _segment_bytes(req)
+        if mapped:
+            return self._holding(context, mapped, (ticket, source, sink))
         return nullcontext((ticket, source, sink))  # nothing held beside the call
+
+    @contextmanager
+    def _holding(self, context: Any, nbytes: int, way: Way) -> Iterator[Way]:
+        """``way``, with ``nbytes`` of the client's segments it maps held in the
+        in-flight budget until the call ends."""
+        with self._reply_bytes(context, False) as hold:
+            hold.admit(nbytes, what="this push's shared-memory segments map")
+            yield way
 
     @contextmanager
     def push_pull(
@@ -753,7 +842,9 @@ class Transports:
             return ChannelPull(channel, req, self._reply_bytes(context, False))
         inline = InlinePull(req.encoding, self._reply_bytes(context, False))
         if req.HasField("reply_region"):
-            return RegionPull(self._shm, req.reply_region, caller_of(context), inline)
+            hold = self._reply_bytes(context, False)
+            caller = caller_of(context)
+            return RegionPull(self._shm, req.reply_region, caller, inline, hold)
         return inline
 
     # -- the data channel ----------------------------------------------------------

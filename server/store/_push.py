@@ -110,6 +110,8 @@ class PushRequest:
     seq: int  # the client's push number, not a log position
     base_version: int | None
     learning_rate: float | None
+    # its gradients are gone: answered from the exactly-once window, or refused
+    answered_only: bool = False
     rows: bool = False  # a row push (``_sparse``): logged as its rows, not a table
 
     def record(self, group: str, update_count: int) -> dict[str, Any]:
@@ -261,6 +263,8 @@ class PushPipeline:
             self._check_live(g)
             journal.check_writable()
             cached = self._dedup_lookup(g, request.client_id, request.seq)
+            if cached is None and request.answered_only:
+                raise _not_answered(g, request)
             if cached is not None:
                 journal.settle()  # (sync groups wait under the lock already)
                 outcome = PushOutcome(cached[0], cached[1], duplicate=True)
@@ -294,6 +298,8 @@ class PushPipeline:
             self._admit(g, key)
             journal.check_writable()
             cached = self._dedup_lookup(g, request.client_id, request.seq)
+            if cached is None and request.answered_only:
+                raise _not_answered(g, request)
             if cached is None:
                 t = g.update_count + g.order.in_flight  # the T it steps at, in turn
                 self._check_step(g, request, t)
@@ -518,3 +524,19 @@ def _check_base_version(g: Group, base_version: int | None, t: int) -> None:
             reason="STALE_PUSH",
             metadata={"group": g.name, "update_count": t},
         )
+
+
+def _not_answered(g: Group, request: PushRequest) -> InvalidArgument:
+    """A resend whose gradients are gone that the exactly-once window no longer
+    holds: nothing is applied."""
+    return InvalidArgument(
+        f"push seq {request.seq} of client {request.client_id!r} to group "
+        f"{g.name!r} names a shared-memory segment that already holds X of an "
+        "earlier answer to it (its gradients were spent), and this server no "
+        "longer remembers that answer (its exactly-once window dropped it, or the "
+        "server restarted): nothing was applied; pull the group to see where it "
+        "stands, and push again with a new seq",
+        reason="STALE_SEGMENT",
+        field="gradients_region.generation",
+        metadata={"group": g.name},
+    )

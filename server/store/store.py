@@ -489,11 +489,13 @@ class ParameterStore(MovingGroups):
         cancellation: Cancellation | None = None,
         sink: ValuesSink | None = None,
         known_finite: bool = False,
+        spent: bool = False,
     ) -> PushOutcome:
         """Push gradients G_1..G_n; ``group`` is a name or a ticket for these grads.
 
         ``known_finite``: the caller has checked every element of ``grads`` finite
         (a stream checks its chunks as they arrive), so the store does not again.
+        ``spent``: X was written over ``grads``: a resend, answered or refused.
 
         ``(client_id, seq)`` identifies the push for exactly-once delivery. With
         ``return_values`` a sync push waits for its step (see ``pull``); when every
@@ -501,18 +503,16 @@ class ParameterStore(MovingGroups):
         changes (one that completes the step goes through). With ``return_values``
         and a ``sink``, X goes to the sink instead of ``values``: block by block
         while an async push steps, so the caller can send each block while the
-        next one steps (whole, for a duplicate or a sync push).
-        """
+        next one steps (whole, for a duplicate or a sync push)."""
         self._check_open()
         ticket = self._ticket(group, grads)
         if not client_id and ticket._group.consistency.mode == "sync":
             raise InvalidArgument(
-                f"group {ticket.group!r} is sync: a sync step counts distinct "
-                "clients, so every push needs a client_id (the Client sets one); "
-                "set client_id"
+                f"group {ticket.group!r} is sync: a sync step counts distinct clients, "
+                "so every push needs a client_id (the Client sets one); set client_id"
             )
         check_gradient_values(ticket, grads, learning_rate, known_finite)
-        request = PushRequest(client_id, seq, base_version, learning_rate)
+        request = PushRequest(client_id, seq, base_version, learning_rate, spent)
         return self._pushes.push(
             ticket,
             grads,

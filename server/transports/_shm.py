@@ -23,6 +23,15 @@ checks the file, and a file that changed (another inode or size) is mapped anew.
 A sweeper thread unlinks the segments of clients that died (``sweep_orphans``)
 and drops the mappings of segments that are gone, so their memory is freed
 within a sweep.
+
+A mapped segment's pages count in this server's RSS (as RssShmem) for as long
+as they are mapped here, though they are the client's memory: a 128 MiB group's
+segment would stay in the server's figures after its calls. So the pages of a
+mapping no call has used for ``IDLE_SECONDS`` are dropped from this process
+(``madvise(MADV_DONTNEED)``: the segment's bytes stay in the client's file, the
+mapping stays cached, and the next call faults the pages in again, which costs
+about what mapping them anew does). A client calling again within that time
+finds its pages mapped, as before.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -68,6 +78,8 @@ log = logging.getLogger("onnxps.shm")
 Array = np.ndarray[Any, Any]
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _CACHED_MAPS = 32
+IDLE_SECONDS = 1.0  # a mapping unused this long gives its pages back
+_IDLE_LOOK = 0.25  # how often the sweeper looks for idle mappings
 _BINDINGS = 4096  # keys remembered; the oldest is forgotten (its key still guards)
 
 
@@ -90,11 +102,13 @@ class _Binding:
     uid: int | None
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Mapping:
     inode: int
     size: int
     map: mmap.mmap
+    used: float = 0.0  # time.monotonic() of the last call that took it
+    resident: bool = True  # its pages may be mapped in this process
 
 
 def _unmap(m: _Mapping) -> None:
@@ -112,10 +126,12 @@ class SharedMemory:
         *,
         directory: str = SHM_DIR,
         sweep_seconds: float = 2.0,
+        idle_seconds: float = IDLE_SECONDS,
     ) -> None:
         self.enabled = enabled
         self.directory = directory
         self._sweep_seconds = sweep_seconds
+        self._idle_seconds = idle_seconds
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -133,12 +149,36 @@ class SharedMemory:
         self._sweeper.start()
 
     def _sweep(self) -> None:
-        while not self._stop.wait(self._sweep_seconds):
+        look = min(_IDLE_LOOK, self._sweep_seconds, self._idle_seconds)
+        next_sweep = time.monotonic() + self._sweep_seconds
+        while not self._stop.wait(look):
             try:
-                sweep_orphans(self.directory)
-                self._drop_gone()
+                self.drop_idle()
+                if time.monotonic() >= next_sweep:
+                    next_sweep = time.monotonic() + self._sweep_seconds
+                    sweep_orphans(self.directory)
+                    self._drop_gone()
             except Exception:  # noqa: BLE001 - a sweep must never end the thread
                 log.exception("sweeping orphaned shared-memory segments failed")
+
+    def drop_idle(self, now: float | None = None) -> int:
+        """Drop from this process the pages of the mappings no call has used for
+        ``idle_seconds`` (they stay in the client's segment; a later call faults
+        them in again); how many were dropped. Safe beside a call using one: it
+        only faults its pages in again."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            idle = [
+                m
+                for m in self._maps.values()
+                if m.resident and now - m.used >= self._idle_seconds
+            ]
+            for m in idle:
+                m.resident = False
+        for m in idle:
+            with contextlib.suppress(OSError, ValueError):  # closed meanwhile
+                m.map.madvise(mmap.MADV_DONTNEED)
+        return len(idle)
 
     def stop(self) -> None:
         self._stop.set()
@@ -167,15 +207,18 @@ class SharedMemory:
     def _map(self, name: str, fd: int, st: os.stat_result) -> mmap.mmap:
         """The mapping of the open segment ``fd`` (cached while its file is the
         same)."""
+        now = time.monotonic()
         with self._lock:
             m = self._maps.get(name)
             if m is not None and (m.inode, m.size) == (st.st_ino, st.st_size):
                 self._maps.move_to_end(name)
+                m.used, m.resident = now, True
                 return m.map
         fresh = _Mapping(
             st.st_ino,
             st.st_size,
             mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | _POPULATE),
+            now,
         )
         with self._lock:
             old = self._maps.pop(name, None)
@@ -186,6 +229,15 @@ class SharedMemory:
         for m in evicted:
             _unmap(m)
         return fresh.map
+
+    def finished(self, region: pb.SharedMemoryRegion) -> None:
+        """A call is done with ``region``'s segment: its pages are dropped from this
+        process once no call has used it for ``idle_seconds`` from now (a call
+        that outlasted that may have faulted them in again after a drop)."""
+        with self._lock:
+            m = self._maps.get(region.segment)
+            if m is not None:
+                m.used, m.resident = time.monotonic(), True
 
     # -- checks --------------------------------------------------------------------
     def _check_on(self) -> None:
@@ -307,10 +359,10 @@ class SharedMemory:
             )
         return nonce
 
-    def check(self, region: pb.SharedMemoryRegion, caller: Caller, what: str) -> None:
+    def check(self, region: pb.SharedMemoryRegion, caller: Caller, what: str) -> int:
         """Refuse ``region`` now (before a call changes anything) unless its
-        segment is usable and ``caller``'s."""
-        self._mapped(region.segment, region.key, caller, what)
+        segment is usable and ``caller``'s; the bytes it maps."""
+        return len(self._mapped(region.segment, region.key, caller, what))
 
     @contextlib.contextmanager
     def read(
@@ -319,9 +371,12 @@ class SharedMemory:
         specs: Sequence[tuple[np.dtype[Any], tuple[int, ...]]],
         names: Sequence[str],
         caller: Caller,
+        *,
+        spent: bool = False,
     ) -> Iterator[list[Array]]:
         """Read-only arrays viewing the tensors of ``region`` (no copy), valid for
-        the block."""
+        the block. ``spent``: the segment is one generation past the region's
+        (``is_spent``), and that is what is checked."""
         what = "gradients_region"
         if len(region.offsets) != len(specs):
             raise InvalidArgument(
@@ -329,7 +384,7 @@ class SharedMemory:
                 field=f"{what}.offsets",
             )
         m = self._mapped(region.segment, region.key, caller, what)
-        _check_generation(m, region, what)
+        _check_generation(m, region, what, 1 if spent else 0)
         counts = [math.prod(dims) for _, dims in specs]
         packed = len(specs) > 1
         end = region.offsets[0] if specs else 0
@@ -375,6 +430,32 @@ class SharedMemory:
         ]
         return views, offsets
 
+    def is_spent(
+        self,
+        gradients: pb.SharedMemoryRegion,
+        reply: pb.SharedMemoryRegion,
+        caller: Caller,
+    ) -> bool:
+        """Whether ``gradients`` names a segment whose gradients a push already
+        spent: X written over them in place (``reply`` names the same segment at
+        the same generation), so the segment is one generation past the region.
+        Such a push is a resend after a lost reply: only the answer it already
+        had may be given (exactly-once), its gradients are gone."""
+        if reply.segment != gradients.segment or reply.generation != (
+            gradients.generation
+        ):
+            return False
+        m = self._mapped(gradients.segment, gradients.key, caller, "gradients_region")
+        (generation,) = struct.unpack_from("<Q", m, len(MAGIC))
+        return bool(generation == gradients.generation + 1)
+
+    def generation_of(self, region: pb.SharedMemoryRegion, caller: Caller) -> Array:
+        """A writable one-element view of the generation in the header of
+        ``region``'s segment (little-endian uint64): what a push writing X over
+        its own gradients sets before it writes the first block."""
+        m = self._mapped(region.segment, region.key, caller, "reply_region")
+        return np.frombuffer(m, np.dtype("<u8"), 1, len(MAGIC))
+
     def written(
         self, region: pb.SharedMemoryRegion, offsets: Sequence[int], caller: Caller
     ) -> pb.SharedMemoryRegion:
@@ -418,9 +499,11 @@ class SharedMemory:
         )
 
 
-def _check_generation(m: mmap.mmap, region: pb.SharedMemoryRegion, what: str) -> None:
+def _check_generation(
+    m: mmap.mmap, region: pb.SharedMemoryRegion, what: str, ahead: int = 0
+) -> None:
     (generation,) = struct.unpack_from("<Q", m, len(MAGIC))
-    if generation != region.generation:
+    if generation != region.generation + ahead:
         # The segment's generation stays out of the message: the caller has it.
         raise InvalidArgument(
             f"{what}: segment {region.segment!r} is not at the generation the call "

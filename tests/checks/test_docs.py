@@ -16,12 +16,13 @@ import re
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 from onnxps.client import Adam, AsyncClient, Client
-from onnxps.server.app import ServerConfig, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.server.interceptors.security import ROLES
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -175,31 +176,29 @@ def exported_metrics(text: str) -> set[str]:
 
 
 def test_the_metrics_table_names_every_metric_a_server_exports(
+    servers: Callable[..., ServerHandle],
     tmp_path: Path,
 ) -> None:
-    handle = create_server(
+    handle = servers(
         ServerConfig(
             address="127.0.0.1:0",
             durability="wal",
             data_dir=str(tmp_path / "data"),
             metrics_port=0,
         )
-    ).start()
-    try:
-        with Client(handle.address, timeout=30) as ps:
-            ps.create_group(
-                "g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(3, np.float32)}
-            )
-            ps.push("g", np.ones(3, np.float32))
-            with pytest.raises(ValueError):
-                ps.push("g", np.ones(4, np.float32))  # a refused push counts too
-            ps.pull("g")
-            ps.apply(Adam(), 0.1, 0, *[np.zeros(3, np.float32)] * 4)
-        url = f"http://127.0.0.1:{handle.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            exported = exported_metrics(reply.read().decode())
-    finally:
-        handle.stop(grace=0)
+    )
+    with Client(handle.address, timeout=30) as ps:
+        ps.create_group(
+            "g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(3, np.float32)}
+        )
+        ps.push("g", np.ones(3, np.float32))
+        with pytest.raises(ValueError):
+            ps.push("g", np.ones(4, np.float32))  # a refused push counts too
+        ps.pull("g")
+        ps.apply(Adam(), 0.1, 0, *[np.zeros(3, np.float32)] * 4)
+    url = f"http://127.0.0.1:{handle.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        exported = exported_metrics(reply.read().decode())
     documented = set(
         re.findall(
             r"^\| `(onnxps_\w+)`",

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import onnxps.client
 import pytest
-from _procs import start_server, stop
+from _procs import StartServer
 from _servers import _Awaiting, _flat
 from deadlines import resend_pauses, waited_for
 from onnxps.client import (
@@ -361,9 +361,12 @@ def test_client_and_async_client_rows_end_bit_identical(
 @pytest.mark.slow
 @pytest.mark.parametrize("call", ["push", "push_rows"])
 def test_an_async_push_resends_until_its_deadline_to_a_stopped_server(
-    tmp_path: Path, call: str, caplog: pytest.LogCaptureFixture
+    server_processes: StartServer,
+    tmp_path: Path,
+    call: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    proc, address = start_server(tmp_path / "s.log")
+    proc, address = server_processes(tmp_path / "s.log")
 
     async def run() -> UnavailableError:
         async with AsyncClient(address, timeout=10) as ps:
@@ -380,10 +383,7 @@ def test_an_async_push_resends_until_its_deadline_to_a_stopped_server(
             return err.value
 
     caplog.set_level(logging.INFO, logger="onnxps.client")
-    try:
-        error = asyncio.run(run())
-    finally:
-        stop(proc)
+    error = asyncio.run(run())
     # Resent (logged) and given up only when the deadline ran out (the message),
     # never waiting past it.
     pauses = resend_pauses(caplog.records)

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from _procs import start_server, stop
+from _procs import StartServer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from onnxps import cli
@@ -54,10 +54,10 @@ def _slow_push(
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_serve_drains_in_flight_call_and_exits_0_on_signal(
-    tmp_path: Path, signum: signal.Signals
+    server_processes: StartServer, tmp_path: Path, signum: signal.Signals
 ) -> None:
     log = tmp_path / "server.log"
-    proc, address = start_server(log, "--metrics-port", "0")
+    proc, address = server_processes(log, "--metrics-port", "0")
     try:
         assert address.startswith("127.0.0.1:") and int(address.split(":")[1]) > 0
         found = re.search(r"metrics on (http://\S+/metrics)", log.read_text())
@@ -94,7 +94,6 @@ def test_serve_drains_in_flight_call_and_exits_0_on_signal(
         assert proc.wait(20) == 0
     finally:
         go.set()
-        stop(proc)
     assert "error" not in result, result.get("error")
     reply = result["reply"]
     assert isinstance(reply, pb.PushStreamResponse)

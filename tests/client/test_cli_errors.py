@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 from _procs import clean_env
 from onnxps import cli
 from onnxps.client import Adagrad, Adam, Client, ExportFileError
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.server.interceptors.security import ConfigError
 
 
@@ -62,21 +63,22 @@ def exported(
 
 
 def test_export_and_import_print_counts(
-    exported: Path, capsys: pytest.CaptureFixture[str]
+    servers: Callable[..., ServerHandle],
+    exported: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    other = create_server(ServerConfig(address="127.0.0.1:0", durability="none"))
-    with other:
-        assert cli.main(["import", other.address, str(exported)]) == 0
-        assert capsys.readouterr().out == (
-            f"imported 3 groups from {exported} (created a1, a2, a3)\n"
-        )
-        with Client(other.address) as c:
-            assert _groups(c) == {"a1": 0, "a2": 1, "a3": 0}
-            c.delete_group("a1")
-            c.delete_group("a3")
-        path = exported.parent / "one.npz"
-        assert cli.main(["export", other.address, str(path)]) == 0
-        assert capsys.readouterr().out == f"exported 1 group to {path}\n"
+    other = servers()
+    assert cli.main(["import", other.address, str(exported)]) == 0
+    assert capsys.readouterr().out == (
+        f"imported 3 groups from {exported} (created a1, a2, a3)\n"
+    )
+    with Client(other.address) as c:
+        assert _groups(c) == {"a1": 0, "a2": 1, "a3": 0}
+        c.delete_group("a1")
+        c.delete_group("a3")
+    path = exported.parent / "one.npz"
+    assert cli.main(["export", other.address, str(path)]) == 0
+    assert capsys.readouterr().out == f"exported 1 group to {path}\n"
 
 
 def test_import_refuses_existing_groups_before_creating_any(
@@ -278,7 +280,10 @@ def test_serve_with_missing_tls_or_tokens_files(
 
 
 def test_serve_when_ports_or_the_data_dir_are_in_use(
-    server: ServerHandle, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    server: ServerHandle,
+    servers: Callable[..., ServerHandle],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     line = _one_line(
         capsys, ["serve", "--address", server.address, "--durability", "none"], 1
@@ -296,9 +301,9 @@ def test_serve_when_ports_or_the_data_dir_are_in_use(
     assert line.startswith(f"onnxps: cannot serve metrics on port {port}: ")
     data = tmp_path / "data"
     config = ServerConfig(address="127.0.0.1:0", data_dir=str(data))
-    with create_server(config):
-        argv = ["serve", "--address", "127.0.0.1:0", "--data-dir", str(data)]
-        line = _one_line(capsys, argv, 1)
+    servers(config)
+    argv = ["serve", "--address", "127.0.0.1:0", "--data-dir", str(data)]
+    line = _one_line(capsys, argv, 1)
     assert line.startswith(f"onnxps: data directory {str(data)!r} is in use by another")
 
 

@@ -36,7 +36,7 @@ from onnxps.client import (
     UnavailableError,
 )
 from onnxps.client._errors import translate
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import (
     TensorAssembler,
@@ -281,43 +281,40 @@ def test_pull_min_version_says_what_it_waited_for(client: Client) -> None:
     assert info.value.details.startswith("group g did not reach T=5 within 0.3 s")
 
 
-def test_return_types(tmp_path: Path) -> None:
-    handle = create_server(
+def test_return_types(servers: Callable[..., ServerHandle], tmp_path: Path) -> None:
+    handle = servers(
         ServerConfig(
             address="127.0.0.1:0",
             durability="snapshot",
             data_dir=str(tmp_path / "data"),
             snapshot_interval=0,
         )
-    ).start()
-    try:
-        with Client(handle.address, timeout=10) as c:
-            c.create_group("g", Adam(), learning_rate=0.1, tensors={"x": X})
-            t = c.push("g", X)
-            assert type(t) is int and t == 1
-            values = c.push("g", X, return_values=True)
-            assert isinstance(values, list) and len(values) == 1
-            assert isinstance(values[0], np.ndarray) and values[0].shape == X.shape
-            lease = c.join("g")
-            assert lease == LeaseInfo(
-                lease_seconds=lease.lease_seconds,
-                update_count=2,
-                live_workers=1,
-                quorum=0,
-            )
-            assert lease.lease_seconds > 0
-            with pytest.raises(dataclasses.FrozenInstanceError):
-                lease.quorum = 3  # type: ignore[misc]
-            left = c.leave("g")
-            assert isinstance(left, LeaseInfo) and left.live_workers == 0
-            saved = c.save()
-            assert isinstance(saved, SaveInfo)
-            assert saved.groups == 1
-            assert saved.path.startswith(str(tmp_path / "data")) and saved.bytes > 0
-            with pytest.raises(dataclasses.FrozenInstanceError):
-                saved.groups = 2  # type: ignore[misc]
-    finally:
-        handle.stop(grace=0)
+    )
+    with Client(handle.address, timeout=10) as c:
+        c.create_group("g", Adam(), learning_rate=0.1, tensors={"x": X})
+        t = c.push("g", X)
+        assert type(t) is int and t == 1
+        values = c.push("g", X, return_values=True)
+        assert isinstance(values, list) and len(values) == 1
+        assert isinstance(values[0], np.ndarray) and values[0].shape == X.shape
+        lease = c.join("g")
+        assert lease == LeaseInfo(
+            lease_seconds=lease.lease_seconds,
+            update_count=2,
+            live_workers=1,
+            quorum=0,
+        )
+        assert lease.lease_seconds > 0
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            lease.quorum = 3  # type: ignore[misc]
+        left = c.leave("g")
+        assert isinstance(left, LeaseInfo) and left.live_workers == 0
+        saved = c.save()
+        assert isinstance(saved, SaveInfo)
+        assert saved.groups == 1
+        assert saved.path.startswith(str(tmp_path / "data")) and saved.bytes > 0
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            saved.groups = 2  # type: ignore[misc]
 
 
 # -- exceptions ------------------------------------------------------------------------

@@ -5,6 +5,7 @@ routes and the cluster's modules call through public members only."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,7 +15,7 @@ from onnxps.client import Adam, Client
 from onnxps.client._shardops import ShardOps
 from onnxps.client._transport import CallShape, plan
 from onnxps.client.shm import TensorBuffers
-from onnxps.server.app import ServerConfig, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
@@ -132,16 +133,14 @@ def test_the_reach_in_finder_sees_one() -> None:
     assert _private_reach_ins("x", source) == ["x:2 core._pull_op"]
 
 
-def test_a_clients_shard_operations_hold_its_state() -> None:
-    handle = create_server(ServerConfig(address="127.0.0.1:0", durability="none"))
-    handle.start()
-    try:
-        with Client(handle.address) as c:
-            assert isinstance(c.ops, ShardOps) and c.ops.pending is c._pending
-            c.create_group("g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(4)})
-            assert c.ops.sizes["g"] == 32 and c.ops.dtypes["g"] == np.float64
-            seq = next(c._seq)
-            assert c.push_detailed("g", np.ones(4)).update_count == 1
-            assert next(c.ops.seq) == seq + 2  # the push took seq + 1
-    finally:
-        handle.stop(grace=0)
+def test_a_clients_shard_operations_hold_its_state(
+    servers: Callable[..., ServerHandle],
+) -> None:
+    handle = servers(ServerConfig(address="127.0.0.1:0", durability="none"))
+    with Client(handle.address) as c:
+        assert isinstance(c.ops, ShardOps) and c.ops.pending is c._pending
+        c.create_group("g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(4)})
+        assert c.ops.sizes["g"] == 32 and c.ops.dtypes["g"] == np.float64
+        seq = next(c._seq)
+        assert c.push_detailed("g", np.ones(4)).update_count == 1
+        assert next(c.ops.seq) == seq + 2  # the push took seq + 1

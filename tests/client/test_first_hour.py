@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +33,7 @@ from onnxps.client import (
     UnauthenticatedError,
     UnavailableError,
 )
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.server.cli import (
     add_serve_arguments,
     config_flags,
@@ -60,14 +60,12 @@ def _loopback_with_free_default_port() -> str:
 
 
 @pytest.fixture
-def default_port_server() -> Iterator[tuple[str, ServerHandle]]:
+def default_port_server(
+    servers: Callable[..., ServerHandle],
+) -> Iterator[tuple[str, ServerHandle]]:
     host = _loopback_with_free_default_port()
-    handle = create_server(ServerConfig(address=f"{host}:50051", durability="none"))
-    handle.start()
-    try:
-        yield host, handle
-    finally:
-        handle.stop(grace=0)
+    handle = servers(ServerConfig(address=f"{host}:50051", durability="none"))
+    yield host, handle
 
 
 def test_an_address_without_a_port_means_50051(
@@ -96,23 +94,22 @@ def test_an_address_without_a_port_means_50051(
 
 
 @pytest.fixture
-def tls_server(tmp_path: Path) -> Iterator[ServerHandle]:
+def tls_server(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> Iterator[ServerHandle]:
     ca_key, key = _key(), _key()
     cert = _cert("localhost", key, "onnxps test CA", ca_key, server=True)
     (tmp_path / "server.pem").write_bytes(_pem(cert))
     (tmp_path / "server.key").write_bytes(_pem_key(key))
-    handle = create_server(
+    handle = servers(
         ServerConfig(
             address="127.0.0.1:0",
             durability="none",
             tls_cert=str(tmp_path / "server.pem"),
             tls_key=str(tmp_path / "server.key"),
         )
-    ).start()
-    try:
-        yield handle
-    finally:
-        handle.stop(grace=0)
+    )
+    yield handle
 
 
 def test_a_plaintext_client_at_a_tls_server_is_told_about_tls(
@@ -263,42 +260,41 @@ def test_python_lists_are_gradients_of_the_groups_dtype(client: Client) -> None:
         assert fresh.push("g", [0.0, 0.0, 0.0], 0.0) == 3
 
 
-def test_a_refused_token_names_the_call_the_user_made(tmp_path: Path) -> None:
+def test_a_refused_token_names_the_call_the_user_made(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
     tokens = tmp_path / "tokens.txt"
     tokens.write_text("admin-token-0123456789 admin *\n")
-    handle = create_server(
+    handle = servers(
         ServerConfig(address="127.0.0.1:0", durability="none", tokens_file=str(tokens))
-    ).start()
-    try:
-        with Client(handle.address, token="admin-token-0123456789") as admin:
-            admin.create_group(
-                "g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(3, np.float32)}
-            )
-        with Client(handle.address, token="not-a-token-0123456789") as ps:
-            with pytest.raises(UnauthenticatedError) as err:
-                ps.pull("g")
-        assert err.value.details == (
-            "pull() was refused: DescribeGroup: the token is not known to this server"
+    )
+    with Client(handle.address, token="admin-token-0123456789") as admin:
+        admin.create_group(
+            "g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(3, np.float32)}
         )
-        assert err.value.metadata["method"] == "DescribeGroup"
-
-        async def pushed() -> None:
-            async with AsyncClient(handle.address, token="not-a-token-01234") as aps:
-                await aps.push("g", np.ones(3, np.float32))
-
+    with Client(handle.address, token="not-a-token-0123456789") as ps:
         with pytest.raises(UnauthenticatedError) as err:
-            asyncio.run(pushed())
-        assert err.value.details == "Push: the token is not known to this server"
+            ps.pull("g")
+    assert err.value.details == (
+        "pull() was refused: DescribeGroup: the token is not known to this server"
+    )
+    assert err.value.metadata["method"] == "DescribeGroup"
 
-        async def pulled() -> None:
-            async with AsyncClient(handle.address, token="not-a-token-01234") as aps:
-                await aps.pull("g")
+    async def pushed() -> None:
+        async with AsyncClient(handle.address, token="not-a-token-01234") as aps:
+            await aps.push("g", np.ones(3, np.float32))
 
-        with pytest.raises(UnauthenticatedError) as err:
-            asyncio.run(pulled())
-        assert err.value.details.startswith("pull() was refused: DescribeGroup: ")
-    finally:
-        handle.stop(grace=0)
+    with pytest.raises(UnauthenticatedError) as err:
+        asyncio.run(pushed())
+    assert err.value.details == "Push: the token is not known to this server"
+
+    async def pulled() -> None:
+        async with AsyncClient(handle.address, token="not-a-token-01234") as aps:
+            await aps.pull("g")
+
+    with pytest.raises(UnauthenticatedError) as err:
+        asyncio.run(pulled())
+    assert err.value.details.startswith("pull() was refused: DescribeGroup: ")
 
 
 def test_a_refusals_traceback_is_the_call_and_the_method_that_raised_it(
@@ -330,35 +326,28 @@ def test_a_refusals_traceback_is_the_call_and_the_method_that_raised_it(
 
 
 def test_a_wrong_shard_order_is_one_line_not_thirty_frames(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    servers: Callable[..., ServerHandle],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("ONNXPS_DEBUG", raising=False)
-    shards = [
-        create_server(
-            ServerConfig(address="127.0.0.1:0", durability="none", shard=f"{i}/2")
-        ).start()
-        for i in range(2)
+    shards = [servers(shard=f"{i}/2") for i in range(2)]
+    backwards = [shards[1].address, shards[0].address]
+    with Client(backwards, timeout=10) as ps:
+        with pytest.raises(FailedPreconditionError) as err:
+            ps.list_groups()
+    frames = traceback.extract_tb(err.value.__traceback__)
+    # this test's call, and the client's public method that raised
+    assert [f.name for f in frames] == [
+        "test_a_wrong_shard_order_is_one_line_not_thirty_frames",
+        "method",
     ]
-    try:
-        backwards = [shards[1].address, shards[0].address]
-        with Client(backwards, timeout=10) as ps:
-            with pytest.raises(FailedPreconditionError) as err:
-                ps.list_groups()
-        frames = traceback.extract_tb(err.value.__traceback__)
-        # this test's call, and the client's public method that raised
-        assert [f.name for f in frames] == [
-            "test_a_wrong_shard_order_is_one_line_not_thirty_frames",
-            "method",
-        ]
-        assert err.value.reason == "SHARD_LAYOUT_MISMATCH"
-        assert "its address list is in another order" in err.value.details
-        assert cli.main(["status", ",".join(backwards)]) == 1
-        errors = capsys.readouterr().err.splitlines()
-        assert len(errors) == 1
-        assert errors[0].endswith("(its address list is in another order)")
-    finally:
-        for s in shards:
-            s.stop(grace=0)
+    assert err.value.reason == "SHARD_LAYOUT_MISMATCH"
+    assert "its address list is in another order" in err.value.details
+    assert cli.main(["status", ",".join(backwards)]) == 1
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 1
+    assert errors[0].endswith("(its address list is in another order)")
 
 
 def test_the_demos_progress_lines_say_what_they_know() -> None:

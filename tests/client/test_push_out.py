@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from onnxps.cli.process import start_server_process
 from onnxps.client import Adam, AsyncClient, Client, Momentum
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.wire.shm import SHM_DIR
 
 RNG = np.random.default_rng(5)
@@ -115,23 +115,19 @@ def test_async_client_push_out(server: ServerHandle) -> None:
     asyncio.run(run())
 
 
-def test_push_out_on_a_cluster_with_a_split_group() -> None:
+def test_push_out_on_a_cluster_with_a_split_group(
+    servers: Callable[..., ServerHandle],
+) -> None:
     handles = [
-        create_server(
-            ServerConfig(address="127.0.0.1:0", durability="none", shard=f"{i}/2")
-        ).start()
+        servers(ServerConfig(address="127.0.0.1:0", durability="none", shard=f"{i}/2"))
         for i in range(2)
     ]
-    try:
-        # split_bytes below the group's size: its X is cut in two parts
-        with Client([h.address for h in handles], split_bytes=40_000) as ps:
-            _create(ps, "plain")
-            _create(ps, "into")
-            assert len(ps.describe_group("into").parts) == 2
-            _steps_with_and_without_out(ps, GRADS)
-    finally:
-        for h in handles:
-            h.stop(grace=0)
+    # split_bytes below the group's size: its X is cut in two parts
+    with Client([h.address for h in handles], split_bytes=40_000) as ps:
+        _create(ps, "plain")
+        _create(ps, "into")
+        assert len(ps.describe_group("into").parts) == 2
+        _steps_with_and_without_out(ps, GRADS)
 
 
 def test_a_strided_out_is_filled_too(client: Client) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _cluster import shards
-from _procs import start_server, stop
+from _procs import StartServer, start_server, stop
 from _servers import _Awaiting, _flat
 from onnxps.client import (
     Adam,
@@ -229,6 +229,7 @@ def test_a_cancelled_pull_frees_the_wait_on_every_shard(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_push_cancelled_while_a_part_hangs_is_completed_by_the_next(
+    server_processes: StartServer,
     tmp_path: Path,
 ) -> None:
     """A shard stops answering (SIGSTOP) while a push travels: the task is
@@ -288,15 +289,12 @@ def test_a_push_cancelled_while_a_part_hangs_is_completed_by_the_next(
 
     with shards(tmp_path, 3, *wal) as (addresses, procs):
         got = asyncio.run(run(addresses, procs))
-    ref_server, one_address = start_server(tmp_path / "ref.log")
-    try:
-        with Client(one_address) as ref:
-            ref.create_group("c", Adam(), learning_rate=0.05, tensors=x0)
-            for g in grads:
-                ref.push("c", *g)
-            want = ref.pull("c", state=True)
-    finally:
-        stop(ref_server)
+    ref_server, one_address = server_processes(tmp_path / "ref.log")
+    with Client(one_address) as ref:
+        ref.create_group("c", Adam(), learning_rate=0.05, tensors=x0)
+        for g in grads:
+            ref.push("c", *g)
+        want = ref.pull("c", state=True)
     for got_a, want_a in zip(got, want, strict=True):
         np.testing.assert_array_equal(got_a, want_a, strict=True)
 

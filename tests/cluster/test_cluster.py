@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _cluster import OPTIMIZERS, shards
-from _procs import clean_env, start_server, stop
+from _procs import StartServer, clean_env, start_server, stop
 from onnxps.client import (
     Adagrad,
     Adam,
@@ -388,6 +388,7 @@ def test_kill_9_of_a_shard_under_load_workers_ride_through(
 
 @pytest.mark.slow
 def test_export_from_3_shards_import_into_2_and_continue_bit_exact(
+    server_processes: StartServer,
     tmp_path: Path,
 ) -> None:
     names: dict[str, OptimizerSpec] = {
@@ -411,16 +412,13 @@ def test_export_from_3_shards_import_into_2_and_continue_bit_exact(
             )
             push_some(ps, 1)
             assert sorted(ps.export(export)) == ["e-adam", "e-mom", "e-small"]
-    ref_server, one_address = start_server(tmp_path / "ref.log")
-    try:
-        with Client(one_address, timeout=30) as ref:
-            for n, spec in names.items():
-                _create(ref, n, spec, np.float64, False)
-            push_some(ref, 1)
-            push_some(ref, 2)
-            want = {n: ref.pull_versioned(n, state=True) for n in names}
-    finally:
-        stop(ref_server)
+    ref_server, one_address = server_processes(tmp_path / "ref.log")
+    with Client(one_address, timeout=30) as ref:
+        for n, spec in names.items():
+            _create(ref, n, spec, np.float64, False)
+        push_some(ref, 1)
+        push_some(ref, 2)
+        want = {n: ref.pull_versioned(n, state=True) for n in names}
     with shards(tmp_path, 2, tag="b") as (two, _):
         with Client(two, timeout=30, split_bytes=SPLIT * 2) as ps:
             assert sorted(ps.import_(export)) == ["e-adam", "e-mom", "e-small"]
@@ -434,17 +432,16 @@ def test_export_from_3_shards_import_into_2_and_continue_bit_exact(
             assert ps.pull("e-small")[0].tolist() == [1.0, 1.0, 1.0]
 
 
-def test_shard_env_auto_takes_the_ordinal_of_hostname(tmp_path: Path) -> None:
-    proc, address = start_server(
+def test_shard_env_auto_takes_the_ordinal_of_hostname(
+    server_processes: StartServer, tmp_path: Path
+) -> None:
+    proc, address = server_processes(
         tmp_path / "auto.log", env=clean_env(ONNXPS_SHARD="auto/3", HOSTNAME="ps-2")
     )
-    try:
-        assert "this server is shard 2 of 3" in (tmp_path / "auto.log").read_text()
-        with Client([address, address, address], timeout=10) as ps:
-            with pytest.raises(FailedPreconditionError, match="this is shard 2 of 3"):
-                ps.list_groups()
-    finally:
-        stop(proc)
+    assert "this server is shard 2 of 3" in (tmp_path / "auto.log").read_text()
+    with Client([address, address, address], timeout=10) as ps:
+        with pytest.raises(FailedPreconditionError, match="this is shard 2 of 3"):
+            ps.list_groups()
     assert os.environ.get("ONNXPS_SHARD") is None
 
 
@@ -489,7 +486,9 @@ def test_status_export_import_commands_take_a_shard_list(
 
 
 @pytest.mark.slow
-def test_a_push_that_missed_a_shard_is_completed_by_the_next(tmp_path: Path) -> None:
+def test_a_push_that_missed_a_shard_is_completed_by_the_next(
+    server_processes: StartServer, tmp_path: Path
+) -> None:
     """Shard down longer than a push's deadline: the push fails, having reached the
     other parts; the client's next push to the group sends the missing part first
     (same seq), so every part ends at the same T and the values of one server."""
@@ -524,15 +523,12 @@ def test_a_push_that_missed_a_shard_is_completed_by_the_next(tmp_path: Path) -> 
             assert ps.push("late", *grads[2]) == 3
             assert _part_counts(ps, "late") == [3, 3, 3]
             got = ps.pull("late", state=True)
-    ref_server, one_address = start_server(tmp_path / "ref.log")
-    try:
-        with Client(one_address) as ref:
-            _create(ref, "late", Adam(), np.float32, False)
-            for g in grads:
-                ref.push("late", *g)
-            want = ref.pull("late", state=True)
-    finally:
-        stop(ref_server)
+    ref_server, one_address = server_processes(tmp_path / "ref.log")
+    with Client(one_address) as ref:
+        _create(ref, "late", Adam(), np.float32, False)
+        for g in grads:
+            ref.push("late", *g)
+        want = ref.pull("late", state=True)
     for got_a, want_a in zip(got, want, strict=True):
         np.testing.assert_array_equal(got_a, want_a, strict=True)
 

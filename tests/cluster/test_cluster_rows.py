@@ -13,7 +13,7 @@ from typing import Any, Literal
 import numpy as np
 import pytest
 from _cluster import OPTIMIZERS, shards
-from _procs import start_server, stop
+from _procs import StartServer, start_server, stop
 from onnxps.client import (
     Adam,
     Client,
@@ -260,7 +260,9 @@ def test_refusals_leave_every_part_unchanged(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_part_that_missed_a_row_push_is_sent_it_again(tmp_path: Path) -> None:
+def test_a_part_that_missed_a_row_push_is_sent_it_again(
+    server_processes: StartServer, tmp_path: Path
+) -> None:
     """The shard of part 1 is down through a row push's deadline: the push fails
     having reached the other parts; the next row push sends the missing part first
     (same seq), so every part ends at the same T and one server's values."""
@@ -291,15 +293,12 @@ def test_a_part_that_missed_a_row_push_is_sent_it_again(tmp_path: Path) -> None:
             assert ps.push_rows("late", pushes[4]).update_count == 3
             assert [p.update_count for p in ps.describe_group("late").parts] == [3] * 3
             got = ps.pull("late", state=True)
-    ref_server, one_address = start_server(tmp_path / "ref.log")
-    try:
-        with Client(one_address) as ref:
-            _create(ref, "late", Adam(), np.float32)
-            for grads in (pushes[0], pushes[1], pushes[4]):
-                ref.push_rows("late", grads)
-            want = ref.pull("late", state=True)
-    finally:
-        stop(ref_server)
+    ref_server, one_address = server_processes(tmp_path / "ref.log")
+    with Client(one_address) as ref:
+        _create(ref, "late", Adam(), np.float32)
+        for grads in (pushes[0], pushes[1], pushes[4]):
+            ref.push_rows("late", grads)
+        want = ref.pull("late", state=True)
     for got_a, want_a in zip(got, want, strict=True):
         np.testing.assert_array_equal(got_a, want_a, strict=True)
 

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
-from _etcd import EtcdProcess
 from _reshard import EtcdCluster
 from _servers import details
 from onnxps.cli.reshard import Move, reshard, target_shard
@@ -59,17 +57,16 @@ def _pushing(cluster: EtcdCluster, name: str, acked: list[int], stop: Any) -> No
 
 
 def test_a_16_mib_group_is_followed_and_only_its_last_records_are_sent_fenced(
-    tmp_path: Path, etcd_server: EtcdProcess, servers: Callable[..., Any]
+    etcd_cluster: EtcdCluster, servers: Callable[..., Any]
 ) -> None:
-    cluster = EtcdCluster(tmp_path, etcd_server)
+    cluster = etcd_cluster
     name = _name()
     acked = [0]
     errors: list[BaseException] = []
     stop = threading.Event()
     moves: list[Move] = []
     try:
-        cluster.start(0, 2)
-        cluster.start(1, 2)
+        cluster.start_shards(2)
         with cluster.connect(split_bytes=WHOLE) as admin:
             _create(admin, name)
 
@@ -120,37 +117,32 @@ def test_a_16_mib_group_is_followed_and_only_its_last_records_are_sent_fenced(
                 assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     finally:
         stop.set()
-        cluster.close()
 
 
 def test_a_group_is_copied_whole_under_the_fence_with_copy_under_fence(
-    tmp_path: Path, etcd_server: EtcdProcess
+    etcd_cluster: EtcdCluster,
 ) -> None:
-    cluster = EtcdCluster(tmp_path, etcd_server)
+    cluster = etcd_cluster
     name = _name()
     moves: list[Move] = []
-    try:
-        cluster.start(0, 2)
-        cluster.start(1, 2)
-        with cluster.connect(split_bytes=WHOLE) as c:
-            _create(c, name, rows=64)
-            for step in range(5):
-                _push(c, name, step, rows=64)
-        cluster.start(2, 3)
-        reshard(
-            cluster.url,
-            3,
-            progress=lambda m, done, total: moves.append(m),
-            follow=False,
-        )
-        (m,) = [m for m in moves if m.name == name]
-        assert not m.followed
-        assert m.fenced_bytes == m.bytes > 2 * 64 * COLS * 4
-        assert "log records of group" not in cluster.log(0)
-        with cluster.connect(split_bytes=WHOLE) as c:
-            assert c.describe_group(name).update_count == 5
-    finally:
-        cluster.close()
+    cluster.start_shards(2)
+    with cluster.connect(split_bytes=WHOLE) as c:
+        _create(c, name, rows=64)
+        for step in range(5):
+            _push(c, name, step, rows=64)
+    cluster.start(2, 3)
+    reshard(
+        cluster.url,
+        3,
+        progress=lambda m, done, total: moves.append(m),
+        follow=False,
+    )
+    (m,) = [m for m in moves if m.name == name]
+    assert not m.followed
+    assert m.fenced_bytes == m.bytes > 2 * 64 * COLS * 4
+    assert "log records of group" not in cluster.log(0)
+    with cluster.connect(split_bytes=WHOLE) as c:
+        assert c.describe_group(name).update_count == 5
 
 
 def test_a_source_without_a_log_refuses_to_be_followed(

@@ -11,16 +11,17 @@ import logging
 import re
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from _procs import clean_env, start_server, stop
+from _procs import StartServer, clean_env
 from _replicas import ReplicaSet
 from _servers import _crash
 from onnxps.client import Adagrad, Client
-from onnxps.server.app import ServerConfig, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.server.kernels import Stepper, _select, apply_onnx, make_attrs
 
 F32 = np.float32
@@ -65,7 +66,9 @@ def test_a_stepper_steps_with_numpy_while_the_kernels_load_then_takes_them(
 
 
 def test_replay_opens_only_the_log_after_the_newest_snapshot(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    servers: Callable[..., ServerHandle],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     config = ServerConfig(
         address="127.0.0.1:0",
@@ -74,7 +77,7 @@ def test_replay_opens_only_the_log_after_the_newest_snapshot(
         snapshot_interval=0,
     )
     grads = _grads(9, 1000)
-    first = create_server(config).start()
+    first = servers(config)
     try:
         with Client(first.address) as c:
             c.create_group(
@@ -97,13 +100,10 @@ def test_replay_opens_only_the_log_after_the_newest_snapshot(
     old[len(old) // 2] ^= 0xFF
     segments[0].write_bytes(bytes(old))
     caplog.set_level(logging.INFO, logger="onnxps.durability")
-    second = create_server(config).start()
-    try:
-        with Client(second.address) as c:
-            assert c.describe_group("g").update_count == 9
-            assert c.pull("g")[0].tobytes() == _reference(grads).tobytes()
-    finally:
-        second.stop(grace=0)
+    second = servers(config)
+    with Client(second.address) as c:
+        assert c.describe_group("g").update_count == 9
+        assert c.pull("g")[0].tobytes() == _reference(grads).tobytes()
     replayed = [r.getMessage() for r in caplog.records if "replayed" in r.getMessage()]
     assert len(replayed) == 1
     assert re.fullmatch(
@@ -157,6 +157,7 @@ def _wait_line(log: Path, pattern: str, timeout: float = 120.0) -> str:
 
 @pytest.mark.slow
 def test_a_server_serves_while_its_kernels_compile_then_loads_them_from_the_cache(
+    server_processes: StartServer,
     tmp_path: Path,
 ) -> None:
     pytest.importorskip("numba")
@@ -164,7 +165,7 @@ def test_a_server_serves_while_its_kernels_compile_then_loads_them_from_the_cach
     env = clean_env(NUMBA_CACHE_DIR=str(cache))
     grads = _grads(4, 100_003)
     log = tmp_path / "first.log"
-    proc, address = start_server(log, env=env)
+    proc, address = server_processes(log, env=env)
     try:
         with Client(address, timeout=60) as c:
             c.create_group(
@@ -185,16 +186,11 @@ def test_a_server_serves_while_its_kernels_compile_then_loads_them_from_the_cach
     assert cache.is_dir()
 
     log = tmp_path / "second.log"
-    proc, address = start_server(log, env=env)
-    try:
-        with Client(address, timeout=60) as c:
-            c.create_group(
-                "g", Adagrad(), learning_rate=0.1, tensors={"x": 0 * grads[0]}
-            )
-            ready = _wait_line(log, r"fused kernels ready in .*")
-            for g in grads[:2]:
-                c.push("g", g)
-            assert c.pull("g")[0].tobytes() == _reference(grads[:2]).tobytes()
-    finally:
-        stop(proc)
+    proc, address = server_processes(log, env=env)
+    with Client(address, timeout=60) as c:
+        c.create_group("g", Adagrad(), learning_rate=0.1, tensors={"x": 0 * grads[0]})
+        ready = _wait_line(log, r"fused kernels ready in .*")
+        for g in grads[:2]:
+            c.push("g", g)
+        assert c.pull("g")[0].tobytes() == _reference(grads[:2]).tobytes()
     assert f"loaded from numba's cache in {cache}/" in ready, ready

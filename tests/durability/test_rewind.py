@@ -12,13 +12,14 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from _procs import start_server, stop
+from _procs import StartServer
 from onnxps.client import (
     Adam,
     Client,
@@ -86,53 +87,51 @@ def _train(
 
 @pytest.mark.slow
 def test_a_rewind_is_bit_equal_goes_on_as_a_replay_and_survives_kill_9(
+    server_processes: StartServer,
     tmp_path: Path,
 ) -> None:
     data = tmp_path / "data"
     args = ("--durability", "wal", "--data-dir", str(data))
-    proc, address = start_server(tmp_path / "a.log", *args, "--snapshot-interval", "0")
+    proc, address = server_processes(
+        tmp_path / "a.log", *args, "--snapshot-interval", "0"
+    )
     grads = _grads(110)
-    try:
-        with Client(address, timeout=30) as c:
-            c.create_group(
-                "g", Adam(), learning_rate=LR, tensors={"w": np.ones(N, F32)}
-            )
-            seen = _train(c, "g", grads[:100], saves=(20, 70))
-            at40 = seen[40]
-            assert c.describe_group("g").update_count == 100
-            done = c.rewind("g", to_step=40)
-            assert (done.from_step, done.group.update_count) == (100, 40)
-            # the snapshot at 20, then the group's records 21..40: 20 replayed
-            assert (done.base, done.base_step, done.replayed) == ("snapshot", 20, 20)
-            t, now = c.pull_versioned("g", state=True)
-            assert t == 40
-            assert_state(now, at40)
-            for g in grads[100:110]:
-                c.push("g", g)
-            want = replay(at40, 40, grads[100:110])
-            t, after = c.pull_versioned("g", state=True)
-            assert t == 50
-            assert_state(after, want)
-            history = c.history("g")
-            kinds = {(s.step, s.kind) for s in history.steps if s.kind != "step"}
-            assert kinds == {(20, "snapshot"), (40, "rewind")}
-            assert [s.step for s in history.steps] == list(range(20, 51))
-            assert history.update_count == 50 and history.wal_bytes > 0
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        proc, address = start_server(tmp_path / "b.log", *args)
-        with Client(address, timeout=30) as c:
-            t, restarted = c.pull_versioned("g", state=True)
-            assert t == 50
-            assert_state(restarted, want)
-            # the steps of the dropped line are history, not the group's
-            assert c.history("g").steps[-1].step == 50
-            # and a rewind after the restart goes through the rewind's record
-            done = c.rewind("g", to_step=45)
-            assert (done.base, done.base_step, done.replayed) == ("rewind", 40, 5)
-            assert_state(c.pull("g", state=True), replay(at40, 40, grads[100:105]))
-    finally:
-        stop(proc)
+    with Client(address, timeout=30) as c:
+        c.create_group("g", Adam(), learning_rate=LR, tensors={"w": np.ones(N, F32)})
+        seen = _train(c, "g", grads[:100], saves=(20, 70))
+        at40 = seen[40]
+        assert c.describe_group("g").update_count == 100
+        done = c.rewind("g", to_step=40)
+        assert (done.from_step, done.group.update_count) == (100, 40)
+        # the snapshot at 20, then the group's records 21..40: 20 replayed
+        assert (done.base, done.base_step, done.replayed) == ("snapshot", 20, 20)
+        t, now = c.pull_versioned("g", state=True)
+        assert t == 40
+        assert_state(now, at40)
+        for g in grads[100:110]:
+            c.push("g", g)
+        want = replay(at40, 40, grads[100:110])
+        t, after = c.pull_versioned("g", state=True)
+        assert t == 50
+        assert_state(after, want)
+        history = c.history("g")
+        kinds = {(s.step, s.kind) for s in history.steps if s.kind != "step"}
+        assert kinds == {(20, "snapshot"), (40, "rewind")}
+        assert [s.step for s in history.steps] == list(range(20, 51))
+        assert history.update_count == 50 and history.wal_bytes > 0
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc, address = server_processes(tmp_path / "b.log", *args)
+    with Client(address, timeout=30) as c:
+        t, restarted = c.pull_versioned("g", state=True)
+        assert t == 50
+        assert_state(restarted, want)
+        # the steps of the dropped line are history, not the group's
+        assert c.history("g").steps[-1].step == 50
+        # and a rewind after the restart goes through the rewind's record
+        done = c.rewind("g", to_step=45)
+        assert (done.base, done.base_step, done.replayed) == ("rewind", 40, 5)
+        assert_state(c.pull("g", state=True), replay(at40, 40, grads[100:105]))
 
 
 def _wal_server(
@@ -325,11 +324,10 @@ def test_pushes_across_a_rewind_are_answered_by_the_line_they_belong_to(
         assert c.describe_group("g").update_count == 11
 
 
-def test_a_sync_round_in_progress_is_dropped_and_its_waiting_worker_told(
-    servers: Callable[..., ServerHandle], tmp_path: Path
-) -> None:
-    server = _wal_server(servers, tmp_path)
-    grads = _grads(8)
+@contextmanager
+def _sync_workers(server: ServerHandle) -> Iterator[tuple[Client, Client]]:
+    """Clients "a" and "b" of ``server``, the two workers of a Sync group "g" (Adam,
+    ``N`` ones) that "a" creates."""
     with (
         Client(server.address, client_id="a") as a,
         Client(server.address, client_id="b") as b,
@@ -341,6 +339,15 @@ def test_a_sync_round_in_progress_is_dropped_and_its_waiting_worker_told(
             tensors={"w": np.ones(N, F32)},
             consistency=Sync(workers=2),
         )
+        yield a, b
+
+
+def test_a_sync_round_in_progress_is_dropped_and_its_waiting_worker_told(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
+    server = _wal_server(servers, tmp_path)
+    grads = _grads(8)
+    with _sync_workers(server) as (a, b):
         for k in range(3):  # three full rounds: T=3
             t = threading.Thread(target=a.push, args=("g", grads[k]))
             t.start()
@@ -359,7 +366,9 @@ def test_a_sync_round_in_progress_is_dropped_and_its_waiting_worker_told(
 
         worker = threading.Thread(target=waiting)
         worker.start()
+        deadline = time.monotonic() + 30
         while a.describe_group("g").pending_contributions != 1:
+            assert time.monotonic() < deadline, "the waiting worker's push never came"
             time.sleep(0.01)  # the waiting worker's push is buffered
         done = a.rewind("g", to_step=1)
         worker.join(timeout=10)
@@ -614,17 +623,7 @@ def test_a_sync_group_rewinds_from_a_snapshot_taken_mid_round(
 ) -> None:
     server = _wal_server(servers, tmp_path)
     grads = _grads(8)
-    with (
-        Client(server.address, client_id="a") as a,
-        Client(server.address, client_id="b") as b,
-    ):
-        a.create_group(
-            "g",
-            Adam(),
-            learning_rate=LR,
-            tensors={"w": np.ones(N, F32)},
-            consistency=Sync(workers=2),
-        )
+    with _sync_workers(server) as (a, b):
         seen = {}
         for k in range(3):  # rounds to T=3; a snapshot with a's push of round 2
             a.push("g", grads[2 * k])  # buffered: the round waits for b

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _procs import clean_env, start_server, stop
+from _procs import StartServer, clean_env, stop
 from onnxps.client import Adam, Client
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
 from onnxps.server.durability._wal import MAGIC, SEGMENT_HEADER, WalCorruptError
@@ -155,22 +155,22 @@ def test_wal_truncate_corrupt_cuts_the_log_there_and_says_what_it_dropped(
 
 
 def test_the_flag_through_the_command_line(
-    tmp_path: Path, servers: Callable[[ServerConfig], ServerHandle]
+    server_processes: StartServer,
+    tmp_path: Path,
+    servers: Callable[[ServerConfig], ServerHandle],
 ) -> None:
     data = tmp_path / "data"
     _write_log(servers, data, pushes=4)
     segment = _segment(data)
     _flip(segment, _frames(segment)[2] + 30)
     assert _serve(data).returncode == 2
-    proc, address = start_server(
+    proc, address = server_processes(
         tmp_path / "serve.log",
         "--durability", "wal", "--data-dir", str(data), "--wal-truncate-corrupt",
     )  # fmt: skip
-    try:
-        with Client(address) as c:
-            assert c.describe_group("g").update_count == 1
-    finally:
-        stop(proc)
+    with Client(address) as c:
+        assert c.describe_group("g").update_count == 1
+    stop(proc)
     log = (tmp_path / "serve.log").read_text()
     assert "ERROR onnxps.durability: corrupt write-ahead log" in log
     assert "dropped 2 intact records" in log

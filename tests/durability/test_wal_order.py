@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from _servers import Server
 from onnxps.client import Adam, Client, ResourceExhaustedError
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.app import ServerHandle
 from onnxps.server.durability._wal import read_segments
 from onnxps.server.kernels import apply_onnx
 
@@ -27,26 +27,17 @@ X0 = np.linspace(-1, 1, N)
 
 
 @pytest.fixture
-def servers() -> Iterator[Callable[[Path], ServerHandle]]:
-    started: list[ServerHandle] = []
+def wal_servers(
+    servers: Callable[..., ServerHandle],
+) -> Callable[[Path], ServerHandle]:
+    """``wal_servers(data_dir)``: a started server logging to ``data_dir``."""
 
     def start(data_dir: Path) -> ServerHandle:
-        handle = create_server(
-            ServerConfig(
-                address="127.0.0.1:0",
-                durability="wal",
-                data_dir=str(data_dir),
-                snapshot_interval=0,
-                threads=16,
-            )
+        return servers(
+            durability="wal", data_dir=str(data_dir), snapshot_interval=0, threads=16
         )
-        handle.start()
-        started.append(handle)
-        return handle
 
-    yield start
-    for handle in reversed(started):
-        handle.stop(grace=0)
+    return start
 
 
 def _grad(client: int, k: int) -> np.ndarray:
@@ -100,9 +91,9 @@ class HeldJournal:
 
 
 def test_a_push_is_logged_while_the_one_before_it_waits_and_steps_after_it(
-    servers: Callable[[Path], ServerHandle], tmp_path: Path
+    wal_servers: Callable[[Path], ServerHandle], tmp_path: Path
 ) -> None:
-    server = servers(tmp_path / "data")
+    server = wal_servers(tmp_path / "data")
     assert server.durability is not None
     held = HeldJournal(server.durability.journal)
     server.store.set_journal(held)
@@ -140,10 +131,10 @@ def test_a_push_is_logged_while_the_one_before_it_waits_and_steps_after_it(
 
 
 def test_concurrent_pushes_to_one_group_are_a_serial_replay_in_t_order(
-    servers: Callable[[Path], ServerHandle], tmp_path: Path
+    wal_servers: Callable[[Path], ServerHandle], tmp_path: Path
 ) -> None:
     data = tmp_path / "data"
-    server = servers(data)
+    server = wal_servers(data)
     _create(server.address)
     clients, pushes = 8, 25
     by_t: dict[int, tuple[int, int]] = {}  # T -> (client, k)
@@ -172,7 +163,7 @@ def test_concurrent_pushes_to_one_group_are_a_serial_replay_in_t_order(
     ]
     # ... and replays to the same state.
     server.stop(grace=0)
-    restarted = servers(data)
+    restarted = wal_servers(data)
     with Client(restarted.address, timeout=20) as c:
         t, values = c.pull_versioned("g", state=True)
     assert t == total

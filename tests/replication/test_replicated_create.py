@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import pytest
 from _replicas import SIZE, ReplicaSet
 from _servers import _crash
 from onnxps.client import Adagrad, AlreadyExistsError, Client, NotFoundError
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
@@ -128,7 +129,7 @@ def _raw_create(address: str, request_id: str) -> pb.CreateGroupResponse:
 
 @pytest.mark.parametrize("restored_from", ["log", "snapshot"])
 def test_the_request_id_of_a_create_is_kept_in_the_log_and_in_snapshots(
-    tmp_path: Path, restored_from: str
+    servers: Callable[..., ServerHandle], tmp_path: Path, restored_from: str
 ) -> None:
     """What a standby holds (the records, or a snapshot it caught up from) is what
     a restarted server holds: the create's request id is in both."""
@@ -136,25 +137,19 @@ def test_the_request_id_of_a_create_is_kept_in_the_log_and_in_snapshots(
         address="127.0.0.1:0", durability="wal", data_dir=str(tmp_path),
         snapshot_interval=0,
     )  # fmt: skip
-    first = create_server(config).start()
-    handles: list[ServerHandle] = [first]
-    try:
-        assert _raw_create(first.address, "req-1").group.name == "g"
-        with Client(first.address, timeout=30) as c:
-            assert c.push("g", np.full(SIZE, 0.5, np.float32)) == 1
-        durability = first.durability
-        assert durability is not None
-        if restored_from == "snapshot":
-            assert durability.snapshot(force=True) is not None
-        _crash(first)  # no shutdown snapshot
-        second = create_server(config).start()
-        handles.append(second)
-        again = _raw_create(second.address, "req-1")  # its answer was lost
-        assert (again.group.name, again.group.update_count) == ("g", 1)
-        for other in ("req-2", ""):  # another create of the name
-            with pytest.raises(grpc.RpcError) as err:
-                _raw_create(second.address, other)
-            assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
-    finally:
-        for h in handles:
-            h.stop(grace=0)
+    first = servers(config)
+    assert _raw_create(first.address, "req-1").group.name == "g"
+    with Client(first.address, timeout=30) as c:
+        assert c.push("g", np.full(SIZE, 0.5, np.float32)) == 1
+    durability = first.durability
+    assert durability is not None
+    if restored_from == "snapshot":
+        assert durability.snapshot(force=True) is not None
+    _crash(first)  # no shutdown snapshot
+    second = servers(config)
+    again = _raw_create(second.address, "req-1")  # its answer was lost
+    assert (again.group.name, again.group.update_count) == ("g", 1)
+    for other in ("req-2", ""):  # another create of the name
+        with pytest.raises(grpc.RpcError) as err:
+            _raw_create(second.address, other)
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS

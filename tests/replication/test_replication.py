@@ -19,8 +19,9 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from _etcd import EtcdProcess
+from _etcd import EtcdProcess, HoldingProxy
 from _procs import clean_env
+from _replica_sets import Replicas
 from _replicas import (
     SIZE,
     TTL,
@@ -30,6 +31,7 @@ from _replicas import (
     _kill,
     _metrics_text,
     _replay,
+    _serial,
     _wait_acked,
     _workers,
 )
@@ -47,10 +49,8 @@ def test_a_standby_holds_every_acknowledged_push_and_refuses_writes(
     replicas: object,
 ) -> None:
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
+    p = rs.primary_with_group()
     s = 1 - p
-    _create(rs.url)
     with Client(rs.url, timeout=30) as c:
         assert c.address == rs.addresses[p]
         ts = [c.push("g", np.full(SIZE, 0.5, np.float32)) for _ in range(5)]
@@ -71,9 +71,7 @@ def test_a_standby_holds_every_acknowledged_push_and_refuses_writes(
 @pytest.mark.slow
 def test_a_killed_primary_is_replaced_and_the_client_follows(replicas: object) -> None:
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     with Client(rs.url, timeout=60) as c:
         assert [c.push("g", np.full(SIZE, 0.5, np.float32)) for _ in range(3)] == [
             1, 2, 3,
@@ -144,9 +142,7 @@ def test_a_frozen_primary_acknowledges_nothing_after_a_new_one_is_elected(
     replicas: object,
 ) -> None:
     rs: ReplicaSet = replicas(3)  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     old = Client(rs.addresses[p], timeout=10)
     assert old.push("g", np.full(SIZE, 0.5, np.float32)) == 1
     os.kill(rs.procs[p].pid, signal.SIGSTOP)
@@ -174,9 +170,7 @@ def test_a_frozen_primary_acknowledges_nothing_after_a_new_one_is_elected(
 @pytest.mark.slow
 def test_a_standby_killed_and_restarted_catches_up(replicas: object) -> None:
     rs: ReplicaSet = replicas(3)  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     standby = next(i for i in rs.procs if i != p)
     with Client(rs.url, timeout=60) as c:
         for _ in range(5):
@@ -196,41 +190,18 @@ def test_a_standby_killed_and_restarted_catches_up(replicas: object) -> None:
 def test_a_push_resent_to_the_new_primary_is_answered_not_applied_again(
     replicas: object,
 ) -> None:
-    import grpc
-    from onnxps.v1 import parameter_server_pb2 as pb
-    from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
-
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     g = np.full(SIZE, 0.5, np.float32)
-    request = pb.PushRequest(
-        group="g",
-        gradients=[
-            pb.Tensor(
-                name="x", dtype=pb.DATA_TYPE_FLOAT, dims=[SIZE], raw_data=g.tobytes()
-            )
-        ],
-        client_id="worker-7",
-        seq=41,
-    )
-
-    def push(address: str) -> pb.PushResponse:
-        with grpc.insecure_channel(address) as ch:
-            reply: pb.PushResponse = pb_grpc.ParameterServerServiceStub(ch).Push(
-                request, timeout=30
-            )
-            return reply
-
-    first = push(rs.addresses[p])
+    first = _raw_push(rs.addresses[p], g, "worker-7", 41)
     assert (first.update_count, first.applied, first.duplicate) == (1, True, False)
     rs.procs[p].kill()
     rs.procs[p].wait()
     new = rs.primary(not_=p)
     rs.start(p)
     rs.wait_sync()
-    again = push(rs.addresses[new])  # the reply was lost: the worker resends
+    # the reply was lost: the worker resends
+    again = _raw_push(rs.addresses[new], g, "worker-7", 41)
     assert (again.update_count, again.duplicate) == (1, True)
     assert rs.state(new, "g")[0] == 1
 
@@ -276,9 +247,7 @@ def _update_count(c: Client, group: str) -> int:
 @pytest.mark.slow
 def test_status_of_a_replicated_cluster_lists_its_members(replicas: object) -> None:
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     with Client(rs.url, timeout=30) as c:
         c.push("g", np.full(SIZE, 0.5, np.float32))
     deadline = time.monotonic() + 30
@@ -314,9 +283,7 @@ def test_an_async_client_follows_a_failover(replicas: object) -> None:
     from onnxps.client import AsyncClient
 
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     g = np.full(SIZE, 0.5, np.float32)
 
     async def run() -> list[int]:
@@ -338,9 +305,7 @@ def test_metrics_export_role_term_lag_and_failovers(
     replicas: object, tmp_path: Path
 ) -> None:
     rs: ReplicaSet = replicas(2, extra=("--metrics-port", "0"))  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     with Client(rs.url, timeout=30) as c:
         c.push("g", np.full(SIZE, 0.5, np.float32))
     s = 1 - p
@@ -397,9 +362,7 @@ def test_a_client_of_etcd_sends_frames_to_the_primary_and_follows_it(
     data port (no shared memory: the primary may move to another host); after a
     failover its calls go to the new primary, frames too."""
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     g = np.full(SIZE, 0.5, np.float32)
     with Client(rs.url, timeout=60) as c:
         assert (c.shared_memory, c.data_channel, c.frames) == ("off", "auto", True)
@@ -416,6 +379,57 @@ def test_a_client_of_etcd_sends_frames_to_the_primary_and_follows_it(
     rs.wait_t(p, "g", 4)
     with Client(rs.url, timeout=30, shared_memory="on") as c:
         assert c.shared_memory == "on"
+
+
+@pytest.mark.slow
+def test_a_frame_call_answered_not_primary_drops_its_channel_and_follows(
+    replica_sets: Any,
+    etcd_proxy: HoldingProxy,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The primary is deposed but keeps running (etcd, through a proxy, stops
+    answering it: it cannot renew its lease, so it acknowledges nothing and another
+    is elected). The client's next push goes as a frame on its channel to the old
+    primary, which answers NOT_PRIMARY: the client drops that channel, resends over
+    gRPC to the new primary with the same seq (applied once), and its next calls
+    go as frames to the new primary."""
+    rs: Replicas = replica_sets(0)
+    rs.coordinators[0] = f"etcd://127.0.0.1:{etcd_proxy.port}/ps"
+    rs.start(0)
+    assert rs.primary() == 0
+    rs.start(1)
+    rs.start(2)
+    rs.wait_sync()
+    rs.create_group()
+    g = np.full(SIZE, 0.5, np.float32)
+    with Client(rs.url, timeout=60) as c, caplog.at_level("INFO", "onnxps"):
+        assert c.frames is True
+        assert [c.push("g", g), c.push("g", g)] == [1, 2]
+        old = c._call_channels[0]
+        assert (old.address, old.closed) == (rs.addresses[0], False)
+        etcd_proxy.holding.set()  # the old primary's reads and renewals hang
+        etcd_proxy.holding_keepalives.set()
+        new = rs.primary(not_=0, timeout=60)
+        assert c.push("g", g) == 3
+        assert rs.procs[0].poll() is None  # alive: it answered, it did not vanish
+        assert old.closed  # dropped on NOT_PRIMARY (not broken: nothing logged)
+        assert [r.getMessage() for r in caplog.records if "call channel" in r.msg] == []
+        assert c.address == rs.addresses[new]
+        assert c.push("g", g) == 4
+        ch = c._call_channels[0]
+        assert (ch.address, ch.closed) == (rs.addresses[new], False)
+    refused = [
+        line
+        for line in rs.log(0).splitlines()
+        if "rpc Push group=g code=FAILED_PRECONDITION" in line
+    ]
+    # the push, refused twice by the old primary: as a frame, then over gRPC
+    assert len(refused) == 2, rs.log(0)[-3000:]
+    for i in (1, 2):
+        rs.wait_t(i, "g", 4)
+        t, x = rs.state(i, "g")
+        assert t == 4
+        np.testing.assert_array_equal(x, _serial([g] * 4))
 
 
 @pytest.mark.slow
@@ -465,9 +479,7 @@ def test_without_a_synchronous_standby_pushes_are_refused_by_default(
     replicas: object,
 ) -> None:
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     g = np.full(SIZE, 0.5, np.float32)
     with Client(rs.url, timeout=30) as c:
         assert c.push("g", g) == 1

@@ -27,9 +27,7 @@ def test_a_push_waiting_on_a_frozen_primary_goes_to_the_new_one(
     replica_sets: Any,
 ) -> None:
     rs: Replicas = replica_sets(3)
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs)
+    p = rs.primary_with_group()
     times: list[float] = []
     with Client(rs.url, timeout=60, client_id="w") as c:
         assert c.push("g", G) == 1
@@ -59,9 +57,7 @@ def test_a_push_in_flight_when_the_primary_freezes_is_applied_once(
     """Pushes keep going while the primary freezes: each is acknowledged once, at
     its own T, by one primary or the other."""
     rs: Replicas = replica_sets(3)
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs)
+    p = rs.primary_with_group()
     ts: list[int] = []
     done = threading.Event()
 

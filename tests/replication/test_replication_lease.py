@@ -1,6 +1,7 @@
 """A replica set member renews its etcd lease on a thread of its own (issue 23): an
 etcd read that hangs does not hold up the renewals (under load they fell behind,
-and a 2 s lease was lost needlessly). Real etcd, behind a proxy that holds reads.
+and a 2 s lease was lost needlessly). Real etcd, behind a proxy that holds reads
+(``_etcd.HoldingProxy``, the fixture ``etcd_proxy``).
 
 The check is on the order of events the proxy sees, not on wall-clock times: while
 one of the member's reads is held, its lease keepalives keep coming.
@@ -8,119 +9,23 @@ one of the member's reads is held, its lease keepalives keep coming.
 
 from __future__ import annotations
 
-import http.client
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import suppress
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from _etcd import EtcdProcess
+from _etcd import EtcdProcess, HoldingProxy
 from _replicas import SIZE, ReplicaSet, _create
 from onnxps.client import Client
 from onnxps.server.interceptors.shard import ShardIdentity
 from onnxps.server.replication import parse_coordinator
 from onnxps.server.replication._etcd import Etcd
 from onnxps.server.replication._member import Member, MemberConfig, Role
-
-READ = "/v3/kv/range"
-KEEPALIVE = "/v3/lease/keepalive"
-
-
-class HoldingProxy:
-    """etcd's HTTP gateway through a proxy that, while ``holding`` is set, holds
-    every read (``READ``) until ``release`` is set; ``events`` lists what came in
-    order: ("held", n), ("keepalive", n), ("released", n) (n: the read's number)."""
-
-    def __init__(self, upstream: str) -> None:
-        self.upstream = upstream
-        self.holding = threading.Event()
-        self.release = threading.Event()
-        # while set, keepalives wait for ``keepalives_go`` ("keepalive held")
-        self.holding_keepalives = threading.Event()
-        self.keepalives_go = threading.Event()
-        self.events: list[tuple[str, int]] = []
-        self._cv = threading.Condition()
-        self._reads = 0
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                proxy.before(self.path)
-                host, port = proxy.upstream.rsplit(":", 1)
-                conn = http.client.HTTPConnection(host, int(port), timeout=30)
-                try:
-                    conn.request(
-                        "POST", self.path, body, {"Content-Type": "application/json"}
-                    )
-                    reply = conn.getresponse()
-                    data = reply.read()
-                finally:
-                    conn.close()
-                self.send_response(reply.status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def before(self, path: str) -> None:
-        if path == KEEPALIVE:
-            self._record("keepalive", self._reads)
-            if self.holding_keepalives.is_set():
-                self._record("keepalive held", 0)
-                self.keepalives_go.wait(60)
-        if path != READ or not self.holding.is_set():
-            return
-        with self._cv:
-            self._reads += 1
-            n = self._reads
-        self._record("held", n)
-        self.release.wait(60)
-        self._record("released", n)
-
-    def _record(self, what: str, n: int) -> None:
-        with self._cv:
-            self.events.append((what, n))
-            self._cv.notify_all()
-
-    def wait_for(
-        self, ok: Callable[[list[tuple[str, int]]], bool], timeout: float
-    ) -> bool:
-        """Until ``ok(events)`` (False if not within ``timeout`` seconds)."""
-        with self._cv:
-            return self._cv.wait_for(lambda: ok(self.events), timeout)
-
-    def close(self) -> None:
-        self.release.set()
-        self.keepalives_go.set()
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def proxy(etcd_server: EtcdProcess) -> Iterator[HoldingProxy]:
-    p = HoldingProxy(etcd_server.endpoint)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 def _wait(ok: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
@@ -132,9 +37,9 @@ def _wait(ok: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
 
 @pytest.mark.slow
 def test_the_lease_is_renewed_while_an_etcd_read_of_the_member_hangs(
-    proxy: HoldingProxy,
+    etcd_proxy: HoldingProxy,
 ) -> None:
-    coordinator = parse_coordinator(f"etcd://127.0.0.1:{proxy.port}/ps")
+    coordinator = parse_coordinator(f"etcd://127.0.0.1:{etcd_proxy.port}/ps")
     deposed: list[str] = []
     member = Member(
         MemberConfig(coordinator, ShardIdentity(0, 1), "m0", "127.0.0.1:1", 2),
@@ -147,25 +52,25 @@ def test_the_lease_is_renewed_while_an_etcd_read_of_the_member_hangs(
     member.start()
     try:
         _wait(lambda: member.role is Role.PRIMARY, "primary")
-        proxy.holding.set()
-        assert proxy.wait_for(lambda ev: ("held", 1) in ev, 30), proxy.events
-        start = proxy.events.index(("held", 1))
+        etcd_proxy.holding.set()
+        assert etcd_proxy.wait_for(lambda ev: ("held", 1) in ev, 30), etcd_proxy.events
+        start = etcd_proxy.events.index(("held", 1))
 
         def renewals(ev: list[tuple[str, int]]) -> int:
             return sum(1 for what, _ in ev[start:] if what == "keepalive")
 
         # A TTL's worth of renewals (three) while the member's read is held
-        renewed = proxy.wait_for(lambda ev: renewals(ev) >= 3, 15)
-        during = list(proxy.events[start:])
-        proxy.holding.clear()
-        proxy.release.set()
+        renewed = etcd_proxy.wait_for(lambda ev: renewals(ev) >= 3, 15)
+        during = list(etcd_proxy.events[start:])
+        etcd_proxy.holding.clear()
+        etcd_proxy.release.set()
         assert renewed, f"no renewal while the read was held: {during}"
         assert ("released", 1) not in during
         # so the lease held: the member is still the primary once its read is
         # answered, and goes on renewing
-        assert proxy.wait_for(lambda ev: ("released", 1) in ev, 30)
-        after = len(proxy.events)
-        assert proxy.wait_for(
+        assert etcd_proxy.wait_for(lambda ev: ("released", 1) in ev, 30)
+        after = len(etcd_proxy.events)
+        assert etcd_proxy.wait_for(
             lambda ev: any(what == "keepalive" for what, _ in ev[after:]), 30
         )
         assert deposed == []
@@ -176,7 +81,7 @@ def test_the_lease_is_renewed_while_an_etcd_read_of_the_member_hangs(
 
 @pytest.mark.slow
 def test_a_push_waiting_for_its_standby_outlives_a_late_renewal(
-    proxy: HoldingProxy,
+    etcd_proxy: HoldingProxy,
     etcd_server: EtcdProcess,
     tmp_path: Path,
 ) -> None:
@@ -190,7 +95,7 @@ def test_a_push_waiting_for_its_standby_outlives_a_late_renewal(
     class Proxied(ReplicaSet):
         @property
         def url(self) -> str:
-            return f"etcd://127.0.0.1:{proxy.port}/{self.prefix}"
+            return f"etcd://127.0.0.1:{etcd_proxy.port}/{self.prefix}"
 
     # TTL 9 s: the standby, stopped meanwhile, keeps its own lease
     rs = Proxied(tmp_path, etcd_server, 2, extra=("--lease-ttl", "9"))
@@ -211,7 +116,7 @@ def test_a_push_waiting_for_its_standby_outlives_a_late_renewal(
 
         pusher = threading.Thread(target=push)
         pusher.start()
-        proxy.holding_keepalives.set()
+        etcd_proxy.holding_keepalives.set()
         log = tmp_path / f"server{p}-1.log"
         _wait(
             lambda: (
@@ -220,8 +125,8 @@ def test_a_push_waiting_for_its_standby_outlives_a_late_renewal(
             "a late renewal",
             60,
         )
-        proxy.holding_keepalives.clear()
-        proxy.keepalives_go.set()
+        etcd_proxy.holding_keepalives.clear()
+        etcd_proxy.keepalives_go.set()
         os.kill(rs.procs[s].pid, signal.SIGCONT)
         pusher.join(60)
         assert not pusher.is_alive()

@@ -177,9 +177,7 @@ def test_an_idle_standby_keeps_its_stream_past_the_stall_limit(
     tmp_path: Path,
 ) -> None:
     rs: ReplicaSet = replicas(2, extra=("--stall-seconds", "6"))  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     with Client(rs.url, timeout=30) as c:
         assert c.push("g", np.full(SIZE, 0.5, np.float32)) == 1
         time.sleep(15)  # idle past --stall-seconds: Replicate is not a stalled call

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _procs import clean_env, stop
-from _replicas import SIZE, TTL, ReplicaSet, _create, _kill
+from _replicas import SIZE, TTL, ReplicaSet, _kill
 from onnxps.cli.process import wait_for_listening
 from onnxps.client import Client
 
@@ -44,9 +44,7 @@ def test_a_second_process_with_a_live_member_id_is_refused(
     tmp_path: Path,
 ) -> None:
     rs: ReplicaSet = replicas(2)
-    p = rs.primary()
-    rs.wait_sync()
-    _create(rs.url)
+    p = rs.primary_with_group()
     s = 1 - p
     held = rs.key(f"members/m{s}")
     assert isinstance(held, dict) and held["address"] == rs.addresses[s]

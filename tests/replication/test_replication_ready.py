@@ -6,6 +6,7 @@ to catch up. Real etcd, real ``onnxps serve`` processes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from _replicas import (
 from grpc_health.v1 import health_pb2
 from onnxps.client import Adagrad, Client
 from onnxps.server._health import READY
-from onnxps.server.app import ServerConfig, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -77,10 +78,9 @@ def test_a_standby_is_ready_only_while_it_holds_what_the_primary_logged(
     assert int(found.group(1)) >= 6  # the create and 5 pushes, durable (applied next)
 
 
-def test_an_unreplicated_server_is_ready_while_it_serves() -> None:
-    handle = create_server(ServerConfig(address="127.0.0.1:0")).start()
-    try:
-        assert _check(handle.address, READY) == SERVING
-        assert _check(handle.address, "") == SERVING
-    finally:
-        handle.stop(grace=0)
+def test_an_unreplicated_server_is_ready_while_it_serves(
+    servers: Callable[..., ServerHandle],
+) -> None:
+    handle = servers(ServerConfig(address="127.0.0.1:0"))
+    assert _check(handle.address, READY) == SERVING
+    assert _check(handle.address, "") == SERVING

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _replicas import SIZE, ReplicaSet, _create
+from _replicas import SIZE, ReplicaSet
 from onnxps.client import Client
 
 F32 = np.float32
@@ -28,10 +28,8 @@ def test_a_rewind_reaches_the_standby_and_survives_a_failover(
     replicas: object,
 ) -> None:
     rs: ReplicaSet = replicas(2)  # type: ignore[operator]
-    p = rs.primary()
-    rs.wait_sync()
+    p = rs.primary_with_group()
     s = 1 - p
-    _create(rs.url)
     rng = np.random.default_rng(40)
     grads = [rng.standard_normal(SIZE).astype(F32) for _ in range(30)]
     with Client(rs.url, timeout=60) as c:

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from _procs import clean_env, start_server, stop
+from _procs import StartServer, clean_env
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnxps.client import Adagrad, Client, Sync
 from onnxps.server.app import ServerConfig, ServerHandle, create_server
@@ -31,11 +31,6 @@ from onnxps.wire.codec import header_tensor, iter_chunks
 
 MIB = 1 << 20
 FOREVER = 2**62
-
-
-def _serve(**kw: object) -> ServerHandle:
-    config = ServerConfig(address="127.0.0.1:0", durability="none", **kw)  # type: ignore[arg-type]
-    return create_server(config).start()
 
 
 def _until(probe: Callable[[], bool], seconds: float = 30.0) -> None:
@@ -69,12 +64,14 @@ def _code(f: grpc.Future[Any]) -> grpc.StatusCode | None:
     return grpc.StatusCode.OK
 
 
-def test_waiting_is_bounded_below_the_thread_pool() -> None:
+def test_waiting_is_bounded_below_the_thread_pool(
+    servers: Callable[..., ServerHandle],
+) -> None:
     with pytest.raises(ConfigError, match="below --threads"):
         create_server(
             ServerConfig(address="127.0.0.1:0", threads=8, max_waiting_calls=8)
         )
-    handle = _serve()  # the defaults: 128 threads, a quarter of them may wait
+    handle = servers()  # the defaults: 128 threads, a quarter of them may wait
     channels = [grpc.insecure_channel(handle.address) for _ in range(8)]
     try:
         with Client(handle.address, timeout=10) as c:
@@ -105,120 +102,116 @@ def test_waiting_is_bounded_below_the_thread_pool() -> None:
     finally:
         for ch in channels:
             ch.close()
-        handle.stop(grace=0)
 
 
-def test_waiting_pulls_end_when_their_callers_leave() -> None:
+def test_waiting_pulls_end_when_their_callers_leave(
+    servers: Callable[..., ServerHandle],
+) -> None:
     threads = 8  # every thread but one may wait (no stream limit, no reserve)
-    handle = _serve(
+    handle = servers(
         threads=threads, max_waiting_calls=threads - 1, max_concurrent_streams=0
     )
-    try:
-        with Client(handle.address, timeout=10) as c:
-            c.create_group(
-                "f",
-                Adagrad(),
-                learning_rate=0.1,
-                tensors={"w": np.zeros(4, np.float32)},
-            )
-            with grpc.insecure_channel(handle.address) as ch:
-                stub = pb_grpc.ParameterServerServiceStub(ch)
-                req = pb.PullRequest(group="f", min_version=FOREVER)
-                calls = [stub.Pull.future(req) for _ in range(64)]  # no deadline
-                _until(lambda: handle.store.waiting_calls == threads - 1)
-                _until(lambda: sum(_code(f) is not None for f in calls) == 57)
-                _answers_while_held(handle, c, "f")
-                for f in calls:
-                    f.cancel()  # type: ignore[no-untyped-call]
-            # The channel is closed: every wait ends within about a second.
-            _until(lambda: handle.store.waiting_calls == 0)
-
-            # The whole pool is free again: threads - 1 new waits and a push at once.
-            t = c.describe_group("f").update_count
-            with grpc.insecure_channel(handle.address) as ch:
-                stub = pb_grpc.ParameterServerServiceStub(ch)
-                again = pb.PullRequest(group="f", min_version=t + 1)
-                waits = [stub.Pull.future(again) for _ in range(threads - 1)]
-                _until(lambda: handle.store.waiting_calls == threads - 1)
-                assert c.push("f", np.ones(4, np.float32), timeout=5) == t + 1
-                assert [f.result(timeout=5).update_count for f in waits] == [t + 1] * 7
-    finally:
-        handle.stop(grace=0)
-
-
-def test_a_pull_waits_until_its_own_deadline() -> None:
-    handle = _serve(threads=4)
-    try:
-        with Client(handle.address, timeout=10) as c:
-            c.create_group(
-                "f",
-                Adagrad(),
-                learning_rate=0.1,
-                tensors={"w": np.zeros(4, np.float32)},
-            )
-            with grpc.insecure_channel(handle.address) as ch:
-                stub = pb_grpc.ParameterServerServiceStub(ch)
-                req = pb.PullRequest(group="f", min_version=FOREVER)
-                with pytest.raises(grpc.RpcError) as err:
-                    stub.Pull(req, timeout=0.5)
-                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            _until(lambda: handle.store.waiting_calls == 0)
-    finally:
-        handle.stop(grace=0)
-
-
-def test_sync_pushes_waiting_for_their_step_end_when_their_callers_leave() -> None:
-    threads = 8  # every thread but one may wait (no stream limit, no reserve)
-    handle = _serve(
-        threads=threads, max_waiting_calls=threads - 1, max_concurrent_streams=0
-    )
-    try:
-        with Client(handle.address, timeout=10) as c:
-            c.create_group(
-                "s",
-                Adagrad(),
-                learning_rate=0.1,
-                tensors={"w": np.zeros(4, np.float32)},
-                consistency=Sync(workers=1000),
-            )
-            c.create_group(
-                "f",
-                Adagrad(),
-                learning_rate=0.1,
-                tensors={"w": np.zeros(4, np.float32)},
-            )
-            grad = pb.Tensor(
-                dtype=pb.DATA_TYPE_FLOAT,
-                dims=[4],
-                raw_data=np.ones(4, np.float32).tobytes(),
-            )
-            with grpc.insecure_channel(handle.address) as ch:
-                stub = pb_grpc.ParameterServerServiceStub(ch)
-                calls = [
-                    stub.Push.future(
-                        pb.PushRequest(
-                            group="s",
-                            gradients=[grad],
-                            client_id=f"worker-{i}",
-                            seq=1,
-                            return_values=True,
-                        )
-                    )
-                    for i in range(64)
-                ]
-                _until(lambda: handle.store.waiting_calls == threads - 1)
-                _until(lambda: sum(_code(f) is not None for f in calls) == 57)
-                refused = {_code(f) for f in calls if _code(f) is not None}
-                assert refused == {grpc.StatusCode.RESOURCE_EXHAUSTED}
-                # A refused push changed nothing: only the waiting ones are buffered.
-                assert c.describe_group("s").pending_contributions == threads - 1
-                _answers_while_held(handle, c, "f")
-                for f in calls:
-                    f.cancel()  # type: ignore[no-untyped-call]
-            _until(lambda: handle.store.waiting_calls == 0)
+    with Client(handle.address, timeout=10) as c:
+        c.create_group(
+            "f",
+            Adagrad(),
+            learning_rate=0.1,
+            tensors={"w": np.zeros(4, np.float32)},
+        )
+        with grpc.insecure_channel(handle.address) as ch:
+            stub = pb_grpc.ParameterServerServiceStub(ch)
+            req = pb.PullRequest(group="f", min_version=FOREVER)
+            calls = [stub.Pull.future(req) for _ in range(64)]  # no deadline
+            _until(lambda: handle.store.waiting_calls == threads - 1)
+            _until(lambda: sum(_code(f) is not None for f in calls) == 57)
             _answers_while_held(handle, c, "f")
-    finally:
-        handle.stop(grace=0)
+            for f in calls:
+                f.cancel()  # type: ignore[no-untyped-call]
+        # The channel is closed: every wait ends within about a second.
+        _until(lambda: handle.store.waiting_calls == 0)
+
+        # The whole pool is free again: threads - 1 new waits and a push at once.
+        t = c.describe_group("f").update_count
+        with grpc.insecure_channel(handle.address) as ch:
+            stub = pb_grpc.ParameterServerServiceStub(ch)
+            again = pb.PullRequest(group="f", min_version=t + 1)
+            waits = [stub.Pull.future(again) for _ in range(threads - 1)]
+            _until(lambda: handle.store.waiting_calls == threads - 1)
+            assert c.push("f", np.ones(4, np.float32), timeout=5) == t + 1
+            assert [f.result(timeout=5).update_count for f in waits] == [t + 1] * 7
+
+
+def test_a_pull_waits_until_its_own_deadline(
+    servers: Callable[..., ServerHandle],
+) -> None:
+    handle = servers(threads=4)
+    with Client(handle.address, timeout=10) as c:
+        c.create_group(
+            "f",
+            Adagrad(),
+            learning_rate=0.1,
+            tensors={"w": np.zeros(4, np.float32)},
+        )
+        with grpc.insecure_channel(handle.address) as ch:
+            stub = pb_grpc.ParameterServerServiceStub(ch)
+            req = pb.PullRequest(group="f", min_version=FOREVER)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Pull(req, timeout=0.5)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        _until(lambda: handle.store.waiting_calls == 0)
+
+
+def test_sync_pushes_waiting_for_their_step_end_when_their_callers_leave(
+    servers: Callable[..., ServerHandle],
+) -> None:
+    threads = 8  # every thread but one may wait (no stream limit, no reserve)
+    handle = servers(
+        threads=threads, max_waiting_calls=threads - 1, max_concurrent_streams=0
+    )
+    with Client(handle.address, timeout=10) as c:
+        c.create_group(
+            "s",
+            Adagrad(),
+            learning_rate=0.1,
+            tensors={"w": np.zeros(4, np.float32)},
+            consistency=Sync(workers=1000),
+        )
+        c.create_group(
+            "f",
+            Adagrad(),
+            learning_rate=0.1,
+            tensors={"w": np.zeros(4, np.float32)},
+        )
+        grad = pb.Tensor(
+            dtype=pb.DATA_TYPE_FLOAT,
+            dims=[4],
+            raw_data=np.ones(4, np.float32).tobytes(),
+        )
+        with grpc.insecure_channel(handle.address) as ch:
+            stub = pb_grpc.ParameterServerServiceStub(ch)
+            calls = [
+                stub.Push.future(
+                    pb.PushRequest(
+                        group="s",
+                        gradients=[grad],
+                        client_id=f"worker-{i}",
+                        seq=1,
+                        return_values=True,
+                    )
+                )
+                for i in range(64)
+            ]
+            _until(lambda: handle.store.waiting_calls == threads - 1)
+            _until(lambda: sum(_code(f) is not None for f in calls) == 57)
+            refused = {_code(f) for f in calls if _code(f) is not None}
+            assert refused == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+            # A refused push changed nothing: only the waiting ones are buffered.
+            assert c.describe_group("s").pending_contributions == threads - 1
+            _answers_while_held(handle, c, "f")
+            for f in calls:
+                f.cancel()  # type: ignore[no-untyped-call]
+        _until(lambda: handle.store.waiting_calls == 0)
+        _answers_while_held(handle, c, "f")
 
 
 # -- slow pullers -------------------------------------------------------------------
@@ -236,37 +229,36 @@ def _rest(it: Iterator[pb.PullStreamResponse], n: int) -> np.ndarray:
     return np.frombuffer(data, np.float32)[:n]
 
 
-def test_pull_replies_count_against_the_in_flight_bytes() -> None:
+def test_pull_replies_count_against_the_in_flight_bytes(
+    servers: Callable[..., ServerHandle],
+) -> None:
     n = 2 * MIB  # X and H: 16 MiB of reply per pull with state, more than a window
     reply = 2 * 4 * n
-    handle = _serve(max_inflight_bytes=3 * reply + 4096)
-    try:
-        with (
-            Client(handle.address, timeout=10) as c,
-            grpc.insecure_channel(handle.address) as ch,
-        ):
-            w = np.zeros(n, np.float32)
-            c.create_group("big", Adagrad(), learning_rate=0.1, tensors={"w": w})
-            stub = pb_grpc.ParameterServerServiceStub(ch)
-            readers = [_header_only(stub, "big") for _ in range(3)]
-            with pytest.raises(grpc.RpcError) as err:
-                _header_only(stub, "big")
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert re.fullmatch(
-                rf"this pull's reply carries {reply} bytes and only \d+ of the "
-                rf"server's {3 * reply + 4096} in-flight bytes are free; retry later",
-                err.value.details() or "",
-            )
-            readers.pop().cancel()  # type: ignore[attr-defined]
-            # Released when the stream is cancelled; then a whole pull goes through.
-            _until(lambda: _pulls(stub))
-            # A stream read to its end releases its bytes too.
-            assert np.array_equal(_rest(readers.pop(), n), w)
-            assert np.array_equal(_rest(_header_only(stub, "big"), n), w)
-            for r in readers:
-                r.cancel()  # type: ignore[attr-defined]
-    finally:
-        handle.stop(grace=0)
+    handle = servers(max_inflight_bytes=3 * reply + 4096)
+    with (
+        Client(handle.address, timeout=10) as c,
+        grpc.insecure_channel(handle.address) as ch,
+    ):
+        w = np.zeros(n, np.float32)
+        c.create_group("big", Adagrad(), learning_rate=0.1, tensors={"w": w})
+        stub = pb_grpc.ParameterServerServiceStub(ch)
+        readers = [_header_only(stub, "big") for _ in range(3)]
+        with pytest.raises(grpc.RpcError) as err:
+            _header_only(stub, "big")
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert re.fullmatch(
+            rf"this pull's reply carries {reply} bytes and only \d+ of the "
+            rf"server's {3 * reply + 4096} in-flight bytes are free; retry later",
+            err.value.details() or "",
+        )
+        readers.pop().cancel()  # type: ignore[attr-defined]
+        # Released when the stream is cancelled; then a whole pull goes through.
+        _until(lambda: _pulls(stub))
+        # A stream read to its end releases its bytes too.
+        assert np.array_equal(_rest(readers.pop(), n), w)
+        assert np.array_equal(_rest(_header_only(stub, "big"), n), w)
+        for r in readers:
+            r.cancel()  # type: ignore[attr-defined]
 
 
 def _pulls(stub: pb_grpc.ParameterServerServiceStub) -> bool:
@@ -278,32 +270,31 @@ def _pulls(stub: pb_grpc.ParameterServerServiceStub) -> bool:
     return True
 
 
-def test_a_slow_puller_reads_one_version_while_pushes_go_on() -> None:
-    handle = _serve()
-    try:
-        with (
-            Client(handle.address, timeout=10) as c,
-            grpc.insecure_channel(handle.address) as ch,
-        ):
-            n = 600_000  # a few chunks
-            c.create_group(
-                "big",
-                Adagrad(),
-                learning_rate=0.1,
-                tensors={"w": np.zeros(n, np.float32)},
-            )
-            stub = pb_grpc.ParameterServerServiceStub(ch)
-            early = [_header_only(stub, "big") for _ in range(2)]
-            for _ in range(3):
-                c.push("big", np.ones(n, np.float32))
-            late = _header_only(stub, "big")
-            now = c.pull("big")[0]
-            assert not np.array_equal(now, np.zeros(n, np.float32))
-            for it in early:
-                assert np.array_equal(_rest(it, n), np.zeros(n, np.float32))
-            assert np.array_equal(_rest(late, n), now)
-    finally:
-        handle.stop(grace=0)
+def test_a_slow_puller_reads_one_version_while_pushes_go_on(
+    servers: Callable[..., ServerHandle],
+) -> None:
+    handle = servers()
+    with (
+        Client(handle.address, timeout=10) as c,
+        grpc.insecure_channel(handle.address) as ch,
+    ):
+        n = 600_000  # a few chunks
+        c.create_group(
+            "big",
+            Adagrad(),
+            learning_rate=0.1,
+            tensors={"w": np.zeros(n, np.float32)},
+        )
+        stub = pb_grpc.ParameterServerServiceStub(ch)
+        early = [_header_only(stub, "big") for _ in range(2)]
+        for _ in range(3):
+            c.push("big", np.ones(n, np.float32))
+        late = _header_only(stub, "big")
+        now = c.pull("big")[0]
+        assert not np.array_equal(now, np.zeros(n, np.float32))
+        for it in early:
+            assert np.array_equal(_rest(it, n), np.zeros(n, np.float32))
+        assert np.array_equal(_rest(late, n), now)
 
 
 # -- memory of a real server process -------------------------------------------------
@@ -314,26 +305,25 @@ def _rss_mib(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def test_slow_pullers_share_one_copy(tmp_path: Path) -> None:
-    proc, address = start_server(tmp_path / "server.log")
+def test_slow_pullers_share_one_copy(
+    server_processes: StartServer, tmp_path: Path
+) -> None:
+    proc, address = server_processes(tmp_path / "server.log")
     size = 32 * MIB  # X; with H a pull carries 64 MiB
-    try:
-        with Client(address, timeout=60) as c:
-            w = np.ones(size // 4, np.float32)
-            c.create_group("big", Adagrad(), learning_rate=0.1, tensors={"w": w})
-        del w
-        before = _rss_mib(proc.pid)
-        with grpc.insecure_channel(address) as ch:
-            stub = pb_grpc.ParameterServerServiceStub(ch)
-            readers = [_header_only(stub, "big") for _ in range(12)]
-            time.sleep(0.5)
-            grown = _rss_mib(proc.pid) - before
-            for r in readers:
-                r.cancel()  # type: ignore[attr-defined]
-        # One copy of X and H (64 MiB), not twelve (768 MiB).
-        assert grown < 3 * 64, f"the server grew by {grown:.0f} MiB"
-    finally:
-        stop(proc)
+    with Client(address, timeout=60) as c:
+        w = np.ones(size // 4, np.float32)
+        c.create_group("big", Adagrad(), learning_rate=0.1, tensors={"w": w})
+    del w
+    before = _rss_mib(proc.pid)
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.ParameterServerServiceStub(ch)
+        readers = [_header_only(stub, "big") for _ in range(12)]
+        time.sleep(0.5)
+        grown = _rss_mib(proc.pid) - before
+        for r in readers:
+            r.cancel()  # type: ignore[attr-defined]
+    # One copy of X and H (64 MiB), not twelve (768 MiB).
+    assert grown < 3 * 64, f"the server grew by {grown:.0f} MiB"
 
 
 def _cut_off_push(stub: pb_grpc.ParameterServerServiceStub, g: np.ndarray) -> None:
@@ -358,35 +348,33 @@ def _cut_off_push(stub: pb_grpc.ParameterServerServiceStub, g: np.ndarray) -> No
 
 @pytest.mark.slow
 def test_cut_off_pushes_are_released_at_once_and_not_logged_as_bugs(
+    server_processes: StartServer,
     tmp_path: Path,
 ) -> None:
     log = tmp_path / "server.log"
     # (NumPy kernels: numba's, loaded in the background at start, would grow the
     # server meanwhile by about 100 MiB of their own)
     env = clean_env(ONNXPS_KERNELS="numpy")
-    proc, address = start_server(log, "--log-level", "INFO", env=env)
+    proc, address = server_processes(log, "--log-level", "INFO", env=env)
     size = 32 * MIB
-    try:
+    with Client(address, timeout=60) as c:
+        w = np.zeros(size // 4, np.float32)
+        c.create_group("big", Adagrad(), learning_rate=0.1, tensors={"w": w})
+    before = _rss_mib(proc.pid)
+    g = np.full(size // 4, 0.5, np.float32)
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.ParameterServerServiceStub(ch)
+        for _ in range(8):
+            _cut_off_push(stub, g)
+        time.sleep(0.5)
+        grown = _rss_mib(proc.pid) - before
         with Client(address, timeout=60) as c:
-            w = np.zeros(size // 4, np.float32)
-            c.create_group("big", Adagrad(), learning_rate=0.1, tensors={"w": w})
-        before = _rss_mib(proc.pid)
-        g = np.full(size // 4, 0.5, np.float32)
-        with grpc.insecure_channel(address) as ch:
-            stub = pb_grpc.ParameterServerServiceStub(ch)
-            for _ in range(8):
-                _cut_off_push(stub, g)
-            time.sleep(0.5)
-            grown = _rss_mib(proc.pid) - before
-            with Client(address, timeout=60) as c:
-                assert c.describe_group("big").update_count == 0
-        # Eight half-received 32 MiB pushes (256 MiB) do not stay in memory.
-        assert grown < 3 * 32, f"the server grew by {grown:.0f} MiB"
-        text = log.read_text()
-        assert re.findall(r" (ERROR|CRITICAL) |Traceback|INTERNAL", text) == []
-        assert len(re.findall(r"rpc PushStream group=big code=CANCELLED", text)) >= 6
-    finally:
-        stop(proc)
+            assert c.describe_group("big").update_count == 0
+    # Eight half-received 32 MiB pushes (256 MiB) do not stay in memory.
+    assert grown < 3 * 32, f"the server grew by {grown:.0f} MiB"
+    text = log.read_text()
+    assert re.findall(r" (ERROR|CRITICAL) |Traceback|INTERNAL", text) == []
+    assert len(re.findall(r"rpc PushStream group=big code=CANCELLED", text)) >= 6
 
 
 def test_cancel_notifies_the_condition_a_wait_watches() -> None:
@@ -440,55 +428,54 @@ def test_a_cancellation_wakes_a_waiting_store_call() -> None:
     store.close()
 
 
-def test_at_the_waiting_limit_only_a_sync_push_that_would_wait_is_refused() -> None:
-    handle = _serve(threads=8, max_waiting_calls=3)
+def test_at_the_waiting_limit_only_a_sync_push_that_would_wait_is_refused(
+    servers: Callable[..., ServerHandle],
+) -> None:
+    handle = servers(threads=8, max_waiting_calls=3)
     grad = np.ones(4, np.float32)
-    try:
-        with Client(handle.address, timeout=10) as c:
-            c.create_group(
-                "s",
-                Adagrad(),
-                learning_rate=0.1,
-                tensors={"w": np.zeros(4, np.float32)},
-                consistency=Sync(workers=5),
-            )
-            with grpc.insecure_channel(handle.address) as ch:
-                stub = pb_grpc.ParameterServerServiceStub(ch)
+    with Client(handle.address, timeout=10) as c:
+        c.create_group(
+            "s",
+            Adagrad(),
+            learning_rate=0.1,
+            tensors={"w": np.zeros(4, np.float32)},
+            consistency=Sync(workers=5),
+        )
+        with grpc.insecure_channel(handle.address) as ch:
+            stub = pb_grpc.ParameterServerServiceStub(ch)
 
-                def push(worker: str, return_values: bool) -> grpc.Future[Any]:
-                    return stub.Push.future(
-                        pb.PushRequest(
-                            group="s",
-                            gradients=[
-                                pb.Tensor(
-                                    dtype=pb.DATA_TYPE_FLOAT,
-                                    dims=[4],
-                                    raw_data=grad.tobytes(),
-                                )
-                            ],
-                            client_id=worker,
-                            seq=1,
-                            return_values=return_values,
-                        ),
-                        timeout=10,
-                    )
+            def push(worker: str, return_values: bool) -> grpc.Future[Any]:
+                return stub.Push.future(
+                    pb.PushRequest(
+                        group="s",
+                        gradients=[
+                            pb.Tensor(
+                                dtype=pb.DATA_TYPE_FLOAT,
+                                dims=[4],
+                                raw_data=grad.tobytes(),
+                            )
+                        ],
+                        client_id=worker,
+                        seq=1,
+                        return_values=return_values,
+                    ),
+                    timeout=10,
+                )
 
-                waiting = [push(f"w{i}", True) for i in range(3)]
-                _until(lambda: handle.store.waiting_calls == 3)
-                with pytest.raises(grpc.RpcError) as err:
-                    push("w3", True).result()
-                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert c.describe_group("s").pending_contributions == 3  # unchanged
-                assert push("w3", False).result().applied is False
-                # The push that completes the step needs no slot: it goes through.
-                last = push("w4", True).result()
-                assert (last.applied, last.update_count) == (True, 1)
-                values = [np.frombuffer(last.values[0].raw_data, np.float32)]
-                for f in waiting:
-                    reply = f.result()
-                    values.append(np.frombuffer(reply.values[0].raw_data, np.float32))
-                assert all(np.array_equal(v, values[0]) for v in values)
-                assert not np.array_equal(values[0], np.zeros(4, np.float32))
-            assert handle.store.waiting_calls == 0
-    finally:
-        handle.stop(grace=0)
+            waiting = [push(f"w{i}", True) for i in range(3)]
+            _until(lambda: handle.store.waiting_calls == 3)
+            with pytest.raises(grpc.RpcError) as err:
+                push("w3", True).result()
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert c.describe_group("s").pending_contributions == 3  # unchanged
+            assert push("w3", False).result().applied is False
+            # The push that completes the step needs no slot: it goes through.
+            last = push("w4", True).result()
+            assert (last.applied, last.update_count) == (True, 1)
+            values = [np.frombuffer(last.values[0].raw_data, np.float32)]
+            for f in waiting:
+                reply = f.result()
+                values.append(np.frombuffer(reply.values[0].raw_data, np.float32))
+            assert all(np.array_equal(v, values[0]) for v in values)
+            assert not np.array_equal(values[0], np.zeros(4, np.float32))
+        assert handle.store.waiting_calls == 0

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from _servers import details
 from grpc_status import rpc_status
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 from onnxps.wire.codec import array_to_tensor, header_tensor
@@ -257,18 +257,14 @@ REFUSALS = [
 
 
 @pytest.fixture(scope="module")
-def stub() -> Iterator[Stub]:
-    handle = create_server(
+def stub(module_servers: Callable[..., ServerHandle]) -> Iterator[Stub]:
+    handle = module_servers(
         ServerConfig(address="127.0.0.1:0", durability="none", max_group_bytes=4096)
     )
-    handle.start()
-    try:
-        with grpc.insecure_channel(handle.address) as channel:
-            s = Stub(channel)
-            _setup(s, handle)
-            yield s
-    finally:
-        handle.stop(grace=0)
+    with grpc.insecure_channel(handle.address) as channel:
+        s = Stub(channel)
+        _setup(s, handle)
+        yield s
 
 
 def _setup(s: Stub, handle: ServerHandle) -> None:
@@ -310,10 +306,10 @@ def test_every_refusal_carries_its_error_details(stub: Stub, refusal: Refusal) -
 
 
 @pytest.fixture(scope="module")
-def strict_stub() -> Iterator[Stub]:
+def strict_stub(module_servers: Callable[..., ServerHandle]) -> Iterator[Stub]:
     """A server without shared memory or a data port whose streams stall after
     0.3 s."""
-    handle = create_server(
+    handle = module_servers(
         ServerConfig(
             address="127.0.0.1:0",
             durability="none",
@@ -322,14 +318,10 @@ def strict_stub() -> Iterator[Stub]:
             stall_seconds=0.3,
         )
     )
-    handle.start()
-    try:
-        with grpc.insecure_channel(handle.address) as channel:
-            s = Stub(channel)
-            s.CreateGroup(adagrad("g", [0, 0, 0]), timeout=10)
-            yield s
-    finally:
-        handle.stop(grace=0)
+    with grpc.insecure_channel(handle.address) as channel:
+        s = Stub(channel)
+        s.CreateGroup(adagrad("g", [0, 0, 0]), timeout=10)
+        yield s
 
 
 def test_a_region_on_a_server_without_shared_memory_says_so(strict_stub: Stub) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _procs import start_server, stop
+from _procs import StartServer, start_server, stop
 from onnxps.client import Adagrad, Adam, Client, Momentum, Nesterov, Sync
 from onnxps.server.app import ServerHandle
 
@@ -158,7 +158,9 @@ def test_row_pushes_and_row_pulls_of_a_many_tensor_group(server: ServerHandle) -
 
 
 @pytest.mark.slow
-def test_flat_layout_survives_snapshot_wal_replay_and_restart(tmp_path: Path) -> None:
+def test_flat_layout_survives_snapshot_wal_replay_and_restart(
+    server_processes: StartServer, tmp_path: Path
+) -> None:
     """A snapshot holds the group's tensors one file each (the format unchanged);
     the pushes after it replay from the WAL into the flat buffers, which then step
     on as the groups of one tensor do."""
@@ -176,16 +178,13 @@ def test_flat_layout_survives_snapshot_wal_replay_and_restart(tmp_path: Path) ->
             before, _ = pull_twins(c, "w", len(SHAPES))
     finally:
         stop(proc)  # SIGKILL: the last pushes are in the WAL only
-    proc, address = start_server(tmp_path / "2.log", *args)
-    try:
-        with Client(address, timeout=60) as c:
-            after, _ = pull_twins(c, "w", len(SHAPES))
-            assert_same_bits(after, before)
-            assert c.describe_group("w").update_count == 3
-            push_twins(c, "w", gradients(values, 3))
-            many, alone = pull_twins(c, "w", len(SHAPES))
-            assert_same_bits(many, alone)
-            snapshots = sorted(p.name for p in data.iterdir())
-            assert any(s.startswith("snapshot") for s in snapshots), snapshots
-    finally:
-        stop(proc)
+    proc, address = server_processes(tmp_path / "2.log", *args)
+    with Client(address, timeout=60) as c:
+        after, _ = pull_twins(c, "w", len(SHAPES))
+        assert_same_bits(after, before)
+        assert c.describe_group("w").update_count == 3
+        push_twins(c, "w", gradients(values, 3))
+        many, alone = pull_twins(c, "w", len(SHAPES))
+        assert_same_bits(many, alone)
+        snapshots = sorted(p.name for p in data.iterdir())
+        assert any(s.startswith("snapshot") for s in snapshots), snapshots

@@ -9,16 +9,16 @@ import platform
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
-from _procs import clean_env, start_server, stop
+from _procs import StartServer, clean_env
 from onnxps.client import Adagrad, Client, UnavailableError
-from onnxps.server.app import ServerConfig, create_server
+from onnxps.server.app import ServerHandle
 
 RESTARTS = 3
 
@@ -55,10 +55,12 @@ def _wait_acked(
 
 
 @pytest.mark.slow
-def test_push_loops_survive_sigterm_and_restarts_exactly_once(tmp_path: Path) -> None:
+def test_push_loops_survive_sigterm_and_restarts_exactly_once(
+    server_processes: StartServer, tmp_path: Path
+) -> None:
     data = tmp_path / "data"
     args = ("--data-dir", str(data), "--durability", "snapshot")
-    proc, address = start_server(tmp_path / "s0.log", *args)
+    proc, address = server_processes(tmp_path / "s0.log", *args)
     port_args = ("--address", address)
     with Client(address, timeout=10) as c:
         for transport, n in (("unary", 16), ("stream", 1 << 18)):
@@ -83,7 +85,7 @@ def test_push_loops_survive_sigterm_and_restarts_exactly_once(tmp_path: Path) ->
             proc.terminate()
             assert proc.wait(30) == 0
             assert "Traceback" not in (tmp_path / f"s{run - 1}.log").read_text()
-            proc, again = start_server(tmp_path / f"s{run}.log", *args, *port_args)
+            proc, again = server_processes(tmp_path / f"s{run}.log", *args, *port_args)
             assert again == address
         _wait_acked(acked, errors)
         stop_at.set()
@@ -97,35 +99,31 @@ def test_push_loops_survive_sigterm_and_restarts_exactly_once(tmp_path: Path) ->
                 assert t_now == len(acked[transport]) > 0
     finally:
         stop_at.set()
-        stop(proc)
 
 
 @pytest.mark.slow
 def test_push_raises_unavailable_when_the_server_never_returns(
+    server_processes: StartServer,
     tmp_path: Path,
 ) -> None:
-    proc, address = start_server(tmp_path / "s.log")
-    try:
-        with Client(address, timeout=10) as c:
-            c.create_group(
-                "g", Adagrad(), learning_rate=0.1, tensors={"x": np.zeros(4)}
-            )
-            proc.terminate()
-            assert proc.wait(30) == 0
-            with pytest.raises(UnavailableError) as err:
-                c.push("g", np.ones(4), timeout=2)
-    finally:
-        stop(proc)
+    proc, address = server_processes(tmp_path / "s.log")
+    with Client(address, timeout=10) as c:
+        c.create_group("g", Adagrad(), learning_rate=0.1, tensors={"x": np.zeros(4)})
+        proc.terminate()
+        assert proc.wait(30) == 0
+        with pytest.raises(UnavailableError) as err:
+            c.push("g", np.ones(4), timeout=2)
     message = str(err.value)
     assert f"the server at {address} stayed unavailable for 2 s" in message
     assert "may not have been applied" in message
 
 
-def test_stop_finishes_admitted_calls_and_refuses_new_ones_with_unavailable() -> None:
+def test_stop_finishes_admitted_calls_and_refuses_new_ones_with_unavailable(
+    servers: Callable[..., ServerHandle],
+) -> None:
     """In process: a call the server is running when stop starts gets its answer;
     a call that arrives afterwards gets UNAVAILABLE, never CANCELLED."""
-    handle = create_server(ServerConfig(address="127.0.0.1:0", durability="none"))
-    handle.start()
+    handle = servers()
     x = np.zeros(1 << 20, np.float32)
     with Client(handle.address, timeout=10) as c:
         c.create_group("big", Adagrad(), learning_rate=0.1, tensors={"x": x})
@@ -165,9 +163,11 @@ def test_stop_finishes_admitted_calls_and_refuses_new_ones_with_unavailable() ->
         time.sleep(0.01)
     stopper = threading.Thread(target=handle.stop, kwargs={"grace": 10.0})
     stopper.start()
-    while handle.gate.running and not handle.gate._closed:
+    deadline = time.monotonic() + 20
+    while handle.gate._idle_waiters == 0:  # stop waits for the slow push to end
+        assert time.monotonic() < deadline, "the stop never waited for the push"
+        assert handle.gate.running, "the slow push ended before the stop waited"
         time.sleep(0.01)
-    time.sleep(0.2)
     from onnxps.v1 import parameter_server_pb2 as pb
     from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 
@@ -187,37 +187,35 @@ def test_stop_finishes_admitted_calls_and_refuses_new_ones_with_unavailable() ->
 
 @pytest.mark.slow
 def test_demo_worker_exits_3_with_one_line_when_the_server_stops(
+    server_processes: StartServer,
     tmp_path: Path,
 ) -> None:
     pytest.importorskip("sklearn")
     import subprocess
 
-    proc, address = start_server(tmp_path / "s.log")
-    try:
-        worker = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "onnxps.cli._demo_worker",
-                f"--address={address}",
-                "--steps=100000",
-                "--timeout=2",
-                "--log-every=1",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=clean_env(),
-        )
-        assert worker.stdout is not None
-        for line in worker.stdout:
-            if "step 20/" in line:
-                break
-        proc.terminate()
-        assert proc.wait(30) == 0
-        _, err = worker.communicate(timeout=60)
-    finally:
-        stop(proc)
+    proc, address = server_processes(tmp_path / "s.log")
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "onnxps.cli._demo_worker",
+            f"--address={address}",
+            "--steps=100000",
+            "--timeout=2",
+            "--log-every=1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
+    assert worker.stdout is not None
+    for line in worker.stdout:
+        if "step 20/" in line:
+            break
+    proc.terminate()
+    assert proc.wait(30) == 0
+    _, err = worker.communicate(timeout=60)
     assert worker.returncode == 3, err
     lines = [x for x in err.splitlines() if "resending" not in x]
     assert len(lines) == 1, err
@@ -233,23 +231,22 @@ _TGKILL = {"x86_64": 234, "aarch64": 131}
     sys.platform != "linux" or platform.machine() not in _TGKILL,
     reason="sends a signal to one thread with Linux's tgkill",
 )
-def test_a_sigterm_delivered_to_any_thread_stops_the_server(tmp_path: Path) -> None:
+def test_a_sigterm_delivered_to_any_thread_stops_the_server(
+    server_processes: StartServer, tmp_path: Path
+) -> None:
     """The kernel hands a process's SIGTERM to any of its threads (gRPC's, numba's);
     Python runs the handler only in the main thread, so the main thread must not
     sleep in an untimed wait that only a signal to itself would interrupt. Sent to
     every thread but the main one in turn, the stop happens each time."""
     libc = ctypes.CDLL(None, use_errno=True)
     log = tmp_path / "s.log"
-    proc, address = start_server(log)
-    try:
-        with Client(address, timeout=10) as c:  # the server's threads are all up
-            x = {"x": np.zeros(4)}
-            c.create_group("g", Adagrad(), learning_rate=0.1, tensors=x)
-        tids = [int(t.name) for t in Path(f"/proc/{proc.pid}/task").iterdir()]
-        others = [t for t in tids if t != proc.pid]
-        assert others, "the server runs threads besides its main thread"
-        assert libc.syscall(_TGKILL[platform.machine()], proc.pid, others[-1], 15) == 0
-        assert proc.wait(15) == 0
-        assert "received SIGTERM: draining in-flight calls" in log.read_text()
-    finally:
-        stop(proc)
+    proc, address = server_processes(log)
+    with Client(address, timeout=10) as c:  # the server's threads are all up
+        x = {"x": np.zeros(4)}
+        c.create_group("g", Adagrad(), learning_rate=0.1, tensors=x)
+    tids = [int(t.name) for t in Path(f"/proc/{proc.pid}/task").iterdir()]
+    others = [t for t in tids if t != proc.pid]
+    assert others, "the server runs threads besides its main thread"
+    assert libc.syscall(_TGKILL[platform.machine()], proc.pid, others[-1], 15) == 0
+    assert proc.wait(15) == 0
+    assert "received SIGTERM: draining in-flight calls" in log.read_text()

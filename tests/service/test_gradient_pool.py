@@ -9,13 +9,13 @@ from __future__ import annotations
 import gc
 import threading
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 from onnxps.client import Adam, Client, Encoding, InvalidArgumentError
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.server.kernels import make_attrs
 from onnxps.server.kernels._select import fused_kernels
 from onnxps.server.transports._receive import (
@@ -37,14 +37,12 @@ F32 = np.dtype(np.float32)
         ),
     ]
 )
-def server(request: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[ServerHandle]:
+def server(
+    servers: Callable[..., ServerHandle], request: Any, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[ServerHandle]:
     monkeypatch.setenv("ONNXPS_KERNELS", request.param)
-    handle = create_server(ServerConfig(address="127.0.0.1:0", durability="none"))
-    handle.start()
-    try:
-        yield handle
-    finally:
-        handle.stop(grace=0)
+    handle = servers(ServerConfig(address="127.0.0.1:0", durability="none"))
+    yield handle
 
 
 def _client(server: ServerHandle) -> Client:
@@ -250,17 +248,14 @@ def _metric(handle: ServerHandle, name: str) -> float:
 
 
 @pytest.mark.parametrize(("budget", "kept"), [(None, 8 << 20), (0, 0), (4 << 20, 0)])
-def test_the_pool_size_is_a_setting_and_a_metric(budget: int | None, kept: int) -> None:
+def test_the_pool_size_is_a_setting_and_a_metric(
+    servers: Callable[..., ServerHandle], budget: int | None, kept: int
+) -> None:
     extra: dict[str, Any] = {} if budget is None else {"gradient_pool_bytes": budget}
-    handle = create_server(
+    handle = servers(
         ServerConfig(address="127.0.0.1:0", durability="none", metrics_port=0, **extra)
-    ).start()
-    try:
-        with _client(handle) as c:
-            c.create_group(
-                "g", Adam(), learning_rate=1e-3, tensors={"w": np.zeros(N, F32)}
-            )
-            c.push("g", np.full(N, 1e-3, F32))  # 8 MiB, streamed
-        assert _metric(handle, "onnxps_gradient_pool_bytes") == kept
-    finally:
-        handle.stop(grace=0)
+    )
+    with _client(handle) as c:
+        c.create_group("g", Adam(), learning_rate=1e-3, tensors={"w": np.zeros(N, F32)})
+        c.push("g", np.full(N, 1e-3, F32))  # 8 MiB, streamed
+    assert _metric(handle, "onnxps_gradient_pool_bytes") == kept

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from onnxps.client import Adagrad, Adam, Client, Momentum
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.app import ServerHandle
 from onnxps.v1 import parameter_server_pb2 as pb
 
 OK = grpc.StatusCode.OK
@@ -74,15 +74,10 @@ METHODS = {
 class Hostile:
     """One server, a raw channel, and the snapshot every case must leave intact."""
 
-    def __init__(self) -> None:
-        self.handle: ServerHandle = create_server(
-            ServerConfig(
-                address="127.0.0.1:0",
-                durability="none",
-                max_inflight_bytes=MAX_INFLIGHT,
-                max_group_bytes=MAX_GROUP,
-            )
-        ).start()
+    def __init__(self, servers: Callable[..., ServerHandle]) -> None:
+        self.handle: ServerHandle = servers(
+            max_inflight_bytes=MAX_INFLIGHT, max_group_bytes=MAX_GROUP
+        )
         self.client = Client(self.handle.address, timeout=10, transport="unary")
         self.channel = grpc.insecure_channel(self.handle.address)
         rng = np.random.default_rng(7)
@@ -145,12 +140,13 @@ class Hostile:
     def close(self) -> None:
         self.channel.close()
         self.client.close()
-        self.handle.stop(grace=0)
 
 
 @pytest.fixture(scope="module")
-def ps(request: pytest.FixtureRequest) -> Iterator[Hostile]:
-    h = Hostile()
+def ps(
+    request: pytest.FixtureRequest, module_servers: Callable[..., ServerHandle]
+) -> Iterator[Hostile]:
+    h = Hostile(module_servers)
     try:
         yield h
         # the whole module sends well over 1,000 generated requests (one tier of it,

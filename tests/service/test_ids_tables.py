@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from onnxps.client import (
     Uniform,
     Zeros,
 )
-from onnxps.server.app import ServerConfig, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.server.kernels import make_attrs
 from onnxps.server.store import ParameterStore, StoreLimits
 from onnxps.wire.initializers import initial_rows
@@ -385,27 +386,27 @@ def test_server_list_rows_pages_in_id_order(client: Client) -> None:
         client.list_rows("g", "emb", page_token="x")
 
 
-def test_same_rows_on_two_servers(server: Any) -> None:
-    other = create_server(ServerConfig(address="127.0.0.1:0", durability="none"))
-    other.start()
-    try:
-        with Client(server.address) as a, Client(other.address) as b:
-            ids = np.array([HUGE[0], 12, -99], np.int64)
-            for c in (a, b):
-                _create(c)
-            assert _rows(a, ids) == _rows(b, ids)
-            for c in (a, b):
-                c.push_rows("g", {"emb": (ids, np.ones((3, 4), np.float32))})
-            assert _table(a) == _table(b)
-    finally:
-        other.stop(grace=0)
+def test_same_rows_on_two_servers(
+    servers: Callable[..., ServerHandle], server: Any
+) -> None:
+    other = servers(ServerConfig(address="127.0.0.1:0", durability="none"))
+    with Client(server.address) as a, Client(other.address) as b:
+        ids = np.array([HUGE[0], 12, -99], np.int64)
+        for c in (a, b):
+            _create(c)
+        assert _rows(a, ids) == _rows(b, ids)
+        for c in (a, b):
+            c.push_rows("g", {"emb": (ids, np.ones((3, 4), np.float32))})
+        assert _table(a) == _table(b)
 
 
 def _rows(c: Client, ids: Array) -> bytes:
     return c.pull_rows("g", {"emb": ids})["emb"].tobytes()
 
 
-def test_export_import_round_trip(client: Client, server: Any, tmp_path: Path) -> None:
+def test_export_import_round_trip(
+    servers: Callable[..., ServerHandle], client: Client, server: Any, tmp_path: Path
+) -> None:
     _create(client, optimizer=Momentum(0.9, 0.1), max_rows=50)
     rng = np.random.default_rng(4)
     for _ in range(3):
@@ -422,21 +423,17 @@ def test_export_import_round_trip(client: Client, server: Any, tmp_path: Path) -
     client.push_rows("only", {"emb": ([1, 2], np.ones((2, 2)))})
     before = {n: _table(client, n) for n in ("g", "only")}
     client.export(tmp_path / "e.npz")
-    other = create_server(ServerConfig(address="127.0.0.1:0", durability="none"))
-    other.start()
-    try:
-        with Client(other.address) as c2:
-            c2.import_(tmp_path / "e.npz")
-            assert {n: _table(c2, n) for n in ("g", "only")} == before
-            info = c2.describe_group("g")
-            assert info.update_count == 3 and info.tables["emb"].max_rows == 50
-            assert c2.describe_group("only").dtype == np.float64
-            step = ([5, HUGE[0]], np.ones((2, 4), np.float32))
-            for c in (client, c2):
-                c.push_rows("g", {"emb": step})
-            assert _table(c2, "g") == _table(client, "g")
-    finally:
-        other.stop(grace=0)
+    other = servers(ServerConfig(address="127.0.0.1:0", durability="none"))
+    with Client(other.address) as c2:
+        c2.import_(tmp_path / "e.npz")
+        assert {n: _table(c2, n) for n in ("g", "only")} == before
+        info = c2.describe_group("g")
+        assert info.update_count == 3 and info.tables["emb"].max_rows == 50
+        assert c2.describe_group("only").dtype == np.float64
+        step = ([5, HUGE[0]], np.ones((2, 4), np.float32))
+        for c in (client, c2):
+            c.push_rows("g", {"emb": step})
+        assert _table(c2, "g") == _table(client, "g")
 
 
 def test_big_import_streams_rows(client: Client, tmp_path: Path) -> None:
@@ -450,31 +447,26 @@ def test_big_import_streams_rows(client: Client, tmp_path: Path) -> None:
     assert _table(client) == before
 
 
-def test_snapshot_restart_keeps_the_table(tmp_path: Path) -> None:
+def test_snapshot_restart_keeps_the_table(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
     config = ServerConfig(
         address="127.0.0.1:0", durability="snapshot", data_dir=str(tmp_path)
     )
-    handle = create_server(config).start()
-    try:
-        with Client(handle.address) as c:
-            _create(c)
-            c.push_rows("g", {"emb": (HUGE, np.ones((7, 4), np.float32))})
-            before = _table(c)
-            c.save()
-    finally:
-        handle.stop(grace=0)
-    handle = create_server(config).start()
-    try:
-        with Client(handle.address) as c:
-            assert _table(c) == before
-            assert (
-                _rows(c, np.array([123456789], np.int64))
-                == initial_rows(
-                    INIT, "emb", np.array([123456789]), 4, np.float32
-                ).tobytes()
-            )
-    finally:
-        handle.stop(grace=0)
+    handle = servers(config)
+    with Client(handle.address) as c:
+        _create(c)
+        c.push_rows("g", {"emb": (HUGE, np.ones((7, 4), np.float32))})
+        before = _table(c)
+        c.save()
+    handle.stop(grace=0)
+    handle = servers(config)
+    with Client(handle.address) as c:
+        assert _table(c) == before
+        assert (
+            _rows(c, np.array([123456789], np.int64))
+            == initial_rows(INIT, "emb", np.array([123456789]), 4, np.float32).tobytes()
+        )
 
 
 def test_async_client_rows(server: Any) -> None:
@@ -641,18 +633,10 @@ def test_sync_group_through_the_server(server: Any) -> None:
 # -- a cluster of shard processes ------------------------------------------------------
 @pytest.fixture
 def cluster(tmp_path: Path) -> Any:
-    from _procs import start_server, stop
+    from _cluster import shards
 
-    procs, addresses = [], []
-    try:
-        for i in range(3):
-            proc, address = start_server(tmp_path / f"s{i}.log", "--shard", f"{i}/3")
-            procs.append(proc)
-            addresses.append(address)
+    with shards(tmp_path, 3) as (addresses, _):
         yield addresses
-    finally:
-        for p in procs:
-            stop(p)
 
 
 def _parts_t(c: Client, name: str = "g") -> list[int]:
@@ -662,97 +646,93 @@ def _parts_t(c: Client, name: str = "g") -> list[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_cluster_splits_an_ids_table_by_id_hash(
-    cluster: list[str], tmp_path: Path, dtype: Any
+    servers: Callable[..., ServerHandle], cluster: list[str], tmp_path: Path, dtype: Any
 ) -> None:
     """Adam and Momentum depend on T: every part steps T on every push (no rows
     for the parts owning none of its ids), so the cluster equals one server, bit
     for bit, and all parts have one T."""
     from onnxps.client._ids_cluster import owners
 
-    one = create_server(ServerConfig(address="127.0.0.1:0", durability="none"))
-    one.start()
-    try:
-        with Client(cluster, timeout=30.0) as c, Client(one.address) as s:
-            for cl in (c, s):
-                _create(cl, dim=4, max_rows=1000, tensors={}, dtype=dtype)
-                _create(
-                    cl,
-                    "m",
-                    dim=4,
-                    optimizer=Momentum(0.9, 0.5),
-                    tensors={},
-                    dtype=dtype,
-                )
-            with pytest.raises(ValueError, match="holds ids tables only"):
-                _create(c, name="mixed", dim=4)
-            info = c.describe_group("g")
-            assert [p.name for p in info.parts] == [f"g#p{k}of3" for k in range(3)]
-            rng = np.random.default_rng(6)
-            universe = rng.integers(-(2**63), 2**63 - 1, 200)
-            mine = universe[owners(universe, 3) == 1][:3]  # ids of part 1 only
-            pushes: list[dict[str, Any]] = []
-            for _ in range(4):
-                ids = universe[rng.integers(0, 200, 64)]  # with repeats
-                pushes.append(
-                    {"emb": (ids, rng.standard_normal((64, 4)).astype(dtype))}
-                )
-            pushes.insert(2, {"emb": (mine, np.ones((3, 4), dtype))})
-            pushes.insert(3, {})  # no ids: T advances
-            for k, grads in enumerate(pushes):
-                for name in ("g", "m"):
-                    got = c.push_rows(name, grads)
-                    want = s.push_rows(name, grads)
-                    assert got.update_count == want.update_count == k + 1
-                    assert got.applied and not got.duplicate
-                    assert _parts_t(c, name) == [k + 1] * 3
+    one = servers(ServerConfig(address="127.0.0.1:0", durability="none"))
+    with Client(cluster, timeout=30.0) as c, Client(one.address) as s:
+        for cl in (c, s):
+            _create(cl, dim=4, max_rows=1000, tensors={}, dtype=dtype)
+            _create(
+                cl,
+                "m",
+                dim=4,
+                optimizer=Momentum(0.9, 0.5),
+                tensors={},
+                dtype=dtype,
+            )
+        with pytest.raises(ValueError, match="holds ids tables only"):
+            _create(c, name="mixed", dim=4)
+        info = c.describe_group("g")
+        assert [p.name for p in info.parts] == [f"g#p{k}of3" for k in range(3)]
+        rng = np.random.default_rng(6)
+        universe = rng.integers(-(2**63), 2**63 - 1, 200)
+        mine = universe[owners(universe, 3) == 1][:3]  # ids of part 1 only
+        pushes: list[dict[str, Any]] = []
+        for _ in range(4):
+            ids = universe[rng.integers(0, 200, 64)]  # with repeats
+            pushes.append({"emb": (ids, rng.standard_normal((64, 4)).astype(dtype))})
+        pushes.insert(2, {"emb": (mine, np.ones((3, 4), dtype))})
+        pushes.insert(3, {})  # no ids: T advances
+        for k, grads in enumerate(pushes):
             for name in ("g", "m"):
-                assert _table(c, name) == _table(s, name)
-                assert c.count_rows(name, "emb") == s.count_rows(name, "emb")
-            probe = np.concatenate([universe[:50], [1, 2, 3]])
-            a = c.pull_rows("g", {"emb": probe}, state=True)
-            b = s.pull_rows("g", {"emb": probe}, state=True)
-            assert list(a) == list(b) == ["emb", "V:emb", "H:emb"]
-            assert all(a[k].tobytes() == b[k].tobytes() for k in b)
-            assert a["emb"].dtype == dtype
-            # each part holds exactly the ids it owns
-            for k, part in enumerate(info.parts):
-                with Client(cluster[part.shard]) as direct:
-                    ids, _ = direct.export_rows(part.name, "emb")
-                    assert ids.size and bool(np.all(owners(ids, 3) == k))
-            # rows in an encoding: split after rounding, as one server rounds them
-            enc = {"emb": (universe[:40], rng.standard_normal((40, 4)).astype(dtype))}
-            for cl in (c, s):
-                cl.push_rows("g", enc, encoding="bfloat16")
-            assert _table(c) == _table(s)
-            # refused whole, before any part is sent: no part steps
-            bad = np.ones((3, 4), dtype)
-            bad[2, 1] = np.nan
-            with pytest.raises(InvalidArgumentError, match="NaN or inf"):
-                c.push_rows("g", {"emb": (mine, bad)})
-            with pytest.raises(InvalidArgumentError, match="one row per id"):
-                c.push_rows("g", {"emb": (mine, bad[:2])})
-            assert _parts_t(c) == [len(pushes) + 1] * 3
-            # pages across the parts, ascending
-            seen, token = [], ""
-            while True:
-                page = c.list_rows("g", "emb", page_token=token, page_size=17)
-                seen += page.ids.tolist()
-                token = page.next_page_token
-                if not token:
-                    break
-            assert seen == sorted(seen) and len(seen) == c.count_rows("g", "emb")
-            assert c.delete_group("m")
-            c.export(tmp_path / "c.npz")
-            want_table = _table(c)
-            c.delete_group("g")
-            c.import_(tmp_path / "c.npz")
-            assert _table(c) == want_table
-    finally:
-        one.stop(grace=0)
+                got = c.push_rows(name, grads)
+                want = s.push_rows(name, grads)
+                assert got.update_count == want.update_count == k + 1
+                assert got.applied and not got.duplicate
+                assert _parts_t(c, name) == [k + 1] * 3
+        for name in ("g", "m"):
+            assert _table(c, name) == _table(s, name)
+            assert c.count_rows(name, "emb") == s.count_rows(name, "emb")
+        probe = np.concatenate([universe[:50], [1, 2, 3]])
+        a = c.pull_rows("g", {"emb": probe}, state=True)
+        b = s.pull_rows("g", {"emb": probe}, state=True)
+        assert list(a) == list(b) == ["emb", "V:emb", "H:emb"]
+        assert all(a[k].tobytes() == b[k].tobytes() for k in b)
+        assert a["emb"].dtype == dtype
+        # each part holds exactly the ids it owns
+        for k, part in enumerate(info.parts):
+            with Client(cluster[part.shard]) as direct:
+                ids, _ = direct.export_rows(part.name, "emb")
+                assert ids.size and bool(np.all(owners(ids, 3) == k))
+        # rows in an encoding: split after rounding, as one server rounds them
+        enc = {"emb": (universe[:40], rng.standard_normal((40, 4)).astype(dtype))}
+        for cl in (c, s):
+            cl.push_rows("g", enc, encoding="bfloat16")
+        assert _table(c) == _table(s)
+        # refused whole, before any part is sent: no part steps
+        bad = np.ones((3, 4), dtype)
+        bad[2, 1] = np.nan
+        with pytest.raises(InvalidArgumentError, match="NaN or inf"):
+            c.push_rows("g", {"emb": (mine, bad)})
+        with pytest.raises(InvalidArgumentError, match="one row per id"):
+            c.push_rows("g", {"emb": (mine, bad[:2])})
+        assert _parts_t(c) == [len(pushes) + 1] * 3
+        # pages across the parts, ascending
+        seen, token = [], ""
+        while True:
+            page = c.list_rows("g", "emb", page_token=token, page_size=17)
+            seen += page.ids.tolist()
+            token = page.next_page_token
+            if not token:
+                break
+        assert seen == sorted(seen) and len(seen) == c.count_rows("g", "emb")
+        assert c.delete_group("m")
+        c.export(tmp_path / "c.npz")
+        want_table = _table(c)
+        c.delete_group("g")
+        c.import_(tmp_path / "c.npz")
+        assert _table(c) == want_table
 
 
 @pytest.mark.slow
-def test_an_ids_part_that_missed_pushes_is_sent_them_once(tmp_path: Path) -> None:
+def test_an_ids_part_that_missed_pushes_is_sent_them_once(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
     """A shard killed and restarted (WAL) while a worker pushes to an ids table:
     a push that timed out on the missing part is sent to it first by the next push
     (same seq), pushes in flight are resent until they land, a part that had taken
@@ -816,18 +796,14 @@ def test_an_ids_part_that_missed_pushes_is_sent_them_once(tmp_path: Path) -> Non
             assert _parts_t(c) == [len(pushes)] * 3
             got = _table(c)
             rows = c.pull_rows("g", {"emb": universe}, state=True)
-    one = create_server(ServerConfig(address="127.0.0.1:0", durability="none"))
-    one.start()
-    try:
-        with Client(one.address) as ref:
-            _create(ref, dim=4, tensors={}, dtype=np.float64)
-            for p in pushes:
-                ref.push_rows("g", p)
-            assert got == _table(ref)
-            want = ref.pull_rows("g", {"emb": universe}, state=True)
-            assert all(rows[k].tobytes() == want[k].tobytes() for k in want)
-    finally:
-        one.stop(grace=0)
+    one = servers(ServerConfig(address="127.0.0.1:0", durability="none"))
+    with Client(one.address) as ref:
+        _create(ref, dim=4, tensors={}, dtype=np.float64)
+        for p in pushes:
+            ref.push_rows("g", p)
+        assert got == _table(ref)
+        want = ref.pull_rows("g", {"emb": universe}, state=True)
+        assert all(rows[k].tobytes() == want[k].tobytes() for k in want)
 
 
 def test_the_index_finds_every_row_across_rebuilds() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,6 +66,28 @@ def test_the_trimmer_hands_memory_back_only_when_the_process_grew() -> None:
     always = _malloc.Trimmer(libc, growth=-(1 << 40))  # any RSS counts as grown
     assert always.check() is True and always.trims == 1
     assert _malloc.rss_bytes() > 0
+
+
+def test_the_trimmer_does_not_count_a_mapped_shared_segment_as_growth(
+    tmp_path: Path,
+) -> None:
+    """A client's segment mapped by the server is shared memory, not malloc's: the
+    trimmer watches private memory, which mapping 32 MiB of a file leaves alone."""
+    import mmap
+
+    import numpy as np
+    from onnxps.server import _malloc
+
+    path = tmp_path / "segment"
+    with open(path, "wb") as out:
+        out.truncate(32 << 20)
+    before_rss, before_private = _malloc.rss_bytes(), _malloc.private_bytes()
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 32 << 20) as m:
+        np.frombuffer(m, np.uint8)[:] = 1  # every page touched: resident, shared
+        grown_rss = _malloc.rss_bytes() - before_rss
+        grown_private = _malloc.private_bytes() - before_private
+    assert grown_rss >= 28 << 20, grown_rss
+    assert grown_private < 8 << 20, grown_private
 
 
 # What numba's compiler (LLVM's library) holds resident in a process after onnxps

@@ -7,24 +7,19 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 import grpc
 import numpy as np
 import pytest
 from onnxps.client import Adagrad, Client, InvalidArgumentError, NotFoundError
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.app import ServerHandle
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 W0 = np.array([1.0, 2.0, 3.0], np.float32)
 G = np.array([0.5, -0.5, 0.25], np.float32)
-
-
-def _serve(**kw: object) -> ServerHandle:
-    return create_server(
-        ServerConfig(address="127.0.0.1:0", durability="none", **kw)  # type: ignore[arg-type]
-    ).start()
 
 
 def scrape(
@@ -40,31 +35,28 @@ def scrape(
     }
 
 
-def test_metrics_count_pushes_pulls_applies_and_read_the_store() -> None:
-    handle = _serve(metrics_port=0)
-    try:
-        assert handle.metrics_port is not None and handle.metrics_port > 0
-        with Client(handle.address, timeout=10, transport="unary") as c:
-            c.create_group("g", Adagrad(), learning_rate=0.5, tensors={"w": W0})
-            assert c.push("g", G, base_version=0) == 1
-            assert c.push("g", G, base_version=1) == 2
-            assert c.push("g", G, base_version=0) == 3  # 2 steps stale
-            with pytest.raises(InvalidArgumentError):
-                c.push("g", np.ones(4, np.float32))
-            with pytest.raises(NotFoundError):
-                c.push("missing", G)
-            c.pull("g")
-            c.pull("g", state=True)
-            with pytest.raises(NotFoundError):
-                c.pull("made-up-name")
-            c.apply(
-                Adagrad(), np.float32(0.1), np.int64(0), W0, G, np.zeros(3, np.float32)
-            )
-            c.join("g", worker_id="w1")
-            m = scrape(handle)
-            c.leave("g", worker_id="w1")
-    finally:
-        handle.stop(grace=0)
+def test_metrics_count_pushes_pulls_applies_and_read_the_store(
+    servers: Callable[..., ServerHandle],
+) -> None:
+    handle = servers(metrics_port=0)
+    assert handle.metrics_port is not None and handle.metrics_port > 0
+    with Client(handle.address, timeout=10, transport="unary") as c:
+        c.create_group("g", Adagrad(), learning_rate=0.5, tensors={"w": W0})
+        assert c.push("g", G, base_version=0) == 1
+        assert c.push("g", G, base_version=1) == 2
+        assert c.push("g", G, base_version=0) == 3  # 2 steps stale
+        with pytest.raises(InvalidArgumentError):
+            c.push("g", np.ones(4, np.float32))
+        with pytest.raises(NotFoundError):
+            c.push("missing", G)
+        c.pull("g")
+        c.pull("g", state=True)
+        with pytest.raises(NotFoundError):
+            c.pull("made-up-name")
+        c.apply(Adagrad(), np.float32(0.1), np.int64(0), W0, G, np.zeros(3, np.float32))
+        c.join("g", worker_id="w1")
+        m = scrape(handle)
+        c.leave("g", worker_id="w1")
 
     def v(name: str, **labels: str) -> float:
         return m[(name, tuple(sorted(labels.items())))]
@@ -98,56 +90,51 @@ def test_metrics_count_pushes_pulls_applies_and_read_the_store() -> None:
     assert not [k for k in m if ("group", "made-up-name") in k[1]]
 
 
-def test_two_servers_keep_separate_registries_and_stop_their_endpoints() -> None:
-    a, b = _serve(metrics_port=0), _serve(metrics_port=0)
-    try:
-        assert a.metrics_port != b.metrics_port
-        with Client(a.address, timeout=10) as c:
-            c.create_group("g", Adagrad(), learning_rate=0.5, tensors={"w": W0})
-            c.push("g", G)
-        ma, mb = scrape(a), scrape(b)
-        key = ("onnxps_pushes_total", (("code", "OK"), ("group", "g")))
-        assert ma[key] == 1
-        assert key not in mb
-        assert mb[("onnxps_groups", ())] == 0
-    finally:
-        a.stop(grace=0)
-        b.stop(grace=0)
+def test_two_servers_keep_separate_registries_and_stop_their_endpoints(
+    servers: Callable[..., ServerHandle],
+) -> None:
+    a, b = servers(metrics_port=0), servers(metrics_port=0)
+    assert a.metrics_port != b.metrics_port
+    with Client(a.address, timeout=10) as c:
+        c.create_group("g", Adagrad(), learning_rate=0.5, tensors={"w": W0})
+        c.push("g", G)
+    ma, mb = scrape(a), scrape(b)
+    key = ("onnxps_pushes_total", (("code", "OK"), ("group", "g")))
+    assert ma[key] == 1
+    assert key not in mb
+    assert mb[("onnxps_groups", ())] == 0
+    a.stop(grace=0)
+    b.stop(grace=0)
     with pytest.raises(urllib.error.URLError):
         scrape(a)
 
 
-def test_no_metrics_port_serves_no_endpoint() -> None:
-    handle = _serve()
-    try:
-        assert handle.metrics_port is None
-    finally:
-        handle.stop(grace=0)
+def test_no_metrics_port_serves_no_endpoint(
+    servers: Callable[..., ServerHandle],
+) -> None:
+    handle = servers()
+    assert handle.metrics_port is None
 
 
 def test_each_rpc_logs_method_group_code_and_its_request_id(
+    servers: Callable[..., ServerHandle],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    handle = _serve()
-    try:
-        with grpc.insecure_channel(handle.address) as ch:
-            stub = pb_grpc.ParameterServerServiceStub(ch)
-            with caplog.at_level(logging.DEBUG, logger="onnxps.rpc"):
-                with pytest.raises(grpc.RpcError) as err:
-                    stub.Pull(
-                        pb.PullRequest(group="nope"),
-                        metadata=(("x-request-id", "req-42"),),
-                        timeout=10,
-                    )
-                reply, call = stub.ListGroups.with_call(
-                    pb.ListGroupsRequest(), timeout=10
+    handle = servers()
+    with grpc.insecure_channel(handle.address) as ch:
+        stub = pb_grpc.ParameterServerServiceStub(ch)
+        with caplog.at_level(logging.DEBUG, logger="onnxps.rpc"):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Pull(
+                    pb.PullRequest(group="nope"),
+                    metadata=(("x-request-id", "req-42"),),
+                    timeout=10,
                 )
-                bad_id = "x" * 65  # too long: replaced with a fresh id
-                _, call2 = stub.ListGroups.with_call(
-                    pb.ListGroupsRequest(), metadata=(("x-request-id", bad_id),)
-                )
-    finally:
-        handle.stop(grace=0)
+            reply, call = stub.ListGroups.with_call(pb.ListGroupsRequest(), timeout=10)
+            bad_id = "x" * 65  # too long: replaced with a fresh id
+            _, call2 = stub.ListGroups.with_call(
+                pb.ListGroupsRequest(), metadata=(("x-request-id", bad_id),)
+            )
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert ("x-request-id", "req-42") in err.value.trailing_metadata()  # type: ignore[comparison-overlap]
     generated = dict(call.trailing_metadata())["x-request-id"]
@@ -166,32 +153,31 @@ def test_each_rpc_logs_method_group_code_and_its_request_id(
     assert ok[0].rpc_code == "OK"  # type: ignore[attr-defined]
 
 
-def test_load_gauges_count_a_waiting_call_while_it_waits() -> None:
-    handle = _serve(metrics_port=0)
-    try:
-        with Client(handle.address, timeout=10) as c:
-            c.create_group("g", Adagrad(), learning_rate=0.5, tensors={"w": W0})
-            idle = scrape(handle)
-            assert idle[("onnxps_calls_in_flight", ())] == 0
-            assert idle[("onnxps_waiting_calls", ())] == 0
-            assert idle[("onnxps_inflight_bytes", ())] == 0
-            got: list[object] = []
-            waiter = threading.Thread(
-                target=lambda: got.append(c.pull("g", min_version=1, timeout=10))
-            )
-            waiter.start()
-            deadline = time.monotonic() + 10
+def test_load_gauges_count_a_waiting_call_while_it_waits(
+    servers: Callable[..., ServerHandle],
+) -> None:
+    handle = servers(metrics_port=0)
+    with Client(handle.address, timeout=10) as c:
+        c.create_group("g", Adagrad(), learning_rate=0.5, tensors={"w": W0})
+        idle = scrape(handle)
+        assert idle[("onnxps_calls_in_flight", ())] == 0
+        assert idle[("onnxps_waiting_calls", ())] == 0
+        assert idle[("onnxps_inflight_bytes", ())] == 0
+        got: list[object] = []
+        waiter = threading.Thread(
+            target=lambda: got.append(c.pull("g", min_version=1, timeout=10))
+        )
+        waiter.start()
+        deadline = time.monotonic() + 10
+        m = scrape(handle)
+        while m[("onnxps_waiting_calls", ())] != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
             m = scrape(handle)
-            while m[("onnxps_waiting_calls", ())] != 1 and time.monotonic() < deadline:
-                time.sleep(0.02)
-                m = scrape(handle)
-            assert m[("onnxps_waiting_calls", ())] == 1
-            assert m[("onnxps_calls_in_flight", ())] == 1
-            c.push("g", G)
-            waiter.join(10)
-            assert len(got) == 1
-            after = scrape(handle)
-            assert after[("onnxps_waiting_calls", ())] == 0
-            assert after[("onnxps_calls_in_flight", ())] == 0
-    finally:
-        handle.stop(grace=0)
+        assert m[("onnxps_waiting_calls", ())] == 1
+        assert m[("onnxps_calls_in_flight", ())] == 1
+        c.push("g", G)
+        waiter.join(10)
+        assert len(got) == 1
+        after = scrape(handle)
+        assert after[("onnxps_waiting_calls", ())] == 0
+        assert after[("onnxps_calls_in_flight", ())] == 0

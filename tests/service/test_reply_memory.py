@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from _procs import start_server, stop
+from _procs import StartServer
 from onnxps.client import Adam, Client
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -43,100 +43,95 @@ def _requests(g: np.ndarray) -> list[pb.PushPullStreamRequest]:
 
 
 @pytest.mark.slow
-def test_a_reply_read_late_holds_no_copy_of_x_in_the_server(tmp_path: Path) -> None:
-    proc, address = start_server(tmp_path / "server.log")
-    try:
-        g = np.full(N, 1e-3, np.float32)
-        with Client(address, timeout=120, shared_memory="off") as ps:
-            ps.create_group("big", Adam(), learning_rate=0.1, tensors={"w": g * 0})
-            # V and H touched, the gradient buffers pooled: the push below needs
-            # no new memory for the state or its gradient
-            ps.push("big", g)
-            requests = _requests(g)
-            options = [("grpc.max_receive_message_length", -1)]
-            with grpc.insecure_channel(address, options) as channel:
-                stub = pb_grpc.ParameterServerServiceStub(channel)
-                Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # VmHWM = VmRSS
-                before = _kib(proc.pid, "VmRSS")
-                call = stub.PushPullStream(iter(requests), timeout=120)
-                for _ in range(1200):  # the push applies while nobody reads X
-                    if ps.describe_group("big").update_count == 2:
-                        break
-                    time.sleep(0.05)
-                assert ps.describe_group("big").update_count == 2
-                grown = (_kib(proc.pid, "VmHWM") - before) / 1024
-                header = next(call).header  # type: ignore[call-overload]
-                asm = TensorAssembler(list(header.values), ["w"])
-                for msg in call:
-                    asm.add(msg.chunk)
-            (x,) = asm.finish()
-            np.testing.assert_array_equal(x, ps.pull("big")[0], strict=True)
-        # Before: the 64 MiB of X waited in frames (less what the network took).
-        assert grown < 32, f"the server grew {grown:.0f} MiB over the push"
-    finally:
-        stop(proc)
+def test_a_reply_read_late_holds_no_copy_of_x_in_the_server(
+    server_processes: StartServer, tmp_path: Path
+) -> None:
+    proc, address = server_processes(tmp_path / "server.log")
+    g = np.full(N, 1e-3, np.float32)
+    with Client(address, timeout=120, shared_memory="off") as ps:
+        ps.create_group("big", Adam(), learning_rate=0.1, tensors={"w": g * 0})
+        # V and H touched, the gradient buffers pooled: the push below needs
+        # no new memory for the state or its gradient
+        ps.push("big", g)
+        requests = _requests(g)
+        options = [("grpc.max_receive_message_length", -1)]
+        with grpc.insecure_channel(address, options) as channel:
+            stub = pb_grpc.ParameterServerServiceStub(channel)
+            Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # VmHWM = VmRSS
+            before = _kib(proc.pid, "VmRSS")
+            call = stub.PushPullStream(iter(requests), timeout=120)
+            for _ in range(1200):  # the push applies while nobody reads X
+                if ps.describe_group("big").update_count == 2:
+                    break
+                time.sleep(0.05)
+            assert ps.describe_group("big").update_count == 2
+            grown = (_kib(proc.pid, "VmHWM") - before) / 1024
+            header = next(call).header  # type: ignore[call-overload]
+            asm = TensorAssembler(list(header.values), ["w"])
+            for msg in call:
+                asm.add(msg.chunk)
+        (x,) = asm.finish()
+        np.testing.assert_array_equal(x, ps.pull("big")[0], strict=True)
+    # Before: the 64 MiB of X waited in frames (less what the network took).
+    assert grown < 32, f"the server grew {grown:.0f} MiB over the push"
 
 
 def test_a_reply_read_late_is_the_x_of_its_push_after_later_pushes(
+    server_processes: StartServer,
     tmp_path: Path,
 ) -> None:
     """The gradient buffers holding a late reader's X go back to the pool only once
     the reply is sent: a push meanwhile leases other buffers."""
-    proc, address = start_server(tmp_path / "server.log")
+    proc, address = server_processes(tmp_path / "server.log")
     n = 2 * MIB  # 8 MiB: pooled
-    try:
-        g = np.full(n, 1e-3, np.float32)
-        with Client(address, timeout=120, shared_memory="off") as ps:
-            ps.create_group("big", Adam(), learning_rate=0.1, tensors={"w": g * 0})
-            ps.push("big", g)  # T=1, the gradient buffers pooled
-            options = [("grpc.max_receive_message_length", -1)]
-            with grpc.insecure_channel(address, options) as channel:
-                stub = pb_grpc.ParameterServerServiceStub(channel)
-                call = stub.PushPullStream(iter(_requests(g)), timeout=120)
-                for _ in range(1200):
-                    if ps.describe_group("big").update_count == 2:
-                        break
-                    time.sleep(0.05)
-                x2 = ps.pull("big")[0].copy()
-                ps.push("big", g * 2)  # T=3, streamed into pooled buffers
-                header = next(call).header  # type: ignore[call-overload]
-                assert header.update_count == 2
-                asm = TensorAssembler(list(header.values), ["w"])
-                for msg in call:
-                    asm.add(msg.chunk)
-            (x,) = asm.finish()
-            np.testing.assert_array_equal(x, x2, strict=True)
-            assert not np.array_equal(x, ps.pull("big")[0])
-    finally:
-        stop(proc)
+    g = np.full(n, 1e-3, np.float32)
+    with Client(address, timeout=120, shared_memory="off") as ps:
+        ps.create_group("big", Adam(), learning_rate=0.1, tensors={"w": g * 0})
+        ps.push("big", g)  # T=1, the gradient buffers pooled
+        options = [("grpc.max_receive_message_length", -1)]
+        with grpc.insecure_channel(address, options) as channel:
+            stub = pb_grpc.ParameterServerServiceStub(channel)
+            call = stub.PushPullStream(iter(_requests(g)), timeout=120)
+            for _ in range(1200):
+                if ps.describe_group("big").update_count == 2:
+                    break
+                time.sleep(0.05)
+            x2 = ps.pull("big")[0].copy()
+            ps.push("big", g * 2)  # T=3, streamed into pooled buffers
+            header = next(call).header  # type: ignore[call-overload]
+            assert header.update_count == 2
+            asm = TensorAssembler(list(header.values), ["w"])
+            for msg in call:
+                asm.add(msg.chunk)
+        (x,) = asm.finish()
+        np.testing.assert_array_equal(x, x2, strict=True)
+        assert not np.array_equal(x, ps.pull("big")[0])
 
 
 def test_a_push_returning_x_through_shared_memory_makes_no_copy_of_x(
+    server_processes: StartServer,
     tmp_path: Path,
 ) -> None:
     """X goes into the client's reply segment block by block as the push steps,
     under the group's lock: the server makes no copy of X beside it (before: a
     frozen copy of X, then the write into the segment)."""
-    proc, address = start_server(tmp_path / "server.log")
-    try:
-        n = 32 * MIB // 4
-        rng = np.random.default_rng(3)
-        x0 = rng.standard_normal(n).astype(np.float32)
-        g = np.full(n, 1e-3, np.float32)
-        with Client(address, timeout=120, shared_memory="on") as ps:
-            ps.create_group(
-                "big", Adam(), learning_rate=0.1, tensors={"a": x0[:1000], "b": x0}
-            )
-            # the segments mapped and touched, V and H too
-            ps.push("big", g[:1000], g, return_values=True)
-            Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # VmHWM = VmRSS
-            before = _kib(proc.pid, "VmRSS")
-            a, b = ps.push("big", g[:1000], g, return_values=True)
-            grown = (_kib(proc.pid, "VmHWM") - before) / 1024
-            pulled = ps.pull("big")
-            assert ps.describe_group("big").update_count == 2
-        np.testing.assert_array_equal(a, pulled[0], strict=True)
-        np.testing.assert_array_equal(b, pulled[1], strict=True)
-        assert grown < 16, f"the server grew {grown:.0f} MiB over the push"
-    finally:
-        stop(proc)
+    proc, address = server_processes(tmp_path / "server.log")
+    n = 32 * MIB // 4
+    rng = np.random.default_rng(3)
+    x0 = rng.standard_normal(n).astype(np.float32)
+    g = np.full(n, 1e-3, np.float32)
+    with Client(address, timeout=120, shared_memory="on") as ps:
+        ps.create_group(
+            "big", Adam(), learning_rate=0.1, tensors={"a": x0[:1000], "b": x0}
+        )
+        # the segments mapped and touched, V and H too
+        ps.push("big", g[:1000], g, return_values=True)
+        Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # VmHWM = VmRSS
+        before = _kib(proc.pid, "VmRSS")
+        a, b = ps.push("big", g[:1000], g, return_values=True)
+        grown = (_kib(proc.pid, "VmHWM") - before) / 1024
+        pulled = ps.pull("big")
+        assert ps.describe_group("big").update_count == 2
+    np.testing.assert_array_equal(a, pulled[0], strict=True)
+    np.testing.assert_array_equal(b, pulled[1], strict=True)
+    assert grown < 16, f"the server grew {grown:.0f} MiB over the push"

@@ -82,12 +82,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     )
 
 
-def _serve(**kw: object) -> ServerHandle:
-    return create_server(
-        ServerConfig(address="127.0.0.1:0", durability="none", **kw)  # type: ignore[arg-type]
-    ).start()
-
-
 def _raw_describe(
     address: str, creds: grpc.ChannelCredentials, group: str = "nope"
 ) -> grpc.StatusCode:
@@ -103,61 +97,57 @@ def _raw_describe(
 
 
 # -- TLS ----
-def test_tls_serves_a_client_that_trusts_the_ca(pki: Pki) -> None:
-    handle = _serve(tls_cert=str(pki.server_cert), tls_key=str(pki.server_key))
-    try:
-        with Client(handle.address, root_certificates=pki.ca, timeout=10) as c:
-            c.create_group("t", Adagrad(), learning_rate=0.5, tensors={"w": W0})
-            assert c.push("t", G) == 1
-            assert c.describe_group("t").update_count == 1
-        # by host name too: the certificate names localhost
-        local = f"localhost:{handle.port}"
-        with Client(local, root_certificates=pki.ca, timeout=10) as c:
-            assert c.describe_group("t").update_count == 1
-        # a plaintext client cannot talk to a TLS server
-        with grpc.insecure_channel(handle.address) as ch:
-            with pytest.raises(grpc.RpcError) as err:
-                pb_grpc.ParameterServerServiceStub(ch).DescribeGroup(
-                    pb.DescribeGroupRequest(group="t"), timeout=5
-                )
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        handle.stop(grace=0)
+def test_tls_serves_a_client_that_trusts_the_ca(
+    servers: Callable[..., ServerHandle], pki: Pki
+) -> None:
+    handle = servers(tls_cert=str(pki.server_cert), tls_key=str(pki.server_key))
+    with Client(handle.address, root_certificates=pki.ca, timeout=10) as c:
+        c.create_group("t", Adagrad(), learning_rate=0.5, tensors={"w": W0})
+        assert c.push("t", G) == 1
+        assert c.describe_group("t").update_count == 1
+    # by host name too: the certificate names localhost
+    local = f"localhost:{handle.port}"
+    with Client(local, root_certificates=pki.ca, timeout=10) as c:
+        assert c.describe_group("t").update_count == 1
+    # a plaintext client cannot talk to a TLS server
+    with grpc.insecure_channel(handle.address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.ParameterServerServiceStub(ch).DescribeGroup(
+                pb.DescribeGroupRequest(group="t"), timeout=5
+            )
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_mutual_tls_requires_a_client_certificate_from_the_ca(pki: Pki) -> None:
-    handle = _serve(
+def test_mutual_tls_requires_a_client_certificate_from_the_ca(
+    servers: Callable[..., ServerHandle], pki: Pki
+) -> None:
+    handle = servers(
         tls_cert=str(pki.server_cert),
         tls_key=str(pki.server_key),
         tls_client_ca=str(pki.ca_file),
     )
-    try:
-        with Client(
-            handle.address,
-            root_certificates=pki.ca,
-            private_key=pki.client_key,
-            certificate_chain=pki.client_cert,
-            timeout=10,
-        ) as c:
-            c.create_group("m", Adagrad(), learning_rate=0.5, tensors={"w": W0})
-            assert c.push("m", G) == 1
-        no_cert = grpc.ssl_channel_credentials(pki.ca)
-        assert _raw_describe(handle.address, no_cert, "m") == (
-            grpc.StatusCode.UNAVAILABLE
-        )
-        rogue = grpc.ssl_channel_credentials(pki.ca, pki.rogue_key, pki.rogue_cert)
-        assert _raw_describe(handle.address, rogue, "m") == (
-            grpc.StatusCode.UNAVAILABLE
-        )
-        good = grpc.ssl_channel_credentials(pki.ca, pki.client_key, pki.client_cert)
-        assert _raw_describe(handle.address, good, "m") == grpc.StatusCode.OK
-    finally:
-        handle.stop(grace=0)
+    with Client(
+        handle.address,
+        root_certificates=pki.ca,
+        private_key=pki.client_key,
+        certificate_chain=pki.client_cert,
+        timeout=10,
+    ) as c:
+        c.create_group("m", Adagrad(), learning_rate=0.5, tensors={"w": W0})
+        assert c.push("m", G) == 1
+    no_cert = grpc.ssl_channel_credentials(pki.ca)
+    assert _raw_describe(handle.address, no_cert, "m") == (grpc.StatusCode.UNAVAILABLE)
+    rogue = grpc.ssl_channel_credentials(pki.ca, pki.rogue_key, pki.rogue_cert)
+    assert _raw_describe(handle.address, rogue, "m") == (grpc.StatusCode.UNAVAILABLE)
+    good = grpc.ssl_channel_credentials(pki.ca, pki.client_key, pki.client_cert)
+    assert _raw_describe(handle.address, good, "m") == grpc.StatusCode.OK
 
 
 # -- tokens ----
-def test_async_client_over_mutual_tls_streams_and_unary(pki: Pki) -> None:
-    handle = _serve(
+def test_async_client_over_mutual_tls_streams_and_unary(
+    servers: Callable[..., ServerHandle], pki: Pki
+) -> None:
+    handle = servers(
         tls_cert=str(pki.server_cert),
         tls_key=str(pki.server_key),
         tls_client_ca=str(pki.ca_file),
@@ -177,10 +167,7 @@ def test_async_client_over_mutual_tls_streams_and_unary(pki: Pki) -> None:
             ts.append(await c.push("t", G))
             return ts
 
-    try:
-        assert asyncio.run(run()) == [1, 2]
-    finally:
-        handle.stop(grace=0)
+    assert asyncio.run(run()) == [1, 2]
 
 
 TOKENS = {
@@ -192,7 +179,11 @@ TOKENS = {
 
 
 @pytest.fixture(scope="module")
-def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+def auth_server(
+    module_servers: Callable[..., ServerHandle],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[ServerHandle]:
+    """One server with tokens, for the module's tests."""
     path = tmp_path_factory.mktemp("auth") / "tokens.txt"
     path.write_text(
         "# token role prefixes\n"
@@ -201,14 +192,11 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHand
         f"{TOKENS['reader']} read *\n"
         f"\n{TOKENS['a_writer']} write a/,shared/\n"
     )
-    handle = _serve(tokens_file=str(path))
+    handle = module_servers(tokens_file=str(path))
     with Client(handle.address, token=TOKENS["admin"], timeout=10) as admin:
         for name in ("a/x", "b/x"):
             admin.create_group(name, Adagrad(), learning_rate=0.5, tensors={"w": W0})
-    try:
-        yield handle
-    finally:
-        handle.stop(grace=0)
+    yield handle
 
 
 def _state(handle: ServerHandle, group: str) -> tuple[int, list[bytes]]:
@@ -326,13 +314,14 @@ def _silent(stop: threading.Event) -> Iterator[pb.PushStreamRequest]:
 
 
 def test_silent_streams_without_a_token_are_refused_at_once(
+    servers: Callable[..., ServerHandle],
     tmp_path: Path,
 ) -> None:
     """ISSUE11 item 2: authentication reads the metadata, never the first message,
     so 64 streams that send nothing cannot hold the server's 8 threads."""
     tokens = tmp_path / "tokens.txt"
     tokens.write_text(f"{TOKENS['admin']} admin *\n")
-    handle = _serve(tokens_file=str(tokens), threads=8)
+    handle = servers(tokens_file=str(tokens), threads=8)
     stop = threading.Event()
     try:
         with (
@@ -356,7 +345,6 @@ def test_silent_streams_without_a_token_are_refused_at_once(
             assert admin.push("g", G, timeout=2) == 1
     finally:
         stop.set()
-        handle.stop(grace=0)
 
 
 def test_token_file_formats_and_errors() -> None:
@@ -425,6 +413,7 @@ def test_which_addresses_are_loopback(address: str, loopback: bool) -> None:
 
 
 def test_a_public_bind_without_tls_and_tokens_refuses_to_start(
+    servers: Callable[..., ServerHandle],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with pytest.raises(ConfigError) as err:
@@ -434,21 +423,16 @@ def test_a_public_bind_without_tls_and_tokens_refuses_to_start(
         "TLS (--tls-cert, --tls-key) and token authentication (--tokens-file)"
     )
     with caplog.at_level(logging.WARNING, logger="onnxps.security"):
-        handle = create_server(
-            ServerConfig(address="0.0.0.0:0", durability="none", insecure=True)
-        ).start()
-    try:
-        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-        assert len(warnings) == 1
-        assert (
-            warnings[0]
-            .getMessage()
-            .startswith("listening on 0.0.0.0:0, which is not loopback, without TLS")
-        )
-        with Client(f"127.0.0.1:{handle.port}", timeout=10) as c:
-            assert c.list_groups() == []
-    finally:
-        handle.stop(grace=0)
+        handle = servers(address="0.0.0.0:0", insecure=True)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert (
+        warnings[0]
+        .getMessage()
+        .startswith("listening on 0.0.0.0:0, which is not loopback, without TLS")
+    )
+    with Client(f"127.0.0.1:{handle.port}", timeout=10) as c:
+        assert c.list_groups() == []
 
 
 def test_inconsistent_tls_settings_are_refused() -> None:
@@ -485,6 +469,7 @@ def test_async_client_sends_its_token(auth_server: ServerHandle) -> None:
 
 
 def test_a_prefix_confined_admin_may_not_move_groups_between_shards(
+    servers: Callable[..., ServerHandle],
     tmp_path: Path,
 ) -> None:
     """Resharding's RPCs are the cluster's: an admin confined to 'a/' can neither
@@ -494,44 +479,41 @@ def test_a_prefix_confined_admin_may_not_move_groups_between_shards(
     tokens = tmp_path / "tokens.txt"
     tenant, operator = "tenant-admin-5e6f7a8b9c", "operator-admin-0d1e2f3a4b"
     tokens.write_text(f"{tenant} admin a/\n{operator} admin *\n")
-    handle = _serve(tokens_file=str(tokens))
-    try:
-        with Client(handle.address, token=operator, timeout=10) as admin:
-            admin.create_group("a/x", Adagrad(), learning_rate=0.5, tensors={"w": W0})
-        with grpc.insecure_channel(handle.address) as ch:
-            stub = pb_grpc.ParameterServerServiceStub(ch)
-            as_tenant = (("authorization", f"Bearer {tenant}"),)
-            calls: dict[str, Callable[[], object]] = {
-                "MoveGroup": lambda: stub.MoveGroup(
-                    pb.MoveGroupRequest(group="a/x", step=pb.MOVE_STEP_BEGIN_IMPORT),
+    handle = servers(tokens_file=str(tokens))
+    with Client(handle.address, token=operator, timeout=10) as admin:
+        admin.create_group("a/x", Adagrad(), learning_rate=0.5, tensors={"w": W0})
+    with grpc.insecure_channel(handle.address) as ch:
+        stub = pb_grpc.ParameterServerServiceStub(ch)
+        as_tenant = (("authorization", f"Bearer {tenant}"),)
+        calls: dict[str, Callable[[], object]] = {
+            "MoveGroup": lambda: stub.MoveGroup(
+                pb.MoveGroupRequest(group="a/x", step=pb.MOVE_STEP_BEGIN_IMPORT),
+                metadata=as_tenant,
+            ),
+            "ExportGroup": lambda: list(
+                stub.ExportGroup(
+                    pb.ExportGroupRequest(group="a/x", fence=True),
                     metadata=as_tenant,
-                ),
-                "ExportGroup": lambda: list(
-                    stub.ExportGroup(
-                        pb.ExportGroupRequest(group="a/x", fence=True),
-                        metadata=as_tenant,
-                    )
-                ),
-                "ImportGroup": lambda: stub.ImportGroup(
-                    iter([pb.ImportGroupRequest(done=pb.ReplicaSnapshotDone())]),
-                    metadata=as_tenant,
-                ),
-            }
-            for method, call in calls.items():
-                with pytest.raises(grpc.RpcError) as err:
-                    call()
-                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, method
-                details = err.value.details() or ""
-                assert f"{method} moves groups between shards" in details, details
-                assert "prefix '*'" in details and "'a/'" in details, details
-            # nothing was fenced, held or deleted: the tenant's group still steps
-            with Client(handle.address, token=tenant, timeout=10) as c:
-                c.push("a/x", G)
-                assert c.describe_group("a/x").update_count == 1
-            as_operator = (("authorization", f"Bearer {operator}"),)
-            begin = pb.MoveGroupRequest(group="a/new", step=pb.MOVE_STEP_BEGIN_IMPORT)
-            assert not stub.MoveGroup(begin, metadata=as_operator).present
-            abort = pb.MoveGroupRequest(group="a/new", step=pb.MOVE_STEP_ABORT_IMPORT)
-            stub.MoveGroup(abort, metadata=as_operator)
-    finally:
-        handle.stop(grace=0)
+                )
+            ),
+            "ImportGroup": lambda: stub.ImportGroup(
+                iter([pb.ImportGroupRequest(done=pb.ReplicaSnapshotDone())]),
+                metadata=as_tenant,
+            ),
+        }
+        for method, call in calls.items():
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, method
+            details = err.value.details() or ""
+            assert f"{method} moves groups between shards" in details, details
+            assert "prefix '*'" in details and "'a/'" in details, details
+        # nothing was fenced, held or deleted: the tenant's group still steps
+        with Client(handle.address, token=tenant, timeout=10) as c:
+            c.push("a/x", G)
+            assert c.describe_group("a/x").update_count == 1
+        as_operator = (("authorization", f"Bearer {operator}"),)
+        begin = pb.MoveGroupRequest(group="a/new", step=pb.MOVE_STEP_BEGIN_IMPORT)
+        assert not stub.MoveGroup(begin, metadata=as_operator).present
+        abort = pb.MoveGroupRequest(group="a/new", step=pb.MOVE_STEP_ABORT_IMPORT)
+        stub.MoveGroup(abort, metadata=as_operator)

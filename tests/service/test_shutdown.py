@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 from onnxps.client import Adagrad, Client, Sync, UnavailableError
-from onnxps.server.app import ServerConfig, create_server
+from onnxps.server.app import ServerHandle
 
 
 @pytest.mark.slow
-def test_stop_releases_waiting_pulls_and_sync_pushes_with_unavailable() -> None:
-    handle = create_server(
-        ServerConfig(address="127.0.0.1:0", durability="none")
-    ).start()
+def test_stop_releases_waiting_pulls_and_sync_pushes_with_unavailable(
+    servers: Callable[..., ServerHandle],
+) -> None:
+    handle = servers()
     outcomes: dict[str, BaseException | None] = {}
     with Client(handle.address, timeout=20) as c:
         x = np.zeros(3, np.float32)

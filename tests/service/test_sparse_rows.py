@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from onnxps.client import (
     OptimizerSpec,
     Sync,
 )
-from onnxps.server.app import ServerConfig, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.server.errors import InvalidArgument
 from onnxps.server.kernels import apply_onnx, make_attrs
 from onnxps.server.store import ParameterStore
@@ -377,36 +378,33 @@ def _state_of(store: ParameterStore, name: str) -> list[Array]:
     return list(store.pull(name, with_state=True).arrays)
 
 
-def test_snapshot_keeps_rows_and_pending_sync_rows(tmp_path: Path) -> None:
+def test_snapshot_keeps_rows_and_pending_sync_rows(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
     config = ServerConfig(
         address="127.0.0.1:0", durability="snapshot", data_dir=str(tmp_path)
     )
-    handle = create_server(config).start()
-    try:
-        with Client(handle.address, timeout=30.0) as c:
-            c.create_group(
-                "s",
-                Adagrad(),
-                learning_rate=0.1,
-                tensors={"emb": np.zeros((6, 2), np.float32)},
-                consistency=Sync(workers=2),
-            )
-            out = c.push_rows("s", {"emb": ([2, 2], np.ones((2, 2), np.float32))})
-            assert not out.applied
-            c.save()
-    finally:
-        handle.stop(grace=0)
-    handle = create_server(config).start()
-    try:
-        with Client(handle.address, timeout=30.0) as c2:
-            out = c2.push_rows("s", {"emb": ([3], np.ones((1, 2), np.float32))})
-            assert out.applied and out.update_count == 1
-            rows = c2.pull_rows("s", {"emb": [0, 2, 3]})["emb"]
-            # mean of the two pushes: row 2 got (1+1)/2 = 1, row 3 got 1/2
-            assert rows[0].tolist() == [0.0, 0.0]
-            assert rows[1][0] < rows[2][0] < 0
-    finally:
-        handle.stop(grace=0)
+    handle = servers(config)
+    with Client(handle.address, timeout=30.0) as c:
+        c.create_group(
+            "s",
+            Adagrad(),
+            learning_rate=0.1,
+            tensors={"emb": np.zeros((6, 2), np.float32)},
+            consistency=Sync(workers=2),
+        )
+        out = c.push_rows("s", {"emb": ([2, 2], np.ones((2, 2), np.float32))})
+        assert not out.applied
+        c.save()
+    handle.stop(grace=0)
+    handle = servers(config)
+    with Client(handle.address, timeout=30.0) as c2:
+        out = c2.push_rows("s", {"emb": ([3], np.ones((1, 2), np.float32))})
+        assert out.applied and out.update_count == 1
+        rows = c2.pull_rows("s", {"emb": [0, 2, 3]})["emb"]
+        # mean of the two pushes: row 2 got (1+1)/2 = 1, row 3 got 1/2
+        assert rows[0].tolist() == [0.0, 0.0]
+        assert rows[1][0] < rows[2][0] < 0
 
 
 # -- four worker processes on one 1M x 64 table ----------------------------------------

@@ -5,10 +5,12 @@ group is deleted while the push waits for the log. Real servers on port 0."""
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import grpc
@@ -357,6 +359,21 @@ class HeldJournal:
             assert self.release.wait(10)
 
 
+def _wait_for_a_thread_in(function: Callable[..., Any]) -> None:
+    """Until a thread of this process (a server thread in-process) runs ``function``."""
+    code = function.__code__
+    deadline = time.monotonic() + 20
+    while True:
+        for frame in sys._current_frames().values():
+            f: FrameType | None = frame
+            while f is not None:
+                if f.f_code is code:
+                    return
+                f = f.f_back
+        assert time.monotonic() < deadline, f"no thread entered {code.co_name}"
+        time.sleep(0.01)
+
+
 def test_a_push_waiting_for_the_log_answers_its_own_outcome(
     servers: Callable[[ServerConfig], ServerHandle], tmp_path: Path
 ) -> None:
@@ -383,7 +400,7 @@ def test_a_push_waiting_for_the_log_answers_its_own_outcome(
         # record is durable and its step applied (an acknowledgement means durable).
         other = threading.Thread(target=delete_and_recreate)
         other.start()
-        time.sleep(0.2)
+        _wait_for_a_thread_in(ParameterStore._delete)  # blocked: the push holds it
         held.release.set()
         pusher.join(20)
         other.join(20)

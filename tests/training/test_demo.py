@@ -10,13 +10,14 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from _procs import children, clean_env, gone, start_server, stop
 from onnxps.cli import _demo_worker as worker
 from onnxps.cli.demo import Progress
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.app import ServerHandle
 
 pytestmark = pytest.mark.slow  # the examples and demo, as processes
 
@@ -136,7 +137,9 @@ def _worker(address: str, *flags: str) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
-def test_a_worker_started_before_its_server_waits_for_it() -> None:
+def test_a_worker_started_before_its_server_waits_for_it(
+    servers: Callable[..., ServerHandle],
+) -> None:
     """compose under podman older than 4.6 starts the workers with the server
     (depends_on: service_healthy ignored): a worker waits up to its timeout."""
     with socket.socket() as s:
@@ -147,12 +150,8 @@ def test_a_worker_started_before_its_server_waits_for_it() -> None:
         assert w.stderr is not None
         said = w.stderr.readline()
         assert said == f"worker 0/1: waiting up to 60 s for the server at {address}\n"
-        server = create_server(ServerConfig(address=address, durability="none"))
-        server.start()
-        try:
-            out, err = w.communicate(timeout=120)
-        finally:
-            server.stop(grace=0)
+        servers(address=address)
+        out, err = w.communicate(timeout=120)
         assert w.returncode == 0, err
         assert "waiting" not in err  # said once
         assert out.splitlines()[-1].startswith("worker 0/1 done: 5 steps, held-out")

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _procs import StartServer
 
 torch = pytest.importorskip(
     "torch", reason="PyTorch is not installed: pip install 'torch==2.13.0+cpu'"
@@ -383,26 +384,23 @@ def test_example_digits_reaches_095_with_four_workers() -> None:
 
 @pytest.mark.slow
 def test_example_digits_reused_reports_the_groups_mode_and_its_own_steps(
+    server_processes: StartServer,
     tmp_path: Path,
 ) -> None:
     """Run twice against one server: the second run (sync by default) trains the
     async group the first made, and says so, with its own steps, not the whole T.
     2 workers, 1 epoch: 22 full batches of 32 each, one async step per push."""
-    from _procs import start_server, stop
 
-    proc, address = start_server(tmp_path / "server.log")
+    proc, address = server_processes(tmp_path / "server.log")
     example = [sys.executable, str(ROOT / "examples" / "torch_digits.py")]
     small = ["--address", address, "--workers", "2", "--epochs", "1"]
-    try:
-        outs = []
-        for flags in (["--async"], []):
-            run = subprocess.run(
-                [*example, *small, *flags], capture_output=True, text=True, timeout=240
-            )
-            assert run.returncode == 0, run.stdout + run.stderr
-            outs.append(run.stdout.splitlines())
-    finally:
-        stop(proc)
+    outs = []
+    for flags in (["--async"], []):
+        run = subprocess.run(
+            [*example, *small, *flags], capture_output=True, text=True, timeout=240
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+        outs.append(run.stdout.splitlines())
     assert outs[0][0].startswith("2 workers (async), 44 server steps in ")
     assert len(outs[0]) == 1
     assert outs[1][0].startswith("2 workers (async), 44 server steps in ")

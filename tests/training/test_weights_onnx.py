@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnxps import cli
 from onnxps.client import Adagrad, Adam, Client, ExportFileError
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.wire.onnx_weights import initializer_spans, read_onnx, write_onnx
 from onnxps.wire.weights import WeightsFileError
 
@@ -474,20 +474,12 @@ def test_without_the_onnx_package_the_error_names_the_extra(
 
 
 @pytest.fixture
-def cluster() -> Iterator[list[str]]:
+def cluster(servers: Callable[..., ServerHandle]) -> Iterator[list[str]]:
     handles = [
-        create_server(
-            ServerConfig(address="127.0.0.1:0", durability="none", shard=f"{i}/2")
-        )
+        servers(ServerConfig(address="127.0.0.1:0", durability="none", shard=f"{i}/2"))
         for i in range(2)
     ]
-    for h in handles:
-        h.start()
-    try:
-        yield [h.address for h in handles]
-    finally:
-        for h in handles:
-            h.stop(0)
+    yield [h.address for h in handles]
 
 
 def test_a_split_group_on_a_cluster_is_exported_joined(

@@ -10,7 +10,7 @@ import io
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from onnxps.client import (
     Nesterov,
     Sync,
 )
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.wire.weights import read_safetensors, write_safetensors
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
@@ -404,20 +404,12 @@ def test_the_extras_load_only_when_a_file_needs_them() -> None:
 
 
 @pytest.fixture
-def cluster() -> Iterator[list[str]]:
+def cluster(servers: Callable[..., ServerHandle]) -> Iterator[list[str]]:
     handles = [
-        create_server(
-            ServerConfig(address="127.0.0.1:0", durability="none", shard=f"{i}/3")
-        )
+        servers(ServerConfig(address="127.0.0.1:0", durability="none", shard=f"{i}/3"))
         for i in range(3)
     ]
-    for h in handles:
-        h.start()
-    try:
-        yield [h.address for h in handles]
-    finally:
-        for h in handles:
-            h.stop(0)
+    yield [h.address for h in handles]
 
 
 def test_a_split_group_is_exported_joined_and_imported_split(

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from _procs import clean_env, start_server, stop
+from _procs import StartServer, clean_env
 from onnxps.client import Adam, Client
 from onnxps.client._errors import DeadlineExceededError, ResourceExhaustedError
 from onnxps.client._settings import multicallable
@@ -71,8 +71,10 @@ def tokens(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def reader_server(tmp_path: Path, tokens: Path) -> Iterator[tuple[int, str]]:
-    proc, address = start_server(
+def reader_server(
+    server_processes: StartServer, tmp_path: Path, tokens: Path
+) -> Iterator[tuple[int, str]]:
+    proc, address = server_processes(
         tmp_path / "server.log",
         "--data-port",
         "0",
@@ -83,10 +85,7 @@ def reader_server(tmp_path: Path, tokens: Path) -> Iterator[tuple[int, str]]:
         # (no numba kernels loading on a thread of their own while threads count)
         env=clean_env(ONNXPS_KERNELS="numpy"),
     )
-    try:
-        yield proc.pid, address
-    finally:
-        stop(proc)
+    yield proc.pid, address
 
 
 def _waits_refused(address: str) -> bool:
@@ -158,13 +157,15 @@ def test_a_waiting_frame_call_ends_when_its_deadline_passes_as_before(
         assert pb.PullResponse.FromString(body).update_count == 0
 
 
-def test_a_large_frame_pull_holds_what_the_budget_counts(tmp_path: Path) -> None:
+def test_a_large_frame_pull_holds_what_the_budget_counts(
+    server_processes: StartServer, tmp_path: Path
+) -> None:
     """A 64 MiB Pull on a call channel whose client reads its reply late: the
     server holds one copy of the tensor while the reply waits (before: the reply
     framed three times over, 192 MiB), and the in-flight budget counts it until
     it has left (before: released before the send, so a second pull was let in)."""
     n = 64 * MIB // 4
-    proc, address = start_server(
+    proc, address = server_processes(
         tmp_path / "server.log",
         "--data-port",
         "0",
@@ -172,32 +173,29 @@ def test_a_large_frame_pull_holds_what_the_budget_counts(tmp_path: Path) -> None
         str(100 * MIB),
         env=clean_env(ONNXPS_KERNELS="numpy"),  # (no kernels loading meanwhile)
     )
-    try:
-        x = np.arange(n, dtype=np.float32)
-        with Client(address, timeout=120, data_channel="off", shared_memory="off") as c:
-            c.create_group("big", Adam(), learning_rate=0.1, tensors={"w": x})
-            c.pull("big")  # the gRPC path's buffers once, for the baseline
-            sock = _call_channel(address)
-            with sock:
-                Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # HWM = RSS
-                before = _status(proc.pid, "VmRSS")
-                request = pb.PullRequest(group="big").SerializeToString()
-                write_call(sock, 2, 0.0, request)
-                # the reply is made (its bytes admitted) and has begun to leave
-                assert select.select([sock], [], [], 60)[0] == [sock]
-                grown = (_status(proc.pid, "VmHWM") - before) / 1024
-                with pytest.raises(ResourceExhaustedError, match="in-flight bytes"):
-                    c.pull("big", timeout=10)
-                code, body, details, _ = read_reply(sock)
-            assert code is grpc.StatusCode.OK, details
-            reply = pb.PullResponse.FromString(body)
-            got = np.frombuffer(reply.tensors[0].raw_data, np.float32)
-            np.testing.assert_array_equal(got, x)
-            assert c.pull("big")[0].shape == (n,)  # the reply sent: its bytes freed
-        # one copy of X (64 MiB) and the serving's small change
-        assert grown < 64 * 1.25, f"the server grew {grown:.0f} MiB over the pull"
-    finally:
-        stop(proc)
+    x = np.arange(n, dtype=np.float32)
+    with Client(address, timeout=120, data_channel="off", shared_memory="off") as c:
+        c.create_group("big", Adam(), learning_rate=0.1, tensors={"w": x})
+        c.pull("big")  # the gRPC path's buffers once, for the baseline
+        sock = _call_channel(address)
+        with sock:
+            Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # HWM = RSS
+            before = _status(proc.pid, "VmRSS")
+            request = pb.PullRequest(group="big").SerializeToString()
+            write_call(sock, 2, 0.0, request)
+            # the reply is made (its bytes admitted) and has begun to leave
+            assert select.select([sock], [], [], 60)[0] == [sock]
+            grown = (_status(proc.pid, "VmHWM") - before) / 1024
+            with pytest.raises(ResourceExhaustedError, match="in-flight bytes"):
+                c.pull("big", timeout=10)
+            code, body, details, _ = read_reply(sock)
+        assert code is grpc.StatusCode.OK, details
+        reply = pb.PullResponse.FromString(body)
+        got = np.frombuffer(reply.tensors[0].raw_data, np.float32)
+        np.testing.assert_array_equal(got, x)
+        assert c.pull("big")[0].shape == (n,)  # the reply sent: its bytes freed
+    # one copy of X (64 MiB) and the serving's small change
+    assert grown < 64 * 1.25, f"the server grew {grown:.0f} MiB over the pull"
 
 
 def _flood(port: int, count: int, source: str) -> list[socket.socket]:
@@ -225,7 +223,7 @@ def _closed_by_server(sock: socket.socket) -> bool:
 
 @pytest.mark.slow
 def test_a_flood_of_silent_connections_does_not_deny_the_data_channel(
-    tmp_path: Path, tokens: Path
+    server_processes: StartServer, tmp_path: Path, tokens: Path
 ) -> None:
     """Connections that never send a preamble: 100 at once from another address
     (127.0.0.2) and 40 from the clients' own, then about 20 a second more from it
@@ -233,7 +231,7 @@ def test_a_flood_of_silent_connections_does_not_deny_the_data_channel(
     refused handshake raises). Every push goes through, and the server closes
     every flood connection (before: all 12 failed, 'too many connections are
     shaking hands')."""
-    proc, address = start_server(
+    proc, address = server_processes(
         tmp_path / "server.log", "--data-port", "0", "--tokens-file", str(tokens)
     )
     flood: list[socket.socket] = []
@@ -275,7 +273,6 @@ def test_a_flood_of_silent_connections_does_not_deny_the_data_channel(
     finally:
         for s in flood:
             s.close()
-        stop(proc)
 
 
 def test_handshake_slots_go_to_new_connections_after_the_grace() -> None:

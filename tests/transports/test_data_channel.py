@@ -18,7 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from onnxps.client import (
     Nesterov,
 )
 from onnxps.client._settings import multicallable
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import header_tensor
 
@@ -46,14 +46,11 @@ OPTIMIZERS = [Adam(), Momentum(0.9, 1.0), Nesterov(0.9, 0.9), Adagrad()]
 
 
 @pytest.fixture
-def server() -> Iterator[ServerHandle]:
-    handle = create_server(
+def server(servers: Callable[..., ServerHandle]) -> Iterator[ServerHandle]:
+    handle = servers(
         ServerConfig(address="127.0.0.1:0", durability="none", data_port=0)
-    ).start()
-    try:
-        yield handle
-    finally:
-        handle.stop(grace=0)
+    )
+    yield handle
 
 
 def _calls(handle: ServerHandle) -> int:
@@ -128,33 +125,28 @@ def test_auto_uses_the_channel_for_large_calls_only(server: ServerHandle) -> Non
 
 
 def test_a_server_without_a_data_port_falls_back_or_refuses(
+    servers: Callable[..., ServerHandle],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    handle = create_server(
+    handle = servers(
         ServerConfig(address="127.0.0.1:0", durability="none", data_port="off")
     )
-    handle.start()
-    try:
-        x = np.zeros(1 << 19, np.float32)
-        with Client(handle.address, shared_memory="off") as c:
-            c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
-            with caplog.at_level(logging.INFO, logger="onnxps.client"):
-                assert c.push("g", np.ones_like(x)) == 1
-                assert c.push("g", np.ones_like(x)) == 2
-            said = [
-                r.getMessage() for r in caplog.records if "data channel" in r.message
-            ]
-            assert len(said) == 1  # said once
-            assert "DATA_CHANNEL_OFF" in said[0] or "--data-port" in said[0]
-        with (
-            Client(handle.address, shared_memory="off", data_channel="on") as c,
-            pytest.raises(DataChannelError, match="serves no data channel"),
-        ):
-            c.push("g", np.ones_like(x))
-        with Client(handle.address) as c:
-            assert c.describe_group("g").update_count == 2
-    finally:
-        handle.stop(grace=0)
+    x = np.zeros(1 << 19, np.float32)
+    with Client(handle.address, shared_memory="off") as c:
+        c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
+        with caplog.at_level(logging.INFO, logger="onnxps.client"):
+            assert c.push("g", np.ones_like(x)) == 1
+            assert c.push("g", np.ones_like(x)) == 2
+        said = [r.getMessage() for r in caplog.records if "data channel" in r.message]
+        assert len(said) == 1  # said once
+        assert "DATA_CHANNEL_OFF" in said[0] or "--data-port" in said[0]
+    with (
+        Client(handle.address, shared_memory="off", data_channel="on") as c,
+        pytest.raises(DataChannelError, match="serves no data channel"),
+    ):
+        c.push("g", np.ones_like(x))
+    with Client(handle.address) as c:
+        assert c.describe_group("g").update_count == 2
 
 
 def test_an_unreachable_data_port_falls_back_to_grpc(server: ServerHandle) -> None:
@@ -488,39 +480,38 @@ def test_a_call_that_never_sends_its_frame_ends_at_its_deadline(
         assert c.push("g", np.ones_like(x)) == 1
 
 
-def test_a_channel_serves_only_its_token(tmp_path: Path) -> None:
+def test_a_channel_serves_only_its_token(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("tok-a write *\ntok-b write *\ntok-admin admin *\n")
-    handle = create_server(
+    handle = servers(
         ServerConfig(
             address="127.0.0.1:0",
             durability="none",
             data_port=0,
             tokens_file=str(tokens),
         )
-    ).start()
-    try:
-        x = np.zeros(1 << 18, np.float32)
-        with Client(handle.address, token="tok-admin") as c:
-            c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
-        sock, cid = _raw_channel(handle, token="tok-a")
-        with grpc.insecure_channel(handle.address) as ch:
-            err = _grpc_error(
-                multicallable(ch, "Push"),
-                _push_request(cid, 1, x),
-                timeout=10,
-                metadata=[("authorization", "Bearer tok-b")],
-            )
-        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "not open on the server" in (err.details() or "")
-        sock.close()
-        with Client(
-            handle.address, token="tok-a", data_channel="on", shared_memory="off"
-        ) as c:
-            assert c.push("g", np.ones_like(x)) == 1
-            assert _calls(handle) == 1
-    finally:
-        handle.stop(grace=0)
+    )
+    x = np.zeros(1 << 18, np.float32)
+    with Client(handle.address, token="tok-admin") as c:
+        c.create_group("g", Adam(), learning_rate=0.01, tensors={"w": x})
+    sock, cid = _raw_channel(handle, token="tok-a")
+    with grpc.insecure_channel(handle.address) as ch:
+        err = _grpc_error(
+            multicallable(ch, "Push"),
+            _push_request(cid, 1, x),
+            timeout=10,
+            metadata=[("authorization", "Bearer tok-b")],
+        )
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "not open on the server" in (err.details() or "")
+    sock.close()
+    with Client(
+        handle.address, token="tok-a", data_channel="on", shared_memory="off"
+    ) as c:
+        assert c.push("g", np.ones_like(x)) == 1
+        assert _calls(handle) == 1
 
 
 def test_a_client_killed_mid_frame_leaves_the_server_serving(
@@ -620,7 +611,9 @@ def test_a_duplicate_on_the_channel_is_answered_without_a_step(
 
 # -- TLS -------------------------------------------------------------------------------
 @pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
-def test_a_tls_server_serves_tls_channels(tmp_path: Path, mutual: bool) -> None:
+def test_a_tls_server_serves_tls_channels(
+    servers: Callable[..., ServerHandle], tmp_path: Path, mutual: bool
+) -> None:
     from _pki import _cert, _key, _pem, _pem_key
 
     ca_key, server_key, client_key = _key(), _key(), _key()
@@ -630,7 +623,7 @@ def test_a_tls_server_serves_tls_channels(tmp_path: Path, mutual: bool) -> None:
     (tmp_path / "ca.pem").write_bytes(_pem(ca))
     (tmp_path / "server.pem").write_bytes(_pem(server_cert))
     (tmp_path / "server.key").write_bytes(_pem_key(server_key))
-    handle = create_server(
+    handle = servers(
         ServerConfig(
             address="127.0.0.1:0",
             durability="none",
@@ -639,82 +632,77 @@ def test_a_tls_server_serves_tls_channels(tmp_path: Path, mutual: bool) -> None:
             tls_key=str(tmp_path / "server.key"),
             tls_client_ca=str(tmp_path / "ca.pem") if mutual else None,
         )
-    ).start()
+    )
     creds: dict[str, Any] = {"root_certificates": _pem(ca), "shared_memory": "off"}
     if mutual:
         creds.update(
             private_key=_pem_key(client_key), certificate_chain=_pem(client_cert)
         )
-    try:
-        x = RNG.standard_normal(1 << 18).astype(np.float32)
-        g = RNG.standard_normal(1 << 18).astype(np.float32)
-        with (
-            Client(handle.address, data_channel="on", **creds) as dc,
-            Client(handle.address, data_channel="off", **creds) as ref,
-        ):
-            dc.create_group("dc", Adam(), learning_rate=0.01, tensors={"w": x})
-            ref.create_group("ref", Adam(), learning_rate=0.01, tensors={"w": x})
-            _same(
-                dc.push("dc", g, return_values=True),
-                ref.push("ref", g, return_values=True),
-            )
-            _same(dc.pull("dc", state=True), ref.pull("ref", state=True))
-            assert _calls(handle) == 2
-        # a plaintext preamble gets no channel: the TLS handshake fails, closed
-        assert handle.data_port is not None
-        with socket.create_connection(("127.0.0.1", handle.data_port), 10) as s:
-            s.sendall(b"ONNXPSD1" + secrets.token_bytes(32))
-            try:
-                answer = s.recv(1)
-            except ConnectionResetError:
-                answer = b""
-            assert answer in (b"", b"\x15")  # closed, or a TLS alert record
-    finally:
-        handle.stop(grace=0)
+    x = RNG.standard_normal(1 << 18).astype(np.float32)
+    g = RNG.standard_normal(1 << 18).astype(np.float32)
+    with (
+        Client(handle.address, data_channel="on", **creds) as dc,
+        Client(handle.address, data_channel="off", **creds) as ref,
+    ):
+        dc.create_group("dc", Adam(), learning_rate=0.01, tensors={"w": x})
+        ref.create_group("ref", Adam(), learning_rate=0.01, tensors={"w": x})
+        _same(
+            dc.push("dc", g, return_values=True),
+            ref.push("ref", g, return_values=True),
+        )
+        _same(dc.pull("dc", state=True), ref.pull("ref", state=True))
+        assert _calls(handle) == 2
+    # a plaintext preamble gets no channel: the TLS handshake fails, closed
+    assert handle.data_port is not None
+    with socket.create_connection(("127.0.0.1", handle.data_port), 10) as s:
+        s.sendall(b"ONNXPSD1" + secrets.token_bytes(32))
+        try:
+            answer = s.recv(1)
+        except ConnectionResetError:
+            answer = b""
+        assert answer in (b"", b"\x15")  # closed, or a TLS alert record
 
 
-def test_a_cluster_client_uses_each_shards_data_channel() -> None:
+def test_a_cluster_client_uses_each_shards_data_channel(
+    servers: Callable[..., ServerHandle],
+) -> None:
     handles = [
-        create_server(
+        servers(
             ServerConfig(
                 address="127.0.0.1:0", durability="none", shard=f"{i}/2", data_port=0
             )
-        ).start()
+        )
         for i in range(2)
     ]
     addresses = [h.address for h in handles]
-    try:
-        x0 = [RNG.standard_normal(s).astype(np.float32) for s in [(700, 800), (33,)]]
-        grads = [[RNG.standard_normal(x.shape).astype(np.float32) for x in x0]]
-        grads.append([g * 2 for g in grads[0]])
-        with (
-            # shared memory off: on one host it would go first, for each shard
-            Client(
-                addresses, split_bytes=1 << 20, data_channel="on", shared_memory="off"
-            ) as dc,
-            Client(addresses, split_bytes=1 << 20, data_channel="off") as ref,
-        ):
-            for c, name in ((dc, "dc"), (ref, "ref")):
-                c.create_group(
-                    name, Adam(), learning_rate=0.01,
-                    tensors=[(f"x{i}", x) for i, x in enumerate(x0)],
-                )  # fmt: skip
-            assert len(dc.describe_group("dc").parts) == 2
-            assert dc.push("dc", *grads[0]) == ref.push("ref", *grads[0]) == 1
-            _same(
-                dc.push("dc", *grads[1], return_values=True),
-                ref.push("ref", *grads[1], return_values=True),
-            )
-            enc: Encoding = "bfloat16"
-            assert dc.push("dc", *grads[0], encoding=enc) == ref.push(
-                "ref", *grads[0], encoding=enc
-            )
-            _same(dc.pull("dc"), ref.pull("ref"))
-            _same(dc.pull("dc", state=True), ref.pull("ref", state=True))
-        assert [_calls(h) for h in handles] == [5, 5]  # every part, both shards
-    finally:
-        for h in handles:
-            h.stop(grace=0)
+    x0 = [RNG.standard_normal(s).astype(np.float32) for s in [(700, 800), (33,)]]
+    grads = [[RNG.standard_normal(x.shape).astype(np.float32) for x in x0]]
+    grads.append([g * 2 for g in grads[0]])
+    with (
+        # shared memory off: on one host it would go first, for each shard
+        Client(
+            addresses, split_bytes=1 << 20, data_channel="on", shared_memory="off"
+        ) as dc,
+        Client(addresses, split_bytes=1 << 20, data_channel="off") as ref,
+    ):
+        for c, name in ((dc, "dc"), (ref, "ref")):
+            c.create_group(
+                name, Adam(), learning_rate=0.01,
+                tensors=[(f"x{i}", x) for i, x in enumerate(x0)],
+            )  # fmt: skip
+        assert len(dc.describe_group("dc").parts) == 2
+        assert dc.push("dc", *grads[0]) == ref.push("ref", *grads[0]) == 1
+        _same(
+            dc.push("dc", *grads[1], return_values=True),
+            ref.push("ref", *grads[1], return_values=True),
+        )
+        enc: Encoding = "bfloat16"
+        assert dc.push("dc", *grads[0], encoding=enc) == ref.push(
+            "ref", *grads[0], encoding=enc
+        )
+        _same(dc.pull("dc"), ref.pull("ref"))
+        _same(dc.pull("dc", state=True), ref.pull("ref", state=True))
+    assert [_calls(h) for h in handles] == [5, 5]  # every part, both shards
 
 
 def test_the_async_client_uses_the_channel_like_the_client(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -17,7 +17,7 @@ import pytest
 from google.rpc import status_pb2
 from onnxps.client import Adam, Client
 from onnxps.client._settings import multicallable
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.server.transports._frames import CALL_MAGIC, read_reply, write_call
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import EncodedMessage, tensor_to_array
@@ -26,14 +26,11 @@ N = 1000
 
 
 @pytest.fixture
-def server() -> Iterator[ServerHandle]:
-    handle = create_server(
+def server(servers: Callable[..., ServerHandle]) -> Iterator[ServerHandle]:
+    handle = servers(
         ServerConfig(address="127.0.0.1:0", durability="none", data_port=0)
-    ).start()
-    try:
-        yield handle
-    finally:
-        handle.stop(grace=0)
+    )
+    yield handle
 
 
 def _call_channel(
@@ -110,36 +107,35 @@ def test_a_bad_push_gets_the_grpc_status_and_changes_nothing(
             assert _push(sock, 2, np.ones(N, np.float32)).update_count == 1
 
 
-def test_a_call_channel_carries_its_hellos_token(tmp_path: Path) -> None:
+def test_a_call_channel_carries_its_hellos_token(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text(
         "reader-token read *\nworker-token write *\nadmin-token admin *\n"
     )
-    handle = create_server(
+    handle = servers(
         ServerConfig(
             address="127.0.0.1:0",
             durability="none",
             data_port=0,
             tokens_file=str(tokens),
         )
-    ).start()
-    try:
-        auth = (("authorization", "Bearer worker-token"),)
-        with Client(handle.address, token="admin-token", data_channel="off") as c:
-            c.create_group(
-                "g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(N, np.float32)}
-            )
-        with _call_channel(handle, auth) as sock:
-            assert _push(sock, 1, np.ones(N, np.float32)).applied
-        with _call_channel(handle, (("authorization", "Bearer reader-token"),)) as sock:
-            req = pb.PushRequest(group="g", client_id="r", seq=1)
-            raw = EncodedMessage(req, "gradients", [np.ones(N, np.float32)])
-            write_call(sock, 1, 10.0, raw.SerializeToString())
-            code, _, details, _ = read_reply(sock)
-        assert code is grpc.StatusCode.PERMISSION_DENIED
-        assert details == "a read token may not call Push"
-    finally:
-        handle.stop(grace=0)
+    )
+    auth = (("authorization", "Bearer worker-token"),)
+    with Client(handle.address, token="admin-token", data_channel="off") as c:
+        c.create_group(
+            "g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(N, np.float32)}
+        )
+    with _call_channel(handle, auth) as sock:
+        assert _push(sock, 1, np.ones(N, np.float32)).applied
+    with _call_channel(handle, (("authorization", "Bearer reader-token"),)) as sock:
+        req = pb.PushRequest(group="g", client_id="r", seq=1)
+        raw = EncodedMessage(req, "gradients", [np.ones(N, np.float32)])
+        write_call(sock, 1, 10.0, raw.SerializeToString())
+        code, _, details, _ = read_reply(sock)
+    assert code is grpc.StatusCode.PERMISSION_DENIED
+    assert details == "a read token may not call Push"
 
 
 def test_the_client_with_frames_equals_grpc_and_falls_back(
@@ -243,45 +239,44 @@ def test_the_async_client_sends_frames_too(server: ServerHandle) -> None:
     asyncio.run(run())
 
 
-def test_call_channels_are_capped_and_a_stalled_frame_is_cut_off() -> None:
+def test_call_channels_are_capped_and_a_stalled_frame_is_cut_off(
+    servers: Callable[..., ServerHandle],
+) -> None:
     from onnxps.server.transports._datachannel import MAX_CALL_CHANNELS
 
-    handle = create_server(
+    handle = servers(
         ServerConfig(
             address="127.0.0.1:0", durability="none", data_port=0, stall_seconds=1.0
         )
-    ).start()
-    try:
-        open_ = [_call_channel(handle) for _ in range(MAX_CALL_CHANNELS)]
-        with grpc.insecure_channel(handle.address) as ch:
-            hello = multicallable(ch, "DataChannelHello")(
-                pb.DataChannelHelloRequest(), timeout=10
-            )
-        extra = socket.create_connection(("127.0.0.1", hello.port), timeout=10)
-        extra.sendall(CALL_MAGIC + hello.ticket)
-        refusal = extra.recv(200)
-        assert refusal[:1] != b"\x00"
-        assert (
-            f"{MAX_CALL_CHANNELS} call channels are open: use gRPC".encode() in refusal
+    )
+    open_ = [_call_channel(handle) for _ in range(MAX_CALL_CHANNELS)]
+    with grpc.insecure_channel(handle.address) as ch:
+        hello = multicallable(ch, "DataChannelHello")(
+            pb.DataChannelHelloRequest(), timeout=10
         )
-        extra.close()
-        too_big = open_[1]
-        too_big.sendall(struct.pack("<I", 3 << 20))  # over MAX_FRAME: closed
-        too_big.settimeout(10)
-        assert too_big.recv(1) == b""
-        stalled = open_[0]
-        stalled.sendall(b"\x10")  # one byte of a frame's length, then nothing
-        stalled.settimeout(10)
-        t0 = time.monotonic()
-        assert stalled.recv(1) == b""  # the server closed it
-        assert 0.8 < time.monotonic() - t0 < 5
-        for sock in open_:
-            sock.close()
-    finally:
-        handle.stop(grace=0)
+    extra = socket.create_connection(("127.0.0.1", hello.port), timeout=10)
+    extra.sendall(CALL_MAGIC + hello.ticket)
+    refusal = extra.recv(200)
+    assert refusal[:1] != b"\x00"
+    assert f"{MAX_CALL_CHANNELS} call channels are open: use gRPC".encode() in refusal
+    extra.close()
+    too_big = open_[1]
+    too_big.sendall(struct.pack("<I", 3 << 20))  # over MAX_FRAME: closed
+    too_big.settimeout(10)
+    assert too_big.recv(1) == b""
+    stalled = open_[0]
+    stalled.sendall(b"\x10")  # one byte of a frame's length, then nothing
+    stalled.settimeout(10)
+    t0 = time.monotonic()
+    assert stalled.recv(1) == b""  # the server closed it
+    assert 0.8 < time.monotonic() - t0 < 5
+    for sock in open_:
+        sock.close()
 
 
-def test_busy_refused_and_draining_frames_go_over_grpc(server: ServerHandle) -> None:
+def test_busy_refused_and_draining_frames_go_over_grpc(
+    servers: Callable[..., ServerHandle], server: ServerHandle
+) -> None:
     """A busy call channel, a server without call channels, and a draining server's
     UNAVAILABLE: the call goes over gRPC (the frame count says which way)."""
     from onnxps.client import UnavailableError
@@ -304,52 +299,48 @@ def test_busy_refused_and_draining_frames_go_over_grpc(server: ServerHandle) -> 
             c.push("g", g, timeout=3)
         # each of the client's resends tried a frame first, then gRPC's retries
         assert frames.calls >= 3
-    bare = create_server(
+    bare = servers(
         ServerConfig(address="127.0.0.1:0", durability="none", data_port="off")
-    ).start()
-    try:
-        with Client(bare.address, frames="on") as c:  # --data-port off: gRPC
-            c.create_group(
-                "g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(N, np.float32)}
-            )
-            assert c.push("g", g) == 1 and c.push("g", g) == 2
-            assert c._call_channels == {}
-    finally:
-        bare.stop(grace=0)
+    )
+    with Client(bare.address, frames="on") as c:  # --data-port off: gRPC
+        c.create_group(
+            "g", Adam(), learning_rate=0.1, tensors={"w": np.zeros(N, np.float32)}
+        )
+        assert c.push("g", g) == 1 and c.push("g", g) == 2
+        assert c._call_channels == {}
 
 
-def test_a_clusters_parts_go_as_frames_to_each_shard() -> None:
+def test_a_clusters_parts_go_as_frames_to_each_shard(
+    servers: Callable[..., ServerHandle],
+) -> None:
     shards = [
-        create_server(
+        servers(
             ServerConfig(
                 address="127.0.0.1:0",
                 durability="none",
                 data_port=0,
                 shard=f"{i}/2",
             )
-        ).start()
+        )
         for i in range(2)
     ]
-    try:
-        addresses = [h.address for h in shards]
-        x0 = np.arange(2 * N, dtype=np.float32)
-        g = np.ones(2 * N, np.float32)
-        with Client(addresses, frames="on", split_bytes=N * 4) as c:
-            c.create_group("split", Adam(), learning_rate=0.1, tensors={"w": x0})
-            assert c.push("split", g) == 1
-            pulled = c.pull("split")[0]
-        with Client(addresses, split_bytes=N * 4, frames="off") as plain:
-            plain.create_group("same", Adam(), learning_rate=0.1, tensors={"w": x0})
-            plain.push("same", g)
-            np.testing.assert_array_equal(pulled, plain.pull("same")[0])
-        counts = [h.data_channels.frame_calls.calls for h in shards if h.data_channels]
-        assert counts == [2, 2]  # each shard: its part of the push and of the pull
-    finally:
-        for h in shards:
-            h.stop(grace=0)
+    addresses = [h.address for h in shards]
+    x0 = np.arange(2 * N, dtype=np.float32)
+    g = np.ones(2 * N, np.float32)
+    with Client(addresses, frames="on", split_bytes=N * 4) as c:
+        c.create_group("split", Adam(), learning_rate=0.1, tensors={"w": x0})
+        assert c.push("split", g) == 1
+        pulled = c.pull("split")[0]
+    with Client(addresses, split_bytes=N * 4, frames="off") as plain:
+        plain.create_group("same", Adam(), learning_rate=0.1, tensors={"w": x0})
+        plain.push("same", g)
+        np.testing.assert_array_equal(pulled, plain.pull("same")[0])
+    counts = [h.data_channels.frame_calls.calls for h in shards if h.data_channels]
+    assert counts == [2, 2]  # each shard: its part of the push and of the pull
 
 
 def test_with_no_flags_the_server_offers_a_data_port_and_small_calls_are_frames(
+    servers: Callable[..., ServerHandle],
     tmp_path: Path,
 ) -> None:
     """``onnxps serve`` with no flags serves a data port on a free port (told to
@@ -371,37 +362,29 @@ def test_with_no_flags_the_server_offers_a_data_port_and_small_calls_are_frames(
     assert parsed(ONNXPS_DATA_PORT="off").data_port_number is None
     unix = f"unix:{tmp_path / 'ps.sock'}"
     assert parsed("--address", unix).data_port_number is None
-    handle = create_server(ServerConfig(address="127.0.0.1:0", durability="none"))
-    handle.start()
-    try:
-        assert handle.data_port is not None and handle.data_port > 0
-        assert handle.data_channels is not None
-        frames = handle.data_channels.frame_calls
-        g = np.ones(N, np.float32)
-        with Client(handle.address) as c:
-            c.create_group("g", Adam(), learning_rate=0.1, tensors={"w": 0 * g})
-            assert c.push("g", g) == 1
-            assert c.pull("g")[0].shape == (N,)
-            assert frames.calls == 2
-    finally:
-        handle.stop(grace=0)
-    off = create_server(
+    handle = servers(ServerConfig(address="127.0.0.1:0", durability="none"))
+    assert handle.data_port is not None and handle.data_port > 0
+    assert handle.data_channels is not None
+    frames = handle.data_channels.frame_calls
+    g = np.ones(N, np.float32)
+    with Client(handle.address) as c:
+        c.create_group("g", Adam(), learning_rate=0.1, tensors={"w": 0 * g})
+        assert c.push("g", g) == 1
+        assert c.pull("g")[0].shape == (N,)
+        assert frames.calls == 2
+    off = servers(
         ServerConfig(address="127.0.0.1:0", durability="none", data_port="off")
     )
-    off.start()
-    try:
-        assert (off.data_port, off.data_channels) == (None, None)
-        with Client(off.address) as c:
-            c.create_group("g", Adam(), learning_rate=0.1, tensors={"w": 0 * g})
-            assert c.push("g", g) == 1 and c.push("g", g) == 2
-            assert c._call_channels == {}
-            # asked again after 10 s, then 20, 40, ... up to 10 minutes
-            calls = c._transports.calls
-            waits = []
-            for _ in range(8):
-                waits.append(calls._refused[0][1])
-                calls._refused[0] = (0.0, waits[-1])  # its time has come
-                assert c.push("g", g) > 2
-            assert waits == [10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 600.0, 600.0]
-    finally:
-        off.stop(grace=0)
+    assert (off.data_port, off.data_channels) == (None, None)
+    with Client(off.address) as c:
+        c.create_group("g", Adam(), learning_rate=0.1, tensors={"w": 0 * g})
+        assert c.push("g", g) == 1 and c.push("g", g) == 2
+        assert c._call_channels == {}
+        # asked again after 10 s, then 20, 40, ... up to 10 minutes
+        calls = c._transports.calls
+        waits = []
+        for _ in range(8):
+            waits.append(calls._refused[0][1])
+            calls._refused[0] = (0.0, waits[-1])  # its time has come
+            assert c.push("g", g) > 2
+        assert waits == [10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 600.0, 600.0]

@@ -9,7 +9,7 @@ nothing, and a caller that leaves mid-reply leaves the server serving.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -26,7 +26,7 @@ from onnxps.client import (
     OptimizerSpec,
     Sync,
 )
-from onnxps.server.app import ServerConfig, ServerHandle, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.server.kernels import Stepper, make_attrs
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -48,15 +48,11 @@ CHUNK = 64 << 10
 
 
 @pytest.fixture
-def small_chunks() -> Iterator[ServerHandle]:
-    handle = create_server(
+def small_chunks(servers: Callable[..., ServerHandle]) -> Iterator[ServerHandle]:
+    handle = servers(
         ServerConfig(address="127.0.0.1:0", durability="none", chunk_bytes=CHUNK)
     )
-    handle.start()
-    try:
-        yield handle
-    finally:
-        handle.stop(grace=0)
+    yield handle
 
 
 def _tensors(dtype: Any, seed: int = 0) -> dict[str, np.ndarray]:
@@ -273,37 +269,33 @@ def test_the_async_client_streams_x_back_too(small_chunks: ServerHandle) -> None
         np.testing.assert_array_equal(a, b, strict=True)
 
 
-def test_a_split_group_on_a_cluster_returns_the_joined_x() -> None:
+def test_a_split_group_on_a_cluster_returns_the_joined_x(
+    servers: Callable[..., ServerHandle],
+) -> None:
     handles = [
-        create_server(
+        servers(
             ServerConfig(
                 address="127.0.0.1:0",
                 durability="none",
                 shard=f"{i}/3",
                 chunk_bytes=CHUNK,
             )
-        ).start()
+        )
         for i in range(3)
     ]
-    try:
-        addresses = [h.address for h in handles]
-        with Client(
-            addresses, timeout=60, transport="stream", split_bytes=1 << 20
-        ) as ps:
-            for name in ("a", "b"):
-                ps.create_group(
-                    name, Adam(), learning_rate=0.1, tensors=_tensors(np.float32)
-                )
-            assert len(ps.describe_group("a").parts) > 1
-            for step in range(2):
-                grads = _grads(np.float32, step)
-                got = ps.push("a", *grads, return_values=True)
-                ps.push("b", *grads)
-                for a, b in zip(got, ps.pull("b"), strict=True):
-                    np.testing.assert_array_equal(a, b, strict=True)
-    finally:
-        for h in handles:
-            h.stop(grace=0)
+    addresses = [h.address for h in handles]
+    with Client(addresses, timeout=60, transport="stream", split_bytes=1 << 20) as ps:
+        for name in ("a", "b"):
+            ps.create_group(
+                name, Adam(), learning_rate=0.1, tensors=_tensors(np.float32)
+            )
+        assert len(ps.describe_group("a").parts) > 1
+        for step in range(2):
+            grads = _grads(np.float32, step)
+            got = ps.push("a", *grads, return_values=True)
+            ps.push("b", *grads)
+            for a, b in zip(got, ps.pull("b"), strict=True):
+                np.testing.assert_array_equal(a, b, strict=True)
 
 
 KERNEL_ATTRS: dict[str, dict[str, Any]] = {

@@ -14,13 +14,14 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
-from _procs import clean_env, start_server, stop
+from _procs import StartServer, clean_env
 from onnxps.client import (
     Adam,
     AsyncClient,
@@ -35,7 +36,6 @@ from onnxps.server.app import (
     MIN_MESSAGE_BYTES,
     ServerConfig,
     ServerHandle,
-    create_server,
 )
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -69,20 +69,17 @@ def wait_until(predicate: object, seconds: float = 30.0) -> bool:
 
 
 @pytest.fixture
-def small_messages() -> Iterator[str]:
+def small_messages(servers: Callable[..., ServerHandle]) -> Iterator[str]:
     """A server whose gRPC messages cannot carry a 4 MiB tensor: what passes went
     through shared memory."""
-    handle = create_server(
+    handle = servers(
         ServerConfig(
             address="127.0.0.1:0",
             durability="none",
             max_message_bytes=MIN_MESSAGE_BYTES,
         )
-    ).start()
-    try:
-        yield handle.address
-    finally:
-        handle.stop(grace=0)
+    )
+    yield handle.address
 
 
 def _create(c: Client, name: str, **kw: object) -> None:
@@ -155,26 +152,25 @@ def test_async_client_uses_shared_memory_too(small_messages: str) -> None:
 
 
 def test_a_server_with_shared_memory_off_is_refused_cleanly(
+    servers: Callable[..., ServerHandle],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    handle = create_server(
+    handle = servers(
         ServerConfig(address="127.0.0.1:0", durability="none", shared_memory="off")
-    ).start()
-    try:
-        with Client(handle.address, shared_memory="on", timeout=10) as on:
-            on.create_group("g", Adam(), learning_rate=0.1, tensors={"w": W0})
-            with pytest.raises(SharedMemoryError, match="shared memory turned off"):
-                on.push("g", G[0])
-            assert on.describe_group("g").update_count == 0
-        with caplog.at_level(logging.INFO, "onnxps.client"):
-            with Client(handle.address, timeout=10) as auto:  # "auto": falls back
-                assert auto.push("g", G[0]) == 1
-                assert auto.push("g", G[1]) == 2
-        fallbacks = [r for r in caplog.records if "not possible" in r.getMessage()]
-        assert len(fallbacks) == 1  # one log line, not one per call
-        assert "sending tensor bytes over gRPC" in fallbacks[0].getMessage()
-    finally:
-        handle.stop(grace=0)
+    )
+    with Client(handle.address, shared_memory="on", timeout=10) as on:
+        on.create_group("g", Adam(), learning_rate=0.1, tensors={"w": W0})
+        with pytest.raises(SharedMemoryError, match="shared memory turned off"):
+            on.push("g", G[0])
+        assert on.describe_group("g").update_count == 0
+    with caplog.at_level(logging.INFO, "onnxps.client"):
+        with Client(handle.address, timeout=10) as auto:  # "auto": falls back
+            assert auto.push("g", G[0]) == 1
+            assert auto.push("g", G[1]) == 2
+    fallbacks = [r for r in caplog.records if "not possible" in r.getMessage()]
+    assert len(fallbacks) == 1  # one log line, not one per call
+    assert "sending tensor bytes over gRPC" in fallbacks[0].getMessage()
+    handle.stop(grace=0)
     assert segments_of(os.getpid()) == []
 
 
@@ -382,65 +378,60 @@ _OTHER_USER = textwrap.dedent(
 
 
 def test_a_client_of_another_uid_is_refused_and_falls_back(
+    servers: Callable[..., ServerHandle],
     tmp_path: Path,
 ) -> None:
     """A real client process that runs as uid 65534 (nobody): its hello segment
     is not the server's user's, so the server refuses shared memory."""
     if os.geteuid() != 0:
         pytest.skip("needs root to run a client as another uid")
-    handle = create_server(
-        ServerConfig(address="127.0.0.1:0", durability="none")
-    ).start()
-    try:
-        with Client(handle.address) as c:
-            _create(c, "g")
-        script = tmp_path / "other.py"
-        script.write_text(_OTHER_USER)
-        out = subprocess.run(
-            [sys.executable, str(script), handle.address],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=clean_env(),
-            check=False,
-        )
-        assert out.returncode == 0, out.stderr[-2000:]
-        assert "REFUSED" in out.stdout
-        assert "belongs to uid 65534" in out.stdout
-        assert "T 1" in out.stdout
-    finally:
-        handle.stop(grace=0)
+    handle = servers(ServerConfig(address="127.0.0.1:0", durability="none"))
+    with Client(handle.address) as c:
+        _create(c, "g")
+    script = tmp_path / "other.py"
+    script.write_text(_OTHER_USER)
+    out = subprocess.run(
+        [sys.executable, str(script), handle.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "REFUSED" in out.stdout
+    assert "belongs to uid 65534" in out.stdout
+    assert "T 1" in out.stdout
 
 
-def test_tokens_still_apply(tmp_path: Path) -> None:
+def test_tokens_still_apply(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
     tokens = tmp_path / "tokens.txt"
     tokens.write_text("admin-token-0123456789 admin *\n")
-    handle = create_server(
+    handle = servers(
         ServerConfig(address="127.0.0.1:0", durability="none", tokens_file=str(tokens))
-    ).start()
-    try:
-        with Client(
-            handle.address, token="admin-token-0123456789", shared_memory="on"
-        ) as c:
-            _create(c, "g")
-            assert c.push("g", G[0], GB[0]) == 1
-        with Client(handle.address, shared_memory="on") as anonymous:
-            with pytest.raises(UnauthenticatedError):
-                anonymous.push("g", G[0], GB[0])
-        with grpc.insecure_channel(handle.address) as ch:
-            stub = pb_grpc.ParameterServerServiceStub(ch)
-            hello, _ = hello_segment()
-            try:
-                err = _refused(
-                    lambda: stub.SharedMemoryHello(
-                        pb.SharedMemoryHelloRequest(segment=hello.name), timeout=10
-                    )
+    )
+    with Client(
+        handle.address, token="admin-token-0123456789", shared_memory="on"
+    ) as c:
+        _create(c, "g")
+        assert c.push("g", G[0], GB[0]) == 1
+    with Client(handle.address, shared_memory="on") as anonymous:
+        with pytest.raises(UnauthenticatedError):
+            anonymous.push("g", G[0], GB[0])
+    with grpc.insecure_channel(handle.address) as ch:
+        stub = pb_grpc.ParameterServerServiceStub(ch)
+        hello, _ = hello_segment()
+        try:
+            err = _refused(
+                lambda: stub.SharedMemoryHello(
+                    pb.SharedMemoryHelloRequest(segment=hello.name), timeout=10
                 )
-            finally:
-                hello.close()
-        assert err.code() == grpc.StatusCode.UNAUTHENTICATED
-    finally:
-        handle.stop(grace=0)
+            )
+        finally:
+            hello.close()
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_sync_groups_buffer_a_copy_of_the_segment(small_messages: str) -> None:
@@ -500,45 +491,43 @@ def _start_pusher(tmp_path: Path, address: str) -> subprocess.Popen[str]:
 
 @pytest.mark.slow
 def test_a_killed_client_leaves_no_segment_once_the_server_sweeps(
+    server_processes: StartServer,
     tmp_path: Path,
 ) -> None:
-    server, address = start_server(tmp_path / "server.log")
-    try:
-        with Client(address, shared_memory="off") as c:
-            _create(c, "g")
-        client = _start_pusher(tmp_path, address)
-        assert segments_of(client.pid)  # its segments exist while it runs
-        client.kill()
-        client.communicate()  # reaps it and closes its pipes
-        assert wait_until(lambda: segments_of(client.pid) == [])
-        assert server.poll() is None
-        with Client(address, shared_memory="off") as c:
-            assert c.describe_group("g").update_count >= 1
-    finally:
-        stop(server)
+    server, address = server_processes(tmp_path / "server.log")
+    with Client(address, shared_memory="off") as c:
+        _create(c, "g")
+    client = _start_pusher(tmp_path, address)
+    assert segments_of(client.pid)  # its segments exist while it runs
+    client.kill()
+    client.communicate()  # reaps it and closes its pipes
+    assert wait_until(lambda: segments_of(client.pid) == [])
+    assert server.poll() is None
+    with Client(address, shared_memory="off") as c:
+        assert c.describe_group("g").update_count >= 1
 
 
 @pytest.mark.slow
 def test_a_killed_server_leaves_no_segment_once_the_client_notices(
+    server_processes: StartServer,
     tmp_path: Path,
 ) -> None:
-    server, address = start_server(tmp_path / "server.log")
-    try:
-        with Client(address, shared_memory="on", timeout=3) as c:
-            _create(c, "g")
-            assert c.push("g", G[0], GB[0]) == 1
-            assert segments_of(os.getpid())
-            server.kill()
-            server.wait()
-            with pytest.raises(Exception, match="unavailable|within 3 s"):
-                c.push("g", G[1], GB[1])
-            # the client noticed: it unlinked its segments at once
-            assert segments_of(os.getpid()) == []
-    finally:
-        stop(server)
+    server, address = server_processes(tmp_path / "server.log")
+    with Client(address, shared_memory="on", timeout=3) as c:
+        _create(c, "g")
+        assert c.push("g", G[0], GB[0]) == 1
+        assert segments_of(os.getpid())
+        server.kill()
+        server.wait()
+        with pytest.raises(Exception, match="unavailable|within 3 s"):
+            c.push("g", G[1], GB[1])
+        # the client noticed: it unlinked its segments at once
+        assert segments_of(os.getpid()) == []
 
 
-def test_a_server_sweeps_orphans_at_start(tmp_path: Path) -> None:
+def test_a_server_sweeps_orphans_at_start(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
     done = subprocess.Popen(
         [sys.executable, "-c", "import os; print(os.getpid())"],
         stdout=subprocess.PIPE,
@@ -547,13 +536,10 @@ def test_a_server_sweeps_orphans_at_start(tmp_path: Path) -> None:
     pid = int(done.communicate()[0])  # it has exited: its pid is dead
     orphan = Path(SHM_DIR) / f"onnxps-{pid}-deadbeef"
     orphan.write_bytes(MAGIC + struct.pack("<Q", 1))
-    handle = create_server(
-        ServerConfig(address="127.0.0.1:0", durability="none")
-    ).start()
+    servers(ServerConfig(address="127.0.0.1:0", durability="none"))
     try:
         assert not orphan.exists()
     finally:
-        handle.stop(grace=0)
         orphan.unlink(missing_ok=True)
 
 
@@ -676,3 +662,207 @@ def test_packed_and_aligned_regions_step_alike(small_messages: str) -> None:
         assert got_t == 2
         for a, b in zip(got, want, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+# -- one segment a call, given back after it --------------------------------------
+def _x_after(address: str) -> list[np.ndarray]:
+    with Client(address, shared_memory="off", transport="stream") as c:
+        return c.pull("g")
+
+
+def test_a_push_returning_x_writes_x_over_its_gradients_and_a_resend_is_answered_once(
+    raw: tuple[Stub, str],
+) -> None:
+    stub, address = raw
+    seg = Segment(64 + G[0].nbytes + 256)
+    try:
+        region = seg.write([G[0], GB[0]])
+        # one segment for the call: X comes back where the gradients were
+        first = _push(
+            stub,
+            region,
+            client_id="w",
+            seq=7,
+            return_values=True,
+            reply_region=seg.region(),
+        )
+        assert (first.update_count, first.duplicate) == (1, False)
+        assert first.values_region.segment == seg.name
+        assert first.values_region.generation == region.generation + 1
+        assert list(first.values_region.offsets) == list(region.offsets)
+        x1 = [a.copy() for a in seg.read(first.values_region, first.values)]
+        pulled = _x_after(address)
+        assert all(np.array_equal(a, b) for a, b in zip(x1, pulled, strict=True))
+        assert not np.array_equal(x1[0], W0)
+        # the reply was lost: the client resends the same request, whose region
+        # names the gradients' generation; they are spent (X is there), and the
+        # push is answered from the exactly-once window, X written again
+        seg.map[64 : 64 + 16] = b"\0" * 16  # the client's copy of X, scribbled
+        again = _push(
+            stub,
+            region,
+            client_id="w",
+            seq=7,
+            return_values=True,
+            reply_region=region_at(seg, region.generation),
+        )
+        assert (again.update_count, again.duplicate) == (1, True)
+        x2 = seg.read(again.values_region, again.values)
+        assert all(np.array_equal(a, b) for a, b in zip(x1, x2, strict=True))
+        assert _state(address)[0] == b"1"
+        # a push whose spent gradients the window does not hold (another client,
+        # say) is refused: X is never stepped as a gradient
+        before = _state(address)
+        err = _refused(
+            lambda: _push(
+                stub,
+                region,
+                client_id="other",
+                seq=1,
+                return_values=True,
+                reply_region=region_at(seg, region.generation),
+            )
+        )
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "already holds X of an earlier answer" in (err.details() or "")
+        assert _state(address) == before
+        # the reply in the gradients' segment at another generation: refused
+        # before anything is applied (X would go over the gradients)
+        fresh = seg.write([G[1], GB[1]])
+        err = _refused(
+            lambda: _push(
+                stub,
+                fresh,
+                client_id="w",
+                seq=9,
+                return_values=True,
+                reply_region=region_at(seg, fresh.generation - 1),
+            )
+        )
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "at another generation" in (err.details() or "")
+        assert _state(address) == before
+        # a push without the reply in its segment still finds it stale
+        err = _refused(lambda: _push(stub, region, client_id="w", seq=8))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "is not at the generation the call names" in (err.details() or "")
+    finally:
+        seg.close()
+
+
+def region_at(seg: Segment, generation: int) -> pb.SharedMemoryRegion:
+    """``seg`` as a reply region at ``generation`` (what a resent request holds)."""
+    return pb.SharedMemoryRegion(segment=seg.name, generation=generation, key=seg.key)
+
+
+def test_a_client_push_returning_x_uses_one_segment(small_messages: str) -> None:
+    with Client(small_messages, shared_memory="on", timeout=30) as c:
+        _create(c, "g")
+        x = c.push("g", G[0], GB[0], return_values=True)
+        assert len(segments_of(os.getpid())) == 1
+        assert all(np.array_equal(a, b) for a, b in zip(x, c.pull("g"), strict=True))
+        assert len(segments_of(os.getpid())) == 1  # the pull took it again
+
+
+def _shared_mib(pid: int) -> float:
+    """The server's resident shared memory (RssShmem), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no RssShmem in /proc/PID/status")
+
+
+@pytest.mark.slow
+def test_the_server_maps_one_group_of_segments_and_gives_it_back(
+    tmp_path: Path, server_processes: StartServer
+) -> None:
+    """docs/transports.md: a push returning X maps one segment the size of the
+    group in the server, and the server's RSS holds no client segment once its
+    calls are over (IDLE_SECONDS)."""
+    proc, address = server_processes(
+        tmp_path / "server.log", env=clean_env(ONNXPS_KERNELS="numpy")
+    )
+    n = 8 << 20  # 32 MiB of float32
+    grads = [RNG.standard_normal(n).astype(np.float32) for _ in range(4)]
+    with (
+        Client(address, shared_memory="on", timeout=60) as c,
+        Client(address, shared_memory="off", timeout=60) as ref,
+    ):
+        for client, name in ((c, "big"), (ref, "ref")):
+            client.create_group(
+                name,
+                Adam(),
+                learning_rate=1e-3,
+                tensors={"w": np.zeros(n, np.float32)},
+            )
+        base = _shared_mib(proc.pid)
+        for g in grads[:2]:
+            c.push("big", g)
+            ref.push("ref", g)
+            c.pull("big")
+            # one segment of the group's size (+1/32): not two
+            assert _shared_mib(proc.pid) - base < 40
+        (x,) = c.push("big", grads[2], return_values=True)
+        assert _shared_mib(proc.pid) - base < 40
+        (want,) = ref.push("ref", grads[2], return_values=True)
+        assert np.array_equal(x, want)
+        assert wait_until(lambda: _shared_mib(proc.pid) - base < 2, 10)
+        # the segment's pages dropped from the server are the client's still:
+        # the next push reads its gradients from them, as over gRPC
+        (x,) = c.push("big", grads[3], return_values=True)
+        (want,) = ref.push("ref", grads[3], return_values=True)
+        assert np.array_equal(x, want)
+
+
+def test_the_segments_a_call_maps_count_in_the_inflight_budget(
+    servers: Any,
+) -> None:
+    """docs/transports.md: a call's segments count in --max-inflight-bytes while
+    it runs, X over the gradients adding nothing."""
+    handle = servers(max_inflight_bytes=6 << 20)
+    with Client(handle.address, shared_memory="off") as c:
+        _create(c, "g")
+    grads, reply = Segment(64 + G[0].nbytes + 256), Segment(64 + G[0].nbytes + 256)
+    big = Segment(8 << 20)
+    try:
+        with grpc.insecure_channel(handle.address) as ch:
+            stub = pb_grpc.ParameterServerServiceStub(ch)
+            region = grads.write([G[0], GB[0]])
+            # gradients and X in two segments: 2 x 4 MiB, over the 6 MiB budget
+            err = _refused(
+                lambda: _push(
+                    stub, region, return_values=True, reply_region=reply.region()
+                )
+            )
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "this push's shared-memory segments map 8388872 bytes" in (
+                err.details() or ""
+            )
+            # X over the gradients: one segment, within it
+            done = _push(stub, region, return_values=True, reply_region=grads.region())
+            assert done.update_count == 1 and done.values_region.segment == grads.name
+            # a pull holds the segment it writes into (8 MiB here: over)
+            err = _refused(
+                lambda: stub.Pull(
+                    pb.PullRequest(group="g", reply_region=big.region()), timeout=10
+                )
+            )
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "this pull's shared-memory segment maps 8388608 bytes" in (
+                err.details() or ""
+            )
+            got = stub.Pull(
+                pb.PullRequest(group="g", reply_region=reply.region()), timeout=10
+            )
+            assert got.HasField("tensors_region") and got.update_count == 1
+            # the budget is whole again once the calls ended
+            again = _push(
+                stub,
+                grads.write([G[1], GB[1]]),
+                return_values=True,
+                reply_region=grads.region(),
+            )
+            assert again.update_count == 2
+    finally:
+        for seg in (grads, reply, big):
+            seg.close()

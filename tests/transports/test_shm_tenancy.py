@@ -20,18 +20,18 @@ import stat
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
-from _procs import clean_env, start_server, stop
+from _procs import StartServer, clean_env
 from onnxps.client import Client, Momentum
 from onnxps.client._errors import translate
 from onnxps.client.shm import Segment
-from onnxps.server.app import ServerConfig, create_server
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.server.transports._peercred import peer_uid
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -61,19 +61,18 @@ def _digest(a: np.ndarray) -> str:
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[str]:
+def server(server_processes: StartServer, tmp_path: Path) -> Iterator[str]:
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{ADMIN} admin *\n{VICTIM} write b/\n{ATTACKER} write a/\n")
-    proc, address = start_server(tmp_path / "server.log", "--tokens-file", str(tokens))
-    try:
-        with Client(address, token=ADMIN, shared_memory="off") as admin:
-            admin.create_group("b/secret", SGD, learning_rate=1.0, tensors={"w": X0})
-            admin.create_group(
-                "a/x", SGD, learning_rate=1.0, tensors={"w": np.zeros(N, np.float32)}
-            )
-        yield address
-    finally:
-        stop(proc)
+    proc, address = server_processes(
+        tmp_path / "server.log", "--tokens-file", str(tokens)
+    )
+    with Client(address, token=ADMIN, shared_memory="off") as admin:
+        admin.create_group("b/secret", SGD, learning_rate=1.0, tensors={"w": X0})
+        admin.create_group(
+            "a/x", SGD, learning_rate=1.0, tensors={"w": np.zeros(N, np.float32)}
+        )
+    yield address
 
 
 # The attacker: a real client process of another uid. Each step is one raw call;
@@ -406,6 +405,7 @@ def test_a_stale_region_is_refused_without_the_segments_generation(
 
 
 def test_over_a_unix_socket_the_key_and_the_token_are_checked(
+    servers: Callable[..., ServerHandle],
     tmp_path: Path,
 ) -> None:
     """A Unix socket tells gRPC no uid: the socket file's mode decides who
@@ -414,34 +414,31 @@ def test_over_a_unix_socket_the_key_and_the_token_are_checked(
     tokens.write_text(f"{ADMIN} admin *\n{VICTIM} write b/\n{ATTACKER} write a/\n")
     address = f"unix://{tmp_path}/ps.sock"
     config = ServerConfig(address=address, durability="none", tokens_file=str(tokens))
-    handle = create_server(config).start()
-    try:
-        with Client(address, token=ADMIN, shared_memory="off") as admin:
-            admin.create_group("b/secret", SGD, learning_rate=1.0, tensors={"w": X0})
-            admin.create_group("a/x", SGD, learning_rate=1.0, tensors={"w": X0})
-        with Client(address, token=VICTIM, shared_memory="on", timeout=30) as victim:
-            with victim.tensor_buffers("b/secret") as grads:
-                np.copyto(grads[0], G)
-                assert victim.push("b/secret", *grads) == 1
-                seg = _segment(grads)
-                region = seg.publish(grads.offsets)
-                keyless = pb.SharedMemoryRegion()
-                keyless.CopyFrom(region)
-                keyless.ClearField("key")
-                with grpc.insecure_channel(address) as ch:
-                    stub = pb_grpc.ParameterServerServiceStub(ch)
-                    for token, group, named in (
-                        (VICTIM, "b/secret", keyless),
-                        (ATTACKER, "a/x", region),
-                    ):
-                        err = _push_refused(stub, token, group, named)
-                        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
-                        assert translate(err).reason == "SEGMENT_NOT_YOURS"
-                assert victim.push("b/secret", *grads) == 2
-        with Client(address, token=ADMIN, shared_memory="off") as admin:
-            assert admin.describe_group("a/x").update_count == 0
-    finally:
-        handle.stop(grace=0)
+    servers(config)
+    with Client(address, token=ADMIN, shared_memory="off") as admin:
+        admin.create_group("b/secret", SGD, learning_rate=1.0, tensors={"w": X0})
+        admin.create_group("a/x", SGD, learning_rate=1.0, tensors={"w": X0})
+    with Client(address, token=VICTIM, shared_memory="on", timeout=30) as victim:
+        with victim.tensor_buffers("b/secret") as grads:
+            np.copyto(grads[0], G)
+            assert victim.push("b/secret", *grads) == 1
+            seg = _segment(grads)
+            region = seg.publish(grads.offsets)
+            keyless = pb.SharedMemoryRegion()
+            keyless.CopyFrom(region)
+            keyless.ClearField("key")
+            with grpc.insecure_channel(address) as ch:
+                stub = pb_grpc.ParameterServerServiceStub(ch)
+                for token, group, named in (
+                    (VICTIM, "b/secret", keyless),
+                    (ATTACKER, "a/x", region),
+                ):
+                    err = _push_refused(stub, token, group, named)
+                    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+                    assert translate(err).reason == "SEGMENT_NOT_YOURS"
+            assert victim.push("b/secret", *grads) == 2
+    with Client(address, token=ADMIN, shared_memory="off") as admin:
+        assert admin.describe_group("a/x").update_count == 0
 
 
 @pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6])

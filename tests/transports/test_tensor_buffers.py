@@ -12,7 +12,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -27,7 +27,6 @@ from onnxps.server.app import (
     MIN_MESSAGE_BYTES,
     ServerConfig,
     ServerHandle,
-    create_server,
 )
 from onnxps.wire.shm import SHM_DIR
 
@@ -49,20 +48,17 @@ def segments() -> list[str]:
 
 
 @pytest.fixture
-def small_messages() -> Iterator[str]:
+def small_messages(servers: Callable[..., ServerHandle]) -> Iterator[str]:
     """A server whose messages cannot carry a 4 MiB tensor: what passes went
     through shared memory."""
-    handle = create_server(
+    handle = servers(
         ServerConfig(
             address="127.0.0.1:0",
             durability="none",
             max_message_bytes=MIN_MESSAGE_BYTES,
         )
-    ).start()
-    try:
-        yield handle.address
-    finally:
-        handle.stop(grace=0)
+    )
+    yield handle.address
 
 
 def _create(c: Client, name: str) -> None:
