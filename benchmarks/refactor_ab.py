@@ -16,7 +16,9 @@ a symlink tree on PYTHONPATH) with its own ``onnxps serve --data-port 0``
 the worker times each call. Float32 Adam groups throughout:
 
 - small: a ``--small``-element group, ``--calls`` pushes returning X and as many
-  plain pushes a round (gRPC, unary); p50 and p90 in µs;
+  plain pushes a round, over gRPC (unary) and as frame calls (``frames="on"``, a
+  call channel; a baseline whose client has none calls over gRPC there); p50
+  and p90 in µs;
 - ``--mib`` MiB: push, pull (a new array) and push returning X, over gRPC streams
   (``shared_memory="off", data_channel="off", transport="stream"``), over the data
   channel (``data_channel="on", shared_memory="off"``) and through shared memory
@@ -51,6 +53,7 @@ MIB = 1 << 20
 BASELINE = "c55d2bd"
 BIG = "big"
 SMALL = "small"
+FRAMED = "small as frames"
 # transport name -> the client's options (the same spelling in both versions)
 PATHS: dict[str, dict[str, Any]] = {
     "grpc stream": {
@@ -80,16 +83,20 @@ def _worker(address: str, mib: int, small: int) -> None:
     unary = Client(address, timeout=600, shared_memory="off", data_channel="off")
     clients = {name: Client(address, timeout=600, **o) for name, o in PATHS.items()}
     try:
+        framed: Any = Client(address, timeout=600, shared_memory="off", frames="on")
+    except TypeError:  # a client from before frame calls
+        framed = unary
+    try:
         unary.create_group(SMALL, Adam(), learning_rate=1e-3, tensors={"s": small_x})
         unary.create_group(BIG, Adam(), learning_rate=1e-3, tensors={"w": x0})
         del x0
 
-        def small_calls(kind: str, calls: int) -> list[float]:
+        def small_calls(client: Any, kind: str, calls: int) -> list[float]:
             ret = kind == "push returning X"
             times = []
             for _ in range(calls):
                 t0 = time.perf_counter()
-                unary.push(SMALL, small_g, return_values=ret)
+                client.push(SMALL, small_g, return_values=ret)
                 times.append(time.perf_counter() - t0)
             return times
 
@@ -105,8 +112,8 @@ def _worker(address: str, mib: int, small: int) -> None:
 
         def call(path: str, kind: str, reps: int, encoding: str = "native") -> Any:
             cpu = time.process_time()  # this process, all its threads
-            if path == SMALL:
-                wall: Any = small_calls(kind, reps)
+            if path in (SMALL, FRAMED):
+                wall: Any = small_calls(framed if path == FRAMED else unary, kind, reps)
             else:
                 got = [big_call(clients[path], kind, encoding) for _ in range(reps)]
                 wall = statistics.median(got)
@@ -114,7 +121,7 @@ def _worker(address: str, mib: int, small: int) -> None:
 
         serve_requests(call, "ready")
     finally:
-        for c in [unary, *clients.values()]:
+        for c in [unary, *clients.values(), *([framed] if framed is not unary else [])]:
             c.close()
 
 
@@ -139,6 +146,9 @@ def _measurements(args: argparse.Namespace) -> list[tuple[str, list[Any]]]:
     out: list[tuple[str, list[Any]]] = []
     for kind in ("push returning X", "push"):
         out.append((f"{args.small} float32 {kind}, gRPC", [SMALL, kind, args.calls]))
+    for kind in ("push returning X", "push"):
+        framed = [FRAMED, kind, args.calls]
+        out.append((f"{args.small} float32 {kind}, frame call", framed))
     for path in PATHS:
         for kind in ("push", "pull", "push returning X"):
             out.append((f"{args.mib} MiB {kind}, {path}", [path, kind, args.reps]))

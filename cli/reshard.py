@@ -72,6 +72,10 @@ class _Busy(ReshardError):
     """A copy refused as UNAVAILABLE: a shard not ready yet; tried again."""
 
 
+class _Gone(ReshardError):
+    """The source no longer holds the group (deleted while it was copied)."""
+
+
 class _NoLog(ReshardError):
     """The source keeps no write-ahead log: the group is copied under the fence."""
 
@@ -357,10 +361,11 @@ class _Resharding:
 
     def move(
         self, name: str, source: int, target: int, until: float | None = None
-    ) -> Move:
+    ) -> Move | None:
         """Move ``name``; a copy refused as UNAVAILABLE (a shard's standby not
         caught up, a failover) is abandoned and tried again until ``until``
-        (default: 10 timeouts from now)."""
+        (default: 10 timeouts from now). None: the group was deleted on its
+        source meanwhile (nothing to move; the target dropped what it got)."""
         if until is None:
             until = time.monotonic() + 10 * self.shards.timeout
         step = pb.MoveGroupRequest
@@ -375,6 +380,9 @@ class _Resharding:
         self.map.update(lambda d: d["moving"].__setitem__(name, entry))
         try:
             _, sent, fenced, started = self._transfer(name, source, target, until)
+        except _Gone:  # deleted while it was copied: its delete was followed
+            self._abandon(name, source, target)
+            return None
         except _Busy as exc:  # a shard not ready (a standby catching up)
             self._abandon(name, source, target)
             if time.monotonic() + 0.5 > exc.until:
@@ -422,7 +430,7 @@ class _Resharding:
         req = pb.ExportGroupRequest
         # every export of the move asks the primary the snapshot came from: the
         # lsns are its log's (one that fails over cuts the move off: made again)
-        via = self.shards.stub(source)
+        via = self._primary(source, until)
         imported, lsn = self._copy(
             name,
             source,
@@ -445,6 +453,16 @@ class _Resharding:
         ask = req(group=name, to_shard=target, fence=True, records=True, after_lsn=lsn)
         last, _ = self._copy(name, source, target, ask, until, via)
         return last, sent + int(last.bytes), int(last.bytes), started
+
+    def _primary(self, shard: int, until: float) -> Any:
+        """``shard``'s primary's stub; none now (a failover, a lease run out
+        under load) raises ``_Busy``: the move is made again until ``until``."""
+        try:
+            return self.shards.stub(shard)
+        except ReshardError as exc:
+            busy = _Busy(str(exc))
+            busy.until = until
+            raise busy from None
 
     def _abandon(self, name: str, source: int, target: int) -> None:
         """A copy that failed: the source serves the group again (the map did
@@ -479,10 +497,12 @@ class _Resharding:
         ``via``: the source's stub to ask (default: its primary now)."""
         cut: list[grpc.RpcError] = []  # the export's failure, when it failed
         end: list[int] = []
+        exporter = via or self._primary(source, until)
+        importer = self._primary(target, until)
 
         def pieces() -> Iterator[pb.ImportGroupRequest]:
             try:
-                exported = (via or self.shards.stub(source)).ExportGroup(
+                exported = exporter.ExportGroup(
                     request,
                     timeout=self.shards.timeout * 10,
                     metadata=self.shards.metadata(source),
@@ -499,7 +519,7 @@ class _Resharding:
                 cut.append(exc)  # the target gets no end: it installs nothing
 
         try:
-            reply = self.shards.stub(target).ImportGroup(
+            reply = importer.ImportGroup(
                 pieces(),
                 timeout=self.shards.timeout * 10,
                 metadata=self.shards.metadata(target),
@@ -511,6 +531,8 @@ class _Resharding:
                 "keeps no write-ahead log" in str(why.details())
             ):
                 raise _NoLog(str(why.details())) from None
+            if cut and why.code() == grpc.StatusCode.NOT_FOUND:
+                raise _Gone(str(why.details())) from None
             failover = why.code() == grpc.StatusCode.UNAVAILABLE or (
                 "not the primary" in str(why.details())
             )
@@ -599,7 +621,11 @@ class _Resharding:
         report.map_version = int(doc["version"])
         return report
 
-    def _record(self, state: dict[str, Any], report: ReshardReport, m: Move) -> None:
+    def _record(
+        self, state: dict[str, Any], report: ReshardReport, m: Move | None
+    ) -> None:
+        if m is None:  # deleted while it was moved: nothing moved
+            return
         state.setdefault("moved", []).append([m.name, m.source, m.target])
         state.setdefault("holds", []).append(round(m.held_seconds, 4))
         state["bytes"] = int(state.get("bytes", 0)) + m.bytes

@@ -248,12 +248,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             coordinator_cert=etcd_tls.cert,
             coordinator_key=etcd_tls.key,
         ) as ps:
-            if ps.shards is not None:
+            cluster = _several_shards(ps)
+            if cluster:
                 shards = shard_rows(ps, args.prefix, args.timeout)
                 if any(r[2] != "serving" for r in shards):
                     print(format_table(shards, SHARD_COLUMNS, frozenset()), file=out)
             groups = ps.list_groups(args.prefix)
-            apart = still_apart(ps, groups) if ps.shards is not None else set()
+            apart = still_apart(ps, groups) if cluster else set()
     except RpcError as exc:
         why = (
             unreachable(exc, target, args.timeout) or f"{exc.code.name}: {exc.details}"
@@ -290,6 +291,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         for line in resharding_lines(args.address, replicas, etcd_tls):
             print(line, file=out)
     return 0
+
+
+def _several_shards(ps: Client) -> bool:
+    """Whether to show shards and parts (a cluster found through etcd of one
+    shard is shown as one server)."""
+    return (ps.shards or 1) > 1
 
 
 def resharding_lines(

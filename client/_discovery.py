@@ -231,10 +231,11 @@ class Discovery:
             grown.append(found)
         return grown
 
-    def addresses(self, timeout: float) -> str | list[str]:
-        """Every shard's primary: one address for one shard, else a list (the
-        shards the placement map says hold groups: during a resharding, the old
-        and the new ones)."""
+    def addresses(self, timeout: float) -> list[str]:
+        """Every shard's primary (the shards the placement map says hold groups:
+        during a resharding, the old and the new ones). A list even of one
+        shard: a client routes as a cluster, so it follows the placement map
+        when a resharding grows it (docs/resharding.md)."""
         deadline = time.monotonic() + timeout
         count = self.placement(deadline).serving
         found = []
@@ -246,4 +247,4 @@ class Discovery:
                     f"within {timeout:g} s)"
                 )
             found.append(address)
-        return found[0] if count == 1 else found
+        return found

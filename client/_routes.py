@@ -13,6 +13,7 @@ methods), written once for both clients, not a second copy of each of them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from ._ops import Deadline, Op, on_shard, unary_call
 from ._records import (
     GroupInfo,
     HistoryInfo,
+    HistoryStep,
     LeaseInfo,
     PushResult,
     RewindInfo,
@@ -128,8 +130,19 @@ class OneServer:
         return rewind_info(msg, info, int(msg.from_step))
 
     def history(self, group: str, deadline: Deadline) -> Op[HistoryInfo]:
-        req = pb.HistoryRequest(group=group)
-        return history_info((yield from unary_call("History", req, deadline)))
+        # a long history comes in pages (each under gRPC's message limit)
+        steps: list[HistoryStep] = []
+        start = 0
+        while True:
+            req = pb.HistoryRequest(
+                group=group, start_step=start, limit=_sharded.HISTORY_PAGE
+            )
+            msg = yield from unary_call("History", req, deadline)
+            info = history_info(msg)
+            steps += info.steps
+            if not msg.more or not info.steps:
+                return replace(info, steps=steps)
+            start = info.steps[-1].step + 1
 
     def push_rows(
         self,
@@ -253,6 +266,8 @@ class Cluster:
     def fork(
         self, group: str, new_group: str, at_step: int, deadline: Deadline
     ) -> Op[RewindInfo]:
+        if self.ops.shards == 1:  # a cluster found through etcd of one shard
+            return OneServer(self.ops).fork(group, new_group, at_step, deadline)
         return _refused(
             InvalidArgumentError(
                 f"fork of {group!r} on a cluster: not supported yet (a new "

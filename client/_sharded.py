@@ -65,6 +65,7 @@ from ._pending import (
 from ._records import (
     GroupInfo,
     HistoryInfo,
+    HistoryStep,
     PartInfo,
     PushResult,
     RewindInfo,
@@ -336,27 +337,50 @@ def rewind(
     return (yield from rerouted(ops, group, deadline, rewind_all))
 
 
+# The steps a History call asks for per reply (0: the server's page, at most
+# 65,536 steps); a long history comes in pages.
+HISTORY_PAGE = 0
+
+
 def history(ops: ShardOps, group: str, deadline: Deadline) -> Op[HistoryInfo]:
     """The steps every part of ``group`` can go back to (the first part's times),
     and the disk every shard holding a part keeps."""
 
     def history_all(found: Layout) -> Op[HistoryInfo]:
-        replies = yield from _each_part(
-            ops,
-            found,
-            "History",
-            lambda name: pb.HistoryRequest(group=name),
-            deadline,
-        )
-        infos = [history_info(m) for m in replies]
-        common = set.intersection(*({s.step for s in i.steps} for i in infos))
-        return HistoryInfo(
-            group,
-            [s for s in infos[0].steps if s.step in common],
-            min(i.update_count for i in infos),
-            sum(i.snapshot_bytes for i in infos),
-            sum(i.wal_bytes for i in infos),
-        )
+        steps: list[HistoryStep] = []
+        start = 0
+        while True:  # a long history comes in pages: the steps every part lists
+            replies = yield from _each_part(
+                ops,
+                found,
+                "History",
+                lambda name: pb.HistoryRequest(
+                    group=name,
+                    start_step=start,  # noqa: B023
+                    limit=HISTORY_PAGE,
+                ),
+                deadline,
+            )
+            infos = [history_info(m) for m in replies]
+            # a part with more to list covers only up to its page's last step
+            ends = [i.steps[-1].step for i, m in zip(infos, replies, strict=True)
+                    if m.more and i.steps]  # fmt: skip
+            end = min(ends) if ends else None
+            common = set.intersection(*({s.step for s in i.steps} for i in infos))
+            steps += [
+                s
+                for s in infos[0].steps
+                if s.step in common and (end is None or s.step <= end)
+            ]
+            if end is None:
+                return HistoryInfo(
+                    group,
+                    steps,
+                    min(i.update_count for i in infos),
+                    sum(i.snapshot_bytes for i in infos),
+                    sum(i.wal_bytes for i in infos),
+                )
+            start = end + 1
 
     return (yield from rerouted(ops, group, deadline, history_all))
 

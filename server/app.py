@@ -33,10 +33,9 @@ from .config import (
 from .durability import MODES as DURABILITY_MODES
 from .durability import Durability
 from .interceptors import security
-from .interceptors._gate import DrainGate
 from .interceptors._handlers import SERVICE, HookChain, HookInterceptor
 from .interceptors._stall import StallWatch
-from .interceptors.limits import InflightBytes, LimitsInterceptor
+from .interceptors.limits import DrainGate, InflightBytes, LimitsInterceptor
 from .interceptors.security import ConfigError
 from .interceptors.shard import ShardInterceptor, parse_shard
 from .kernels import load_in_background

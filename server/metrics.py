@@ -29,8 +29,8 @@ from prometheus_client.registry import Collector
 from .durability._wal import FsyncTimes
 from .interceptors._handlers import (
     SERVICE,
+    Call,
     CallHooks,
-    Deserializer,
     Handler,
     HookInterceptor,
     group_of,
@@ -177,19 +177,26 @@ class Recorder:
         return group
 
     def record(
-        self, call: _Observed, code: str, seconds: float, reason: str | None = None
+        self,
+        m: str,
+        call: Call,
+        group_named: str | None,
+        code: str,
+        seconds: float,
+        reason: str | None = None,
     ) -> None:
+        """One call of method ``m`` (``group_named``: the group its request
+        names) that ended with ``code`` after ``seconds``."""
         if self.registry is None:
             return
-        m = call.method
         self.rpcs.labels(m, code).inc()
         self.rpc_seconds.labels(m).observe(seconds)
-        self.bytes_in.labels(m).inc(call.bytes_in)
+        self.bytes_in.labels(m).inc(call.size)
         self.bytes_out.labels(m).inc(call.bytes_out)
         if code != "OK":
             self.errors.labels(m, code, reason or "ERROR").inc()
         if m in _PUSH:
-            group = self.group_label(call.group)
+            group = self.group_label(group_named)
             self.pushes.labels(group, code).inc()
             self.push_seconds.observe(seconds)
             self.group_push_seconds.labels(group).observe(seconds)
@@ -198,13 +205,13 @@ class Recorder:
             else:
                 self._staleness(call)
         elif m in _PULL:
-            self.pulls.labels(self.group_label(call.group), code).inc()
+            self.pulls.labels(self.group_label(group_named), code).inc()
         elif m in _APPLY:
             self.applies.labels(code).inc()
             self.apply_seconds.observe(seconds)
 
-    def _staleness(self, call: _Observed) -> None:
-        req, reply = call.first, call.reply_msg
+    def _staleness(self, call: Call) -> None:
+        req, reply = call.first, call.reply
         if req is not None and "part" in req.DESCRIPTOR.oneofs_by_name:
             req = req.header if req.WhichOneof("part") == "header" else None
         if req is None or reply is None or not req.HasField("base_version"):
@@ -364,23 +371,13 @@ class ObserveInterceptor(HookInterceptor):
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
 
-    def call_hooks(
-        self,
-        handler: Handler,
-        handler_call_details: grpc.HandlerCallDetails,
-        deserializer: Deserializer | None,
-        called: tuple[str, str],
-    ) -> tuple[CallHooks | None, Deserializer | None]:
+    def method_hooks(
+        self, handler: Handler, called: tuple[str, str]
+    ) -> CallHooks | None:
         service, method = called
-        call = _Observed(
-            self.recorder,
-            method if service == SERVICE else f"{service}/{method}",
-            request_id(handler_call_details.invocation_metadata),
-            bool(handler.request_streaming),
-            bool(handler.response_streaming),
-            deserializer,
-        )
-        return call, call.parse if deserializer is not None else None
+        label = method if service == SERVICE else f"{service}/{method}"
+        kind = _ObservedStream if handler.response_streaming else _Observed
+        return kind(self.recorder, label, bool(handler.request_streaming))
 
 
 # grpc.StatusCode's names, read without the enum's descriptor on every call.
@@ -389,72 +386,32 @@ _OK = grpc.StatusCode.OK
 
 
 class _Observed(CallHooks):
-    """One call as logged and recorded: its group, sizes, first request, reply.
+    """The calls of one method as logged and recorded: each one's id, duration,
+    sizes, group, first request and reply (kept in its ``Call``).
 
-    Its group and a unary reply's size are read only when the call is logged or
-    recorded."""
+    A call's group and a unary reply's size are read only when the call is logged
+    or recorded."""
 
-    __slots__ = (
-        "bytes_in",
-        "bytes_out",
-        "deserialize",
-        "first",
-        "group",
-        "method",
-        "recorder",
-        "reply_msg",
-        "req_s",
-        "request_id",
-        "resp_s",
-        "start",
-    )
+    __slots__ = ("method", "recorder", "req_s")
+    resp_s = False  # a unary reply's bytes are counted at the end
 
-    def __init__(
-        self,
-        recorder: Recorder,
-        method: str,
-        rid: str,
-        req_s: bool,
-        resp_s: bool,
-        deserialize: Callable[[bytes], Any] | None,
-    ) -> None:
+    def __init__(self, recorder: Recorder, method: str, req_s: bool) -> None:
         self.recorder = recorder
         self.method = method
-        self.request_id = rid
         self.req_s = req_s
-        self.resp_s = resp_s
-        self.deserialize = deserialize
-        self.group: str | None = None
-        self.first: Any = None  # the unary request, or a stream's first message
-        self.reply_msg: Any = None  # the unary reply
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self.start = time.perf_counter()
 
-    def parse(self, raw: bytes) -> Any:
-        assert self.deserialize is not None
-        self.bytes_in += len(raw)
-        return self.deserialize(raw)
-
-    def _see_first(self, msg: Any) -> None:
-        self.first = msg  # its group is read only when the call is logged or recorded
-
-    def before(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self.start = time.perf_counter()
-        context.set_trailing_metadata((("x-request-id", self.request_id),))
+    def before(self, call: Call, request: Any, context: grpc.ServicerContext) -> Any:
+        call.start = time.perf_counter()
+        call.request_id = rid = request_id(call.metadata)
+        context.set_trailing_metadata((("x-request-id", rid),))
         if self.req_s:
-            return on_first(request, self._see_first)
-        self._see_first(request)
+            # its group is read only when the call is logged or recorded
+            return on_first(request, call.see_first)
+        call.first = request
         return request
 
-    def reply(self, msg: Any) -> Any:
-        if self.resp_s:
-            self.bytes_out += message_bytes(msg)
-        self.reply_msg = msg
-        return msg
-
-    def finish(self, context: grpc.ServicerContext, failed: bool) -> None:
-        seconds = time.perf_counter() - self.start
+    def finish(self, call: Call, context: grpc.ServicerContext, failed: bool) -> None:
+        seconds = time.perf_counter() - call.start
         code = context.code()  # type: ignore[attr-defined]
         if code is None:
             if not failed:
@@ -467,26 +424,27 @@ class _Observed(CallHooks):
         name = "OK" if code is _OK else _CODE_NAMES.get(code) or code.name
         level = logging.DEBUG if name == "OK" else logging.INFO
         logged = log.isEnabledFor(level)
-        if logged or self.recorder.registry is not None:
-            self.group = group_of(self.first)
-            if not self.resp_s and self.reply_msg is not None:
-                self.bytes_out = message_bytes(self.reply_msg)
+        if not logged and self.recorder.registry is None:
+            return
+        group = group_of(call.first)
+        if not self.resp_s and call.reply is not None:
+            call.bytes_out = message_bytes(call.reply)
         if logged:
             log.log(
                 level,
                 "rpc %s group=%s code=%s duration_ms=%.2f bytes_in=%d bytes_out=%d "
                 "request_id=%s",
                 self.method,
-                self.group if self.group is not None else "-",
+                group if group is not None else "-",
                 name,
                 seconds * 1e3,
-                self.bytes_in,
-                self.bytes_out,
-                self.request_id,
+                call.size,
+                call.bytes_out,
+                call.request_id,
                 extra={
-                    "request_id": self.request_id,
+                    "request_id": call.request_id,
                     "rpc_method": self.method,
-                    "rpc_group": self.group,
+                    "rpc_group": group,
                     "rpc_code": name,
                     "duration_ms": seconds * 1e3,
                 },
@@ -494,9 +452,21 @@ class _Observed(CallHooks):
         try:
             if self.recorder.registry is not None:  # the reason only when recorded
                 reason = None if name == "OK" else reason_of(context)
-                self.recorder.record(self, name, seconds, reason)
+                self.recorder.record(self.method, call, group, name, seconds, reason)
         except Exception:  # noqa: BLE001 - metrics must never fail a call
             log.exception("recording metrics for %s failed", self.method)
+
+
+class _ObservedStream(_Observed):
+    """The calls of a method with a response stream: each message's bytes are
+    counted as it goes."""
+
+    __slots__ = ()
+    resp_s = True
+
+    def reply(self, call: Call, msg: Any) -> Any:
+        call.bytes_out += message_bytes(msg)
+        return msg
 
 
 _STATUS_DETAILS = "grpc-status-details-bin"

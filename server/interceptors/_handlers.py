@@ -1,10 +1,11 @@
 """What the server interceptors (auth, limits, observability, chunk codec) share.
 
-A ``grpc.ServerInterceptor`` can only hand back an ``RpcMethodHandler``. ``wrap``
-builds one of the same kind around the original behavior with a ``CallHooks``
-object: ``intercept_service`` runs once per call, so the hooks (and any request
-deserializer made there) belong to that call alone and carry its data; nothing is
-kept in a process-wide table.
+A ``grpc.ServerInterceptor`` can only hand back an ``RpcMethodHandler``. The
+``HookChain`` lays out, once per method, the hooks that apply to it as a ``Plan``
+(each phase only the hooks that do something in it) and hands grpc, per call, a
+handler of the same kind running that plan around the original behavior with a
+new ``Call`` record bound in: what a call holds travels with it, nothing is kept
+in a process-wide table. A frame call runs the same plan (``Plan.call_frame``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ __all__ = [
     "group_of",
     "method_of",
     "on_first",
-    "refused",
-    "wrap",
 ]
 
 SERVICE = _SERVICE  # from the descriptor, derived once in the shared codec
@@ -58,8 +57,46 @@ class Malformed:
         self.error = error
 
 
+class Call:
+    """One call as the chain and its hooks see it: a new record per call, while
+    the hooks are shared by every call of a method (``HookChain.plan``). Each
+    hook keeps what it holds of the call here, in the slots named for it."""
+
+    __slots__ = (
+        "admitted",
+        "bytes_out",
+        "first",
+        "held_bytes",
+        "held_stream",
+        "metadata",
+        "reply",
+        "request_id",
+        "size",
+        "start",
+    )
+
+    def __init__(self, metadata: Any) -> None:
+        self.metadata = metadata  # the call's invocation metadata
+        self.size = 0  # request bytes received (every message of a stream)
+        self.first: Any = None  # the unary request, or a stream's first message
+        self.reply: Any = None  # the (last) reply, as the outermost hook saw it
+        # observing (``metrics``): when the call began, its id, the bytes a
+        # response stream sent
+        self.start = 0.0
+        self.request_id = ""
+        self.bytes_out = 0
+        self.admitted = False  # the drain gate counted it (``limits.DrainGate``)
+        self.held_stream = False  # limits: it counts as a stream,
+        self.held_bytes = 0  # and holds these in-flight bytes
+
+    def see_first(self, msg: Any) -> None:
+        self.first = msg
+
+
 class CallHooks:
-    """What an interceptor does around one call (a new instance per call).
+    """What an interceptor does around the calls of one method (shared by them;
+    what one call holds is kept in its ``Call``). Only the phases a class
+    overrides run.
 
     ``before`` runs on the handler's thread before the behavior, with the request: a
     message, or for a request stream an iterator nothing has been read from. It
@@ -71,13 +108,13 @@ class CallHooks:
 
     __slots__ = ()
 
-    def before(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def before(self, call: Call, request: Any, context: grpc.ServicerContext) -> Any:
         return request
 
-    def reply(self, msg: Any) -> Any:
+    def reply(self, call: Call, msg: Any) -> Any:
         return msg
 
-    def finish(self, context: grpc.ServicerContext, failed: bool) -> None:
+    def finish(self, call: Call, context: grpc.ServicerContext, failed: bool) -> None:
         return None
 
 
@@ -108,97 +145,6 @@ def _behavior_of(handler: Handler) -> Behavior:
     )
     assert behavior is not None, "a handler always has one behavior"
     return behavior
-
-
-def _hooked(behavior: Behavior, hooks: CallHooks, resp_s: bool) -> Behavior:
-    if resp_s:
-
-        def call_streaming(request: Any, context: grpc.ServicerContext) -> Any:
-            failed = True
-            try:
-                request = hooks.before(request, context)
-                for msg in behavior(request, context):
-                    yield hooks.reply(msg)
-                failed = False
-            finally:
-                hooks.finish(context, failed)
-
-        return call_streaming
-
-    def call(request: Any, context: grpc.ServicerContext) -> Any:
-        failed = True
-        try:
-            request = hooks.before(request, context)
-            reply = hooks.reply(behavior(request, context))
-            failed = False
-            return reply
-        finally:
-            hooks.finish(context, failed)
-
-    return call
-
-
-def _unread(hooks: CallHooks, resp_s: bool) -> Behavior:
-    """A request-streaming behavior that runs ``hooks`` (ending in a ``Refusal``)
-    without reading the request: they see None as the request."""
-
-    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
-        failed = True
-        try:
-            hooks.before(None, context)
-            raise AssertionError("a Refusal's before aborts its call")
-        finally:
-            hooks.finish(context, failed)
-
-    if not resp_s:
-        return refuse
-
-    def refuse_streaming(request: Any, context: grpc.ServicerContext) -> Any:
-        yield from refuse(request, context)
-
-    return refuse_streaming
-
-
-def refused(handler: Handler, hooks: CallHooks) -> Handler:
-    """A handler that runs ``hooks`` and never receives the call's request (a
-    request stream of the same response kind as ``handler``)."""
-    resp_s = bool(handler.response_streaming)
-    behaviors: list[Behavior | None] = [None, None, None, None]
-    behaviors[2 + resp_s] = _unread(hooks, resp_s)
-    return _RpcHandler(  # type: ignore[no-any-return]
-        True,
-        resp_s,
-        handler.request_deserializer,
-        handler.response_serializer,
-        *behaviors,
-    )
-
-
-def wrap(
-    handler: Handler | None,
-    hooks: CallHooks | None = None,
-    *,
-    request_deserializer: Deserializer | None = None,
-    response_serializer: Serializer | None = None,
-) -> Handler | None:
-    """A handler of the same kind running ``hooks`` around the behavior (the same
-    behavior when None), with the (de)serializers given (else the handler's own)."""
-    if handler is None:
-        return None
-    req_s = bool(handler.request_streaming)
-    resp_s = bool(handler.response_streaming)
-    behavior = _behavior_of(handler)
-    if hooks is not None:
-        behavior = _hooked(behavior, hooks, resp_s)
-    behaviors: list[Behavior | None] = [None, None, None, None]
-    behaviors[2 * req_s + resp_s] = behavior
-    return _RpcHandler(  # type: ignore[no-any-return]
-        req_s,
-        resp_s,
-        request_deserializer or handler.request_deserializer,
-        response_serializer or handler.response_serializer,
-        *behaviors,
-    )
 
 
 def method_of(handler_call_details: grpc.HandlerCallDetails) -> tuple[str, str]:
@@ -257,31 +203,42 @@ def on_first(iterator: Iterator[Any], see: Callable[[Any], None]) -> Iterator[An
 
 
 class HookInterceptor:
-    """What one concern (observing, draining, tokens, shard, limits) adds around a
-    call: its hooks (``call_hooks``), and maybe a deserializer of its own wrapping the
-    one it is given. They run together as one ``HookChain``."""
+    """What one concern (observing, draining, tokens, shard, limits) adds around
+    the calls of a method. Most decide once per method (``method_hooks``, asked
+    when the method is first called); one that decides from a call's metadata
+    (``reads_metadata``: tokens, shard routing) is asked per call
+    (``call_hooks``). They run together as one ``HookChain``."""
+
+    reads_metadata = False
+
+    def method_hooks(
+        self, handler: Handler, called: tuple[str, str]
+    ) -> CallHooks | None:
+        """The hooks of every call of this method (None: none). ``called`` is
+        its ``(service, method)``."""
+        return None
 
     def call_hooks(
-        self,
-        handler: Handler,
-        handler_call_details: grpc.HandlerCallDetails,
-        deserializer: Deserializer | None,
-        called: tuple[str, str],
-    ) -> tuple[CallHooks | None, Deserializer | None]:
-        """This call's hooks (None: none), and the deserializer to read its
-        request with (None: ``deserializer`` as it is). ``called`` is the call's
-        ``(service, method)``, split once for the whole chain."""
-        raise NotImplementedError
+        self, handler: Handler, called: tuple[str, str], metadata: Any
+    ) -> CallHooks | None:
+        """This call's hooks from its metadata (None: none); a ``Refusal`` ends
+        the call before its request is read. The same metadata must give the
+        same decision (a call channel keeps it for all its calls)."""
+        return None
 
 
 class HookChain(Interceptor):
-    """The hook interceptors (outermost first) as one grpc interceptor: each call
-    is wrapped once, with one hooks object that runs theirs in the order nested
-    interceptors would (``before`` outermost first; ``reply`` and ``finish``
-    innermost first; ``finish`` only for the hooks whose ``before`` ran)."""
+    """The hook interceptors (outermost first) as one grpc interceptor.
+
+    Once per method, the hooks that apply to it are laid out as a ``Plan``: each
+    phase a list of only the hooks that do something in it, run in the order
+    nested interceptors would (``before`` outermost first; ``reply`` and
+    ``finish`` innermost first; ``finish`` only for the hooks ``before`` reached).
+    A call asks only the metadata readers (tokens, shard) for its own part."""
 
     def __init__(self, parts: list[HookInterceptor]) -> None:
         self.parts = list(parts)
+        self._methods: dict[str, _Method] = {}
 
     def intercept_service(
         self,
@@ -291,71 +248,231 @@ class HookChain(Interceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        return self.wrap_call(handler, handler_call_details)
+        plan = self.plan(handler, handler_call_details)
+        return plan.handler(handler_call_details.invocation_metadata)
 
-    def wrap_call(
-        self, handler: Handler, handler_call_details: grpc.HandlerCallDetails
-    ) -> Handler:
-        """``handler`` with this call's hooks around it (``intercept_service``
-        once the handler is found; a frame call, whose server has it, asks here
-        directly)."""
-        original = deserializer = handler.request_deserializer
-        hooks: list[CallHooks] = []
-        called = _split_method(handler_call_details.method or "")
-        for part in reversed(self.parts):  # innermost first: its reader is inner
-            got, parse = part.call_hooks(
-                handler, handler_call_details, deserializer, called
-            )
-            if parse is not None:
-                deserializer = parse
-            if got is not None:
-                hooks.append(got)
-        if not hooks and deserializer is original:
-            return handler
-        hooks.reverse()
-        for i, got in enumerate(hooks):
-            if isinstance(got, Refusal):  # decided now: the inner hooks never run
-                return refused(handler, _chain(hooks[: i + 1]))
-        chained = _chain(hooks) if hooks else None
-        wrapped = wrap(handler, chained, request_deserializer=deserializer)
-        assert wrapped is not None  # (wrap gives None for a None handler only)
-        return wrapped
+    def plan(self, handler: Handler, details: grpc.HandlerCallDetails) -> Plan:
+        """The plan of a call of ``handler`` with this metadata (a frame call's
+        server, whose channel's metadata is fixed, keeps it for the channel)."""
+        name = details.method or ""
+        method = self._methods.get(name)
+        if method is None or method.handler is not handler:
+            method = self._methods[name] = self._method(handler, name)
+        if not method.asks:
+            return method.plan
+        hooks = list(method.hooks)
+        metadata = details.invocation_metadata
+        for i in method.asks:
+            hooks[i] = self.parts[i].call_hooks(handler, method.called, metadata)
+        key = tuple(hooks)
+        plan = method.composed.get(key)
+        if plan is None:
+            plan = Plan(handler, method.called, [h for h in hooks if h is not None])
+            if plan.refusal is None and len(method.composed) < _MAX_COMPOSED:
+                method.composed[key] = plan
+        return plan
+
+    def _method(self, handler: Handler, name: str) -> _Method:
+        called = _split_method(name)
+        hooks: list[CallHooks | None] = []
+        asks = []
+        for i, part in enumerate(self.parts):
+            if part.reads_metadata:
+                asks.append(i)
+                hooks.append(None)
+            else:
+                hooks.append(part.method_hooks(handler, called))
+        plan = Plan(handler, called, [h for h in hooks if h is not None])
+        return _Method(handler, called, hooks, tuple(asks), plan)
 
 
-def _chain(hooks: list[CallHooks]) -> CallHooks:
-    return hooks[0] if len(hooks) == 1 else _Chained(hooks)
+_MAX_COMPOSED = 256  # plans kept per method, one per token (and shard) decision
 
 
-_PASS_REPLY = CallHooks.reply
+class _Method:
+    __slots__ = ("asks", "called", "composed", "handler", "hooks", "plan")
+
+    def __init__(
+        self,
+        handler: Handler,
+        called: tuple[str, str],
+        hooks: list[CallHooks | None],
+        asks: tuple[int, ...],
+        plan: Plan,
+    ) -> None:
+        self.handler = handler
+        self.called = called
+        self.hooks = hooks  # None where a metadata reader decides per call
+        self.asks = asks
+        self.plan = plan  # when no part reads metadata
+        self.composed: dict[tuple[CallHooks | None, ...], Plan] = {}
 
 
-class _Chained(CallHooks):
-    """Several interceptors' hooks of one call, as their nesting would run them."""
+def _runs(hooks: CallHooks, phase: str) -> bool:
+    return getattr(type(hooks), phase) is not getattr(CallHooks, phase)
 
-    __slots__ = ("entered", "hooks")
 
-    def __init__(self, hooks: list[CallHooks]) -> None:
-        self.hooks = hooks
-        self.entered = 0
+class Plan:
+    """The hooks of one method's calls, phase by phase (``HookChain.plan``).
 
-    def before(self, request: Any, context: grpc.ServicerContext) -> Any:
-        for hooks in self.hooks:
-            self.entered += 1
-            request = hooks.before(request, context)
-        return request
+    ``befores`` pairs each hook that has a ``before`` with how many hooks have
+    been entered once it runs; ``finishes`` pairs each hook that has a
+    ``finish`` with its place, innermost first. A refused plan ends with its
+    ``Refusal`` and never reads the request."""
 
-    def reply(self, msg: Any) -> Any:
-        for hooks in reversed(self.hooks):
-            if type(hooks).reply is not _PASS_REPLY:  # most hooks pass it on
-                msg = hooks.reply(msg)
-        return msg
+    __slots__ = (
+        "befores",
+        "behavior",
+        "count",
+        "deserialize",
+        "finishes",
+        "hooked",
+        "method",
+        "original",
+        "refusal",
+        "replies",
+        "resp_s",
+        "serialize",
+    )
 
-    def finish(self, context: grpc.ServicerContext, failed: bool) -> None:
+    def __init__(
+        self, handler: Handler, called: tuple[str, str], hooks: list[CallHooks]
+    ) -> None:
+        self.original = handler
+        self.method = called[1]
+        self.behavior = _behavior_of(handler)
+        self.deserialize: Deserializer | None = handler.request_deserializer
+        self.serialize: Serializer | None = handler.response_serializer
+        self.resp_s = bool(handler.response_streaming)
+        self.refusal: int | None = None
+        for i, hook in enumerate(hooks):
+            if isinstance(hook, Refusal):  # decided now: the inner hooks never run
+                self.refusal = i
+                hooks = hooks[: i + 1]
+                break
+        self.count = len(hooks)
+        self.hooked = bool(hooks)
+        self.befores = [
+            (i + 1, hook.before)
+            for i, hook in enumerate(hooks)
+            if _runs(hook, "before")
+        ]
+        self.replies = [h.reply for h in reversed(hooks) if _runs(h, "reply")]
+        self.finishes = [
+            (i, hook.finish)
+            for i, hook in reversed(list(enumerate(hooks)))
+            if _runs(hook, "finish")
+        ]
+
+    def handler(self, metadata: Any) -> Handler:
+        """A grpc handler for one call (its ``Call`` bound in), of the method's
+        kind; a refused call's is a request stream nothing reads."""
+        if not self.hooked:
+            return self.original
+        call = Call(metadata)
+        handler = self.original
+        req_s = bool(handler.request_streaming)
+        if self.refusal is not None:
+            req_s = True
+            refuse = self.refuse_streaming if self.resp_s else self.refuse
+            run: Behavior = functools.partial(refuse, call)
+        elif self.resp_s:
+            run = functools.partial(self.run_streaming, call)
+        else:
+            run = functools.partial(self.run, call)
+        behaviors: list[Behavior | None] = [None, None, None, None]
+        behaviors[2 * req_s + self.resp_s] = run
+        parse = self.deserialize
+        if parse is not None and self.refusal is None:
+            parse = functools.partial(self.parse, call)
+        return _RpcHandler(  # type: ignore[no-any-return]
+            req_s, self.resp_s, parse, self.serialize, *behaviors
+        )
+
+    def call_frame(self, raw: bytes, context: Any, metadata: Any) -> Any:
+        """One unary call whose request bytes the server holds (a frame call):
+        parsed and run with the hooks around it; its reply."""
+        call = Call(metadata)
+        if self.refusal is not None:
+            return self.refuse(call, None, context)
+        return self.run(call, self.parse(call, raw), context)
+
+    def parse(self, call: Call, raw: bytes) -> Any:
+        """A request message from its bytes, counted in ``call.size``; bytes that
+        do not parse give a ``Malformed`` the limits hooks answer."""
+        call.size += len(raw)
+        assert self.deserialize is not None
+        try:
+            if raw[:1] == b"\x00":  # field 0: upb lets a fieldless message take it
+                raise ValueError("field number 0 is not a valid tag")
+            return self.deserialize(raw)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's
+            return Malformed(len(raw), f"{self.method}: {exc}")
+
+    def run(self, call: Call, request: Any, context: grpc.ServicerContext) -> Any:
+        """A call with a unary response, the hooks around its behavior."""
+        entered = 0
+        failed = True
+        try:
+            for entered, before in self.befores:  # noqa: B007 - read in finally
+                request = before(call, request, context)
+            entered = self.count
+            reply = self.behavior(request, context)
+            for hook in self.replies:
+                reply = hook(call, reply)
+            call.reply = reply
+            failed = False
+            return reply
+        finally:
+            self.finish(call, context, failed, entered)
+
+    def run_streaming(
+        self, call: Call, request: Any, context: grpc.ServicerContext
+    ) -> Iterator[Any]:
+        """A call with a response stream, the hooks around its behavior."""
+        entered = 0
+        failed = True
+        try:
+            for entered, before in self.befores:  # noqa: B007 - read in finally
+                request = before(call, request, context)
+            entered = self.count
+            replies = self.replies
+            for msg in self.behavior(request, context):
+                for hook in replies:
+                    msg = hook(call, msg)
+                call.reply = msg
+                yield msg
+            failed = False
+        finally:
+            self.finish(call, context, failed, entered)
+
+    def refuse(self, call: Call, request: Any, context: grpc.ServicerContext) -> Any:
+        """A refused call: the hooks up to its ``Refusal``, whose ``before``
+        aborts; the request is never read."""
+        entered = 0
+        try:
+            for entered, before in self.befores:  # noqa: B007 - read in finally
+                before(call, None, context)
+            raise AssertionError("a Refusal's before aborts its call")
+        finally:
+            self.finish(call, context, True, entered)
+
+    def refuse_streaming(
+        self, call: Call, request: Any, context: grpc.ServicerContext
+    ) -> Iterator[Any]:
+        yield self.refuse(call, request, context)
+
+    def finish(
+        self, call: Call, context: grpc.ServicerContext, failed: bool, entered: int
+    ) -> None:
+        """The ``finish`` of the hooks entered, innermost first; each runs even
+        when one before it raised (the first error is raised after)."""
         error: BaseException | None = None
-        for hooks in reversed(self.hooks[: self.entered]):
-            try:
-                hooks.finish(context, failed)
-            except BaseException as exc:  # noqa: BLE001 - the others finish too
-                error = error or exc
+        for place, finish in self.finishes:
+            if place < entered:
+                try:
+                    finish(call, context, failed)
+                except BaseException as exc:  # noqa: BLE001 - the others finish too
+                    error = error or exc
         if error is not None:
             raise error

@@ -1,12 +1,22 @@
-"""Backpressure: bounded in-flight bytes and streams, and undecodable requests.
+"""Admission: the graceful stop's gate, bounded in-flight bytes and streams, and
+undecodable requests.
 
-The interceptor refuses work it cannot hold instead of queueing it: a call whose bytes
-would take the server over ``max_inflight_bytes``, or a stream beyond
+``grpc.Server.stop`` cancels the calls gRPC has received but not yet handed to a
+handler thread (the client sees a bare ``CANCELLED``: not retried, and it cannot tell
+whether a push was applied). So a graceful stop first closes the ``DrainGate``: every
+call that reaches a handler from then on is answered UNAVAILABLE, which clients retry
+(a push with the same ``(client_id, seq)``, applied once), and the calls already past
+the gate run to the end. Only when they have finished does the server itself stop,
+with nothing left in flight to cancel. The gate is the outermost check but one (after
+observing, before tokens); the limits are the innermost.
+
+The ``LimitsInterceptor`` refuses work it cannot hold instead of queueing it: a call
+whose bytes would take the server over ``max_inflight_bytes``, or a stream beyond
 ``max_concurrent_streams``, fails at once with RESOURCE_EXHAUSTED. A call on the data
 channel counts as a stream: its thread, too, waits for the client's bytes. A request
 stream whose client stops sending is ended by the ``StallWatch``. The bytes of a call
-are the size of a unary request, or for a request stream the size of its header plus
-the tensor bytes the header declares (what the server will preallocate), counted before
+are the size of a unary request, or for a request stream the size of its header plus the
+tensor bytes the header declares (what the server will preallocate), counted before
 anything is allocated. A request whose bytes do not parse gets INVALID_ARGUMENT.
 
 The same ``InflightBytes`` budget counts the replies of pulls (the servicer holds a
@@ -17,7 +27,8 @@ that never read cannot pin memory the budget does not see.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -26,17 +37,12 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import EncodedMessage, TensorFormatError, declared_nbytes
 
 from ..errors import InvalidArgument, ResourceExhausted
-from ._handlers import (
-    CallHooks,
-    Deserializer,
-    Handler,
-    HookInterceptor,
-    Malformed,
-)
+from ._handlers import SERVICE, Call, CallHooks, Handler, HookInterceptor, Malformed
 from ._stall import StallWatch
 from ._status import refuse
 
 __all__ = [
+    "DrainGate",
     "InflightBytes",
     "InflightHold",
     "LimitsInterceptor",
@@ -192,22 +198,15 @@ class LimitsInterceptor(HookInterceptor):
     def inflight_bytes(self) -> int:
         return self.inflight.held
 
-    def call_hooks(
-        self,
-        handler: Handler,
-        handler_call_details: grpc.HandlerCallDetails,
-        deserializer: Deserializer | None,
-        called: tuple[str, str],
-    ) -> tuple[CallHooks | None, Deserializer | None]:
-        _, method = called
-        call = _Admission(
+    def method_hooks(
+        self, handler: Handler, called: tuple[str, str]
+    ) -> CallHooks | None:
+        return _Admission(
             self,
-            method,
+            called[1],
             bool(handler.request_streaming),
             bool(handler.response_streaming),
-            deserializer,
         )
-        return call, call.parse if deserializer is not None else None
 
     # -- admission -------------------------------------------------------------------
     def admit_stream(self, context: grpc.ServicerContext) -> None:
@@ -251,44 +250,28 @@ def _on_data_channel(request: Any) -> bool:
 
 
 class _Admission(CallHooks):
-    """One call: its parsed size, and what it holds of the server's limits.
+    """The calls of one method: what each holds of the server's limits (in its
+    ``Call``), from the size it was received with (``Plan.parse``).
 
     A stream is counted when its handler starts, before anything is read from it, so
     streams that never send still count; its bytes are admitted once its header has
     declared them.
     """
 
+    __slots__ = ("limits", "method", "req_s", "stream")
+
     def __init__(
-        self,
-        limits: LimitsInterceptor,
-        method: str,
-        req_s: bool,
-        resp_s: bool,
-        deserialize: Callable[[bytes], Any] | None,
+        self, limits: LimitsInterceptor, method: str, req_s: bool, resp_s: bool
     ) -> None:
         self.limits = limits
         self.method = method
         self.req_s = req_s
         self.stream = req_s or resp_s
-        self.deserialize = deserialize
-        self.size = 0  # the unary request's size as received
-        self.held_stream = False
-        self.held_bytes = 0
 
-    def parse(self, raw: bytes) -> Any:
-        assert self.deserialize is not None
-        self.size = len(raw)
-        try:
-            if raw[:1] == b"\x00":  # field 0: upb lets a fieldless message take it
-                raise ValueError("field number 0 is not a valid tag")
-            return self.deserialize(raw)
-        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's
-            return Malformed(len(raw), f"{self.method}: {exc}")
-
-    def before(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def before(self, call: Call, request: Any, context: grpc.ServicerContext) -> Any:
         if self.stream or _on_data_channel(request):
             self.limits.admit_stream(context)
-            self.held_stream = True
+            call.held_stream = True
         if self.req_s:
             # A standby's acknowledgements stop while its primary has nothing to
             # ship: an idle Replicate stream is not a stalled one.
@@ -314,11 +297,91 @@ class _Admission(CallHooks):
                     _malformed_message(request),
                     "MALFORMED_MESSAGE",
                 )
-            nbytes = self.size
+            nbytes = call.size
         self.limits.admit_bytes(context, nbytes)
-        self.held_bytes = nbytes
+        call.held_bytes = nbytes
         return request
 
-    def finish(self, context: grpc.ServicerContext, failed: bool) -> None:
-        if self.held_stream or self.held_bytes:
-            self.limits.release(self.held_bytes, self.held_stream)
+    def finish(self, call: Call, context: grpc.ServicerContext, failed: bool) -> None:
+        if call.held_stream or call.held_bytes:
+            self.limits.release(call.held_bytes, call.held_stream)
+
+
+# -- the graceful stop's gate ---------------------------------------------------------
+REFUSAL = "the server is shutting down; retry (after it restarts or on another server)"
+
+
+class DrainGate(HookInterceptor):
+    """Counts the service's calls in flight; after ``close()`` refuses new ones."""
+
+    def __init__(self) -> None:
+        # every call takes the lock twice; only wait_idle waits on the condition
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._running = 0
+        self._closed = False
+        self._idle_waiters = 0  # calls of wait_idle waiting now
+        self._admitted = _Admitted(self)  # the hooks of every service method
+
+    @property
+    def running(self) -> int:
+        with self._cond:
+            return self._running
+
+    def close(self) -> None:
+        """Answer every call that starts from now on with UNAVAILABLE."""
+        with self._cond:
+            self._closed = True
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no admitted call runs; False when ``timeout`` passed first."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            self._idle_waiters += 1
+            try:
+                while self._running:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+                return True
+            finally:
+                self._idle_waiters -= 1
+
+    def method_hooks(
+        self, handler: Handler, called: tuple[str, str]
+    ) -> CallHooks | None:
+        if called[0] != SERVICE:
+            return None  # health and reflection: answered until the end
+        return self._admitted
+
+    def _enter(self) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            self._running += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._running -= 1
+            if not self._running and self._idle_waiters:
+                self._cond.notify_all()
+
+
+class _Admitted(CallHooks):
+    __slots__ = ("gate",)
+
+    def __init__(self, gate: DrainGate) -> None:
+        self.gate = gate
+
+    def before(self, call: Call, request: Any, context: grpc.ServicerContext) -> Any:
+        call.admitted = self.gate._enter()
+        if not call.admitted:
+            refuse(context, grpc.StatusCode.UNAVAILABLE, REFUSAL, "SHUTTING_DOWN")
+        return request
+
+    def finish(self, call: Call, context: grpc.ServicerContext, failed: bool) -> None:
+        if call.admitted:
+            call.admitted = False
+            self.gate._leave()

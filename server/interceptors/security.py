@@ -25,8 +25,8 @@ from onnxps.v1 import parameter_server_pb2 as pb
 
 from ._handlers import (
     SERVICE,
+    Call,
     CallHooks,
-    Deserializer,
     Handler,
     HookInterceptor,
     Refusal,
@@ -346,7 +346,7 @@ class _Refused(Refusal):
         self.code, self.details = code, details
         self.reason, self.metadata = reason, metadata
 
-    def before(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def before(self, call: Call, request: Any, context: grpc.ServicerContext) -> Any:
         refuse(context, self.code, self.details, self.reason, self.metadata)
 
 
@@ -357,7 +357,7 @@ class _GroupChecked(CallHooks):
     def __init__(self, grant: TokenGrant, req_s: bool) -> None:
         self.grant, self.req_s = grant, req_s
 
-    def before(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def before(self, call: Call, request: Any, context: grpc.ServicerContext) -> Any:
         def check(msg: Any) -> None:
             group = group_of(msg)
             # No group (an undecodable or header-less request) is refused further in.
@@ -380,7 +380,7 @@ class _ListFiltered(CallHooks):
     def __init__(self, grant: TokenGrant) -> None:
         self.grant = grant
 
-    def reply(self, msg: Any) -> Any:
+    def reply(self, call: Call, msg: Any) -> Any:
         if not isinstance(msg, pb.ListGroupsResponse):
             return msg
         return pb.ListGroupsResponse(
@@ -391,8 +391,12 @@ class _ListFiltered(CallHooks):
 class TokenAuthInterceptor(HookInterceptor):
     """Bearer tokens -> role and group prefixes. Health and reflection stay open."""
 
+    reads_metadata = True
+
     def __init__(self, grants: list[TokenGrant]) -> None:
         self._grants = list(grants)
+        # a grant's hooks per method, made once: the chain keeps one plan for each
+        self._granted: dict[tuple[str, bytes, bool], CallHooks | None] = {}
 
     def _lookup(self, token: str) -> TokenGrant | None:
         presented = _digest(token)
@@ -403,59 +407,54 @@ class TokenAuthInterceptor(HookInterceptor):
         return found
 
     def call_hooks(
-        self,
-        handler: Handler,
-        handler_call_details: grpc.HandlerCallDetails,
-        deserializer: Deserializer | None,
-        called: tuple[str, str],
-    ) -> tuple[CallHooks | None, Deserializer | None]:
+        self, handler: Handler, called: tuple[str, str], metadata: Any
+    ) -> CallHooks | None:
         service, method = called
         if service != SERVICE:
-            return None, None
-        token = _bearer(handler_call_details.invocation_metadata)
+            return None
+        token = _bearer(metadata)
         grant = self._lookup(token) if token is not None else None
         # Decided from the metadata alone: nothing is read from the call first.
         if grant is None:
-            return (
-                _Refused(
-                    grpc.StatusCode.UNAUTHENTICATED,
-                    f"{method} needs a known token: send 'authorization: Bearer "
-                    "<token>'"
-                    if token is None
-                    else f"{method}: the token is not known to this server",
-                    "TOKEN_MISSING" if token is None else "TOKEN_UNKNOWN",
-                    {"method": method},
-                ),
-                None,
+            return _Refused(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{method} needs a known token: send 'authorization: Bearer <token>'"
+                if token is None
+                else f"{method}: the token is not known to this server",
+                "TOKEN_MISSING" if token is None else "TOKEN_UNKNOWN",
+                {"method": method},
             )
         if method not in ROLES[grant.role]:
-            return (
-                _Refused(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"a {grant.role} token may not call {method}",
-                    "ROLE_FORBIDS_METHOD",
-                    {"method": method, "role": grant.role},
-                ),
-                None,
+            return _Refused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"a {grant.role} token may not call {method}",
+                "ROLE_FORBIDS_METHOD",
+                {"method": method, "role": grant.role},
             )
         if method in _WHOLE_CLUSTER and "" not in grant.prefixes:
             allowed = ", ".join(repr(p) for p in grant.prefixes)
-            return (
-                _Refused(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"{method} moves groups between shards (onnxps reshard): it "
-                    "needs an admin token for every group (prefix '*'); this one "
-                    f"may touch groups starting with {allowed} only",
-                    "GROUP_NOT_PERMITTED",
-                    {"method": method, "prefixes": allowed},
-                ),
-                None,
+            return _Refused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{method} moves groups between shards (onnxps reshard): it "
+                "needs an admin token for every group (prefix '*'); this one "
+                f"may touch groups starting with {allowed} only",
+                "GROUP_NOT_PERMITTED",
+                {"method": method, "prefixes": allowed},
             )
-        if method == "ListGroups":
-            return _ListFiltered(grant), None
-        if method in _GROUPLESS:
-            return None, None
-        return _GroupChecked(grant, bool(handler.request_streaming)), None
+        req_s = bool(handler.request_streaming)
+        key = (method, grant.digest, req_s)
+        if key not in self._granted:
+            self._granted[key] = _granted(grant, method, req_s)
+        return self._granted[key]
+
+
+def _granted(grant: TokenGrant, method: str, req_s: bool) -> CallHooks | None:
+    """What a token allowed to call ``method`` checks around each call of it."""
+    if method == "ListGroups":
+        return _ListFiltered(grant)
+    if method in _GROUPLESS:
+        return None
+    return _GroupChecked(grant, req_s)
 
 
 def _deny(context: grpc.ServicerContext, grant: TokenGrant, group: str) -> None:

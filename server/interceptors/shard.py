@@ -22,14 +22,7 @@ from typing import Any
 import grpc
 from onnxps.wire.codec import SHARD_METADATA_KEY
 
-from ._handlers import (
-    SERVICE,
-    CallHooks,
-    Deserializer,
-    Handler,
-    HookInterceptor,
-    Refusal,
-)
+from ._handlers import SERVICE, Call, CallHooks, Handler, HookInterceptor, Refusal
 from ._status import rich_status
 from .security import ConfigError
 
@@ -117,36 +110,36 @@ def mismatch(
 
 
 class _Refused(Refusal):
+    __slots__ = ("status",)
+
     def __init__(self, status: grpc.Status) -> None:
         self.status = status
 
-    def before(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def before(self, call: Call, request: Any, context: grpc.ServicerContext) -> Any:
         context.abort_with_status(self.status)
 
 
 class ShardInterceptor(HookInterceptor):
     """Refuses calls routed for another shard layout (decided from the metadata)."""
 
+    reads_metadata = True
+
     def __init__(self, shard: ShardIdentity | None, any_count: bool = False) -> None:
         self.shard = shard
         self.any_count = any_count
 
     def call_hooks(
-        self,
-        handler: Handler,
-        handler_call_details: grpc.HandlerCallDetails,
-        deserializer: Deserializer | None,
-        called: tuple[str, str],
-    ) -> tuple[CallHooks | None, Deserializer | None]:
+        self, handler: Handler, called: tuple[str, str], metadata: Any
+    ) -> CallHooks | None:
         service, _ = called
-        routed = _routed(handler_call_details.invocation_metadata)
+        routed = _routed(metadata)
         if service != SERVICE or routed is None:
-            return None, None
+            return None
         why = mismatch(self.shard, routed, self.any_count)
         if why is None:
-            return None, None
+            return None
         metadata = {"routed": routed}
         if self.shard is not None:
             metadata["shard"] = str(self.shard)
         status = rich_status(grpc.StatusCode.FAILED_PRECONDITION, why, REASON, metadata)
-        return _Refused(status), None
+        return _Refused(status)

@@ -12,7 +12,12 @@ from ..errors import FailedPrecondition, InvalidArgument
 from ._common import RpcFamily, unary
 from ._convert import group_info
 
-__all__ = ["HistoryRpcs"]
+__all__ = ["HISTORY_PAGE_STEPS", "HistoryRpcs"]
+
+# The most steps one History reply lists (about 22 bytes each: 1.5 MiB, under
+# gRPC's default 4 MiB message limit of a client in any language); a longer
+# history is paged (``more``, ``start_step``).
+HISTORY_PAGE_STEPS = 65536
 
 
 class HistoryRpcs(RpcFamily):
@@ -57,15 +62,19 @@ class HistoryRpcs(RpcFamily):
         durability = self._history_of()
         history = durability.history(request.group)
         snap_bytes, wal_bytes = durability.retained_bytes()
+        limit = min(int(request.limit) or HISTORY_PAGE_STEPS, HISTORY_PAGE_STEPS)
+        start = int(request.start_step)
+        steps = [p for p in history.steps() if p.step >= start]
         return pb.HistoryResponse(
             group=request.group,
             steps=[
                 pb.HistoryStep(step=p.step, unix_time=p.unix or 0.0, kind=p.kind)
-                for p in history.steps()
+                for p in steps[:limit]
             ],
             update_count=self.store.describe(request.group).update_count,
             snapshot_bytes=snap_bytes,
             wal_bytes=wal_bytes,
+            more=len(steps) > limit,
         )
 
 

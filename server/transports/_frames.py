@@ -177,7 +177,7 @@ class FrameCalls:
     """
 
     def __init__(self, chain: Any, handlers: dict[str, Any]) -> None:
-        self._chain = chain
+        self._chain = chain  # the server's HookChain
         self.calls = 0  # calls answered (tests, logs)
         self._handlers = {number: handlers[name] for number, name in METHODS.items()}
         self._details = {
@@ -196,6 +196,9 @@ class FrameCalls:
         """Answer calls on ``sock`` until the client closes it (or sends garbage,
         or stops for ``stall_seconds`` in the middle of a frame)."""
         details_of = {n: d.with_metadata(metadata) for n, d in self._details.items()}
+        # the chain decides from the method and the metadata, which a channel
+        # keeps: each method's plan is asked for once per channel
+        plans: dict[int, Any] = {}
         with sock:
             while True:
                 sock.settimeout(None)  # idle between calls: as long as it likes
@@ -223,10 +226,13 @@ class FrameCalls:
                     )
                     return
                 ctx = FrameContext(metadata, peer, timeout)
-                try:
-                    code, parts = self._call(
-                        sock, ctx, method, body, details_of[method]
+                plan = plans.get(method)
+                if plan is None:
+                    plan = plans[method] = self._chain.plan(
+                        self._handlers[method], details_of[method]
                     )
+                try:
+                    code, parts = self._call(sock, ctx, plan, body)
                     del body
                     send_reply(sock, code, parts)
                 finally:
@@ -238,24 +244,18 @@ class FrameCalls:
         self,
         sock: socket.socket,
         ctx: FrameContext,
-        method: int,
+        plan: Any,
         body: bytes,
-        details: Any,
     ) -> tuple[grpc.StatusCode, list[Any]]:
-        """Run one call: its status and the reply's parts after the code byte."""
+        """Run one call (its method's ``Plan``: the interceptors' hooks around
+        its handler): its status and the reply's parts after the code byte."""
         self.calls += 1
-        base = self._handlers[method]
-        handler = self._chain.wrap_call(base, details)
         with self._lock:
             self._running[sock] = ctx
         try:
-            request = handler.request_deserializer(body[HEAD.size :])
-            if handler.request_streaming:  # refused from its metadata (Refusal)
-                reply = handler.stream_unary(iter((request,)), ctx)
-            else:
-                reply = handler.unary_unary(request, ctx)
+            reply = plan.call_frame(body[HEAD.size :], ctx, ctx.invocation_metadata())
             ok = grpc.StatusCode.OK
-            return ok, _response_parts(reply, handler.response_serializer)
+            return ok, _response_parts(reply, plan.serialize)
         except _Aborted:
             code = ctx.code() or grpc.StatusCode.UNKNOWN
         except Exception as exc:  # noqa: BLE001 - as grpc: UNKNOWN, logged

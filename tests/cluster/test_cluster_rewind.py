@@ -9,14 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _cluster import shards
-from onnxps.client import Adam, Client, IdsTable, InvalidArgumentError
+from onnxps.client import Adam, Client, IdsTable, InvalidArgumentError, _sharded
 
 F32 = np.float32
 N = 3_000  # 12 kB of X: split in 3 parts by split_bytes below
 
 
 @pytest.mark.slow
-def test_a_split_group_rewinds_every_part_to_one_step(tmp_path: Path) -> None:
+def test_a_split_group_rewinds_every_part_to_one_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     wal = ("--durability", "wal", "--data-dir", str(tmp_path / "d{i}"))
     rng = np.random.default_rng(40)
     grads = [rng.standard_normal(N).astype(F32) for _ in range(30)]
@@ -58,6 +60,9 @@ def test_a_split_group_rewinds_every_part_to_one_step(tmp_path: Path) -> None:
             np.testing.assert_array_equal(got, ref, strict=True)
         history = c.history("g")
         assert history.oldest_step == 8 and history.steps[-1].step == 17
+        # asked in pages of 4 steps (each part pages on its own): the same list
+        monkeypatch.setattr(_sharded, "HISTORY_PAGE", 4)
+        assert c.history("g") == history
         with pytest.raises(InvalidArgumentError, match="fork of 'g' on a cluster"):
             c.fork("g", "g2", at_step=12)
 

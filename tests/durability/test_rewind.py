@@ -28,6 +28,7 @@ from onnxps.client import (
     Sync,
 )
 from onnxps.server.app import ServerHandle
+from onnxps.server.rpc._history import HISTORY_PAGE_STEPS
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 from onnxps.wire.codec import write_tensor
@@ -208,6 +209,52 @@ def test_a_server_without_a_log_has_no_history(
                 with pytest.raises(FailedPreconditionError) as refused:
                     call()
                 assert refused.value.reason == "NO_HISTORY"
+
+
+def test_a_long_history_comes_in_pages_each_under_grpcs_message_limit(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
+    """History lists at most a page of steps per reply (``more``, ``start_step``):
+    the largest page the server sends fits gRPC's default 4 MiB limit, and the
+    client joins the pages."""
+    biggest = pb.HistoryResponse(
+        group="g" * 1024,
+        steps=[
+            pb.HistoryStep(step=(1 << 64) - 1 - k, unix_time=1.8e9, kind="snapshot")
+            for k in range(HISTORY_PAGE_STEPS)
+        ],
+        update_count=(1 << 64) - 1,
+        snapshot_bytes=(1 << 64) - 1,
+        wal_bytes=(1 << 64) - 1,
+        more=True,
+    )
+    assert biggest.ByteSize() < 4 << 20
+    server = _wal_server(servers, tmp_path)
+    with Client(server.address) as c:
+        c.create_group("g", Adam(), learning_rate=LR, tensors={"w": np.ones(4, F32)})
+        for _ in range(250):
+            c.push("g", np.ones(4, F32))
+        whole = c.history("g")
+        assert [s.step for s in whole.steps] == list(range(251))  # create, steps
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.ParameterServerServiceStub(channel)
+        pages, start = [], 0
+        while True:
+            ask = pb.HistoryRequest(group="g", start_step=start, limit=100)
+            page = stub.History(ask, timeout=10)
+            pages.append([s.step for s in page.steps])
+            if not page.more:
+                break
+            start = page.steps[-1].step + 1
+        assert [len(p) for p in pages] == [100, 100, 51]
+        assert sum(pages, []) == list(range(251))
+        assert pages[2][-1] == 250 and pages[1][0] == 100
+        # a limit above the server's page is held to it
+        ask = pb.HistoryRequest(group="g", limit=HISTORY_PAGE_STEPS * 4)
+        assert len(stub.History(ask, timeout=10).steps) == 251
+        ask = pb.HistoryRequest(group="g", start_step=251)
+        empty = stub.History(ask, timeout=10)
+        assert (list(empty.steps), empty.more, empty.update_count) == ([], False, 250)
 
 
 def _push(

@@ -138,6 +138,31 @@ def test_a_call_channel_carries_its_hellos_token(
     assert details == "a read token may not call Push"
 
 
+def test_a_refused_frame_is_answered_without_being_parsed(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
+    """As over gRPC, where a call refused from its metadata is never received: a
+    read token's Push frame of bytes that are no PushRequest gets its refusal, not
+    a parse error."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("reader-token read *\n")
+    handle = servers(
+        ServerConfig(
+            address="127.0.0.1:0",
+            durability="none",
+            data_port=0,
+            tokens_file=str(tokens),
+        )
+    )
+    reader = (("authorization", "Bearer reader-token"),)
+    with _call_channel(handle, reader) as sock:
+        for _ in range(2):  # the channel keeps the method's refusal
+            write_call(sock, 1, 10.0, b"\xff\xff\xff not a message")
+            code, _, details, _ = read_reply(sock)
+            assert code is grpc.StatusCode.PERMISSION_DENIED
+            assert details == "a read token may not call Push"
+
+
 def test_the_client_with_frames_equals_grpc_and_falls_back(
     server: ServerHandle,
 ) -> None:

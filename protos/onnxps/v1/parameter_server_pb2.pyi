@@ -3240,16 +3240,28 @@ class HistoryRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     GROUP_FIELD_NUMBER: _builtins.int
+    START_STEP_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """The group (on a cluster, one part's name)."""
+    start_step: _builtins.int
+    """List the steps from this one on (0: from the oldest). A reply holds at most
+    `limit` steps, and never more than the server's page (65,536 steps, about
+    1.5 MiB: under gRPC's default 4 MiB message limit); when `more` is set, ask
+    again with `start_step` one above the reply's last step.
+    """
+    limit: _builtins.int
+    """At most this many steps in the reply (0: the server's page)."""
     def __init__(
         self,
         *,
         group: _builtins.str = ...,
+        start_step: _builtins.int = ...,
+        limit: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "limit", b"limit", "start_step", b"start_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3298,6 +3310,7 @@ class HistoryResponse(_message.Message):
     UPDATE_COUNT_FIELD_NUMBER: _builtins.int
     SNAPSHOT_BYTES_FIELD_NUMBER: _builtins.int
     WAL_BYTES_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """The group."""
     update_count: _builtins.int
@@ -3306,6 +3319,8 @@ class HistoryResponse(_message.Message):
     """Bytes the server's kept snapshots hold on disk (every group's)."""
     wal_bytes: _builtins.int
     """Bytes the server's write-ahead log holds on disk (every group's)."""
+    more: _builtins.bool
+    """Steps after the last one listed remain: ask again from the step above it."""
     @_builtins.property
     def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___HistoryStep]:
         """Every step it can go back to, oldest first."""
@@ -3318,10 +3333,11 @@ class HistoryResponse(_message.Message):
         update_count: _builtins.int = ...,
         snapshot_bytes: _builtins.int = ...,
         wal_bytes: _builtins.int = ...,
+        more: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "snapshot_bytes", b"snapshot_bytes", "steps", b"steps", "update_count", b"update_count", "wal_bytes", b"wal_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "more", b"more", "snapshot_bytes", b"snapshot_bytes", "steps", b"steps", "update_count", b"update_count", "wal_bytes", b"wal_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
