@@ -110,6 +110,8 @@ def _remember(ops: ShardOps, found: Layout, infos: Sequence[pb.GroupInfo]) -> No
         dtype = PROTO_TO_DTYPE[g.dtype]
         ops.sizes[g.name] = g.element_count * dtype.itemsize
         ops.dtypes[g.name] = dtype
+        shapes = [tuple(t.dims) for t in g.tensors]
+        ops.remember_form(g.name, g.layout, dtype, shapes, g.tables)
 
 
 def rerouted(

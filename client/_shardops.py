@@ -220,14 +220,27 @@ class ShardOps:
         with contextlib.suppress(RpcError):
             yield from self.describe(group, deadline)
 
+    def remember_form(
+        self,
+        name: str,
+        digest: bytes,
+        dtype: np.dtype[Any],
+        shapes: Sequence[tuple[int, ...]],
+        tables: Any = (),
+    ) -> None:
+        """Keep group (or part) ``name``'s flat form where it has one that pays
+        (``_flatform``), else forget any."""
+        nbytes = sum(math.prod(s) for s in shapes) * dtype.itemsize
+        if digest and not tables and pays(nbytes, len(shapes)):
+            self.flat_forms[name] = FlatForm(digest, dtype, shapes)
+        else:
+            self.flat_forms.pop(name, None)
+
     def remember(self, info: GroupInfo) -> GroupInfo:
         """Keep what ``info`` says of its group's size, dtype, flat form and pull
         segments."""
-        if info.layout and not info.tables and pays(info.nbytes, len(info.tensors)):
-            shapes = [dims for _, dims in info.tensors]
-            self.flat_forms[info.name] = FlatForm(info.layout, info.dtype, shapes)
-        else:
-            self.flat_forms.pop(info.name, None)
+        shapes = [dims for _, dims in info.tensors]
+        self.remember_form(info.name, info.layout, info.dtype, shapes, info.tables)
         self.sizes[info.name] = info.nbytes
         self.dtypes[info.name] = info.dtype
         sizes = [math.prod(dims) * info.dtype.itemsize for _, dims in info.tensors]
