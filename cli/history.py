@@ -154,6 +154,13 @@ def format_history(h: HistoryInfo, every_step: bool) -> str:
         f"retention holds {_size(h.snapshot_bytes)} of snapshots and "
         f"{_size(h.wal_bytes)} of write-ahead log"
     )
+    if steps and steps[0].kind == "moved":
+        lines.append(
+            f"its history here starts at T={steps[0].step}, where a resharding "
+            f"moved it to this shard ({_when(steps[0].unix_time)}): the steps "
+            "before the move cannot be reached (export a group before "
+            "resharding to keep its state)"
+        )
     return "\n".join(lines)
 
 

@@ -159,7 +159,8 @@ class RewindInfo:
 class HistoryStep:
     """A step a group can go back to: its T, when it was taken (Unix seconds; 0:
     not known), and ``kind``: ``"step"`` (a push's step), or a base reached with
-    no replay (``"snapshot"``, ``"create"``, ``"rewind"``: where a rewind landed)."""
+    no replay (``"snapshot"``, ``"create"``, ``"moved"``: where a resharding moved
+    the group to this shard, ``"rewind"``: where a rewind landed)."""
 
     step: int
     unix_time: float

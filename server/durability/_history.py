@@ -20,6 +20,7 @@ them), and a delete ends it.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import threading
@@ -75,6 +76,7 @@ class Record:
     offset: int  # its frame's first byte in the segment
     unix: float | None  # when it was logged (records of older releases: None)
     to_step: int | None = None  # a rewind's target, a create's T
+    moved: bool = False  # a create that imported the group a resharding moved
 
 
 class LogIndex:
@@ -145,7 +147,8 @@ class LogIndex:
         elif op == "create":
             to_step = int(h["image"]["update_count"])
         unix = h.get("unix")
-        record = Record(int(h["lsn"]), op, path, pos, unix, to_step)
+        moved = op == "create" and "moved" in h
+        record = Record(int(h["lsn"]), op, path, pos, unix, to_step, moved)
         self._records.setdefault(str(h.get("group", "")), []).append(record)
 
     def records(self, group: str) -> list[Record]:
@@ -182,7 +185,7 @@ class Point:
     step: int
     key: float  # its place in the log (``Base.key``)
     unix: float | None
-    kind: str  # "snapshot", "create", "rewind", "step"
+    kind: str  # "snapshot", "create", "moved" (a create by a move), "rewind", "step"
     base: Base | None = None
 
 
@@ -243,6 +246,21 @@ class GroupHistory:
                 metadata=meta,
             )
         found = [p for p in self.points if p.step == step]
+        first = self.points[0]
+        if not found and step < oldest and first.kind == "moved":
+            when = _utc(first.unix)
+            raise FailedPrecondition(
+                f"step T={step} of group {self.name!r} is from before a resharding "
+                f"moved the group to this shard (at T={first.step}, {when}): a "
+                "shard keeps a moved group's history from its move on, so the "
+                f"oldest step it can go back to is T={oldest} (the newest, "
+                f"T={newest}); the shard it moved from deleted its copy. To keep "
+                "a step across a resharding, export the group (onnxps export to "
+                "a .npz file keeps its optimizer state) before resharding",
+                reason="STEP_NOT_RETAINED",
+                metadata=meta
+                | {"moved_step": first.step, "moved_unix": first.unix or 0.0},
+            )
         if not found:
             raise FailedPrecondition(
                 f"step T={step} of group {self.name!r} is no longer kept: the "
@@ -283,6 +301,14 @@ class GroupHistory:
         replayed = time.perf_counter() - started - read
         capture = GroupCapture(state, GroupRuntime())
         return Reached(capture, base, point.step, len(records), read, replayed)
+
+
+def _utc(unix: float | None) -> str:
+    """``unix`` as an ISO 8601 UTC time, for messages."""
+    if not unix:
+        return "at a time not logged"
+    t = datetime.datetime.fromtimestamp(unix, datetime.UTC)
+    return "on " + t.isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def renamed(image: GroupImage, name: str) -> GroupImage:
@@ -412,7 +438,8 @@ def build(
         r: Record = ev
         if r.op == "create":
             base = Base("create", key, r.path, offset=r.offset)
-            line = [Point(r.to_step or 0, key, r.unix, "create", base)]
+            kind = "moved" if r.moved else "create"
+            line = [Point(r.to_step or 0, key, r.unix, kind, base)]
         elif r.op == "delete":
             line = []
         elif r.op == "rewind":

@@ -3281,8 +3281,10 @@ class HistoryStep(_message.Message):
     unix_time: _builtins.float
     """When it was taken (Unix seconds; 0: not known)."""
     kind: _builtins.str
-    """"step" (a push's step), "snapshot", "create" or "rewind" (where a rewind
-    landed): the kinds but "step" are bases, reached without replay.
+    """"step" (a push's step), "snapshot", "create", "moved" (where a resharding
+    moved the group to this shard: its history here starts there) or "rewind"
+    (where a rewind landed): the kinds but "step" are bases, reached without
+    replay.
     """
     def __init__(
         self,
