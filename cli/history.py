@@ -190,7 +190,12 @@ def _rewind(client: Client, args: argparse.Namespace, out: TextIO) -> None:
                 since = (
                     ""
                     if oldest is None
-                    else f" (its oldest: {_when(oldest.unix_time)})"
+                    else f" (its oldest: {_when(oldest.unix_time)}"
+                    + (
+                        ", where a resharding moved it to this shard)"
+                        if oldest.kind == "moved"
+                        else ")"
+                    )
                 )
                 fail(
                     f"onnxps {args.command}",

@@ -92,6 +92,12 @@ def test_a_moved_groups_history_starts_at_the_move_and_older_steps_are_refused(
         )
         assert cli.main(["rewind", address, name, "--to-step", "2"]) == 1
         assert "before a resharding moved the group" in capsys.readouterr().err
+        assert cli.main(["rewind", address, name, "--to-time", str(before)]) == 1
+        assert (
+            f"its oldest: {_when(h.steps[0].unix_time)}, where a resharding moved "
+            "it to this shard); nothing was rewound"
+        ) in capsys.readouterr().err
+        assert c.describe_group(name).update_count == 4
 
 
 def _when(unix: float) -> str:
