@@ -283,6 +283,7 @@ class SharedMemory:
                     f"its {HEADER_BYTES}-byte header",
                     reason="BAD_SEGMENT",
                 )
+            _check_allocated(name, st, what)
             mapped = self._map(name, fd, st)
         finally:
             os.close(fd)
@@ -511,6 +512,23 @@ def _check_generation(
             "segment as it is now",
             reason="STALE_SEGMENT",
             field=f"{what}.generation",
+        )
+
+
+def _check_allocated(name: str, st: os.stat_result, what: str) -> None:
+    """Refuse a segment with holes (grown by ftruncate, not allocated): mapping it
+    (``MAP_POPULATE``) would fill them in /dev/shm, memory the client never paid
+    for that no budget counts, and writing X into a hole of a full /dev/shm would
+    kill this process with SIGBUS. The client's segments are allocated whole
+    (``posix_fallocate``), as docs/protocol.md asks of every client."""
+    allocated = st.st_blocks * 512
+    if allocated < st.st_size:
+        raise InvalidArgument(
+            f"{what}: segment {name!r} has {st.st_size} bytes, of which "
+            f"{allocated} are allocated: allocate it whole (posix_fallocate) "
+            "before a call names it",
+            reason="BAD_SEGMENT",
+            field=f"{what}.segment",
         )
 
 

@@ -866,3 +866,45 @@ def test_the_segments_a_call_maps_count_in_the_inflight_budget(
     finally:
         for seg in (grads, reply, big):
             seg.close()
+
+
+def test_a_segment_with_holes_is_refused_before_the_server_maps_it(
+    raw: tuple[Stub, str],
+) -> None:
+    """docs/transports.md: a segment must be allocated whole (the client's are,
+    posix_fallocate). One grown with ftruncate has holes, which the server's
+    mapping would fill in /dev/shm: memory the client never paid for, outside
+    --max-inflight-bytes, and a SIGBUS in the server where /dev/shm is full. Such a
+    segment is refused (BAD_SEGMENT), with nothing allocated, read or stepped."""
+    stub, address = raw
+    before = _state(address)
+    seg = Segment(64 + G[0].nbytes + 256)
+    try:
+        region = seg.write([G[0], GB[0]])
+        allocated = os.stat(seg.path).st_blocks * 512
+        os.truncate(seg.path, 64 << 20)  # 60 MiB more, none of it allocated
+        calls: list[Callable[[], Any]] = [
+            lambda: _push(stub, region),
+            lambda: _push(stub, region, return_values=True, reply_region=seg.region()),
+            lambda: stub.Pull(
+                pb.PullRequest(group="g", reply_region=seg.region()), timeout=10
+            ),
+        ]
+        for call in calls:
+            err = _refused(call)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"segment {seg.name!r} has 67108864 bytes, of which " in (
+                err.details() or ""
+            )
+            assert "allocate it whole (posix_fallocate)" in (err.details() or "")
+            assert os.stat(seg.path).st_blocks * 512 == allocated
+        assert _state(address) == before
+        # allocated whole, the same segment serves
+        fd = os.open(seg.path, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, 64 << 20)
+        finally:
+            os.close(fd)
+        assert _push(stub, region).update_count == 1
+    finally:
+        seg.close()
