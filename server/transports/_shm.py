@@ -137,6 +137,9 @@ class SharedMemory:
         self._lock = threading.Lock()
         self._maps: OrderedDict[str, _Mapping] = OrderedDict()
         self._bindings: OrderedDict[bytes, _Binding] = OrderedDict()
+        # segment name -> how many running pushes read gradients from it; -1:
+        # one push writes X over its gradients there (``held``)
+        self._held: dict[str, int] = {}
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
@@ -344,6 +347,41 @@ class SharedMemory:
                     self._bindings[key] = _Binding(bound.principal, caller.peer, uid)
 
     # -- calls ---------------------------------------------------------------------
+    def pushing(self, req: pb.PushRequest) -> contextlib.AbstractContextManager[None]:
+        """``held`` for a push reading its gradients from shared memory (X over
+        them when its reply region names their segment)."""
+        if not req.HasField("gradients_region"):
+            return contextlib.nullcontext()
+        grads = req.gradients_region.segment
+        over = req.HasField("reply_region") and req.reply_region.segment == grads
+        return self.held(grads, over and req.return_values)
+
+    @contextlib.contextmanager
+    def held(self, name: str, over: bool) -> Iterator[None]:
+        """Hold segment ``name`` for a push that reads its gradients there, and
+        with ``over`` writes X over them: such a push has the segment to itself,
+        or another push could read X as its gradients (or have its gradients
+        overwritten as it steps them). A push that cannot have it is refused
+        before anything is read (FAILED_PRECONDITION ``SEGMENT_BUSY``)."""
+        with self._lock:
+            held = self._held.get(name, 0)
+            if held < 0 or (over and held > 0):
+                raise FailedPrecondition(
+                    f"gradients_region: segment {name!r} is in use by another push "
+                    "running now, and one of the two writes X over its gradients "
+                    "there: give each push running at once a segment of its own",
+                    reason="SEGMENT_BUSY",
+                    metadata={"segment": name},
+                )
+            self._held[name] = -1 if over else held + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                held = self._held.pop(name)  # -1 (X over them) or readers
+                if held > 1:
+                    self._held[name] = held - 1
+
     def hello(self, name: str, key: bytes, caller: Caller) -> bytes:
         """The nonce a client's hello segment holds, once its pid namespace is ours
         (and ``key``, the segment's, is bound to ``caller``)."""
