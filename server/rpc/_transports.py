@@ -781,7 +781,7 @@ class Transports:
         until the call ends."""
         with self._reply_bytes(context, False) as hold:
             hold.admit(nbytes, what="this push's shared-memory segments map")
-            with self._shm.pushing(req):
+            with self._shm.pushing(req, timeout_of(context)):
                 yield way
 
     @contextmanager

@@ -912,10 +912,17 @@ def test_a_segment_with_holes_is_refused_before_the_server_maps_it(
         seg.close()
 
 
-def _race(stub: Stub, group: str, g: np.ndarray, over: bool = True) -> list[Any]:
-    """Two pushes of ``g`` at once (two workers), through one segment, each
-    writing X over it (``over``) or only reading it: what each was answered (T,
-    or the refusal's reason)."""
+def _race(
+    stub: Stub,
+    group: str,
+    g: np.ndarray,
+    over: bool = True,
+    resent: bool = False,
+    seq: int = 1,
+) -> list[Any]:
+    """Two pushes of ``g`` at once (two workers, or with ``resent`` one push sent
+    twice), through one segment, each writing X over it (``over``) or only
+    reading it: what each was answered (T, or the refusal's reason)."""
     seg = Segment(64 + g.nbytes)
     try:
         region = seg.write([g])
@@ -929,8 +936,8 @@ def _race(stub: Stub, group: str, g: np.ndarray, over: bool = True) -> list[Any]
                 gradients_region=region,
                 reply_region=seg.region() if over else None,
                 return_values=over,
-                client_id=f"worker{k}",
-                seq=1,
+                client_id="worker" if resent else f"worker{k}",
+                seq=seq,
             )
             start.wait()
             try:
@@ -979,4 +986,9 @@ def test_two_pushes_at_once_through_one_segment_never_step_x_as_gradients(
             assert got == want, f"trial {i}: the group stepped something but G"
         # pushes that only read the segment run at once: both step
         assert _race(stub, "ref", g, over=False) == [2, 3]
+        # a push resent while its first call runs is answered once, not refused
+        with Client(handle.address, shared_memory="off") as c:
+            c.create_group("resent", Adam(), learning_rate=0.01, tensors={"w": W0})
+        for t in range(1, 9):
+            assert _race(stub, "resent", g, resent=True, seq=t) == [t, t]
     assert "SEGMENT_BUSY" in seen  # the pushes did run at once
