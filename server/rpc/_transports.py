@@ -769,16 +769,20 @@ class Transports:
             sink = _INLINE_VALUES
         mapped = _segment_bytes(req)
         if mapped:
-            return self._holding(context, mapped, (ticket, source, sink))
+            return self._holding(context, mapped, (ticket, source, sink), req)
         return nullcontext((ticket, source, sink))  # nothing held beside the call
 
     @contextmanager
-    def _holding(self, context: Any, nbytes: int, way: Way) -> Iterator[Way]:
+    def _holding(
+        self, context: Any, nbytes: int, way: Way, req: pb.PushRequest
+    ) -> Iterator[Way]:
         """``way``, with ``nbytes`` of the client's segments it maps held in the
-        in-flight budget until the call ends."""
+        in-flight budget, and its gradients' segment (``SharedMemory.pushing``),
+        until the call ends."""
         with self._reply_bytes(context, False) as hold:
             hold.admit(nbytes, what="this push's shared-memory segments map")
-            yield way
+            with self._shm.pushing(req, timeout_of(context)):
+                yield way
 
     @contextmanager
     def push_pull(

@@ -137,6 +137,10 @@ class SharedMemory:
         self._lock = threading.Lock()
         self._maps: OrderedDict[str, _Mapping] = OrderedDict()
         self._bindings: OrderedDict[bytes, _Binding] = OrderedDict()
+        # segment name -> how many running pushes read gradients from it, or -1
+        # and the push (client id, seq) that writes X over its gradients there
+        self._held: dict[str, tuple[int, tuple[str, int] | None]] = {}
+        self._holds = threading.Condition()
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
@@ -283,6 +287,7 @@ class SharedMemory:
                     f"its {HEADER_BYTES}-byte header",
                     reason="BAD_SEGMENT",
                 )
+            _check_allocated(name, st, what)
             mapped = self._map(name, fd, st)
         finally:
             os.close(fd)
@@ -343,6 +348,60 @@ class SharedMemory:
                     self._bindings[key] = _Binding(bound.principal, caller.peer, uid)
 
     # -- calls ---------------------------------------------------------------------
+    def pushing(
+        self, req: pb.PushRequest, timeout: float | None
+    ) -> contextlib.AbstractContextManager[None]:
+        """``held`` for a push reading its gradients from shared memory (X over
+        them when its reply region names their segment), within ``timeout``."""
+        if not req.HasField("gradients_region"):
+            return contextlib.nullcontext()
+        grads = req.gradients_region.segment
+        over = req.HasField("reply_region") and req.reply_region.segment == grads
+        push = (req.client_id, req.seq) if req.client_id else None
+        return self.held(grads, over and req.return_values, push, timeout)
+
+    @contextlib.contextmanager
+    def held(
+        self,
+        name: str,
+        over: bool,
+        push: tuple[str, int] | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[None]:
+        """Hold segment ``name`` for a push that reads its gradients there, and
+        with ``over`` writes X over them: such a push has the segment to itself,
+        or another push could read X as its gradients (or have its gradients
+        overwritten as it steps them). A push that cannot have it is refused
+        before anything is read (FAILED_PRECONDITION ``SEGMENT_BUSY``), but the
+        same push (``push``: client id and seq) resent while its first call runs
+        waits for that call (within ``timeout``), then is answered once."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._holds:
+            while True:
+                held, holder = self._held.get(name, (0, None))
+                if held >= 0 and not (over and held > 0):
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if push is None or holder != push or (left is not None and left <= 0):
+                    raise FailedPrecondition(
+                        f"gradients_region: segment {name!r} is in use by another "
+                        "push running now, and one of the two writes X over its "
+                        "gradients there: give each push running at once a "
+                        "segment of its own",
+                        reason="SEGMENT_BUSY",
+                        metadata={"segment": name},
+                    )
+                self._holds.wait(left)
+            self._held[name] = (-1, push) if over else (held + 1, None)
+        try:
+            yield
+        finally:
+            with self._holds:
+                held, _ = self._held.pop(name)  # -1 (X over them) or readers
+                if held > 1:
+                    self._held[name] = (held - 1, None)
+                self._holds.notify_all()
+
     def hello(self, name: str, key: bytes, caller: Caller) -> bytes:
         """The nonce a client's hello segment holds, once its pid namespace is ours
         (and ``key``, the segment's, is bound to ``caller``)."""
@@ -511,6 +570,23 @@ def _check_generation(
             "segment as it is now",
             reason="STALE_SEGMENT",
             field=f"{what}.generation",
+        )
+
+
+def _check_allocated(name: str, st: os.stat_result, what: str) -> None:
+    """Refuse a segment with holes (grown by ftruncate, not allocated): mapping it
+    (``MAP_POPULATE``) would fill them in /dev/shm, memory the client never paid
+    for that no budget counts, and writing X into a hole of a full /dev/shm would
+    kill this process with SIGBUS. The client's segments are allocated whole
+    (``posix_fallocate``), as docs/protocol.md asks of every client."""
+    allocated = st.st_blocks * 512
+    if allocated < st.st_size:
+        raise InvalidArgument(
+            f"{what}: segment {name!r} has {st.st_size} bytes, of which "
+            f"{allocated} are allocated: allocate it whole (posix_fallocate) "
+            "before a call names it",
+            reason="BAD_SEGMENT",
+            field=f"{what}.segment",
         )
 
 

@@ -396,6 +396,7 @@ ELSEWHERE = {
     "ROW_INDICES": "test_index_dtypes.py",
     "SEGMENT_NOT_YOURS": "test_shm_tenancy.py",
     "STALE_SEGMENT": "test_shm_tenancy.py",
+    "SEGMENT_BUSY": "test_shared_memory.py",
     "DATA_CHANNEL_UNKNOWN": "test_data_channel.py",
     "INTERNAL": "test_availability.py",
     "PERMISSION_DENIED": "test_shared_memory.py",

@@ -8,7 +8,7 @@ per tensor as before."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -19,7 +19,7 @@ from onnxps.client import Adam, Client, Momentum
 from onnxps.server.app import ServerHandle
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
-from onnxps.wire.codec import array_to_tensor, tensor_to_array
+from onnxps.wire.codec import array_to_tensor, header_tensor, tensor_to_array
 
 Array = np.ndarray[Any, Any]
 
@@ -230,3 +230,115 @@ def test_a_client_whose_group_was_created_again_falls_back_per_tensor(
         assert_same(a.pull("g"), b.pull("g"))
         assert a.describe_group("g").layout == new
         assert a.push("g", np.ones((2, 2), "f4"), np.ones(3, "f4")) == 2
+
+
+def test_a_flat_stream_of_wrong_chunks_is_refused_with_the_group_unchanged(
+    server: ServerHandle, stub: Any
+) -> None:
+    """A flat PushStream or PushPullStream whose chunks are out of order,
+    overlapping, short, too long or of another tensor is INVALID_ARGUMENT, as a
+    per-tensor one is, and nothing is stepped."""
+    x0 = {"a": np.ones((2, 3), "f4"), "b": np.ones(4, "f4")}
+    with Client(server.address, timeout=60) as c:
+        layout = c.create_group("g", Adam(), learning_rate=0.1, tensors=x0).layout
+    before = pulled(stub, "g")
+    g = np.arange(10, dtype="f4")
+    raw = g.tobytes()
+
+    def header(**kw: Any) -> pb.PushStreamRequest:
+        req = pb.PushRequest(
+            group="g", layout=layout, gradients=[header_tensor(g)], **kw
+        )
+        return pb.PushStreamRequest(header=req)
+
+    def chunk(index: int, offset: int, data: bytes) -> pb.PushStreamRequest:
+        return pb.PushStreamRequest(
+            chunk=pb.TensorChunk(index=index, offset=offset, data=data)
+        )
+
+    wrong = {
+        "out of order": [chunk(0, 20, raw[20:]), chunk(0, 0, raw[:20])],
+        "short": [chunk(0, 0, raw[:36])],
+        "overlapping": [chunk(0, 0, raw[:24]), chunk(0, 20, raw[20:])],
+        "another tensor": [chunk(1, 0, raw)],
+        "too long": [chunk(0, 0, raw), chunk(0, 40, bytes(4))],
+        "none": [],
+    }
+    for what, chunks in wrong.items():
+        for call in (
+            lambda chunks=chunks: stub.PushStream(
+                iter([header(), *chunks]), timeout=10
+            ),
+            lambda chunks=chunks: list(
+                stub.PushPullStream(
+                    iter([header(return_values=True), *chunks]), timeout=10
+                )
+            ),
+        ):
+            code, info, _ = details(call)
+            assert (code, info.reason) == (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "INVALID_TENSOR",
+            ), what
+    t, arrays = pulled(stub, "g")
+    assert t == before[0] == 0
+    assert_same(arrays, before[1])
+    # the same header with its chunks in order steps
+    done = stub.PushStream(iter([header(), chunk(0, 0, raw)]), timeout=10)
+    assert done.update_count == 1
+
+
+def test_a_flat_call_outside_the_tokens_prefixes_learns_nothing_of_the_layout(
+    servers: Any, tmp_path: Any
+) -> None:
+    """The token's group check comes first: a flat call with a wrong digest on a
+    group the token may not touch is PERMISSION_DENIED, never LAYOUT_MISMATCH
+    (whose metadata names the group's digest)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("adm admin *\nta write team-a/\nrb read team-b/\n")
+    handle = servers(tokens_file=str(tokens))
+    x0 = {"a": np.ones((2, 3), "f4"), "b": np.ones(4, "f4")}
+    with Client(handle.address, timeout=60, token="adm") as c:
+        layout = c.create_group("team-b/g", Adam(), learning_rate=0.1, tensors=x0)
+    other = bytes(16)
+    assert layout.layout != other
+    flat = array_to_tensor(np.ones(10, "f4"))
+    push = pb.PushRequest(group="team-b/g", layout=other, gradients=[flat])
+    header = pb.PushRequest(
+        group="team-b/g", layout=other, gradients=[header_tensor(np.ones(10, "f4"))]
+    )
+
+    def calls_of(s: Any, token: str) -> list[Callable[[], Any]]:
+        md = [("authorization", f"Bearer {token}")]
+        pulls: list[Callable[[], Any]] = [
+            lambda: s.Pull(pb.PullRequest(group="team-b/g", layout=other), metadata=md),
+            lambda: list(
+                s.PullStream(
+                    pb.PullStreamRequest(group="team-b/g", layout=other), metadata=md
+                )
+            ),
+        ]
+        if token != "ta":  # a read token is refused pushes for its role
+            return pulls
+        return [
+            *pulls,
+            lambda: s.Push(push, metadata=md),
+            lambda: s.PushStream(
+                iter([pb.PushStreamRequest(header=header)]), metadata=md
+            ),
+        ]
+
+    with grpc.insecure_channel(handle.address) as ch:
+        s = pb_grpc.ParameterServerServiceStub(ch)
+        for call in calls_of(s, "rb"):  # rb may read team-b/: the digest is checked
+            assert details(call)[1].reason == "LAYOUT_MISMATCH"
+        for call in calls_of(s, "ta"):
+            code, info, _ = details(call)
+            assert (code, info.reason) == (
+                grpc.StatusCode.PERMISSION_DENIED,
+                "GROUP_NOT_PERMITTED",
+            )
+            assert "expected" not in info.metadata
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert layout.layout.hex() not in (err.value.details() or "")

@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,6 +32,7 @@ from onnxps.client import (
     Sync,
     UnauthenticatedError,
 )
+from onnxps.client._errors import translate
 from onnxps.client.shm import Segment, hello_segment
 from onnxps.server.app import (
     MIN_MESSAGE_BYTES,
@@ -866,3 +868,127 @@ def test_the_segments_a_call_maps_count_in_the_inflight_budget(
     finally:
         for seg in (grads, reply, big):
             seg.close()
+
+
+def test_a_segment_with_holes_is_refused_before_the_server_maps_it(
+    raw: tuple[Stub, str],
+) -> None:
+    """docs/transports.md: a segment must be allocated whole (the client's are,
+    posix_fallocate). One grown with ftruncate has holes, which the server's
+    mapping would fill in /dev/shm: memory the client never paid for, outside
+    --max-inflight-bytes, and a SIGBUS in the server where /dev/shm is full. Such a
+    segment is refused (BAD_SEGMENT), with nothing allocated, read or stepped."""
+    stub, address = raw
+    before = _state(address)
+    seg = Segment(64 + G[0].nbytes + 256)
+    try:
+        region = seg.write([G[0], GB[0]])
+        allocated = os.stat(seg.path).st_blocks * 512
+        os.truncate(seg.path, 64 << 20)  # 60 MiB more, none of it allocated
+        calls: list[Callable[[], Any]] = [
+            lambda: _push(stub, region),
+            lambda: _push(stub, region, return_values=True, reply_region=seg.region()),
+            lambda: stub.Pull(
+                pb.PullRequest(group="g", reply_region=seg.region()), timeout=10
+            ),
+        ]
+        for call in calls:
+            err = _refused(call)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"segment {seg.name!r} has 67108864 bytes, of which " in (
+                err.details() or ""
+            )
+            assert "allocate it whole (posix_fallocate)" in (err.details() or "")
+            assert os.stat(seg.path).st_blocks * 512 == allocated
+        assert _state(address) == before
+        # allocated whole, the same segment serves
+        fd = os.open(seg.path, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, 64 << 20)
+        finally:
+            os.close(fd)
+        assert _push(stub, region).update_count == 1
+    finally:
+        seg.close()
+
+
+def _race(
+    stub: Stub,
+    group: str,
+    g: np.ndarray,
+    over: bool = True,
+    resent: bool = False,
+    seq: int = 1,
+) -> list[Any]:
+    """Two pushes of ``g`` at once (two workers, or with ``resent`` one push sent
+    twice), through one segment, each writing X over it (``over``) or only
+    reading it: what each was answered (T, or the refusal's reason)."""
+    seg = Segment(64 + g.nbytes)
+    try:
+        region = seg.write([g])
+        start = threading.Barrier(2)
+        outcomes: list[Any] = [None, None]
+
+        def push(k: int) -> None:
+            req = pb.PushRequest(
+                group=group,
+                gradients=[header_tensor(g)],
+                gradients_region=region,
+                reply_region=seg.region() if over else None,
+                return_values=over,
+                client_id="worker" if resent else f"worker{k}",
+                seq=seq,
+            )
+            start.wait()
+            try:
+                outcomes[k] = stub.Push(req, timeout=30).update_count
+            except grpc.RpcError as exc:
+                outcomes[k] = translate(exc).reason
+
+        threads = [threading.Thread(target=push, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sorted(outcomes, key=str)
+    finally:
+        seg.close()
+
+
+@pytest.mark.slow
+def test_two_pushes_at_once_through_one_segment_never_step_x_as_gradients(
+    servers: Any,
+) -> None:
+    """docs/transports.md: a push writing X over its gradients has their segment
+    to itself while it runs. Two pushes naming one segment at once (a client
+    bug), one of which writes X there, step one of them: the other is refused
+    (FAILED_PRECONDITION SEGMENT_BUSY while the first runs, STALE_SEGMENT once it
+    wrote X) and never steps X as its gradients."""
+    handle = servers(ServerConfig(address="127.0.0.1:0", durability="none"))
+    n, trials = N, 16
+    g = np.full(n, 0.5, np.float32)
+    with Client(handle.address, shared_memory="off") as c:
+        for i in range(trials):
+            c.create_group(f"g{i}", Adam(), learning_rate=0.01, tensors={"w": W0[:n]})
+        c.create_group("ref", Adam(), learning_rate=0.01, tensors={"w": W0[:n]})
+        c.push("ref", g)
+        want = [a.tobytes() for a in c.pull("ref", state=True)]
+    seen = set()
+    with grpc.insecure_channel(handle.address) as ch:
+        stub = pb_grpc.ParameterServerServiceStub(ch)
+        for i in range(trials):
+            outcomes = _race(stub, f"g{i}", g)
+            seen.add(outcomes[1])
+            assert outcomes in ([1, "SEGMENT_BUSY"], [1, "STALE_SEGMENT"]), outcomes
+            with Client(handle.address, shared_memory="off") as c:
+                assert c.describe_group(f"g{i}").update_count == 1
+                got = [a.tobytes() for a in c.pull(f"g{i}", state=True)]
+            assert got == want, f"trial {i}: the group stepped something but G"
+        # pushes that only read the segment run at once: both step
+        assert _race(stub, "ref", g, over=False) == [2, 3]
+        # a push resent while its first call runs is answered once, not refused
+        with Client(handle.address, shared_memory="off") as c:
+            c.create_group("resent", Adam(), learning_rate=0.01, tensors={"w": W0})
+        for t in range(1, 9):
+            assert _race(stub, "resent", g, resent=True, seq=t) == [t, t]
+    assert "SEGMENT_BUSY" in seen  # the pushes did run at once
