@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import random
 import shutil
 import socket
 import ssl
@@ -34,8 +35,37 @@ def etcd_binary() -> str | None:
     return os.environ.get("ONNXPS_ETCD_BIN") or shutil.which("etcd")
 
 
+_HANDED: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections and port-0 binds."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        return int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port free now, for a process the test starts later: picked below
+    the kernel's ephemeral range, so no outgoing connection (to etcd, between
+    replicas) and no port-0 bind can take it between this pick and the bind that
+    uses it, as one did with a port from that range ("the port is in use"); never
+    the same port twice in a test session."""
+    low = _ephemeral_low()
+    for _ in range(500):
+        port = random.randrange(max(1024, low - 12000), low)
+        if port in _HANDED:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED.add(port)
+        return port
+    with socket.socket() as s:  # the range is taken: any free port
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
