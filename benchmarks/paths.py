@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _proc import cpu_seconds, status_mib
 
 MIB = 1 << 20
 SHAPES = "1x256,1x16384,1x262144,1x2097152,10x1000,200x1000,200x10000,1x16777216"
@@ -85,18 +85,6 @@ def _start_apart(
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     return proc, wait_for_listening(proc, log)
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _status_mib(pid: int, key: str) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def worker(address: str, flags: dict[str, str]) -> None:
@@ -220,16 +208,16 @@ def _run(
                 if name == "frames" and nbytes > FRAME_MAX:
                     continue
                 spid = proc.pid
-                base = _status_mib(spid, "VmRSS")
+                base = status_mib(spid, "VmRSS")
                 Path(f"/proc/{spid}/clear_refs").write_text("5")
-                cpu0 = _cpu_seconds(spid)
+                cpu0 = cpu_seconds(spid)
                 wall, client_cpu = w.call("run", f"g{n}x{e}-{row}", n, e, reps)
-                server_cpu = (_cpu_seconds(spid) - cpu0) / reps
+                server_cpu = (cpu_seconds(spid) - cpu0) / reps
                 if r:
                     figures[row].append(
                         (wall * 1e3, server_cpu * 1e3, client_cpu * 1e3)
                     )
-                    peak = _status_mib(spid, "VmHWM") - base
+                    peak = status_mib(spid, "VmHWM") - base
                     peaks[row] = max(peaks.get(row, 0.0), peak)
         _print_shape(n, e, nbytes, reps, figures, peaks)
 

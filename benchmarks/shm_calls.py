@@ -19,7 +19,6 @@ shared: read ratios.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -28,21 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _proc import cpu_seconds, status_mib
 
 MIB = 1 << 20
 KINDS = ("push", "pull", "push returning X")
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _status_mib(pid: int, key: str) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def worker(address: str, mib: int, server_pid: int) -> None:
@@ -68,12 +56,12 @@ def worker(address: str, mib: int, server_pid: int) -> None:
         def run(kind: str, reps: int) -> list[float]:
             f = calls[kind]
             times = []
-            cpu0, srv0 = time.process_time(), _cpu_seconds(server_pid)
+            cpu0, srv0 = time.process_time(), cpu_seconds(server_pid)
             for _ in range(reps):
                 t0 = time.perf_counter()
                 f()
                 times.append(time.perf_counter() - t0)
-            srv = (_cpu_seconds(server_pid) - srv0) / reps
+            srv = (cpu_seconds(server_pid) - srv0) / reps
             return [statistics.median(times), (time.process_time() - cpu0) / reps, srv]
 
         serve_requests(lambda _what, *a: run(*a), "ready")
@@ -131,8 +119,8 @@ def main() -> int:
                         )
                     rss.setdefault(name, []).append(
                         (
-                            _status_mib(proc.pid, "VmRSS"),
-                            _status_mib(proc.pid, "RssShmem"),
+                            status_mib(proc.pid, "VmRSS"),
+                            status_mib(proc.pid, "RssShmem"),
                         )
                     )
             print(

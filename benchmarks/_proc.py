@@ -1,0 +1,22 @@
+"""What a benchmark reads of a process from /proc: its CPU time and its memory
+figures (Linux)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds ``pid`` has used (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def status_mib(pid: int, key: str) -> float:
+    """One kB figure of /proc/PID/status (VmRSS, VmHWM, RssShmem...) in MiB; 0 when
+    the kernel does not give it."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    return 0.0
