@@ -114,9 +114,12 @@ def test_a_push_returning_x_through_shared_memory_makes_no_copy_of_x(
 ) -> None:
     """X goes into the client's reply segment block by block as the push steps,
     under the group's lock: the server makes no copy of X beside it (before: a
-    frozen copy of X, then the write into the segment)."""
+    frozen copy of X, then the write into the segment). X is 64 MiB and the bound
+    half of that: the step's own scratch (its blocks, per thread) and the code the
+    call pages in come to 5-21 MiB whatever X's size, which a 32 MiB X left too
+    close to a 16 MiB bound (a CI run failed at 16.1 MiB)."""
     proc, address = server_processes(tmp_path / "server.log")
-    n = 32 * MIB // 4
+    n = 64 * MIB // 4
     rng = np.random.default_rng(3)
     x0 = rng.standard_normal(n).astype(np.float32)
     g = np.full(n, 1e-3, np.float32)
@@ -130,8 +133,9 @@ def test_a_push_returning_x_through_shared_memory_makes_no_copy_of_x(
         before = _kib(proc.pid, "VmRSS")
         a, b = ps.push("big", g[:1000], g, return_values=True)
         grown = (_kib(proc.pid, "VmHWM") - before) / 1024
+        print(f"grown {grown:.1f} MiB")
         pulled = ps.pull("big")
         assert ps.describe_group("big").update_count == 2
     np.testing.assert_array_equal(a, pulled[0], strict=True)
     np.testing.assert_array_equal(b, pulled[1], strict=True)
-    assert grown < 16, f"the server grew {grown:.0f} MiB over the push"
+    assert grown < 32, f"the server grew {grown:.0f} MiB over the push"
