@@ -7,6 +7,7 @@ segments of the processes it started (other test runs may share /dev/shm).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import struct
@@ -908,8 +909,34 @@ def test_a_segment_with_holes_is_refused_before_the_server_maps_it(
         finally:
             os.close(fd)
         assert _push(stub, region).update_count == 1
+        # mapped and cached now: a hole punched after that is refused at the next
+        # call too (every call checks the file), with nothing stepped
+        _punch_hole(seg.path, 32 << 20, 4 << 20)
+        after = _state(address)
+        for call in calls:
+            err = _refused(call)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"segment {seg.name!r} has 67108864 bytes, of which " in (
+                err.details() or ""
+            )
+        assert _state(address) == after
     finally:
         seg.close()
+
+
+def _punch_hole(path: str, offset: int, length: int) -> None:
+    """Deallocate ``length`` bytes of ``path`` at ``offset``, its size kept
+    (fallocate(FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if libc.fallocate(fd, 0x02 | 0x01, offset, length) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+    finally:
+        os.close(fd)
+    assert os.stat(path).st_blocks * 512 < os.stat(path).st_size
 
 
 def _race(
