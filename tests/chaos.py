@@ -50,7 +50,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -178,6 +178,7 @@ class Replica:
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
     restart_at: float | None = None
+    lease_ttl: ClassVar[int] = TTL  # --lease-ttl of every replica (the run's flag)
     exits: list[tuple[float, int]] = field(default_factory=list)
 
     @property
@@ -203,7 +204,7 @@ class Replica:
             "--shard", f"{self.shard}/{SHARDS}",
             "--member-id", self.member,
             "--sync-replicas", "1",
-            "--lease-ttl", str(TTL),
+            "--lease-ttl", str(self.lease_ttl),
             "--snapshot-interval", "20",
         ]  # fmt: skip
         logfile = self.mount.parent / f"{self.member}.log"
@@ -732,6 +733,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--out", help="directory of the run's files (default: a new "
                    "one under the temp dir, kept)")  # fmt: skip
     p.add_argument("--json", help="write the verdicts and figures to this file")
+    p.add_argument("--lease-ttl", type=int, default=TTL, help="every replica's "
+                   f"--lease-ttl in seconds (default {TTL}; 2 is the least etcd "
+                   "grants, docs/cluster.md 'The lease TTL')")  # fmt: skip
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-netns", action="store_true",
                    help="run on the host's loopback (iptables rules in a chain "
@@ -797,6 +801,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "loopback, partitions as iptables rules in a chain of the run's own"
             )
     lo, hi = (float(v) for v in a.gap.split(","))
+    Replica.lease_ttl = a.lease_ttl
+    log(f"replicas run --lease-ttl {a.lease_ttl}")
     r = Run(a.seed, a.duration, a.workers, out, gap=(lo, hi))
     got = execute(r, netns=a.inside)
     print(got["text"], flush=True)
