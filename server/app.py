@@ -324,7 +324,10 @@ def create_server(config: ServerConfig | None = None) -> ServerHandle:
         config, shard, store, durability, recorder.registry, status.set_caught_up
     )
     metrics = None
-    shared_memory = SharedMemory(enabled=config.shared_memory == "on")
+    shared_memory = SharedMemory(
+        enabled=config.shared_memory == "on",
+        idle_seconds=config.shared_memory_idle_seconds,
+    )
     unix_socket = None
     data_channels = None
     listener, table = None, None

@@ -66,6 +66,14 @@ class ServerConfig:
         choices=("on", "off"),
         group="network",
     )
+    shared_memory_idle_seconds: float = _option(
+        1.0,
+        "a client segment's pages leave this server's memory (they stay in the "
+        "client's segment) once no call has used it this long, and the next call "
+        "faults them in again: raise it where workers push large groups less "
+        "often than this",
+        group="network",
+    )
     threads: int = _option(
         128,
         "RPC worker threads; streams and waiting calls may hold at most "
@@ -363,6 +371,12 @@ def _checks(c: ServerConfig) -> list[tuple[bool, str]]:
         (
             c.shared_memory in ("on", "off"),
             f"shared_memory must be on or off, got {c.shared_memory!r}",
+        ),
+        (
+            c.shared_memory_idle_seconds > 0
+            and math.isfinite(c.shared_memory_idle_seconds),
+            "shared_memory_idle_seconds must be a finite number > 0, got "
+            f"{c.shared_memory_idle_seconds}",
         ),
         (c.threads >= 1, f"threads must be >= 1, got {c.threads}"),
         (

@@ -817,6 +817,50 @@ def test_the_server_maps_one_group_of_segments_and_gives_it_back(
         assert np.array_equal(x, want)
 
 
+@pytest.mark.slow
+def test_shared_memory_idle_seconds_keeps_a_segment_mapped_that_long(
+    tmp_path: Path, server_processes: StartServer
+) -> None:
+    """docs/transports.md: --shared-memory-idle-seconds sets how long a segment's
+    pages stay in the server after its last call (default 1 s): at 3,600 they are
+    still mapped 4 s after the call, and the next push is exact; 0 is refused
+    before the server starts."""
+    proc, address = server_processes(
+        tmp_path / "server.log",
+        "--shared-memory-idle-seconds",
+        "3600",
+        env=clean_env(ONNXPS_KERNELS="numpy"),
+    )
+    n = 8 << 20  # 32 MiB of float32
+    g = RNG.standard_normal(n).astype(np.float32)
+    with (
+        Client(address, shared_memory="on", timeout=60) as c,
+        Client(address, shared_memory="off", timeout=60) as ref,
+    ):
+        for client, name in ((c, "big"), (ref, "ref")):
+            client.create_group(
+                name, Adam(), learning_rate=1e-3, tensors={"w": np.zeros(n, np.float32)}
+            )
+        base = _shared_mib(proc.pid)
+        c.push("big", g)
+        ref.push("ref", g)
+        assert _shared_mib(proc.pid) - base > 30
+        time.sleep(4)  # four times the default: the default drops them by now
+        assert _shared_mib(proc.pid) - base > 30
+        (x,) = c.push("big", g, return_values=True)
+        (want,) = ref.push("ref", g, return_values=True)
+        assert np.array_equal(x, want)
+    bad = subprocess.run(
+        [sys.executable, "-m", "onnxps.cli", "serve", "--shared-memory-idle-seconds",
+         "0", "--address", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=60, env=clean_env(),
+    )  # fmt: skip
+    assert bad.returncode != 0
+    assert "shared_memory_idle_seconds must be a finite number > 0, got 0.0" in (
+        bad.stderr
+    )
+
+
 def test_the_segments_a_call_maps_count_in_the_inflight_budget(
     servers: Any,
 ) -> None:
