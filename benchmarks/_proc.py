@@ -16,7 +16,15 @@ def cpu_seconds(pid: int) -> float:
 def status_mib(pid: int, key: str) -> float:
     """One kB figure of /proc/PID/status (VmRSS, VmHWM, RssShmem...) in MiB; 0 when
     the kernel does not give it."""
+    return status_mibs(pid, key)[0]
+
+
+def status_mibs(pid: int, *keys: str) -> list[float]:
+    """Several kB figures of /proc/PID/status in MiB, from one read of it (so they
+    are of one moment); 0 for one the kernel does not give."""
+    got: dict[str, float] = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+        key, _, value = line.partition(":")
+        if key in keys:
+            got[key] = int(value.split()[0]) / 1024
+    return [got.get(k, 0.0) for k in keys]

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import statistics
 import subprocess
 import tempfile
@@ -40,19 +39,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _proc import cpu_seconds
 from onnxps.cli.process import start_default_server, stop_processes
 from onnxps.client import Adam, Client
 
 CLIENTS = 8
 GROUPS = 64
 SMALL = 1_000
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU seconds of a process (its own counters)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # stat fields 14 and 15
 
 
 class Cluster:

@@ -61,7 +61,6 @@ import argparse
 import contextlib
 import functools
 import multiprocessing as mp
-import os
 import statistics
 import tempfile
 import threading
@@ -71,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _proc import cpu_seconds, status_mibs
 from onnxps.cli.process import start_server_process, stop_processes
 from onnxps.client import Adam, Client
 
@@ -80,13 +80,6 @@ _RAW_OPTIONS = [
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
 ]
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks
 
 
 # -- the raw gRPC floor ------------------------------------------------------------
@@ -209,7 +202,7 @@ def _load_calls(
     procs = [
         ctx.Process(target=worker, args=(target, seconds, q)) for _ in range(workers)
     ]
-    cpu0 = _cpu_seconds(pid)
+    cpu0 = cpu_seconds(pid)
     t0 = time.monotonic()
     for p in procs:
         p.start()
@@ -217,7 +210,7 @@ def _load_calls(
     for p in procs:
         p.join()
     wall = time.monotonic() - t0
-    cpu = _cpu_seconds(pid) - cpu0
+    cpu = cpu_seconds(pid) - cpu0
     return cpu / max(calls, 1) * 1e6, calls / wall, calls
 
 
@@ -435,16 +428,6 @@ def tensors_section(args: argparse.Namespace, tmp: Path) -> None:
         stop_processes([default[0], tuned[0]])
 
 
-def _status(pid: int, *keys: str) -> list[float]:
-    """Fields of /proc/PID/status in MiB."""
-    got = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in keys:
-            got[key] = int(value.split()[0]) / 1024
-    return [got[k] for k in keys]
-
-
 def _settled(pid: int, seconds: float = 60.0) -> None:
     """Wait until the server's RSS holds still (within 1 MiB for 2 s, at most
     ``seconds``): a server loads its fused kernels (numba, LLVM: some 50 MiB of
@@ -452,7 +435,7 @@ def _settled(pid: int, seconds: float = 60.0) -> None:
     deadline = time.monotonic() + seconds
     last: list[float] = []
     while time.monotonic() < deadline:
-        last = [*last[-3:], _status(pid, "VmRSS")[0]]
+        last = [*last[-3:], status_mibs(pid, "VmRSS")[0]]
         if len(last) == 4 and max(last) - min(last) < 1:
             return
         time.sleep(0.5)
@@ -495,7 +478,7 @@ def _memory_calls(
     state = 3 * args.mib
     with Client(address, timeout=600, **flags) as c:  # type: ignore[arg-type]
         _settled(pid)
-        base, base_file = _status(pid, "VmRSS", "RssFile")
+        base, base_file = status_mibs(pid, "VmRSS", "RssFile")
         print(f", {args.mib} MiB float32 Adam group ({state} MiB)")
         print(f"  idle RSS {base:.0f} MiB; figures below are RSS - idle")
         peaks: list[float] = []
@@ -504,7 +487,7 @@ def _memory_calls(
         def call(step: str, fn: Callable[[], Any]) -> None:
             Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM = VmRSS
             fn()
-            rss, peak, shm = _status(pid, "VmRSS", "VmHWM", "RssShmem")
+            rss, peak, shm = status_mibs(pid, "VmRSS", "VmHWM", "RssShmem")
             peaks.append(peak - base)
             steady.append(rss - base)
             print(
@@ -533,7 +516,7 @@ def _memory_calls(
         # the server gives back what its last calls held (client segments it
         # mapped: after IDLE_SECONDS; malloc's free memory: every TRIM_SECONDS)
         call("3 s later (steady)", lambda: time.sleep(3))
-        files = _status(pid, "RssFile")[0] - base_file
+        files = status_mibs(pid, "RssFile")[0] - base_file
         aim = 1.3 * state + 150
         top = max(peaks)
         print(
@@ -596,13 +579,13 @@ def _alternating(rounds: int, items: list[Any]) -> Iterator[tuple[int, Any]]:
 
 def _measured(pids: list[int], fn: Callable[[], None]) -> tuple[float, float, float]:
     """(wall seconds, the servers' CPU seconds, this process's CPU seconds) of fn."""
-    cpu0 = sum(_cpu_seconds(p) for p in pids)
+    cpu0 = sum(cpu_seconds(p) for p in pids)
     own0 = time.process_time()
     t0 = time.perf_counter()
     fn()
     wall = time.perf_counter() - t0
     own = time.process_time() - own0
-    return wall, sum(_cpu_seconds(p) for p in pids) - cpu0, own
+    return wall, sum(cpu_seconds(p) for p in pids) - cpu0, own
 
 
 def rows_section(args: argparse.Namespace, tmp: Path) -> None:
