@@ -185,16 +185,31 @@ class ShardOps:
     ) -> Op[PushResult]:
         """One push (or part's) to ``shard``, on the way the transport seam
         chooses: in the flat form where the group has one and the gradients are
-        native arrays of its tensors' shapes (X back as views of one array)."""
+        native arrays of its tensors' shapes (X back as views of one array).
+
+        Chosen now, when the op is made; a push that is not flat is the seam's
+        op itself, so this object stays off the call's stack while it runs."""
         form = self.flat_forms.get(template.group)
         if (
             form is None
             or not form.fits(arrays)
             or self.transports.shm(shard).buffers_of(arrays) is not None
         ):
-            return (
-                yield from self.transports.push(template, arrays, deadline, out, shard)
-            )
+            return self.transports.push(template, arrays, deadline, out, shard)
+        return self._push_flat(form, template, arrays, deadline, out, shard)
+
+    def _push_flat(
+        self,
+        form: FlatForm,
+        template: pb.PushRequest,
+        arrays: Sequence[Any],
+        deadline: Deadline,
+        out: Sequence[Array] | None,
+        shard: int,
+    ) -> Op[PushResult]:
+        """The push in ``form``: its gradients joined into one array, X back as
+        views of one; a layout the server refuses is learned again
+        (``_relearn``) and the push sent as it was."""
         req = pb.PushRequest()
         req.CopyFrom(template)
         req.layout = form.digest

@@ -560,13 +560,13 @@ def _segment_bytes(req: pb.PushRequest) -> int:
     gradients maps nothing more)."""
     if req.HasField("transfer"):
         return 0
-    declared = sum(declared_nbytes(t) for t in req.gradients)
     grads = req.HasField("gradients_region")
     reply = (
         req.return_values
         and req.HasField("reply_region")
         and not (grads and req.reply_region.segment == req.gradients_region.segment)
     )
+    declared = sum(declared_nbytes(t) for t in req.gradients) if grads or reply else 0
     return declared * (int(grads) + int(reply))
 
 
@@ -683,6 +683,11 @@ class ChannelValues:
             ) from None
 
 
+def _then_raise(specs: list[Spec], error: Exception) -> Iterator[Spec]:
+    yield from specs  # the headers parsed before a malformed one, then its error
+    raise error
+
+
 # -- the seam -------------------------------------------------------------------------
 Way = tuple[PushTicket, GradientSource, ValuesSink]
 
@@ -718,22 +723,19 @@ class Transports:
 
     def _validate(self, req: pb.PushRequest) -> tuple[PushTicket, list[Spec]]:
         """Check the gradients' header against the group before reading any bytes:
-        the push's ticket, and the gradients' (dtype, dims) (the group's)."""
+        the push's ticket, and the gradients' (dtype, dims). A malformed header is
+        raised as the store reads it, after the group: an unknown one is NOT_FOUND."""
         specs: list[Spec] = []
-
-        def parsed() -> Iterator[Spec]:
-            # read by the store after it found the group: an unknown group is
-            # NOT_FOUND even when the header is malformed too
-            for i, t in enumerate(req.gradients):
-                if i == len(specs):
-                    specs.append(tensor_spec(t, f"gradient {i + 1}", encoded=True))
-                yield specs[i]
-
-        # with a layout, the flat form: one gradient of the group's elements
-        ticket = self._validate_specs(req.group, parsed(), req.layout)
-        for _ in parsed():  # every header parsed, whatever the store read
-            pass
-        return ticket, specs
+        for i, t in enumerate(req.gradients):
+            try:
+                specs.append(tensor_spec(t, f"gradient {i + 1}", encoded=True))
+            except Exception as exc:  # noqa: BLE001 - raised as the store reads it
+                malformed = exc
+                break
+        else:  # with a layout, the flat form: one gradient of the group's elements
+            return self._validate_specs(req.group, specs, req.layout), specs
+        self._validate_specs(req.group, _then_raise(specs, malformed), req.layout)
+        raise malformed
 
     # -- pushes --------------------------------------------------------------------
     def push(
@@ -760,13 +762,11 @@ class Transports:
             source = RegionGradients(self._shm, req, ticket, caller, names)
         else:
             source = InlineGradients(req, ticket, specs)
-        sink: ValuesSink
+        sink: ValuesSink = _INLINE_VALUES
         if req.HasField("reply_region"):
             caller = caller or caller_of(context)
             grads = req.gradients_region if req.HasField("gradients_region") else None
             sink = RegionValues(self._shm, req.reply_region, caller, grads)
-        else:
-            sink = _INLINE_VALUES
         mapped = _segment_bytes(req)
         if mapped:
             return self._holding(context, mapped, (ticket, source, sink), req)
