@@ -431,6 +431,87 @@ def test_over_mutual_tls_a_client_certificate_does_not_make_a_replica(
     rs.wait_t(1 - p, "g", 1)
 
 
+def _silent_replicate(
+    address: str, token: str, timeout: float
+) -> tuple[grpc.StatusCode, str, str, float]:
+    """A Replicate stream that never sends its hello: (its status, details, reason,
+    seconds until it ended)."""
+    stop = threading.Event()
+
+    def nothing() -> Iterator[pb.ReplicateRequest]:
+        stop.wait()  # sends nothing until the stream ended
+        yield from ()
+
+    start = time.monotonic()
+    with grpc.insecure_channel(address) as ch:
+        call: Any = pb_grpc.ParameterServerServiceStub(ch).Replicate(
+            nothing(), timeout=timeout, metadata=(("authorization", f"Bearer {token}"),)
+        )
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError as exc:
+            return (
+                exc.code(), str(exc.details()), _reason(exc), time.monotonic() - start
+            )  # fmt: skip
+        finally:
+            stop.set()
+    raise AssertionError("a Replicate stream with no hello was answered")
+
+
+def test_a_replicate_stream_that_never_says_hello_is_ended(
+    replica_sets: Any,
+    tmp_path: Path,
+) -> None:
+    """An idle Replicate stream is exempt from --stall-seconds (a primary with
+    nothing to ship hears nothing from its standbys), but it used to be exempt
+    before its hello too: streams that never sent one held a thread and a stream
+    slot each until the client gave up (with no deadline: for ever), and with the
+    slots taken the shard's real standby could not follow. Now the hello must come
+    within --stall-seconds; after it the standby's stream stays, idle or not."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{ADMIN_ALL} admin *\n{REPLICATION} replication *\n")
+    rs: Replicas = replica_sets(
+        2,
+        extra=("--tokens-file", str(tokens), "--stall-seconds", "1"),
+        env={"ONNXPS_REPLICATION_TOKEN": REPLICATION},
+        client={"token": ADMIN_ALL},
+    )
+    p = rs.primary()
+    assert rs.wait_sync() == [f"m{1 - p}"]
+    ended: list[tuple[grpc.StatusCode, str, str, float]] = []
+    silent = [
+        threading.Thread(
+            target=lambda: ended.append(
+                _silent_replicate(rs.addresses[p], REPLICATION, 30.0)
+            )
+        )
+        for _ in range(6)
+    ]
+    for t in silent:
+        t.start()
+    for t in silent:
+        t.join(60)
+    assert len(ended) == 6
+    for code, details, reason, seconds in ended:
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED, (code, details)
+        assert details == (
+            "the Replicate stream sent nothing for 1 s (--stall-seconds): the "
+            "server ended it"
+        )
+        assert reason == ""  # ended from outside its handler: code and message only
+        assert seconds < 15, f"ended after {seconds:.1f} s"
+    # The real standby's stream, idle for several times --stall-seconds, still
+    # follows: the push is acknowledged on the stream it had before.
+    stopped = rs.log(p).count(f"standby m{1 - p} stopped following")
+    time.sleep(3)
+    _create(rs)
+    with rs.connect() as c:
+        assert c.push("g", G) == 1
+    rs.wait_t(1 - p, "g", 1)
+    assert rs.log(p).count(f"standby m{1 - p} stopped following") == stopped
+
+
 def _threads(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("Threads:"):
