@@ -459,6 +459,7 @@ def _silent_replicate(
     raise AssertionError("a Replicate stream with no hello was answered")
 
 
+@pytest.mark.slow
 def test_a_replicate_stream_that_never_says_hello_is_ended(
     replica_sets: Any,
     tmp_path: Path,
