@@ -10,9 +10,11 @@ bytes are not received beyond HTTP/2's flow-control windows.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import grpc
+import pytest
 from _procs import StartServer, clean_env
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -83,3 +85,73 @@ def test_tokenless_large_unary_pushes_are_refused_before_their_bytes_are_read(
     # Now about 12 MiB here: what HTTP/2 flow control let in before the status.
     grown_mib = (peak_after - peak_before) / 1024
     assert grown_mib < REQUEST_MIB / 2, f"the server's peak RSS grew {grown_mib} MiB"
+
+
+@pytest.mark.slow
+def test_the_issues_200_mib_pushes_without_the_right_token_are_refused_at_once(
+    server_processes: StartServer,
+    tmp_path: Path,
+) -> None:
+    """The issue's figures: four 200 MiB unary pushes under --max-inflight-bytes
+    256MiB took the server from 72 to 1,131 MiB and were refused 13-23 s later.
+    Here two carry no token and two a read token (its role forbids Push: refused
+    from the metadata as well); each is refused within seconds, and the server's
+    peak grows by what flow control lets in, not by the requests."""
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("adm-5e1f0c2b9a8d7e6f admin *\nrd-0c4a9e2f read *\n")
+    proc, address = server_processes(
+        tmp_path / "server.log",
+        "--tokens-file",
+        str(tokens),
+        "--max-inflight-bytes",
+        "256MiB",
+        env=clean_env(ONNXPS_KERNELS="numpy"),
+    )
+    peak_before = _kib(proc.pid, "VmHWM")
+    size = 200 * MIB
+    request = pb.PushRequest(
+        group="g",
+        gradients=[
+            pb.Tensor(dims=[size // 4], dtype=pb.DATA_TYPE_FLOAT, raw_data=bytes(size))
+        ],
+    )
+    channel = grpc.insecure_channel(
+        address, options=[("grpc.max_send_message_length", -1)]
+    )
+    stub = pb_grpc.ParameterServerServiceStub(channel)
+    outcomes: list[tuple[str, grpc.StatusCode, str, float]] = []
+
+    def push(who: str, metadata: tuple[tuple[str, str], ...]) -> None:
+        start = time.monotonic()
+        try:
+            stub.Push(request, timeout=120, metadata=metadata)
+        except grpc.RpcError as exc:
+            outcomes.append(
+                (who, exc.code(), str(exc.details()), time.monotonic() - start)
+            )
+        else:
+            outcomes.append((who, grpc.StatusCode.OK, "", time.monotonic() - start))
+
+    reader = (("authorization", "Bearer rd-0c4a9e2f"),)
+    threads = [
+        threading.Thread(target=push, args=("none", ())),
+        threading.Thread(target=push, args=("read", reader)),
+        threading.Thread(target=push, args=("none", ())),
+        threading.Thread(target=push, args=("read", reader)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    channel.close()
+    grown_mib = (_kib(proc.pid, "VmHWM") - peak_before) / 1024
+    assert len(outcomes) == 4
+    for who, code, details, seconds in outcomes:
+        if who == "none":
+            assert code == grpc.StatusCode.UNAUTHENTICATED, (code, details)
+        else:
+            assert code == grpc.StatusCode.PERMISSION_DENIED, (code, details)
+            assert details == "a read token may not call Push"
+        # (serializing 200 MiB on the client, loaded, takes a part of this)
+        assert seconds < 10, f"{who}: refused after {seconds:.1f} s"
+    assert grown_mib < 64, f"the server's peak RSS grew {grown_mib:.0f} MiB"
