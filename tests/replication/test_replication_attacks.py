@@ -155,6 +155,7 @@ def test_an_admin_token_may_not_follow_a_primary(
     tokens = tmp_path / "tokens"
     tokens.write_text(
         f"{ADMIN_A} admin a/\n{ADMIN_ALL} admin *\n{REPLICATION} replication *\n"
+        "wr-3e9d1c write *\nrd-7a2b4f read *\n"
     )
     rs: Replicas = replica_sets(
         2,
@@ -173,11 +174,16 @@ def test_an_admin_token_may_not_follow_a_primary(
         member_id=f"m{1 - p}", term=_term(rs), address="127.0.0.1:9",
         lease=_lease_of(rs, f"m{1 - p}"), protocol=1,
     )  # fmt: skip
-    for token in (ADMIN_A, ADMIN_ALL):
+    for token, role in (
+        (ADMIN_A, "admin"), (ADMIN_ALL, "admin"), ("wr-3e9d1c", "write"),
+        ("rd-7a2b4f", "read"),
+    ):  # fmt: skip
         code, details, got = _replicate(rs.addresses[p], hello, token=token)
         assert code == grpc.StatusCode.PERMISSION_DENIED, (code, details)
-        assert details == "a admin token may not call Replicate"
+        assert details == f"a {role} token may not call Replicate"
         assert got == []  # not one snapshot chunk, not one record
+    code, details, got = _replicate(rs.addresses[p], hello, token="not-a-token")
+    assert (code, got) == (grpc.StatusCode.UNAUTHENTICATED, [])
     # the real standby still follows and acknowledges
     with rs.connect() as c:
         assert c.push("b/secret", G) == 1
@@ -327,6 +333,20 @@ def test_refused_streams_leave_no_memory_and_one_log_line(
         code, details, _ = _replicate(rs.addresses[p], hello)
         assert code == grpc.StatusCode.PERMISSION_DENIED, (member_id, code, details)
         assert REASONS[-1] == "STANDBY_NOT_MEMBER"
+    # A member of another shard (its key and lease real, in shards/1) is no
+    # member of this one: a replica of one shard does not follow another's primary.
+    etcd = rs.etcd.gateway()
+    lease = etcd.lease(ttl=30)
+    etcd.put("/ps/shards/1/members/other", '{"address": "127.0.0.1:9"}', lease=lease)
+    hello = pb.ReplicateHello(
+        member_id="other", term=1, address="127.0.0.1:9", lease=int(lease.id)
+    )
+    code, details, got = _replicate(rs.addresses[p], hello)
+    assert code == grpc.StatusCode.PERMISSION_DENIED, (code, details)
+    assert details.startswith("no member other is registered in this shard")
+    assert REASONS[-1] == "STANDBY_NOT_MEMBER"
+    assert got == []
+    lease.revoke()
     # the real standby still follows
     _create(rs)
     with rs.connect() as c:
