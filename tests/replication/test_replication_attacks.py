@@ -283,6 +283,7 @@ def test_an_acknowledgement_beyond_what_was_shipped_ends_the_stream(
     rs.wait_t(s, "g", 1 + _reached(rs, s))
 
 
+@pytest.mark.slow
 def test_refused_streams_leave_no_memory_and_one_log_line(
     replica_sets: Any,
 ) -> None:
