@@ -283,7 +283,8 @@ class ServerConfig:
     member_id: str | None = _option(
         None,
         "with --coordinator: this server's name in its replica set, stable across "
-        "restarts",
+        "restarts (1 to 128 characters of [A-Za-z0-9._:@-], the first a letter or "
+        "a digit)",
         group="replication",
         none="host name and port",
     )

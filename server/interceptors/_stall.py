@@ -81,8 +81,12 @@ class StallWatch:
         if self._thread is not None:
             self._thread.join(timeout=2)
 
-    def reading(self, requests: Any, context: Any, method: str) -> Iterator[Any]:
-        """``requests`` unchanged, ended when its client stalls."""
+    def reading(
+        self, requests: Any, context: Any, method: str, *, first_only: bool = False
+    ) -> Iterator[Any]:
+        """``requests`` unchanged, ended when its client stalls (with
+        ``first_only``, only before its first message: a stream that may then be
+        silent by design must still say who it is in time)."""
         entry = _Reading(context, method)
         it = iter(requests)
         with self._lock:
@@ -102,6 +106,12 @@ class StallWatch:
                     with self._lock:
                         entry.since = None
                 self._raise_if_ended(entry)
+                if first_only:
+                    with self._lock:
+                        self._reading.discard(entry)
+                    yield msg
+                    yield from it
+                    return
                 yield msg
         finally:
             with self._lock:

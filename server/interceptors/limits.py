@@ -274,9 +274,14 @@ class _Admission(CallHooks):
             call.held_stream = True
         if self.req_s:
             # A standby's acknowledgements stop while its primary has nothing to
-            # ship: an idle Replicate stream is not a stalled one.
-            if self.limits.stall is not None and self.method != "Replicate":
-                request = self.limits.stall.reading(request, context, self.method)
+            # ship: an idle Replicate stream is not a stalled one, once its hello
+            # came (one that never sends it would hold a thread and a stream slot,
+            # which the shard's real standbys need, for ever).
+            if self.limits.stall is not None:
+                request = self.limits.stall.reading(
+                    request, context, self.method,
+                    first_only=self.method == "Replicate",
+                )  # fmt: skip
             it = iter(request)
             first = next(it, None)
             if isinstance(first, Malformed):

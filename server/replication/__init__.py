@@ -39,7 +39,7 @@ from ._etcd import (
     Etcd,
     parse_coordinator,
 )
-from ._journal import NotPrimary, ReplicatedJournal
+from ._journal import MEMBER_ID, MEMBER_ID_RULE, NotPrimary, ReplicatedJournal
 from ._member import Keys, Member, MemberConfig, MemberIdInUse, PrimaryInfo, Role
 from ._placement import PlacementWatch
 from ._standby import Follower
@@ -433,6 +433,11 @@ def from_server_config(
     acknowledged."""
     if shard is None:
         raise ConfigError("--coordinator needs --shard INDEX/COUNT (e.g. 0/1)")
+    if config.member_id is not None and not MEMBER_ID.fullmatch(config.member_id):
+        raise ConfigError(
+            f"--member-id must be {MEMBER_ID_RULE} (a primary refuses any other "
+            f"in a standby's hello), got {config.member_id[:140]!r}"
+        )
     etcd_tls = CoordinatorTls(
         config.coordinator_ca, config.coordinator_cert, config.coordinator_key
     )

@@ -61,6 +61,9 @@ Array = np.ndarray[Any, Any]
 SNAPSHOT_CHUNK = 1 << 20
 # What a hello may name: a member id as etcd keys hold it, an address for logs.
 MEMBER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+MEMBER_ID_RULE = (
+    "1 to 128 characters of [A-Za-z0-9._:@-], the first a letter or a digit"
+)
 MAX_ADDRESS = 256
 
 
@@ -495,8 +498,8 @@ class ReplicatedJournal:
                 f"({len(member_id)} characters)",
             )  # fmt: skip
             raise InvalidArgument(
-                "ReplicateHello.member_id must be 1 to 128 characters of "
-                f"[A-Za-z0-9._:@-], got {len(member_id)} characters",
+                f"ReplicateHello.member_id must be {MEMBER_ID_RULE}, got "
+                f"{len(member_id)} characters",
                 reason="BAD_MEMBER_ID",
             )
         if len(hello.address) > MAX_ADDRESS:

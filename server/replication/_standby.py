@@ -421,7 +421,8 @@ class Follower:
 
         def requests() -> Iterator[pb.ReplicateRequest]:
             # (an idle stream is not a stalled one: the server's stall watch
-            # leaves Replicate alone, ``limits._Admission``)
+            # leaves Replicate alone once its hello, queued above, came,
+            # ``limits._Admission``)
             while True:
                 item = acks.get()
                 if item is _END:

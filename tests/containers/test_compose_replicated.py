@@ -246,3 +246,29 @@ def test_replicated_profile_trains_through_a_killed_primary_as_local_processes(
             stop(w)
         for p in procs.values():
             stop(p)
+
+
+def test_only_the_profiles_private_network_reaches_the_replicas(
+    services: dict[str, Any],
+) -> None:
+    """docs/SECURITY.md, 'Who may follow a primary': the compose replicated profile
+    runs without tokens (--insecure), so anything that reaches a replica's port may
+    follow it. It publishes no port of the replicas or of etcd (only its private
+    network reaches them), and the file says so where the replicas are declared."""
+    for name in [*REPLICAS, "etcd"]:
+        assert "ports" not in services[name], name
+        assert "network_mode" not in services[name], name
+    for name in REPLICAS:
+        cmd = services[name]["command"]
+        assert "--insecure" in cmd
+        assert not any(a.startswith("--tokens-file") for a in cmd)
+    text = (ROOT / "docker-compose.yml").read_text()
+    start = text.index("# Who may follow a primary")
+    comment = " ".join(
+        line.strip().lstrip("#").strip()
+        for line in text[start : text.index("replica-0:", start)].splitlines()
+    )
+    assert "(docs/SECURITY.md)" in comment
+    assert "publishes no port of the replicas or of etcd" in comment
+    assert "a token of role replication (prefix *)" in comment
+    assert "ONNXPS_REPLICATION_TOKEN, to them alone" in comment

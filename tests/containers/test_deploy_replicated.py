@@ -642,3 +642,35 @@ def test_a_primary_stopped_with_sigterm_hands_over_before_its_lease_ends(
     finally:
         for p in procs.values():
             stop(p)
+
+
+@pytest.mark.parametrize("path", [WITH_ETCD, EXTERNAL], ids=["etcd", "external"])
+def test_only_the_replicas_are_given_the_replication_token(path: Path) -> None:
+    """docs/SECURITY.md, 'Who may follow a primary': the overlays give the replicas,
+    and nothing else, a token of role replication (prefix *) from the
+    onnxps-tokens Secret; the workers' token is another, of another role."""
+    docs = kustomize(path)
+    secret = one(docs, "Secret", "onnxps-tokens")
+    data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    grants = [
+        line.split() for line in data["tokens"].splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]  # fmt: skip
+    replication = [g for g in grants if g[1] == "replication"]
+    assert replication == [[data["replication-token"], "replication", "*"]]
+    for sts in _shards(docs):
+        for ordinal in range(sts["spec"]["replicas"]):
+            env = Pod(docs, sts, ordinal).env()
+            assert env["ONNXPS_REPLICATION_TOKEN"] == data["replication-token"]
+    (job,) = find(docs, "Job")
+    (worker,) = job["spec"]["template"]["spec"]["containers"]
+    refs = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in worker["env"] if "secretKeyRef" in e.get("valueFrom", {})
+    }  # fmt: skip
+    assert list(refs) == ["ONNXPS_TOKEN"]  # and no replication token
+    assert refs["ONNXPS_TOKEN"]["name"] == "onnxps-tokens"
+    token = data[refs["ONNXPS_TOKEN"]["key"]]
+    assert token != data["replication-token"]
+    (role,) = [g[1] for g in grants if g[0] == token]
+    assert role != "replication"

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -124,8 +125,6 @@ def _one_push_acknowledged(replica_sets: Any) -> tuple[Replicas, int, int]:
 def _reached(rs: Replicas, i: int) -> int:
     """How many of the test's unacknowledged pushes replica ``i`` holds (0 to 4):
     its T once it settled, less the one acknowledged push."""
-    import time
-
     deadline, seen = time.monotonic() + 30, -1
     while time.monotonic() < deadline:
         try:
@@ -156,6 +155,7 @@ def test_an_admin_token_may_not_follow_a_primary(
     tokens = tmp_path / "tokens"
     tokens.write_text(
         f"{ADMIN_A} admin a/\n{ADMIN_ALL} admin *\n{REPLICATION} replication *\n"
+        "wr-3e9d1c write *\nrd-7a2b4f read *\n"
     )
     rs: Replicas = replica_sets(
         2,
@@ -174,11 +174,16 @@ def test_an_admin_token_may_not_follow_a_primary(
         member_id=f"m{1 - p}", term=_term(rs), address="127.0.0.1:9",
         lease=_lease_of(rs, f"m{1 - p}"), protocol=1,
     )  # fmt: skip
-    for token in (ADMIN_A, ADMIN_ALL):
+    for token, role in (
+        (ADMIN_A, "admin"), (ADMIN_ALL, "admin"), ("wr-3e9d1c", "write"),
+        ("rd-7a2b4f", "read"),
+    ):  # fmt: skip
         code, details, got = _replicate(rs.addresses[p], hello, token=token)
         assert code == grpc.StatusCode.PERMISSION_DENIED, (code, details)
-        assert details == "a admin token may not call Replicate"
+        assert details == f"a {role} token may not call Replicate"
         assert got == []  # not one snapshot chunk, not one record
+    code, details, got = _replicate(rs.addresses[p], hello, token="not-a-token")
+    assert (code, got) == (grpc.StatusCode.UNAUTHENTICATED, [])
     # the real standby still follows and acknowledges
     with rs.connect() as c:
         assert c.push("b/secret", G) == 1
@@ -278,6 +283,7 @@ def test_an_acknowledgement_beyond_what_was_shipped_ends_the_stream(
     rs.wait_t(s, "g", 1 + _reached(rs, s))
 
 
+@pytest.mark.slow
 def test_refused_streams_leave_no_memory_and_one_log_line(
     replica_sets: Any,
 ) -> None:
@@ -297,7 +303,7 @@ def test_refused_streams_leave_no_memory_and_one_log_line(
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
         assert details == (
             "ReplicateHello.member_id must be 1 to 128 characters of "
-            "[A-Za-z0-9._:@-], got 1048576 characters"
+            "[A-Za-z0-9._:@-], the first a letter or a digit, got 1048576 characters"
         )
         assert REASONS[-1] == "BAD_MEMBER_ID"
         assert got == []
@@ -316,6 +322,32 @@ def test_refused_streams_leave_no_memory_and_one_log_line(
     assert max(len(line) for line in text.splitlines()) < 1000
     assert text.count("refused a Replicate stream under member id ghost") == 1
     assert text.count("refused a Replicate stream: bad member id") == 1
+    # The bound and the characters, as docs/SECURITY.md gives them.
+    for member_id in ("a" * 129, "m/1", "m 1", ".m1"):
+        hello = pb.ReplicateHello(member_id=member_id, term=1, address="127.0.0.1:9")
+        code, details, _ = _replicate(rs.addresses[p], hello)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (member_id, code, details)
+        assert details.endswith(f"got {len(member_id)} characters")
+        assert REASONS[-1] == "BAD_MEMBER_ID"
+    for member_id in ("a" * 128, "A-z_0.9:@x"):
+        hello = pb.ReplicateHello(member_id=member_id, term=1, address="127.0.0.1:9")
+        code, details, _ = _replicate(rs.addresses[p], hello)
+        assert code == grpc.StatusCode.PERMISSION_DENIED, (member_id, code, details)
+        assert REASONS[-1] == "STANDBY_NOT_MEMBER"
+    # A member of another shard (its key and lease real, in shards/1) is no
+    # member of this one: a replica of one shard does not follow another's primary.
+    etcd = rs.etcd.gateway()
+    lease = etcd.lease(ttl=30)
+    etcd.put("/ps/shards/1/members/other", '{"address": "127.0.0.1:9"}', lease=lease)
+    hello = pb.ReplicateHello(
+        member_id="other", term=1, address="127.0.0.1:9", lease=int(lease.id)
+    )
+    code, details, got = _replicate(rs.addresses[p], hello)
+    assert code == grpc.StatusCode.PERMISSION_DENIED, (code, details)
+    assert details.startswith("no member other is registered in this shard")
+    assert REASONS[-1] == "STANDBY_NOT_MEMBER"
+    assert got == []
+    lease.revoke()
     # the real standby still follows
     _create(rs)
     with rs.connect() as c:
@@ -360,10 +392,14 @@ def test_a_standby_whose_disk_filled_follows_again_once_there_is_room(
             raise AssertionError("the standby's full disk refused nothing")
         rs.wait_log(s, "this server's write-ahead log refused a record")
         # Away while its disk is full: the primary refuses at once, not at the
-        # deadline.
-        code, details, _ = _raw_push(rs.addresses[p], 200, timeout=10.0)
-        assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
-        assert "0 of the 1 synchronous standbys" in details
+        # deadline (NOT_ENOUGH_REPLICAS, as for a missing standby), push after push.
+        for seq in (200, 201, 202):
+            start = time.monotonic()
+            code, details, _ = _raw_push(rs.addresses[p], seq, timeout=10.0)
+            took = time.monotonic() - start
+            assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
+            assert "0 of the 1 synchronous standbys" in details
+            assert took < 3.0, f"refused after {took:.1f} s of a 10 s deadline"
         filler.unlink()
         with rs.connect(timeout=60) as c:
             t = c.push("g", G)
@@ -414,3 +450,163 @@ def test_over_mutual_tls_a_client_certificate_does_not_make_a_replica(
         c.create_group("g", Adagrad(), learning_rate=0.1, tensors={"x": G})
         assert c.push("g", G) == 1
     rs.wait_t(1 - p, "g", 1)
+
+
+def _silent_replicate(
+    address: str, token: str, timeout: float
+) -> tuple[grpc.StatusCode, str, str, float]:
+    """A Replicate stream that never sends its hello: (its status, details, reason,
+    seconds until it ended)."""
+    stop = threading.Event()
+
+    def nothing() -> Iterator[pb.ReplicateRequest]:
+        stop.wait()  # sends nothing until the stream ended
+        yield from ()
+
+    start = time.monotonic()
+    with grpc.insecure_channel(address) as ch:
+        call: Any = pb_grpc.ParameterServerServiceStub(ch).Replicate(
+            nothing(), timeout=timeout, metadata=(("authorization", f"Bearer {token}"),)
+        )
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError as exc:
+            return (
+                exc.code(), str(exc.details()), _reason(exc), time.monotonic() - start
+            )  # fmt: skip
+        finally:
+            stop.set()
+    raise AssertionError("a Replicate stream with no hello was answered")
+
+
+@pytest.mark.slow
+def test_a_replicate_stream_that_never_says_hello_is_ended(
+    replica_sets: Any,
+    tmp_path: Path,
+) -> None:
+    """An idle Replicate stream is exempt from --stall-seconds (a primary with
+    nothing to ship hears nothing from its standbys), but it used to be exempt
+    before its hello too: streams that never sent one held a thread and a stream
+    slot each until the client gave up (with no deadline: for ever), and with the
+    slots taken the shard's real standby could not follow. Now the hello must come
+    within --stall-seconds; after it the standby's stream stays, idle or not."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{ADMIN_ALL} admin *\n{REPLICATION} replication *\n")
+    rs: Replicas = replica_sets(
+        2,
+        extra=("--tokens-file", str(tokens), "--stall-seconds", "1"),
+        env={"ONNXPS_REPLICATION_TOKEN": REPLICATION},
+        client={"token": ADMIN_ALL},
+    )
+    p = rs.primary()
+    assert rs.wait_sync() == [f"m{1 - p}"]
+    ended: list[tuple[grpc.StatusCode, str, str, float]] = []
+    silent = [
+        threading.Thread(
+            target=lambda: ended.append(
+                _silent_replicate(rs.addresses[p], REPLICATION, 30.0)
+            )
+        )
+        for _ in range(6)
+    ]
+    for t in silent:
+        t.start()
+    for t in silent:
+        t.join(60)
+    assert len(ended) == 6
+    for code, details, reason, seconds in ended:
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED, (code, details)
+        assert details == (
+            "the Replicate stream sent nothing for 1 s (--stall-seconds): the "
+            "server ended it"
+        )
+        assert reason == ""  # ended from outside its handler: code and message only
+        assert seconds < 15, f"ended after {seconds:.1f} s"
+    # The real standby's stream, idle for several times --stall-seconds, still
+    # follows: the push is acknowledged on the stream it had before.
+    stopped = rs.log(p).count(f"standby m{1 - p} stopped following")
+    time.sleep(3)
+    _create(rs)
+    with rs.connect() as c:
+        assert c.push("g", G) == 1
+    rs.wait_t(1 - p, "g", 1)
+    assert rs.log(p).count(f"standby m{1 - p} stopped following") == stopped
+
+
+def _threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no Threads")
+
+
+def _cancelled_after_first(address: str, hello: pb.ReplicateHello) -> str:
+    """A Replicate stream cancelled by its client once its first message came: the
+    kind of that message."""
+    stop = threading.Event()
+
+    def send() -> Iterator[pb.ReplicateRequest]:
+        yield pb.ReplicateRequest(hello=hello)
+        stop.wait()
+
+    with grpc.insecure_channel(address) as ch:
+        call: Any = pb_grpc.ParameterServerServiceStub(ch).Replicate(send(), timeout=30)
+        try:
+            first = next(iter(call))
+            return str(first.WhichOneof("part"))
+        finally:
+            call.cancel()
+            stop.set()
+
+
+@pytest.mark.slow
+def test_a_members_streams_replace_each_other_and_leave_nothing_when_cancelled(
+    replica_sets: Any,
+) -> None:
+    """One live stream per member: a second stream under a member's id and lease
+    replaces the first (the real standby's stream ends, and it follows again once
+    the other is gone). 300 such streams, each cancelled after its first message,
+    leave the primary's threads, memory and table of standbys as they were (the
+    issue's 300 cancelled streams took it from 203 to 1,122 MiB)."""
+    rs: Replicas = replica_sets(2, env={"ONNXPS_KERNELS": "numpy"})
+    p = rs.primary()
+    s = 1 - p
+    assert rs.wait_sync() == [f"m{s}"]
+    _create(rs)
+    with rs.connect() as c:
+        assert c.push("g", G) == 1
+    rs.wait_t(s, "g", 1)
+    pid = rs.procs[p].pid
+    hello = pb.ReplicateHello(
+        member_id=f"m{s}", term=_term(rs), address="127.0.0.1:9",
+        lease=_lease_of(rs, f"m{s}"), protocol=1,
+    )  # fmt: skip
+    ended = rs.log(p).count(f"standby m{s} stopped following")
+    assert _cancelled_after_first(rs.addresses[p], hello) == "snapshot_chunk"
+    rs.wait_log(p, f"standby m{s} stopped following")  # (both streams' lines)
+    deadline = time.monotonic() + 30
+    while rs.log(p).count(f"standby m{s} stopped following") < ended + 2:
+        assert time.monotonic() < deadline, "the first stream was not replaced"
+        time.sleep(0.1)
+    threads, rss = _threads(pid), _rss_kib(pid)
+    for _ in range(300):
+        assert _cancelled_after_first(rs.addresses[p], hello) == "snapshot_chunk"
+    # The real standby follows again, and is the only standby the primary keeps.
+    with rs.connect(timeout=60) as c:
+        assert c.push("g", G) == 2
+    rs.wait_t(s, "g", 2)
+    grown = (_rss_kib(pid) - rss) / 1024
+    assert grown < 32, f"the primary grew {grown:.0f} MiB"
+    deadline = time.monotonic() + 10
+    while _threads(pid) > threads + 2:
+        assert time.monotonic() < deadline, f"threads {threads} -> {_threads(pid)}"
+        time.sleep(0.1)
+    # (the primary publishes the standbys it follows at its next registration)
+    deadline = time.monotonic() + 10
+    while not (
+        isinstance(key := rs.key(f"members/m{p}"), dict)
+        and list(key["standbys"]) == [f"m{s}"]
+    ):
+        assert time.monotonic() < deadline, key
+        time.sleep(0.1)

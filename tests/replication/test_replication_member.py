@@ -106,3 +106,29 @@ def test_a_second_process_with_a_live_member_id_is_refused(
         assert "waiting up to" in log.read_text()
     finally:
         stop(new)
+
+
+@pytest.mark.parametrize("member", [".m1", "m 1", "replica/0", "m" * 129])
+def test_a_member_id_no_primary_would_accept_is_refused_at_start(
+    etcd_server: Any,
+    tmp_path: Path,
+    member: str,
+) -> None:
+    """A primary refuses a hello whose member id is not 1 to 128 characters of
+    [A-Za-z0-9._:@-] starting with a letter or a digit (docs/SECURITY.md): a
+    standby started with such a --member-id used to start, register, and be
+    refused by its primary on every attempt, for ever. It is refused at start."""
+    done = subprocess.run(
+        [sys.executable, "-m", "onnxps.cli", "serve", "--address", "127.0.0.1:0",
+         "--durability", "wal", "--data-dir", str(tmp_path / "data"),
+         "--coordinator", etcd_server.url("ps"), "--shard", "0/1",
+         "--member-id", member],
+        capture_output=True, text=True, timeout=60, env=clean_env(),
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert (
+        "--member-id must be 1 to 128 characters of [A-Za-z0-9._:@-], the first a "
+        "letter or a digit (a primary refuses any other in a standby's hello), got "
+        f"{member!r}"
+    ) in done.stderr, done.stderr[-2000:]
+    assert etcd_server.gateway().get_prefix("/ps/shards/0/members/") == []
