@@ -6,6 +6,9 @@ and restarted at once with its data dir takes its id back. Real etcd, real
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -211,4 +214,39 @@ def test_a_member_id_on_another_data_dir_does_not_take_the_lead_without_the_data
         with Client(rs.url, timeout=30) as c:
             assert c.push("g", g) == 4  # acknowledged: a standby follows again
     finally:
+        stop(new)
+
+
+@pytest.mark.slow
+def test_a_member_whose_id_was_taken_while_it_was_frozen_exits(
+    replicas: Any,
+    tmp_path: Path,
+) -> None:
+    """A standby frozen (SIGSTOP) past its lease, whose member id another process
+    (another data dir) took meanwhile, exits with status 75 when it runs again,
+    saying so, instead of writing the key back: one process per member id."""
+    rs: ReplicaSet = replicas(2)
+    p = rs.primary_with_group()
+    s = 1 - p
+    os.kill(rs.procs[s].pid, signal.SIGSTOP)
+    log = tmp_path / "replacement.log"
+    new = _serve(rs, f"m{s}", tmp_path / "replacement-data", log)
+    try:
+        address = wait_for_listening(new, log)
+        deadline = time.monotonic() + 30
+        while not (
+            isinstance(held := rs.key(f"members/m{s}"), dict)
+            and held["address"] == address
+        ):
+            assert time.monotonic() < deadline, f"not taken over: {held}"
+            time.sleep(0.05)
+        os.kill(rs.procs[s].pid, signal.SIGCONT)
+        assert rs.procs[s].wait(timeout=30) == 75
+        text = (tmp_path / f"server{s}-1.log").read_text()
+        assert f"member id m{s} was taken by the process at {address}" in text
+        held = rs.key(f"members/m{s}")
+        assert isinstance(held, dict) and held["address"] == address
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rs.procs[s].pid, signal.SIGCONT)
         stop(new)
