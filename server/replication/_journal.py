@@ -115,6 +115,9 @@ class _Record:
 class _Standby:
     member_id: str
     address: str
+    # its data dir's id (the member key's "instance" when its hello was checked):
+    # acknowledgements count for the data dir that holds them, not for a member id
+    instance: str = ""
     acked: int = 0
     syncing: bool = True
     floor: int = 0  # records after this are kept for it
@@ -174,6 +177,9 @@ class ReplicatedJournal:
         self._records: dict[int, _Record] = {}
         self._standbys: dict[str, _Standby] = {}
         self._sync: list[str] = []  # named in etcd, in this order
+        # the data dir (instance) each was named with: a member id on another
+        # data dir holds none of what the named one acknowledged
+        self._sync_instances: dict[str, str] = {}
         # A standby being named (in etcd, outside the lock every push takes): the
         # pushes acknowledged meanwhile wait for it too, so it holds all of them.
         self._joining: str | None = None
@@ -425,14 +431,16 @@ class ReplicatedJournal:
             raise FailedPrecondition("a Replicate stream starts with a hello")
         hello = first.hello
         self._check_primary()
-        self._check_hello(hello)
+        instance = self._check_hello(hello)
         term = self.member.term
         if hello.term > term:
             raise NotPrimary(
                 f"the standby knows term {hello.term}, this primary's is {term}",
                 metadata={"term": term},
             )
-        standby = _Standby(hello.member_id, hello.address, cancel=context.cancel)
+        standby = _Standby(
+            hello.member_id, hello.address, instance, cancel=context.cancel
+        )
         cursor = LogCursor(self.durability.wal_dir)
         if min(hello.protocol, PROTOCOL) < 1:
             standby.piece = WHOLE
@@ -446,6 +454,7 @@ class ReplicatedJournal:
             # Records up to the floor are durable here: they are read from the log
             # on disk; those after it are kept in memory for this standby.
             standby.floor = self._durable_floor()
+            self._unname_other_instance(standby)
             old = self._standbys.get(hello.member_id)
             if old is not None:  # the same member (its lease), following again
                 old.gone = True
@@ -487,10 +496,32 @@ class ReplicatedJournal:
                 self._cv.notify_all()
             log.info("standby %s stopped following", hello.member_id)
 
-    def _check_hello(self, hello: pb.ReplicateHello) -> None:
+    def _unname_other_instance(self, standby: _Standby) -> None:
+        """Under the lock: a synchronous standby's member id following from another
+        data dir (its disk replaced, a new process on an empty one) holds none of
+        what the named one acknowledged: it is no longer counted as synchronous,
+        and is named again (with its own data dir, in etcd first) once it holds
+        every acknowledged push. etcd still names the old data dir meanwhile,
+        which no process has: no other member may take the lead with less."""
+        member_id = standby.member_id
+        named = self._sync_instances.get(member_id, "")
+        if member_id not in self._sync or not named or named == standby.instance:
+            return
+        log.warning(
+            "standby %s follows from another data dir (instance %s; it was named "
+            "synchronous with instance %s): it is not synchronous until it holds "
+            "every acknowledged push",
+            member_id, standby.instance or "unknown", named,
+        )  # fmt: skip
+        self._sync = [m for m in self._sync if m != member_id]
+        self._sync_instances.pop(member_id, None)
+        self._wake_all()
+
+    def _check_hello(self, hello: pb.ReplicateHello) -> str:
         """Only a member of this shard may follow, and only under its own id: the
         hello names a registered member and carries the lease of its key in etcd
-        (which a tenant, or another member, does not hold)."""
+        (which a tenant, or another member, does not hold). Returns the data dir
+        id (``instance``) that key names."""
         member_id = hello.member_id
         if not MEMBER_ID.fullmatch(member_id):
             self._refusals.log(
@@ -522,7 +553,11 @@ class ReplicatedJournal:
                 f"cannot check standby {member_id} in etcd ({exc}): retry"
             ) from None
         if kv is not None and kv.lease != 0 and kv.lease == hello.lease:
-            return
+            try:
+                instance = kv.json().get("instance", "")
+            except (ValueError, AttributeError):
+                instance = ""
+            return instance if isinstance(instance, str) else ""
         why = (
             f"no member {member_id} is registered in this shard (no key {key} in etcd)"
             if kv is None
@@ -773,15 +808,18 @@ class ReplicatedJournal:
                 if len(live) >= self.sync_replicas or s.acked < self.acknowledged:
                     return
                 wanted = [*live, s.member_id]
+                instances = {m: self._sync_instances.get(m, "") for m in live}
+                instances[s.member_id] = s.instance
                 self._joining = s.member_id
             named = False
             try:
-                named = self.member.set_sync_standbys(wanted)
+                named = self.member.set_sync_standbys(wanted, instances)
             finally:
                 with self._cv:
                     self._joining = None
                     if named:
                         self._sync = wanted
+                        self._sync_instances = instances
                     self._cv.notify_all()
             if named:
                 log.info("synchronous standbys: %s", ", ".join(wanted))
@@ -807,10 +845,12 @@ class ReplicatedJournal:
                 live = self._live_sync()
                 if live == self._sync:
                     return
-            if not self.member.set_sync_standbys(live):
+                instances = {m: self._sync_instances.get(m, "") for m in live}
+            if not self.member.set_sync_standbys(live, instances):
                 return  # not the primary any more: nothing is acknowledged
             with self._cv:
                 self._sync = live
+                self._sync_instances = instances
                 self._cv.notify_all()
             log.warning(
                 "%d of the %d synchronous standbys follow: acknowledging with %s "

@@ -7,11 +7,13 @@ replica set (Patroni's shape, on etcd v3). Keys, under ``PREFIX/shards/I/``:
   transaction that succeeds only while the key is absent, bumping ``term`` in the same
   transaction: the term (epoch) fences older primaries.
 - ``term``: the counter, as decimal text.
-- ``sync``: ``{"primary", "term", "standbys"}``: the standbys holding every
-  acknowledged push (only the primary writes it, only while it holds ``primary``).
-  A standby may take the lead only when it is named there, or is the primary named
-  there (Patroni's synchronous-standby rule): so a promotion never loses an
-  acknowledged push.
+- ``sync``: ``{"primary", "term", "standbys", "instances"}``: the standbys holding
+  every acknowledged push (only the primary writes it, only while it holds
+  ``primary``), and the data dir (``instance``) of each and of the primary. A
+  standby may take the lead only when it is named there, or is the primary named
+  there (Patroni's synchronous-standby rule), and its data dir is the one named:
+  so a promotion never loses an acknowledged push, not even to a process started
+  under a named member id on another (empty) data dir.
 - ``members/<id>``: ``{"address", "role", "lsn", "term", "shards", "instance"}`` on
   the member's own lease; a primary's also has ``standbys``: each standby whose
   stream it accepted in its term (its log a prefix of the primary's) and the lsn
@@ -179,6 +181,7 @@ class Member:
         self._sent = -1e18
         self._lapsed = 0  # a lease the renewing thread found expired (a standby's)
         self._registered = -1e18
+        self._not_campaigning = ""  # why it may not take the lead (logged once)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._renewer: threading.Thread | None = None
@@ -270,13 +273,17 @@ class Member:
                 return False
         return self._clock() - self._renewed < self.ttl
 
-    def set_sync_standbys(self, standbys: list[str]) -> bool:
-        """Name the standbys that hold every acknowledged push (while primary)."""
+    def set_sync_standbys(
+        self, standbys: list[str], instances: dict[str, str] | None = None
+    ) -> bool:
+        """Name the standbys that hold every acknowledged push (while primary),
+        with the data dir (``instance``) each holds them in."""
         value = _dumps(
             {
                 "primary": self.config.member_id,
                 "term": self.term,
                 "standbys": sorted(standbys),
+                "instances": self._instances(instances or {}),
             }
         )
         try:
@@ -286,6 +293,32 @@ class Member:
             )
         except CoordinatorUnavailable:
             return False
+
+    def _instances(self, standbys: dict[str, str]) -> dict[str, str]:
+        """``sync``'s ``instances``: this primary's data dir and the standbys'
+        (those known: a standby of an earlier onnxps names none)."""
+        named = {m: i for m, i in standbys.items() if i}
+        if self.config.instance:
+            named[self.config.member_id] = self.config.instance
+        return named
+
+    def _named_elsewhere(self, named: dict[str, Any]) -> str | None:
+        """Why ``sync`` names this member id for another data dir (it may not take
+        the lead: it lacks what that one acknowledged), or None."""
+        instances = named.get("instances")
+        if not isinstance(instances, dict):
+            return None  # written by an earlier onnxps: the member id alone
+        there = instances.get(self.config.member_id)
+        if not there or not self.config.instance or there == self.config.instance:
+            return None
+        return (
+            f"member id {self.config.member_id} is named in {self.keys.sync} for "
+            f"the data dir {there}, and this server's data dir is "
+            f"{self.config.instance} (another disk, or a new one): it does not "
+            "hold what that one acknowledged, so it does not take the lead; it "
+            "follows the primary (once there is one) and is named synchronous "
+            "again once it holds every acknowledged push"
+        )
 
     # -- the loop -------------------------------------------------------------------
     def _run(self) -> None:
@@ -403,6 +436,12 @@ class Member:
             me = self.config.member_id
             if me != named.get("primary") and me not in named.get("standbys", []):
                 return  # may lack acknowledged pushes
+            elsewhere = self._named_elsewhere(named)
+            if elsewhere is not None:
+                if elsewhere != self._not_campaigning:
+                    self._not_campaigning = elsewhere
+                    log.warning("%s", elsewhere)
+                return
         term_kv = self.etcd.get(self.keys.term)
         term = int(term_kv.value) if term_kv is not None else 0
         new_term = term + 1
@@ -415,7 +454,12 @@ class Member:
             ),
         ]
         sync_value = _dumps(
-            {"primary": self.config.member_id, "term": new_term, "standbys": []}
+            {
+                "primary": self.config.member_id,
+                "term": new_term,
+                "standbys": [],
+                "instances": self._instances({}),
+            }
         )
         won = self.etcd.txn(
             compare,

@@ -107,6 +107,13 @@ def test_cancelled_pushes_waiting_for_a_frozen_standby_end_and_free_their_thread
             # but the one a loaded machine's gRPC pool may add (before, each round
             # held 4 more: 21 -> 40 with 19 pushes). (CI under load: 26 after 25.)
             assert threads[1] <= threads[0] + 1, threads
+            # A cancelled push resent while the standby is still frozen is not
+            # answered OK from the exactly-once window (no standby holds it): its
+            # deadline passes, and it holds no call after.
+            with pytest.raises(grpc.RpcError) as resent:
+                push(_request("r0-0", 1), timeout=2)
+            assert resent.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            _wait(lambda: _in_flight(log) == base, "the resend ended", 5)
             os.kill(rs.procs[s].pid, signal.SIGCONT)
             # The cancelled pushes were applied on the primary (its log holds them)
             # and reach the standby; resent, they are answered, not applied again.

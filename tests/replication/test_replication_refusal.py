@@ -22,17 +22,22 @@ G = np.full(SIZE, 0.5, np.float32)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("through", ["addresses", "etcd"])
 def test_a_push_refused_not_enough_replicas_is_not_sent_again(
     tmp_path: Path,
     etcd_server: EtcdProcess,
+    through: str,
 ) -> None:
+    """Through ``Client([address])`` and through ``Client("etcd://...")``, which
+    follows the primary and routes a replicated cluster as a cluster too."""
     rs = ReplicaSet(tmp_path, etcd_server, 2)
     try:
         p = rs.primary()
         s = 1 - p
         rs.wait_sync()
         _create(rs.url)
-        with Client([rs.addresses[p]], timeout=30) as c:
+        target = [rs.addresses[p]] if through == "addresses" else rs.url
+        with Client(target, timeout=30) as c:
             assert c.push("g", G) == 1
             _kill(rs, s)
             with pytest.raises(UnavailableError) as err:

@@ -193,6 +193,12 @@ def test_a_large_frame_pull_holds_what_the_budget_counts(
             grown = (_status(proc.pid, "VmHWM") - before) / 1024
             with pytest.raises(ResourceExhaustedError, match="in-flight bytes"):
                 c.pull("big", timeout=10)
+            # nor as a frame call on another call channel (the budget is one)
+            with _call_channel(address) as other:
+                write_call(other, 2, 10.0, request)
+                code, _, details, _ = read_reply(other)
+                assert code is grpc.StatusCode.RESOURCE_EXHAUSTED, details
+                assert "in-flight bytes" in details
             code, body, details, _ = read_reply(sock)
         assert code is grpc.StatusCode.OK, details
         reply = pb.PullResponse.FromString(body)
