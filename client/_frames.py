@@ -114,15 +114,16 @@ class CallChannel:
         request: bytes,
         timeout: float | None,
         reply_within: float | None = None,
-    ) -> bytes:
+    ) -> memoryview:
         """The reply's bytes; raises FrameRpcError (a status) or FrameBroken (also
         when no reply came within ``reply_within`` seconds)."""
-        frame = frames.call_frame(FRAME_METHODS[method], timeout or 0.0, request)
+        number = FRAME_METHODS[method]
+        deadline = timeout or 0.0
         if reply_within is not None:
             timeout = reply_within if timeout is None else min(timeout, reply_within)
         try:
             self.sock.settimeout(timeout)
-            self.sock.sendall(frame)
+            frames.write_call(self.sock, number, deadline, request)
             code, body, details, trailing = frames.read_reply(self.sock)
         except (OSError, ValueError) as exc:  # a timeout too: the stream is lost
             self.close()

@@ -98,9 +98,10 @@ HEAD = struct.Struct("<Bd")  # a call's method and timeout
 Trailing = list[tuple[str, bytes]]
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    """``n`` bytes from ``sock``, or None when the peer closed first (a timeout or
-    a broken socket raises ``OSError``)."""
+def recv_exact(sock: socket.socket, n: int) -> bytearray | None:
+    """``n`` bytes from ``sock``, received straight into the buffer returned (no
+    copy after: a call's or reply's bytes are parsed from it), or None when the
+    peer closed first (a timeout or a broken socket raises ``OSError``)."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
@@ -108,7 +109,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes | None:
         if not k:
             return None
         got += k
-    return bytes(buf)
+    return buf
 
 
 def close_socket(sock: socket.socket) -> None:
@@ -129,11 +130,16 @@ def call_frame(method: int, timeout: float, request: bytes) -> bytes:
 def write_call(
     sock: socket.socket, method: int, timeout: float, request: bytes
 ) -> None:
-    """Send one call frame (the client's side)."""
-    sock.sendall(call_frame(method, timeout, request))
+    """Send one call frame (the client's side): a large request from where it
+    is, after the frame's head, not copied into one frame."""
+    if len(request) <= JOIN_BYTES:
+        sock.sendall(call_frame(method, timeout, request))
+        return
+    sock.sendall(U32.pack(HEAD.size + len(request)) + HEAD.pack(method, timeout))
+    sock.sendall(request)
 
 
-def split_call(body: bytes) -> tuple[int, float, bytes]:
+def split_call(body: bytes | bytearray) -> tuple[int, float, bytes | bytearray]:
     """A call frame's body (after its length): method, timeout, request bytes."""
     method, timeout = HEAD.unpack_from(body)
     return method, timeout, body[HEAD.size :]
@@ -164,8 +170,9 @@ def send_reply(sock: socket.socket, code: int, parts: Sequence[Any]) -> None:
         sock.sendall(part)
 
 
-def read_reply(sock: socket.socket) -> tuple[int, bytes, str, Trailing]:
-    """One reply frame: (code, response bytes, details, trailing metadata).
+def read_reply(sock: socket.socket) -> tuple[int, memoryview, str, Trailing]:
+    """One reply frame: (code, response bytes (a view of the frame as received),
+    details, trailing metadata).
     Raises ``ConnectionError`` when the server closed the channel first, and
     ``ValueError`` on a reply that is not a frame."""
     head = recv_exact(sock, 4)
@@ -178,9 +185,9 @@ def read_reply(sock: socket.socket) -> tuple[int, bytes, str, Trailing]:
     if code not in STATUS_NAMES:
         raise ValueError(f"the call channel sent status {code}")
     if code == 0:
-        return code, payload[1:], "", []
-    details, trailing = _status(payload)
-    return code, b"", details, trailing
+        return code, memoryview(payload)[1:], "", []
+    details, trailing = _status(bytes(payload))
+    return code, memoryview(b""), details, trailing
 
 
 def _status(payload: bytes) -> tuple[str, Trailing]:
