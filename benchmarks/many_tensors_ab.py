@@ -20,14 +20,19 @@ faults also given apart. ``--no-flags-over-tcp``: the worker's client is
 ``Client(address)`` with no flags and each side's server is ``onnxps serve`` with no
 flags in a /dev/shm of its own (``paths.py``'s "no flags over TCP" row: needs
 root), so the calls go over TCP as between two hosts. The side that goes first
-alternates each round; round 0 warms up. Prints medians over rounds with their
-spreads (min-max), the many/one ratios, and new/old.
+alternates each round; round 0 warms up (the servers run with
+``ONNXPS_KERNELS=numba`` where numba is installed, so their first step waits for the
+fused kernels instead of a server compiling them in the background during the
+measured rounds: without it one run had one side's server at 2.5x the other's CPU
+for a call whose server code was the same on both). Prints medians over rounds
+with their spreads (min-max), the many/one ratios, and new/old.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import resource
 import statistics
 import tempfile
@@ -150,6 +155,11 @@ def main() -> int:
             try:
                 for side, tree in (("new", new), ("old", old)):
                     env = tree_env(tree.tree)
+                    if importlib.util.find_spec("numba") is not None:
+                        # the first step waits for the fused kernels (round 0's),
+                        # instead of one side compiling them in the background
+                        # while the other is measured
+                        env = {**env, "ONNXPS_KERNELS": "numba"}
                     log = Path(tmp) / f"{side}.log"
                     if args.no_flags_over_tcp:
                         # (snapshot durability, as paths.py's "no flags" rows)
