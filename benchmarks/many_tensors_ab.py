@@ -15,7 +15,7 @@ calls of: push + pull, push alone, pull alone (wall time in the worker), and a
 step alone at the store level (``ParameterStore.push`` in the worker's own
 process, gradients as a transport hands them over), as wall time and as CPU time
 of the worker and its server process together (less disturbed by a shared
-machine's load), with the client's and the server's CPU and the client's minor page
+machine's load), with the client's and the server's CPU and each one's minor page
 faults also given apart. ``--no-flags-over-tcp``: the worker's client is
 ``Client(address)`` with no flags and each side's server is ``onnxps serve`` with no
 flags in a /dev/shm of its own (``paths.py``'s "no flags over TCP" row: needs
@@ -149,6 +149,7 @@ def main() -> int:
     clients: dict[tuple[str, str, str], list[float]] = {}  # client CPU
     servers: dict[tuple[str, str, str], list[float]] = {}  # server CPU
     faults: dict[tuple[str, str, str], list[float]] = {}  # client minor faults
+    server_faults: dict[tuple[str, str, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         with checkout(args.new) as new, checkout(args.baseline) as old:
             procs, workers = [], {}
@@ -173,16 +174,18 @@ def main() -> int:
                     argv += [str(args.tensors), str(args.elements)]
                     argv += ["none" if args.no_flags_over_tcp else "grpc"]
                     workers[side] = Worker(tree, argv, Path(tmp) / f"{side}-w.log")
-                pids = zip(workers, procs, strict=True)
-                clocks = {side: _cpu_clock(p.pid) for side, p in pids}
+                pids = dict(zip(workers, (p.pid for p in procs), strict=True))
+                clocks = {side: _cpu_clock(pid) for side, pid in pids.items()}
                 for r in range(args.rounds + 1):
                     sides = ["new", "old"] if r % 2 == 0 else ["old", "new"]
                     for kind in kinds:
                         for side in sides:
                             for k in ("many", "one"):
                                 server = time.clock_gettime(clocks[side])
+                                sfaults = _minor_faults(pids[side])
                                 ans = workers[side].call(kind, k, args.reps)
                                 server = time.clock_gettime(clocks[side]) - server
+                                sfaults = _minor_faults(pids[side]) - sfaults
                                 if not r:
                                     continue
                                 key = (side, kind, k)
@@ -194,6 +197,9 @@ def main() -> int:
                                     server / args.reps * 1e3
                                 )
                                 faults.setdefault(key, []).append(ans["faults"])
+                                server_faults.setdefault(key, []).append(
+                                    sfaults / args.reps
+                                )
             finally:
                 for w in workers.values():
                     w.close()
@@ -203,6 +209,7 @@ def main() -> int:
     _report("client CPU ms", clients, kinds, args)
     _report("server CPU ms", servers, kinds, args)
     _report("client minor page faults", faults, kinds, args)
+    _report("server minor page faults", server_faults, kinds, args)
     return 0
 
 
@@ -230,6 +237,12 @@ def _report(
             wins = sum(x < y for x, y in zip(a, b, strict=True))
             ab = [x / y for x, y in zip(a, b, strict=True)]
             print(f"{'':14s} new/old, {label}: {_cell(ab, 2)}; less in {wins}/{len(a)}")
+
+
+def _minor_faults(pid: int) -> int:
+    """The minor page faults process ``pid`` has taken (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[7])
 
 
 def _cpu_clock(pid: int) -> int:
