@@ -227,7 +227,7 @@ def _report(
     for kind in kinds:
         for side in ("new", "old"):
             a, b = got[(side, kind, "many")], got[(side, kind, "one")]
-            ratio = [x / y for x, y in zip(a, b, strict=True)]
+            ratio = [_ratio(x, y) for x, y in zip(a, b, strict=True)]
             print(
                 f"{kind:14s} {side:4s} {_cell(a):>22s} {_cell(b):>22s} "
                 f"{_cell(ratio, 2):>20s}"
@@ -235,8 +235,13 @@ def _report(
         for k, label in (("many", many), ("one", one)):
             a, b = got[("new", kind, k)], got[("old", kind, k)]
             wins = sum(x < y for x, y in zip(a, b, strict=True))
-            ab = [x / y for x, y in zip(a, b, strict=True)]
+            ab = [_ratio(x, y) for x, y in zip(a, b, strict=True)]
             print(f"{'':14s} new/old, {label}: {_cell(ab, 2)}; less in {wins}/{len(a)}")
+
+
+def _ratio(x: float, y: float) -> float:
+    """x / y; NaN where y is 0 (a count such as no page faults at all)."""
+    return x / y if y else float("nan")
 
 
 def _minor_faults(pid: int) -> int:
