@@ -206,7 +206,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     got = recv_exact(sock, n)
     if got is None:
         raise ChannelBroken("the server closed the data channel while connecting")
-    return got
+    return bytes(got)
 
 
 def split_frame(

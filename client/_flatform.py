@@ -13,6 +13,7 @@ client forgets it, describes the group again and sends the call per tensor.
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +25,9 @@ from ._errors import FailedPreconditionError
 __all__ = ["FLAT_AVERAGE_BYTES", "FlatForm", "is_layout_mismatch", "pays"]
 
 Array = np.ndarray[Any, Any]
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_NDARRAY = {np.ndarray}
 
 # The form is used for groups whose tensors average at most this: it saves a
 # header, a check and an array per tensor, and costs a copy of the gradients into
@@ -75,14 +79,16 @@ class FlatForm:
 
     def fits(self, arrays: Sequence[Any]) -> bool:
         """Whether ``arrays`` are the group's gradients as native arrays (same
-        count, dtype and shapes): the push may go flat."""
+        count, dtype and shapes): the push may go flat. (Each test is one pass
+        in C over the arrays, not a Python loop: a group's many tensors are the
+        form's reason to be.)"""
         if len(arrays) != len(self.shapes):
             return False
-        dtype = self.dtype
-        for a, shape in zip(arrays, self.shapes, strict=True):
-            if type(a) is not np.ndarray or a.dtype != dtype or a.shape != shape:
-                return False
-        return True
+        return (
+            set(map(type, arrays)) == _NDARRAY
+            and set(map(_DTYPE, arrays)) == {self.dtype}
+            and list(map(_SHAPE, arrays)) == self.shapes
+        )
 
     def join(self, arrays: Sequence[Array]) -> Array:
         """The gradients back to back, one array (one copy), in the buffer the

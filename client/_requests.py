@@ -43,6 +43,7 @@ from ._discovery import CoordinatorTls, Discovery, is_coordinator
 from ._errors import ClientClosedError, RpcError
 from ._following import FollowsPlacement
 from ._frames import CallChannel
+from ._gradients import gradient_arrays, native_arrays
 from ._grpc_transport import Transport
 from ._ops import (
     Call,
@@ -128,21 +129,6 @@ R = TypeVar("R")
 
 STREAM_THRESHOLD_BYTES = 1 << 20
 SPLIT_BYTES = 64 << 20  # a cluster splits a group whose X is larger
-
-
-def gradient_arrays(gradients: Sequence[Any], dtype: np.dtype[Any] | None) -> Any:
-    """The gradients of a push, with Python lists, tuples and numbers made arrays
-    of the group's ``dtype`` when it is known (NumPy would make them float64,
-    which a float32 group refuses). Arrays are kept as they are: one of the wrong
-    dtype is the caller's to convert, and the server says so."""
-    if dtype is None:
-        return gradients
-    return tuple(
-        np.asarray(g, dtype)
-        if isinstance(g, list | tuple | int | float) and not isinstance(g, bool)
-        else g
-        for g in gradients
-    )
 
 
 class State(enum.Enum):
@@ -437,23 +423,26 @@ class ClientCore(FollowsPlacement):
         # Built now, not when first stepped: its deadline and seq start with the
         # call, and a unary push has copied the gradients before it returns.
         deadline = self._deadline(timeout)
-        gradients = gradient_arrays(gradients, self.ops.dtypes.get(group))
         enc = self._encoding(encoding, self.gradient_encoding, "encoding")
+        dtype = self.ops.dtypes.get(group)
+        grads: Sequence[Any]
+        if enc == "native":  # the common case: one pass over the gradients
+            grads = native_arrays(gradients, dtype)
+        else:
+            grads = gradient_arrays(gradients, dtype)
         if out is not None:
-            out = reply_arrays(out, gradients, return_values)
+            out = reply_arrays(out, grads, return_values)
         if enc != "native" and self._defers_encoding():
             # encoded block by block as the data channel sends it, or all at once
             # (``_push_op``) if the push goes another way
             arrays: list[Any] = [
                 DeferredEncoding(g, enc, f"gradient {i + 1}")
-                for i, g in enumerate(gradients)
+                for i, g in enumerate(grads)
             ]
         elif enc == "native":
-            arrays = [np.asarray(g) for g in gradients]  # as ``encode`` gives them
+            arrays = list(grads)  # arrays already, as ``encode`` gives them
         else:
-            arrays = [
-                encode(g, enc, f"gradient {i + 1}") for i, g in enumerate(gradients)
-            ]
+            arrays = [encode(g, enc, f"gradient {i + 1}") for i, g in enumerate(grads)]
         req = pb.PushRequest(
             group=group,
             client_id=self.client_id,

@@ -54,6 +54,7 @@ __all__ = [
     "split_call",
     "status_payload",
     "write_call",
+    "write_call_parts",
 ]
 
 DATA_MAGIC = b"ONNXPSD1"
@@ -98,9 +99,10 @@ HEAD = struct.Struct("<Bd")  # a call's method and timeout
 Trailing = list[tuple[str, bytes]]
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    """``n`` bytes from ``sock``, or None when the peer closed first (a timeout or
-    a broken socket raises ``OSError``)."""
+def recv_exact(sock: socket.socket, n: int) -> bytearray | None:
+    """``n`` bytes from ``sock``, received straight into the buffer returned (no
+    copy after: a call's or reply's bytes are parsed from it), or None when the
+    peer closed first (a timeout or a broken socket raises ``OSError``)."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
@@ -108,7 +110,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes | None:
         if not k:
             return None
         got += k
-    return bytes(buf)
+    return buf
 
 
 def close_socket(sock: socket.socket) -> None:
@@ -130,10 +132,29 @@ def write_call(
     sock: socket.socket, method: int, timeout: float, request: bytes
 ) -> None:
     """Send one call frame (the client's side)."""
-    sock.sendall(call_frame(method, timeout, request))
+    write_call_parts(sock, method, timeout, [request])
 
 
-def split_call(body: bytes) -> tuple[int, float, bytes]:
+def write_call_parts(
+    sock: socket.socket, method: int, timeout: float, parts: Sequence[Any]
+) -> None:
+    """Send one call frame whose request is ``parts`` (bytes-like, back to back):
+    small ones joined with the frame's head, a large one (over ``JOIN_BYTES``)
+    sent from where it is, not copied into one frame."""
+    size = sum(memoryview(p).nbytes for p in parts)
+    pending: list[Any] = [U32.pack(HEAD.size + size), HEAD.pack(method, timeout)]
+    for part in parts:
+        if memoryview(part).nbytes <= JOIN_BYTES:
+            pending.append(part)
+            continue
+        sock.sendall(b"".join(pending))
+        pending = []
+        sock.sendall(part)
+    if pending:
+        sock.sendall(b"".join(pending))
+
+
+def split_call(body: bytes | bytearray) -> tuple[int, float, bytes | bytearray]:
     """A call frame's body (after its length): method, timeout, request bytes."""
     method, timeout = HEAD.unpack_from(body)
     return method, timeout, body[HEAD.size :]
@@ -164,8 +185,9 @@ def send_reply(sock: socket.socket, code: int, parts: Sequence[Any]) -> None:
         sock.sendall(part)
 
 
-def read_reply(sock: socket.socket) -> tuple[int, bytes, str, Trailing]:
-    """One reply frame: (code, response bytes, details, trailing metadata).
+def read_reply(sock: socket.socket) -> tuple[int, memoryview, str, Trailing]:
+    """One reply frame: (code, response bytes (a view of the frame as received),
+    details, trailing metadata).
     Raises ``ConnectionError`` when the server closed the channel first, and
     ``ValueError`` on a reply that is not a frame."""
     head = recv_exact(sock, 4)
@@ -178,9 +200,9 @@ def read_reply(sock: socket.socket) -> tuple[int, bytes, str, Trailing]:
     if code not in STATUS_NAMES:
         raise ValueError(f"the call channel sent status {code}")
     if code == 0:
-        return code, payload[1:], "", []
-    details, trailing = _status(payload)
-    return code, b"", details, trailing
+        return code, memoryview(payload)[1:], "", []
+    details, trailing = _status(bytes(payload))
+    return code, memoryview(b""), details, trailing
 
 
 def _status(payload: bytes) -> tuple[str, Trailing]:

@@ -15,7 +15,7 @@ from onnxps.v1 import parameter_server_pb2 as pb
 
 from ..store import PushOutcome, PushTicket
 from ..store import ValuesSink as StoreSink
-from ..store._flat import FlatArrays, FlatValues, flat_views
+from ..store._flat import FlatArrays, FlatValues
 from ._common import names_of
 
 __all__ = [
@@ -51,10 +51,10 @@ def gradient_names(req: pb.PushRequest, ticket: PushTicket) -> list[str]:
 
 
 def flat_gradients(ticket: PushTicket, grads: Sequence[Array]) -> FlatArrays:
-    """A flat push's one gradient as the group's tensors: views of it, per
-    tensor, that the store steps as one array (``FlatArrays``)."""
-    flat = grads[0].reshape(-1)
-    return FlatArrays(flat_views(flat, ticket.shapes), flat)
+    """A flat push's one gradient as the group's tensors, that the store steps
+    as one array (``FlatArrays``): their views are made only where the store
+    reads them per tensor (``FlatArrays.unviewed``)."""
+    return FlatArrays.unviewed(grads[0].reshape(-1), ticket.shapes)
 
 
 def flat_values(values: Sequence[Array]) -> list[Array]:

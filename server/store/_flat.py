@@ -33,6 +33,7 @@ __all__ = [
     "flat_views",
     "kept_flat",
     "layout_digest",
+    "per_tensor",
 ]
 
 Array = np.ndarray[Any, Any]
@@ -40,11 +41,41 @@ Array = np.ndarray[Any, Any]
 
 class FlatArrays(list[Array]):
     """Arrays that are views, in order and back to back, of one C-contiguous 1-D
-    buffer (``flat``): a push's gradients read into one allocation."""
+    buffer (``flat``): a push's gradients read into one allocation.
 
-    def __init__(self, arrays: Sequence[Array], flat: Array) -> None:
+    ``unviewed`` holds no views until ``viewed`` makes them: a flat push (the
+    flat form) is stepped as one array, and only a WAL record, a sync round's
+    buffer or a message naming one gradient reads it per tensor (those call
+    ``per_tensor``). A list, not a lazy sequence: C code reads its items
+    directly."""
+
+    def __init__(
+        self,
+        arrays: Sequence[Array],
+        flat: Array,
+        shapes: Sequence[tuple[int, ...]] | None = None,
+    ) -> None:
         super().__init__(arrays)
         self.flat = flat
+        self._shapes = shapes  # views still to make (``unviewed``)
+
+    @classmethod
+    def unviewed(cls, flat: Array, shapes: Sequence[tuple[int, ...]]) -> FlatArrays:
+        """``flat`` as tensors of ``shapes``, their views made when first read
+        (``viewed``)."""
+        return cls((), flat, shapes)
+
+    def viewed(self) -> FlatArrays:
+        """These arrays with their per-tensor views made (once)."""
+        if self._shapes is not None:
+            self[:] = flat_views(self.flat, self._shapes)
+            self._shapes = None
+        return self
+
+
+def per_tensor(arrays: Sequence[Array]) -> Sequence[Array]:
+    """A push's gradients as one array per tensor (``FlatArrays.viewed``)."""
+    return arrays.viewed() if isinstance(arrays, FlatArrays) else arrays
 
 
 class FlatValues(tuple[Array, ...]):

@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import JOURNAL_REFUSALS, FailedPrecondition, InvalidArgument
 from ..kernels._finite import all_finite  # one pass, no temporary the size of a
 from ._checks import MAX_UPDATE_COUNT, check_learning_rate
-from ._flat import FlatArrays
+from ._flat import FlatArrays, per_tensor
 from ._group import DEDUP_WINDOW, Group, PushOutcome, StoreLimits, is_row_push
 from ._ids import empty_part
 from ._journaling import JournalEntry
@@ -241,7 +241,7 @@ def check_gradient_values(
         return
     if isinstance(grads, FlatArrays) and all_finite(grads.flat):
         return  # one pass over the push (``_flat``); else find the gradient at fault
-    for i, a in enumerate(grads):
+    for i, a in enumerate(per_tensor(grads)):
         if not all_finite(a):
             raise InvalidArgument(
                 f"gradient {i + 1} ({ticket.names[i]!r}) holds NaN or inf, which "
@@ -312,6 +312,10 @@ class PushPipeline:
         replay: bool = False,
         emit: Emission | None = None,
     ) -> PushOutcome:
+        if journal.logging or g.tables or g.consistency.mode != "async":
+            # a WAL record, a sync round's buffer or a table's checks read the
+            # gradients per tensor; an async step without a log reads one array
+            grads = per_tensor(grads)
         if journal.logging and g.consistency.mode == "async" and not g.tables:
             return self._run_in_order(g, grads, request, journal, return_values, emit)
         with g.cond, alone(g.cond, g.order):

@@ -163,7 +163,8 @@ def read_reply(
 ) -> tuple[grpc.StatusCode, bytes, str, list[tuple[str, bytes]]]:
     """One reply frame: (code, response bytes, details, trailing metadata)."""
     number, body, details, trailing = frames.read_reply(sock)
-    return grpc.StatusCode[frames.STATUS_NAMES[number]], body, details, trailing
+    code = grpc.StatusCode[frames.STATUS_NAMES[number]]
+    return code, bytes(body), details, trailing
 
 
 class FrameCalls:
@@ -245,7 +246,7 @@ class FrameCalls:
         sock: socket.socket,
         ctx: FrameContext,
         plan: Any,
-        body: bytes,
+        body: bytearray,
     ) -> tuple[grpc.StatusCode, list[Any]]:
         """Run one call (its method's ``Plan``: the interceptors' hooks around
         its handler): its status and the reply's parts after the code byte."""
@@ -253,7 +254,8 @@ class FrameCalls:
         with self._lock:
             self._running[sock] = ctx
         try:
-            reply = plan.call_frame(body[HEAD.size :], ctx, ctx.invocation_metadata())
+            request = memoryview(body)[HEAD.size :]  # parsed from where it came
+            reply = plan.call_frame(request, ctx, ctx.invocation_metadata())
             ok = grpc.StatusCode.OK
             return ok, _response_parts(reply, plan.serialize)
         except _Aborted:

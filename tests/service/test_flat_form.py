@@ -9,14 +9,15 @@ per tensor as before."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
-from _servers import details
-from onnxps.client import Adam, Client, Momentum
-from onnxps.server.app import ServerHandle
+from _servers import _crash, details
+from onnxps.client import Adam, Client, InvalidArgumentError, Momentum, Sync
+from onnxps.server.app import ServerConfig, ServerHandle
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.v1 import parameter_server_pb2_grpc as pb_grpc
 from onnxps.wire.codec import array_to_tensor, header_tensor, tensor_to_array
@@ -342,3 +343,69 @@ def test_a_flat_call_outside_the_tokens_prefixes_learns_nothing_of_the_layout(
             with pytest.raises(grpc.RpcError) as err:
                 call()
             assert layout.layout.hex() not in (err.value.details() or "")
+
+
+def test_a_flat_push_is_logged_per_tensor_and_replays_to_the_same_x(
+    servers: Callable[..., ServerHandle], tmp_path: Path
+) -> None:
+    """The server makes a flat push's per-tensor views only where they are read:
+    a WAL record reads them, so the log replays the pushes bit for bit."""
+    config = ServerConfig(
+        address="127.0.0.1:0",
+        durability="wal",
+        data_dir=str(tmp_path),
+        snapshot_interval=0,
+    )
+    first = servers(config)
+    try:
+        with Client(first.address, timeout=60) as c:
+            c.create_group("g", Adam(), learning_rate=0.05, tensors=values("float32"))
+            assert "g" in c.ops.flat_forms
+            for step in range(3):
+                c.push("g", *grads("float32", step))
+            before = c.pull("g", state=True)
+    finally:
+        _crash(first)
+    second = servers(config)
+    with Client(second.address, timeout=60) as c:
+        assert c.describe_group("g").update_count == 3
+        assert_same(c.pull("g", state=True), before)
+
+
+def test_a_flat_push_to_a_sync_group_steps_as_the_per_tensor_one(
+    server: ServerHandle, stub: Any
+) -> None:
+    """A sync round buffers a flat push's gradients per tensor."""
+    x0 = values("float32")
+    with Client(server.address, timeout=60) as c:
+        for name in ("flat", "ref"):
+            c.create_group(
+                name,
+                Adam(),
+                learning_rate=0.05,
+                tensors=x0,
+                consistency=Sync(workers=1),
+            )
+        assert "flat" in c.ops.flat_forms
+        for step in range(2):
+            g = grads("float32", step)
+            per_tensor(stub, "ref", g, client_id="ref-worker", seq=step + 1)
+            assert c.push("flat", *g) == step + 1
+        t, want = pulled(stub, "ref")
+        assert t == 2
+        assert_same(c.pull("flat", state=True), want)
+
+
+def test_a_non_finite_flat_gradient_is_refused_naming_its_tensor(
+    server: ServerHandle,
+) -> None:
+    with Client(server.address, timeout=60) as c:
+        c.create_group("g", Adam(), learning_rate=0.05, tensors=values("float32"))
+        assert "g" in c.ops.flat_forms
+        g = grads("float32", 0)
+        g[5][1, 2] = np.nan  # "t5", of shape (129, 3)
+        with pytest.raises(InvalidArgumentError) as got:
+            c.push("g", *g)
+        assert got.value.reason == "NON_FINITE_GRADIENT"
+        assert "gradient 6 ('t5') holds NaN or inf" in str(got.value)
+        assert c.describe_group("g").update_count == 0

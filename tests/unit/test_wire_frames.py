@@ -4,6 +4,7 @@ status numbers are gRPC's; a reply written by one end reads back at the other)."
 from __future__ import annotations
 
 import socket
+import threading
 
 import grpc
 import pytest
@@ -29,7 +30,7 @@ def test_a_status_reply_reads_back_whole() -> None:
         payload = frames.status_payload("no such group: g", trailing)
         frames.send_reply(a, 5, [payload])
         code, body, details, got = frames.read_reply(b)
-    assert (code, body, details) == (5, b"", "no such group: g")
+    assert (code, bytes(body), details) == (5, b"", "no such group: g")
     assert got == [("grpc-status-details-bin", b"\x00\xff"), ("reason", b"BAD")]
 
 
@@ -37,11 +38,26 @@ def test_an_ok_reply_and_a_call_frame_read_back() -> None:
     a, b = socket.socketpair()
     with a, b:
         frames.send_reply(a, 0, [b"abc", memoryview(b"de")])
-        assert frames.read_reply(b) == (0, b"abcde", "", [])
+        code, reply, details, got = frames.read_reply(b)
+        assert (code, bytes(reply), details, got) == (0, b"abcde", "", [])
         frames.write_call(a, 2, 1.5, b"request")
         (length,) = frames.U32.unpack(frames.recv_exact(b, 4) or b"")
         body = frames.recv_exact(b, length) or b""
         assert frames.split_call(body) == (2, 1.5, b"request")
+
+
+def test_a_large_call_frame_is_sent_unjoined_and_reads_back_whole() -> None:
+    # a request over JOIN_BYTES goes after the frame's head, from where it is
+    request = bytes(range(256)) * ((frames.JOIN_BYTES >> 8) + 3)
+    a, b = socket.socketpair()
+    with a, b:
+        sent = threading.Thread(target=frames.write_call, args=(a, 1, 0.0, request))
+        sent.start()
+        (length,) = frames.U32.unpack(frames.recv_exact(b, 4) or b"")
+        body = frames.recv_exact(b, length) or b""
+        sent.join()
+    assert length == frames.HEAD.size + len(request)
+    assert frames.split_call(body) == (1, 0.0, request)
 
 
 def test_a_closed_peer_is_none_or_a_connection_error() -> None:
