@@ -23,13 +23,13 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire import frames
-from onnxps.wire.codec import EncodedMessage, deserializer, rpc_messages
+from onnxps.wire.codec import deserializer, rpc_messages
 from onnxps.wire.frames import CALL_MAGIC, FRAME_MAX_REQUEST_BYTES, close_socket
 
 from ._datachannel import ChannelBroken, ChannelRefused, connect
@@ -111,7 +111,7 @@ class CallChannel:
     def call(
         self,
         method: str,
-        request: Sequence[Any],
+        request: bytes,
         timeout: float | None,
         reply_within: float | None = None,
     ) -> memoryview:
@@ -123,7 +123,7 @@ class CallChannel:
             timeout = reply_within if timeout is None else min(timeout, reply_within)
         try:
             self.sock.settimeout(timeout)
-            frames.write_call_parts(self.sock, number, deadline, request)
+            frames.write_call(self.sock, number, deadline, request)
             code, body, details, trailing = frames.read_reply(self.sock)
         except (OSError, ValueError) as exc:  # a timeout too: the stream is lost
             self.close()
@@ -133,20 +133,16 @@ class CallChannel:
         raise FrameRpcError(_CODES[code], details, trailing)
 
 
-def request_parts(request: Any) -> tuple[list[Any], int] | None:
-    """A Push or Pull request's bytes (as pieces: a flat push's gradients are not
-    joined into it, ``EncodedMessage.parts``) and their size, or None when it
-    must go over gRPC (tensors in shared memory or on a data channel: bound to
-    the gRPC caller)."""
+def request_bytes(request: Any) -> bytes | None:
+    """A Push or Pull request's bytes, or None when it must go over gRPC (tensors in
+    shared memory or on a data channel: bound to the gRPC caller)."""
     message = getattr(request, "message", request)
     for field in ("gradients_region", "reply_region", "transfer"):
         with contextlib.suppress(ValueError):  # a message without that field
             if message.HasField(field):
                 return None
-    if isinstance(request, EncodedMessage):
-        return request.parts(), request.ByteSize()
     data: bytes = request.SerializeToString()
-    return [data], len(data)
+    return data
 
 
 class CallChannelLink:
@@ -198,13 +194,13 @@ class CallChannelLink:
         if ch is None or not ch.lock.acquire(blocking=False):
             return _NOT_FRAMED
         try:
-            raw = request_parts(call.request())
-            if raw is None or raw[1] > FRAME_MAX_REQUEST_BYTES:
+            raw = request_bytes(call.request())
+            if raw is None or len(raw) > FRAME_MAX_REQUEST_BYTES:
                 return _NOT_FRAMED
             sending = functools.partial(
                 ch.call,
                 call.method,
-                raw[0],
+                raw,
                 call.deadline.remaining(),
                 self._reply_within,
             )

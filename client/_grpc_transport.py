@@ -187,9 +187,7 @@ class InlineTransport:
         out: Sequence[Array] | None,
     ) -> Op[PushResult]:
         req = _copy(template)
-        # a flat push's one gradient is the client's own buffer, unchanged until
-        # the push ends: a frame call sends it from there (gRPC joins it)
-        msg = EncodedMessage(req, "gradients", _native(arrays), defer=bool(req.layout))
+        msg = EncodedMessage(req, "gradients", _native(arrays))
         call = Call("Push", lambda: msg, deadline, pushed_what(req))
         address = self.host.address
         got = yield from resending(call, req.group, req.seq, address, self.send)

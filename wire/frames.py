@@ -54,7 +54,6 @@ __all__ = [
     "split_call",
     "status_payload",
     "write_call",
-    "write_call_parts",
 ]
 
 DATA_MAGIC = b"ONNXPSD1"
@@ -131,27 +130,13 @@ def call_frame(method: int, timeout: float, request: bytes) -> bytes:
 def write_call(
     sock: socket.socket, method: int, timeout: float, request: bytes
 ) -> None:
-    """Send one call frame (the client's side)."""
-    write_call_parts(sock, method, timeout, [request])
-
-
-def write_call_parts(
-    sock: socket.socket, method: int, timeout: float, parts: Sequence[Any]
-) -> None:
-    """Send one call frame whose request is ``parts`` (bytes-like, back to back):
-    small ones joined with the frame's head, a large one (over ``JOIN_BYTES``)
-    sent from where it is, not copied into one frame."""
-    size = sum(memoryview(p).nbytes for p in parts)
-    pending: list[Any] = [U32.pack(HEAD.size + size), HEAD.pack(method, timeout)]
-    for part in parts:
-        if memoryview(part).nbytes <= JOIN_BYTES:
-            pending.append(part)
-            continue
-        sock.sendall(b"".join(pending))
-        pending = []
-        sock.sendall(part)
-    if pending:
-        sock.sendall(b"".join(pending))
+    """Send one call frame (the client's side): a large request from where it
+    is, after the frame's head, not copied into one frame."""
+    if len(request) <= JOIN_BYTES:
+        sock.sendall(call_frame(method, timeout, request))
+        return
+    sock.sendall(U32.pack(HEAD.size + len(request)) + HEAD.pack(method, timeout))
+    sock.sendall(request)
 
 
 def split_call(body: bytes | bytearray) -> tuple[int, float, bytes | bytearray]:
