@@ -11,6 +11,15 @@ threshold stays glibc's, and a background thread hands freed heap memory back
 (``malloc_trim``) when the process has grown since it last did, at most every few
 seconds. A few heaps bound what the threads keep in the meantime.
 
+The thresholds are then fixed where that trimmer does the work: blocks under 32
+MiB (glibc's own ceiling for its moving threshold) come from the heaps, and glibc
+trims a heap's top itself only past 256 MiB free. Left moving, they put a call's
+800 KB buffers to mmap and back on every call in some servers and not others,
+depending on what each had allocated before (about 750 minor page faults and twice
+the server CPU per 200 x 1,000 push + pull over TCP; benchmarks/many_tensors_ab.py
+``--no-flags-over-tcp``). ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_``
+set by the operator leaves both as glibc has them.
+
 Only ``onnxps serve`` (the process that owns its allocator) calls ``tune``; a
 library embedding ``create_server`` keeps its own settings. ``MALLOC_ARENA_MAX`` set
 by the operator wins.
@@ -41,6 +50,10 @@ ARENA_MAX = 4
 TRIM_SECONDS = 2.0  # how often the trimmer looks
 TRIM_GROWTH = 32 << 20  # RSS grown this much since the last trim: trim
 _M_ARENA_MAX = -8  # glibc's malloc.h
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its moving threshold
+TRIM_THRESHOLD = 256 << 20
 
 
 def _libc() -> Any | None:
@@ -127,5 +140,8 @@ def tune() -> Trimmer | None:
         return None
     if "MALLOC_ARENA_MAX" not in os.environ:
         libc.mallopt(_M_ARENA_MAX, ARENA_MAX)
+    if not {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & set(os.environ):
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     log.debug("malloc: %d heaps at most, trimmed as RSS grows", ARENA_MAX)
     return Trimmer(libc).start()
