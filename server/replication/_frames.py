@@ -1,10 +1,12 @@
 """A log record as a WAL frame (docs/FORMAT.md): shipped as the log holds it, in
-pieces of at most 1 MiB (``pieces``), gathered (``Gather``), checked and written as
-it came by the standby."""
+pieces of at most 1 MiB (``pieces``) or several whole in one message (``batch``),
+gathered (``Gather``), checked and written as it came by the standby."""
 
 from __future__ import annotations
 
 import json
+import math
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +15,7 @@ import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import _read_varint, _varint
 
+from ..durability._wal import Frame
 from ..durability._walread import (
     FRAME,
     MAGIC,
@@ -60,11 +63,44 @@ class ShippedRecord:
         return buf.data
 
 
+@dataclass(frozen=True)
+class ShippedBatch:
+    """A ``ReplicateResponse`` carrying several whole records (``records``, log
+    shipping protocol 2), as the standby's stub decodes it: each frame a view of
+    the received message."""
+
+    term: int
+    records: tuple[ShippedRecord, ...]
+
+
 PIECE = 1 << 20  # frame bytes per message (the first one holds the header whole)
 # The log shipping protocol this version speaks (``ReplicateHello.protocol``): 1,
-# records in pieces of PIECE bytes; a standby speaking 0 takes them whole (WHOLE).
-PROTOCOL = 1
+# records in pieces of PIECE bytes; a standby speaking 0 takes them whole (WHOLE);
+# 2, several whole records in one message (``batch``) as well.
+PROTOCOL = 2
+BATCHES = 2  # the protocol from which a standby takes ``batch`` messages
 WHOLE = 1 << 62
+# Bytes a record adds to a batch beside its frame (its tags and lengths), at most
+BATCH_OVERHEAD = 32
+
+
+def batch(term: int, records: Sequence[tuple[int, Sequence[Any]]]) -> bytes:
+    """The wire bytes of ``ReplicateResponse(term, records=ReplicaRecordBatch(
+    [ReplicaRecord(lsn, frame), ...]))`` for ``records``, (lsn, the frame's bytes
+    in chunks) in lsn order, each frame whole: one message, one copy."""
+    parts: list[Any] = []
+    size = 0
+    for lsn, chunks in records:
+        frame = sum(len(memoryview(c).cast("B")) for c in chunks)
+        record = b"\x08" + _varint(lsn) + b"\x12" + _varint(frame)
+        head = b"\x0a" + _varint(len(record) + frame) + record
+        parts.append(head)
+        parts.extend(chunks)
+        size += len(head) + frame
+    head = b"\x2a" + _varint(size)
+    if term:
+        head = b"\x08" + _varint(term) + head
+    return b"".join([head, *parts])
 
 
 def pieces(
@@ -101,6 +137,39 @@ def piece(
     if term:
         head = b"\x08" + _varint(term) + head
     return b"".join([head, *parts]), (end if end < total else None)
+
+
+class KeptFrame:
+    """A record's frame as the primary's log holds it, kept for its streams:
+    shipped in pieces (``piece``) or whole in a batch (``whole``), copied as they
+    are sent, by every stream that sends it, until ``release``."""
+
+    def __init__(self, term: int, lsn: int, frame: Frame) -> None:
+        self._args: tuple[int, int, Frame] | None = (term, lsn, frame)
+        self._lock = threading.Lock()
+        self.nbytes = frame.nbytes
+
+    def piece(self, offset: int, size: int) -> tuple[bytes, int | None] | None:
+        """The message of the piece at ``offset`` and the next one's offset (see
+        ``piece``); None once released (the frame's arrays are given back:
+        the rest is read from the log)."""
+        with self._lock:  # ``release`` waits for a piece being copied
+            if self._args is None:
+                return None
+            term, lsn, frame = self._args
+            return piece(term, lsn, frame.chunks(), offset, size)
+
+    def whole(self) -> list[bytes] | None:
+        """The frame's bytes, copied (for a batch); None once released."""
+        with self._lock:
+            if self._args is None:
+                return None
+            return [b"".join(self._args[2].chunks())]
+
+    def release(self) -> None:
+        """Let the frame's arrays go: no piece is copied from them after this."""
+        with self._lock:
+            self._args = None
 
 
 def _slices(views: Sequence[memoryview], start: int, end: int) -> list[memoryview]:
@@ -166,22 +235,46 @@ class Gather:
 
 def decode_response(raw: bytes) -> Any:
     """The standby's deserializer of ``ReplicateResponse``: a record as a
-    ``ShippedRecord`` (its frame a view of ``raw``), anything else parsed."""
+    ``ShippedRecord``, several as a ``ShippedBatch`` (their frames views of
+    ``raw``), anything else parsed."""
     got = _record_view(memoryview(raw))
     return pb.ReplicateResponse.FromString(raw) if got is None else got
 
 
-def _record_view(buf: memoryview) -> ShippedRecord | None:
-    """``buf`` as ``shipped`` encodes it (a term, then a record), else None."""
+def _record_view(buf: memoryview) -> ShippedRecord | ShippedBatch | None:
+    """``buf`` as ``piece`` or ``batch`` encodes it (a term, then a record or a
+    batch of them), else None."""
     end, term, pos = len(buf), 0, 0
     if end and buf[0] == 0x08:
         term, pos = _read_varint(buf, 1, end)
-    if pos >= end or buf[pos] != 0x22:
+    if pos >= end or buf[pos] not in (0x22, 0x2A):
         return None
+    tag = buf[pos]
     length, pos = _read_varint(buf, pos + 1, end)
     if term < 0 or length < 0 or pos + length != end or pos >= end:
         return None
-    if buf[pos] != 0x08:
+    if tag == 0x22:
+        got = _record_at(buf, pos, end)
+        return None if got is None else ShippedRecord(term, *got)
+    records = []
+    while pos < end:
+        if buf[pos] != 0x0A:
+            return None
+        length, pos = _read_varint(buf, pos + 1, end)
+        if length <= 0 or pos + length > end:
+            return None
+        got = _record_at(buf, pos, pos + length)
+        if got is None:
+            return None
+        records.append(ShippedRecord(term, *got))
+        pos += length
+    return ShippedBatch(term, tuple(records)) if records else None
+
+
+def _record_at(buf: memoryview, pos: int, end: int) -> tuple[int, memoryview] | None:
+    """(lsn, frame) of the ``ReplicaRecord`` that ``buf[pos:end]`` holds as
+    ``piece`` and ``batch`` encode it (the lsn, then the frame), else None."""
+    if pos >= end or buf[pos] != 0x08:
         return None
     lsn, pos = _read_varint(buf, pos + 1, end)
     if lsn < 0 or pos >= end or buf[pos] != 0x12:
@@ -189,7 +282,7 @@ def _record_view(buf: memoryview) -> ShippedRecord | None:
     size, pos = _read_varint(buf, pos + 1, end)
     if size < 0 or pos + size != end:
         return None
-    return ShippedRecord(term, lsn, buf[pos:end])
+    return lsn, buf[pos:end]
 
 
 def check_frame(frame: memoryview | ShippedRecord, lsn: int) -> dict[str, Any]:
@@ -223,7 +316,7 @@ def frame_arrays(header: dict[str, Any], frame: memoryview) -> list[Array]:
     arrays = []
     for dtype_str, shape in header["arrays"]:
         dtype = np.dtype(dtype_str)
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(int(n) for n in shape)
         a = np.frombuffer(frame, dtype=dtype, count=count, offset=offset)
         arrays.append(a.reshape(shape))
         offset += count * dtype.itemsize

@@ -33,7 +33,6 @@ from onnxps.v1 import parameter_server_pb2 as pb
 
 from ..durability import Durability
 from ..durability._snapshot import SnapshotError, list_snapshots, read_manifest
-from ..durability._wal import Frame
 from ..durability._walread import LogCursor, logged_term
 from ..errors import (
     FailedPrecondition,
@@ -44,11 +43,14 @@ from ..errors import (
 from ..store._waits import CURRENT_CALL, CallCancelled, CallLink
 from ._etcd import CoordinatorUnavailable
 from ._frames import (
+    BATCH_OVERHEAD,
+    BATCHES,
     PIECE,
     PROTOCOL,
     UNREADABLE,
     WHOLE,
-    piece,
+    KeptFrame,
+    batch,
     pieces,
 )
 from ._member import Member, Role
@@ -79,34 +81,10 @@ class NotPrimary(FailedPrecondition, Unavailable):
     default_reason = "NOT_PRIMARY"
 
 
-class _Shipped:
-    """A record's frame as the log holds it, shipped in pieces (``piece``) copied
-    as they are sent, by every stream that sends it, until ``release``."""
-
-    def __init__(self, term: int, lsn: int, frame: Frame) -> None:
-        self._args: tuple[int, int, Frame] | None = (term, lsn, frame)
-        self._lock = threading.Lock()
-
-    def piece(self, offset: int, size: int) -> tuple[bytes, int | None] | None:
-        """The message of the piece at ``offset`` and the next one's offset (see
-        ``_frames.piece``); None once released (the frame's arrays are given back:
-        the rest is read from the log)."""
-        with self._lock:  # ``release`` waits for a piece being copied
-            if self._args is None:
-                return None
-            term, lsn, frame = self._args
-            return piece(term, lsn, frame.chunks(), offset, size)
-
-    def release(self) -> None:
-        """Let the frame's arrays go: no piece is copied from them after this."""
-        with self._lock:
-            self._args = None
-
-
 @dataclass
 class _Record:
     term: int
-    frame: _Shipped
+    frame: KeptFrame
     failed: bool = False
     durable: bool = False
 
@@ -124,6 +102,7 @@ class _Standby:
     gone: bool = False
     cancel: Callable[[], Any] | None = None  # ends its stream
     piece: int = PIECE  # frame bytes per message: WHOLE for a protocol 0 standby
+    batches: bool = False  # takes several whole records in a message (protocol 2)
     # The last record handed to its stream whole (or the snapshot's, or the one
     # its hello resumed after): it cannot acknowledge beyond it.
     shipped: int = 0
@@ -229,7 +208,7 @@ class ReplicatedJournal:
             lsn = int(lsn)
             # Shipped by the streams while this server writes it: the standbys'
             # fsync runs beside this one's, not after it.
-            self._records[lsn] = _Record(term, _Shipped(term, lsn, frame))
+            self._records[lsn] = _Record(term, KeptFrame(term, lsn, frame))
             self._new.notify_all()
         return lsn
 
@@ -442,6 +421,7 @@ class ReplicatedJournal:
             hello.member_id, hello.address, instance, cancel=context.cancel
         )
         cursor = LogCursor(self.durability.wal_dir)
+        standby.batches = min(hello.protocol, PROTOCOL) >= BATCHES
         if min(hello.protocol, PROTOCOL) < 1:
             standby.piece = WHOLE
             log.warning(
@@ -619,13 +599,38 @@ class ReplicatedJournal:
         self, after: int, standby: _Standby, term: int, cursor: LogCursor
     ) -> Iterator[bytes]:
         """Records ``after``+1 to the standby's floor as shipped, read from the log
-        on disk in one pass (durable, maybe no longer kept in memory); one that
-        cannot be read raises (``UNREADABLE``): it is never skipped."""
+        on disk in one pass (durable, maybe no longer kept in memory), several in
+        a message to a standby that takes batches; one that cannot be read raises
+        (``UNREADABLE``): it is never skipped."""
         cursor.seek(after)
+        run: list[tuple[int, list[bytes]]] = []
+        size = 0
         for header, chunks in cursor.frames(standby.floor):
             lsn = int(header["lsn"])
+            nbytes = sum(len(c) for c in chunks) + BATCH_OVERHEAD
+            if run and (size + nbytes > PIECE or nbytes > PIECE):
+                yield from self._send_run(standby, term, run)
+                run, size = [], 0
+            if standby.batches and nbytes <= PIECE:
+                run.append((lsn, chunks))
+                size += nbytes
+                continue
             messages = pieces(term, lsn, chunks, 0, standby.piece)
             yield from self._shipped(standby, lsn, messages)
+        if run:
+            yield from self._send_run(standby, term, run)
+
+    def _send_run(
+        self, standby: _Standby, term: int, run: Sequence[tuple[int, Sequence[Any]]]
+    ) -> Iterator[bytes]:
+        """Records ``run`` (lsn, frame in chunks), consecutive and each at most a
+        piece: one message (a batch; a record alone goes as it always did)."""
+        last, chunks = run[-1]
+        if len(run) == 1:
+            messages: Iterable[bytes] = pieces(term, last, chunks, 0, standby.piece)
+        else:
+            messages = [batch(term, run)]
+        yield from self._shipped(standby, last, messages)
 
     def _snapshot(
         self,
@@ -719,6 +724,13 @@ class ReplicatedJournal:
                     if self.member.term != term or self.member.role is not Role.PRIMARY:
                         return  # deposed, or a newer term: the standby follows it
                     continue
+                run = self._ready(nxt, term) if standby.batches else []
+            if len(run) > 1:  # a standby behind: several records in a message
+                yield from self._send_run(
+                    standby, term, [(k, self._whole(k, e, cursor)) for k, e in run]
+                )
+                nxt = run[-1][0] + 1
+                continue
             if not entry.failed:
                 if entry.term != term:
                     return  # logged in a newer term: the standby follows that
@@ -726,8 +738,28 @@ class ReplicatedJournal:
                 yield from self._shipped(standby, nxt, messages)
             nxt += 1
 
+    def _ready(self, lsn: int, term: int) -> list[tuple[int, KeptFrame]]:
+        """Under the lock: the records kept from ``lsn`` on that one message may
+        carry (consecutive, logged in ``term`` and not failed, a piece in all)."""
+        run: list[tuple[int, KeptFrame]] = []
+        size = 0
+        while (entry := self._records.get(lsn)) is not None:
+            nbytes = entry.frame.nbytes + BATCH_OVERHEAD
+            if entry.failed or entry.term != term or size + nbytes > PIECE:
+                break
+            run.append((lsn, entry.frame))
+            size += nbytes
+            lsn += 1
+        return run
+
+    def _whole(self, lsn: int, record: KeptFrame, cursor: LogCursor) -> list[bytes]:
+        """Record ``lsn``'s frame: copied from its arrays while the push that
+        logged it waits, else read from the log (on the stream's cursor)."""
+        got = record.whole()
+        return self._from_log(lsn, cursor) if got is None else got
+
     def _ship(
-        self, record: _Shipped, lsn: int, term: int, size: int, cursor: LogCursor
+        self, record: KeptFrame, lsn: int, term: int, size: int, cursor: LogCursor
     ) -> Iterator[bytes]:
         """Record ``lsn``'s pieces: copied from its arrays while the push that
         logged it waits, the rest from the log once it was released (read on the

@@ -30,6 +30,7 @@ from ..errors import DomainError, Unavailable
 from ._frames import (
     PROTOCOL,
     Gather,
+    ShippedBatch,
     ShippedRecord,
     check_frame,
     decode_response,
@@ -72,13 +73,19 @@ class _Applier:
         self._thread.start()
 
     def put(self, header: dict[str, Any], frame: Any, covered: dict[str, int]) -> None:
+        self.put_many([(header, frame, covered)])
+
+    def put_many(self, items: list[tuple[dict[str, Any], Any, dict[str, int]]]) -> None:
+        """``put`` each of ``items`` (header, frame, covered), in order; the
+        applier is woken once."""
         with self._cv:
-            while self._items and self._bytes + len(frame) > self._limit:
-                self._release()  # applied without waiting for their acks
-                self._cv.wait()
-            self._raise_failed()
-            self._items.append((header, frame, covered))
-            self._bytes += len(frame)
+            for header, frame, covered in items:
+                while self._items and self._bytes + len(frame) > self._limit:
+                    self._release()  # applied without waiting for their acks
+                    self._cv.wait()
+                self._raise_failed()
+                self._items.append((header, frame, covered))
+                self._bytes += len(frame)
             self._cv.notify_all()
 
     def sent(self, lsn: int) -> None:
@@ -123,17 +130,31 @@ class _Applier:
                     self._cv.wait()
                 if not self._items:
                     return
-                item = self._items[0]
-            try:
-                if self._failed is None:
-                    self._apply(*item)
-            except BaseException as exc:  # the receiver raises it, and stops
-                log.exception("applying record %s failed", item[0].get("lsn"))
-                self._failed = exc
+                ready = self._ready()
+            for item in ready:  # (taken under one lock: a standby behind has many)
+                try:
+                    if self._failed is None:
+                        self._apply(*item)
+                except BaseException as exc:  # the receiver raises it, and stops
+                    log.exception("applying record %s failed", item[0].get("lsn"))
+                    self._failed = exc
             with self._cv:
-                self._items.popleft()
-                self._bytes -= len(item[1])
+                for item in ready:
+                    self._items.popleft()
+                    self._bytes -= len(item[1])
                 self._cv.notify_all()
+
+    def _ready(self, most: int = 256) -> list[Any]:
+        """Under the lock: the first records queued that may be applied now
+        (their acks sent, or the applier closing), ``most`` at most."""
+        ready: list[Any] = []
+        for item in self._items:
+            if len(ready) >= most or (
+                not self._closed and int(item[0]["lsn"]) > self._sent
+            ):
+                break
+            ready.append(item)
+        return ready
 
 
 # a record appended: (the log, its lsn, header, frame, covered lsns per group)
@@ -172,26 +193,22 @@ class _Syncer:
         )
         self._thread.start()
 
-    def put(
-        self,
-        journal: Any,
-        lsn: int,
-        header: dict[str, Any],
-        frame: ShippedRecord,
-        covered: dict[str, int],
-    ) -> None:
-        """Record ``lsn`` was appended to ``journal``: make it durable (raises
-        once a batch failed: the syncer makes nothing durable after it)."""
+    def put(self, records: list[_Received]) -> None:
+        """``records`` (the log, lsn, header, frame, covered) were appended to
+        the log, in order: make them durable (raises once a batch failed: the
+        syncer makes nothing durable after it)."""
         with self._cv:
-            while (
-                self._items
-                and self._bytes + len(frame) > self._limit
-                and self._failed is None
-            ):
-                self._cv.wait()
-            self._raise_failed()
-            self._items.append((journal, lsn, header, frame, covered))
-            self._bytes += len(frame)
+            for item in records:
+                while (
+                    self._items
+                    and self._bytes + len(item[3]) > self._limit
+                    and self._failed is None
+                ):
+                    self._cv.notify_all()
+                    self._cv.wait()
+                self._raise_failed()
+                self._items.append(item)
+                self._bytes += len(item[3])
             self._cv.notify_all()
 
     def drain(self) -> None:
@@ -243,8 +260,38 @@ class _Syncer:
         journal, lsn, header = batch[-1][:3]
         journal.wait(lsn)  # the log writes and fsyncs every record before it too
         self._durable(lsn, int(header.get("term", 0)))
-        for _, _, h, frame, covered in batch:
-            self._applier.put(h, frame, covered)
+        self._applier.put_many([(item[2], item[3], item[4]) for item in batch])
+
+
+def _shipped(msg: pb.ReplicateResponse) -> Any:
+    """A parsed message carrying records as ``decode_response`` gives them."""
+    part = msg.WhichOneof("part")
+    if part == "record":
+        return ShippedRecord(msg.term, msg.record.lsn, memoryview(msg.record.frame))
+    if part == "records":
+        return ShippedBatch(
+            msg.term,
+            tuple(
+                ShippedRecord(msg.term, r.lsn, memoryview(r.frame))
+                for r in msg.records.records
+            ),
+        )
+    return msg
+
+
+def _whole(gather: Gather, msg: ShippedRecord | ShippedBatch) -> list[ShippedRecord]:
+    """The records ``msg`` completes: a piece's record once whole, a batch's
+    records (each whole: ValueError when one is not, or pieces are missing)."""
+    if isinstance(msg, ShippedRecord):
+        rec = gather.add(msg)  # a record comes in pieces
+        return [] if rec is None else [rec]
+    for rec in msg.records:
+        if gather.add(rec) is not rec:
+            raise ValueError(
+                f"record {rec.lsn} of a batch is not whole, or came between the "
+                "pieces of another"
+            )
+    return list(msg.records)
 
 
 class Follower:
@@ -506,18 +553,18 @@ class Follower:
                 )  # fmt: skip
                 call.cancel()
                 return
-            if isinstance(msg, ShippedRecord):
-                rec = gather.add(msg)  # a record comes in pieces
-                if rec is None:
-                    continue
-                if fresh:
+            if not isinstance(msg, ShippedRecord | ShippedBatch):
+                msg = _shipped(msg)  # (a record encoded otherwise: parsed)
+            if isinstance(msg, ShippedRecord | ShippedBatch):
+                records = _whole(gather, msg)
+                if records and fresh:
                     fresh = False
                     log.info(
                         "following %s from record %d (after this server's record "
                         "%d: resumed with no snapshot)",
-                        target.address, rec.lsn, self.durable,
+                        target.address, records[0].lsn, self.durable,
                     )  # fmt: skip
-                self._record(rec, covered, syncer)
+                self._records(records, covered, syncer)
                 continue
             part = msg.WhichOneof("part")
             fresh = False
@@ -542,20 +589,26 @@ class Follower:
                 )  # fmt: skip
                 acks.put(pb.ReplicateRequest(ack=pb.ReplicateAck(lsn=wal_lsn)))
 
-    def _record(
-        self, rec: ShippedRecord, covered: dict[str, int], syncer: _Syncer
+    def _records(
+        self, records: list[ShippedRecord], covered: dict[str, int], syncer: _Syncer
     ) -> None:
-        """Append the frame to this server's log as it came (its CRC and lsn
-        checked); the syncer acknowledges it once it is durable, then hands it to
-        the applier: the ack promises durability, not application."""
-        header = check_frame(rec, rec.lsn)
-        if rec.lsn <= self.durable:
-            return
+        """Append each frame to this server's log as it came (its CRC and lsn
+        checked); the syncer acknowledges them once they are durable, then hands
+        them to the applier: the ack promises durability, not application."""
         journal = self.durability.journal
-        if journal is None:
-            raise Unavailable("the write-ahead log is closed: follow again")
-        journal.append_frame(rec.chunks(), rec.lsn)
-        syncer.put(journal, rec.lsn, header, rec, covered)
+        appended: list[_Received] = []
+        try:
+            for rec in records:
+                header = check_frame(rec, rec.lsn)
+                if rec.lsn <= self.durable:
+                    continue
+                if journal is None:
+                    raise Unavailable("the write-ahead log is closed: follow again")
+                journal.append_frame(rec.chunks(), rec.lsn)
+                appended.append((journal, rec.lsn, header, rec, covered))
+        finally:
+            if appended:  # (what the log took is made durable, as ever)
+                syncer.put(appended)
 
     def _apply(
         self, header: dict[str, Any], rec: ShippedRecord, covered: dict[str, int]

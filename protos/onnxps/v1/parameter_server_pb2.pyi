@@ -2672,9 +2672,10 @@ class ReplicateHello(_message.Message):
     """The term in which record last_lsn was written (0: unknown)."""
     protocol: _builtins.int
     """The log shipping protocol the standby speaks: 1 takes a record larger than
-    1 MiB in pieces (ReplicaRecords of one lsn, the frame's bytes in order); 0
-    (a standby of an earlier version, which sends none) takes each record whole in
-    one message.
+    1 MiB in pieces (ReplicaRecord messages of one lsn, the frame's bytes in
+    order); 2 also takes several whole records in one message
+    (ReplicateResponse.records); 0 (a standby of an earlier version, which
+    sends none) takes each record whole in one message.
     """
     lease: _builtins.int
     """The etcd lease of this standby's member key (PREFIX/shards/I/members/ID):
@@ -2735,6 +2736,7 @@ class ReplicateResponse(_message.Message):
     SNAPSHOT_CHUNK_FIELD_NUMBER: _builtins.int
     SNAPSHOT_DONE_FIELD_NUMBER: _builtins.int
     RECORD_FIELD_NUMBER: _builtins.int
+    RECORDS_FIELD_NUMBER: _builtins.int
     term: _builtins.int
     """The primary's term: a standby refuses messages of an older term."""
     @_builtins.property
@@ -2749,6 +2751,13 @@ class ReplicateResponse(_message.Message):
     def record(self) -> Global___ReplicaRecord:
         """One write-ahead log record as a WAL frame (docs/FORMAT.md)."""
 
+    @_builtins.property
+    def records(self) -> Global___ReplicaRecordBatch:
+        """Several consecutive records, each whole, in lsn order: to a standby
+        speaking log shipping protocol 2 (ReplicateHello.protocol), so that one
+        behind catches up in few messages, not one message per record.
+        """
+
     def __init__(
         self,
         *,
@@ -2756,12 +2765,13 @@ class ReplicateResponse(_message.Message):
         snapshot_chunk: Global___ReplicaSnapshotChunk | None = ...,
         snapshot_done: Global___ReplicaSnapshotDone | None = ...,
         record: Global___ReplicaRecord | None = ...,
+        records: Global___ReplicaRecordBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["part", b"part", "record", b"record", "snapshot_chunk", b"snapshot_chunk", "snapshot_done", b"snapshot_done"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["part", b"part", "record", b"record", "records", b"records", "snapshot_chunk", b"snapshot_chunk", "snapshot_done", b"snapshot_done"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["part", b"part", "record", b"record", "snapshot_chunk", b"snapshot_chunk", "snapshot_done", b"snapshot_done", "term", b"term"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["part", b"part", "record", b"record", "records", b"records", "snapshot_chunk", b"snapshot_chunk", "snapshot_done", b"snapshot_done", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["snapshot_chunk", "snapshot_done", "record"]  # noqa: Y015
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["snapshot_chunk", "snapshot_done", "record", "records"]  # noqa: Y015
     _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
 
@@ -3384,3 +3394,30 @@ class GroupRecordPiece(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GroupRecordPiece: _TypeAlias = GroupRecordPiece  # noqa: Y015
+
+@_typing.final
+class ReplicaRecordBatch(_message.Message):
+    """Several consecutive write-ahead log records in one message (log shipping
+    protocol 2), each whole, in lsn order; their frames together hold at most
+    1 MiB.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECORDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def records(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaRecord]:
+        """The records, lsn after lsn."""
+
+    def __init__(
+        self,
+        *,
+        records: _abc.Iterable[Global___ReplicaRecord] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["records", b"records"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaRecordBatch: _TypeAlias = ReplicaRecordBatch  # noqa: Y015
