@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
@@ -36,12 +35,9 @@ from ..durability._snapshot import SnapshotError, list_snapshots, read_manifest
 from ..durability._walread import LogCursor, logged_term
 from ..errors import (
     FailedPrecondition,
-    InvalidArgument,
-    PermissionDenied,
     Unavailable,
 )
 from ..store._waits import CURRENT_CALL, CallCancelled, CallLink
-from ._etcd import CoordinatorUnavailable
 from ._frames import (
     BATCH_OVERHEAD,
     BATCHES,
@@ -53,20 +49,15 @@ from ._frames import (
     batch,
     pieces,
 )
+from ._hello import MEMBER_ID, MEMBER_ID_RULE, HelloCheck
 from ._member import Member, Role
 
-__all__ = ["NotPrimary", "ReplicatedJournal"]
+__all__ = ["MEMBER_ID", "MEMBER_ID_RULE", "NotPrimary", "ReplicatedJournal"]
 
 log = logging.getLogger("onnxps.replication")
 
 Array = np.ndarray[Any, Any]
 SNAPSHOT_CHUNK = 1 << 20
-# What a hello may name: a member id as etcd keys hold it, an address for logs.
-MEMBER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
-MEMBER_ID_RULE = (
-    "1 to 128 characters of [A-Za-z0-9._:@-], the first a letter or a digit"
-)
-MAX_ADDRESS = 256
 
 
 class NotPrimary(FailedPrecondition, Unavailable):
@@ -108,26 +99,6 @@ class _Standby:
     shipped: int = 0
 
 
-class _Refusals:
-    """Logs each refused follower once per (member, reason) at WARNING, then at
-    DEBUG: a standby retrying every 0.2 s does not fill the log."""
-
-    def __init__(self, limit: int = 256) -> None:
-        self._seen: dict[tuple[str, str], None] = {}
-        self._limit = limit
-        self._lock = threading.Lock()
-
-    def log(self, member_id: str, reason: str, message: str) -> None:
-        key = (member_id[:128], reason)
-        with self._lock:
-            first = key not in self._seen
-            if first:
-                if len(self._seen) >= self._limit:
-                    self._seen.pop(next(iter(self._seen)))
-                self._seen[key] = None
-        log.log(logging.WARNING if first else logging.DEBUG, "%s", message)
-
-
 class ReplicatedJournal:
     """The store's journal on a replicated shard (see the module's doc)."""
 
@@ -165,10 +136,7 @@ class ReplicatedJournal:
         # Changes of the synchronous standbys, one at a time
         self._naming = threading.Lock()
         self.acknowledged = 0
-        # The members' keys are read on a client of its own (one hello at a time)
-        self._etcd = member.etcd.clone()
-        self._etcd_lock = threading.Lock()
-        self._refusals = _Refusals()
+        self._hellos = HelloCheck(member)
 
     def promoted(self, last_lsn: int) -> None:
         """This server took the lead holding records up to ``last_lsn``, any of
@@ -410,7 +378,7 @@ class ReplicatedJournal:
             raise FailedPrecondition("a Replicate stream starts with a hello")
         hello = first.hello
         self._check_primary()
-        instance = self._check_hello(hello)
+        instance = self._hellos.check(hello)
         term = self.member.term
         if hello.term > term:
             raise NotPrimary(
@@ -496,66 +464,6 @@ class ReplicatedJournal:
         self._sync = [m for m in self._sync if m != member_id]
         self._sync_instances.pop(member_id, None)
         self._wake_all()
-
-    def _check_hello(self, hello: pb.ReplicateHello) -> str:
-        """Only a member of this shard may follow, and only under its own id: the
-        hello names a registered member and carries the lease of its key in etcd
-        (which a tenant, or another member, does not hold). Returns the data dir
-        id (``instance``) that key names."""
-        member_id = hello.member_id
-        if not MEMBER_ID.fullmatch(member_id):
-            self._refusals.log(
-                member_id, "id", f"refused a Replicate stream: bad member id "
-                f"({len(member_id)} characters)",
-            )  # fmt: skip
-            raise InvalidArgument(
-                f"ReplicateHello.member_id must be {MEMBER_ID_RULE}, got "
-                f"{len(member_id)} characters",
-                reason="BAD_MEMBER_ID",
-            )
-        if len(hello.address) > MAX_ADDRESS:
-            raise InvalidArgument(
-                f"ReplicateHello.address must be at most {MAX_ADDRESS} characters, "
-                f"got {len(hello.address)}",
-                reason="BAD_MEMBER_ID",
-            )
-        if member_id == self.member.config.member_id:
-            raise PermissionDenied(
-                f"member {member_id} is this primary: it does not follow itself",
-                reason="STANDBY_NOT_MEMBER",
-            )
-        key = self.member.keys.member(member_id)
-        try:
-            with self._etcd_lock:
-                kv = self._etcd.get(key)
-        except CoordinatorUnavailable as exc:
-            raise Unavailable(
-                f"cannot check standby {member_id} in etcd ({exc}): retry"
-            ) from None
-        if kv is not None and kv.lease != 0 and kv.lease == hello.lease:
-            try:
-                instance = kv.json().get("instance", "")
-            except (ValueError, AttributeError):
-                instance = ""
-            return instance if isinstance(instance, str) else ""
-        why = (
-            f"no member {member_id} is registered in this shard (no key {key} in etcd)"
-            if kv is None
-            else f"the hello's lease ({hello.lease}) is not the one of member "
-            f"{member_id}'s key {key} in etcd (a standby of an earlier onnxps sends "
-            "none: upgrade it)"
-        )
-        self._refusals.log(
-            member_id, "lease" if kv is not None else "absent",
-            f"refused a Replicate stream under member id {member_id} from "
-            f"{hello.address[:MAX_ADDRESS]!r}: {why}",
-        )  # fmt: skip
-        raise PermissionDenied(
-            f"{why}: only a replica of this shard follows its primary, under its "
-            "own member id",
-            reason="STANDBY_NOT_MEMBER",
-            metadata={"member": member_id},
-        )
 
     def _forget(self, standby: _Standby) -> None:
         """Under the lock: a follower whose stream ended is forgotten unless the
@@ -807,7 +715,7 @@ class ReplicatedJournal:
                 with self._cv:
                     lsn = int(req.ack.lsn)
                     if lsn > s.shipped:
-                        self._refusals.log(
+                        self._hellos.refusals.log(
                             s.member_id, "ack",
                             f"standby {s.member_id} acknowledged record {lsn}, but "
                             f"its stream was sent records up to {s.shipped}: "

@@ -555,6 +555,12 @@ def _cancelled_after_first(address: str, hello: pb.ReplicateHello) -> str:
         try:
             first = next(iter(call))
             return str(first.WhichOneof("part"))
+        except grpc.RpcError as exc:
+            # the member's real standby, following again, replaced this stream
+            # before its first message (one live stream per member)
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise
+            return "replaced"
         finally:
             call.cancel()
             stop.set()
@@ -590,8 +596,11 @@ def test_a_members_streams_replace_each_other_and_leave_nothing_when_cancelled(
         assert time.monotonic() < deadline, "the first stream was not replaced"
         time.sleep(0.1)
     threads, rss = _threads(pid), _rss_kib(pid)
-    for _ in range(300):
-        assert _cancelled_after_first(rs.addresses[p], hello) == "snapshot_chunk"
+    kinds = [_cancelled_after_first(rs.addresses[p], hello) for _ in range(300)]
+    # each got the primary's snapshot, unless the real standby's stream replaced it
+    # first (it follows again at once, racing these): never anything else
+    assert set(kinds) <= {"snapshot_chunk", "replaced"}, set(kinds)
+    assert kinds.count("snapshot_chunk") >= 150, kinds.count("replaced")
     # The real standby follows again, and is the only standby the primary keeps.
     with rs.connect(timeout=60) as c:
         assert c.push("g", G) == 2
