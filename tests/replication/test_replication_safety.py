@@ -134,7 +134,14 @@ def test_a_partitioned_synchronous_standby_is_replaced_by_a_caught_up_one(
         code, details, reply = _raw_push(primary, seq=1, timeout=60)
         assert (code, details) == (grpc.StatusCode.OK, "")
         assert (reply.update_count, reply.applied) == (4, True)
-        assert rs.key("sync") == {"primary": "m0", "term": 1, "standbys": ["m2"]}
+        sync = rs.key("sync")
+        assert isinstance(sync, dict)
+        assert {k: sync[k] for k in ("primary", "term", "standbys")} == {
+            "primary": "m0", "term": 1, "standbys": ["m2"],
+        }  # fmt: skip
+        # named with its data dir, and the primary with its own
+        assert sorted(sync["instances"]) == ["m0", "m2"]
+        assert all(sync["instances"].values())
         with rs.connect() as c:
             assert c.push("g", G) == 5
     rs.wait_t(1, "g", 5)  # healed: m1 follows again
