@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _etcd import EtcdProcess
-from _replicas import SIZE, ReplicaSet, _create, _kill, _serial
+from _replicas import SIZE, ReplicaSet, _create, _kill, _serial, _wait_log
 from onnxps.client import Client, UnavailableError
 
 G = np.full(SIZE, 0.5, np.float32)
@@ -40,6 +40,13 @@ def test_a_push_refused_not_enough_replicas_is_not_sent_again(
         with Client(target, timeout=30) as c:
             assert c.push("g", G) == 1
             _kill(rs, s)
+            # once the primary saw its synchronous standby's stream end, a push is
+            # refused at once (before that it waits for the standby's ack, which a
+            # loaded CI host made outlast the 2 s deadline)
+            _wait_log(
+                tmp_path / f"server{p}-{rs.starts[p]}.log",
+                rf"standby m{s} stopped following",
+            )
             with pytest.raises(UnavailableError) as err:
                 c.push("g", G, timeout=2)  # resent until the deadline, refused
             assert err.value.reason == "NOT_ENOUGH_REPLICAS"

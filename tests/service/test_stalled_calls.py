@@ -304,7 +304,7 @@ def test_a_data_channel_frame_that_never_comes_ends_its_call(tmp_path: Path) -> 
         with grpc.insecure_channel(address) as ch:
             push = multicallable(ch, "Push")
             calls = []
-            for i in range(64):
+            for i in range(16):
                 sock, cid = _raw_channel(address)
                 socks.append(sock)
                 calls.append(
