@@ -109,10 +109,12 @@ def _term(rs: Replicas) -> int:
     return int(primary["term"])
 
 
-def _one_push_acknowledged(replica_sets: Any) -> tuple[Replicas, int, int]:
+def _one_push_acknowledged(
+    replica_sets: Any, env: dict[str, str] | None = None
+) -> tuple[Replicas, int, int]:
     """Two replicas, a group and one push acknowledged: (them, the primary, the
     synchronous standby)."""
-    rs: Replicas = replica_sets(2)
+    rs: Replicas = replica_sets(2) if env is None else replica_sets(2, env=env)
     p = rs.primary()
     s = 1 - p
     assert rs.wait_sync() == [f"m{s}"]
@@ -575,13 +577,7 @@ def test_a_members_streams_replace_each_other_and_leave_nothing_when_cancelled(
     the other is gone). 300 such streams, each cancelled after its first message,
     leave the primary's threads, memory and table of standbys as they were (the
     issue's 300 cancelled streams took it from 203 to 1,122 MiB)."""
-    rs: Replicas = replica_sets(2, env={"ONNXPS_KERNELS": "numpy"})
-    p = rs.primary()
-    s = 1 - p
-    assert rs.wait_sync() == [f"m{s}"]
-    _create(rs)
-    with rs.connect() as c:
-        assert c.push("g", G) == 1
+    rs, p, s = _one_push_acknowledged(replica_sets, env={"ONNXPS_KERNELS": "numpy"})
     rs.wait_t(s, "g", 1)
     pid = rs.procs[p].pid
     hello = pb.ReplicateHello(
