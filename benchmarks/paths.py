@@ -6,7 +6,8 @@ is made from (issue 38), measured, not guessed.
 
 For every shape (``N x E``: a float32 Adam group of N tensors of E elements), one
 client process pushes and pulls the group (a push, then a pull into a new array)
-over each path, rounds alternating the order of the paths:
+over each path, each round measuring every shape and every path, their order
+alternating from round to round (so shapes are compared within a round):
 
 - ``no flags``: ``Client(address)`` against ``onnxps serve`` with no flags (its
   snapshot durability in a data directory of its own): what a user gets;
@@ -31,7 +32,8 @@ the shape's calls (VmHWM, reset before each shape). The best path per shape (by
 wall time) is marked. ``--baseline REV`` runs every path a second time with the
 client and servers of an older commit (``benchmarks/_baseline.py``: its own
 checkout and processes), in the same alternating rounds: the A/B of a change.
-The machine may be shared: read ratios.
+``--ratio 200x1000/1x200000`` (the default) prints, per path, the first shape's wall
+time over the second's, paired round by round. The machine may be shared: read ratios.
 """
 
 from __future__ import annotations
@@ -131,6 +133,11 @@ def main() -> int:
     p.add_argument("--shapes", help=f"N x E list (default {SHAPES})")
     p.add_argument("--paths", default=",".join(PATHS), help="which paths, in order")
     p.add_argument("--baseline", help="also measure this commit's client and servers")
+    p.add_argument(
+        "--ratio",
+        default="200x1000/1x200000",
+        help="shape A over shape B, wall time paired per round (comma list)",
+    )
     args = p.parse_args()
     shapes = [
         (int(n), int(e))
@@ -196,14 +203,17 @@ def _run(
 ) -> None:
     print(
         "push + pull of a float32 Adam group per path: median wall ms, server and "
-        f"client CPU ms per push + pull, {args.rounds} rounds (median, min-max)"
+        f"client CPU ms per push + pull, {args.rounds} rounds (median, min-max); "
+        "each round measures every shape and path, their order alternating"
     )
-    for n, e in shapes:
-        nbytes = n * e * 4
-        reps = _reps(nbytes, args.quick)
-        figures: dict[str, list[tuple[float, float, float]]] = {r[0]: [] for r in rows}
-        peaks: dict[str, float] = {}
-        for r in range(args.rounds + 1):  # round 0 creates and warms
+    figures: dict[tuple[int, int], dict[str, list[tuple[float, float, float]]]] = {
+        shape: {r[0]: [] for r in rows} for shape in shapes
+    }
+    peaks: dict[tuple[int, int], dict[str, float]] = {shape: {} for shape in shapes}
+    for r in range(args.rounds + 1):  # round 0 creates and warms
+        for n, e in shapes if r % 2 == 0 else shapes[::-1]:
+            nbytes = n * e * 4
+            reps = _reps(nbytes, args.quick)
             for row, name, proc, w in rows if r % 2 == 0 else rows[::-1]:
                 if name == "frames" and nbytes > FRAME_MAX:
                     continue
@@ -214,12 +224,39 @@ def _run(
                 wall, client_cpu = w.call("run", f"g{n}x{e}-{row}", n, e, reps)
                 server_cpu = (cpu_seconds(spid) - cpu0) / reps
                 if r:
-                    figures[row].append(
+                    figures[(n, e)][row].append(
                         (wall * 1e3, server_cpu * 1e3, client_cpu * 1e3)
                     )
                     peak = status_mib(spid, "VmHWM") - base
-                    peaks[row] = max(peaks.get(row, 0.0), peak)
-        _print_shape(n, e, nbytes, reps, figures, peaks)
+                    peaks[(n, e)][row] = max(peaks[(n, e)].get(row, 0.0), peak)
+        if r:
+            print(f"  round {r} of {args.rounds} measured", file=sys.stderr, flush=True)
+    for n, e in shapes:
+        nbytes = n * e * 4
+        _print_shape(
+            n, e, nbytes, _reps(nbytes, args.quick), figures[(n, e)], peaks[(n, e)]
+        )
+    for ratio in (args.ratio or "").split(","):
+        if ratio:
+            _print_ratio(ratio, figures)
+
+
+def _print_ratio(
+    ratio: str,
+    figures: dict[tuple[int, int], dict[str, list[tuple[float, float, float]]]],
+) -> None:
+    """Per path, shape A's wall time over shape B's, paired round by round (both
+    measured in the same round), for ``--ratio AxE/BxE``."""
+    a, b = (tuple(int(x) for x in side.split("x")) for side in ratio.split("/"))
+    if a not in figures or b not in figures:
+        print(f"\n(ratio {ratio}: both shapes must be among --shapes)")
+        return
+    print(f"\n{ratio} wall time, paired per round: median (min-max)")
+    for row, runs in figures[a].items():
+        other = figures[b][row]
+        if runs and other:
+            pairs = zip(runs, other, strict=True)  # a row's rounds: both shapes
+            print(f"  {row:24s} {_cell([x[0] / y[0] for x, y in pairs])}")
 
 
 def _print_shape(

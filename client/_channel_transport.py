@@ -290,7 +290,7 @@ class ChannelTransport:
                 else split_frame(frame, [tensor_spec(t, t.name) for t in msg.values])
             )
         elif req.return_values:
-            values = inline_values(msg.values, out)
+            values = inline_values(msg, out)
         return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
 
     def pull(

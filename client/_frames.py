@@ -29,8 +29,9 @@ from typing import Any
 import grpc
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire import frames
-from onnxps.wire.codec import deserializer, rpc_messages
+from onnxps.wire.codec import EncodedMessage, rpc_messages
 from onnxps.wire.frames import CALL_MAGIC, FRAME_MAX_REQUEST_BYTES, close_socket
+from onnxps.wire.replies import first_tensor_offset, parse_tensor_reply
 
 from ._datachannel import ChannelBroken, ChannelRefused, connect
 from ._errors import RpcError
@@ -52,8 +53,18 @@ __all__ = [
 log = logging.getLogger("onnxps.client")
 
 FRAME_METHODS = frames.METHOD_NUMBERS
-# each method's reply message, read from a frame's bytes
-_REPLIES = {m: deserializer(rpc_messages(m)[1]) for m in FRAME_METHODS}
+# each method's reply: its message class and repeated Tensor field, read from a
+# frame's bytes with the tensors' bytes left where they were received
+# (``onnxps.wire.replies``), the frame received so that the first one is aligned
+_TENSOR_FIELDS = {"Push": "values", "Pull": "tensors"}
+_REPLIES: dict[str, Callable[[memoryview], Any]] = {
+    m: functools.partial(parse_tensor_reply, rpc_messages(m)[1], _TENSOR_FIELDS[m])
+    for m in FRAME_METHODS
+}
+_LOCATE: dict[str, Callable[[bytes], int | None]] = {
+    m: functools.partial(first_tensor_offset, rpc_messages(m)[1], _TENSOR_FIELDS[m])
+    for m in FRAME_METHODS
+}
 # A refused call channel is asked for again after this, doubled at each refusal
 # in a row up to _FRAMES_RETRY_MAX_SECONDS (a port a firewall drops costs a call
 # its connect timeout once in a while, not every 10 s)
@@ -111,7 +122,7 @@ class CallChannel:
     def call(
         self,
         method: str,
-        request: bytes,
+        request: list[Any],
         timeout: float | None,
         reply_within: float | None = None,
     ) -> memoryview:
@@ -124,7 +135,9 @@ class CallChannel:
         try:
             self.sock.settimeout(timeout)
             frames.write_call(self.sock, number, deadline, request)
-            code, body, details, trailing = frames.read_reply(self.sock)
+            code, body, details, trailing = frames.read_reply(
+                self.sock, _LOCATE[method]
+            )
         except (OSError, ValueError) as exc:  # a timeout too: the stream is lost
             self.close()
             raise FrameBroken(f"the call channel failed mid-call ({exc})") from None
@@ -133,16 +146,18 @@ class CallChannel:
         raise FrameRpcError(_CODES[code], details, trailing)
 
 
-def request_bytes(request: Any) -> bytes | None:
-    """A Push or Pull request's bytes, or None when it must go over gRPC (tensors in
+def request_bytes(request: Any) -> list[Any] | None:
+    """A Push or Pull request's bytes (as pieces: an ``EncodedMessage``'s tensor
+    bytes from where they are), or None when it must go over gRPC (tensors in
     shared memory or on a data channel: bound to the gRPC caller)."""
     message = getattr(request, "message", request)
     for field in ("gradients_region", "reply_region", "transfer"):
         with contextlib.suppress(ValueError):  # a message without that field
             if message.HasField(field):
                 return None
-    data: bytes = request.SerializeToString()
-    return data
+    if isinstance(request, EncodedMessage):
+        return request.parts()
+    return [request.SerializeToString()]
 
 
 class CallChannelLink:
@@ -195,7 +210,7 @@ class CallChannelLink:
             return _NOT_FRAMED
         try:
             raw = request_bytes(call.request())
-            if raw is None or len(raw) > FRAME_MAX_REQUEST_BYTES:
+            if raw is None or sum(map(len, raw)) > FRAME_MAX_REQUEST_BYTES:
                 return _NOT_FRAMED
             sending = functools.partial(
                 ch.call,

@@ -16,9 +16,9 @@ from onnxps.wire.codec import (
     EncodedMessage,
     chunk_frames,
     header_tensors,
-    tensors_to_arrays,
 )
 from onnxps.wire.encoding import DeferredEncoding
+from onnxps.wire.replies import tensor_arrays
 
 from ._errors import DeadlineExceededError, RpcError, UnavailableError
 from ._ops import Call, Deadline, Op, Pause, one_call, unary_request
@@ -187,11 +187,13 @@ class InlineTransport:
         out: Sequence[Array] | None,
     ) -> Op[PushResult]:
         req = _copy(template)
-        msg = EncodedMessage(req, "gradients", _native(arrays))
+        # a flat push's one array is its form's own buffer (``FlatForm.join``),
+        # unchanged until the push returns: a frame sends it from where it is
+        msg = EncodedMessage(req, "gradients", _native(arrays), defer=bool(req.layout))
         call = Call("Push", lambda: msg, deadline, pushed_what(req))
         address = self.host.address
         got = yield from resending(call, req.group, req.seq, address, self.send)
-        values = inline_values(got.values, out) if req.return_values else None
+        values = inline_values(got, out) if req.return_values else None
         return PushResult(got.update_count, got.applied, got.duplicate, values)
 
     def pull(
@@ -199,7 +201,7 @@ class InlineTransport:
     ) -> Op[tuple[int, list[Array]]]:
         call = Call("Pull", lambda: request, deadline, pull_waited(request))
         msg = yield from self.send(call)
-        return msg.update_count, tensors_to_arrays(msg.tensors, encoded=True)
+        return msg.update_count, tensor_arrays(msg, "tensors", encoded=True)
 
 
 class StreamTransport:

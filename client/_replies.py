@@ -11,10 +11,9 @@ import numpy as np
 from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire.codec import (
     header_tensor,
-    tensor_to_array,
-    tensors_to_arrays,
 )
 from onnxps.wire.initializers import IdsTable
+from onnxps.wire.replies import tensor_arrays, tensor_views
 
 from ._errors import InvalidArgumentError
 from ._ops import StreamReader, TensorStreamReader
@@ -84,13 +83,12 @@ def reply_arrays(
     return arrays
 
 
-def inline_values(
-    tensors: Sequence[pb.Tensor], out: Sequence[Array] | None
-) -> list[Array]:
-    """X carried inline in a reply: copied once, into ``out`` where it fits."""
+def inline_values(reply: Any, out: Sequence[Array] | None) -> list[Array]:
+    """X carried inline in a Push reply (``values``): copied once at most, into
+    ``out`` where it fits (a frame's reply: read where it was received)."""
     if out is None:
-        return tensors_to_arrays(tensors)  # one buffer for all of them
-    views = [tensor_to_array(t, t.name) for t in tensors]
+        return tensor_arrays(reply, "values")  # one buffer for all of them
+    views = tensor_views(reply, "values")
     if out is not None and len(out) == len(views):
         fits = all(
             o.shape == v.shape and o.dtype == v.dtype

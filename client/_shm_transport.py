@@ -320,7 +320,7 @@ def _region_push(
     if req.return_values and reply is not None and msg.HasField("values_region"):
         values = reply.read(msg.values_region, msg.values, out=out)
     elif req.return_values:
-        values = inline_values(msg.values, out)
+        values = inline_values(msg, out)
     return PushResult(msg.update_count, msg.applied, msg.duplicate, values)
 
 

@@ -73,8 +73,9 @@ __all__ = [
 Array = np.ndarray[Any, Any]
 Pulled = tuple[int, list[Array]]
 Way = Literal["buffers", "shm", "channel", "stream", "frame", "inline"]
-# Where frame calls may go, shared memory takes calls above this (``plan``)
-FRAMED_SHARED_MEMORY_THRESHOLD_BYTES = 320 << 10
+# Where frame calls may go, shared memory takes calls of this or more (``plan``):
+# a frame's request holds at most FRAME_MAX_REQUEST_BYTES (1 MiB), headers included
+FRAMED_SHARED_MEMORY_THRESHOLD_BYTES = 960 << 10
 
 
 class TensorTransport(Protocol):
@@ -143,11 +144,12 @@ def _offered(mode: str, auto: bool, nbytes: int, threshold: int) -> bool:
 def plan(shape: CallShape, host: SeamHost) -> tuple[Way, ...]:
     """The ways to try for a call of ``shape``, best first; the last is gRPC's.
 
-    By cost (``benchmarks/paths.py``, one tensor's push + pull on one host): a
-    frame call takes 0.47 ms up to 16 KiB, 0.59 at 64 KiB and 0.81 at 256 KiB,
-    against 1.4-1.5 ms for shared memory or a unary gRPC call, but 2.5 ms at 384
-    KiB against 1.47 for shared memory. So where frames may go, shared memory
-    takes calls above ``FRAMED_SHARED_MEMORY_THRESHOLD_BYTES``, else above
+    By cost (``benchmarks/paths.py``, one tensor's push + pull on one host, 5
+    rounds): a frame call takes 0.68 ms at 4 KiB, 0.90 at 256 KiB, 1.00 at 512
+    KiB and 1.07 at 768 KiB, against 1.83-2.00 ms for shared memory; a call of 1
+    MiB does not fit a frame (gRPC: 3.3 ms), and shared memory takes it in 2.4.
+    So where frames may go, shared memory takes calls from
+    ``FRAMED_SHARED_MEMORY_THRESHOLD_BYTES``, else from
     ``SHARED_MEMORY_THRESHOLD_BYTES``."""
     if shape.kind == "rows":  # PushRows and PullRows are client streams
         return ("stream",)

@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 __all__ = [
     "CALL_MAGIC",
@@ -50,6 +53,7 @@ __all__ = [
     "close_socket",
     "read_reply",
     "recv_exact",
+    "send_parts",
     "send_reply",
     "split_call",
     "status_payload",
@@ -69,6 +73,7 @@ METHOD_NUMBERS = {name: number for number, name in METHOD_NAMES.items()}
 FRAME_MAX_REQUEST_BYTES = 1 << 20
 MAX_CALL_FRAME = 2 << 20
 JOIN_BYTES = 64 << 10  # a reply up to this size is sent in one piece
+ALIGN = 64  # ``read_reply`` with ``locate``: where the first tensor lands
 
 # gRPC's status codes by number (grpc.StatusCode[name] on either end)
 STATUS_NAMES = {
@@ -128,15 +133,41 @@ def call_frame(method: int, timeout: float, request: bytes) -> bytes:
 
 
 def write_call(
-    sock: socket.socket, method: int, timeout: float, request: bytes
+    sock: socket.socket,
+    method: int,
+    timeout: float,
+    request: bytes | bytearray | memoryview | Sequence[Any],
 ) -> None:
-    """Send one call frame (the client's side): a large request from where it
-    is, after the frame's head, not copied into one frame."""
-    if len(request) <= JOIN_BYTES:
-        sock.sendall(call_frame(method, timeout, request))
+    """Send one call frame (the client's side): the request (bytes, or its pieces,
+    each bytes-like) after the frame's head; a small request joined into one send,
+    a large one's pieces sent from where they are (``send_parts``), not copied into
+    one frame."""
+    pieces: Sequence[Any] = (
+        [request] if isinstance(request, bytes | bytearray | memoryview) else request
+    )
+    size = sum(memoryview(p).nbytes for p in pieces)
+    head = U32.pack(HEAD.size + size) + HEAD.pack(method, timeout)
+    if size <= JOIN_BYTES:
+        sock.sendall(b"".join([head, *pieces]))
         return
-    sock.sendall(U32.pack(HEAD.size + len(request)) + HEAD.pack(method, timeout))
-    sock.sendall(request)
+    send_parts(sock, [head, *pieces])
+
+
+def send_parts(sock: socket.socket, parts: Sequence[Any]) -> None:
+    """Send ``parts`` (bytes-like) in order: gathered by ``sendmsg`` on a plain
+    socket (no copy into one buffer), one ``sendall`` each over TLS."""
+    views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
+    if not hasattr(sock, "sendmsg") or isinstance(sock, ssl.SSLSocket):
+        for v in views:
+            sock.sendall(v)
+        return
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= views[0].nbytes:
+            sent -= views[0].nbytes
+            views.pop(0)
+        if sent:
+            views[0] = views[0][sent:]
 
 
 def split_call(body: bytes | bytearray) -> tuple[int, float, bytes | bytearray]:
@@ -170,15 +201,27 @@ def send_reply(sock: socket.socket, code: int, parts: Sequence[Any]) -> None:
         sock.sendall(part)
 
 
-def read_reply(sock: socket.socket) -> tuple[int, memoryview, str, Trailing]:
+def read_reply(
+    sock: socket.socket, locate: Callable[[bytes], int | None] | None = None
+) -> tuple[int, memoryview, str, Trailing]:
     """One reply frame: (code, response bytes (a view of the frame as received),
     details, trailing metadata).
+
+    ``locate`` (a large reply's first bytes after its code -> where in the
+    response the first tensor's bytes start, or None): the frame is received
+    into a buffer placed so that those bytes are ``ALIGN``-aligned
+    (``replies.TensorReply`` then reads them where they are).
     Raises ``ConnectionError`` when the server closed the channel first, and
     ``ValueError`` on a reply that is not a frame."""
     head = recv_exact(sock, 4)
     if head is None:
         raise ConnectionError("the server closed the call channel")
-    payload = recv_exact(sock, U32.unpack(head)[0])
+    size = U32.unpack(head)[0]
+    payload: bytearray | memoryview | None
+    if locate is not None and size > _LOCATE_BYTES:
+        payload = _recv_aligned(sock, size, locate)
+    else:
+        payload = recv_exact(sock, size)
     if not payload:
         raise ConnectionError("the server closed the call channel mid-reply")
     code = payload[0]
@@ -188,6 +231,32 @@ def read_reply(sock: socket.socket) -> tuple[int, memoryview, str, Trailing]:
         return code, memoryview(payload)[1:], "", []
     details, trailing = _status(bytes(payload))
     return code, memoryview(b""), details, trailing
+
+
+_LOCATE_BYTES = 4096  # a reply's first bytes read to place its tensors
+
+
+def _recv_aligned(
+    sock: socket.socket, size: int, locate: Callable[[bytes], int | None]
+) -> memoryview | None:
+    """A reply frame's ``size`` bytes, in a buffer placed by ``locate`` (see
+    ``read_reply``); None when the peer closed first."""
+    first = recv_exact(sock, _LOCATE_BYTES)
+    if first is None:
+        return None
+    at = locate(bytes(first[1:])) if first[0] == 0 else None
+    store = np.empty(size + ALIGN, np.uint8)
+    # the frame starts `shift` bytes in, so that its byte 1 + at is aligned
+    shift = (-(store.ctypes.data + 1 + (at or 0))) % ALIGN
+    payload = memoryview(store[shift : shift + size])  # type: ignore[arg-type]
+    payload[:_LOCATE_BYTES] = first
+    view, got = payload, _LOCATE_BYTES
+    while got < size:
+        k = sock.recv_into(view[got:])
+        if not k:
+            return None
+        got += k
+    return payload
 
 
 def _status(payload: bytes) -> tuple[str, Trailing]:

@@ -60,8 +60,9 @@ def test_the_plan_reads_the_calls_shape_and_the_offers() -> None:
 
 
 def test_with_frames_shared_memory_waits_for_calls_a_frame_costs_more() -> None:
-    """By measured cost (benchmarks/paths.py): a frame up to 320 KiB, shared
-    memory above, the data channel from 1 MiB; a server that refused a call
+    """By measured cost (benchmarks/paths.py): a frame below 960 KiB (a frame's
+    request holds 1 MiB), shared memory from there, the data channel from 1 MiB
+    where shared memory is not to be had; a server that refused a call
     channel lately: shared memory from 64 KiB again, and unary gRPC."""
     from onnxps.client import Client
     from onnxps.client._transport import FRAMED_SHARED_MEMORY_THRESHOLD_BYTES
@@ -69,10 +70,11 @@ def test_with_frames_shared_memory_waits_for_calls_a_frame_costs_more() -> None:
     assert Client("127.0.0.1:1").frames is True  # the default
     assert Client("127.0.0.1:1", frames="off").frames is False
     framed = _host(frames=True)
-    assert FRAMED_SHARED_MEMORY_THRESHOLD_BYTES == 320 << 10
+    assert FRAMED_SHARED_MEMORY_THRESHOLD_BYTES == 960 << 10
     assert plan(_push(1024), framed) == ("frame",)
     assert plan(_push(256 << 10), framed) == ("frame",)
-    assert plan(_push(320 << 10), framed) == ("shm", "frame")
+    assert plan(_push(800_000), framed) == ("frame",)  # 200 x 1,000 float32
+    assert plan(_push(960 << 10), framed) == ("shm", "frame")
     assert plan(_push(2 * MIB), framed) == ("shm", "channel", "stream")
     assert plan(_push(256 << 10, frames_refused=True), framed) == ("shm", "inline")
     pull = CallShape("pull", 256 << 10, 256 << 10, 1, segment_bytes=256 << 10)

@@ -75,3 +75,43 @@ def test_a_closed_peer_is_none_or_a_connection_error() -> None:
         c.close()
         with pytest.raises(ConnectionError, match="closed the call channel"):
             frames.read_reply(d)
+
+
+def test_a_large_call_is_sent_from_its_pieces_and_reads_back_whole() -> None:
+    """``write_call`` with a request in pieces (a flat push's header and its one
+    buffer): sent with ``sendmsg`` from where they are, through partial sends
+    (the reader is slower than the socket's buffer), byte for byte."""
+    import numpy as np
+
+    data = np.arange(3 << 18, dtype=np.float32)  # 3 MiB: many partial sends
+    pieces = [b"head", memoryview(data).cast("B"), b"tail"]  # type: ignore[arg-type]
+    a, b = socket.socketpair()
+    with a, b:
+        sender = threading.Thread(target=frames.write_call, args=(a, 1, 2.5, pieces))
+        sender.start()
+        (size,) = frames.U32.unpack(frames.recv_exact(b, 4) or b"")
+        body = frames.recv_exact(b, size)
+        sender.join()
+    assert body is not None
+    method, timeout, request = frames.split_call(body)
+    assert (method, timeout) == (1, 2.5)
+    assert bytes(request) == b"head" + data.tobytes() + b"tail"
+
+
+def test_a_flat_push_is_framed_from_its_buffer_not_a_joined_copy() -> None:
+    import numpy as np
+    from onnxps.v1 import parameter_server_pb2 as pb
+    from onnxps.wire.codec import EncodedMessage
+
+    flat = np.ones(200_000, np.float32)
+    msg = EncodedMessage(
+        pb.PushRequest(group="g", layout=b"d"), "gradients", [flat], defer=True
+    )
+    pieces = client_frames.request_bytes(msg)
+    assert pieces is not None
+    assert any(
+        np.shares_memory(np.frombuffer(p, np.uint8), flat)
+        for p in pieces
+        if len(p) > 100
+    )
+    assert b"".join(bytes(p) for p in pieces) == msg.SerializeToString()
