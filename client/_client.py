@@ -86,21 +86,34 @@ def _blocking(
     return method
 
 
+def _unary_snapshot(client: Client, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``push_background``'s (group, *gradients), the gradient arrays copied when
+    the push goes as one unary message (at most the stream threshold): the caller
+    may change them as soon as the call returns. A streamed push's are not."""
+    group, *gradients = args
+    arrays = [g for g in gradients if isinstance(g, np.ndarray)]
+    if sum(a.nbytes for a in arrays) > client.stream_threshold_bytes:
+        return args
+    return (group, *(g.copy() if isinstance(g, np.ndarray) else g for g in gradients))
+
+
 def _in_background(
     op: Callable[Concatenate[ClientCore, P], Op[R]],
 ) -> Callable[Concatenate[Client, P], Future[R]]:
     """A Client method that builds ``op`` now and runs it on a background thread."""
 
     def method(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
-        return self._submit(op(self, *args, **kwargs))
+        return self._submit(op(self, *_unary_snapshot(self, args), **kwargs))
 
     as_method(method, op, "Client", "push_background")
     method.__doc__ = """Start ``push_detailed`` on a background thread and return its
     future at once, so the next step computes while this push travels.
 
-    The push is built now: its deadline and seq start now, and a unary push has
-    copied the gradients; a streamed one reads them as it sends, so leave them
-    unchanged until the future is done. ``close()`` waits for pending pushes."""
+    The push is built now: its deadline and seq start now, and a push of at most
+    ``stream_threshold_bytes`` (1 MiB by default) has copied the gradients, so the
+    next step may write into them at once; a larger one reads them as it sends,
+    so leave them unchanged until the future is done. Bad arguments raise here.
+    ``close()`` waits for pending pushes."""
     return method
 
 

@@ -420,8 +420,9 @@ class ClientCore(FollowsPlacement):
         shared-memory or inline one is copied into them once. If the push raises,
         their contents are unspecified (some chunks of X may have landed): pull
         to have the server's X again."""
-        # Built now, not when first stepped: its deadline and seq start with the
-        # call, and a unary push has copied the gradients before it returns.
+        # Built now, not when first stepped (this is no generator: the op it
+        # returns is ``_push_sent``): its deadline and seq start with the call, and
+        # bad arguments raise here, before anything is sent.
         deadline = self._deadline(timeout)
         enc = self._encoding(encoding, self.gradient_encoding, "encoding")
         dtype = self.ops.dtypes.get(group)
@@ -454,6 +455,16 @@ class ClientCore(FollowsPlacement):
         if learning_rate is not None:
             req.learning_rate = learning_rate
         # on the one server, or its parts on the shards of a cluster
+        return self._push_sent(req, arrays, deadline, out)
+
+    def _push_sent(
+        self,
+        req: pb.PushRequest,
+        arrays: list[Any],
+        deadline: Deadline,
+        out: Sequence[Any] | None,
+    ) -> Op[PushResult]:
+        """The push ``_push_detailed`` built, sent (the part run when stepped)."""
         result = yield from self._route.push(req, arrays, deadline, out)
         if out is None or result.values is None:
             return result

@@ -295,6 +295,42 @@ def test_push_background_returns_a_future_of_the_push(client: Client) -> None:
         ahead.result(timeout=10)
 
 
+def test_push_background_copies_a_unary_pushs_gradients_when_called(
+    server: ServerHandle,
+) -> None:
+    """The docstring's promise: the push is built when ``push_background`` returns
+    (its seq taken, a unary push's gradients copied), so the next step may write
+    into the gradient buffers while it waits for a background thread. The
+    client's background threads are held (ops that wait on an event) while the
+    push's gradient is overwritten; the server must step with the value it had
+    at the call."""
+    import threading
+    from collections.abc import Generator
+
+    from onnxps.client._client import BACKGROUND_PUSHES
+
+    release = threading.Event()
+
+    def hold() -> Generator[Any, Any, None]:
+        yield from ()  # an op: a generator the client steps
+        release.wait(30)
+
+    x = np.zeros(3, np.float32)
+    with Client(server.address, timeout=30) as a, Client(server.address) as e:
+        a.create_group("g", Adagrad(), learning_rate=0.1, tensors={"x": x})
+        held = [a._submit(hold()) for _ in range(BACKGROUND_PUSHES)]
+        g = np.full(3, 2.0, np.float32)
+        queued = a.push_background("g", g)
+        g[:] = 1000.0  # the next step's gradient, written before the push ran
+        assert not queued.done()  # it still waits for a thread
+        release.set()
+        assert [f.result(timeout=30) for f in held] == [None] * BACKGROUND_PUSHES
+        assert queued.result(timeout=30).update_count == 1
+        e.create_group("e", Adagrad(), learning_rate=0.1, tensors={"x": x})
+        e.push("e", np.full(3, 2.0, np.float32))  # what [2, 2, 2] makes
+        assert a.pull("g")[0].tobytes() == e.pull("e")[0].tobytes()
+
+
 def test_close_waits_for_background_pushes_then_refuses_them(
     server: ServerHandle,
 ) -> None:
