@@ -113,6 +113,7 @@ class CallChannel:
         self.sock = sock
         self.address = address
         self.lock = threading.Lock()
+        self.buffers = frames.ReplyBuffers()  # large replies' (calls hold ``lock``)
         self.closed = False
 
     def close(self) -> None:
@@ -136,7 +137,7 @@ class CallChannel:
             self.sock.settimeout(timeout)
             frames.write_call(self.sock, number, deadline, request)
             code, body, details, trailing = frames.read_reply(
-                self.sock, _LOCATE[method]
+                self.sock, _LOCATE[method], self.buffers
             )
         except (OSError, ValueError) as exc:  # a timeout too: the stream is lost
             self.close()

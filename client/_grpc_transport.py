@@ -187,9 +187,10 @@ class InlineTransport:
         out: Sequence[Array] | None,
     ) -> Op[PushResult]:
         req = _copy(template)
-        # a flat push's one array is its form's own buffer (``FlatForm.join``),
-        # unchanged until the push returns: a frame sends it from where it is
-        msg = EncodedMessage(req, "gradients", _native(arrays), defer=bool(req.layout))
+        # the gradients are read when sent, from where they are by a frame (joined
+        # by gRPC's serializer): the caller waits for the push meanwhile (a flat
+        # push's one array is its form's own, ``push_background`` copied its)
+        msg = EncodedMessage(req, "gradients", _native(arrays), defer=True)
         call = Call("Push", lambda: msg, deadline, pushed_what(req))
         address = self.host.address
         got = yield from resending(call, req.group, req.seq, address, self.send)

@@ -30,6 +30,7 @@ import contextlib
 import socket
 import ssl
 import struct
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,6 +45,7 @@ __all__ = [
     "HEAD",
     "JOIN_BYTES",
     "MAX_CALL_FRAME",
+    "ReplyBuffers",
     "METHOD_NAMES",
     "METHOD_NUMBERS",
     "STATUS_NAMES",
@@ -202,7 +204,9 @@ def send_reply(sock: socket.socket, code: int, parts: Sequence[Any]) -> None:
 
 
 def read_reply(
-    sock: socket.socket, locate: Callable[[bytes], int | None] | None = None
+    sock: socket.socket,
+    locate: Callable[[bytes], int | None] | None = None,
+    buffers: ReplyBuffers | None = None,
 ) -> tuple[int, memoryview, str, Trailing]:
     """One reply frame: (code, response bytes (a view of the frame as received),
     details, trailing metadata).
@@ -210,7 +214,8 @@ def read_reply(
     ``locate`` (a large reply's first bytes after its code -> where in the
     response the first tensor's bytes start, or None): the frame is received
     into a buffer placed so that those bytes are ``ALIGN``-aligned
-    (``replies.TensorReply`` then reads them where they are).
+    (``replies.TensorReply`` then reads them where they are), taken from
+    ``buffers`` when given (a buffer whose last reply nothing reads any more).
     Raises ``ConnectionError`` when the server closed the channel first, and
     ``ValueError`` on a reply that is not a frame."""
     head = recv_exact(sock, 4)
@@ -219,7 +224,7 @@ def read_reply(
     size = U32.unpack(head)[0]
     payload: bytearray | memoryview | None
     if locate is not None and size > _LOCATE_BYTES:
-        payload = _recv_aligned(sock, size, locate)
+        payload = _recv_aligned(sock, size, locate, buffers or ReplyBuffers(0))
     else:
         payload = recv_exact(sock, size)
     if not payload:
@@ -236,8 +241,53 @@ def read_reply(
 _LOCATE_BYTES = 4096  # a reply's first bytes read to place its tensors
 
 
+class ReplyBuffers:
+    """Receive buffers of one channel's large replies, each used again once
+    nothing received into it is referenced any more (the arrays a pull returned
+    are views of it: a weak reference to what was handed out says when they are
+    all gone). A fresh buffer per reply costs its page faults on every call
+    (0.2-2 ms for 800 KB, by the state of the process's malloc); a training loop
+    that drops the last pull's arrays at the next one reuses two buffers.
+    Buffers over ``max_bytes`` are not kept."""
+
+    def __init__(self, keep: int = 2, max_bytes: int = 8 << 20) -> None:
+        self.keep = keep
+        self.max_bytes = max_bytes
+        self._kept: list[tuple[np.ndarray[Any, Any], Callable[[], Any] | None]] = []
+
+    def take(self, nbytes: int) -> np.ndarray[Any, Any]:
+        """A uint8 buffer of at least ``nbytes`` (at most twice that) that nothing
+        reads, kept or new."""
+        for i, (store, handed) in enumerate(self._kept):
+            if (handed is None or handed() is None) and (
+                nbytes <= store.size <= 2 * nbytes
+            ):
+                self._kept[i] = (store, None)
+                return store
+        store = np.empty(nbytes, np.uint8)
+        if self.keep and nbytes <= self.max_bytes:
+            free = [
+                i for i, (_, h) in enumerate(self._kept) if h is None or h() is None
+            ]
+            if len(self._kept) >= self.keep:  # replace a free one, else the oldest
+                del self._kept[free[0] if free else 0]
+            self._kept.append((store, None))
+        return store
+
+    def handed_out(
+        self, store: np.ndarray[Any, Any], part: np.ndarray[Any, Any]
+    ) -> None:
+        """``part`` (a view of ``store``) is what the reply's readers hold."""
+        for i, (kept, _) in enumerate(self._kept):
+            if kept is store:
+                self._kept[i] = (store, weakref.ref(part))
+
+
 def _recv_aligned(
-    sock: socket.socket, size: int, locate: Callable[[bytes], int | None]
+    sock: socket.socket,
+    size: int,
+    locate: Callable[[bytes], int | None],
+    buffers: ReplyBuffers,
 ) -> memoryview | None:
     """A reply frame's ``size`` bytes, in a buffer placed by ``locate`` (see
     ``read_reply``); None when the peer closed first."""
@@ -245,10 +295,12 @@ def _recv_aligned(
     if first is None:
         return None
     at = locate(bytes(first[1:])) if first[0] == 0 else None
-    store = np.empty(size + ALIGN, np.uint8)
+    store = buffers.take(size + ALIGN)
     # the frame starts `shift` bytes in, so that its byte 1 + at is aligned
     shift = (-(store.ctypes.data + 1 + (at or 0))) % ALIGN
-    payload = memoryview(store[shift : shift + size])  # type: ignore[arg-type]
+    part = store[shift : shift + size]
+    buffers.handed_out(store, part)
+    payload = memoryview(part)  # type: ignore[arg-type]
     payload[:_LOCATE_BYTES] = first
     view, got = payload, _LOCATE_BYTES
     while got < size:

@@ -167,3 +167,34 @@ def test_first_tensor_offset_finds_the_bytes_or_says_it_cannot() -> None:
     )
     assert first_tensor_offset(pb.PullResponse, "tensors", raw[:3]) is None
     assert first_tensor_offset(pb.PullResponse, "tensors", b"\x08\x01") is None
+
+
+def test_a_channels_reply_buffer_is_used_again_only_once_nothing_reads_it() -> None:
+    """``ReplyBuffers``: the arrays of a reply are views of its buffer; the next
+    reply lands in the same buffer only after they are all gone (a training loop's
+    ``x = pull()``), never under arrays still held."""
+    buffers = frames.ReplyBuffers(keep=2)
+
+    def pull(value: float) -> list[np.ndarray]:
+        raw = _pull_reply([np.full(100_000, value, np.float32)])
+        a, b = socket.socketpair()
+        with a, b:
+            sender = threading.Thread(target=frames.send_reply, args=(a, 0, [raw]))
+            sender.start()
+            where = lambda p: first_tensor_offset(pb.PullResponse, "tensors", p)  # noqa: E731
+            _, body, _, _ = frames.read_reply(b, where, buffers)
+            sender.join()
+        return tensor_arrays(
+            parse_tensor_reply(pb.PullResponse, "tensors", body), "tensors"
+        )
+
+    first = pull(1.0)
+    second = pull(2.0)  # `first` is held: a second buffer
+    assert not np.shares_memory(first[0], second[0])
+    third = pull(3.0)  # both held: a third buffer, kept instead of the oldest
+    assert first[0][0] == 1.0 and second[0][0] == 2.0 and third[0][0] == 3.0
+    address = third[0].ctypes.data
+    del third
+    fourth = pull(4.0)  # the third's buffer is free again: used again
+    assert fourth[0].ctypes.data == address and fourth[0][0] == 4.0
+    assert np.all(second[0] == 2.0) and np.all(first[0] == 1.0)  # untouched
