@@ -121,7 +121,14 @@ class Worker:
     sends one JSON request a line on its stdin and reads one JSON answer a line
     from its stdout. Its stderr goes to ``log``."""
 
-    def __init__(self, found: Checkout, argv: Sequence[str], log: Path) -> None:
+    def __init__(
+        self,
+        found: Checkout,
+        argv: Sequence[str],
+        log: Path,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        """``extra_env``: set in the script's environment (e.g. malloc tunables)."""
         self.label = found.label
         self._log = log
         with open(log, "wb") as err:
@@ -130,7 +137,7 @@ class Worker:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
-                env=tree_env(found.tree),
+                env={**tree_env(found.tree), **(extra_env or {})},
                 text=True,
             )
         self.ready = self._answer()  # the script's first line: it is set up

@@ -32,6 +32,10 @@ the shape's calls (VmHWM, reset before each shape). The best path per shape (by
 wall time) is marked. ``--baseline REV`` runs every path a second time with the
 client and servers of an older commit (``benchmarks/_baseline.py``: its own
 checkout and processes), in the same alternating rounds: the A/B of a change.
+``--client-env KEY=VALUE`` sets a variable in the client processes only: with
+``MALLOC_MMAP_THRESHOLD_=131072`` glibc maps every block over 128 KiB anew (and
+faults its pages in), as a process whose malloc has not adapted does, so a path
+that takes a fresh buffer per call shows what that costs.
 ``--ratio 200x1000/1x200000`` (the default) prints, per path, the first shape's wall
 time over the second's, paired round by round. The machine may be shared: read ratios.
 """
@@ -134,6 +138,15 @@ def main() -> int:
     p.add_argument("--paths", default=",".join(PATHS), help="which paths, in order")
     p.add_argument("--baseline", help="also measure this commit's client and servers")
     p.add_argument(
+        "--client-env",
+        action="append",
+        default=[],
+        type=lambda kv: tuple(kv.split("=", 1)),
+        metavar="KEY=VALUE",
+        help="set in the clients' environment only (repeatable), e.g. "
+        "MALLOC_MMAP_THRESHOLD_=131072: glibc maps every block over 128 KiB anew",
+    )
+    p.add_argument(
         "--ratio",
         default="200x1000/1x200000",
         help="shape A over shape B, wall time paired per round (comma list)",
@@ -188,7 +201,8 @@ def main() -> int:
                 server, flags = PATHS[name]
                 proc, address = started[server]
                 argv = [__file__, "--worker", address, json.dumps(flags)]
-                w = Worker(side, argv, tmp / f"worker-{k}-{name}.log")
+                log = tmp / f"worker-{k}-{name}.log"
+                w = Worker(side, argv, log, dict(args.client_env))
                 stack.callback(w.close)
                 row = name if k == 0 else f"{name} @ {side.label}"
                 rows.append((row, name, proc, w))
