@@ -82,9 +82,14 @@ def test_tokenless_large_unary_pushes_are_refused_before_their_bytes_are_read(
     peak_after = _kib(proc.pid, "VmHWM")
     assert codes == [grpc.StatusCode.UNAUTHENTICATED] * CALLS
     # Before: the peak grew by 240-340 MiB (each request received, then copied).
-    # Now about 12 MiB here: what HTTP/2 flow control let in before the status.
+    # Now about 12 MiB here: what HTTP/2 flow control let in before the status
+    # (its windows grow with the link's measured bandwidth: 37 MiB was seen once,
+    # in a run of the whole suite). Under 3/4 of ONE request: none was received
+    # whole, let alone the four.
     grown_mib = (peak_after - peak_before) / 1024
-    assert grown_mib < REQUEST_MIB / 2, f"the server's peak RSS grew {grown_mib} MiB"
+    assert grown_mib < REQUEST_MIB * 3 / 4, (
+        f"the server's peak RSS grew {grown_mib} MiB"
+    )
 
 
 @pytest.mark.slow
