@@ -57,10 +57,21 @@ FRAME_METHODS = frames.METHOD_NUMBERS
 # frame's bytes with the tensors' bytes left where they were received
 # (``onnxps.wire.replies``), the frame received so that the first one is aligned
 _TENSOR_FIELDS = {"Push": "values", "Pull": "tensors"}
-_REPLIES: dict[str, Callable[[memoryview], Any]] = {
-    m: functools.partial(parse_tensor_reply, rpc_messages(m)[1], _TENSOR_FIELDS[m])
-    for m in FRAME_METHODS
-}
+_IN_PLACE_BYTES = 64 << 10  # smaller replies: protobuf's parse (its copies cost less)
+
+
+def _reply_parser(method: str) -> Callable[[memoryview], Any]:
+    message, field = rpc_messages(method)[1], _TENSOR_FIELDS[method]
+
+    def parse(body: memoryview) -> Any:
+        if len(body) <= _IN_PLACE_BYTES:
+            return message.FromString(body)
+        return parse_tensor_reply(message, field, body)
+
+    return parse
+
+
+_REPLIES = {m: _reply_parser(m) for m in FRAME_METHODS}
 _LOCATE: dict[str, Callable[[bytes], int | None]] = {
     m: functools.partial(first_tensor_offset, rpc_messages(m)[1], _TENSOR_FIELDS[m])
     for m in FRAME_METHODS
