@@ -413,3 +413,61 @@ def test_with_no_flags_the_server_offers_a_data_port_and_small_calls_are_frames(
             calls._refused[0] = (0.0, waits[-1])  # its time has come
             assert c.push("g", g) > 2
         assert waits == [10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 600.0, 600.0]
+
+
+def test_large_frame_replies_read_in_place_equal_the_grpc_path(
+    server: ServerHandle,
+) -> None:
+    """Replies over 64 KiB are read where they were received (``wire.replies``):
+    a pull of several tensors and of X, V and H, a push returning X, a flat
+    group of 200 tensors, a bfloat16 pull, each bit for bit what the gRPC path
+    gives, each array writable and the client's own; the buffers are used again
+    only once the arrays are dropped, and arrays still held never change."""
+    rng = np.random.default_rng(41)
+    shapes = {"w": (300, 200), "b": (20_000,), "c": (7, 3)}  # 240 + 80 KB
+    x0 = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    flat0 = {f"t{i}": np.zeros(1000, np.float32) for i in range(200)}
+    grads = [
+        [rng.standard_normal(s).astype(np.float32) for s in shapes.values()]
+        for _ in range(4)
+    ]
+    flat_g = [rng.standard_normal(1000).astype(np.float32) for _ in range(200)]
+    results: dict[str, list[list[np.ndarray]]] = {}
+    assert server.data_channels is not None
+    frames = server.data_channels.frame_calls
+    for way, flags in (("grpc", {"frames": "off"}), ("frames", {"frames": "on"})):
+        with Client(
+            server.address, data_channel="off", shared_memory="off", **flags
+        ) as c:  # type: ignore[arg-type]
+            c.create_group(f"m-{way}", Adam(), learning_rate=1e-2, tensors=x0)
+            c.create_group(f"f-{way}", Adam(), learning_rate=1e-2, tensors=flat0)
+            before = frames.calls
+            got = []
+            for g in grads[:3]:
+                c.push(f"m-{way}", *g)
+            got.append(
+                c.push_detailed(f"m-{way}", *grads[3], return_values=True).values
+            )
+            got.append(c.pull(f"m-{way}"))
+            got.append(c.pull(f"m-{way}", state=True))
+            got.append(c.pull(f"m-{way}", encoding="bfloat16"))
+            c.push(f"f-{way}", *flat_g)
+            got.append(c.pull(f"f-{way}"))
+            results[way] = got
+            if way == "frames":
+                assert frames.calls - before == 9  # every call went as a frame
+                held = c.pull(f"m-{way}")
+                snapshot = [a.copy() for a in held]
+                for a in got[1] + got[2]:
+                    assert a.flags.writeable and a.flags.aligned
+                c.push(f"m-{way}", *grads[0])
+                for _ in range(4):  # more replies than the channel keeps buffers
+                    c.pull(f"m-{way}")
+                for a, s in zip(held, snapshot, strict=True):
+                    assert a.tobytes() == s.tobytes()  # never written under it
+            else:
+                assert frames.calls == before
+    for want, have in zip(results["grpc"], results["frames"], strict=True):
+        assert [a.shape for a in have] == [a.shape for a in want]
+        for a, b in zip(have, want, strict=True):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
