@@ -10,6 +10,7 @@ import struct
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, Literal
 
 import grpc
 import numpy as np
@@ -432,17 +433,18 @@ def test_large_frame_replies_read_in_place_equal_the_grpc_path(
         for _ in range(4)
     ]
     flat_g = [rng.standard_normal(1000).astype(np.float32) for _ in range(200)]
-    results: dict[str, list[list[np.ndarray]]] = {}
+    results: dict[str, list[Any]] = {}
     assert server.data_channels is not None
     frames = server.data_channels.frame_calls
-    for way, flags in (("grpc", {"frames": "off"}), ("frames", {"frames": "on"})):
+    for way in ("grpc", "frames"):
+        framed: Literal["on", "off"] = "on" if way == "frames" else "off"
         with Client(
-            server.address, data_channel="off", shared_memory="off", **flags
-        ) as c:  # type: ignore[arg-type]
+            server.address, data_channel="off", shared_memory="off", frames=framed
+        ) as c:
             c.create_group(f"m-{way}", Adam(), learning_rate=1e-2, tensors=x0)
             c.create_group(f"f-{way}", Adam(), learning_rate=1e-2, tensors=flat0)
             before = frames.calls
-            got = []
+            got: list[Any] = []
             for g in grads[:3]:
                 c.push(f"m-{way}", *g)
             got.append(
