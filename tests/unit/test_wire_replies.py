@@ -198,3 +198,16 @@ def test_a_channels_reply_buffer_is_used_again_only_once_nothing_reads_it() -> N
     fourth = pull(4.0)  # the third's buffer is free again: used again
     assert fourth[0].ctypes.data == address and fourth[0][0] == 4.0
     assert np.all(second[0] == 2.0) and np.all(first[0] == 1.0)  # untouched
+
+
+def test_reply_buffers_keep_two_of_up_to_8_mib_and_fit_the_size() -> None:
+    """What transports.md says a call channel keeps: two buffers, none over 8 MiB,
+    a kept one reused only for a reply of at least half its size."""
+    buffers = frames.ReplyBuffers()
+    assert (buffers.keep, buffers.max_bytes) == (2, 8 << 20)
+    big = buffers.take((8 << 20) + 1)
+    assert buffers.take((8 << 20) + 1) is not big  # not kept: a new one each time
+    one = buffers.take(1 << 20)  # kept, and free: nothing was handed out of it
+    assert buffers.take(1 << 20) is one
+    assert buffers.take(1 << 19) is one  # half its size: still this one
+    assert buffers.take((1 << 19) - 1) is not one  # smaller: a buffer of its own
