@@ -30,7 +30,10 @@ Rules that keep it simple:
   the oldest handshake that has had ``HANDSHAKE_GRACE_SECONDS`` (``_handshakes``),
   so silent connections cannot keep out clients with tickets. Tickets expire, and
   a reaper closes idle channels whose client went away (and the oldest idle ones
-  beyond ``MAX_CHANNELS``), however many file descriptors the process has.
+  beyond ``MAX_CHANNELS``), however many file descriptors the process has. Bytes
+  waiting on an idle channel are a frame whose call has not reached its handler
+  yet (a client sends both at once): the channel is closed for them only after
+  ``UNASKED_SECONDS``.
 - A frame that carries no byte for ``stall_seconds`` (either way: a client that
   stops sending, or stops reading) ends its call with DEADLINE_EXCEEDED, whether
   the call has a deadline or not.
@@ -96,6 +99,9 @@ _POLL = 0.25  # seconds between checks of a call's deadline and cancellation
 _BLOCK = 4 << 20  # bytes received before the landed elements are checked
 STALL_SECONDS = 30.0  # no byte of a frame for this long ends its call
 REAP_SECONDS = 1.0  # between rounds of the reaper
+# an idle channel holding bytes no call asked for is closed after this (a frame
+# whose gRPC call is late comes first; its call takes the channel well within it)
+UNASKED_SECONDS = 10.0
 
 
 def tls_context(cert: str, key: str, client_ca: str | None) -> ssl.SSLContext:
@@ -136,6 +142,8 @@ class DataChannel:
         self.last_transfer = 0
         self.busy = False
         self.closed = False
+        # when the reaper first found bytes waiting on it with no call (None: not)
+        self.unasked_since: float | None = None
 
     def close(self) -> None:
         self.closed = True
@@ -426,6 +434,7 @@ class ChannelTable:
             else:
                 stale = False
                 ch.busy = True
+                ch.unasked_since = None
                 ch.last_transfer = transfer_id
         if stale:
             ch.close()
@@ -447,7 +456,11 @@ class ChannelTable:
 
     # -- housekeeping --------------------------------------------------------------
     def reap(self) -> None:
-        """Close idle channels whose client hung up (readable at EOF)."""
+        """Close idle channels whose client hung up (readable at EOF), and those
+        holding bytes no call has asked for after ``UNASKED_SECONDS``. (A client
+        sends a push's frame as soon as it has started the gRPC call that names
+        the channel: under load the frame comes first, and the call takes the
+        channel once its handler runs.)"""
         with self._lock:
             idle = {ch.sock: key for key, ch in self._channels.items() if not ch.busy}
         if not idle:
@@ -458,11 +471,18 @@ class ChannelTable:
                 with contextlib.suppress(ValueError, OSError):  # closed meanwhile
                     sel.register(sock, selectors.EVENT_READ, sock)
             readable: list[socket.socket] = [key.data for key, _ in sel.select(0)]
-        for sock in readable:  # EOF, or bytes no call asked for: close it
+        now = time.monotonic()
+        for sock in readable:
+            hung_up = _at_eof(sock)
             with self._lock:
                 ch = self._channels.get(idle[sock])
                 if ch is None or ch.busy or ch.sock is not sock:
                     continue
+                if not hung_up:  # a frame whose call has not come yet, or junk
+                    if ch.unasked_since is None:
+                        ch.unasked_since = now
+                    if now - ch.unasked_since < UNASKED_SECONDS:
+                        continue
                 del self._channels[idle[sock]]
             ch.close()
 
@@ -642,6 +662,17 @@ def _recv_all(sock: socket.socket, n: int, deadline: float) -> bytes | None:
             raise ConnectionError("the peer closed the connection mid-handshake")
         buf += part
     return bytes(buf)
+
+
+def _at_eof(sock: socket.socket) -> bool:
+    """Whether readable ``sock``'s peer hung up (no byte waiting: its EOF, or an
+    error), read without taking a byte (on a TLS socket: of the TCP stream)."""
+    try:
+        return not socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def _refuse(sock: socket.socket, why: str) -> None:

@@ -304,7 +304,7 @@ def test_a_data_channel_frame_that_never_comes_ends_its_call(tmp_path: Path) -> 
         with grpc.insecure_channel(address) as ch:
             push = multicallable(ch, "Push")
             calls = []
-            for i in range(16):
+            for i in range(64):
                 sock, cid = _raw_channel(address)
                 socks.append(sock)
                 calls.append(
@@ -335,6 +335,43 @@ def test_a_data_channel_frame_that_never_comes_ends_its_call(tmp_path: Path) -> 
         ) as c:
             assert c.describe_group("g").update_count == 0  # nothing applied
             assert c.push("g", x) == 1
+    finally:
+        for s in socks:
+            s.close()
+        stop(proc)
+
+
+def test_a_frame_that_comes_before_its_call_is_not_reaped(tmp_path: Path) -> None:
+    """A client sends a push's frame as soon as it started the gRPC call naming
+    the channel; under load the frame is there seconds before the call's handler
+    runs. The reaper (a round a second) used to close such a channel as holding
+    "bytes no call asked for", and the push failed FAILED_PRECONDITION
+    (DATA_CHANNEL_UNKNOWN; the client then resent it over gRPC): seen under CI's
+    load. Now such bytes wait for their call; bytes no call ever asks for close
+    the channel after ``UNASKED_SECONDS`` (10 s)."""
+    from onnxps.server.transports._datachannel import UNASKED_SECONDS
+
+    proc, address = _serve(tmp_path, "--data-port", "0")
+    socks = []
+    try:
+        _create(address)
+        x = np.full((8, 4), 0.5, np.float32)
+        sock, cid = _raw_channel(address)
+        junk, _ = _raw_channel(address)
+        socks += [sock, junk]
+        sock.sendall(struct.pack("<QQ", 1, x.nbytes) + x.tobytes())  # the frame first
+        junk.sendall(b"no call will ever ask for these")
+        time.sleep(2.5)  # two rounds of the reaper at least
+        with grpc.insecure_channel(address) as ch:
+            reply = multicallable(ch, "Push")(
+                _channel_push(cid, x, 1), timeout=10, metadata=_md("write")
+            )
+        assert reply.update_count == 1 and reply.applied
+        junk.settimeout(UNASKED_SECONDS + 5)
+        started = time.monotonic()
+        assert junk.recv(1) == b""  # closed by the server, after its grace
+        waited = time.monotonic() - started + 2.5
+        assert UNASKED_SECONDS - 1 <= waited <= UNASKED_SECONDS + 5
     finally:
         for s in socks:
             s.close()
