@@ -31,7 +31,7 @@ from onnxps.v1 import parameter_server_pb2 as pb
 from onnxps.wire import frames
 from onnxps.wire.codec import EncodedMessage, rpc_messages
 from onnxps.wire.frames import CALL_MAGIC, FRAME_MAX_REQUEST_BYTES, close_socket
-from onnxps.wire.replies import first_tensor_offset, parse_tensor_reply
+from onnxps.wire.replies import first_tensor_offset, reply_parser
 
 from ._datachannel import ChannelBroken, ChannelRefused, connect
 from ._errors import RpcError
@@ -57,21 +57,9 @@ FRAME_METHODS = frames.METHOD_NUMBERS
 # frame's bytes with the tensors' bytes left where they were received
 # (``onnxps.wire.replies``), the frame received so that the first one is aligned
 _TENSOR_FIELDS = {"Push": "values", "Pull": "tensors"}
-_IN_PLACE_BYTES = 64 << 10  # smaller replies: protobuf's parse (its copies cost less)
-
-
-def _reply_parser(method: str) -> Callable[[memoryview], Any]:
-    message, field = rpc_messages(method)[1], _TENSOR_FIELDS[method]
-
-    def parse(body: memoryview) -> Any:
-        if len(body) <= _IN_PLACE_BYTES:
-            return message.FromString(body)
-        return parse_tensor_reply(message, field, body)
-
-    return parse
-
-
-_REPLIES = {m: _reply_parser(m) for m in FRAME_METHODS}
+_REPLIES = {
+    m: reply_parser(rpc_messages(m)[1], _TENSOR_FIELDS[m]) for m in FRAME_METHODS
+}
 _LOCATE: dict[str, Callable[[bytes], int | None]] = {
     m: functools.partial(first_tensor_offset, rpc_messages(m)[1], _TENSOR_FIELDS[m])
     for m in FRAME_METHODS

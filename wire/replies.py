@@ -19,7 +19,7 @@ reply parsed by protobuf would fail.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,9 +37,11 @@ from .codec import (
 from .encoding import widen_into
 
 __all__ = [
+    "IN_PLACE_BYTES",
     "TensorReply",
     "first_tensor_offset",
     "parse_tensor_reply",
+    "reply_parser",
     "tensor_arrays",
     "tensor_views",
 ]
@@ -204,6 +206,22 @@ def parse_tensor_reply(
         pos = at = body + size
     parts.append(buf[at:end])
     return TensorReply(message.FromString(b"".join(parts)), field, buf, spans)
+
+
+IN_PLACE_BYTES = 64 << 10  # smaller replies: protobuf's parse (its copies cost less)
+
+
+def reply_parser(message: Any, field: str) -> Callable[[Any], Any]:
+    """Reply class ``message``'s parser: a reply over ``IN_PLACE_BYTES`` read with
+    its ``field`` tensors in place (``parse_tensor_reply``), a smaller one by
+    protobuf (walking it in Python would cost more than its copies)."""
+
+    def parse(data: Any) -> Any:
+        if len(data) <= IN_PLACE_BYTES:
+            return message.FromString(data)
+        return parse_tensor_reply(message, field, data)
+
+    return parse
 
 
 def first_tensor_offset(message: Any, field: str, prefix: Sequence[int]) -> int | None:
