@@ -52,6 +52,7 @@ __all__ = [
     "TensorAssembler",
     "TensorFormatError",
     "array_to_tensor",
+    "check_carried",
     "chunk_frames",
     "chunk_messages",
     "declared_nbytes",
@@ -400,14 +401,22 @@ def _raw_data(
     """The tensor's bytes (the field read once: each read copies), checked
     against its header."""
     raw = t.raw_data
+    check_carried(t, dtype, dims, len(raw), what)
+    return raw
+
+
+def check_carried(
+    t: pb.Tensor, dtype: np.dtype[Any], dims: tuple[int, ...], size: int, what: str
+) -> None:
+    """Refuse a tensor whose bytes (``size`` of them) are not what its header
+    declares."""
     expected = math.prod(dims) * _wire_itemsize(t, dtype)
-    if len(raw) != expected:
+    if size != expected:
         encoding = f" encoded as {ENCODING_NAMES[t.encoding]}" if t.encoding else ""
         raise TensorFormatError(
             f"{what} declares {dtype.name} dims {list(dims)}{encoding}, which is "
-            f"{expected} bytes, but carries {len(raw)} bytes"
+            f"{expected} bytes, but carries {size} bytes"
         )
-    return raw
 
 
 def _own_array(t: pb.Tensor, encoded: bool) -> Array:

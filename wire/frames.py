@@ -110,13 +110,18 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray | None:
     copy after: a call's or reply's bytes are parsed from it), or None when the
     peer closed first (a timeout or a broken socket raises ``OSError``)."""
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
+    return buf if _fill(sock, memoryview(buf), 0) else None
+
+
+def _fill(sock: socket.socket, view: memoryview, got: int) -> bool:
+    """Receive into ``view`` from byte ``got`` to its end; False when the peer
+    closed first."""
+    while got < len(view):
         k = sock.recv_into(view[got:])
         if not k:
-            return None
+            return False
         got += k
-    return buf
+    return True
 
 
 def close_socket(sock: socket.socket) -> None:
@@ -302,13 +307,7 @@ def _recv_aligned(
     buffers.handed_out(store, part)
     payload = memoryview(part)  # type: ignore[arg-type]
     payload[:_LOCATE_BYTES] = first
-    view, got = payload, _LOCATE_BYTES
-    while got < size:
-        k = sock.recv_into(view[got:])
-        if not k:
-            return None
-        got += k
-    return payload
+    return payload if _fill(sock, payload, _LOCATE_BYTES) else None
 
 
 def _status(payload: bytes) -> tuple[str, Trailing]:

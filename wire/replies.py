@@ -18,18 +18,16 @@ reply parsed by protobuf would fail.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from .codec import (
-    ENCODING_NAMES,
     TensorFormatError,
     _read_varint,
     _varint,
-    _wire_itemsize,
+    check_carried,
     tensor_spec,
     tensor_to_array,
     tensors_to_arrays,
@@ -75,15 +73,7 @@ class TensorReply:
         for t, span in zip(getattr(self.message, self.field), self.spans, strict=True):
             dtype, dims = tensor_spec(t, t.name, encoded=encoded)
             offset, size = span or (0, 0)
-            expected = math.prod(dims) * _wire_itemsize(t, dtype)
-            if size != expected:
-                encoding = (
-                    f" encoded as {ENCODING_NAMES[t.encoding]}" if t.encoding else ""
-                )
-                raise TensorFormatError(
-                    f"{t.name} declares {dtype.name} dims {list(dims)}{encoding}, "
-                    f"which is {expected} bytes, but carries {size} bytes"
-                )
+            check_carried(t, dtype, dims, size, t.name)
             raw = self.buffer[offset : offset + size]
             if t.encoding:
                 a = np.empty(dims, dtype)
@@ -127,26 +117,43 @@ def tensor_views(msg: Any, field: str) -> list[Array]:
     return [tensor_to_array(t, t.name) for t in getattr(msg, field)]
 
 
-def _skip(buf: memoryview, pos: int, end: int, wire_type: int) -> int:
-    """The position after a field's value of ``wire_type`` at ``pos``."""
-    if wire_type == 0:
-        value, pos = _read_varint(buf, pos, end)
-        if value < 0:
-            raise _bad("a truncated varint")
-    elif wire_type == 1:
-        pos += 8
-    elif wire_type == 2:
-        size, pos = _read_varint(buf, pos, end)
-        if size < 0:
-            raise _bad("a truncated length")
-        pos += size
-    elif wire_type == 5:
-        pos += 4
-    else:
-        raise _bad(f"wire type {wire_type}")
-    if pos > end:
-        raise _bad("a field running past its message")
-    return pos
+def _fields(
+    buf: memoryview, start: int, end: int, *, partial: bool = False
+) -> Iterator[tuple[int, int, int, int]]:
+    """Each field of the message at ``buf[start:end]``: (key, where the field
+    starts, where its value starts, where it ends; a length-delimited value is
+    its bytes). ``partial``: the bytes are a message's beginning, so a
+    length-delimited field may run past ``end`` (it ends the walk, cut at
+    ``end``). Anything else that does not fit raises ``TensorFormatError``."""
+    pos = start
+    while pos < end:
+        key, after = _read_varint(buf, pos, end)
+        if key < 0:
+            raise _bad("a truncated key")
+        wire_type = key & 7
+        value_at = after
+        if wire_type == 2:
+            size, body = _read_varint(buf, after, end)
+            if size < 0:
+                raise _bad("a truncated length")
+            if body + size > end:
+                if not partial:
+                    raise _bad("a field running past its message")
+                yield key, pos, body, end
+                return
+            value_at, stop = body, body + size
+        elif wire_type == 0:
+            value, stop = _read_varint(buf, after, end)
+            if value < 0:
+                raise _bad("a truncated varint")
+        elif wire_type in (1, 5):
+            stop = after + (8 if wire_type == 1 else 4)
+            if stop > end:
+                raise _bad("a field running past its message")
+        else:
+            raise _bad(f"wire type {wire_type}")
+        yield key, pos, value_at, stop
+        pos = stop
 
 
 def _bad(what: str) -> TensorFormatError:
@@ -160,20 +167,12 @@ def _tensor_without_bytes(
     counts, as protobuf reads a repeated singular field), and where that was."""
     kept: list[Any] = []
     span: Span | None = None
-    pos = at = start
-    while pos < end:
-        key, after = _read_varint(buf, pos, end)
-        if key < 0:
-            raise _bad("a truncated key")
+    at = start
+    for key, field_at, value_at, stop in _fields(buf, start, end):
         if key == _RAW_DATA:
-            size, body = _read_varint(buf, after, end)
-            if size < 0 or body + size > end:
-                raise _bad("raw_data running past its tensor")
-            kept.append(buf[at:pos])
-            span = (body, size)
-            pos = at = body + size
-        else:
-            pos = _skip(buf, after, end, key & 7)
+            kept.append(buf[at:field_at])
+            span = (value_at, stop - value_at)
+            at = stop
     kept.append(buf[at:end])
     return b"".join(kept), span
 
@@ -184,28 +183,24 @@ def parse_tensor_reply(
     """Reply ``data`` (wire bytes of protobuf class ``message``) parsed with its
     repeated Tensor field ``field`` left in place (``TensorReply``)."""
     buf = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
-    number = message.DESCRIPTOR.fields_by_name[field].number
-    wanted = (number << 3) | 2
+    wanted = _tensor_key(message, field)
     parts: list[Any] = []
     spans: list[Span | None] = []
-    end = len(buf)
-    pos = at = 0
-    while pos < end:
-        key, after = _read_varint(buf, pos, end)
-        if key < 0:
-            raise _bad("a truncated key")
-        if key != wanted:
-            pos = _skip(buf, after, end, key & 7)
-            continue
-        size, body = _read_varint(buf, after, end)
-        if size < 0 or body + size > end:
-            raise _bad("a tensor running past the reply")
-        inner, span = _tensor_without_bytes(buf, body, body + size)
-        parts += [buf[at:pos], _varint(wanted), _varint(len(inner)), inner]
-        spans.append(span)
-        pos = at = body + size
-    parts.append(buf[at:end])
+    at = 0
+    for key, field_at, value_at, stop in _fields(buf, 0, len(buf)):
+        if key == wanted:
+            inner, span = _tensor_without_bytes(buf, value_at, stop)
+            parts += [buf[at:field_at], _varint(wanted), _varint(len(inner)), inner]
+            spans.append(span)
+            at = stop
+    parts.append(buf[at:])
     return TensorReply(message.FromString(b"".join(parts)), field, buf, spans)
+
+
+def _tensor_key(message: Any, field: str) -> int:
+    """The key (tag) of repeated Tensor field ``field`` of class ``message``."""
+    number: int = message.DESCRIPTOR.fields_by_name[field].number
+    return (number << 3) | 2
 
 
 IN_PLACE_BYTES = 64 << 10  # smaller replies: protobuf's parse (its copies cost less)
@@ -228,31 +223,14 @@ def first_tensor_offset(message: Any, field: str, prefix: Sequence[int]) -> int 
     """Where the bytes of the first ``field`` tensor start in a reply beginning
     with ``prefix``, or None when ``prefix`` does not reach them."""
     buf = memoryview(bytes(prefix))
-    number = message.DESCRIPTOR.fields_by_name[field].number
-    wanted = (number << 3) | 2
-    end = len(buf)
-    pos = 0
+    wanted = _tensor_key(message, field)
     try:
-        while pos < end:
-            key, pos = _read_varint(buf, pos, end)
-            if key < 0:
+        for key, _, value_at, stop in _fields(buf, 0, len(buf), partial=True):
+            if key == wanted:
+                for inner, _, data_at, _ in _fields(buf, value_at, stop, partial=True):
+                    if inner == _RAW_DATA:
+                        return data_at
                 return None
-            if key != wanted:
-                pos = _skip(buf, pos, end, key & 7)
-                continue
-            size, pos = _read_varint(buf, pos, end)
-            if size < 0:
-                return None
-            stop = pos + size
-            while pos < min(stop, end):
-                key, pos = _read_varint(buf, pos, end)
-                if key == _RAW_DATA:
-                    size, pos = _read_varint(buf, pos, end)
-                    return pos if size >= 0 and pos <= end else None
-                if key < 0:
-                    return None
-                pos = _skip(buf, pos, end, key & 7)
-            return None
     except TensorFormatError:  # the prefix ends mid-field
         return None
     return None
